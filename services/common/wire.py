@@ -1,0 +1,189 @@
+"""Wire format of rollout batches: protobuf with raw little-endian arrays, plus a checksum.
+
+Arrays travel as `TensorData` (dtype, shape, bytes) — packed, zero-parse on decode (np.frombuffer) and
+never pickled. `decode_batch` validates every length relation so a malformed entry fails loudly at the
+consumer instead of training on garbage.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from services.common.gen.tandem.v1 import common_pb2
+
+
+class WireError(ValueError):
+    """A batch or tensor payload that cannot be decoded or is inconsistent."""
+
+
+FINISH_REASONS = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+                  "abort": common_pb2.FINISH_REASON_ABORT}
+_FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+
+_NP_DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "uint8": np.uint8,
+              "float64": np.float64, "int8": np.int8, "float16": np.float16, "bool": np.bool_}
+
+
+def array_to_proto(array: np.ndarray) -> common_pb2.TensorData:
+    array = np.ascontiguousarray(array)
+    name = array.dtype.name
+    if name not in _NP_DTYPES:
+        raise WireError(f"dtype {name} cannot be sent as TensorData")
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return common_pb2.TensorData(dtype=name, shape=list(array.shape), data=array.tobytes())
+
+
+def array_from_proto(tensor: common_pb2.TensorData, *, what: str = "tensor") -> np.ndarray:
+    dtype = _NP_DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise WireError(f"{what}: unknown dtype {tensor.dtype!r}")
+    shape = tuple(tensor.shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"{what}: negative dimension in shape {shape}")
+    expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if expected != len(tensor.data):
+        raise WireError(f"{what}: shape {shape} of {tensor.dtype} needs {expected} bytes, got {len(tensor.data)}")
+    return np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+
+
+def payload_checksum(payload: bytes | memoryview) -> str:
+    return f"crc32:{zlib.crc32(payload):08x}"
+
+
+@dataclass(frozen=True)
+class RolloutBatchData:
+    """One rollout step's samples, flattened. Response-token arrays are concatenated over samples."""
+
+    rollout_id: int
+    policy_version: int
+    tokens: np.ndarray               # int32, prompt+response of every sample, concatenated
+    prompt_lengths: np.ndarray       # int32 [n]
+    response_lengths: np.ndarray     # int32 [n]
+    loss_mask: np.ndarray            # uint8 [sum(response_lengths)]
+    rollout_log_probs: np.ndarray    # float32 [sum(response_lengths)]
+    rewards: np.ndarray              # float32 [n]
+    group_ids: np.ndarray            # int64 [n]
+    sample_versions: np.ndarray      # int64 [n]
+    finish_reasons: tuple[str, ...]  # "stop" | "length" | "abort"
+    labels: tuple[str, ...] = ()
+    metadata: dict[str, str] = field(default_factory=dict)
+    producer: str = ""
+    created_unix_ns: int = 0
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.prompt_lengths.shape[0])
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_lengths.sum())
+
+    def validate(self) -> None:
+        n = self.num_samples
+        per_sample = {"response_lengths": self.response_lengths, "rewards": self.rewards,
+                      "group_ids": self.group_ids, "sample_versions": self.sample_versions}
+        for name, arr in per_sample.items():
+            if arr.ndim != 1 or arr.shape[0] != n:
+                raise WireError(f"batch {self.rollout_id}: {name} has shape {arr.shape}, expected ({n},)")
+        if len(self.finish_reasons) != n:
+            raise WireError(f"batch {self.rollout_id}: {len(self.finish_reasons)} finish reasons for {n} samples")
+        if self.labels and len(self.labels) != n:
+            raise WireError(f"batch {self.rollout_id}: {len(self.labels)} labels for {n} samples")
+        if (self.prompt_lengths < 0).any() or (self.response_lengths < 0).any():
+            raise WireError(f"batch {self.rollout_id}: negative prompt or response length")
+        total = int(self.prompt_lengths.sum()) + int(self.response_lengths.sum())
+        if self.tokens.ndim != 1 or self.tokens.shape[0] != total:
+            raise WireError(f"batch {self.rollout_id}: {self.tokens.shape[0]} tokens, lengths sum to {total}")
+        n_resp = int(self.response_lengths.sum())
+        for name in ("loss_mask", "rollout_log_probs"):
+            arr = getattr(self, name)
+            if arr.ndim != 1 or arr.shape[0] != n_resp:
+                raise WireError(f"batch {self.rollout_id}: {name} has {arr.shape[0]} entries, "
+                                f"expected {n_resp} (one per response token)")
+        if not np.isfinite(self.rewards).all():
+            raise WireError(f"batch {self.rollout_id}: rewards contain NaN or inf")
+
+    def sample_slices(self) -> list[tuple[slice, slice, slice]]:
+        """Per sample: (prompt slice of tokens, response slice of tokens, slice of response-token arrays)."""
+        out, tok, resp = [], 0, 0
+        for p, r in zip(self.prompt_lengths.tolist(), self.response_lengths.tolist()):
+            out.append((slice(tok, tok + p), slice(tok + p, tok + p + r), slice(resp, resp + r)))
+            tok += p + r
+            resp += r
+        return out
+
+
+def encode_batch(batch: RolloutBatchData) -> bytes:
+    batch.validate()
+    msg = common_pb2.RolloutBatch(
+        rollout_id=batch.rollout_id, policy_version=batch.policy_version, num_samples=batch.num_samples,
+        tokens=array_to_proto(batch.tokens.astype(np.int32, copy=False)),
+        prompt_lengths=array_to_proto(batch.prompt_lengths.astype(np.int32, copy=False)),
+        response_lengths=array_to_proto(batch.response_lengths.astype(np.int32, copy=False)),
+        loss_mask=array_to_proto(batch.loss_mask.astype(np.uint8, copy=False)),
+        rollout_log_probs=array_to_proto(batch.rollout_log_probs.astype(np.float32, copy=False)),
+        rewards=array_to_proto(batch.rewards.astype(np.float32, copy=False)),
+        group_ids=array_to_proto(batch.group_ids.astype(np.int64, copy=False)),
+        sample_versions=array_to_proto(batch.sample_versions.astype(np.int64, copy=False)),
+        finish_reasons=[FINISH_REASONS[r] for r in batch.finish_reasons],
+        metadata=batch.metadata, created_unix_ns=batch.created_unix_ns or time.time_ns(),
+        producer=batch.producer, labels=list(batch.labels))
+    return msg.SerializeToString()
+
+
+def decode_batch(payload: bytes) -> RolloutBatchData:
+    msg = common_pb2.RolloutBatch()
+    try:
+        msg.ParseFromString(payload)
+    except DecodeError as exc:
+        raise WireError(f"rollout batch is not a valid protobuf message: {exc}") from None
+    try:
+        reasons = tuple(_FINISH_NAMES[r] for r in msg.finish_reasons)
+    except KeyError as exc:
+        raise WireError(f"batch {msg.rollout_id}: unknown finish reason {exc}") from None
+
+    def arr(name: str) -> np.ndarray:
+        return array_from_proto(getattr(msg, name), what=f"batch {msg.rollout_id} {name}")
+
+    batch = RolloutBatchData(
+        rollout_id=msg.rollout_id, policy_version=msg.policy_version, tokens=arr("tokens"),
+        prompt_lengths=arr("prompt_lengths"), response_lengths=arr("response_lengths"),
+        loss_mask=arr("loss_mask"), rollout_log_probs=arr("rollout_log_probs"), rewards=arr("rewards"),
+        group_ids=arr("group_ids"), sample_versions=arr("sample_versions"), finish_reasons=reasons,
+        labels=tuple(msg.labels), metadata=dict(msg.metadata), producer=msg.producer,
+        created_unix_ns=msg.created_unix_ns)
+    if msg.num_samples != batch.num_samples:
+        raise WireError(f"batch {msg.rollout_id}: header says {msg.num_samples} samples, arrays hold "
+                        f"{batch.num_samples}")
+    batch.validate()
+    return batch
+
+
+def build_batch(*, rollout_id: int, policy_version: int, prompts: list[list[int]], responses: list[list[int]],
+                log_probs: list[list[float]], rewards: list[float], group_ids: list[int],
+                finish_reasons: list[str], sample_versions: list[int] | None = None,
+                loss_masks: list[list[int]] | None = None, labels: list[str] | None = None,
+                metadata: dict[str, str] | None = None, producer: str = "") -> RolloutBatchData:
+    """Builds a batch from per-sample lists (what an engine naturally produces)."""
+    n = len(prompts)
+    if not (len(responses) == len(log_probs) == len(rewards) == len(group_ids) == len(finish_reasons) == n):
+        raise WireError("build_batch: per-sample lists differ in length")
+    tokens = np.fromiter((t for p, r in zip(prompts, responses) for t in (*p, *r)), dtype=np.int32)
+    masks = loss_masks or [[1] * len(r) for r in responses]
+    return RolloutBatchData(
+        rollout_id=rollout_id, policy_version=policy_version, tokens=tokens,
+        prompt_lengths=np.array([len(p) for p in prompts], dtype=np.int32),
+        response_lengths=np.array([len(r) for r in responses], dtype=np.int32),
+        loss_mask=np.fromiter((m for ms in masks for m in ms), dtype=np.uint8),
+        rollout_log_probs=np.fromiter((x for lp in log_probs for x in lp), dtype=np.float32),
+        rewards=np.asarray(rewards, dtype=np.float32), group_ids=np.asarray(group_ids, dtype=np.int64),
+        sample_versions=np.asarray(sample_versions if sample_versions is not None else [policy_version] * n,
+                                   dtype=np.int64),
+        finish_reasons=tuple(finish_reasons), labels=tuple(labels or ()), metadata=dict(metadata or {}),
+        producer=producer, created_unix_ns=time.time_ns())
