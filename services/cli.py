@@ -1,0 +1,117 @@
+"""The `tandem` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from services.common.config import ConfigError, TandemConfig, load_config
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML run configuration")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set trainer.lr=3e-4 (repeatable)")
+    p.add_argument("--run-dir", type=Path, default=None, help="run directory (default runs/<run_name>)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Asynchronous RL post-training for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run all services and an embedded redis-server locally")
+    _add_config_args(p)
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+
+    p = sub.add_parser("coordinator", help="run the coordinator service alone")
+    _add_config_args(p)
+
+    p = sub.add_parser("trainer", help="run one trainer service (all ranks of it under torchrun/deepspeed)")
+    _add_config_args(p)
+    p.add_argument("--role", choices=["actor", "critic"], default="actor")
+
+    p = sub.add_parser("rollout", help="run one rollout service replica")
+    _add_config_args(p)
+    p.add_argument("--replica", type=int, default=0, help="index into services.rollout")
+
+    p = sub.add_parser("ctl", help="control a running coordinator")
+    p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    p.add_argument("--token", default=None, help="bearer token (services.auth_token)")
+    p.add_argument("--tls-ca", default=None, help="CA certificate for TLS")
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("action", choices=["status", "save", "eval", "pause", "resume", "stop", "watch"])
+
+    p = sub.add_parser("init-model", help="build a random-init HF model and tokenizer locally (no download)")
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--preset", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--arch", choices=["qwen2", "llama"], default="llama")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("plot", help="reward / throughput curves of a run as PNG")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--out", type=Path, default=None)
+    return parser
+
+
+def _load(args: argparse.Namespace) -> TandemConfig:
+    return load_config(args.config, args.overrides)
+
+
+def _run_dir(args: argparse.Namespace, config: TandemConfig) -> Path:
+    return (args.run_dir or Path("runs") / config.run_name).resolve()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "init-model":
+        from services.rollout.model_init import init_model
+
+        path = init_model(args.out_dir, preset=args.preset, arch=args.arch, seed=args.seed)
+        print(f"wrote random-init {args.preset} {args.arch} model and tokenizer to {path}")
+        return 0
+    if args.command == "ctl":
+        from services.coordinator.ctl import run_ctl
+
+        return run_ctl(addr=args.addr, action=args.action, token=args.token, tls_ca=args.tls_ca,
+                       timeout_s=args.timeout)
+    if args.command == "plot":
+        from services.coordinator.plot import plot_run
+
+        for path in plot_run(args.run_dir, out=args.out):
+            print(f"wrote {path}")
+        return 0
+    config = _load(args)
+    run_dir = _run_dir(args, config)
+    if args.command == "run":
+        from services.coordinator.supervisor import run_local
+
+        return run_local(config, run_dir=run_dir, config_path=Path(args.config), overrides=args.overrides,
+                         progress=not args.no_progress)
+    if args.command == "coordinator":
+        from services.coordinator.server import main as coordinator_main
+
+        return coordinator_main(config, run_dir=run_dir)
+    if args.command == "trainer":
+        from services.trainer.server import main as trainer_main
+
+        return trainer_main(config, run_dir=run_dir, role=args.role)
+    if args.command == "rollout":
+        from services.rollout.server import main as rollout_main
+
+        return rollout_main(config, run_dir=run_dir, replica=args.replica)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
