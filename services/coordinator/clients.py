@@ -1,0 +1,171 @@
+"""Clients the coordinator uses to drive trainers and rollout replicas: deadlines on every call, retries
+of a replica's share of prompts on another replica when one fails."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.config import ServiceAddress, ServicesConfig
+from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.common.grpc_util import open_channel, wait_healthy
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
+             grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
+
+
+class ServiceCallError(RuntimeError):
+    """A call to a service failed; the message names the service, the call and the status."""
+
+
+def describe_rpc_error(service: str, call: str, exc: grpc.RpcError) -> str:
+    return f"{service} {call} failed: {exc.code().name}: {exc.details()}"
+
+
+@dataclass
+class ServiceClient:
+    name: str
+    target: str
+    services: ServicesConfig
+    channel: grpc.Channel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.channel = open_channel(self.target, max_message_mb=self.services.max_message_mb,
+                                    tls_ca=self.services.tls_ca, auth_token=self.services.auth_token)
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        wait_healthy(self.target, timeout_s=timeout_s, tls_ca=self.services.tls_ca)
+
+    def call(self, method, request, *, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
+        try:
+            return method(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise ServiceCallError(describe_rpc_error(self.name, what, exc)) from exc
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class TrainerClient(ServiceClient):
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
+
+    def train(self, request: trainer_pb2.TrainRequest, *, timeout_s: float) -> trainer_pb2.TrainResponse:
+        # Train is idempotent per rollout_id, so a lost reply can be retried safely.
+        for attempt in range(3):
+            try:
+                return self.stub.Train(request, timeout=timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == 2:
+                    raise ServiceCallError(describe_rpc_error(self.name, f"Train({request.rollout_id})", exc)) from exc
+                time.sleep(1.0 + attempt)
+        raise AssertionError("unreachable")
+
+
+class RolloutClient(ServiceClient):
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    rollout_id: int
+    entry_ids: tuple[str, ...]
+    responses: tuple[rollout_pb2.GenerateResponse, ...]
+    seconds: float
+    prompt_indices: tuple[int, ...] = ()
+
+
+def split_evenly(n: int, parts: int) -> list[range]:
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return [r for r in out if len(r)]
+
+
+class RolloutPool:
+    """All rollout replicas of a run. A step's prompts are split among them; a replica that fails has its
+    share retried on the next replica (up to max_retries times)."""
+
+    def __init__(self, clients: list[RolloutClient], *, max_retries: int, timeout_s: float):
+        self.clients = clients
+        self.max_retries = max_retries
+        self.timeout_s = timeout_s
+        self.executor = ThreadPoolExecutor(max_workers=max(4, 2 * len(clients)), thread_name_prefix="rollout")
+
+    def generate_async(self, *, rollout_id: int, prompts: list[common_pb2.Prompt], n_samples: int,
+                       trace_context: dict[str, str]) -> Future[GenerationResult]:
+        return self.executor.submit(self.generate, rollout_id=rollout_id, prompts=prompts, n_samples=n_samples,
+                                    trace_context=trace_context)
+
+    def generate(self, *, rollout_id: int, prompts: list[common_pb2.Prompt], n_samples: int,
+                 trace_context: dict[str, str]) -> GenerationResult:
+        start = time.monotonic()
+        shares = split_evenly(len(prompts), len(self.clients))
+        futures = [self.executor.submit(self._generate_share, replica=i, rollout_id=rollout_id,
+                                        prompts=[prompts[j] for j in share], n_samples=n_samples,
+                                        trace_context=trace_context)
+                   for i, share in enumerate(shares)]
+        responses = tuple(f.result() for f in futures)
+        return GenerationResult(rollout_id=rollout_id, entry_ids=tuple(r.entry_id for r in responses),
+                                responses=responses, seconds=time.monotonic() - start)
+
+    def _generate_share(self, *, replica: int, rollout_id: int, prompts: list[common_pb2.Prompt], n_samples: int,
+                        trace_context: dict[str, str]) -> rollout_pb2.GenerateResponse:
+        request = rollout_pb2.GenerateRequest(rollout_id=rollout_id, prompts=prompts, n_samples_per_prompt=n_samples,
+                                              trace_context=trace_context)
+        errors = []
+        for attempt in range(self.max_retries + 1):
+            client = self.clients[(replica + attempt) % len(self.clients)]
+            try:
+                return client.stub.Generate(request, timeout=self.timeout_s)
+            except grpc.RpcError as exc:
+                errors.append(describe_rpc_error(client.name, f"Generate({rollout_id})", exc))
+                if exc.code() not in RETRYABLE:
+                    break
+                log.warning("%s; retrying on another replica", errors[-1])
+                time.sleep(min(0.5 * (attempt + 1), 2.0))
+        raise ServiceCallError("; ".join(errors))
+
+    def broadcast(self, method_name: str, request, *, timeout_s: float) -> list:  # type: ignore[no-untyped-def]
+        """Calls one RPC on every replica concurrently; raises on the first failure."""
+        futures = [self.executor.submit(c.call, getattr(c.stub, method_name), request, timeout_s=timeout_s,
+                                        what=method_name) for c in self.clients]
+        return [f.result() for f in futures]
+
+    def broadcast_each(self, method_name: str, requests: list, *, timeout_s: float) -> list:  # type: ignore[type-arg]
+        """Calls one RPC on every replica concurrently, replica i with requests[i]."""
+        futures = [self.executor.submit(c.call, getattr(c.stub, method_name), r, timeout_s=timeout_s,
+                                        what=method_name) for c, r in zip(self.clients, requests)]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        for c in self.clients:
+            c.close()
+
+
+def make_clients(services: ServicesConfig, *, uses_critic: bool) -> tuple[TrainerClient, TrainerClient | None,
+                                                                          list[RolloutClient]]:
+    def target(addr: ServiceAddress) -> str:
+        if addr.port == 0:
+            raise ValueError(f"service address {addr.host}:0 has no port: set it in services.* "
+                             "(tandem run picks free ports itself)")
+        return addr.target
+
+    actor = TrainerClient(name="trainer", target=target(services.trainer), services=services)
+    critic = TrainerClient(name="critic", target=target(services.critic), services=services) if uses_critic else None
+    rollouts = [RolloutClient(name=f"rollout[{i}]", target=target(a), services=services)
+                for i, a in enumerate(services.rollout)]
+    return actor, critic, rollouts

@@ -1,0 +1,377 @@
+"""The run loop (reference semantics: miles' `train_async.py`, one step off-policy).
+
+    start up: wait for services, load the latest checkpoint, push weights (version v), eval before training
+    for rollout_id in range(start, num_rollout):
+        batch = the generation in flight for rollout_id;  start generating rollout_id + 1
+        train (PPO: critic first, then the actor once past num_critic_only_steps)
+        save when due;  every update_weights_interval steps: wait for generation, then sync weights
+        eval when due (asynchronously), drained at the end
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from services.common.config import TandemConfig
+from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
+from services.common.tracing import inject_context, span
+from services.coordinator.clients import GenerationResult, RolloutPool, TrainerClient
+from services.coordinator.control import Control
+from services.coordinator.data import DataCursor, DataSource, load_prompts
+from services.coordinator.metrics import EventLog, Tracker
+from services.coordinator.state import GeneratedBatch, RunState
+from services.coordinator.stepmetrics import generation_metrics, prefixed, weighted_mean
+from services.coordinator.sync import WeightSync
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator:
+    def __init__(self, *, config: TandemConfig, run_dir: Path, trainer: TrainerClient, critic: TrainerClient | None,
+                 pool: RolloutPool, trackers: list[Tracker], events: EventLog | None = None,
+                 discard_entries=None):  # type: ignore[no-untyped-def]
+        self.config = config
+        self.loop_cfg = config.loop
+        self.run_dir = run_dir
+        self.trainer = trainer
+        self.critic = critic
+        self.pool = pool
+        self.trackers = trackers
+        self.events = events or EventLog()
+        self.control = Control()
+        self.data = DataSource.from_config(config.data, batch_size=config.rollout.rollout_batch_size)
+        self.num_rollout = self.loop_cfg.num_rollout or self.data.num_rollout
+        self.state = RunState()
+        self.sync = WeightSync(trainer=trainer, pool=pool, config=config.weights)
+        self.evals = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval")
+        self.eval_futures: list[Future] = []
+        self.discard_entries = discard_entries  # callable(keep_ids) -> int, drops orphaned buffer entries
+        self.last_metrics: dict[str, float] = {}
+        self.last_checkpoint = ""
+        self.offloaded = False
+        self.status = "starting"
+        self.error = ""
+        self.last_saved_rollout = -1
+        self._start_id = 0
+        self._epoch_ends: set[int] = set()
+        self._evaluated_ids: set[int] = set()
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self._startup()
+            self._start_id = self.state.next_rollout_id
+            self.status = "running"
+            if self.loop_cfg.mode == "fully_async":
+                self._run_fully_async()
+            else:
+                self._run_one_step_off()
+            self._finish()
+            self.status = "finished"
+        except Exception as exc:
+            self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            self.events.emit("state", message=f"failed: {self.error}")
+            raise
+        finally:
+            self.events.emit("state", message=self.status)
+            self.events.close()
+
+    def _run_one_step_off(self) -> None:
+        overlap = self.loop_cfg.mode == "async"
+        start = self.state.next_rollout_id
+        next_gen = self._resume_or_generate(start) if start < self.num_rollout else None
+        for rollout_id in range(start, self.num_rollout):
+            if not self.control.wait_while_paused(self.status_setter):
+                break
+            step_start = time.monotonic()
+            wait_start = time.monotonic()
+            current = next_gen.result()
+            wait_s = time.monotonic() - wait_start
+            next_gen = None
+            if overlap and rollout_id + 1 < self.num_rollout:
+                next_gen = self._start_generation(rollout_id + 1)
+            metrics = self._train_step(rollout_id=rollout_id, gen=current)
+            metrics["perf/rollout_wait_s"] = wait_s
+            if (rollout_id + 1) % self.loop_cfg.update_weights_interval == 0 or not overlap:
+                if next_gen is not None:
+                    next_gen.result()   # never swap weights under a running generation
+                metrics.update(self._sync_weights())
+            if not overlap and rollout_id + 1 < self.num_rollout:
+                next_gen = self._start_generation(rollout_id + 1)
+            self._after_step(rollout_id=rollout_id, metrics=metrics, step_start=step_start, in_flight=next_gen)
+            if self._should_exit(rollout_id):
+                break
+
+    def _run_fully_async(self) -> None:
+        """Generation runs continuously (one call in flight per replica); each step trains the oldest
+        finished batch; samples older than max_staleness are dropped by the trainer and counted."""
+        start = self.state.next_rollout_id
+        in_flight: list[Future] = [self._resume_or_generate(start)] if start < self.num_rollout else []
+        next_gen_id = start + 1
+        for rollout_id in range(start, self.num_rollout):
+            if not self.control.wait_while_paused(self.status_setter):
+                break
+            while len(in_flight) < len(self.pool.clients) + 1 and next_gen_id < self.num_rollout:
+                in_flight.append(self._start_generation(next_gen_id))
+                next_gen_id += 1
+            step_start = time.monotonic()
+            current = in_flight.pop(0).result()
+            metrics = self._train_step(rollout_id=rollout_id, gen=current,
+                                       max_staleness=self.loop_cfg.max_staleness)
+            if (rollout_id + 1) % self.loop_cfg.update_weights_interval == 0:
+                metrics.update(self._sync_weights())
+            self._after_step(rollout_id=rollout_id, metrics=metrics, step_start=step_start,
+                             in_flight=in_flight[0] if in_flight else None, all_in_flight=in_flight)
+            if self._should_exit(rollout_id):
+                break
+
+    def status_setter(self, status: str) -> None:
+        self.status = status
+        self.events.emit("state", message=status)
+
+    # ---- start-up / finish --------------------------------------------------------------------------
+
+    def _startup(self) -> None:
+        timeout = self.loop_cfg.startup_timeout_s
+        for client in [self.trainer, *([self.critic] if self.critic else []), *self.pool.clients]:
+            client.wait_healthy(timeout)
+        self._load_checkpoint()
+        self.events.emit("state", rollout_id=self.state.next_rollout_id,
+                         message=f"starting at rollout {self.state.next_rollout_id} of {self.num_rollout}")
+        metrics = self._sync_weights(bump=False)
+        log.info("initial weights pushed: version %d (%.2fs)", self.state.weight_version,
+                 metrics["perf/weight_sync_time_s"])
+        if (self.loop_cfg.eval_interval and self.state.next_rollout_id == 0
+                and not self.loop_cfg.skip_eval_before_train):
+            self._record_eval(rollout_id=-1, metrics=self.evaluate())
+
+    def _load_checkpoint(self) -> None:
+        reply = self.trainer.call(self.trainer.stub.Load, trainer_pb2.LoadRequest(), timeout_s=self.loop_cfg.step_timeout_s,
+                                  what="Load")
+        if self.critic is not None:
+            self.critic.call(self.critic.stub.Load, trainer_pb2.LoadRequest(), timeout_s=self.loop_cfg.step_timeout_s,
+                             what="Load")
+        if reply.loaded and "coordinator" in reply.extra_state:
+            saved = RunState.from_json(reply.extra_state["coordinator"])
+            # Weights after the checkpoint's step were never pushed under the saved version: bump it.
+            self.state = RunState(next_rollout_id=saved.next_rollout_id, weight_version=saved.weight_version + 1,
+                                  cursor=saved.cursor, pending=saved.pending,
+                                  samples_generated=saved.samples_generated, samples_trained=saved.samples_trained,
+                                  samples_dropped_stale=saved.samples_dropped_stale, history=saved.history)
+            self.last_checkpoint = reply.path
+            log.info("resumed from %s at rollout %d", reply.path, saved.next_rollout_id)
+        self.data.cursor = self.state.cursor
+        if self.discard_entries is not None:
+            keep = [e for p in self.state.pending for e in p.entry_ids]
+            dropped = self.discard_entries(keep)
+            if dropped:
+                log.info("discarded %d buffer entries generated after the last checkpoint", dropped)
+
+    def _finish(self) -> None:
+        stopped = self.control.stop_requested
+        last = self.state.next_rollout_id - 1
+        if last >= 0 and (self.loop_cfg.eval_interval or stopped) and not self._evaluated(last):
+            if self.loop_cfg.eval_interval:
+                self._submit_eval(last)
+        for fut in self.eval_futures:
+            fut.result()
+        if stopped and self.last_saved_rollout != last and last >= 0:
+            self._save(rollout_id=last, in_flight=[])
+        self.events.emit("state", rollout_id=last, message="finished")
+
+    # ---- steps ------------------------------------------------------------------------------------
+
+    def _start_generation(self, rollout_id: int) -> Future:
+        cursor_before = self.data.cursor
+        batch = self.data.next_batch()
+        prompts = [common_pb2.Prompt(text=p.text, label=p.label, group_id=g, metadata=p.metadata)
+                   for p, g in zip(batch.prompts, batch.group_ids)]
+        if batch.epoch_end:
+            self._epoch_ends.add(rollout_id)
+        with span("rl.loop.generate", rollout_id=rollout_id):
+            carrier = inject_context()
+        fut = self.pool.generate_async(rollout_id=rollout_id, prompts=prompts,
+                                       n_samples=self.config.rollout.n_samples_per_prompt, trace_context=carrier)
+        fut.cursor_before, fut.cursor_after = cursor_before, batch.cursor_after  # type: ignore[attr-defined]
+        return fut
+
+    def _resume_or_generate(self, rollout_id: int) -> Future:
+        """After a resume, a generation recorded in the checkpoint is reused instead of regenerated."""
+        for p in self.state.pending:
+            if p.rollout_id == rollout_id:
+                self.data.cursor = p.cursor_after
+                fut = _done(GenerationResult(rollout_id=rollout_id, entry_ids=p.entry_ids, responses=(), seconds=0.0))
+                fut.cursor_before, fut.cursor_after = p.cursor_before, p.cursor_after  # type: ignore[attr-defined]
+                log.info("reusing %d buffered entries of rollout %d from the checkpoint", len(p.entry_ids), rollout_id)
+                return fut
+        return self._start_generation(rollout_id)
+
+    def _train_step(self, *, rollout_id: int, gen: GenerationResult, max_staleness: int = -1) -> dict[str, float]:
+        metrics = generation_metrics(gen, weight_version=self.state.weight_version)
+        timeout = self.loop_cfg.step_timeout_s
+        self._onload()
+        request = trainer_pb2.TrainRequest(rollout_id=rollout_id, entry_ids=list(gen.entry_ids),
+                                           max_staleness=max_staleness, trace_context=inject_context())
+        with span("rl.train", rollout_id=rollout_id, weight_version=self.state.weight_version):
+            t = time.monotonic()
+            if self.critic is not None:
+                critic_reply = self.critic.train(request, timeout_s=timeout)
+                metrics.update(prefixed("critic", critic_reply.metrics))
+            reply = None
+            if self.critic is None or rollout_id >= self.config.algorithm.num_critic_only_steps:
+                request.use_critic_values = self.critic is not None
+                reply = self.trainer.train(request, timeout_s=timeout)
+                metrics.update(prefixed("train", reply.metrics))
+            metrics["perf/train_time_s"] = time.monotonic() - t
+        if self.loop_cfg.offload_train:
+            self._offload()
+        trained = reply.samples_trained if reply is not None else 0
+        dropped = reply.samples_dropped_stale if reply is not None else 0
+        generated = int(metrics.get("rollout/num_samples", 0))
+        self.state = _replace(self.state, next_rollout_id=rollout_id + 1,
+                              samples_generated=self.state.samples_generated + generated,
+                              samples_trained=self.state.samples_trained + trained,
+                              samples_dropped_stale=self.state.samples_dropped_stale + dropped,
+                              pending=tuple(p for p in self.state.pending if p.rollout_id != rollout_id))
+        metrics["rollout/stale_dropped"] = float(dropped)
+        metrics["rollout/stale_dropped_total"] = float(self.state.samples_dropped_stale)
+        return metrics
+
+    def _sync_weights(self, *, bump: bool = True) -> dict[str, float]:
+        self._onload()
+        version = self.state.weight_version + (1 if bump else 0)
+        result = self.sync.run(version=version)
+        self.state = _replace(self.state, weight_version=version)
+        self.events.emit("sync", rollout_id=self.state.next_rollout_id - 1,
+                         metrics={"weight_version": version, "seconds": result.seconds, "gbps": result.gbps})
+        return {"perf/weight_sync_time_s": result.seconds, "perf/weight_sync_gbps": result.gbps,
+                "weights/version": float(version), "weights/bytes": float(result.bytes),
+                "weights/verified_tensors": float(result.verified_tensors)}
+
+    def _after_step(self, *, rollout_id: int, metrics: dict[str, float], step_start: float,
+                    in_flight: Future | None, all_in_flight: list[Future] | None = None) -> None:
+        if self._should_save(rollout_id):
+            t = time.monotonic()
+            self._save(rollout_id=rollout_id, in_flight=all_in_flight if all_in_flight is not None else
+                       ([in_flight] if in_flight is not None else []))
+            metrics["perf/save_time_s"] = time.monotonic() - t
+        if self._eval_due(rollout_id):
+            self._submit_eval(rollout_id)
+        metrics["perf/step_time_s"] = time.monotonic() - step_start
+        tokens = metrics.get("rollout/response_tokens", 0.0)
+        metrics["perf/tokens_per_s"] = tokens / metrics["perf/step_time_s"] if metrics["perf/step_time_s"] else 0.0
+        metrics["weights/version"] = float(self.state.weight_version)
+        metrics["data/epoch"] = float(self.data.cursor.epoch)
+        self.last_metrics = metrics
+        for tracker in self.trackers:
+            tracker.log(rollout_id, metrics)
+        self.events.emit("step", rollout_id=rollout_id, metrics=metrics)
+
+    def _should_exit(self, rollout_id: int) -> bool:
+        if self.control.stop_requested:
+            return True
+        n = self.loop_cfg.debug_exit_after_rollout
+        return n is not None and rollout_id + 1 - self._start_id >= n
+
+    # ---- save / eval / offload ----------------------------------------------------------------------
+
+    def _should_save(self, rollout_id: int) -> bool:
+        due = self.control.take_save_request() or self._sentinel_fired()
+        interval = self.loop_cfg.save_interval
+        if interval is not None:
+            due |= (rollout_id + 1) % interval == 0 or rollout_id in self._epoch_ends
+            due |= rollout_id + 1 == self.num_rollout
+        due |= self.control.stop_requested
+        return due
+
+    def _sentinel_fired(self) -> bool:
+        path = self.loop_cfg.save_trigger_sentinel
+        if path and Path(path).exists():
+            Path(path).unlink(missing_ok=True)
+            log.info("save triggered by sentinel %s", path)
+            return True
+        return False
+
+    def _save(self, *, rollout_id: int, in_flight: list[Future]) -> None:
+        pending = []
+        for fut in in_flight:   # record finished generations so a resume reuses their entries
+            gen = fut.result()
+            pending.append(GeneratedBatch(rollout_id=gen.rollout_id, entry_ids=gen.entry_ids,
+                                          cursor_before=fut.cursor_before, cursor_after=fut.cursor_after))
+        cursor = pending[0].cursor_before if pending else self.data.cursor
+        state = _replace(self.state, next_rollout_id=rollout_id + 1, cursor=cursor, pending=tuple(pending))
+        with span("rl.save", rollout_id=rollout_id):
+            request = trainer_pb2.SaveRequest(rollout_id=rollout_id, export_hf=self.config.trainer.export_hf_on_save,
+                                              extra_state={"coordinator": state.to_json()})
+            timeout = self.loop_cfg.step_timeout_s
+            if self.critic is not None:
+                self.critic.call(self.critic.stub.Save, request, timeout_s=timeout, what="Save")
+            reply = self.trainer.call(self.trainer.stub.Save, request, timeout_s=timeout, what="Save")
+        self.state = _replace(state, history=(*self.state.history, reply.path)[-20:])
+        self.last_checkpoint = reply.path
+        self.last_saved_rollout = rollout_id
+        self.events.emit("save", rollout_id=rollout_id, message=reply.path)
+        log.info("saved rollout %d to %s", rollout_id, reply.path)
+
+    def _eval_due(self, rollout_id: int) -> bool:
+        interval = self.loop_cfg.eval_interval
+        return bool(interval) and ((rollout_id + 1) % interval == 0 or rollout_id + 1 == self.num_rollout)
+
+    def _evaluated(self, rollout_id: int) -> bool:
+        return rollout_id in self._evaluated_ids
+
+    def _submit_eval(self, rollout_id: int) -> None:
+        self._evaluated_ids.add(rollout_id)
+        fut = self.evals.submit(lambda: self._record_eval(rollout_id=rollout_id, metrics=self.evaluate()))
+        self.eval_futures.append(fut)
+
+    def evaluate(self) -> dict[str, float]:
+        cfg = self.config
+        path = cfg.data.eval_path or cfg.data.train_path
+        prompts = load_prompts(path, prompt_key=cfg.data.prompt_key, label_key=cfg.data.label_key,
+                               limit=cfg.data.eval_max_prompts)
+        protos = [common_pb2.Prompt(text=p.text, label=p.label, group_id=i, metadata=p.metadata)
+                  for i, p in enumerate(prompts)]
+        s = cfg.rollout.eval_sampling
+        sampling = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                             max_new_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids),
+                                             seed=s.seed)
+        shares = [protos[i::len(self.pool.clients)] for i in range(len(self.pool.clients))]
+        with span("rl.eval", weight_version=self.state.weight_version, prompts=len(protos)):
+            replies = self.pool.broadcast_each("Evaluate", [rollout_pb2.EvaluateRequest(
+                name="eval", prompts=share, n_samples_per_prompt=cfg.rollout.eval_n_samples_per_prompt,
+                sampling=sampling) for share in shares], timeout_s=self.loop_cfg.step_timeout_s)
+        return weighted_mean([dict(r.metrics) for r in replies], [len(s) for s in shares])
+
+    def _record_eval(self, *, rollout_id: int, metrics: dict[str, float]) -> dict[str, float]:
+        metrics = {**metrics, "weights/version": float(self.state.weight_version)}
+        for tracker in self.trackers:
+            tracker.log(rollout_id, metrics)
+        self.events.emit("eval", rollout_id=rollout_id, metrics=metrics)
+        return metrics
+
+    def _offload(self) -> None:
+        self.trainer.call(self.trainer.stub.Offload, common_pb2.Empty(), timeout_s=120, what="Offload")
+        self.offloaded = True
+
+    def _onload(self) -> None:
+        if self.offloaded:
+            self.trainer.call(self.trainer.stub.Onload, common_pb2.Empty(), timeout_s=120, what="Onload")
+            self.offloaded = False
+
+
+def _done(value: object) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+def _replace(state: RunState, **changes: object) -> RunState:
+    from dataclasses import replace
+
+    return replace(state, **changes)

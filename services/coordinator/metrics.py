@@ -1,0 +1,110 @@
+"""Per-step metrics: `metrics.jsonl` always, TensorBoard / W&B as optional trackers, and an event log that
+`WatchEvents` streams from."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Iterator
+
+from services.common.gen.tandem.v1 import coordinator_pb2
+
+log = logging.getLogger(__name__)
+
+
+class Tracker(ABC):
+    @abstractmethod
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlTracker(Tracker):
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"rollout_id": step, "time": time.time(), **metrics}) + "\n")
+
+
+class TensorBoardTracker(Tracker):
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # tensorboard is an optional package
+            raise ValueError("tracing.trackers: tensorboard needs the `tensorboard` package installed") from exc
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker(Tracker):
+    def __init__(self, *, project: str | None, run_name: str, run_dir: Path):
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ValueError("tracing.trackers: wandb needs the `wandb` package installed") from exc
+        self.run = wandb.init(project=project or "tandem", name=run_name, dir=str(run_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def make_trackers(names: tuple[str, ...], *, run_dir: Path, run_name: str, wandb_project: str | None) -> list[Tracker]:
+    trackers: list[Tracker] = [JsonlTracker(run_dir / "metrics.jsonl")]
+    if "tensorboard" in names:
+        trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
+    if "wandb" in names:
+        trackers.append(WandbTracker(project=wandb_project, run_name=run_name, run_dir=run_dir))
+    return trackers
+
+
+class EventLog:
+    """Append-only list of step events; watchers block on a condition until something new arrives."""
+
+    def __init__(self) -> None:
+        self._events: list[coordinator_pb2.StepEvent] = []
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def emit(self, kind: str, *, rollout_id: int = -1, metrics: dict[str, float] | None = None,
+             message: str = "") -> None:
+        event = coordinator_pb2.StepEvent(kind=kind, rollout_id=rollout_id, message=message, unix_time=time.time(),
+                                          metrics={k: float(v) for k, v in (metrics or {}).items()})
+        with self._cond:
+            self._events.append(event)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def watch(self, *, include_history: bool, is_active=lambda: True) -> Iterator[coordinator_pb2.StepEvent]:
+        with self._cond:
+            index = 0 if include_history else len(self._events)
+        while True:
+            with self._cond:
+                while index >= len(self._events) and not self._closed and is_active():
+                    self._cond.wait(timeout=1.0)
+                batch = self._events[index:]
+                index = len(self._events)
+                done = self._closed or not is_active()
+            yield from batch
+            if done and not batch:
+                return

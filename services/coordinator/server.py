@@ -1,0 +1,130 @@
+"""The coordinator service: the run loop in the main thread, the control API (gRPC) beside it."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+
+from services.common.buffer import RolloutBuffer, connect, stream_key
+from services.common.config import TandemConfig
+from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.common.grpc_util import ServerOptions, map_errors, start_server
+from services.common.tracing import setup_logging, setup_tracing, shutdown_tracing
+from services.coordinator.clients import RolloutPool, make_clients
+from services.coordinator.loop import Coordinator
+from services.coordinator.metrics import make_trackers
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """Thin adapter: every method reads or flips state of the plain `Coordinator`."""
+
+    def __init__(self, coordinator: Coordinator):
+        self.c = coordinator
+
+    @map_errors
+    def GetStatus(self, request, context):  # noqa: N802 - gRPC names
+        c = self.c
+        return coordinator_pb2.RunStatus(
+            state=c.status, rollout_id=c.state.next_rollout_id, num_rollout=c.num_rollout,
+            weight_version=c.state.weight_version, data_cursor=c.data.cursor.consumed, epoch=c.data.cursor.epoch,
+            last_metrics=c.last_metrics, run_dir=str(c.run_dir), last_checkpoint=c.last_checkpoint, error=c.error)
+
+    @map_errors
+    def Save(self, request, context):  # noqa: N802
+        self.c.control.request_save()
+        return common_pb2.Ack(ok=True, message="a checkpoint will be written at the end of the current step")
+
+    @map_errors
+    def Eval(self, request, context):  # noqa: N802
+        metrics = self.c.evaluate()
+        rollout_id = self.c.state.next_rollout_id - 1
+        self.c._record_eval(rollout_id=rollout_id, metrics=metrics)
+        return coordinator_pb2.EvalResult(rollout_id=rollout_id, metrics=metrics)
+
+    @map_errors
+    def Pause(self, request, context):  # noqa: N802
+        self.c.control.pause()
+        return common_pb2.Ack(ok=True, message="no new step will start until Resume")
+
+    @map_errors
+    def Resume(self, request, context):  # noqa: N802
+        self.c.control.resume()
+        return common_pb2.Ack(ok=True, message="resumed")
+
+    @map_errors
+    def Stop(self, request, context):  # noqa: N802
+        self.c.control.stop()
+        return common_pb2.Ack(ok=True, message="stopping after the current step (with a final checkpoint)")
+
+    def WatchEvents(self, request, context):  # noqa: N802
+        yield from self.c.events.watch(include_history=request.include_history, is_active=context.is_active)
+
+
+def discard_orphans(buffer: RolloutBuffer):  # type: ignore[no-untyped-def]
+    def discard(keep: list[str]) -> int:
+        return buffer.discard_except(keep)
+    return discard
+
+
+def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinator, RolloutBuffer | None]:
+    actor, critic, rollouts = make_clients(config.services, uses_critic=config.algorithm.uses_critic)
+    pool = RolloutPool(rollouts, max_retries=config.loop.max_retries, timeout_s=config.loop.step_timeout_s)
+    buffer = None
+    if config.redis.url:
+        groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
+        buffer = RolloutBuffer(connect(config.redis.url, password=config.redis.password),
+                               stream_key(config.redis.stream_prefix, config.run_name), groups=groups)
+    trackers = make_trackers(config.tracing.trackers, run_dir=run_dir, run_name=config.run_name,
+                             wandb_project=config.tracing.wandb_project)
+    coordinator = Coordinator(config=config, run_dir=run_dir, trainer=actor, critic=critic, pool=pool,
+                              trackers=trackers, discard_entries=discard_orphans(buffer) if buffer else None)
+    return coordinator, buffer
+
+
+def main(config: TandemConfig, *, run_dir: Path) -> int:
+    setup_logging("coordinator", config.tracing.log_level, str(run_dir / "logs" / "coordinator.log"))
+    setup_tracing("tandem-coordinator", exporter=config.tracing.exporter,
+                  file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"))
+    coordinator, _ = build_coordinator(config, run_dir=run_dir)
+    s = config.services
+    server = start_server([(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(coordinator),
+                            "tandem.v1.Coordinator")],
+                          ServerOptions(bind_host=s.bind_host, port=s.coordinator.port, max_message_mb=s.max_message_mb,
+                                        auth_token=s.auth_token, tls_cert=s.tls_cert, tls_key=s.tls_key))
+    print(f"TANDEM_READY coordinator {server.port}", flush=True)
+    stop_once = threading.Event()
+
+    def on_signal(signum, frame):  # type: ignore[no-untyped-def]
+        if stop_once.is_set():
+            raise KeyboardInterrupt
+        stop_once.set()
+        log.info("signal %d: stopping after the current step", signum)
+        coordinator.control.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = 0
+    try:
+        coordinator.run()
+    except Exception:
+        log.exception("run failed")
+        code = 1
+    finally:
+        for tracker in coordinator.trackers:
+            tracker.close()
+        server.stop(grace_s=1.0)
+        shutdown_tracing()
+    return code
+
+
+if __name__ == "__main__":
+    from services.cli import main as cli_main
+
+    sys.exit(cli_main(["coordinator", *sys.argv[1:]]))

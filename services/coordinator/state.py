@@ -1,0 +1,57 @@
+"""The coordinator's run state, saved inside every trainer checkpoint (one source of truth on resume)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from services.coordinator.data import DataCursor
+
+
+@dataclass(frozen=True)
+class GeneratedBatch:
+    """A generation that finished but was not trained yet: on resume its Redis entries are reused."""
+
+    rollout_id: int
+    entry_ids: tuple[str, ...]
+    cursor_before: DataCursor
+    cursor_after: DataCursor
+
+    def to_dict(self) -> dict:
+        return {"rollout_id": self.rollout_id, "entry_ids": list(self.entry_ids),
+                "cursor_before": self.cursor_before.to_dict(), "cursor_after": self.cursor_after.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GeneratedBatch":
+        return cls(rollout_id=int(d["rollout_id"]), entry_ids=tuple(d["entry_ids"]),
+                   cursor_before=DataCursor.from_dict(d["cursor_before"]),
+                   cursor_after=DataCursor.from_dict(d["cursor_after"]))
+
+
+@dataclass(frozen=True)
+class RunState:
+    next_rollout_id: int = 0
+    weight_version: int = 0
+    cursor: DataCursor = DataCursor()              # data cursor before generating next_rollout_id
+    pending: tuple[GeneratedBatch, ...] = ()        # generated, not yet trained, in rollout order
+    samples_generated: int = 0
+    samples_trained: int = 0
+    samples_dropped_stale: int = 0
+    history: tuple[str, ...] = field(default_factory=tuple)  # checkpoint paths, oldest first
+
+    def to_json(self) -> str:
+        return json.dumps({"next_rollout_id": self.next_rollout_id, "weight_version": self.weight_version,
+                           "cursor": self.cursor.to_dict(), "pending": [p.to_dict() for p in self.pending],
+                           "samples_generated": self.samples_generated, "samples_trained": self.samples_trained,
+                           "samples_dropped_stale": self.samples_dropped_stale, "history": list(self.history)})
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunState":
+        d = json.loads(text)
+        return cls(next_rollout_id=int(d["next_rollout_id"]), weight_version=int(d["weight_version"]),
+                   cursor=DataCursor.from_dict(d["cursor"]),
+                   pending=tuple(GeneratedBatch.from_dict(p) for p in d.get("pending", [])),
+                   samples_generated=int(d.get("samples_generated", 0)),
+                   samples_trained=int(d.get("samples_trained", 0)),
+                   samples_dropped_stale=int(d.get("samples_dropped_stale", 0)),
+                   history=tuple(d.get("history", [])))

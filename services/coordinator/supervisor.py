@@ -1,0 +1,228 @@
+"""`tandem run`: every service as a child process on this machine, plus an embedded redis-server.
+
+Start order: redis → trainer(s) → rollout replicas → coordinator, each awaited through grpc.health.
+Logs go to RUN_DIR/logs/<service>.log. If any child dies, everything is stopped and the run fails with
+the child's name and the tail of its log; Ctrl-C asks the coordinator for a graceful Stop (a second Ctrl-C
+terminates). Children get PR_SET_PDEATHSIG so none outlives the supervisor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from services.common.config import ConfigError, TandemConfig, config_from_dict, write_resolved_config
+from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.common.grpc_util import open_channel, wait_healthy
+from services.common.redis_server import EmbeddedRedis, free_port
+
+log = logging.getLogger("tandem.run")
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if not self.alive():
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def resolve_for_local_run(config: TandemConfig, *, redis_url: str) -> TandemConfig:
+    """Fills in what a local run decides at start: the redis URL and free ports for port-0 services."""
+    data = config.model_dump(mode="json")
+    data["redis"]["url"] = redis_url
+    s = data["services"]
+    for name in ("coordinator", "trainer", "critic"):
+        if s[name]["port"] == 0:
+            s[name]["port"] = free_port(s["bind_host"] if s["bind_host"] != "0.0.0.0" else "127.0.0.1")
+    for replica in s["rollout"]:
+        if replica["port"] == 0:
+            replica["port"] = free_port()
+    return config_from_dict(data, source="resolved config")
+
+
+def ensure_model(config: TandemConfig) -> None:
+    path = Path(config.model.path)
+    if (path / "config.json").exists():
+        return
+    if config.model.init_preset is None:
+        raise ConfigError(f"model.path: {path} holds no model (no config.json); build one with "
+                          f"`tandem init-model {path}` or set model.init_preset")
+    from services.rollout.model_init import init_model
+
+    log.info("model.path %s is empty: building a random-init %s model there", path, config.model.init_preset)
+    init_model(path, preset=config.model.init_preset)
+
+
+class LocalRun:
+    def __init__(self, config: TandemConfig, *, run_dir: Path, progress: bool):
+        self.config = config
+        self.run_dir = run_dir
+        self.progress = progress
+        self.children: list[Child] = []
+        self.redis: EmbeddedRedis | None = None
+        self.config_file = run_dir / "config.yaml"
+        self.interrupts = 0
+
+    def _spawn(self, name: str, args: list[str]) -> Child:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_SERVICE": name}
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+        child = Child(name=name, process=proc, log_path=log_path)
+        self.children.append(child)
+        return child
+
+    def _service_args(self, service: str, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "services.cli", service, str(self.config_file), "--run-dir", str(self.run_dir),
+                *extra]
+
+    def _trainer_args(self, role: str) -> list[str]:
+        ranks = self.config.trainer.num_ranks
+        if ranks == 1:
+            return self._service_args("trainer", "--role", role)
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                    "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+        return [*launcher, "-m", "services.cli", "trainer", str(self.config_file), "--run-dir", str(self.run_dir),
+                "--role", role]
+
+    def _await(self, child: Child, target: str) -> None:
+        wait_healthy(target, timeout_s=self.config.loop.startup_timeout_s, tls_ca=self.config.services.tls_ca,
+                     should_abort=lambda: None if child.alive() else
+                     f"{child.name} exited with {child.process.returncode}:\n{child.log_tail()}")
+
+    def start(self) -> None:
+        if self.config.redis.url:
+            redis_url = self.config.redis.url
+        else:
+            self.redis = EmbeddedRedis(self.run_dir / "redis", appendonly=self.config.redis.appendonly,
+                                       password=self.config.redis.password).start()
+            redis_url = self.redis.url
+        self.config = resolve_for_local_run(self.config, redis_url=redis_url)
+        write_resolved_config(self.config, self.run_dir)
+        s = self.config.services
+        waits = [(self._spawn("trainer", self._trainer_args("actor")), s.trainer.target)]
+        if self.config.algorithm.uses_critic:
+            waits.append((self._spawn("critic", self._trainer_args("critic")), s.critic.target))
+        for i, addr in enumerate(s.rollout):
+            waits.append((self._spawn(f"rollout-{i}", self._service_args("rollout", "--replica", str(i))), addr.target))
+        for child, target in waits:
+            self._await(child, target)
+            log.info("%s is healthy at %s", child.name, target)
+        coordinator = self._spawn("coordinator", self._service_args("coordinator"))
+        self._await(coordinator, s.coordinator.target)
+
+    def coordinator_child(self) -> Child:
+        return next(c for c in self.children if c.name == "coordinator")
+
+    def watch(self) -> int:
+        """Shows progress from WatchEvents until the coordinator exits; fails fast if any child dies."""
+        from services.coordinator.progress import ProgressView
+
+        coordinator = self.coordinator_child()
+        view = ProgressView(enabled=self.progress)
+        threading.Thread(target=self._stream_events, args=(view,), daemon=True).start()
+        with view:
+            while coordinator.alive():
+                dead = [c for c in self.children if not c.alive() and c is not coordinator]
+                if dead:
+                    c = dead[0]
+                    view.stop()
+                    log.error("%s exited with %s; stopping the run. Last lines of %s:\n%s", c.name,
+                              c.process.returncode, c.log_path, c.log_tail())
+                    return 1
+                time.sleep(0.2)
+        code = coordinator.process.returncode
+        if code != 0:
+            log.error("coordinator exited with %s. Last lines of its log:\n%s", code, coordinator.log_tail())
+        return code
+
+    def _stream_events(self, view) -> None:  # type: ignore[no-untyped-def]
+        s = self.config.services
+        try:
+            with open_channel(s.coordinator.target, tls_ca=s.tls_ca, auth_token=s.auth_token) as channel:
+                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+                status = stub.GetStatus(common_pb2.Empty(), timeout=10)
+                view.set_total(status.num_rollout, start=status.rollout_id)
+                for event in stub.WatchEvents(coordinator_pb2.WatchRequest(include_history=True)):
+                    view.on_event(event)
+        except grpc.RpcError:
+            pass   # the coordinator went away; watch() notices and reports
+
+    def request_stop(self) -> None:
+        self.interrupts += 1
+        if self.interrupts > 1:
+            raise KeyboardInterrupt
+        log.info("Ctrl-C: asking the coordinator to stop after this step (again to terminate)")
+        s = self.config.services
+        try:
+            with open_channel(s.coordinator.target, tls_ca=s.tls_ca, auth_token=s.auth_token) as channel:
+                coordinator_pb2_grpc.CoordinatorStub(channel).Stop(common_pb2.Empty(), timeout=5)
+        except grpc.RpcError as exc:
+            log.warning("could not reach the coordinator (%s); terminating", exc.code().name)
+            raise KeyboardInterrupt from None
+
+    def shutdown(self) -> None:
+        for child in reversed(self.children):   # coordinator first, then rollouts, then trainers
+            child.stop()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def run_local(config: TandemConfig, *, run_dir: Path, config_path: Path, overrides: list[str], progress: bool) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ensure_model(config)
+    run = LocalRun(config, run_dir=run_dir, progress=progress)
+    previous = signal.signal(signal.SIGINT, lambda *_: run.request_stop())
+    signal.signal(signal.SIGTERM, lambda *_: run.request_stop())
+    try:
+        run.start()
+        code = run.watch()
+    except KeyboardInterrupt:
+        code = 130
+    except (RuntimeError, TimeoutError) as exc:
+        log.error("%s", exc)
+        code = 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        run.shutdown()
+    log.info("run directory: %s (metrics.jsonl, logs/, checkpoints/)", run_dir)
+    return code

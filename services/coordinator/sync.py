@@ -1,0 +1,142 @@
+"""Weight sync as an explicit state machine: prepare → transfer → verify → resume, each under a deadline.
+
+The coordinator only sequences control messages; the bytes go trainer → engines over the transport
+(process group, CUDA IPC or disk). Whatever fails, the engines are resumed so a failed sync never
+leaves generation paused, and the error names the phase and the version.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from itertools import accumulate
+
+import grpc
+
+from services.common.config import WeightsConfig
+from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
+from services.common.tracing import span
+from services.coordinator.clients import RolloutPool, TrainerClient, describe_rpc_error
+
+log = logging.getLogger(__name__)
+
+
+class SyncPhase(Enum):
+    PREPARE = "prepare"
+    TRANSFER = "transfer"
+    VERIFY = "verify"
+    RESUME = "resume"
+    DONE = "done"
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    version: int
+    transport: str
+    bytes: int
+    seconds: float
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    verified_tensors: int = 0
+
+    @property
+    def gbps(self) -> float:
+        transfer = self.phase_seconds.get("transfer", self.seconds)
+        return self.bytes / transfer / 1e9 if transfer > 0 else 0.0
+
+
+def compare_checksums(expected: dict[str, str], received: dict[str, str], *, replica: str) -> None:
+    missing = sorted(set(expected) - set(received))
+    differ = sorted(n for n in expected if n in received and received[n] != expected[n])
+    if missing or differ:
+        raise WeightSyncError(
+            f"check_weight_update_equal failed on {replica}: {len(differ)} tensors differ "
+            f"({', '.join(differ[:5])}{'…' if len(differ) > 5 else ''}), {len(missing)} missing "
+            f"({', '.join(missing[:5])})")
+
+
+class WeightSync:
+    def __init__(self, *, trainer: TrainerClient, pool: RolloutPool, config: WeightsConfig, pause_mode: str = "drain"):
+        self.trainer = trainer
+        self.pool = pool
+        self.config = config
+        self.pause_mode = pause_mode
+        self.executor = ThreadPoolExecutor(max_workers=len(pool.clients) + 1, thread_name_prefix="sync")
+        self.phase = SyncPhase.DONE
+
+    def run(self, *, version: int, verify: bool | None = None) -> SyncResult:
+        verify = self.config.check_weight_update_equal if verify is None else verify
+        timeout = self.config.timeout_s
+        times: dict[str, float] = {}
+        start = time.monotonic()
+        with span("rl.sync", weight_version=version, transport=self.config.transport) as s:
+            try:
+                self.phase = SyncPhase.PREPARE
+                t = time.monotonic()
+                prepared = self.pool.broadcast("PrepareWeightSync", rollout_pb2.PrepareReceiveRequest(
+                    version=version, pause_mode=self.pause_mode), timeout_s=timeout)
+                ranks = [max(1, p.engine_ranks) for p in prepared]
+                plan = self.trainer.call(self.trainer.stub.PrepareWeightSync, trainer_pb2.PrepareWeightSyncRequest(
+                    version=version, transport=self.config.transport, engine_world_size=sum(ranks), verify=verify),
+                    timeout_s=timeout, what=f"PrepareWeightSync(v{version})")
+                times["prepare"] = time.monotonic() - t
+
+                self.phase = SyncPhase.TRANSFER
+                t = time.monotonic()
+                received = self._transfer(plan=plan, ranks=ranks, timeout_s=timeout)
+                times["transfer"] = time.monotonic() - t
+
+                self.phase = SyncPhase.VERIFY
+                checked = 0
+                if verify:
+                    expected = {m.name: m.checksum for b in plan.buckets for m in b.tensors}
+                    for client, reply in zip(self.pool.clients, received):
+                        compare_checksums(expected, dict(reply.checksums), replica=client.name)
+                    checked = len(expected)
+            except WeightSyncError:
+                self._resume_quietly()
+                raise
+            except Exception as exc:
+                self._resume_quietly()
+                raise WeightSyncError(f"weight sync to version {version} failed in phase {self.phase.value}: "
+                                      f"{exc}") from exc
+            self.phase = SyncPhase.RESUME
+            t = time.monotonic()
+            self.pool.broadcast("Resume", common_pb2.Empty(), timeout_s=timeout)
+            times["resume"] = time.monotonic() - t
+            self.phase = SyncPhase.DONE
+            result = SyncResult(version=version, transport=plan.transport, bytes=plan.total_bytes,
+                                seconds=time.monotonic() - start, phase_seconds=times, verified_tensors=checked)
+            s.set_attribute("bytes", result.bytes)
+            s.set_attribute("gbps", result.gbps)
+            return result
+
+    def _transfer(self, *, plan: common_pb2.WeightSyncPlan, ranks: list[int], timeout_s: float) -> list:
+        # Engines first (they join the group and block), then the trainer broadcasts in the announced order.
+        offsets = [1 + o for o in accumulate([0] + ranks[:-1])]
+        receive = [self.executor.submit(c.stub.ReceiveWeights, rollout_pb2.ReceiveWeightsRequest(
+            plan=plan, rank_offset=off), timeout=timeout_s + 5) for c, off in zip(self.pool.clients, offsets)]
+        publish = self.executor.submit(self.trainer.stub.PublishWeights,
+                                       trainer_pb2.PublishWeightsRequest(version=plan.version), timeout=timeout_s + 5)
+        errors = []
+        for name, fut in [("trainer", publish), *((c.name, f) for c, f in zip(self.pool.clients, receive))]:
+            try:
+                fut.result()
+            except grpc.RpcError as exc:
+                errors.append(describe_rpc_error(name, "weight transfer", exc))
+        if errors:
+            raise WeightSyncError(f"weight transfer of version {plan.version} over {plan.transport} failed: "
+                                  + "; ".join(errors))
+        return [f.result() for f in receive]
+
+    def _resume_quietly(self) -> None:
+        try:
+            self.pool.broadcast("Resume", common_pb2.Empty(), timeout_s=10.0)
+        except Exception as exc:  # noqa: BLE001 - best effort; the original error is what matters
+            log.warning("could not resume rollout engines after a failed sync: %s", exc)
