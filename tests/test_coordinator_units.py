@@ -1,0 +1,82 @@
+"""Coordinator pieces that need no services: data cursor, run state, checksum comparison, metric merging."""
+
+import json
+
+import pytest
+
+from services.coordinator.clients import split_evenly
+from services.coordinator.data import DataCursor, DataSource, PromptRecord, load_prompts
+from services.coordinator.state import GeneratedBatch, RunState
+from services.coordinator.stepmetrics import prefixed, weighted_mean
+from services.coordinator.sync import WeightSyncError, compare_checksums
+
+
+def _records(n):
+    return [PromptRecord(text=f"p{i}", label=str(i)) for i in range(n)]
+
+
+def test_epochs_cover_every_prompt_once_and_shuffle_differs_per_epoch():
+    source = DataSource(_records(10), batch_size=5, shuffle=True, seed=3, num_epochs=2)
+    assert source.num_rollout == 4
+    epochs = [[], []]
+    ends = []
+    for i in range(4):
+        batch = source.next_batch()
+        epochs[i // 2] += [p.text for p in batch.prompts]
+        ends.append(batch.epoch_end)
+    assert sorted(epochs[0]) == sorted(epochs[1]) == sorted(f"p{i}" for i in range(10))
+    assert epochs[0] != epochs[1]
+    assert ends == [False, True, False, True]
+
+
+def test_cursor_resume_yields_the_same_prompts_and_group_ids():
+    a = DataSource(_records(12), batch_size=4, shuffle=True, seed=7, num_epochs=3)
+    for _ in range(4):
+        a.next_batch()
+    saved = DataCursor.from_dict(json.loads(json.dumps(a.cursor.to_dict())))
+    expected = [a.next_batch() for _ in range(3)]
+    b = DataSource(_records(12), batch_size=4, shuffle=True, seed=7, num_epochs=3)
+    b.cursor = saved
+    got = [b.next_batch() for _ in range(3)]
+    assert [x.prompts for x in got] == [x.prompts for x in expected]
+    assert [x.group_ids for x in got] == [x.group_ids for x in expected]
+    assert got[0].group_ids == (16, 17, 18, 19)
+
+
+def test_batch_larger_than_dataset_is_refused():
+    with pytest.raises(ValueError, match="rollout_batch_size"):
+        DataSource(_records(3), batch_size=4, shuffle=False, seed=0, num_epochs=1)
+
+
+def test_load_prompts_reports_bad_lines(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1 2 =", "label": "3", "level": 2}\n\nnot json\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:3: not valid JSON"):
+        load_prompts(str(path), prompt_key="prompt", label_key="label")
+    path.write_text('{"prompt": "1 2 =", "label": "3", "level": 2}\n')
+    [rec] = load_prompts(str(path), prompt_key="prompt", label_key="label")
+    assert rec == PromptRecord(text="1 2 =", label="3", metadata={"level": "2"})
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_prompts(str(tmp_path / "missing.jsonl"), prompt_key="prompt", label_key="label")
+
+
+def test_run_state_round_trips_through_json():
+    state = RunState(next_rollout_id=5, weight_version=4, cursor=DataCursor(epoch=1, offset=8, consumed=40),
+                     pending=(GeneratedBatch(rollout_id=5, entry_ids=("1-0", "2-0"), cursor_before=DataCursor(1, 8, 40),
+                                             cursor_after=DataCursor(1, 16, 48)),),
+                     samples_generated=320, samples_trained=300, samples_dropped_stale=20, history=("a", "b"))
+    assert RunState.from_json(state.to_json()) == state
+
+
+def test_checksum_comparison_names_the_differing_tensors():
+    compare_checksums({"a": "1", "b": "2"}, {"a": "1", "b": "2"}, replica="r0")
+    with pytest.raises(WeightSyncError, match=r"r0: 1 tensors differ \(b\), 1 missing \(c\)"):
+        compare_checksums({"a": "1", "b": "2", "c": "3"}, {"a": "1", "b": "X"}, replica="r0")
+
+
+def test_metric_helpers():
+    assert prefixed("train", {"loss": 1, "perf/x": 2}) == {"train/loss": 1.0, "perf/x": 2.0}
+    merged = weighted_mean([{"r": 1.0}, {"r": 0.0, "s": 2.0}], [3, 1])
+    assert merged == {"r": 0.75, "s": 0.5}
+    assert [len(r) for r in split_evenly(10, 3)] == [4, 3, 3]
+    assert [len(r) for r in split_evenly(2, 3)] == [1, 1]
