@@ -1,0 +1,30 @@
+# Two commands on a fresh machine:  `make demo` (set-up + the demo run)  and  `make test` (set-up + the tests).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEMO_CONFIG ?= examples/copy_digit.yaml
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test protos bench clean
+
+setup: $(VENV)/.installed
+
+# torch is pinned so pip takes the CPU wheel on disk instead of a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(BIN)/tandem run $(DEMO_CONFIG) --run-dir runs/demo
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+protos: setup
+	$(BIN)/python -m services.common.protogen
+
+clean:
+	rm -rf $(VENV) runs
