@@ -1,0 +1,108 @@
+"""Per-token policy and value losses, KL estimators, entropy, truncated importance sampling.
+
+Everything here works on flat per-response-token tensors. Aggregation (token mean, sequence mean) is
+expressed as per-token weights computed once for the whole global batch (`aggregation_weights`), so the
+loss of a step is `sum(weight * per_token_loss)` however the tokens are split into micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def aggregation_weights(loss_mask: torch.Tensor, response_lengths: torch.Tensor, mode: str) -> torch.Tensor:
+    """Per-token weights (summing to 1 over the batch, 0 where masked) that implement `mode`.
+
+    token_mean: every unmasked token counts the same. seq_mean_token_mean: mean over sequences of the mean
+    over their tokens. seq_mean_token_sum: mean over sequences of the sum over their tokens (Dr.GRPO-style,
+    so weights sum to the mean trainable length instead of 1). Sequences without trainable tokens are left out.
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"algorithm.loss_aggregation: unknown mode {mode!r} (choose from {AGGREGATIONS})")
+    mask = loss_mask.to(torch.float64)
+    if mode == "token_mean":
+        return (mask / mask.sum().clamp(min=1.0)).to(torch.float32)
+    seq_ids = torch.repeat_interleave(torch.arange(len(response_lengths)), response_lengths.to(torch.long))
+    per_seq = torch.zeros(len(response_lengths), dtype=torch.float64).index_add_(0, seq_ids, mask)
+    num_seqs = (per_seq > 0).sum().clamp(min=1).to(torch.float64)
+    if mode == "seq_mean_token_mean":
+        weights = mask / per_seq.clamp(min=1.0)[seq_ids] / num_seqs
+    else:
+        weights = mask / num_seqs
+    return weights.to(torch.float32)
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None    # None = symmetric
+    dual_clip_c: float | None = None      # None = off; > 1 bounds the loss of negative advantages
+
+
+def ppo_policy_loss(*, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                    cfg: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clipped surrogate per token. Returns (loss, clipped indicator (float), ratio).
+
+    loss = max(-A r, -A clip(r, 1-eps, 1+eps_high)); with dual clip, for A < 0 the loss is further
+    bounded by -A c (Ye et al. 2020), so a huge ratio on a bad action cannot dominate the step.
+    """
+    log_ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0)   # exp overflow guard; real ratios are near 1
+    ratio = torch.exp(log_ratio)
+    eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + eps_high)
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    clipped = (loss_clipped > loss_unclipped).to(torch.float32)
+    if cfg.dual_clip_c is not None:
+        bound = -advantages * cfg.dual_clip_c
+        dual_active = (advantages < 0) & (bound < loss)
+        loss = torch.where(dual_active, bound, loss)
+        clipped = torch.where(dual_active, torch.ones_like(clipped), clipped)
+    return loss, clipped, ratio.detach()
+
+
+def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1, k2, k3)."""
+    log_ratio = log_probs - ref_log_probs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        neg = (-log_ratio).clamp(max=20.0)   # ref/pi; clamp keeps exp finite for very unlikely ref tokens
+        return torch.exp(neg) - 1.0 - neg
+    raise ValueError(f"algorithm.kl_estimator: unknown estimator {estimator!r} (choose from {KL_ESTIMATORS})")
+
+
+def tis_weights(*, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip: float) -> torch.Tensor:
+    """Truncated importance weights pi_trainer / pi_rollout, capped at `clip`, with no gradient."""
+    return torch.exp((old_log_probs - rollout_log_probs).clamp(max=20.0)).clamp(max=clip).detach()
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution of each row of logits (last dim)."""
+    logits = logits.float()
+    log_z = torch.logsumexp(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    return log_z - (probs * logits).sum(dim=-1)
+
+
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) per position, in fp32 whatever the logits' dtype."""
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def clipped_value_loss(*, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO value loss per token: 0.5 max((V - R)^2, (V_old + clip(V - V_old) - R)^2). Returns (loss, clipped)."""
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    loss_unclipped = (values - returns).square()
+    loss_clipped = (clipped_values - returns).square()
+    loss = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
+    return loss, (loss_clipped > loss_unclipped).to(torch.float32)
