@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("rollout_id", "prompts", "n_samples_per_prompt", "sampling", "stream", "trace_context")
+    __slots__ = ("rollout_id", "prompts", "n_samples_per_prompt", "sampling", "stream", "trace_context", "reward")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -22,13 +22,15 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
     rollout_id: int
     prompts: _containers.RepeatedCompositeFieldContainer[_common_pb2.Prompt]
     n_samples_per_prompt: int
     sampling: _common_pb2.SamplingParams
     stream: str
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, rollout_id: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[_common_pb2.Prompt, _Mapping]]] = ..., n_samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stream: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    reward: str
+    def __init__(self, rollout_id: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[_common_pb2.Prompt, _Mapping]]] = ..., n_samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stream: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., reward: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("entry_id", "num_samples", "num_prompt_tokens", "num_response_tokens", "weight_version", "generate_time_s", "reward_time_s", "put_time_s", "metrics", "producer")
@@ -62,16 +64,18 @@ class GenerateResponse(_message.Message):
     def __init__(self, entry_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_response_tokens: _Optional[int] = ..., weight_version: _Optional[int] = ..., generate_time_s: _Optional[float] = ..., reward_time_s: _Optional[float] = ..., put_time_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., producer: _Optional[str] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
-    __slots__ = ("name", "prompts", "n_samples_per_prompt", "sampling")
+    __slots__ = ("name", "prompts", "n_samples_per_prompt", "sampling", "reward")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     N_SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
     name: str
     prompts: _containers.RepeatedCompositeFieldContainer[_common_pb2.Prompt]
     n_samples_per_prompt: int
     sampling: _common_pb2.SamplingParams
-    def __init__(self, name: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[_common_pb2.Prompt, _Mapping]]] = ..., n_samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    reward: str
+    def __init__(self, name: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[_common_pb2.Prompt, _Mapping]]] = ..., n_samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., reward: _Optional[str] = ...) -> None: ...
 
 class EvaluateResponse(_message.Message):
     __slots__ = ("metrics", "weight_version", "time_s")
