@@ -1,0 +1,399 @@
+"""The `native` engine: a Hugging Face causal LM driven by a batched, KV-cached sampling loop in torch.
+
+Runs anywhere torch runs (CPU in CI, one GPU for real work). Prompts are left-padded into one batch;
+finished rows are dropped from the batch (and its KV cache) as they finish, so short answers do not pay
+for long ones. Calls are served one at a time; the `_Gate` below implements pause/resume and keeps
+weight loads from overlapping a forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from services.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, EngineState, EngineUnavailable,
+                                     SampleOutput, SamplingOptions, WeightLoadStats, check_pause_mode,
+                                     normalize_memory_tags)
+from services.rollout.sampling import make_generator, sample_next
+
+log = logging.getLogger(__name__)
+
+_REASONS = (None, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)   # codes 0..3 in the loop's reason tensor
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"rollout.device is {device!r} but CUDA is not available here")
+    return dev
+
+
+class _Gate:
+    """Admission and token-boundary control.
+
+    `admitted` counts calls inside generate (queued or running); `running` counts those computing right
+    now (holding the compute lock and not parked). Pausing waits for the mode's condition; weight loads
+    and memory moves wait for running == 0 and keep everyone out while they work.
+    """
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.compute = threading.Lock()
+        self.paused = False
+        self.mode = "drain"
+        self.exclusive_held = False
+        self.admitted = 0
+        self.running = 0
+
+    @contextlib.contextmanager
+    def admit(self, wait_timeout_s: float | None) -> Iterator[None]:
+        with self.cv:
+            if not self.cv.wait_for(lambda: not self.paused, timeout=wait_timeout_s):
+                raise EngineUnavailable(f"rollout engine is paused ({self.mode}, e.g. for a weight update) and "
+                                        f"was not resumed within {wait_timeout_s:.0f}s")
+            self.admitted += 1
+        try:
+            with self.compute:
+                with self.cv:
+                    self.cv.wait_for(lambda: not self.exclusive_held)
+                    self.running += 1
+                try:
+                    yield
+                finally:
+                    with self.cv:
+                        self.running -= 1
+                        self.cv.notify_all()
+        finally:
+            with self.cv:
+                self.admitted -= 1
+                self.cv.notify_all()
+
+    def boundary(self) -> bool:
+        """Called between decode steps; True = abort now."""
+        with self.cv:
+            if self.paused and self.mode == "abort":
+                return True
+            if self.paused and self.mode in ("in_place", "retract"):
+                self.running -= 1
+                self.cv.notify_all()
+                self.cv.wait_for(lambda: not (self.paused and self.mode in ("in_place", "retract"))
+                                 and not self.exclusive_held)
+                self.running += 1
+            return False
+
+    def pause(self, mode: str, timeout_s: float | None) -> None:
+        with self.cv:
+            self.paused, self.mode = True, mode
+            self.cv.notify_all()
+            done = (lambda: self.running == 0) if mode in ("in_place", "retract") else (lambda: self.admitted == 0)
+            if not self.cv.wait_for(done, timeout=timeout_s):
+                raise TimeoutError(f"pause({mode}) did not complete within {timeout_s}s "
+                                   f"({self.admitted} generate calls in flight)")
+
+    def resume(self) -> None:
+        with self.cv:
+            self.paused, self.mode = False, "drain"
+            self.cv.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """No forward pass runs while inside. Without a pause this waits for the running call to finish
+        (its samples keep one weight version); parked in_place / retract calls stay parked."""
+        with self.cv:
+            self.cv.wait_for(lambda: not self.exclusive_held)
+            self.exclusive_held = True
+            self.cv.wait_for(lambda: self.running == 0)
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.exclusive_held = False
+                self.cv.notify_all()
+
+
+class NativeEngine(Engine):
+    name = "native"
+
+    def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "float32",
+                 attn_implementation: str = "sdpa", max_batch_size: int = 512,
+                 max_context_length: int | None = None, eos_token_ids: Sequence[int] | None = None):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} does not exist or has no config.json "
+                                    f"(create one with `tandem init-model {path} --preset tiny`)")
+        hf_logging.disable_progress_bar()
+        self.model_path = str(path)
+        self.device = resolve_device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation).to(self.device).eval()
+        self.model.requires_grad_(False)
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        model_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 1 << 30
+        self._max_context = min(max_context_length or model_ctx, model_ctx)
+        self.max_batch_size = max_batch_size
+        self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(self.model)
+        self.pad_token_id = _pad_id(self.model, self.eos_token_ids)
+        self._gate = _Gate()
+        self._version = 0
+        self._generated = 0
+        self._released: set[str] = set()
+        self._params_without_values: set[str] = set()    # after release_memory("weights") on CPU
+        self._offloaded: dict[str, tuple[torch.device, torch.Size]] = {}    # released weights: where, what shape
+        # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns); 5.1x knows only the old.
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+            else "past_key_values"
+
+    # ---- properties --------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def max_context_length(self) -> int:
+        return self._max_context
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter under every name it has (tied weights appear under each), for receivers that
+        copy in place."""
+        return dict(self.model.named_parameters(remove_duplicate=False))
+
+    # ---- generation --------------------------------------------------------------------------------
+
+    def validate_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        super().validate_prompts(prompts)
+        for i, prompt in enumerate(prompts):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {self.vocab_size})")
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingOptions, *,
+                 wait_timeout_s: float | None = None) -> list[SampleOutput]:
+        self.validate_prompts(prompts)
+        if not prompts:
+            return []
+        with self._gate.admit(wait_timeout_s):
+            self._check_servable()
+            version = self._version
+            generator = make_generator(sampling.seed, self.device)
+            out: list[SampleOutput] = []
+            with torch.inference_mode():
+                for start in range(0, len(prompts), self.max_batch_size):
+                    chunk = prompts[start:start + self.max_batch_size]
+                    out += self._generate_chunk(chunk, sampling, generator, version)
+            self._generated += len(out)
+            return out
+
+    def _check_servable(self) -> None:
+        if self._released:
+            raise EngineUnavailable(f"rollout engine memory is released ({', '.join(sorted(self._released))}); "
+                                    "call ResumeMemory first")
+        if self._params_without_values:
+            raise EngineUnavailable(f"{len(self._params_without_values)} parameters have no values since "
+                                    "release_memory('weights'); load or receive weights first")
+
+    def _generate_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingOptions,
+                        generator: torch.Generator | None, version: int) -> list[SampleOutput]:
+        dev, n = self.device, len(prompts)
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        width = int(lengths.max())
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=dev)
+        mask = torch.zeros((n, width), dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        budget = torch.clamp(self._max_context - lengths, max=sampling.max_new_tokens)
+        steps = int(budget.max())
+        stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids)
+                                       | (set() if sampling.ignore_eos else set(self.eos_token_ids))),
+                                dtype=torch.long, device=dev)
+        out_tokens = torch.zeros((n, steps), dtype=torch.long, device=dev)
+        out_lp = torch.zeros((n, steps), dtype=torch.float32, device=dev)
+        n_out = torch.zeros(n, dtype=torch.long, device=dev)
+        reason = torch.zeros(n, dtype=torch.long, device=dev)     # index into _REASONS; 0 = still running
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        rows = torch.arange(n, device=dev)      # original index of each row still in the batch
+        done = torch.zeros(n, dtype=torch.bool, device=dev)
+        logits = self._forward(input_ids, mask, positions, cache)
+        next_pos = positions[:, -1] + 1
+        for step in range(steps):
+            tokens, lps = sample_next(logits, sampling, generator)
+            live = rows[~done]
+            out_tokens[rows, step], out_lp[rows, step] = tokens, lps
+            n_out[live] += 1
+            hit_stop = ~done & torch.isin(tokens, stop_ids)
+            hit_len = ~done & ~hit_stop & (n_out[rows] >= budget[rows])
+            reason[rows[hit_stop]], reason[rows[hit_len]] = 1, 2
+            done = done | hit_stop | hit_len
+            if bool(done.all()):
+                break
+            if self._gate.boundary():
+                reason[rows[~done]] = 3
+                break
+            if int(done.sum()) * 4 >= done.numel():   # compact when a quarter of the rows are finished
+                keep = (~done).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                rows, done, mask, next_pos, tokens = rows[keep], done[keep], mask[keep], next_pos[keep], tokens[keep]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            logits = self._forward(tokens.unsqueeze(-1), mask, next_pos.unsqueeze(-1), cache)
+            next_pos = next_pos + 1
+        return _collect(out_tokens, out_lp, n_out, reason, version)
+
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 cache: Any) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kwarg: cache})
+        return out.logits[:, -1, :]
+
+    # ---- weights -----------------------------------------------------------------------------------
+
+    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                                    version: int | None = None) -> WeightLoadStats:
+        start = time.monotonic()
+        targets = self._weight_targets()
+        count = nbytes = 0
+        with self._gate.exclusive(), torch.no_grad():
+            for name, tensor in named_tensors:
+                target = targets.get(name)
+                if target is None:
+                    raise KeyError(f"weight {name!r} is not a parameter or buffer of the model")
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's "
+                                     f"{tuple(target.shape)}")
+                target.copy_(tensor)
+                self._params_without_values.discard(name)
+                count += 1
+                nbytes += tensor.numel() * tensor.element_size()
+            if version is not None:
+                self._version = int(version)
+        return WeightLoadStats(version=self._version, tensors=count, bytes=nbytes, seconds=time.monotonic() - start)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], *, version: int) -> WeightLoadStats:
+        """A full update: every parameter must be present (aliases of tied weights may be omitted)."""
+        missing = [n for n, p in self.model.named_parameters() if n not in state_dict]
+        if missing:
+            raise ValueError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        return self.update_weights_from_tensors(state_dict.items(), version=version)
+
+    def update_weights_from_disk(self, path: str | Path, *, version: int) -> WeightLoadStats:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f), device="cpu"))
+        return self.load_state_dict(state, version=version)
+
+    def receive_weights(self, plan: Any, *, rank_offset: int, receiver: Any) -> Any:
+        with self._gate.exclusive():
+            params = {n: p.data for n, p in self.named_parameters().items()}
+            stats = receiver.receive(plan, rank_offset, params)
+            names = {m.name for b in plan.buckets for m in b.tensors}
+            self._params_without_values -= names
+            self._version = int(plan.version)
+        return stats
+
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        targets = {n: p.data for n, p in self.named_parameters().items()}
+        for n, b in self.model.named_buffers():
+            targets.setdefault(n, b)
+        return targets
+
+    # ---- pause / memory / state --------------------------------------------------------------------
+
+    def pause(self, mode: str = "drain", *, timeout_s: float | None = None) -> None:
+        self._gate.pause(check_pause_mode(mode), timeout_s)
+
+    def resume(self) -> None:
+        self._gate.resume()
+
+    def release_memory(self, tags: Sequence[str] = ()) -> None:
+        tags = normalize_memory_tags(tags)
+        with self._gate.exclusive():
+            if "weights" in tags and "weights" not in self._released:
+                self._release_weights()
+            # The KV cache lives only inside a generate call and there are no CUDA graphs, so for those
+            # tags releasing means handing the allocator's cached blocks back to the device.
+            self._released.update(tags)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _release_weights(self) -> None:
+        # On a GPU the weights move to host memory (kept); on CPU there is nowhere cheaper to put them,
+        # so their storage is freed (an empty tensor keeps the Parameter object and its name) and they
+        # must be loaded again before the next generate.
+        for name, p in self.model.named_parameters():
+            self._offloaded[name] = (p.device, p.shape)
+            p.data = p.data.to("cpu") if self.device.type == "cuda" else torch.empty(0, dtype=p.dtype)
+
+    def resume_memory(self, tags: Sequence[str] = ()) -> None:
+        tags = normalize_memory_tags(tags)
+        with self._gate.exclusive():
+            if "weights" in tags and "weights" in self._released:
+                for name, p in self.model.named_parameters():
+                    device, shape = self._offloaded[name]
+                    if self.device.type == "cuda":
+                        p.data = p.data.to(device)
+                    else:
+                        p.data = torch.empty(shape, dtype=p.dtype, device=device)
+                        self._params_without_values.add(name)
+                self._offloaded.clear()
+            self._released.difference_update(tags)
+
+    def get_state(self) -> EngineState:
+        gate = self._gate
+        return EngineState(engine=self.name, model_path=self.model_path, device=str(self.device),
+                           weight_version=self._version, paused=gate.paused, pause_mode=gate.mode if gate.paused else "",
+                           released_memory=tuple(sorted(self._released)), in_flight=gate.admitted,
+                           generated_samples=self._generated, max_context_length=self._max_context)
+
+    def close(self) -> None:
+        self.model = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _collect(tokens: torch.Tensor, lps: torch.Tensor, lengths: torch.Tensor, reason: torch.Tensor,
+             version: int) -> list[SampleOutput]:
+    tokens_l, lps_l = tokens.cpu().tolist(), lps.cpu().tolist()
+    lengths_l, reason_l = lengths.cpu().tolist(), reason.cpu().tolist()
+    return [SampleOutput(token_ids=tuple(t[:k]), log_probs=tuple(lp[:k]), finish_reason=_REASONS[r] or FINISH_LENGTH,
+                         weight_version=version)
+            for t, lp, k, r in zip(tokens_l, lps_l, lengths_l, reason_l)]
+
+
+def _eos_ids(model: Any) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return tuple(sorted(ids))
+
+
+def _pad_id(model: Any, eos: tuple[int, ...]) -> int:
+    pad = getattr(model.config, "pad_token_id", None)
+    if pad is None and model.generation_config is not None:
+        pad = model.generation_config.pad_token_id
+    return int(pad) if pad is not None else (eos[0] if eos else 0)

@@ -1,0 +1,278 @@
+"""Reward functions: built-ins and a plug-in point.
+
+`rollout.reward` is a built-in name (`exact_match`, `numeric_match`, `digit_task`) or `module:function`
+(`my_pkg.rewards:score`) or `path/to/file.py:function` (a relative path is tried against the working
+directory, then the repository root). A function is either
+
+- per sample: `fn(prompt, response, label, metadata) -> float`, or
+- batched: `fn(prompts, responses, labels, metadatas) -> list[float]` — marked with `@batched`, or
+  recognised by a first parameter named `prompts` or `responses`;
+
+and either may be `async def` (per-sample coroutines run concurrently). Parameters are passed by
+keyword when the function names only known ones (so `fn(response, label)` works), positionally otherwise.
+A result may be a number, a bool, or a dict with a `score` / `reward` entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import importlib
+import importlib.util
+import inspect
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_PER_SAMPLE = ("prompt", "response", "label", "metadata")
+_BATCHED = ("prompts", "responses", "labels", "metadatas")
+
+
+class RewardSpecError(ValueError):
+    """`rollout.reward` (or a request's reward) does not name a usable function."""
+
+
+class RewardError(RuntimeError):
+    """A reward function raised or returned something that is not a finite number."""
+
+
+def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a reward function as taking lists (one call per batch)."""
+    fn.batched = True  # type: ignore[attr-defined]
+    return fn
+
+
+# ---- built-ins ----------------------------------------------------------------------------------
+
+
+def exact_match(prompt: str, response: str, label: str, metadata: dict[str, str]) -> float:
+    """1 if the response equals the label after stripping surrounding whitespace."""
+    return float(response.strip() == label.strip())
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None
+
+
+def parse_number(text: str) -> float | None:
+    cleaned = text.strip().replace(",", "").replace("$", "").rstrip("%").strip()
+    try:
+        if "/" in cleaned:
+            num, den = cleaned.split("/", 1)
+            return float(num) / float(den)
+        return float(cleaned)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The \\boxed{} content if there is one, else the last number in the text."""
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def numeric_match(prompt: str, response: str, label: str, metadata: dict[str, str]) -> float:
+    """1 if the response's answer (last \\boxed{}, else last number) equals the label's numerically
+    (relative tolerance 1e-6); a label like '#### 42' is reduced to its answer the same way."""
+    predicted = extract_answer(response)
+    if predicted is None:
+        return 0.0
+    gold_text = label.strip()
+    if "####" in gold_text:                      # GSM8K: the answer follows the last ####
+        gold_text = gold_text.rsplit("####", 1)[1].strip()
+    elif "\\boxed{" in gold_text:
+        gold_text = extract_boxed(gold_text) or gold_text
+    gold = parse_number(gold_text)
+    value = parse_number(predicted)
+    if gold is None or value is None:
+        return float(predicted.replace(" ", "") == gold_text.replace(" ", ""))
+    return float(abs(value - gold) <= 1e-6 * max(1.0, abs(gold)))
+
+
+def digit_task(prompt: str, response: str, label: str, metadata: dict[str, str]) -> float:
+    """The example digit task (examples/digit_max): 1 if the response is exactly the label digit."""
+    return float(response.split() == [label.strip()])
+
+
+BUILTIN_REWARDS: dict[str, Callable[..., float]] = {
+    "exact_match": exact_match, "numeric_match": numeric_match, "digit_task": digit_task}
+
+
+# ---- resolution ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    spec: str
+    fn: Callable[..., Any]
+    batched: bool
+    keywords: tuple[str, ...] | None     # parameter names to pass by keyword; None = positional
+
+    def score(self, *, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[str],
+              metadatas: Sequence[dict[str, str]]) -> list[float]:
+        n = len(responses)
+        if not (len(prompts) == len(labels) == len(metadatas) == n):
+            raise ValueError("reward inputs differ in length")
+        if n == 0:
+            return []
+        if self.batched:
+            raw = _run_maybe_async(lambda: self._call(prompts, responses, labels, metadatas))
+            if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or len(raw) != n:
+                raise RewardError(f"batched reward {self.spec} returned {type(raw).__name__} "
+                                  f"{_len_of(raw)} for {n} samples; expected a list of {n} numbers")
+            return [_to_float(v, spec=self.spec, index=i) for i, v in enumerate(raw)]
+        calls = [functools.partial(self._call, p, r, lb, m) for p, r, lb, m in zip(prompts, responses, labels, metadatas)]
+        if inspect.iscoroutinefunction(self.fn):
+            raw = _run_coroutines(calls)
+        else:
+            raw = [_run_maybe_async(c) for c in calls]
+        return [_to_float(v, spec=self.spec, index=i) for i, v in enumerate(raw)]
+
+    def _call(self, *args: Any) -> Any:
+        names = _BATCHED if self.batched else _PER_SAMPLE
+        try:
+            if self.keywords is None:
+                return self.fn(*args)
+            return self.fn(**{k: v for k, v in zip(names, args) if k in self.keywords})
+        except Exception as exc:
+            raise RewardError(f"reward function {self.spec} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _len_of(value: Any) -> str:
+    return f"of length {len(value)}" if hasattr(value, "__len__") else ""
+
+
+def _to_float(value: Any, *, spec: str, index: int) -> float:
+    if isinstance(value, dict):
+        value = value.get("score", value.get("reward"))
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise RewardError(f"reward function {spec} returned {value!r} for sample {index}; expected a number") from None
+    if not math.isfinite(out):
+        raise RewardError(f"reward function {spec} returned {out} for sample {index}")
+    return out
+
+
+def _run_maybe_async(call: Callable[[], Any]) -> Any:
+    result = call()
+    if inspect.isawaitable(result):
+        return _run_async(_await(result))
+    return result
+
+
+async def _await(aw: Awaitable[Any]) -> Any:
+    return await aw
+
+
+def _run_coroutines(calls: list[Callable[[], Any]]) -> list[Any]:
+    async def gather() -> list[Any]:
+        return list(await asyncio.gather(*(_await(c()) for c in calls)))
+    return _run_async(gather())
+
+
+def _run_async(coro: Any) -> Any:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    # Called from inside an event loop (a notebook, an async caller): run on a fresh loop elsewhere.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+@functools.lru_cache(maxsize=64)
+def resolve_reward(spec: str) -> RewardFunction:
+    """Built-in name, `module:function` or `file.py:function` -> RewardFunction (RewardSpecError if not)."""
+    spec = spec.strip()
+    if not spec:
+        raise RewardSpecError("reward: empty name; use a built-in "
+                              f"({', '.join(BUILTIN_REWARDS)}) or module:function")
+    fn = BUILTIN_REWARDS.get(spec) or _load_callable(spec)
+    return _describe(spec, fn)
+
+
+def _load_callable(spec: str) -> Callable[..., Any]:
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise RewardSpecError(f"reward {spec!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}) "
+                              "and not of the form module:function or path/to/file.py:function")
+    module = _load_file(target, spec) if target.endswith(".py") or "/" in target else _import(target, spec)
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise RewardSpecError(f"reward {spec!r}: {target} has no attribute {attr!r}")
+    if not callable(fn):
+        raise RewardSpecError(f"reward {spec!r}: {attr} is a {type(fn).__name__}, not a function")
+    return fn  # type: ignore[return-value]
+
+
+def _import(name: str, spec: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        raise RewardSpecError(f"reward {spec!r}: module {exc.name!r} not found") from None
+    except Exception as exc:
+        raise RewardSpecError(f"reward {spec!r}: importing {name} failed: {type(exc).__name__}: {exc}") from None
+
+
+def _load_file(path_text: str, spec: str) -> Any:
+    path = Path(path_text)
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, REPO_ROOT / path]
+    file = next((c.resolve() for c in candidates if c.is_file()), None)
+    if file is None:
+        raise RewardSpecError(f"reward {spec!r}: file {path_text} not found (tried "
+                              f"{', '.join(str(c) for c in candidates)})")
+    name = f"tandem_reward_{abs(hash(str(file))):x}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, file)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        raise RewardSpecError(f"reward {spec!r}: loading {file} failed: {type(exc).__name__}: {exc}") from None
+    sys.modules[name] = module
+    return module
+
+
+def _describe(spec: str, fn: Callable[..., Any]) -> RewardFunction:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    flag = getattr(fn, "batched", None)
+    is_batched = bool(flag) if flag is not None else bool(named) and named[0] in ("prompts", "responses")
+    known = _BATCHED if is_batched else _PER_SAMPLE
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return RewardFunction(spec=spec, fn=fn, batched=is_batched, keywords=known)
+    if named and all(n in known for n in named):
+        return RewardFunction(spec=spec, fn=fn, batched=is_batched, keywords=tuple(named))
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if params and len(positional) < 4 and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        raise RewardSpecError(f"reward {spec!r}: {getattr(fn, '__name__', fn)} must take "
+                              f"({', '.join(known)}) or name a subset of them as parameters")
+    return RewardFunction(spec=spec, fn=fn, batched=is_batched, keywords=None)

@@ -1,0 +1,149 @@
+"""Reward built-ins and the plug-in point (module:function, file.py:function, sync/async, batched/per sample)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from services.rollout import rewards
+from services.rollout.rewards import RewardError, RewardSpecError, resolve_reward
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def score(spec: str, responses: list[str], labels: list[str]) -> list[float]:
+    return resolve_reward(spec).score(prompts=["p"] * len(responses), responses=responses, labels=labels,
+                                      metadatas=[{} for _ in responses])
+
+
+def test_exact_match_strips_whitespace_only():
+    assert score("exact_match", [" 7 ", "7.", "seven"], ["7", "7", "7"]) == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("response,label,expected", [
+    ("so the answer is 42", "42", 1.0),
+    ("first 3 then 5", "5", 1.0),                       # last number counts
+    ("first 5 then 3", "5", 0.0),
+    ("x = \\boxed{1,234}. Later 7", "1234", 1.0),        # boxed wins over the last number
+    ("\\boxed{\\frac{1}{2}} hmm", "\\frac{1}{2}", 1.0),  # non-numeric boxed: compared as text
+    ("it is 0.5", "1/2", 1.0),
+    ("-3", "-3.0", 1.0),
+    ("The total is $18.", "#### 18", 1.0),               # GSM8K-style label
+    ("no number here", "3", 0.0),
+])
+def test_numeric_match(response: str, label: str, expected: float):
+    assert score("numeric_match", [response], [label]) == [expected]
+
+
+def test_extract_boxed_handles_nested_braces():
+    assert rewards.extract_boxed("a \\boxed{x} b \\boxed{{1}+{2}} c") == "{1}+{2}"
+    assert rewards.extract_boxed("\\boxed{unclosed") is None
+
+
+def test_digit_task_builtin_and_example_file_agree():
+    responses, labels = ["7", " 7", "7 7", "", "3"], ["7", "7", "7", "7", "7"]
+    builtin = score("digit_task", responses, labels)
+    plugin = score("examples/digit_max/reward.py:reward", responses, labels)      # relative to the repo root
+    by_module = score("services.rollout.rewards:digit_task", responses, labels)
+    assert builtin == plugin == by_module == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def _write_module(tmp_path: Path, name: str, body: str) -> str:
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(body))
+    sys.path.insert(0, str(tmp_path))
+    return name
+
+
+@pytest.fixture
+def plugin_module(tmp_path: Path):
+    name = _write_module(tmp_path, "tandem_test_rewards_mod", """
+        import asyncio
+        from services.rollout.rewards import batched
+
+        def per_sample(prompt, response, label, metadata):
+            return len(response) + (10 if metadata.get("bonus") else 0)
+
+        def two_args(response, label):
+            return response == label
+
+        async def async_per_sample(prompt, response, label, metadata):
+            await asyncio.sleep(0.01)
+            return {"score": float(response == label)}
+
+        def lists(prompts, responses, labels, metadatas):
+            return [float(r == l) for r, l in zip(responses, labels)]
+
+        @batched
+        async def async_batch(p, r, l, m):
+            return [0.5] * len(r)
+
+        def returns_text(prompt, response, label, metadata):
+            return "good"
+
+        def raises(prompt, response, label, metadata):
+            raise RuntimeError("boom")
+
+        def wrong_length(prompts, responses, labels, metadatas):
+            return [1.0]
+
+        def only_response(response):
+            return float(len(response))
+
+        def odd_names(a, b):
+            return 1.0
+
+        NOT_CALLABLE = 3
+    """)
+    yield name
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop(name, None)
+
+
+def test_per_sample_batched_and_async_plugins(plugin_module: str):
+    m = plugin_module
+    fn = resolve_reward(f"{m}:per_sample")
+    assert not fn.batched
+    assert fn.score(prompts=["a", "b"], responses=["xy", "z"], labels=["", ""],
+                    metadatas=[{}, {"bonus": "1"}]) == [2.0, 11.0]
+    assert score(f"{m}:two_args", ["1", "2"], ["1", "1"]) == [1.0, 0.0]
+    assert score(f"{m}:only_response", ["abc"], ["x"]) == [3.0]
+    assert score(f"{m}:async_per_sample", ["1", "2", "3"], ["1", "1", "3"]) == [1.0, 0.0, 1.0]
+    assert resolve_reward(f"{m}:lists").batched
+    assert score(f"{m}:lists", ["1", "2"], ["1", "1"]) == [1.0, 0.0]
+    assert score(f"{m}:async_batch", ["1", "2"], ["1", "1"]) == [0.5, 0.5]
+
+
+def test_plugin_by_file_path(tmp_path: Path):
+    path = tmp_path / "my_reward.py"
+    path.write_text("def reward(response, label):\n    return 2.0 if response == label else -1.0\n")
+    assert score(f"{path}:reward", ["a", "b"], ["a", "a"]) == [2.0, -1.0]
+
+
+@pytest.mark.parametrize("spec,fragment", [
+    ("no_such_builtin", "not a built-in"),
+    ("tandem_no_such_module_xyz:fn", "module 'tandem_no_such_module_xyz' not found"),
+    ("services.rollout.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
+    ("missing/file.py:fn", "not found"),
+    ("", "empty"),
+])
+def test_bad_specs_are_clear_value_errors(spec: str, fragment: str):
+    with pytest.raises(RewardSpecError, match=fragment) as info:
+        resolve_reward(spec)
+    assert isinstance(info.value, ValueError)   # INVALID_ARGUMENT over gRPC
+
+
+def test_bad_plugins(plugin_module: str):
+    m = plugin_module
+    with pytest.raises(RewardSpecError, match="not a function"):
+        resolve_reward(f"{m}:NOT_CALLABLE")
+    with pytest.raises(RewardSpecError, match="must take"):
+        resolve_reward(f"{m}:odd_names")
+    with pytest.raises(RewardError, match="expected a number"):
+        score(f"{m}:returns_text", ["a"], ["a"])
+    with pytest.raises(RewardError, match="raised RuntimeError: boom"):
+        score(f"{m}:raises", ["a"], ["a"])
+    with pytest.raises(RewardError, match="for 2 samples"):
+        score(f"{m}:wrong_length", ["a", "b"], ["a", "b"])
