@@ -20,6 +20,10 @@ class RedisServerError(RuntimeError):
     pass
 
 
+class _PortTaken(RedisServerError):
+    pass
+
+
 def find_redis_server() -> str:
     env = os.environ.get("TANDEM_REDIS_SERVER")
     if env:
@@ -49,11 +53,14 @@ class EmbeddedRedis:
     """Starts on `start()`, stops on `stop()`; usable as a context manager."""
 
     def __init__(self, data_dir: str | os.PathLike[str], *, port: int = 0, host: str = "127.0.0.1",
-                 appendonly: bool = True, password: str | None = None, log_path: str | None = None):
+                 appendonly: bool = True, password: str | None = None, log_path: str | None = None,
+                 appendfsync: str = "everysec", extra_args: tuple[str, ...] = ()):
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port
         self.appendonly = appendonly
+        self.appendfsync = appendfsync
+        self.extra_args = tuple(extra_args)
         self.password = password
         self.log_path = Path(log_path) if log_path else self.data_dir / "redis.log"
         self.process: subprocess.Popen[bytes] | None = None
@@ -64,32 +71,58 @@ class EmbeddedRedis:
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 20.0) -> "EmbeddedRedis":
+        """Starts the server and waits until it answers PING. With port 0 a free port is picked (and another
+        one if that was taken in between); a restart after `stop()`/`kill()` reuses the port and data."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.port = self.port or free_port(self.host)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        pick = self.port == 0
+        for attempt in range(3):
+            if pick:
+                self.port = free_port(self.host)
+            try:
+                self._spawn(timeout_s)
+                return self
+            except _PortTaken:
+                if not pick or attempt == 2:
+                    raise RedisServerError(f"redis-server could not bind {self.host}:{self.port}: "
+                                           "address already in use") from None
+        raise AssertionError("unreachable")
+
+    def _spawn(self, timeout_s: float) -> None:
         args = [find_redis_server(), "--port", str(self.port), "--bind", self.host, "--dir", str(self.data_dir),
-                "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
-                "--daemonize", "no", "--protected-mode", "yes", "--logfile", str(self.log_path)]
+                "--save", "", "--appendonly", "yes" if self.appendonly else "no",
+                "--appendfsync", self.appendfsync, "--daemonize", "no", "--protected-mode", "yes",
+                "--logfile", str(self.log_path)]
         if self.password:
             args += ["--requirepass", self.password]
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, start_new_session=True)
+        args += list(self.extra_args)
+        # stderr goes to a file: a pipe nobody reads could fill up and stall the server.
+        self.stderr_path = self.data_dir / "redis.stderr"
+        with open(self.stderr_path, "ab") as stderr:
+            self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                            stderr=stderr, start_new_session=True)
         self._wait_ready(timeout_s)
-        return self
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=1.0)
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
-                log = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
-                raise RedisServerError(f"redis-server exited with {self.process.returncode}: {err}{log}")
-            try:
-                if client.ping():
-                    client.close()
-                    return
-            except redis.exceptions.ConnectionError:
-                time.sleep(0.05)
+        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=1.0,
+                             retry=None)
+        try:
+            while time.monotonic() < deadline:
+                if self.process is not None and self.process.poll() is not None:
+                    code, self.process = self.process.returncode, None
+                    err = self.stderr_path.read_text(errors="replace")[-2000:] if self.stderr_path.exists() else ""
+                    log = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
+                    if "Address already in use" in log + err:
+                        raise _PortTaken()
+                    raise RedisServerError(f"redis-server exited with {code}: {err}{log}")
+                try:
+                    if client.ping():
+                        return
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    time.sleep(0.05)
+        finally:
+            client.close()
         self.stop()
         raise RedisServerError(f"redis-server on {self.host}:{self.port} did not answer within {timeout_s}s")
 

