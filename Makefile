@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-DEMO_CONFIG ?= examples/copy_digit.yaml
+DEMO_CONFIG ?= examples/digit_max.yaml
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test protos bench clean
