@@ -1,0 +1,160 @@
+"""Bucketing layout, plan validation, checksums and the front ends' checks (no processes)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.config import WeightsConfig
+from services.common.gen.tandem.v1 import common_pb2
+from services.common.weights import (TensorSpec, WeightPublisher, WeightReceiver, WeightSyncRefused, check_params,
+                                     layout_from_plan, plan_layout, tensor_checksum)
+from services.common.weights.layout import layout_to_buckets
+
+KB = 1024
+
+
+def _specs() -> list[TensorSpec]:
+    return [
+        TensorSpec("embed", "bfloat16", (64, 64)),    # 8 KB
+        TensorSpec("norm0", "float32", (64,)),         # 256 B
+        TensorSpec("w0", "bfloat16", (32, 64)),        # 4 KB
+        TensorSpec("w1", "bfloat16", (32, 64)),        # 4 KB
+        TensorSpec("huge", "bfloat16", (128, 128)),    # 32 KB > bucket
+        TensorSpec("norm1", "float32", (64,)),
+        TensorSpec("w2", "bfloat16", (32, 64)),
+        TensorSpec("step", "int64", ()),
+        TensorSpec("empty", "float32", (0, 4)),
+    ]
+
+
+def test_buckets_are_dtype_homogeneous_bounded_and_contiguous():
+    layout = plan_layout(_specs(), bucket_bytes=10 * KB)
+    for bucket in layout.buckets:
+        assert {s.dtype for s in bucket.tensors} == {bucket.dtype}
+        assert bucket.nbytes <= 10 * KB or bucket.direct
+        offset = 0
+        for slot in bucket.tensors:
+            assert slot.offset == offset and slot.bucket == bucket.index
+            offset += slot.nbytes
+        assert offset == bucket.nbytes
+    assert [s.name for s in layout.order] == [s.name for s in _specs()]
+    assert layout.total_bytes == sum(s.nbytes for s in _specs())
+
+
+def test_tensor_larger_than_a_bucket_gets_its_own():
+    layout = plan_layout(_specs(), bucket_bytes=10 * KB)
+    huge = next(b for b in layout.buckets if any(s.name == "huge" for s in b.tensors))
+    assert [s.name for s in huge.tensors] == ["huge"] and huge.nbytes == 32 * KB and huge.direct
+
+
+def test_bucket_indices_follow_completion_order():
+    """Streaming tensors in spec order completes buckets exactly in index order (what the sender relies on)."""
+    layout = plan_layout(_specs(), bucket_bytes=10 * KB)
+    left = {b.index: len(b.tensors) for b in layout.buckets}
+    completed = []
+    for slot in layout.order:
+        left[slot.bucket] -= 1
+        if left[slot.bucket] == 0:
+            completed.append(slot.bucket)
+    assert completed == list(range(len(layout.buckets)))
+    # embed (8K) + w0 (4K) overflow 10K: w0 opens a second bf16 bucket while norm0's fp32 bucket stays open
+    names = [[s.name for s in b.tensors] for b in layout.buckets]
+    assert ["embed"] in names and ["w0", "w1"] in names and ["norm0", "norm1", "empty"] in names
+
+
+def test_plan_round_trip_and_validation():
+    layout = plan_layout(_specs(), bucket_bytes=10 * KB)
+    plan = common_pb2.WeightSyncPlan(version=3, buckets=layout_to_buckets(layout), total_bytes=layout.total_bytes)
+    again = layout_from_plan(common_pb2.WeightSyncPlan.FromString(plan.SerializeToString()))
+    assert again.buckets == layout.buckets
+
+    bad = common_pb2.WeightSyncPlan(); bad.CopyFrom(plan)
+    bad.buckets[0].tensors[0].offset_bytes = 8
+    with pytest.raises(ValueError, match="offset"):
+        layout_from_plan(bad)
+    bad.CopyFrom(plan)
+    bad.buckets[1].tensors[0].dtype = "int32"
+    with pytest.raises(ValueError, match="bucket"):
+        layout_from_plan(bad)
+    bad.CopyFrom(plan)
+    bad.buckets[0].tensors[0].nbytes += 2
+    with pytest.raises(ValueError, match="does not match"):
+        layout_from_plan(bad)
+
+
+def test_specs_reject_duplicates_and_unknown_dtypes():
+    with pytest.raises(ValueError, match="twice"):
+        plan_layout([TensorSpec("a", "float32", (1,)), TensorSpec("a", "float32", (1,))], bucket_bytes=KB)
+    with pytest.raises(ValueError, match="unsupported weight dtype"):
+        TensorSpec("a", "complex64", (1,))
+    assert TensorSpec("a", "torch.bfloat16", [2, 3]) == TensorSpec("a", "bfloat16", (2, 3))
+
+
+def test_checksum_is_bit_exact():
+    x = torch.randn(64, 32, dtype=torch.float32)
+    assert tensor_checksum(x) == tensor_checksum(x.clone())
+    assert tensor_checksum(x.t().contiguous().t()) == tensor_checksum(x)   # layout-independent: C-order bytes
+    flipped = x.clone()
+    flipped.view(torch.int32)[3, 4] ^= 1                                     # one low mantissa bit
+    assert tensor_checksum(flipped) != tensor_checksum(x)
+    assert tensor_checksum(torch.tensor(0.0)) != tensor_checksum(torch.tensor(-0.0))
+    nan_a = torch.tensor([0x7FC00000], dtype=torch.int32).view(torch.float32)
+    nan_b = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
+    assert tensor_checksum(nan_a) != tensor_checksum(nan_b)
+    b = torch.randn(7, 5).to(torch.bfloat16)
+    assert tensor_checksum(b) == tensor_checksum(b.clone()) and len(tensor_checksum(b)) == 32
+    assert tensor_checksum(torch.empty(0, 3)) == tensor_checksum(torch.empty(0, 5))
+
+
+def test_check_params_lists_every_mismatch():
+    layout = plan_layout(_specs(), bucket_bytes=10 * KB)
+    params = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in _specs()}
+    assert check_params(layout, params) == []
+    del params["w1"]
+    params["w2"] = torch.zeros(64, 32, dtype=torch.bfloat16)
+    params["norm0"] = torch.zeros(64, dtype=torch.float16)
+    problems = check_params(layout, params)
+    assert len(problems) == 3 and any("w1: missing" in p for p in problems)
+    assert any("w2" in p and "[64, 32]" in p for p in problems) and any("norm0" in p and "float16" in p for p in problems)
+
+
+def _disk_publisher(tmp_path: Path, timeout_s: float = 2.0) -> WeightPublisher:
+    return WeightPublisher(config=WeightsConfig(transport="disk", bucket_mb=0.01, timeout_s=timeout_s),
+                           run_dir=tmp_path, trainer_id="actor-0")
+
+
+def test_receiver_refuses_mismatched_params_before_anything(tmp_path: Path):
+    plan = _disk_publisher(tmp_path).prepare(_specs(), 1, 1, False)
+    params = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in _specs()[1:]}
+    params["w0"] = torch.zeros(3)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"disk weight sync v1 .*2 problem\(s\).*embed: missing.*w0: have float32 \[3\]"):
+        WeightReceiver().receive(plan, 1, params)
+    assert time.monotonic() - started < 1.0      # refused up front, not after waiting for the files
+
+
+def test_receiver_accepts_only_its_trainer(tmp_path: Path):
+    plan = _disk_publisher(tmp_path).prepare(_specs(), 1, 1, False)
+    params = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in _specs()}
+    with pytest.raises(WeightSyncRefused, match="'actor-0' is not the accepted trainer 'actor-9'"):
+        WeightReceiver(accepted_trainer_id="actor-9").receive(plan, 1, params)
+
+
+def test_publish_validates_names_shapes_dtypes(tmp_path: Path):
+    publisher = _disk_publisher(tmp_path)
+    plan = publisher.prepare(_specs(), 2, 1, False)
+    tensors = [(s.name, torch.zeros(s.shape, dtype=getattr(torch, s.dtype))) for s in _specs()]
+    tensors[2] = ("w0", torch.zeros(32, 64, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"tensor #2 is 'w0' float32 \[32, 64\], the plan expects 'w0' bfloat16"):
+        publisher.publish(plan, tensors)
+    with pytest.raises(ValueError, match="got 3 tensors, the plan has 9"):
+        publisher.publish(plan, [(s.name, torch.zeros(s.shape, dtype=getattr(torch, s.dtype))) for s in _specs()[:3]])
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == []   # no half-written version left
+    other = publisher.prepare(_specs()[:2], 3, 1, False)
+    with pytest.raises(ValueError, match="latest prepare"):
+        publisher.publish(plan, tensors)
+    assert other.version == 3
