@@ -1,0 +1,232 @@
+"""The DeepSpeed engine around a local Hugging Face model (policy) or a value model (critic).
+
+One optimizer step per Train call: micro-batches accumulate gradients with the accumulation boundary set
+by hand (their number varies with the token budget), then `step()` clips, updates and advances the lr
+schedule. DeepSpeed averages gradients over data-parallel ranks, so callers scale each rank's loss by the
+world size to get the global sum their per-token weights describe.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from services.common.config import TandemConfig
+from services.trainer.batching import MicroBatch
+from services.trainer.dist import DistInfo
+from services.trainer.losses import token_log_probs
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def lr_lambda(*, schedule: str, warmup_steps: int, total_steps: int | None, lr: float,
+              min_lr: float) -> Callable[[int], float]:
+    """Factor of the base lr for optimizer step `s` (0-based): linear warm-up that reaches the base lr on
+    step warmup_steps - 1, then constant, cosine or linear decay to min_lr at total_steps."""
+    if schedule != "constant" and total_steps is None:
+        raise ValueError(f"trainer.lr_schedule: {schedule} needs trainer.total_steps (or loop.num_rollout)")
+    floor = min_lr / lr
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule == "cosine":
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0 - (1.0 - floor) * progress
+
+    return factor
+
+
+def deepspeed_config(config: TandemConfig, *, world_size: int, lr: float) -> dict[str, Any]:
+    t = config.trainer
+    ds: dict[str, Any] = {
+        # One "sample" per micro-batch call; the real batch size is decided by the token budget.
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world_size,
+        "gradient_clipping": t.grad_clip, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True, "bf16": {"enabled": t.precision == "bf16"},
+        "zero_optimization": {"stage": t.zero_stage},
+    }
+    if t.zero_stage == 3:
+        # Gather whole layers at once on small models instead of prefetching piecemeal.
+        ds["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=5e7)
+    if t.optimizer == "adamw_deepspeed":
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": list(t.betas), "eps": 1e-8,
+                                                      "weight_decay": t.weight_decay}}
+    return ds
+
+
+def load_causal_lm(path: str, *, dtype: torch.dtype, attn: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+
+
+class ValueModel(torch.nn.Module):
+    """Critic: the policy's transformer body with a scalar head; values[b, i] estimates V(tokens[:i+1])."""
+
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)   # V = 0 at start: the first advantages are the returns
+        torch.nn.init.zeros_(self.value_head.bias)
+        self.config = backbone.config
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype, attn: str) -> "ValueModel":
+        from transformers import AutoModel
+
+        backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+        model = cls(backbone, backbone.config.hidden_size)
+        return model.to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    grad_norm: float
+    lr: float
+
+
+class DeepSpeedBackend:
+    """Owns the DeepSpeed engine: forward passes on micro-batches, backward, step, checkpoints, offload."""
+
+    def __init__(self, *, config: TandemConfig, role: str, dist_info: DistInfo):
+        import deepspeed
+
+        t = config.trainer
+        self.role, self.dist_info, self.config = role, dist_info, config
+        self.zero_stage = t.zero_stage
+        torch.manual_seed(t.seed)
+        dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+        attn = config.model.attn_implementation
+        if role == "critic":
+            model: torch.nn.Module = ValueModel.from_pretrained(config.model.path, dtype=dtype, attn=attn)
+        else:
+            model = load_causal_lm(config.model.path, dtype=dtype, attn=attn)
+        if t.gradient_checkpointing:
+            (model.backbone if role == "critic" else model).gradient_checkpointing_enable()
+        lr = (t.critic_lr or t.lr) if role == "critic" else t.lr
+        total = t.total_steps or config.loop.num_rollout
+        schedule = lr_lambda(schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total, lr=lr,
+                             min_lr=t.min_lr)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = None
+        if t.optimizer == "adamw_torch":
+            optimizer = torch.optim.AdamW(params, lr=lr, betas=t.betas, eps=1e-8, weight_decay=t.weight_decay)
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, model_parameters=params if optimizer is None else None,
+            config=deepspeed_config(config, world_size=dist_info.world_size, lr=lr),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+        self.engine.train()
+        self.offloaded = False
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist_info.device
+
+    @property
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.engine.global_steps)
+
+    # ---- forward ----------------------------------------------------------------------------------
+
+    def logits(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits at the micro-batch's response positions [N, V], full logits for graph anchoring)."""
+        mb = mb.to(self.device)
+        out = self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        return out.logits[mb.rows, mb.positions], out.logits
+
+    def values(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Critic: (values at the response positions [N], all values)."""
+        mb = mb.to(self.device)
+        values = self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+        return values[mb.rows, mb.positions], values
+
+    # ---- update -----------------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss)
+
+    def step(self) -> StepResult:
+        lr = self.lr   # the lr this update uses; step() advances the schedule
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        return StepResult(grad_norm=norm, lr=lr)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: Path, *, client_state: dict[str, Any]) -> None:
+        """Collective: every rank writes its shards under directory/ds."""
+        self.engine.save_checkpoint(str(directory), tag="ds", client_state=client_state, save_latest=False)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        path, _ = self.engine.load_checkpoint(str(directory), tag="ds", load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}/ds")
+
+    # ---- offload ----------------------------------------------------------------------------------
+
+    def offload(self) -> str:
+        if self.zero_stage == 0:
+            raise NotImplementedError("Offload needs ZeRO stage 1-3 (DeepSpeed offload_states); "
+                                      "trainer.zero_stage is 0")
+        if self.offloaded:
+            return "already offloaded"
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+        self.engine.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=self.device.type == "cuda",
+                                   non_blocking=False)
+        self.offloaded = True
+        return "parameters, gradients and optimizer states moved to host memory"
+
+    def onload(self) -> str:
+        if not self.offloaded:
+            return "not offloaded"
+        self.engine.reload_states(non_blocking=False)
+        self.offloaded = False
+        return f"states reloaded to {self.device}"
+
+    def close(self) -> None:
+        self.engine.destroy()
+
+
+def load_reference_model(config: TandemConfig, device: torch.device) -> torch.nn.Module:
+    """The frozen reference policy for the KL term: the initial weights from model.path."""
+    dtype = torch.bfloat16 if config.trainer.precision == "bf16" else torch.float32
+    model = load_causal_lm(config.model.path, dtype=dtype, attn=config.model.attn_implementation).to(device)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+@torch.no_grad()
+def reference_log_probs(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+    mb = mb.to(device)
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+    return token_log_probs(logits[mb.rows, mb.positions], mb.targets).cpu()

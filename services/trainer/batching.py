@@ -1,0 +1,199 @@
+"""From rollout batches to micro-batches: merge, validate, drop stale samples, shard over ranks, pack.
+
+A `TrainBatch` is the concatenation of the step's rollout batches (same flat layout as the wire format).
+Every rank holds the whole batch, so global quantities (advantages, aggregation weights) are computed
+identically everywhere; each rank then trains on its shard, split into micro-batches under a token budget.
+Per-token tensors of a micro-batch are addressed by `token_index` into the batch's flat response arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from services.common.wire import RolloutBatchData
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    tokens: torch.Tensor             # int64, prompt+response of every sample, concatenated
+    prompt_lengths: torch.Tensor     # int64 [n]
+    response_lengths: torch.Tensor   # int64 [n]
+    loss_mask: torch.Tensor          # float32 [T]
+    rollout_log_probs: torch.Tensor  # float32 [T]
+    rewards: torch.Tensor            # float32 [n]
+    group_ids: torch.Tensor          # int64 [n]
+    sample_versions: torch.Tensor    # int64 [n]
+    values: torch.Tensor | None = None   # float32 [T], the critic's values (PPO actor)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.prompt_lengths.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_lengths.sum())
+
+    def offsets(self) -> tuple[list[int], list[int]]:
+        """Start of each sample in `tokens` and in the flat response-token arrays."""
+        seq = (self.prompt_lengths + self.response_lengths).tolist()
+        tok = np.concatenate([[0], np.cumsum(seq)[:-1]]).astype(int).tolist() if seq else []
+        resp = self.response_lengths.tolist()
+        rsp = np.concatenate([[0], np.cumsum(resp)[:-1]]).astype(int).tolist() if resp else []
+        return tok, rsp
+
+    def select(self, keep: list[int]) -> "TrainBatch":
+        """The samples `keep` (in that order), with their tokens and per-token arrays."""
+        tok_off, resp_off = self.offsets()
+        seq = (self.prompt_lengths + self.response_lengths).tolist()
+        resp = self.response_lengths.tolist()
+        tok_idx = torch.tensor([t for i in keep for t in range(tok_off[i], tok_off[i] + seq[i])], dtype=torch.long)
+        rsp_idx = torch.tensor([t for i in keep for t in range(resp_off[i], resp_off[i] + resp[i])],
+                               dtype=torch.long)
+        idx = torch.tensor(keep, dtype=torch.long)
+        return TrainBatch(
+            tokens=self.tokens[tok_idx], prompt_lengths=self.prompt_lengths[idx],
+            response_lengths=self.response_lengths[idx], loss_mask=self.loss_mask[rsp_idx],
+            rollout_log_probs=self.rollout_log_probs[rsp_idx], rewards=self.rewards[idx],
+            group_ids=self.group_ids[idx], sample_versions=self.sample_versions[idx],
+            values=None if self.values is None else self.values[rsp_idx])
+
+    def with_values(self, values: torch.Tensor) -> "TrainBatch":
+        if values.shape != (self.num_response_tokens,):
+            raise ValueError(f"critic values hold {values.shape[0]} entries, the batch has "
+                             f"{self.num_response_tokens} response tokens")
+        return replace(self, values=values.to(torch.float32))
+
+
+def merge_batches(batches: list[RolloutBatchData]) -> TrainBatch:
+    """Concatenates rollout batches in the given order (the order the entries were named)."""
+    if not batches:
+        raise ValueError("empty batch: no rollout batches to train on")
+    for b in batches:
+        b.validate()   # mismatched lengths, NaN rewards: refuse before anything else happens
+
+    def cat(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([np.asarray(getattr(b, name)) for b in batches])).to(dtype)
+
+    return TrainBatch(tokens=cat("tokens", torch.long), prompt_lengths=cat("prompt_lengths", torch.long),
+                      response_lengths=cat("response_lengths", torch.long),
+                      loss_mask=cat("loss_mask", torch.float32),
+                      rollout_log_probs=cat("rollout_log_probs", torch.float32),
+                      rewards=cat("rewards", torch.float32), group_ids=cat("group_ids", torch.long),
+                      sample_versions=cat("sample_versions", torch.long))
+
+
+def check_trainable(batch: TrainBatch, *, vocab_size: int, max_positions: int | None,
+                    needs_rollout_log_probs: bool) -> None:
+    """Refuses a batch the model cannot train on, with a message naming the problem."""
+    if batch.num_samples == 0:
+        raise ValueError("empty batch: the rollout batches hold no samples")
+    if (batch.prompt_lengths < 1).any():
+        raise ValueError("every sample needs a prompt of at least one token (the first response token's context)")
+    if batch.num_tokens and (int(batch.tokens.min()) < 0 or int(batch.tokens.max()) >= vocab_size):
+        raise ValueError(f"token ids must lie in [0, {vocab_size}) (the model's vocabulary); got "
+                         f"[{int(batch.tokens.min())}, {int(batch.tokens.max())}]")
+    longest = int((batch.prompt_lengths + batch.response_lengths).max())
+    if max_positions is not None and longest > max_positions:
+        raise ValueError(f"a sample has {longest} tokens, more than the model's {max_positions} positions")
+    if not torch.isfinite(batch.rewards).all():
+        raise ValueError("rewards contain NaN or inf")
+    if needs_rollout_log_probs and not torch.isfinite(batch.rollout_log_probs).all():
+        raise ValueError("rollout_log_probs contain NaN or inf")
+    if float(batch.loss_mask.sum()) <= 0:
+        raise ValueError("no trainable tokens: every response token has loss_mask 0")
+
+
+def stale_samples(batch: TrainBatch, *, weight_version: int, max_staleness: int) -> list[int]:
+    """Indices of samples generated more than `max_staleness` versions before `weight_version`."""
+    if max_staleness < 0:
+        return []
+    stale = (weight_version - batch.sample_versions) > max_staleness
+    return torch.nonzero(stale).flatten().tolist()
+
+
+def shard_samples(seq_lengths: list[int], *, world_size: int, rank: int) -> list[int]:
+    """Longest-first greedy assignment to the least-loaded rank: balanced tokens, deterministic."""
+    loads = [0] * world_size
+    mine = []
+    for i in sorted(range(len(seq_lengths)), key=lambda i: (-seq_lengths[i], i)):
+        r = min(range(world_size), key=lambda k: (loads[k], k))
+        loads[r] += seq_lengths[i]
+        if r == rank:
+            mine.append(i)
+    return sorted(mine)
+
+
+def pack_samples(sample_ids: list[int], seq_lengths: list[int], *, token_budget: int) -> list[list[int]]:
+    """Groups samples so that rows × longest row stays within `token_budget` (padded cost); a sample
+    longer than the budget gets a micro-batch of its own."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in sorted(sample_ids, key=lambda i: (-seq_lengths[i], i)):
+        width = max(longest, seq_lengths[i])
+        if current and width * (len(current) + 1) > token_budget:
+            groups.append(current)
+            current, width = [], seq_lengths[i]
+        current.append(i)
+        longest = width
+    if current:
+        groups.append(current)
+    return groups
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    input_ids: torch.Tensor       # [B, L], right-padded
+    attention_mask: torch.Tensor  # [B, L]
+    rows: torch.Tensor            # [N] row of each response token
+    positions: torch.Tensor       # [N] output position that predicts it
+    targets: torch.Tensor         # [N] the token id
+    token_index: torch.Tensor     # [N] index into the batch's flat response-token arrays
+    num_tokens: int               # real (unpadded) tokens
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        return MicroBatch(input_ids=self.input_ids.to(device), attention_mask=self.attention_mask.to(device),
+                          rows=self.rows.to(device), positions=self.positions.to(device),
+                          targets=self.targets.to(device), token_index=self.token_index,
+                          num_tokens=self.num_tokens)
+
+
+def build_micro_batch(batch: TrainBatch, sample_ids: list[int]) -> MicroBatch:
+    tok_off, resp_off = batch.offsets()
+    prompts, resps = batch.prompt_lengths.tolist(), batch.response_lengths.tolist()
+    width = max(prompts[i] + resps[i] for i in sample_ids)
+    input_ids = torch.zeros(len(sample_ids), width, dtype=torch.long)
+    attention = torch.zeros(len(sample_ids), width, dtype=torch.long)
+    rows, positions, index = [], [], []
+    for b, i in enumerate(sample_ids):
+        n = prompts[i] + resps[i]
+        input_ids[b, :n] = batch.tokens[tok_off[i]:tok_off[i] + n]
+        attention[b, :n] = 1
+        rows += [b] * resps[i]
+        positions += range(prompts[i] - 1, n - 1)
+        index += range(resp_off[i], resp_off[i] + resps[i])
+    rows_t, pos_t = torch.tensor(rows, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
+    return MicroBatch(input_ids=input_ids, attention_mask=attention, rows=rows_t, positions=pos_t,
+                      targets=input_ids[rows_t, pos_t + 1], token_index=torch.tensor(index, dtype=torch.long),
+                      num_tokens=int(attention.sum()))
+
+
+def dummy_micro_batch() -> MicroBatch:
+    """Two tokens, no response token: keeps ranks with less data in lockstep (ZeRO-3 gathers every forward)."""
+    empty = torch.zeros(0, dtype=torch.long)
+    return MicroBatch(input_ids=torch.zeros(1, 2, dtype=torch.long), attention_mask=torch.ones(1, 2, dtype=torch.long),
+                      rows=empty, positions=empty, targets=empty, token_index=empty, num_tokens=0)
+
+
+def plan_micro_batches(batch: TrainBatch, *, world_size: int, rank: int, token_budget: int) -> list[MicroBatch]:
+    """This rank's micro-batches (not yet padded to the other ranks' count)."""
+    seq = (batch.prompt_lengths + batch.response_lengths).tolist()
+    mine = shard_samples(seq, world_size=world_size, rank=rank)
+    return [build_micro_batch(batch, g) for g in pack_samples(mine, seq, token_budget=token_budget)]

@@ -1,0 +1,147 @@
+"""Checkpoint layout, completeness, retention, and the trainer's JSON client state (incl. RNG).
+
+    <root>/<role>/rollout_<id:08d>/
+        ds/                     DeepSpeed shards (every rank writes its own)
+        hf/                     HF-format export (safetensors + config + tokenizer files), optional
+        tandem_state.json       the trainer's state: step, weight version, recorded Train results, ...
+        rng_rank<r>.json        each rank's RNG state
+        COMPLETE.json           written last, atomically: a directory without it is ignored (half-written)
+
+The trainer reads only JSON it wrote itself; DeepSpeed's own shards are loaded by DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+COMPLETE = "COMPLETE.json"
+STATE = "tandem_state.json"
+_DIR_RE = re.compile(r"^rollout_(\d+)$")
+
+
+def checkpoint_root(*, base: Path, role: str) -> Path:
+    return base / role
+
+
+def checkpoint_dir(root: Path, rollout_id: int) -> Path:
+    return root / f"rollout_{rollout_id:08d}"
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def is_complete(directory: Path) -> bool:
+    return (directory / COMPLETE).is_file()
+
+
+def mark_complete(directory: Path, info: dict[str, Any]) -> None:
+    write_json_atomic(directory / COMPLETE, info)
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(rollout id, directory) of every checkpoint-shaped directory under root, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _DIR_RE.match(p.name))]
+    return sorted(found)
+
+
+def latest_complete(root: Path) -> Path | None:
+    complete = [p for _, p in list_checkpoints(root) if is_complete(p)]
+    return complete[-1] if complete else None
+
+
+def resolve_load_dir(path: str, *, default_root: Path, role: str) -> Path | None:
+    """Empty path: the latest complete checkpoint under the default root (None when there is none).
+    A path may name one checkpoint directory, a role directory, or a root holding role directories."""
+    if not path:
+        return latest_complete(default_root)
+    p = Path(path)
+    if is_complete(p):
+        return p
+    if _DIR_RE.match(p.name) and p.is_dir():
+        raise FileNotFoundError(f"checkpoint {p} is incomplete (no {COMPLETE}: it was being written when the "
+                                "trainer stopped)")
+    for candidate in (p / role, p):
+        found = latest_complete(candidate)
+        if found is not None:
+            return found
+    raise FileNotFoundError(f"no complete checkpoint at {p}")
+
+
+def apply_retention(root: Path, *, keep: int, current: Path) -> list[Path]:
+    """Keeps the newest `keep` complete checkpoints; removes older ones and any incomplete leftovers
+    (never `current`). Returns what was removed."""
+    entries = list_checkpoints(root)
+    complete = [p for _, p in entries if is_complete(p)]
+    keep_set = set(complete[-keep:]) | {current}
+    removed = []
+    for _, p in entries:
+        if p not in keep_set:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def copy_tokenizer_files(model_dir: Path, out_dir: Path) -> None:
+    """What serving needs beside the weights: tokenizer files and any other small non-weight file."""
+    skip_suffixes = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and not f.name.endswith(skip_suffixes) and f.name not in ("config.json",
+                                                                                 "generation_config.json"):
+            shutil.copy2(f, out_dir / f.name)
+
+
+# ---- RNG --------------------------------------------------------------------------------------------
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict[str, Any]:
+    version, state, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    out: dict[str, Any] = {
+        "python": [version, list(state), gauss],
+        "numpy": [np_name, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
+        "torch": _b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])

@@ -1,0 +1,118 @@
+"""The critic's update (clipped value loss on GAE returns) and the value hand-off to the actor.
+
+The critic's Train computes V(s_t) for every response token with its weights *before* its update, GAE
+advantages and returns from the rollout rewards, trains on the returns, and publishes values, advantages
+and returns under the Redis key `<stream>:adv:<rollout_id>` (TensorData protobufs, never pickle). The
+actor's Train (use_critic_values) reads the values and recomputes GAE itself, which gives the same
+advantages unless it adds KL reward shaping, which only the actor (holding the reference model) can.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import redis
+import torch
+
+from services.common.config import AlgorithmConfig
+from services.common.gen.tandem.v1 import common_pb2
+from services.common.grpc_util import FailedPrecondition
+from services.common.wire import array_from_proto, array_to_proto
+from services.trainer.actor import batch_metrics, lockstep_micro_batches, per_token_pass, perf
+from services.trainer.advantages import gae, token_rewards
+from services.trainer.backend import DeepSpeedBackend
+from services.trainer.batching import TrainBatch
+from services.trainer.dist import all_reduce_sum
+from services.trainer.losses import aggregation_weights, clipped_value_loss
+
+HANDOFF_TTL_S = 24 * 3600   # a hand-off the actor never consumed (run stopped) does not live forever
+
+
+@dataclass(frozen=True)
+class ValueHandoff:
+    entry_ids: tuple[str, ...]
+    response_lengths: np.ndarray   # int64 [n]
+    values: np.ndarray             # float32 [T]
+    advantages: np.ndarray         # float32 [T]
+    returns: np.ndarray            # float32 [T]
+
+
+def handoff_key(stream: str, rollout_id: int) -> str:
+    return f"{stream}:adv:{rollout_id}"
+
+
+def publish_handoff(client: redis.Redis, *, stream: str, rollout_id: int, handoff: ValueHandoff) -> None:
+    fields = {"entry_ids": json.dumps(list(handoff.entry_ids))}
+    for name in ("response_lengths", "values", "advantages", "returns"):
+        fields[name] = array_to_proto(getattr(handoff, name)).SerializeToString()
+    key = handoff_key(stream, rollout_id)
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(key)
+    pipe.hset(key, mapping=fields)
+    pipe.expire(key, HANDOFF_TTL_S)
+    pipe.execute()
+
+
+def read_handoff(client: redis.Redis, *, stream: str, rollout_id: int) -> ValueHandoff:
+    raw = client.hgetall(handoff_key(stream, rollout_id))
+    if not raw:
+        raise FailedPrecondition(f"no critic values for rollout {rollout_id} (key {handoff_key(stream, rollout_id)}):"
+                                 " train the critic on this rollout first")
+
+    def arr(name: str) -> np.ndarray:
+        msg = common_pb2.TensorData()
+        msg.ParseFromString(raw[name.encode()])
+        return array_from_proto(msg, what=f"critic {name}")
+
+    return ValueHandoff(entry_ids=tuple(json.loads(raw[b"entry_ids"].decode())),
+                        response_lengths=arr("response_lengths"), values=arr("values"),
+                        advantages=arr("advantages"), returns=arr("returns"))
+
+
+def values_for_batch(handoff: ValueHandoff, *, entry_ids: list[str], batch: TrainBatch) -> torch.Tensor:
+    """The critic's values aligned with the actor's batch; refuses a hand-off for other entries."""
+    if list(handoff.entry_ids) != list(entry_ids):
+        raise FailedPrecondition(f"the critic's values are for entries {list(handoff.entry_ids)}, the actor trains "
+                                 f"on {list(entry_ids)}")
+    if not np.array_equal(handoff.response_lengths, batch.response_lengths.numpy()):
+        raise FailedPrecondition("the critic's values do not match the batch's response lengths")
+    return torch.from_numpy(handoff.values.astype(np.float32))
+
+
+_SUMS = ("loss", "value_clipfrac", "value_mean", "return_mean", "advantage_mean")
+
+
+def critic_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmConfig,
+                token_budget: int) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Returns (metrics, (values before the update, advantages, returns)) for the full batch."""
+    start = time.monotonic()
+    device, world = backend.device, backend.dist_info.world_size
+    mbs = lockstep_micro_batches(backend, batch, token_budget=token_budget)
+    n_tok = batch.num_response_tokens
+    local = per_token_pass(n_tok, mbs, lambda mb: backend.values(mb)[0])
+    old_values = all_reduce_sum(local.to(device)).cpu()   # every rank needs all of them for the hand-off
+    advantages, returns = gae(rewards=token_rewards(batch.rewards, batch.response_lengths), values=old_values,
+                              response_lengths=batch.response_lengths, gamma=algo.gamma, lambd=algo.lambd)
+    weights = aggregation_weights(batch.loss_mask, batch.response_lengths, algo.loss_aggregation)
+    token_w = aggregation_weights(batch.loss_mask, batch.response_lengths, "token_mean")
+    sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
+    for i, mb in enumerate(mbs):
+        values, anchor = backend.values(mb)
+        idx = mb.token_index
+        v_loss, clipped = clipped_value_loss(values=values, old_values=old_values[idx].to(device),
+                                             returns=returns[idx].to(device), clip=algo.value_clip)
+        w, tw = weights[idx].to(device), token_w[idx].to(device)
+        loss = (w * v_loss).sum() if idx.numel() else anchor.sum() * 0.0
+        backend.backward(loss * world, last=i == len(mbs) - 1)
+        with torch.no_grad():
+            parts = [loss, (tw * clipped).sum(), (tw * old_values[idx].to(device)).sum(),
+                     (tw * returns[idx].to(device)).sum(), (tw * advantages[idx].to(device)).sum()]
+            sums += torch.stack([p.detach().double() for p in parts])
+    step = backend.step()
+    totals = dict(zip(_SUMS, all_reduce_sum(sums).cpu().tolist()))
+    metrics = {**totals, "value_loss": totals["loss"], **batch_metrics(batch), "grad_norm": step.grad_norm,
+               "lr": step.lr, **perf(batch, start)}
+    return metrics, (old_values, advantages, returns)

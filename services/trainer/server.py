@@ -1,0 +1,129 @@
+"""`tandem trainer CONFIG --role actor|critic`: the Trainer gRPC service.
+
+One rank (no launcher): this process is the whole trainer. Under torchrun / the DeepSpeed launcher
+(RANK and WORLD_SIZE set) rank 0 serves gRPC and relays every command to the other ranks, which wait in
+`TrainerService.serve_worker`. Started without a launcher but with trainer.num_ranks > 1, `main` re-runs
+itself under torchrun with that many ranks (what `tandem run` does too).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from services.common.config import TandemConfig, dump_config
+from services.common.gen.tandem.v1 import trainer_pb2, trainer_pb2_grpc
+from services.common.grpc_util import ServerOptions, map_errors, start_server
+from services.common.redis_server import free_port
+from services.common.tracing import setup_logging, setup_tracing
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    """Thin adapter: protobuf in, TrainerService call, protobuf out; errors become status codes."""
+
+    def __init__(self, service):  # type: ignore[no-untyped-def]
+        self.service = service
+
+    @map_errors
+    def Train(self, request, context):  # noqa: N802
+        return self.service.train(rollout_id=request.rollout_id, entry_ids=list(request.entry_ids),
+                                  num_batches=request.num_batches, max_staleness=request.max_staleness,
+                                  use_critic_values=request.use_critic_values,
+                                  trace_context=dict(request.trace_context))
+
+    @map_errors
+    def Save(self, request, context):  # noqa: N802
+        return self.service.save(rollout_id=request.rollout_id, path=request.path, export_hf=request.export_hf,
+                                 extra_state=dict(request.extra_state))
+
+    @map_errors
+    def Load(self, request, context):  # noqa: N802
+        return self.service.load(path=request.path)
+
+    @map_errors
+    def PrepareWeightSync(self, request, context):  # noqa: N802
+        return self.service.prepare_weight_sync(version=request.version, transport=request.transport,
+                                                engine_world_size=request.engine_world_size, verify=request.verify)
+
+    @map_errors
+    def PublishWeights(self, request, context):  # noqa: N802
+        return self.service.publish_weights(version=request.version)
+
+    @map_errors
+    def Offload(self, request, context):  # noqa: N802
+        return self.service.offload()
+
+    @map_errors
+    def Onload(self, request, context):  # noqa: N802
+        return self.service.onload()
+
+    @map_errors
+    def GetState(self, request, context):  # noqa: N802
+        return self.service.get_state()
+
+
+def launch_ranks(config: TandemConfig, *, run_dir: Path, role: str) -> int:
+    """Re-runs `tandem trainer` under torchrun with trainer.num_ranks local ranks; forwards SIGTERM/SIGINT."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_file = run_dir / f"trainer-{role}.config.yaml"
+    config_file.write_text(dump_config(config))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(config.trainer.num_ranks),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "services.cli", "trainer", str(config_file), "--run-dir", str(run_dir), "--role", role]
+    proc = subprocess.Popen(cmd)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _f: proc.send_signal(s))
+    return proc.wait()
+
+
+def _close_quietly(service, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    """Tells the other ranks to stop; they may already be gone (the launcher signals them too)."""
+    worker = threading.Thread(target=service.close, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+
+
+def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
+    from services.trainer.dist import launched_by_launcher
+
+    if config.trainer.num_ranks > 1 and not launched_by_launcher():
+        return launch_ranks(config, run_dir=run_dir, role=role)
+    name = "trainer" if role == "actor" else "critic"
+    setup_logging(name, config.tracing.log_level)
+    setup_tracing(f"tandem-{name}", exporter=config.tracing.exporter,
+                  file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"))
+    from transformers.utils import logging as hf_logging
+
+    from services.trainer.service import TrainerService
+
+    hf_logging.disable_progress_bar()
+    service = TrainerService(config, run_dir=run_dir, role=role)
+    if service.rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+        service.serve_worker()
+        return 0
+    address = config.services.trainer if role == "actor" else config.services.critic
+    s = config.services
+    server = start_server([(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(service), SERVICE_NAME)],
+                          ServerOptions(bind_host=s.bind_host, port=address.port, max_message_mb=s.max_message_mb,
+                                        auth_token=s.auth_token, tls_cert=s.tls_cert, tls_key=s.tls_key))
+    log.info("%s (%d ranks, ZeRO %d) serving on %s:%d", name, service.dist.world_size,
+             config.trainer.zero_stage, s.bind_host, server.port)
+    print(f"TANDEM_READY {name} {server.port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _s, _f: stop.set())
+    stop.wait()
+    log.info("%s stopping", name)
+    server.stop(grace_s=5.0)
+    _close_quietly(service)
+    return 0
+

@@ -1,0 +1,268 @@
+"""TrainerService in-process: real DeepSpeed (CPU, gloo), real redis-server, the tiny model.
+
+Covers: loss decreasing under ZeRO 1/2/3, save → fresh engine → load reproducing the next step exactly,
+exactly-once batches, bad input, staleness, the critic → actor value hand-off, offload, weight export.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest_trainer import TrainerHarness, make_batch, tiny_model_dir, trainer_config  # noqa: F401
+
+from services.common.buffer import EntryNotFoundError
+from services.common.gen.tandem.v1 import common_pb2
+from services.common.grpc_util import FailedPrecondition
+from services.common.wire import array_to_proto, build_batch
+from services.trainer import checkpoint as ckpt
+from services.trainer.critic import handoff_key, read_handoff
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def harness(tiny_model_dir, tmp_path, redis_server):  # noqa: F811
+    made = []
+
+    def make(*, role: str = "actor", run_dir=None, **sections) -> TrainerHarness:
+        h = TrainerHarness(trainer_config(model_dir=tiny_model_dir, run_dir=run_dir or tmp_path,
+                                          redis_url=redis_server.url, **sections),
+                           run_dir=run_dir or tmp_path, role=role)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_loss_decreases_on_fixed_batch(harness, tiny_model_dir, zero_stage):  # noqa: F811
+    h = harness(trainer={"zero_stage": zero_stage, "lr": 1e-3}, algorithm={"eps_clip": 10.0})
+    batch = make_batch(model_dir=tiny_model_dir)
+    losses = []
+    for rollout_id in range(4):
+        reply = h.service.train(rollout_id=rollout_id, entry_ids=[h.put(batch)])
+        losses.append(reply.metrics["loss"])
+        assert reply.step == rollout_id + 1 and not reply.replayed
+        assert math.isfinite(reply.metrics["grad_norm"]) and reply.metrics["grad_norm"] > 0
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    # ratio starts at exactly 1: rollout log-probs are the model's own
+    first = h.service.results[0].metrics
+    assert first["ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert first["tokens"] == batch.tokens.shape[0] and first["response_tokens"] == batch.num_response_tokens
+    assert h.pending() == 0   # every entry acknowledged after its step
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_save_then_fresh_engine_load_reproduces_next_step(harness, tiny_model_dir, tmp_path, zero_stage):  # noqa: F811
+    batches = [make_batch(rollout_id=i, seed=i, model_dir=tiny_model_dir) for i in range(3)]
+    a = harness(trainer={"zero_stage": zero_stage, "lr": 3e-3, "warmup_steps": 2}, run_name="resume")
+    for i in range(2):
+        a.service.train(rollout_id=i, entry_ids=[a.put(batches[i])])
+    saved = a.service.save(rollout_id=1, extra_state={"coordinator": '{"next": 2}'})
+    expected = a.service.train(rollout_id=2, entry_ids=[a.put(batches[2])])
+    a.close()
+
+    b = harness(trainer={"zero_stage": zero_stage, "lr": 3e-3, "warmup_steps": 2}, run_name="resume")
+    loaded = b.service.load()
+    assert loaded.loaded and loaded.path == saved.path and loaded.rollout_id == 1 and loaded.step == 2
+    assert dict(loaded.extra_state) == {"coordinator": '{"next": 2}'}
+    # a retry of a step inside the checkpoint replays its recorded result
+    assert b.service.train(rollout_id=1, entry_ids=["0-1"]).replayed
+    again = b.service.train(rollout_id=2, entry_ids=[b.put(batches[2])])
+    for key in ("loss", "pg_loss", "grad_norm", "lr", "entropy", "ppo_ratio_mean"):
+        assert again.metrics[key] == expected.metrics[key], key
+    assert again.step == expected.step == 3
+
+
+def test_half_written_checkpoint_is_ignored_and_retention_keeps_last(harness, tmp_path):
+    h = harness(trainer={"keep_last_checkpoints": 2})
+    batch = make_batch()
+    paths = []
+    for i in range(3):
+        h.service.train(rollout_id=i, entry_ids=[h.put(batch)])
+        paths.append(h.service.save(rollout_id=i).path)
+    root = tmp_path / "checkpoints" / "actor"
+    assert [p.name for _, p in ckpt.list_checkpoints(root)] == ["rollout_00000001", "rollout_00000002"]
+    # a crash while writing rollout 7: its directory exists without the COMPLETE marker
+    half = root / "rollout_00000007"
+    (half / "ds").mkdir(parents=True)
+    (half / ckpt.STATE).write_text("{}")
+    loaded = h.service.load()
+    assert loaded.path == paths[2] and loaded.rollout_id == 2
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        h.service.load(path=str(half))
+    # a retried Save of the same step is a no-op that answers the same path
+    assert h.service.save(rollout_id=2).path == paths[2]
+
+
+def test_batch_delivered_twice_is_trained_once(harness):
+    h = harness()
+    first_id, second_id = h.put(make_batch(seed=1)), h.put(make_batch(seed=2))
+    first = h.service.train(rollout_id=0, entry_ids=[first_id])
+    retry = h.service.train(rollout_id=0, entry_ids=[first_id])
+    assert retry.replayed and retry.step == first.step == 1
+    assert dict(retry.metrics) == dict(first.metrics)
+    with pytest.raises(FailedPrecondition, match="already trained"):
+        h.service.train(rollout_id=1, entry_ids=[first_id])
+    mixed = h.service.train(rollout_id=1, entry_ids=[first_id, second_id])
+    assert list(mixed.entry_ids) == [second_id] and mixed.metrics["entries_skipped_duplicate"] == 1
+    assert h.service.step == 2 and h.pending() == 0
+
+
+def _raw_payload(*, rewards: list[float], response_lengths: list[int]) -> bytes:
+    """A batch encoded without the producer-side validation (what a buggy producer could write)."""
+    n = len(rewards)
+    msg = common_pb2.RolloutBatch(
+        rollout_id=0, num_samples=n, tokens=array_to_proto(np.arange(4, 4 + 4 * n, dtype=np.int32) % 30),
+        prompt_lengths=array_to_proto(np.full(n, 2, np.int32)),
+        response_lengths=array_to_proto(np.asarray(response_lengths, np.int32)),
+        loss_mask=array_to_proto(np.ones(2 * n, np.uint8)),
+        rollout_log_probs=array_to_proto(np.full(2 * n, -1.0, np.float32)),
+        rewards=array_to_proto(np.asarray(rewards, np.float32)), group_ids=array_to_proto(np.zeros(n, np.int64)),
+        sample_versions=array_to_proto(np.zeros(n, np.int64)),
+        finish_reasons=[common_pb2.FINISH_REASON_STOP] * n)
+    return msg.SerializeToString()
+
+
+def test_bad_input_gives_clear_errors_and_takes_no_step(harness):
+    h = harness()
+    with pytest.raises(ValueError, match="empty batch"):
+        h.service.train(rollout_id=0)
+    with pytest.raises(EntryNotFoundError, match="not in stream"):
+        h.service.train(rollout_id=0, entry_ids=["12345-0"])
+    nan_id = h.producer.put_payload(_raw_payload(rewards=[1.0, float("nan")], response_lengths=[2, 2]),
+                                    rollout_id=0, policy_version=0)
+    with pytest.raises(EntryNotFoundError, match="NaN"):
+        h.service.train(rollout_id=0, entry_ids=[nan_id])
+    bad_len = h.producer.put_payload(_raw_payload(rewards=[1.0, 0.0], response_lengths=[2, 3]),
+                                     rollout_id=0, policy_version=0)
+    with pytest.raises(EntryNotFoundError, match="tokens"):
+        h.service.train(rollout_id=0, entry_ids=[bad_len])
+    # decodes fine but cannot be trained: ids beyond the vocabulary, no trainable token
+    oov = h.put(build_batch(rollout_id=0, policy_version=0, prompts=[[1, 2]], responses=[[99]], log_probs=[[-1.0]],
+                            rewards=[1.0], group_ids=[0], finish_reasons=["stop"]))
+    with pytest.raises(ValueError, match="vocabulary"):
+        h.service.train(rollout_id=0, entry_ids=[oov])
+    masked = h.put(build_batch(rollout_id=0, policy_version=0, prompts=[[1, 2]], responses=[[5, 6]],
+                               log_probs=[[-1.0, -1.0]], rewards=[1.0], group_ids=[0], finish_reasons=["stop"],
+                               loss_masks=[[0, 0]]))
+    with pytest.raises(ValueError, match="no trainable tokens"):
+        h.service.train(rollout_id=0, entry_ids=[masked])
+    assert h.service.step == 0 and h.service.backend.global_steps == 0 and not h.service.results
+    assert h.pending() == 2   # the two valid-but-untrainable entries stay pending: nothing was acked
+    good = h.service.train(rollout_id=0, entry_ids=[h.put(make_batch())])
+    assert good.step == 1
+
+
+def test_stale_samples_are_dropped_and_counted(harness):
+    h = harness()
+    h.service.weight_version = 3   # what PublishWeights(v3) leaves behind
+    batch = make_batch(groups=2, group_size=2, sample_versions=[0, 1, 2, 3])
+    reply = h.service.train(rollout_id=0, entry_ids=[h.put(batch)], max_staleness=1)
+    assert reply.samples_dropped_stale == 2 and reply.samples_trained == 2 and reply.step == 1
+    assert reply.metrics["samples_dropped_stale"] == 2
+    all_stale = h.service.train(rollout_id=1, entry_ids=[h.put(make_batch(sample_versions=[0] * 12))],
+                                max_staleness=0)
+    assert all_stale.samples_trained == 0 and all_stale.samples_dropped_stale == 12 and all_stale.step == 1
+    assert h.pending() == 0   # dropped samples are consumed, not redelivered
+
+
+def test_critic_values_feed_the_actor(harness, tiny_model_dir):  # noqa: F811
+    gae = {"advantage_estimator": "gae", "gamma": 0.9, "lambd": 0.8}
+    critic = harness(role="critic", run_name="ppo", algorithm=gae)
+    actor = harness(run_name="ppo", algorithm=gae)
+    batch = make_batch(model_dir=tiny_model_dir)
+    entry = critic.put(batch)
+    with pytest.raises(FailedPrecondition, match="use_critic_values"):
+        actor.service.train(rollout_id=0, entry_ids=[entry])
+    with pytest.raises(FailedPrecondition, match="no critic values"):
+        actor.service.train(rollout_id=0, entry_ids=[entry], use_critic_values=True)
+    c = critic.service.train(rollout_id=0, entry_ids=[entry])
+    assert c.metrics["value_mean"] == 0.0   # zero-initialised head
+    handoff = read_handoff(critic.client, stream=critic.stream, rollout_id=0)
+    assert handoff.entry_ids == (entry,) and handoff.values.shape == (batch.num_response_tokens,)
+    # V = 0 before the critic's first update: advantages are the discounted rewards-to-go
+    last = np.cumsum(batch.response_lengths) - 1
+    assert handoff.advantages[last].tolist() == pytest.approx(batch.rewards.tolist())
+    a = actor.service.train(rollout_id=0, entry_ids=[entry], use_critic_values=True)
+    assert a.metrics["advantage_mean"] == pytest.approx(c.metrics["advantage_mean"], abs=1e-6)
+    assert not critic.client.exists(handoff_key(critic.stream, 0))   # consumed
+    assert critic.pending("critic") == 0 and actor.pending("actor") == 0
+    # second step: the critic has learned, its values are no longer zero
+    entry = critic.put(make_batch(rollout_id=1, seed=1, model_dir=tiny_model_dir))
+    c1 = critic.service.train(rollout_id=1, entry_ids=[entry])
+    assert c1.metrics["value_mean"] != 0.0 and c1.metrics["value_loss"] > 0
+
+
+def test_kl_entropy_tis_and_recomputed_logprobs(harness, tiny_model_dir):  # noqa: F811
+    h = harness(algorithm={"kl_coef": 0.1, "kl_estimator": "k3", "entropy_coef": 0.01, "use_tis": True,
+                           "use_rollout_logprobs": False, "dual_clip_c": 3.0, "eps_clip_high": 0.28,
+                           "loss_aggregation": "seq_mean_token_mean"})
+    batch = make_batch(model_dir=tiny_model_dir)
+    first = h.service.train(rollout_id=0, entry_ids=[h.put(batch)]).metrics
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)   # policy == reference before any update
+    assert first["tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)   # rollout log-probs are the model's own
+    assert first["ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-6) and first["pg_clipfrac"] == 0.0   # recomputed
+    second = h.service.train(rollout_id=1, entry_ids=[h.put(batch)]).metrics
+    assert second["kl"] > 0 and 0 < second["tis_weight_mean"] <= 2.0
+    shaped = harness(run_name="shaped", algorithm={"kl_coef": 0.1, "kl_mode": "reward", "kl_estimator": "k1"})
+    m = shaped.service.train(rollout_id=0, entry_ids=[shaped.put(batch)]).metrics
+    assert math.isfinite(m["loss"]) and m["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_offload_onload_keeps_training(harness):
+    h = harness(trainer={"zero_stage": 2})
+    batch = make_batch()
+    h.service.train(rollout_id=0, entry_ids=[h.put(batch)])
+    before = {n: t.clone() for n, t in h.service.iter_named_weights()}
+    assert h.service.offload().ok and h.service.get_state().offloaded
+    assert h.service.onload().ok and not h.service.get_state().offloaded
+    after = dict(h.service.iter_named_weights())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    h.service.offload()
+    assert h.service.train(rollout_id=1, entry_ids=[h.put(batch)]).step == 2   # onloads by itself
+    zero0 = harness(run_name="z0", trainer={"zero_stage": 0})
+    with pytest.raises(NotImplementedError, match="ZeRO stage"):
+        zero0.service.offload()
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_weight_iterator_matches_hf_export(harness, tiny_model_dir, zero_stage):  # noqa: F811
+    from transformers import AutoModelForCausalLM
+
+    from services.trainer.weight_export import iter_weight_buckets, tensor_checksum
+
+    h = harness(trainer={"zero_stage": zero_stage})
+    h.service.train(rollout_id=0, entry_ids=[h.put(make_batch())])
+    saved = h.service.save(rollout_id=0, export_hf=True)
+    reloaded = AutoModelForCausalLM.from_pretrained(saved.hf_path, dtype=torch.float32)
+    reference = {n: tensor_checksum(p.detach()) for n, p in reloaded.named_parameters()}
+    specs = h.service.weight_specs()
+    named = list(h.service.iter_named_weights())
+    assert [s.name for s in specs] == [n for n, _ in named] == list(reference)
+    assert all(tuple(s.shape) == tuple(t.shape) for s, (_, t) in zip(specs, named))
+    assert {n: tensor_checksum(t) for n, t in named} == reference
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert any(not torch.equal(p, dict(named)[n]) for n, p in original.named_parameters())   # it trained
+    buckets = list(iter_weight_buckets(iter(named), bucket_bytes=16 << 10))
+    assert len(buckets) > 1 and all(b.nbytes <= 16 << 10 or len(b.tensors) == 1 for b in buckets)
+    flat_bytes = {}
+    for b in buckets:
+        raw = b.flat.view(torch.uint8)
+        for m in b.tensors:
+            flat_bytes[m.name] = raw[m.offset_bytes:m.offset_bytes + m.nbytes]
+            assert m.checksum == reference[m.name]
+    assert all(torch.equal(flat_bytes[n], t.reshape(-1).view(torch.uint8)) for n, t in named)
+    assert json.loads((ckpt.checkpoint_dir(ckpt.checkpoint_root(base=h.service.checkpoint_base, role="actor"), 0)
+                       / ckpt.COMPLETE).read_text())["step"] == 1
