@@ -7,6 +7,7 @@ consumer instead of training on garbage.
 
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -46,10 +47,19 @@ def array_from_proto(tensor: common_pb2.TensorData, *, what: str = "tensor") -> 
     shape = tuple(tensor.shape)
     if any(d < 0 for d in shape):
         raise WireError(f"{what}: negative dimension in shape {shape}")
-    expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    if expected != len(tensor.data):
-        raise WireError(f"{what}: shape {shape} of {tensor.dtype} needs {expected} bytes, got {len(tensor.data)}")
-    return np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+    data = tensor.data   # one access: the upb runtime copies a bytes field on every access
+    expected = math.prod(shape) * np.dtype(dtype).itemsize
+    if expected != len(data):
+        raise WireError(f"{what}: shape {shape} of {tensor.dtype} needs {expected} bytes, got {len(data)}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+# What each array of a batch is on the wire, and which numpy kinds a batch may hold before encoding.
+_WIRE_DTYPES = {"tokens": "int32", "prompt_lengths": "int32", "response_lengths": "int32", "loss_mask": "uint8",
+                "rollout_log_probs": "float32", "rewards": "float32", "group_ids": "int64",
+                "sample_versions": "int64"}
+_FIELD_KINDS = {"tokens": "iu", "prompt_lengths": "iu", "response_lengths": "iu", "loss_mask": "iub",
+                "rollout_log_probs": "f", "rewards": "fiu", "group_ids": "iu", "sample_versions": "iu"}
 
 
 def payload_checksum(payload: bytes | memoryview) -> str:
@@ -85,6 +95,16 @@ class RolloutBatchData:
         return int(self.response_lengths.sum())
 
     def validate(self) -> None:
+        for name, kinds in _FIELD_KINDS.items():
+            arr = getattr(self, name)
+            if not isinstance(arr, np.ndarray):
+                raise WireError(f"batch {self.rollout_id}: {name} is a {type(arr).__name__}, expected a numpy array")
+            if arr.dtype.kind not in kinds:
+                raise WireError(f"batch {self.rollout_id}: {name} has dtype {arr.dtype}, expected "
+                                f"{_WIRE_DTYPES[name]}")
+        if self.prompt_lengths.ndim != 1:
+            raise WireError(f"batch {self.rollout_id}: prompt_lengths has shape {self.prompt_lengths.shape}, "
+                            "expected one dimension")
         n = self.num_samples
         per_sample = {"response_lengths": self.response_lengths, "rewards": self.rewards,
                       "group_ids": self.group_ids, "sample_versions": self.sample_versions}
@@ -93,6 +113,10 @@ class RolloutBatchData:
                 raise WireError(f"batch {self.rollout_id}: {name} has shape {arr.shape}, expected ({n},)")
         if len(self.finish_reasons) != n:
             raise WireError(f"batch {self.rollout_id}: {len(self.finish_reasons)} finish reasons for {n} samples")
+        unknown = sorted({r for r in self.finish_reasons if r not in FINISH_REASONS})
+        if unknown:
+            raise WireError(f"batch {self.rollout_id}: unknown finish reason(s) {unknown}, expected one of "
+                            f"{sorted(FINISH_REASONS)}")
         if self.labels and len(self.labels) != n:
             raise WireError(f"batch {self.rollout_id}: {len(self.labels)} labels for {n} samples")
         if (self.prompt_lengths < 0).any() or (self.response_lengths < 0).any():
@@ -108,6 +132,8 @@ class RolloutBatchData:
                                 f"expected {n_resp} (one per response token)")
         if not np.isfinite(self.rewards).all():
             raise WireError(f"batch {self.rollout_id}: rewards contain NaN or inf")
+        if np.isnan(self.rollout_log_probs).any():
+            raise WireError(f"batch {self.rollout_id}: rollout_log_probs contain NaN")
 
     def sample_slices(self) -> list[tuple[slice, slice, slice]]:
         """Per sample: (prompt slice of tokens, response slice of tokens, slice of response-token arrays)."""
@@ -119,22 +145,49 @@ class RolloutBatchData:
         return out
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _tensor_field(field_number: int, array: np.ndarray, dtype: str) -> list[bytes | memoryview]:
+    """One `TensorData` submessage as protobuf wire bytes, the array's buffer referenced, not copied."""
+    arr = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<"))
+    header = common_pb2.TensorData(dtype=dtype, shape=list(arr.shape)).SerializeToString()
+    data = memoryview(arr).cast("B")
+    body = [header, b"\x1a", _varint(data.nbytes), data] if data.nbytes else [header]   # field 3: data
+    inner_len = sum(len(x) if isinstance(x, bytes) else x.nbytes for x in body)
+    return [_varint(field_number << 3 | 2), _varint(inner_len), *body]
+
+
+_TENSOR_FIELDS = tuple((common_pb2.RolloutBatch.DESCRIPTOR.fields_by_name[name].number, name, dtype)
+                       for name, dtype in _WIRE_DTYPES.items())
+
+
 def encode_batch(batch: RolloutBatchData) -> bytes:
+    """Serialized `RolloutBatch` (standard protobuf: any parser reads it into the message).
+
+    The arrays are written straight from their buffers (one copy in all), after the small fields, and
+    `num_samples` comes last (parsers accept fields in any order), so a payload cut at any byte fails to
+    decode instead of silently losing trailing fields. The output is deterministic."""
     batch.validate()
-    msg = common_pb2.RolloutBatch(
-        rollout_id=batch.rollout_id, policy_version=batch.policy_version, num_samples=batch.num_samples,
-        tokens=array_to_proto(batch.tokens.astype(np.int32, copy=False)),
-        prompt_lengths=array_to_proto(batch.prompt_lengths.astype(np.int32, copy=False)),
-        response_lengths=array_to_proto(batch.response_lengths.astype(np.int32, copy=False)),
-        loss_mask=array_to_proto(batch.loss_mask.astype(np.uint8, copy=False)),
-        rollout_log_probs=array_to_proto(batch.rollout_log_probs.astype(np.float32, copy=False)),
-        rewards=array_to_proto(batch.rewards.astype(np.float32, copy=False)),
-        group_ids=array_to_proto(batch.group_ids.astype(np.int64, copy=False)),
-        sample_versions=array_to_proto(batch.sample_versions.astype(np.int64, copy=False)),
+    head = common_pb2.RolloutBatch(
+        rollout_id=batch.rollout_id, policy_version=batch.policy_version,
         finish_reasons=[FINISH_REASONS[r] for r in batch.finish_reasons],
         metadata=batch.metadata, created_unix_ns=batch.created_unix_ns or time.time_ns(),
-        producer=batch.producer, labels=list(batch.labels))
-    return msg.SerializeToString()
+        producer=batch.producer, labels=list(batch.labels)).SerializeToString(deterministic=True)
+    parts: list[bytes | memoryview] = [head]
+    for number, name, dtype in _TENSOR_FIELDS:
+        parts += _tensor_field(number, getattr(batch, name), dtype)
+    parts.append(common_pb2.RolloutBatch(num_samples=batch.num_samples).SerializeToString())
+    return b"".join(parts)
 
 
 def decode_batch(payload: bytes) -> RolloutBatchData:
@@ -149,7 +202,13 @@ def decode_batch(payload: bytes) -> RolloutBatchData:
         raise WireError(f"batch {msg.rollout_id}: unknown finish reason {exc}") from None
 
     def arr(name: str) -> np.ndarray:
-        return array_from_proto(getattr(msg, name), what=f"batch {msg.rollout_id} {name}")
+        what = f"batch {msg.rollout_id} {name}"
+        if not msg.HasField(name):
+            raise WireError(f"{what}: missing (truncated or not a rollout batch)")
+        tensor = getattr(msg, name)
+        if tensor.dtype != _WIRE_DTYPES[name]:
+            raise WireError(f"{what}: dtype {tensor.dtype!r}, expected {_WIRE_DTYPES[name]!r}")
+        return array_from_proto(tensor, what=what)
 
     batch = RolloutBatchData(
         rollout_id=msg.rollout_id, policy_version=msg.policy_version, tokens=arr("tokens"),
@@ -158,6 +217,8 @@ def decode_batch(payload: bytes) -> RolloutBatchData:
         group_ids=arr("group_ids"), sample_versions=arr("sample_versions"), finish_reasons=reasons,
         labels=tuple(msg.labels), metadata=dict(msg.metadata), producer=msg.producer,
         created_unix_ns=msg.created_unix_ns)
+    if msg.num_samples == 0 and batch.num_samples > 0:
+        raise WireError(f"batch {msg.rollout_id}: num_samples (the last field) is missing: truncated payload")
     if msg.num_samples != batch.num_samples:
         raise WireError(f"batch {msg.rollout_id}: header says {msg.num_samples} samples, arrays hold "
                         f"{batch.num_samples}")
