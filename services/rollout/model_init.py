@@ -70,19 +70,21 @@ def init_model(out_dir: str | os.PathLike[str], *, preset: str = "tiny", arch: s
     Refuses to overwrite a directory that already holds a model. Writes into a temporary sibling and
     renames, so an interrupted run never leaves a half-written model behind.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
     out = Path(out_dir).resolve()
+    if preset not in PRESETS or arch not in ARCHS:
+        raise ModelInitError(f"init-model: unknown preset {preset!r} or arch {arch!r} (presets: "
+                             f"{', '.join(PRESETS)}; archs: {', '.join(ARCHS)})")
     if (out / "config.json").exists():
         raise ModelInitError(f"init-model: {out} already holds a model (config.json); delete it or pick "
                              "another directory")
     if out.exists() and any(out.iterdir()):
         raise ModelInitError(f"init-model: {out} exists and is not empty")
-    tokenizer = build_tokenizer(model_max_length=PRESETS.get(preset, {}).get("max_position_embeddings", 128))
+    import torch   # after the checks: a refused call should not pay for importing torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = build_tokenizer(model_max_length=PRESETS[preset]["max_position_embeddings"])
     config = build_config(preset=preset, arch=arch, vocab_size=len(VOCAB), bos=tokenizer.bos_token_id,
                           eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
     with torch.random.fork_rng(devices=[]):

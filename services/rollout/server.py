@@ -1,0 +1,168 @@
+"""The rollout service's gRPC server: a thin adapter over `RolloutService`, and `main` for the CLI.
+
+    tandem rollout CONFIG --replica N [--set redis.url=redis://...] [--set 'services.rollout=[{port: 50061}]']
+
+Binds `services.bind_host:services.rollout[N].port` (0 = a free port) only after the model is loaded, so
+health SERVING means ready; prints `TANDEM_READY rollout <port>`; stops gracefully on SIGTERM / SIGINT.
+A start-up problem (missing model directory, unknown reward, bad replica index) is one line on stderr
+and exit code 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from services.common import tracing
+from services.common.config import SamplingConfig, TandemConfig
+from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from services.common.grpc_util import ServerOptions, map_errors, start_server
+from services.rollout.engine import SamplingOptions
+from services.rollout.service import PromptInput, RolloutService
+
+log = logging.getLogger(__name__)
+
+EXIT_START_FAILED = 2
+
+
+def prompt_from_proto(p: common_pb2.Prompt) -> PromptInput:
+    return PromptInput(text=p.text, token_ids=tuple(p.token_ids), label=p.label, group_id=p.group_id,
+                       metadata=dict(p.metadata))
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, default: SamplingConfig) -> SamplingOptions:
+    """Proto zeros mean: temperature 0 = greedy, top_p 0 = off, top_k 0 = off, max_new_tokens 0 = the
+    config's, seed 0 = nondeterministic."""
+    return SamplingOptions(temperature=float(msg.temperature), top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+                           top_k=int(msg.top_k), max_new_tokens=int(msg.max_new_tokens) or default.max_new_tokens,
+                           stop_token_ids=tuple(msg.stop_token_ids) or tuple(default.stop_token_ids),
+                           seed=int(msg.seed) or None)
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self, service: RolloutService):
+        self.service = service
+        self.config = service.config
+
+    @map_errors
+    def Generate(self, request: rollout_pb2.GenerateRequest, context: Any) -> rollout_pb2.GenerateResponse:
+        sampling = (sampling_from_proto(request.sampling, self.config.rollout.sampling)
+                    if request.HasField("sampling") else None)
+        r = self.service.generate(
+            rollout_id=request.rollout_id, prompts=[prompt_from_proto(p) for p in request.prompts],
+            n_samples_per_prompt=request.n_samples_per_prompt or None, sampling=sampling,
+            trace_context=dict(request.trace_context), stream=request.stream or None, reward=request.reward or None,
+            caller_active=context.is_active)
+        return rollout_pb2.GenerateResponse(
+            entry_id=r.entry_id, num_samples=r.num_samples, num_prompt_tokens=r.num_prompt_tokens,
+            num_response_tokens=r.num_response_tokens, weight_version=r.weight_version,
+            generate_time_s=r.generate_time_s, reward_time_s=r.reward_time_s, put_time_s=r.put_time_s,
+            metrics=r.metrics, producer=r.producer)
+
+    @map_errors
+    def Evaluate(self, request: rollout_pb2.EvaluateRequest, context: Any) -> rollout_pb2.EvaluateResponse:
+        sampling = (sampling_from_proto(request.sampling, self.config.rollout.eval_sampling)
+                    if request.HasField("sampling") else None)
+        r = self.service.evaluate(name=request.name or "eval", prompts=[prompt_from_proto(p) for p in request.prompts],
+                                  n_samples_per_prompt=request.n_samples_per_prompt or None, sampling=sampling,
+                                  reward=request.reward or None)
+        return rollout_pb2.EvaluateResponse(metrics=r.metrics, weight_version=r.weight_version, time_s=r.time_s)
+
+    @map_errors
+    def PrepareWeightSync(self, request: rollout_pb2.PrepareReceiveRequest,
+                          context: Any) -> rollout_pb2.PrepareReceiveResponse:
+        ready, ranks = self.service.prepare_weight_sync(version=request.version, pause_mode=request.pause_mode)
+        return rollout_pb2.PrepareReceiveResponse(ready=ready, engine_ranks=ranks)
+
+    @map_errors
+    def ReceiveWeights(self, request: rollout_pb2.ReceiveWeightsRequest,
+                       context: Any) -> rollout_pb2.ReceiveWeightsResponse:
+        r = self.service.receive_weights(request.plan, request.rank_offset)
+        return rollout_pb2.ReceiveWeightsResponse(version=r.version, checksums=r.checksums,
+                                                  bytes_received=r.bytes_received, time_s=r.time_s)
+
+    @map_errors
+    def Pause(self, request: rollout_pb2.PauseRequest, context: Any) -> common_pb2.Ack:
+        self.service.pause(request.mode or "drain")
+        return common_pb2.Ack(ok=True, message=f"paused ({request.mode or 'drain'})")
+
+    @map_errors
+    def Resume(self, request: common_pb2.Empty, context: Any) -> common_pb2.Ack:
+        self.service.resume()
+        return common_pb2.Ack(ok=True, message="resumed")
+
+    @map_errors
+    def ReleaseMemory(self, request: rollout_pb2.MemoryRequest, context: Any) -> common_pb2.Ack:
+        self.service.release_memory(tuple(request.tags))
+        return common_pb2.Ack(ok=True, message=f"released {', '.join(request.tags) or 'all'}")
+
+    @map_errors
+    def ResumeMemory(self, request: rollout_pb2.MemoryRequest, context: Any) -> common_pb2.Ack:
+        self.service.resume_memory(tuple(request.tags))
+        return common_pb2.Ack(ok=True, message=f"resumed {', '.join(request.tags) or 'all'}")
+
+    @map_errors
+    def GetState(self, request: common_pb2.Empty, context: Any) -> rollout_pb2.RolloutState:
+        s = self.service.get_state()
+        e = s.engine
+        return rollout_pb2.RolloutState(engine=e.engine, model_path=e.model_path, weight_version=e.weight_version,
+                                        paused=e.paused, memory_released=bool(e.released_memory),
+                                        generated_samples=e.generated_samples, device=e.device, producer=s.producer,
+                                        in_flight=e.in_flight)
+
+
+def startup_problem(config: TandemConfig, replica: int) -> str | None:
+    """Cheap checks before loading anything, each a one-line reason."""
+    if not 0 <= replica < len(config.services.rollout):
+        return (f"--replica {replica} is out of range: services.rollout lists {len(config.services.rollout)} "
+                "address(es)")
+    model = Path(config.model.path)
+    if not (model / "config.json").is_file():
+        what = "does not exist" if not model.exists() else "has no config.json (not a Hugging Face model directory)"
+        return (f"model.path {model} {what}; create a random-init model with `tandem init-model {model} "
+                "--preset tiny` or set model.init_preset for `tandem run`")
+    from services.rollout.rewards import RewardSpecError, resolve_reward
+
+    try:
+        resolve_reward(config.rollout.reward)
+    except RewardSpecError as exc:
+        return f"rollout.reward: {exc}"
+    return None
+
+
+def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
+    name = f"rollout-{replica}"
+    tracing.setup_logging(name, config.tracing.log_level, str(run_dir / "logs" / f"{name}.log"))
+    problem = startup_problem(config, replica)
+    if problem:
+        print(f"tandem rollout: {problem}", file=sys.stderr, flush=True)
+        return EXIT_START_FAILED
+    tracing.setup_tracing(name, exporter=config.tracing.exporter,
+                          file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"))
+    try:
+        service = RolloutService(config, replica=replica)
+    except (OSError, ValueError, NotImplementedError) as exc:
+        print(f"tandem rollout: could not start: {type(exc).__name__}: {exc}".replace("\n", " "), file=sys.stderr,
+              flush=True)
+        return EXIT_START_FAILED
+    svc = config.services
+    server = start_server(
+        [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(service), "tandem.v1.Rollout")],
+        ServerOptions(bind_host=svc.bind_host, port=svc.rollout[replica].port, max_message_mb=svc.max_message_mb,
+                      auth_token=svc.auth_token, tls_cert=svc.tls_cert, tls_key=svc.tls_key))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("%s serving on %s:%d (engine %s, model %s, device %s)", name, svc.bind_host, server.port,
+             service.engine.name, config.model.path, service.get_state().engine.device)
+    print(f"TANDEM_READY rollout {server.port}", flush=True)
+    stop.wait()
+    log.info("%s stopping", name)
+    server.stop(grace_s=5.0)
+    service.close()
+    tracing.shutdown_tracing()
+    return 0

@@ -1,0 +1,419 @@
+"""`RolloutService`: prompts in, scored samples out to the Redis buffer.
+
+Plain Python (the gRPC servicer in server.py is a thin adapter, tests drive this class directly). The
+service keeps no data cursor: every Generate carries its prompts, so a replica can be restarted or
+replaced freely. A Generate repeated with the same rollout id and prompts (a client retry) returns the
+recorded result instead of writing a second batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from services.common import tracing
+from services.common.buffer import RolloutBuffer, connect, stream_key
+from services.common.config import SamplingConfig, TandemConfig
+from services.common.grpc_util import FailedPrecondition, Unavailable
+from services.common.wire import build_batch
+from services.rollout.engine import FINISH_ABORT, Engine, EngineState, SampleOutput, SamplingOptions
+from services.rollout.rewards import RewardFunction, resolve_reward
+
+log = logging.getLogger(__name__)
+
+_RECENT_RESULTS = 32
+
+
+class CallerGone(TimeoutError):
+    """The client's deadline passed or it cancelled: the batch is not written (nobody would train on it)."""
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """A prompt as the coordinator sends it: token ids, or text to tokenize (with the tokenizer's BOS)."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    label: str = ""
+    group_id: int = 0
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    entry_id: str
+    num_samples: int
+    num_prompt_tokens: int
+    num_response_tokens: int
+    weight_version: int
+    generate_time_s: float
+    reward_time_s: float
+    put_time_s: float
+    metrics: dict[str, float]
+    producer: str
+
+
+@dataclass(frozen=True)
+class EvaluateResult:
+    metrics: dict[str, float]
+    weight_version: int
+    time_s: float
+
+
+@dataclass(frozen=True)
+class ReceiveResult:
+    version: int
+    checksums: dict[str, str]
+    bytes_received: int
+    time_s: float
+
+
+@dataclass(frozen=True)
+class ServiceState:
+    engine: EngineState
+    producer: str
+
+
+@dataclass(frozen=True)
+class _Scored:
+    prompt_ids: list[list[int]]
+    outputs: list[SampleOutput]
+    rewards: list[float]
+    responses: list[str]
+    generate_s: float
+    reward_s: float
+
+
+def sampling_options(cfg: SamplingConfig) -> SamplingOptions:
+    return SamplingOptions(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                           max_new_tokens=cfg.max_new_tokens, stop_token_ids=tuple(cfg.stop_token_ids),
+                           seed=cfg.seed or None)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """PreTrainedTokenizerFast when the directory has a tokenizer.json: it decodes exactly what the file
+    says (AutoTokenizer swaps in a ByteLevel decoder for `qwen2` directories under transformers 5.x)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def build_engine(config: TandemConfig) -> Engine:
+    ro = config.rollout
+    if ro.engine == "native":
+        from services.rollout.native import NativeEngine
+
+        return NativeEngine(config.model.path, device=ro.device, dtype=config.model.dtype,
+                            attn_implementation=config.model.attn_implementation, max_batch_size=ro.max_batch_size,
+                            max_context_length=ro.max_context_length)
+    raise NotImplementedError(f"rollout.engine: {ro.engine} is not available yet; use rollout.engine: native")
+
+
+def mix_seed(seed: int | None, rollout_id: int) -> int | None:
+    """A per-step seed, so a fixed config seed does not replay one random stream every step."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + rollout_id * 7_919 + 1) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class RolloutService:
+    def __init__(self, config: TandemConfig, *, replica: int = 0, engine: Engine | None = None,
+                 tokenizer: Any = None, redis_client: Any = None):
+        self.config = config
+        self.replica = replica
+        self.producer = f"rollout-{replica}"
+        self.default_reward = resolve_reward(config.rollout.reward)   # a bad spec fails the start
+        self.engine = engine if engine is not None else build_engine(config)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
+            config.model.tokenizer_path or config.model.path)
+        self.stream = stream_key(config.redis.stream_prefix, config.run_name)
+        self.groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
+        self._redis = redis_client
+        self._buffers: dict[str, RolloutBuffer] = {}
+        self._receiver: Any = None
+        self._lock = threading.Lock()
+        self._recent: OrderedDict[tuple[Any, ...], Future[GenerateResult]] = OrderedDict()
+
+    # ---- Generate ----------------------------------------------------------------------------------
+
+    def generate(self, *, rollout_id: int, prompts: Sequence[PromptInput], n_samples_per_prompt: int | None = None,
+                 sampling: SamplingOptions | None = None, trace_context: dict[str, str] | None = None,
+                 stream: str | None = None, reward: str | None = None,
+                 caller_active: Callable[[], bool] | None = None) -> GenerateResult:
+        """Samples n per prompt, scores them, writes one batch entry and returns its id and counts."""
+        if not prompts:
+            raise ValueError(f"Generate(rollout_id={rollout_id}): no prompts given")
+        group_ids = [p.group_id for p in prompts]
+        if len(set(group_ids)) != len(group_ids):
+            dup = next(g for g in group_ids if group_ids.count(g) > 1)
+            raise ValueError(f"Generate(rollout_id={rollout_id}): several prompts share group_id {dup}; "
+                             "each prompt needs its own group id")
+        key = (stream or self.stream, rollout_id, tuple(group_ids))
+        while True:
+            with self._lock:
+                earlier = self._recent.get(key)
+                if earlier is None or (earlier.done() and earlier.exception() is not None):
+                    mine: Future[GenerateResult] = Future()
+                    self._recent[key] = mine
+                    while len(self._recent) > _RECENT_RESULTS:
+                        self._recent.popitem(last=False)
+                    break
+            try:
+                return earlier.result()          # a retry of a call in flight or done: same entry
+            except Exception:                    # noqa: BLE001 - that attempt failed; compute afresh
+                continue
+        try:
+            result = self._generate(rollout_id=rollout_id, prompts=prompts, n=n_samples_per_prompt, sampling=sampling,
+                                    trace_context=trace_context, stream=stream or self.stream, reward=reward,
+                                    caller_active=caller_active)
+        except BaseException as exc:
+            mine.set_exception(exc)
+            raise
+        mine.set_result(result)
+        return result
+
+    def _generate(self, *, rollout_id: int, prompts: Sequence[PromptInput], n: int | None,
+                  sampling: SamplingOptions | None, trace_context: dict[str, str] | None, stream: str,
+                  reward: str | None, caller_active: Callable[[], bool] | None) -> GenerateResult:
+        ro = self.config.rollout
+        n = n or ro.n_samples_per_prompt
+        if n < 1:
+            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
+        if sampling is None:
+            sampling = sampling_options(ro.sampling)
+        sampling = _with_seed(sampling, mix_seed(sampling.seed, rollout_id))
+        reward_fn = resolve_reward(reward) if reward else self.default_reward
+        prompt_ids = self.encode_prompts(prompts)
+        version = self.engine.weight_version
+        with tracing.span("rl.sample", parent=trace_context or None, rollout_id=rollout_id, weight_version=version,
+                          prompts=len(prompts), samples=len(prompts) * n, replica=self.replica) as sp:
+            scored = self._sample_and_score(prompts=prompts, prompt_ids=prompt_ids, n=n, sampling=sampling,
+                                            reward_fn=reward_fn, rollout_id=rollout_id, span_=sp)
+            batch = build_batch(
+                rollout_id=rollout_id, policy_version=min(o.weight_version for o in scored.outputs),
+                prompts=scored.prompt_ids, responses=[list(o.token_ids) for o in scored.outputs],
+                log_probs=[list(o.log_probs) for o in scored.outputs], rewards=scored.rewards,
+                group_ids=[p.group_id for p in prompts for _ in range(n)],
+                finish_reasons=[o.finish_reason for o in scored.outputs],
+                sample_versions=[o.weight_version for o in scored.outputs],
+                labels=[p.label for p in prompts for _ in range(n)],
+                metadata={"reward": reward_fn.spec, "engine": self.engine.name, "n_samples_per_prompt": str(n),
+                          "temperature": str(sampling.temperature)},
+                producer=self.producer)
+            if caller_active is not None and not caller_active():
+                raise CallerGone(f"Generate(rollout_id={rollout_id}): the caller went away during generation; "
+                                 "no batch was written")
+            t = time.monotonic()
+            entry_id = self._put(batch, stream=stream, trace_context=tracing.inject_context())
+            put_s = time.monotonic() - t
+            sp.set_attribute("entry_id", entry_id)
+        return GenerateResult(
+            entry_id=entry_id, num_samples=batch.num_samples, num_prompt_tokens=int(batch.prompt_lengths.sum()),
+            num_response_tokens=batch.num_response_tokens, weight_version=batch.policy_version,
+            generate_time_s=scored.generate_s, reward_time_s=scored.reward_s, put_time_s=put_s,
+            metrics=batch_metrics(scored.outputs, scored.rewards, n=n, generate_s=scored.generate_s),
+            producer=self.producer)
+
+    def _sample_and_score(self, *, prompts: Sequence[PromptInput], prompt_ids: list[list[int]], n: int,
+                          sampling: SamplingOptions, reward_fn: RewardFunction, rollout_id: int,
+                          span_: Any) -> _Scored:
+        expanded = [ids for ids in prompt_ids for _ in range(n)]
+        t = time.monotonic()
+        outputs = self.engine.generate(expanded, sampling, wait_timeout_s=self.config.loop.step_timeout_s)
+        generate_s = time.monotonic() - t
+        aborted = sum(o.finish_reason == FINISH_ABORT for o in outputs)
+        if aborted:
+            raise FailedPrecondition(f"Generate(rollout_id={rollout_id}): {aborted} of {len(outputs)} samples were "
+                                     "aborted by pause(abort); nothing was written, retry after Resume")
+        tokens = sum(len(o.token_ids) for o in outputs)
+        span_.set_attribute("tokens", tokens)
+        responses = [self.decode(o.token_ids) for o in outputs]
+        texts = [self.prompt_text(p, ids) for p, ids in zip(prompts, prompt_ids)]
+        t = time.monotonic()
+        with tracing.span("rl.reward", rollout_id=rollout_id, weight_version=outputs[0].weight_version,
+                          tokens=tokens, reward=reward_fn.spec, samples=len(outputs)):
+            rewards = reward_fn.score(prompts=[s for s in texts for _ in range(n)], responses=responses,
+                                      labels=[p.label for p in prompts for _ in range(n)],
+                                      metadatas=[dict(p.metadata) for p in prompts for _ in range(n)])
+        return _Scored(prompt_ids=expanded, outputs=outputs, rewards=rewards, responses=responses,
+                       generate_s=generate_s, reward_s=time.monotonic() - t)
+
+    def _put(self, batch: Any, *, stream: str, trace_context: dict[str, str]) -> str:
+        import redis
+
+        try:
+            return self._buffer(stream).put(batch, trace_context=trace_context,
+                                            timeout_s=self.config.redis.put_timeout_s)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise Unavailable(f"redis at {self.config.redis.url} is not reachable: {exc}") from exc
+
+    def _buffer(self, stream: str) -> RolloutBuffer:
+        with self._lock:
+            if stream not in self._buffers:
+                if self._redis is None:
+                    if not self.config.redis.url:
+                        raise FailedPrecondition("redis.url is not set: the rollout service needs the run's Redis")
+                    self._redis = connect(self.config.redis.url, password=self.config.redis.password)
+                self._buffers[stream] = RolloutBuffer(
+                    self._redis, stream, groups=self.groups, group=None, consumer=self.producer,
+                    max_buffered_batches=self.config.redis.max_buffered_batches,
+                    chunk_bytes=int(self.config.redis.chunk_mb * (1 << 20)))
+            return self._buffers[stream]
+
+    # ---- prompts and text --------------------------------------------------------------------------
+
+    def encode_prompts(self, prompts: Sequence[PromptInput]) -> list[list[int]]:
+        out = []
+        for i, p in enumerate(prompts):
+            if p.token_ids:
+                ids = [int(t) for t in p.token_ids]
+            elif p.text:
+                ids = list(self.tokenizer(p.text, add_special_tokens=True)["input_ids"])
+            else:
+                raise ValueError(f"prompt {i} (group_id {p.group_id}) is empty: give text or token_ids")
+            out.append(ids)
+        self.engine.validate_prompts(out)
+        return out
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def prompt_text(self, prompt: PromptInput, ids: Sequence[int]) -> str:
+        return prompt.text or self.decode(ids)
+
+    # ---- Evaluate ----------------------------------------------------------------------------------
+
+    def evaluate(self, *, name: str = "eval", prompts: Sequence[PromptInput], n_samples_per_prompt: int | None = None,
+                 sampling: SamplingOptions | None = None, reward: str | None = None,
+                 pass_threshold: float = 1.0) -> EvaluateResult:
+        """Greedy (or n-sample) generation over an eval set; metrics under `<name>/`. A sample passes when
+        its reward reaches `pass_threshold`; pass@k uses the unbiased estimator over n samples."""
+        if not prompts:
+            raise ValueError(f"Evaluate({name!r}): no prompts given")
+        start = time.monotonic()
+        name = name or "eval"
+        n = n_samples_per_prompt or self.config.rollout.eval_n_samples_per_prompt
+        if n < 1:
+            raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
+        sampling = sampling or sampling_options(self.config.rollout.eval_sampling)
+        reward_fn = resolve_reward(reward) if reward else self.default_reward
+        prompt_ids = self.encode_prompts(prompts)
+        with tracing.span("rl.eval.generate", eval_name=name, weight_version=self.engine.weight_version,
+                          prompts=len(prompts), replica=self.replica) as sp:
+            scored = self._sample_and_score(prompts=prompts, prompt_ids=prompt_ids, n=n, sampling=sampling,
+                                            reward_fn=reward_fn, rollout_id=-1, span_=sp)
+        metrics = eval_metrics(scored.outputs, scored.rewards, n=n, prefix=name, pass_threshold=pass_threshold)
+        return EvaluateResult(metrics=metrics, weight_version=scored.outputs[0].weight_version,
+                              time_s=time.monotonic() - start)
+
+    # ---- weights, pause, memory, state -------------------------------------------------------------
+
+    def prepare_weight_sync(self, *, version: int, pause_mode: str = "drain") -> tuple[bool, int]:
+        """Pauses generation for the update (the coordinator calls Resume afterwards)."""
+        self.engine.pause(pause_mode or "drain", timeout_s=self.config.weights.timeout_s)
+        log.info("paused (%s) for weight update to version %d", pause_mode or "drain", version)
+        return True, self.engine.engine_ranks
+
+    def receive_weights(self, plan: Any, rank_offset: int) -> ReceiveResult:
+        """Takes part in the transfer the trainer announced in `plan`, in place into the engine's weights."""
+        start = time.monotonic()
+        with tracing.span("rl.sync", weight_version=plan.version, transport=plan.transport, side="rollout",
+                          replica=self.replica):
+            stats = self.engine.receive_weights(plan, rank_offset=rank_offset, receiver=self._weight_receiver())
+        return ReceiveResult(version=self.engine.weight_version, checksums=dict(getattr(stats, "checksums", {}) or {}),
+                             bytes_received=int(getattr(stats, "bytes", 0)),
+                             time_s=float(getattr(stats, "seconds", time.monotonic() - start)))
+
+    def _weight_receiver(self) -> Any:
+        if self._receiver is None:
+            try:
+                from services.common.weights import WeightReceiver
+            except ImportError as exc:
+                raise NotImplementedError(f"weight receiving needs services.common.weights: {exc}") from exc
+            self._receiver = WeightReceiver()
+        return self._receiver
+
+    def pause(self, mode: str = "drain") -> None:
+        self.engine.pause(mode or "drain", timeout_s=self.config.weights.timeout_s)
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def release_memory(self, tags: Sequence[str] = ()) -> None:
+        self.engine.release_memory(tuple(tags))
+
+    def resume_memory(self, tags: Sequence[str] = ()) -> None:
+        self.engine.resume_memory(tuple(tags))
+
+    def get_state(self) -> ServiceState:
+        return ServiceState(engine=self.engine.get_state(), producer=self.producer)
+
+    def close(self) -> None:
+        if self._receiver is not None and hasattr(self._receiver, "close"):
+            self._receiver.close()
+        if self._redis is not None:
+            self._redis.close()
+        self.engine.close()
+
+
+def _with_seed(sampling: SamplingOptions, seed: int | None) -> SamplingOptions:
+    return replace(sampling, seed=seed)
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+
+def batch_metrics(outputs: Sequence[SampleOutput], rewards: Sequence[float], *, n: int,
+                  generate_s: float) -> dict[str, float]:
+    """Per-batch numbers for the coordinator (it prefixes them with `rollout/`)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    lengths = np.asarray([len(o.token_ids) for o in outputs], dtype=np.float64)
+    groups = r.reshape(-1, n)
+    reasons = [o.finish_reason for o in outputs]
+    return {
+        "reward_mean": float(r.mean()), "reward_std": float(r.std()),
+        "reward_min": float(r.min()), "reward_max": float(r.max()),
+        "response_len_mean": float(lengths.mean()), "response_len_max": float(lengths.max()),
+        "finish_stop_frac": reasons.count("stop") / len(reasons),
+        "finish_length_frac": reasons.count("length") / len(reasons),
+        # GRPO gets no signal from a group whose rewards are all equal.
+        "zero_std_group_frac": float((groups.std(axis=1) == 0).mean()),
+        "tokens_per_s": float(lengths.sum() / generate_s) if generate_s > 0 else 0.0,
+    }
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_metrics(outputs: Sequence[SampleOutput], rewards: Sequence[float], *, n: int, prefix: str,
+                 pass_threshold: float) -> dict[str, float]:
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1, n)
+    correct = (r >= pass_threshold).sum(axis=1)
+    lengths = np.asarray([len(o.token_ids) for o in outputs], dtype=np.float64)
+    out = {f"{prefix}/reward_mean": float(r.mean()), f"{prefix}/reward_std": float(r.std()),
+           f"{prefix}/response_len_mean": float(lengths.mean()),
+           f"{prefix}/finish_stop_frac": sum(o.finish_reason == "stop" for o in outputs) / len(outputs),
+           f"{prefix}/num_prompts": float(r.shape[0]), f"{prefix}/num_samples": float(r.size)}
+    k = 1
+    while k <= n:
+        out[f"{prefix}/pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct]))
+        k *= 2
+    if n & (n - 1):   # not a power of two: also report pass@n
+        out[f"{prefix}/pass@{n}"] = float(np.mean([pass_at_k(n, int(c), n) for c in correct]))
+    return out
