@@ -6,12 +6,13 @@ errors (a typo must not silently fall back to a default), and every error names 
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -19,7 +20,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # coerce_numbers_to_str: `--set run_name=2024` or `path: 7` mean the string, as YAML users expect.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True)
 
 
 class ModelConfig(Section):
@@ -190,10 +192,16 @@ class ServicesConfig(Section):
     tls_ca: str | None = None
     max_message_mb: int = Field(default=64, ge=1, le=2047)
 
+    @field_validator("rollout")
+    @classmethod
+    def _at_least_one_rollout(cls, value: tuple[ServiceAddress, ...]) -> tuple[ServiceAddress, ...]:
+        if not value:
+            raise ValueError("must list at least one rollout address (one per rollout replica), "
+                             "e.g. rollout: [{port: 0}]")
+        return value
+
     @model_validator(mode="after")
-    def _at_least_one_rollout(self) -> "ServicesConfig":
-        if not self.rollout:
-            raise ValueError("services.rollout must list at least one rollout address")
+    def _tls_pair(self) -> "ServicesConfig":
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("services.tls_cert and services.tls_key must be given together")
         return self
@@ -246,11 +254,23 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set trainer.lr=3e-4")
+    parts = key.strip().split(".")
+    if any(not p.strip() or p != p.strip() for p in parts):
+        raise ConfigError(f"--set {item!r}: {key.strip()!r} is not a dotted key like trainer.lr")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {exc}") from None
+        raise ConfigError(f"--set {key.strip()}: value {raw!r} is not valid YAML ({_yaml_problem(exc)})") from None
     return key.strip().split("."), value
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: where and what (PyYAML's own message spans several lines with a source excerpt)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}" + (f" ({context})" if context else "")
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -258,7 +278,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         path, value = parse_override(item)
         node = data
         for i, part in enumerate(path[:-1]):
-            child = node.setdefault(part, {})
+            child = node.get(part)
+            if child is None:              # absent, or an empty `section:` in the YAML
+                child = node[part] = {}
             if not isinstance(child, dict):
                 raise ConfigError(f"--set {'.'.join(path)}: {'.'.join(path[:i + 1])} is not a section")
             node = child
@@ -266,18 +288,47 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The Section class that holds the key at `loc` (following tuple-of-section indices)."""
+    model: Any = TandemConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        model = _section_type(model.model_fields[part].annotation)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _section_type(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):          # tuple[ServiceAddress, ...], X | None
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
 def _format_validation_error(exc: ValidationError, source: str) -> str:
     lines = []
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc)
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; see docs/configuration.md)"
+            parent = _model_at(loc[:-1])
+            known = sorted(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+            msg = f"unknown key ({hint})"
         elif err["type"] == "missing":
-            msg = "required key is missing"
-        elif "input" in err and err["type"] not in ("value_error",):
+            msg = "required section is missing" if _model_at(loc) else "required key is missing"
+        elif err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+        elif "input" in err:
             msg = f"{msg} (got {err['input']!r})"
-        lines.append(f"  {key}: {msg}")
+        # Cross-section rules name their keys themselves.
+        lines.append(f"  {key}: {msg}" if key else f"  {msg}")
     return f"invalid configuration in {source}:\n" + "\n".join(lines)
 
 
@@ -298,6 +349,9 @@ _PATH_KEYS = (("model", "path"), ("model", "tokenizer_path"), ("data", "train_pa
 def config_from_dict(data: dict[str, Any], source: str = "config") -> TandemConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"invalid configuration in {source}: the top level must be a mapping of sections")
+    # An empty `section:` in YAML is null: treat it as a section left at its defaults.
+    data = {k: ({} if v is None and _section_type(TandemConfig.model_fields[k].annotation) else v)
+            if k in TandemConfig.model_fields else v for k, v in data.items()}
     try:
         return TandemConfig.model_validate(data)
     except ValidationError as exc:
@@ -311,7 +365,7 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"invalid configuration in {path}: the top level must be a mapping of sections")
     data = apply_overrides(data, overrides or [])
