@@ -185,9 +185,9 @@ class Peer:
             raise RuntimeError(f"peer {self.proc.pid} exited with {self.proc.wait()}")
         return item
 
-    def call(self, *, timeout_s: float = 60, **cmd: Any) -> dict[str, Any]:
+    def call(self, *, reply_timeout_s: float = 60, **cmd: Any) -> dict[str, Any]:
         self.send(**cmd)
-        return self.reply(timeout_s=timeout_s)
+        return self.reply(timeout_s=reply_timeout_s)
 
     def kill(self) -> None:
         if self.proc.poll() is None:

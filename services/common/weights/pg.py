@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import time
 import uuid
 from typing import Iterable, Mapping
@@ -68,10 +69,17 @@ def _transport_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+def _short(exc: BaseException) -> str:
+    """gloo's message without its source location and boilerplate advice."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(" This is typically")[0]
+
+
 def _classify(exc: BaseException, *, ctx: SyncContext, what: str) -> WeightSyncError:
     if isinstance(exc, WeightSyncError):
         return exc
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = _short(exc)
     lowered = text.lower()
     if "timed out" in lowered or "timeout" in lowered:
         return WeightSyncTimeout(ctx.message(f"{what} timed out: {text}"))
@@ -234,13 +242,13 @@ class ProcessGroupSender(SenderTransport):
                     source = tensor.detach().to(group.device).contiguous()
                     # the caller may reuse the tensor's memory after we move on: wait for this one
                     _wait(group.broadcast(_wire(source), deadline), deadline=deadline, ctx=ctx,
-                          what=f"broadcasting bucket {bucket.index}/{len(layout.buckets)} ({slot.name})")
+                          what=f"broadcasting bucket {bucket.index} of {len(layout.buckets)} ({slot.name})")
                 next_index += 1
                 continue
             ring_slot, buffer = staging.get(bucket)
             if slot == bucket.tensors[0] and ring_slot in on_wire:
                 previous, work = on_wire.pop(ring_slot)
-                _wait(work, deadline=deadline, ctx=ctx, what=f"broadcasting bucket {previous}/{len(layout.buckets)}")
+                _wait(work, deadline=deadline, ctx=ctx, what=f"broadcasting bucket {previous} of {len(layout.buckets)}")
             _typed(buffer, slot).copy_(tensor.detach())
             left[bucket.index] -= 1
             if left[bucket.index] == 0:
@@ -248,7 +256,7 @@ class ProcessGroupSender(SenderTransport):
                     on_wire[ring_slot] = (bucket.index, group.broadcast(buffer, deadline))
                 next_index += 1
         for index, work in sorted(on_wire.values(), key=lambda item: item[0]):
-            _wait(work, deadline=deadline, ctx=ctx, what=f"broadcasting bucket {index}/{len(layout.buckets)}")
+            _wait(work, deadline=deadline, ctx=ctx, what=f"broadcasting bucket {index} of {len(layout.buckets)}")
 
     def _teardown(self) -> None:
         if self._group is not None:
@@ -334,7 +342,7 @@ class ProcessGroupReceiver(ReceiverTransport):
         total = len(layout.buckets)
 
         def land(bucket: Bucket, work: dist.Work, buffer: torch.Tensor) -> None:
-            _wait(work, deadline=deadline, ctx=ctx, what=f"receiving bucket {bucket.index}/{total}")
+            _wait(work, deadline=deadline, ctx=ctx, what=f"receiving bucket {bucket.index} of {total}")
             if bucket.direct:
                 target = params[bucket.tensors[0].name]
                 if buffer.data_ptr() != target.data_ptr() or buffer.device != target.device:

@@ -1,0 +1,127 @@
+"""Weight-sync throughput between two real processes: Tandem's gloo and disk transports next to a bare
+ProcessGroupGloo broadcast of one buffer of the same bytes.
+
+    python bench/bench_weights.py [--mb 100] [--repeats 3] [--bucket-mb 4 16 64] [--threads 1]
+
+The receiver is a separate process (services.common.weights.peer), already waiting when the publish starts.
+"wall s" runs from publish() until the receiver has reported back (for disk: write, then read), GB/s is
+bytes / wall, "vs raw" the ratio to the bare broadcast; send/recv s are each side's SyncStats.seconds.
+Medians over repeats, after one untimed sync that builds the group and buffers. With a 4 MB bucket the
+4 MB matrices of this model each fill a bucket alone and travel zero-copy (see pg.py); larger buckets
+stage tensors through reused buffers (one copy on each side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.common.config import WeightsConfig  # noqa: E402
+from services.common.weights import TensorSpec, WeightPublisher  # noqa: E402
+from services.common.weights.peer import Peer, make_tensors, plan_to_text, specs_to_json  # noqa: E402
+
+
+def model_specs(total_mb: float) -> list[TensorSpec]:
+    """A transformer-shaped mix: bf16 matrices of 4 MB, fp32 norms, one bf16 embedding of ~1/6 of the bytes."""
+    embed_rows = max(1, int(total_mb * 2**20 / 6 / (1024 * 2)))
+    specs = [TensorSpec("embed", "bfloat16", (embed_rows, 1024))]
+    layer = 0
+    while sum(s.nbytes for s in specs) < total_mb * 2**20:
+        specs += [TensorSpec(f"l{layer}.norm", "float32", (1024,)), TensorSpec(f"l{layer}.w", "bfloat16", (1024, 2048))]
+        layer += 1
+    return specs
+
+
+def bench_transport(*, transport: str, bucket_mb: float, specs: list[TensorSpec], repeats: int, peer: Peer,
+                    run_dir: Path) -> dict[str, float]:
+    config = WeightsConfig(transport=transport, bucket_mb=bucket_mb, timeout_s=120)
+    publisher = WeightPublisher(config=config, run_dir=run_dir, trainer_id="bench")
+    tensors = make_tensors(specs, seed=0)
+    recv_s, send_s, wall_s = [], [], []
+    for version in range(repeats + 1):             # the first sync builds the group and buffers: not timed
+        plan = publisher.prepare(specs, version, 1, False)
+        peer.send(op="receive", plan=plan_to_text(plan), rank=1, specs=specs_to_json(specs))
+        time.sleep(0.2)                            # let the receiver get to its rendezvous first
+        started = time.perf_counter()
+        sent = publisher.publish(plan, ((s.name, tensors[s.name]) for s in specs))
+        got = peer.reply(timeout_s=300)
+        wall = time.perf_counter() - started
+        assert got["ok"], got
+        if version:
+            recv_s.append(got["stats"]["seconds"])
+            send_s.append(sent.seconds)
+            wall_s.append(wall)
+    publisher.close()
+    nbytes = sum(s.nbytes for s in specs)
+    return {"bytes": nbytes, "send_s": statistics.median(send_s), "recv_s": statistics.median(recv_s),
+            "wall_s": statistics.median(wall_s), "buckets": len(plan.buckets)}
+
+
+def bench_raw_gloo(*, nbytes: int, repeats: int, peer: Peer) -> dict[str, float]:
+    store = dist.TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    peer.send(op="raw_recv", addr="127.0.0.1", port=store.port, group="raw", nbytes=nbytes, repeats=repeats + 1)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=60)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, opts)
+    buffer = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    times = []
+    for i in range(repeats + 1):
+        started = time.perf_counter()
+        pg.broadcast(buffer, 0).wait()
+        if i:
+            times.append(time.perf_counter() - started)
+    assert peer.reply(timeout_s=300)["ok"]
+    pg.abort()
+    return {"bytes": nbytes, "send_s": statistics.median(times), "recv_s": float("nan"),
+            "wall_s": statistics.median(times), "buckets": 1}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=float, default=100.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, nargs="+", default=[4.0, 16.0, 64.0])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    specs = model_specs(args.mb)
+    peer = Peer(env={"TANDEM_PEER_THREADS": str(args.threads)})
+    rows = []
+    try:
+        raw = bench_raw_gloo(nbytes=sum(s.nbytes for s in specs), repeats=args.repeats, peer=peer)
+        rows.append(("raw ProcessGroupGloo, 1 buffer", "-", raw))
+        with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
+            for bucket_mb in args.bucket_mb:
+                rows.append(("tandem gloo", f"{bucket_mb:g}", bench_transport(
+                    transport="gloo", bucket_mb=bucket_mb, specs=specs, repeats=args.repeats, peer=peer,
+                    run_dir=Path(tmp))))
+            rows.append(("tandem disk (tmpdir)", f"{args.bucket_mb[-1]:g}", bench_transport(
+                transport="disk", bucket_mb=args.bucket_mb[-1], specs=specs, repeats=args.repeats, peer=peer,
+                run_dir=Path(tmp))))
+    finally:
+        peer.close()
+    print(f"\n{len(specs)} tensors, {raw['bytes'] / 2**20:.1f} MiB, median of {args.repeats}, "
+          f"torch threads {args.threads}\n")
+    print(f"{'path':32} {'bucket MB':>9} {'buckets':>7} {'send s':>8} {'recv s':>8} {'wall s':>8} {'GB/s':>7} "
+          f"{'vs raw':>7}")
+    for name, bucket, row in rows:
+        gbps = row["bytes"] / row["wall_s"] / 1e9
+        print(f"{name:32} {bucket:>9} {row['buckets']:>7} {row['send_s']:>8.3f} {row['recv_s']:>8.3f} "
+              f"{row['wall_s']:>8.3f} {gbps:>7.2f} {raw['wall_s'] / row['wall_s']:>7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
