@@ -24,14 +24,18 @@ GEN_PACKAGE = "services.common.gen"
 _IMPORT_RE = re.compile(r"^from tandem\.v1 import (\w+) as (\w+)$", re.MULTILINE)
 
 
-def generate(out_dir: Path) -> list[Path]:
-    """Runs protoc over every .proto file into out_dir; returns the files written."""
+def generate(out_dir: Path, *, proto_root: Path = PROTO_ROOT) -> list[Path]:
+    """Runs protoc over every .proto file under proto_root into out_dir; returns the files written."""
     from grpc_tools import protoc  # imported late: only needed when regenerating
 
-    protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
+    out_dir = Path(out_dir)
+    proto_root = Path(proto_root)
+    protos = sorted(str(p.relative_to(proto_root)) for p in proto_root.rglob("*.proto"))
+    if not protos:
+        raise RuntimeError(f"no .proto files under {proto_root}")
     include = Path(protoc.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
+        args = ["protoc", f"-I{proto_root}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
                 f"--grpc_python_out={tmp}", *protos]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {protos}")
@@ -53,9 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=GEN_ROOT)
     args = parser.parse_args(argv)
-    if args.out == GEN_ROOT and GEN_ROOT.exists():
-        shutil.rmtree(GEN_ROOT)
-    files = generate(args.out)
+    # Generate aside first: a protoc error must not leave the package without its stubs.
+    with tempfile.TemporaryDirectory() as tmp:
+        files = generate(Path(tmp) / "gen")
+        if args.out.exists():
+            shutil.rmtree(args.out)
+        shutil.copytree(Path(tmp) / "gen", args.out)
     print(f"wrote {len(files)} files under {args.out}")
     return 0
 
