@@ -43,14 +43,14 @@ def model_specs(total_mb: float) -> list[TensorSpec]:
 
 
 def bench_transport(*, transport: str, bucket_mb: float, specs: list[TensorSpec], repeats: int, peer: Peer,
-                    run_dir: Path) -> dict[str, float]:
+                    run_dir: Path, device: str = "cpu") -> dict[str, float]:
     config = WeightsConfig(transport=transport, bucket_mb=bucket_mb, timeout_s=120)
     publisher = WeightPublisher(config=config, run_dir=run_dir, trainer_id="bench")
-    tensors = make_tensors(specs, seed=0)
+    tensors = {name: t.to(device) for name, t in make_tensors(specs, seed=0).items()}
     recv_s, send_s, wall_s = [], [], []
     for version in range(repeats + 1):             # the first sync builds the group and buffers: not timed
         plan = publisher.prepare(specs, version, 1, False)
-        peer.send(op="receive", plan=plan_to_text(plan), rank=1, specs=specs_to_json(specs))
+        peer.send(op="receive", plan=plan_to_text(plan), rank=1, specs=specs_to_json(specs), device=device)
         time.sleep(0.2)                            # let the receiver get to its rendezvous first
         started = time.perf_counter()
         sent = publisher.publish(plan, ((s.name, tensors[s.name]) for s in specs))
@@ -110,6 +110,11 @@ def main() -> int:
             rows.append(("tandem disk (tmpdir)", f"{args.bucket_mb[-1]:g}", bench_transport(
                 transport="disk", bucket_mb=args.bucket_mb[-1], specs=specs, repeats=args.repeats, peer=peer,
                 run_dir=Path(tmp))))
+            if torch.cuda.is_available():   # both processes on GPU 0; params and tensors in device memory
+                for transport in ("cuda_ipc", "gloo"):
+                    rows.append((f"tandem {transport} (cuda->cuda)", f"{args.bucket_mb[-1]:g}", bench_transport(
+                        transport=transport, bucket_mb=args.bucket_mb[-1], specs=specs, repeats=args.repeats,
+                        peer=peer, run_dir=Path(tmp), device="cuda")))
     finally:
         peer.close()
     print(f"\n{len(specs)} tensors, {raw['bytes'] / 2**20:.1f} MiB, median of {args.repeats}, "

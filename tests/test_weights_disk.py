@@ -88,3 +88,23 @@ def test_disk_detects_tampered_files_when_verifying(tmp_path: Path):
     path.write_bytes(bytes(data))
     with pytest.raises(WeightSyncError, match="1 tensor\\(s\\) differ from the trainer's checksums"):
         WeightReceiver().receive(plan, 1, _zeros())
+
+
+def test_receiver_compares_checksums_announced_in_the_plan(tmp_path: Path):
+    """The trainer service fills TensorMeta.checksum of the plan it announces; receivers check against it."""
+    publisher = _publisher(tmp_path)
+    plan = publisher.prepare(SPECS, 2, 1, True)
+    tensors = make_tensors(SPECS, seed=2)
+    publisher.publish(plan, [(s.name, tensors[s.name]) for s in SPECS])
+    (tmp_path / "weights" / "v2" / "manifest.json").write_text(
+        (tmp_path / "weights" / "v2" / "manifest.json").read_text().replace('"checksums"', '"was"'))
+    announced = type(plan)()
+    announced.CopyFrom(plan)
+    WeightReceiver().receive(announced, 1, _zeros())        # no checksums anywhere: nothing to compare
+    from services.common.weights import tensor_checksum
+    for bucket in announced.buckets:
+        for meta in bucket.tensors:
+            meta.checksum = tensor_checksum(tensors[meta.name])
+    announced.buckets[0].tensors[0].checksum = "0" * 32
+    with pytest.raises(WeightSyncError, match=f"1 tensor\\(s\\) differ.*{announced.buckets[0].tensors[0].name}"):
+        WeightReceiver().receive(announced, 1, _zeros())

@@ -117,8 +117,10 @@ class WeightReceiver:
     def receive(self, plan: common_pb2.WeightSyncPlan, rank_offset: int,
                 params: Mapping[str, torch.Tensor]) -> SyncStats:
         """Everything is checked before joining any transfer; a refusal is posted to the trainer (process
-        groups, cuda_ipc) so it fails at once rather than at its deadline. On a failure mid-transfer `params`
-        may hold a mix of versions: sync again before generating."""
+        groups, cuda_ipc) so it fails at once rather than at its deadline. With `plan.verify` the returned
+        checksums are computed from `params` after the copy, and compared here with the trainer's where the plan
+        (TensorMeta.checksum) or the transport (disk manifest) carries them: a difference raises WeightSyncError.
+        On a failure mid-transfer `params` may hold a mix of versions: sync again before generating."""
         with self._lock:
             transport = self._transport(plan.transport)
             deadline = Deadline(plan.timeout_s if plan.timeout_s > 0 else 120.0)
@@ -139,7 +141,9 @@ class WeightReceiver:
                                              deadline=deadline)
             elapsed = time.monotonic() - started
             checksums = {slot.name: tensor_checksum(params[slot.name]) for slot in layout.order} if plan.verify else {}
-            self._compare(where=where, mine=checksums, theirs=received.sender_checksums)
+            # the trainer's checksums, where known: announced in the plan's TensorMeta, or carried by the transport
+            theirs = {m.name: m.checksum for b in plan.buckets for m in b.tensors if m.checksum}
+            self._compare(where=where, mine=checksums, theirs={**theirs, **received.sender_checksums})
             return SyncStats(version=plan.version, bytes=layout.total_bytes, seconds=elapsed - received.waited_s,
                              checksums=checksums, transport=plan.transport, wait_seconds=received.waited_s)
 
