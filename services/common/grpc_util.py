@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+import inspect
 import logging
 import time
 from concurrent import futures
@@ -50,8 +51,31 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def _abort_with(method: Callable[..., Any], exc: Exception, context: grpc.ServicerContext) -> None:
+    code = _status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", method.__name__)
+    else:
+        log.warning("%s: %s: %s", method.__name__, code.name, exc)
+    message = str(exc.args[0] if exc.args else "") if isinstance(exc, KeyError) else str(exc)
+    context.abort(code, f"{type(exc).__name__}: {message}"[:4000])
+
+
 def map_errors(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator for servicer methods: exceptions become a status with the exception's message."""
+    """Decorator for servicer methods (unary or server-streaming generators): exceptions become a status
+    with the exception's message."""
+
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def stream_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                yield from method(self, request, context)
+            except grpc.RpcError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                _abort_with(method, exc, context)
+
+        return stream_wrapper
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
@@ -60,14 +84,7 @@ def map_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         except grpc.RpcError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure must become a status, never a dead server
-            code = _status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", method.__name__)
-            else:
-                log.warning("%s: %s: %s", method.__name__, code.name, exc)
-            message = str(exc) if code != grpc.StatusCode.NOT_FOUND or not isinstance(exc, KeyError) else \
-                str(exc.args[0] if exc.args else exc)
-            context.abort(code, f"{type(exc).__name__}: {message}"[:4000])
+            _abort_with(method, exc, context)
 
     return wrapper
 
@@ -173,7 +190,8 @@ def open_channel(target: str, *, max_message_mb: int = 64, tls_ca: str | None = 
     return channel
 
 
-class _HeaderInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _HeaderInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                         grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
     def __init__(self, header: tuple[str, str]):
         self._header = header
 
@@ -186,6 +204,12 @@ class _HeaderInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClien
 
     def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[override]
         return continuation(self._with_header(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
+        return continuation(self._with_header(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
+        return continuation(self._with_header(client_call_details), request_iterator)
 
 
 class _Details(grpc.ClientCallDetails):
