@@ -448,3 +448,14 @@ def test_discard_except_drops_other_entries_with_their_chunks(redis_client, stre
     assert pending_by_consumer(redis_client, stream, "actor") == {"consumer-0": [ids[1]]}
     prefix = dict(redis_client.xrange(stream))[ids[1].encode()][b"chunk_prefix"]
     assert chunk_keys(redis_client, stream) and all(k.startswith(prefix) for k in chunk_keys(redis_client, stream))
+
+
+def test_a_retried_xadd_does_not_add_the_batch_twice(redis_client, stream):
+    """redis-py retries a command after a socket timeout; the put script is keyed by a per-put id, so a
+    retry of an XADD that did land returns the first entry id instead of a duplicate batch."""
+    producer = buffer(redis_client, stream, max_buffered_batches=1)
+    keys = [stream, f"{stream}:put:retry-test"]
+    args = [1, "rollout_id", 0, "payload", b"x"]
+    first = producer._bounded_xadd(keys=keys, args=args)
+    assert producer._bounded_xadd(keys=keys, args=args) == first      # also when the buffer is now full
+    assert redis_client.xlen(stream) == 1
