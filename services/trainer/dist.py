@@ -16,8 +16,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.common.redis_server import free_port
-
 log = logging.getLogger(__name__)
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE")
@@ -56,23 +54,24 @@ def _skip_shm_comm_build() -> None:
 
 
 def init_process_group(*, device: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
-    """Joins (or creates) the default group. Without a launcher this is a 1-rank group on a free port,
-    because DeepSpeed otherwise falls back to MPI discovery."""
+    """Joins (or creates) the default group. Without a launcher this is a 1-rank group on an in-memory
+    store: no port, and no RANK/WORLD_SIZE/MASTER_* left in os.environ, where child processes (a
+    `tandem run` started later from the same process) would mistake them for a launcher's."""
     import deepspeed
 
-    if not dist.is_initialized() and not launched_by_launcher():
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port(os.environ["MASTER_ADDR"]))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ.setdefault("LOCAL_RANK", "0")   # DeepSpeed's engine reads it
+    local_rank = int(os.environ["LOCAL_RANK"])
     dev = resolve_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     else:
         _skip_shm_comm_build()
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if dev.type == "cuda" else "gloo",
-                                   auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s))
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized() and not launched_by_launcher():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    # auto_mpi_discovery off: without a launcher's variables DeepSpeed would look for MPI.
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev)
 
 

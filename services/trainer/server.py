@@ -79,9 +79,20 @@ def launch_ranks(config: TandemConfig, *, run_dir: Path, role: str) -> int:
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "services.cli", "trainer", str(config_file), "--run-dir", str(run_dir), "--role", role]
     proc = subprocess.Popen(cmd)
+    stopping = threading.Event()
+
+    def forward(sig: int, _frame: object) -> None:
+        stopping.set()
+        proc.send_signal(sig)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _f: proc.send_signal(s))
-    return proc.wait()
+        signal.signal(sig, forward)
+    rc = proc.wait()
+    if stopping.is_set():
+        # torchrun reports a signalled shutdown as a failure; here it is what was asked for.
+        log.info("trainer ranks stopped on request (torchrun exit code %d)", rc)
+        return 0
+    return rc
 
 
 def _close_quietly(service, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]

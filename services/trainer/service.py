@@ -124,7 +124,10 @@ class TrainerService:
 
     def close(self) -> None:
         if self.rank == 0 and self.dist.world_size > 1:
-            self.relay.send({"cmd": "shutdown"})
+            try:
+                self.relay.send({"cmd": "shutdown"})
+            except RuntimeError as exc:   # a launcher stopping everything signals the other ranks too
+                log.info("other ranks already gone at shutdown: %s", str(exc).splitlines()[0][:200])
         for publisher in self._publishers.values():
             publisher.close()
         self.backend.close()
@@ -398,13 +401,15 @@ class TrainerService:
             self._ensure_onloaded()
             plan = self._publisher(transport or self.config.weights.transport).prepare(
                 self.weight_specs(), version=version, engine_world_size=engine_world_size, verify=verify)
-            if verify:   # what the receivers' checksums are compared with
+            self._plan = plan   # publish needs exactly the plan its publisher prepared
+            announced = common_pb2.WeightSyncPlan()
+            announced.CopyFrom(plan)
+            if verify:   # what the coordinator compares the receivers' checksums with
                 sums = self._run({"cmd": "weights", "mode": "checksums"})
-                for bucket in plan.buckets:
+                for bucket in announced.buckets:
                     for meta in bucket.tensors:
                         meta.checksum = sums[meta.name]
-            self._plan = plan
-            return plan
+            return announced
 
     def publish_weights(self, *, version: int) -> trainer_pb2.PublishWeightsResponse:
         with self._lock:

@@ -1,0 +1,104 @@
+"""Micro-batch planning, sharding, staleness and the lr schedule (pure functions, no engine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.wire import build_batch
+from services.trainer.backend import lr_lambda
+from services.trainer.batching import (build_micro_batch, merge_batches, pack_samples, shard_samples,
+                                       stale_samples)
+
+
+def _batch():
+    return merge_batches([
+        build_batch(rollout_id=0, policy_version=0, prompts=[[1, 5], [1, 6, 7]], responses=[[8, 9, 10], [11]],
+                    log_probs=[[-0.1, -0.2, -0.3], [-0.4]], rewards=[1.0, 0.0], group_ids=[0, 0],
+                    finish_reasons=["stop", "length"], sample_versions=[3, 1]),
+        build_batch(rollout_id=1, policy_version=0, prompts=[[1]], responses=[[12, 13]], log_probs=[[-0.5, -0.6]],
+                    rewards=[0.5], group_ids=[1], finish_reasons=["stop"], sample_versions=[2]),
+    ])
+
+
+def test_merge_and_select_keep_per_token_arrays_aligned():
+    batch = _batch()
+    assert batch.num_samples == 3 and batch.num_response_tokens == 6 and batch.num_tokens == 12
+    picked = batch.select([2, 0])
+    assert picked.tokens.tolist() == [1, 12, 13, 1, 5, 8, 9, 10]
+    assert picked.rollout_log_probs.tolist() == pytest.approx([-0.5, -0.6, -0.1, -0.2, -0.3])
+    assert picked.response_lengths.tolist() == [2, 3] and picked.rewards.tolist() == [0.5, 1.0]
+
+
+def test_micro_batch_positions_predict_response_tokens():
+    batch = _batch()
+    mb = build_micro_batch(batch, [0, 2])
+    assert mb.input_ids.tolist() == [[1, 5, 8, 9, 10], [1, 12, 13, 0, 0]]
+    assert mb.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    # output position p-1+j predicts response token j; token_index points into the flat response arrays
+    assert mb.positions.tolist() == [1, 2, 3, 0, 1]
+    assert mb.targets.tolist() == [8, 9, 10, 12, 13]
+    assert mb.token_index.tolist() == [0, 1, 2, 4, 5]
+    assert mb.num_tokens == 8
+
+
+def test_pack_respects_padded_token_budget():
+    lengths = [10, 3, 7, 2, 2, 30]
+    groups = pack_samples(list(range(6)), lengths, token_budget=20)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    for g in groups:
+        assert len(g) == 1 or max(lengths[i] for i in g) * len(g) <= 20
+    assert [5] in groups   # longer than the budget: alone
+
+
+def test_shards_are_disjoint_balanced_and_cover_everything():
+    lengths = [9, 1, 5, 5, 3, 8, 2]
+    shards = [shard_samples(lengths, world_size=3, rank=r) for r in range(3)]
+    assert sorted(i for s in shards for i in s) == list(range(7))
+    loads = [sum(lengths[i] for i in s) for s in shards]
+    assert max(loads) - min(loads) <= max(lengths)
+    assert shard_samples(lengths, world_size=1, rank=0) == list(range(7))
+
+
+def test_stale_samples():
+    batch = _batch()
+    assert stale_samples(batch, weight_version=3, max_staleness=1) == [1]
+    assert stale_samples(batch, weight_version=3, max_staleness=0) == [1, 2]
+    assert stale_samples(batch, weight_version=3, max_staleness=-1) == []
+
+
+def test_merge_rejects_inconsistent_batches():
+    good = build_batch(rollout_id=0, policy_version=0, prompts=[[1]], responses=[[2]], log_probs=[[-1.0]],
+                       rewards=[1.0], group_ids=[0], finish_reasons=["stop"])
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="rewards"):
+        merge_batches([replace(good, rewards=good.rewards * float("nan"))])
+    with pytest.raises(ValueError, match="one per response token"):
+        merge_batches([replace(good, loss_mask=good.loss_mask[:0])])
+    with pytest.raises(ValueError, match="empty batch"):
+        merge_batches([])
+
+
+def test_lr_schedules():
+    warm_const = lr_lambda(schedule="constant", warmup_steps=4, total_steps=None, lr=1.0, min_lr=0.0)
+    assert [warm_const(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cosine = lr_lambda(schedule="cosine", warmup_steps=0, total_steps=10, lr=1e-3, min_lr=1e-4)
+    assert cosine(0) == pytest.approx(1.0) and cosine(10) == pytest.approx(0.1) and cosine(50) == pytest.approx(0.1)
+    assert cosine(5) == pytest.approx(0.55)
+    linear = lr_lambda(schedule="linear", warmup_steps=2, total_steps=12, lr=1.0, min_lr=0.0)
+    assert linear(1) == 1.0 and linear(7) == pytest.approx(0.5) and linear(12) == 0.0
+    with pytest.raises(ValueError, match="total_steps"):
+        lr_lambda(schedule="cosine", warmup_steps=0, total_steps=None, lr=1.0, min_lr=0.0)
+
+
+def test_lr_schedule_drives_torch_scheduler():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(schedule="constant", warmup_steps=2, total_steps=None,
+                                                             lr=0.1, min_lr=0.0))
+    seen = []
+    for _ in range(3):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([0.05, 0.1, 0.1])

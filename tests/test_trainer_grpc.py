@@ -1,0 +1,184 @@
+"""The trainer as a real gRPC server process: 2 ranks under torchrun against 1 rank, kill -9 and resume.
+
+Each server is started the way `tandem run` starts it (`python -m services.cli trainer CONFIG`); with
+trainer.num_ranks: 2 that re-runs itself under torchrun, rank 0 serving gRPC and relaying to rank 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from conftest_trainer import TrainerHarness, make_batch, tiny_model_dir, trainer_config  # noqa: F401
+
+from services.common.buffer import RolloutBuffer, connect, stream_key
+from services.common.config import TandemConfig, config_from_dict, dump_config
+from services.common.gen.tandem.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.common.grpc_util import open_channel, wait_healthy
+from services.common.redis_server import free_port
+
+pytestmark = pytest.mark.timeout(300)
+REPO = Path(__file__).resolve().parents[1]
+
+
+class TrainerProcess:
+    def __init__(self, config: TandemConfig, *, run_dir: Path, name: str):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        config_file = run_dir / f"{name}.yaml"
+        config_file.write_text(dump_config(config))
+        self.log_path = run_dir / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "trainer", str(config_file), "--run-dir", str(run_dir),
+                 "--role", "actor"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True)
+        self.target = config.services.trainer.target
+        wait_healthy(self.target, timeout_s=180, should_abort=lambda: None if self.proc.poll() is None else
+                     f"trainer exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+        self.channel = open_channel(self.target)
+        self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
+        """SIGTERM to the service process (as the supervisor does), SIGKILL to its whole process group."""
+        self.channel.close()
+        if self.proc.poll() is None:
+            if sig == signal.SIGKILL:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)   # leave no rank behind
+            self.proc.wait()
+            raise
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def _config(model_dir: Path, run_dir: Path, redis_url: str, *, run_name: str, port: int, **trainer) -> TandemConfig:
+    base = trainer_config(model_dir=model_dir, run_dir=run_dir, redis_url=redis_url, run_name=run_name,
+                          trainer={"micro_batch_tokens": 40, "lr": 3e-3, **trainer})
+    data = base.model_dump(mode="json")
+    data["services"]["trainer"]["port"] = port
+    data["weights"].update(transport="disk", disk_dir=str(run_dir / "weights"))
+    return config_from_dict(data, source="test")
+
+
+def _producer(config: TandemConfig) -> RolloutBuffer:
+    return RolloutBuffer(connect(config.redis.url), stream_key(config.redis.stream_prefix, config.run_name),
+                         groups=("actor",), max_buffered_batches=64)
+
+
+def _sync_to_engine(stub, model_dir: Path, *, version: int) -> dict[str, torch.Tensor]:
+    """PrepareWeightSync + PublishWeights over gRPC into a fresh HF model (disk transport); returns its params."""
+    from transformers import AutoModelForCausalLM
+
+    from services.common.weights import WeightReceiver
+
+    params = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
+    plan = stub.PrepareWeightSync(trainer_pb2.PrepareWeightSyncRequest(version=version, engine_world_size=1,
+                                                                       verify=True), timeout=60)
+    receiver = WeightReceiver()
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(stats=receiver.receive(plan, 1, params)))
+    thread.start()
+    stub.PublishWeights(trainer_pb2.PublishWeightsRequest(version=version), timeout=60)
+    thread.join(60)
+    receiver.close()
+    assert got["stats"].checksums == {m.name: m.checksum for b in plan.buckets for m in b.tensors}
+    return {n: p.detach() for n, p in params.items()}
+
+
+def test_two_ranks_under_torchrun_match_one_rank(tiny_model_dir, tmp_path, redis_server):  # noqa: F811
+    torch.set_num_threads(1)
+    batches = [make_batch(rollout_id=i, seed=10 + i, groups=4, model_dir=tiny_model_dir) for i in range(3)]
+    one = _config(tiny_model_dir, tmp_path / "one", redis_server.url, run_name="one", port=free_port(), zero_stage=3)
+    reference = TrainerHarness(one, run_dir=tmp_path / "one")
+    try:
+        expected = [reference.service.train(rollout_id=i, entry_ids=[reference.put(b)]) for i, b in enumerate(batches)]
+        expected_weights = {n: t.clone() for n, t in reference.service.iter_named_weights()}
+    finally:
+        reference.close()
+
+    two = _config(tiny_model_dir, tmp_path / "two", redis_server.url, run_name="two", port=free_port(), zero_stage=3,
+                  num_ranks=2)
+    server = TrainerProcess(two, run_dir=tmp_path / "two", name="trainer")
+    try:
+        state = server.stub.GetState(common_pb2.Empty(), timeout=10)
+        assert state.world_size == 2 and state.zero_stage == 3
+        producer = _producer(two)
+        for i, b in enumerate(batches):
+            got = server.stub.Train(trainer_pb2.TrainRequest(rollout_id=i, entry_ids=[producer.put(b)],
+                                                             max_staleness=-1), timeout=120)
+            for key in ("loss", "pg_loss", "grad_norm", "entropy", "ppo_ratio_mean", "pg_clipfrac", "tokens"):
+                assert got.metrics[key] == pytest.approx(expected[i].metrics[key], rel=1e-4, abs=1e-6), key
+        weights = _sync_to_engine(server.stub, tiny_model_dir, version=1)
+        assert weights.keys() == expected_weights.keys()
+        # Adam's normalisation magnifies float-order differences on near-zero gradients: bound them in
+        # absolute terms, well below what training moved (lr 3e-3 x 3 steps)
+        for name, t in expected_weights.items():
+            torch.testing.assert_close(weights[name], t, rtol=1e-3, atol=1e-4)
+        saved = server.stub.Save(trainer_pb2.SaveRequest(rollout_id=2), timeout=60)
+        shards = sorted(p.name for p in (Path(saved.path) / "ds").iterdir())
+        assert sum("optim_states" in s for s in shards) == 2, shards   # one ZeRO shard per rank
+        assert "TANDEM_READY trainer" in server.log()
+        rc = server.stop()
+        assert rc == 0, server.log()[-3000:]
+        assert not server.group_alive()   # torchrun and both ranks are gone
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_kill_9_then_restart_resumes_exactly(tiny_model_dir, tmp_path, redis_server):  # noqa: F811
+    batches = [make_batch(rollout_id=i, seed=20 + i, model_dir=tiny_model_dir) for i in range(3)]
+    cfg = _config(tiny_model_dir, tmp_path, redis_server.url, run_name="crash", port=free_port(), zero_stage=1,
+                  warmup_steps=3)
+    producer = _producer(cfg)
+    server = TrainerProcess(cfg, run_dir=tmp_path, name="first")
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            server.stub.Train(trainer_pb2.TrainRequest(rollout_id=0), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty batch" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            server.stub.Train(trainer_pb2.TrainRequest(rollout_id=0, entry_ids=["1-0"]), timeout=30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        for i in range(2):
+            server.stub.Train(trainer_pb2.TrainRequest(rollout_id=i, entry_ids=[producer.put(batches[i])]), timeout=60)
+        server.stub.Save(trainer_pb2.SaveRequest(rollout_id=1, extra_state={"coordinator": "{}"}), timeout=60)
+        expected = server.stub.Train(trainer_pb2.TrainRequest(rollout_id=2, entry_ids=[producer.put(batches[2])]),
+                                     timeout=60)
+    finally:
+        server.stop(signal.SIGKILL)
+
+    server = TrainerProcess(cfg, run_dir=tmp_path, name="second")
+    try:
+        loaded = server.stub.Load(trainer_pb2.LoadRequest(), timeout=60)
+        assert loaded.loaded and loaded.rollout_id == 1 and loaded.step == 2
+        retry = server.stub.Train(trainer_pb2.TrainRequest(rollout_id=1, entry_ids=["ignored-0"]), timeout=60)
+        assert retry.replayed and retry.step == 2
+        again = server.stub.Train(trainer_pb2.TrainRequest(rollout_id=2, entry_ids=[producer.put(batches[2])]),
+                                  timeout=60)
+        assert not again.replayed and again.step == expected.step == 3
+        for key in ("loss", "grad_norm", "lr", "entropy"):
+            assert again.metrics[key] == expected.metrics[key], key
+        assert producer.client.xlen(producer.stream) == 0   # every entry acknowledged and deleted
+    finally:
+        assert server.stop() == 0
