@@ -148,3 +148,32 @@ def test_gloo_trainer_stalls_or_dies_mid_transfer(failure: str, tmp_path: Path):
     finally:
         trainer.kill()
         receiver.close()
+
+
+def test_gloo_replaced_engine_rejoins_the_group_and_two_engines_sync(tmp_path: Path, peer: Peer):
+    """A replica restarted between syncs makes the group rebuild (no failed sync); world size 3 works."""
+    publisher = _publisher(tmp_path, timeout_s=10.0)
+    first = Peer()
+    plan1, _, got = _sync(publisher, first, version=1, verify=False)
+    assert got["ok"], got
+    first.kill()                                            # the replica dies between syncs...
+    second = Peer()                                         # ...and its replacement takes rank 1
+    try:
+        plan2, sent, got = _sync(publisher, second, version=2, verify=True)
+        assert got["ok"] and got["unequal"] == [] and got["stats"]["checksums"] == sent.checksums, got
+        assert plan2.group_name == plan1.group_name         # same group, rebuilt under a new generation
+        names = set()
+        for version in (3, 4):                              # a second replica: ranks 1 and 2
+            plan = publisher.prepare(SPECS, version, 2, True)
+            names.add(plan.group_name)
+            for rank, engine in ((1, second), (2, peer)):
+                engine.send(op="receive", plan=plan_to_text(plan), rank=rank, specs=specs_to_json(SPECS), seed=version)
+            sent = publisher.publish(plan, _stream(make_tensors(SPECS, seed=version)))
+            for engine in (second, peer):
+                got = engine.reply(timeout_s=60)
+                assert got["ok"] and got["unequal"] == [] and got["stats"]["checksums"] == sent.checksums, got
+            assert plan.world_size == 3 and plan.group_name != plan1.group_name
+        assert len(names) == 1
+    finally:
+        second.close()
+        publisher.close()

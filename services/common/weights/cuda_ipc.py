@@ -12,7 +12,10 @@ Step by step:
   receive (engine)    maps the handles (`UntypedStorage._new_shared_cuda`), copies into params, synchronizes,
                       drops the mappings, posts done.
 The buffers stay alive on the trainer after publish (receivers confirmed they are done) until a prepare with a
-different layout, `release()` or `close()`. Handles never travel as pickle. A handle maps the CUDA allocation
+different layout, `release()` or `close()`. Lifetime follows that explicit handshake rather than torch's
+cross-process refcount (which counts one mapping per share, while here every receiver maps every bucket on
+every sync): receivers map with an empty ref-counter handle, and the trainer drops its own share count when it
+frees the buffer. The plan still carries torch's ref-counter fields as exported. Handles never travel as pickle. A handle maps the CUDA allocation
 the buffer lives in: only share with processes you trust with the trainer's device memory. cudaIpc cannot open
 a handle inside the process that exported it, so trainer and engine must be different processes.
 """
@@ -66,6 +69,7 @@ class _SharedBuckets:
         torch.cuda.synchronize(device)   # the allocation must exist before another process maps it
         (dev, handle, _size, offset, ref_handle, ref_offset, event_handle, event_sync) = \
             self.flat.untyped_storage()._share_cuda_()
+        self._ref_counter = (bytes(ref_handle), int(ref_offset))
         self.handles = [common_pb2.CudaIpcHandle(
             device=int(dev), handle=bytes(handle), storage_size_bytes=bucket.nbytes,
             storage_offset_bytes=int(offset) + start, ref_counter_handle=bytes(ref_handle),
@@ -75,6 +79,15 @@ class _SharedBuckets:
 
     def bucket(self, index: int, nbytes: int) -> torch.Tensor:
         return self.flat[self.starts[index]: self.starts[index] + nbytes]
+
+    def free(self) -> None:
+        """Drop the share count `_share_cuda_` took (receivers never touch it, see the module docstring), so
+        the buffer returns to the caching allocator instead of waiting in torch's IPC limbo forever."""
+        try:
+            torch.UntypedStorage._release_ipc_counter_cuda(*self._ref_counter)
+        except Exception:  # noqa: BLE001, S110 - best effort, as torch's own release
+            pass
+        self.flat = torch.empty(0)
 
 
 class CudaIpcSender(SenderTransport):
@@ -92,7 +105,7 @@ class CudaIpcSender(SenderTransport):
             raise WeightSyncError("transport cuda_ipc needs CUDA; use gloo or disk")
         device = torch.device("cuda", torch.cuda.current_device())
         if self._shared is None or self._shared.key != (layout.key, device):
-            self._shared = None
+            self.release()
             self._shared = _SharedBuckets(layout=layout, device=device)
         if self._group_name is None:
             self._group_name = f"tandem-ipc-{self._trainer_id}-{uuid.uuid4().hex[:12]}"
@@ -128,6 +141,8 @@ class CudaIpcSender(SenderTransport):
             raise
 
     def release(self) -> None:
+        if self._shared is not None:
+            self._shared.free()
         self._shared = None
 
     def close(self) -> None:
@@ -191,10 +206,10 @@ class CudaIpcReceiver(ReceiverTransport):
                     raise WeightSyncError(ctx.message(f"bucket {bucket.index} has no usable IPC handle"))
                 device = _local_device(handle)
                 with torch.cuda.device(device):
+                    # b"" as ref-counter handle: lifetime follows our done-handshake, not torch's refcount
                     storage = torch.UntypedStorage._new_shared_cuda(
                         device, handle.handle, handle.storage_size_bytes, handle.storage_offset_bytes,
-                        handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle,
-                        handle.event_sync_required)
+                        b"", 0, handle.event_handle, handle.event_sync_required)
                     view = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(
                         storage, 0, (bucket.nbytes,), (1,))
                 mapped.append(view)

@@ -8,6 +8,9 @@ Step by step (trainer = rank 0, engine i = rank `rank_offset`):
   publish (trainer)   waits until every rank is ready (an abort or the deadline fails it), says go.
   both                build the group once on PrefixStore(group_name, store) — later syncs reuse it — and
                       broadcast bucket after bucket in plan order from rank 0.
+Each ready says which group generation the rank holds; if any rank lacks the trainer's (a replaced engine
+process), the go names the next generation and every member rebuilds under a fresh prefix, so replacing a
+replica costs one group construction, not a failed sync.
 Every broadcast and wait carries what is left of the plan's deadline, so a dead or stalled peer fails both
 sides within `timeout_s`. A failed sync aborts the group (closing its sockets, which also wakes the peers)
 and the trainer's next prepare announces a fresh group name.
@@ -91,8 +94,9 @@ def _classify(exc: BaseException, *, ctx: SyncContext, what: str) -> WeightSyncE
 class _Group:
     """A built process group plus what it needs alive (its store)."""
 
-    def __init__(self, *, key: tuple, pg: dist.ProcessGroup, store: dist.Store, device: torch.device):
-        self.key, self.pg, self.store, self.device = key, pg, store, device
+    def __init__(self, *, key: tuple, generation: int, pg: dist.ProcessGroup, store: dist.Store,
+                 device: torch.device):
+        self.key, self.generation, self.pg, self.store, self.device = key, generation, pg, store, device
 
     def broadcast(self, tensor: torch.Tensor, deadline: Deadline) -> dist.Work:
         return self.pg.broadcast(tensor, 0, deadline.timedelta())
@@ -105,12 +109,13 @@ class _Group:
             pass
 
 
-def _build_group(*, backend: str, store: dist.Store, group_name: str, rank: int, world_size: int,
+def _build_group(*, backend: str, store: dist.Store, group_name: str, generation: int, rank: int, world_size: int,
                  master_addr: str, deadline: Deadline, ctx: SyncContext) -> dist.ProcessGroup:
-    """Construct the group on PrefixStore(group_name); its rendezvous is bounded by the deadline too."""
+    """Construct the group on PrefixStore(group_name); a rebuild (generation g > 0) on PrefixStore(f"{group_name}/g{g}")
+    so it never meets the old group's rendezvous keys. Bounded by the deadline like everything else."""
     left = deadline.timedelta()
     store.set_timeout(left)
-    prefix = dist.PrefixStore(group_name, store)
+    prefix = dist.PrefixStore(group_name if generation == 0 else f"{group_name}/g{generation}", store)
     try:
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
@@ -172,6 +177,7 @@ class ProcessGroupSender(SenderTransport):
         self._group_name: str | None = None
         self._world_size = 0
         self._group: _Group | None = None
+        self._generation = -1         # of the group under the current name; bumped on every (re)build
         self._staging: _Staging | None = None
 
     def prepare(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, engine_world_size: int) -> None:
@@ -180,6 +186,7 @@ class ProcessGroupSender(SenderTransport):
             self._teardown()
             self._group_name = f"tandem-{self._backend}-{self._trainer_id}-{uuid.uuid4().hex[:12]}"
             self._world_size = world_size
+            self._generation = -1
         plan.group_name = self._group_name
         plan.master_addr = self._config.master_addr
         plan.master_port = self._master.port
@@ -202,11 +209,12 @@ class ProcessGroupSender(SenderTransport):
         ctl = rendezvous.ctl_store(self._master.store, plan.group_name)
         started = time.monotonic()
         try:
-            rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="ready",
-                                     deadline=deadline, ctx=ctx)
-            rendezvous.signal_go(ctl, version=plan.version, value="ok", ctx=ctx)
+            held = rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="ready",
+                                            deadline=deadline, ctx=ctx)
+            generation = self._choose_generation(plan=plan, held=held)
+            rendezvous.signal_go(ctl, version=plan.version, value=f"ok {generation}", ctx=ctx)
             waited = time.monotonic() - started
-            group = self._ensure_group(plan=plan, deadline=deadline, ctx=ctx)
+            group = self._ensure_group(plan=plan, generation=generation, deadline=deadline, ctx=ctx)
             self._send(group=group, layout=layout, tensors=tensors, deadline=deadline, ctx=ctx)
             return waited
         except BaseException as exc:
@@ -216,13 +224,28 @@ class ProcessGroupSender(SenderTransport):
                 raise
             raise _classify(exc, ctx=ctx, what="sending") from exc
 
-    def _ensure_group(self, *, plan: common_pb2.WeightSyncPlan, deadline: Deadline, ctx: SyncContext) -> _Group:
+    def _choose_generation(self, *, plan: common_pb2.WeightSyncPlan, held: dict[int, str]) -> int:
+        """Reuse the built group only if every rank holds it; a rank that does not (a replaced engine process)
+        makes every member rebuild under the next generation, instead of failing this sync."""
+        group = self._group
+        if group is not None and group.key == (plan.group_name, plan.world_size):
+            if all(value == str(group.generation) for value in held.values()):
+                return group.generation
+            group.abort()
+            self._group = None
+        self._generation += 1
+        return self._generation
+
+    def _ensure_group(self, *, plan: common_pb2.WeightSyncPlan, generation: int, deadline: Deadline,
+                      ctx: SyncContext) -> _Group:
         key = (plan.group_name, plan.world_size)
-        if self._group is None or self._group.key != key:
+        if self._group is None or self._group.key != key or self._group.generation != generation:
             store = self._master.store
-            pg = _build_group(backend=self._backend, store=store, group_name=plan.group_name, rank=0,
-                              world_size=plan.world_size, master_addr=plan.master_addr, deadline=deadline, ctx=ctx)
-            self._group = _Group(key=key, pg=pg, store=store, device=_transport_device(self._backend))
+            pg = _build_group(backend=self._backend, store=store, group_name=plan.group_name, generation=generation,
+                              rank=0, world_size=plan.world_size, master_addr=plan.master_addr, deadline=deadline,
+                              ctx=ctx)
+            self._group = _Group(key=key, generation=generation, pg=pg, store=store,
+                                 device=_transport_device(self._backend))
         return self._group
 
     def _send(self, *, group: _Group, layout: Layout, tensors: Iterable[tuple[Slot, torch.Tensor]],
@@ -307,10 +330,13 @@ class ProcessGroupReceiver(ReceiverTransport):
         try:
             store = self._store(plan, deadline, ctx)
             ctl = rendezvous.ctl_store(store, plan.group_name)
-            rendezvous.post(ctl, version=plan.version, kind="ready", rank=rank, value="1", ctx=ctx)
-            rendezvous.await_go(ctl, version=plan.version, deadline=deadline, ctx=ctx)
+            key = (plan.master_addr, plan.master_port, plan.group_name, plan.world_size, rank)
+            held = str(self._group.generation) if self._group is not None and self._group.key == key else "-"
+            rendezvous.post(ctl, version=plan.version, kind="ready", rank=rank, value=held, ctx=ctx)
+            answer = rendezvous.await_go(ctl, version=plan.version, deadline=deadline, ctx=ctx)
             waited = time.monotonic() - started
-            group = self._ensure_group(plan=plan, rank=rank, store=store, deadline=deadline, ctx=ctx)
+            group = self._ensure_group(plan=plan, key=key, generation=int(answer or 0), store=store,
+                                       deadline=deadline, ctx=ctx)
             self._recv(group=group, layout=layout, params=params, deadline=deadline, ctx=ctx)
             return Received(waited_s=waited)
         except BaseException as exc:
@@ -319,16 +345,17 @@ class ProcessGroupReceiver(ReceiverTransport):
                 raise
             raise _classify(exc, ctx=ctx, what="receiving") from exc
 
-    def _ensure_group(self, *, plan: common_pb2.WeightSyncPlan, rank: int, store: dist.TCPStore,
+    def _ensure_group(self, *, plan: common_pb2.WeightSyncPlan, key: tuple, generation: int, store: dist.TCPStore,
                       deadline: Deadline, ctx: SyncContext) -> _Group:
-        key = (plan.master_addr, plan.master_port, plan.group_name, plan.world_size, rank)
-        if self._group is None or self._group.key != key:
+        if self._group is None or self._group.key != key or self._group.generation != generation:
             if self._group is not None:
                 self._group.abort()
             self._group = None
-            pg = _build_group(backend=self._backend, store=store, group_name=plan.group_name, rank=rank,
-                              world_size=plan.world_size, master_addr=plan.master_addr, deadline=deadline, ctx=ctx)
-            self._group = _Group(key=key, pg=pg, store=store, device=_transport_device(self._backend))
+            pg = _build_group(backend=self._backend, store=store, group_name=plan.group_name, generation=generation,
+                              rank=key[-1], world_size=plan.world_size, master_addr=plan.master_addr,
+                              deadline=deadline, ctx=ctx)
+            self._group = _Group(key=key, generation=generation, pg=pg, store=store,
+                                 device=_transport_device(self._backend))
         return self._group
 
     def _recv(self, *, group: _Group, layout: Layout, params: Mapping[str, torch.Tensor],

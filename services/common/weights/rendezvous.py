@@ -2,9 +2,10 @@
 transports.
 
 Keys live under `PrefixStore(f"{group_name}/ctl")`, per version:
-  v{V}/ready/{rank}   an engine rank arrived and its params match the plan
+  v{V}/ready/{rank}   an engine rank arrived and its params match the plan (value: transport-specific, e.g. the
+                      process-group generation it holds)
   v{V}/abort/{rank}   an engine rank refuses (value: why) — the trainer fails at once instead of at its deadline
-  v{V}/go             the trainer's answer once every rank is ready: b"ok", or b"abort: <why>"
+  v{V}/go             the trainer's answer once every rank is ready: b"ok[ <payload>]", or b"abort: <why>"
   v{V}/done/{rank}    (cuda_ipc) the rank has copied the buffers and closed its handles
 Everything here polls with `check` (non-blocking) against a deadline, so no step can block past it.
 The trainer clears a version's keys in `prepare`, so a retried version cannot see stale answers.
@@ -19,7 +20,18 @@ import torch.distributed as dist
 from services.common.weights.base import (Deadline, SyncContext, WeightSyncError, WeightSyncPeerLost,
                                           WeightSyncRefused, WeightSyncTimeout)
 
-_POLL_S = 0.005
+_POLL_MAX_S = 0.005
+
+
+class _Backoff:
+    """Poll fast at first (a CUDA IPC sync is over in milliseconds), then every 5 ms."""
+
+    def __init__(self) -> None:
+        self._sleep = 0.0001
+
+    def wait(self) -> None:
+        time.sleep(self._sleep)
+        self._sleep = min(_POLL_MAX_S, self._sleep * 2)
 
 
 class MasterStore:
@@ -72,9 +84,11 @@ def _call(ctx: SyncContext, what: str, fn, *args):  # noqa: ANN001, ANN202 - thi
 
 
 def await_engines(ctl: dist.Store, *, version: int, world_size: int, kind: str, deadline: Deadline,
-                  ctx: SyncContext) -> None:
-    """Trainer: wait until every engine rank posted `kind` (ready/done); an abort key fails at once."""
+                  ctx: SyncContext) -> dict[int, str]:
+    """Trainer: wait until every engine rank posted `kind` (ready/done); an abort key fails at once.
+    Returns what each rank posted."""
     pending = set(range(1, world_size))
+    backoff = _Backoff()
     while True:
         for rank in sorted(pending):
             if _call(ctx, "polling engines", ctl.check, [f"v{version}/abort/{rank}"]):
@@ -83,7 +97,8 @@ def await_engines(ctl: dist.Store, *, version: int, world_size: int, kind: str, 
             if _call(ctx, "polling engines", ctl.check, [f"v{version}/{kind}/{rank}"]):
                 pending.discard(rank)
         if not pending:
-            return
+            return {rank: _call(ctx, "reading engines", ctl.get, f"v{version}/{kind}/{rank}").decode(errors="replace")
+                    for rank in range(1, world_size)}
         if deadline.expired():
             if kind == "ready":
                 what = f"engine rank(s) {sorted(pending)} did not join the sync"
@@ -91,7 +106,7 @@ def await_engines(ctl: dist.Store, *, version: int, world_size: int, kind: str, 
                 joined = [r for r in sorted(pending) if ctl.check([f"v{version}/ready/{r}"])]
                 what = f"engine rank(s) {sorted(pending)} did not confirm ({kind}; joined: {joined})"
             raise WeightSyncTimeout(ctx.message(f"{what} within {deadline.timeout_s:g}s"))
-        time.sleep(_POLL_S)
+        backoff.wait()
 
 
 def signal_go(ctl: dist.Store, *, version: int, value: str, ctx: SyncContext) -> None:
@@ -113,14 +128,17 @@ def post(ctl: dist.Store, *, version: int, kind: str, rank: int, value: str, ctx
     _call(ctx, f"posting {kind}", ctl.set, f"v{version}/{kind}/{rank}", value.encode())
 
 
-def await_go(ctl: dist.Store, *, version: int, deadline: Deadline, ctx: SyncContext) -> None:
-    """Engine: wait for the trainer's go; an abort answer or the deadline fails clearly."""
+def await_go(ctl: dist.Store, *, version: int, deadline: Deadline, ctx: SyncContext) -> str:
+    """Engine: wait for the trainer's go ("ok" or "ok <payload>"; returns the payload); an abort answer or the
+    deadline fails clearly."""
     key = f"v{version}/go"
+    backoff = _Backoff()
     while not _call(ctx, "waiting for the trainer", ctl.check, [key]):
         if deadline.expired():
             raise WeightSyncTimeout(ctx.message(f"the trainer did not start the transfer within "
                                                 f"{deadline.timeout_s:g}s"))
-        time.sleep(_POLL_S)
+        backoff.wait()
     answer = _call(ctx, "reading the trainer's answer", ctl.get, key).decode(errors="replace")
-    if answer != "ok":
+    if answer != "ok" and not answer.startswith("ok "):
         raise WeightSyncError(ctx.message(f"the trainer called the sync off ({answer})"))
+    return answer[3:]
