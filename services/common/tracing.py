@@ -158,7 +158,8 @@ def setup_logging(service_name: str, level: str = "INFO", log_file: str | None =
     """Log lines carry the service name and the current trace/span ids."""
     fmt = f"%(asctime)s %(levelname)s {service_name} [trace=%(trace_id)s span=%(span_id)s] %(name)s: %(message)s"
     handlers: list[logging.Handler] = [logging.StreamHandler()]
-    if log_file:
+    # Under `tandem run` the supervisor already captures stdout/stderr into logs/<service>.log.
+    if log_file and not os.environ.get("TANDEM_SERVICE"):
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
     for h in handlers:

@@ -124,9 +124,17 @@ class LocalRun:
                 "--role", role]
 
     def _await(self, child: Child, target: str) -> None:
-        wait_healthy(target, timeout_s=self.config.loop.startup_timeout_s, tls_ca=self.config.services.tls_ca,
-                     should_abort=lambda: None if child.alive() else
-                     f"{child.name} exited with {child.process.returncode}:\n{child.log_tail()}")
+        def exited() -> str | None:
+            if child.alive():
+                return None
+            return f"{child.name} exited with {child.process.returncode}:\n{child.log_tail()}"
+
+        try:
+            wait_healthy(target, timeout_s=self.config.loop.startup_timeout_s, tls_ca=self.config.services.tls_ca,
+                         should_abort=exited)
+        except RuntimeError:
+            if child.process.returncode != 0:   # a coordinator may finish a short run before the first check
+                raise
 
     def start(self) -> None:
         if self.config.redis.url:
