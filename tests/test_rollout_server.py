@@ -154,6 +154,18 @@ def test_pause_holds_generate_and_a_gone_caller_leaves_no_batch(server, redis_se
     assert state.engine == "native" and state.producer == "rollout-0" and state.in_flight == 0
 
 
+def test_generate_with_released_memory_is_a_failed_precondition(server):
+    stub = server["stub"]
+    stub.ReleaseMemory(rollout_pb2.MemoryRequest(tags=["kv_cache"]), timeout=10)
+    assert stub.GetState(common_pb2.Empty(), timeout=10).memory_released
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(rollout_pb2.GenerateRequest(rollout_id=60, prompts=[prompt("1 2 =", "2", 0)]), timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "ResumeMemory" in info.value.details()
+    stub.ResumeMemory(rollout_pb2.MemoryRequest(tags=["kv_cache"]), timeout=10)
+    reply = stub.Generate(rollout_pb2.GenerateRequest(rollout_id=60, prompts=[prompt("1 2 =", "2", 0)]), timeout=30)
+    assert reply.num_samples == 4 and not stub.GetState(common_pb2.Empty(), timeout=10).memory_released
+
+
 def test_traces_link_sample_and_reward_spans(server):
     stub = server["stub"]
     stub.Generate(rollout_pb2.GenerateRequest(rollout_id=77, prompts=[prompt("5 5 =", "5", 1)]), timeout=30)

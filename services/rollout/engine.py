@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Sequence
 
-from services.common.grpc_util import FailedPrecondition
-
 if TYPE_CHECKING:
     import torch
 
@@ -26,8 +24,9 @@ PAUSE_MODES = ("drain", "abort", "retract", "in_place")
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
-class EngineUnavailable(FailedPrecondition):
-    """The engine cannot serve right now (paused too long, memory released, weights missing)."""
+class EngineUnavailable(RuntimeError):
+    """The engine cannot serve right now (paused too long, memory released, weights missing). The service
+    reports it as FAILED_PRECONDITION; engines import only torch, so they also run where gRPC is absent."""
 
 
 @dataclass(frozen=True)

@@ -211,11 +211,12 @@ class NativeEngine(Engine):
         dev, n = self.device, len(prompts)
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
         width = int(lengths.max())
-        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=dev)
-        mask = torch.zeros((n, width), dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):      # left padding, built on the host and copied once
             input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p):] = 1
+        input_ids, mask = input_ids.to(dev), mask.to(dev)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         budget = torch.clamp(self._max_context - lengths, max=sampling.max_new_tokens)
         steps = int(budget.max())
@@ -235,19 +236,21 @@ class NativeEngine(Engine):
         next_pos = positions[:, -1] + 1
         for step in range(steps):
             tokens, lps = sample_next(logits, sampling, generator)
-            live = rows[~done]
+            # No boolean-mask indexing here: it would cost a device sync per op on a GPU.
             out_tokens[rows, step], out_lp[rows, step] = tokens, lps
-            n_out[live] += 1
+            lengths_now = n_out[rows] + (~done).long()
+            n_out[rows] = lengths_now
             hit_stop = ~done & torch.isin(tokens, stop_ids)
-            hit_len = ~done & ~hit_stop & (n_out[rows] >= budget[rows])
-            reason[rows[hit_stop]], reason[rows[hit_len]] = 1, 2
+            hit_len = ~done & ~hit_stop & (lengths_now >= budget[rows])
+            reason[rows] = torch.where(hit_stop, 1, torch.where(hit_len, 2, reason[rows]))
             done = done | hit_stop | hit_len
-            if bool(done.all()):
+            n_done = int(done.sum())                  # the loop's one host sync per token
+            if n_done == done.numel():
                 break
             if self._gate.boundary():
                 reason[rows[~done]] = 3
                 break
-            if int(done.sum()) * 4 >= done.numel():   # compact when a quarter of the rows are finished
+            if n_done * 4 >= done.numel():            # compact when a quarter of the rows are finished
                 keep = (~done).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
                 rows, done, mask, next_pos, tokens = rows[keep], done[keep], mask[keep], next_pos[keep], tokens[keep]

@@ -25,7 +25,8 @@ from services.common.buffer import RolloutBuffer, connect, stream_key
 from services.common.config import SamplingConfig, TandemConfig
 from services.common.grpc_util import FailedPrecondition, Unavailable
 from services.common.wire import build_batch
-from services.rollout.engine import FINISH_ABORT, Engine, EngineState, SampleOutput, SamplingOptions
+from services.rollout.engine import (FINISH_ABORT, Engine, EngineState, EngineUnavailable, SampleOutput,
+                                     SamplingOptions)
 from services.rollout.rewards import RewardFunction, resolve_reward
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,10 @@ class RolloutService:
                           span_: Any) -> _Scored:
         expanded = [ids for ids in prompt_ids for _ in range(n)]
         t = time.monotonic()
-        outputs = self.engine.generate(expanded, sampling, wait_timeout_s=self.config.loop.step_timeout_s)
+        try:
+            outputs = self.engine.generate(expanded, sampling, wait_timeout_s=self.config.loop.step_timeout_s)
+        except EngineUnavailable as exc:
+            raise FailedPrecondition(str(exc)) from exc
         generate_s = time.monotonic() - t
         aborted = sum(o.finish_reason == FINISH_ABORT for o in outputs)
         if aborted:

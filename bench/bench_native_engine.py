@@ -1,0 +1,130 @@
+"""Tokens/s of the native rollout engine next to plain Hugging Face `model.generate`, same model and batch.
+
+    python bench/bench_native_engine.py                                   # tiny + small presets, CPU
+    python bench/bench_native_engine.py --preset qwen2-0.5b --device cuda --dtype bfloat16 \\
+        --batch 64 256 --prompt-len 64 --new-tokens 128                   # a GPU-sized random-init model
+
+Both sides sample (temperature 1, no top-k/top-p) exactly --new-tokens tokens per sequence (EOS ignored,
+so both do the same work); the native engine also returns per-token log-probs, HF generate here does not.
+Random-init weights (no download). Prints one row per batch size with the ratio native / HF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.rollout.engine import SamplingOptions  # noqa: E402
+from services.rollout.model_init import PRESETS, init_model  # noqa: E402
+from services.rollout.native import NativeEngine, resolve_device  # noqa: E402
+
+# A Qwen2-0.5B-shaped config (494M parameters), built locally: the size FACTS.md measured HF generate at.
+QWEN2_05B = dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                 tie_word_embeddings=True, bos_token_id=151_643, eos_token_id=151_645, pad_token_id=151_643)
+
+
+def build_model_dir(preset: str, root: Path) -> Path:
+    if preset in PRESETS:
+        return init_model(root / preset, preset=preset)
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(**QWEN2_05B)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(root / preset)
+    return root / preset
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_native(engine: NativeEngine, prompts: list[list[int]], new_tokens: int, seed: int) -> float:
+    opts = SamplingOptions(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=seed)
+    sync(engine.device)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, opts)
+    sync(engine.device)
+    assert all(len(o.token_ids) == new_tokens for o in outs)
+    return time.perf_counter() - start
+
+
+def time_hf(model, prompts: list[list[int]], new_tokens: int, pad_id: int, seed: int) -> float:
+    device = model.device
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+    torch.manual_seed(seed)
+    sync(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id)
+    sync(device)
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return time.perf_counter() - start
+
+
+def bench_model(model_dir: Path, args: argparse.Namespace) -> list[tuple]:
+    from transformers import AutoModelForCausalLM
+
+    device = resolve_device(args.device)
+    engine = NativeEngine(model_dir, device=str(device), dtype=args.dtype, max_batch_size=max(args.batch))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    vocab = engine.vocab_size
+    low = 4 if vocab > 8 else 0          # skip special tokens of the local tokenizer
+    rows = []
+    for batch in args.batch:
+        gen = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(low, vocab, (batch, args.prompt_len), generator=gen).tolist()
+        for r in range(args.warmup):
+            time_native(engine, prompts, args.new_tokens, seed=r)
+            time_hf(hf, prompts, args.new_tokens, engine.pad_token_id, seed=r)
+        native = statistics.median(time_native(engine, prompts, args.new_tokens, seed=10 + r) for r in range(args.repeats))
+        plain = statistics.median(time_hf(hf, prompts, args.new_tokens, engine.pad_token_id, seed=10 + r)
+                                  for r in range(args.repeats))
+        tokens = batch * args.new_tokens
+        rows.append((model_dir.name, batch, tokens, tokens / native, tokens / plain, plain / native))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", nargs="+", default=["tiny", "small"], choices=[*PRESETS, "qwen2-0.5b"])
+    parser.add_argument("--model", type=Path, default=None, help="an existing model directory instead of presets")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
+        dirs = [args.model] if args.model else [build_model_dir(p, Path(tmp)) for p in args.preset]
+        for d in dirs:
+            rows += bench_model(d, args)
+    device = resolve_device(args.device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} threads"
+    print(f"\nnative engine vs HF generate — {where}, {args.dtype}, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, median of {args.repeats}")
+    print(f"{'model':<12} {'batch':>6} {'tokens':>8} {'native tok/s':>13} {'HF tok/s':>10} {'native/HF':>10}")
+    for name, batch, tokens, native, plain, ratio in rows:
+        print(f"{name:<12} {batch:>6} {tokens:>8} {native:>13,.0f} {plain:>10,.0f} {ratio:>10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
