@@ -1,7 +1,7 @@
 """Weight-sync throughput between two real processes: Tandem's gloo and disk transports next to a bare
 ProcessGroupGloo broadcast of one buffer of the same bytes.
 
-    python bench/bench_weights.py [--mb 100] [--repeats 3] [--bucket-mb 4 16 64] [--threads 1]
+    python bench/bench_weights.py [--mb 100] [--repeats 3] [--bucket-mb 4 16 64] [--threads 1] [--rows gloo disk cuda]
 
 The receiver is a separate process (services.common.weights.peer), already waiting when the publish starts.
 "wall s" runs from publish() until the receiver has reported back (for disk: write, then read), GB/s is
@@ -94,6 +94,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[4.0, 16.0, 64.0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
+    parser.add_argument("--rows", nargs="+", default=["gloo", "disk", "cuda"], choices=["gloo", "disk", "cuda"],
+                        help="which transports to run next to the raw broadcast (cuda: when CUDA is available)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     specs = model_specs(args.mb)
@@ -103,14 +105,15 @@ def main() -> int:
         raw = bench_raw_gloo(nbytes=sum(s.nbytes for s in specs), repeats=args.repeats, peer=peer)
         rows.append(("raw ProcessGroupGloo, 1 buffer", "-", raw))
         with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
-            for bucket_mb in args.bucket_mb:
+            for bucket_mb in args.bucket_mb if "gloo" in args.rows else ():
                 rows.append(("tandem gloo", f"{bucket_mb:g}", bench_transport(
                     transport="gloo", bucket_mb=bucket_mb, specs=specs, repeats=args.repeats, peer=peer,
                     run_dir=Path(tmp))))
-            rows.append(("tandem disk (tmpdir)", f"{args.bucket_mb[-1]:g}", bench_transport(
-                transport="disk", bucket_mb=args.bucket_mb[-1], specs=specs, repeats=args.repeats, peer=peer,
-                run_dir=Path(tmp))))
-            if torch.cuda.is_available():   # both processes on GPU 0; params and tensors in device memory
+            if "disk" in args.rows:
+                rows.append(("tandem disk (tmpdir)", f"{args.bucket_mb[-1]:g}", bench_transport(
+                    transport="disk", bucket_mb=args.bucket_mb[-1], specs=specs, repeats=args.repeats, peer=peer,
+                    run_dir=Path(tmp))))
+            if "cuda" in args.rows and torch.cuda.is_available():   # both processes on GPU 0; params and tensors in device memory
                 for transport in ("cuda_ipc", "gloo"):
                     rows.append((f"tandem {transport} (cuda->cuda)", f"{args.bucket_mb[-1]:g}", bench_transport(
                         transport=transport, bucket_mb=args.bucket_mb[-1], specs=specs, repeats=args.repeats,

@@ -83,7 +83,8 @@ class WeightPublisher:
 
     @staticmethod
     def _validated(*, plan: common_pb2.WeightSyncPlan, layout: Layout,
-                   named_tensors: Iterable[tuple[str, torch.Tensor]], checksums: dict[str, str]) -> Iterator[tuple[Slot, torch.Tensor]]:
+                   named_tensors: Iterable[tuple[str, torch.Tensor]],
+                   checksums: dict[str, str]) -> Iterator[tuple[Slot, torch.Tensor]]:
         where = f"{plan.transport} weight sync v{plan.version} (trainer)"
         for slot, tensor in iter_validated(layout, named_tensors, where=where):
             if plan.verify:

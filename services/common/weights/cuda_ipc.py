@@ -15,9 +15,10 @@ The buffers stay alive on the trainer after publish (receivers confirmed they ar
 different layout, `release()` or `close()`. Lifetime follows that explicit handshake rather than torch's
 cross-process refcount (which counts one mapping per share, while here every receiver maps every bucket on
 every sync): receivers map with an empty ref-counter handle, and the trainer drops its own share count when it
-frees the buffer. The plan still carries torch's ref-counter fields as exported. Handles never travel as pickle. A handle maps the CUDA allocation
-the buffer lives in: only share with processes you trust with the trainer's device memory. cudaIpc cannot open
-a handle inside the process that exported it, so trainer and engine must be different processes.
+frees the buffer. The plan still carries torch's ref-counter fields as exported. Handles never travel as
+pickle. A handle maps the CUDA allocation the buffer lives in: only share with processes you trust with the
+trainer's device memory. cudaIpc cannot open a handle inside the process that exported it, so trainer and
+engine must be different processes.
 """
 
 from __future__ import annotations

@@ -150,7 +150,8 @@ class DiskReceiver(ReceiverTransport):
             time.sleep(0.02)
         waited = time.monotonic() - started
         manifest = json.loads((path / MANIFEST).read_text())
-        if manifest.get("version") != plan.version or (plan.trainer_id and manifest.get("trainer_id") != plan.trainer_id):
+        foreign = plan.trainer_id and manifest.get("trainer_id") != plan.trainer_id
+        if manifest.get("version") != plan.version or foreign:
             raise WeightSyncError(ctx.message(f"{path} holds version {manifest.get('version')} of trainer "
                                               f"{manifest.get('trainer_id')!r}, not the planned one"))
         for bucket in layout.buckets:
@@ -169,8 +170,9 @@ class DiskReceiver(ReceiverTransport):
                 for slot in bucket.tensors:
                     tensor = reader.get_tensor(slot.name)
                     if tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape:
-                        raise WeightSyncError(ctx.message(f"{file.name}: {slot.name} is {tensor.dtype} "
-                                                          f"{list(tensor.shape)}, the plan says {slot.dtype} {list(slot.shape)}"))
+                        raise WeightSyncError(ctx.message(
+                            f"{file.name}: {slot.name} is {tensor.dtype} {list(tensor.shape)}, "
+                            f"the plan says {slot.dtype} {list(slot.shape)}"))
                     params[slot.name].copy_(tensor)
         except WeightSyncError:
             raise
