@@ -78,7 +78,7 @@ def _config(model_dir: Path, run_dir: Path, redis_url: str, *, run_name: str, po
                           trainer={"micro_batch_tokens": 40, "lr": 3e-3, **trainer})
     data = base.model_dump(mode="json")
     data["services"]["trainer"]["port"] = port
-    data["weights"].update(transport="disk", disk_dir=str(run_dir / "weights"))
+    data["weights"].update(transport="gloo", timeout_s=60.0)
     return config_from_dict(data, source="test")
 
 
@@ -88,7 +88,8 @@ def _producer(config: TandemConfig) -> RolloutBuffer:
 
 
 def _sync_to_engine(stub, model_dir: Path, *, version: int) -> dict[str, torch.Tensor]:
-    """PrepareWeightSync + PublishWeights over gRPC into a fresh HF model (disk transport); returns its params."""
+    """PrepareWeightSync + PublishWeights over gRPC into a fresh HF model: gloo transport, the receiving
+    engine rank in this process. Returns the received params."""
     from transformers import AutoModelForCausalLM
 
     from services.common.weights import WeightReceiver

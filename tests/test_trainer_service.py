@@ -256,7 +256,7 @@ def test_offload_onload_keeps_training(harness):
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
-def test_weight_export_matches_hf_reload_and_syncs_to_an_engine(harness, tiny_model_dir, tmp_path, zero_stage):  # noqa: F811
+def test_weight_export_matches_hf_reload_and_syncs_to_an_engine(harness, tiny_model_dir, zero_stage):  # noqa: F811
     from transformers import AutoModelForCausalLM
 
     from services.common.weights import WeightReceiver, tensor_checksum

@@ -89,14 +89,25 @@ class TrainerService:
         self._plan: common_pb2.WeightSyncPlan | None = None
         self._publishers: dict[str, Any] = {}
         self._handoff: tuple[int, ValueHandoff] | None = None   # critic: last published, for replays
-        self.buffer: RolloutBuffer | None = None
         self.stream = stream_key(config.redis.stream_prefix, config.run_name)
-        if self.dist.rank == 0 and config.redis.url:
-            self.redis = connect(config.redis.url, password=config.redis.password)
-            groups = ("actor", "critic") if algo.uses_critic else ("actor",)
-            self.buffer = RolloutBuffer(self.redis, self.stream, groups=groups, group=role, consumer=f"{role}-0",
-                                        max_buffered_batches=config.redis.max_buffered_batches,
-                                        claim_idle_ms=config.redis.claim_idle_ms)
+        self._buffer: RolloutBuffer | None = None   # connected on first use: Redis may start after us
+
+    @property
+    def buffer(self) -> RolloutBuffer:
+        if self._buffer is None:
+            cfg = self.config.redis
+            if not cfg.url:
+                raise FailedPrecondition("redis.url is not set: the trainer has no rollout buffer to read")
+            groups = ("actor", "critic") if self.config.algorithm.uses_critic else ("actor",)
+            self._buffer = RolloutBuffer(connect(cfg.url, password=cfg.password), self.stream, groups=groups,
+                                         group=self.role, consumer=f"{self.role}-0",
+                                         max_buffered_batches=cfg.max_buffered_batches,
+                                         claim_idle_ms=cfg.claim_idle_ms)
+        return self._buffer
+
+    @property
+    def redis(self):  # type: ignore[no-untyped-def]
+        return self.buffer.client
 
     @property
     def rank(self) -> int:
@@ -167,8 +178,6 @@ class TrainerService:
         return reply
 
     def _read_entries(self, entry_ids: list[str], num_batches: int) -> tuple[list[BufferEntry], list[str]]:
-        if self.buffer is None:
-            raise FailedPrecondition("redis.url is not set: the trainer has no rollout buffer to read")
         if not entry_ids:
             if num_batches <= 0:
                 raise ValueError("empty batch: Train needs entry_ids or num_batches > 0")
@@ -189,8 +198,9 @@ class TrainerService:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"only {len(entries)} of {count} batches arrived within "
                                    f"{self.config.redis.get_timeout_s}s (redis.get_timeout_s)")
-            entries += [e for e in self.buffer.get(count - len(entries), block_ms=500)
-                        if e.entry_id not in self.trained_entries]
+            got = self.buffer.get(count - len(entries), block_ms=500)
+            self.buffer.ack([e.entry_id for e in got if e.entry_id in self.trained_entries])   # a lost ack
+            entries += [e for e in got if e.entry_id not in self.trained_entries]
         return entries
 
     def _prepare_batch(self, entries: list[BufferEntry], *, rollout_id: int, max_staleness: int,

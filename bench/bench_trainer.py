@@ -1,0 +1,116 @@
+"""Trainer throughput: training tokens/s of TrainerService.train (Redis read + GRPO step under DeepSpeed).
+
+    python bench/bench_trainer.py [--presets tiny small] [--zero 1 3] [--precision fp32 bf16]
+                                  [--samples 64] [--response-len 32] [--steps 5] [--threads 2] [--device cpu]
+
+Each row is one trainer (1 rank) on a random-init model from `tandem init-model` presets, fed fixed
+batches of `samples` sequences (prompt 8-16 tokens, response `response-len`) through a real redis-server.
+"tok/s" counts prompt + response tokens of a step / the step's wall time (median over steps, after one
+untimed warm-up step); "train s" is the trainer's own perf/train_time_s (forward, backward, step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.common.buffer import RolloutBuffer, connect, stream_key  # noqa: E402
+from services.common.config import config_from_dict  # noqa: E402
+from services.common.redis_server import EmbeddedRedis  # noqa: E402
+from services.common.wire import build_batch  # noqa: E402
+from services.rollout.model_init import init_model  # noqa: E402
+
+
+def make_batch(*, rollout_id: int, samples: int, response_len: int, vocab: int, seed: int):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(4, vocab, size=int(rng.integers(8, 17))).tolist() for _ in range(samples)]
+    responses = [rng.integers(4, vocab, size=response_len).tolist() for _ in range(samples)]
+    return build_batch(rollout_id=rollout_id, policy_version=0, prompts=prompts, responses=responses,
+                       log_probs=[[-3.0] * response_len for _ in range(samples)],
+                       rewards=rng.integers(0, 2, size=samples).astype(float).tolist(),
+                       group_ids=[i // 8 for i in range(samples)], finish_reasons=["length"] * samples)
+
+
+def bench_one(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, precision: str, device: str,
+              samples: int, response_len: int, steps: int, token_budget: int) -> dict[str, float]:
+    from services.trainer.service import TrainerService
+
+    config = config_from_dict({
+        "run_name": f"bench-z{zero}-{precision}-{time.monotonic_ns()}", "model": {"path": str(model_dir)},
+        "data": {"train_path": str(run_dir / "unused.jsonl")},
+        "trainer": {"device": device, "zero_stage": zero, "precision": precision, "lr": 1e-4,
+                    "micro_batch_tokens": token_budget},
+        "redis": {"url": redis_url, "max_buffered_batches": 64}})
+    service = TrainerService(config, run_dir=run_dir)
+    producer = RolloutBuffer(connect(redis_url), stream_key(config.redis.stream_prefix, config.run_name),
+                             groups=("actor",), max_buffered_batches=64)
+    vocab = service.vocab_size
+    wall, train, tokens = [], [], 0
+    try:
+        for step in range(steps + 1):
+            batch = make_batch(rollout_id=step, samples=samples, response_len=response_len, vocab=vocab, seed=step)
+            entry = producer.put(batch)
+            started = time.perf_counter()
+            reply = service.train(rollout_id=step, entry_ids=[entry])
+            if step:   # the first step pays one-off costs (allocator, optimizer state)
+                wall.append(time.perf_counter() - started)
+                train.append(reply.metrics["perf/train_time_s"])
+                tokens = int(reply.metrics["tokens"])
+        params = sum(math.prod(s.shape) for s in service.weight_specs())   # full shapes, also under ZeRO-3
+    finally:
+        service.close()
+    wall_s, train_s = statistics.median(wall), statistics.median(train)
+    return {"params": params, "tokens": tokens, "wall_s": wall_s, "train_s": train_s, "tok_s": tokens / wall_s}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--zero", nargs="+", type=int, default=[1, 3])
+    parser.add_argument("--precision", nargs="+", default=["fp32"])
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--response-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--token-budget", type=int, default=8192)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis", appendonly=False) as redis:
+        for preset in args.presets:
+            model_dir = init_model(Path(tmp) / preset, preset=preset)
+            for zero in args.zero:
+                for precision in args.precision:
+                    r = bench_one(model_dir=model_dir, run_dir=Path(tmp) / f"run-{preset}-{zero}-{precision}",
+                                  redis_url=redis.url, zero=zero, precision=precision, device=args.device,
+                                  samples=args.samples, response_len=args.response_len, steps=args.steps,
+                                  token_budget=args.token_budget)
+                    rows.append((preset, zero, precision, r))
+    print(f"\n# bench_trainer {datetime.date.today()} device={args.device} threads={args.threads} "
+          f"samples={args.samples} response_len={args.response_len} token_budget={args.token_budget} "
+          f"steps={args.steps}")
+    print(f"{'model':<7}{'params':>11}{'ZeRO':>6}{'prec':>6}{'tok/step':>10}{'step s':>9}{'train s':>9}{'tok/s':>10}")
+    for preset, zero, precision, r in rows:
+        print(f"{preset:<7}{r['params']:>11,}{zero:>6}{precision:>6}{r['tokens']:>10}{r['wall_s']:>9.3f}"
+              f"{r['train_s']:>9.3f}{r['tok_s']:>10.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
