@@ -81,7 +81,7 @@ class GenerationResult:
     entry_ids: tuple[str, ...]
     responses: tuple[rollout_pb2.GenerateResponse, ...]
     seconds: float
-    prompt_indices: tuple[int, ...] = ()
+    recorded_metrics: dict[str, float] | None = None   # set when reused from a checkpoint
 
 
 def split_evenly(n: int, parts: int) -> list[range]:

@@ -158,11 +158,9 @@ class Coordinator:
                              what="Load")
         if reply.loaded and "coordinator" in reply.extra_state:
             saved = RunState.from_json(reply.extra_state["coordinator"])
-            # Weights after the checkpoint's step were never pushed under the saved version: bump it.
-            self.state = RunState(next_rollout_id=saved.next_rollout_id, weight_version=saved.weight_version + 1,
-                                  cursor=saved.cursor, pending=saved.pending,
-                                  samples_generated=saved.samples_generated, samples_trained=saved.samples_trained,
-                                  samples_dropped_stale=saved.samples_dropped_stale, history=saved.history)
+            # Weights trained after the last sync were never pushed under the saved version: give them a new one.
+            self.state = _replace(saved, weight_version=saved.weight_version + (0 if saved.weights_pushed else 1),
+                                  weights_pushed=True)
             self.last_checkpoint = reply.path
             log.info("resumed from %s at rollout %d", reply.path, saved.next_rollout_id)
         self.data.cursor = self.state.cursor
@@ -205,7 +203,8 @@ class Coordinator:
         for p in self.state.pending:
             if p.rollout_id == rollout_id:
                 self.data.cursor = p.cursor_after
-                fut = _done(GenerationResult(rollout_id=rollout_id, entry_ids=p.entry_ids, responses=(), seconds=0.0))
+                fut = _done(GenerationResult(rollout_id=rollout_id, entry_ids=p.entry_ids, responses=(), seconds=0.0,
+                                             recorded_metrics=p.metrics))
                 fut.cursor_before, fut.cursor_after = p.cursor_before, p.cursor_after  # type: ignore[attr-defined]
                 log.info("reusing %d buffered entries of rollout %d from the checkpoint", len(p.entry_ids), rollout_id)
                 return fut
@@ -237,7 +236,8 @@ class Coordinator:
                               samples_generated=self.state.samples_generated + generated,
                               samples_trained=self.state.samples_trained + trained,
                               samples_dropped_stale=self.state.samples_dropped_stale + dropped,
-                              pending=tuple(p for p in self.state.pending if p.rollout_id != rollout_id))
+                              pending=tuple(p for p in self.state.pending if p.rollout_id != rollout_id),
+                              weights_pushed=False)
         metrics["rollout/stale_dropped"] = float(dropped)
         metrics["rollout/stale_dropped_total"] = float(self.state.samples_dropped_stale)
         return metrics
@@ -246,7 +246,7 @@ class Coordinator:
         self._onload()
         version = self.state.weight_version + (1 if bump else 0)
         result = self.sync.run(version=version)
-        self.state = _replace(self.state, weight_version=version)
+        self.state = _replace(self.state, weight_version=version, weights_pushed=True)
         self.events.emit("sync", rollout_id=self.state.next_rollout_id - 1,
                          metrics={"weight_version": version, "seconds": result.seconds, "gbps": result.gbps})
         return {"perf/weight_sync_time_s": result.seconds, "perf/weight_sync_gbps": result.gbps,
@@ -302,7 +302,8 @@ class Coordinator:
         for fut in in_flight:   # record finished generations so a resume reuses their entries
             gen = fut.result()
             pending.append(GeneratedBatch(rollout_id=gen.rollout_id, entry_ids=gen.entry_ids,
-                                          cursor_before=fut.cursor_before, cursor_after=fut.cursor_after))
+                                          cursor_before=fut.cursor_before, cursor_after=fut.cursor_after,
+                                          metrics=generation_metrics(gen, weight_version=self.state.weight_version)))
         cursor = pending[0].cursor_before if pending else self.data.cursor
         state = _replace(self.state, next_rollout_id=rollout_id + 1, cursor=cursor, pending=tuple(pending))
         with span("rl.save", rollout_id=rollout_id):

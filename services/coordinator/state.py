@@ -16,16 +16,19 @@ class GeneratedBatch:
     entry_ids: tuple[str, ...]
     cursor_before: DataCursor
     cursor_after: DataCursor
+    metrics: dict[str, float] = field(default_factory=dict)   # the generation's rollout metrics
 
     def to_dict(self) -> dict:
         return {"rollout_id": self.rollout_id, "entry_ids": list(self.entry_ids),
-                "cursor_before": self.cursor_before.to_dict(), "cursor_after": self.cursor_after.to_dict()}
+                "cursor_before": self.cursor_before.to_dict(), "cursor_after": self.cursor_after.to_dict(),
+                "metrics": self.metrics}
 
     @classmethod
     def from_dict(cls, d: dict) -> "GeneratedBatch":
         return cls(rollout_id=int(d["rollout_id"]), entry_ids=tuple(d["entry_ids"]),
                    cursor_before=DataCursor.from_dict(d["cursor_before"]),
-                   cursor_after=DataCursor.from_dict(d["cursor_after"]))
+                   cursor_after=DataCursor.from_dict(d["cursor_after"]),
+                   metrics={k: float(v) for k, v in d.get("metrics", {}).items()})
 
 
 @dataclass(frozen=True)
@@ -37,13 +40,15 @@ class RunState:
     samples_generated: int = 0
     samples_trained: int = 0
     samples_dropped_stale: int = 0
+    weights_pushed: bool = True                     # engines hold exactly the trainer's weights (no step since sync)
     history: tuple[str, ...] = field(default_factory=tuple)  # checkpoint paths, oldest first
 
     def to_json(self) -> str:
         return json.dumps({"next_rollout_id": self.next_rollout_id, "weight_version": self.weight_version,
                            "cursor": self.cursor.to_dict(), "pending": [p.to_dict() for p in self.pending],
                            "samples_generated": self.samples_generated, "samples_trained": self.samples_trained,
-                           "samples_dropped_stale": self.samples_dropped_stale, "history": list(self.history)})
+                           "samples_dropped_stale": self.samples_dropped_stale,
+                           "weights_pushed": self.weights_pushed, "history": list(self.history)})
 
     @classmethod
     def from_json(cls, text: str) -> "RunState":
@@ -54,4 +59,5 @@ class RunState:
                    samples_generated=int(d.get("samples_generated", 0)),
                    samples_trained=int(d.get("samples_trained", 0)),
                    samples_dropped_stale=int(d.get("samples_dropped_stale", 0)),
+                   weights_pushed=bool(d.get("weights_pushed", True)),
                    history=tuple(d.get("history", [])))

@@ -22,8 +22,8 @@ def weighted_mean(parts: list[dict[str, float]], weights: list[float]) -> dict[s
 
 
 def generation_metrics(gen: GenerationResult, *, weight_version: int) -> dict[str, float]:
-    if not gen.responses:   # reused from a checkpoint: the numbers were recorded in the earlier run
-        return {"rollout/reused_from_checkpoint": 1.0}
+    if gen.recorded_metrics is not None:   # reused from a checkpoint: recorded by the earlier run
+        return {**gen.recorded_metrics, "rollout/reused_from_checkpoint": 1.0}
     counts = [r.num_samples for r in gen.responses]
     out = prefixed("rollout", weighted_mean([dict(r.metrics) for r in gen.responses], counts))
     out["rollout/num_samples"] = float(sum(counts))

@@ -1,0 +1,121 @@
+"""Helpers for tests that drive a real `tandem run` (every service a separate process, a real redis-server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import yaml
+
+from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2_grpc
+from services.common.grpc_util import open_channel
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "digit_max.yaml"
+
+
+def start_run(run_dir: Path, *overrides: str, config: Path = EXAMPLE) -> subprocess.Popen:
+    args = [sys.executable, "-m", "services.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"]
+    for item in overrides:
+        args += ["--set", item]
+    log = open(run_dir.parent / f"{run_dir.name}-supervisor.log", "ab")
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+
+
+def supervisor_log(run_dir: Path) -> str:
+    path = run_dir.parent / f"{run_dir.name}-supervisor.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def coordinator_target(run_dir: Path, *, timeout_s: float = 120.0) -> str:
+    """The resolved config.yaml (written once ports are chosen) names the coordinator's address."""
+    deadline = time.monotonic() + timeout_s
+    path = run_dir / "config.yaml"
+    while time.monotonic() < deadline:
+        if path.exists():
+            cfg = yaml.safe_load(path.read_text())
+            port = cfg["services"]["coordinator"]["port"]
+            if port:
+                return f"{cfg['services']['coordinator']['host']}:{port}"
+        time.sleep(0.2)
+    raise TimeoutError(f"{path} did not appear; supervisor log:\n{supervisor_log(run_dir)}")
+
+
+def wait_status(target: str, predicate, *, timeout_s: float = 120.0, what: str = "status"):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    last = None
+    with open_channel(target) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                last = stub.GetStatus(common_pb2.Empty(), timeout=5)
+                if predicate(last):
+                    return last
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"coordinator never reached {what}; last status: {last}")
+
+
+def ctl(target: str, action: str, *, timeout_s: float = 60.0) -> dict:
+    out = subprocess.run([sys.executable, "-m", "services.cli", "ctl", "--addr", target, "--timeout", str(timeout_s),
+                          action], capture_output=True, text=True, cwd=REPO, timeout=timeout_s + 30)
+    assert out.returncode == 0, f"tandem ctl {action} failed: {out.stderr}"
+    return json.loads(out.stdout)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def checkpoints(run_dir: Path, role: str = "actor") -> list[Path]:
+    root = run_dir / "checkpoints" / role
+    return sorted(p for p in root.glob("rollout_*") if p.is_dir()) if root.exists() else []
+
+
+def children_of(pid: int) -> list[int]:
+    """All live descendants of pid (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        frontier += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+def stop_run(proc: subprocess.Popen, *, timeout_s: float = 60.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
