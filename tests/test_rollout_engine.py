@@ -259,6 +259,8 @@ def test_release_and_resume_memory_on_cpu(model_dirs: tuple[Path, Path]):
     assert engine.generate(PROMPTS, greedy) == before
     engine.release_memory()                                   # all tags: weights dropped (CPU has no cheaper place)
     assert all(p.numel() == 0 for p in engine.model.parameters())
+    with pytest.raises(EngineUnavailable, match="ResumeMemory before loading"):
+        engine.update_weights_from_disk(model_dirs[0], version=1)
     engine.resume_memory()
     with pytest.raises(EngineUnavailable, match="no values"):
         engine.generate(PROMPTS, greedy)

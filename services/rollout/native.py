@@ -270,9 +270,11 @@ class NativeEngine(Engine):
     def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                                     version: int | None = None) -> WeightLoadStats:
         start = time.monotonic()
-        targets = self._weight_targets()
         count = nbytes = 0
+        # A failure part-way leaves a mix of old and new tensors under the old version: load again.
         with self._gate.exclusive(), torch.no_grad():
+            self._check_weights_resident()
+            targets = self._weight_targets()
             for name, tensor in named_tensors:
                 target = targets.get(name)
                 if target is None:
@@ -308,12 +310,17 @@ class NativeEngine(Engine):
 
     def receive_weights(self, plan: Any, *, rank_offset: int, receiver: Any) -> Any:
         with self._gate.exclusive():
+            self._check_weights_resident()
             params = {n: p.data for n, p in self.named_parameters().items()}
             stats = receiver.receive(plan, rank_offset, params)
             names = {m.name for b in plan.buckets for m in b.tensors}
             self._params_without_values -= names
             self._version = int(plan.version)
         return stats
+
+    def _check_weights_resident(self) -> None:
+        if "weights" in self._released:
+            raise EngineUnavailable("rollout engine weights are released; call ResumeMemory before loading weights")
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         targets = {n: p.data for n, p in self.named_parameters().items()}

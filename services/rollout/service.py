@@ -145,6 +145,9 @@ class RolloutService:
         self._buffers: dict[str, RolloutBuffer] = {}
         self._receiver: Any = None
         self._lock = threading.Lock()
+        # Fast tokenizers reconfigure their Rust backend per call; concurrent gRPC threads would collide
+        # ("Already borrowed"), so calls are serialised.
+        self._tokenizer_lock = threading.Lock()
         self._recent: OrderedDict[tuple[Any, ...], Future[GenerateResult]] = OrderedDict()
 
     # ---- Generate ----------------------------------------------------------------------------------
@@ -220,6 +223,7 @@ class RolloutService:
             entry_id = self._put(batch, stream=stream, trace_context=tracing.inject_context())
             put_s = time.monotonic() - t
             sp.set_attribute("entry_id", entry_id)
+            sp.set_attribute("weight_version", batch.policy_version)   # the version generation actually started with
         return GenerateResult(
             entry_id=entry_id, num_samples=batch.num_samples, num_prompt_tokens=int(batch.prompt_lengths.sum()),
             num_response_tokens=batch.num_response_tokens, weight_version=batch.policy_version,
@@ -239,8 +243,8 @@ class RolloutService:
         generate_s = time.monotonic() - t
         aborted = sum(o.finish_reason == FINISH_ABORT for o in outputs)
         if aborted:
-            raise FailedPrecondition(f"Generate(rollout_id={rollout_id}): {aborted} of {len(outputs)} samples were "
-                                     "aborted by pause(abort); nothing was written, retry after Resume")
+            raise FailedPrecondition(f"rollout_id {rollout_id}: {aborted} of {len(outputs)} samples were aborted by "
+                                     "pause(abort); nothing was written or scored, retry after Resume")
         tokens = sum(len(o.token_ids) for o in outputs)
         span_.set_attribute("tokens", tokens)
         responses = [self.decode(o.token_ids) for o in outputs]
@@ -284,7 +288,8 @@ class RolloutService:
             if p.token_ids:
                 ids = [int(t) for t in p.token_ids]
             elif p.text:
-                ids = list(self.tokenizer(p.text, add_special_tokens=True)["input_ids"])
+                with self._tokenizer_lock:
+                    ids = list(self.tokenizer(p.text, add_special_tokens=True)["input_ids"])
             else:
                 raise ValueError(f"prompt {i} (group_id {p.group_id}) is empty: give text or token_ids")
             out.append(ids)
@@ -292,7 +297,8 @@ class RolloutService:
         return out
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def prompt_text(self, prompt: PromptInput, ids: Sequence[int]) -> str:
         return prompt.text or self.decode(ids)
@@ -335,7 +341,10 @@ class RolloutService:
         start = time.monotonic()
         with tracing.span("rl.sync", weight_version=plan.version, transport=plan.transport, side="rollout",
                           replica=self.replica):
-            stats = self.engine.receive_weights(plan, rank_offset=rank_offset, receiver=self._weight_receiver())
+            try:
+                stats = self.engine.receive_weights(plan, rank_offset=rank_offset, receiver=self._weight_receiver())
+            except EngineUnavailable as exc:
+                raise FailedPrecondition(str(exc)) from exc
         return ReceiveResult(version=self.engine.weight_version, checksums=dict(getattr(stats, "checksums", {}) or {}),
                              bytes_received=int(getattr(stats, "bytes", 0)),
                              time_s=float(getattr(stats, "seconds", time.monotonic() - start)))
