@@ -111,3 +111,35 @@ def _wait(predicate, *, what: str, timeout_s: float = 120.0) -> None:  # type: i
             return
         time.sleep(0.1)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("sync", ["loop.mode=sync"]),
+    ("fully_async", ["loop.mode=fully_async", "loop.max_staleness=0"]),
+    ("ppo_critic", ["algorithm.advantage_estimator=gae", "algorithm.num_critic_only_steps=2", "algorithm.lambd=0.95"]),
+    ("two_replicas_disk_verified", ["services.rollout=[{port: 0}, {port: 0}]", "weights.transport=disk",
+                                    "weights.check_weight_update_equal=true"]),
+])
+def test_loop_modes_run_to_completion(tmp_path, name, overrides):
+    run_dir = tmp_path / name
+    proc = start_run(run_dir, "loop.num_rollout=6", "loop.save_interval=3", "loop.eval_interval=6", *overrides)
+    assert proc.wait(timeout=600) == 0, supervisor_log(run_dir)
+    steps = [r for r in metrics(run_dir) if "perf/step_time_s" in r]
+    assert [r["rollout_id"] for r in steps] == list(range(6))
+    state = _coordinator_state(checkpoints(run_dir)[-1])
+    assert state["next_rollout_id"] == 6
+    # nothing lost: every generated sample was trained or dropped as stale (and counted)
+    assert state["samples_generated"] == 6 * 32 * 8
+    assert state["samples_trained"] + state["samples_dropped_stale"] == state["samples_generated"] or name == "ppo_critic"
+    if name == "sync":
+        assert {r["rollout/staleness"] for r in steps} == {0.0}
+    if name == "fully_async":
+        assert state["samples_dropped_stale"] > 0
+        assert steps[-1]["rollout/stale_dropped_total"] == state["samples_dropped_stale"]
+    if name == "ppo_critic":
+        assert "critic/value_loss" in steps[0] and "train/loss" not in steps[0]   # critic-only warm-up
+        assert "train/loss" in steps[-1]
+        assert len(checkpoints(run_dir, "critic")) == 2
+    if name == "two_replicas_disk_verified":
+        assert steps[-1]["weights/verified_tensors"] > 0
+        assert (run_dir / "logs" / "rollout-1.log").exists()
