@@ -89,7 +89,8 @@ def bench_model(model_dir: Path, args: argparse.Namespace) -> list[tuple]:
         for r in range(args.warmup):
             time_native(engine, prompts, args.new_tokens, seed=r)
             time_hf(hf, prompts, args.new_tokens, engine.pad_token_id, seed=r)
-        native = statistics.median(time_native(engine, prompts, args.new_tokens, seed=10 + r) for r in range(args.repeats))
+        native = statistics.median(time_native(engine, prompts, args.new_tokens, seed=10 + r)
+                                   for r in range(args.repeats))
         plain = statistics.median(time_hf(hf, prompts, args.new_tokens, engine.pad_token_id, seed=10 + r)
                                   for r in range(args.repeats))
         tokens = batch * args.new_tokens

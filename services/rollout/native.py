@@ -372,7 +372,8 @@ class NativeEngine(Engine):
     def get_state(self) -> EngineState:
         gate = self._gate
         return EngineState(engine=self.name, model_path=self.model_path, device=str(self.device),
-                           weight_version=self._version, paused=gate.paused, pause_mode=gate.mode if gate.paused else "",
+                           weight_version=self._version, paused=gate.paused,
+                           pause_mode=gate.mode if gate.paused else "",
                            released_memory=tuple(sorted(self._released)), in_flight=gate.admitted,
                            generated_samples=self._generated, max_context_length=self._max_context)
 

@@ -141,7 +141,8 @@ class RewardFunction:
                 raise RewardError(f"batched reward {self.spec} returned {type(raw).__name__} "
                                   f"{_len_of(raw)} for {n} samples; expected a list of {n} numbers")
             return [_to_float(v, spec=self.spec, index=i) for i, v in enumerate(raw)]
-        calls = [functools.partial(self._call, p, r, lb, m) for p, r, lb, m in zip(prompts, responses, labels, metadatas)]
+        calls = [functools.partial(self._call, p, r, lb, m)
+                 for p, r, lb, m in zip(prompts, responses, labels, metadatas)]
         if inspect.iscoroutinefunction(self.fn):
             raw = _run_coroutines(calls)
         else:
