@@ -4,7 +4,8 @@
                                   [--samples 64] [--response-len 32] [--steps 5] [--threads 2] [--device cpu]
 
 Each row is one trainer (1 rank) on a random-init model from `tandem init-model` presets, fed fixed
-batches of `samples` sequences (prompt 8-16 tokens, response `response-len`) through a real redis-server.
+batches of `samples` sequences (prompt 8-16 tokens, response `response-len`, cut to fit the model's
+positions) through a real redis-server.
 "tok/s" counts prompt + response tokens of a step / the step's wall time (median over steps, after one
 untimed warm-up step); "train s" is the trainer's own perf/train_time_s (forward, backward, step).
 """
@@ -56,6 +57,7 @@ def bench_one(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, prec
     producer = RolloutBuffer(connect(redis_url), stream_key(config.redis.stream_prefix, config.run_name),
                              groups=("actor",), max_buffered_batches=64)
     vocab = service.vocab_size
+    response_len = min(response_len, (service.max_positions or 1 << 30) - 16)   # prompts are up to 16 tokens
     wall, train, tokens = [], [], 0
     try:
         for step in range(steps + 1):
@@ -71,7 +73,8 @@ def bench_one(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, prec
     finally:
         service.close()
     wall_s, train_s = statistics.median(wall), statistics.median(train)
-    return {"params": params, "tokens": tokens, "wall_s": wall_s, "train_s": train_s, "tok_s": tokens / wall_s}
+    return {"params": params, "tokens": tokens, "wall_s": wall_s, "train_s": train_s, "tok_s": tokens / wall_s,
+            "response_len": response_len}
 
 
 def main() -> int:
@@ -105,10 +108,11 @@ def main() -> int:
     print(f"\n# bench_trainer {datetime.date.today()} device={args.device} threads={args.threads} "
           f"samples={args.samples} response_len={args.response_len} token_budget={args.token_budget} "
           f"steps={args.steps}")
-    print(f"{'model':<7}{'params':>11}{'ZeRO':>6}{'prec':>6}{'tok/step':>10}{'step s':>9}{'train s':>9}{'tok/s':>10}")
+    print(f"{'model':<7}{'params':>11}{'ZeRO':>6}{'prec':>6}{'resp':>6}{'tok/step':>10}{'step s':>9}{'train s':>9}"
+          f"{'tok/s':>10}")
     for preset, zero, precision, r in rows:
-        print(f"{preset:<7}{r['params']:>11,}{zero:>6}{precision:>6}{r['tokens']:>10}{r['wall_s']:>9.3f}"
-              f"{r['train_s']:>9.3f}{r['tok_s']:>10.0f}")
+        print(f"{preset:<7}{r['params']:>11,}{zero:>6}{precision:>6}{r['response_len']:>6}{r['tokens']:>10}"
+              f"{r['wall_s']:>9.3f}{r['train_s']:>9.3f}{r['tok_s']:>10.0f}")
     return 0
 
 

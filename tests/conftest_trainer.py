@@ -2,12 +2,14 @@
 
 - `tiny_model_dir`: a random-init 2-layer, hidden-64 Llama (vocab 32) saved with save_pretrained.
 - `trainer_config(...)`: a TandemConfig for one trainer, Redis at the given URL, its own stream.
+- `DEVICE`: the trainer device of these tests, cpu unless TANDEM_TEST_TRAINER_DEVICE says otherwise.
 - `make_batch(...)`: a deterministic rollout batch of `groups` prompts × `group_size` samples, optionally
   with the log-probs the tiny model itself assigns (so PPO ratios start at exactly 1).
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ from services.common.config import TandemConfig, config_from_dict
 from services.common.wire import RolloutBatchData, build_batch
 
 VOCAB = 32
+# CI runs on CPU; TANDEM_TEST_TRAINER_DEVICE=cuda runs the same tests on a GPU machine.
+DEVICE = os.environ.get("TANDEM_TEST_TRAINER_DEVICE", "cpu")
 
 
 def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
@@ -47,7 +51,7 @@ def trainer_config(*, model_dir: Path, run_dir: Path, redis_url: str | None, tra
         "run_name": run_name or f"t{uuid.uuid4().hex[:8]}",
         "model": {"path": str(model_dir), "attn_implementation": "eager"},
         "data": {"train_path": str(run_dir / "unused.jsonl")},
-        "trainer": {"device": "cpu", "lr": 1e-2, "micro_batch_tokens": 64, "export_hf_on_save": False,
+        "trainer": {"device": DEVICE, "lr": 1e-2, "micro_batch_tokens": 64, "export_hf_on_save": False,
                     **(trainer or {})},
         "algorithm": {"use_rollout_logprobs": True, **(algorithm or {})},
         "loop": {"mode": "async", **(loop or {})},

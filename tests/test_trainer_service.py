@@ -98,9 +98,9 @@ def test_micro_batch_split_does_not_change_the_update(harness, tiny_model_dir): 
     for key in ("loss", "grad_norm", "entropy"):
         assert m_small[key] == pytest.approx(m_big[key], rel=1e-5), key
     # Adam's first step moves every weight by about lr (1e-2) whatever the gradient's size, so
-    # near-zero gradients turn float-order noise into small absolute differences
+    # near-zero gradients turn float-order noise into small absolute differences (seen: 2e-5 on a GPU)
     for name in w_small:
-        torch.testing.assert_close(w_small[name], w_big[name], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(w_small[name], w_big[name], rtol=1e-4, atol=5e-5)
 
 
 def test_half_written_checkpoint_is_ignored_and_retention_keeps_last(harness, tmp_path):
@@ -243,10 +243,15 @@ def test_offload_onload_keeps_training(harness):
     h = harness(trainer={"zero_stage": 2})
     batch = make_batch()
     h.service.train(rollout_id=0, entry_ids=[h.put(batch)])
-    before = {n: t.clone() for n, t in h.service.iter_named_weights()}
+    before = {n: t.detach().cpu().clone() for n, t in h.service.iter_named_weights()}
+    on_gpu = h.service.dist.device.type == "cuda"
+    resident = torch.cuda.memory_allocated() if on_gpu else 0
     assert h.service.offload().ok and h.service.get_state().offloaded
+    if on_gpu:   # parameters, fp32 master copies and both Adam moments left the device
+        param_bytes = sum(math.prod(s.shape) * 4 for s in h.service.weight_specs())
+        assert resident - torch.cuda.memory_allocated() >= 4 * param_bytes
     assert h.service.onload().ok and not h.service.get_state().offloaded
-    after = dict(h.service.iter_named_weights())
+    after = {n: t.detach().cpu() for n, t in h.service.iter_named_weights()}
     assert all(torch.equal(before[n], after[n]) for n in before)
     h.service.offload()
     assert h.service.train(rollout_id=1, entry_ids=[h.put(batch)]).step == 2   # onloads by itself
