@@ -108,7 +108,7 @@ def _sync_to_engine(stub, model_dir: Path, *, version: int) -> dict[str, torch.T
     return {n: p.detach() for n, p in params.items()}
 
 
-def test_two_ranks_under_torchrun_match_one_rank(tiny_model_dir, tmp_path, redis_server):  # noqa: F811
+def test_two_ranks_zero3_under_torchrun_over_grpc_match_one_rank(tiny_model_dir, tmp_path, redis_server):  # noqa: F811
     torch.set_num_threads(1)
     batches = [make_batch(rollout_id=i, seed=10 + i, groups=4, model_dir=tiny_model_dir) for i in range(3)]
     one = _config(tiny_model_dir, tmp_path / "one", redis_server.url, run_name="one", port=free_port(), zero_stage=3)
