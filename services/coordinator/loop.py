@@ -180,7 +180,6 @@ class Coordinator:
             fut.result()
         if stopped and self.last_saved_rollout != last and last >= 0:
             self._save(rollout_id=last, in_flight=[])
-        self.events.emit("state", rollout_id=last, message="finished")
 
     # ---- steps ------------------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ from services.common.gen.tandem.v1 import coordinator_pb2
 
 log = logging.getLogger("tandem.run")
 
+EVAL_SUMMARY_KEYS = ("reward_mean", "pass@1", "pass@4", "pass@8", "response_len_mean")
+
 
 def step_summary(metrics: dict[str, float]) -> str:
     parts = []
@@ -56,7 +58,8 @@ class ProgressView:
             else:
                 log.info("step %d/%d  %s", event.rollout_id + 1, self.total, summary)
         elif event.kind == "eval":
-            evals = "  ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items()) if k.startswith("eval/"))
+            evals = "  ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())
+                              if k.startswith("eval/") and k.split("/")[-1] in EVAL_SUMMARY_KEYS)
             self._print(f"eval after rollout {event.rollout_id}: {evals}")
         elif event.kind == "save":
             self._print(f"checkpoint: {event.message}")
