@@ -57,8 +57,9 @@ def deepspeed_config(config: TandemConfig, *, world_size: int, lr: float) -> dic
         "zero_optimization": {"stage": t.zero_stage},
     }
     if t.zero_stage == 3:
-        # Gather whole layers at once on small models instead of prefetching piecemeal.
-        ds["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=5e7)
+        # Partition every parameter: by default DeepSpeed keeps ones under 1e5 elements whole, so a small
+        # model would never be partitioned and its gathers (weight export, HF save) never exercised.
+        ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if t.optimizer == "adamw_deepspeed":
         ds["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": list(t.betas), "eps": 1e-8,
                                                       "weight_decay": t.weight_decay}}
@@ -108,7 +109,7 @@ class DeepSpeedBackend:
         import deepspeed
 
         t = config.trainer
-        self.role, self.dist_info, self.config = role, dist_info, config
+        self.dist_info = dist_info
         self.zero_stage = t.zero_stage
         torch.manual_seed(t.seed)
         dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
@@ -127,7 +128,7 @@ class DeepSpeedBackend:
         optimizer = None
         if t.optimizer == "adamw_torch":
             optimizer = torch.optim.AdamW(params, lr=lr, betas=t.betas, eps=1e-8, weight_decay=t.weight_decay)
-        self.engine, _, _, self.scheduler = deepspeed.initialize(
+        self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=params if optimizer is None else None,
             config=deepspeed_config(config, world_size=dist_info.world_size, lr=lr),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
@@ -191,10 +192,13 @@ class DeepSpeedBackend:
 
     # ---- offload ----------------------------------------------------------------------------------
 
-    def offload(self) -> str:
+    def check_offload_supported(self) -> None:
         if self.zero_stage == 0:
             raise NotImplementedError("Offload needs ZeRO stage 1-3 (DeepSpeed offload_states); "
                                       "trainer.zero_stage is 0")
+
+    def offload(self) -> str:
+        self.check_offload_supported()
         if self.offloaded:
             return "already offloaded"
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum

@@ -42,21 +42,14 @@ class TrainBatch:
 
     def offsets(self) -> tuple[list[int], list[int]]:
         """Start of each sample in `tokens` and in the flat response-token arrays."""
-        seq = (self.prompt_lengths + self.response_lengths).tolist()
-        tok = np.concatenate([[0], np.cumsum(seq)[:-1]]).astype(int).tolist() if seq else []
-        resp = self.response_lengths.tolist()
-        rsp = np.concatenate([[0], np.cumsum(resp)[:-1]]).astype(int).tolist() if resp else []
-        return tok, rsp
+        return _starts(self.prompt_lengths + self.response_lengths).tolist(), _starts(self.response_lengths).tolist()
 
     def select(self, keep: list[int]) -> "TrainBatch":
         """The samples `keep` (in that order), with their tokens and per-token arrays."""
-        tok_off, resp_off = self.offsets()
-        seq = (self.prompt_lengths + self.response_lengths).tolist()
-        resp = self.response_lengths.tolist()
-        tok_idx = torch.tensor([t for i in keep for t in range(tok_off[i], tok_off[i] + seq[i])], dtype=torch.long)
-        rsp_idx = torch.tensor([t for i in keep for t in range(resp_off[i], resp_off[i] + resp[i])],
-                               dtype=torch.long)
         idx = torch.tensor(keep, dtype=torch.long)
+        seq, resp = self.prompt_lengths + self.response_lengths, self.response_lengths
+        tok_idx = _ranges(_starts(seq)[idx], seq[idx])
+        rsp_idx = _ranges(_starts(resp)[idx], resp[idx])
         return TrainBatch(
             tokens=self.tokens[tok_idx], prompt_lengths=self.prompt_lengths[idx],
             response_lengths=self.response_lengths[idx], loss_mask=self.loss_mask[rsp_idx],
@@ -69,6 +62,18 @@ class TrainBatch:
             raise ValueError(f"critic values hold {values.shape[0]} entries, the batch has "
                              f"{self.num_response_tokens} response tokens")
         return replace(self, values=values.to(torch.float32))
+
+
+def _starts(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(lengths, 0) - lengths
+
+
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenation of range(start, start + length) for each pair, without a Python loop."""
+    if not len(lengths):
+        return torch.zeros(0, dtype=torch.long)
+    shift = starts - _starts(lengths)
+    return torch.arange(int(lengths.sum()), dtype=torch.long) + torch.repeat_interleave(shift, lengths)
 
 
 def merge_batches(batches: list[RolloutBatchData]) -> TrainBatch:

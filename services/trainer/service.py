@@ -13,6 +13,7 @@ another rollout id are skipped. The records travel in the checkpoint's client st
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from collections import OrderedDict
@@ -215,7 +216,8 @@ class TrainerService:
             max_staleness = -1
         stale = stale_samples(batch, weight_version=self.weight_version, max_staleness=max_staleness)
         if stale:
-            batch = batch.select([i for i in range(batch.num_samples) if i not in set(stale)])
+            dropped = set(stale)
+            batch = batch.select([i for i in range(batch.num_samples) if i not in dropped])
         if batch.num_samples:
             algo = self.config.algorithm
             check_trainable(batch, vocab_size=self.vocab_size, max_positions=self.max_positions,
@@ -227,15 +229,15 @@ class TrainerService:
         start = time.monotonic()
         batch, dropped = self._prepare_batch(entries, rollout_id=rollout_id, max_staleness=max_staleness,
                                              use_critic_values=use_critic_values)
+        entry_ids = [e.entry_id for e in entries]
         metrics: dict[str, float] = {}
         if batch.num_samples:
             self._ensure_onloaded()
             names, payloads = _encode_batch(batch)
-            metrics = self._run({"cmd": "train", "rollout_id": rollout_id, "fields": names,
-                                 "entry_ids": [e.entry_id for e in entries]}, payloads)
+            metrics = self._run({"cmd": "train", "rollout_id": rollout_id, "fields": names, "entry_ids": entry_ids},
+                                payloads)
             self.step += 1
         metrics.update(samples_dropped_stale=float(dropped), entries_skipped_duplicate=float(len(skipped)))
-        entry_ids = [e.entry_id for e in entries]
         reply = trainer_pb2.TrainResponse(rollout_id=rollout_id, step=self.step, metrics=metrics, entry_ids=entry_ids,
                                           samples_trained=batch.num_samples, samples_dropped_stale=dropped,
                                           time_s=time.monotonic() - start)
@@ -280,8 +282,11 @@ class TrainerService:
 
     # ---- Save / Load ------------------------------------------------------------------------------
 
-    def _client_state(self, extra_state: dict[str, str]) -> dict[str, Any]:
+    def _client_state(self, extra_state: dict[str, str], *, checkpoint_rollout_id: int) -> dict[str, Any]:
+        """`rollout_id` is the last rollout this trainer trained; `checkpoint_rollout_id` the one the Save named
+        (they differ for the actor during critic-only steps)."""
         return {"format": 1, "role": self.role, "step": self.step, "rollout_id": self.last_rollout_id,
+                "checkpoint_rollout_id": checkpoint_rollout_id,
                 "weight_version": self.weight_version, "samples_trained": self.samples_trained,
                 "world_size": self.dist.world_size, "zero_stage": self.config.trainer.zero_stage,
                 "trained_entries": list(self.trained_entries.items()),
@@ -299,21 +304,20 @@ class TrainerService:
                 log.info("checkpoint %s already holds step %d", directory, self.step)   # a retried Save
             else:
                 self._ensure_onloaded()
-                self._run({"cmd": "save", "dir": str(directory), "export_hf": export,
+                self._run({"cmd": "save", "dir": str(directory), "rollout_id": rollout_id, "export_hf": export,
                            "extra_state": dict(extra_state or {})})
             hf = directory / "hf"
             return trainer_pb2.SaveResponse(path=str(directory), hf_path=str(hf) if hf.is_dir() else "",
                                             step=self.step, time_s=time.monotonic() - start)
 
     def _exec_save(self, header: dict[str, Any], payloads: list[bytes]) -> None:
-        import shutil
-
         directory = Path(header["dir"])
         if self.rank == 0:
             shutil.rmtree(directory, ignore_errors=True)   # a half-written attempt at this rollout id
             directory.mkdir(parents=True)
         barrier()
-        state = self._client_state(header["extra_state"]) if self.rank == 0 else {}
+        state = self._client_state(header["extra_state"], checkpoint_rollout_id=header["rollout_id"]) \
+            if self.rank == 0 else {}
         self.backend.save_checkpoint(directory, client_state=state)
         ckpt.write_json_atomic(directory / f"rng_rank{self.rank}.json", ckpt.rng_state())
         if header["export_hf"]:
@@ -321,7 +325,7 @@ class TrainerService:
         barrier()   # every rank's shards are on disk before the marker says so
         if self.rank == 0:
             ckpt.write_json_atomic(directory / ckpt.STATE, state)
-            ckpt.mark_complete(directory, {"rollout_id": state["rollout_id"], "step": state["step"],
+            ckpt.mark_complete(directory, {"rollout_id": header["rollout_id"], "step": state["step"],
                                            "world_size": self.dist.world_size, "time": time.time()})
             removed = ckpt.apply_retention(directory.parent, keep=self.config.trainer.keep_last_checkpoints,
                                            current=directory)
@@ -360,7 +364,8 @@ class TrainerService:
             self._ensure_onloaded()
             self._run({"cmd": "load", "dir": str(directory)})
             self._restore(state)
-            return trainer_pb2.LoadResponse(loaded=True, path=str(directory), rollout_id=self.last_rollout_id,
+            return trainer_pb2.LoadResponse(loaded=True, path=str(directory),
+                                            rollout_id=int(state["checkpoint_rollout_id"]),
                                             step=self.step, weight_version=self.weight_version,
                                             extra_state=state.get("extra_state", {}))
 
@@ -449,9 +454,7 @@ class TrainerService:
 
     def offload(self) -> common_pb2.Ack:
         with self._lock:
-            if self.config.trainer.zero_stage == 0:
-                raise NotImplementedError("Offload needs ZeRO stage 1-3 (DeepSpeed offload_states); "
-                                          "trainer.zero_stage is 0")
+            self.backend.check_offload_supported()   # here, before any rank is asked to
             return common_pb2.Ack(ok=True, message=self._run({"cmd": "offload"}))
 
     def onload(self) -> common_pb2.Ack:
