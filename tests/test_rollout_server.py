@@ -174,13 +174,13 @@ def test_traces_link_sample_and_reward_spans(server):
     spans: list[dict] = []
     while time.monotonic() < deadline:
         spans = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        if any(s["name"] == "rl.sample" and s["attributes"].get("rollout_id") == 77 for s in spans):
+        if any(s["name"] == "rl.sample" and s["attributes"].get("rl.rollout_id") == 77 for s in spans):
             break
         time.sleep(0.1)
-    sample = next(s for s in spans if s["name"] == "rl.sample" and s["attributes"].get("rollout_id") == 77)
-    reward = next(s for s in spans if s["name"] == "rl.reward" and s["attributes"].get("rollout_id") == 77)
+    sample = next(s for s in spans if s["name"] == "rl.sample" and s["attributes"].get("rl.rollout_id") == 77)
+    reward = next(s for s in spans if s["name"] == "rl.reward" and s["attributes"].get("rl.rollout_id") == 77)
     assert reward["parent_span_id"] == sample["span_id"] and reward["trace_id"] == sample["trace_id"]
-    assert sample["attributes"]["tokens"] > 0 and sample["attributes"]["weight_version"] == 0
+    assert sample["attributes"]["rl.tokens"] > 0 and sample["attributes"]["rl.weight_version"] == 0
 
 
 def _failed_start(tmp_path: Path, config: Path, *extra: str) -> tuple[int, str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from services.common.config import TandemConfig
 from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
-from services.common.tracing import inject_context, span
+from services.common.tracing import StepSpans, annotate, inject_context, span
 from services.coordinator.clients import GenerationResult, RolloutPool, TrainerClient
 from services.coordinator.control import Control
 from services.coordinator.data import DataCursor, DataSource, load_prompts
@@ -59,12 +59,14 @@ class Coordinator:
         self._start_id = 0
         self._epoch_ends: set[int] = set()
         self._evaluated_ids: set[int] = set()
+        self.step_spans = StepSpans()   # one trace per rollout id, opened when its generation starts
 
     # ---- the loop ---------------------------------------------------------------------------------
 
     def run(self) -> None:
         try:
-            self._startup()
+            with span("rl.startup", mode=self.loop_cfg.mode):   # checkpoint load, first weight push, first eval
+                self._startup()
             self._start_id = self.state.next_rollout_id
             self.status = "running"
             if self.loop_cfg.mode == "fully_async":
@@ -78,6 +80,7 @@ class Coordinator:
             self.events.emit("state", message=f"failed: {self.error}")
             raise
         finally:
+            self.step_spans.close_all(trained=False)   # generations started but never trained
             self.events.emit("state", message=self.status)
             self.events.close()
 
@@ -88,22 +91,23 @@ class Coordinator:
         for rollout_id in range(start, self.num_rollout):
             if not self.control.wait_while_paused(self.status_setter):
                 break
-            step_start = time.monotonic()
-            wait_start = time.monotonic()
-            current = next_gen.result()
-            wait_s = time.monotonic() - wait_start
-            next_gen = None
-            if overlap and rollout_id + 1 < self.num_rollout:
-                next_gen = self._start_generation(rollout_id + 1)
-            metrics = self._train_step(rollout_id=rollout_id, gen=current)
-            metrics["perf/rollout_wait_s"] = wait_s
-            if (rollout_id + 1) % self.loop_cfg.update_weights_interval == 0 or not overlap:
-                if next_gen is not None:
-                    next_gen.result()   # never swap weights under a running generation
-                metrics.update(self._sync_weights())
-            if not overlap and rollout_id + 1 < self.num_rollout:
-                next_gen = self._start_generation(rollout_id + 1)
-            self._after_step(rollout_id=rollout_id, metrics=metrics, step_start=step_start, in_flight=next_gen)
+            with self.step_spans.step(rollout_id):
+                step_start = time.monotonic()
+                wait_start = time.monotonic()
+                current = next_gen.result()
+                wait_s = time.monotonic() - wait_start
+                next_gen = None
+                if overlap and rollout_id + 1 < self.num_rollout:
+                    next_gen = self._start_generation(rollout_id + 1)
+                metrics = self._train_step(rollout_id=rollout_id, gen=current)
+                metrics["perf/rollout_wait_s"] = wait_s
+                if (rollout_id + 1) % self.loop_cfg.update_weights_interval == 0 or not overlap:
+                    if next_gen is not None:
+                        next_gen.result()   # never swap weights under a running generation
+                    metrics.update(self._sync_weights())
+                if not overlap and rollout_id + 1 < self.num_rollout:
+                    next_gen = self._start_generation(rollout_id + 1)
+                self._after_step(rollout_id=rollout_id, metrics=metrics, step_start=step_start, in_flight=next_gen)
             if self._should_exit(rollout_id):
                 break
 
@@ -119,14 +123,15 @@ class Coordinator:
             while len(in_flight) < len(self.pool.clients) + 1 and next_gen_id < self.num_rollout:
                 in_flight.append(self._start_generation(next_gen_id))
                 next_gen_id += 1
-            step_start = time.monotonic()
-            current = in_flight.pop(0).result()
-            metrics = self._train_step(rollout_id=rollout_id, gen=current,
-                                       max_staleness=self.loop_cfg.max_staleness)
-            if (rollout_id + 1) % self.loop_cfg.update_weights_interval == 0:
-                metrics.update(self._sync_weights())
-            self._after_step(rollout_id=rollout_id, metrics=metrics, step_start=step_start,
-                             in_flight=in_flight[0] if in_flight else None, all_in_flight=in_flight)
+            with self.step_spans.step(rollout_id):
+                step_start = time.monotonic()
+                current = in_flight.pop(0).result()
+                metrics = self._train_step(rollout_id=rollout_id, gen=current,
+                                           max_staleness=self.loop_cfg.max_staleness)
+                if (rollout_id + 1) % self.loop_cfg.update_weights_interval == 0:
+                    metrics.update(self._sync_weights())
+                self._after_step(rollout_id=rollout_id, metrics=metrics, step_start=step_start,
+                                 in_flight=in_flight[0] if in_flight else None, all_in_flight=in_flight)
             if self._should_exit(rollout_id):
                 break
 
@@ -190,10 +195,11 @@ class Coordinator:
                    for p, g in zip(batch.prompts, batch.group_ids)]
         if batch.epoch_end:
             self._epoch_ends.add(rollout_id)
-        with span("rl.loop.generate", rollout_id=rollout_id):
-            carrier = inject_context()
-        fut = self.pool.generate_async(rollout_id=rollout_id, prompts=prompts,
-                                       n_samples=self.config.rollout.n_samples_per_prompt, trace_context=carrier)
+        # The step's own trace starts here; the pool's threads inherit it, so Generate runs under rl.loop.
+        with self.step_spans.started(rollout_id, weight_version=self.state.weight_version, mode=self.loop_cfg.mode):
+            fut = self.pool.generate_async(rollout_id=rollout_id, prompts=prompts,
+                                           n_samples=self.config.rollout.n_samples_per_prompt,
+                                           trace_context=inject_context())
         fut.cursor_before, fut.cursor_after = cursor_before, batch.cursor_after  # type: ignore[attr-defined]
         return fut
 
@@ -206,6 +212,8 @@ class Coordinator:
                                              recorded_metrics=p.metrics))
                 fut.cursor_before, fut.cursor_after = p.cursor_before, p.cursor_after  # type: ignore[attr-defined]
                 log.info("reusing %d buffered entries of rollout %d from the checkpoint", len(p.entry_ids), rollout_id)
+                self.step_spans.open(rollout_id, weight_version=self.state.weight_version, mode=self.loop_cfg.mode,
+                                     reused=True)
                 return fut
         return self._start_generation(rollout_id)
 
@@ -213,9 +221,10 @@ class Coordinator:
         metrics = generation_metrics(gen, weight_version=self.state.weight_version)
         timeout = self.loop_cfg.step_timeout_s
         self._onload()
-        request = trainer_pb2.TrainRequest(rollout_id=rollout_id, entry_ids=list(gen.entry_ids),
-                                           max_staleness=max_staleness, trace_context=inject_context())
-        with span("rl.train", rollout_id=rollout_id, weight_version=self.state.weight_version):
+        with span("rl.train", rollout_id=rollout_id, weight_version=self.state.weight_version,
+                  entries=len(gen.entry_ids), staleness=metrics.get("rollout/staleness")):
+            request = trainer_pb2.TrainRequest(rollout_id=rollout_id, entry_ids=list(gen.entry_ids),
+                                               max_staleness=max_staleness, trace_context=inject_context())
             t = time.monotonic()
             if self.critic is not None:
                 critic_reply = self.critic.train(request, timeout_s=timeout)
@@ -266,6 +275,8 @@ class Coordinator:
         metrics["perf/tokens_per_s"] = tokens / metrics["perf/step_time_s"] if metrics["perf/step_time_s"] else 0.0
         metrics["weights/version"] = float(self.state.weight_version)
         metrics["data/epoch"] = float(self.data.cursor.epoch)
+        annotate(staleness=metrics.get("rollout/staleness"), tokens=metrics.get("rollout/response_tokens"),
+                 step_time_s=metrics["perf/step_time_s"])   # on the step's rl.loop span
         self.last_metrics = metrics
         for tracker in self.trackers:
             tracker.log(rollout_id, metrics)

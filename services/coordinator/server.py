@@ -90,7 +90,7 @@ def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinat
 
 def main(config: TandemConfig, *, run_dir: Path) -> int:
     setup_logging("coordinator", config.tracing.log_level, str(run_dir / "logs" / "coordinator.log"))
-    setup_tracing("tandem-coordinator", exporter=config.tracing.exporter,
+    setup_tracing("tandem-coordinator", exporter=config.tracing.exporter, instance="coordinator",
                   file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"))
     coordinator, _ = build_coordinator(config, run_dir=run_dir)
     s = config.services

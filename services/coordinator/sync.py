@@ -113,8 +113,8 @@ class WeightSync:
             self.phase = SyncPhase.DONE
             result = SyncResult(version=version, transport=plan.transport, bytes=plan.total_bytes,
                                 seconds=time.monotonic() - start, phase_seconds=times, verified_tensors=checked)
-            s.set_attribute("bytes", result.bytes)
-            s.set_attribute("gbps", result.gbps)
+            s.set_attribute("rl.bytes", result.bytes)
+            s.set_attribute("rl.gbps", result.gbps)
             return result
 
     def _transfer(self, *, plan: common_pb2.WeightSyncPlan, ranks: list[int], timeout_s: float) -> list:

@@ -141,7 +141,7 @@ def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
     if problem:
         print(f"tandem rollout: {problem}", file=sys.stderr, flush=True)
         return EXIT_START_FAILED
-    tracing.setup_tracing(name, exporter=config.tracing.exporter,
+    tracing.setup_tracing("tandem-rollout", exporter=config.tracing.exporter, instance=name,
                           file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"))
     try:
         service = RolloutService(config, replica=replica)

@@ -222,8 +222,8 @@ class RolloutService:
             t = time.monotonic()
             entry_id = self._put(batch, stream=stream, trace_context=tracing.inject_context())
             put_s = time.monotonic() - t
-            sp.set_attribute("entry_id", entry_id)
-            sp.set_attribute("weight_version", batch.policy_version)   # the version generation actually started with
+            # weight_version: the version generation actually started with
+            tracing.set_attributes(sp, entry_id=entry_id, weight_version=batch.policy_version)
         return GenerateResult(
             entry_id=entry_id, num_samples=batch.num_samples, num_prompt_tokens=int(batch.prompt_lengths.sum()),
             num_response_tokens=batch.num_response_tokens, weight_version=batch.policy_version,
@@ -246,7 +246,7 @@ class RolloutService:
             raise FailedPrecondition(f"rollout_id {rollout_id}: {aborted} of {len(outputs)} samples were aborted by "
                                      "pause(abort); nothing was written or scored, retry after Resume")
         tokens = sum(len(o.token_ids) for o in outputs)
-        span_.set_attribute("tokens", tokens)
+        tracing.set_attributes(span_, tokens=tokens)
         responses = [self.decode(o.token_ids) for o in outputs]
         texts = [self.prompt_text(p, ids) for p, ids in zip(prompts, prompt_ids)]
         t = time.monotonic()

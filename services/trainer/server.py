@@ -19,7 +19,7 @@ from services.common.config import TandemConfig, dump_config
 from services.common.gen.tandem.v1 import trainer_pb2, trainer_pb2_grpc
 from services.common.grpc_util import ServerOptions, map_errors, start_server
 from services.common.redis_server import free_port
-from services.common.tracing import setup_logging, setup_tracing
+from services.common.tracing import setup_logging, setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
         return launch_ranks(config, run_dir=run_dir, role=role)
     name = "trainer" if role == "actor" else "critic"
     setup_logging(name, config.tracing.log_level)
-    setup_tracing(f"tandem-{name}", exporter=config.tracing.exporter,
+    setup_tracing("tandem-trainer", exporter=config.tracing.exporter, instance=name,
                   file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"))
     from transformers.utils import logging as hf_logging
 
@@ -136,5 +136,6 @@ def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
     log.info("%s stopping", name)
     server.stop(grace_s=5.0)
     _close_quietly(service)
+    shutdown_tracing()   # flushes a batching (otlp) exporter
     return 0
 

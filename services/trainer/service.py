@@ -27,7 +27,7 @@ from services.common.buffer import BufferEntry, RolloutBuffer, connect, stream_k
 from services.common.config import TandemConfig
 from services.common.gen.tandem.v1 import common_pb2, trainer_pb2
 from services.common.grpc_util import FailedPrecondition
-from services.common.tracing import span
+from services.common.tracing import set_attributes, span
 from services.common.wire import array_from_proto, array_to_proto
 from services.trainer import checkpoint as ckpt
 from services.trainer.actor import actor_step
@@ -164,11 +164,16 @@ class TrainerService:
                 raise FailedPrecondition("advantage_estimator gae: the actor's Train needs use_critic_values "
                                          "(train the critic on the rollout first)")
             entries, skipped = self._read_entries(list(entry_ids), num_batches)
-            links = entries[0].trace_context if entries else None
-            with span("rl.train", parent=trace_context or None, links_from=links, rollout_id=rollout_id,
-                      role=self.role, world_size=self.dist.world_size):
-                return self._train_entries(rollout_id=rollout_id, entries=entries, skipped=skipped,
-                                           max_staleness=max_staleness, use_critic_values=use_critic_values)
+            oldest = min((e.policy_version for e in entries), default=self.weight_version)
+            # Linked to the rl.sample span of every entry (its context travelled in the Redis entry).
+            with span("rl.train", parent=trace_context or None, links_from=[e.trace_context for e in entries],
+                      rollout_id=rollout_id, role=self.role, world_size=self.dist.world_size,
+                      weight_version=self.weight_version, staleness=self.weight_version - oldest,
+                      entries=len(entries), bytes=sum(e.nbytes for e in entries)) as sp:
+                reply = self._train_entries(rollout_id=rollout_id, entries=entries, skipped=skipped,
+                                            max_staleness=max_staleness, use_critic_values=use_critic_values)
+                set_attributes(sp, samples=reply.samples_trained, samples_dropped_stale=reply.samples_dropped_stale)
+                return reply
 
     def _replay(self, rollout_id: int) -> trainer_pb2.TrainResponse:
         recorded = self.results[rollout_id]
@@ -430,8 +435,9 @@ class TrainerService:
         with self._lock:
             if self._plan is None or self._plan.version != version:
                 raise FailedPrecondition(f"PublishWeights(v{version}) needs PrepareWeightSync(v{version}) first")
-            with span("rl.sync", weight_version=version, role=self.role):
+            with span("rl.sync", weight_version=version, role=self.role) as sp:
                 stats = self._run({"cmd": "weights", "mode": "publish"})
+                set_attributes(sp, bytes=int(stats.bytes))
             self.weight_version = version
             self._plan = None
             return trainer_pb2.PublishWeightsResponse(version=version, bytes_sent=int(stats.bytes),
