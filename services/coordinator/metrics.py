@@ -1,5 +1,5 @@
-"""Per-step metrics: `metrics.jsonl` always, TensorBoard / W&B as optional trackers, and an event log that
-`WatchEvents` streams from."""
+"""Per-step metrics: `metrics.jsonl` always; TensorBoard, W&B and a Prometheus endpoint as optional trackers;
+and an event log that `WatchEvents` streams from. Trackers get step rows and eval rows (`eval/*` keys) alike."""
 
 from __future__ import annotations
 
@@ -25,13 +25,17 @@ class Tracker(ABC):
 
 
 class JsonlTracker(Tracker):
+    """RUN_DIR/metrics.jsonl: one JSON object per step or eval, `rollout_id` and `time` first."""
+
     def __init__(self, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()   # the eval thread logs too
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({"rollout_id": step, "time": time.time(), **metrics}) + "\n")
+        line = json.dumps({"rollout_id": step, "time": time.time(), **metrics}) + "\n"
+        with self._lock, self.path.open("a") as f:
+            f.write(line)
 
 
 class TensorBoardTracker(Tracker):
@@ -39,7 +43,8 @@ class TensorBoardTracker(Tracker):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # tensorboard is an optional package
-            raise ValueError("tracing.trackers: tensorboard needs the `tensorboard` package installed") from exc
+            raise ValueError("tracing.trackers: tensorboard needs the `tensorboard` package, which is not installed "
+                             "(pip install tensorboard), or drop tensorboard from tracing.trackers") from exc
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -55,7 +60,8 @@ class WandbTracker(Tracker):
         try:
             import wandb
         except ImportError as exc:
-            raise ValueError("tracing.trackers: wandb needs the `wandb` package installed") from exc
+            raise ValueError("tracing.trackers: wandb needs the `wandb` package, which is not installed "
+                             "(pip install wandb), or drop wandb from tracing.trackers") from exc
         self.run = wandb.init(project=project or "tandem", name=run_name, dir=str(run_dir))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -65,12 +71,23 @@ class WandbTracker(Tracker):
         self.run.finish()
 
 
-def make_trackers(names: tuple[str, ...], *, run_dir: Path, run_name: str, wandb_project: str | None) -> list[Tracker]:
+def make_trackers(names: tuple[str, ...], *, run_dir: Path, run_name: str, wandb_project: str | None,
+                  prometheus_port: int | None = None) -> list[Tracker]:
+    """metrics.jsonl always (first, so every other tracker's view is already on disk), then the optional ones."""
     trackers: list[Tracker] = [JsonlTracker(run_dir / "metrics.jsonl")]
-    if "tensorboard" in names:
-        trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
-    if "wandb" in names:
-        trackers.append(WandbTracker(project=wandb_project, run_name=run_name, run_dir=run_dir))
+    try:
+        if "tensorboard" in names:
+            trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
+        if "wandb" in names:
+            trackers.append(WandbTracker(project=wandb_project, run_name=run_name, run_dir=run_dir))
+        if prometheus_port is not None:
+            from services.coordinator.prometheus import PrometheusTracker
+
+            trackers.append(PrometheusTracker(port=prometheus_port, run_name=run_name))
+    except Exception:
+        for tracker in trackers:   # e.g. a Prometheus endpoint already listening
+            tracker.close()
+        raise
     return trackers
 
 

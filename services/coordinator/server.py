@@ -82,7 +82,7 @@ def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinat
         buffer = RolloutBuffer(connect(config.redis.url, password=config.redis.password),
                                stream_key(config.redis.stream_prefix, config.run_name), groups=groups)
     trackers = make_trackers(config.tracing.trackers, run_dir=run_dir, run_name=config.run_name,
-                             wandb_project=config.tracing.wandb_project)
+                             wandb_project=config.tracing.wandb_project, prometheus_port=config.tracing.prometheus_port)
     coordinator = Coordinator(config=config, run_dir=run_dir, trainer=actor, critic=critic, pool=pool,
                               trackers=trackers, discard_entries=discard_orphans(buffer) if buffer else None)
     return coordinator, buffer
