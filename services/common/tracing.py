@@ -25,7 +25,8 @@ from opentelemetry import propagate, trace
 
 ATTRIBUTE_PREFIX = "rl."
 _state: dict[str, Any] = {"configured": False, "exporter": "none"}
-_tracer_name = "tandem"
+# Before a provider is installed this is OTel's proxy tracer, which follows the provider set later.
+_tracer = trace.get_tracer("tandem")
 Carrier = Mapping[str, str]
 
 
@@ -207,9 +208,8 @@ def span(name: str, *, parent: Carrier | None = None, links_from: Carrier | Iter
     if _off():
         yield trace.INVALID_SPAN
         return
-    tracer = trace.get_tracer(_tracer_name)
-    with tracer.start_as_current_span(name, context=_parent_context(parent), links=_links(links_from),
-                                      attributes=attributes(**attrs)) as s:
+    with _tracer.start_as_current_span(name, context=_parent_context(parent), links=_links(links_from),
+                                       attributes=attributes(**attrs)) as s:
         yield s
 
 
@@ -217,8 +217,7 @@ def start_root_span(name: str, **attrs: Any) -> Any:
     """A span that starts its own trace whatever is current, and is not made current (see `use_span`)."""
     if _off():
         return trace.INVALID_SPAN
-    return trace.get_tracer(_tracer_name).start_span(name, context=otel_context.Context(),
-                                                     attributes=attributes(**attrs))
+    return _tracer.start_span(name, context=otel_context.Context(), attributes=attributes(**attrs))
 
 
 @contextmanager
