@@ -9,8 +9,18 @@ Step by step:
   receive (engine)    checks params and the trainer id; posts ready; waits for the trainer's go.
   publish (trainer)   copies tensors into the buckets, synchronizes the device, says go, then waits until every
                       engine rank confirms (done) — an abort or the deadline fails it.
-  receive (engine)    maps the handles (`UntypedStorage._new_shared_cuda`), copies into params, synchronizes,
-                      drops the mappings, posts done.
+  receive (engine)    maps the handles (`UntypedStorage._new_shared_cuda`, once per allocation: every bucket
+                      lives in the same one), copies into params, synchronizes, drops the mappings (unless
+                      TANDEM_CUDA_IPC_KEEP_MAPPED=1), posts done.
+Copies are coalesced on both sides (`_Runs`): consecutive tensors whose source and destination bytes both
+continue the previous tensor's are one copy. A receiver whose params are views of one buffer laid out like
+the buckets (`flat_views`; NativeEngine.flatten_parameters) thus copies each bucket with one cudaMemcpy, and a
+trainer whose params are views of a flat buffer in spec order (DeepSpeed's flat bf16 groups) fills each bucket
+with one; anything else falls back to a copy per tensor. Bucket starts are aligned to `ALIGN` bytes.
+With TANDEM_CUDA_IPC_KEEP_MAPPED=1 a receiver keeps the mapping open between syncs while the trainer's
+handles stay the same (saves the open, ~0.5 ms a GiB), at the price of keeping the trainer's buffer alive
+until a sync with other handles or close() — leave it off where trainer and engine share a GPU and the
+trainer frees its buffers between syncs.
 The buffers stay alive on the trainer after publish (receivers confirmed they are done) until a prepare with a
 different layout, `release()` or `close()`. Lifetime follows that explicit handshake rather than torch's
 cross-process refcount (which counts one mapping per share, while here every receiver maps every bucket on
@@ -23,6 +33,7 @@ engine must be different processes.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from typing import Iterable, Mapping
@@ -52,8 +63,75 @@ def _local_device(handle: common_pb2.CudaIpcHandle) -> int:
     return handle.device
 
 
+ALIGN = 256   # bytes; bucket starts in the shared buffer and in flat_views
+
+
 def _typed(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
     return buffer[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+
+def bucket_starts(layout: Layout) -> tuple[list[int], int]:
+    """Byte offset of each bucket in one flat buffer (aligned to ALIGN) and the buffer's size."""
+    starts, total = [], 0
+    for bucket in layout.buckets:
+        starts.append(total)
+        total += -(-bucket.nbytes // ALIGN) * ALIGN
+    return starts, total
+
+
+def flat_views(layout: Layout, device: torch.device | str,
+               names: set[str] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One uint8 buffer holding every bucket (bucket_starts) and a typed view per tensor (of `names`, default
+    all) at its slot: params re-pointed to these views receive a bucket with one copy."""
+    starts, total = bucket_starts(layout)
+    flat = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+    views = {}
+    for bucket, start in zip(layout.buckets, starts):
+        region = flat[start: start + bucket.nbytes]
+        for slot in bucket.tensors:
+            if names is None or slot.name in names:
+                views[slot.name] = _typed(region, slot)
+    return flat, views
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor's bytes as a flat uint8 view, or None when it is not one contiguous range."""
+    if not tensor.is_contiguous() or tensor.numel() == 0:
+        return None
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+class _Runs:
+    """Copies dst <- src pairs, merging a pair into the previous copy when both its destination and its
+    source bytes continue the previous pair's in the same storage. Call flush() at the end."""
+
+    def __init__(self) -> None:
+        self.copies = 0
+        self._run: list | None = None     # [dst bytes, src bytes, nbytes, dst storage ptr, src storage ptr]
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        d, s = _bytes(dst), _bytes(src)
+        if d is None or s is None or d.numel() != s.numel():
+            self.flush()
+            dst.copy_(src)
+            self.copies += 1
+            return
+        run = self._run
+        dsp, ssp = dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr()
+        if (run is not None and run[3] == dsp and run[4] == ssp and run[0].data_ptr() + run[2] == d.data_ptr()
+                and run[1].data_ptr() + run[2] == s.data_ptr()):
+            run[2] += d.numel()
+            return
+        self.flush()
+        self._run = [d, s, d.numel(), dsp, ssp]
+
+    def flush(self) -> None:
+        if self._run is not None:
+            d, s, n = self._run[:3]
+            # as_strided re-checks the storage bounds, so a merged run can never leave its storage
+            d.as_strided((n,), (1,), d.storage_offset()).copy_(s.as_strided((n,), (1,), s.storage_offset()))
+            self.copies += 1
+            self._run = None
 
 
 class _SharedBuckets:
@@ -61,11 +139,7 @@ class _SharedBuckets:
 
     def __init__(self, *, layout: Layout, device: torch.device):
         self.key = (layout.key, device)
-        self.starts = []
-        total = 0
-        for bucket in layout.buckets:
-            self.starts.append(total)
-            total += bucket.nbytes
+        self.starts, total = bucket_starts(layout)
         self.flat = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
         torch.cuda.synchronize(device)   # the allocation must exist before another process maps it
         (dev, handle, _size, offset, ref_handle, ref_offset, event_handle, event_sync) = \
@@ -100,6 +174,7 @@ class CudaIpcSender(SenderTransport):
         self._master = rendezvous.MasterStore(host=config.master_addr, timeout_s=config.timeout_s)
         self._group_name: str | None = None
         self._shared: _SharedBuckets | None = None
+        self.last_copies = 0          # copies the last publish needed to fill the buckets
 
     def prepare(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, engine_world_size: int) -> None:
         if not torch.cuda.is_available():
@@ -129,8 +204,11 @@ class CudaIpcSender(SenderTransport):
                           plan.timeout_s)
         ctl = rendezvous.ctl_store(self._master.store, plan.group_name)
         try:
+            runs = _Runs()
             for slot, tensor in tensors:
-                _typed(shared.bucket(slot.bucket, layout.buckets[slot.bucket].nbytes), slot).copy_(tensor.detach())
+                runs.add(_typed(shared.bucket(slot.bucket, layout.buckets[slot.bucket].nbytes), slot), tensor.detach())
+            runs.flush()
+            self.last_copies = runs.copies
             torch.cuda.synchronize(shared.flat.device)
             rendezvous.signal_go(ctl, version=plan.version, value="ok", ctx=ctx)
             rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="done",
@@ -154,8 +232,13 @@ class CudaIpcSender(SenderTransport):
 class CudaIpcReceiver(ReceiverTransport):
     name = "cuda_ipc"
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_mapped: bool | None = None) -> None:
         self._stores: dict[tuple[str, int], object] = {}
+        if keep_mapped is None:
+            keep_mapped = os.environ.get("TANDEM_CUDA_IPC_KEEP_MAPPED", "") == "1"
+        self._keep_mapped = keep_mapped
+        self._kept: dict[tuple, torch.Tensor] = {}     # mapped allocations kept between syncs (keep_mapped)
+        self.last_copies = 0                           # copies the last receive needed (one per bucket at best)
 
     @staticmethod
     def _context(plan: common_pb2.WeightSyncPlan, rank: int) -> SyncContext:
@@ -194,36 +277,72 @@ class CudaIpcReceiver(ReceiverTransport):
             self._stores.clear()
             raise
 
-    @staticmethod
-    def _copy(*, plan: common_pb2.WeightSyncPlan, layout: Layout, params: Mapping[str, torch.Tensor],
-              ctx: SyncContext) -> None:
-        mapped = []   # keep every mapping until the end: buckets share one allocation, open it once
-        try:
-            for bucket, wb in zip(layout.buckets, plan.buckets):
-                if not bucket.nbytes:
-                    continue
-                handle = wb.ipc
-                if handle.storage_size_bytes != bucket.nbytes or not handle.handle:
-                    raise WeightSyncError(ctx.message(f"bucket {bucket.index} has no usable IPC handle"))
-                device = _local_device(handle)
+    def _map(self, plan: common_pb2.WeightSyncPlan, layout: Layout,
+             ctx: SyncContext) -> list[torch.Tensor | None]:
+        """A uint8 view of each bucket (None for empty ones). Buckets exported from one allocation are mapped
+        with one open covering all of them."""
+        spans: dict[tuple[int, bytes], list[int]] = {}
+        for bucket, wb in zip(layout.buckets, plan.buckets):
+            if not bucket.nbytes:
+                continue
+            handle = wb.ipc
+            if handle.storage_size_bytes != bucket.nbytes or not handle.handle:
+                raise WeightSyncError(ctx.message(f"bucket {bucket.index} has no usable IPC handle"))
+            key = (_local_device(handle), bytes(handle.handle))
+            lo, hi = handle.storage_offset_bytes, handle.storage_offset_bytes + bucket.nbytes
+            span = spans.setdefault(key, [lo, hi])
+            span[0], span[1] = min(span[0], lo), max(span[1], hi)
+        mapped = {}
+        for (device, raw), (lo, hi) in spans.items():
+            cache_key = (device, raw, lo, hi)
+            view = self._kept.get(cache_key)
+            if view is None:
+                first = next(wb.ipc for wb in plan.buckets if bytes(wb.ipc.handle) == raw)
                 with torch.cuda.device(device):
                     # b"" as ref-counter handle: lifetime follows our done-handshake, not torch's refcount
                     storage = torch.UntypedStorage._new_shared_cuda(
-                        device, handle.handle, handle.storage_size_bytes, handle.storage_offset_bytes,
-                        b"", 0, handle.event_handle, handle.event_sync_required)
-                    view = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(
-                        storage, 0, (bucket.nbytes,), (1,))
-                mapped.append(view)
+                        device, raw, hi - lo, lo, b"", 0, first.event_handle, first.event_sync_required)
+                    view = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, 0, (hi - lo,), (1,))
+            mapped[(device, raw)] = (lo, view, cache_key)
+        if self._keep_mapped:
+            self._kept = {cache_key: view for lo, view, cache_key in mapped.values()}
+        out: list[torch.Tensor | None] = []
+        for bucket, wb in zip(layout.buckets, plan.buckets):
+            if not bucket.nbytes:
+                out.append(None)
+                continue
+            lo, view, _ = mapped[(_local_device(wb.ipc), bytes(wb.ipc.handle))]
+            start = wb.ipc.storage_offset_bytes - lo
+            out.append(view[start: start + bucket.nbytes])
+        return out
+
+    def _copy(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, params: Mapping[str, torch.Tensor],
+              ctx: SyncContext) -> None:
+        views: list[torch.Tensor | None] = []
+        try:
+            views = self._map(plan, layout, ctx)
+            runs = _Runs()
+            for bucket, view in zip(layout.buckets, views):
+                if view is None:
+                    continue
                 for slot in bucket.tensors:
-                    params[slot.name].copy_(_typed(view, slot))
-            for view in mapped:
-                torch.cuda.synchronize(view.device)   # copies done before the trainer may reuse the buffers
+                    runs.add(params[slot.name], _typed(view, slot))
+                runs.flush()
+            self.last_copies = runs.copies
+            for device in {v.device for v in views if v is not None}:
+                torch.cuda.synchronize(device)   # copies done before the trainer may reuse the buffers
         except WeightSyncError:
+            self._kept.clear()
             raise
         except Exception as exc:  # noqa: BLE001 - CUDA errors surface as RuntimeError
+            self._kept.clear()
             raise WeightSyncError(ctx.message(f"mapping or copying the trainer's buffers failed: {exc}")) from exc
         finally:
-            mapped.clear()
+            views.clear()
+
+    def close(self) -> None:
+        self._kept.clear()
+        self._stores.clear()
 
 
 register_transport("cuda_ipc",

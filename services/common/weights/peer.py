@@ -4,8 +4,8 @@ It reads one JSON command per line on stdin and answers one JSON line on stdout.
 the protobuf bytes and tensors are regenerated from a seed on each side, so nothing is pickled. One
 `WeightReceiver` (and at most one `WeightPublisher`) lives for the process, so group reuse is exercised.
 
-Commands (`op`): receive, prepare, publish, raw_recv (a bare ProcessGroupGloo broadcast, for the benchmark),
-exit. `Peer` below is the parent's handle on such a process.
+Commands (`op`): receive (`flat`: params as views of one buffer laid out like the plan), prepare, publish,
+raw_recv (a bare ProcessGroupGloo broadcast, for the benchmark), exit. `Peer` below is the parent's handle on such a process.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from services.common.config import WeightsConfig
 from services.common.gen.tandem.v1 import common_pb2
 from services.common.weights.api import WeightPublisher, WeightReceiver
-from services.common.weights.layout import TensorSpec, tensor_bytes, torch_dtype
+from services.common.weights.layout import TensorSpec, layout_from_plan, tensor_bytes, torch_dtype
 
 
 def make_tensors(specs: Sequence[TensorSpec], *, seed: int) -> dict[str, torch.Tensor]:
@@ -84,12 +84,20 @@ class _Worker:
     def receive(self, cmd: dict[str, Any]) -> dict[str, Any]:
         specs = specs_from_json(cmd["specs"])
         device = cmd.get("device", "cpu")
-        key = (tuple(specs), device)
+        plan = plan_from_text(cmd["plan"])
+        key = (tuple(specs), device, bool(cmd.get("flat")))
         if key != self.params_key:   # the engine keeps its params between syncs
-            self.params = {s.name: torch.zeros(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in specs}
+            if cmd.get("flat"):      # params as views of one buffer laid out like the plan's buckets
+                from services.common.weights.cuda_ipc import flat_views
+                self.params = flat_views(layout_from_plan(plan), device)[1]
+            else:
+                self.params = {s.name: torch.zeros(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in specs}
             self.params_key = key
-        stats = self.receiver.receive(plan_from_text(cmd["plan"]), cmd.get("rank", 1), self.params)
+        stats = self.receiver.receive(plan, cmd.get("rank", 1), self.params)
         reply: dict[str, Any] = {"stats": stats_to_json(stats)}
+        transport = self.receiver._transports.get(plan.transport)
+        if hasattr(transport, "last_copies"):
+            reply["copies"] = transport.last_copies
         if cmd.get("seed") is not None:
             expected = make_tensors(specs, seed=cmd["seed"])
             reply["unequal"] = [n for n, t in expected.items()
