@@ -66,3 +66,47 @@ def test_release_and_resume_gpu_memory_keeps_weights(model_dir: Path):
     engine.resume_memory()
     assert all(p.device.type == "cuda" for p in engine.model.parameters())
     assert engine.generate(PROMPTS, greedy) == before
+
+
+def test_graph_decode_is_the_cuda_default_and_seeded(model_dir: Path):
+    engine = NativeEngine(model_dir, device="cuda", dtype="bfloat16")
+    assert engine.decode_mode == "graph"
+    opts = SamplingOptions(temperature=1.0, max_new_tokens=20, seed=7)
+    prompts = [p for p in PROMPTS for _ in range(5)]
+    first = engine.generate(prompts, opts)
+    assert engine.generate(prompts, opts) == first
+    assert engine._runners is not None and all(r.graph is not None for r in engine._runners._runners.values())
+    engine.release_memory(["cuda_graph"])
+    assert engine._runners is None
+    engine.resume_memory()
+    assert engine.generate(prompts, opts) == first               # recaptured, same samples
+
+
+def test_cuda_ipc_into_engine_flattens_once_and_is_bit_identical(model_dir: Path, tmp_path: Path):
+    from services.common.weights import WeightReceiver
+    from services.common.weights.layout import specs_from_tensors
+    from services.common.weights.peer import Peer, bits_equal, make_tensors, plan_from_text, specs_to_json
+
+    engine = NativeEngine(model_dir, device="cuda", dtype="bfloat16")
+    greedy = SamplingOptions(temperature=0.0, max_new_tokens=8)
+    engine.generate(PROMPTS, greedy)                             # a graph captured before the params move
+    specs = specs_from_tensors(engine.model.named_parameters())
+    trainer, receiver = Peer(), WeightReceiver()
+    try:
+        for version in (1, 2):
+            plan = plan_from_text(trainer.call(op="prepare", transport="cuda_ipc", bucket_mb=1.0, timeout_s=60,
+                                               specs=specs_to_json(specs), version=version, run_dir=str(tmp_path),
+                                               trainer_id="actor-0")["plan"])
+            trainer.send(op="publish", seed=version)
+            engine.receive_weights(plan, rank_offset=1, receiver=receiver)
+            assert trainer.reply(timeout_s=120)["ok"]
+            expected, params = make_tensors(specs, seed=version), engine.named_parameters()
+            assert all(bits_equal(params[s.name].cpu(), expected[s.name]) for s in specs)
+            assert receiver._transports["cuda_ipc"].last_copies == len([b for b in plan.buckets if b.nbytes])
+        assert len({p.untyped_storage().data_ptr() for p in engine.model.parameters()}) == 1
+        assert engine.weight_version == 2
+        outs = engine.generate(PROMPTS, greedy)                  # graphs recaptured on the flat params
+        assert all(len(o.token_ids) >= 1 for o in outs)
+    finally:
+        trainer.close()
+        receiver.close()

@@ -1,9 +1,15 @@
 """The `native` engine: a Hugging Face causal LM driven by a batched, KV-cached sampling loop in torch.
 
-Runs anywhere torch runs (CPU in CI, one GPU for real work). Prompts are left-padded into one batch;
-finished rows are dropped from the batch (and its KV cache) as they finish, so short answers do not pay
-for long ones. Calls are served one at a time; the `_Gate` below implements pause/resume and keeps
-weight loads from overlapping a forward pass.
+Runs anywhere torch runs (CPU in CI, one GPU for real work). Prompts are left-padded into one batch.
+Two decode paths (`decode=`):
+- "dynamic": the model's own forward with a Hugging Face DynamicCache; finished rows are dropped from the
+  batch (and its KV cache) as they finish, so short answers do not pay for long ones. The CPU default.
+- "graph" (the CUDA default for Llama/Qwen2) / "static": a preallocated KV cache of a fixed (batch, length)
+  bucket and, for "graph", a CUDA-graph-captured decode step (static_decode.py); sampling stays on the
+  device and the loop checks for finished rows every `_SYNC_EVERY` tokens instead of every token.
+Calls are served one at a time; the `_Gate` below implements pause/resume and keeps weight loads from
+overlapping a forward pass. For cuda_ipc weight syncs the parameters are re-pointed once into flat buffers
+laid out like the trainer's buckets (`flatten_parameters`), so each later sync is one copy per bucket.
 """
 
 from __future__ import annotations
@@ -13,8 +19,9 @@ import inspect
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -22,11 +29,17 @@ from services.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, E
                                      SampleOutput, SamplingOptions, WeightLoadStats, check_pause_mode,
                                      normalize_memory_tags)
 from services.rollout.sampling import make_generator, sample_next
+from services.rollout.static_decode import RunnerCache, sample_race, supported
+
+if TYPE_CHECKING:
+    from services.common.weights.layout import Layout
 
 log = logging.getLogger(__name__)
 
 _REASONS = (None, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)   # codes 0..3 in the loop's reason tensor
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DECODE_MODES = ("auto", "dynamic", "static", "graph")
+_SYNC_EVERY = 8        # static path: tokens between host checks for "every row finished"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -121,12 +134,27 @@ class _Gate:
                 self.cv.notify_all()
 
 
+@dataclass
+class _Chunk:
+    """One left-padded batch of prompts, on the engine's device."""
+
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    budget: torch.Tensor        # new tokens each row may produce (max_new_tokens, capped by the context)
+    steps: int
+    stop_ids: torch.Tensor
+    n: int
+    width: int
+
+
 class NativeEngine(Engine):
     name = "native"
 
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "float32",
                  attn_implementation: str = "sdpa", max_batch_size: int = 512,
-                 max_context_length: int | None = None, eos_token_ids: Sequence[int] | None = None):
+                 max_context_length: int | None = None, eos_token_ids: Sequence[int] | None = None,
+                 decode: str = "auto"):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -156,6 +184,29 @@ class NativeEngine(Engine):
         # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns); 5.1x knows only the old.
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
             else "past_key_values"
+        self.decode_mode = self._resolve_decode(decode)
+        self._runners: RunnerCache | None = None       # static/graph decode: caches (and graphs) by bucket
+        self._flat: tuple[Any, torch.Tensor] | None = None   # (layout key, buffer) after flatten_parameters
+
+    def _resolve_decode(self, decode: str) -> str:
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
+        why = supported(self.model)
+        if decode == "auto":
+            if self.device.type == "cuda" and why is None:
+                return "graph"
+            return "dynamic"
+        if decode in ("static", "graph") and why is not None:
+            raise ValueError(f"decode={decode!r}: the static decode path does not support {why}")
+        if decode == "graph" and self.device.type != "cuda":
+            raise ValueError("decode='graph' needs a CUDA device (use 'static' for the same path without graphs)")
+        return decode
+
+    def _drop_runners(self) -> None:
+        """Parameter storage moved (or memory is being released): captured graphs point at the old one."""
+        if self._runners is not None:
+            self._runners.clear()
+        self._runners = None
 
     # ---- properties --------------------------------------------------------------------------------
 
@@ -206,23 +257,29 @@ class NativeEngine(Engine):
             raise EngineUnavailable(f"{len(self._params_without_values)} parameters have no values since "
                                     "release_memory('weights'); load or receive weights first")
 
-    def _generate_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingOptions,
-                        generator: torch.Generator | None, version: int) -> list[SampleOutput]:
+    def _prepare_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingOptions) -> _Chunk:
         dev, n = self.device, len(prompts)
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        width = int(lengths.max())
+        width = max(len(p) for p in prompts)
         input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.long)
         for i, p in enumerate(prompts):      # left padding, built on the host and copied once
             input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p):] = 1
         input_ids, mask = input_ids.to(dev), mask.to(dev)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         budget = torch.clamp(self._max_context - lengths, max=sampling.max_new_tokens)
-        steps = int(budget.max())
         stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids)
                                        | (set() if sampling.ignore_eos else set(self.eos_token_ids))),
                                 dtype=torch.long, device=dev)
+        return _Chunk(input_ids=input_ids, mask=mask, positions=(mask.cumsum(-1) - 1).clamp(min=0), budget=budget,
+                      steps=int(budget.max()), stop_ids=stop_ids, n=n, width=width)
+
+    def _generate_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingOptions,
+                        generator: torch.Generator | None, version: int) -> list[SampleOutput]:
+        c = self._prepare_chunk(prompts, sampling)
+        if self.decode_mode != "dynamic":
+            return self._generate_static(c, sampling, generator, version)
+        dev, n, steps, budget, stop_ids, mask = c.input_ids.device, c.n, c.steps, c.budget, c.stop_ids, c.mask
         out_tokens = torch.zeros((n, steps), dtype=torch.long, device=dev)
         out_lp = torch.zeros((n, steps), dtype=torch.float32, device=dev)
         n_out = torch.zeros(n, dtype=torch.long, device=dev)
@@ -232,8 +289,8 @@ class NativeEngine(Engine):
         cache = DynamicCache(config=self.model.config)
         rows = torch.arange(n, device=dev)      # original index of each row still in the batch
         done = torch.zeros(n, dtype=torch.bool, device=dev)
-        logits = self._forward(input_ids, mask, positions, cache)
-        next_pos = positions[:, -1] + 1
+        logits = self._forward(c.input_ids, mask, c.positions, cache)
+        next_pos = c.positions[:, -1] + 1
         for step in range(steps):
             tokens, lps = sample_next(logits, sampling, generator)
             # No boolean-mask indexing here: it would cost a device sync per op on a GPU.
@@ -256,6 +313,42 @@ class NativeEngine(Engine):
                 rows, done, mask, next_pos, tokens = rows[keep], done[keep], mask[keep], next_pos[keep], tokens[keep]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
             logits = self._forward(tokens.unsqueeze(-1), mask, next_pos.unsqueeze(-1), cache)
+            next_pos = next_pos + 1
+        return _collect(out_tokens, out_lp, n_out, reason, version)
+
+    def _generate_static(self, c: _Chunk, sampling: SamplingOptions, generator: torch.Generator | None,
+                         version: int) -> list[SampleOutput]:
+        """Fixed-shape decode (static_decode.py): every row steps until the whole batch is done; finished
+        rows keep computing but their tokens are not counted. No host sync except every _SYNC_EVERY tokens."""
+        dev, n, steps = c.input_ids.device, c.n, c.steps
+        if self._runners is None:
+            self._runners = RunnerCache(self.model, graphs=self.decode_mode == "graph")
+        runner = self._runners.get(n, c.width + steps)
+        ids, mask, positions = c.input_ids, c.mask, c.positions
+        if runner.batch > n:                          # batch padding: repeat row 0, results dropped
+            pad = runner.batch - n
+            ids, mask, positions = (torch.cat([t, t[:1].expand(pad, -1)]) for t in (ids, mask, positions))
+        logits = runner.prefill(ids, positions, mask)[:n]
+        next_pos = c.positions[:, -1] + 1
+        out_tokens = torch.zeros((n, steps), dtype=torch.long, device=dev)
+        out_lp = torch.zeros((n, steps), dtype=torch.float32, device=dev)
+        n_out = torch.zeros(n, dtype=torch.long, device=dev)
+        reason = torch.zeros(n, dtype=torch.long, device=dev)
+        done = torch.zeros(n, dtype=torch.bool, device=dev)
+        for step in range(steps):
+            tokens, lps = sample_race(logits, sampling, generator)
+            out_tokens[:, step], out_lp[:, step] = tokens, lps
+            n_out += (~done).long()
+            hit_stop = ~done & torch.isin(tokens, c.stop_ids)
+            hit_len = ~done & ~hit_stop & (n_out >= c.budget)
+            reason = torch.where(hit_stop, 1, torch.where(hit_len, 2, reason))
+            done = done | hit_stop | hit_len
+            if step == steps - 1 or (step % _SYNC_EVERY == _SYNC_EVERY - 1 and bool(done.all())):
+                break
+            if self._gate.boundary():
+                reason = torch.where(done, reason, 3)
+                break
+            logits = runner.step(tokens, next_pos, c.width + step)[:n]
             next_pos = next_pos + 1
         return _collect(out_tokens, out_lp, n_out, reason, version)
 
@@ -311,12 +404,44 @@ class NativeEngine(Engine):
     def receive_weights(self, plan: Any, *, rank_offset: int, receiver: Any) -> Any:
         with self._gate.exclusive():
             self._check_weights_resident()
+            if plan.transport == "cuda_ipc" and self.device.type == "cuda":
+                from services.common.weights.layout import layout_from_plan
+
+                self.flatten_parameters(layout_from_plan(plan))
             params = {n: p.data for n, p in self.named_parameters().items()}
             stats = receiver.receive(plan, rank_offset, params)
             names = {m.name for b in plan.buckets for m in b.tensors}
             self._params_without_values -= names
             self._version = int(plan.version)
         return stats
+
+    def flatten_parameters(self, layout: Layout) -> int:
+        """Re-point every parameter the layout names (same dtype and shape) to a view of one flat buffer laid
+        out like the trainer's buckets (cuda_ipc.flat_views), so a cuda_ipc receive copies each bucket with
+        one copy. Values are kept. Idempotent for the same layout; returns how many parameters moved.
+        Call it where no forward pass runs (receive_weights does, under the gate)."""
+        from services.common.weights.cuda_ipc import flat_views
+
+        if self._flat is not None and self._flat[0] == layout.key:
+            return 0
+        params = self.named_parameters()
+        by_name = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
+        wanted = [s for s in layout.order if s.name in params and params[s.name].dtype == s.dtype
+                  and tuple(params[s.name].shape) == s.shape]
+        flat, views = flat_views(layout, self.device, names={s.name for s in wanted})
+        moved, seen = 0, set()
+        with torch.no_grad():
+            for slot in wanted:
+                param = by_name[slot.name]
+                if id(param) in seen:            # a tied weight named twice: it lives in its first slot
+                    continue
+                seen.add(id(param))
+                views[slot.name].copy_(param.data)
+                param.data = views[slot.name]
+                moved += 1
+        self._flat = (layout.key, flat)
+        self._drop_runners()
+        return moved
 
     def _check_weights_resident(self) -> None:
         if "weights" in self._released:
@@ -341,8 +466,9 @@ class NativeEngine(Engine):
         with self._gate.exclusive():
             if "weights" in tags and "weights" not in self._released:
                 self._release_weights()
-            # The KV cache lives only inside a generate call and there are no CUDA graphs, so for those
-            # tags releasing means handing the allocator's cached blocks back to the device.
+            # Static caches and CUDA graphs live in the runners (dropped here: any release frees them); the
+            # dynamic KV cache lives only inside a generate call. Then the allocator's cached blocks go back.
+            self._drop_runners()
             self._released.update(tags)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -354,6 +480,7 @@ class NativeEngine(Engine):
         for name, p in self.model.named_parameters():
             self._offloaded[name] = (p.device, p.shape)
             p.data = p.data.to("cpu") if self.device.type == "cuda" else torch.empty(0, dtype=p.dtype)
+        self._flat = None      # the flat buffer goes with them; the next cuda_ipc receive flattens again
 
     def resume_memory(self, tags: Sequence[str] = ()) -> None:
         tags = normalize_memory_tags(tags)
@@ -367,6 +494,7 @@ class NativeEngine(Engine):
                         p.data = torch.empty(shape, dtype=p.dtype, device=device)
                         self._params_without_values.add(name)
                 self._offloaded.clear()
+                self._drop_runners()
             self._released.difference_update(tags)
 
     def get_state(self) -> EngineState:
@@ -378,6 +506,8 @@ class NativeEngine(Engine):
                            generated_samples=self._generated, max_context_length=self._max_context)
 
     def close(self) -> None:
+        self._drop_runners()
+        self._flat = None
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
