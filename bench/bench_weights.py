@@ -2,6 +2,14 @@
 ProcessGroupGloo broadcast of one buffer of the same bytes.
 
     python bench/bench_weights.py [--mb 100] [--repeats 3] [--bucket-mb 4 16 64] [--threads 1] [--rows gloo disk cuda]
+    python bench/bench_weights.py --handoff [--repeats 10] [--bucket-mb 64]     # GPU: same-GPU cuda_ipc hand-off
+
+--handoff: the weights of a Qwen2-0.5B-shaped bf16 model (494M parameters, random values on the GPU) handed to
+a receiver process on the same GPU through the real cuda_ipc transport, next to one torch device-to-device copy
+of the same bytes (CUDA events). Rows vary the receiver (params as separate tensors, or views of one buffer laid
+out like the buckets; mapping kept between syncs or not) and the sender (separate tensors, or views of one flat
+buffer in spec order, as DeepSpeed's flat bf16 groups). The first sync of each row checks every tensor's
+checksum on both sides (bit-identical); the timed ones do not.
 
 The receiver is a separate process (services.common.weights.peer), already waiting when the publish starts.
 "wall s" runs from publish() until the receiver has reported back (for disk: write, then read), GB/s is
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import statistics
 import sys
 import tempfile
@@ -88,6 +97,115 @@ def bench_raw_gloo(*, nbytes: int, repeats: int, peer: Peer) -> dict[str, float]
             "wall_s": statistics.median(times), "buckets": 1}
 
 
+def qwen2_05b_specs() -> list[TensorSpec]:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from bench.bench_native_engine import QWEN2_05B
+    from services.common.weights.layout import specs_from_tensors
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN2_05B), dtype=torch.bfloat16)
+    return specs_from_tensors(model.named_parameters())
+
+
+def gpu_tensors(specs: list[TensorSpec], *, flat: bool) -> dict[str, torch.Tensor]:
+    """Random bf16 tensors on the GPU: separate allocations, or views of one buffer in spec order."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sizes = [math.prod(s.shape) for s in specs]
+    assert all(s.dtype == "bfloat16" for s in specs)
+    if not flat:
+        return {s.name: torch.randn(s.shape, generator=gen, device="cuda").to(torch.bfloat16) for s in specs}
+    buffer = torch.randn(sum(sizes), generator=gen, device="cuda").to(torch.bfloat16)
+    views, at = {}, 0
+    for spec, n in zip(specs, sizes):
+        views[spec.name] = buffer[at: at + n].view(spec.shape)
+        at += n
+    return views
+
+
+def d2d_copy_s(nbytes: int, repeats: int) -> float:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(repeats + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end) / 1e3)
+    assert torch.equal(dst[-4096:], src[-4096:])
+    return statistics.median(times)
+
+
+def handoff_row(*, publisher: WeightPublisher, peer: Peer, specs: list[TensorSpec], tensors: dict[str, torch.Tensor],
+                flat_receiver: bool, repeats: int) -> dict[str, float]:
+    recv_s, wall_s, copies, identical = [], [], 0, False
+    for version in range(repeats + 1):
+        verify = version == 0
+        plan = publisher.prepare(specs, version, 1, verify)
+        peer.send(op="receive", plan=plan_to_text(plan), rank=1, specs=specs_to_json(specs), device="cuda",
+                  flat=flat_receiver)
+        time.sleep(0.05)                               # the receiver is waiting for "go" when publish starts
+        started = time.perf_counter()
+        sent = publisher.publish(plan, ((s.name, tensors[s.name]) for s in specs))
+        got = peer.reply(timeout_s=300)
+        wall = time.perf_counter() - started
+        assert got["ok"], got
+        if verify:
+            identical = got["stats"]["checksums"] == sent.checksums and len(sent.checksums) == len(specs)
+            continue
+        recv_s.append(got["stats"]["seconds"])
+        wall_s.append(wall)
+        copies = got.get("copies", 0)
+    return {"recv_s": statistics.median(recv_s), "wall_s": statistics.median(wall_s), "copies": copies,
+            "send_copies": publisher._transport.last_copies, "buckets": len(plan.buckets), "identical": identical}
+
+
+def handoff_main(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("--handoff needs a CUDA device")
+        return 2
+    specs = qwen2_05b_specs()
+    nbytes = sum(s.nbytes for s in specs)
+    d2d = d2d_copy_s(nbytes, repeats=max(args.repeats, 10))
+    config = WeightsConfig(transport="cuda_ipc", bucket_mb=args.bucket_mb[-1], timeout_s=120)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
+        publisher = WeightPublisher(config=config, run_dir=Path(tmp), trainer_id="bench")
+        peers = {False: Peer(), True: Peer(env={"TANDEM_CUDA_IPC_KEEP_MAPPED": "1"})}
+        try:
+            separate = gpu_tensors(specs, flat=False)
+            for name, flat_recv, kept, tensors in (
+                    ("separate -> separate params", False, False, separate),
+                    ("separate -> flat params", True, False, separate),
+                    ("separate -> flat params, kept map", True, True, separate)):
+                rows.append((name, handoff_row(publisher=publisher, peer=peers[kept], specs=specs, tensors=tensors,
+                                               flat_receiver=flat_recv, repeats=args.repeats)))
+            del separate
+            flat = gpu_tensors(specs, flat=True)
+            rows.append(("flat -> flat params, kept map", handoff_row(
+                publisher=publisher, peer=peers[True], specs=specs, tensors=flat, flat_receiver=True,
+                repeats=args.repeats)))
+        finally:
+            for peer in peers.values():
+                peer.close()
+            publisher.close()
+    print(f"\nsame-GPU weight hand-off, cuda_ipc, Qwen2-0.5B-shaped bf16: {len(specs)} tensors, "
+          f"{nbytes / 2**20:.1f} MiB, bucket {args.bucket_mb[-1]:g} MB, {torch.cuda.get_device_name()}, "
+          f"median of {args.repeats}")
+    print(f"torch D2D copy of the same bytes (one copy_): {d2d * 1e3:.3f} ms = {nbytes / d2d / 1e9:.0f} GB/s\n")
+    print(f"| {'sender -> receiver':36} | buckets | send copies | recv copies | bit-identical | recv ms | "
+          f"recv / D2D | publish wall ms |")
+    print(f"|{'-' * 38}|---------|-------------|-------------|---------------|---------|------------|-----------------|")
+    for name, r in rows:
+        print(f"| {name:36} | {r['buckets']:7} | {r['send_copies']:11} | {r['copies']:11} | "
+              f"{'yes' if r['identical'] else 'NO':13} | {r['recv_s'] * 1e3:7.3f} | {r['recv_s'] / d2d:10.2f} | "
+              f"{r['wall_s'] * 1e3:15.3f} |")
+    return 0 if all(r["identical"] for _, r in rows) else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=float, default=100.0)
@@ -96,8 +214,11 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
     parser.add_argument("--rows", nargs="+", default=["gloo", "disk", "cuda"], choices=["gloo", "disk", "cuda"],
                         help="which transports to run next to the raw broadcast (cuda: when CUDA is available)")
+    parser.add_argument("--handoff", action="store_true", help="GPU: same-GPU cuda_ipc hand-off of a 0.5B model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.handoff:
+        return handoff_main(args)
     specs = model_specs(args.mb)
     peer = Peer(env={"TANDEM_PEER_THREADS": str(args.threads)})
     rows = []

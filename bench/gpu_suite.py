@@ -1,0 +1,99 @@
+"""Every GPU check in one call: the GPU tests, the same-GPU weight hand-off bench and the native engine bench.
+
+    python bench/gpu_suite.py [--out DIR] [--only tests handoff engine] [--quick]
+
+Each stage runs as its own process with its own time limit, so one hang cannot take the others down; its
+full output goes to DIR/<stage>.log and a markdown summary (command, exit code, seconds, the stage's tables
+or pytest's summary) to DIR/gpu_suite.md, which is also printed last. DIR defaults to $OUT when set (the
+device tool's output folder), else bench/gpu_suite_out. Exit code 0 only when every stage passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+GPU_TESTS = ["tests/test_rollout_gpu.py", "tests/test_weights_cuda.py"]
+
+
+def stages(quick: bool) -> dict[str, tuple[list[str], int]]:
+    """name -> (command, time limit in seconds)."""
+    tests = sorted({*GPU_TESTS, *(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_*_gpu*.py"))})
+    engine = [PY, "bench/bench_native_engine.py", "--preset", "qwen2-0.5b", "--device", "cuda", "--dtype",
+              "bfloat16", "--batch", "256", "--prompt-len", "64", "--new-tokens", "128",
+              "--repeats", "1" if quick else "2", "--warmup", "0" if quick else "1"]
+    return {
+        "tests": ([PY, "-m", "pytest", "--noconftest", "-q", "-p", "no:cacheprovider", "-o", "timeout=100", *tests],
+                  110),
+        "handoff": ([PY, "bench/bench_weights.py", "--handoff", "--repeats", "10", "--bucket-mb", "64"], 75),
+        "engine": (engine, 120),
+    }
+
+
+def run_stage(name: str, cmd: list[str], limit_s: int, out: Path) -> dict:
+    started = time.monotonic()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(out / f"{name}.log", "w") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=limit_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    text = (out / f"{name}.log").read_text(errors="replace")
+    print(f"[{name}] rc={rc} in {time.monotonic() - started:.0f}s", flush=True)
+    return {"name": name, "cmd": cmd, "rc": rc, "seconds": time.monotonic() - started, "text": text}
+
+
+def summary_lines(stage: dict) -> list[str]:
+    """pytest: its result lines; benches: the table and the lines describing it."""
+    lines = stage["text"].splitlines()
+    if stage["name"] == "tests":
+        keep = [ln for ln in lines if ln.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL"))
+                or any(w in ln for w in (" passed", " failed", " skipped", " error")) or ln.startswith("E ")]
+        return ["```", *keep[-40:], "```"]
+    first = next((i for i, ln in enumerate(lines) if ln.startswith("|")), None)
+    if first is None:
+        return ["```", *lines[-30:], "```"]
+    head = [ln for ln in lines[max(0, first - 4):first] if ln.strip()]
+    table = [ln for ln in lines[first:] if ln.startswith("|")]
+    return [*head, "", *table]
+
+
+def write_summary(results: list[dict], out: Path) -> str:
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+    md = [f"# GPU suite — {datetime.date.today().isoformat()}", "",
+          f"Device: {device}; torch {torch.__version__}; Python {sys.version.split()[0]}", ""]
+    for stage in results:
+        status = "ok" if stage["rc"] == 0 else ("timed out" if stage["rc"] == 124 else f"exit {stage['rc']}")
+        md += [f"## {stage['name']} — {status}, {stage['seconds']:.0f} s", "",
+               "`" + " ".join(Path(c).name if c == PY else c for c in stage["cmd"]) + "`", "",
+               *summary_lines(stage), ""]
+    text = "\n".join(md)
+    (out / "gpu_suite.md").write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "bench" / "gpu_suite_out"))
+    parser.add_argument("--only", nargs="+", choices=["tests", "handoff", "engine"], default=None)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats in the engine bench")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = [run_stage(name, cmd, limit, args.out) for name, (cmd, limit) in stages(args.quick).items()
+               if args.only is None or name in args.only]
+    print(write_summary(results, args.out))
+    return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
