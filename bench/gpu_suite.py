@@ -32,9 +32,9 @@ def stages(quick: bool) -> dict[str, tuple[list[str], int]]:
               "--repeats", "1" if quick else "2", "--warmup", "0" if quick else "1"]
     return {
         "tests": ([PY, "-m", "pytest", "--noconftest", "-q", "-p", "no:cacheprovider", "-o", "timeout=100", *tests],
-                  110),
-        "handoff": ([PY, "bench/bench_weights.py", "--handoff", "--repeats", "10", "--bucket-mb", "64"], 75),
-        "engine": (engine, 120),
+                  100),
+        "handoff": ([PY, "bench/bench_weights.py", "--handoff", "--repeats", "10", "--bucket-mb", "64"], 70),
+        "engine": (engine, 115),
     }
 
 
