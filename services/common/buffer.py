@@ -100,6 +100,42 @@ end
 return done
 """
 
+# A group gives up entries it will never train (the actor during PPO's critic-only steps): acknowledged if
+# pending there, else counted once (the set KEYS[3] makes a repeated call harmless); deleted when complete.
+_SKIP_SCRIPT = """
+local stream, acks, skipped = KEYS[1], KEYS[2], KEYS[3]
+local group, ngroups = ARGV[1], tonumber(ARGV[2])
+local done = 0
+for i = 3, #ARGV do
+  local id = ARGV[i]
+  local counted = redis.call('XACK', stream, group, id) == 1
+  if not counted and #redis.call('XRANGE', stream, id, id) == 1 then
+    counted = redis.call('SADD', skipped, id) == 1
+  end
+  if counted then
+    done = done + 1
+    if redis.call('HINCRBY', acks, id, 1) >= ngroups then
+      local entry = redis.call('XRANGE', stream, id, id)
+      if #entry == 1 then
+        local fields = entry[1][2]
+        local nchunks, prefix = 0, nil
+        for j = 1, #fields, 2 do
+          if fields[j] == 'chunks' then nchunks = tonumber(fields[j + 1]) end
+          if fields[j] == 'chunk_prefix' then prefix = fields[j + 1] end
+        end
+        if prefix then
+          for c = 0, nchunks - 1 do redis.call('DEL', prefix .. ':' .. c) end
+        end
+      end
+      redis.call('XDEL', stream, id)
+      redis.call('HDEL', acks, id)
+      redis.call('SREM', skipped, id)
+    end
+  end
+end
+return done
+"""
+
 # XADD only while fewer than ARGV[1] entries wait, so concurrent producers cannot overshoot the bound.
 # KEYS[2] makes a retried call (redis-py retries on timeouts) return the id of the first XADD instead of
 # adding the batch twice; KEYS[3..] are the chunk keys, which must all exist and become persistent.
@@ -219,6 +255,7 @@ class RolloutBuffer:
         self._outstanding: set[str] = set()       # handed out by get/read, not yet acked
         self._own_cursor: str | None = "0"         # next own-pending id to re-read after a restart; None = done
         self._ack = client.register_script(_ACK_SCRIPT)
+        self._skip = client.register_script(_SKIP_SCRIPT)
         self._bounded_xadd = client.register_script(_BOUNDED_XADD_SCRIPT)
         self._dead_letter_script = client.register_script(_DEAD_LETTER_SCRIPT)
         self._delete_script = client.register_script(_DELETE_SCRIPT)
@@ -467,6 +504,17 @@ class RolloutBuffer:
             self._outstanding.discard(i)
         return int(self._ack(keys=[self.stream, self.acks_key], args=[group, len(self.groups), *ids]))
 
+    def skip(self, entry_ids: list[str], *, group: str) -> int:
+        """`group` will never train these entries: count them as acknowledged by it (once), so the bound on
+        waiting batches is not held up by a role that sits out a step. Returns how many were counted."""
+        if group not in self.groups:
+            raise BufferError(f"consumer group {group!r} is not one of the run's roles {self.groups}")
+        ids = [_s(i) for i in entry_ids]
+        if not ids:
+            return 0
+        return int(self._skip(keys=[self.stream, self.acks_key, f"{self.stream}:skipped:{group}"],
+                              args=[group, len(self.groups), *ids]))
+
     def discard_except(self, keep: list[str]) -> int:
         """Deletes every entry of the stream (with its chunks, from every group) except those in `keep`;
         returns how many were removed. For a resume: batches generated after the last checkpoint are dropped."""
@@ -489,6 +537,23 @@ class RolloutBuffer:
             self._held.pop(i, None)
             self._outstanding.discard(i)
         return removed
+
+    def delete(self, entry_ids: list[str]) -> int:
+        """Deletes these entries (with their chunks, from every group): batches nobody will train."""
+        ids = [_s(i) for i in entry_ids]
+        if not ids:
+            return 0
+        for i in ids:
+            self._held.pop(i, None)
+            self._outstanding.discard(i)
+        return int(self._delete_script(keys=[self.stream, self.acks_key], args=[len(self.groups), *self.groups, *ids]))
+
+    def missing(self, entry_ids: list[str]) -> list[str]:
+        """The ids that are not in the stream (never written, or acknowledged by every group and deleted)."""
+        pipe = self.client.pipeline(transaction=False)
+        for i in entry_ids:
+            pipe.xrange(self.stream, i, i)
+        return [_s(i) for i, rows in zip(entry_ids, pipe.execute()) if not rows]
 
     def _deliver(self, messages) -> list[BufferEntry]:  # type: ignore[no-untyped-def]
         out = []
