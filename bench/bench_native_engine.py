@@ -79,30 +79,34 @@ def time_hf(model, prompts: list[list[int]], new_tokens: int, pad_id: int, seed:
 
 
 def bench_model(model_dir: Path, args: argparse.Namespace) -> list[tuple]:
+    """HF generate once per batch size; the native engine once per decode mode, each next to it."""
     from transformers import AutoModelForCausalLM
 
     device = resolve_device(args.device)
-    engine = NativeEngine(model_dir, device=str(device), dtype=args.dtype, max_batch_size=max(args.batch),
-                          decode=args.decode)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    vocab = engine.vocab_size
+    engines = [NativeEngine(model_dir, device=str(device), dtype=args.dtype, max_batch_size=max(args.batch),
+                            decode=mode) for mode in args.decode]
+    vocab = engines[0].vocab_size
     low = 4 if vocab > 8 else 0          # skip special tokens of the local tokenizer
+    pad = engines[0].pad_token_id
     rows = []
     for batch in args.batch:
         gen = torch.Generator().manual_seed(batch)
         prompts = torch.randint(low, vocab, (batch, args.prompt_len), generator=gen).tolist()
-        first = time_native(engine, prompts, args.new_tokens, seed=0)     # includes cache allocation / capture
         for r in range(args.warmup):
-            time_native(engine, prompts, args.new_tokens, seed=r + 1)
-            time_hf(hf, prompts, args.new_tokens, engine.pad_token_id, seed=r)
-        native = statistics.median(time_native(engine, prompts, args.new_tokens, seed=10 + r)
-                                   for r in range(args.repeats))
-        plain = statistics.median(time_hf(hf, prompts, args.new_tokens, engine.pad_token_id, seed=10 + r)
+            time_hf(hf, prompts, args.new_tokens, pad, seed=r)
+        plain = statistics.median(time_hf(hf, prompts, args.new_tokens, pad, seed=10 + r)
                                   for r in range(args.repeats))
         tokens = batch * args.new_tokens
-        rows.append((model_dir.name, engine.decode_mode, batch, tokens, tokens / native, tokens / plain,
-                     plain / native, first))
+        for engine in engines:
+            first = time_native(engine, prompts, args.new_tokens, seed=0)     # cache allocation / capture / compile
+            for r in range(args.warmup):
+                time_native(engine, prompts, args.new_tokens, seed=r + 1)
+            native = statistics.median(time_native(engine, prompts, args.new_tokens, seed=10 + r)
+                                       for r in range(args.repeats))
+            rows.append((model_dir.name, engine.decode_mode, batch, tokens, tokens / native, tokens / plain,
+                         plain / native, first))
     return rows
 
 
@@ -118,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--decode", default="auto", choices=["auto", "dynamic", "static", "graph"],
-                        help="native engine decode path (auto: graph on CUDA, dynamic on CPU)")
+    parser.add_argument("--decode", nargs="+", default=["auto"],
+                        choices=["auto", "dynamic", "static", "graph", "compile"],
+                        help="native engine decode path(s), one row each (auto: graph on CUDA, dynamic on CPU)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []

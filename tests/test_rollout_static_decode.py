@@ -46,10 +46,12 @@ def test_static_decode_logits_match_full_forward(model_dir: Path):
             assert worst < 1e-4, (row, worst)
 
 
-def test_static_engine_log_probs_greedy_and_stops(model_dir: Path):
+@pytest.mark.parametrize("opts", [SamplingOptions(temperature=0.8, top_p=0.9, max_new_tokens=10, seed=3),
+                                  SamplingOptions(temperature=0.7, max_new_tokens=10, seed=4)],
+                         ids=["top_p", "plain"])       # plain: the race runs on the logits (no log-prob tensor)
+def test_static_engine_log_probs_greedy_and_stops(model_dir: Path, opts: SamplingOptions):
     static = NativeEngine(model_dir, device="cpu", decode="static")
     dynamic = NativeEngine(model_dir, device="cpu", decode="dynamic")
-    opts = SamplingOptions(temperature=0.8, top_p=0.9, max_new_tokens=10, seed=3)
     prompts = PROMPTS * 2
     outs = static.generate(prompts, opts)
     assert outs == static.generate(prompts, opts)                  # seeded: same samples, cache reused
@@ -66,8 +68,8 @@ def test_static_engine_log_probs_greedy_and_stops(model_dir: Path):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs)) < 1e-4
     stop = outs[0].token_ids[0]
-    stopped = static.generate(PROMPTS[:1], SamplingOptions(temperature=0.8, top_p=0.9, max_new_tokens=10, seed=3,
-                                                          stop_token_ids=(stop,)))
+    stopped = static.generate(PROMPTS[:1], SamplingOptions(temperature=opts.temperature, top_p=opts.top_p,
+                                                          max_new_tokens=10, seed=opts.seed, stop_token_ids=(stop,)))
     assert stopped[0].token_ids == (stop,) and stopped[0].finish_reason == "stop"
 
 

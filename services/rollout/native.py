@@ -4,9 +4,10 @@ Runs anywhere torch runs (CPU in CI, one GPU for real work). Prompts are left-pa
 Two decode paths (`decode=`):
 - "dynamic": the model's own forward with a Hugging Face DynamicCache; finished rows are dropped from the
   batch (and its KV cache) as they finish, so short answers do not pay for long ones. The CPU default.
-- "graph" (the CUDA default for Llama/Qwen2) / "static": a preallocated KV cache of a fixed (batch, length)
-  bucket and, for "graph", a CUDA-graph-captured decode step (static_decode.py); sampling stays on the
-  device and the loop checks for finished rows every `_SYNC_EVERY` tokens instead of every token.
+- "graph" (the CUDA default for Llama/Qwen2) / "compile" / "static": a preallocated KV cache of a fixed
+  (batch, length) bucket and, for "graph", a CUDA-graph-captured decode step (static_decode.py); "compile"
+  captures the torch.compile'd step instead (fewer, fused kernels; its first call per bucket compiles);
+  sampling stays on the device and the loop checks for finished rows every `_SYNC_EVERY` tokens.
 Calls are served one at a time; the `_Gate` below implements pause/resume and keeps weight loads from
 overlapping a forward pass. For cuda_ipc weight syncs the parameters are re-pointed once into flat buffers
 laid out like the trainer's buckets (`flatten_parameters`), so each later sync is one copy per bucket.
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 _REASONS = (None, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)   # codes 0..3 in the loop's reason tensor
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DECODE_MODES = ("auto", "dynamic", "static", "graph")
+DECODE_MODES = ("auto", "dynamic", "static", "graph", "compile")
 _SYNC_EVERY = 8        # static path: tokens between host checks for "every row finished"
 
 
@@ -196,10 +197,10 @@ class NativeEngine(Engine):
             if self.device.type == "cuda" and why is None:
                 return "graph"
             return "dynamic"
-        if decode in ("static", "graph") and why is not None:
+        if decode in ("static", "graph", "compile") and why is not None:
             raise ValueError(f"decode={decode!r}: the static decode path does not support {why}")
-        if decode == "graph" and self.device.type != "cuda":
-            raise ValueError("decode='graph' needs a CUDA device (use 'static' for the same path without graphs)")
+        if decode in ("graph", "compile") and self.device.type != "cuda":
+            raise ValueError(f"decode={decode!r} needs a CUDA device (use 'static' for the same path without graphs)")
         return decode
 
     def _drop_runners(self) -> None:
@@ -322,7 +323,8 @@ class NativeEngine(Engine):
         rows keep computing but their tokens are not counted. No host sync except every _SYNC_EVERY tokens."""
         dev, n, steps = c.input_ids.device, c.n, c.steps
         if self._runners is None:
-            self._runners = RunnerCache(self.model, graphs=self.decode_mode == "graph")
+            self._runners = RunnerCache(self.model, graphs=self.decode_mode in ("graph", "compile"),
+                                        compile=self.decode_mode == "compile")
         runner = self._runners.get(n, c.width + steps)
         ids, mask, positions = c.input_ids, c.mask, c.positions
         if runner.batch > n:                          # batch padding: repeat row 0, results dropped

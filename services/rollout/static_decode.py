@@ -11,7 +11,8 @@ fixed-shape buffers:
 - `StaticDecoder.prefill` runs the prompt eagerly (SDPA over the prompt's slots) and fills the cache;
   `decode` is one token for every row with attention over the whole cache, masked by the slot mask.
   Attention in decode groups the query heads per KV head, so the cache is read once (no repeat_kv).
-- `Runner` owns one cache and, on CUDA, a captured graph of `decode`; a step copies the new tokens and
+- `Runner` owns one cache and, on CUDA, a captured graph of `decode` (in "compile" mode of the
+  torch.compile'd `decode`, whose fused kernels cut the launches a token roughly threefold); a step copies the new tokens and
   positions into the graph's inputs and replays it. On CPU (or with graphs off) it calls `decode` eagerly,
   which is what the CPU tests check against the model's own forward.
 
@@ -58,7 +59,17 @@ def supported(model: Any) -> str | None:
 def sample_race(logits: torch.Tensor, sampling: SamplingOptions,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Like sampling.sample_next, without a host sync: torch.multinomial(p, 1) is the race argmax(p / E),
-    E ~ Exp(1), but first checks p on the host; this draws the same race directly."""
+    E ~ Exp(1), but first checks p on the host; this draws the same race directly. Without top-k / top-p the
+    race runs on the logits (argmax(x - log E)) and the chosen token's log-prob is x[t] - logsumexp(x): the
+    same distribution and log-probs as sampling_log_probs, without writing the [batch, vocab] log-probs."""
+    if not sampling.greedy and not (0 < sampling.top_k < logits.shape[-1]) and sampling.top_p >= 1.0:
+        x = logits.float()
+        if sampling.temperature != 1.0:
+            x = x / sampling.temperature
+        lse = torch.logsumexp(x, dim=-1)
+        noise = torch.empty_like(x).exponential_(generator=generator)
+        tokens = torch.argmax(x - noise.log_(), dim=-1)
+        return tokens, x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
     log_probs = sampling_log_probs(logits, sampling)
     if sampling.greedy:
         tokens = torch.argmax(log_probs, dim=-1)
@@ -171,8 +182,9 @@ class Runner:
     """One cache of a fixed (batch, length) and its decode step: a CUDA graph replay, or eager."""
 
     def __init__(self, decoder: StaticDecoder, *, batch: int, length: int, graph: bool,
-                 pool: Any = None):
+                 pool: Any = None, decode_fn: Any = None):
         self.decoder = decoder
+        self.decode_fn = decode_fn or decoder.decode      # torch.compile'd decode in "compile" mode
         self.kv = decoder.new_cache(batch, length)
         device = self.kv.valid.device
         self.batch, self.length = batch, length
@@ -191,12 +203,12 @@ class Runner:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(2):                       # warm-up: cuBLAS handles and workspaces outside the capture
-                self.decoder.decode(self.kv, self.tokens, self.positions, self.slot)
+            for _ in range(2):                       # warm-up (and compile) outside the capture
+                self.decode_fn(self.kv, self.tokens, self.positions, self.slot)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.logits = self.decoder.decode(self.kv, self.tokens, self.positions, self.slot)
+            self.logits = self.decode_fn(self.kv, self.tokens, self.positions, self.slot)
         self.graph = graph
         self.kv.valid.zero_()
 
@@ -219,12 +231,14 @@ class Runner:
 class RunnerCache:
     """The engine's runners by (batch, length) bucket, least recently used dropped beyond `keep`."""
 
-    def __init__(self, model: Any, *, graphs: bool, keep: int = 2):
+    def __init__(self, model: Any, *, graphs: bool, compile: bool = False, keep: int = 2):
         self.decoder = StaticDecoder(model)
         self.graphs = graphs
         self.keep = keep
         self._runners: dict[tuple[int, int], Runner] = {}
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
+        # inductor fuses the norms, rotary and softmax into a few kernels a layer; the graph then replays those
+        self._compiled = torch.compile(self.decoder.decode, dynamic=False) if compile and graphs else None
 
     @staticmethod
     def bucket(batch: int, length: int) -> tuple[int, int]:
@@ -244,6 +258,14 @@ class RunnerCache:
         return runner
 
     def _new_runner(self, batch: int, length: int) -> Runner:
+        if self._compiled is not None:
+            try:
+                return Runner(self.decoder, batch=batch, length=length, graph=True, pool=self._pool,
+                              decode_fn=self._compiled)
+            except Exception:  # noqa: BLE001 - a compile failure must not fail generation
+                log.exception("torch.compile of the decode step failed (batch %d, length %d); "
+                              "continuing with the eager step in a CUDA graph", batch, length)
+                self._compiled = None
         if self.graphs:
             try:
                 return Runner(self.decoder, batch=batch, length=length, graph=True, pool=self._pool)
@@ -252,6 +274,10 @@ class RunnerCache:
                               "continuing without graphs", batch, length)
                 self.graphs = False
         return Runner(self.decoder, batch=batch, length=length, graph=False)
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
 
     def clear(self) -> None:
         self._runners.clear()
