@@ -10,6 +10,7 @@ See docs/CONTRACTS.md ("Weight sync") and each transport module for its handshak
 from services.common.weights import cuda_ipc as _cuda_ipc  # noqa: F401 - registers "cuda_ipc"
 from services.common.weights import disk as _disk  # noqa: F401 - registers "disk"
 from services.common.weights import pg as _pg  # noqa: F401 - registers "gloo" and "nccl"
+from services.common.weights import sglang as _sglang  # noqa: F401 - "gloo"/"nccl" senders that also speak SGLang
 from services.common.weights.api import WeightPublisher, WeightReceiver
 from services.common.weights.base import (Deadline, Received, ReceiverTransport, SenderTransport, SyncStats,
                                           WeightSyncError, WeightSyncPeerLost, WeightSyncRefused, WeightSyncTimeout,
