@@ -58,6 +58,11 @@ class SGLangConfig(Section):
     launch_args: tuple[str, ...] = ()
     pause_mode: Literal["abort", "retract", "in_place"] = "retract"
     request_timeout_s: float = Field(default=600.0, gt=0)
+    weight_load_format: Literal["tensor", "flattened_bucket"] = Field(
+        default="tensor", description="how /update_weights_from_distributed receives a bucket: one broadcast per "
+        "tensor, or one per bucket (load_format flattened_bucket)")
+    startup_timeout_s: float = Field(default=900.0, gt=0, description="wait for /health_generate (launch or urls)")
+    api_key: str | None = Field(default=None, description="SGLang's --api-key (sent as a bearer token)")
 
 
 class RolloutConfig(Section):

@@ -119,7 +119,11 @@ def build_engine(config: TandemConfig) -> Engine:
         return NativeEngine(config.model.path, device=ro.device, dtype=config.model.dtype,
                             attn_implementation=config.model.attn_implementation, max_batch_size=ro.max_batch_size,
                             max_context_length=ro.max_context_length)
-    raise NotImplementedError(f"rollout.engine: {ro.engine} is not available yet; use rollout.engine: native")
+    if ro.engine == "sglang":
+        from services.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine.from_config(config)
+    raise NotImplementedError(f"rollout.engine: {ro.engine} is not available; use rollout.engine: native or sglang")
 
 
 def mix_seed(seed: int | None, rollout_id: int) -> int | None:
