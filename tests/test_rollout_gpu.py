@@ -26,10 +26,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("m") / "small", preset="small", seed=0)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_log_probs_match_teacher_forced_forward_on_gpu(model_dir: Path, dtype: str):
-    engine = NativeEngine(model_dir, device="cuda", dtype=dtype)
-    opts = SamplingOptions(temperature=0.8, top_p=0.9, max_new_tokens=24, seed=3)
+def _worst_log_prob_gap(engine: NativeEngine, opts: SamplingOptions) -> float:
     prompts = [p for p in PROMPTS for _ in range(8)]
     outs = engine.generate(prompts, opts)
     worst = 0.0
@@ -39,8 +36,22 @@ def test_log_probs_match_teacher_forced_forward_on_gpu(model_dir: Path, dtype: s
             logits = engine.model(ids).logits[0, len(prompt) - 1:-1]
             ref = sampling_log_probs(logits, opts).gather(-1, torch.tensor(o.token_ids, device="cuda")[:, None])
             worst = max(worst, float((ref.squeeze(-1).cpu() - torch.tensor(o.log_probs)).abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_log_probs_match_teacher_forced_forward_on_gpu(model_dir: Path, dtype: str):
+    engine = NativeEngine(model_dir, device="cuda", dtype=dtype)
+    worst = _worst_log_prob_gap(engine, SamplingOptions(temperature=0.8, top_p=0.9, max_new_tokens=24, seed=3))
     print(f"{dtype}: max |rollout - teacher-forced| = {worst:.2e}")
     assert worst < ATOL[dtype]
+
+
+def test_compiled_decode_and_sampler_log_probs_match_teacher_forced(model_dir: Path):
+    engine = NativeEngine(model_dir, device="cuda", dtype="bfloat16", decode="compile")
+    worst = _worst_log_prob_gap(engine, SamplingOptions(temperature=1.0, max_new_tokens=16, seed=3))
+    assert engine._runners is not None and engine._runners.compiled and engine._runners._sampler is not None
+    assert worst < ATOL["bfloat16"]
 
 
 def test_greedy_matches_hf_generate_on_gpu(model_dir: Path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.common.weights.cuda_ipc import ALIGN, _Runs, _typed, bucket_starts, flat_views
+from services.common.weights.cuda_ipc import ALIGN, _recipe, _Runs, _typed, bucket_starts, flat_views
 from services.common.weights.layout import TensorSpec, plan_layout
 from services.common.weights.peer import bits_equal, make_tensors
 
@@ -68,3 +68,15 @@ def test_flat_source_in_spec_order_fills_each_bucket_with_one_copy():
     assert runs.copies == len(layout.buckets) == 3
     for slot, (_, tensor) in zip(layout.order, named):
         assert bits_equal(_typed(buffer[starts[slot.bucket]:], slot), tensor)
+
+
+def test_receiver_recipe_merges_flat_params_only():
+    layout = plan_layout(SPECS, bucket_bytes=4096)
+    _, flat = flat_views(layout, "cpu")
+    recipe = _recipe(layout, flat)
+    assert len(recipe) == len(layout.buckets) and all(merged or len(layout.buckets[i].tensors) == 1
+                                                      for i, _, _, merged in recipe)
+    assert [n for _, _, n, _ in recipe] == [b.nbytes for b in layout.buckets]
+    separate = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in SPECS}
+    assert [(slot.name, merged) for _, slot, _, merged in _recipe(layout, separate)] == \
+        [(slot.name, False) for b in layout.buckets for slot in b.tensors]

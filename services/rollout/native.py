@@ -30,7 +30,7 @@ from services.rollout.engine import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, E
                                      SampleOutput, SamplingOptions, WeightLoadStats, check_pause_mode,
                                      normalize_memory_tags)
 from services.rollout.sampling import make_generator, sample_next
-from services.rollout.static_decode import RunnerCache, sample_race, supported
+from services.rollout.static_decode import RunnerCache, supported
 
 if TYPE_CHECKING:
     from services.common.weights.layout import Layout
@@ -325,12 +325,13 @@ class NativeEngine(Engine):
         if self._runners is None:
             self._runners = RunnerCache(self.model, graphs=self.decode_mode in ("graph", "compile"),
                                         compile=self.decode_mode == "compile")
-        runner = self._runners.get(n, c.width + steps)
+        runners = self._runners        # a local: a weight update while parked may drop self._runners
+        runner = runners.get(n, c.width + steps)
         ids, mask, positions = c.input_ids, c.mask, c.positions
         if runner.batch > n:                          # batch padding: repeat row 0, results dropped
             pad = runner.batch - n
             ids, mask, positions = (torch.cat([t, t[:1].expand(pad, -1)]) for t in (ids, mask, positions))
-        logits = runner.prefill(ids, positions, mask)[:n]
+        logits = runner.prefill(ids, positions, mask)          # [runner.batch, vocab]: padded rows sampled too
         next_pos = c.positions[:, -1] + 1
         out_tokens = torch.zeros((n, steps), dtype=torch.long, device=dev)
         out_lp = torch.zeros((n, steps), dtype=torch.float32, device=dev)
@@ -338,7 +339,8 @@ class NativeEngine(Engine):
         reason = torch.zeros(n, dtype=torch.long, device=dev)
         done = torch.zeros(n, dtype=torch.bool, device=dev)
         for step in range(steps):
-            tokens, lps = sample_race(logits, sampling, generator)
+            tokens, lps = runners.sample(logits, sampling, generator)
+            tokens, lps = tokens[:n], lps[:n]
             out_tokens[:, step], out_lp[:, step] = tokens, lps
             n_out += (~done).long()
             hit_stop = ~done & torch.isin(tokens, c.stop_ids)
@@ -350,7 +352,7 @@ class NativeEngine(Engine):
             if self._gate.boundary():
                 reason = torch.where(done, reason, 3)
                 break
-            logits = runner.step(tokens, next_pos, c.width + step)[:n]
+            logits = runner.step(tokens, next_pos, c.width + step)
             next_pos = next_pos + 1
         return _collect(out_tokens, out_lp, n_out, reason, version)
 

@@ -62,14 +62,8 @@ def sample_race(logits: torch.Tensor, sampling: SamplingOptions,
     E ~ Exp(1), but first checks p on the host; this draws the same race directly. Without top-k / top-p the
     race runs on the logits (argmax(x - log E)) and the chosen token's log-prob is x[t] - logsumexp(x): the
     same distribution and log-probs as sampling_log_probs, without writing the [batch, vocab] log-probs."""
-    if not sampling.greedy and not (0 < sampling.top_k < logits.shape[-1]) and sampling.top_p >= 1.0:
-        x = logits.float()
-        if sampling.temperature != 1.0:
-            x = x / sampling.temperature
-        lse = torch.logsumexp(x, dim=-1)
-        noise = torch.empty_like(x).exponential_(generator=generator)
-        tokens = torch.argmax(x - noise.log_(), dim=-1)
-        return tokens, x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+    if plain_sampling(sampling, logits.shape[-1]):
+        return race_from_noise(logits, exp_noise(logits, generator), float(sampling.temperature))
     log_probs = sampling_log_probs(logits, sampling)
     if sampling.greedy:
         tokens = torch.argmax(log_probs, dim=-1)
@@ -77,6 +71,26 @@ def sample_race(logits: torch.Tensor, sampling: SamplingOptions,
         noise = torch.empty_like(log_probs).exponential_(generator=generator)
         tokens = torch.argmax(log_probs.exp() / noise, dim=-1)
     return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def plain_sampling(sampling: SamplingOptions, vocab: int) -> bool:
+    """Temperature sampling without top-k / top-p truncation."""
+    return not sampling.greedy and not (0 < sampling.top_k < vocab) and sampling.top_p >= 1.0
+
+
+def exp_noise(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    return torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(generator=generator)
+
+
+def race_from_noise(logits: torch.Tensor, noise: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmax(x - log E) with x = logits / temperature, and x[t] - logsumexp(x): pure tensor math, so
+    torch.compile fuses it into a couple of passes over the logits."""
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    lse = torch.logsumexp(x, dim=-1)
+    tokens = torch.argmax(x - torch.log(noise), dim=-1)
+    return tokens, x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -239,6 +253,20 @@ class RunnerCache:
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
         # inductor fuses the norms, rotary and softmax into a few kernels a layer; the graph then replays those
         self._compiled = torch.compile(self.decoder.decode, dynamic=False) if compile and graphs else None
+        self._sampler = torch.compile(race_from_noise, dynamic=False) if compile and graphs else None
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingOptions,
+               generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """sample_race; in "compile" mode plain temperature sampling runs fused (same noise, same math)."""
+        if self._sampler is None or not plain_sampling(sampling, logits.shape[-1]):
+            return sample_race(logits, sampling, generator)
+        noise = exp_noise(logits, generator)
+        try:
+            return self._sampler(logits, noise, float(sampling.temperature))
+        except Exception:  # noqa: BLE001 - a compile failure must not fail generation
+            log.exception("torch.compile of the sampler failed; sampling eagerly")
+            self._sampler = None
+            return race_from_noise(logits, noise, float(sampling.temperature))
 
     @staticmethod
     def bucket(batch: int, length: int) -> tuple[int, int]:

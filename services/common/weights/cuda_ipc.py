@@ -94,44 +94,97 @@ def flat_views(layout: Layout, device: torch.device | str,
     return flat, views
 
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The tensor's bytes as a flat uint8 view, or None when it is not one contiguous range."""
-    if not tensor.is_contiguous() or tensor.numel() == 0:
-        return None
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view."""
     return tensor.detach().reshape(-1).view(torch.uint8)
 
 
+class _Run:
+    __slots__ = ("dst", "src", "nbytes", "count", "d_next", "s_next", "d_storage", "s_storage")
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
+        self.dst, self.src, self.nbytes, self.count = dst, src, nbytes, 1
+        self.d_next, self.s_next = dst.data_ptr() + nbytes, src.data_ptr() + nbytes
+        self.d_storage = self.s_storage = None      # looked up only when a pair lines up
+
+    def continues(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        if dst.data_ptr() != self.d_next or src.data_ptr() != self.s_next:
+            return False
+        if self.d_storage is None:
+            self.d_storage = self.dst.untyped_storage().data_ptr()
+            self.s_storage = self.src.untyped_storage().data_ptr()
+        return (dst.untyped_storage().data_ptr() == self.d_storage
+                and src.untyped_storage().data_ptr() == self.s_storage)
+
+    def copy(self) -> None:
+        if self.count == 1:
+            self.dst.copy_(self.src)
+            return
+        d, s, n = _bytes(self.dst), _bytes(self.src), self.nbytes
+        # as_strided re-checks the storage bounds, so a merged run can never leave its storage
+        d.as_strided((n,), (1,), d.storage_offset()).copy_(s.as_strided((n,), (1,), s.storage_offset()))
+
+
 class _Runs:
-    """Copies dst <- src pairs, merging a pair into the previous copy when both its destination and its
-    source bytes continue the previous pair's in the same storage. Call flush() at the end."""
+    """Copies dst <- src pairs (same dtype and shape), merging a pair into the previous copy when both its
+    destination and its source bytes continue the previous pair's in the same storage. Call flush() at the
+    end. Pairs that do not line up cost one pointer comparison over a plain copy."""
 
     def __init__(self) -> None:
         self.copies = 0
-        self._run: list | None = None     # [dst bytes, src bytes, nbytes, dst storage ptr, src storage ptr]
+        self._run: _Run | None = None
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        d, s = _bytes(dst), _bytes(src)
-        if d is None or s is None or d.numel() != s.numel():
-            self.flush()
+        run = self._run
+        contiguous = dst.is_contiguous() and src.is_contiguous() and dst.numel() > 0
+        if run is not None and contiguous and run.continues(dst, src):
+            n = dst.numel() * dst.element_size()
+            run.nbytes += n
+            run.d_next += n
+            run.s_next += n
+            run.count += 1
+            return
+        self.flush()
+        if not contiguous:
             dst.copy_(src)
             self.copies += 1
             return
-        run = self._run
-        dsp, ssp = dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr()
-        if (run is not None and run[3] == dsp and run[4] == ssp and run[0].data_ptr() + run[2] == d.data_ptr()
-                and run[1].data_ptr() + run[2] == s.data_ptr()):
-            run[2] += d.numel()
-            return
-        self.flush()
-        self._run = [d, s, d.numel(), dsp, ssp]
+        self._run = _Run(dst, src, dst.numel() * dst.element_size())
 
     def flush(self) -> None:
         if self._run is not None:
-            d, s, n = self._run[:3]
-            # as_strided re-checks the storage bounds, so a merged run can never leave its storage
-            d.as_strided((n,), (1,), d.storage_offset()).copy_(s.as_strided((n,), (1,), s.storage_offset()))
+            self._run.copy()
             self.copies += 1
             self._run = None
+
+
+def _recipe(layout: Layout, params: Mapping[str, torch.Tensor]) -> list[tuple[int, Slot, int, bool]]:
+    """The receiver's copies for `params`: (bucket, first slot, bytes, merged) — a merged entry covers
+    consecutive slots whose params are consecutive bytes of one storage (one copy per bucket for params
+    laid out by flat_views)."""
+    out: list[list] = []
+    for bucket in layout.buckets:
+        run: list | None = None          # [bucket, slot, nbytes, merged, next ptr, storage ptr]
+        for slot in bucket.tensors:
+            t = params[slot.name]
+            if not t.is_contiguous() or not slot.nbytes:
+                if run is not None:
+                    out.append(run)
+                run = None
+                out.append([bucket.index, slot, slot.nbytes, False])
+                continue
+            ptr = t.data_ptr()
+            if run is not None and run[4] == ptr and t.untyped_storage().data_ptr() == run[5]:
+                run[2] += slot.nbytes
+                run[4] += slot.nbytes
+                run[3] = True
+                continue
+            if run is not None:
+                out.append(run)
+            run = [bucket.index, slot, slot.nbytes, False, ptr + slot.nbytes, t.untyped_storage().data_ptr()]
+        if run is not None:
+            out.append(run)
+    return [(r[0], r[1], r[2], r[3]) for r in out]
 
 
 class _SharedBuckets:
@@ -151,6 +204,8 @@ class _SharedBuckets:
             ref_counter_offset=int(ref_offset), event_handle=bytes(event_handle or b""),
             event_sync_required=bool(event_sync), device_uuid=_device_uuid(device.index))
             for bucket, start in zip(layout.buckets, self.starts)]
+        self.views = {slot.name: _typed(self.bucket(bucket.index, bucket.nbytes), slot)   # each tensor's place
+                      for bucket in layout.buckets for slot in bucket.tensors}
 
     def bucket(self, index: int, nbytes: int) -> torch.Tensor:
         return self.flat[self.starts[index]: self.starts[index] + nbytes]
@@ -162,6 +217,7 @@ class _SharedBuckets:
             torch.UntypedStorage._release_ipc_counter_cuda(*self._ref_counter)
         except Exception:  # noqa: BLE001, S110 - best effort, as torch's own release
             pass
+        self.views = {}
         self.flat = torch.empty(0)
 
 
@@ -206,7 +262,7 @@ class CudaIpcSender(SenderTransport):
         try:
             runs = _Runs()
             for slot, tensor in tensors:
-                runs.add(_typed(shared.bucket(slot.bucket, layout.buckets[slot.bucket].nbytes), slot), tensor.detach())
+                runs.add(shared.views[slot.name], tensor.detach())
             runs.flush()
             self.last_copies = runs.copies
             torch.cuda.synchronize(shared.flat.device)
@@ -239,6 +295,7 @@ class CudaIpcReceiver(ReceiverTransport):
         self._keep_mapped = keep_mapped
         self._kept: dict[tuple, torch.Tensor] = {}     # mapped allocations kept between syncs (keep_mapped)
         self.last_copies = 0                           # copies the last receive needed (one per bucket at best)
+        self._recipe: tuple[tuple, list] | None = None # (where the params were, the copies for that)
 
     @staticmethod
     def _context(plan: common_pb2.WeightSyncPlan, rank: int) -> SyncContext:
@@ -321,14 +378,19 @@ class CudaIpcReceiver(ReceiverTransport):
         views: list[torch.Tensor | None] = []
         try:
             views = self._map(plan, layout, ctx)
-            runs = _Runs()
-            for bucket, view in zip(layout.buckets, views):
-                if view is None:
-                    continue
-                for slot in bucket.tensors:
-                    runs.add(params[slot.name], _typed(view, slot))
-                runs.flush()
-            self.last_copies = runs.copies
+            # the recipe depends only on where each param lives (shapes and dtypes match the plan, checked)
+            key = (tuple(params[s.name].data_ptr() for s in layout.order), tuple(len(b.tensors) for b in layout.buckets))
+            if self._recipe is None or self._recipe[0] != key:
+                self._recipe = (key, _recipe(layout, params))
+            for index, slot, nbytes, merged in self._recipe[1]:
+                view = views[index]
+                assert view is not None
+                if merged:
+                    dst = _bytes(params[slot.name])
+                    dst.as_strided((nbytes,), (1,), dst.storage_offset()).copy_(view[slot.offset: slot.offset + nbytes])
+                else:
+                    params[slot.name].copy_(_typed(view, slot))
+            self.last_copies = len(self._recipe[1])
             for device in {v.device for v in views if v is not None}:
                 torch.cuda.synchronize(device)   # copies done before the trainer may reuse the buffers
         except WeightSyncError:
@@ -343,6 +405,7 @@ class CudaIpcReceiver(ReceiverTransport):
     def close(self) -> None:
         self._kept.clear()
         self._stores.clear()
+        self._recipe = None
 
 
 register_transport("cuda_ipc",
