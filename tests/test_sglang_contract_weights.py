@@ -49,8 +49,8 @@ def publisher(tmp_path: Path, *, transport: str = "gloo", timeout_s: float = 20.
     return WeightPublisher(config=config, run_dir=tmp_path, trainer_id="actor-0")
 
 
-def sync(pub: WeightPublisher, engine: SGLangEngine, *, version: int, verify: bool = False, receiver=None,  # noqa: ANN001
-         rank_offset: int = 1):
+def sync(pub: WeightPublisher, engine: SGLangEngine, *, version: int, verify: bool = False,  # noqa: ANN201
+         receiver: WeightReceiver | None = None, rank_offset: int = 1):
     """One sync as the coordinator runs it: pause, engine RPC and trainer publish concurrently, resume."""
     tensors = make_tensors(SPECS, seed=version)
     plan = pub.prepare(SPECS, version, engine.engine_ranks, verify)
@@ -251,6 +251,30 @@ def test_sglang_contract_disk_transport_is_update_weights_from_disk(tmp_path: Pa
                         "abort_all_requests": False}
         assert json.loads((Path(plan.disk_path) / "manifest.json").read_text())["version"] == 6
         assert got.version == 6 and engine.generate([[1]], SamplingOptions(max_new_tokens=1))[0].weight_version == 6
+    finally:
+        pub.close()
+        engine.close()
+        server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("load_format", ["tensor", "flattened_bucket"])
+def test_sglang_contract_nccl_handshake_on_two_gpus(tmp_path: Path, load_format: str):
+    """The same handshake over NCCL: the trainer on cuda:0, the receiver (SGLang's join and receive) on cuda:1.
+    NCCL refuses two ranks of one communicator on one GPU, so this needs two; it has not run here yet."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices (NCCL refuses two ranks on one GPU)")
+    torch.cuda.set_device(0)
+    server = ContractServer("--profile", "0.5.23", "--device", "cuda:1")
+    engine = SGLangEngine([server.url], weight_load_format=load_format, startup_timeout_s=20)
+    pub = publisher(tmp_path, transport="nccl")
+    try:
+        for version in (1, 2):
+            _, tensors, _, got = sync(pub, engine, version=version)
+            assert_holds(server, tensors)
+            assert got.version == version
+        inits = [b for p, b in weight_calls(server) if p == "/init_weights_update_group"]
+        assert len(inits) == 1 and inits[0]["backend"] == "nccl"
     finally:
         pub.close()
         engine.close()

@@ -78,10 +78,12 @@ class LaunchedServer:
     def __init__(self, spec: LaunchSpec, *, log_path: Path | None = None):
         require_sglang(spec.python)
         self.spec = spec
-        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
+        # its output goes where the rollout service's goes (tandem run keeps it in logs/), unless a file is given
+        self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - closed in stop()
         log.info("launching SGLang: %s", " ".join(spec.command()))
-        self.process = subprocess.Popen(spec.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ}, start_new_session=True)
+        self.process = subprocess.Popen(spec.command(), stdout=self._log,
+                                        stderr=subprocess.STDOUT if self._log else None, env={**os.environ},
+                                        start_new_session=True)
 
     def wait_healthy(self, *, timeout_s: float) -> None:
         client = SGLangClient(self.spec.url, api_key=self.spec.api_key)
@@ -113,5 +115,5 @@ class LaunchedServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, 9)
                 self.process.wait(timeout=grace_s)
-        if self._log is not subprocess.DEVNULL:
+        if self._log is not None:
             self._log.close()

@@ -23,10 +23,11 @@ Recorded from (versions as read; see services/rollout/sglang_protocol.py for the
 - 0.5.23's begin/end_weight_update session rule: /work/shared/FACTS.md (checked in the 0.5.23 wheel).
 
 Deviations, on purpose: unknown request fields are refused with 400 (SGLang ignores them) so that an adapter typo
-cannot pass silently; the group join uses --pg-timeout-s (SGLang uses torch's default_pg_timeout, 30 min); only
-tp_size 1 (a tp>1 server joins one rank per scheduler process). Profiles: 0.4.10 only answers version queries (for
-the unsupported-version test); 0.5.15 serves /get_server_info but not /server_info and has no begin/end routes;
-0.5.23 serves both info routes and requires begin/end around distributed updates.
+cannot pass silently; the group join uses --pg-timeout-s (SGLang uses torch's default_pg_timeout, 30 min); tensors
+are received on --device (cpu unless told; SGLang receives on its GPU); only tp_size 1 (a tp>1 server joins one rank
+per scheduler process). Profiles: 0.4.10 only answers version queries (for the unsupported-version test); 0.5.15
+serves /get_server_info but not /server_info and has no begin/end routes; 0.5.23 serves both info routes and
+requires begin/end around distributed updates.
 
 Test instrumentation, not SGLang: GET /_contract/weights (received tensors: dtype, shape, blake2b-128 of the raw
 bytes), GET /_contract/log (every request), GET /_contract/state, POST /_contract/configure ({"hang": [paths],
@@ -124,7 +125,7 @@ def init_custom_process_group(backend: str, init_method: str, timeout: datetime.
 
 
 def blake2b_hex(tensor: torch.Tensor) -> str:
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return hashlib.blake2b(memoryview(data), digest_size=16).hexdigest()
 
 
@@ -137,6 +138,7 @@ class Server:
         self.memory_saver = args.enable_memory_saver
         self.pg_timeout = datetime.timedelta(seconds=args.pg_timeout_s)
         self.model_path = args.model_path
+        self.device = torch.device(args.device)   # where received tensors live (SGLang: the model's GPU)
         self.cv = threading.Condition()
         self.paused: str | None = None        # pause_generation mode, None = generating
         self.running = 0                      # generate requests inside the scheduler
@@ -390,10 +392,8 @@ class Server:
             return failure(f"Failed to update parameter online: {exc!r}.")
         pg = self.groups[req["group_name"]]
         try:
-            if req["load_format"] == "flattened_bucket":
-                received = self._receive_flattened(pg, req["names"], dtypes, shapes)
-            else:
-                received = self._receive_per_tensor(pg, req["names"], dtypes, shapes)
+            receive = self._receive_flattened if req["load_format"] == "flattened_bucket" else self._receive_per_tensor
+            received = receive(pg, req["names"], dtypes, shapes, device=self.device)
         except Exception as exc:  # noqa: BLE001 - ModelRunner's answer to a failed receive
             return failure(f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are "
                            f"partially updated. Please discard the whole weights.")
@@ -401,11 +401,11 @@ class Server:
 
     @staticmethod
     def _receive_per_tensor(pg: dist.ProcessGroup, names: list[str], dtypes: list[torch.dtype],
-                            shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+                            shapes: list[list[int]], *, device: torch.device) -> list[tuple[str, torch.Tensor]]:
         """ModelRunner.update_weights_from_distributed: one async broadcast per announced tensor, then wait."""
         weights, handles = [], []
         for name, dtype, shape in zip(names, dtypes, shapes):
-            weight = torch.empty(shape, dtype=dtype)
+            weight = torch.empty(shape, dtype=dtype, device=device)
             handles.append(dist.broadcast(weight, src=0, group=pg, async_op=True))
             weights.append((name, weight))
         for handle in handles:
@@ -414,10 +414,10 @@ class Server:
 
     @staticmethod
     def _receive_flattened(pg: dist.ProcessGroup, names: list[str], dtypes: list[torch.dtype],
-                           shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+                           shapes: list[list[int]], *, device: torch.device) -> list[tuple[str, torch.Tensor]]:
         """_update_bucketed_weights_from_distributed: FlattenedTensorBucket (supports_multi_dtypes: each tensor
         flattened, viewed as uint8, concatenated without padding), one broadcast, then reconstruct_tensors()."""
-        named = [(n, torch.empty(s, dtype=d)) for n, d, s in zip(names, dtypes, shapes)]
+        named = [(n, torch.empty(s, dtype=d, device=device)) for n, d, s in zip(names, dtypes, shapes)]
         flattened = torch.cat([t.flatten().view(torch.uint8) for _, t in named], dim=0)
         dist.broadcast(flattened, src=0, group=pg)
         out, start = [], 0
@@ -622,8 +622,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--pg-timeout-s", type=float, default=30.0)
+    parser.add_argument("--device", default="cpu", help="where received tensors live; cuda:N for backend nccl")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(args.device))   # as SGLang's scheduler process has its GPU set
     state = Server(args)
     httpd = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(state, api_key=args.api_key))
     httpd.daemon_threads = True

@@ -19,15 +19,15 @@ padding (FlattenedTensorBucket). So the trainer side here:
     bytes ("flattened_bucket" — a plan bucket is exactly a FlattenedTensorBucket's layout).
 
 Handshake over the trainer's store (rendezvous.py keys). SGLang cannot post keys; the rollout adapter
-(services/rollout/sglang_engine.py) does it for its servers: `ready` for each engine rank with the value
-`sglang held=<generation|-> format=<tensor|flattened_bucket>`, then it waits for `go` ("ok <generation>") and
-only then calls /init_weights_update_group (which blocks inside SGLang until the trainer joins) and the
-updates; once every update request of a server has answered success it posts `done` for that server's ranks, and
-the trainer's publish returns only after every rank's done (a broadcast can complete into socket buffers before
-SGLang has the tensors). The group of generation g is named `group_name` (g = 0) or `group_name-g<g>`: SGLang registers group
-names with torch and keeps its groups between requests, so a rebuild (a replaced server or adapter) needs a new
-name. When an SGLang call fails the adapter posts `abort` with SGLang's message; the trainer watches for it
-while it joins and broadcasts, so it fails at once with that message instead of at its deadline.
+(services/rollout/sglang_engine.py) does it for its servers: `ready` for each engine rank with the value `sglang
+held=<generation|-> format=<tensor|flattened_bucket>`, then it waits for `go` ("ok <generation>") and only then
+calls /init_weights_update_group (which blocks inside SGLang until the trainer joins) and the updates; once every
+update request of a server has answered success it posts `done` for that server's ranks, and the trainer's publish
+returns only after every rank's done (a broadcast can complete into socket buffers before SGLang has the tensors).
+The group of generation g is named `group_name` (g = 0) or `group_name-g<g>`: SGLang registers group names with
+torch and keeps its groups between requests, so a rebuild (a replaced server or adapter) needs a new name. When an
+SGLang call fails the adapter posts `abort` with SGLang's message; the trainer watches for it while it joins and
+broadcasts, so it fails at once with that message instead of at its deadline.
 
 `SGLangAwareSender` is registered as the sender of "gloo" and "nccl": when every rank's ready says sglang it
 takes this path; when none does it is pg.ProcessGroupSender unchanged; a mix is refused.
