@@ -227,7 +227,8 @@ def test_sglang_contract_drain_waits_then_pauses_with_the_configured_mode(server
             running = pool.submit(e.generate, [[1]], SamplingOptions(max_new_tokens=20, ignore_eos=True))
             _wait_for(lambda: server.state()["running"] == 1)
             e.pause("drain", timeout_s=10)      # returns once the adapter's call has finished
-            assert running.done() and running.result()[0].finish_reason == "length"
+            assert server.state()["running"] == 0 and requests_to(server, "/generate")[-1]["input_ids"] == [[1]]
+            assert running.result(timeout=5)[0].finish_reason == "length"   # finished, not aborted or parked
         assert requests_to(server, "/pause_generation")[-1] == {"mode": "in_place"}
         state = e.get_state()
         assert state.paused and state.pause_mode == "drain" and state.in_flight == 0
