@@ -53,11 +53,10 @@ class Observed:
         self.loops = {s["attributes"]["rl.rollout_id"]: s for s in self.spans if s["name"] == "rl.loop"}
         self.steps = [r["rollout_id"] for r in metrics(self.run_dir) if "rollout/reward_mean" in r]
         last = self.steps[-1]
-        # The run is stopped: its last step is saved; evals due by the interval run inside their step.
+        # The run is stopped: its last step is saved and evaluated (inside the step, or after it in its trace).
         self.saved = {k for k in self.steps if (k + 1) % SAVE_INTERVAL == 0} | {last}
-        self.evaluated = {k for k in self.steps if (k + 1) % EVAL_INTERVAL == 0}
-        # one before training (its own trace), those of the steps, and one at the end unless the last step had one
-        self.num_evals = 1 + len(self.evaluated) + (0 if last in self.evaluated else 1)
+        self.evaluated = {k for k in self.steps if (k + 1) % EVAL_INTERVAL == 0} | {last}
+        self.num_evals = 1 + len(self.evaluated)   # and one before training, under rl.startup
 
     def find(self, name: str, service: str, rollout_id: int | None = None) -> list[dict]:
         return [s for s in self.spans if s["name"] == name and s["service"] == service
@@ -107,7 +106,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Observed:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             wait_status(target, lambda s: s.state == "running" and s.rollout_id >= 1, what="its first step")
             stub.Pause(common_pb2.Empty(), timeout=10)
-            wait_status(target, lambda s: s.state == "paused", what="paused")
+            paused_at = wait_status(target, lambda s: s.state == "paused", what="paused").rollout_id
             scrape = _http_get(f"http://127.0.0.1:{port}/metrics")
             rows_while_paused = metrics(run_dir)
             with pytest.raises(urllib.error.HTTPError, match="404"):
@@ -117,6 +116,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Observed:
                                      env={**os.environ, "COLUMNS": "200"})
             first = watch.stdout.readline()   # the history comes first: the watcher is connected
             stub.Resume(common_pb2.Empty(), timeout=10)
+            wait_status(target, lambda s: s.rollout_id > paused_at, what="a step after resuming")
             stub.Stop(common_pb2.Empty(), timeout=10)
         assert proc.wait(timeout=300) == 0, supervisor_log(run_dir)
         watch_out = first + watch.stdout.read()   # to EOF: watch exits by itself when the run ends
@@ -188,10 +188,10 @@ def test_parent_child_structure(observed):
         assert observed.chain(save) == [*rpc("/tandem.v1.Trainer/Save", trainer), coordinator_span("rl.save"), loop]
     evals = [s for s in observed.spans if s["name"] == "rl.eval.generate"]
     assert len(evals) == observed.num_evals
-    for s in evals:   # under rl.startup (before training), a step's rl.loop (due in it) or on their own (the end)
+    for s in evals:   # under rl.startup (before training) or a step's rl.loop
         chain = observed.chain(s)
         assert chain[:3] == [*rpc("/tandem.v1.Rollout/Evaluate", rollout), coordinator_span("rl.eval")]
-        assert chain[3:] in ([coordinator_span("rl.startup")], [loop], [])
+        assert chain[3:] in ([coordinator_span("rl.startup")], [loop])
     assert sum(observed.chain(s)[3:] == [loop] for s in evals) == len(observed.evaluated)
 
 

@@ -78,6 +78,12 @@ def test_file_exporter_records_rl_attributes_parents_links_and_thread_pool_conte
                 with tracing.span("rl.nested", parent=loop_carrier):
                     pass
             tracing.annotate(staleness=1)
+        with steps.after(3):                       # after the step ended: still its trace
+            with tracing.span("rl.final"):
+                pass
+        with steps.after(2):                       # not the step that ended last: the current context
+            with tracing.span("rl.elsewhere"):
+                pass
         steps.open(4)                              # a generation that is never trained
         steps.close_all(trained=False)
     """)
@@ -91,6 +97,8 @@ def test_file_exporter_records_rl_attributes_parents_links_and_thread_pool_conte
     assert train["parent_span_id"] == loop["span_id"] and train["trace_id"] == loop["trace_id"]
     assert train["links"] == [{"trace_id": sample["trace_id"], "span_id": sample["span_id"]}]
     assert spans["rl.nested", None]["parent_span_id"] == spans["rl.inner", None]["span_id"]
+    assert spans["rl.final", None]["parent_span_id"] == loop["span_id"]
+    assert spans["rl.elsewhere", None]["parent_span_id"] is None
     never = spans["rl.loop", 4]
     assert never["attributes"]["rl.trained"] is False and never["trace_id"] != loop["trace_id"]
 

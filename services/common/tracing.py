@@ -264,6 +264,7 @@ class StepSpans:
     def __init__(self, name: str = "rl.loop"):
         self.name = name
         self._open: dict[int, Any] = {}
+        self._last: tuple[int, Any] | None = None   # the step ended last, for work that follows it
         self._lock = threading.Lock()
 
     def open(self, rollout_id: int, **attrs: Any) -> Any:
@@ -285,8 +286,22 @@ class StepSpans:
             s = self._open.pop(rollout_id, None)
         if s is None:
             s = start_root_span(self.name, rollout_id=rollout_id, **attrs)
-        with use_span(s, end=True) as current:
-            yield current
+        try:
+            with use_span(s, end=True) as current:
+                yield current
+        finally:
+            self._last = (rollout_id, s)
+
+    @contextmanager
+    def after(self, rollout_id: int) -> Iterator[None]:
+        """Work that belongs to a step already ended (the final save of a stopped run) joins its trace: a child
+        may end after its parent. Without such a step the block runs in the current context."""
+        last = self._last
+        if _off() or last is None or last[0] != rollout_id:
+            yield
+            return
+        with trace.use_span(last[1], record_exception=False, set_status_on_exception=False):   # it has ended
+            yield
 
     def close_all(self, **attrs: Any) -> None:
         with self._lock:

@@ -178,13 +178,14 @@ class Coordinator:
     def _finish(self) -> None:
         stopped = self.control.stop_requested
         last = self.state.next_rollout_id - 1
-        if last >= 0 and (self.loop_cfg.eval_interval or stopped) and not self._evaluated(last):
-            if self.loop_cfg.eval_interval:
-                self._submit_eval(last)
-        for fut in self.eval_futures:
-            fut.result()
-        if stopped and self.last_saved_rollout != last and last >= 0:
-            self._save(rollout_id=last, in_flight=[])
+        with self.step_spans.after(last):   # the final eval / save join the last step's trace
+            if last >= 0 and (self.loop_cfg.eval_interval or stopped) and not self._evaluated(last):
+                if self.loop_cfg.eval_interval:
+                    self._submit_eval(last)
+            for fut in self.eval_futures:
+                fut.result()
+            if stopped and self.last_saved_rollout != last and last >= 0:
+                self._save(rollout_id=last, in_flight=[])
 
     # ---- steps ------------------------------------------------------------------------------------
 
