@@ -10,6 +10,7 @@ import functools
 import hmac
 import inspect
 import logging
+import sys
 import time
 from concurrent import futures
 from dataclasses import dataclass
@@ -34,10 +35,18 @@ class Unavailable(RuntimeError):
 
 
 def _status_for(exc: BaseException) -> grpc.StatusCode:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
     from services.common.buffer import BufferFullError, EntryNotFoundError
+
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError):   # Redis restarting: worth a retry
+        return grpc.StatusCode.UNAVAILABLE
 
     if isinstance(exc, EntryNotFoundError | FileNotFoundError | KeyError):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, PermissionError):
+        return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, BufferFullError | TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(exc, NotImplementedError):
@@ -48,6 +57,9 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, ValueError | TypeError | OverflowError):
         return grpc.StatusCode.INVALID_ARGUMENT
+    weights = sys.modules.get("services.common.weights.base")   # loaded wherever weights can move
+    if weights is not None and isinstance(exc, weights.WeightSyncError):
+        return grpc.StatusCode.FAILED_PRECONDITION   # e.g. a transport this machine cannot serve
     return grpc.StatusCode.INTERNAL
 
 
@@ -58,7 +70,14 @@ def _abort_with(method: Callable[..., Any], exc: Exception, context: grpc.Servic
     else:
         log.warning("%s: %s: %s", method.__name__, code.name, exc)
     message = str(exc.args[0] if exc.args else "") if isinstance(exc, KeyError) else str(exc)
-    context.abort(code, f"{type(exc).__name__}: {message}"[:4000])
+    context.abort(code, _details(f"{type(exc).__name__}: {message}"))
+
+
+def _details(text: str, limit: int = 1500) -> str:
+    """Status details travel percent-encoded in a trailer (up to 9 bytes per character) under gRPC's 8 KiB
+    metadata limit: a message echoing a huge input must be cut, or the client gets RESOURCE_EXHAUSTED
+    ("metadata size exceeds soft limit") instead of the error."""
+    return text if len(text.encode()) <= limit else text.encode()[:limit].decode(errors="ignore") + " …"
 
 
 def map_errors(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -109,6 +128,45 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         return self._deny
 
 
+class _Undecodable:
+    """What the lenient deserializer hands on when request bytes are not a valid message."""
+
+    def __init__(self, error: Exception, size: int):
+        self.error, self.size = error, size
+
+
+def _lenient(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, RuntimeWarning-as-error, ...
+            return _Undecodable(exc, len(data))
+    return deserialize
+
+
+class DecodeErrorInterceptor(grpc.ServerInterceptor):
+    """Request bytes that do not parse get INVALID_ARGUMENT (gRPC's own answer is INTERNAL "Exception
+    deserializing request!", which reads like a server bug and is what a fuzzer would hit first)."""
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+        behaviour_name = "unary_stream" if handler.response_streaming else "unary_unary"
+        behaviour = getattr(handler, behaviour_name)
+
+        def checked(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(
+                    f"{method}: request of {request.size} bytes is not a valid message "
+                    f"({type(request.error).__name__}: {request.error})"))
+            return behaviour(request, context)
+
+        return handler._replace(request_deserializer=_lenient(handler.request_deserializer),
+                                **{behaviour_name: checked})
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     bind_host: str = "127.0.0.1"
@@ -148,7 +206,7 @@ def start_server(register: Iterable[tuple[Callable[[Any, grpc.Server], None], An
     """`register` holds (add_XServicer_to_server, servicer, full service name) triples."""
     from services.common.tracing import server_interceptors
 
-    interceptors: list[grpc.ServerInterceptor] = list(server_interceptors())
+    interceptors: list[grpc.ServerInterceptor] = [*server_interceptors(), DecodeErrorInterceptor()]
     if options.auth_token:
         interceptors.insert(0, BearerTokenInterceptor(options.auth_token))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=options.max_workers), interceptors=interceptors,
