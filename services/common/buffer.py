@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -212,6 +213,11 @@ def connect(url: str, *, password: str | None = None, timeout_s: float = 30.0) -
                                 health_check_interval=30)
 
 
+def redacted(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    return re.sub(r"//[^@/]*@", "//***@", url or "")
+
+
 def stream_key(prefix: str, run_name: str) -> str:
     return f"{prefix}:{run_name}:rollouts"
 
@@ -301,20 +307,29 @@ class RolloutBuffer:
         chunks_written = False
         try:
             while True:
-                if self.client.xlen(self.stream) < self.max_buffered_batches:
-                    if chunk_keys and not chunks_written:
-                        self._write_chunks(chunk_keys, view, chunk_ttl_s)
-                        chunks_written = True
-                    try:
-                        entry_id = self._bounded_xadd(keys=keys, args=args)
-                    except redis.exceptions.ResponseError as exc:
-                        if "TANDEM_CHUNK_MISSING" not in str(exc):
-                            raise
-                        chunks_written = False       # expired while we waited: write them again
-                        continue
-                    if entry_id is not None:
-                        chunks_written = False       # owned by the entry now
-                        return _s(entry_id)
+                try:
+                    if self.client.xlen(self.stream) < self.max_buffered_batches:
+                        if chunk_keys and not chunks_written:
+                            self._write_chunks(chunk_keys, view, chunk_ttl_s)
+                            chunks_written = True
+                        try:
+                            entry_id = self._bounded_xadd(keys=keys, args=args)
+                        except redis.exceptions.ResponseError as exc:
+                            if "TANDEM_CHUNK_MISSING" not in str(exc):
+                                raise
+                            chunks_written = False       # expired while we waited: write them again
+                            continue
+                        if entry_id is not None:
+                            chunks_written = False       # owned by the entry now
+                            return _s(entry_id)
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                    # Redis restarting: keep trying until our deadline; an XADD that did run before the
+                    # connection broke is answered from its put key, never added twice.
+                    if time.monotonic() >= deadline:
+                        raise
+                    log.warning("rollout buffer %s: redis unreachable (%s); retrying", self.stream, exc)
+                    time.sleep(0.2)
+                    continue
                 if time.monotonic() >= deadline:
                     raise BufferFullError(
                         f"rollout buffer {self.stream} stayed full ({self.max_buffered_batches} batches waiting, "
@@ -351,6 +366,7 @@ class RolloutBuffer:
         out = self._take_held(count)
         if len(out) < count and self._own_cursor is not None:
             out += self._read_own_pending(count - len(out))
+        self._outstanding.update(e.entry_id for e in out)   # so claim_stale does not hand them out again
         if len(out) < count:
             out += self.claim_stale(count=count - len(out))
         deadline = time.monotonic() + max(block_ms, 0) / 1000.0

@@ -137,6 +137,9 @@ class EmbeddedRedis:
             proc.kill()
             proc.wait()
 
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def kill(self) -> None:
         """kill -9, for fault-injection tests."""
         if self.process is not None:
