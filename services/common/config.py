@@ -77,6 +77,8 @@ class RolloutConfig(Section):
                         description="built-in name or `module:function` (sync or async, batched or per sample)")
     max_batch_size: int = Field(default=512, ge=1, description="sequences decoded together by the engine")
     max_context_length: int | None = Field(default=None, ge=1, description="defaults to the model's")
+    max_request_samples: int = Field(default=65536, ge=1, description="most samples (prompts × n) one Generate or "
+                                     "Evaluate call may ask for; larger requests are refused (INVALID_ARGUMENT)")
     sglang: SGLangConfig = SGLangConfig()
 
 
@@ -153,6 +155,9 @@ class WeightsConfig(Section):
     check_weight_update_equal: bool = False
     disk_dir: str | None = Field(default=None, description="defaults to RUN_DIR/weights")
     master_addr: str = "127.0.0.1"
+    trainer_id: str | None = Field(default=None, description="id the actor trainer announces in its plans; rollout "
+                                   "engines refuse plans (CUDA IPC handles included) of any other id. `tandem run` "
+                                   "sets <run_name>/actor; unset = engines accept any trainer")
 
 
 class RedisConfig(Section):
@@ -165,6 +170,8 @@ class RedisConfig(Section):
     claim_idle_ms: int = Field(default=60_000, ge=1)
     chunk_mb: float = Field(default=64.0, gt=0, le=256.0, description="payload chunk size (Redis bulk limit 512 MB)")
     appendonly: bool = True
+    appendfsync: Literal["always", "everysec", "no"] = Field(
+        default="everysec", description="embedded redis-server: `always` loses no acknowledged write on a crash")
 
 
 class TracingConfig(Section):
@@ -196,6 +203,8 @@ class ServicesConfig(Section):
     tls_key: str | None = None
     tls_ca: str | None = None
     max_message_mb: int = Field(default=64, ge=1, le=2047)
+    max_restarts: int = Field(default=0, ge=0, description="tandem run: restarts of a dead trainer, rollout, "
+                              "coordinator or embedded redis-server (0 = a dead child fails the run)")
 
     @field_validator("rollout")
     @classmethod

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 class Coordinator:
     def __init__(self, *, config: TandemConfig, run_dir: Path, trainer: TrainerClient, critic: TrainerClient | None,
                  pool: RolloutPool, trackers: list[Tracker], events: EventLog | None = None,
-                 discard_entries=None):  # type: ignore[no-untyped-def]
+                 discard_entries=None, missing_entries=None):  # type: ignore[no-untyped-def]
         self.config = config
         self.loop_cfg = config.loop
         self.run_dir = run_dir
@@ -50,6 +50,7 @@ class Coordinator:
         self.evals = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval")
         self.eval_futures: list[Future] = []
         self.discard_entries = discard_entries  # callable(keep_ids) -> int, drops orphaned buffer entries
+        self.missing_entries = missing_entries  # callable(ids) -> ids no longer in the buffer
         self.last_metrics: dict[str, float] = {}
         self.last_checkpoint = ""
         self.offloaded = False
@@ -121,7 +122,7 @@ class Coordinator:
             if not self.control.wait_while_paused(self.status_setter):
                 break
             while len(in_flight) < len(self.pool.clients) + 1 and next_gen_id < self.num_rollout:
-                in_flight.append(self._start_generation(next_gen_id))
+                in_flight.append(self._resume_or_generate(next_gen_id))   # every recorded one is reused
                 next_gen_id += 1
             with self.step_spans.step(rollout_id):
                 step_start = time.monotonic()
@@ -158,9 +159,11 @@ class Coordinator:
     def _load_checkpoint(self) -> None:
         reply = self.trainer.call(self.trainer.stub.Load, trainer_pb2.LoadRequest(), timeout_s=self.loop_cfg.step_timeout_s,
                                   what="Load")
+        self.trainer.last_step = reply.step if reply.loaded else None
         if self.critic is not None:
-            self.critic.call(self.critic.stub.Load, trainer_pb2.LoadRequest(), timeout_s=self.loop_cfg.step_timeout_s,
-                             what="Load")
+            critic = self.critic.call(self.critic.stub.Load, trainer_pb2.LoadRequest(),
+                                      timeout_s=self.loop_cfg.step_timeout_s, what="Load")
+            self.critic.last_step = critic.step if critic.loaded else None
         if reply.loaded and "coordinator" in reply.extra_state:
             saved = RunState.from_json(reply.extra_state["coordinator"])
             # Weights trained after the last sync were never pushed under the saved version: give them a new one.
@@ -169,11 +172,22 @@ class Coordinator:
             self.last_checkpoint = reply.path
             log.info("resumed from %s at rollout %d", reply.path, saved.next_rollout_id)
         self.data.cursor = self.state.cursor
+        if self.missing_entries is not None:
+            self.state = _replace(self.state, pending=tuple(p for p in self.state.pending if self._still_buffered(p)))
         if self.discard_entries is not None:
             keep = [e for p in self.state.pending for e in p.entry_ids]
             dropped = self.discard_entries(keep)
             if dropped:
                 log.info("discarded %d buffer entries generated after the last checkpoint", dropped)
+
+    def _still_buffered(self, gen: GeneratedBatch) -> bool:
+        """A recorded generation trained after the checkpoint was acknowledged and deleted; the checkpoint's
+        weights never saw it, so it is generated again from its cursor (same prompts)."""
+        missing = self.missing_entries(list(gen.entry_ids))
+        if missing:
+            log.warning("rollout %d: %d of its %d buffered entries were trained after the checkpoint and are gone; "
+                        "generating it again", gen.rollout_id, len(missing), len(gen.entry_ids))
+        return not missing
 
     def _finish(self) -> None:
         stopped = self.control.stop_requested

@@ -75,16 +75,19 @@ def discard_orphans(buffer: RolloutBuffer):  # type: ignore[no-untyped-def]
 
 def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinator, RolloutBuffer | None]:
     actor, critic, rollouts = make_clients(config.services, uses_critic=config.algorithm.uses_critic)
-    pool = RolloutPool(rollouts, max_retries=config.loop.max_retries, timeout_s=config.loop.step_timeout_s)
     buffer = None
     if config.redis.url:
         groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
         buffer = RolloutBuffer(connect(config.redis.url, password=config.redis.password),
                                stream_key(config.redis.stream_prefix, config.run_name), groups=groups)
+    pool = RolloutPool(rollouts, max_retries=config.loop.max_retries, timeout_s=config.loop.step_timeout_s,
+                       wait_for_restarts=config.services.max_restarts > 0,
+                       discard=buffer.delete if buffer is not None else None)
     trackers = make_trackers(config.tracing.trackers, run_dir=run_dir, run_name=config.run_name,
                              wandb_project=config.tracing.wandb_project, prometheus_port=config.tracing.prometheus_port)
     coordinator = Coordinator(config=config, run_dir=run_dir, trainer=actor, critic=critic, pool=pool,
-                              trackers=trackers, discard_entries=discard_orphans(buffer) if buffer else None)
+                              trackers=trackers, discard_entries=discard_orphans(buffer) if buffer else None,
+                              missing_entries=buffer.missing if buffer else None)
     return coordinator, buffer
 
 

@@ -4,11 +4,17 @@ Start order: redis → trainer(s) → rollout replicas → coordinator, each awa
 Logs go to RUN_DIR/logs/<service>.log. If any child dies, everything is stopped and the run fails with
 the child's name and the tail of its log; Ctrl-C asks the coordinator for a graceful Stop (a second Ctrl-C
 terminates). Children get PR_SET_PDEATHSIG so none outlives the supervisor.
+
+With services.max_restarts > 0 a dead child is restarted instead (that many restarts per run, in total):
+a rollout replica alone (the coordinator retries its work elsewhere and re-syncs it); the embedded
+redis-server on its port and data directory (AOF); a coordinator that failed, which resumes from the last
+checkpoint; a trainer together with the coordinator, which is killed first so it can neither drive the new
+trainer nor save a checkpoint mixing the two, and then resumes from the last checkpoint
+(docs/reliability.md).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -29,11 +35,11 @@ from services.common.redis_server import EmbeddedRedis, free_port
 log = logging.getLogger("tandem.run")
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+# Runs in the child before it becomes the service: PR_SET_PDEATHSIG survives exec. Not a preexec_fn: Python
+# code between fork and exec can deadlock once other threads (gRPC's) run, as they do when a child is restarted.
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
+                    "try:\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM)\nexcept OSError:\n    pass\n"
+                    "os.execv(sys.argv[1], sys.argv[1:])")
 
 
 @dataclass
@@ -41,6 +47,7 @@ class Child:
     name: str
     process: subprocess.Popen
     log_path: Path
+    args: list[str] | None = None
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -66,6 +73,8 @@ def resolve_for_local_run(config: TandemConfig, *, redis_url: str) -> TandemConf
     """Fills in what a local run decides at start: the redis URL and free ports for port-0 services."""
     data = config.model_dump(mode="json")
     data["redis"]["url"] = redis_url
+    # engines accept weights only from this run's actor (plans and CUDA IPC handles name it)
+    data["weights"]["trainer_id"] = data["weights"]["trainer_id"] or f"{data['run_name']}/actor"
     s = data["services"]
     for name in ("coordinator", "trainer", "critic"):
         if s[name]["port"] == 0:
@@ -98,17 +107,36 @@ class LocalRun:
         self.redis: EmbeddedRedis | None = None
         self.config_file = run_dir / "config.yaml"
         self.interrupts = 0
+        self.restarts_left = config.services.max_restarts
+        self.view = None
 
     def _spawn(self, name: str, args: list[str]) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_SERVICE": name}
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
-        child = Child(name=name, process=proc, log_path=log_path)
+            proc = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, *args], stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        child = Child(name=name, process=proc, log_path=log_path, args=args)
         self.children.append(child)
         return child
+
+    def _respawn(self, child: Child) -> Child:
+        """The same command again (same ports: they are in the resolved config)."""
+        try:
+            os.killpg(child.process.pid, signal.SIGKILL)   # leftovers of its group (torchrun ranks)
+        except (ProcessLookupError, PermissionError):
+            pass
+        child.process.wait()
+        self.children.remove(child)
+        assert child.args is not None
+        return self._spawn(child.name, child.args)
+
+    def _target_of(self, child: Child) -> str:
+        s = self.config.services
+        if child.name.startswith("rollout-"):
+            return s.rollout[int(child.name.split("-")[1])].target
+        return {"trainer": s.trainer, "critic": s.critic, "coordinator": s.coordinator}[child.name].target
 
     def _service_args(self, service: str, *extra: str) -> list[str]:
         return [sys.executable, "-m", "services.cli", service, str(self.config_file), "--run-dir", str(self.run_dir),
@@ -141,10 +169,11 @@ class LocalRun:
             redis_url = self.config.redis.url
         else:
             self.redis = EmbeddedRedis(self.run_dir / "redis", appendonly=self.config.redis.appendonly,
+                                       appendfsync=self.config.redis.appendfsync,
                                        password=self.config.redis.password).start()
-            redis_url = self.redis.url
+            redis_url = f"redis://{self.redis.host}:{self.redis.port}/0"   # the password travels as redis.password
         self.config = resolve_for_local_run(self.config, redis_url=redis_url)
-        write_resolved_config(self.config, self.run_dir)
+        write_resolved_config(self.config, self.run_dir).chmod(0o600)   # it may hold the token and passwords
         s = self.config.services
         waits = [(self._spawn("trainer", self._trainer_args("actor")), s.trainer.target)]
         if self.config.algorithm.uses_critic:
@@ -161,26 +190,76 @@ class LocalRun:
         return next(c for c in self.children if c.name == "coordinator")
 
     def watch(self) -> int:
-        """Shows progress from WatchEvents until the coordinator exits; fails fast if any child dies."""
+        """Shows progress from WatchEvents until the coordinator finishes; a dead child fails the run, or is
+        restarted while services.max_restarts allows."""
         from services.coordinator.progress import ProgressView
 
-        coordinator = self.coordinator_child()
-        view = ProgressView(enabled=self.progress)
+        view = self.view = ProgressView(enabled=self.progress)
         threading.Thread(target=self._stream_events, args=(view,), daemon=True).start()
         with view:
-            while coordinator.alive():
+            while True:
+                coordinator = self.coordinator_child()
                 dead = [c for c in self.children if not c.alive() and c is not coordinator]
-                if dead:
-                    c = dead[0]
-                    view.stop()
-                    log.error("%s exited with %s; stopping the run. Last lines of %s:\n%s", c.name,
-                              c.process.returncode, c.log_path, c.log_tail())
-                    return 1
+                if self.redis is not None and not self.redis.alive():
+                    if not self._restart_redis():
+                        view.stop()
+                        return 1
+                elif dead:
+                    if not self._restart(dead[0]):
+                        view.stop()
+                        return 1
+                elif not coordinator.alive():
+                    code = coordinator.process.returncode
+                    if code == 0 or self.interrupts or not self._restart(coordinator):
+                        break
                 time.sleep(0.2)
-        code = coordinator.process.returncode
+        code = self.coordinator_child().process.returncode
         if code != 0:
-            log.error("coordinator exited with %s. Last lines of its log:\n%s", code, coordinator.log_tail())
+            log.error("coordinator exited with %s. Last lines of its log:\n%s", code,
+                      self.coordinator_child().log_tail())
         return code
+
+    def _restart(self, child: Child) -> bool:
+        """Restarts a dead child (see the module docstring); False when no restart is left or it fails."""
+        code = child.process.returncode
+        if self.restarts_left <= 0:
+            if child.name != "coordinator":
+                log.error("%s exited with %s; stopping the run. Last lines of %s:\n%s", child.name, code,
+                          child.log_path, child.log_tail())
+            return False
+        self.restarts_left -= 1
+        used = self.config.services.max_restarts - self.restarts_left
+        log.warning("%s exited with %s; restarting it (restart %d of services.max_restarts %d). Last lines of "
+                    "%s:\n%s", child.name, code, used, self.config.services.max_restarts, child.log_path,
+                    child.log_tail(8))
+        coordinator = self.coordinator_child()
+        if child.name in ("trainer", "critic") and coordinator.alive():
+            log.warning("stopping the coordinator too (kill -9): it resumes from the last checkpoint")
+            os.killpg(coordinator.process.pid, signal.SIGKILL)
+            coordinator.process.wait()
+        try:
+            if child is not coordinator:
+                self._await(self._respawn(child), self._target_of(child))
+            if not coordinator.alive():
+                self._await(self._respawn(coordinator), self.config.services.coordinator.target)
+                threading.Thread(target=self._stream_events, args=(self.view,), daemon=True).start()
+        except (RuntimeError, TimeoutError) as exc:
+            log.error("restarting %s failed: %s", child.name, exc)
+            return False
+        log.info("%s restarted", child.name)
+        return True
+
+    def _restart_redis(self) -> bool:
+        assert self.redis is not None
+        code = self.redis.process.returncode if self.redis.process is not None else None
+        if self.restarts_left <= 0:
+            log.error("redis-server exited with %s; stopping the run", code)
+            return False
+        self.restarts_left -= 1
+        log.warning("redis-server exited with %s; restarting it on port %d (appendonly %s)", code, self.redis.port,
+                    self.redis.appendonly)
+        self.redis.start()
+        return True
 
     def _stream_events(self, view) -> None:  # type: ignore[no-untyped-def]
         s = self.config.services

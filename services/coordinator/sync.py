@@ -106,6 +106,7 @@ class WeightSync:
                 self._resume_quietly()
                 raise WeightSyncError(f"weight sync to version {version} failed in phase {self.phase.value}: "
                                       f"{exc}") from exc
+            self.pool.weights_synced(version)   # every replica holds `version`, restarted ones included
             self.phase = SyncPhase.RESUME
             t = time.monotonic()
             self.pool.broadcast("Resume", common_pb2.Empty(), timeout_s=timeout)
