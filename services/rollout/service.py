@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from services.common import tracing
-from services.common.buffer import RolloutBuffer, connect, stream_key
+from services.common.buffer import RolloutBuffer, connect, redacted, stream_key
 from services.common.config import SamplingConfig, TandemConfig
 from services.common.grpc_util import FailedPrecondition, Unavailable
 from services.common.wire import build_batch
@@ -163,6 +163,10 @@ class RolloutService:
         """Samples n per prompt, scores them, writes one batch entry and returns its id and counts."""
         if not prompts:
             raise ValueError(f"Generate(rollout_id={rollout_id}): no prompts given")
+        if rollout_id < 0:
+            raise ValueError(f"Generate: rollout_id must be >= 0, got {rollout_id}")
+        self._check_size(f"Generate(rollout_id={rollout_id})", prompts, n_samples_per_prompt,
+                         self.config.rollout.n_samples_per_prompt)
         group_ids = [p.group_id for p in prompts]
         if len(set(group_ids)) != len(group_ids):
             dup = next(g for g in group_ids if group_ids.count(g) > 1)
@@ -269,7 +273,11 @@ class RolloutService:
             return self._buffer(stream).put(batch, trace_context=trace_context,
                                             timeout_s=self.config.redis.put_timeout_s)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-            raise Unavailable(f"redis at {self.config.redis.url} is not reachable: {exc}") from exc
+            raise Unavailable(f"redis at {redacted(self.config.redis.url)} is not reachable: {exc}") from exc
+        except redis.exceptions.ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            raise ValueError(f"stream {stream!r} names a Redis key that is not a stream") from exc
 
     def _buffer(self, stream: str) -> RolloutBuffer:
         with self._lock:
@@ -283,6 +291,14 @@ class RolloutService:
                     max_buffered_batches=self.config.redis.max_buffered_batches,
                     chunk_bytes=int(self.config.redis.chunk_mb * (1 << 20)))
             return self._buffers[stream]
+
+    def _check_size(self, what: str, prompts: Sequence[PromptInput], n: int | None, default: int) -> None:
+        """Refuses a request before any work: its samples are allocated at once, so a huge one is an outage."""
+        limit = self.config.rollout.max_request_samples
+        total = len(prompts) * (n or default)
+        if total > limit:
+            raise ValueError(f"{what}: {len(prompts)} prompts x {n or default} samples = {total} samples, more than "
+                             f"rollout.max_request_samples ({limit})")
 
     # ---- prompts and text --------------------------------------------------------------------------
 
@@ -316,6 +332,8 @@ class RolloutService:
         its reward reaches `pass_threshold`; pass@k uses the unbiased estimator over n samples."""
         if not prompts:
             raise ValueError(f"Evaluate({name!r}): no prompts given")
+        self._check_size(f"Evaluate({name!r})", prompts, n_samples_per_prompt,
+                         self.config.rollout.eval_n_samples_per_prompt)
         start = time.monotonic()
         name = name or "eval"
         n = n_samples_per_prompt or self.config.rollout.eval_n_samples_per_prompt
@@ -343,6 +361,20 @@ class RolloutService:
     def receive_weights(self, plan: Any, rank_offset: int) -> ReceiveResult:
         """Takes part in the transfer the trainer announced in `plan`, in place into the engine's weights."""
         start = time.monotonic()
+        if rank_offset < 0:
+            raise ValueError(f"ReceiveWeights: rank_offset must be >= 0, got {rank_offset}")
+        accepted = self.config.weights.trainer_id
+        if accepted and plan.trainer_id != accepted:   # refused before this engine contacts any address in it
+            raise PermissionError(f"ReceiveWeights v{plan.version}: trainer {plan.trainer_id!r} is not the accepted "
+                                  f"trainer {accepted!r} (weights.trainer_id)")
+        limit = self.config.weights.timeout_s
+        if not 0 < plan.timeout_s <= limit:   # a caller must not hold this engine longer than the config allows
+            clamped = type(plan)()
+            clamped.CopyFrom(plan)
+            clamped.timeout_s = limit
+            plan = clamped
+        with self._lock:
+            self._recent.clear()   # new weights: a later Generate with a known key is a new request, not a retry
         with tracing.span("rl.sync", weight_version=plan.version, transport=plan.transport, side="rollout",
                           replica=self.replica):
             try:
@@ -359,7 +391,7 @@ class RolloutService:
                 from services.common.weights import WeightReceiver
             except ImportError as exc:
                 raise NotImplementedError(f"weight receiving needs services.common.weights: {exc}") from exc
-            self._receiver = WeightReceiver()
+            self._receiver = WeightReceiver(accepted_trainer_id=self.config.weights.trainer_id)
         return self._receiver
 
     def pause(self, mode: str = "drain") -> None:

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 ROLES = ("actor", "critic")
 MAX_RECORDED_RESULTS = 1024        # replayable Train responses kept (and checkpointed)
 MAX_RECORDED_ENTRIES = 100_000     # trained entry ids remembered to refuse a second delivery
+MAX_ENGINE_RANKS = 4096            # a weight-sync group larger than this is a malformed request
 _BATCH_FIELDS = ("tokens", "prompt_lengths", "response_lengths", "loss_mask", "rollout_log_probs", "rewards",
                  "group_ids", "sample_versions", "values")
 
@@ -92,6 +93,9 @@ class TrainerService:
         self._handoff: tuple[int, ValueHandoff] | None = None   # critic: last published, for replays
         self.stream = stream_key(config.redis.stream_prefix, config.run_name)
         self._buffer: RolloutBuffer | None = None   # connected on first use: Redis may start after us
+        # A trainer (re)started where checkpoints exist must Load before it trains: otherwise a coordinator
+        # that outlived the old process would continue its run on the initial weights.
+        self._unloaded = ckpt.latest_complete(ckpt.checkpoint_root(base=self.checkpoint_base, role=role))
 
     @property
     def buffer(self) -> RolloutBuffer:
@@ -158,6 +162,13 @@ class TrainerService:
                 return self._replay(rollout_id)
             if rollout_id < 0:
                 raise ValueError(f"rollout_id must be >= 0, got {rollout_id}")
+            if self._unloaded is not None:
+                raise FailedPrecondition(f"this trainer started after checkpoint {self._unloaded} was written and "
+                                         "has not loaded it: call Load first")
+            limit = self.config.redis.max_buffered_batches
+            if len(entry_ids) > limit or num_batches > limit:
+                raise ValueError(f"Train({rollout_id}) asks for {max(len(entry_ids), num_batches)} batches; at most "
+                                 f"redis.max_buffered_batches ({limit}) can be in the buffer at once")
             if use_critic_values and self.role == "critic":
                 raise ValueError("use_critic_values is for the actor's Train, not the critic's")
             if self.role == "actor" and self.config.algorithm.uses_critic and not use_critic_values:
@@ -301,8 +312,10 @@ class TrainerService:
     def save(self, *, rollout_id: int, path: str = "", export_hf: bool = False,
              extra_state: dict[str, str] | None = None) -> trainer_pb2.SaveResponse:
         start = time.monotonic()
+        if rollout_id < 0:
+            raise ValueError(f"Save: rollout_id must be >= 0, got {rollout_id}")
         with self._lock, span("rl.save", rollout_id=rollout_id, role=self.role):
-            root = ckpt.checkpoint_root(base=Path(path) if path else self.checkpoint_base, role=self.role)
+            root = ckpt.checkpoint_root(base=self._own_path(path) if path else self.checkpoint_base, role=self.role)
             directory = ckpt.checkpoint_dir(root, rollout_id)
             export = export_hf or self.config.trainer.export_hf_on_save
             if ckpt.is_complete(directory) and ckpt.read_json(directory / ckpt.COMPLETE)["step"] == self.step:
@@ -356,8 +369,9 @@ class TrainerService:
 
     def load(self, *, path: str = "") -> trainer_pb2.LoadResponse:
         with self._lock:
-            directory = ckpt.resolve_load_dir(path, default_root=ckpt.checkpoint_root(
-                base=self.checkpoint_base, role=self.role), role=self.role)
+            directory = ckpt.resolve_load_dir(str(self._own_path(path)) if path else "", role=self.role,
+                                              default_root=ckpt.checkpoint_root(base=self.checkpoint_base,
+                                                                                role=self.role))
             if directory is None:
                 return trainer_pb2.LoadResponse(loaded=False)
             state = ckpt.read_json(directory / ckpt.STATE)
@@ -369,10 +383,24 @@ class TrainerService:
             self._ensure_onloaded()
             self._run({"cmd": "load", "dir": str(directory)})
             self._restore(state)
+            self._unloaded = None
             return trainer_pb2.LoadResponse(loaded=True, path=str(directory),
                                             rollout_id=int(state["checkpoint_rollout_id"]),
                                             step=self.step, weight_version=self.weight_version,
                                             extra_state=state.get("extra_state", {}))
+
+    def _own_path(self, path: str) -> Path:
+        """Save/Load paths from a caller stay under the checkpoint directory or the run directory: a Load
+        unpickles DeepSpeed's optimizer files, so it must never read a directory someone else prepared."""
+        try:
+            resolved = Path(path).resolve()
+        except (OSError, ValueError) as exc:   # NUL bytes, names too long
+            raise ValueError(f"checkpoint path {path[:200]!r} is not a usable path: {exc}") from None
+        roots = [self.checkpoint_base.resolve(), self.run_dir.resolve()]
+        if not any(resolved.is_relative_to(root) for root in roots):
+            raise ValueError(f"checkpoint path {path[:200]!r} is outside trainer.checkpoint_dir ({roots[0]}) and "
+                             f"the run directory ({roots[1]})")
+        return resolved
 
     def _exec_load(self, header: dict[str, Any], payloads: list[bytes]) -> None:
         directory = Path(header["dir"])
@@ -411,12 +439,15 @@ class TrainerService:
 
     @property
     def trainer_id(self) -> str:
-        return f"{self.config.run_name}/{self.role}"
+        configured = self.config.weights.trainer_id if self.role == "actor" else None
+        return configured or f"{self.config.run_name}/{self.role}"
 
     def prepare_weight_sync(self, *, version: int, transport: str = "", engine_world_size: int = 1,
                             verify: bool = False) -> common_pb2.WeightSyncPlan:
         if self.role != "actor":
             raise FailedPrecondition("the critic has no weights to publish to rollout engines")
+        if not 1 <= engine_world_size <= MAX_ENGINE_RANKS:
+            raise ValueError(f"engine_world_size must be in 1..{MAX_ENGINE_RANKS}, got {engine_world_size}")
         with self._lock:
             self._ensure_onloaded()
             plan = self._publisher(transport or self.config.weights.transport).prepare(
