@@ -1,0 +1,110 @@
+"""Fault injection into a real `tandem run` (every service its own process, a real redis-server with AOF):
+kill -9 the trainer mid-step, the coordinator, redis-server, and a rollout replica mid-generation. The
+supervisor restarts what died (services.max_restarts) and the books must balance at the end: every rollout
+id trained by exactly one optimizer step, trained + dropped-as-stale = generated, nothing left in the buffer."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import grpc
+import pytest
+
+from reliability_kit import (BATCH_SAMPLES, assert_every_sample_trained_once, final_checkpoint_state,
+                             freeze_mid_train, redis_pid, resolved_config, rollout_pid, service_pid, wait_for,
+                             wait_running)
+from services.common.buffer import connect
+from services.common.gen.tandem.v1 import common_pb2, rollout_pb2_grpc
+from services.common.grpc_util import open_channel
+from tandem_runs import metrics, start_run, stop_run, supervisor_log
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(400)]
+
+# Short runs without eval; small micro-batches make a Train take a while (a wider window to hit);
+# appendfsync always: Redis loses no acknowledged write when it is killed; a password, which every
+# service must use.
+PASSWORD = "pa55-for-the-embedded-redis"
+COMMON = ("loop.eval_interval=null", "trainer.micro_batch_tokens=48", "loop.step_timeout_s=60",
+          "weights.timeout_s=30", "redis.appendfsync=always", f"redis.password={PASSWORD}")
+
+
+def _log(run_dir, name: str) -> str:  # type: ignore[no-untyped-def]
+    return (run_dir / "logs" / f"{name}.log").read_text(errors="replace")
+
+
+def test_trainer_kill_9_mid_step_resumes_and_trains_every_sample_once(tmp_path):
+    run_dir, n = tmp_path / "run", 12
+    proc = start_run(run_dir, f"loop.num_rollout={n}", "loop.save_interval=1", "services.max_restarts=1", *COMMON)
+    try:
+        wait_running(run_dir, rollout_id=2)
+        cfg = resolved_config(run_dir)
+        trainer = service_pid(proc.pid, "trainer")
+        held = freeze_mid_train(trainer, cfg)
+        os.kill(trainer, signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, supervisor_log(run_dir)
+    finally:
+        stop_run(proc)
+    log = supervisor_log(run_dir)
+    assert "trainer exited with -9; restarting it (restart 1 of services.max_restarts 1)" in log
+    state = assert_every_sample_trained_once(run_dir, n)
+    assert state["samples_dropped_stale"] == 0
+    # The batch the dead trainer held unacknowledged was re-delivered to the new one and trained there: the
+    # checkpoint of the step before recorded it, and the resumed coordinator reused it.
+    trained = dict(final_checkpoint_state(run_dir)[0]["trained_entries"])
+    assert set(held) <= trained.keys(), (held, trained)
+    assert "reusing 1 buffered entries of rollout" in _log(run_dir, "coordinator")
+
+
+def test_coordinator_and_redis_kill_9_resume_without_double_training(tmp_path):
+    run_dir, n = tmp_path / "run", 14
+    proc = start_run(run_dir, f"loop.num_rollout={n}", "loop.save_interval=3", "services.max_restarts=3", *COMMON)
+    try:
+        wait_running(run_dir, rollout_id=4)
+        os.kill(service_pid(proc.pid, "coordinator"), signal.SIGKILL)
+        wait_for(lambda: "coordinator restarted" in supervisor_log(run_dir), what="the coordinator's restart")
+        wait_running(run_dir, rollout_id=7)
+        with pytest.raises(Exception, match="(?i)auth"):     # the embedded redis-server wants its password
+            connect(resolved_config(run_dir)["redis"]["url"]).ping()
+        os.kill(redis_pid(proc.pid), signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, supervisor_log(run_dir)
+    finally:
+        stop_run(proc)
+    log = supervisor_log(run_dir)
+    assert "coordinator exited with -9; restarting it" in log and "redis-server exited with -9" in log
+    assert "resumed from" in _log(run_dir, "coordinator")
+    assert_every_sample_trained_once(run_dir, n)
+    steps = [r["rollout_id"] for r in metrics(run_dir) if "perf/step_time_s" in r]
+    assert set(steps) == set(range(n))   # steps after the last checkpoint ran again; none was skipped
+
+
+def test_rollout_kill_9_mid_generation_the_other_replica_finishes_the_step(tmp_path):
+    run_dir, n = tmp_path / "run", 12
+    proc = start_run(run_dir, f"loop.num_rollout={n}", "loop.save_interval=100", "services.max_restarts=1", *COMMON,
+                     "services.rollout=[{port: 0}, {port: 0}]", "rollout.sampling.max_new_tokens=24")
+    try:
+        wait_running(run_dir, rollout_id=2)
+        replica = resolved_config(run_dir)["services"]["rollout"][1]
+        with open_channel(f"{replica['host']}:{replica['port']}") as channel:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            wait_for(lambda: _generating(stub), what="rollout-1 generating", every_s=0.002)
+            os.kill(rollout_pid(proc.pid, 1), signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, supervisor_log(run_dir)
+    finally:
+        stop_run(proc)
+    assert "rollout-1 exited with -9; restarting it" in supervisor_log(run_dir)
+    coordinator_log = _log(run_dir, "coordinator")
+    assert "rollout[1] Generate(" in coordinator_log and "retrying on another replica" in coordinator_log
+    assert "resumed from" not in coordinator_log           # the coordinator itself carried on
+    steps = [r for r in metrics(run_dir) if "perf/step_time_s" in r]
+    assert [r["rollout_id"] for r in steps] == list(range(n))
+    assert {r["rollout/num_samples"] for r in steps} == {BATCH_SAMPLES}   # no partial batch was trained
+    assert_every_sample_trained_once(run_dir, n)
+    assert _log(run_dir, "rollout-1").count("TANDEM_READY rollout") == 2   # the restarted one served again
+
+
+def _generating(stub) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        return stub.GetState(common_pb2.Empty(), timeout=2).in_flight > 0
+    except grpc.RpcError:
+        return False
