@@ -1,0 +1,141 @@
+"""Bad input to every RPC of every service, over the wire as raw bytes: random bytes, truncated valid
+messages, wrong wire types, invalid UTF-8, negative/huge/NaN/very long values and very long lists (see
+fuzz_kit). Each answer must be a proper status (never UNKNOWN or INTERNAL), the server must keep serving
+(health SERVING, a valid request still works afterwards), and a message over services.max_message_mb gets
+RESOURCE_EXHAUSTED naming the limit.
+
+The trainer and rollout are `tandem trainer` / `tandem rollout` processes of their own (fuzzing them inside a
+run would disturb it); the coordinator is fuzzed inside a real `tandem run`, which must still finish cleanly."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fuzz_kit import ACCEPTABLE, all_inputs, call_raw, decodes
+from reliability_kit import Services, resolved_config_when_written, wait_running
+from services.common.gen.tandem.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, rollout_pb2,
+                                           rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc)
+from services.common.grpc_util import open_channel
+from tandem_runs import start_run, stop_run, supervisor_log
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(600)]
+
+LIMIT_MB = 4
+# Short waits so requests that are valid but can never complete (Train of batches nobody writes, a publish
+# nobody receives, Generate on a paused engine) answer quickly.
+OVERRIDES = [f"services.max_message_mb={LIMIT_MB}", "weights.timeout_s=2", "redis.get_timeout_s=1",
+             "loop.step_timeout_s=2", "rollout.max_request_samples=2048", "trainer.export_hf_on_save=false",
+             "trainer.keep_last_checkpoints=1", "rollout.sampling.max_new_tokens=2"]
+PROMPT = common_pb2.Prompt(text="3 5 =", label="5", group_id=1)
+BASES = {   # plausible requests the extreme values are set on, one field at a time
+    "Generate": rollout_pb2.GenerateRequest(rollout_id=1, prompts=[PROMPT], n_samples_per_prompt=2),
+    "Evaluate": rollout_pb2.EvaluateRequest(name="e", prompts=[PROMPT], n_samples_per_prompt=1),
+    "Train": trainer_pb2.TrainRequest(rollout_id=1, entry_ids=["1-0"], max_staleness=-1),
+    "Save": trainer_pb2.SaveRequest(rollout_id=1),
+    "PrepareWeightSync/Trainer": trainer_pb2.PrepareWeightSyncRequest(version=1, transport="gloo", engine_world_size=1),
+    "ReceiveWeights": rollout_pb2.ReceiveWeightsRequest(plan=common_pb2.WeightSyncPlan(
+        version=1, transport="gloo", timeout_s=1, trainer_id="someone-else", master_addr="127.0.0.1", master_port=1,
+        world_size=2, buckets=[common_pb2.WeightBucket(index=0, dtype="float32", nbytes=4)]), rank_offset=1),
+}
+# After a call that changes a service's state, put it back so the next inputs meet a serving service.
+RESET = {"Pause": "Resume", "PrepareWeightSync": "Resume", "ReleaseMemory": "ResumeMemory", "Offload": "Onload"}
+
+
+def _base(service: str, method: str):  # type: ignore[no-untyped-def]
+    return BASES.get(f"{method}/{service}", BASES.get(method))
+
+
+def fuzz_service(target: str, service_descriptor: Any, *, skip_decodable: tuple[str, ...] = ()) -> dict:
+    """Every input to every method; returns {method: Counter of status names}. Asserts as it goes."""
+    seen: dict[str, collections.Counter] = {}
+    options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    with grpc.insecure_channel(target, options=options) as channel:
+        for i, method in enumerate(service_descriptor.methods):
+            counts = seen.setdefault(method.name, collections.Counter())
+            for what, data in all_inputs(method, _base(service_descriptor.name, method.name), seed=i):
+                if method.name in skip_decodable and decodes(method, data):
+                    continue   # e.g. a valid Stop would end the run under test
+                code, details = call_raw(channel, method, data, timeout_s=30)
+                counts[code.name] += 1
+                assert code in ACCEPTABLE, f"{service_descriptor.name}.{method.name} [{what}]: {code.name}: {details}"
+                reset = service_descriptor.methods_by_name.get(RESET.get(method.name, ""))
+                if reset is not None and code == grpc.StatusCode.OK:
+                    assert call_raw(channel, reset, b"", timeout_s=30)[0] == grpc.StatusCode.OK
+            _assert_serving(channel)
+    return seen
+
+
+def _assert_serving(channel: grpc.Channel) -> None:
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _assert_oversized_refused(target: str, service_descriptor) -> None:  # type: ignore[no-untyped-def]
+    method = service_descriptor.methods[0]
+    big = b"x" * ((LIMIT_MB + 1) << 20)   # refused on its size, before anyone parses it
+    with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        code, details = call_raw(channel, method, big, timeout_s=30)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+        assert str(LIMIT_MB << 20) in details, details   # "Received message larger than max (N vs. 4194304)"
+        _assert_serving(channel)
+
+
+@pytest.fixture(scope="module")
+def standalone(tmp_path_factory, redis_server):
+    s = Services(tmp_path_factory.mktemp("fuzz"), redis_server.url, OVERRIDES)
+    yield s
+    s.close()
+
+
+def test_fuzz_rollout_service(standalone):
+    target = standalone.config.services.rollout[0].target
+    seen = fuzz_service(target, rollout_pb2.DESCRIPTOR.services_by_name["Rollout"])
+    assert seen["Generate"]["INVALID_ARGUMENT"] > 0 and seen["Generate"]["OK"] > 0
+    _assert_oversized_refused(target, rollout_pb2.DESCRIPTOR.services_by_name["Rollout"])
+    with open_channel(target) as channel:   # still generating real batches
+        stub = rollout_pb2_grpc.RolloutStub(channel)
+        reply = stub.Generate(BASES["Generate"], timeout=60)
+        assert reply.num_samples == 2 and reply.entry_id
+        # a weight plan from another trainer (CUDA IPC handles would come in one) is refused outright
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ReceiveWeights(BASES["ReceiveWeights"], timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "'someone-else' is not the accepted trainer" in info.value.details()
+
+
+def test_fuzz_trainer_service(standalone):
+    target = standalone.config.services.trainer.target
+    seen = fuzz_service(target, trainer_pb2.DESCRIPTOR.services_by_name["Trainer"])
+    assert seen["Train"]["INVALID_ARGUMENT"] > 0 and seen["Load"]["INVALID_ARGUMENT"] > 0
+    _assert_oversized_refused(target, trainer_pb2.DESCRIPTOR.services_by_name["Trainer"])
+    with open_channel(target) as channel:
+        stub = trainer_pb2_grpc.TrainerStub(channel)
+        assert stub.GetState(common_pb2.Empty(), timeout=10).role == "actor"
+        with pytest.raises(grpc.RpcError) as info:   # a Load unpickles: only our own checkpoint directories
+            stub.Load(trainer_pb2.LoadRequest(path="/tmp"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside" in info.value.details()
+
+
+def test_fuzz_coordinator_inside_a_run(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, "loop.num_rollout=100000", "data.eval_max_prompts=4", *OVERRIDES[:1])
+    try:
+        wait_running(run_dir, rollout_id=1)
+        s = resolved_config_when_written(run_dir)["services"]["coordinator"]
+        target = f"{s['host']}:{s['port']}"
+        service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
+        fuzz_service(target, service, skip_decodable=("Stop",))
+        _assert_oversized_refused(target, service)
+        with open_channel(target) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            assert stub.GetStatus(common_pb2.Empty(), timeout=10).state in ("running", "paused")
+            stub.Resume(common_pb2.Empty(), timeout=10)
+            assert stub.Stop(common_pb2.Empty(), timeout=10).ok
+        assert proc.wait(timeout=120) == 0, supervisor_log(run_dir)
+    finally:
+        stop_run(proc)
