@@ -88,11 +88,20 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plot":
         from services.coordinator.plot import plot_run
 
-        for path in plot_run(args.run_dir, out=args.out):
+        try:
+            paths = plot_run(args.run_dir, out=args.out)
+        except (FileNotFoundError, ValueError) as exc:   # not a run dir, or no step finished yet
+            print(f"tandem plot: {exc}", file=sys.stderr)
+            return 1
+        for path in paths:
             print(f"wrote {path}")
         return 0
     config = _load(args)
     run_dir = _run_dir(args, config)
+    if args.command in ("run", "coordinator"):
+        from services.coordinator.metrics import check_tracker_packages
+
+        check_tracker_packages(config.tracing.trackers)
     if args.command == "run":
         from services.coordinator.supervisor import run_local
 

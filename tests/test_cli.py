@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -83,3 +84,24 @@ def test_bad_overrides_exit_2(tmp_path, args, words):
 def test_missing_config_file_exits_2(tmp_path):
     result = tandem("coordinator", "nope.yaml", cwd=tmp_path)
     assert result.returncode == 2 and result.stderr == "tandem: config file nope.yaml does not exist\n"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
+def test_a_tracker_whose_package_is_missing_exits_2_before_starting_anything(tmp_path):
+    (tmp_path / "ok.yaml").write_text("model: {path: m}\ndata: {train_path: d.jsonl}\n")
+    for cmd in ("run", "coordinator"):
+        result = tandem(cmd, "ok.yaml", "--set", "tracing.trackers=[jsonl, tensorboard]", cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr == ("tandem: tracing.trackers: tensorboard needs the `tensorboard` package, which is "
+                                 "not installed (pip install tensorboard), or drop tensorboard from tracing.trackers\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.yaml"]
+
+
+def test_plot_of_a_directory_without_metrics_says_so(tmp_path):
+    for run_dir, words in ((tmp_path / "absent", "metrics.jsonl does not exist"),
+                           (tmp_path, "holds no metrics yet")):
+        if run_dir == tmp_path:
+            (tmp_path / "metrics.jsonl").write_text("")
+        result = tandem("plot", str(run_dir))
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.startswith("tandem plot: ") and words in result.stderr

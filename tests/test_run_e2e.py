@@ -116,7 +116,9 @@ def _wait(predicate, *, what: str, timeout_s: float = 120.0) -> None:  # type: i
 @pytest.mark.parametrize("name, overrides", [
     ("sync", ["loop.mode=sync"]),
     ("fully_async", ["loop.mode=fully_async", "loop.max_staleness=0"]),
-    ("ppo_critic", ["algorithm.advantage_estimator=gae", "algorithm.num_critic_only_steps=2", "algorithm.lambd=0.95"]),
+    # more critic-only steps than the buffer holds: the actor's share of those batches must not hold the bound
+    ("ppo_critic", ["algorithm.advantage_estimator=gae", "algorithm.num_critic_only_steps=3", "algorithm.lambd=0.95",
+                    "redis.max_buffered_batches=2", "redis.put_timeout_s=60"]),
     ("two_replicas_disk_verified", ["services.rollout=[{port: 0}, {port: 0}]", "weights.transport=disk",
                                     "weights.check_weight_update_equal=true"]),
 ])
@@ -130,14 +132,16 @@ def test_loop_modes_run_to_completion(tmp_path, name, overrides):
     assert state["next_rollout_id"] == 6
     # nothing lost: every generated sample was trained or dropped as stale (and counted)
     assert state["samples_generated"] == 6 * 32 * 8
-    assert state["samples_trained"] + state["samples_dropped_stale"] == state["samples_generated"] or name == "ppo_critic"
+    assert (state["samples_trained"] + state["samples_dropped_stale"] + state["samples_critic_only"]
+            == state["samples_generated"])
+    assert state["samples_critic_only"] == (3 * 32 * 8 if name == "ppo_critic" else 0)
     if name == "sync":
         assert {r["rollout/staleness"] for r in steps} == {0.0}
     if name == "fully_async":
         assert state["samples_dropped_stale"] > 0
         assert steps[-1]["rollout/stale_dropped_total"] == state["samples_dropped_stale"]
     if name == "ppo_critic":
-        assert "critic/value_loss" in steps[0] and "train/loss" not in steps[0]   # critic-only warm-up
+        assert all("critic/value_loss" in r and "train/loss" not in r for r in steps[:3])   # critic-only warm-up
         assert "train/loss" in steps[-1]
         assert len(checkpoints(run_dir, "critic")) == 2
     if name == "two_replicas_disk_verified":

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from services.common.buffer import RolloutBuffer
 from services.common.config import TandemConfig
 from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
 from services.common.tracing import StepSpans, annotate, inject_context, span
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 class Coordinator:
     def __init__(self, *, config: TandemConfig, run_dir: Path, trainer: TrainerClient, critic: TrainerClient | None,
                  pool: RolloutPool, trackers: list[Tracker], events: EventLog | None = None,
-                 discard_entries=None, missing_entries=None):  # type: ignore[no-untyped-def]
+                 buffer: RolloutBuffer | None = None):
         self.config = config
         self.loop_cfg = config.loop
         self.run_dir = run_dir
@@ -49,8 +50,7 @@ class Coordinator:
         self.sync = WeightSync(trainer=trainer, pool=pool, config=config.weights)
         self.evals = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval")
         self.eval_futures: list[Future] = []
-        self.discard_entries = discard_entries  # callable(keep_ids) -> int, drops orphaned buffer entries
-        self.missing_entries = missing_entries  # callable(ids) -> ids no longer in the buffer
+        self.buffer = buffer   # the run's Redis buffer: resume bookkeeping and critic-only steps (None in unit tests)
         self.last_metrics: dict[str, float] = {}
         self.last_checkpoint = ""
         self.offloaded = False
@@ -172,18 +172,17 @@ class Coordinator:
             self.last_checkpoint = reply.path
             log.info("resumed from %s at rollout %d", reply.path, saved.next_rollout_id)
         self.data.cursor = self.state.cursor
-        if self.missing_entries is not None:
+        if self.buffer is not None:
             self.state = _replace(self.state, pending=tuple(p for p in self.state.pending if self._still_buffered(p)))
-        if self.discard_entries is not None:
             keep = [e for p in self.state.pending for e in p.entry_ids]
-            dropped = self.discard_entries(keep)
+            dropped = self.buffer.discard_except(keep)
             if dropped:
                 log.info("discarded %d buffer entries generated after the last checkpoint", dropped)
 
     def _still_buffered(self, gen: GeneratedBatch) -> bool:
         """A recorded generation trained after the checkpoint was acknowledged and deleted; the checkpoint's
         weights never saw it, so it is generated again from its cursor (same prompts)."""
-        missing = self.missing_entries(list(gen.entry_ids))
+        missing = self.buffer.missing(list(gen.entry_ids))  # type: ignore[union-attr]
         if missing:
             log.warning("rollout %d: %d of its %d buffered entries were trained after the checkpoint and are gone; "
                         "generating it again", gen.rollout_id, len(missing), len(gen.entry_ids))
@@ -249,21 +248,32 @@ class Coordinator:
                 request.use_critic_values = self.critic is not None
                 reply = self.trainer.train(request, timeout_s=timeout)
                 metrics.update(prefixed("train", reply.metrics))
+            else:
+                self._skip_for_actor(gen)
             metrics["perf/train_time_s"] = time.monotonic() - t
         if self.loop_cfg.offload_train:
             self._offload()
         trained = reply.samples_trained if reply is not None else 0
         dropped = reply.samples_dropped_stale if reply is not None else 0
         generated = int(metrics.get("rollout/num_samples", 0))
+        critic_only = generated if reply is None else 0
         self.state = _replace(self.state, next_rollout_id=rollout_id + 1,
                               samples_generated=self.state.samples_generated + generated,
                               samples_trained=self.state.samples_trained + trained,
                               samples_dropped_stale=self.state.samples_dropped_stale + dropped,
+                              samples_critic_only=self.state.samples_critic_only + critic_only,
                               pending=tuple(p for p in self.state.pending if p.rollout_id != rollout_id),
                               weights_pushed=False)
         metrics["rollout/stale_dropped"] = float(dropped)
         metrics["rollout/stale_dropped_total"] = float(self.state.samples_dropped_stale)
         return metrics
+
+    def _skip_for_actor(self, gen: GenerationResult) -> None:
+        """A critic-only step: the actor never trains these entries. Without counting them as its share, they
+        would stay in the stream and hold the bound on waiting batches (a stall once num_critic_only_steps >=
+        redis.max_buffered_batches)."""
+        if self.buffer is not None:
+            self.buffer.skip(list(gen.entry_ids), group="actor")
 
     def _sync_weights(self, *, bump: bool = True) -> dict[str, float]:
         self._onload()

@@ -3,6 +3,7 @@ and an event log that `WatchEvents` streams from. Trackers get step rows and eva
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import threading
@@ -11,6 +12,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Iterator
 
+from services.common.config import ConfigError
 from services.common.gen.tandem.v1 import coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -38,13 +40,19 @@ class JsonlTracker(Tracker):
             f.write(line)
 
 
+def check_tracker_packages(names: tuple[str, ...]) -> None:
+    """Optional trackers need optional packages: say so before any service starts, naming the key."""
+    for name in ("tensorboard", "wandb"):
+        if name in names and importlib.util.find_spec(name) is None:
+            raise ConfigError(f"tracing.trackers: {name} needs the `{name}` package, which is not installed "
+                              f"(pip install {name}), or drop {name} from tracing.trackers")
+
+
 class TensorBoardTracker(Tracker):
     def __init__(self, log_dir: Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:  # tensorboard is an optional package
-            raise ValueError("tracing.trackers: tensorboard needs the `tensorboard` package, which is not installed "
-                             "(pip install tensorboard), or drop tensorboard from tracing.trackers") from exc
+        check_tracker_packages(("tensorboard",))
+        from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -57,11 +65,9 @@ class TensorBoardTracker(Tracker):
 
 class WandbTracker(Tracker):
     def __init__(self, *, project: str | None, run_name: str, run_dir: Path):
-        try:
-            import wandb
-        except ImportError as exc:
-            raise ValueError("tracing.trackers: wandb needs the `wandb` package, which is not installed "
-                             "(pip install wandb), or drop wandb from tracing.trackers") from exc
+        check_tracker_packages(("wandb",))
+        import wandb
+
         self.run = wandb.init(project=project or "tandem", name=run_name, dir=str(run_dir))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

@@ -67,12 +67,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         yield from self.c.events.watch(include_history=request.include_history, is_active=context.is_active)
 
 
-def discard_orphans(buffer: RolloutBuffer):  # type: ignore[no-untyped-def]
-    def discard(keep: list[str]) -> int:
-        return buffer.discard_except(keep)
-    return discard
-
-
 def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinator, RolloutBuffer | None]:
     actor, critic, rollouts = make_clients(config.services, uses_critic=config.algorithm.uses_critic)
     buffer = None
@@ -86,8 +80,7 @@ def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinat
     trackers = make_trackers(config.tracing.trackers, run_dir=run_dir, run_name=config.run_name,
                              wandb_project=config.tracing.wandb_project, prometheus_port=config.tracing.prometheus_port)
     coordinator = Coordinator(config=config, run_dir=run_dir, trainer=actor, critic=critic, pool=pool,
-                              trackers=trackers, discard_entries=discard_orphans(buffer) if buffer else None,
-                              missing_entries=buffer.missing if buffer else None)
+                              trackers=trackers, buffer=buffer)
     return coordinator, buffer
 
 

@@ -40,6 +40,7 @@ class RunState:
     samples_generated: int = 0
     samples_trained: int = 0
     samples_dropped_stale: int = 0
+    samples_critic_only: int = 0                    # PPO warm-up: trained by the critic only, never by the actor
     weights_pushed: bool = True                     # engines hold exactly the trainer's weights (no step since sync)
     history: tuple[str, ...] = field(default_factory=tuple)  # checkpoint paths, oldest first
 
@@ -48,6 +49,7 @@ class RunState:
                            "cursor": self.cursor.to_dict(), "pending": [p.to_dict() for p in self.pending],
                            "samples_generated": self.samples_generated, "samples_trained": self.samples_trained,
                            "samples_dropped_stale": self.samples_dropped_stale,
+                           "samples_critic_only": self.samples_critic_only,
                            "weights_pushed": self.weights_pushed, "history": list(self.history)})
 
     @classmethod
@@ -59,5 +61,6 @@ class RunState:
                    samples_generated=int(d.get("samples_generated", 0)),
                    samples_trained=int(d.get("samples_trained", 0)),
                    samples_dropped_stale=int(d.get("samples_dropped_stale", 0)),
+                   samples_critic_only=int(d.get("samples_critic_only", 0)),
                    weights_pushed=bool(d.get("weights_pushed", True)),
                    history=tuple(d.get("history", [])))
