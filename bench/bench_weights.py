@@ -140,7 +140,7 @@ def d2d_copy_s(nbytes: int, repeats: int) -> float:
 
 
 def handoff_row(*, publisher: WeightPublisher, peer: Peer, specs: list[TensorSpec], tensors: dict[str, torch.Tensor],
-                flat_receiver: bool, repeats: int) -> dict[str, float]:
+                flat_receiver: bool | str, repeats: int) -> dict[str, float]:
     recv_s, wall_s, copies, identical = [], [], 0, False
     for version in range(repeats + 1):
         verify = version == 0
@@ -174,18 +174,22 @@ def handoff_main(args: argparse.Namespace) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         publisher = WeightPublisher(config=config, run_dir=Path(tmp), trainer_id="bench")
-        peers = {False: Peer(), True: Peer(env={"TANDEM_CUDA_IPC_KEEP_MAPPED": "1"})}
+        peers = {False: Peer(env={"TANDEM_CUDA_IPC_KEEP_MAPPED": "0"}), True: Peer(env={"TANDEM_CUDA_IPC_KEEP_MAPPED": "1"})}
         try:
             separate = gpu_tensors(specs, flat=False)
-            for name, flat_recv, kept, tensors in (
-                    ("separate -> separate params", False, False, separate),
-                    ("separate -> flat params", True, False, separate),
-                    ("separate -> flat params, kept map", True, True, separate)):
-                rows.append((name, handoff_row(publisher=publisher, peer=peers[kept], specs=specs, tensors=tensors,
+            # flat receiver: "recipe" = views of one buffer as a plain mapping (a copy per run of tensors),
+            # True = FlatParams (whole bucket spans, NativeEngine's default after flatten_parameters)
+            for name, flat_recv, kept in (
+                    ("separate -> separate params", False, False),
+                    ("separate -> flat params, recipe", "recipe", False),
+                    ("separate -> flat params, recipe, kept map", "recipe", True),
+                    ("separate -> FlatParams", True, False),
+                    ("separate -> FlatParams, kept map (default)", True, True)):
+                rows.append((name, handoff_row(publisher=publisher, peer=peers[kept], specs=specs, tensors=separate,
                                                flat_receiver=flat_recv, repeats=args.repeats)))
             del separate
             flat = gpu_tensors(specs, flat=True)
-            rows.append(("flat -> flat params, kept map", handoff_row(
+            rows.append(("flat -> FlatParams, kept map (default)", handoff_row(
                 publisher=publisher, peer=peers[True], specs=specs, tensors=flat, flat_receiver=True,
                 repeats=args.repeats)))
         finally:
@@ -196,11 +200,11 @@ def handoff_main(args: argparse.Namespace) -> int:
           f"{nbytes / 2**20:.1f} MiB, bucket {args.bucket_mb[-1]:g} MB, {torch.cuda.get_device_name()}, "
           f"median of {args.repeats}")
     print(f"torch D2D copy of the same bytes (one copy_): {d2d * 1e3:.3f} ms = {nbytes / d2d / 1e9:.0f} GB/s\n")
-    print(f"| {'sender -> receiver':36} | buckets | send copies | recv copies | bit-identical | recv ms | "
+    print(f"| {'sender -> receiver':44} | buckets | send copies | recv copies | bit-identical | recv ms | "
           f"recv / D2D | publish wall ms |")
-    print(f"|{'-' * 38}|---------|-------------|-------------|---------------|---------|------------|-----------------|")
+    print(f"|{'-' * 46}|---------|-------------|-------------|---------------|---------|------------|-----------------|")
     for name, r in rows:
-        print(f"| {name:36} | {r['buckets']:7} | {r['send_copies']:11} | {r['copies']:11} | "
+        print(f"| {name:44} | {r['buckets']:7} | {r['send_copies']:11} | {r['copies']:11} | "
               f"{'yes' if r['identical'] else 'NO':13} | {r['recv_s'] * 1e3:7.3f} | {r['recv_s'] / d2d:10.2f} | "
               f"{r['wall_s'] * 1e3:15.3f} |")
     return 0 if all(r["identical"] for _, r in rows) else 1

@@ -252,3 +252,10 @@ def test_missing_file(tmp_path):
 def test_empty_file_reports_the_missing_sections(tmp_path):
     lines = problem_lines(error_of(load_config, write(tmp_path, "")))
     assert lines == ["model: required section is missing", "data: required section is missing"]
+
+
+@pytest.mark.parametrize("mode", ["async", "fully_async"])
+def test_offload_rollout_outside_sync_mode_is_refused(mode):
+    [line] = problem_lines(error_of(config_from_dict, minimal(loop={"mode": mode, "offload_rollout": True})))
+    assert line.startswith(f"loop.offload_rollout needs loop.mode: sync (in {mode} mode")
+    assert config_from_dict(minimal(loop={"mode": "sync", "offload_rollout": True})).loop.offload_rollout

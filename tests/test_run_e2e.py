@@ -115,6 +115,8 @@ def _wait(predicate, *, what: str, timeout_s: float = 120.0) -> None:  # type: i
 
 @pytest.mark.parametrize("name, overrides", [
     ("sync", ["loop.mode=sync"]),
+    # colocated-style: trainer and engine hand their memory to each other every step
+    ("sync_offload", ["loop.mode=sync", "loop.offload_train=true", "loop.offload_rollout=true"]),
     ("fully_async", ["loop.mode=fully_async", "loop.max_staleness=0"]),
     # more critic-only steps than the buffer holds: the actor's share of those batches must not hold the bound
     ("ppo_critic", ["algorithm.advantage_estimator=gae", "algorithm.num_critic_only_steps=3", "algorithm.lambd=0.95",
@@ -135,8 +137,12 @@ def test_loop_modes_run_to_completion(tmp_path, name, overrides):
     assert (state["samples_trained"] + state["samples_dropped_stale"] + state["samples_critic_only"]
             == state["samples_generated"])
     assert state["samples_critic_only"] == (3 * 32 * 8 if name == "ppo_critic" else 0)
-    if name == "sync":
+    if name.startswith("sync"):
         assert {r["rollout/staleness"] for r in steps} == {0.0}
+    if name == "sync_offload":
+        assert all(r["perf/rollout_release_s"] > 0 for r in steps)
+        evals = [r["eval/reward_mean"] for r in metrics(run_dir) if "eval/reward_mean" in r]
+        assert len(evals) == 2 and all(0.0 <= e <= 1.0 for e in evals)   # the engine evaluates after every resume
     if name == "fully_async":
         assert state["samples_dropped_stale"] > 0
         assert steps[-1]["rollout/stale_dropped_total"] == state["samples_dropped_stale"]

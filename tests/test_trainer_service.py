@@ -246,10 +246,15 @@ def test_offload_onload_keeps_training(harness):
     before = {n: t.detach().cpu().clone() for n, t in h.service.iter_named_weights()}
     on_gpu = h.service.dist.device.type == "cuda"
     resident = torch.cuda.memory_allocated() if on_gpu else 0
+    reserved = h.service.get_state().gpu_memory_reserved_bytes
     assert h.service.offload().ok and h.service.get_state().offloaded
     if on_gpu:   # parameters, fp32 master copies and both Adam moments left the device
         param_bytes = sum(math.prod(s.shape) * 4 for s in h.service.weight_specs())
         assert resident - torch.cuda.memory_allocated() >= 4 * param_bytes
+        # ... and the allocator handed the blocks back: other processes on this GPU can have them
+        assert h.service.get_state().gpu_memory_reserved_bytes < reserved
+    else:
+        assert reserved == 0 and h.service.get_state().gpu_memory_reserved_bytes == 0
     assert h.service.onload().ok and not h.service.get_state().offloaded
     after = {n: t.detach().cpu() for n, t in h.service.iter_named_weights()}
     assert all(torch.equal(before[n], after[n]) for n in before)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from services.common.weights.cuda_ipc import ALIGN, _recipe, _Runs, _typed, bucket_starts, flat_views
+from services.common.gen.tandem.v1 import common_pb2
+from services.common.weights.cuda_ipc import (ALIGN, CudaIpcReceiver, FlatParams, _recipe, _Runs, _typed, bucket_starts,
+                                              flat_spans, flat_views)
 from services.common.weights.layout import TensorSpec, plan_layout
 from services.common.weights.peer import bits_equal, make_tensors
 
@@ -80,3 +82,51 @@ def test_receiver_recipe_merges_flat_params_only():
     separate = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in SPECS}
     assert [(slot.name, merged) for _, slot, _, merged in _recipe(layout, separate)] == \
         [(slot.name, False) for b in layout.buckets for slot in b.tensors]
+
+
+def test_flat_spans_merge_buckets_at_the_same_distance_in_one_allocation():
+    starts = [0, 256, 768]
+    one = flat_spans(sizes=[200, 500, 10], dst_starts=starts, sources=[("a", 1000), ("a", 1256), ("a", 1768)])
+    assert one == [("a", 1000, 0, 778)]                 # the padding between buckets rides along
+    moved = flat_spans(sizes=[200, 500, 10], dst_starts=starts, sources=[("a", 1000), ("a", 1300), ("b", 0)])
+    assert moved == [("a", 1000, 0, 200), ("a", 1300, 256, 500), ("b", 0, 768, 10)]
+    assert flat_spans(sizes=[0, 8], dst_starts=[0, 0], sources=[("a", 0), ("a", 0)]) == [("a", 0, 0, 8)]
+
+
+def test_flat_views_is_flat_params_only_with_every_slot():
+    layout = plan_layout(SPECS, bucket_bytes=4096)
+    flat, params = flat_views(layout, "cpu")
+    assert isinstance(params, FlatParams) and params.flat is flat and params.layout_key == layout.key
+    _, some = flat_views(layout, "cpu", names={"embed"})
+    assert not isinstance(some, FlatParams) and list(some) == ["embed"]
+
+
+def _ipc_plan(layout, offsets, handles):  # noqa: ANN001, ANN202 - the sender's handles, as a plan carries them
+    plan = common_pb2.WeightSyncPlan(transport="cuda_ipc")
+    for bucket, offset, handle in zip(layout.buckets, offsets, handles):
+        wb = plan.buckets.add()
+        wb.ipc.CopyFrom(common_pb2.CudaIpcHandle(device=0, handle=handle, storage_offset_bytes=offset,
+                                                 storage_size_bytes=bucket.nbytes))
+    return plan
+
+
+def test_flat_params_receive_whole_spans_with_identical_bits():
+    """The receiver's FlatParams path over CPU stand-ins for the mapped allocations: one copy when the sender's
+    buckets share one allocation at the same starts, one per allocation otherwise."""
+    layout = plan_layout(SPECS, bucket_bytes=4096)
+    tensors = make_tensors(SPECS, seed=7)
+    buffer, starts = _fill_buckets(layout, tensors)
+    lo = 512                                                # the allocation view starts at byte lo of it
+    allocation = torch.cat([torch.zeros(lo + 100, dtype=torch.uint8), buffer])
+    plan = _ipc_plan(layout, [lo + 100 + s for s in starts], [b"A"] * len(starts))
+    flat, params = flat_views(layout, "cpu")
+    copies = CudaIpcReceiver._copy_flat(plan, layout, flat, {(0, b"A"): (lo, allocation[lo:])})
+    assert copies == 1 and all(bits_equal(params[n], t) for n, t in tensors.items())
+
+    second = torch.zeros(buffer.numel(), dtype=torch.uint8)   # the last bucket lives in another allocation
+    last = starts[-1]
+    second[: buffer.numel() - last] = buffer[last:]
+    plan = _ipc_plan(layout, [100 + s for s in starts[:-1]] + [0], [b"A"] * (len(starts) - 1) + [b"B"])
+    flat, params = flat_views(layout, "cpu")
+    copies = CudaIpcReceiver._copy_flat(plan, layout, flat, {(0, b"A"): (0, allocation[lo:]), (0, b"B"): (0, second)})
+    assert copies == 2 and all(bits_equal(params[n], t) for n, t in tensors.items())

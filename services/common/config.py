@@ -141,6 +141,9 @@ class LoopConfig(Section):
     update_weights_interval: int = Field(default=1, ge=1)
     debug_exit_after_rollout: int | None = Field(default=None, ge=1)
     offload_train: bool = False
+    offload_rollout: bool = Field(default=False, description="sync mode, trainer and engines sharing GPUs: the "
+                                  "engines release KV cache, CUDA graphs and weights while the trainer trains, and "
+                                  "take them back around the weight sync (weights first, then the KV cache)")
     max_staleness: int = Field(default=1, ge=0, description="fully_async: step − sample version bound")
     stale_policy: Literal["drop"] = "drop"
     step_timeout_s: float = Field(default=600.0, gt=0)
@@ -237,6 +240,9 @@ class TandemConfig(Section):
     @model_validator(mode="after")
     def _cross_section_rules(self) -> "TandemConfig":
         validate_async_off_policy_correction(self)
+        if self.loop.offload_rollout and self.loop.mode != "sync":
+            raise ValueError(f"loop.offload_rollout needs loop.mode: sync (in {self.loop.mode} mode the engines "
+                             "generate the next batch while the trainer trains)")
         if self.weights.transport == "cuda_ipc" and self.trainer.num_ranks > 1:
             raise ValueError("weights.transport: cuda_ipc needs trainer.num_ranks == 1 (rank 0 owns the buckets)")
         if self.trainer.precision == "bf16" and self.model.dtype != "bfloat16" and self.weights.transport == "cuda_ipc":

@@ -54,6 +54,7 @@ class Coordinator:
         self.last_metrics: dict[str, float] = {}
         self.last_checkpoint = ""
         self.offloaded = False
+        self.rollout_released: set[str] = set()   # memory tags the engines gave up (offload_rollout)
         self.status = "starting"
         self.error = ""
         self.last_saved_rollout = -1
@@ -234,6 +235,7 @@ class Coordinator:
     def _train_step(self, *, rollout_id: int, gen: GenerationResult, max_staleness: int = -1) -> dict[str, float]:
         metrics = generation_metrics(gen, weight_version=self.state.weight_version)
         timeout = self.loop_cfg.step_timeout_s
+        self._release_rollout_memory(metrics)
         self._onload()
         with span("rl.train", rollout_id=rollout_id, weight_version=self.state.weight_version,
                   entries=len(gen.entry_ids), staleness=metrics.get("rollout/staleness")):
@@ -252,7 +254,9 @@ class Coordinator:
                 self._skip_for_actor(gen)
             metrics["perf/train_time_s"] = time.monotonic() - t
         if self.loop_cfg.offload_train:
+            metrics["memory/trainer_gpu_gb_training"] = self._trainer_gpu_gb()
             self._offload()
+            metrics["memory/trainer_gpu_gb_offloaded"] = self._trainer_gpu_gb()
         trained = reply.samples_trained if reply is not None else 0
         dropped = reply.samples_dropped_stale if reply is not None else 0
         generated = int(metrics.get("rollout/num_samples", 0))
@@ -278,7 +282,9 @@ class Coordinator:
     def _sync_weights(self, *, bump: bool = True) -> dict[str, float]:
         self._onload()
         version = self.state.weight_version + (1 if bump else 0)
+        self._resume_rollout_memory(("weights",))      # the sync needs the destination tensors back
         result = self.sync.run(version=version)
+        self._resume_rollout_memory(("kv_cache", "cuda_graph"))
         self.state = _replace(self.state, weight_version=version, weights_pushed=True)
         self.events.emit("sync", rollout_id=self.state.next_rollout_id - 1,
                          metrics={"weight_version": version, "seconds": result.seconds, "gbps": result.gbps})
@@ -390,6 +396,30 @@ class Coordinator:
             tracker.log(rollout_id, metrics)
         self.events.emit("eval", rollout_id=rollout_id, metrics=metrics)
         return metrics
+
+    def _release_rollout_memory(self, metrics: dict[str, float]) -> None:
+        """offload_rollout: the engines give their GPU memory to the trainer for the step (sync mode only, so
+        no generation runs now; a pending eval finishes first)."""
+        if not self.loop_cfg.offload_rollout:
+            return
+        t = time.monotonic()
+        for fut in self.eval_futures:
+            fut.result()
+        self.pool.broadcast("ReleaseMemory", rollout_pb2.MemoryRequest(tags=[]), timeout_s=120)
+        self.rollout_released = {"weights", "kv_cache", "cuda_graph"}
+        metrics["perf/rollout_release_s"] = time.monotonic() - t
+        states = self.pool.broadcast("GetState", common_pb2.Empty(), timeout_s=30)
+        metrics["memory/rollout_gpu_gb_released"] = sum(s.gpu_memory_reserved_bytes for s in states) / 2**30
+
+    def _resume_rollout_memory(self, tags: tuple[str, ...]) -> None:
+        tags = tuple(t for t in tags if t in self.rollout_released)
+        if tags:
+            self.pool.broadcast("ResumeMemory", rollout_pb2.MemoryRequest(tags=list(tags)), timeout_s=120)
+            self.rollout_released -= set(tags)
+
+    def _trainer_gpu_gb(self) -> float:
+        state = self.trainer.call(self.trainer.stub.GetState, common_pb2.Empty(), timeout_s=30, what="GetState")
+        return state.gpu_memory_reserved_bytes / 2**30
 
     def _offload(self) -> None:
         self.trainer.call(self.trainer.stub.Offload, common_pb2.Empty(), timeout_s=120, what="Offload")

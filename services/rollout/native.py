@@ -187,7 +187,9 @@ class NativeEngine(Engine):
             else "past_key_values"
         self.decode_mode = self._resolve_decode(decode)
         self._runners: RunnerCache | None = None       # static/graph decode: caches (and graphs) by bucket
-        self._flat: tuple[Any, torch.Tensor] | None = None   # (layout key, buffer) after flatten_parameters
+        # after flatten_parameters: (layout key, FlatParams of every parameter, or None when some slot of the
+        # layout is not one of ours: then a receive plans its copies per tensor)
+        self._flat: tuple[Any, Any] | None = None
 
     def _resolve_decode(self, decode: str) -> str:
         if decode not in DECODE_MODES:
@@ -412,7 +414,8 @@ class NativeEngine(Engine):
                 from services.common.weights.layout import layout_from_plan
 
                 self.flatten_parameters(layout_from_plan(plan))
-            params = {n: p.data for n, p in self.named_parameters().items()}
+            params = self._flat[1] if self._flat is not None and self._flat[1] is not None else \
+                {n: p.data for n, p in self.named_parameters().items()}
             stats = receiver.receive(plan, rank_offset, params)
             names = {m.name for b in plan.buckets for m in b.tensors}
             self._params_without_values -= names
@@ -424,7 +427,7 @@ class NativeEngine(Engine):
         out like the trainer's buckets (cuda_ipc.flat_views), so a cuda_ipc receive copies each bucket with
         one copy. Values are kept. Idempotent for the same layout; returns how many parameters moved.
         Call it where no forward pass runs (receive_weights does, under the gate)."""
-        from services.common.weights.cuda_ipc import flat_views
+        from services.common.weights.cuda_ipc import FlatParams, flat_views
 
         if self._flat is not None and self._flat[0] == layout.key:
             return 0
@@ -443,7 +446,9 @@ class NativeEngine(Engine):
                 views[slot.name].copy_(param.data)
                 param.data = views[slot.name]
                 moved += 1
-        self._flat = (layout.key, flat)
+        complete = len(wanted) == len(layout.order)
+        self._flat = (layout.key, FlatParams({n: p.data for n, p in self.named_parameters().items()}, flat=flat,
+                                             layout_key=layout.key) if complete else None)
         self._drop_runners()
         return moved
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common import tracing
+from services.common.devices import cuda_reserved_bytes
 from services.common.config import SamplingConfig, TandemConfig
 from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.grpc_util import ServerOptions, map_errors, start_server
@@ -112,7 +113,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.RolloutState(engine=e.engine, model_path=e.model_path, weight_version=e.weight_version,
                                         paused=e.paused, memory_released=bool(e.released_memory),
                                         generated_samples=e.generated_samples, device=e.device, producer=s.producer,
-                                        in_flight=e.in_flight)
+                                        in_flight=e.in_flight, gpu_memory_reserved_bytes=cuda_reserved_bytes())
 
 
 def startup_problem(config: TandemConfig, replica: int) -> str | None:

@@ -401,6 +401,8 @@ class RolloutService:
         self.engine.resume()
 
     def release_memory(self, tags: Sequence[str] = ()) -> None:
+        if self._receiver is not None:
+            self._receiver.release()   # a kept mapping would keep the trainer's freed buffers on the GPU
         self.engine.release_memory(tuple(tags))
 
     def resume_memory(self, tags: Sequence[str] = ()) -> None:

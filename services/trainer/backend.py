@@ -205,6 +205,8 @@ class DeepSpeedBackend:
 
         self.engine.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=self.device.type == "cuda",
                                    non_blocking=False)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()   # hand the freed blocks back, so the engines on this GPU can use them
         self.offloaded = True
         return "parameters, gradients and optimizer states moved to host memory"
 

@@ -24,6 +24,7 @@ import torch
 from google.protobuf import json_format
 
 from services.common.buffer import BufferEntry, RolloutBuffer, connect, stream_key
+from services.common.devices import cuda_reserved_bytes
 from services.common.config import TandemConfig
 from services.common.gen.tandem.v1 import common_pb2, trainer_pb2
 from services.common.grpc_util import FailedPrecondition
@@ -499,6 +500,8 @@ class TrainerService:
             return common_pb2.Ack(ok=True, message=self._run({"cmd": "onload"}))
 
     def _exec_offload(self, header: dict[str, Any], payloads: list[bytes]) -> str:
+        for publisher in self._publishers.values():
+            publisher.release()   # cuda_ipc buckets: the next sync allocates them again
         return self.backend.offload()
 
     def _exec_onload(self, header: dict[str, Any], payloads: list[bytes]) -> str:
@@ -508,4 +511,5 @@ class TrainerService:
         return trainer_pb2.TrainerState(role=self.role, step=self.step, last_rollout_id=self.last_rollout_id,
                                         weight_version=self.weight_version, world_size=self.dist.world_size,
                                         zero_stage=self.config.trainer.zero_stage, offloaded=self.backend.offloaded,
-                                        device=str(self.dist.device), samples_trained=self.samples_trained)
+                                        device=str(self.dist.device), samples_trained=self.samples_trained,
+                                        gpu_memory_reserved_bytes=cuda_reserved_bytes())

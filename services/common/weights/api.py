@@ -169,6 +169,12 @@ class WeightReceiver:
             raise WeightSyncError(f"{where}: {len(bad)} tensor(s) differ from the trainer's checksums: "
                                   f"{', '.join(bad[:_MAX_LISTED])}")
 
+    def release(self) -> None:
+        """The engine gives its GPU memory away: let go of the trainer's memory too (kept IPC mappings)."""
+        with self._lock:
+            for transport in self._transports.values():
+                transport.release()
+
     def close(self) -> None:
         with self._lock:
             for transport in self._transports.values():

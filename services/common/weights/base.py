@@ -130,6 +130,9 @@ class ReceiverTransport(ABC):
     def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
         """Tell the trainer this receiver will not take part, so it fails now instead of at its deadline."""
 
+    def release(self) -> None:
+        """Drop what holds device memory between syncs (cuda_ipc: the kept mapping of the trainer's buffers)."""
+
     def close(self) -> None:
         """Tear down whatever the transport keeps between syncs."""
 

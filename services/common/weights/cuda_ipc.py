@@ -10,17 +10,18 @@ Step by step:
   publish (trainer)   copies tensors into the buckets, synchronizes the device, says go, then waits until every
                       engine rank confirms (done) — an abort or the deadline fails it.
   receive (engine)    maps the handles (`UntypedStorage._new_shared_cuda`, once per allocation: every bucket
-                      lives in the same one), copies into params, synchronizes, drops the mappings (unless
-                      TANDEM_CUDA_IPC_KEEP_MAPPED=1), posts done.
+                      lives in the same one), copies into params, synchronizes, posts done. The mapping is
+                      kept while the trainer's handles stay the same (saves the open, ~0.5 ms a GiB) and
+                      dropped when the engine releases its memory (`release()`), a sync brings other handles,
+                      or TANDEM_CUDA_IPC_KEEP_MAPPED=0.
 Copies are coalesced on both sides (`_Runs`): consecutive tensors whose source and destination bytes both
-continue the previous tensor's are one copy. A receiver whose params are views of one buffer laid out like
-the buckets (`flat_views`; NativeEngine.flatten_parameters) thus copies each bucket with one cudaMemcpy, and a
-trainer whose params are views of a flat buffer in spec order (DeepSpeed's flat bf16 groups) fills each bucket
-with one; anything else falls back to a copy per tensor. Bucket starts are aligned to `ALIGN` bytes.
-With TANDEM_CUDA_IPC_KEEP_MAPPED=1 a receiver keeps the mapping open between syncs while the trainer's
-handles stay the same (saves the open, ~0.5 ms a GiB), at the price of keeping the trainer's buffer alive
-until a sync with other handles or close() — leave it off where trainer and engine share a GPU and the
-trainer frees its buffers between syncs.
+continue the previous tensor's are one copy. A receiver whose params are a `FlatParams` (views of one buffer
+laid out like the buckets: `flat_views`, NativeEngine.flatten_parameters) gets whole bucket spans with no
+per-tensor work — one copy for all buckets, since the trainer's buckets share one allocation at the same
+starts. A trainer whose params are views of a flat buffer in spec order (DeepSpeed's flat bf16 groups) fills
+the buckets with one copy; anything else falls back to a copy per tensor. Bucket starts are aligned to
+`ALIGN` bytes. A trainer that offloads frees its buckets (`release()`); a receiver's kept mapping would hold
+that memory until the next sync, which is why the engine drops it when it releases memory.
 The buffers stay alive on the trainer after publish (receivers confirmed they are done) until a prepare with a
 different layout, `release()` or `close()`. Lifetime follows that explicit handshake rather than torch's
 cross-process refcount (which counts one mapping per share, while here every receiver maps every bucket on
@@ -82,7 +83,8 @@ def bucket_starts(layout: Layout) -> tuple[list[int], int]:
 def flat_views(layout: Layout, device: torch.device | str,
                names: set[str] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One uint8 buffer holding every bucket (bucket_starts) and a typed view per tensor (of `names`, default
-    all) at its slot: params re-pointed to these views receive a bucket with one copy."""
+    all) at its slot: params re-pointed to these views receive a bucket with one copy. With every slot's view
+    the mapping is a FlatParams (a receive then copies whole bucket spans)."""
     starts, total = bucket_starts(layout)
     flat = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
     views = {}
@@ -91,7 +93,39 @@ def flat_views(layout: Layout, device: torch.device | str,
         for slot in bucket.tensors:
             if names is None or slot.name in names:
                 views[slot.name] = _typed(region, slot)
+    if len(views) == len(layout.order):
+        return flat, FlatParams(views, flat=flat, layout_key=layout.key)
     return flat, views
+
+
+class FlatParams(dict):
+    """A receiver's params (name -> tensor, usable by every transport) that are views of one uint8 buffer laid
+    out by `bucket_starts(layout)` for the layout with key `layout_key`, every slot of it included. A cuda_ipc
+    receive into them copies whole bucket spans with no per-tensor work: one copy when the trainer's buckets
+    come from one allocation at the same starts (as `_SharedBuckets` lays them)."""
+
+    def __init__(self, views: Mapping[str, torch.Tensor], *, flat: torch.Tensor, layout_key: object):
+        super().__init__(views)
+        self.flat = flat
+        self.layout_key = layout_key
+
+
+def flat_spans(*, sizes: list[int], dst_starts: list[int],
+               sources: list[tuple[object, int]]) -> list[tuple[object, int, int, int]]:
+    """Copies (source allocation, source offset, destination offset, bytes) that move every bucket i
+    (`sizes[i]` bytes from `sources[i]` = (allocation, offset) to `dst_starts[i]`), merging a bucket into the
+    previous copy when it lies at the same distance in the same allocation on both sides; the gap between
+    them (alignment padding) is then copied too, which is harmless. Empty buckets need no copy."""
+    spans: list[list] = []
+    for size, dst, (alloc, src) in zip(sizes, dst_starts, sources):
+        if not size:
+            continue
+        last = spans[-1] if spans else None
+        if last is not None and last[0] == alloc and src - last[1] == dst - last[2] and dst >= last[2] + last[3]:
+            last[3] = dst + size - last[2]
+            continue
+        spans.append([alloc, src, dst, size])
+    return [(a, s, d, n) for a, s, d, n in spans]
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -291,7 +325,7 @@ class CudaIpcReceiver(ReceiverTransport):
     def __init__(self, *, keep_mapped: bool | None = None) -> None:
         self._stores: dict[tuple[str, int], object] = {}
         if keep_mapped is None:
-            keep_mapped = os.environ.get("TANDEM_CUDA_IPC_KEEP_MAPPED", "") == "1"
+            keep_mapped = os.environ.get("TANDEM_CUDA_IPC_KEEP_MAPPED", "1") != "0"
         self._keep_mapped = keep_mapped
         self._kept: dict[tuple, torch.Tensor] = {}     # mapped allocations kept between syncs (keep_mapped)
         self.last_copies = 0                           # copies the last receive needed (one per bucket at best)
@@ -334,10 +368,10 @@ class CudaIpcReceiver(ReceiverTransport):
             self._stores.clear()
             raise
 
-    def _map(self, plan: common_pb2.WeightSyncPlan, layout: Layout,
-             ctx: SyncContext) -> list[torch.Tensor | None]:
-        """A uint8 view of each bucket (None for empty ones). Buckets exported from one allocation are mapped
-        with one open covering all of them."""
+    def _map_allocations(self, plan: common_pb2.WeightSyncPlan, layout: Layout,
+                         ctx: SyncContext) -> dict[tuple[int, bytes], tuple[int, torch.Tensor]]:
+        """(device, handle) -> (lo, uint8 view of the allocation from byte `lo`): every allocation the buckets
+        live in, mapped with one open covering all of its buckets (or kept from the last sync)."""
         spans: dict[tuple[int, bytes], list[int]] = {}
         for bucket, wb in zip(layout.buckets, plan.buckets):
             if not bucket.nbytes:
@@ -363,21 +397,46 @@ class CudaIpcReceiver(ReceiverTransport):
             mapped[(device, raw)] = (lo, view, cache_key)
         if self._keep_mapped:
             self._kept = {cache_key: view for lo, view, cache_key in mapped.values()}
+        return {key: (lo, view) for key, (lo, view, _) in mapped.items()}
+
+    @staticmethod
+    def _bucket_views(plan: common_pb2.WeightSyncPlan, layout: Layout,
+                      mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]]) -> list[torch.Tensor | None]:
+        """A uint8 view of each bucket (None for empty ones)."""
         out: list[torch.Tensor | None] = []
         for bucket, wb in zip(layout.buckets, plan.buckets):
             if not bucket.nbytes:
                 out.append(None)
                 continue
-            lo, view, _ = mapped[(_local_device(wb.ipc), bytes(wb.ipc.handle))]
+            lo, view = mapped[(_local_device(wb.ipc), bytes(wb.ipc.handle))]
             start = wb.ipc.storage_offset_bytes - lo
             out.append(view[start: start + bucket.nbytes])
         return out
 
+    @staticmethod
+    def _copy_flat(plan: common_pb2.WeightSyncPlan, layout: Layout, flat: torch.Tensor,
+                   mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]]) -> int:
+        """Whole bucket spans into a FlatParams buffer; returns the number of copies."""
+        sources = [((_local_device(wb.ipc), bytes(wb.ipc.handle)), wb.ipc.storage_offset_bytes)
+                   for wb in plan.buckets]
+        spans = flat_spans(sizes=[b.nbytes for b in layout.buckets], dst_starts=bucket_starts(layout)[0],
+                           sources=sources)
+        for alloc, src, dst, nbytes in spans:
+            lo, view = mapped[alloc]   # type: ignore[index]
+            flat[dst: dst + nbytes].copy_(view[src - lo: src - lo + nbytes])
+        return len(spans)
+
     def _copy(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, params: Mapping[str, torch.Tensor],
               ctx: SyncContext) -> None:
         views: list[torch.Tensor | None] = []
+        mapped: dict = {}
         try:
-            views = self._map(plan, layout, ctx)
+            mapped = self._map_allocations(plan, layout, ctx)
+            if isinstance(params, FlatParams) and params.layout_key == layout.key:
+                self.last_copies = self._copy_flat(plan, layout, params.flat, mapped)
+                torch.cuda.synchronize(params.flat.device)   # copies done before the trainer may reuse its buffers
+                return
+            views = self._bucket_views(plan, layout, mapped)
             # the recipe depends only on where each param lives (shapes and dtypes match the plan, checked)
             key = (tuple(params[s.name].data_ptr() for s in layout.order), tuple(len(b.tensors) for b in layout.buckets))
             if self._recipe is None or self._recipe[0] != key:
@@ -401,6 +460,11 @@ class CudaIpcReceiver(ReceiverTransport):
             raise WeightSyncError(ctx.message(f"mapping or copying the trainer's buffers failed: {exc}")) from exc
         finally:
             views.clear()
+            mapped.clear()
+
+    def release(self) -> None:
+        """Unmap the trainer's buffers kept between syncs, so that memory the trainer frees is really free."""
+        self._kept.clear()
 
     def close(self) -> None:
         self._kept.clear()

@@ -85,11 +85,14 @@ class _Worker:
         specs = specs_from_json(cmd["specs"])
         device = cmd.get("device", "cpu")
         plan = plan_from_text(cmd["plan"])
-        key = (tuple(specs), device, bool(cmd.get("flat")))
+        flat = cmd.get("flat")
+        key = (tuple(specs), device, flat)
         if key != self.params_key:   # the engine keeps its params between syncs
-            if cmd.get("flat"):      # params as views of one buffer laid out like the plan's buckets
+            if flat:                 # params as views of one buffer laid out like the plan's buckets
                 from services.common.weights.cuda_ipc import flat_views
                 self.params = flat_views(layout_from_plan(plan), device)[1]
+                if flat == "recipe":     # the same views as a plain mapping: copies planned per tensor
+                    self.params = dict(self.params)
             else:
                 self.params = {s.name: torch.zeros(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in specs}
             self.params_key = key

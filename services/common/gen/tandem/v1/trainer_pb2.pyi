@@ -146,7 +146,7 @@ class PublishWeightsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., time_s: _Optional[float] = ...) -> None: ...
 
 class TrainerState(_message.Message):
-    __slots__ = ("role", "step", "last_rollout_id", "weight_version", "world_size", "zero_stage", "offloaded", "device", "samples_trained")
+    __slots__ = ("role", "step", "last_rollout_id", "weight_version", "world_size", "zero_stage", "offloaded", "device", "samples_trained", "gpu_memory_reserved_bytes")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LAST_ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class TrainerState(_message.Message):
     OFFLOADED_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     role: str
     step: int
     last_rollout_id: int
@@ -165,4 +166,5 @@ class TrainerState(_message.Message):
     offloaded: bool
     device: str
     samples_trained: int
-    def __init__(self, role: _Optional[str] = ..., step: _Optional[int] = ..., last_rollout_id: _Optional[int] = ..., weight_version: _Optional[int] = ..., world_size: _Optional[int] = ..., zero_stage: _Optional[int] = ..., offloaded: _Optional[bool] = ..., device: _Optional[str] = ..., samples_trained: _Optional[int] = ...) -> None: ...
+    gpu_memory_reserved_bytes: int
+    def __init__(self, role: _Optional[str] = ..., step: _Optional[int] = ..., last_rollout_id: _Optional[int] = ..., weight_version: _Optional[int] = ..., world_size: _Optional[int] = ..., zero_stage: _Optional[int] = ..., offloaded: _Optional[bool] = ..., device: _Optional[str] = ..., samples_trained: _Optional[int] = ..., gpu_memory_reserved_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,108 @@
+"""Full `tandem run`s on one GPU: trainer and native engine share the device, weights move by CUDA IPC.
+
+    python bench/gpu_run.py [--steps 60] [--out DIR]
+
+Runs examples/digit_max_gpu.yaml twice:
+  async         one step off-policy: generation of step i+1 overlaps training of step i
+  sync_offload  sync mode, trainer offloaded after each step and the engine's memory released while it trains
+and prints, per run, the eval reward before and after, the median per-step time breakdown and (sync_offload)
+the GPU memory each side holds while the other works. Writes gpu_run.md and each run's metrics under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "examples" / "digit_max_gpu.yaml"
+RUNS = {
+    "async": [],
+    "sync_offload": ["loop.mode=sync", "loop.offload_train=true", "loop.offload_rollout=true"],
+}
+BREAKDOWN = [   # (metric, label): the parts of a step, as the coordinator measured them
+    ("perf/step_time_s", "step"),
+    ("perf/rollout_wait_s", "wait for rollout"),
+    ("perf/generate_time_s", "generate"),
+    ("perf/train_time_s", "train"),
+    ("perf/weight_sync_time_s", "weight sync"),
+    ("perf/rollout_release_s", "engine release"),
+]
+MEMORY = [
+    ("memory/trainer_gpu_gb_training", "trainer GPU GiB, training"),
+    ("memory/trainer_gpu_gb_offloaded", "trainer GPU GiB, offloaded"),
+    ("memory/rollout_gpu_gb_released", "engine GPU GiB, released"),
+]
+
+
+def run_one(name: str, overrides: list[str], *, steps: int, out: Path) -> dict:
+    run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    sets = [a for o in [f"loop.num_rollout={steps}", *overrides] for a in ("--set", o)]
+    cmd = [sys.executable, "-m", "services.cli", "run", str(CONFIG), "--run-dir", str(run_dir), "--no-progress", *sets]
+    t = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    wall = time.monotonic() - t
+    if proc.returncode != 0:
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
+        raise SystemExit(f"{name}: tandem run exited {proc.returncode}\n{proc.stderr[-3000:]}\n{logs}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"name": name, "wall_s": wall, "steps": [r for r in rows if "perf/step_time_s" in r],
+            "evals": [r for r in rows if "eval/reward_mean" in r], "run_dir": run_dir}
+
+
+def median(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows[2:] if key in r]   # the first steps include CUDA-graph capture
+    return statistics.median(values) if values else None
+
+
+def report(results: list[dict]) -> str:
+    names = [r["name"] for r in results]
+    lines = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+
+    def row(label: str, cells: list[str]) -> None:
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    row("steps", [str(len(r["steps"])) for r in results])
+    row("wall s (start-up included)", [f"{r['wall_s']:.1f}" for r in results])
+    row("eval reward, before training", [f"{r['evals'][0]['eval/reward_mean']:.3f}" for r in results])
+    row("eval reward, after the last step", [f"{r['evals'][-1]['eval/reward_mean']:.3f}" for r in results])
+    row("train reward, first 5 → last 5 steps",
+        [f"{statistics.mean(s['rollout/reward_mean'] for s in r['steps'][:5]):.3f} → "
+         f"{statistics.mean(s['rollout/reward_mean'] for s in r['steps'][-5:]):.3f}" for r in results])
+    for key, label in BREAKDOWN:
+        cells = [median(r["steps"], key) for r in results]
+        row(f"median {label} ms", ["–" if c is None else f"{1000 * c:.1f}" for c in cells])
+    row("median weight sync GB/s", [f"{median(r['steps'], 'perf/weight_sync_gbps') or 0:.1f}" for r in results])
+    row("verified tensors per sync", [f"{median(r['steps'], 'weights/verified_tensors') or 0:.0f}" for r in results])
+    for key, label in MEMORY:
+        cells = [median(r["steps"], key) for r in results]
+        row(label, ["–" if c is None else f"{c:.3f}" for c in cells])
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "runs" / "gpu_run")))
+    parser.add_argument("--only", choices=list(RUNS), nargs="*", default=list(RUNS))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = [run_one(name, RUNS[name], steps=args.steps, out=args.out) for name in args.only]
+    table = report(results)
+    print(table)
+    (args.out / "gpu_run.md").write_text(table + "\n")
+    for r in results:
+        shutil.copy(r["run_dir"] / "metrics.jsonl", args.out / f"metrics_{r['name']}.jsonl")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
