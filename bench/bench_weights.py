@@ -123,25 +123,30 @@ def gpu_tensors(specs: list[TensorSpec], *, flat: bool) -> dict[str, torch.Tenso
     return views
 
 
-def d2d_copy_s(nbytes: int, repeats: int) -> float:
+def d2d_copy_s(nbytes: int, repeats: int) -> tuple[float, float]:
+    """One copy_ of the bytes: (device time by CUDA events, host wall time of launch + synchronize)."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    times = []
+    times, walls = [], []
     for i in range(repeats + 2):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
         start.record()
         dst.copy_(src)
         end.record()
         end.synchronize()
+        wall = time.perf_counter() - t
         if i >= 2:
             times.append(start.elapsed_time(end) / 1e3)
+            walls.append(wall)
     assert torch.equal(dst[-4096:], src[-4096:])
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(walls)
 
 
 def handoff_row(*, publisher: WeightPublisher, peer: Peer, specs: list[TensorSpec], tensors: dict[str, torch.Tensor],
                 flat_receiver: bool | str, repeats: int) -> dict[str, float]:
-    recv_s, wall_s, copies, identical = [], [], 0, False
+    recv_s, wall_s, copies, identical, timings = [], [], 0, False, []
     for version in range(repeats + 1):
         verify = version == 0
         plan = publisher.prepare(specs, version, 1, verify)
@@ -159,7 +164,9 @@ def handoff_row(*, publisher: WeightPublisher, peer: Peer, specs: list[TensorSpe
         recv_s.append(got["stats"]["seconds"])
         wall_s.append(wall)
         copies = got.get("copies", 0)
-    return {"recv_s": statistics.median(recv_s), "wall_s": statistics.median(wall_s), "copies": copies,
+        timings.append(got.get("timings", {}))
+    parts = {k: statistics.median(t.get(k, 0.0) for t in timings) for k in ("map_s", "launch_s", "sync_s", "done_post_s")}
+    return {"recv_s": statistics.median(recv_s), "wall_s": statistics.median(wall_s), "copies": copies, **parts,
             "send_copies": publisher._transport.last_copies, "buckets": len(plan.buckets), "identical": identical}
 
 
@@ -169,7 +176,7 @@ def handoff_main(args: argparse.Namespace) -> int:
         return 2
     specs = qwen2_05b_specs()
     nbytes = sum(s.nbytes for s in specs)
-    d2d = d2d_copy_s(nbytes, repeats=max(args.repeats, 10))
+    d2d, d2d_wall = d2d_copy_s(nbytes, repeats=max(args.repeats, 10))
     config = WeightsConfig(transport="cuda_ipc", bucket_mb=args.bucket_mb[-1], timeout_s=120)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
@@ -199,7 +206,8 @@ def handoff_main(args: argparse.Namespace) -> int:
     print(f"\nsame-GPU weight hand-off, cuda_ipc, Qwen2-0.5B-shaped bf16: {len(specs)} tensors, "
           f"{nbytes / 2**20:.1f} MiB, bucket {args.bucket_mb[-1]:g} MB, {torch.cuda.get_device_name()}, "
           f"median of {args.repeats}")
-    print(f"torch D2D copy of the same bytes (one copy_): {d2d * 1e3:.3f} ms = {nbytes / d2d / 1e9:.0f} GB/s\n")
+    print(f"torch D2D copy of the same bytes (one copy_): {d2d * 1e3:.3f} ms by CUDA events = {nbytes / d2d / 1e9:.0f} "
+          f"GB/s; {d2d_wall * 1e3:.3f} ms host wall (launch + synchronize)\n")
     print(f"| {'sender -> receiver':44} | buckets | send copies | recv copies | bit-identical | recv ms | "
           f"recv / D2D | publish wall ms |")
     print(f"|{'-' * 46}|---------|-------------|-------------|---------------|---------|------------|-----------------|")
@@ -207,6 +215,11 @@ def handoff_main(args: argparse.Namespace) -> int:
         print(f"| {name:44} | {r['buckets']:7} | {r['send_copies']:11} | {r['copies']:11} | "
               f"{'yes' if r['identical'] else 'NO':13} | {r['recv_s'] * 1e3:7.3f} | {r['recv_s'] / d2d:10.2f} | "
               f"{r['wall_s'] * 1e3:15.3f} |")
+    print(f"\nwhere the receiver's time went (ms, medians)\n\n| {'sender -> receiver':44} | map   | launch | sync  | "
+          f"done post | recv / D2D wall |\n|{'-' * 46}|-------|--------|-------|-----------|-----------------|")
+    for name, r in rows:
+        print(f"| {name:44} | {r['map_s'] * 1e3:5.3f} | {r['launch_s'] * 1e3:6.3f} | {r['sync_s'] * 1e3:5.3f} | "
+              f"{r['done_post_s'] * 1e3:9.3f} | {r['recv_s'] / d2d_wall:15.2f} |")
     return 0 if all(r["identical"] for _, r in rows) else 1
 
 

@@ -6,7 +6,8 @@ Runs examples/digit_max_gpu.yaml twice:
   async         one step off-policy: generation of step i+1 overlaps training of step i
   sync_offload  sync mode, trainer offloaded after each step and the engine's memory released while it trains
 and prints, per run, the eval reward before and after, the median per-step time breakdown and (sync_offload)
-the GPU memory each side holds while the other works. Writes gpu_run.md and each run's metrics under --out.
+the GPU memory each side holds while the other works. Run dirs go under --work; gpu_run.md and each run's
+metrics.jsonl are copied to --out.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ MEMORY = [
 ]
 
 
-def run_one(name: str, overrides: list[str], *, steps: int, out: Path) -> dict:
-    run_dir = out / name
+def run_one(name: str, overrides: list[str], *, steps: int, work: Path) -> dict:
+    run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [a for o in [f"loop.num_rollout={steps}", *overrides] for a in ("--set", o)]
     cmd = [sys.executable, "-m", "services.cli", "run", str(CONFIG), "--run-dir", str(run_dir), "--no-progress", *sets]
@@ -92,10 +93,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "runs" / "gpu_run")))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/tandem-gpu-run"), help="where the run dirs go")
     parser.add_argument("--only", choices=list(RUNS), nargs="*", default=list(RUNS))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [run_one(name, RUNS[name], steps=args.steps, out=args.out) for name in args.only]
+    results = [run_one(name, RUNS[name], steps=args.steps, work=args.work) for name in args.only]
     table = report(results)
     print(table)
     (args.out / "gpu_run.md").write_text(table + "\n")

@@ -1,6 +1,6 @@
 """Every GPU check in one call: the GPU tests, the same-GPU weight hand-off bench and the native engine bench.
 
-    python bench/gpu_suite.py [--out DIR] [--only handoff engine engine_compile tests] [--quick]
+    python bench/gpu_suite.py [--out DIR] [--only handoff engine engine_compile tests trainer_tests run] [--quick]
 
 Each stage runs as its own process with its own time limit, so one hang cannot take the others down; its
 full output goes to DIR/<stage>.log and a markdown summary (command, exit code, seconds, the stage's tables
@@ -24,24 +24,29 @@ PY = sys.executable
 GPU_TESTS = ["tests/test_rollout_gpu.py", "tests/test_weights_cuda.py"]
 
 
-def stages(quick: bool) -> dict[str, tuple[list[str], int]]:
-    """name -> (command, time limit in seconds)."""
+def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, str]]]:
+    """name -> (command, time limit in seconds, extra environment)."""
     tests = sorted({*GPU_TESTS, *(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_*_gpu*.py"))})
     engine = [PY, "bench/bench_native_engine.py", "--preset", "qwen2-0.5b", "--device", "cuda", "--dtype",
               "bfloat16", "--batch", "256", "--prompt-len", "64", "--new-tokens", "128",
               "--repeats", "1" if quick else "2", "--warmup", "0" if quick else "1"]
+    pytest = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     return {   # benches first: the limits of the later stages absorb a slow start
-        "handoff": ([PY, "bench/bench_weights.py", "--handoff", "--repeats", "10", "--bucket-mb", "64"], 55),
-        "engine": ([*engine, "--decode", "dynamic", "graph"], 55),
-        "engine_compile": ([*engine, "--decode", "compile"], 95),   # its first call compiles (inductor)
-        "tests": ([PY, "-m", "pytest", "--noconftest", "-q", "-p", "no:cacheprovider", "-o", "timeout=80", *tests],
-                  85),
+        "handoff": ([PY, "bench/bench_weights.py", "--handoff", "--repeats", "10", "--bucket-mb", "64"], 100, {}),
+        "engine": ([*engine, "--decode", "dynamic", "graph"], 55, {}),
+        "engine_compile": ([*engine, "--decode", "compile"], 95, {}),   # its first call compiles (inductor)
+        "tests": ([*pytest, "--noconftest", "-o", "timeout=80", *tests], 85, {}),
+        # the trainer's own tests on the GPU (DeepSpeed bf16/fp32, offload freeing memory); needs redis-server
+        "trainer_tests": ([*pytest, "-o", "timeout=100", "tests/test_trainer_service.py"], 150,
+                          {"TANDEM_TEST_TRAINER_DEVICE": "cuda"}),
+        # full `tandem run`s sharing the GPU through cuda_ipc (needs deepspeed, redis, opentelemetry)
+        "run": ([PY, "bench/gpu_run.py", "--steps", "40", "--out", str(out / "run")], 300, {}),
     }
 
 
-def run_stage(name: str, cmd: list[str], limit_s: int, out: Path) -> dict:
+def run_stage(name: str, cmd: list[str], limit_s: int, out: Path, extra_env: dict[str, str]) -> dict:
     started = time.monotonic()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra_env}
     with open(out / f"{name}.log", "w") as log:
         try:
             rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=limit_s).returncode
@@ -55,7 +60,7 @@ def run_stage(name: str, cmd: list[str], limit_s: int, out: Path) -> dict:
 def summary_lines(stage: dict) -> list[str]:
     """pytest: its result lines; benches: the table and the lines describing it."""
     lines = stage["text"].splitlines()
-    if stage["name"] == "tests":
+    if stage["name"].endswith("tests"):
         keep = [ln for ln in lines if ln.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL"))
                 or any(w in ln for w in (" passed", " failed", " skipped", " error")) or ln.startswith("E ")]
         return ["```", *keep[-40:], "```"]
@@ -86,12 +91,13 @@ def write_summary(results: list[dict], out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "bench" / "gpu_suite_out"))
-    parser.add_argument("--only", nargs="+", choices=["tests", "handoff", "engine", "engine_compile"], default=None)
+    parser.add_argument("--only", nargs="+", default=None,
+                        choices=["tests", "handoff", "engine", "engine_compile", "trainer_tests", "run"])
     parser.add_argument("--quick", action="store_true", help="fewer repeats in the engine bench")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [run_stage(name, cmd, limit, args.out) for name, (cmd, limit) in stages(args.quick).items()
-               if args.only is None or name in args.only]
+    results = [run_stage(name, cmd, limit, args.out, env) for name, (cmd, limit, env) in
+               stages(args.quick, args.out).items() if args.only is None or name in args.only]
     print(write_summary(results, args.out))
     return 0 if all(r["rc"] == 0 for r in results) else 1
 

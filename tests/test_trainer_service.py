@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest_trainer import TrainerHarness, make_batch, tiny_model_dir, trainer_config  # noqa: F401
+from conftest_trainer import DEVICE, TrainerHarness, make_batch, tiny_model_dir, trainer_config  # noqa: F401
 
 from services.common.buffer import EntryNotFoundError
 from services.common.gen.tandem.v1 import common_pb2
@@ -98,9 +98,12 @@ def test_micro_batch_split_does_not_change_the_update(harness, tiny_model_dir): 
     for key in ("loss", "grad_norm", "entropy"):
         assert m_small[key] == pytest.approx(m_big[key], rel=1e-5), key
     # Adam's first step moves every weight by about lr (1e-2) whatever the gradient's size, so
-    # near-zero gradients turn float-order noise into small absolute differences (seen: 2e-5 on a GPU)
+    # near-zero gradients turn float-order noise into small absolute differences (seen on an H200: up to
+    # 1.3e-4 in 1 of 8192 elements, from cuBLAS' shape-dependent reduction order; a tenth of lr still
+    # catches a micro-batch that is dropped or counted twice)
+    atol = 5e-5 if DEVICE == "cpu" else 1e-3
     for name in w_small:
-        torch.testing.assert_close(w_small[name], w_big[name], rtol=1e-4, atol=5e-5)
+        torch.testing.assert_close(w_small[name], w_big[name], rtol=1e-4, atol=atol)
 
 
 def test_half_written_checkpoint_is_ignored_and_retention_keeps_last(harness, tmp_path):

@@ -329,6 +329,7 @@ class CudaIpcReceiver(ReceiverTransport):
         self._keep_mapped = keep_mapped
         self._kept: dict[tuple, torch.Tensor] = {}     # mapped allocations kept between syncs (keep_mapped)
         self.last_copies = 0                           # copies the last receive needed (one per bucket at best)
+        self.last_timings: dict[str, float] = {}       # where the last receive's time went (map, copy, sync, post)
         self._recipe: tuple[tuple, list] | None = None # (where the params were, the copies for that)
 
     @staticmethod
@@ -362,7 +363,9 @@ class CudaIpcReceiver(ReceiverTransport):
             rendezvous.await_go(ctl, version=plan.version, deadline=deadline, ctx=ctx)
             waited = time.monotonic() - started
             self._copy(plan=plan, layout=layout, params=params, ctx=ctx)
+            t = time.perf_counter()
             rendezvous.post(ctl, version=plan.version, kind="done", rank=rank, value="1", ctx=ctx)
+            self.last_timings["done_post_s"] = time.perf_counter() - t
             return Received(waited_s=waited)
         except BaseException:
             self._stores.clear()
@@ -431,10 +434,14 @@ class CudaIpcReceiver(ReceiverTransport):
         views: list[torch.Tensor | None] = []
         mapped: dict = {}
         try:
+            t0 = time.perf_counter()
             mapped = self._map_allocations(plan, layout, ctx)
+            t1 = time.perf_counter()
             if isinstance(params, FlatParams) and params.layout_key == layout.key:
                 self.last_copies = self._copy_flat(plan, layout, params.flat, mapped)
+                t2 = time.perf_counter()
                 torch.cuda.synchronize(params.flat.device)   # copies done before the trainer may reuse its buffers
+                self.last_timings = {"map_s": t1 - t0, "launch_s": t2 - t1, "sync_s": time.perf_counter() - t2}
                 return
             views = self._bucket_views(plan, layout, mapped)
             # the recipe depends only on where each param lives (shapes and dtypes match the plan, checked)
@@ -450,8 +457,10 @@ class CudaIpcReceiver(ReceiverTransport):
                 else:
                     params[slot.name].copy_(_typed(view, slot))
             self.last_copies = len(self._recipe[1])
+            t2 = time.perf_counter()
             for device in {v.device for v in views if v is not None}:
                 torch.cuda.synchronize(device)   # copies done before the trainer may reuse the buffers
+            self.last_timings = {"map_s": t1 - t0, "launch_s": t2 - t1, "sync_s": time.perf_counter() - t2}
         except WeightSyncError:
             self._kept.clear()
             raise

@@ -101,6 +101,8 @@ class _Worker:
         transport = self.receiver._transports.get(plan.transport)
         if hasattr(transport, "last_copies"):
             reply["copies"] = transport.last_copies
+        if hasattr(transport, "last_timings"):
+            reply["timings"] = dict(transport.last_timings)
         if cmd.get("seed") is not None:
             expected = make_tensors(specs, seed=cmd["seed"])
             reply["unequal"] = [n for n, t in expected.items()
