@@ -35,6 +35,9 @@ BREAKDOWN = [   # (metric, label): the parts of a step, as the coordinator measu
     ("perf/train_time_s", "train"),
     ("perf/weight_sync_time_s", "weight sync"),
     ("perf/rollout_release_s", "engine release"),
+    ("perf/rollout_resume_s", "engine resume"),
+    ("perf/trainer_offload_s", "trainer offload"),
+    ("perf/trainer_onload_s", "trainer onload"),
 ]
 MEMORY = [
     ("memory/trainer_gpu_gb_training", "trainer GPU GiB, training"),

@@ -1,6 +1,6 @@
 """Every GPU check in one call: the GPU tests, the same-GPU weight hand-off bench and the native engine bench.
 
-    python bench/gpu_suite.py [--out DIR] [--only handoff engine engine_compile tests trainer_tests run] [--quick]
+    python bench/gpu_suite.py [--out DIR] [--only handoff ipc_copy engine engine_compile tests trainer_tests run] [--quick]
 
 Each stage runs as its own process with its own time limit, so one hang cannot take the others down; its
 full output goes to DIR/<stage>.log and a markdown summary (command, exit code, seconds, the stage's tables
@@ -33,6 +33,8 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
     pytest = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     return {   # benches first: the limits of the later stages absorb a slow start
         "handoff": ([PY, "bench/bench_weights.py", "--handoff", "--repeats", "10", "--bucket-mb", "64"], 100, {}),
+        # the copy itself: from another process's IPC allocation next to a same-process D2D, by copy method
+        "ipc_copy": ([PY, "bench/bench_ipc_copy.py", "--repeats", "20"], 60, {}),
         "engine": ([*engine, "--decode", "dynamic", "graph"], 55, {}),
         "engine_compile": ([*engine, "--decode", "compile"], 95, {}),   # its first call compiles (inductor)
         "tests": ([*pytest, "--noconftest", "-o", "timeout=80", *tests], 85, {}),

@@ -116,7 +116,8 @@ def _wait(predicate, *, what: str, timeout_s: float = 120.0) -> None:  # type: i
 @pytest.mark.parametrize("name, overrides", [
     ("sync", ["loop.mode=sync"]),
     # colocated-style: trainer and engine hand their memory to each other every step
-    ("sync_offload", ["loop.mode=sync", "loop.offload_train=true", "loop.offload_rollout=true"]),
+    ("sync_offload", ["loop.mode=sync", "loop.offload_train=true", "loop.offload_rollout=true",
+                      "tracing.exporter=file"]),
     ("fully_async", ["loop.mode=fully_async", "loop.max_staleness=0"]),
     # more critic-only steps than the buffer holds: the actor's share of those batches must not hold the bound
     ("ppo_critic", ["algorithm.advantage_estimator=gae", "algorithm.num_critic_only_steps=3", "algorithm.lambd=0.95",
@@ -143,6 +144,16 @@ def test_loop_modes_run_to_completion(tmp_path, name, overrides):
         assert all(r["perf/rollout_release_s"] > 0 for r in steps)
         evals = [r["eval/reward_mean"] for r in metrics(run_dir) if "eval/reward_mean" in r]
         assert len(evals) == 2 and all(0.0 <= e <= 1.0 for e in evals)   # the engine evaluates after every resume
+        assert all(r["perf/trainer_offload_s"] > 0 and r["memory/trainer_gpu_gb_offloaded"] >= 0 for r in steps)
+        assert all(r["perf/trainer_onload_s"] > 0 for r in steps[1:]) and "perf/trainer_onload_s" not in steps[0]
+        # one offload and one onload per step: the trainer stays offloaded from after the sync until the next
+        # train (it once offloaded after train and onloaded again for the sync, so generation got nothing)
+        spans = sorted((json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()),
+                       key=lambda s: s["start_ns"])
+        order = [s["name"].removeprefix("rl.") for s in spans
+                 if (s["service"] == "tandem-coordinator" and s["name"] in ("rl.train", "rl.sync", "rl.offload", "rl.onload"))
+                 or (s["service"] == "tandem-rollout" and s["name"] == "rl.sample")]
+        assert order == ["sync", "sample", "train", "sync", "offload"] + ["sample", "onload", "train", "sync", "offload"] * 5
     if name == "fully_async":
         assert state["samples_dropped_stale"] > 0
         assert steps[-1]["rollout/stale_dropped_total"] == state["samples_dropped_stale"]

@@ -110,12 +110,14 @@ def test_nccl_cuda_two_gpus(tmp_path: Path):
 @pytest.mark.parametrize("keep_mapped", [False, True])
 def test_ipc_flat_receiver_copies_each_bucket_once(tmp_path: Path, keep_mapped: bool, flat):
     """Params laid out like the buckets (flat_views): bit-identical every sync, with one copy per bucket from a
-    plain mapping of the views ("recipe") and one copy for all buckets from the FlatParams."""
+    plain mapping of the views ("recipe") and one copy for all buckets from the FlatParams. A kept mapping is
+    dropped when the plan says the trainer frees its buffers after the sync (offload_train)."""
     publisher = _publisher(tmp_path, "cuda_ipc")
     peer = Peer(env={"TANDEM_CUDA_IPC_KEEP_MAPPED": "1" if keep_mapped else "0"})
     try:
         for version in (1, 2, 3):
             plan = publisher.prepare(SPECS, version, 1, True)
+            plan.buffers_freed_after = version == 3
             peer.send(op="receive", plan=plan_to_text(plan), rank=1, specs=specs_to_json(SPECS), seed=version,
                       device="cuda", flat=flat)
             tensors = _cuda_tensors(version)
@@ -123,6 +125,7 @@ def test_ipc_flat_receiver_copies_each_bucket_once(tmp_path: Path, keep_mapped: 
             got = peer.reply(timeout_s=120)
             assert got["ok"] and got["unequal"] == [] and got["stats"]["checksums"] == sent.checksums, got
             assert got["copies"] == (1 if flat is True else len([b for b in plan.buckets if b.nbytes]))
+            assert got["kept_mappings"] == (1 if keep_mapped and version < 3 else 0)
     finally:
         peer.close()
         publisher.close()

@@ -10,11 +10,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 from services.common.buffer import RolloutBuffer
 from services.common.config import TandemConfig
@@ -47,7 +49,8 @@ class Coordinator:
         self.data = DataSource.from_config(config.data, batch_size=config.rollout.rollout_batch_size)
         self.num_rollout = self.loop_cfg.num_rollout or self.data.num_rollout
         self.state = RunState()
-        self.sync = WeightSync(trainer=trainer, pool=pool, config=config.weights)
+        self.sync = WeightSync(trainer=trainer, pool=pool, config=config.weights,
+                               trainer_offloads=config.loop.offload_train)
         self.evals = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval")
         self.eval_futures: list[Future] = []
         self.buffer = buffer   # the run's Redis buffer: resume bookkeeping and critic-only steps (None in unit tests)
@@ -107,6 +110,7 @@ class Coordinator:
                     if next_gen is not None:
                         next_gen.result()   # never swap weights under a running generation
                     metrics.update(self._sync_weights())
+                self._offload_trainer(metrics)   # after the sync, which needs the weights: generation gets the memory
                 if not overlap and rollout_id + 1 < self.num_rollout:
                     next_gen = self._start_generation(rollout_id + 1)
                 self._after_step(rollout_id=rollout_id, metrics=metrics, step_start=step_start, in_flight=next_gen)
@@ -132,6 +136,7 @@ class Coordinator:
                                            max_staleness=self.loop_cfg.max_staleness)
                 if (rollout_id + 1) % self.loop_cfg.update_weights_interval == 0:
                     metrics.update(self._sync_weights())
+                self._offload_trainer(metrics)
                 self._after_step(rollout_id=rollout_id, metrics=metrics, step_start=step_start,
                                  in_flight=in_flight[0] if in_flight else None, all_in_flight=in_flight)
             if self._should_exit(rollout_id):
@@ -236,7 +241,7 @@ class Coordinator:
         metrics = generation_metrics(gen, weight_version=self.state.weight_version)
         timeout = self.loop_cfg.step_timeout_s
         self._release_rollout_memory(metrics)
-        self._onload()
+        self._onload(metrics)
         with span("rl.train", rollout_id=rollout_id, weight_version=self.state.weight_version,
                   entries=len(gen.entry_ids), staleness=metrics.get("rollout/staleness")):
             request = trainer_pb2.TrainRequest(rollout_id=rollout_id, entry_ids=list(gen.entry_ids),
@@ -253,10 +258,6 @@ class Coordinator:
             else:
                 self._skip_for_actor(gen)
             metrics["perf/train_time_s"] = time.monotonic() - t
-        if self.loop_cfg.offload_train:
-            metrics["memory/trainer_gpu_gb_training"] = self._trainer_gpu_gb()
-            self._offload()
-            metrics["memory/trainer_gpu_gb_offloaded"] = self._trainer_gpu_gb()
         trained = reply.samples_trained if reply is not None else 0
         dropped = reply.samples_dropped_stale if reply is not None else 0
         generated = int(metrics.get("rollout/num_samples", 0))
@@ -280,15 +281,16 @@ class Coordinator:
             self.buffer.skip(list(gen.entry_ids), group="actor")
 
     def _sync_weights(self, *, bump: bool = True) -> dict[str, float]:
-        self._onload()
+        memory_moves: dict[str, float] = {}
+        self._onload(memory_moves)
         version = self.state.weight_version + (1 if bump else 0)
-        self._resume_rollout_memory(("weights",))      # the sync needs the destination tensors back
+        self._resume_rollout_memory(("weights",), memory_moves)   # the sync needs the destination tensors back
         result = self.sync.run(version=version)
-        self._resume_rollout_memory(("kv_cache", "cuda_graph"))
+        self._resume_rollout_memory(("kv_cache", "cuda_graph"), memory_moves)
         self.state = _replace(self.state, weight_version=version, weights_pushed=True)
         self.events.emit("sync", rollout_id=self.state.next_rollout_id - 1,
                          metrics={"weight_version": version, "seconds": result.seconds, "gbps": result.gbps})
-        return {"perf/weight_sync_time_s": result.seconds, "perf/weight_sync_gbps": result.gbps,
+        return {**memory_moves, "perf/weight_sync_time_s": result.seconds, "perf/weight_sync_gbps": result.gbps,
                 "weights/version": float(version), "weights/bytes": float(result.bytes),
                 "weights/verified_tensors": float(result.verified_tensors)}
 
@@ -411,24 +413,44 @@ class Coordinator:
         states = self.pool.broadcast("GetState", common_pb2.Empty(), timeout_s=30)
         metrics["memory/rollout_gpu_gb_released"] = sum(s.gpu_memory_reserved_bytes for s in states) / 2**30
 
-    def _resume_rollout_memory(self, tags: tuple[str, ...]) -> None:
+    def _resume_rollout_memory(self, tags: tuple[str, ...], metrics: dict[str, float]) -> None:
         tags = tuple(t for t in tags if t in self.rollout_released)
         if tags:
-            self.pool.broadcast("ResumeMemory", rollout_pb2.MemoryRequest(tags=list(tags)), timeout_s=120)
+            with _timed(metrics, "perf/rollout_resume_s"), span("rl.rollout_resume", tags=",".join(tags)):
+                self.pool.broadcast("ResumeMemory", rollout_pb2.MemoryRequest(tags=list(tags)), timeout_s=120)
             self.rollout_released -= set(tags)
 
     def _trainer_gpu_gb(self) -> float:
         state = self.trainer.call(self.trainer.stub.GetState, common_pb2.Empty(), timeout_s=30, what="GetState")
         return state.gpu_memory_reserved_bytes / 2**30
 
-    def _offload(self) -> None:
-        self.trainer.call(self.trainer.stub.Offload, common_pb2.Empty(), timeout_s=120, what="Offload")
+    def _offload_trainer(self, metrics: dict[str, float]) -> None:
+        """offload_train: the trainer hands its GPU memory back once the step is done with it (train and sync)."""
+        if self.loop_cfg.offload_train:
+            metrics["memory/trainer_gpu_gb_training"] = self._trainer_gpu_gb()
+            self._offload(metrics)
+            metrics["memory/trainer_gpu_gb_offloaded"] = self._trainer_gpu_gb()
+
+    def _offload(self, metrics: dict[str, float]) -> None:
+        with _timed(metrics, "perf/trainer_offload_s"), span("rl.offload"):
+            self.trainer.call(self.trainer.stub.Offload, common_pb2.Empty(), timeout_s=120, what="Offload")
         self.offloaded = True
 
-    def _onload(self) -> None:
+    def _onload(self, metrics: dict[str, float]) -> None:
         if self.offloaded:
-            self.trainer.call(self.trainer.stub.Onload, common_pb2.Empty(), timeout_s=120, what="Onload")
+            with _timed(metrics, "perf/trainer_onload_s"), span("rl.onload"):
+                self.trainer.call(self.trainer.stub.Onload, common_pb2.Empty(), timeout_s=120, what="Onload")
             self.offloaded = False
+
+
+@contextlib.contextmanager
+def _timed(metrics: dict[str, float], key: str) -> Iterator[None]:
+    """Adds the block's seconds to metrics[key] (a step may move memory more than once)."""
+    t = time.monotonic()
+    try:
+        yield
+    finally:
+        metrics[key] = metrics.get(key, 0.0) + time.monotonic() - t
 
 
 def _done(value: object) -> Future:

@@ -62,8 +62,10 @@ def compare_checksums(expected: dict[str, str], received: dict[str, str], *, rep
 
 
 class WeightSync:
-    def __init__(self, *, trainer: TrainerClient, pool: RolloutPool, config: WeightsConfig, pause_mode: str = "drain"):
+    def __init__(self, *, trainer: TrainerClient, pool: RolloutPool, config: WeightsConfig, pause_mode: str = "drain",
+                 trainer_offloads: bool = False):
         self.trainer = trainer
+        self.trainer_offloads = trainer_offloads   # the trainer frees its buffers after every sync
         self.pool = pool
         self.config = config
         self.pause_mode = pause_mode
@@ -85,6 +87,7 @@ class WeightSync:
                 plan = self.trainer.call(self.trainer.stub.PrepareWeightSync, trainer_pb2.PrepareWeightSyncRequest(
                     version=version, transport=self.config.transport, engine_world_size=sum(ranks), verify=verify),
                     timeout_s=timeout, what=f"PrepareWeightSync(v{version})")
+                plan.buffers_freed_after = self.trainer_offloads
                 times["prepare"] = time.monotonic() - t
 
                 self.phase = SyncPhase.TRANSFER

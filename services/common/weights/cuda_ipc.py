@@ -34,6 +34,7 @@ engine must be different processes.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import uuid
@@ -53,12 +54,21 @@ def _device_uuid(index: int) -> str:
     return str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
 
 
+@functools.lru_cache(maxsize=None)
+def _index_of_uuid(uuid: str) -> int | None:
+    """A process's visible devices never change, and a receive asks for every bucket: look each uuid up once."""
+    for index in range(torch.cuda.device_count()):
+        if _device_uuid(index) == uuid:
+            return index
+    return None
+
+
 def _local_device(handle: common_pb2.CudaIpcHandle) -> int:
     """The local index of the trainer's GPU (CUDA_VISIBLE_DEVICES may number it differently here)."""
     if handle.device_uuid:
-        for index in range(torch.cuda.device_count()):
-            if _device_uuid(index) == handle.device_uuid:
-                return index
+        index = _index_of_uuid(handle.device_uuid)
+        if index is not None:
+            return index
         raise WeightSyncError(f"cuda_ipc: the trainer's GPU {handle.device_uuid} is not visible to this process "
                               f"(CUDA_VISIBLE_DEVICES={torch.cuda.device_count()} devices)")
     return handle.device
@@ -398,8 +408,10 @@ class CudaIpcReceiver(ReceiverTransport):
                         device, raw, hi - lo, lo, b"", 0, first.event_handle, first.event_sync_required)
                     view = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, 0, (hi - lo,), (1,))
             mapped[(device, raw)] = (lo, view, cache_key)
-        if self._keep_mapped:
+        if self._keep_mapped and not plan.buffers_freed_after:
             self._kept = {cache_key: view for lo, view, cache_key in mapped.values()}
+        else:
+            self._kept = {}
         return {key: (lo, view) for key, (lo, view, _) in mapped.items()}
 
     @staticmethod

@@ -161,7 +161,7 @@ class WeightBucket(_message.Message):
     def __init__(self, index: _Optional[int] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class WeightSyncPlan(_message.Message):
-    __slots__ = ("version", "transport", "buckets", "group_name", "master_addr", "master_port", "world_size", "disk_path", "timeout_s", "verify", "total_bytes", "trainer_id")
+    __slots__ = ("version", "transport", "buckets", "group_name", "master_addr", "master_port", "world_size", "disk_path", "timeout_s", "verify", "total_bytes", "trainer_id", "buffers_freed_after")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class WeightSyncPlan(_message.Message):
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FREED_AFTER_FIELD_NUMBER: _ClassVar[int]
     version: int
     transport: str
     buckets: _containers.RepeatedCompositeFieldContainer[WeightBucket]
@@ -186,7 +187,8 @@ class WeightSyncPlan(_message.Message):
     verify: bool
     total_bytes: int
     trainer_id: str
-    def __init__(self, version: _Optional[int] = ..., transport: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., group_name: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., disk_path: _Optional[str] = ..., timeout_s: _Optional[float] = ..., verify: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., trainer_id: _Optional[str] = ...) -> None: ...
+    buffers_freed_after: bool
+    def __init__(self, version: _Optional[int] = ..., transport: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., group_name: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., disk_path: _Optional[str] = ..., timeout_s: _Optional[float] = ..., verify: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., trainer_id: _Optional[str] = ..., buffers_freed_after: _Optional[bool] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()
