@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "bench" / "gpu_suite_out"))
     parser.add_argument("--only", nargs="+", default=None,
-                        choices=["tests", "handoff", "engine", "engine_compile", "trainer_tests", "run"])
+                        choices=list(stages(quick=False, out=Path("."))))
     parser.add_argument("--quick", action="store_true", help="fewer repeats in the engine bench")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
