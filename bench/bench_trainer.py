@@ -8,6 +8,13 @@ batches of `samples` sequences (prompt 8-16 tokens, response `response-len`, cut
 positions) through a real redis-server.
 "tok/s" counts prompt + response tokens of a step / the step's wall time (median over steps, after one
 untimed warm-up step); "train s" is the trainer's own perf/train_time_s (forward, backward, step).
+
+    python bench/bench_trainer.py --offload [--presets small] [--zero 1] [--precision bf16] --device cuda
+
+--offload: the time of Offload and Onload (DeepSpeedBackend.offload/onload, 5 cycles after one step): DeepSpeed's
+offload_states as is (it runs gc.collect() three times and pins fresh host buffers each time), with the
+process' start-up objects frozen (gc.freeze(), as the backend does), and with pinned buffers also reused
+(GPU only); and what one full gc.collect() costs in that process.
 """
 
 from __future__ import annotations
@@ -77,6 +84,65 @@ def bench_one(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, prec
             "response_len": response_len}
 
 
+def bench_offload(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, precision: str, device: str,
+                  cycles: int = 5) -> list[dict[str, float]]:
+    import gc
+
+    from services.trainer.service import TrainerService
+
+    config = config_from_dict({
+        "run_name": f"bench-offload-{time.monotonic_ns()}", "model": {"path": str(model_dir)},
+        "data": {"train_path": str(run_dir / "unused.jsonl")},
+        "trainer": {"device": device, "zero_stage": zero, "precision": precision, "lr": 1e-4},
+        "redis": {"url": redis_url, "max_buffered_batches": 64}})
+    service = TrainerService(config, run_dir=run_dir)
+    producer = RolloutBuffer(connect(redis_url), stream_key(config.redis.stream_prefix, config.run_name),
+                             groups=("actor",), max_buffered_batches=64)
+    rows = []
+    try:
+        batch = make_batch(rollout_id=0, samples=16, response_len=16, vocab=service.vocab_size, seed=0)
+        service.train(rollout_id=0, entry_ids=[producer.put(batch)])   # optimizer states exist from here
+        for frozen, reuse in ((False, False), (True, False), (True, True)):
+            if not frozen:
+                gc.unfreeze()   # the backend froze its start-up objects; measure the collections without that
+            else:
+                gc.collect()
+                gc.freeze()
+            off, on = [], []
+            for _ in range(cycles):
+                t = time.perf_counter()
+                service.backend.offload(reuse_host_buffers=reuse)
+                off.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                service.backend.onload()
+                on.append(time.perf_counter() - t)
+            mode = ("+ pinned buffers reused" if reuse else "DeepSpeed, gc.freeze()") if frozen else "DeepSpeed as is"
+            rows.append({"mode": mode,
+                         "first_s": off[0], "offload_s": statistics.median(off[1:]), "onload_s": statistics.median(on)})
+        gc.unfreeze()
+        t = time.perf_counter()
+        gc.collect()
+        rows.append({"mode": "gc.collect(), nothing frozen", "first_s": time.perf_counter() - t, "offload_s": float("nan"),
+                     "onload_s": float("nan")})
+    finally:
+        service.close()
+    return rows
+
+
+def offload_main(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis", appendonly=False) as redis:
+        model_dir = init_model(Path(tmp) / args.presets[0], preset=args.presets[0])
+        rows = bench_offload(model_dir=model_dir, run_dir=Path(tmp) / "run", redis_url=redis.url, zero=args.zero[0],
+                             precision=args.precision[0], device=args.device)
+    print(f"\n# bench_trainer --offload {datetime.date.today()} device={args.device} preset={args.presets[0]} "
+          f"ZeRO-{args.zero[0]} {args.precision[0]}; first offload, then medians of cycles 2-5\n")
+    print(f"| {'offload path':30} | first offload ms | offload ms | onload ms |")
+    print(f"|{'-' * 32}|------------------|------------|-----------|")
+    for r in rows:
+        print(f"| {r['mode']:30} | {r['first_s'] * 1e3:16.1f} | {r['offload_s'] * 1e3:10.1f} | {r['onload_s'] * 1e3:9.1f} |")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
@@ -88,8 +154,11 @@ def main() -> int:
     parser.add_argument("--token-budget", type=int, default=8192)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--offload", action="store_true", help="time Offload/Onload instead of training")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.offload:
+        return offload_main(args)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
