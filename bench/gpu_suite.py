@@ -37,7 +37,10 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
         "ipc_copy": ([PY, "bench/bench_ipc_copy.py", "--repeats", "20"], 60, {}),
         "engine": ([*engine, "--decode", "dynamic", "graph"], 55, {}),
         "engine_compile": ([*engine, "--decode", "compile"], 95, {}),   # its first call compiles (inductor)
-        "tests": ([*pytest, "--noconftest", "-o", "timeout=80", *tests], 85, {}),
+        "tests": ([*pytest, "--noconftest", "-o", "timeout=80", *tests], 150, {}),
+        # Offload/Onload of a DeepSpeed bf16 trainer: DeepSpeed as is, start-up objects frozen, buffers reused
+        "offload": ([PY, "bench/bench_trainer.py", "--offload", "--presets", "small", "--zero", "1",
+                     "--precision", "bf16", "--device", "cuda"], 120, {}),
         # the trainer's own tests on the GPU (DeepSpeed bf16/fp32, offload freeing memory); needs redis-server
         "trainer_tests": ([*pytest, "-o", "timeout=100", "tests/test_trainer_service.py"], 150,
                           {"TANDEM_TEST_TRAINER_DEVICE": "cuda"}),
