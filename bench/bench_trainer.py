@@ -12,9 +12,8 @@ untimed warm-up step); "train s" is the trainer's own perf/train_time_s (forward
     python bench/bench_trainer.py --offload [--presets small] [--zero 1] [--precision bf16] --device cuda
 
 --offload: the time of Offload and Onload (DeepSpeedBackend.offload/onload, 5 cycles after one step): DeepSpeed's
-offload_states as is (it runs gc.collect() three times and pins fresh host buffers each time), with the
-process' start-up objects frozen (gc.freeze(), as the backend does), and with pinned buffers also reused
-(GPU only); and what one full gc.collect() costs in that process.
+offload_states as is (it runs gc.collect() three times) next to the same with the process' start-up objects
+frozen (gc.freeze(), as the backend does), and what one full gc.collect() costs in that process.
 """
 
 from __future__ import annotations
@@ -102,7 +101,7 @@ def bench_offload(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, 
     try:
         batch = make_batch(rollout_id=0, samples=16, response_len=16, vocab=service.vocab_size, seed=0)
         service.train(rollout_id=0, entry_ids=[producer.put(batch)])   # optimizer states exist from here
-        for frozen, reuse in ((False, False), (True, False), (True, True)):
+        for frozen in (False, True):
             if not frozen:
                 gc.unfreeze()   # the backend froze its start-up objects; measure the collections without that
             else:
@@ -111,12 +110,12 @@ def bench_offload(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, 
             off, on = [], []
             for _ in range(cycles):
                 t = time.perf_counter()
-                service.backend.offload(reuse_host_buffers=reuse)
+                service.backend.offload()
                 off.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 service.backend.onload()
                 on.append(time.perf_counter() - t)
-            mode = ("+ pinned buffers reused" if reuse else "DeepSpeed, gc.freeze()") if frozen else "DeepSpeed as is"
+            mode = "start-up objects frozen" if frozen else "DeepSpeed as is"
             rows.append({"mode": mode,
                          "first_s": off[0], "offload_s": statistics.median(off[1:]), "onload_s": statistics.median(on)})
         gc.unfreeze()

@@ -270,8 +270,8 @@ def test_offload_onload_keeps_training(harness):
 
 def test_offload_cycles_train_exactly_like_no_offload(harness):
     """Offload/onload around every step (as loop.offload_train does) changes nothing: the weights after three
-    steps equal those of a trainer that never offloaded, bit for bit. On a GPU the second offload reuses the
-    pinned host buffers of the first (the optimizer states and DeepSpeed's param buffers)."""
+    steps equal those of a trainer that never offloaded, bit for bit (with the backend's start-up objects
+    frozen, so DeepSpeed's collections do not see them)."""
     plain, cycled = harness(run_name="plain", trainer={"zero_stage": 1}), harness(run_name="cycled",
                                                                                   trainer={"zero_stage": 1})
     for rollout_id in range(3):
@@ -282,8 +282,6 @@ def test_offload_cycles_train_exactly_like_no_offload(harness):
     expected = {n: t.detach().cpu().clone() for n, t in plain.service.iter_named_weights()}
     got = {n: t.detach().cpu() for n, t in cycled.service.iter_named_weights()}
     assert expected.keys() == got.keys() and all(torch.equal(expected[n], got[n]) for n in expected)
-    if cycled.service.dist.device.type == "cuda":
-        assert cycled.service.backend._host_buffers["optim"], "optimizer states went through the kept buffers"
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])

@@ -110,6 +110,12 @@ def _ipc_plan(layout, offsets, handles):  # noqa: ANN001, ANN202 - the sender's 
     return plan
 
 
+def _run(copies: list) -> int:
+    for dst, src in copies:
+        dst.copy_(src)
+    return len(copies)
+
+
 def test_flat_params_receive_whole_spans_with_identical_bits():
     """The receiver's FlatParams path over CPU stand-ins for the mapped allocations: one copy when the sender's
     buckets share one allocation at the same starts, one per allocation otherwise."""
@@ -120,7 +126,7 @@ def test_flat_params_receive_whole_spans_with_identical_bits():
     allocation = torch.cat([torch.zeros(lo + 100, dtype=torch.uint8), buffer])
     plan = _ipc_plan(layout, [lo + 100 + s for s in starts], [b"A"] * len(starts))
     flat, params = flat_views(layout, "cpu")
-    copies = CudaIpcReceiver._copy_flat(plan, layout, flat, {(0, b"A"): (lo, allocation[lo:])})
+    copies = _run(CudaIpcReceiver._flat_copies(plan, layout, flat, {(0, b"A"): (lo, allocation[lo:])}))
     assert copies == 1 and all(bits_equal(params[n], t) for n, t in tensors.items())
 
     second = torch.zeros(buffer.numel(), dtype=torch.uint8)   # the last bucket lives in another allocation
@@ -128,5 +134,6 @@ def test_flat_params_receive_whole_spans_with_identical_bits():
     second[: buffer.numel() - last] = buffer[last:]
     plan = _ipc_plan(layout, [100 + s for s in starts[:-1]] + [0], [b"A"] * (len(starts) - 1) + [b"B"])
     flat, params = flat_views(layout, "cpu")
-    copies = CudaIpcReceiver._copy_flat(plan, layout, flat, {(0, b"A"): (0, allocation[lo:]), (0, b"B"): (0, second)})
+    copies = _run(CudaIpcReceiver._flat_copies(plan, layout, flat,
+                                               {(0, b"A"): (0, allocation[lo:]), (0, b"B"): (0, second)}))
     assert copies == 2 and all(bits_equal(params[n], t) for n, t in tensors.items())

@@ -117,8 +117,10 @@ def test_ipc_flat_receiver_copies_each_bucket_once(tmp_path: Path, keep_mapped: 
     try:
         for version in (1, 2, 3):
             plan = publisher.prepare(SPECS, version, 1, True)
-            plan.buffers_freed_after = version == 3
-            peer.send(op="receive", plan=plan_to_text(plan), rank=1, specs=specs_to_json(SPECS), seed=version,
+            sent_plan = type(plan)()
+            sent_plan.CopyFrom(plan)   # as the coordinator does: its copy of the trainer's plan, for the engines
+            sent_plan.buffers_freed_after = version == 3
+            peer.send(op="receive", plan=plan_to_text(sent_plan), rank=1, specs=specs_to_json(SPECS), seed=version,
                       device="cuda", flat=flat)
             tensors = _cuda_tensors(version)
             sent = publisher.publish(plan, ((s.name, tensors[s.name]) for s in SPECS))

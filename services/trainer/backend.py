@@ -103,9 +103,6 @@ class StepResult:
     lr: float
 
 
-_DS_PIN_BUFFERS = ("hp_params_pin_buffers", "lp_params_pin_buffers")   # DeepSpeed's own offload targets
-
-
 class DeepSpeedBackend:
     """Owns the DeepSpeed engine: forward passes on micro-batches, backward, step, checkpoints, offload."""
 
@@ -138,10 +135,10 @@ class DeepSpeedBackend:
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
         self.engine.train()
         self.offloaded = False
-        self._host_buffers: dict[object, Any] = {}   # pinned offload targets, kept between offloads
         # DeepSpeed's offload_states runs gc.collect() three times; over everything torch, transformers and
-        # deepspeed leave tracked, each full collection took 176 ms (most of an Offload). What is alive now
-        # lives for the run: frozen, collections scan only what came later.
+        # deepspeed leave tracked, one full collection took 176 ms on CPU and 283 ms next to an H200, so an
+        # Offload took 0.5-0.9 s. What is alive now lives for the run: frozen, collections scan only what came
+        # later, and an Offload takes 2.5 ms (bench/bench_trainer.py --offload).
         gc.collect()
         gc.freeze()
 
@@ -207,51 +204,18 @@ class DeepSpeedBackend:
             raise NotImplementedError("Offload needs ZeRO stage 1-3 (DeepSpeed offload_states); "
                                       "trainer.zero_stage is 0")
 
-    def offload(self, *, reuse_host_buffers: bool = True) -> str:
+    def offload(self) -> str:
         self.check_offload_supported()
         if self.offloaded:
             return "already offloaded"
-        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
-        pin = self.device.type == "cuda"
-        include = None
-        if pin and reuse_host_buffers and self._can_reuse_host_buffers():
-            self._offload_optimizer_states_pinned()
-            include = [s for s in OffloadStateTypeEnum if s != OffloadStateTypeEnum.optim_states]
-            for name, buffers in self._host_buffers.get("params", {}).items():
-                setattr(self.engine.optimizer, name, buffers)   # DeepSpeed drops these on reload; reuse them
-        self.engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=pin, non_blocking=False)
-        if include is not None:
-            self._host_buffers["params"] = {n: getattr(self.engine.optimizer, n) for n in _DS_PIN_BUFFERS
-                                            if hasattr(self.engine.optimizer, n)}
+        self.engine.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=self.device.type == "cuda",
+                                   non_blocking=False)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()   # hand the freed blocks back, so the engines on this GPU can use them
         self.offloaded = True
         return "parameters, gradients and optimizer states moved to host memory"
-
-    def _can_reuse_host_buffers(self) -> bool:
-        """ZeRO 1/2 optimizers whose offload internals we know (DeepSpeed 0.19): stage 3 keeps its own path."""
-        opt = self.engine.optimizer
-        return self.zero_stage in (1, 2) and hasattr(opt, "offloaded_states") and hasattr(opt, "optimizer")
-
-    def _offload_optimizer_states_pinned(self) -> None:
-        """Optimizer states (Adam's moments) into pinned host buffers allocated on the first offload only:
-        DeepSpeed pins fresh ones on every offload, and that allocation was most of an offload's time (880 ms
-        of a 1.3 GiB trainer on an H200). reload_states moves them back and leaves the buffers to us."""
-        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
-
-        opt = self.engine.optimizer
-        kept = self._host_buffers.setdefault("optim", {})
-        for i, state in enumerate(opt.optimizer.state.values()):
-            for key, value in state.items():
-                if not torch.is_tensor(value) or value.device.type == "cpu":
-                    continue
-                host = kept.get((i, key))
-                if host is None or host.shape != value.shape or host.dtype != value.dtype:
-                    host = kept[(i, key)] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-                host.copy_(value)
-                state[key] = host
-        opt.offloaded_states.add(OffloadStateTypeEnum.optim_states)
 
     def onload(self) -> str:
         if not self.offloaded:

@@ -370,9 +370,13 @@ class CudaIpcReceiver(ReceiverTransport):
         try:
             ctl = self._ctl(plan, deadline, ctx)
             rendezvous.post(ctl, version=plan.version, kind="ready", rank=rank, value="1", ctx=ctx)
+            ready = time.monotonic()
+            # the handles are in the plan: map them and plan every copy while the trainer fills its buckets
+            copies = self._plan_copies(plan=plan, layout=layout, params=params, ctx=ctx)
+            t = time.monotonic()
             rendezvous.await_go(ctl, version=plan.version, deadline=deadline, ctx=ctx)
-            waited = time.monotonic() - started
-            self._copy(plan=plan, layout=layout, params=params, ctx=ctx)
+            waited = (ready - started) + (time.monotonic() - t)   # preparing is work, not waiting
+            self._run_copies(copies, ctx=ctx)
             t = time.perf_counter()
             rendezvous.post(ctl, version=plan.version, kind="done", rank=rank, value="1", ctx=ctx)
             self.last_timings["done_post_s"] = time.perf_counter() - t
@@ -429,59 +433,71 @@ class CudaIpcReceiver(ReceiverTransport):
         return out
 
     @staticmethod
-    def _copy_flat(plan: common_pb2.WeightSyncPlan, layout: Layout, flat: torch.Tensor,
-                   mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]]) -> int:
-        """Whole bucket spans into a FlatParams buffer; returns the number of copies."""
+    def _flat_copies(plan: common_pb2.WeightSyncPlan, layout: Layout, flat: torch.Tensor,
+                     mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Whole bucket spans into a FlatParams buffer (one copy when the trainer's buckets share an allocation)."""
         sources = [((_local_device(wb.ipc), bytes(wb.ipc.handle)), wb.ipc.storage_offset_bytes)
                    for wb in plan.buckets]
         spans = flat_spans(sizes=[b.nbytes for b in layout.buckets], dst_starts=bucket_starts(layout)[0],
                            sources=sources)
+        copies = []
         for alloc, src, dst, nbytes in spans:
             lo, view = mapped[alloc]   # type: ignore[index]
-            flat[dst: dst + nbytes].copy_(view[src - lo: src - lo + nbytes])
-        return len(spans)
+            copies.append((flat[dst: dst + nbytes], view[src - lo: src - lo + nbytes]))
+        return copies
 
-    def _copy(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, params: Mapping[str, torch.Tensor],
-              ctx: SyncContext) -> None:
-        views: list[torch.Tensor | None] = []
-        mapped: dict = {}
+    def _plan_copies(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, params: Mapping[str, torch.Tensor],
+                     ctx: SyncContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) pairs that move every bucket into params: whole bucket spans into a FlatParams
+        buffer, else copies from a recipe cached by where each param lives (shapes and dtypes match the plan,
+        checked). Nothing is read from the trainer's buffers yet."""
         try:
             t0 = time.perf_counter()
             mapped = self._map_allocations(plan, layout, ctx)
             t1 = time.perf_counter()
             if isinstance(params, FlatParams) and params.layout_key == layout.key:
-                self.last_copies = self._copy_flat(plan, layout, params.flat, mapped)
-                t2 = time.perf_counter()
-                torch.cuda.synchronize(params.flat.device)   # copies done before the trainer may reuse its buffers
-                self.last_timings = {"map_s": t1 - t0, "launch_s": t2 - t1, "sync_s": time.perf_counter() - t2}
-                return
-            views = self._bucket_views(plan, layout, mapped)
-            # the recipe depends only on where each param lives (shapes and dtypes match the plan, checked)
-            key = (tuple(params[s.name].data_ptr() for s in layout.order), tuple(len(b.tensors) for b in layout.buckets))
-            if self._recipe is None or self._recipe[0] != key:
-                self._recipe = (key, _recipe(layout, params))
-            for index, slot, nbytes, merged in self._recipe[1]:
-                view = views[index]
-                assert view is not None
-                if merged:
-                    dst = _bytes(params[slot.name])
-                    dst.as_strided((nbytes,), (1,), dst.storage_offset()).copy_(view[slot.offset: slot.offset + nbytes])
-                else:
-                    params[slot.name].copy_(_typed(view, slot))
-            self.last_copies = len(self._recipe[1])
-            t2 = time.perf_counter()
-            for device in {v.device for v in views if v is not None}:
-                torch.cuda.synchronize(device)   # copies done before the trainer may reuse the buffers
-            self.last_timings = {"map_s": t1 - t0, "launch_s": t2 - t1, "sync_s": time.perf_counter() - t2}
+                copies = self._flat_copies(plan, layout, params.flat, mapped)
+            else:
+                views = self._bucket_views(plan, layout, mapped)
+                key = (tuple(params[s.name].data_ptr() for s in layout.order),
+                       tuple(len(b.tensors) for b in layout.buckets))
+                if self._recipe is None or self._recipe[0] != key:
+                    self._recipe = (key, _recipe(layout, params))
+                copies = []
+                for index, slot, nbytes, merged in self._recipe[1]:
+                    view = views[index]
+                    assert view is not None
+                    if merged:
+                        dst = _bytes(params[slot.name])
+                        copies.append((dst.as_strided((nbytes,), (1,), dst.storage_offset()),
+                                       view[slot.offset: slot.offset + nbytes]))
+                    else:
+                        copies.append((params[slot.name], _typed(view, slot)))
+            self.last_timings = {"map_s": t1 - t0, "plan_s": time.perf_counter() - t1}
+            return copies
         except WeightSyncError:
             self._kept.clear()
             raise
         except Exception as exc:  # noqa: BLE001 - CUDA errors surface as RuntimeError
             self._kept.clear()
-            raise WeightSyncError(ctx.message(f"mapping or copying the trainer's buffers failed: {exc}")) from exc
+            raise WeightSyncError(ctx.message(f"mapping the trainer's buffers failed: {exc}")) from exc
+
+    def _run_copies(self, copies: list[tuple[torch.Tensor, torch.Tensor]], *, ctx: SyncContext) -> None:
+        """The trainer's buckets are filled: copy, and wait for the copies before the trainer may reuse them."""
+        try:
+            t0 = time.perf_counter()
+            for dst, src in copies:
+                dst.copy_(src)
+            t1 = time.perf_counter()
+            for device in {dst.device for dst, _ in copies}:
+                torch.cuda.synchronize(device)
+            self.last_copies = len(copies)
+            self.last_timings.update(launch_s=t1 - t0, sync_s=time.perf_counter() - t1)
+        except Exception as exc:  # noqa: BLE001 - CUDA errors surface as RuntimeError
+            self._kept.clear()
+            raise WeightSyncError(ctx.message(f"copying the trainer's buffers failed: {exc}")) from exc
         finally:
-            views.clear()
-            mapped.clear()
+            copies.clear()   # drop the mapped views now (a kept mapping stays in self._kept)
 
     def release(self) -> None:
         """Unmap the trainer's buffers kept between syncs, so that memory the trainer frees is really free."""
