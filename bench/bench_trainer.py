@@ -49,19 +49,26 @@ def make_batch(*, rollout_id: int, samples: int, response_len: int, vocab: int, 
                        group_ids=[i // 8 for i in range(samples)], finish_reasons=["length"] * samples)
 
 
-def bench_one(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, precision: str, device: str,
-              samples: int, response_len: int, steps: int, token_budget: int) -> dict[str, float]:
+def start_trainer(*, model_dir: Path, run_dir: Path, redis_url: str, name: str, trainer: dict):  # noqa: ANN201
+    """A one-rank TrainerService on its own stream, and a producer that feeds it: (service, producer)."""
     from services.trainer.service import TrainerService
 
     config = config_from_dict({
-        "run_name": f"bench-z{zero}-{precision}-{time.monotonic_ns()}", "model": {"path": str(model_dir)},
-        "data": {"train_path": str(run_dir / "unused.jsonl")},
-        "trainer": {"device": device, "zero_stage": zero, "precision": precision, "lr": 1e-4,
-                    "micro_batch_tokens": token_budget},
+        "run_name": f"bench-{name}-{time.monotonic_ns()}", "model": {"path": str(model_dir)},
+        "data": {"train_path": str(run_dir / "unused.jsonl")}, "trainer": {"lr": 1e-4, **trainer},
         "redis": {"url": redis_url, "max_buffered_batches": 64}})
     service = TrainerService(config, run_dir=run_dir)
     producer = RolloutBuffer(connect(redis_url), stream_key(config.redis.stream_prefix, config.run_name),
                              groups=("actor",), max_buffered_batches=64)
+    return service, producer
+
+
+def bench_one(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, precision: str, device: str,
+              samples: int, response_len: int, steps: int, token_budget: int) -> dict[str, float]:
+    service, producer = start_trainer(model_dir=model_dir, run_dir=run_dir, redis_url=redis_url,
+                                      name=f"z{zero}-{precision}",
+                                      trainer={"device": device, "zero_stage": zero, "precision": precision,
+                                               "micro_batch_tokens": token_budget})
     vocab = service.vocab_size
     response_len = min(response_len, (service.max_positions or 1 << 30) - 16)   # prompts are up to 16 tokens
     wall, train, tokens = [], [], 0
@@ -87,16 +94,8 @@ def bench_offload(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, 
                   cycles: int = 5) -> list[dict[str, float]]:
     import gc
 
-    from services.trainer.service import TrainerService
-
-    config = config_from_dict({
-        "run_name": f"bench-offload-{time.monotonic_ns()}", "model": {"path": str(model_dir)},
-        "data": {"train_path": str(run_dir / "unused.jsonl")},
-        "trainer": {"device": device, "zero_stage": zero, "precision": precision, "lr": 1e-4},
-        "redis": {"url": redis_url, "max_buffered_batches": 64}})
-    service = TrainerService(config, run_dir=run_dir)
-    producer = RolloutBuffer(connect(redis_url), stream_key(config.redis.stream_prefix, config.run_name),
-                             groups=("actor",), max_buffered_batches=64)
+    service, producer = start_trainer(model_dir=model_dir, run_dir=run_dir, redis_url=redis_url, name="offload",
+                                      trainer={"device": device, "zero_stage": zero, "precision": precision})
     rows = []
     try:
         batch = make_batch(rollout_id=0, samples=16, response_len=16, vocab=service.vocab_size, seed=0)

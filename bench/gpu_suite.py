@@ -38,7 +38,7 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
         "engine": ([*engine, "--decode", "dynamic", "graph"], 55, {}),
         "engine_compile": ([*engine, "--decode", "compile"], 95, {}),   # its first call compiles (inductor)
         "tests": ([*pytest, "--noconftest", "-o", "timeout=80", *tests], 150, {}),
-        # Offload/Onload of a DeepSpeed bf16 trainer: DeepSpeed as is, start-up objects frozen, buffers reused
+        # Offload/Onload of a DeepSpeed bf16 trainer: DeepSpeed as is next to start-up objects frozen
         "offload": ([PY, "bench/bench_trainer.py", "--offload", "--presets", "small", "--zero", "1",
                      "--precision", "bf16", "--device", "cuda"], 120, {}),
         # the trainer's own tests on the GPU (DeepSpeed bf16/fp32, offload freeing memory); needs redis-server

@@ -404,12 +404,11 @@ class Coordinator:
         no generation runs now; a pending eval finishes first)."""
         if not self.loop_cfg.offload_rollout:
             return
-        t = time.monotonic()
-        for fut in self.eval_futures:
-            fut.result()
-        self.pool.broadcast("ReleaseMemory", rollout_pb2.MemoryRequest(tags=[]), timeout_s=120)
+        with _timed(metrics, "perf/rollout_release_s"):
+            for fut in self.eval_futures:
+                fut.result()
+            self.pool.broadcast("ReleaseMemory", rollout_pb2.MemoryRequest(tags=[]), timeout_s=120)
         self.rollout_released = {"weights", "kv_cache", "cuda_graph"}
-        metrics["perf/rollout_release_s"] = time.monotonic() - t
         states = self.pool.broadcast("GetState", common_pb2.Empty(), timeout_s=30)
         metrics["memory/rollout_gpu_gb_released"] = sum(s.gpu_memory_reserved_bytes for s in states) / 2**30
 
@@ -426,15 +425,13 @@ class Coordinator:
 
     def _offload_trainer(self, metrics: dict[str, float]) -> None:
         """offload_train: the trainer hands its GPU memory back once the step is done with it (train and sync)."""
-        if self.loop_cfg.offload_train:
-            metrics["memory/trainer_gpu_gb_training"] = self._trainer_gpu_gb()
-            self._offload(metrics)
-            metrics["memory/trainer_gpu_gb_offloaded"] = self._trainer_gpu_gb()
-
-    def _offload(self, metrics: dict[str, float]) -> None:
+        if not self.loop_cfg.offload_train:
+            return
+        metrics["memory/trainer_gpu_gb_training"] = self._trainer_gpu_gb()
         with _timed(metrics, "perf/trainer_offload_s"), span("rl.offload"):
             self.trainer.call(self.trainer.stub.Offload, common_pb2.Empty(), timeout_s=120, what="Offload")
         self.offloaded = True
+        metrics["memory/trainer_gpu_gb_offloaded"] = self._trainer_gpu_gb()
 
     def _onload(self, metrics: dict[str, float]) -> None:
         if self.offloaded:

@@ -339,7 +339,7 @@ class CudaIpcReceiver(ReceiverTransport):
         self._keep_mapped = keep_mapped
         self._kept: dict[tuple, torch.Tensor] = {}     # mapped allocations kept between syncs (keep_mapped)
         self.last_copies = 0                           # copies the last receive needed (one per bucket at best)
-        self.last_timings: dict[str, float] = {}       # where the last receive's time went (map, copy, sync, post)
+        self.last_timings: dict[str, float] = {}       # where the last receive's time went (map, plan, launch, ...)
         self._recipe: tuple[tuple, list] | None = None # (where the params were, the copies for that)
 
     @staticmethod
@@ -498,6 +498,11 @@ class CudaIpcReceiver(ReceiverTransport):
             raise WeightSyncError(ctx.message(f"copying the trainer's buffers failed: {exc}")) from exc
         finally:
             copies.clear()   # drop the mapped views now (a kept mapping stays in self._kept)
+
+    @property
+    def kept_mappings(self) -> int:
+        """Trainer allocations still mapped after the last receive (each holds that memory on the GPU)."""
+        return len(self._kept)
 
     def release(self) -> None:
         """Unmap the trainer's buffers kept between syncs, so that memory the trainer frees is really free."""

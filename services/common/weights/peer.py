@@ -103,8 +103,8 @@ class _Worker:
             reply["copies"] = transport.last_copies
         if hasattr(transport, "last_timings"):
             reply["timings"] = dict(transport.last_timings)
-        if hasattr(transport, "_kept"):
-            reply["kept_mappings"] = len(transport._kept)
+        if hasattr(transport, "kept_mappings"):
+            reply["kept_mappings"] = transport.kept_mappings
         if cmd.get("seed") is not None:
             expected = make_tensors(specs, seed=cmd["seed"])
             reply["unequal"] = [n for n, t in expected.items()
