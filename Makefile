@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/tandem run $(DEMO_CONFIG) --run-dir runs/demo
+	$(BIN)/tandem run $(DEMO_CONFIG) --run-dir runs/demo --init-model
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

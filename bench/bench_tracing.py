@@ -42,7 +42,7 @@ print((time.perf_counter() - t) / n)
 
 def run_once(exporter: str, *, steps: int, overrides: list[str], run_dir: Path) -> tuple[list[float], int]:
     args = [sys.executable, "-m", "services.cli", "run", str(REPO / "examples" / "digit_max.yaml"), "--run-dir",
-            str(run_dir), "--no-progress", "--set", f"tracing.exporter={exporter}", "--set",
+            str(run_dir), "--no-progress", "--init-model", "--set", f"tracing.exporter={exporter}", "--set",
             f"loop.num_rollout={steps}", "--set", "loop.eval_interval=null"]
     for item in overrides:
         args += ["--set", item]

@@ -50,7 +50,8 @@ def run_one(name: str, overrides: list[str], *, steps: int, work: Path) -> dict:
     run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [a for o in [f"loop.num_rollout={steps}", *overrides] for a in ("--set", o)]
-    cmd = [sys.executable, "-m", "services.cli", "run", str(CONFIG), "--run-dir", str(run_dir), "--no-progress", *sets]
+    cmd = [sys.executable, "-m", "services.cli", "run", str(CONFIG), "--run-dir", str(run_dir), "--no-progress",
+           "--init-model", *sets]
     t = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     wall = time.monotonic() - t

@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run all services and an embedded redis-server locally")
     _add_config_args(p)
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.add_argument("--init-model", action="store_true",
+                   help="when model.path holds no model, build a random-init one there (preset model.init_preset, "
+                        "default tiny); without this flag a missing model is an error")
 
     p = sub.add_parser("coordinator", help="run the coordinator service alone")
     _add_config_args(p)
@@ -35,12 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--replica", type=int, default=0, help="index into services.rollout")
 
-    p = sub.add_parser("ctl", help="control a running coordinator")
-    p.add_argument("--addr", default="127.0.0.1:50051", help="coordinator HOST:PORT")
-    p.add_argument("--token", default=None, help="bearer token (services.auth_token)")
-    p.add_argument("--tls-ca", default=None, help="CA certificate for TLS")
-    p.add_argument("--timeout", type=float, default=30.0)
-    p.add_argument("action", choices=["status", "save", "eval", "pause", "resume", "stop", "watch"])
+    from services.coordinator.ctl import ACTIONS, DEFAULT_ADDR
+
+    p = sub.add_parser("ctl", help="control a running coordinator", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Control a running coordinator. Which one: --addr; else --run-dir (its "
+                                   "config.yaml names it); else the `tandem run` running under ./runs/; else "
+                                   f"{DEFAULT_ADDR}.",
+                       epilog="actions:\n" + "\n".join(f"  {name:<8} {text}" for name, text in ACTIONS.items()))
+    p.add_argument("--addr", default=None, help="coordinator HOST:PORT")
+    p.add_argument("--run-dir", type=Path, default=None, help="a run directory of `tandem run` (RUN_DIR/config.yaml)")
+    p.add_argument("--token", default=None, help="bearer token (services.auth_token; default: from --run-dir)")
+    p.add_argument("--tls-ca", default=None, help="CA certificate for TLS (default: from --run-dir)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the reply (default 30)")
+    p.add_argument("action", choices=list(ACTIONS), metavar="ACTION", help=", ".join(ACTIONS))
 
     p = sub.add_parser("init-model", help="build a random-init HF model and tokenizer locally (no download)")
     p.add_argument("out_dir", type=Path)
@@ -62,6 +72,25 @@ def _run_dir(args: argparse.Namespace, config: TandemConfig) -> Path:
     return (args.run_dir or Path("runs") / config.run_name).resolve()
 
 
+def _preflight(args: argparse.Namespace, config: TandemConfig, run_dir: Path) -> int | None:
+    """Bad inputs fail here, before any service starts (ConfigError: one line, exit 2); a run that already
+    finished says so and exits 0. None: go on."""
+    from services.coordinator.metrics import check_tracker_packages
+    from services.coordinator.preflight import already_finished, check_data, check_run_inputs
+
+    check_tracker_packages(config.tracing.trackers)
+    if args.command == "coordinator":   # the model may live elsewhere (another container): only its own inputs
+        check_data(config)
+        return None
+    finished = already_finished(config, run_dir=run_dir)
+    if finished:
+        print(f"tandem: {finished}", file=sys.stderr)
+        return 0
+    for warning in check_run_inputs(config, init_model=args.init_model):
+        print(f"tandem: warning: {warning}", file=sys.stderr)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -81,10 +110,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"wrote random-init {args.preset} {args.arch} model and tokenizer to {path}")
         return 0
     if args.command == "ctl":
-        from services.coordinator.ctl import run_ctl
+        from services.coordinator.ctl import find_coordinator, run_ctl
 
-        return run_ctl(addr=args.addr, action=args.action, token=args.token, tls_ca=args.tls_ca,
-                       timeout_s=args.timeout)
+        target = find_coordinator(addr=args.addr, run_dir=args.run_dir, token=args.token, tls_ca=args.tls_ca)
+        return run_ctl(target=target, action=args.action, timeout_s=args.timeout)
     if args.command == "plot":
         from services.coordinator.plot import plot_run
 
@@ -99,9 +128,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     config = _load(args)
     run_dir = _run_dir(args, config)
     if args.command in ("run", "coordinator"):
-        from services.coordinator.metrics import check_tracker_packages
-
-        check_tracker_packages(config.tracing.trackers)
+        code = _preflight(args, config, run_dir)
+        if code is not None:
+            return code
     if args.command == "run":
         from services.coordinator.supervisor import run_local
 

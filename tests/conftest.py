@@ -6,6 +6,7 @@
 - `redis_client`: a binary-safe client of `redis_server` (services.common.buffer.connect).
 - `stream`: a stream name unique to the test.
 - `free_port`: a TCP port on 127.0.0.1 that was free a moment ago.
+- `example_model` (every session): examples/models/tiny, built once if missing.
 
 The environment is fixed for every test (and the subprocesses they start): offline Hugging Face hub,
 no tokenizers fork warnings, one BLAS/OpenMP thread (the CI machine has 2 cores shared with others).
@@ -35,6 +36,17 @@ TESTS_DIR = Path(__file__).resolve().parent
 HELPERS_DIR = TESTS_DIR / "helpers"
 REPO_ROOT = TESTS_DIR.parent
 PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session", autouse=True)
+def example_model() -> Path:
+    """examples/models/tiny, which the example configs name (`tandem run` never builds a model unasked)."""
+    from services.rollout.model_init import init_model
+
+    path = REPO_ROOT / "examples" / "models" / "tiny"
+    if not (path / "config.json").is_file():
+        init_model(path, preset="tiny")
+    return path
 
 
 @pytest.fixture(scope="session")

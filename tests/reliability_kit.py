@@ -19,7 +19,7 @@ from services.common.config import load_config, write_resolved_config
 from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2_grpc
 from services.common.redis_server import EmbeddedRedis
 from services.coordinator.clients import RolloutPool, make_clients
-from services.coordinator.supervisor import ensure_model, resolve_for_local_run
+from services.coordinator.supervisor import resolve_for_local_run
 from tandem_runs import EXAMPLE, REPO, checkpoints, children_of
 
 BATCH_SAMPLES = 32 * 8   # rollout_batch_size × n_samples_per_prompt of examples/digit_max.yaml
@@ -159,7 +159,6 @@ class Services:
 
     def __init__(self, run_dir: Path, redis_url: str, overrides: list[str]):
         config = load_config(EXAMPLE, overrides)
-        ensure_model(config)
         self.config = resolve_for_local_run(config, redis_url=redis_url).model_copy(
             update={"run_name": f"sync-{run_dir.name}"})
         self.run_dir = run_dir

@@ -1,4 +1,4 @@
-"""The digit-max reward as a plug-in file, usable as `rollout.reward: examples/digit_max/reward.py:reward`.
+"""The digit-max reward as a plug-in file: `rollout.reward: digit_max/reward.py:reward` in examples/digit_max.yaml.
 
 Same rule as the built-in `digit_task`: 1 when the response is exactly the label digit, else 0.
 """

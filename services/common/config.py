@@ -30,7 +30,8 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
     init_preset: Literal["tiny", "small"] | None = Field(
-        default=None, description="when model.path does not exist, `tandem run` builds a random-init model there")
+        default=None, description="the random-init preset `tandem run --init-model` builds when model.path holds no model "
+                    "(default tiny); nothing is ever built without that flag")
 
 
 class DataConfig(Section):
@@ -293,7 +294,8 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{where}{problem}" + (f" ({context})" if context else "")
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(data: dict[str, Any], overrides: list[str], *, base_dir: Path | None = None) -> dict[str, Any]:
+    """`--set` values; a relative file path among them is relative to base_dir (the shell's working directory)."""
     for item in overrides:
         path, value = parse_override(item)
         node = data
@@ -305,7 +307,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ConfigError(f"--set {'.'.join(path)}: {'.'.join(path[:i + 1])} is not a section")
             node = child
         node[path[-1]] = value
-    return data
+    # Paths from the YAML are absolute by now, so this only touches the relative ones just set.
+    return resolve_paths(data, base_dir) if base_dir is not None else data
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
@@ -353,17 +356,31 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
 
 
 def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
-    """Relative file paths in the YAML are relative to the YAML file's directory."""
-    for section, key in _PATH_KEYS:
+    """Relative file paths in the YAML are relative to the YAML file's directory; so is the file of a
+    `path/to/file.py:function` reward plug-in."""
+    for section, key in _PATH_KEYS + (("rollout", "reward"),):
         node = data.get(section)
         value = node.get(key) if isinstance(node, dict) else None
-        if isinstance(value, str) and value and not os.path.isabs(value):
+        if not isinstance(value, str) or not value:
+            continue
+        if (section, key) == ("rollout", "reward"):
+            node[key] = _resolve_reward_file(value, base_dir)
+        elif not os.path.isabs(value):
             node[key] = str((base_dir / value).resolve())
     return data
 
 
 _PATH_KEYS = (("model", "path"), ("model", "tokenizer_path"), ("data", "train_path"), ("data", "eval_path"),
               ("loop", "save_trigger_sentinel"), ("trainer", "checkpoint_dir"), ("weights", "disk_dir"))
+
+
+def _resolve_reward_file(spec: str, base_dir: Path) -> str:
+    """`dir/file.py:fn` -> `/abs/dir/file.py:fn`; built-in names and `module:function` stay as they are (the
+    same rule services.rollout.rewards applies: a target naming a .py file or holding a slash is a file)."""
+    target, sep, attr = spec.strip().rpartition(":")
+    if not sep or not (target.endswith(".py") or "/" in target) or os.path.isabs(target):
+        return spec
+    return f"{(base_dir / target).resolve()}:{attr}"
 
 
 def config_from_dict(data: dict[str, Any], source: str = "config") -> TandemConfig:
@@ -388,8 +405,8 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"invalid configuration in {path}: the top level must be a mapping of sections")
-    data = apply_overrides(data, overrides or [])
     data = resolve_paths(data, path.parent.resolve())
+    data = apply_overrides(data, overrides or [], base_dir=Path.cwd())
     return config_from_dict(data, source=str(path))
 
 

@@ -26,6 +26,7 @@ from services.coordinator.clients import GenerationResult, RolloutPool, TrainerC
 from services.coordinator.control import Control
 from services.coordinator.data import DataCursor, DataSource, load_prompts
 from services.coordinator.metrics import EventLog, Tracker
+from services.coordinator.preflight import finished_message
 from services.coordinator.state import GeneratedBatch, RunState
 from services.coordinator.stepmetrics import generation_metrics, prefixed, weighted_mean
 from services.coordinator.sync import WeightSync
@@ -71,14 +72,15 @@ class Coordinator:
     def run(self) -> None:
         try:
             with span("rl.startup", mode=self.loop_cfg.mode):   # checkpoint load, first weight push, first eval
-                self._startup()
-            self._start_id = self.state.next_rollout_id
-            self.status = "running"
-            if self.loop_cfg.mode == "fully_async":
-                self._run_fully_async()
-            else:
-                self._run_one_step_off()
-            self._finish()
+                finished = self._startup()
+            if not finished:
+                self._start_id = self.state.next_rollout_id
+                self.status = "running"
+                if self.loop_cfg.mode == "fully_async":
+                    self._run_fully_async()
+                else:
+                    self._run_one_step_off()
+                self._finish()
             self.status = "finished"
         except Exception as exc:
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
@@ -148,11 +150,20 @@ class Coordinator:
 
     # ---- start-up / finish --------------------------------------------------------------------------
 
-    def _startup(self) -> None:
+    def _startup(self) -> bool:
+        """True when the checkpoint shows the run already finished: nothing to do, nothing to log again."""
         timeout = self.loop_cfg.startup_timeout_s
         for client in [self.trainer, *([self.critic] if self.critic else []), *self.pool.clients]:
             client.wait_healthy(timeout)
         self._load_checkpoint()
+        done = self.state.next_rollout_id
+        if done >= self.num_rollout:
+            message = finished_message(done=done, num_rollout=self.num_rollout, checkpoint=self.last_checkpoint)
+            log.info("%s", message)
+            self.events.emit("state", rollout_id=done - 1, message=message)
+            return True
+        for tracker in self.trackers:   # steps after the checkpoint are trained again: drop their old rows
+            tracker.rewind(next_step=done)
         self.events.emit("state", rollout_id=self.state.next_rollout_id,
                          message=f"starting at rollout {self.state.next_rollout_id} of {self.num_rollout}")
         metrics = self._sync_weights(bump=False)
@@ -161,6 +172,7 @@ class Coordinator:
         if (self.loop_cfg.eval_interval and self.state.next_rollout_id == 0
                 and not self.loop_cfg.skip_eval_before_train):
             self._record_eval(rollout_id=-1, metrics=self.evaluate())
+        return False
 
     def _load_checkpoint(self) -> None:
         reply = self.trainer.call(self.trainer.stub.Load, trainer_pb2.LoadRequest(), timeout_s=self.loop_cfg.step_timeout_s,
@@ -204,7 +216,7 @@ class Coordinator:
             for fut in self.eval_futures:
                 fut.result()
             if stopped and self.last_saved_rollout != last and last >= 0:
-                self._save(rollout_id=last, in_flight=[])
+                self._save(rollout_id=last, in_flight=[], final=True)
 
     # ---- steps ------------------------------------------------------------------------------------
 
@@ -299,7 +311,7 @@ class Coordinator:
         if self._should_save(rollout_id):
             t = time.monotonic()
             self._save(rollout_id=rollout_id, in_flight=all_in_flight if all_in_flight is not None else
-                       ([in_flight] if in_flight is not None else []))
+                       ([in_flight] if in_flight is not None else []), final=self._is_final_step(rollout_id))
             metrics["perf/save_time_s"] = time.monotonic() - t
         if self._eval_due(rollout_id):
             self._submit_eval(rollout_id)
@@ -321,6 +333,10 @@ class Coordinator:
         n = self.loop_cfg.debug_exit_after_rollout
         return n is not None and rollout_id + 1 - self._start_id >= n
 
+    def _is_final_step(self, rollout_id: int) -> bool:
+        """The run ends after this step (its end, a stop, or debug_exit_after_rollout): it is always saved."""
+        return rollout_id + 1 >= self.num_rollout or self._should_exit(rollout_id)
+
     # ---- save / eval / offload ----------------------------------------------------------------------
 
     def _should_save(self, rollout_id: int) -> bool:
@@ -328,9 +344,7 @@ class Coordinator:
         interval = self.loop_cfg.save_interval
         if interval is not None:
             due |= (rollout_id + 1) % interval == 0 or rollout_id in self._epoch_ends
-            due |= rollout_id + 1 == self.num_rollout
-        due |= self.control.stop_requested
-        return due
+        return due or self._is_final_step(rollout_id)
 
     def _sentinel_fired(self) -> bool:
         path = self.loop_cfg.save_trigger_sentinel
@@ -340,7 +354,9 @@ class Coordinator:
             return True
         return False
 
-    def _save(self, *, rollout_id: int, in_flight: list[Future]) -> None:
+    def _save(self, *, rollout_id: int, in_flight: list[Future], final: bool = False) -> None:
+        """A checkpoint of the step (and the generations in flight, so a resume reuses them); the run's final
+        one always carries a Hugging Face export in its hf/ directory."""
         pending = []
         for fut in in_flight:   # record finished generations so a resume reuses their entries
             gen = fut.result()
@@ -350,7 +366,7 @@ class Coordinator:
         cursor = pending[0].cursor_before if pending else self.data.cursor
         state = _replace(self.state, next_rollout_id=rollout_id + 1, cursor=cursor, pending=tuple(pending))
         with span("rl.save", rollout_id=rollout_id):
-            request = trainer_pb2.SaveRequest(rollout_id=rollout_id, export_hf=self.config.trainer.export_hf_on_save,
+            request = trainer_pb2.SaveRequest(rollout_id=rollout_id, export_hf=final or self.config.trainer.export_hf_on_save,
                                               extra_state={"coordinator": state.to_json()})
             timeout = self.loop_cfg.step_timeout_s
             if self.critic is not None:
@@ -359,8 +375,9 @@ class Coordinator:
         self.state = _replace(state, history=(*self.state.history, reply.path)[-20:])
         self.last_checkpoint = reply.path
         self.last_saved_rollout = rollout_id
-        self.events.emit("save", rollout_id=rollout_id, message=reply.path)
-        log.info("saved rollout %d to %s", rollout_id, reply.path)
+        where = f"{reply.path} (final; Hugging Face model in {reply.hf_path})" if final and reply.hf_path else reply.path
+        self.events.emit("save", rollout_id=rollout_id, message=where)
+        log.info("saved rollout %d to %s", rollout_id, where)
 
     def _eval_due(self, rollout_id: int) -> bool:
         interval = self.loop_cfg.eval_interval

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -21,6 +22,9 @@ log = logging.getLogger(__name__)
 class Tracker(ABC):
     @abstractmethod
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def rewind(self, *, next_step: int) -> None:
+        """A resumed run trains again from next_step: forget what was logged for it and later steps."""
 
     def close(self) -> None:
         pass
@@ -38,6 +42,28 @@ class JsonlTracker(Tracker):
         line = json.dumps({"rollout_id": step, "time": time.time(), **metrics}) + "\n"
         with self._lock, self.path.open("a") as f:
             f.write(line)
+
+    def rewind(self, *, next_step: int) -> None:
+        """Keeps the rows of steps before next_step (all of them go when the run starts over from 0, the
+        pre-training eval included); a torn last line of a crashed run goes too. Rewritten atomically."""
+        if not self.path.exists():
+            return
+        kept, dropped = [], 0
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                step = json.loads(line)["rollout_id"]
+                keep = next_step > 0 and isinstance(step, int) and step < next_step
+            except (ValueError, KeyError, TypeError):
+                keep = False
+            if keep:
+                kept.append(line + "\n")
+            else:
+                dropped += line.strip() != ""
+        if dropped:
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, self.path)
+            log.info("%s: dropped %d rows of steps from %d on (they are trained again)", self.path, dropped, next_step)
 
 
 def check_tracker_packages(names: tuple[str, ...]) -> None:
@@ -58,6 +84,13 @@ class TensorBoardTracker(Tracker):
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
+
+    def rewind(self, *, next_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        log_dir = self.writer.log_dir
+        self.writer.close()   # purge_step: TensorBoard hides the old events of steps >= next_step
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=next_step)
 
     def close(self) -> None:
         self.writer.close()

@@ -41,7 +41,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
-    points = [(r["rollout_id"], r[key]) for r in rows if key in r]
+    """In step order, the last row of a step winning (files of runs older than `rewind` may repeat steps)."""
+    points = sorted({r["rollout_id"]: r[key] for r in rows if key in r}.items())
     return [p[0] for p in points], [p[1] for p in points]
 
 

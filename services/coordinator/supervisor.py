@@ -15,6 +15,7 @@ trainer nor save a checkpoint mixing the two, and then resumes from the last che
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import grpc
 
-from services.common.config import ConfigError, TandemConfig, config_from_dict, write_resolved_config
+from services.common.config import TandemConfig, config_from_dict, write_resolved_config
 from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.common.grpc_util import open_channel, wait_healthy
 from services.common.redis_server import EmbeddedRedis, free_port
@@ -83,19 +84,6 @@ def resolve_for_local_run(config: TandemConfig, *, redis_url: str) -> TandemConf
         if replica["port"] == 0:
             replica["port"] = free_port()
     return config_from_dict(data, source="resolved config")
-
-
-def ensure_model(config: TandemConfig) -> None:
-    path = Path(config.model.path)
-    if (path / "config.json").exists():
-        return
-    if config.model.init_preset is None:
-        raise ConfigError(f"model.path: {path} holds no model (no config.json); build one with "
-                          f"`tandem init-model {path}` or set model.init_preset")
-    from services.rollout.model_init import init_model
-
-    log.info("model.path %s is empty: building a random-init %s model there", path, config.model.init_preset)
-    init_model(path, preset=config.model.init_preset)
 
 
 class LocalRun:
@@ -175,6 +163,9 @@ class LocalRun:
         self.config = resolve_for_local_run(self.config, redis_url=redis_url)
         write_resolved_config(self.config, self.run_dir).chmod(0o600)   # it may hold the token and passwords
         s = self.config.services
+        write_run_marker(self.run_dir, coordinator=s.coordinator.target)
+        log.info("coordinator control API: %s (from another shell: tandem ctl --run-dir %s status)",
+                 s.coordinator.target, self.run_dir)
         waits = [(self._spawn("trainer", self._trainer_args("actor")), s.trainer.target)]
         if self.config.algorithm.uses_critic:
             waits.append((self._spawn("critic", self._trainer_args("critic")), s.critic.target))
@@ -291,12 +282,12 @@ class LocalRun:
             child.stop()
         if self.redis is not None:
             self.redis.stop()
+        (self.run_dir / RUN_MARKER).unlink(missing_ok=True)
 
 
 def run_local(config: TandemConfig, *, run_dir: Path, config_path: Path, overrides: list[str], progress: bool) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir.mkdir(parents=True, exist_ok=True)
-    ensure_model(config)
     run = LocalRun(config, run_dir=run_dir, progress=progress)
     previous = signal.signal(signal.SIGINT, lambda *_: run.request_stop())
     signal.signal(signal.SIGTERM, lambda *_: run.request_stop())
@@ -311,5 +302,24 @@ def run_local(config: TandemConfig, *, run_dir: Path, config_path: Path, overrid
     finally:
         signal.signal(signal.SIGINT, previous)
         run.shutdown()
-    log.info("run directory: %s (metrics.jsonl, logs/, checkpoints/)", run_dir)
+    _say_where_it_is(run.config, run_dir=run_dir)
     return code
+
+
+def _say_where_it_is(config: TandemConfig, *, run_dir: Path) -> None:
+    from services.trainer.checkpoint import checkpoint_root, default_base, latest_complete
+
+    base = default_base(checkpoint_dir=config.trainer.checkpoint_dir, run_dir=run_dir)
+    latest = latest_complete(checkpoint_root(base=base, role="actor"))
+    if latest is not None:
+        hf = latest / "hf"
+        log.info("last checkpoint: %s%s", latest, f" (Hugging Face model: {hf})" if hf.is_dir() else "")
+    log.info("run directory: %s (metrics.jsonl, logs/, checkpoints/)", run_dir)
+
+
+RUN_MARKER = "run.json"   # present while `tandem run` runs: how `tandem ctl` finds the coordinator
+
+
+def write_run_marker(run_dir: Path, *, coordinator: str) -> None:
+    (run_dir / RUN_MARKER).write_text(json.dumps({"pid": os.getpid(), "coordinator": coordinator,
+                                                  "started": time.time()}))

@@ -125,7 +125,7 @@ def startup_problem(config: TandemConfig, replica: int) -> str | None:
     if not (model / "config.json").is_file():
         what = "does not exist" if not model.exists() else "has no config.json (not a Hugging Face model directory)"
         return (f"model.path {model} {what}; create a random-init model with `tandem init-model {model} "
-                "--preset tiny` or set model.init_preset for `tandem run`")
+                "--preset tiny` or pass --init-model to `tandem run`")
     from services.rollout.rewards import RewardSpecError, resolve_reward
 
     try:

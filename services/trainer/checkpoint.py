@@ -33,6 +33,11 @@ def checkpoint_root(*, base: Path, role: str) -> Path:
     return base / role
 
 
+def default_base(*, checkpoint_dir: str | None, run_dir: Path) -> Path:
+    """trainer.checkpoint_dir, or RUN_DIR/checkpoints."""
+    return Path(checkpoint_dir) if checkpoint_dir else run_dir / "checkpoints"
+
+
 def checkpoint_dir(root: Path, rollout_id: int) -> Path:
     return root / f"rollout_{rollout_id:08d}"
 

@@ -80,7 +80,7 @@ class TrainerService:
         self.vocab_size = int(model_cfg.vocab_size)
         self.max_positions = getattr(model_cfg, "max_position_embeddings", None)
         self.export_dtype = TORCH_DTYPES[config.model.dtype]
-        self.checkpoint_base = Path(config.trainer.checkpoint_dir or self.run_dir / "checkpoints")
+        self.checkpoint_base = ckpt.default_base(checkpoint_dir=config.trainer.checkpoint_dir, run_dir=self.run_dir)
         # state (rank 0 is authoritative; it is what checkpoints hold)
         self.step = 0
         self.last_rollout_id = -1
