@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common.gen.tandem.v1 import common_pb2
 from tandem_runs import (EXAMPLE, REPO, alive, checkpoints, children_of, coordinator_target, metrics, start_run,
                          stop_run, supervisor_log, wait_status)
 
@@ -219,3 +220,27 @@ def test_jsonl_metrics_rewind_drops_the_steps_trained_again(tmp_path):
     assert [json.loads(x)["rollout_id"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1] == 3
     tracker.rewind(next_step=0)   # starting over: the old pre-training eval goes too
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+@pytest.mark.slow
+def test_the_coordinator_itself_does_not_retrain_a_finished_run(tmp_path, redis_server):
+    """Without `tandem run` (compose, k8s) the coordinator makes the same check after loading the checkpoint:
+    a real trainer and rollout process, the coordinator in-process, run twice over one run directory."""
+    from reliability_kit import Services
+    from services.coordinator.server import build_coordinator
+
+    s = Services(tmp_path, redis_server.url, ["loop.num_rollout=2", "loop.eval_interval=null"])
+    try:
+        first, _ = build_coordinator(s.config, run_dir=tmp_path)
+        first.run()
+        assert first.status == "finished" and step_ids(tmp_path) == [0, 1]
+        before = (tmp_path / "metrics.jsonl").read_bytes()
+        again, _ = build_coordinator(s.config, run_dir=tmp_path)
+        again.run()
+        assert again.status == "finished"
+        assert (tmp_path / "metrics.jsonl").read_bytes() == before
+        said = [e.message for e in again.events.watch(include_history=True)]
+        assert any(m.startswith("this run already finished: 2 of 2 rollouts trained") for m in said), said
+        assert s.trainer.stub.GetState(common_pb2.Empty(), timeout=30).step == 2   # no third Train
+    finally:
+        s.close()
