@@ -46,7 +46,7 @@ MAX_RECORDED_RESULTS = 1024        # replayable Train responses kept (and checkp
 MAX_RECORDED_ENTRIES = 100_000     # trained entry ids remembered to refuse a second delivery
 MAX_ENGINE_RANKS = 4096            # a weight-sync group larger than this is a malformed request
 _BATCH_FIELDS = ("tokens", "prompt_lengths", "response_lengths", "loss_mask", "rollout_log_probs", "rewards",
-                 "group_ids", "sample_versions", "values")
+                 "group_ids", "sample_versions", "sampling_temperature", "sampling_top_p", "sampling_top_k", "values")
 
 
 def _encode_batch(batch: TrainBatch) -> tuple[list[str], list[bytes]]:
