@@ -1,7 +1,8 @@
-"""Advantage estimators: group-normalised (GRPO, Dr.GRPO) and GAE, plus KL reward shaping.
+"""Advantage estimators: group-normalised (GRPO, Dr.GRPO) and GAE, plus KL reward shaping and whitening.
 
 Inputs are per-sample arrays (rewards, group ids, response lengths) and flat per-response-token arrays
-in the batch's sample order, the layout of `RolloutBatchData`.
+in the batch's sample order, the layout of `RolloutBatchData`. Tokens with loss_mask 0 (tool output,
+observations) are no actions: they get no reward or KL, and GAE steps over them (docs/algorithms.md).
 """
 
 from __future__ import annotations
