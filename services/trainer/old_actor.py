@@ -21,7 +21,6 @@ Offload.
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -29,8 +28,6 @@ import torch
 
 from services.common.config import TandemConfig
 from services.trainer.weight_export import iter_named_weights
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
