@@ -17,7 +17,8 @@ import numpy as np
 
 from services.common.buffer import RolloutBuffer, connect
 from services.common.redis_server import EmbeddedRedis
-from services.common.wire import RolloutBatchData, encode_batch
+from services.common.sampling import SamplingDistribution
+from services.common.wire import RolloutBatchData, encode_batch, sampling_arrays
 
 
 def make_batch(target_bytes: int, rollout_id: int) -> RolloutBatchData:
@@ -33,7 +34,8 @@ def make_batch(target_bytes: int, rollout_id: int) -> RolloutBatchData:
         prompt_lengths=np.full(samples, prompt_len, np.int32), response_lengths=np.full(samples, resp_len, np.int32),
         loss_mask=np.ones(n_resp, np.uint8), rollout_log_probs=-rng.random(n_resp, dtype=np.float32),
         rewards=rng.random(samples, dtype=np.float32), group_ids=np.arange(samples, dtype=np.int64) // 8,
-        sample_versions=np.zeros(samples, np.int64), finish_reasons=("stop",) * samples, producer="bench")
+        sample_versions=np.zeros(samples, np.int64), **sampling_arrays(samples, SamplingDistribution()),
+        finish_reasons=("stop",) * samples, producer="bench")
 
 
 def bench_size(client, size_mb: float, count: int, chunk_mb: float) -> dict[str, float]:  # noqa: ANN001

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.common.buffer import RolloutBuffer, connect, stream_key  # noqa: E402
 from services.common.config import config_from_dict  # noqa: E402
 from services.common.redis_server import EmbeddedRedis  # noqa: E402
+from services.common.sampling import SamplingDistribution  # noqa: E402
 from services.common.wire import build_batch  # noqa: E402
 from services.rollout.model_init import init_model  # noqa: E402
 
@@ -46,7 +47,8 @@ def make_batch(*, rollout_id: int, samples: int, response_len: int, vocab: int, 
     return build_batch(rollout_id=rollout_id, policy_version=0, prompts=prompts, responses=responses,
                        log_probs=[[-3.0] * response_len for _ in range(samples)],
                        rewards=rng.integers(0, 2, size=samples).astype(float).tolist(),
-                       group_ids=[i // 8 for i in range(samples)], finish_reasons=["length"] * samples)
+                       group_ids=[i // 8 for i in range(samples)], finish_reasons=["length"] * samples,
+                       sampling=SamplingDistribution())
 
 
 def start_trainer(*, model_dir: Path, run_dir: Path, redis_url: str, name: str, trainer: dict):  # noqa: ANN201

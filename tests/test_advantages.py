@@ -34,8 +34,16 @@ def test_grpo_identical_rewards_and_singleton_groups_give_zero():
 def test_token_rewards_put_reward_on_last_token_minus_kl():
     lengths = torch.tensor([2, 0, 3])
     kl = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5])
-    out = token_rewards(torch.tensor([1.0, 9.0, -1.0]), lengths, kl_penalty=kl)
+    out = token_rewards(torch.tensor([1.0, 9.0, -1.0]), lengths, torch.ones(5), kl_penalty=kl)
     assert out.tolist() == pytest.approx([-0.1, 1.0 - 0.2, -0.3, -0.4, -1.0 - 0.5])
+
+
+def test_token_rewards_skip_masked_tokens():
+    # sample 0 ends with an observation token: its reward goes on its last action; no KL on masked tokens
+    lengths, mask = torch.tensor([3, 2]), torch.tensor([1, 1, 0, 0, 1])
+    kl = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5])
+    out = token_rewards(torch.tensor([1.0, -1.0]), lengths, mask, kl_penalty=kl)
+    assert out.tolist() == pytest.approx([-0.1, 1.0 - 0.2, 0.0, 0.0, -1.0 - 0.5])
 
 
 def test_gae_matches_hand_computation():
@@ -43,7 +51,8 @@ def test_gae_matches_hand_computation():
     values = torch.tensor([0.5, 0.2, -0.1, 0.3])
     rewards = torch.tensor([0.0, 0.0, 1.0, 2.0])
     gamma, lambd = 0.9, 0.8
-    adv, ret = gae(rewards=rewards, values=values, response_lengths=torch.tensor([3, 1]), gamma=gamma, lambd=lambd)
+    adv, ret = gae(rewards=rewards, values=values, response_lengths=torch.tensor([3, 1]), loss_mask=torch.ones(4),
+                   gamma=gamma, lambd=lambd)
     d2 = 1.0 + 0.0 - (-0.1)
     d1 = 0.0 + gamma * (-0.1) - 0.2
     d0 = 0.0 + gamma * 0.2 - 0.5
@@ -58,9 +67,21 @@ def test_gae_matches_hand_computation():
 def test_gae_gamma_lambda_one_gives_reward_to_go_minus_value():
     values = torch.tensor([0.1, 0.2, 0.3])
     adv, ret = gae(rewards=torch.tensor([0.0, 0.0, 1.0]), values=values, response_lengths=torch.tensor([3]),
-                   gamma=1.0, lambd=1.0)
+                   loss_mask=torch.ones(3), gamma=1.0, lambd=1.0)
     assert adv.tolist() == pytest.approx([0.9, 0.8, 0.7])
     assert ret.tolist() == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_gae_masked_token_is_no_step():
+    # tokens 0, 2 are actions, token 1 an observation: token 0 bootstraps from V_2 with one discount
+    values = torch.tensor([0.5, 9.0, 0.2])
+    gamma, lambd = 0.9, 0.8
+    adv, ret = gae(rewards=torch.tensor([0.0, 0.0, 1.0]), values=values, response_lengths=torch.tensor([3]),
+                   loss_mask=torch.tensor([1, 0, 1]), gamma=gamma, lambd=lambd)
+    a2 = 1.0 - 0.2
+    a0 = gamma * 0.2 - 0.5 + gamma * lambd * a2
+    assert adv.tolist() == pytest.approx([a0, 0.0, a2], rel=1e-6)
+    assert ret[[0, 2]].tolist() == pytest.approx([a0 + 0.5, a2 + 0.2], rel=1e-6)
 
 
 def test_per_token_and_per_sample_sum_round_trip():

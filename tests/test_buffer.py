@@ -16,10 +16,11 @@ from conftest import HELPERS_DIR, PYTHON
 from services.common.buffer import (BufferError, BufferFullError, EntryNotFoundError, RolloutBuffer, connect,
                                     stream_key)
 from services.common.redis_server import EmbeddedRedis
-from services.common.wire import RolloutBatchData, build_batch, encode_batch
+from services.common.wire import RolloutBatchData, build_batch, encode_batch, sampling_arrays
+from services.common.sampling import SamplingDistribution
 
 ARRAYS = ("tokens", "prompt_lengths", "response_lengths", "loss_mask", "rollout_log_probs", "rewards",
-          "group_ids", "sample_versions")
+          "group_ids", "sample_versions", "sampling_temperature", "sampling_top_p", "sampling_top_k")
 
 
 def make_batch(rollout_id: int, *, n: int = 4, resp_len: int = 6, version: int = 0,
@@ -31,7 +32,8 @@ def make_batch(rollout_id: int, *, n: int = 4, resp_len: int = 6, version: int =
                        log_probs=[(-rng.random(resp_len)).tolist() for _ in range(n)],
                        rewards=rng.random(n).tolist(), group_ids=[rollout_id * 100 + i // 2 for i in range(n)],
                        finish_reasons=["stop", "length"] * (n // 2) + ["stop"] * (n % 2),
-                       labels=[str(i) for i in range(n)], metadata={"k": "v"}, producer=producer)
+                       labels=[str(i) for i in range(n)], metadata={"k": "v"}, producer=producer,
+                       sampling=SamplingDistribution(temperature=0.7, top_p=0.95))
 
 
 def assert_same_batch(a: RolloutBatchData, b: RolloutBatchData) -> None:
@@ -295,7 +297,8 @@ def big_batch(target_bytes: int) -> RolloutBatchData:
         loss_mask=rng.integers(0, 2, size=total_resp, dtype=np.uint8),
         rollout_log_probs=-rng.random(total_resp, dtype=np.float32),
         rewards=rng.random(n, dtype=np.float32), group_ids=np.arange(n, dtype=np.int64) // 8,
-        sample_versions=np.full(n, 3, dtype=np.int64), finish_reasons=("length",) * n, producer="rollout-1")
+        sample_versions=np.full(n, 3, dtype=np.int64), **sampling_arrays(n, SamplingDistribution(temperature=0.7)),
+        finish_reasons=("length",) * n, producer="rollout-1")
 
 
 def test_100mb_batch_round_trips_bit_identical_through_chunks(redis_client, stream):

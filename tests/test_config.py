@@ -30,6 +30,7 @@ trainer:
 algorithm:
   advantage_estimator: grpo
   eps_clip: 0.2
+  use_rollout_logprobs: false
   use_tis: true
 loop:
   mode: async
@@ -203,11 +204,32 @@ def test_async_without_off_policy_correction_is_refused_with_the_fix(mode):
                                                               algorithm={"use_rollout_logprobs": False})))
     assert line.startswith(f"loop.mode: {mode} trains on samples of an older policy")
     for fix in ("algorithm.use_rollout_logprobs: true", "algorithm.use_tis: true", "algorithm.keep_old_actor: true",
-                "advantage_estimator: gae", "loop.mode: sync"):
+                "loop.mode: sync"):
         assert fix in line
 
 
-@pytest.mark.parametrize("safe", [{"use_tis": True}, {"keep_old_actor": True}, {"advantage_estimator": "gae"}])
+def test_a_critic_is_no_off_policy_correction():
+    """As miles: PPO in an asynchronous mode needs a correction too (the critic does not change the ratio)."""
+    [line] = problem_lines(error_of(config_from_dict, minimal(
+        loop={"mode": "async"}, algorithm={"use_rollout_logprobs": False, "advantage_estimator": "gae"})))
+    assert "no off-policy correction is on (a critic is none)" in line
+    ppo = config_from_dict(minimal(loop={"mode": "async"}, algorithm={"advantage_estimator": "gae"}))
+    assert ppo.algorithm.uses_critic and ppo.algorithm.use_rollout_logprobs
+
+
+@pytest.mark.parametrize("algorithm, words", [
+    ({"use_tis": True}, "use_tis: true needs use_rollout_logprobs: false"),
+    ({"keep_old_actor": True}, "keep_old_actor: true needs use_rollout_logprobs: false"),
+    ({"whiten_advantages": True}, "whiten_advantages applies to advantage_estimator: gae"),
+])
+def test_contradicting_algorithm_choices_are_refused(algorithm, words):
+    [line] = problem_lines(error_of(config_from_dict, minimal(algorithm=algorithm)))
+    assert line.startswith(f"algorithm: {words}")
+
+
+@pytest.mark.parametrize("safe", [{"use_tis": True}, {"keep_old_actor": True},
+                                  {"keep_old_actor": True, "use_tis": True, "advantage_estimator": "gae",
+                                   "whiten_advantages": True}])
 def test_async_with_a_correction_or_sync_mode_is_accepted(safe):
     cfg = config_from_dict(minimal(loop={"mode": "async"}, algorithm={"use_rollout_logprobs": False, **safe}))
     assert cfg.loop.mode == "async"

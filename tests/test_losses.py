@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from services.trainer.losses import (PolicyLossConfig, aggregation_weights, clipped_value_loss,
-                                     entropy_from_logits, kl_estimate, ppo_policy_loss, tis_weights,
-                                     token_log_probs)
+from services.trainer.losses import (PolicyLossConfig, aggregation_weights, clipped_value_loss, kl_estimate,
+                                     ppo_policy_loss, tis_weights)
+from services.trainer.scoring import entropy_from_log_probs, tempered_token_log_probs
 
 
 def _ratios_to_logps(ratios):
@@ -104,9 +104,9 @@ def test_tis_weights_truncate_and_detach():
 
 def test_entropy_and_token_log_probs():
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [1.0, 1e-30, 1e-30]]))
-    ent = entropy_from_logits(logits)
+    ent = entropy_from_log_probs(torch.log_softmax(logits, dim=-1))
     assert ent.tolist() == pytest.approx([-(0.5 * math.log(0.5) + 0.5 * math.log(0.25)), 0.0], abs=1e-6)
-    lp = token_log_probs(logits, torch.tensor([1, 0]))
+    lp = tempered_token_log_probs(logits, torch.tensor([1, 0]), torch.ones(2))
     assert lp.tolist() == pytest.approx([math.log(0.25), 0.0], abs=1e-6)
 
 

@@ -53,6 +53,9 @@ def test_generate_writes_one_decodable_batch(service: RolloutService, redis_serv
     assert batch.group_ids.tolist() == [100] * 4 + [101] * 4 + [102] * 4
     assert list(batch.labels) == [p.label for p in ps for _ in range(4)]
     assert batch.sample_versions.tolist() == [0] * 12
+    # the distribution the samples were drawn from travels with them (the trainer scores them under it)
+    assert (batch.sampling_temperature.tolist(), batch.sampling_top_p.tolist(), batch.sampling_top_k.tolist()) == \
+        ([1.0] * 12, [1.0] * 12, [0] * 12)
     assert batch.loss_mask.tolist() == [1] * batch.num_response_tokens
     assert batch.rollout_log_probs.shape == (batch.num_response_tokens,) and (batch.rollout_log_probs <= 0).all()
     assert result.num_response_tokens == batch.num_response_tokens
@@ -78,6 +81,7 @@ def test_token_id_prompts_and_request_overrides(service: RolloutService, redis_s
         sampling=SamplingOptions(temperature=0.0, max_new_tokens=2), stream=stream, reward="exact_match")
     batch = consume(redis_server.url, stream, result.entry_id).batch
     assert batch.num_samples == 2 and batch.metadata["reward"] == "exact_match"
+    assert batch.sampling_temperature.tolist() == [0.0, 0.0]   # the request's sampling, not the config's
     assert batch.tokens[:len(ids)].tolist() == ids
     first, second = batch.sample_slices()
     assert batch.tokens[first[1]].tolist() == batch.tokens[second[1]].tolist()     # greedy: identical

@@ -34,6 +34,25 @@ def test_policy_learns_digit_max_in_async_mode(tmp_path):
         assert key in steps[-1], key
 
 
+def test_policy_learns_at_temperature_0_7_with_top_p_scored_on_policy(tmp_path):
+    """Samples drawn at T=0.7 with top-p 0.9 are scored under that distribution: in sync mode every step is
+    on-policy, so each token's ratio is 1 (to float precision), nothing clips, and the policy learns."""
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, "loop.mode=sync", "loop.num_rollout=30", "loop.eval_interval=30",
+                     "rollout.sampling.temperature=0.7", "rollout.sampling.top_p=0.9")
+    assert proc.wait(timeout=600) == 0, supervisor_log(run_dir)
+    rows = metrics(run_dir)
+    steps = [r for r in rows if "train/ppo_ratio_mean" in r]
+    evals = [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r]
+    assert len(steps) == 30 and len(evals) == 2
+    for r in steps:
+        assert r["train/ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-4), r
+        assert r["train/pg_clipfrac"] == 0.0 and r["train/rollout_logprob_abs_diff"] < 1e-4, r
+    first, last = (sum(r["rollout/reward_mean"] for r in part) / 5 for part in (steps[:5], steps[-5:]))
+    assert last > first + 0.2, (first, last)
+    assert evals[0] < 0.3 and evals[-1] > 0.5, evals   # greedy eval: untrained ~0.05, trained ~0.85
+
+
 def test_control_api_save_eval_sentinel_stop_and_resume(tmp_path):
     run_dir = tmp_path / "run"
     sentinel = tmp_path / "save.now"

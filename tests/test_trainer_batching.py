@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common.sampling import SamplingDistribution
 from services.common.wire import build_batch
 from services.trainer.backend import lr_lambda
 from services.trainer.batching import (build_micro_batch, merge_batches, pack_samples, shard_samples,
@@ -15,9 +16,11 @@ def _batch():
     return merge_batches([
         build_batch(rollout_id=0, policy_version=0, prompts=[[1, 5], [1, 6, 7]], responses=[[8, 9, 10], [11]],
                     log_probs=[[-0.1, -0.2, -0.3], [-0.4]], rewards=[1.0, 0.0], group_ids=[0, 0],
-                    finish_reasons=["stop", "length"], sample_versions=[3, 1]),
+                    finish_reasons=["stop", "length"], sample_versions=[3, 1],
+                    sampling=SamplingDistribution(temperature=0.7, top_p=0.9)),
         build_batch(rollout_id=1, policy_version=0, prompts=[[1]], responses=[[12, 13]], log_probs=[[-0.5, -0.6]],
-                    rewards=[0.5], group_ids=[1], finish_reasons=["stop"], sample_versions=[2]),
+                    rewards=[0.5], group_ids=[1], finish_reasons=["stop"], sample_versions=[2],
+                    sampling=SamplingDistribution(temperature=0.0)),
     ])
 
 
@@ -28,6 +31,8 @@ def test_merge_and_select_keep_per_token_arrays_aligned():
     assert picked.tokens.tolist() == [1, 12, 13, 1, 5, 8, 9, 10]
     assert picked.rollout_log_probs.tolist() == pytest.approx([-0.5, -0.6, -0.1, -0.2, -0.3])
     assert picked.response_lengths.tolist() == [2, 3] and picked.rewards.tolist() == [0.5, 1.0]
+    assert picked.sampling_temperature.tolist() == pytest.approx([0.0, 0.7])
+    assert picked.sampling_top_p.tolist() == pytest.approx([1.0, 0.9]) and picked.sampling_top_k.tolist() == [0, 0]
 
 
 def test_micro_batch_positions_predict_response_tokens():
@@ -69,7 +74,7 @@ def test_stale_samples():
 
 def test_merge_rejects_inconsistent_batches():
     good = build_batch(rollout_id=0, policy_version=0, prompts=[[1]], responses=[[2]], log_probs=[[-1.0]],
-                       rewards=[1.0], group_ids=[0], finish_reasons=["stop"])
+                       rewards=[1.0], group_ids=[0], finish_reasons=["stop"], sampling=SamplingDistribution())
     from dataclasses import replace
 
     with pytest.raises(ValueError, match="rewards"):

@@ -73,9 +73,10 @@ class TrainerProcess:
             return False
 
 
-def _config(model_dir: Path, run_dir: Path, redis_url: str, *, run_name: str, port: int, **trainer) -> TandemConfig:
+def _config(model_dir: Path, run_dir: Path, redis_url: str, *, run_name: str, port: int,
+            algorithm: dict | None = None, **trainer) -> TandemConfig:
     base = trainer_config(model_dir=model_dir, run_dir=run_dir, redis_url=redis_url, run_name=run_name,
-                          trainer={"micro_batch_tokens": 40, "lr": 3e-3, **trainer})
+                          trainer={"micro_batch_tokens": 40, "lr": 3e-3, **trainer}, algorithm=algorithm)
     data = base.model_dump(mode="json")
     data["services"]["trainer"]["port"] = port
     data["weights"].update(transport="gloo", timeout_s=60.0)
@@ -144,6 +145,35 @@ def test_two_ranks_zero3_under_torchrun_over_grpc_match_one_rank(tiny_model_dir,
         rc = server.stop()
         assert rc == 0, server.log()[-3000:]
         assert not server.group_alive()   # torchrun and both ranks are gone
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_keep_old_actor_under_zero3_on_two_ranks(tiny_model_dir, tmp_path, redis_server):  # noqa: F811
+    """Both ranks snapshot the published weights (a gather: a collective under ZeRO-3) and score with the old
+    actor in lockstep; a batch scored by the snapshot of v1 gives what the policy gave while it was v1."""
+    torch.set_num_threads(1)
+    config = _config(tiny_model_dir, tmp_path, redis_server.url, run_name="old-actor", port=free_port(), zero_stage=3,
+                     num_ranks=2, algorithm={"use_rollout_logprobs": False, "keep_old_actor": True, "use_tis": True})
+    server = TrainerProcess(config, run_dir=tmp_path, name="trainer")
+    try:
+        producer = _producer(config)
+
+        def train(rollout_id: int, batch) -> dict[str, float]:  # noqa: ANN001
+            request = trainer_pb2.TrainRequest(rollout_id=rollout_id, entry_ids=[producer.put(batch)], max_staleness=-1)
+            return dict(server.stub.Train(request, timeout=120).metrics)
+
+        train(0, make_batch(rollout_id=0, seed=20, groups=4, model_dir=tiny_model_dir))
+        prepare = trainer_pb2.PrepareWeightSyncRequest(version=1, transport="disk", engine_world_size=1)
+        server.stub.PrepareWeightSync(prepare, timeout=60)
+        server.stub.PublishWeights(trainer_pb2.PublishWeightsRequest(version=1), timeout=60)
+        of_v1 = make_batch(rollout_id=1, seed=21, groups=4, model_dir=tiny_model_dir, sample_versions=[1] * 16)
+        current = train(1, of_v1)    # the policy is still v1: scored by itself
+        snapshot = train(2, of_v1)   # one update later: scored by the v1 snapshot
+        assert snapshot["old_actor_fallback_frac"] == 0.0 and snapshot["rollout_logprob_abs_diff"] > 0
+        for key in ("rollout_logprob_abs_diff", "tis_weight_mean"):
+            assert snapshot[key] == pytest.approx(current[key], rel=1e-5), key
+        assert server.stop() == 0, server.log()[-3000:]
     finally:
         server.stop(signal.SIGKILL)
 

@@ -12,12 +12,13 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest_trainer import DEVICE, TrainerHarness, make_batch, tiny_model_dir, trainer_config  # noqa: F401
+from conftest_trainer import DEVICE, harness, make_batch, tiny_model_dir  # noqa: F401
 
 from services.common.buffer import EntryNotFoundError
 from services.common.gen.tandem.v1 import common_pb2
 from services.common.grpc_util import FailedPrecondition
-from services.common.wire import array_to_proto, build_batch
+from services.common.sampling import SamplingDistribution
+from services.common.wire import array_to_proto, build_batch, sampling_arrays
 from services.trainer import checkpoint as ckpt
 from services.trainer.critic import handoff_key, read_handoff
 
@@ -27,22 +28,6 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture(autouse=True)
 def _one_thread():
     torch.set_num_threads(1)
-
-
-@pytest.fixture
-def harness(tiny_model_dir, tmp_path, redis_server):  # noqa: F811
-    made = []
-
-    def make(*, role: str = "actor", run_dir=None, **sections) -> TrainerHarness:
-        h = TrainerHarness(trainer_config(model_dir=tiny_model_dir, run_dir=run_dir or tmp_path,
-                                          redis_url=redis_server.url, **sections),
-                           run_dir=run_dir or tmp_path, role=role)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
 
 
 @pytest.mark.parametrize("zero_stage,precision", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16")])
@@ -152,6 +137,7 @@ def _raw_payload(*, rewards: list[float], response_lengths: list[int]) -> bytes:
         rollout_log_probs=array_to_proto(np.full(2 * n, -1.0, np.float32)),
         rewards=array_to_proto(np.asarray(rewards, np.float32)), group_ids=array_to_proto(np.zeros(n, np.int64)),
         sample_versions=array_to_proto(np.zeros(n, np.int64)),
+        **{name: array_to_proto(a) for name, a in sampling_arrays(n, SamplingDistribution()).items()},
         finish_reasons=[common_pb2.FINISH_REASON_STOP] * n)
     return msg.SerializeToString()
 
@@ -172,12 +158,12 @@ def test_bad_input_gives_clear_errors_and_takes_no_step(harness):
         h.service.train(rollout_id=0, entry_ids=[bad_len])
     # decodes fine but cannot be trained: ids beyond the vocabulary, no trainable token
     oov = h.put(build_batch(rollout_id=0, policy_version=0, prompts=[[1, 2]], responses=[[99]], log_probs=[[-1.0]],
-                            rewards=[1.0], group_ids=[0], finish_reasons=["stop"]))
+                            rewards=[1.0], group_ids=[0], finish_reasons=["stop"], sampling=SamplingDistribution()))
     with pytest.raises(ValueError, match="vocabulary"):
         h.service.train(rollout_id=0, entry_ids=[oov])
     masked = h.put(build_batch(rollout_id=0, policy_version=0, prompts=[[1, 2]], responses=[[5, 6]],
                                log_probs=[[-1.0, -1.0]], rewards=[1.0], group_ids=[0], finish_reasons=["stop"],
-                               loss_masks=[[0, 0]]))
+                               loss_masks=[[0, 0]], sampling=SamplingDistribution()))
     with pytest.raises(ValueError, match="no trainable tokens"):
         h.service.train(rollout_id=0, entry_ids=[masked])
     assert h.service.step == 0 and h.service.backend.global_steps == 0 and not h.service.results

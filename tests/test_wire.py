@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from services.common.gen.tandem.v1 import common_pb2
+from services.common.sampling import SamplingDistribution
 from services.common.wire import (FINISH_REASONS, RolloutBatchData, WireError, array_from_proto, array_to_proto,
                                   build_batch, decode_batch, encode_batch, payload_checksum)
 
@@ -16,7 +17,8 @@ def sample_batch(**overrides) -> RolloutBatchData:
     kw = dict(rollout_id=7, policy_version=3, prompts=[[1, 2, 3], [4, 5]], responses=[[6, 7], [8, 9, 10, 11]],
               log_probs=[[-0.5, -1.25], [-0.1, -0.2, -0.3, -2.0]], rewards=[1.0, 0.0], group_ids=[70, 70],
               finish_reasons=["stop", "length"], sample_versions=[3, 2], loss_masks=[[1, 1], [1, 0, 1, 1]],
-              labels=["4", "2"], metadata={"task": "copy", "seed": "1"}, producer="rollout-0")
+              labels=["4", "2"], metadata={"task": "copy", "seed": "1"}, producer="rollout-0",
+              sampling=SamplingDistribution(temperature=0.7, top_p=0.9, top_k=5))
     kw.update(overrides)
     return build_batch(**kw)
 
@@ -67,6 +69,9 @@ def test_payload_is_standard_protobuf():
         loss_mask=array_to_proto(batch.loss_mask), rollout_log_probs=array_to_proto(batch.rollout_log_probs),
         rewards=array_to_proto(batch.rewards), group_ids=array_to_proto(batch.group_ids),
         sample_versions=array_to_proto(batch.sample_versions),
+        sampling_temperature=array_to_proto(np.full(2, 0.7, np.float32)),
+        sampling_top_p=array_to_proto(np.full(2, 0.9, np.float32)),
+        sampling_top_k=array_to_proto(np.full(2, 5, np.int32)),
         finish_reasons=[common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH],
         metadata={"task": "copy", "seed": "1"}, created_unix_ns=batch.created_unix_ns, producer="rollout-0",
         labels=["4", "2"])
@@ -124,6 +129,13 @@ def test_big_endian_and_non_contiguous_arrays_travel_as_little_endian():
     (dict(rollout_log_probs=np.zeros(6, np.int32)), r"rollout_log_probs has dtype int32, expected float32"),
     (dict(tokens=list(range(11))), r"tokens is a list, expected a numpy array"),
     (dict(finish_reasons=("stop", "eos")), r"unknown finish reason\(s\) \['eos'\]"),
+    (dict(sampling_temperature=np.array([0.7], np.float32)), r"sampling_temperature has shape \(1,\), expected \(2,\)"),
+    (dict(sampling_temperature=np.array([0.7, -1.0], np.float32)), r"sampling_temperature must be finite and >= 0"),
+    (dict(sampling_temperature=np.array([0.7, np.nan], np.float32)), r"sampling_temperature must be finite"),
+    (dict(sampling_top_p=np.array([0.0, 0.9], np.float32)), r"sampling_top_p must lie in \(0, 1\]"),
+    (dict(sampling_top_p=np.array([1.5, 0.9], np.float32)), r"sampling_top_p must lie in \(0, 1\]"),
+    (dict(sampling_top_k=np.array([-1, 5], np.int32)), r"sampling_top_k must be >= 0"),
+    (dict(sampling_top_k=np.array([1.5, 5.0], np.float32)), r"sampling_top_k has dtype float32, expected int32"),
 ])
 def test_invalid_batches_are_refused_by_encode(change, message):
     bad = dataclasses.replace(sample_batch(), **change)
@@ -149,6 +161,8 @@ def test_unsupported_dtype_cannot_be_sent():
     (lambda m: setattr(m.rewards, "data", m.rewards.data[:-1]), r"rewards: shape \(2,\) of float32 needs 8 bytes"),
     (lambda m: m.response_lengths.shape.__setitem__(0, -2), r"negative dimension"),
     (lambda m: m.ClearField("loss_mask"), r"batch 7 loss_mask: missing"),
+    (lambda m: m.ClearField("sampling_top_p"), r"batch 7 sampling_top_p: missing \(the producer does not say which "
+                                               r"distribution its samples were drawn from\)"),
     (lambda m: m.finish_reasons.append(common_pb2.FINISH_REASON_UNSPECIFIED), r"unknown finish reason 0"),
     (lambda m: setattr(m, "num_samples", 3), r"header says 3 samples, arrays hold 2"),
     (lambda m: m.rewards.CopyFrom(array_to_proto(np.array([1.0, np.nan], np.float32))), r"rewards contain NaN"),

@@ -118,18 +118,38 @@ class AlgorithmConfig(Section):
     kl_mode: Literal["loss", "reward"] = "loss"
     entropy_coef: float = Field(default=0.0, ge=0)
     use_rollout_logprobs: bool = Field(default=True, description="ratio denominator: rollout log-probs (True) "
-                                       "or log-probs recomputed by the trainer before the update (False)")
-    use_tis: bool = False
+                                       "or log-probs the trainer computes (False: the current policy before the "
+                                       "update, or the old actor with keep_old_actor)")
+    use_tis: bool = Field(default=False, description="truncated importance sampling: weights pi_old / pi_rollout "
+                          "(capped at tis_clip) on the loss; needs use_rollout_logprobs: false")
     tis_clip: float = Field(default=2.0, gt=0)
-    keep_old_actor: bool = False
+    keep_old_actor: bool = Field(default=False, description="keep snapshots of the weights sent to the rollout "
+                                 "engines, and score each sample under the version that generated it (the ratio's "
+                                 "denominator); needs use_rollout_logprobs: false")
     gamma: float = Field(default=1.0, ge=0, le=1)
     lambd: float = Field(default=1.0, ge=0, le=1)
+    whiten_advantages: bool = Field(default=False, description="gae: normalise advantages to mean 0, std 1 over "
+                                    "the batch's trainable tokens (verl's masked_whiten)")
     value_clip: float = Field(default=0.2, gt=0)
     num_critic_only_steps: int = Field(default=0, ge=0)
 
     @property
     def uses_critic(self) -> bool:
         return self.advantage_estimator == "gae"
+
+    @model_validator(mode="after")
+    def _consistent_corrections(self) -> "AlgorithmConfig":
+        if self.use_rollout_logprobs and self.use_tis:
+            raise ValueError("use_tis: true needs use_rollout_logprobs: false (with rollout log-probs "
+                             "as the ratio's denominator the ratio already is the importance weight; TIS on top "
+                             "would apply it twice)")
+        if self.use_rollout_logprobs and self.keep_old_actor:
+            raise ValueError("keep_old_actor: true needs use_rollout_logprobs: false (the old actor "
+                             "computes the ratio's denominator, which use_rollout_logprobs takes from the rollout)")
+        if self.whiten_advantages and not self.uses_critic:
+            raise ValueError("whiten_advantages applies to advantage_estimator: gae (GRPO advantages are "
+                             "normalised per group: normalize_advantage_std)")
+        return self
 
 
 class LoopConfig(Section):
@@ -255,16 +275,19 @@ class TandemConfig(Section):
 
 
 def validate_async_off_policy_correction(config: TandemConfig) -> None:
-    """Asynchronous generation trains on samples from an older policy: something must correct for it."""
+    """Asynchronous generation trains on samples from an older policy: the ratio's denominator must be that
+    policy (rollout log-probs, or the old actor) or TIS must reweight for it. A critic is no correction (its
+    values do not change the ratio), so PPO needs one too, as miles requires; unlike miles this also holds for
+    GRPO, whose ratio is just as off-policy."""
     if config.loop.mode == "sync":
         return
     algo = config.algorithm
-    if algo.uses_critic or algo.use_rollout_logprobs or algo.use_tis or algo.keep_old_actor:
+    if algo.use_rollout_logprobs or algo.use_tis or algo.keep_old_actor:
         return
     raise ValueError(
-        f"loop.mode: {config.loop.mode} trains on samples of an older policy, but no off-policy correction is on: "
-        "set algorithm.use_rollout_logprobs: true, algorithm.use_tis: true, algorithm.keep_old_actor: true, "
-        "or algorithm.advantage_estimator: gae (critic), or use loop.mode: sync")
+        f"loop.mode: {config.loop.mode} trains on samples of an older policy, but no off-policy correction is on "
+        "(a critic is none): set algorithm.use_rollout_logprobs: true, algorithm.use_tis: true or "
+        "algorithm.keep_old_actor: true, or use loop.mode: sync")
 
 
 # ---- loading ----------------------------------------------------------------------------------

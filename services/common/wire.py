@@ -16,6 +16,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from services.common.gen.tandem.v1 import common_pb2
+from services.common.sampling import SamplingParamsLike
 
 
 class WireError(ValueError):
@@ -57,9 +58,13 @@ def array_from_proto(tensor: common_pb2.TensorData, *, what: str = "tensor") -> 
 # What each array of a batch is on the wire, and which numpy kinds a batch may hold before encoding.
 _WIRE_DTYPES = {"tokens": "int32", "prompt_lengths": "int32", "response_lengths": "int32", "loss_mask": "uint8",
                 "rollout_log_probs": "float32", "rewards": "float32", "group_ids": "int64",
-                "sample_versions": "int64"}
+                "sample_versions": "int64", "sampling_temperature": "float32", "sampling_top_p": "float32",
+                "sampling_top_k": "int32"}
 _FIELD_KINDS = {"tokens": "iu", "prompt_lengths": "iu", "response_lengths": "iu", "loss_mask": "iub",
-                "rollout_log_probs": "f", "rewards": "fiu", "group_ids": "iu", "sample_versions": "iu"}
+                "rollout_log_probs": "f", "rewards": "fiu", "group_ids": "iu", "sample_versions": "iu",
+                "sampling_temperature": "fiu", "sampling_top_p": "fiu", "sampling_top_k": "iu"}
+_PER_SAMPLE = ("response_lengths", "rewards", "group_ids", "sample_versions", "sampling_temperature",
+               "sampling_top_p", "sampling_top_k")
 
 
 def payload_checksum(payload: bytes | memoryview) -> str:
@@ -80,6 +85,10 @@ class RolloutBatchData:
     rewards: np.ndarray              # float32 [n]
     group_ids: np.ndarray            # int64 [n]
     sample_versions: np.ndarray      # int64 [n]
+    # The distribution each sample was drawn from (services.common.sampling): the trainer scores it under it.
+    sampling_temperature: np.ndarray  # float32 [n], 0 = greedy
+    sampling_top_p: np.ndarray        # float32 [n], 1 = off
+    sampling_top_k: np.ndarray        # int32 [n], 0 = off
     finish_reasons: tuple[str, ...]  # "stop" | "length" | "abort"
     labels: tuple[str, ...] = ()
     metadata: dict[str, str] = field(default_factory=dict)
@@ -106,9 +115,8 @@ class RolloutBatchData:
             raise WireError(f"batch {self.rollout_id}: prompt_lengths has shape {self.prompt_lengths.shape}, "
                             "expected one dimension")
         n = self.num_samples
-        per_sample = {"response_lengths": self.response_lengths, "rewards": self.rewards,
-                      "group_ids": self.group_ids, "sample_versions": self.sample_versions}
-        for name, arr in per_sample.items():
+        for name in _PER_SAMPLE:
+            arr = getattr(self, name)
             if arr.ndim != 1 or arr.shape[0] != n:
                 raise WireError(f"batch {self.rollout_id}: {name} has shape {arr.shape}, expected ({n},)")
         if len(self.finish_reasons) != n:
@@ -134,6 +142,16 @@ class RolloutBatchData:
             raise WireError(f"batch {self.rollout_id}: rewards contain NaN or inf")
         if np.isnan(self.rollout_log_probs).any():
             raise WireError(f"batch {self.rollout_id}: rollout_log_probs contain NaN")
+        self._validate_sampling()
+
+    def _validate_sampling(self) -> None:
+        temperature, top_p = self.sampling_temperature, self.sampling_top_p
+        if not (np.isfinite(temperature) & (temperature >= 0)).all():
+            raise WireError(f"batch {self.rollout_id}: sampling_temperature must be finite and >= 0")
+        if not ((top_p > 0) & (top_p <= 1)).all():   # NaN fails both comparisons
+            raise WireError(f"batch {self.rollout_id}: sampling_top_p must lie in (0, 1]")
+        if (self.sampling_top_k < 0).any():
+            raise WireError(f"batch {self.rollout_id}: sampling_top_k must be >= 0 (0 = off)")
 
     def sample_slices(self) -> list[tuple[slice, slice, slice]]:
         """Per sample: (prompt slice of tokens, response slice of tokens, slice of response-token arrays)."""
@@ -204,7 +222,9 @@ def decode_batch(payload: bytes) -> RolloutBatchData:
     def arr(name: str) -> np.ndarray:
         what = f"batch {msg.rollout_id} {name}"
         if not msg.HasField(name):
-            raise WireError(f"{what}: missing (truncated or not a rollout batch)")
+            why = ("the producer does not say which distribution its samples were drawn from"
+                   if name.startswith("sampling_") else "truncated or not a rollout batch")
+            raise WireError(f"{what}: missing ({why})")
         tensor = getattr(msg, name)
         if tensor.dtype != _WIRE_DTYPES[name]:
             raise WireError(f"{what}: dtype {tensor.dtype!r}, expected {_WIRE_DTYPES[name]!r}")
@@ -214,7 +234,9 @@ def decode_batch(payload: bytes) -> RolloutBatchData:
         rollout_id=msg.rollout_id, policy_version=msg.policy_version, tokens=arr("tokens"),
         prompt_lengths=arr("prompt_lengths"), response_lengths=arr("response_lengths"),
         loss_mask=arr("loss_mask"), rollout_log_probs=arr("rollout_log_probs"), rewards=arr("rewards"),
-        group_ids=arr("group_ids"), sample_versions=arr("sample_versions"), finish_reasons=reasons,
+        group_ids=arr("group_ids"), sample_versions=arr("sample_versions"),
+        sampling_temperature=arr("sampling_temperature"), sampling_top_p=arr("sampling_top_p"),
+        sampling_top_k=arr("sampling_top_k"), finish_reasons=reasons,
         labels=tuple(msg.labels), metadata=dict(msg.metadata), producer=msg.producer,
         created_unix_ns=msg.created_unix_ns)
     if msg.num_samples == 0 and batch.num_samples > 0:
@@ -226,12 +248,20 @@ def decode_batch(payload: bytes) -> RolloutBatchData:
     return batch
 
 
+def sampling_arrays(n: int, sampling: SamplingParamsLike) -> dict[str, np.ndarray]:
+    """The per-sample sampling fields of n samples drawn from one distribution."""
+    return {"sampling_temperature": np.full(n, sampling.temperature, dtype=np.float32),
+            "sampling_top_p": np.full(n, sampling.top_p, dtype=np.float32),
+            "sampling_top_k": np.full(n, sampling.top_k, dtype=np.int32)}
+
+
 def build_batch(*, rollout_id: int, policy_version: int, prompts: list[list[int]], responses: list[list[int]],
                 log_probs: list[list[float]], rewards: list[float], group_ids: list[int],
-                finish_reasons: list[str], sample_versions: list[int] | None = None,
+                finish_reasons: list[str], sampling: SamplingParamsLike, sample_versions: list[int] | None = None,
                 loss_masks: list[list[int]] | None = None, labels: list[str] | None = None,
                 metadata: dict[str, str] | None = None, producer: str = "") -> RolloutBatchData:
-    """Builds a batch from per-sample lists (what an engine naturally produces)."""
+    """Builds a batch from per-sample lists (what an engine naturally produces); `sampling` is the distribution
+    every sample was drawn from."""
     n = len(prompts)
     if not (len(responses) == len(log_probs) == len(rewards) == len(group_ids) == len(finish_reasons) == n):
         raise WireError("build_batch: per-sample lists differ in length")
@@ -246,5 +276,5 @@ def build_batch(*, rollout_id: int, policy_version: int, prompts: list[list[int]
         rewards=np.asarray(rewards, dtype=np.float32), group_ids=np.asarray(group_ids, dtype=np.int64),
         sample_versions=np.asarray(sample_versions if sample_versions is not None else [policy_version] * n,
                                    dtype=np.int64),
-        finish_reasons=tuple(finish_reasons), labels=tuple(labels or ()), metadata=dict(metadata or {}),
-        producer=producer, created_unix_ns=time.time_ns())
+        **sampling_arrays(n, sampling), finish_reasons=tuple(finish_reasons), labels=tuple(labels or ()),
+        metadata=dict(metadata or {}), producer=producer, created_unix_ns=time.time_ns())

@@ -218,7 +218,7 @@ class RolloutService:
                 prompts=scored.prompt_ids, responses=[list(o.token_ids) for o in scored.outputs],
                 log_probs=[list(o.log_probs) for o in scored.outputs], rewards=scored.rewards,
                 group_ids=[p.group_id for p in prompts for _ in range(n)],
-                finish_reasons=[o.finish_reason for o in scored.outputs],
+                finish_reasons=[o.finish_reason for o in scored.outputs], sampling=sampling,
                 sample_versions=[o.weight_version for o in scored.outputs],
                 labels=[p.label for p in prompts for _ in range(n)],
                 metadata={"reward": reward_fn.spec, "engine": self.engine.name, "n_samples_per_prompt": str(n),

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from services.rollout.engine import SamplingOptions
-from services.rollout.sampling import sampling_log_probs
+from services.common.sampling import sampling_log_probs
 
 log = logging.getLogger(__name__)
 

@@ -3,22 +3,30 @@
 Global per-token quantities (advantages, aggregation weights) are computed from the full batch that every
 rank holds; forward passes only cover the rank's shard. Per-token results of a pre-pass that other ranks
 need (KL for reward shaping) are summed over ranks into a full-length vector.
+
+Every log-prob is of the distribution the sample was drawn from (scoring.py): the ratio, TIS and the entropy
+use the sampling distribution (temperature, top-k, top-p), the KL to the reference the tempered one.
+docs/algorithms.md lists every choice.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from services.common.config import AlgorithmConfig
-from services.trainer.advantages import gae, grpo_advantages, per_sample_sum, per_token, token_rewards
-from services.trainer.backend import DeepSpeedBackend, reference_log_probs
+from services.trainer.advantages import (gae, grpo_advantages, per_sample_sum, per_token, token_rewards,
+                                         whiten)
+from services.trainer.backend import DeepSpeedBackend, frozen_log_probs
 from services.trainer.batching import MicroBatch, TrainBatch, dummy_micro_batch, plan_micro_batches
 from services.trainer.dist import all_reduce_max_int, all_reduce_sum
-from services.trainer.losses import (PolicyLossConfig, aggregation_weights, entropy_from_logits, kl_estimate,
-                                     ppo_policy_loss, tis_weights, token_log_probs)
+from services.trainer.losses import PolicyLossConfig, aggregation_weights, kl_estimate, ppo_policy_loss, tis_weights
+from services.trainer.old_actor import OldActor
+from services.trainer.scoring import (TokenSampling, entropy_from_log_probs, gather_targets,
+                                      sampling_log_prob_table, score_tokens, tempered_token_log_probs)
 
 
 def lockstep_micro_batches(backend: DeepSpeedBackend, batch: TrainBatch, *, token_budget: int) -> list[MicroBatch]:
@@ -60,71 +68,141 @@ def compute_advantages(batch: TrainBatch, algo: AlgorithmConfig, kl_penalty: tor
         return per_token(adv, batch.response_lengths)
     if batch.values is None:
         raise ValueError("advantage_estimator gae needs the critic's values (Train with use_critic_values)")
-    rewards = token_rewards(batch.rewards, batch.response_lengths, kl_penalty)
+    rewards = token_rewards(batch.rewards, batch.response_lengths, batch.loss_mask, kl_penalty)
     advantages, _ = gae(rewards=rewards, values=batch.values, response_lengths=batch.response_lengths,
-                        gamma=algo.gamma, lambd=algo.lambd)
-    return advantages
+                        loss_mask=batch.loss_mask, gamma=algo.gamma, lambd=algo.lambd)
+    return whiten(advantages, batch.loss_mask) if algo.whiten_advantages else advantages
 
 
-_SUMS = ("loss", "pg_loss", "pg_clipfrac", "kl", "entropy", "ppo_ratio_mean", "tis_weight_mean")
+@dataclass(frozen=True)
+class BehaviourLogProbs:
+    """The old actor's log-probs of each token's sample version (NaN: the current policy is that version) and
+    1.0 where no snapshot of the version was left (a restart): those use the current policy too."""
+
+    log_probs: torch.Tensor   # float32 [T]
+    fallback: torch.Tensor    # float32 [T]
+
+
+def old_actor_log_probs(*, old_actor: OldActor, backend: DeepSpeedBackend, batch: TrainBatch,
+                        mbs: list[MicroBatch], sampling: TokenSampling) -> BehaviourLogProbs:
+    n_tok = batch.num_response_tokens
+    versions = per_token(batch.sample_versions, batch.response_lengths)
+    out = torch.full((n_tok,), float("nan"))
+    fallback = torch.zeros(n_tok)
+    for version in sorted(set(batch.sample_versions.tolist())):
+        chosen = versions == version
+        snapshot = old_actor.get(version)
+        if snapshot is None:
+            fallback[chosen] = 1.0
+        elif snapshot.optimizer_step != backend.global_steps:   # else nothing was trained since: current = old
+            module = old_actor.module_for(snapshot)
+            lp = per_token_pass(n_tok, mbs, lambda mb: frozen_log_probs(
+                module, mb, backend.device, sampling=sampling.at(mb.token_index), tempered=False))
+            out[chosen] = lp[chosen]
+    return BehaviourLogProbs(log_probs=out, fallback=fallback)
+
+
+def reward_kl_penalty(*, backend: DeepSpeedBackend, mbs: list[MicroBatch], sampling: TokenSampling,
+                      ref_lp: torch.Tensor, algo: AlgorithmConfig) -> torch.Tensor:
+    """kl_coef × per-token KL of the policy before the update to the reference (both tempered), full batch."""
+    n_tok = len(ref_lp)
+    policy = per_token_pass(n_tok, mbs, lambda mb: score_tokens(
+        backend.logits(mb)[0], mb.targets.to(backend.device), sampling.at(mb.token_index), tempered=True))
+    kl = kl_estimate(policy, ref_lp, algo.kl_estimator) * owned_tokens(n_tok, mbs)
+    return algo.kl_coef * all_reduce_sum(kl.to(backend.device)).cpu()
+
+
+_SUMS = ("loss", "pg_loss", "pg_clipfrac", "kl", "entropy", "ppo_ratio_mean", "tis_weight_mean",
+         "rollout_logprob_abs_diff", "old_actor_fallback_frac")
+
+
+@dataclass(frozen=True)
+class TokenTerms:
+    """Per-token pieces of one micro-batch's loss and metrics."""
+
+    pg: torch.Tensor        # policy-gradient loss (TIS-weighted)
+    clipped: torch.Tensor
+    ratio: torch.Tensor
+    tis: torch.Tensor
+    kl: torch.Tensor
+    entropy: torch.Tensor
+    mismatch: torch.Tensor  # |behaviour log-prob - rollout log-prob|, capped at 20
+
+
+def token_terms(*, logits: torch.Tensor, mb: MicroBatch, batch: TrainBatch, sampling: TokenSampling,
+                advantages: torch.Tensor, algo: AlgorithmConfig, ref_lp: torch.Tensor | None,
+                old: BehaviourLogProbs | None, device: torch.device) -> TokenTerms:
+    idx, targets, tok = mb.token_index, mb.targets.to(device), sampling.at(mb.token_index)
+    table = sampling_log_prob_table(logits, tok)
+    logp = gather_targets(table, targets)
+    entropy = entropy_from_log_probs(table if algo.entropy_coef > 0 else table.detach())
+    rollout_lp = batch.rollout_log_probs[idx].to(device)
+    # The trainer's view of the behaviour policy: the old actor, or the current policy before this step's
+    # single update (exact without keep_old_actor in sync mode).
+    behaviour = logp.detach()
+    if old is not None:
+        kept = old.log_probs[idx].to(device)
+        behaviour = torch.where(torch.isnan(kept), behaviour, kept)
+    clip = PolicyLossConfig(eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, dual_clip_c=algo.dual_clip_c)
+    pg, clipped, ratio = ppo_policy_loss(log_probs=logp, old_log_probs=rollout_lp if algo.use_rollout_logprobs
+                                         else behaviour, advantages=advantages[idx].to(device), cfg=clip)
+    tis = torch.ones_like(pg)
+    if algo.use_tis:
+        tis = tis_weights(old_log_probs=behaviour, rollout_log_probs=rollout_lp, clip=algo.tis_clip)
+        pg = pg * tis
+    kl = torch.zeros_like(pg)
+    if ref_lp is not None:
+        tempered = tempered_token_log_probs(logits, targets, tok.temperature) \
+            if tok.truncates(logits.shape[-1]) else logp
+        kl = kl_estimate(tempered, ref_lp[idx].to(device), algo.kl_estimator)
+    return TokenTerms(pg=pg, clipped=clipped, ratio=ratio, tis=tis, kl=kl, entropy=entropy,
+                      mismatch=(behaviour - rollout_lp).abs().clamp(max=20.0))
 
 
 def actor_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmConfig,
-               ref_model: torch.nn.Module | None, token_budget: int) -> dict[str, float]:
+               ref_model: torch.nn.Module | None, old_actor: OldActor | None, token_budget: int) -> dict[str, float]:
     start = time.monotonic()
     device, world = backend.device, backend.dist_info.world_size
     mbs = lockstep_micro_batches(backend, batch, token_budget=token_budget)
+    sampling = TokenSampling.of(batch)
     n_tok = batch.num_response_tokens
-    ref_lp = None if ref_model is None else per_token_pass(
-        n_tok, mbs, lambda mb: reference_log_probs(ref_model, mb, device))
+    ref_lp = None if ref_model is None else per_token_pass(n_tok, mbs, lambda mb: frozen_log_probs(
+        ref_model, mb, device, sampling=sampling.at(mb.token_index), tempered=True))
     kl_penalty = None
     if ref_lp is not None and algo.kl_mode == "reward":
-        # The sampling policy's log-probs: the rollout's, or recomputed before the update.
-        before = batch.rollout_log_probs if algo.use_rollout_logprobs else per_token_pass(
-            n_tok, mbs, lambda mb: token_log_probs(backend.logits(mb)[0], mb.targets.to(device)))
-        kl = kl_estimate(before, ref_lp, algo.kl_estimator) * owned_tokens(n_tok, mbs)
-        kl_penalty = algo.kl_coef * all_reduce_sum(kl.to(device)).cpu()
+        kl_penalty = reward_kl_penalty(backend=backend, mbs=mbs, sampling=sampling, ref_lp=ref_lp, algo=algo)
+    old = None if old_actor is None else old_actor_log_probs(old_actor=old_actor, backend=backend, batch=batch,
+                                                             mbs=mbs, sampling=sampling)
     advantages = compute_advantages(batch, algo, kl_penalty)
     weights = aggregation_weights(batch.loss_mask, batch.response_lengths, algo.loss_aggregation)
     token_w = aggregation_weights(batch.loss_mask, batch.response_lengths, "token_mean")
-    clip = PolicyLossConfig(eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, dual_clip_c=algo.dual_clip_c)
     sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
     for i, mb in enumerate(mbs):
         logits, anchor = backend.logits(mb)
         idx = mb.token_index
-        logp = token_log_probs(logits, mb.targets.to(device))
-        ent = entropy_from_logits(logits if algo.entropy_coef > 0 else logits.detach())
-        rollout_lp = batch.rollout_log_probs[idx].to(device)
-        old = rollout_lp if algo.use_rollout_logprobs else logp.detach()   # one update per Train: exact
-        pg, clipped, ratio = ppo_policy_loss(log_probs=logp, old_log_probs=old, advantages=advantages[idx].to(device),
-                                             cfg=clip)
-        tis = torch.ones_like(pg)
-        if algo.use_tis:
-            tis = tis_weights(old_log_probs=logp.detach(), rollout_log_probs=rollout_lp, clip=algo.tis_clip)
-            pg = pg * tis
-        loss_tok = pg
-        kl_tok = torch.zeros_like(pg)
-        if ref_lp is not None:
-            kl_tok = kl_estimate(logp, ref_lp[idx].to(device), algo.kl_estimator)
-            if algo.kl_mode == "loss":
-                loss_tok = loss_tok + algo.kl_coef * kl_tok
+        t = token_terms(logits=logits, mb=mb, batch=batch, sampling=sampling, advantages=advantages, algo=algo,
+                        ref_lp=ref_lp, old=old, device=device)
+        loss_tok = t.pg
+        if ref_lp is not None and algo.kl_mode == "loss":
+            loss_tok = loss_tok + algo.kl_coef * t.kl
         if algo.entropy_coef > 0:
-            loss_tok = loss_tok - algo.entropy_coef * ent
+            loss_tok = loss_tok - algo.entropy_coef * t.entropy
         w, tw = weights[idx].to(device), token_w[idx].to(device)
         loss = (w * loss_tok).sum()
         if idx.numel() == 0:
             loss = anchor.sum() * 0.0   # keeps the backward (and its ZeRO hooks) identical on every rank
         backend.backward(loss * world, last=i == len(mbs) - 1)
         with torch.no_grad():
-            parts = [loss, (w * pg).sum(), (tw * clipped).sum(), (tw * kl_tok).sum(), (tw * ent).sum(),
-                     (tw * ratio).sum(), (tw * tis).sum()]
+            fallback = torch.zeros_like(tw) if old is None else old.fallback[idx].to(device)
+            parts = [loss, (w * t.pg).sum(), *((tw * x).sum() for x in (t.clipped, t.kl, t.entropy, t.ratio, t.tis,
+                                                                          t.mismatch, fallback))]
             sums += torch.stack([p.detach().double() for p in parts])
     step = backend.step()
     totals = dict(zip(_SUMS, all_reduce_sum(sums).cpu().tolist()))
-    if ref_lp is None:
-        totals.pop("kl")
-    if not algo.use_tis:
-        totals.pop("tis_weight_mean")
+    for key, used in (("kl", ref_lp is not None), ("tis_weight_mean", algo.use_tis),
+                      ("old_actor_fallback_frac", old is not None)):
+        if not used:
+            totals.pop(key)
     return {**totals, **batch_metrics(batch), "grad_norm": step.grad_norm, "lr": step.lr,
             "advantage_mean": float((advantages * token_w).sum()), **perf(batch, start)}
 

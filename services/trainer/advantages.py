@@ -1,7 +1,8 @@
-"""Advantage estimators: group-normalised (GRPO, Dr.GRPO) and GAE, plus KL reward shaping.
+"""Advantage estimators: group-normalised (GRPO, Dr.GRPO) and GAE, plus KL reward shaping and whitening.
 
 Inputs are per-sample arrays (rewards, group ids, response lengths) and flat per-response-token arrays
-in the batch's sample order, the layout of `RolloutBatchData`.
+in the batch's sample order, the layout of `RolloutBatchData`. Tokens with loss_mask 0 (tool output,
+observations) are no actions: they get no reward or KL, and GAE steps over them (docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -39,17 +40,23 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize
     return centered.to(torch.float32)
 
 
-def token_rewards(rewards: torch.Tensor, response_lengths: torch.Tensor,
+def token_rewards(rewards: torch.Tensor, response_lengths: torch.Tensor, loss_mask: torch.Tensor,
                   kl_penalty: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token rewards for GAE: the sample's reward on its last response token, minus `kl_penalty`
-    (already multiplied by the KL coefficient) on every token when KL is used as reward shaping."""
+    """Per-token rewards for GAE: the sample's reward on its last trainable token (loss_mask 1; the last
+    action), minus `kl_penalty` (already multiplied by the KL coefficient) on trainable tokens when KL is used
+    as reward shaping. Tool / observation tokens (loss_mask 0) get nothing: they are no actions."""
     lengths = response_lengths.to(torch.long)
+    mask = loss_mask.to(torch.float32)
     out = torch.zeros(int(lengths.sum()), dtype=torch.float32)
     if kl_penalty is not None:
-        out -= kl_penalty.to(torch.float32)
-    ends = torch.cumsum(lengths, 0) - 1
-    has_tokens = lengths > 0
-    out[ends[has_tokens]] += rewards.to(torch.float32)[has_tokens]
+        out -= kl_penalty.to(torch.float32) * mask
+    padded_mask, _ = _pad(mask, lengths)
+    trainable = padded_mask > 0
+    has_action = trainable.any(dim=1)
+    width = padded_mask.shape[1]
+    last_in_row = width - 1 - torch.argmax(trainable.flip(1).to(torch.int8), dim=1)   # last trainable position
+    last = torch.cumsum(lengths, 0) - lengths + last_in_row   # flat index: the sample's start + position
+    out[last[has_action]] += rewards.to(torch.float32)[has_action]
     return out
 
 
@@ -61,23 +68,40 @@ def _pad(flat: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch
     return padded, mask
 
 
-def gae(*, rewards: torch.Tensor, values: torch.Tensor, response_lengths: torch.Tensor, gamma: float,
-        lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(*, rewards: torch.Tensor, values: torch.Tensor, response_lengths: torch.Tensor, loss_mask: torch.Tensor,
+        gamma: float, lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation per sequence over flat per-token rewards and values.
 
-    delta_t = r_t + gamma V_{t+1} - V_t (V after the last token is 0), A_t = delta_t + gamma lambd A_{t+1}.
+    delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lambd A_next, where "next" is the next token with
+    loss_mask 1: masked (tool / observation) tokens are no steps, so they neither discount nor bootstrap (verl's
+    compute_gae_advantage_return). V after the last action is 0. Masked tokens get advantage 0.
     Returns flat (advantages, returns = advantages + values).
     """
     lengths = response_lengths.to(torch.long)
-    r, mask = _pad(rewards.to(torch.float64), lengths)
+    r, in_seq = _pad(rewards.to(torch.float64), lengths)
     v, _ = _pad(values.to(torch.float64), lengths)
-    m = mask.to(torch.float64)
+    m, _ = _pad(loss_mask.to(torch.float64), lengths)
     adv = torch.zeros_like(r)
-    last = torch.zeros(len(lengths), dtype=torch.float64)
+    next_value = torch.zeros(len(lengths), dtype=torch.float64)
+    next_adv = torch.zeros(len(lengths), dtype=torch.float64)
     for t in reversed(range(r.shape[1])):
-        next_v = v[:, t + 1] * m[:, t + 1] if t + 1 < r.shape[1] else torch.zeros_like(last)
-        delta = r[:, t] + gamma * next_v - v[:, t]
-        last = (delta + gamma * lambd * last) * m[:, t]
-        adv[:, t] = last
-    advantages = adv[mask].to(torch.float32)
+        step = m[:, t] > 0
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        here = delta + gamma * lambd * next_adv
+        next_value = torch.where(step, v[:, t], next_value)
+        next_adv = torch.where(step, here, next_adv)
+        adv[:, t] = torch.where(step, here, torch.zeros_like(here))
+    advantages = adv[in_seq].to(torch.float32)
     return advantages, advantages + values.to(torch.float32)
+
+
+def whiten(advantages: torch.Tensor, loss_mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(A - mean) / sqrt(var + eps) over the trainable tokens of the whole batch (unbiased variance, as verl's
+    masked_whiten); masked tokens stay 0."""
+    mask = loss_mask.to(torch.float64) > 0
+    a = advantages.to(torch.float64)
+    picked = a[mask]
+    if picked.numel() < 2:
+        return torch.zeros_like(advantages)
+    out = (a - picked.mean()) * torch.rsqrt(picked.var(unbiased=True) + eps)
+    return torch.where(mask, out, torch.zeros_like(out)).to(torch.float32)

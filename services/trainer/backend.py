@@ -20,11 +20,16 @@ import torch
 from services.common.config import TandemConfig
 from services.trainer.batching import MicroBatch
 from services.trainer.dist import DistInfo
-from services.trainer.losses import token_log_probs
+from services.trainer.scoring import TokenSampling, score_tokens
 
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def param_dtype(config: TandemConfig) -> torch.dtype:
+    """The dtype of the trained module's parameters (DeepSpeed bf16 keeps its fp32 masters in the optimizer)."""
+    return torch.bfloat16 if config.trainer.precision == "bf16" else torch.float32
 
 
 def lr_lambda(*, schedule: str, warmup_steps: int, total_steps: int | None, lr: float,
@@ -113,7 +118,7 @@ class DeepSpeedBackend:
         self.dist_info = dist_info
         self.zero_stage = t.zero_stage
         torch.manual_seed(t.seed)
-        dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+        dtype = param_dtype(config)
         attn = config.model.attn_implementation
         if role == "critic":
             model: torch.nn.Module = ValueModel.from_pretrained(config.model.path, dtype=dtype, attn=attn)
@@ -228,10 +233,11 @@ class DeepSpeedBackend:
         self.engine.destroy()
 
 
-def load_reference_model(config: TandemConfig, device: torch.device) -> torch.nn.Module:
-    """The frozen reference policy for the KL term: the initial weights from model.path."""
-    dtype = torch.bfloat16 if config.trainer.precision == "bf16" else torch.float32
-    model = load_causal_lm(config.model.path, dtype=dtype, attn=config.model.attn_implementation).to(device)
+def load_frozen_causal_lm(config: TandemConfig, device: torch.device) -> torch.nn.Module:
+    """A frozen copy of the policy from model.path in the trainer's dtype: the reference model of the KL term
+    (the initial weights), and the old actor's container (keep_old_actor loads snapshots into it)."""
+    model = load_causal_lm(config.model.path, dtype=param_dtype(config), attn=config.model.attn_implementation)
+    model = model.to(device)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -239,7 +245,9 @@ def load_reference_model(config: TandemConfig, device: torch.device) -> torch.nn
 
 
 @torch.no_grad()
-def reference_log_probs(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+def frozen_log_probs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, *, sampling: TokenSampling,
+                     tempered: bool) -> torch.Tensor:
+    """Log-probs of a micro-batch's response tokens under a frozen model (see scoring.score_tokens)."""
     mb = mb.to(device)
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-    return token_log_probs(logits[mb.rows, mb.positions], mb.targets).cpu()
+    return score_tokens(logits[mb.rows, mb.positions], mb.targets, sampling, tempered=tempered).cpu()

@@ -26,6 +26,9 @@ class TrainBatch:
     rewards: torch.Tensor            # float32 [n]
     group_ids: torch.Tensor          # int64 [n]
     sample_versions: torch.Tensor    # int64 [n]
+    sampling_temperature: torch.Tensor   # float32 [n]: the distribution each sample was drawn from
+    sampling_top_p: torch.Tensor         # float32 [n]
+    sampling_top_k: torch.Tensor         # int64 [n]
     values: torch.Tensor | None = None   # float32 [T], the critic's values (PPO actor)
 
     @property
@@ -55,7 +58,8 @@ class TrainBatch:
             response_lengths=self.response_lengths[idx], loss_mask=self.loss_mask[rsp_idx],
             rollout_log_probs=self.rollout_log_probs[rsp_idx], rewards=self.rewards[idx],
             group_ids=self.group_ids[idx], sample_versions=self.sample_versions[idx],
-            values=None if self.values is None else self.values[rsp_idx])
+            sampling_temperature=self.sampling_temperature[idx], sampling_top_p=self.sampling_top_p[idx],
+            sampling_top_k=self.sampling_top_k[idx], values=None if self.values is None else self.values[rsp_idx])
 
     def with_values(self, values: torch.Tensor) -> "TrainBatch":
         if values.shape != (self.num_response_tokens,):
@@ -91,7 +95,10 @@ def merge_batches(batches: list[RolloutBatchData]) -> TrainBatch:
                       loss_mask=cat("loss_mask", torch.float32),
                       rollout_log_probs=cat("rollout_log_probs", torch.float32),
                       rewards=cat("rewards", torch.float32), group_ids=cat("group_ids", torch.long),
-                      sample_versions=cat("sample_versions", torch.long))
+                      sample_versions=cat("sample_versions", torch.long),
+                      sampling_temperature=cat("sampling_temperature", torch.float32),
+                      sampling_top_p=cat("sampling_top_p", torch.float32),
+                      sampling_top_k=cat("sampling_top_k", torch.long))
 
 
 def check_trainable(batch: TrainBatch, *, vocab_size: int, max_positions: int | None,

@@ -94,8 +94,9 @@ def critic_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: Algorithm
     n_tok = batch.num_response_tokens
     local = per_token_pass(n_tok, mbs, lambda mb: backend.values(mb)[0])
     old_values = all_reduce_sum(local.to(device)).cpu()   # every rank needs all of them for the hand-off
-    advantages, returns = gae(rewards=token_rewards(batch.rewards, batch.response_lengths), values=old_values,
-                              response_lengths=batch.response_lengths, gamma=algo.gamma, lambd=algo.lambd)
+    advantages, returns = gae(rewards=token_rewards(batch.rewards, batch.response_lengths, batch.loss_mask),
+                              values=old_values, response_lengths=batch.response_lengths, loss_mask=batch.loss_mask,
+                              gamma=algo.gamma, lambd=algo.lambd)
     weights = aggregation_weights(batch.loss_mask, batch.response_lengths, algo.loss_aggregation)
     token_w = aggregation_weights(batch.loss_mask, batch.response_lengths, "token_mean")
     sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)

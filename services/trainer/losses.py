@@ -1,4 +1,5 @@
-"""Per-token policy and value losses, KL estimators, entropy, truncated importance sampling.
+"""Per-token policy and value losses, KL estimators, truncated importance sampling (log-probs and entropy of the
+sampling distribution are in scoring.py).
 
 Everything here works on flat per-response-token tensors. Aggregation (token mean, sequence mean) is
 expressed as per-token weights computed once for the whole global batch (`aggregation_weights`), so the
@@ -67,7 +68,10 @@ def ppo_policy_loss(*, log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
 
 
 def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1, k2, k3)."""
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1, k2, k3).
+
+    k3 = ref/pi - 1 - log(ref/pi) is not clamped (verl's low_var_kl clamps it to [-10, 10], hiding how far the
+    policy went and zeroing the gradient there); only the exponent is capped at 20 so exp stays finite."""
     log_ratio = log_probs - ref_log_probs
     if estimator == "k1":
         return log_ratio
@@ -82,20 +86,6 @@ def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator:
 def tis_weights(*, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip: float) -> torch.Tensor:
     """Truncated importance weights pi_trainer / pi_rollout, capped at `clip`, with no gradient."""
     return torch.exp((old_log_probs - rollout_log_probs).clamp(max=20.0)).clamp(max=clip).detach()
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the categorical distribution of each row of logits (last dim)."""
-    logits = logits.float()
-    log_z = torch.logsumexp(logits, dim=-1)
-    probs = torch.softmax(logits, dim=-1)
-    return log_z - (probs * logits).sum(dim=-1)
-
-
-def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position, in fp32 whatever the logits' dtype."""
-    logits = logits.float()
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def clipped_value_loss(*, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

@@ -32,11 +32,12 @@ from services.common.tracing import set_attributes, span
 from services.common.wire import array_from_proto, array_to_proto
 from services.trainer import checkpoint as ckpt
 from services.trainer.actor import actor_step
-from services.trainer.backend import TORCH_DTYPES, DeepSpeedBackend, load_reference_model
+from services.trainer.backend import TORCH_DTYPES, DeepSpeedBackend, load_frozen_causal_lm, param_dtype
 from services.trainer.batching import TrainBatch, check_trainable, merge_batches, stale_samples
 from services.trainer.critic import (ValueHandoff, critic_step, handoff_key, publish_handoff, read_handoff,
                                      values_for_batch)
 from services.trainer.dist import CommandRelay, barrier, init_process_group
+from services.trainer.old_actor import OldActor, snapshots_to_keep
 from services.trainer.weight_export import iter_named_weights, tensor_checksum, weight_specs
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ MAX_RECORDED_RESULTS = 1024        # replayable Train responses kept (and checkp
 MAX_RECORDED_ENTRIES = 100_000     # trained entry ids remembered to refuse a second delivery
 MAX_ENGINE_RANKS = 4096            # a weight-sync group larger than this is a malformed request
 _BATCH_FIELDS = ("tokens", "prompt_lengths", "response_lengths", "loss_mask", "rollout_log_probs", "rewards",
-                 "group_ids", "sample_versions", "values")
+                 "group_ids", "sample_versions", "sampling_temperature", "sampling_top_p", "sampling_top_k", "values")
 
 
 def _encode_batch(batch: TrainBatch) -> tuple[list[str], list[bytes]]:
@@ -74,8 +75,11 @@ class TrainerService:
         self.relay = CommandRelay(rank=self.dist.rank, world_size=self.dist.world_size)
         self.backend = DeepSpeedBackend(config=config, role=role, dist_info=self.dist)
         algo = config.algorithm
-        self.ref_model = load_reference_model(config, self.dist.device) \
+        self.ref_model = load_frozen_causal_lm(config, self.dist.device) \
             if role == "actor" and algo.kl_coef > 0 else None
+        self.old_actor = OldActor(config=config, device=self.dist.device, dtype=param_dtype(config),
+                                  keep=snapshots_to_keep(config)) \
+            if role == "actor" and algo.keep_old_actor else None
         model_cfg = self.backend.module.config
         self.vocab_size = int(model_cfg.vocab_size)
         self.max_positions = getattr(model_cfg, "max_position_embeddings", None)
@@ -288,7 +292,7 @@ class TrainerService:
         budget = self.config.trainer.micro_batch_tokens
         if self.role == "actor":
             return actor_step(backend=self.backend, batch=batch, algo=self.config.algorithm, ref_model=self.ref_model,
-                              token_budget=budget)
+                              old_actor=self.old_actor, token_budget=budget)
         metrics, (values, advantages, returns) = critic_step(backend=self.backend, batch=batch,
                                                              algo=self.config.algorithm, token_budget=budget)
         if self.rank == 0:
@@ -406,6 +410,8 @@ class TrainerService:
     def _exec_load(self, header: dict[str, Any], payloads: list[bytes]) -> None:
         directory = Path(header["dir"])
         self.backend.load_checkpoint(directory)
+        if self.old_actor is not None:
+            self.old_actor.clear()
         rng = directory / f"rng_rank{self.rank}.json"
         if rng.is_file():
             ckpt.set_rng_state(ckpt.read_json(rng))
@@ -468,7 +474,7 @@ class TrainerService:
             if self._plan is None or self._plan.version != version:
                 raise FailedPrecondition(f"PublishWeights(v{version}) needs PrepareWeightSync(v{version}) first")
             with span("rl.sync", weight_version=version, role=self.role) as sp:
-                stats = self._run({"cmd": "weights", "mode": "publish"})
+                stats = self._run({"cmd": "weights", "mode": "publish", "version": version})
                 set_attributes(sp, bytes=int(stats.bytes))
             self.weight_version = version
             self._plan = None
@@ -476,6 +482,15 @@ class TrainerService:
                                                       time_s=float(stats.seconds))
 
     def _exec_weights(self, header: dict[str, Any], payloads: list[bytes]) -> Any:
+        try:
+            return self._send_weights(header)
+        finally:   # every rank, even when the publish failed: under ZeRO-3 the snapshot is a collective
+            if header["mode"] == "publish" and self.old_actor is not None:
+                self.old_actor.take_snapshot(version=header["version"], module=self.backend.module,
+                                             zero3=self.backend.zero_stage == 3,
+                                             optimizer_step=self.backend.global_steps)
+
+    def _send_weights(self, header: dict[str, Any]) -> Any:
         named = self.iter_named_weights()
         try:
             if self.rank != 0:

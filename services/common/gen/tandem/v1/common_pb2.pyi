@@ -29,7 +29,7 @@ class TensorData(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RolloutBatch(_message.Message):
-    __slots__ = ("rollout_id", "policy_version", "num_samples", "tokens", "prompt_lengths", "response_lengths", "loss_mask", "rollout_log_probs", "rewards", "group_ids", "sample_versions", "finish_reasons", "metadata", "created_unix_ns", "producer", "labels")
+    __slots__ = ("rollout_id", "policy_version", "num_samples", "tokens", "prompt_lengths", "response_lengths", "loss_mask", "rollout_log_probs", "rewards", "group_ids", "sample_versions", "finish_reasons", "metadata", "created_unix_ns", "producer", "labels", "sampling_temperature", "sampling_top_p", "sampling_top_k")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,9 @@ class RolloutBatch(_message.Message):
     CREATED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_TOP_K_FIELD_NUMBER: _ClassVar[int]
     rollout_id: int
     policy_version: int
     num_samples: int
@@ -69,7 +72,10 @@ class RolloutBatch(_message.Message):
     created_unix_ns: int
     producer: str
     labels: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, rollout_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., tokens: _Optional[_Union[TensorData, _Mapping]] = ..., prompt_lengths: _Optional[_Union[TensorData, _Mapping]] = ..., response_lengths: _Optional[_Union[TensorData, _Mapping]] = ..., loss_mask: _Optional[_Union[TensorData, _Mapping]] = ..., rollout_log_probs: _Optional[_Union[TensorData, _Mapping]] = ..., rewards: _Optional[_Union[TensorData, _Mapping]] = ..., group_ids: _Optional[_Union[TensorData, _Mapping]] = ..., sample_versions: _Optional[_Union[TensorData, _Mapping]] = ..., finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ns: _Optional[int] = ..., producer: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+    sampling_temperature: TensorData
+    sampling_top_p: TensorData
+    sampling_top_k: TensorData
+    def __init__(self, rollout_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., tokens: _Optional[_Union[TensorData, _Mapping]] = ..., prompt_lengths: _Optional[_Union[TensorData, _Mapping]] = ..., response_lengths: _Optional[_Union[TensorData, _Mapping]] = ..., loss_mask: _Optional[_Union[TensorData, _Mapping]] = ..., rollout_log_probs: _Optional[_Union[TensorData, _Mapping]] = ..., rewards: _Optional[_Union[TensorData, _Mapping]] = ..., group_ids: _Optional[_Union[TensorData, _Mapping]] = ..., sample_versions: _Optional[_Union[TensorData, _Mapping]] = ..., finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ns: _Optional[int] = ..., producer: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., sampling_temperature: _Optional[_Union[TensorData, _Mapping]] = ..., sampling_top_p: _Optional[_Union[TensorData, _Mapping]] = ..., sampling_top_k: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
 
 class Prompt(_message.Message):
     __slots__ = ("text", "token_ids", "label", "group_id", "metadata")

@@ -1,0 +1,116 @@
+"""Independent reference formulas for the RL math, written straight from their published definitions with
+plain Python loops over a few tokens, never by calling Tandem's own functions.
+
+Sources: Hugging Face's TopK/TopP logits warpers (the sampling distribution), verl's
+`compute_gae_advantage_return` (GAE skipping masked tokens), `masked_whiten`, `compute_policy_loss`
+(clip, asymmetric clip, dual clip) and `kl_penalty` (k1 / "mse" k2 / low_var_kl k3 without its clamp),
+miles' truncated importance sampling (exp(old - rollout) capped), and GRPO's group normalisation.
+"""
+
+from __future__ import annotations
+
+import math
+
+NEG_INF = float("-inf")
+
+
+def log_softmax(xs: list[float]) -> list[float]:
+    finite = [x for x in xs if x != NEG_INF]
+    top = max(finite)
+    log_z = top + math.log(sum(math.exp(x - top) for x in finite))
+    return [x - log_z if x != NEG_INF else NEG_INF for x in xs]
+
+
+def sampling_log_probs(logits: list[float], *, temperature: float, top_p: float, top_k: int) -> list[float]:
+    """One row: logits / T, keep the top k, then the smallest most-likely set reaching top_p, renormalise.
+    Greedy (T = 0) reports the untruncated temperature-1 log-probs."""
+    if temperature == 0:
+        return log_softmax(logits)
+    x = [v / temperature for v in logits]
+    if 0 < top_k < len(x):
+        kth = sorted(x, reverse=True)[top_k - 1]
+        x = [v if v >= kth else NEG_INF for v in x]
+    if top_p < 1.0:
+        probs = [math.exp(v) if v != NEG_INF else 0.0 for v in log_softmax(x)]
+        order = sorted(range(len(x)), key=lambda i: -probs[i])
+        mass, keep = 0.0, set()
+        for i in order:
+            if keep and mass >= top_p:
+                break
+            keep.add(i)
+            mass += probs[i]
+        x = [v if i in keep else NEG_INF for i, v in enumerate(x)]
+    return log_softmax(x)
+
+
+def entropy(log_probs: list[float]) -> float:
+    return -sum(math.exp(lp) * lp for lp in log_probs if lp != NEG_INF)
+
+
+def kl(log_prob: float, ref_log_prob: float, estimator: str) -> float:
+    log_ratio = log_prob - ref_log_prob
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio ** 2
+    return math.exp(-log_ratio) - 1 + log_ratio   # k3: ref/pi - 1 - log(ref/pi)
+
+
+def ppo_loss(*, log_prob: float, old_log_prob: float, advantage: float, eps_low: float, eps_high: float,
+             dual_clip_c: float | None) -> tuple[float, float, float]:
+    """(loss, ratio, clipped 0/1) of one token, verl's compute_policy_loss."""
+    ratio = math.exp(log_prob - old_log_prob)
+    loss1 = -advantage * ratio
+    loss2 = -advantage * min(max(ratio, 1 - eps_low), 1 + eps_high)
+    loss = max(loss1, loss2)
+    clipped = float(loss2 > loss1)
+    if dual_clip_c is not None and advantage < 0 and -advantage * dual_clip_c < loss:
+        loss, clipped = -advantage * dual_clip_c, 1.0
+    return loss, ratio, clipped
+
+
+def tis_weight(*, old_log_prob: float, rollout_log_prob: float, clip: float) -> float:
+    return min(math.exp(old_log_prob - rollout_log_prob), clip)
+
+
+def grpo_advantages(rewards: list[float], groups: list[int], *, normalize_std: bool, eps: float = 1e-6) -> list[float]:
+    out = []
+    for r, g in zip(rewards, groups):
+        members = [x for x, h in zip(rewards, groups) if h == g]
+        mean = sum(members) / len(members)
+        a = r - mean
+        if normalize_std:
+            var = sum((x - mean) ** 2 for x in members) / max(len(members) - 1, 1)
+            a = a / (math.sqrt(var) + eps)
+        out.append(a)
+    return out
+
+
+def gae_sequence(*, reward: float, values: list[float], mask: list[int], kl_penalty: list[float] | None,
+                 gamma: float, lambd: float) -> tuple[list[float], list[float]]:
+    """One sample: the reward on its last trainable token, -kl_penalty on trainable tokens; verl's loop where
+    a masked token carries nextvalues / lastgaelam through unchanged. Returns (advantages (0 where masked),
+    returns = advantages + values)."""
+    n = len(values)
+    token_rewards = [0.0] * n
+    trainable = [t for t in range(n) if mask[t]]
+    if trainable:
+        token_rewards[trainable[-1]] += reward
+    if kl_penalty is not None:
+        for t in trainable:
+            token_rewards[t] -= kl_penalty[t]
+    next_value, last_gae, adv = 0.0, 0.0, [0.0] * n
+    for t in reversed(range(n)):
+        delta = token_rewards[t] + gamma * next_value - values[t]
+        candidate = delta + gamma * lambd * last_gae
+        if mask[t]:
+            next_value, last_gae = values[t], candidate
+            adv[t] = candidate
+    return adv, [a + v for a, v in zip(adv, values)]
+
+
+def whiten(values: list[float], mask: list[int], eps: float = 1e-8) -> list[float]:
+    picked = [v for v, m in zip(values, mask) if m]
+    mean = sum(picked) / len(picked)
+    var = sum((v - mean) ** 2 for v in picked) / (len(picked) - 1)
+    return [(v - mean) / math.sqrt(var + eps) if m else 0.0 for v, m in zip(values, mask)]

@@ -1,0 +1,167 @@
+"""The trainer's RL math end to end (real DeepSpeed on CPU, real redis-server) against the independent
+references of rl_reference.py: each sample scored under the distribution it was drawn from (T != 1, top-p,
+top-k, greedy, mixed in one step), the step's metrics recomputed by hand after an update with masked interior
+tokens, GAE skipping masked tokens in the critic, and keep_old_actor's per-version snapshots."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest_trainer import harness, make_batch, model_logits, peaked_model_dir, tiny_model_dir  # noqa: F401
+
+import rl_reference as ref
+from services.common.sampling import SamplingDistribution
+from services.common.wire import RolloutBatchData, sampling_arrays
+from services.trainer.critic import read_handoff
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def prompts_and_responses(batch: RolloutBatchData) -> tuple[list[list[int]], list[list[int]]]:
+    slices = batch.sample_slices()
+    return ([batch.tokens[p].tolist() for p, _, _ in slices], [batch.tokens[r].tolist() for _, r, _ in slices])
+
+
+def reference_tables(model_dir: Path, batch: RolloutBatchData, *, tempered: bool = False) -> list[list[float]]:
+    """Per response token (flat): the log-prob table of its sample's distribution under the model."""
+    prompts, responses = prompts_and_responses(batch)
+    tables = []
+    for i, rows in enumerate(model_logits(model_dir, prompts, responses)):
+        params = dict(temperature=float(batch.sampling_temperature[i]), top_p=1.0 if tempered else
+                      float(batch.sampling_top_p[i]), top_k=0 if tempered else int(batch.sampling_top_k[i]))
+        tables += [ref.sampling_log_probs(row, **params) for row in rows]
+    return tables
+
+
+def targets(batch: RolloutBatchData) -> list[int]:
+    return [t for r in prompts_and_responses(batch)[1] for t in r]
+
+
+def test_each_sample_is_scored_under_the_distribution_it_was_drawn_from(harness, peaked_model_dir):  # noqa: F811
+    settings = [SamplingDistribution(temperature=0.7, top_p=0.9), SamplingDistribution(temperature=1.3, top_k=8),
+                SamplingDistribution(temperature=0.0)]
+    batches = [make_batch(rollout_id=i, seed=i, model_dir=peaked_model_dir, sampling=s) for i, s in enumerate(settings)]
+    h = harness(model_dir=peaked_model_dir, algorithm={"kl_coef": 0.1})
+    m = h.service.train(rollout_id=0, entry_ids=[h.put(b) for b in batches]).metrics
+    # on-policy: every token's ratio is 1, so nothing clips and the rollout's log-probs are reproduced
+    assert m["pg_clipfrac"] == 0.0 and m["ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["rollout_logprob_abs_diff"] < 1e-5
+    assert m["kl"] == pytest.approx(0.0, abs=1e-6)   # policy == reference, both tempered
+    tables = [t for b in batches for t in reference_tables(peaked_model_dir, b)]
+    assert m["entropy"] == pytest.approx(np.mean([ref.entropy(t) for t in tables]), rel=1e-4)
+    # the inputs tell the difference: scored at temperature 1 untruncated, these tokens are far off
+    plain = [dataclasses.replace(b, **sampling_arrays(b.num_samples, SamplingDistribution())) for b in batches]
+    t1 = [table[tok] for b in plain for table, tok in zip(reference_tables(peaked_model_dir, b), targets(b))]
+    rollout = np.concatenate([b.rollout_log_probs for b in batches])
+    assert np.mean(np.abs(np.asarray(t1) - rollout)) > 0.1
+    tis = harness(model_dir=peaked_model_dir, run_name="tis", algorithm={"use_rollout_logprobs": False,
+                                                                          "use_tis": True})
+    m = tis.service.train(rollout_id=0, entry_ids=[tis.put(b) for b in batches]).metrics
+    assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5) and m["rollout_logprob_abs_diff"] < 1e-5
+
+
+def interior_masks(batch: RolloutBatchData, seed: int) -> np.ndarray:
+    """A loss mask with masked (tool / observation) tokens inside responses; every response keeps its first."""
+    rng = np.random.default_rng(seed)
+    mask = (rng.random(batch.num_response_tokens) > 0.3).astype(np.uint8)
+    mask[np.cumsum(batch.response_lengths) - batch.response_lengths] = 1
+    return mask
+
+
+def test_step_metrics_match_the_reference_after_an_update(harness, peaked_model_dir):  # noqa: F811
+    """Rollout log-probs off the policy, masked interior tokens, asymmetric and dual clip, k3 KL in the loss:
+    every metric of the second step recomputed from the exported weights after the first."""
+    algo = {"kl_coef": 0.05, "eps_clip": 0.2, "eps_clip_high": 0.28, "dual_clip_c": 3.0}
+    h = harness(model_dir=peaked_model_dir, algorithm=algo)
+    dist = SamplingDistribution(temperature=0.7, top_p=0.9)
+    h.service.train(rollout_id=0, entry_ids=[h.put(make_batch(seed=1, model_dir=peaked_model_dir, sampling=dist))])
+    trained = h.service.save(rollout_id=0, export_hf=True).hf_path
+    batch = make_batch(rollout_id=1, seed=2, groups=4, model_dir=peaked_model_dir, sampling=dist)
+    noise = np.random.default_rng(3).normal(0.0, 0.3, batch.num_response_tokens).astype(np.float32)
+    batch = dataclasses.replace(batch, loss_mask=interior_masks(batch, seed=4),
+                                rollout_log_probs=batch.rollout_log_probs + noise)
+    m = h.service.train(rollout_id=1, entry_ids=[h.put(batch)]).metrics
+
+    now, now_t = reference_tables(trained, batch), reference_tables(trained, batch, tempered=True)
+    init_t = reference_tables(peaked_model_dir, batch, tempered=True)
+    adv = ref.grpo_advantages(batch.rewards.tolist(), batch.group_ids.tolist(), normalize_std=True)
+    token_adv = np.repeat(adv, batch.response_lengths)
+    rows = []
+    for i, tok in enumerate(targets(batch)):
+        if not batch.loss_mask[i]:
+            continue
+        lp, old = now[i][tok], float(batch.rollout_log_probs[i])
+        loss, ratio, clipped = ref.ppo_loss(log_prob=lp, old_log_prob=old, advantage=float(token_adv[i]),
+                                            eps_low=0.2, eps_high=0.28, dual_clip_c=3.0)
+        kl = ref.kl(now_t[i][tok], init_t[i][tok], "k3")
+        rows.append((loss, ratio, clipped, kl, ref.entropy(now[i]), min(abs(lp - old), 20.0)))
+    pg, ratio, clipfrac, kl, entropy, mismatch = np.mean(rows, axis=0)
+    assert kl > 1e-4 and 0 < clipfrac < 1   # the update moved the policy; some tokens clip, some do not
+    got = [m[k] for k in ("pg_loss", "ppo_ratio_mean", "pg_clipfrac", "kl", "entropy", "rollout_logprob_abs_diff",
+                          "loss")]
+    assert got == pytest.approx([pg, ratio, clipfrac, kl, entropy, mismatch, pg + 0.05 * kl], rel=2e-4, abs=2e-6)
+
+
+def test_critic_gae_skips_masked_tokens(harness, tiny_model_dir):  # noqa: F811
+    gae = {"advantage_estimator": "gae", "gamma": 0.9, "lambd": 0.8}
+    critic = harness(role="critic", run_name="ppo-mask", algorithm=gae)
+    actor = harness(run_name="ppo-mask", algorithm={**gae, "whiten_advantages": True})
+    for rollout_id in range(2):   # the second step's values come from a trained value head (not all 0)
+        batch = make_batch(rollout_id=rollout_id, seed=rollout_id, model_dir=tiny_model_dir)
+        batch = dataclasses.replace(batch, loss_mask=interior_masks(batch, seed=10 + rollout_id))
+        entry = critic.put(batch)
+        critic.service.train(rollout_id=rollout_id, entry_ids=[entry])
+        handoff = read_handoff(critic.client, stream=critic.stream, rollout_id=rollout_id)
+        a = actor.service.train(rollout_id=rollout_id, entry_ids=[entry], use_critic_values=True).metrics
+    assert np.abs(handoff.values).max() > 0
+    expected_adv, expected_ret = [], []
+    for (_, _, resp), reward in zip(batch.sample_slices(), batch.rewards.tolist()):
+        adv, ret = ref.gae_sequence(reward=reward, values=handoff.values[resp].tolist(),
+                                    mask=batch.loss_mask[resp].tolist(), kl_penalty=None, gamma=0.9, lambd=0.8)
+        expected_adv += adv
+        expected_ret += ret
+    trainable = batch.loss_mask.astype(bool)
+    assert handoff.advantages.tolist() == pytest.approx(expected_adv, rel=1e-5, abs=1e-6)
+    assert handoff.returns[trainable].tolist() == pytest.approx(np.asarray(expected_ret)[trainable].tolist(),
+                                                                rel=1e-5, abs=1e-6)
+    assert a["advantage_mean"] == pytest.approx(0.0, abs=1e-5)   # whitened over the trainable tokens
+
+
+def publish(h, version: int) -> None:  # noqa: ANN001
+    h.service.prepare_weight_sync(version=version, transport="disk")
+    h.service.publish_weights(version=version)
+
+
+def test_keep_old_actor_scores_samples_under_the_version_that_generated_them(harness, peaked_model_dir):  # noqa: F811
+    h = harness(model_dir=peaked_model_dir, algorithm={"use_rollout_logprobs": False, "keep_old_actor": True,
+                                                       "use_tis": True})
+    dist = SamplingDistribution(temperature=0.7, top_p=0.9)
+    generated_by_v0 = [make_batch(rollout_id=i, seed=i, model_dir=peaked_model_dir, sampling=dist,
+                                  sample_versions=[0] * 12) for i in range(2)]
+    publish(h, 0)
+    first = h.service.train(rollout_id=0, entry_ids=[h.put(generated_by_v0[0])]).metrics
+    # nothing trained since v0 was published: the current policy is v0, nothing is recomputed
+    assert first["ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-6) and first["old_actor_fallback_frac"] == 0.0
+    publish(h, 1)
+    # one step off: a batch of v0 trained after the v1 update is scored by the v0 snapshot, which reproduces
+    # its rollout log-probs exactly (TIS weight 1), while the ratio shows how far the policy moved
+    second = h.service.train(rollout_id=1, entry_ids=[h.put(generated_by_v0[1])]).metrics
+    assert second["rollout_logprob_abs_diff"] < 1e-5 and second["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(second["ppo_ratio_mean"] - 1.0) > 1e-4 and second["old_actor_fallback_frac"] == 0.0
+    publish(h, 2)
+    assert sorted(h.service.old_actor.snapshots) == [1, 2]   # one step off keeps two versions
+    unknown = make_batch(rollout_id=2, seed=5, model_dir=peaked_model_dir, sampling=dist, sample_versions=[0] * 12)
+    third = h.service.train(rollout_id=2, entry_ids=[h.put(unknown)]).metrics
+    assert third["old_actor_fallback_frac"] == 1.0 and math.isfinite(third["loss"])   # v0 is gone: current policy
+    h.service.save(rollout_id=2)
+    assert h.service.load().loaded and not h.service.old_actor.snapshots   # a Load rolls back: snapshots dropped
