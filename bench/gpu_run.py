@@ -2,9 +2,10 @@
 
     python bench/gpu_run.py [--steps 60] [--out DIR]
 
-Runs examples/digit_max_gpu.yaml twice:
+Runs examples/digit_max_gpu.yaml three ways:
   async         one step off-policy: generation of step i+1 overlaps training of step i
   sync_offload  sync mode, trainer offloaded after each step and the engine's memory released while it trains
+  async_t07_topp  async, sampled at temperature 0.7 with top-p 0.9 (the trainer scores that distribution)
 and prints, per run, the eval reward before and after, the median per-step time breakdown and (sync_offload)
 the GPU memory each side holds while the other works. Run dirs go under --work; gpu_run.md and each run's
 metrics.jsonl are copied to --out.
@@ -27,7 +28,14 @@ CONFIG = REPO / "examples" / "digit_max_gpu.yaml"
 RUNS = {
     "async": [],
     "sync_offload": ["loop.mode=sync", "loop.offload_train=true", "loop.offload_rollout=true"],
+    # sampled at T=0.7 with top-p: the trainer must score that distribution (log-prob gap ~0, ratio 1)
+    "async_t07_topp": ["rollout.sampling.temperature=0.7", "rollout.sampling.top_p=0.9"],
 }
+SCORING = [   # how closely the trainer's log-probs match the rollout's (bf16 on both sides)
+    ("train/rollout_logprob_abs_diff", "trainer vs rollout log-prob |diff|", "{:.4f}"),
+    ("train/ppo_ratio_mean", "PPO ratio mean", "{:.4f}"),
+    ("train/pg_clipfrac", "clip fraction", "{:.4f}"),
+]
 BREAKDOWN = [   # (metric, label): the parts of a step, as the coordinator measured them
     ("perf/step_time_s", "step"),
     ("perf/rollout_wait_s", "wait for rollout"),
@@ -87,6 +95,9 @@ def report(results: list[dict]) -> str:
         row(f"median {label} ms", ["–" if c is None else f"{1000 * c:.1f}" for c in cells])
     row("median weight sync GB/s", [f"{median(r['steps'], 'perf/weight_sync_gbps') or 0:.1f}" for r in results])
     row("verified tensors per sync", [f"{median(r['steps'], 'weights/verified_tensors') or 0:.0f}" for r in results])
+    for key, label, fmt in SCORING:
+        cells = [median(r["steps"], key) for r in results]
+        row(f"median {label}", ["–" if c is None else fmt.format(c) for c in cells])
     for key, label in MEMORY:
         cells = [median(r["steps"], key) for r in results]
         row(label, ["–" if c is None else f"{c:.3f}" for c in cells])

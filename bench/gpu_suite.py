@@ -41,11 +41,12 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
         # Offload/Onload of a DeepSpeed bf16 trainer: DeepSpeed as is next to start-up objects frozen
         "offload": ([PY, "bench/bench_trainer.py", "--offload", "--presets", "small", "--zero", "1",
                      "--precision", "bf16", "--device", "cuda"], 120, {}),
-        # the trainer's own tests on the GPU (DeepSpeed bf16/fp32, offload freeing memory); needs redis-server
-        "trainer_tests": ([*pytest, "-o", "timeout=100", "tests/test_trainer_service.py"], 150,
-                          {"TANDEM_TEST_TRAINER_DEVICE": "cuda"}),
+        # the trainer's own tests on the GPU (DeepSpeed bf16/fp32, offload freeing memory, scoring under the
+        # sampling distribution, keep_old_actor); needs redis-server
+        "trainer_tests": ([*pytest, "-o", "timeout=100", "tests/test_trainer_service.py", "tests/test_trainer_rl.py"],
+                          200, {"TANDEM_TEST_TRAINER_DEVICE": "cuda"}),
         # full `tandem run`s sharing the GPU through cuda_ipc (needs deepspeed, redis, opentelemetry)
-        "run": ([PY, "bench/gpu_run.py", "--steps", "40", "--out", str(out / "run")], 300, {}),
+        "run": ([PY, "bench/gpu_run.py", "--steps", "40", "--out", str(out / "run")], 450, {}),
     }
 
 
