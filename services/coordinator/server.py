@@ -15,7 +15,7 @@ from services.common.config import TandemConfig
 from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.common.grpc_util import ServerOptions, map_errors, start_server
 from services.common.tracing import setup_logging, setup_tracing, shutdown_tracing
-from services.coordinator.clients import RolloutPool, make_clients
+from services.coordinator.clients import EXIT_PERMANENT, RolloutPool, ServiceCallError, make_clients
 from services.coordinator.loop import Coordinator
 from services.coordinator.metrics import make_trackers
 
@@ -88,7 +88,11 @@ def main(config: TandemConfig, *, run_dir: Path) -> int:
     setup_logging("coordinator", config.tracing.log_level, str(run_dir / "logs" / "coordinator.log"))
     setup_tracing("tandem-coordinator", exporter=config.tracing.exporter, instance="coordinator",
                   file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"))
-    coordinator, _ = build_coordinator(config, run_dir=run_dir)
+    try:
+        coordinator, _ = build_coordinator(config, run_dir=run_dir)
+    except (ValueError, FileNotFoundError) as exc:   # bad data (file and line named): a restart would repeat it
+        log.error("cannot start: %s", exc)
+        return EXIT_PERMANENT
     s = config.services
     server = start_server([(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(coordinator),
                             "tandem.v1.Coordinator")],
@@ -109,9 +113,9 @@ def main(config: TandemConfig, *, run_dir: Path) -> int:
     code = 0
     try:
         coordinator.run()
-    except Exception:
+    except Exception as exc:
         log.exception("run failed")
-        code = 1
+        code = EXIT_PERMANENT if isinstance(exc, ServiceCallError) and exc.permanent else 1
     finally:
         for tracker in coordinator.trackers:
             tracker.close()

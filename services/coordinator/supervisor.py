@@ -31,6 +31,7 @@ from services.common.config import ConfigError, TandemConfig, config_from_dict, 
 from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.common.grpc_util import open_channel, wait_healthy
 from services.common.redis_server import EmbeddedRedis, free_port
+from services.coordinator.clients import EXIT_PERMANENT
 
 log = logging.getLogger("tandem.run")
 
@@ -67,6 +68,14 @@ class Child:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+class _StartFailed(Exception):
+    """A restarted child died, or never became healthy, while it started."""
+
+    def __init__(self, child: Child, reason: str):
+        super().__init__(f"{child.name} {reason}")
+        self.child, self.reason = child, reason
 
 
 def resolve_for_local_run(config: TandemConfig, *, redis_url: str) -> TandemConfig:
@@ -210,44 +219,70 @@ class LocalRun:
                         return 1
                 elif not coordinator.alive():
                     code = coordinator.process.returncode
-                    if code == 0 or self.interrupts or not self._restart(coordinator):
+                    if code in (0, EXIT_PERMANENT) or self.interrupts or not self._restart(coordinator):
                         break
                 time.sleep(0.2)
         code = self.coordinator_child().process.returncode
-        if code != 0:
+        if code == EXIT_PERMANENT:
+            log.error("coordinator failed on an error a restart would only repeat (exit %d): not restarting it. "
+                      "Last lines of its log:\n%s", code, self.coordinator_child().log_tail())
+        elif code != 0:
             log.error("coordinator exited with %s. Last lines of its log:\n%s", code,
                       self.coordinator_child().log_tail())
         return code
 
     def _restart(self, child: Child) -> bool:
-        """Restarts a dead child (see the module docstring); False when no restart is left or it fails."""
-        code = child.process.returncode
-        if self.restarts_left <= 0:
-            if child.name != "coordinator":
-                log.error("%s exited with %s; stopping the run. Last lines of %s:\n%s", child.name, code,
-                          child.log_path, child.log_tail())
+        """Restarts a dead child (see the module docstring), and again whatever dies or hangs while it comes
+        back, one restart each, as long as services.max_restarts allows. False when none is left."""
+        dead, reason = child, f"exited with {child.process.returncode}"
+        while self._take_restart(dead, reason):
+            try:
+                self._bring_back(stop_coordinator=dead.name in ("trainer", "critic"))
+                log.info("%s restarted", child.name)
+                return True
+            except _StartFailed as failed:
+                dead, reason = failed.child, failed.reason
+        return False
+
+    def _take_restart(self, child: Child, reason: str) -> bool:
+        if self.restarts_left <= 0 or self.interrupts:
+            if child.name != "coordinator" or "starting" in reason:   # watch() reports a coordinator that failed
+                log.error("%s %s; stopping the run (services.max_restarts %d used up). Last lines of %s:\n%s",
+                          child.name, reason, self.config.services.max_restarts, child.log_path, child.log_tail())
             return False
         self.restarts_left -= 1
         used = self.config.services.max_restarts - self.restarts_left
-        log.warning("%s exited with %s; restarting it (restart %d of services.max_restarts %d). Last lines of "
-                    "%s:\n%s", child.name, code, used, self.config.services.max_restarts, child.log_path,
-                    child.log_tail(8))
+        log.warning("%s %s; restarting it (restart %d of services.max_restarts %d). Last lines of %s:\n%s",
+                    child.name, reason, used, self.config.services.max_restarts, child.log_path, child.log_tail(8))
+        return True
+
+    def _bring_back(self, *, stop_coordinator: bool) -> None:
+        """Starts every dead child again, the coordinator last; raises _StartFailed naming one that did not
+        come up."""
+        if self.redis is not None and not self.redis.alive() and not self._restart_redis():
+            raise _StartFailed(self.coordinator_child(), "could not run without redis-server")
         coordinator = self.coordinator_child()
-        if child.name in ("trainer", "critic") and coordinator.alive():
+        if stop_coordinator and coordinator.alive():
             log.warning("stopping the coordinator too (kill -9): it resumes from the last checkpoint")
             os.killpg(coordinator.process.pid, signal.SIGKILL)
             coordinator.process.wait()
+        for child in [c for c in self.children if c is not coordinator and not c.alive()]:
+            self._start_again(child)
+        if not coordinator.alive() and coordinator.process.returncode != 0:
+            self._start_again(coordinator)
+            threading.Thread(target=self._stream_events, args=(self.view,), daemon=True).start()
+
+    def _start_again(self, child: Child) -> None:
+        new = self._respawn(child)
         try:
-            if child is not coordinator:
-                self._await(self._respawn(child), self._target_of(child))
-            if not coordinator.alive():
-                self._await(self._respawn(coordinator), self.config.services.coordinator.target)
-                threading.Thread(target=self._stream_events, args=(self.view,), daemon=True).start()
-        except (RuntimeError, TimeoutError) as exc:
-            log.error("restarting %s failed: %s", child.name, exc)
-            return False
-        log.info("%s restarted", child.name)
-        return True
+            self._await(new, self._target_of(new))
+        except RuntimeError:
+            raise _StartFailed(new, f"exited with {new.process.returncode} while starting") from None
+        except TimeoutError:
+            os.killpg(new.process.pid, signal.SIGKILL)
+            new.process.wait()
+            raise _StartFailed(new, f"was not healthy within loop.startup_timeout_s "
+                                    f"({self.config.loop.startup_timeout_s:.0f}s) while starting") from None
 
     def _restart_redis(self) -> bool:
         assert self.redis is not None
