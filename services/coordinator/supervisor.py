@@ -3,7 +3,8 @@
 Start order: redis → trainer(s) → rollout replicas → coordinator, each awaited through grpc.health.
 Logs go to RUN_DIR/logs/<service>.log. If any child dies, everything is stopped and the run fails with
 the child's name and the tail of its log; Ctrl-C asks the coordinator for a graceful Stop (a second Ctrl-C
-terminates). Children get PR_SET_PDEATHSIG so none outlives the supervisor.
+terminates). Children, the embedded redis-server included, get PR_SET_PDEATHSIG (services/common/procs.py), so
+none outlives the supervisor, even a supervisor killed with kill -9.
 
 With services.max_restarts > 0 a dead child is restarted instead (that many restarts per run, in total):
 a rollout replica alone (the coordinator retries its work elsewhere and re-syncs it); the embedded
@@ -30,17 +31,11 @@ import grpc
 from services.common.config import ConfigError, TandemConfig, config_from_dict, write_resolved_config
 from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.common.grpc_util import open_channel, wait_healthy
+from services.common.procs import dies_with_parent
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.coordinator.clients import EXIT_PERMANENT
 
 log = logging.getLogger("tandem.run")
-
-
-# Runs in the child before it becomes the service: PR_SET_PDEATHSIG survives exec. Not a preexec_fn: Python
-# code between fork and exec can deadlock once other threads (gRPC's) run, as they do when a child is restarted.
-_DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
-                    "try:\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM)\nexcept OSError:\n    pass\n"
-                    "os.execv(sys.argv[1], sys.argv[1:])")
 
 
 @dataclass
@@ -124,7 +119,7 @@ class LocalRun:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_SERVICE": name}
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, *args], stdout=out,
+            proc = subprocess.Popen(dies_with_parent(args), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         child = Child(name=name, process=proc, log_path=log_path, args=args)
         self.children.append(child)
