@@ -30,7 +30,7 @@ import grpc
 
 from services.common.config import ConfigError, TandemConfig, config_from_dict, write_resolved_config
 from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.common.grpc_util import open_channel, wait_healthy
+from services.common.grpc_util import ensure_port_free, open_channel, wait_healthy
 from services.common.procs import dies_with_parent
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.coordinator.clients import EXIT_PERMANENT
@@ -168,7 +168,17 @@ class LocalRun:
             if child.process.returncode != 0:   # a coordinator may finish a short run before the first check
                 raise
 
+    def _check_fixed_ports(self) -> None:
+        """A fixed port some other process holds (another run on the same ports) fails the run before anything
+        starts: a health check there would be answered by the other process."""
+        s = self.config.services
+        addresses = [s.trainer, *([s.critic] if self.config.algorithm.uses_critic else []), *s.rollout, s.coordinator]
+        for address in addresses:
+            if address.port:
+                ensure_port_free(s.bind_host, address.port)
+
     def start(self) -> None:
+        self._check_fixed_ports()
         if self.config.redis.url:
             redis_url = self.config.redis.url
         else:
