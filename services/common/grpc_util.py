@@ -49,6 +49,8 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, RedisConnectionError | RedisTimeoutError):   # Redis restarting: worth a retry
         return grpc.StatusCode.UNAVAILABLE
 
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):   # a full disk: say so, do not retry
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, EntryNotFoundError | FileNotFoundError | KeyError):
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, PermissionError):
