@@ -165,7 +165,10 @@ class LocalRun:
             wait_healthy(target, timeout_s=self.config.loop.startup_timeout_s, tls_ca=self.config.services.tls_ca,
                          should_abort=exited)
         except RuntimeError:
-            if child.process.returncode != 0:   # a coordinator may finish a short run before the first check
+            # a coordinator may finish a short run, or fail for good (EXIT_PERMANENT), before the first check:
+            # watch() reports it
+            if child.process.returncode != 0 and not (child.name == "coordinator"
+                                                       and child.process.returncode == EXIT_PERMANENT):
                 raise
 
     def _check_fixed_ports(self) -> None:
