@@ -10,8 +10,9 @@ With services.max_restarts > 0 a dead child is restarted instead (that many rest
 a rollout replica alone (the coordinator retries its work elsewhere and re-syncs it); the embedded
 redis-server on its port and data directory (AOF); a coordinator that failed, which resumes from the last
 checkpoint; a trainer together with the coordinator, which is killed first so it can neither drive the new
-trainer nor save a checkpoint mixing the two, and then resumes from the last checkpoint
-(docs/reliability.md).
+trainer nor save a checkpoint mixing the two, and then resumes from the last checkpoint. A child that dies or
+hangs while it is being started again costs one more restart and is started again. A coordinator that exits
+with EXIT_PERMANENT (3) failed on an error a restart would repeat: it is not restarted (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -255,8 +256,10 @@ class LocalRun:
     def _take_restart(self, child: Child, reason: str) -> bool:
         if self.restarts_left <= 0 or self.interrupts:
             if child.name != "coordinator" or "starting" in reason:   # watch() reports a coordinator that failed
-                log.error("%s %s; stopping the run (services.max_restarts %d used up). Last lines of %s:\n%s",
-                          child.name, reason, self.config.services.max_restarts, child.log_path, child.log_tail())
+                limit = self.config.services.max_restarts
+                why = "Ctrl-C" if self.interrupts else f"services.max_restarts {limit} used up"
+                log.error("%s %s; stopping the run (%s). Last lines of %s:\n%s", child.name, reason, why,
+                          child.log_path, child.log_tail())
             return False
         self.restarts_left -= 1
         used = self.config.services.max_restarts - self.restarts_left
