@@ -243,19 +243,19 @@ class LocalRun:
     def _restart(self, child: Child) -> bool:
         """Restarts a dead child (see the module docstring), and again whatever dies or hangs while it comes
         back, one restart each, as long as services.max_restarts allows. False when none is left."""
-        dead, reason = child, f"exited with {child.process.returncode}"
-        while self._take_restart(dead, reason):
+        dead, reason, starting = child, f"exited with {child.process.returncode}", False
+        while self._take_restart(dead, reason, starting=starting):
             try:
                 self._bring_back(stop_coordinator=dead.name in ("trainer", "critic"))
                 log.info("%s restarted", child.name)
                 return True
             except _StartFailed as failed:
-                dead, reason = failed.child, failed.reason
+                dead, reason, starting = failed.child, failed.reason, True
         return False
 
-    def _take_restart(self, child: Child, reason: str) -> bool:
+    def _take_restart(self, child: Child, reason: str, *, starting: bool) -> bool:
         if self.restarts_left <= 0 or self.interrupts:
-            if child.name != "coordinator" or "starting" in reason:   # watch() reports a coordinator that failed
+            if child.name != "coordinator" or starting:   # watch() reports a coordinator that failed running
                 limit = self.config.services.max_restarts
                 why = "Ctrl-C" if self.interrupts else f"services.max_restarts {limit} used up"
                 log.error("%s %s; stopping the run (%s). Last lines of %s:\n%s", child.name, reason, why,
@@ -279,7 +279,7 @@ class LocalRun:
             coordinator.process.wait()
         for child in [c for c in self.children if c is not coordinator and not c.alive()]:
             self._start_again(child)
-        if not coordinator.alive() and coordinator.process.returncode != 0:
+        if not coordinator.alive() and coordinator.process.returncode not in (0, EXIT_PERMANENT):
             self._start_again(coordinator)
             threading.Thread(target=self._stream_events, args=(self.view,), daemon=True).start()
 
@@ -327,7 +327,9 @@ class LocalRun:
         s = self.config.services
         try:
             with open_channel(s.coordinator.target, tls_ca=s.tls_ca, auth_token=s.auth_token) as channel:
-                coordinator_pb2_grpc.CoordinatorStub(channel).Stop(common_pb2.Empty(), timeout=5)
+                # wait_for_ready: a channel in reconnect backoff (a coordinator that has just started) fails at
+                # once otherwise, and a Ctrl-C then terminates instead of stopping gracefully
+                coordinator_pb2_grpc.CoordinatorStub(channel).Stop(common_pb2.Empty(), timeout=10, wait_for_ready=True)
         except grpc.RpcError as exc:
             log.warning("could not reach the coordinator (%s); terminating", exc.code().name)
             raise KeyboardInterrupt from None

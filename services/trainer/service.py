@@ -367,7 +367,7 @@ class TrainerService:
 
     def _no_space(self, directory: Path) -> ckpt.NoSpaceLeft:
         last = ckpt.latest_complete(directory.parent)
-        free = shutil.disk_usage(directory.parent).free
+        free = shutil.disk_usage(next(p for p in directory.parents if p.exists())).free
         return ckpt.NoSpaceLeft(f"no space left on {directory.parent}: checkpoint {directory.name} was not written "
                                 f"({free} bytes free after removing its partial files); the last good checkpoint "
                                 f"{last or '(none)'} is kept")
