@@ -277,9 +277,15 @@ def start_server(register: Iterable[tuple[Callable[[Any, grpc.Server], None], An
     return running
 
 
+# For pollers of a server that is starting: gRPC's default reconnect backoff (1 s, growing) would report it
+# unavailable for seconds after it listens.
+FAST_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                  ("grpc.max_reconnect_backoff_ms", 1000))
+
+
 def open_channel(target: str, *, max_message_mb: int = 64, tls_ca: str | None = None,
-                 auth_token: str | None = None) -> grpc.Channel:
-    opts = message_options(max_message_mb)
+                 auth_token: str | None = None, options: tuple[tuple[str, int], ...] = ()) -> grpc.Channel:
+    opts = [*message_options(max_message_mb), *options]
     if tls_ca:
         with open(tls_ca, "rb") as f:
             creds = grpc.ssl_channel_credentials(root_certificates=f.read())
@@ -330,7 +336,7 @@ def wait_healthy(target: str, *, timeout_s: float = 60.0, service: str = "", tls
     (e.g. the child process died)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    with open_channel(target, tls_ca=tls_ca) as channel:
+    with open_channel(target, tls_ca=tls_ca, options=FAST_RECONNECT) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if should_abort is not None and (reason := should_abort()):

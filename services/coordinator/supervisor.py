@@ -156,7 +156,9 @@ class LocalRun:
         return [*launcher, "-m", "services.cli", "trainer", str(self.config_file), "--run-dir", str(self.run_dir),
                 "--role", role]
 
-    def _await(self, child: Child, target: str) -> None:
+    def _await(self, child: Child, target: str, *, may_exit: bool = False) -> None:
+        """Waits until the child is healthy. It exiting first raises, unless may_exit, or it is a coordinator
+        that finished (0) or failed for good (EXIT_PERMANENT): watch() reports those."""
         def exited() -> str | None:
             if child.alive():
                 return None
@@ -166,10 +168,8 @@ class LocalRun:
             wait_healthy(target, timeout_s=self.config.loop.startup_timeout_s, tls_ca=self.config.services.tls_ca,
                          should_abort=exited)
         except RuntimeError:
-            # a coordinator may finish a short run, or fail for good (EXIT_PERMANENT), before the first check:
-            # watch() reports it
-            if child.process.returncode != 0 and not (child.name == "coordinator"
-                                                       and child.process.returncode == EXIT_PERMANENT):
+            code = child.process.returncode
+            if not (may_exit or code == 0 or (child.name == "coordinator" and code == EXIT_PERMANENT)):
                 raise
 
     def _check_fixed_ports(self) -> None:
@@ -202,7 +202,8 @@ class LocalRun:
             self._await(child, target)
             log.info("%s is healthy at %s", child.name, target)
         coordinator = self._spawn("coordinator", self._service_args("coordinator"))
-        self._await(coordinator, s.coordinator.target)
+        # a coordinator dying as it starts (a service died under it) is restarted by watch() when allowed
+        self._await(coordinator, s.coordinator.target, may_exit=True)
 
     def coordinator_child(self) -> Child:
         return next(c for c in self.children if c.name == "coordinator")
@@ -257,7 +258,8 @@ class LocalRun:
         if self.restarts_left <= 0 or self.interrupts:
             if child.name != "coordinator" or starting:   # watch() reports a coordinator that failed running
                 limit = self.config.services.max_restarts
-                why = "Ctrl-C" if self.interrupts else f"services.max_restarts {limit} used up"
+                why = "Ctrl-C" if self.interrupts else (f"services.max_restarts {limit} used up" if limit else
+                                                        "restarts are off: services.max_restarts is 0")
                 log.error("%s %s; stopping the run (%s). Last lines of %s:\n%s", child.name, reason, why,
                           child.log_path, child.log_tail())
             return False
