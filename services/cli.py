@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from services.common.config import ConfigError, TandemConfig, load_config
+from services.common.grpc_util import PortInUse
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -97,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(args)
     except ConfigError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
+        return 2
+    except PortInUse as exc:   # a service's fixed port (services.*.port) is taken
+        print(f"tandem {args.command}: {exc}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -29,12 +29,22 @@ def resolved_config(run_dir: Path) -> dict:
     return yaml.safe_load((run_dir / "config.yaml").read_text())
 
 
+def service_pids(supervisor_pid: int, marker: str) -> list[int]:
+    """The pids of the children of `tandem run` that run service `marker` (e.g. "trainer")."""
+    return [pid for pid in children_of(supervisor_pid) if _argv(pid)[1:4] == [b"-m", b"services.cli", marker.encode()]]
+
+
 def service_pid(supervisor_pid: int, marker: str) -> int:
-    """The pid of the one child of `tandem run` whose command line contains `marker` (e.g. "trainer")."""
-    found = [pid for pid in children_of(supervisor_pid)
-             if _argv(pid)[1:4] == [b"-m", b"services.cli", marker.encode()]]
+    """The pid of the one child of `tandem run` that runs service `marker`."""
+    found = service_pids(supervisor_pid, marker)
     assert len(found) == 1, (marker, found)
     return found[0]
+
+
+def replacement_pid(supervisor_pid: int, marker: str, *, old: int) -> int | None:
+    """The pid of a restarted service once the supervisor has spawned it (None until then)."""
+    found = [pid for pid in service_pids(supervisor_pid, marker) if pid != old]
+    return found[0] if found else None
 
 
 def redis_pid(supervisor_pid: int) -> int:

@@ -220,6 +220,19 @@ def test_bind_host_is_honoured_and_sigterm_stops_cleanly():
     assert listening_addresses(server.port) == set()
 
 
+def test_a_second_server_on_a_taken_port_fails_clearly_and_the_first_keeps_it(plain):
+    """SO_REUSEPORT is off: without that, gRPC would let both processes listen and split the connections."""
+    second = subprocess.run([PYTHON, str(HELPERS_DIR / "grpc_server.py"), "--port", str(plain.port)],
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode != 0 and "TANDEM_READY" not in second.stdout
+    assert f"PortInUse: port {plain.port} on 127.0.0.1 is in use (another tandem run?)" in second.stderr
+    for _ in range(20):   # every new connection still reaches the first server
+        with grpc.insecure_channel(plain.target) as channel:
+            status = coordinator_pb2_grpc.CoordinatorStub(channel).GetStatus(common_pb2.Empty(), timeout=10)
+        assert status.run_dir == "helper"
+    assert health(plain.target) == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_wait_healthy_gives_up_with_the_last_error():
     port = free_port()
     with pytest.raises(TimeoutError, match=rf"127.0.0.1:{port} not healthy after 0s \(last: UNAVAILABLE"):

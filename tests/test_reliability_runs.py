@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from reliability_kit import (BATCH_SAMPLES, assert_every_sample_trained_once, final_checkpoint_state,
-                             freeze_mid_train, redis_pid, resolved_config, rollout_pid, service_pid, wait_for,
-                             wait_running)
+                             freeze_mid_train, redis_pid, replacement_pid, resolved_config, rollout_pid, service_pid,
+                             wait_for, wait_running)
 from services.common.buffer import connect
 from services.common.gen.tandem.v1 import common_pb2, rollout_pb2_grpc
 from services.common.grpc_util import open_channel
@@ -76,6 +76,34 @@ def test_coordinator_and_redis_kill_9_resume_without_double_training(tmp_path):
     assert_every_sample_trained_once(run_dir, n)
     steps = [r["rollout_id"] for r in metrics(run_dir) if "perf/step_time_s" in r]
     assert set(steps) == set(range(n))   # steps after the last checkpoint ran again; none was skipped
+
+
+def test_crashes_while_the_supervisor_restarts_are_restarted_too(tmp_path):
+    """kill -9 of the trainer, then of its replacement while it starts, then of the coordinator while it starts
+    after the trainer is back: each is one more restart within services.max_restarts, and the run finishes."""
+    run_dir, n = tmp_path / "run", 10
+    proc = start_run(run_dir, f"loop.num_rollout={n}", "loop.save_interval=2", "services.max_restarts=3", *COMMON)
+    try:
+        wait_running(run_dir, rollout_id=4)   # the checkpoint of rollout 1 is written
+        trainer, coordinator = service_pid(proc.pid, "trainer"), service_pid(proc.pid, "coordinator")
+        os.kill(trainer, signal.SIGKILL)
+        # the replacement is killed as soon as it exists: it is still importing, far from healthy
+        second = wait_for(lambda: replacement_pid(proc.pid, "trainer", old=trainer), what="the new trainer",
+                          every_s=0.01)
+        os.kill(second, signal.SIGKILL)
+        # the coordinator comes back once a third trainer is healthy; killed as soon as it exists
+        restarted = wait_for(lambda: replacement_pid(proc.pid, "coordinator", old=coordinator),
+                             what="the new coordinator", every_s=0.01)
+        os.kill(restarted, signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, supervisor_log(run_dir)
+    finally:
+        stop_run(proc)
+    log = supervisor_log(run_dir)
+    assert "trainer exited with -9; restarting it (restart 1 of services.max_restarts 3)" in log, log
+    assert "trainer exited with -9 while starting; restarting it (restart 2 of services.max_restarts 3)" in log, log
+    assert "coordinator exited with -9 while starting; restarting it (restart 3 of services.max_restarts 3)" in log
+    assert "resumed from" in _log(run_dir, "coordinator")
+    assert_every_sample_trained_once(run_dir, n)
 
 
 def test_rollout_kill_9_mid_generation_the_other_replica_finishes_the_step(tmp_path):

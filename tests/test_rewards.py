@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from services.common.grpc_util import Unavailable
 from services.rollout import rewards
-from services.rollout.rewards import RewardError, RewardSpecError, resolve_reward
+from services.rollout.rewards import RewardError, RewardSpecError, RewardUnavailable, resolve_reward
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,6 +88,24 @@ def plugin_module(tmp_path: Path):
         def raises(prompt, response, label, metadata):
             raise RuntimeError("boom")
 
+        def raises_on_b(prompt, response, label, metadata):
+            return 1 / (response != "b")
+
+        async def async_raises(prompt, response, label, metadata):
+            raise KeyError(response)
+
+        def numeric_text(prompt, response, label, metadata):
+            return "1.0"
+
+        def score_text(prompt, response, label, metadata):
+            return {"score": "0.5"}
+
+        def judge_down(prompt, response, label, metadata):
+            raise ConnectionRefusedError("judge at 10.0.0.7:8000 refused the connection")
+
+        async def judge_slow(prompt, response, label, metadata):
+            raise TimeoutError("judge did not answer within 30s")
+
         def wrong_length(prompts, responses, labels, metadatas):
             return [1.0]
 
@@ -143,7 +163,35 @@ def test_bad_plugins(plugin_module: str):
         resolve_reward(f"{m}:odd_names")
     with pytest.raises(RewardError, match="expected a number"):
         score(f"{m}:returns_text", ["a"], ["a"])
-    with pytest.raises(RewardError, match="raised RuntimeError: boom"):
+    with pytest.raises(RewardError, match="raised RuntimeError on sample 0: boom"):
         score(f"{m}:raises", ["a"], ["a"])
     with pytest.raises(RewardError, match="for 2 samples"):
         score(f"{m}:wrong_length", ["a", "b"], ["a", "b"])
+
+
+def test_a_raising_reward_names_the_sample_and_is_not_transient(plugin_module: str):
+    m = plugin_module
+    with pytest.raises(RewardError, match=f"reward function {m}:raises_on_b raised ZeroDivisionError on sample 1"):
+        score(f"{m}:raises_on_b", ["a", "b", "c"], ["a"] * 3)
+    with pytest.raises(RewardError, match=f"{m}:async_raises raised KeyError on sample 0: 'x'") as info:
+        score(f"{m}:async_raises", ["x"], ["x"])
+    assert isinstance(info.value, ValueError)   # INVALID_ARGUMENT over gRPC: the coordinator does not retry it
+
+
+@pytest.mark.parametrize("name,fragment", [
+    ("numeric_text", "returned the str '1.0' for sample 0; expected a number (int, float or bool)"),
+    ("score_text", "returned the str '0.5' for sample 0"),
+])
+def test_a_reward_given_as_text_is_refused_even_when_it_parses(plugin_module: str, name: str, fragment: str):
+    with pytest.raises(RewardError, match=re.escape(f"reward function {plugin_module}:{name} {fragment}")):
+        score(f"{plugin_module}:{name}", ["a"], ["a"])
+
+
+@pytest.mark.parametrize("name,fragment", [
+    ("judge_down", "could not reach a dependency on sample 0: ConnectionRefusedError: judge at 10.0.0.7:8000"),
+    ("judge_slow", "could not reach a dependency on sample 0: TimeoutError: judge did not answer"),
+])
+def test_a_reward_whose_dependency_is_down_is_transient(plugin_module: str, name: str, fragment: str):
+    with pytest.raises(RewardUnavailable, match=fragment) as info:
+        score(f"{plugin_module}:{name}", ["a"], ["a"])
+    assert isinstance(info.value, Unavailable) and not isinstance(info.value, ValueError)   # UNAVAILABLE: retried

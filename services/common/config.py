@@ -229,6 +229,8 @@ class ServicesConfig(Section):
     max_message_mb: int = Field(default=64, ge=1, le=2047)
     max_restarts: int = Field(default=0, ge=0, description="tandem run: restarts of a dead trainer, rollout, "
                               "coordinator or embedded redis-server (0 = a dead child fails the run)")
+    max_watch_streams: int = Field(default=32, ge=1, le=1024, description="coordinator: WatchEvents streams open "
+                                   "at once (each on a thread beside the control API's); more get RESOURCE_EXHAUSTED")
 
     @field_validator("rollout")
     @classmethod

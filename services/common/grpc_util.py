@@ -6,10 +6,12 @@ exceptions into proper status codes, so bad input never kills a server.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hmac
 import inspect
 import logging
+import socket
 import sys
 import time
 from concurrent import futures
@@ -34,6 +36,10 @@ class Unavailable(RuntimeError):
     """A dependency (Redis, a peer) is not reachable right now (maps to UNAVAILABLE)."""
 
 
+class PortInUse(OSError):
+    """The port a server was told to listen on is taken: servers never share a port (SO_REUSEPORT is off)."""
+
+
 def _status_for(exc: BaseException) -> grpc.StatusCode:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -43,6 +49,8 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, RedisConnectionError | RedisTimeoutError):   # Redis restarting: worth a retry
         return grpc.StatusCode.UNAVAILABLE
 
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):   # a full disk: say so, do not retry
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, EntryNotFoundError | FileNotFoundError | KeyError):
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, PermissionError):
@@ -183,6 +191,45 @@ def message_options(max_message_mb: int) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
 
+# gRPC turns SO_REUSEPORT on by default: a second run on the same fixed ports would then share them silently,
+# each connection going to either process.
+SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+
+
+def _bind_port(server: grpc.Server, address: str, creds: grpc.ServerCredentials | None, *, host: str,
+               port: int) -> int:
+    try:
+        bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError:   # grpcio >= 1.54 raises "Failed to bind to address"; older ones return 0
+        bound = 0
+    if bound:
+        return bound
+    error = _bind_error(host, port)
+    if port and error is not None and error.errno == errno.EADDRINUSE:
+        raise PortInUse(f"port {port} on {host} is in use (another tandem run?)")
+    raise OSError(f"could not bind gRPC server to {address}" + (f": {error.strerror}" if error else ""))
+
+
+def ensure_port_free(host: str, port: int) -> None:
+    """Raises PortInUse when host:port is taken: before starting a service there, so that a health check does
+    not get its answer from whatever already listens on it."""
+    error = _bind_error(host, port)
+    if error is not None and error.errno == errno.EADDRINUSE:
+        raise PortInUse(f"port {port} on {host} is in use (another tandem run?)")
+
+
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why a plain socket cannot bind host:port (the reason gRPC does not say)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        return exc
+    return None
+
+
 class RunningServer:
     def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer,
                  service_names: tuple[str, ...]):
@@ -210,7 +257,7 @@ def start_server(register: Iterable[tuple[Callable[[Any, grpc.Server], None], An
     if options.auth_token:
         interceptors.insert(0, BearerTokenInterceptor(options.auth_token))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=options.max_workers), interceptors=interceptors,
-                         options=message_options(options.max_message_mb))
+                         options=[*message_options(options.max_message_mb), *SERVER_OPTIONS])
     names = []
     for add, servicer, name in register:
         add(servicer, server)
@@ -219,23 +266,26 @@ def start_server(register: Iterable[tuple[Callable[[Any, grpc.Server], None], An
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*names, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
     address = f"{options.bind_host}:{options.port}"
+    creds = None
     if options.tls_cert and options.tls_key:
         with open(options.tls_key, "rb") as k, open(options.tls_cert, "rb") as c:
             creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"could not bind gRPC server to {address}")
+    port = _bind_port(server, address, creds, host=options.bind_host, port=options.port)
     server.start()
     running = RunningServer(server, port, health_servicer, tuple(names))
     running.set_serving(True)
     return running
 
 
+# For pollers of a server that is starting: gRPC's default reconnect backoff (1 s, growing) would report it
+# unavailable for seconds after it listens.
+FAST_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                  ("grpc.max_reconnect_backoff_ms", 1000))
+
+
 def open_channel(target: str, *, max_message_mb: int = 64, tls_ca: str | None = None,
-                 auth_token: str | None = None) -> grpc.Channel:
-    opts = message_options(max_message_mb)
+                 auth_token: str | None = None, options: tuple[tuple[str, int], ...] = ()) -> grpc.Channel:
+    opts = [*message_options(max_message_mb), *options]
     if tls_ca:
         with open(tls_ca, "rb") as f:
             creds = grpc.ssl_channel_credentials(root_certificates=f.read())
@@ -286,7 +336,7 @@ def wait_healthy(target: str, *, timeout_s: float = 60.0, service: str = "", tls
     (e.g. the child process died)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    with open_channel(target, tls_ca=tls_ca) as channel:
+    with open_channel(target, tls_ca=tls_ca, options=FAST_RECONNECT) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if should_abort is not None and (reason := should_abort()):

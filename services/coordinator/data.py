@@ -49,8 +49,9 @@ def load_prompts(path: str, *, prompt_key: str, label_key: str, limit: int | Non
     if not file.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
     records = []
-    with file.open() as f:
-        for line_no, line in enumerate(f, 1):
+    with file.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            line = _decode_line(raw, path=path, line_no=line_no)
             if not line.strip():
                 continue
             try:
@@ -67,6 +68,15 @@ def load_prompts(path: str, *, prompt_key: str, label_key: str, limit: int | Non
     if not records:
         raise ValueError(f"data file {path} holds no prompts")
     return records
+
+
+def _decode_line(raw: bytes, *, path: str, line_no: int) -> str:
+    """UTF-8, whatever the locale; a bad byte is named with its file, line and column."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                         "task files must be UTF-8 JSON lines") from None
 
 
 class DataSource:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import grpc
 
@@ -15,18 +17,43 @@ from services.common.config import TandemConfig
 from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.common.grpc_util import ServerOptions, map_errors, start_server
 from services.common.tracing import setup_logging, setup_tracing, shutdown_tracing
-from services.coordinator.clients import RolloutPool, make_clients
+from services.coordinator.clients import EXIT_PERMANENT, RolloutPool, ServiceCallError, make_clients
 from services.coordinator.loop import Coordinator
 from services.coordinator.metrics import make_trackers
 
 log = logging.getLogger(__name__)
 
 
+CONTROL_WORKERS = 16   # server threads for everything but WatchEvents streams: GetStatus, Stop, health, ...
+
+
+class StreamSlots:
+    """A WatchEvents stream holds a server thread for as long as it is open, idle or not. The server has
+    CONTROL_WORKERS threads plus one per slot, and a stream beyond the slots is refused at once, so open streams
+    never take the threads GetStatus, health or a graceful Stop need."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._free = threading.BoundedSemaphore(limit)
+
+    @contextlib.contextmanager
+    def take(self, context: grpc.ServicerContext) -> Iterator[None]:
+        if not self._free.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.limit} WatchEvents streams are open already (services.max_watch_streams); "
+                          "close one first")
+        try:
+            yield
+        finally:
+            self._free.release()
+
+
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """Thin adapter: every method reads or flips state of the plain `Coordinator`."""
 
-    def __init__(self, coordinator: Coordinator):
+    def __init__(self, coordinator: Coordinator, *, max_watch_streams: int = 32):
         self.c = coordinator
+        self.streams = StreamSlots(max_watch_streams)
 
     @map_errors
     def GetStatus(self, request, context):  # noqa: N802 - gRPC names
@@ -64,7 +91,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return common_pb2.Ack(ok=True, message="stopping after the current step (with a final checkpoint)")
 
     def WatchEvents(self, request, context):  # noqa: N802
-        yield from self.c.events.watch(include_history=request.include_history, is_active=context.is_active)
+        with self.streams.take(context):   # released when the stream ends or the caller goes away
+            yield from self.c.events.watch(include_history=request.include_history, is_active=context.is_active)
 
 
 def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinator, RolloutBuffer | None]:
@@ -88,12 +116,17 @@ def main(config: TandemConfig, *, run_dir: Path) -> int:
     setup_logging("coordinator", config.tracing.log_level, str(run_dir / "logs" / "coordinator.log"))
     setup_tracing("tandem-coordinator", exporter=config.tracing.exporter, instance="coordinator",
                   file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"))
-    coordinator, _ = build_coordinator(config, run_dir=run_dir)
+    try:
+        coordinator, _ = build_coordinator(config, run_dir=run_dir)
+    except (ValueError, FileNotFoundError) as exc:   # bad data (file and line named): a restart would repeat it
+        log.error("cannot start: %s", exc)
+        return EXIT_PERMANENT
     s = config.services
-    server = start_server([(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, CoordinatorServicer(coordinator),
-                            "tandem.v1.Coordinator")],
+    servicer = CoordinatorServicer(coordinator, max_watch_streams=s.max_watch_streams)
+    server = start_server([(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, "tandem.v1.Coordinator")],
                           ServerOptions(bind_host=s.bind_host, port=s.coordinator.port, max_message_mb=s.max_message_mb,
-                                        auth_token=s.auth_token, tls_cert=s.tls_cert, tls_key=s.tls_key))
+                                        max_workers=CONTROL_WORKERS + s.max_watch_streams, auth_token=s.auth_token,
+                                        tls_cert=s.tls_cert, tls_key=s.tls_key))
     print(f"TANDEM_READY coordinator {server.port}", flush=True)
     stop_once = threading.Event()
 
@@ -109,9 +142,9 @@ def main(config: TandemConfig, *, run_dir: Path) -> int:
     code = 0
     try:
         coordinator.run()
-    except Exception:
+    except Exception as exc:
         log.exception("run failed")
-        code = 1
+        code = EXIT_PERMANENT if isinstance(exc, ServiceCallError) and exc.permanent else 1
     finally:
         for tracker in coordinator.trackers:
             tracker.close()

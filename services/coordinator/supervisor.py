@@ -3,14 +3,16 @@
 Start order: redis → trainer(s) → rollout replicas → coordinator, each awaited through grpc.health.
 Logs go to RUN_DIR/logs/<service>.log. If any child dies, everything is stopped and the run fails with
 the child's name and the tail of its log; Ctrl-C asks the coordinator for a graceful Stop (a second Ctrl-C
-terminates). Children get PR_SET_PDEATHSIG so none outlives the supervisor.
+terminates). Children, the embedded redis-server included, get PR_SET_PDEATHSIG (services/common/procs.py), so
+none outlives the supervisor, even a supervisor killed with kill -9.
 
 With services.max_restarts > 0 a dead child is restarted instead (that many restarts per run, in total):
 a rollout replica alone (the coordinator retries its work elsewhere and re-syncs it); the embedded
 redis-server on its port and data directory (AOF); a coordinator that failed, which resumes from the last
 checkpoint; a trainer together with the coordinator, which is killed first so it can neither drive the new
-trainer nor save a checkpoint mixing the two, and then resumes from the last checkpoint
-(docs/reliability.md).
+trainer nor save a checkpoint mixing the two, and then resumes from the last checkpoint. A child that dies or
+hangs while it is being started again costs one more restart and is started again. A coordinator that exits
+with EXIT_PERMANENT (3) failed on an error a restart would repeat: it is not restarted (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -30,17 +32,12 @@ import grpc
 
 from services.common.config import TandemConfig, config_from_dict, write_resolved_config
 from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.common.grpc_util import open_channel, wait_healthy
+from services.common.grpc_util import ensure_port_free, open_channel, wait_healthy
+from services.common.procs import dies_with_parent
 from services.common.redis_server import EmbeddedRedis, free_port
+from services.coordinator.clients import EXIT_PERMANENT
 
 log = logging.getLogger("tandem.run")
-
-
-# Runs in the child before it becomes the service: PR_SET_PDEATHSIG survives exec. Not a preexec_fn: Python
-# code between fork and exec can deadlock once other threads (gRPC's) run, as they do when a child is restarted.
-_DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
-                    "try:\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM)\nexcept OSError:\n    pass\n"
-                    "os.execv(sys.argv[1], sys.argv[1:])")
 
 
 @dataclass
@@ -68,6 +65,14 @@ class Child:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+class _StartFailed(Exception):
+    """A restarted child died, or never became healthy, while it started."""
+
+    def __init__(self, child: Child, reason: str):
+        super().__init__(f"{child.name} {reason}")
+        self.child, self.reason = child, reason
 
 
 def resolve_for_local_run(config: TandemConfig, *, redis_url: str) -> TandemConfig:
@@ -103,7 +108,7 @@ class LocalRun:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_SERVICE": name}
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, *args], stdout=out,
+            proc = subprocess.Popen(dies_with_parent(args), stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         child = Child(name=name, process=proc, log_path=log_path, args=args)
         self.children.append(child)
@@ -139,7 +144,9 @@ class LocalRun:
         return [*launcher, "-m", "services.cli", "trainer", str(self.config_file), "--run-dir", str(self.run_dir),
                 "--role", role]
 
-    def _await(self, child: Child, target: str) -> None:
+    def _await(self, child: Child, target: str, *, may_exit: bool = False) -> None:
+        """Waits until the child is healthy. It exiting first raises, unless may_exit, or it is a coordinator
+        that finished (0) or failed for good (EXIT_PERMANENT): watch() reports those."""
         def exited() -> str | None:
             if child.alive():
                 return None
@@ -149,10 +156,21 @@ class LocalRun:
             wait_healthy(target, timeout_s=self.config.loop.startup_timeout_s, tls_ca=self.config.services.tls_ca,
                          should_abort=exited)
         except RuntimeError:
-            if child.process.returncode != 0:   # a coordinator may finish a short run before the first check
+            code = child.process.returncode
+            if not (may_exit or code == 0 or (child.name == "coordinator" and code == EXIT_PERMANENT)):
                 raise
 
+    def _check_fixed_ports(self) -> None:
+        """A fixed port some other process holds (another run on the same ports) fails the run before anything
+        starts: a health check there would be answered by the other process."""
+        s = self.config.services
+        addresses = [s.trainer, *([s.critic] if self.config.algorithm.uses_critic else []), *s.rollout, s.coordinator]
+        for address in addresses:
+            if address.port:
+                ensure_port_free(s.bind_host, address.port)
+
     def start(self) -> None:
+        self._check_fixed_ports()
         if self.config.redis.url:
             redis_url = self.config.redis.url
         else:
@@ -175,7 +193,8 @@ class LocalRun:
             self._await(child, target)
             log.info("%s is healthy at %s", child.name, target)
         coordinator = self._spawn("coordinator", self._service_args("coordinator"))
-        self._await(coordinator, s.coordinator.target)
+        # a coordinator dying as it starts (a service died under it) is restarted by watch() when allowed
+        self._await(coordinator, s.coordinator.target, may_exit=True)
 
     def coordinator_child(self) -> Child:
         return next(c for c in self.children if c.name == "coordinator")
@@ -201,44 +220,73 @@ class LocalRun:
                         return 1
                 elif not coordinator.alive():
                     code = coordinator.process.returncode
-                    if code == 0 or self.interrupts or not self._restart(coordinator):
+                    if code in (0, EXIT_PERMANENT) or self.interrupts or not self._restart(coordinator):
                         break
                 time.sleep(0.2)
         code = self.coordinator_child().process.returncode
-        if code != 0:
+        if code == EXIT_PERMANENT:
+            log.error("coordinator failed on an error a restart would only repeat (exit %d): not restarting it. "
+                      "Last lines of its log:\n%s", code, self.coordinator_child().log_tail())
+        elif code != 0:
             log.error("coordinator exited with %s. Last lines of its log:\n%s", code,
                       self.coordinator_child().log_tail())
         return code
 
     def _restart(self, child: Child) -> bool:
-        """Restarts a dead child (see the module docstring); False when no restart is left or it fails."""
-        code = child.process.returncode
-        if self.restarts_left <= 0:
-            if child.name != "coordinator":
-                log.error("%s exited with %s; stopping the run. Last lines of %s:\n%s", child.name, code,
+        """Restarts a dead child (see the module docstring), and again whatever dies or hangs while it comes
+        back, one restart each, as long as services.max_restarts allows. False when none is left."""
+        dead, reason, starting = child, f"exited with {child.process.returncode}", False
+        while self._take_restart(dead, reason, starting=starting):
+            try:
+                self._bring_back(stop_coordinator=dead.name in ("trainer", "critic"))
+                log.info("%s restarted", child.name)
+                return True
+            except _StartFailed as failed:
+                dead, reason, starting = failed.child, failed.reason, True
+        return False
+
+    def _take_restart(self, child: Child, reason: str, *, starting: bool) -> bool:
+        if self.restarts_left <= 0 or self.interrupts:
+            if child.name != "coordinator" or starting:   # watch() reports a coordinator that failed running
+                limit = self.config.services.max_restarts
+                why = "Ctrl-C" if self.interrupts else (f"services.max_restarts {limit} used up" if limit else
+                                                        "restarts are off: services.max_restarts is 0")
+                log.error("%s %s; stopping the run (%s). Last lines of %s:\n%s", child.name, reason, why,
                           child.log_path, child.log_tail())
             return False
         self.restarts_left -= 1
         used = self.config.services.max_restarts - self.restarts_left
-        log.warning("%s exited with %s; restarting it (restart %d of services.max_restarts %d). Last lines of "
-                    "%s:\n%s", child.name, code, used, self.config.services.max_restarts, child.log_path,
-                    child.log_tail(8))
+        log.warning("%s %s; restarting it (restart %d of services.max_restarts %d). Last lines of %s:\n%s",
+                    child.name, reason, used, self.config.services.max_restarts, child.log_path, child.log_tail(8))
+        return True
+
+    def _bring_back(self, *, stop_coordinator: bool) -> None:
+        """Starts every dead child again, the coordinator last; raises _StartFailed naming one that did not
+        come up."""
+        if self.redis is not None and not self.redis.alive() and not self._restart_redis():
+            raise _StartFailed(self.coordinator_child(), "could not run without redis-server")
         coordinator = self.coordinator_child()
-        if child.name in ("trainer", "critic") and coordinator.alive():
+        if stop_coordinator and coordinator.alive():
             log.warning("stopping the coordinator too (kill -9): it resumes from the last checkpoint")
             os.killpg(coordinator.process.pid, signal.SIGKILL)
             coordinator.process.wait()
+        for child in [c for c in self.children if c is not coordinator and not c.alive()]:
+            self._start_again(child)
+        if not coordinator.alive() and coordinator.process.returncode not in (0, EXIT_PERMANENT):
+            self._start_again(coordinator)
+            threading.Thread(target=self._stream_events, args=(self.view,), daemon=True).start()
+
+    def _start_again(self, child: Child) -> None:
+        new = self._respawn(child)
         try:
-            if child is not coordinator:
-                self._await(self._respawn(child), self._target_of(child))
-            if not coordinator.alive():
-                self._await(self._respawn(coordinator), self.config.services.coordinator.target)
-                threading.Thread(target=self._stream_events, args=(self.view,), daemon=True).start()
-        except (RuntimeError, TimeoutError) as exc:
-            log.error("restarting %s failed: %s", child.name, exc)
-            return False
-        log.info("%s restarted", child.name)
-        return True
+            self._await(new, self._target_of(new))
+        except RuntimeError:
+            raise _StartFailed(new, f"exited with {new.process.returncode} while starting") from None
+        except TimeoutError:
+            os.killpg(new.process.pid, signal.SIGKILL)
+            new.process.wait()
+            raise _StartFailed(new, f"was not healthy within loop.startup_timeout_s "
+                                    f"({self.config.loop.startup_timeout_s:.0f}s) while starting") from None
 
     def _restart_redis(self) -> bool:
         assert self.redis is not None
@@ -272,7 +320,9 @@ class LocalRun:
         s = self.config.services
         try:
             with open_channel(s.coordinator.target, tls_ca=s.tls_ca, auth_token=s.auth_token) as channel:
-                coordinator_pb2_grpc.CoordinatorStub(channel).Stop(common_pb2.Empty(), timeout=5)
+                # wait_for_ready: a channel in reconnect backoff (a coordinator that has just started) fails at
+                # once otherwise, and a Ctrl-C then terminates instead of stopping gracefully
+                coordinator_pb2_grpc.CoordinatorStub(channel).Stop(common_pb2.Empty(), timeout=10, wait_for_ready=True)
         except grpc.RpcError as exc:
             log.warning("could not reach the coordinator (%s); terminating", exc.code().name)
             raise KeyboardInterrupt from None

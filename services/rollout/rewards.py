@@ -10,7 +10,9 @@ directory, then the repository root). A function is either
 
 and either may be `async def` (per-sample coroutines run concurrently). Parameters are passed by
 keyword when the function names only known ones (so `fn(response, label)` works), positionally otherwise.
-A result may be a number, a bool, or a dict with a `score` / `reward` entry.
+A result may be a number, a bool, or a dict with a `score` / `reward` entry; a string, even "1.0", is refused.
+A function that raises fails the request with the sample named (`RewardError`, not retried), unless what it
+raised is a ConnectionError or TimeoutError (`RewardUnavailable`, retried like any transient failure).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
+from services.common.grpc_util import Unavailable
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _PER_SAMPLE = ("prompt", "response", "label", "metadata")
 _BATCHED = ("prompts", "responses", "labels", "metadatas")
@@ -37,8 +41,14 @@ class RewardSpecError(ValueError):
     """`rollout.reward` (or a request's reward) does not name a usable function."""
 
 
-class RewardError(RuntimeError):
-    """A reward function raised or returned something that is not a finite number."""
+class RewardError(ValueError):
+    """A reward function raised or returned something that is not a finite number. Deterministic: the request
+    fails (INVALID_ARGUMENT) and is not retried on another replica."""
+
+
+class RewardUnavailable(Unavailable):
+    """A reward function could not reach what it depends on (ConnectionError, TimeoutError: a remote judge or
+    sandbox): transient, so the request fails with UNAVAILABLE and is retried."""
 
 
 def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -141,22 +151,37 @@ class RewardFunction:
                 raise RewardError(f"batched reward {self.spec} returned {type(raw).__name__} "
                                   f"{_len_of(raw)} for {n} samples; expected a list of {n} numbers")
             return [_to_float(v, spec=self.spec, index=i) for i, v in enumerate(raw)]
-        calls = [functools.partial(self._call, p, r, lb, m)
-                 for p, r, lb, m in zip(prompts, responses, labels, metadatas)]
+        calls = [functools.partial(self._call, p, r, lb, m, index=i)
+                 for i, (p, r, lb, m) in enumerate(zip(prompts, responses, labels, metadatas))]
         if inspect.iscoroutinefunction(self.fn):
             raw = _run_coroutines(calls)
         else:
             raw = [_run_maybe_async(c) for c in calls]
         return [_to_float(v, spec=self.spec, index=i) for i, v in enumerate(raw)]
 
-    def _call(self, *args: Any) -> Any:
+    def _call(self, *args: Any, index: int | None = None) -> Any:
         names = _BATCHED if self.batched else _PER_SAMPLE
         try:
             if self.keywords is None:
-                return self.fn(*args)
-            return self.fn(**{k: v for k, v in zip(names, args) if k in self.keywords})
+                result = self.fn(*args)
+            else:
+                result = self.fn(**{k: v for k, v in zip(names, args) if k in self.keywords})
         except Exception as exc:
-            raise RewardError(f"reward function {self.spec} raised {type(exc).__name__}: {exc}") from exc
+            raise self._failure(exc, index) from exc
+        return self._guarded(result, index) if inspect.isawaitable(result) else result
+
+    async def _guarded(self, result: Awaitable[Any], index: int | None) -> Any:
+        try:
+            return await result
+        except Exception as exc:
+            raise self._failure(exc, index) from exc
+
+    def _failure(self, exc: Exception, index: int | None) -> Exception:
+        where = f" on sample {index}" if index is not None else ""
+        if isinstance(exc, ConnectionError | TimeoutError):
+            return RewardUnavailable(f"reward function {self.spec} could not reach a dependency{where}: "
+                                     f"{type(exc).__name__}: {exc}")
+        return RewardError(f"reward function {self.spec} raised {type(exc).__name__}{where}: {exc}")
 
 
 def _len_of(value: Any) -> str:
@@ -166,6 +191,9 @@ def _len_of(value: Any) -> str:
 def _to_float(value: Any, *, spec: str, index: int) -> float:
     if isinstance(value, dict):
         value = value.get("score", value.get("reward"))
+    if isinstance(value, str | bytes):   # float("1.0") would pass: a text where a score belongs is a bug upstream
+        raise RewardError(f"reward function {spec} returned the {type(value).__name__} {value!r} for sample {index}; "
+                          "expected a number (int, float or bool)")
     try:
         out = float(value)
     except (TypeError, ValueError):

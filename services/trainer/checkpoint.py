@@ -7,19 +7,24 @@
         rng_rank<r>.json        each rank's RNG state
         COMPLETE.json           written last, atomically: a directory without it is ignored (half-written)
 
-The trainer reads only JSON it wrote itself; DeepSpeed's own shards are loaded by DeepSpeed.
+A checkpoint is written under `.rollout_<id>.partial/` and renamed to its name once complete, so a crash or a
+full disk never leaves a `rollout_<id>` that is not whole, nor removes a good one. On a full disk the partial
+directory is removed again and the save fails with `NoSpaceLeft`, naming the path; the last good checkpoint
+stays. The trainer reads only JSON it wrote itself; DeepSpeed's own shards are loaded by DeepSpeed.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import random
 import re
 import shutil
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -27,6 +32,18 @@ import torch
 COMPLETE = "COMPLETE.json"
 STATE = "tandem_state.json"
 _DIR_RE = re.compile(r"^rollout_(\d+)$")
+_STAGED_RE = re.compile(r"^\.rollout_(\d+)\.(partial|old)$")   # a save that was cut short, or its predecessor
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class NoSpaceLeft(OSError):
+    """The filesystem of the checkpoint directory is full (or over quota); maps to RESOURCE_EXHAUSTED."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def checkpoint_root(*, base: Path, role: str) -> Path:
@@ -40,6 +57,67 @@ def default_base(*, checkpoint_dir: str | None, run_dir: Path) -> Path:
 
 def checkpoint_dir(root: Path, rollout_id: int) -> Path:
     return root / f"rollout_{rollout_id:08d}"
+
+
+def staging_dir(directory: Path) -> Path:
+    return directory.with_name(f".{directory.name}.partial")
+
+
+def publish(staging: Path, directory: Path) -> None:
+    """Gives a finished staging directory its name, replacing an older checkpoint of the same name."""
+    previous = directory.with_name(f".{directory.name}.old")
+    if directory.exists():
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(directory, previous)
+    os.replace(staging, directory)
+    shutil.rmtree(previous, ignore_errors=True)
+    _fsync_dir(directory.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def out_of_space(exc: BaseException, path: Path, *, probe_bytes: int = 1 << 20) -> bool:
+    """Whether a failed write into `path` failed because its filesystem is full. torch.save's C++ writer loses
+    the errno ("[enforce fail at inline_container.cc] ... unexpected pos"), so when the exception does not say
+    ENOSPC, writing `probe_bytes` there decides (before the partial files are removed)."""
+    if any(isinstance(e, OSError) and e.errno in _FULL for e in _chain(exc)):
+        return True
+    existing = next((p for p in (path, *path.parents) if p.is_dir()), None)
+    if existing is None:
+        return False
+    probe = existing / f".space-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(probe_bytes))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        return err.errno in _FULL
+    finally:
+        probe.unlink(missing_ok=True)
+    return False
+
+
+def release_frames(exc: BaseException) -> None:
+    """Drops the locals of every frame in the exception's chain: after a failed torch.save they hold its writer,
+    whose file keeps the disk space of the partial checkpoint taken (deleted but open) until they go."""
+    for e in _chain(exc):
+        traceback.clear_frames(e.__traceback__)
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -96,16 +174,15 @@ def resolve_load_dir(path: str, *, default_root: Path, role: str) -> Path | None
 
 
 def apply_retention(root: Path, *, keep: int, current: Path) -> list[Path]:
-    """Keeps the newest `keep` complete checkpoints; removes older ones and any incomplete leftovers
+    """Keeps the newest `keep` complete checkpoints; removes older ones and any incomplete or staged leftovers
     (never `current`). Returns what was removed."""
     entries = list_checkpoints(root)
     complete = [p for _, p in entries if is_complete(p)]
     keep_set = set(complete[-keep:]) | {current}
-    removed = []
-    for _, p in entries:
-        if p not in keep_set:
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
+    removed = [p for _, p in entries if p not in keep_set]
+    removed += [p for p in root.iterdir() if p.is_dir() and _STAGED_RE.match(p.name)]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
     return removed
 
 

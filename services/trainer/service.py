@@ -335,24 +335,46 @@ class TrainerService:
 
     def _exec_save(self, header: dict[str, Any], payloads: list[bytes]) -> None:
         directory = Path(header["dir"])
+        staging = ckpt.staging_dir(directory)   # renamed to `directory` once complete
+        try:
+            self._write_checkpoint(staging, header)
+        except Exception as exc:
+            if self.rank == 0:
+                full = ckpt.out_of_space(exc, staging)
+                ckpt.release_frames(exc)   # else the partial files' space stays taken while the error lives
+                shutil.rmtree(staging, ignore_errors=True)
+                if full:
+                    raise self._no_space(directory) from exc
+            raise
         if self.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)   # a half-written attempt at this rollout id
-            directory.mkdir(parents=True)
-        barrier()
-        state = self._client_state(header["extra_state"], checkpoint_rollout_id=header["rollout_id"]) \
-            if self.rank == 0 else {}
-        self.backend.save_checkpoint(directory, client_state=state)
-        ckpt.write_json_atomic(directory / f"rng_rank{self.rank}.json", ckpt.rng_state())
-        if header["export_hf"]:
-            self._export_hf(directory / "hf")
-        barrier()   # every rank's shards are on disk before the marker says so
-        if self.rank == 0:
-            ckpt.write_json_atomic(directory / ckpt.STATE, state)
-            ckpt.mark_complete(directory, {"rollout_id": header["rollout_id"], "step": state["step"],
-                                           "world_size": self.dist.world_size, "time": time.time()})
+            ckpt.publish(staging, directory)
             removed = ckpt.apply_retention(directory.parent, keep=self.config.trainer.keep_last_checkpoints,
                                            current=directory)
             log.info("saved %s (removed %d old checkpoints)", directory, len(removed))
+
+    def _write_checkpoint(self, staging: Path, header: dict[str, Any]) -> None:
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)   # a save of this rollout id that was cut short
+            staging.mkdir(parents=True)
+        barrier()
+        state = self._client_state(header["extra_state"], checkpoint_rollout_id=header["rollout_id"]) \
+            if self.rank == 0 else {}
+        self.backend.save_checkpoint(staging, client_state=state)
+        ckpt.write_json_atomic(staging / f"rng_rank{self.rank}.json", ckpt.rng_state())
+        if header["export_hf"]:
+            self._export_hf(staging / "hf")
+        barrier()   # every rank's shards are on disk before the marker says so
+        if self.rank == 0:
+            ckpt.write_json_atomic(staging / ckpt.STATE, state)
+            ckpt.mark_complete(staging, {"rollout_id": header["rollout_id"], "step": state["step"],
+                                         "world_size": self.dist.world_size, "time": time.time()})
+
+    def _no_space(self, directory: Path) -> ckpt.NoSpaceLeft:
+        last = ckpt.latest_complete(directory.parent)
+        free = shutil.disk_usage(next(p for p in directory.parents if p.exists())).free
+        return ckpt.NoSpaceLeft(f"no space left on {directory.parent}: checkpoint {directory.name} was not written "
+                                f"({free} bytes free after removing its partial files); the last good checkpoint "
+                                f"{last or '(none)'} is kept")
 
     def _export_hf(self, out: Path) -> None:
         """HF-format safetensors of the current weights (collective under ZeRO-3; rank 0 writes)."""

@@ -1,6 +1,6 @@
 """A tiny service process built with services.common.grpc_util.start_server, for the gRPC plumbing tests.
 
-    python tests/helpers/grpc_server.py [--auth-token T] [--max-message-mb N] [--bind-host H]
+    python tests/helpers/grpc_server.py [--auth-token T] [--max-message-mb N] [--bind-host H] [--port P]
 
 Serves a minimal Coordinator (GetStatus, WatchEvents; Eval/Pause/Resume/Stop/Save raise exceptions that
 @map_errors turns into status codes) and a Rollout whose Generate counts the prompts it got. Prints
@@ -68,12 +68,11 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--auth-token", default=None)
     parser.add_argument("--max-message-mb", type=int, default=64)
-    parser.add_argument("--bind-host", default=None)
+    parser.add_argument("--bind-host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
-    options = ServerOptions(max_message_mb=args.max_message_mb, auth_token=args.auth_token)
-    if args.bind_host:
-        options = ServerOptions(bind_host=args.bind_host, max_message_mb=args.max_message_mb,
-                                auth_token=args.auth_token)
+    options = ServerOptions(bind_host=args.bind_host, port=args.port, max_message_mb=args.max_message_mb,
+                            auth_token=args.auth_token)
     server = start_server([
         (coordinator_pb2_grpc.add_CoordinatorServicer_to_server, Coordinator(),
          coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name),

@@ -1,0 +1,11 @@
+"""Reward functions with bugs, for the tests that run them inside real rollout processes."""
+
+
+def raises_on_seven(prompt, response, label, metadata):  # type: ignore[no-untyped-def]
+    """A per-sample reward with a bug: it divides by zero for prompts whose answer is 7."""
+    return 1.0 / (label.strip() != "7")
+
+
+def numeric_text(prompt, response, label, metadata):  # type: ignore[no-untyped-def]
+    """Returns the score as text, which float() would accept."""
+    return "1.0"
