@@ -77,11 +77,10 @@ def _preflight(args: argparse.Namespace, config: TandemConfig, run_dir: Path) ->
     """Bad inputs fail here, before any service starts (ConfigError: one line, exit 2); a run that already
     finished says so and exits 0. None: go on."""
     from services.coordinator.metrics import check_tracker_packages
-    from services.coordinator.preflight import already_finished, check_data, check_run_inputs
+    from services.coordinator.preflight import already_finished, check_run_inputs
 
     check_tracker_packages(config.tracing.trackers)
-    if args.command == "coordinator":   # the model may live elsewhere (another container): only its own inputs
-        check_data(config)
+    if args.command == "coordinator":   # it checks its data itself (exit 3); the model may be in another container
         return None
     finished = already_finished(config, run_dir=run_dir)
     if finished:

@@ -1,4 +1,4 @@
-"""What `tandem run` and `tandem coordinator` check before any service starts.
+"""What `tandem run` checks before any service starts.
 
 A run that would fail on its inputs fails here, in about a second, with one line naming the config key,
 instead of after every service has loaded its model. Problems that do not stop a run (text the tokenizer
@@ -28,7 +28,7 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
 
 
 def check_data(config: TandemConfig) -> dict[str, list[PromptRecord]]:
-    """The data files load, and one step's batch fits the training set (the coordinator's own check)."""
+    """The data files load, and one step's batch fits the training set."""
     train = _load("data.train_path", config)
     try:
         DataSource(train, batch_size=config.rollout.rollout_batch_size, shuffle=False, seed=0, num_epochs=1)
