@@ -16,7 +16,7 @@ import pytest
 from services.common.config import load_config, write_resolved_config
 from services.common.gen.tandem.v1 import trainer_pb2
 from services.coordinator.clients import make_clients
-from services.coordinator.supervisor import ensure_model, resolve_for_local_run
+from services.coordinator.supervisor import resolve_for_local_run
 from tandem_runs import EXAMPLE, REPO
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(300)]
@@ -37,7 +37,6 @@ def test_a_full_disk_during_save_names_the_path_and_keeps_the_last_good_checkpoi
     ckpt.mkdir()
     run_dir.mkdir()
     config = load_config(EXAMPLE, [f"trainer.checkpoint_dir={ckpt}", "trainer.export_hf_on_save=true"])
-    ensure_model(config)
     config = resolve_for_local_run(config, redis_url=redis_server.url)
     write_resolved_config(config, run_dir)
     log = open(tmp_path / "trainer.log", "ab")

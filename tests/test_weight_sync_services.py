@@ -10,7 +10,7 @@ from services.common.buffer import RolloutBuffer, connect
 from services.common.config import load_config, write_resolved_config
 from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
 from services.coordinator.clients import RolloutPool, make_clients
-from services.coordinator.supervisor import ensure_model, resolve_for_local_run
+from services.coordinator.supervisor import resolve_for_local_run
 from services.coordinator.sync import WeightSync, WeightSyncError
 from tandem_runs import EXAMPLE, REPO
 
@@ -20,7 +20,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def services(tmp_path, redis_server):
     config = load_config(EXAMPLE, ["weights.check_weight_update_equal=true", "weights.timeout_s=20"])
-    ensure_model(config)
     config = resolve_for_local_run(config, redis_url=redis_server.url)
     config = config.model_copy(update={"run_name": f"sync-{tmp_path.name}"})
     write_resolved_config(config, tmp_path)
