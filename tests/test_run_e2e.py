@@ -51,6 +51,9 @@ def test_policy_learns_at_temperature_0_7_with_top_p_scored_on_policy(tmp_path):
     first, last = (sum(r["rollout/reward_mean"] for r in part) / 5 for part in (steps[:5], steps[-5:]))
     assert last > first + 0.2, (first, last)
     assert evals[0] < 0.3 and evals[-1] > 0.5, evals   # greedy eval: untrained ~0.05, trained ~0.85
+    state = _coordinator_state(checkpoints(run_dir)[-1])   # the final checkpoint: nothing lost in sync mode
+    assert state["next_rollout_id"] == 30
+    assert state["samples_trained"] == state["samples_generated"] == 30 * 32 * 8
 
 
 def test_control_api_save_eval_sentinel_stop_and_resume(tmp_path):
@@ -133,7 +136,7 @@ def _wait(predicate, *, what: str, timeout_s: float = 120.0) -> None:  # type: i
 
 
 @pytest.mark.parametrize("name, overrides", [
-    ("sync", ["loop.mode=sync"]),
+    # (sync mode: test_policy_learns_at_temperature_0_7_with_top_p_scored_on_policy runs it to completion)
     # colocated-style: trainer and engine hand their memory to each other every step
     ("sync_offload", ["loop.mode=sync", "loop.offload_train=true", "loop.offload_rollout=true",
                       "tracing.exporter=file"]),

@@ -23,6 +23,14 @@ def step_ids(run_dir: Path) -> list[int]:
     return [r["rollout_id"] for r in metrics(run_dir) if "perf/step_time_s" in r]
 
 
+def _wait(predicate, *, what: str, timeout_s: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
 def tandem(*args: str, cwd: Path = REPO, timeout_s: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout_s)
@@ -30,12 +38,12 @@ def tandem(*args: str, cwd: Path = REPO, timeout_s: float = 120) -> subprocess.C
 
 @pytest.mark.slow
 def test_a_run_crashes_resumes_finishes_and_a_rerun_says_it_is_done(tmp_path):
-    """One run's whole life: ctl finds it, it crashes (kill -9 of every process), resumes from its last
-    periodic checkpoint without logging a step twice, ends with a final checkpoint and HF export, and a
+    """One run's whole life: ctl finds it and asks for a checkpoint, it crashes two steps later (kill -9 of
+    every process), resumes from that checkpoint without logging a step twice, ends with a final checkpoint and HF export, and a
     rerun of the finished run says so without starting anything."""
     run_dir = tmp_path / "runs" / "mine"
     run_dir.mkdir(parents=True)
-    proc = start_run(run_dir, "loop.num_rollout=100000", "loop.save_interval=2", "loop.eval_interval=null")
+    proc = start_run(run_dir, "loop.num_rollout=100000", "loop.save_interval=100000", "loop.eval_interval=null")
     try:
         target = coordinator_target(run_dir)
         wait_status(target, lambda s: s.state == "running", what="running")
@@ -46,7 +54,11 @@ def test_a_run_crashes_resumes_finishes_and_a_rerun_says_it_is_done(tmp_path):
         found = tandem("ctl", "status", cwd=tmp_path)   # no --addr, no --run-dir: ./runs/mine is running
         assert found.returncode == 0, found.stderr
         assert json.loads(found.stdout)["run_dir"] == str(run_dir.resolve())
-        wait_status(target, lambda s: s.rollout_id >= 5 and s.rollout_id % 2 == 1, what="past a checkpoint")
+        asked = tandem("ctl", "--run-dir", str(run_dir), "save")   # the only checkpoint before the crash
+        assert asked.returncode == 0, asked.stderr
+        _wait(lambda: checkpoints(run_dir), what="the checkpoint `ctl save` asked for")
+        at = int(checkpoints(run_dir)[0].name.split("_")[1])
+        _wait(lambda: (step_ids(run_dir) or [-1])[-1] >= at + 2, what="two steps logged after the checkpoint")
     finally:
         for pid in [proc.pid, *children_of(proc.pid)]:   # a crash: nobody gets to save or clean up
             try:
@@ -59,7 +71,7 @@ def test_a_run_crashes_resumes_finishes_and_a_rerun_says_it_is_done(tmp_path):
     assert crashed[-1] > saved, (crashed, saved)   # steps after the checkpoint were logged, then lost
 
     num_rollout = crashed[-1] + 3
-    proc = start_run(run_dir, f"loop.num_rollout={num_rollout}", "loop.save_interval=1000", "loop.eval_interval=null")
+    proc = start_run(run_dir, f"loop.num_rollout={num_rollout}", "loop.save_interval=100000", "loop.eval_interval=null")
     assert proc.wait(timeout=300) == 0, supervisor_log(run_dir)
     assert step_ids(run_dir) == list(range(num_rollout))
     assert "dropped" in (run_dir / "logs" / "coordinator.log").read_text()
