@@ -29,14 +29,14 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
 
 def check_data(config: TandemConfig) -> dict[str, list[PromptRecord]]:
     """The data files load, and one step's batch fits the training set."""
-    train = _load("data.train_path", config)
+    train = _load("data.train_path", config.data.train_path, config)
     try:
         DataSource(train, batch_size=config.rollout.rollout_batch_size, shuffle=False, seed=0, num_epochs=1)
     except ValueError as exc:
         raise ConfigError(f"{exc} (data.train_path {config.data.train_path})") from None
     records = {"data.train_path": train}
     if config.data.eval_path:
-        records["data.eval_path"] = _load("data.eval_path", config)
+        records["data.eval_path"] = _load("data.eval_path", config.data.eval_path, config)
     return records
 
 
@@ -95,9 +95,7 @@ def _near_miss(path: Path) -> str:
     return f" (did you mean {parent / close[0]}?)" if close else ""
 
 
-def _load(key: str, config: TandemConfig) -> list[PromptRecord]:
-    section, name = key.split(".")
-    path = getattr(config.data, name)
+def _load(key: str, path: str, config: TandemConfig) -> list[PromptRecord]:
     try:
         return load_prompts(path, prompt_key=config.data.prompt_key, label_key=config.data.label_key)
     except (OSError, ValueError) as exc:   # missing, unreadable, not JSONL, empty, or no prompt key
