@@ -24,7 +24,7 @@ test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 protos: setup
-	$(BIN)/python -m services.common.protogen
+	$(BIN)/python -m services.contracts.protogen
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,4 +1,4 @@
-"""Throughput of the Redis rollout buffer (services/common/buffer.py) through a real redis-server.
+"""Throughput of the Redis rollout buffer (services/buffer/stream.py) through a real redis-server.
 
     python bench/bench_buffer.py [--sizes-mb 1 100] [--count 40 4] [--aof] [--chunk-mb 64]
 
@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 
-from services.common.buffer import RolloutBuffer, connect
-from services.common.redis_server import EmbeddedRedis
-from services.common.sampling import SamplingDistribution
-from services.common.wire import RolloutBatchData, encode_batch, sampling_arrays
+from services.buffer.redis_server import EmbeddedRedis
+from services.buffer.stream import RolloutBuffer, connect
+from services.contracts.wire import RolloutBatchData, encode_batch, sampling_arrays
+from services.tensors.sampling import SamplingDistribution
 
 
 def make_batch(target_bytes: int, rollout_id: int) -> RolloutBatchData:
@@ -38,7 +38,7 @@ def make_batch(target_bytes: int, rollout_id: int) -> RolloutBatchData:
         finish_reasons=("stop",) * samples, producer="bench")
 
 
-def bench_size(client, size_mb: float, count: int, chunk_mb: float) -> dict[str, float]:  # noqa: ANN001
+def bench_size(client, size_mb: float, count: int, chunk_mb: float) -> dict[str, float]:
     stream = f"bench:{size_mb}:{time.time_ns()}:rollouts"
     chunk = int(chunk_mb * (1 << 20))
     producer = RolloutBuffer(client, stream, max_buffered_batches=count + 1, chunk_bytes=chunk)

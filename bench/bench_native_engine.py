@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.rollout.engine import SamplingOptions  # noqa: E402
-from services.rollout.model_init import PRESETS, init_model  # noqa: E402
-from services.rollout.native import NativeEngine, resolve_device  # noqa: E402
+from services.rollout.engines.base import SamplingOptions
+from services.rollout.engines.native import NativeEngine, resolve_device
+from services.rollout.model_init import PRESETS, init_model
 
 # A Qwen2-0.5B-shaped config (494M parameters), built locally: the size FACTS.md measured HF generate at.
 QWEN2_05B = dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

@@ -7,7 +7,7 @@
 
 Without --url (or SGLANG_URL) it measures nothing and says so: SGLang does not run on the machines this was
 written on (no CPU backend), so this script has not produced a number yet. It drives the server exactly as the
-rollout service does (services/rollout/sglang_engine.py), so what it measures includes the adapter's overhead.
+rollout service does (services/rollout/engines/sglang.py), so what it measures includes the adapter's overhead.
 
 - generate: --batch prompts of --prompt-len random token ids (below --vocab-hi), sampled at temperature 1 with EOS
   ignored so every sequence makes --new-tokens tokens; tokens/s = generated tokens / wall time of one
@@ -33,8 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.rollout.engine import SamplingOptions  # noqa: E402
-from services.rollout.sglang_engine import SGLangEngine  # noqa: E402
+from services.rollout.engines.base import SamplingOptions
+from services.rollout.engines.sglang import SGLangEngine
 
 
 def bench_generate(engine: SGLangEngine, *, batch: int, prompt_len: int, new_tokens: int, vocab_hi: int,
@@ -67,8 +67,8 @@ def load_weights(model_dir: Path, *, device: str) -> list[tuple[str, object]]:
 
 def bench_weights(engine: SGLangEngine, named: list, *, transport: str, bucket_mb: float, master_addr: str,
                   repeats: int, timeout_s: float) -> list[dict[str, float]]:
-    from services.common.config import WeightsConfig
-    from services.common.weights import WeightPublisher, specs_from_tensors
+    from services.contracts.config import WeightsConfig
+    from services.weights import WeightPublisher, specs_from_tensors
 
     run_dir = Path(tempfile.mkdtemp(prefix="bench-sglang-"))
     config = WeightsConfig(transport=transport, bucket_mb=bucket_mb, timeout_s=timeout_s, master_addr=master_addr,

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 SPAN_LOOP = """
 import sys, time
-from services.common import tracing
+from services.telemetry import tracing
 exporter, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 tracing.setup_tracing("tandem-bench", exporter=exporter, file_path=path)
 for _ in range(1000):   # warm-up: imports, first file write

@@ -32,12 +32,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.common.buffer import RolloutBuffer, connect, stream_key  # noqa: E402
-from services.common.config import config_from_dict  # noqa: E402
-from services.common.redis_server import EmbeddedRedis  # noqa: E402
-from services.common.sampling import SamplingDistribution  # noqa: E402
-from services.common.wire import build_batch  # noqa: E402
-from services.rollout.model_init import init_model  # noqa: E402
+from services.buffer.redis_server import EmbeddedRedis
+from services.buffer.stream import RolloutBuffer, connect, stream_key
+from services.contracts.config import config_from_dict
+from services.contracts.wire import build_batch
+from services.rollout.model_init import init_model
+from services.tensors.sampling import SamplingDistribution
 
 
 def make_batch(*, rollout_id: int, samples: int, response_len: int, vocab: int, seed: int):
@@ -51,7 +51,7 @@ def make_batch(*, rollout_id: int, samples: int, response_len: int, vocab: int, 
                        sampling=SamplingDistribution())
 
 
-def start_trainer(*, model_dir: Path, run_dir: Path, redis_url: str, name: str, trainer: dict):  # noqa: ANN201
+def start_trainer(*, model_dir: Path, run_dir: Path, redis_url: str, name: str, trainer: dict):
     """A one-rank TrainerService on its own stream, and a producer that feeds it: (service, producer)."""
     from services.trainer.service import TrainerService
 

@@ -11,7 +11,7 @@ out like the buckets; mapping kept between syncs or not) and the sender (separat
 buffer in spec order, as DeepSpeed's flat bf16 groups). The first sync of each row checks every tensor's
 checksum on both sides (bit-identical); the timed ones do not.
 
-The receiver is a separate process (services.common.weights.peer), already waiting when the publish starts.
+The receiver is a separate process (services.weights.peer), already waiting when the publish starts.
 "wall s" runs from publish() until the receiver has reported back (for disk: write, then read), GB/s is
 bytes / wall, "vs raw" the ratio to the bare broadcast; send/recv s are each side's SyncStats.seconds.
 Medians over repeats, after one untimed sync that builds the group and buffers. With a 4 MB bucket the
@@ -35,9 +35,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.common.config import WeightsConfig  # noqa: E402
-from services.common.weights import TensorSpec, WeightPublisher  # noqa: E402
-from services.common.weights.peer import Peer, make_tensors, plan_to_text, specs_to_json  # noqa: E402
+from services.contracts.config import WeightsConfig
+from services.weights import TensorSpec, WeightPublisher
+from services.weights.peer import Peer, make_tensors, plan_to_text, specs_to_json
 
 
 def model_specs(total_mb: float) -> list[TensorSpec]:
@@ -101,7 +101,7 @@ def qwen2_05b_specs() -> list[TensorSpec]:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from bench.bench_native_engine import QWEN2_05B
-    from services.common.weights.layout import specs_from_tensors
+    from services.weights.layout import specs_from_tensors
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN2_05B), dtype=torch.bfloat16)

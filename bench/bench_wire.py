@@ -1,4 +1,4 @@
-"""Encode / decode speed of the rollout-batch wire format (services/common/wire.py).
+"""Encode / decode speed of the rollout-batch wire format (services/contracts/wire.py).
 
     python bench/bench_wire.py [--tokens 1048576] [--samples 1024] [--repeat 5]
 
@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from services.common.sampling import SamplingDistribution
-from services.common.wire import RolloutBatchData, decode_batch, encode_batch, payload_checksum, sampling_arrays
+from services.contracts.wire import RolloutBatchData, decode_batch, encode_batch, payload_checksum, sampling_arrays
+from services.tensors.sampling import SamplingDistribution
 
 
 def make_batch(total_tokens: int, samples: int) -> RolloutBatchData:
@@ -35,7 +35,7 @@ def make_batch(total_tokens: int, samples: int) -> RolloutBatchData:
         labels=tuple(str(i % 10) for i in range(samples)), producer="bench")
 
 
-def timed(fn, repeat: int) -> tuple[float, object]:  # noqa: ANN001
+def timed(fn, repeat: int) -> tuple[float, object]:
     times, out = [], None
     for _ in range(repeat):
         t0 = time.perf_counter()

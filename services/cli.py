@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.common.config import ConfigError, TandemConfig, load_config
-from services.common.grpc_util import PortInUse
+from services.contracts.config import ConfigError, TandemConfig, load_config
+from services.rpc.grpc_util import PortInUse
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -76,8 +76,8 @@ def _run_dir(args: argparse.Namespace, config: TandemConfig) -> Path:
 def _preflight(args: argparse.Namespace, config: TandemConfig, run_dir: Path) -> int | None:
     """Bad inputs fail here, before any service starts (ConfigError: one line, exit 2); a run that already
     finished says so and exits 0. None: go on."""
-    from services.coordinator.metrics import check_tracker_packages
-    from services.coordinator.preflight import already_finished, check_run_inputs
+    from services.launcher.preflight import already_finished, check_run_inputs
+    from services.telemetry.trackers import check_tracker_packages
 
     check_tracker_packages(config.tracing.trackers)
     if args.command == "coordinator":   # it checks its data itself (exit 3); the model may be in another container
@@ -135,7 +135,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         if code is not None:
             return code
     if args.command == "run":
-        from services.coordinator.supervisor import run_local
+        from services.launcher.supervisor import run_local
 
         return run_local(config, run_dir=run_dir, config_path=Path(args.config), overrides=args.overrides,
                          progress=not args.no_progress)

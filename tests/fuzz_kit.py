@@ -6,7 +6,8 @@ an RPC added to a .proto is fuzzed without touching the tests."""
 from __future__ import annotations
 
 import random
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 from google.protobuf import descriptor, message, message_factory

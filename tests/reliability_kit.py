@@ -13,14 +13,14 @@ from pathlib import Path
 
 import grpc
 import yaml
-
-from services.common.buffer import connect, stream_key
-from services.common.config import load_config, write_resolved_config
-from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2_grpc
-from services.common.redis_server import EmbeddedRedis
-from services.coordinator.clients import RolloutPool, make_clients
-from services.coordinator.supervisor import resolve_for_local_run
 from tandem_runs import EXAMPLE, REPO, checkpoints, children_of
+
+from services.buffer.redis_server import EmbeddedRedis
+from services.buffer.stream import connect, stream_key
+from services.contracts.config import load_config, write_resolved_config
+from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2_grpc
+from services.coordinator.clients import RolloutPool, make_clients
+from services.launcher.supervisor import resolve_for_local_run
 
 BATCH_SAMPLES = 32 * 8   # rollout_batch_size × n_samples_per_prompt of examples/digit_max.yaml
 

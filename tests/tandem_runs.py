@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import yaml
 
-from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2_grpc
-from services.common.grpc_util import open_channel
+from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2_grpc
+from services.rpc.grpc_util import open_channel
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "digit_max.yaml"

@@ -11,13 +11,12 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import HELPERS_DIR, PYTHON
-from services.common.buffer import (BufferError, BufferFullError, EntryNotFoundError, RolloutBuffer, connect,
-                                    stream_key)
-from services.common.redis_server import EmbeddedRedis
-from services.common.wire import RolloutBatchData, build_batch, encode_batch, sampling_arrays
-from services.common.sampling import SamplingDistribution
+
+from services.buffer.redis_server import EmbeddedRedis
+from services.buffer.stream import BufferError, BufferFullError, EntryNotFoundError, RolloutBuffer, connect, stream_key
+from services.contracts.wire import RolloutBatchData, build_batch, encode_batch, sampling_arrays
+from services.tensors.sampling import SamplingDistribution
 
 ARRAYS = ("tokens", "prompt_lengths", "response_lengths", "loss_mask", "rollout_log_probs", "rewards",
           "group_ids", "sample_versions", "sampling_temperature", "sampling_top_p", "sampling_top_k")

@@ -4,9 +4,9 @@ import uuid
 
 import pytest
 
-from services.common.buffer import BufferError, RolloutBuffer
-from services.common.sampling import SamplingDistribution
-from services.common.wire import build_batch
+from services.buffer.stream import BufferError, RolloutBuffer
+from services.contracts.wire import build_batch
+from services.tensors.sampling import SamplingDistribution
 
 
 def _batch(rollout_id):  # type: ignore[no-untyped-def]

@@ -7,8 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import (ConfigError, TandemConfig, apply_overrides, config_from_dict, dump_config,
-                                    load_config, parse_override, write_resolved_config)
+from services.contracts.config import (
+    ConfigError,
+    TandemConfig,
+    apply_overrides,
+    config_from_dict,
+    dump_config,
+    load_config,
+    parse_override,
+    write_resolved_config,
+)
 
 FULL_YAML = """\
 run_name: copy-task
@@ -62,7 +70,7 @@ def minimal(**sections) -> dict:
     return data
 
 
-def error_of(fn, *args, **kw) -> str:  # noqa: ANN001
+def error_of(fn, *args, **kw) -> str:
     with pytest.raises(ConfigError) as err:
         fn(*args, **kw)
     return str(err.value)

@@ -230,7 +230,7 @@ def test_health_checks_use_the_healthcheck_module_on_each_service_port():
         set_ = wiring(svc)
         port = (set_[SERVICE_PORT_KEYS[name]] if name in SERVICE_PORT_KEYS
                 else str(yaml.safe_load(set_["services.rollout"])[0]["port"]))
-        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.common.healthcheck",
+        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.rpc.healthcheck",
                                               f"127.0.0.1:{port}"], name
     assert services["redis"]["healthcheck"]["test"][:2] == ["CMD", "redis-cli"]
     deps = {n: {d: c["condition"] for d, c in s.get("depends_on", {}).items()} for n, s in services.items()}
@@ -280,7 +280,7 @@ def test_env_example_documents_every_knob_with_its_default():
 
 
 def test_run_config_loads_with_the_compose_wiring():
-    from services.common.config import load_config
+    from services.contracts.config import load_config
 
     services = load_compose()["services"]
     args = services["trainer"]["command"]
@@ -362,7 +362,7 @@ class ContainerMap:
     container 0.0.0.0 means its own network; the stand-in for that network here is loopback."""
 
     def __init__(self, hosts: set[str], paths: dict[str, Path]):
-        from services.common.redis_server import free_port
+        from services.buffer.redis_server import free_port
 
         self.hosts = hosts | {"0.0.0.0", "127.0.0.1"}
         self.paths = dict(sorted(paths.items(), key=lambda kv: -len(kv[0])))    # longest prefix first
@@ -508,7 +508,7 @@ class OtlpCollector:
         collector = self
 
         class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
-            def Export(self, request, context):  # noqa: N802
+            def Export(self, request, context):
                 for rs in request.resource_spans:
                     attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
                     names = collector.spans.setdefault(attrs.get("service.name", ""), set())
@@ -531,8 +531,8 @@ def seconds(duration: str) -> float:
 def run_like_compose(tmp_path: Path, overrides: tuple[str, ...], env: dict[str, dict[str, str]]) -> None:
     """redis + jaeger stand-ins, init twice, trainer, rollout and coordinator in depends_on order with their
     health checks; a few steps; then stopped as `docker compose stop` stops them, and the results checked."""
-    from services.common.buffer import connect
-    from services.common.redis_server import EmbeddedRedis
+    from services.buffer.redis_server import EmbeddedRedis
+    from services.buffer.stream import connect
 
     run = LocalCompose(tmp_path)
     services = run.services

@@ -1,4 +1,4 @@
-"""`python -m services.common.healthcheck HOST:PORT`, the compose health check, against real servers."""
+"""`python -m services.rpc.healthcheck HOST:PORT`, the compose health check, against real servers."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from concurrent import futures
 
 import grpc
 import pytest
+from conftest import HELPERS_DIR, PYTHON, REPO_ROOT
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from conftest import HELPERS_DIR, PYTHON, REPO_ROOT
-from services.common.redis_server import free_port
+from services.buffer.redis_server import free_port
 
 
 def healthcheck(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "services.common.healthcheck", *args], capture_output=True, text=True,
+    return subprocess.run([PYTHON, "-m", "services.rpc.healthcheck", *args], capture_output=True, text=True,
                           cwd=REPO_ROOT, timeout=60)
 
 

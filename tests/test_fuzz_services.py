@@ -14,14 +14,21 @@ from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from fuzz_kit import ACCEPTABLE, all_inputs, call_raw, decodes
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reliability_kit import Services, resolved_config_when_written, wait_running
-from services.common.gen.tandem.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, rollout_pb2,
-                                           rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc)
-from services.common.grpc_util import open_channel
 from tandem_runs import start_run, stop_run, supervisor_log
+
+from services.contracts.gen.tandem.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+from services.rpc.grpc_util import open_channel
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -1,4 +1,4 @@
-"""gRPC plumbing (services/common/grpc_util.py) against servers running in their own processes."""
+"""gRPC plumbing (services/rpc/grpc_util.py) against servers running in their own processes."""
 
 from __future__ import annotations
 
@@ -10,14 +10,19 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import HELPERS_DIR, PYTHON
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from conftest import HELPERS_DIR, PYTHON
-from services.common.gen.tandem.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, rollout_pb2,
-                                           rollout_pb2_grpc)
-from services.common.grpc_util import open_channel, wait_healthy
-from services.common.redis_server import free_port
+from services.buffer.redis_server import free_port
+from services.contracts.gen.tandem.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+)
+from services.rpc.grpc_util import open_channel, wait_healthy
 
 TOKEN = "s3cret-token"
 
@@ -70,7 +75,7 @@ def health(target: str, service: str = "") -> int:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
-def rpc_error(fn, *args, **kw) -> grpc.RpcError:  # noqa: ANN001
+def rpc_error(fn, *args, **kw) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as err:
         fn(*args, **kw)
     return err.value

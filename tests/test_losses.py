@@ -5,8 +5,14 @@ import math
 import pytest
 import torch
 
-from services.trainer.losses import (PolicyLossConfig, aggregation_weights, clipped_value_loss, kl_estimate,
-                                     ppo_policy_loss, tis_weights)
+from services.trainer.losses import (
+    PolicyLossConfig,
+    aggregation_weights,
+    clipped_value_loss,
+    kl_estimate,
+    ppo_policy_loss,
+    tis_weights,
+)
 from services.trainer.scoring import entropy_from_log_probs, tempered_token_log_probs
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.coordinator.metrics import JsonlTracker, make_trackers
-from services.coordinator.prometheus import PrometheusTracker, metric_name, render
+from services.telemetry.prometheus import PrometheusTracker, metric_name, render
+from services.telemetry.trackers import JsonlTracker, make_trackers
 
 
 def scrape(port: int, path: str = "/metrics") -> tuple[str, str]:

@@ -1,6 +1,6 @@
-"""The committed stubs under services/common/gen/ must be what protoc makes of protos/ today.
+"""The committed stubs under services/contracts/gen/ must be what protoc makes of protos/ today.
 
-Fix a failure with `python -m services.common.protogen` and commit the result.
+Fix a failure with `python -m services.contracts.protogen` and commit the result.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.protogen import GEN_ROOT, PROTO_ROOT, generate
+from services.contracts.protogen import GEN_ROOT, PROTO_ROOT, generate
 
 # Lines that only stamp the version of the generator (protoc / grpcio-tools) are ignored, so that CI with a
 # newer grpcio-tools does not fail the check: the "# Protobuf Python Version" comment, the numbers passed to
@@ -52,7 +52,7 @@ def drift(fresh_root: Path, committed_root: Path = GEN_ROOT) -> list[str]:
 def test_committed_stubs_match_the_protos(tmp_path):
     generate(tmp_path / "gen")
     problems = drift(tmp_path / "gen")
-    assert not problems, "stubs are stale; run `python -m services.common.protogen`:\n" + "\n".join(problems)
+    assert not problems, "stubs are stale; run `python -m services.contracts.protogen`:\n" + "\n".join(problems)
 
 
 def test_an_edited_proto_without_regeneration_is_caught(tmp_path):
@@ -98,8 +98,8 @@ SERVICES = {
 
 @pytest.mark.parametrize("module", sorted(SERVICES))
 def test_stubs_import_and_serve_the_design_methods(module):
-    pb2 = importlib.import_module(f"services.common.gen.tandem.v1.{module}_pb2")
-    pb2_grpc = importlib.import_module(f"services.common.gen.tandem.v1.{module}_pb2_grpc")
+    pb2 = importlib.import_module(f"services.contracts.gen.tandem.v1.{module}_pb2")
+    pb2_grpc = importlib.import_module(f"services.contracts.gen.tandem.v1.{module}_pb2_grpc")
     name, methods = SERVICES[module]
     service = pb2.DESCRIPTOR.services_by_name[name]
     assert service.full_name == f"tandem.v1.{name}"

@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import pytest
-
-from services.common.grpc_util import ServerOptions, start_server
-from services.common.redis_server import free_port
-from services.coordinator.clients import EXIT_PERMANENT
 from tandem_runs import EXAMPLE, REPO, start_run, stop_run, supervisor_log
+
+from services.buffer.redis_server import free_port
+from services.coordinator.clients import EXIT_PERMANENT
+from services.rpc.grpc_util import ServerOptions, start_server
 
 pytestmark = [pytest.mark.reliability]
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from services.common.config import load_config, write_resolved_config
-from services.common.gen.tandem.v1 import trainer_pb2
-from services.coordinator.clients import make_clients
-from services.coordinator.supervisor import resolve_for_local_run
 from tandem_runs import EXAMPLE, REPO
+
+from services.contracts.config import load_config, write_resolved_config
+from services.contracts.gen.tandem.v1 import trainer_pb2
+from services.coordinator.clients import make_clients
+from services.launcher.supervisor import resolve_for_local_run
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(300)]
 

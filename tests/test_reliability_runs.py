@@ -10,14 +10,24 @@ import signal
 
 import grpc
 import pytest
-
-from reliability_kit import (BATCH_SAMPLES, assert_every_sample_trained_once, final_checkpoint_state,
-                             freeze_mid_train, redis_pid, replacement_pid, resolved_config, rollout_pid, service_pid,
-                             wait_for, wait_running)
-from services.common.buffer import connect
-from services.common.gen.tandem.v1 import common_pb2, rollout_pb2_grpc
-from services.common.grpc_util import open_channel
+from reliability_kit import (
+    BATCH_SAMPLES,
+    assert_every_sample_trained_once,
+    final_checkpoint_state,
+    freeze_mid_train,
+    redis_pid,
+    replacement_pid,
+    resolved_config,
+    rollout_pid,
+    service_pid,
+    wait_for,
+    wait_running,
+)
 from tandem_runs import metrics, start_run, stop_run, supervisor_log
+
+from services.buffer.stream import connect
+from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2_grpc
+from services.rpc.grpc_util import open_channel
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -9,13 +9,21 @@ import signal
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from reliability_kit import redis_pid, rollout_pid, service_pid, wait_for, wait_running
-from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.common.grpc_util import open_channel
-from services.common.redis_server import free_port
-from tandem_runs import (alive, checkpoints, children_of, coordinator_target, start_run, stop_run, supervisor_log,
-                         wait_status)
+from tandem_runs import (
+    alive,
+    checkpoints,
+    children_of,
+    coordinator_target,
+    start_run,
+    stop_run,
+    supervisor_log,
+    wait_status,
+)
+
+from services.buffer.redis_server import free_port
+from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.rpc.grpc_util import open_channel
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch.distributed as dist
-
 from reliability_kit import Services, wait_for
-from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
+
+from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
 from services.coordinator.sync import WeightSync
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(300)]

@@ -7,18 +7,24 @@ import math
 import random
 
 import pytest
+import rl_reference as ref
 import torch
 
-import rl_reference as ref
-from services.common.config import AlgorithmConfig
-from services.common.sampling import SamplingDistribution, sampling_log_probs
-from services.rollout import sampling as rollout_sampling
+from services.contracts.config import AlgorithmConfig
+from services.rollout.engines import sampling as rollout_sampling
+from services.tensors.sampling import SamplingDistribution, sampling_log_probs
 from services.trainer.actor import compute_advantages
 from services.trainer.advantages import gae, grpo_advantages, per_token, token_rewards, whiten
 from services.trainer.batching import TrainBatch
 from services.trainer.losses import PolicyLossConfig, kl_estimate, ppo_policy_loss, tis_weights
-from services.trainer.scoring import (LOG_PROB_FLOOR, TokenSampling, entropy_from_log_probs, gather_targets,
-                                      sampling_log_prob_table, tempered_token_log_probs)
+from services.trainer.scoring import (
+    LOG_PROB_FLOOR,
+    TokenSampling,
+    entropy_from_log_probs,
+    gather_targets,
+    sampling_log_prob_table,
+    tempered_token_log_probs,
+)
 
 VOCAB = 24
 SETTINGS = [SamplingDistribution(temperature=0.7, top_p=0.9), SamplingDistribution(temperature=1.3, top_k=6),

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.rollout.engine import EngineUnavailable, SamplingOptions
+from services.rollout.engines.base import EngineUnavailable, SamplingOptions
+from services.rollout.engines.native import NativeEngine
+from services.rollout.engines.sampling import sampling_log_probs
 from services.rollout.model_init import init_model
-from services.rollout.native import NativeEngine
-from services.rollout.sampling import sampling_log_probs
 
 torch.set_num_threads(1)
 

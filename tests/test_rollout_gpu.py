@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.rollout.engine import SamplingOptions
+from services.rollout.engines.base import SamplingOptions
+from services.rollout.engines.native import NativeEngine
+from services.rollout.engines.sampling import sampling_log_probs
 from services.rollout.model_init import init_model
-from services.rollout.native import NativeEngine
-from services.rollout.sampling import sampling_log_probs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -94,9 +94,9 @@ def test_graph_decode_is_the_cuda_default_and_seeded(model_dir: Path):
 
 
 def test_cuda_ipc_into_engine_flattens_once_and_is_bit_identical(model_dir: Path, tmp_path: Path):
-    from services.common.weights import WeightReceiver
-    from services.common.weights.layout import specs_from_tensors
-    from services.common.weights.peer import Peer, bits_equal, make_tensors, plan_from_text, specs_to_json
+    from services.weights import WeightReceiver
+    from services.weights.layout import specs_from_tensors
+    from services.weights.peer import Peer, bits_equal, make_tensors, plan_from_text, specs_to_json
 
     engine = NativeEngine(model_dir, device="cuda", dtype="bfloat16")
     greedy = SamplingOptions(temperature=0.0, max_new_tokens=8)

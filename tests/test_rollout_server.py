@@ -15,11 +15,11 @@ import grpc
 import pytest
 import yaml
 
-from services.common.buffer import RolloutBuffer, connect
-from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.common.grpc_util import open_channel, wait_healthy
+from services.buffer.stream import RolloutBuffer, connect
+from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.rollout.model_init import init_model
 from services.rollout.service import load_tokenizer
+from services.rpc.grpc_util import open_channel, wait_healthy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STREAM = "tandem:srv-test:rollouts"

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.buffer import RolloutBuffer, connect
-from services.common.config import config_from_dict
-from services.rollout.engine import SamplingOptions
+from services.buffer.stream import RolloutBuffer, connect
+from services.contracts.config import config_from_dict
+from services.rollout.engines.base import SamplingOptions
 from services.rollout.model_init import init_model
 from services.rollout.rewards import RewardSpecError, digit_task
 from services.rollout.service import PromptInput, RolloutService, pass_at_k
@@ -171,9 +171,10 @@ def test_state_pause_and_weight_version(service: RolloutService, redis_server, s
 def test_receive_weights_through_the_weight_receiver(service: RolloutService, tmp_path: Path):
     """The documented path: trainer-side WeightPublisher (disk transport) -> RolloutService.receive_weights ->
     WeightReceiver copying in place into the engine's parameters, then the engine serves the new version."""
-    weights = pytest.importorskip("services.common.weights")
-    from services.common.config import WeightsConfig
+    weights = pytest.importorskip("services.weights")
     from transformers import AutoModelForCausalLM
+
+    from services.contracts.config import WeightsConfig
 
     other = init_model(tmp_path / "other", preset="tiny", seed=5)
     policy = AutoModelForCausalLM.from_pretrained(other).eval()

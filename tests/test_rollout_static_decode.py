@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.rollout.engine import SamplingOptions
+from services.rollout.engines.base import SamplingOptions
+from services.rollout.engines.native import NativeEngine
+from services.rollout.engines.sampling import sampling_log_probs
+from services.rollout.engines.static_decode import StaticDecoder
 from services.rollout.model_init import init_model
-from services.rollout.native import NativeEngine
-from services.rollout.sampling import sampling_log_probs
-from services.rollout.static_decode import StaticDecoder
 
 torch.set_num_threads(1)
 
@@ -74,7 +74,7 @@ def test_static_engine_log_probs_greedy_and_stops(model_dir: Path, opts: Samplin
 
 
 def test_flatten_parameters_keeps_values_and_outputs(model_dir: Path):
-    from services.common.weights.layout import plan_layout, specs_from_tensors
+    from services.weights.layout import plan_layout, specs_from_tensors
 
     engine = NativeEngine(model_dir, device="cpu", decode="static")
     greedy = SamplingOptions(temperature=0.0, max_new_tokens=6)

@@ -5,9 +5,18 @@ import subprocess
 import time
 
 import pytest
-
-from tandem_runs import (checkpoints, children_of, alive, coordinator_target, ctl, metrics, start_run, stop_run,
-                         supervisor_log, wait_status)
+from tandem_runs import (
+    alive,
+    checkpoints,
+    children_of,
+    coordinator_target,
+    ctl,
+    metrics,
+    start_run,
+    stop_run,
+    supervisor_log,
+    wait_status,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,19 @@ import time
 from pathlib import Path
 
 import pytest
+from tandem_runs import (
+    EXAMPLE,
+    REPO,
+    checkpoints,
+    children_of,
+    coordinator_target,
+    metrics,
+    start_run,
+    supervisor_log,
+    wait_status,
+)
 
-from services.common.gen.tandem.v1 import common_pb2
-from tandem_runs import (EXAMPLE, REPO, alive, checkpoints, children_of, coordinator_target, metrics, start_run,
-                         stop_run, supervisor_log, wait_status)
+from services.contracts.gen.tandem.v1 import common_pb2
 
 
 def step_ids(run_dir: Path) -> list[int]:
@@ -93,7 +102,7 @@ def test_a_run_crashes_resumes_finishes_and_a_rerun_says_it_is_done(tmp_path):
 
 
 def test_ctl_discovery_ignores_dead_runs_and_refuses_to_guess_between_two(tmp_path):
-    from services.common.config import ConfigError
+    from services.contracts.config import ConfigError
     from services.coordinator.ctl import find_coordinator
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -161,8 +170,8 @@ def test_bad_eval_data_and_a_missing_reward_plugin_name_their_keys(tmp_path):
 
 
 def test_a_reward_plugin_path_is_relative_to_the_yaml_and_a_set_path_to_the_shell(tmp_path, monkeypatch):
-    from services.common.config import load_config
-    from services.coordinator.preflight import check_run_inputs
+    from services.contracts.config import load_config
+    from services.launcher.preflight import check_run_inputs
 
     (tmp_path / "plugins").mkdir()
     (tmp_path / "plugins" / "score.py").write_text("def score(response, label):\n    return float(response == label)\n")
@@ -182,12 +191,12 @@ def test_a_reward_plugin_path_is_relative_to_the_yaml_and_a_set_path_to_the_shel
 
 
 def test_a_mistyped_model_path_is_an_error_and_init_model_builds_only_when_asked(tmp_path):
-    from services.common.config import load_config
-    from services.coordinator.preflight import check_model
+    from services.contracts.config import load_config
+    from services.launcher.preflight import check_model
 
     (tmp_path / "models").mkdir()
     typo = tmp_path / "models" / "tinny"
-    config = _config(tmp_path, **{f"path: models/tiny": f"path: {typo}"})
+    config = _config(tmp_path, **{"path: models/tiny": f"path: {typo}"})
     subprocess.run([sys.executable, "-m", "services.cli", "init-model", str(tmp_path / "models" / "tiny")], check=True,
                    capture_output=True, cwd=REPO)
     out = tandem("run", str(config), "--run-dir", str(tmp_path / "r"))
@@ -201,8 +210,8 @@ def test_a_mistyped_model_path_is_an_error_and_init_model_builds_only_when_asked
 
 
 def test_data_the_tokenizer_cannot_encode_gives_a_warning(tmp_path):
-    from services.common.config import load_config
-    from services.coordinator.preflight import check_run_inputs
+    from services.contracts.config import load_config
+    from services.launcher.preflight import check_run_inputs
 
     data = tmp_path / "words.jsonl"
     data.write_text("".join(f'{{"prompt": "{i} 2 =", "label": "{i}"}}\n' for i in range(36))
@@ -216,7 +225,7 @@ def test_data_the_tokenizer_cannot_encode_gives_a_warning(tmp_path):
 
 
 def test_jsonl_metrics_rewind_drops_the_steps_trained_again(tmp_path):
-    from services.coordinator.metrics import JsonlTracker
+    from services.telemetry.trackers import JsonlTracker
 
     tracker = JsonlTracker(tmp_path / "metrics.jsonl")
     tracker.log(-1, {"eval/reward_mean": 0.1})
@@ -239,6 +248,7 @@ def test_the_coordinator_itself_does_not_retrain_a_finished_run(tmp_path, redis_
     """Without `tandem run` (compose, k8s) the coordinator makes the same check after loading the checkpoint:
     a real trainer and rollout process, the coordinator in-process, run twice over one run directory."""
     from reliability_kit import Services
+
     from services.coordinator.server import build_coordinator
 
     s = Services(tmp_path, redis_server.url, ["loop.num_rollout=2", "loop.eval_interval=null"])

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from reliability_kit import resolved_config_when_written, wait_for
-from services.common.buffer import connect
-from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from services.common.grpc_util import open_channel
-from services.common.redis_server import EmbeddedRedis
 from tandem_runs import REPO, metrics, start_run, stop_run, supervisor_log
 from test_grpc_util import listening_addresses
+
+from services.buffer.redis_server import EmbeddedRedis
+from services.buffer.stream import connect
+from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.rpc.grpc_util import open_channel
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(300)]
 TOKEN, REDIS_PASSWORD = "t0ken-for-tests", "redis-pa55"

@@ -12,11 +12,11 @@ import pytest
 import redis
 import torch.distributed as dist
 
-from services.common.buffer import connect, redacted
-from services.common.config import ServicesConfig, TandemConfig, WeightsConfig
-from services.common.gen.tandem.v1 import common_pb2
-from services.common.redis_server import EmbeddedRedis, free_port
-from services.common.weights import WeightReceiver, WeightSyncRefused
+from services.buffer.redis_server import EmbeddedRedis, free_port
+from services.buffer.stream import connect, redacted
+from services.contracts.config import ServicesConfig, TandemConfig, WeightsConfig
+from services.contracts.gen.tandem.v1 import common_pb2
+from services.weights import WeightReceiver, WeightSyncRefused
 
 pytestmark = pytest.mark.reliability
 SERVICES = Path(__file__).resolve().parents[1] / "services"

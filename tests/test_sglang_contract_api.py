@@ -17,14 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers.sglang_contract_server import ContractServer
-from services.rollout.engine import EngineUnavailable, SamplingOptions
-from services.rollout.sglang_engine import SGLangEngine
-from services.rollout.sglang_http import (SGLangClient, SGLangRequestError, SGLangTimeout, SGLangUnavailable)
-from services.rollout.sglang_launch import LaunchSpec, SGLangNotInstalled, require_sglang
-from services.rollout.sglang_protocol import (UnsupportedSGLangVersion, parse_release, profile_for,
-                                              sampling_params)
+
+from services.rollout.engines.base import EngineUnavailable, SamplingOptions
+from services.rollout.engines.sglang import SGLangEngine
+from services.rollout.engines.sglang_http import SGLangClient, SGLangRequestError, SGLangTimeout, SGLangUnavailable
+from services.rollout.engines.sglang_launch import LaunchSpec, SGLangNotInstalled, require_sglang
+from services.rollout.engines.sglang_protocol import (
+    UnsupportedSGLangVersion,
+    parse_release,
+    profile_for,
+    sampling_params,
+)
 
 pytestmark = pytest.mark.timeout(120)
 torch.set_num_threads(1)
@@ -178,7 +182,7 @@ def test_sglang_contract_a_stopped_then_dead_server():
         s.stop()
 
 
-def _wait_for(predicate, timeout_s: float = 10.0) -> None:  # noqa: ANN001
+def _wait_for(predicate, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
@@ -290,7 +294,7 @@ def test_sglang_contract_launch_command_and_a_missing_sglang(tmp_path: Path):
         pytest.skip("sglang is installed here; the missing-package error cannot be shown")
     with pytest.raises(SGLangNotInstalled, match="sglang package is not installed .* rollout.sglang.urls"):
         require_sglang()
-    from services.common.config import config_from_dict
+    from services.contracts.config import config_from_dict
     from services.rollout.service import build_engine
 
     config = config_from_dict({"model": {"path": str(tmp_path)}, "data": {"train_path": "x.jsonl"},
@@ -300,7 +304,7 @@ def test_sglang_contract_launch_command_and_a_missing_sglang(tmp_path: Path):
 
 
 def test_sglang_contract_build_engine_from_config(server: ContractServer, tmp_path: Path):
-    from services.common.config import config_from_dict
+    from services.contracts.config import config_from_dict
     from services.rollout.service import build_engine
 
     config = config_from_dict({"model": {"path": str(tmp_path)}, "data": {"train_path": "x.jsonl"},

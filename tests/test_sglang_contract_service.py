@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers.sglang_contract_server import ContractServer
-from services.common.buffer import RolloutBuffer, connect
-from services.common.config import WeightsConfig, config_from_dict
-from services.common.weights import WeightPublisher, specs_from_tensors
+
+from services.buffer.stream import RolloutBuffer, connect
+from services.contracts.config import WeightsConfig, config_from_dict
+from services.rollout.engines.sglang import SGLangEngine
 from services.rollout.model_init import init_model
 from services.rollout.service import PromptInput, RolloutService
-from services.rollout.sglang_engine import SGLangEngine
+from services.weights import WeightPublisher, specs_from_tensors
 
 pytestmark = pytest.mark.timeout(120)
 torch.set_num_threads(1)

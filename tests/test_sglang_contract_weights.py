@@ -17,14 +17,21 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers.sglang_contract_server import ContractServer
-from services.common.config import WeightsConfig
-from services.common.weights import (TensorSpec, WeightPublisher, WeightReceiver, WeightSyncError, WeightSyncRefused,
-                                     WeightSyncTimeout, tensor_checksum)
-from services.common.weights.peer import make_tensors
-from services.rollout.engine import SamplingOptions
-from services.rollout.sglang_engine import SGLangEngine
+
+from services.contracts.config import WeightsConfig
+from services.rollout.engines.base import SamplingOptions
+from services.rollout.engines.sglang import SGLangEngine
+from services.weights import (
+    TensorSpec,
+    WeightPublisher,
+    WeightReceiver,
+    WeightSyncError,
+    WeightSyncRefused,
+    WeightSyncTimeout,
+    tensor_checksum,
+)
+from services.weights.peer import make_tensors
 
 pytestmark = pytest.mark.timeout(120)
 torch.set_num_threads(1)
@@ -49,7 +56,7 @@ def publisher(tmp_path: Path, *, transport: str = "gloo", timeout_s: float = 20.
     return WeightPublisher(config=config, run_dir=tmp_path, trainer_id="actor-0")
 
 
-def sync(pub: WeightPublisher, engine: SGLangEngine, *, version: int, verify: bool = False,  # noqa: ANN201
+def sync(pub: WeightPublisher, engine: SGLangEngine, *, version: int, verify: bool = False,
          receiver: WeightReceiver | None = None, rank_offset: int = 1):
     """One sync as the coordinator runs it: pause, engine RPC and trainer publish concurrently, resume."""
     tensors = make_tensors(SPECS, seed=version)

@@ -1,4 +1,4 @@
-"""services.common.tracing: exporters, the `rl.*` attribute scheme, context through thread pools and carriers,
+"""services.telemetry.tracing: exporters, the `rl.*` attribute scheme, context through thread pools and carriers,
 log correlation, and exporter `none` installing nothing. Tracing set-up is once per process, so each case
 runs in a fresh Python process (a script on stdin); the OTLP case sends to a real OTLP/gRPC receiver."""
 
@@ -35,7 +35,7 @@ def test_exporter_none_installs_nothing():
         from concurrent.futures import ThreadPoolExecutor
         import grpc
         from opentelemetry import trace
-        from services.common import tracing
+        from services.telemetry import tracing
         before = (ThreadPoolExecutor.submit, grpc.insecure_channel)
         tracing.setup_tracing("tandem-coordinator", exporter="none")
         assert (ThreadPoolExecutor.submit, grpc.insecure_channel) == before   # nothing patched
@@ -58,7 +58,7 @@ def test_file_exporter_records_rl_attributes_parents_links_and_thread_pool_conte
     path = tmp_path / "traces.jsonl"
     run_script(f"""
         from concurrent.futures import ThreadPoolExecutor
-        from services.common import tracing
+        from services.telemetry import tracing
         tracing.setup_tracing("tandem-trainer", exporter="file", file_path={str(path)!r}, instance="trainer")
         with tracing.span("rl.sample", rollout_id=3, **{{"net.peer.name": "x"}}, skipped=None):
             sample_carrier = tracing.inject_context()
@@ -108,7 +108,7 @@ def test_file_lines_stay_whole_with_several_writer_processes(tmp_path: Path):
     path = tmp_path / "traces.jsonl"
     script = f"""
         import os
-        from services.common import tracing
+        from services.telemetry import tracing
         tracing.setup_tracing("tandem-rollout", exporter="file", file_path={str(path)!r})
         for i in range(300):
             with tracing.span("rl.sample", rollout_id=i, payload=str(os.getpid()) * 3000):
@@ -130,7 +130,7 @@ def test_file_lines_stay_whole_with_several_writer_processes(tmp_path: Path):
 def test_log_lines_carry_trace_and_span_ids(tmp_path: Path):
     out = run_script(f"""
         import logging
-        from services.common import tracing
+        from services.telemetry import tracing
         tracing.setup_logging("trainer", "INFO")
         tracing.setup_tracing("tandem-trainer", exporter="file", file_path={str(tmp_path / "t.jsonl")!r})
         log = logging.getLogger("x")
@@ -148,7 +148,7 @@ def test_log_lines_carry_trace_and_span_ids(tmp_path: Path):
 
 def test_console_exporter_prints_spans():
     out = run_script("""
-        from services.common import tracing
+        from services.telemetry import tracing
         tracing.setup_tracing("tandem-rollout", exporter="console")
         with tracing.span("rl.reward", rollout_id=5):
             pass
@@ -157,7 +157,7 @@ def test_console_exporter_prints_spans():
 
 
 def test_unknown_exporter_and_file_without_path_are_clear_errors():
-    from services.common.tracing import _span_processor
+    from services.telemetry.tracing import _span_processor
 
     with pytest.raises(ValueError, match="unknown exporter 'zipkin'"):
         _span_processor("zipkin", file_path=None)
@@ -173,7 +173,7 @@ def test_otlp_exporter_sends_to_the_endpoint_of_the_standard_variables(free_port
     got = threading.Event()
 
     class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request, context):  # noqa: N802 - gRPC name
+        def Export(self, request, context):
             received.append(request)
             got.set()
             return trace_service_pb2.ExportTraceServiceResponse()
@@ -184,7 +184,7 @@ def test_otlp_exporter_sends_to_the_endpoint_of_the_standard_variables(free_port
     server.start()
     try:
         run_script("""
-            from services.common import tracing
+            from services.telemetry import tracing
             tracing.setup_tracing("tandem-trainer", exporter="otlp", instance="critic")
             with tracing.span("rl.train", rollout_id=7):
                 pass

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.sampling import SamplingDistribution
-from services.common.wire import build_batch
+from services.contracts.wire import build_batch
+from services.tensors.sampling import SamplingDistribution
 from services.trainer.backend import lr_lambda
-from services.trainer.batching import (build_micro_batch, merge_batches, pack_samples, shard_samples,
-                                       stale_samples)
+from services.trainer.batching import build_micro_batch, merge_batches, pack_samples, shard_samples, stale_samples
 
 
 def _batch():

@@ -18,11 +18,11 @@ import pytest
 import torch
 from conftest_trainer import TrainerHarness, make_batch, tiny_model_dir, trainer_config  # noqa: F401
 
-from services.common.buffer import RolloutBuffer, connect, stream_key
-from services.common.config import TandemConfig, config_from_dict, dump_config
-from services.common.gen.tandem.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from services.common.grpc_util import open_channel, wait_healthy
-from services.common.redis_server import free_port
+from services.buffer.redis_server import free_port
+from services.buffer.stream import RolloutBuffer, connect, stream_key
+from services.contracts.config import TandemConfig, config_from_dict, dump_config
+from services.contracts.gen.tandem.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.rpc.grpc_util import open_channel, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ def _sync_to_engine(stub, model_dir: Path, *, version: int) -> dict[str, torch.T
     engine rank in this process. Returns the received params."""
     from transformers import AutoModelForCausalLM
 
-    from services.common.weights import WeightReceiver
+    from services.weights import WeightReceiver
 
     params = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
     plan = stub.PrepareWeightSync(trainer_pb2.PrepareWeightSyncRequest(version=version, engine_world_size=1,
@@ -159,7 +159,7 @@ def test_keep_old_actor_under_zero3_on_two_ranks(tiny_model_dir, tmp_path, redis
     try:
         producer = _producer(config)
 
-        def train(rollout_id: int, batch) -> dict[str, float]:  # noqa: ANN001
+        def train(rollout_id: int, batch) -> dict[str, float]:
             request = trainer_pb2.TrainRequest(rollout_id=rollout_id, entry_ids=[producer.put(batch)], max_staleness=-1)
             return dict(server.stub.Train(request, timeout=120).metrics)
 

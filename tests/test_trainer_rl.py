@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import rl_reference as ref
 import torch
 from conftest_trainer import harness, make_batch, model_logits, peaked_model_dir, tiny_model_dir  # noqa: F401
 
-import rl_reference as ref
-from services.common.sampling import SamplingDistribution
-from services.common.wire import RolloutBatchData, sampling_arrays
+from services.contracts.wire import RolloutBatchData, sampling_arrays
+from services.tensors.sampling import SamplingDistribution
 from services.trainer.critic import read_handoff
 
 pytestmark = pytest.mark.timeout(240)
@@ -137,7 +137,7 @@ def test_critic_gae_skips_masked_tokens(harness, tiny_model_dir):  # noqa: F811
     assert a["advantage_mean"] == pytest.approx(0.0, abs=1e-5)   # whitened over the trainable tokens
 
 
-def publish(h, version: int) -> None:  # noqa: ANN001
+def publish(h, version: int) -> None:
     h.service.prepare_weight_sync(version=version, transport="disk")
     h.service.publish_weights(version=version)
 

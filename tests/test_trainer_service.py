@@ -14,11 +14,11 @@ import pytest
 import torch
 from conftest_trainer import DEVICE, harness, make_batch, tiny_model_dir  # noqa: F401
 
-from services.common.buffer import EntryNotFoundError
-from services.common.gen.tandem.v1 import common_pb2
-from services.common.grpc_util import FailedPrecondition
-from services.common.sampling import SamplingDistribution
-from services.common.wire import array_to_proto, build_batch, sampling_arrays
+from services.buffer.stream import EntryNotFoundError
+from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.wire import array_to_proto, build_batch, sampling_arrays
+from services.rpc.grpc_util import FailedPrecondition
+from services.tensors.sampling import SamplingDistribution
 from services.trainer import checkpoint as ckpt
 from services.trainer.critic import handoff_key, read_handoff
 
@@ -274,7 +274,7 @@ def test_offload_cycles_train_exactly_like_no_offload(harness):
 def test_weight_export_matches_hf_reload_and_syncs_to_an_engine(harness, tiny_model_dir, zero_stage):  # noqa: F811
     from transformers import AutoModelForCausalLM
 
-    from services.common.weights import WeightReceiver, tensor_checksum
+    from services.weights import WeightReceiver, tensor_checksum
 
     h = harness(trainer={"zero_stage": zero_stage})
     h.service.train(rollout_id=0, entry_ids=[h.put(make_batch())])

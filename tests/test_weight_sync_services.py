@@ -5,14 +5,14 @@ import subprocess
 import sys
 
 import pytest
-
-from services.common.buffer import RolloutBuffer, connect
-from services.common.config import load_config, write_resolved_config
-from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
-from services.coordinator.clients import RolloutPool, make_clients
-from services.coordinator.supervisor import resolve_for_local_run
-from services.coordinator.sync import WeightSync, WeightSyncError
 from tandem_runs import EXAMPLE, REPO
+
+from services.buffer.stream import RolloutBuffer, connect
+from services.contracts.config import load_config, write_resolved_config
+from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
+from services.coordinator.clients import RolloutPool, make_clients
+from services.coordinator.sync import WeightSync, WeightSyncError
+from services.launcher.supervisor import resolve_for_local_run
 
 pytestmark = pytest.mark.slow
 

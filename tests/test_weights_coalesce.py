@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import torch
 
-from services.common.gen.tandem.v1 import common_pb2
-from services.common.weights.cuda_ipc import (ALIGN, CudaIpcReceiver, FlatParams, _recipe, _Runs, _typed, bucket_starts,
-                                              flat_spans, flat_views)
-from services.common.weights.layout import TensorSpec, plan_layout
-from services.common.weights.peer import bits_equal, make_tensors
+from services.contracts.gen.tandem.v1 import common_pb2
+from services.weights.layout import TensorSpec, plan_layout
+from services.weights.peer import bits_equal, make_tensors
+from services.weights.transports.cuda_ipc import (
+    ALIGN,
+    CudaIpcReceiver,
+    FlatParams,
+    _recipe,
+    _Runs,
+    _typed,
+    bucket_starts,
+    flat_spans,
+    flat_views,
+)
 
 SPECS = ([TensorSpec("embed", "bfloat16", (64, 33))]
          + [s for i in range(3) for s in (TensorSpec(f"l{i}.norm", "float32", (7,)),
@@ -17,7 +26,7 @@ SPECS = ([TensorSpec("embed", "bfloat16", (64, 33))]
          + [TensorSpec("step", "int64", ())])
 
 
-def _fill_buckets(layout, tensors):  # noqa: ANN001, ANN202 - the sender's side: a staged buffer per layout
+def _fill_buckets(layout, tensors):
     starts, total = bucket_starts(layout)
     buffer = torch.zeros(total, dtype=torch.uint8)
     for slot in layout.order:
@@ -101,7 +110,7 @@ def test_flat_views_is_flat_params_only_with_every_slot():
     assert not isinstance(some, FlatParams) and list(some) == ["embed"]
 
 
-def _ipc_plan(layout, offsets, handles):  # noqa: ANN001, ANN202 - the sender's handles, as a plan carries them
+def _ipc_plan(layout, offsets, handles):
     plan = common_pb2.WeightSyncPlan(transport="cuda_ipc")
     for bucket, offset, handle in zip(layout.buckets, offsets, handles):
         wb = plan.buckets.add()

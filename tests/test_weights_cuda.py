@@ -1,7 +1,7 @@
 """GPU transports: cuda_ipc between two processes on one GPU, nccl between two GPUs, gloo from CUDA tensors.
 
 Skipped without CUDA (nccl also without a second GPU). The receiver is a separate process
-(services.common.weights.peer) with its params on the GPU; tensors come from seeds on both sides.
+(services.weights.peer) with its params on the GPU; tensors come from seeds on both sides.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.config import WeightsConfig
-from services.common.weights import TensorSpec, WeightPublisher, WeightSyncRefused, WeightSyncTimeout
-from services.common.weights.peer import Peer, make_tensors, plan_to_text, specs_to_json
+from services.contracts.config import WeightsConfig
+from services.weights import TensorSpec, WeightPublisher, WeightSyncRefused, WeightSyncTimeout
+from services.weights.peer import Peer, make_tensors, plan_to_text, specs_to_json
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -35,7 +35,7 @@ def _cuda_tensors(version: int) -> dict[str, torch.Tensor]:
     return {n: t.cuda() for n, t in make_tensors(SPECS, seed=version).items()}
 
 
-def _sync(publisher: WeightPublisher, peer: Peer, *, version: int, verify: bool = True):  # noqa: ANN202
+def _sync(publisher: WeightPublisher, peer: Peer, *, version: int, verify: bool = True):
     plan = publisher.prepare(SPECS, version, 1, verify)
     peer.send(op="receive", plan=plan_to_text(plan), rank=1, specs=specs_to_json(SPECS), seed=version, device="cuda")
     tensors = _cuda_tensors(version)

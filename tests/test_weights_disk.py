@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.common.config import WeightsConfig
-from services.common.weights import TensorSpec, WeightPublisher, WeightReceiver, WeightSyncError, WeightSyncTimeout
-from services.common.weights.peer import bits_equal, make_tensors
+from services.contracts.config import WeightsConfig
+from services.weights import TensorSpec, WeightPublisher, WeightReceiver, WeightSyncError, WeightSyncTimeout
+from services.weights.peer import bits_equal, make_tensors
 
 SPECS = [TensorSpec("embed", "bfloat16", (256, 64)), TensorSpec("norm", "float32", (64,)),
          TensorSpec("w", "bfloat16", (64, 64)), TensorSpec("big", "float32", (128, 128)),
@@ -101,7 +101,7 @@ def test_receiver_compares_checksums_announced_in_the_plan(tmp_path: Path):
     announced = type(plan)()
     announced.CopyFrom(plan)
     WeightReceiver().receive(announced, 1, _zeros())        # no checksums anywhere: nothing to compare
-    from services.common.weights import tensor_checksum
+    from services.weights import tensor_checksum
     for bucket in announced.buckets:
         for meta in bucket.tensors:
             meta.checksum = tensor_checksum(tensors[meta.name])

@@ -1,6 +1,6 @@
 """gloo transport between real processes: bit-identical syncs reusing one group, deadlines, recovery.
 
-The peer processes (services.common.weights.peer) take JSON commands; plans travel as protobuf bytes and
+The peer processes (services.weights.peer) take JSON commands; plans travel as protobuf bytes and
 tensors are regenerated from seeds on both sides, so nothing is pickled.
 """
 
@@ -12,10 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.config import WeightsConfig
-from services.common.weights import (TensorSpec, WeightPublisher, WeightReceiver, WeightSyncError, WeightSyncRefused,
-                                     WeightSyncTimeout)
-from services.common.weights.peer import Peer, bits_equal, make_tensors, plan_from_text, plan_to_text, specs_to_json
+from services.contracts.config import WeightsConfig
+from services.weights import (
+    TensorSpec,
+    WeightPublisher,
+    WeightReceiver,
+    WeightSyncError,
+    WeightSyncRefused,
+    WeightSyncTimeout,
+)
+from services.weights.peer import Peer, make_tensors, plan_from_text, plan_to_text, specs_to_json
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -34,14 +40,14 @@ def _publisher(tmp_path: Path, *, timeout_s: float = 20.0, trainer_id: str = "ac
     return WeightPublisher(config=config, run_dir=tmp_path, trainer_id=trainer_id)
 
 
-def _stream(tensors: dict[str, torch.Tensor], specs=SPECS):  # noqa: ANN001, ANN202
+def _stream(tensors: dict[str, torch.Tensor], specs=SPECS):
     for spec in specs:
         t = tensors[spec.name]
         yield spec.name, (t.t().contiguous().t() if t.dim() == 2 else t)   # non-contiguous sources too
 
 
 def _sync(publisher: WeightPublisher, peer: Peer, *, version: int, verify: bool, rank: int = 1,
-          peer_specs=SPECS, world: int = 1):  # noqa: ANN001, ANN202
+          peer_specs=SPECS, world: int = 1):
     plan = publisher.prepare(SPECS, version, world, verify)
     peer.send(op="receive", plan=plan_to_text(plan), rank=rank, specs=specs_to_json(peer_specs), seed=version)
     return plan, publisher.publish(plan, _stream(make_tensors(SPECS, seed=version))), peer.reply(timeout_s=60)
@@ -109,7 +115,7 @@ def test_gloo_receiver_dies_mid_transfer_then_a_new_one_syncs(tmp_path: Path):
     plan = publisher.prepare(SPECS, 1, 1, False)
     doomed.send(op="receive", plan=plan_to_text(plan), rank=1, specs=specs_to_json(SPECS), seed=1)
 
-    def dying(tensors):  # noqa: ANN001, ANN202 - the engine is killed after a few buckets went out
+    def dying(tensors):
         for i, item in enumerate(_stream(tensors)):
             if i == 8:
                 doomed.kill()

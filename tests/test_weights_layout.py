@@ -8,11 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.config import WeightsConfig
-from services.common.gen.tandem.v1 import common_pb2
-from services.common.weights import (TensorSpec, WeightPublisher, WeightReceiver, WeightSyncRefused, check_params,
-                                     layout_from_plan, plan_layout, tensor_checksum)
-from services.common.weights.layout import layout_to_buckets
+from services.contracts.config import WeightsConfig
+from services.contracts.gen.tandem.v1 import common_pb2
+from services.weights import (
+    TensorSpec,
+    WeightPublisher,
+    WeightReceiver,
+    WeightSyncRefused,
+    check_params,
+    layout_from_plan,
+    plan_layout,
+    tensor_checksum,
+)
+from services.weights.layout import layout_to_buckets
 
 KB = 1024
 

@@ -7,10 +7,19 @@ import dataclasses
 import numpy as np
 import pytest
 
-from services.common.gen.tandem.v1 import common_pb2
-from services.common.sampling import SamplingDistribution
-from services.common.wire import (FINISH_REASONS, RolloutBatchData, WireError, array_from_proto, array_to_proto,
-                                  build_batch, decode_batch, encode_batch, payload_checksum)
+from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.wire import (
+    FINISH_REASONS,
+    RolloutBatchData,
+    WireError,
+    array_from_proto,
+    array_to_proto,
+    build_batch,
+    decode_batch,
+    encode_batch,
+    payload_checksum,
+)
+from services.tensors.sampling import SamplingDistribution
 
 
 def sample_batch(**overrides) -> RolloutBatchData:
@@ -23,7 +32,7 @@ def sample_batch(**overrides) -> RolloutBatchData:
     return build_batch(**kw)
 
 
-def reencoded(payload: bytes, mutate) -> bytes:   # noqa: ANN001
+def reencoded(payload: bytes, mutate) -> bytes:
     """Parses a payload, lets `mutate` damage the message, serializes it again (keeping num_samples last)."""
     msg = common_pb2.RolloutBatch.FromString(payload)
     mutate(msg)

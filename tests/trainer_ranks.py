@@ -17,9 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest_trainer import TrainerHarness, make_batch, trainer_config  # noqa: E402
+from conftest_trainer import TrainerHarness, make_batch, trainer_config
 
-from services.trainer.service import TrainerService  # noqa: E402
+from services.trainer.service import TrainerService
 
 KEYS = ("loss", "pg_loss", "grad_norm", "entropy", "ppo_ratio_mean", "pg_clipfrac", "tokens")
 

@@ -22,10 +22,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from services.common.config import load_config  # noqa: E402
-from services.rollout.engine import SamplingOptions  # noqa: E402
+from services.contracts.config import load_config  # noqa: E402
+from services.rollout.engines.base import SamplingOptions  # noqa: E402
+from services.rollout.engines.native import NativeEngine  # noqa: E402
 from services.rollout.model_init import init_model  # noqa: E402
-from services.rollout.native import NativeEngine  # noqa: E402
 from services.rollout.rewards import resolve_reward  # noqa: E402
 from services.rollout.service import load_tokenizer  # noqa: E402
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
 
 import grpc
 
-from services.common.config import ServiceAddress, ServicesConfig
-from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from services.common.grpc_util import open_channel, wait_healthy
+from services.contracts.config import ServiceAddress, ServicesConfig
+from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.rpc.grpc_util import open_channel, wait_healthy
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class ServiceCallError(RuntimeError):
         self.code = code
 
     @classmethod
-    def from_rpc(cls, service: str, call: str, exc: grpc.RpcError) -> "ServiceCallError":
+    def from_rpc(cls, service: str, call: str, exc: grpc.RpcError) -> ServiceCallError:
         return cls(describe_rpc_error(service, call, exc), code=exc.code())
 
     @property

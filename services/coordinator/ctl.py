@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from services.common.config import ConfigError, load_config
-from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.common.grpc_util import open_channel
+from services.contracts.config import ConfigError, load_config
+from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.rpc.grpc_util import open_channel
 
 DEFAULT_ADDR = "127.0.0.1:50051"
 
@@ -58,7 +58,7 @@ def find_coordinator(*, addr: str | None, run_dir: Path | None, token: str | Non
 
 def _running_run(runs_root: Path) -> Path | None:
     """The run directory under runs_root whose `tandem run` is alive (its run.json names a live pid)."""
-    from services.coordinator.supervisor import RUN_MARKER
+    from services.launcher.supervisor import RUN_MARKER
 
     live = []
     for marker in sorted(runs_root.glob(f"*/{RUN_MARKER}")):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.config import DataConfig
+from services.contracts.config import DataConfig
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class DataCursor:
         return {"epoch": self.epoch, "offset": self.offset, "consumed": self.consumed}
 
     @classmethod
-    def from_dict(cls, data: dict[str, int]) -> "DataCursor":
+    def from_dict(cls, data: dict[str, int]) -> DataCursor:
         return cls(epoch=int(data["epoch"]), offset=int(data["offset"]), consumed=int(data["consumed"]))
 
 
@@ -92,7 +92,7 @@ class DataSource:
         self.cursor = DataCursor()
 
     @classmethod
-    def from_config(cls, config: DataConfig, *, batch_size: int) -> "DataSource":
+    def from_config(cls, config: DataConfig, *, batch_size: int) -> DataSource:
         records = load_prompts(config.train_path, prompt_key=config.prompt_key, label_key=config.label_key)
         return cls(records, batch_size=batch_size, shuffle=config.shuffle, seed=config.seed,
                    num_epochs=config.num_epochs)

@@ -12,24 +12,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
-from services.common.buffer import RolloutBuffer
-from services.common.config import TandemConfig
-from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
-from services.common.tracing import StepSpans, annotate, inject_context, span
+from services.buffer.stream import RolloutBuffer
+from services.contracts.config import TandemConfig
+from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
 from services.coordinator.clients import GenerationResult, RolloutPool, TrainerClient
 from services.coordinator.control import Control
-from services.coordinator.data import DataCursor, DataSource, load_prompts
-from services.coordinator.metrics import EventLog, Tracker
-from services.coordinator.preflight import finished_message
+from services.coordinator.data import DataSource, load_prompts
 from services.coordinator.state import GeneratedBatch, RunState
 from services.coordinator.stepmetrics import generation_metrics, prefixed, weighted_mean
 from services.coordinator.sync import WeightSync
+from services.launcher.preflight import finished_message
+from services.telemetry.tracing import StepSpans, annotate, inject_context, span
+from services.telemetry.trackers import EventLog, Tracker
 
 log = logging.getLogger(__name__)
 

@@ -7,19 +7,19 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 
-from services.common.buffer import RolloutBuffer, connect, stream_key
-from services.common.config import TandemConfig
-from services.common.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.common.grpc_util import ServerOptions, map_errors, start_server
-from services.common.tracing import setup_logging, setup_tracing, shutdown_tracing
+from services.buffer.stream import RolloutBuffer, connect, stream_key
+from services.contracts.config import TandemConfig
+from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.clients import EXIT_PERMANENT, RolloutPool, ServiceCallError, make_clients
 from services.coordinator.loop import Coordinator
-from services.coordinator.metrics import make_trackers
+from services.rpc.grpc_util import ServerOptions, map_errors, start_server
+from services.telemetry.tracing import setup_logging, setup_tracing, shutdown_tracing
+from services.telemetry.trackers import make_trackers
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.streams = StreamSlots(max_watch_streams)
 
     @map_errors
-    def GetStatus(self, request, context):  # noqa: N802 - gRPC names
+    def GetStatus(self, request, context):
         c = self.c
         return coordinator_pb2.RunStatus(
             state=c.status, rollout_id=c.state.next_rollout_id, num_rollout=c.num_rollout,
@@ -64,33 +64,33 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             last_metrics=c.last_metrics, run_dir=str(c.run_dir), last_checkpoint=c.last_checkpoint, error=c.error)
 
     @map_errors
-    def Save(self, request, context):  # noqa: N802
+    def Save(self, request, context):
         self.c.control.request_save()
         return common_pb2.Ack(ok=True, message="a checkpoint will be written at the end of the current step")
 
     @map_errors
-    def Eval(self, request, context):  # noqa: N802
+    def Eval(self, request, context):
         metrics = self.c.evaluate()
         rollout_id = self.c.state.next_rollout_id - 1
         self.c._record_eval(rollout_id=rollout_id, metrics=metrics)
         return coordinator_pb2.EvalResult(rollout_id=rollout_id, metrics=metrics)
 
     @map_errors
-    def Pause(self, request, context):  # noqa: N802
+    def Pause(self, request, context):
         self.c.control.pause()
         return common_pb2.Ack(ok=True, message="no new step will start until Resume")
 
     @map_errors
-    def Resume(self, request, context):  # noqa: N802
+    def Resume(self, request, context):
         self.c.control.resume()
         return common_pb2.Ack(ok=True, message="resumed")
 
     @map_errors
-    def Stop(self, request, context):  # noqa: N802
+    def Stop(self, request, context):
         self.c.control.stop()
         return common_pb2.Ack(ok=True, message="stopping after the current step (with a final checkpoint)")
 
-    def WatchEvents(self, request, context):  # noqa: N802
+    def WatchEvents(self, request, context):
         with self.streams.take(context):   # released when the stream ends or the caller goes away
             yield from self.c.events.watch(include_history=request.include_history, is_active=context.is_active)
 

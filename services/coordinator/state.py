@@ -24,7 +24,7 @@ class GeneratedBatch:
                 "metrics": self.metrics}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GeneratedBatch":
+    def from_dict(cls, d: dict) -> GeneratedBatch:
         return cls(rollout_id=int(d["rollout_id"]), entry_ids=tuple(d["entry_ids"]),
                    cursor_before=DataCursor.from_dict(d["cursor_before"]),
                    cursor_after=DataCursor.from_dict(d["cursor_after"]),
@@ -53,7 +53,7 @@ class RunState:
                            "weights_pushed": self.weights_pushed, "history": list(self.history)})
 
     @classmethod
-    def from_json(cls, text: str) -> "RunState":
+    def from_json(cls, text: str) -> RunState:
         d = json.loads(text)
         return cls(next_rollout_id=int(d["next_rollout_id"]), weight_version=int(d["weight_version"]),
                    cursor=DataCursor.from_dict(d["cursor"]),

@@ -16,10 +16,10 @@ from itertools import accumulate
 
 import grpc
 
-from services.common.config import WeightsConfig
-from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
-from services.common.tracing import span
+from services.contracts.config import WeightsConfig
+from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
 from services.coordinator.clients import RolloutPool, TrainerClient, describe_rpc_error
+from services.telemetry.tracing import span
 
 log = logging.getLogger(__name__)
 

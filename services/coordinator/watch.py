@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from services.common.gen.tandem.v1 import coordinator_pb2
+from services.contracts.gen.tandem.v1 import coordinator_pb2
 
 COLUMNS = (("rollout/reward_mean", "reward"), ("rollout/response_len_mean", "resp len"), ("train/loss", "loss"),
            ("train/kl", "kl"), ("train/grad_norm", "grad"), ("rollout/staleness", "stale"),

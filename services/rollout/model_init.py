@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from services.common.config import ConfigError
+from services.contracts.config import ConfigError
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 SYMBOLS = ("+", "-", "*", "/", "=", "(", ")", ",")
@@ -79,7 +79,7 @@ def init_model(out_dir: str | os.PathLike[str], *, preset: str = "tiny", arch: s
                              "another directory")
     if out.exists() and any(out.iterdir()):
         raise ModelInitError(f"init-model: {out} exists and is not empty")
-    import torch   # after the checks: a refused call should not pay for importing torch
+    import torch  # after the checks: a refused call should not pay for importing torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 

@@ -26,11 +26,12 @@ import inspect
 import math
 import re
 import sys
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
-from services.common.grpc_util import Unavailable
+from services.rpc.grpc_util import Unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _PER_SAMPLE = ("prompt", "response", "label", "metadata")

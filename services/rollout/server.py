@@ -17,13 +17,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from services.common import tracing
-from services.common.devices import cuda_reserved_bytes
-from services.common.config import SamplingConfig, TandemConfig
-from services.common.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.common.grpc_util import ServerOptions, map_errors, start_server
-from services.rollout.engine import SamplingOptions
+from services.contracts.config import SamplingConfig, TandemConfig
+from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from services.rollout.engines.base import SamplingOptions
 from services.rollout.service import PromptInput, RolloutService
+from services.rpc.grpc_util import ServerOptions, map_errors, start_server
+from services.telemetry import tracing
+from services.tensors.devices import cuda_reserved_bytes
 
 log = logging.getLogger(__name__)
 

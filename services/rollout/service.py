@@ -13,21 +13,28 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from services.common import tracing
-from services.common.buffer import RolloutBuffer, connect, redacted, stream_key
-from services.common.config import SamplingConfig, TandemConfig
-from services.common.grpc_util import FailedPrecondition, Unavailable
-from services.common.wire import build_batch
-from services.rollout.engine import (FINISH_ABORT, Engine, EngineState, EngineUnavailable, SampleOutput,
-                                     SamplingOptions)
+from services.buffer.stream import RolloutBuffer, connect, redacted, stream_key
+from services.contracts.config import SamplingConfig, TandemConfig
+from services.contracts.wire import build_batch
+from services.rollout.engines.base import (
+    FINISH_ABORT,
+    Engine,
+    EngineState,
+    EngineUnavailable,
+    SampleOutput,
+    SamplingOptions,
+)
 from services.rollout.rewards import RewardFunction, resolve_reward
+from services.rpc.grpc_util import FailedPrecondition, Unavailable
+from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +121,13 @@ def load_tokenizer(path: str | Path) -> Any:
 def build_engine(config: TandemConfig) -> Engine:
     ro = config.rollout
     if ro.engine == "native":
-        from services.rollout.native import NativeEngine
+        from services.rollout.engines.native import NativeEngine
 
         return NativeEngine(config.model.path, device=ro.device, dtype=config.model.dtype,
                             attn_implementation=config.model.attn_implementation, max_batch_size=ro.max_batch_size,
                             max_context_length=ro.max_context_length)
     if ro.engine == "sglang":
-        from services.rollout.sglang_engine import SGLangEngine
+        from services.rollout.engines.sglang import SGLangEngine
 
         return SGLangEngine.from_config(config)
     raise NotImplementedError(f"rollout.engine: {ro.engine} is not available; use rollout.engine: native or sglang")
@@ -388,9 +395,9 @@ class RolloutService:
     def _weight_receiver(self) -> Any:
         if self._receiver is None:
             try:
-                from services.common.weights import WeightReceiver
+                from services.weights import WeightReceiver
             except ImportError as exc:
-                raise NotImplementedError(f"weight receiving needs services.common.weights: {exc}") from exc
+                raise NotImplementedError(f"weight receiving needs services.weights: {exc}") from exc
             self._receiver = WeightReceiver(accepted_trainer_id=self.config.weights.trainer_id)
         return self._receiver
 

@@ -12,21 +12,26 @@ docs/algorithms.md lists every choice.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from services.common.config import AlgorithmConfig
-from services.trainer.advantages import (gae, grpo_advantages, per_sample_sum, per_token, token_rewards,
-                                         whiten)
+from services.contracts.config import AlgorithmConfig
+from services.trainer.advantages import gae, grpo_advantages, per_sample_sum, per_token, token_rewards, whiten
 from services.trainer.backend import DeepSpeedBackend, frozen_log_probs
 from services.trainer.batching import MicroBatch, TrainBatch, dummy_micro_batch, plan_micro_batches
 from services.trainer.dist import all_reduce_max_int, all_reduce_sum
 from services.trainer.losses import PolicyLossConfig, aggregation_weights, kl_estimate, ppo_policy_loss, tis_weights
 from services.trainer.old_actor import OldActor
-from services.trainer.scoring import (TokenSampling, entropy_from_log_probs, gather_targets,
-                                      sampling_log_prob_table, score_tokens, tempered_token_log_probs)
+from services.trainer.scoring import (
+    TokenSampling,
+    entropy_from_log_probs,
+    gather_targets,
+    sampling_log_prob_table,
+    score_tokens,
+    tempered_token_log_probs,
+)
 
 
 def lockstep_micro_batches(backend: DeepSpeedBackend, batch: TrainBatch, *, token_budget: int) -> list[MicroBatch]:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import gc
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from services.common.config import TandemConfig
+from services.contracts.config import TandemConfig
 from services.trainer.batching import MicroBatch
 from services.trainer.dist import DistInfo
 from services.trainer.scoring import TokenSampling, score_tokens
@@ -90,7 +91,7 @@ class ValueModel(torch.nn.Module):
         self.config = backbone.config
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: torch.dtype, attn: str) -> "ValueModel":
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype, attn: str) -> ValueModel:
         from transformers import AutoModel
 
         backbone = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from services.common.wire import RolloutBatchData
+from services.contracts.wire import RolloutBatchData
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class TrainBatch:
         """Start of each sample in `tokens` and in the flat response-token arrays."""
         return _starts(self.prompt_lengths + self.response_lengths).tolist(), _starts(self.response_lengths).tolist()
 
-    def select(self, keep: list[int]) -> "TrainBatch":
+    def select(self, keep: list[int]) -> TrainBatch:
         """The samples `keep` (in that order), with their tokens and per-token arrays."""
         idx = torch.tensor(keep, dtype=torch.long)
         seq, resp = self.prompt_lengths + self.response_lengths, self.response_lengths
@@ -61,7 +61,7 @@ class TrainBatch:
             sampling_temperature=self.sampling_temperature[idx], sampling_top_p=self.sampling_top_p[idx],
             sampling_top_k=self.sampling_top_k[idx], values=None if self.values is None else self.values[rsp_idx])
 
-    def with_values(self, values: torch.Tensor) -> "TrainBatch":
+    def with_values(self, values: torch.Tensor) -> TrainBatch:
         if values.shape != (self.num_response_tokens,):
             raise ValueError(f"critic values hold {values.shape[0]} entries, the batch has "
                              f"{self.num_response_tokens} response tokens")
@@ -170,7 +170,7 @@ class MicroBatch:
     token_index: torch.Tensor     # [N] index into the batch's flat response-token arrays
     num_tokens: int               # real (unpadded) tokens
 
-    def to(self, device: torch.device) -> "MicroBatch":
+    def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(input_ids=self.input_ids.to(device), attention_mask=self.attention_mask.to(device),
                           rows=self.rows.to(device), positions=self.positions.to(device),
                           targets=self.targets.to(device), token_index=self.token_index,

@@ -23,8 +23,9 @@ import random
 import re
 import shutil
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch

@@ -17,10 +17,10 @@ import numpy as np
 import redis
 import torch
 
-from services.common.config import AlgorithmConfig
-from services.common.gen.tandem.v1 import common_pb2
-from services.common.grpc_util import FailedPrecondition
-from services.common.wire import array_from_proto, array_to_proto
+from services.contracts.config import AlgorithmConfig
+from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.wire import array_from_proto, array_to_proto
+from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.actor import batch_metrics, lockstep_micro_batches, per_token_pass, perf
 from services.trainer.advantages import gae, token_rewards
 from services.trainer.backend import DeepSpeedBackend

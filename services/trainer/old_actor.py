@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.config import TandemConfig
+from services.contracts.config import TandemConfig
 from services.trainer.weight_export import iter_named_weights
 
 

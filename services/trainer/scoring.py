@@ -4,7 +4,7 @@ Each sample carries its sampling parameters (temperature, top-p, top-k; `Rollout
 may mix distributions (eval-style greedy samples next to T=0.7 ones, two replicas with different settings).
 Two views are needed:
 
-- the sampling distribution (`sampling_log_prob_table`, the shared `services.common.sampling` definition,
+- the sampling distribution (`sampling_log_prob_table`, the shared `services.tensors.sampling` definition,
   truncation included): the PPO ratio, TIS and the entropy, so an on-policy ratio is exactly 1;
 - the tempered distribution (`tempered_token_log_probs`, logits / T without truncation): the KL to the reference
   model. Truncated, the KL would be infinite wherever the trained policy picks a token outside the reference's
@@ -13,12 +13,12 @@ Two views are needed:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
-from services.common.sampling import SamplingDistribution, sampling_log_probs
+from services.tensors.sampling import SamplingDistribution, sampling_log_probs
 from services.trainer.advantages import per_token
 from services.trainer.batching import TrainBatch
 
@@ -32,12 +32,12 @@ class TokenSampling:
     top_k: torch.Tensor         # int64 [N]
 
     @classmethod
-    def of(cls, batch: TrainBatch) -> "TokenSampling":
+    def of(cls, batch: TrainBatch) -> TokenSampling:
         lengths = batch.response_lengths
         return cls(temperature=per_token(batch.sampling_temperature, lengths),
                    top_p=per_token(batch.sampling_top_p, lengths), top_k=per_token(batch.sampling_top_k, lengths))
 
-    def at(self, index: torch.Tensor) -> "TokenSampling":
+    def at(self, index: torch.Tensor) -> TokenSampling:
         return TokenSampling(temperature=self.temperature[index], top_p=self.top_p[index], top_k=self.top_k[index])
 
     def truncates(self, vocab: int) -> bool:

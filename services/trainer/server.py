@@ -15,11 +15,11 @@ import sys
 import threading
 from pathlib import Path
 
-from services.common.config import TandemConfig, dump_config
-from services.common.gen.tandem.v1 import trainer_pb2, trainer_pb2_grpc
-from services.common.grpc_util import ServerOptions, map_errors, start_server
-from services.common.redis_server import free_port
-from services.common.tracing import setup_logging, setup_tracing, shutdown_tracing
+from services.buffer.redis_server import free_port
+from services.contracts.config import TandemConfig, dump_config
+from services.contracts.gen.tandem.v1 import trainer_pb2, trainer_pb2_grpc
+from services.rpc.grpc_util import ServerOptions, map_errors, start_server
+from services.telemetry.tracing import setup_logging, setup_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
 
@@ -33,40 +33,40 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.service = service
 
     @map_errors
-    def Train(self, request, context):  # noqa: N802
+    def Train(self, request, context):
         return self.service.train(rollout_id=request.rollout_id, entry_ids=list(request.entry_ids),
                                   num_batches=request.num_batches, max_staleness=request.max_staleness,
                                   use_critic_values=request.use_critic_values,
                                   trace_context=dict(request.trace_context))
 
     @map_errors
-    def Save(self, request, context):  # noqa: N802
+    def Save(self, request, context):
         return self.service.save(rollout_id=request.rollout_id, path=request.path, export_hf=request.export_hf,
                                  extra_state=dict(request.extra_state))
 
     @map_errors
-    def Load(self, request, context):  # noqa: N802
+    def Load(self, request, context):
         return self.service.load(path=request.path)
 
     @map_errors
-    def PrepareWeightSync(self, request, context):  # noqa: N802
+    def PrepareWeightSync(self, request, context):
         return self.service.prepare_weight_sync(version=request.version, transport=request.transport,
                                                 engine_world_size=request.engine_world_size, verify=request.verify)
 
     @map_errors
-    def PublishWeights(self, request, context):  # noqa: N802
+    def PublishWeights(self, request, context):
         return self.service.publish_weights(version=request.version)
 
     @map_errors
-    def Offload(self, request, context):  # noqa: N802
+    def Offload(self, request, context):
         return self.service.offload()
 
     @map_errors
-    def Onload(self, request, context):  # noqa: N802
+    def Onload(self, request, context):
         return self.service.onload()
 
     @map_errors
-    def GetState(self, request, context):  # noqa: N802
+    def GetState(self, request, context):
         return self.service.get_state()
 
 

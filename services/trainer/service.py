@@ -17,28 +17,36 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from google.protobuf import json_format
 
-from services.common.buffer import BufferEntry, RolloutBuffer, connect, stream_key
-from services.common.devices import cuda_reserved_bytes
-from services.common.config import TandemConfig
-from services.common.gen.tandem.v1 import common_pb2, trainer_pb2
-from services.common.grpc_util import FailedPrecondition
-from services.common.tracing import set_attributes, span
-from services.common.wire import array_from_proto, array_to_proto
+from services.buffer.stream import BufferEntry, RolloutBuffer, connect, stream_key
+from services.contracts.config import TandemConfig
+from services.contracts.gen.tandem.v1 import common_pb2, trainer_pb2
+from services.contracts.wire import array_from_proto, array_to_proto
+from services.rpc.grpc_util import FailedPrecondition
+from services.telemetry.tracing import set_attributes, span
+from services.tensors.devices import cuda_reserved_bytes
 from services.trainer import checkpoint as ckpt
 from services.trainer.actor import actor_step
 from services.trainer.backend import TORCH_DTYPES, DeepSpeedBackend, load_frozen_causal_lm, param_dtype
 from services.trainer.batching import TrainBatch, check_trainable, merge_batches, stale_samples
-from services.trainer.critic import (ValueHandoff, critic_step, handoff_key, publish_handoff, read_handoff,
-                                     values_for_batch)
+from services.trainer.critic import (
+    ValueHandoff,
+    critic_step,
+    handoff_key,
+    publish_handoff,
+    read_handoff,
+    values_for_batch,
+)
 from services.trainer.dist import CommandRelay, barrier, init_process_group
 from services.trainer.old_actor import OldActor, snapshots_to_keep
-from services.trainer.weight_export import iter_named_weights, tensor_checksum, weight_specs
+from services.trainer.weight_export import iter_named_weights, weight_specs
+from services.weights.layout import tensor_checksum
 
 log = logging.getLogger(__name__)
 
@@ -459,7 +467,7 @@ class TrainerService:
                                   group_bytes=bucket)
 
     def _publisher(self, transport: str) -> Any:
-        from services.common.weights import WeightPublisher
+        from services.weights import WeightPublisher
 
         if transport not in self._publishers:
             self._publishers[transport] = WeightPublisher(transport=transport, config=self.config.weights,

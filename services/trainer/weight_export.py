@@ -1,7 +1,7 @@
 """The policy's weights as full HF-named tensors, for weight sync and the HF export.
 
 The bucketing into dtype-homogeneous flat buffers of weights.bucket_mb, and per-tensor checksums, are the
-shared `services.common.weights` publisher's job; this module feeds it tensors in spec order.
+shared `services.weights` publisher's job; this module feeds it tensors in spec order.
 
 Names are the model's own `named_parameters()` names (no DeepSpeed `module.` prefix), so they match what a
 rollout engine holding the same HF model sees. Under ZeRO-3 each parameter is partitioned: iterating
@@ -11,12 +11,12 @@ iterator to the end in lockstep (only rank 0 uses the tensors).
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
-from services.common.weights import TensorSpec, tensor_checksum
-from services.common.weights.layout import dtype_name
+from services.weights import TensorSpec
+from services.weights.layout import dtype_name
 
 
 def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:

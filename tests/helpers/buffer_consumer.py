@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from services.common.buffer import RolloutBuffer, connect
+from services.buffer.stream import RolloutBuffer, connect
 
 
 def main() -> int:

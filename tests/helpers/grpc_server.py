@@ -1,4 +1,4 @@
-"""A tiny service process built with services.common.grpc_util.start_server, for the gRPC plumbing tests.
+"""A tiny service process built with services.rpc.grpc_util.start_server, for the gRPC plumbing tests.
 
     python tests/helpers/grpc_server.py [--auth-token T] [--max-message-mb N] [--bind-host H] [--port P]
 
@@ -14,53 +14,58 @@ import signal
 import sys
 import threading
 
-from services.common.buffer import EntryNotFoundError
-from services.common.gen.tandem.v1 import (common_pb2, coordinator_pb2, coordinator_pb2_grpc, rollout_pb2,
-                                           rollout_pb2_grpc)
-from services.common.grpc_util import FailedPrecondition, ServerOptions, map_errors, start_server
+from services.buffer.stream import EntryNotFoundError
+from services.contracts.gen.tandem.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+)
+from services.rpc.grpc_util import FailedPrecondition, ServerOptions, map_errors, start_server
 
 
 class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     @map_errors
-    def GetStatus(self, request, context):  # noqa: N802
+    def GetStatus(self, request, context):
         return coordinator_pb2.RunStatus(state="running", rollout_id=3, run_dir="helper")
 
     @map_errors
-    def WatchEvents(self, request, context):  # noqa: N802
+    def WatchEvents(self, request, context):
         for i in range(3):
             if request.include_history and i == 1:
                 raise ValueError("history is not kept")
             yield coordinator_pb2.StepEvent(kind="step", rollout_id=i)
 
     @map_errors
-    def Eval(self, request, context):  # noqa: N802
+    def Eval(self, request, context):
         raise ValueError(f"timeout_s must be positive, got {request.timeout_s}")
 
     @map_errors
-    def Pause(self, request, context):  # noqa: N802
+    def Pause(self, request, context):
         raise FailedPrecondition("the run is not started yet")
 
     @map_errors
-    def Resume(self, request, context):  # noqa: N802
+    def Resume(self, request, context):
         raise KeyError("no such step 7")
 
     @map_errors
-    def Save(self, request, context):  # noqa: N802
+    def Save(self, request, context):
         raise EntryNotFoundError("entry 1-1 is not in stream s")
 
     @map_errors
-    def Stop(self, request, context):  # noqa: N802
+    def Stop(self, request, context):
         raise RuntimeError("boom")
 
 
 class Rollout(rollout_pb2_grpc.RolloutServicer):
     @map_errors
-    def Generate(self, request, context):  # noqa: N802
+    def Generate(self, request, context):
         return rollout_pb2.GenerateResponse(num_samples=len(request.prompts),
                                             num_prompt_tokens=sum(len(p.text) for p in request.prompts))
 
     @map_errors
-    def Resume(self, request, context):  # noqa: N802
+    def Resume(self, request, context):
         return common_pb2.Ack(ok=True, message="x" * (2 << 20))     # a reply over a 1 MiB client limit
 
 

@@ -7,7 +7,7 @@ in its own process that implements the request and answer shapes of the SGLang v
 imports nothing from Tandem, so a mistake in the adapter's shapes is not mirrored here. Generation is a fixed
 deterministic rule (no model): token i of a sample is (last prompt token + 1 + i) mod vocab.
 
-Recorded from (versions as read; see services/rollout/sglang_protocol.py for the adapter's side):
+Recorded from (versions as read; see services/rollout/engines/sglang_protocol.py for the adapter's side):
 - python/sglang/srt/entrypoints/http_server.py (0.5.3rc2 and a later 0.5.x): routes, status codes, answer bodies,
   the 400 shapes (`{"success": false, "message"}` for weight/group routes, `{"error": {"message"}}` from
   _create_error_response, `{"object": "error", "message", "type": "Bad Request", "param", "code": 400}` for request
@@ -43,9 +43,10 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch
@@ -499,16 +500,16 @@ def make_handler(state: Server, *, api_key: str | None) -> type[BaseHTTPRequestH
     paths = {p for _, p in routes}
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             self._dispatch("GET")
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             self._dispatch("POST")
 
-        def do_PUT(self) -> None:  # noqa: N802
+        def do_PUT(self) -> None:
             self._dispatch("PUT")
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+        def log_message(self, format: str, *args: Any) -> None:
             pass
 
         def _send(self, status: int, body: Any, *, text: bool = False) -> None:

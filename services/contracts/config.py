@@ -1,0 +1,446 @@
+"""Typed run configuration: one YAML file, validated before anything starts.
+
+Every service reads the same `TandemConfig`; each takes the sections it needs. Unknown keys are
+errors (a typo must not silently fall back to a default), and every error names its key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message naming the offending key."""
+
+
+class Section(BaseModel):
+    # coerce_numbers_to_str: `--set run_name=2024` or `path: 7` mean the string, as YAML users expect.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True)
+
+
+class ModelConfig(Section):
+    path: str = Field(description="local Hugging Face model directory (see `tandem init-model`)")
+    tokenizer_path: str | None = Field(default=None, description="defaults to model.path")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+    init_preset: Literal["tiny", "small"] | None = Field(
+        default=None, description="the random-init preset `tandem run --init-model` builds when model.path holds no model "
+                    "(default tiny); nothing is ever built without that flag")
+
+
+class DataConfig(Section):
+    train_path: str = Field(description="JSONL file, one prompt per line")
+    eval_path: str | None = None
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    shuffle: bool = True
+    seed: int = 0
+    num_epochs: int = Field(default=1, ge=1)
+    eval_max_prompts: int | None = Field(default=None, ge=1)
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, description="0 = off")
+    max_new_tokens: int = Field(default=16, ge=1)
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+
+class SGLangConfig(Section):
+    urls: tuple[str, ...] = Field(default=(), description="servers the user runs; empty = launch one")
+    launch_args: tuple[str, ...] = ()
+    pause_mode: Literal["abort", "retract", "in_place"] = "retract"
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    weight_load_format: Literal["tensor", "flattened_bucket"] = Field(
+        default="tensor", description="how /update_weights_from_distributed receives a bucket: one broadcast per "
+        "tensor, or one per bucket (load_format flattened_bucket)")
+    startup_timeout_s: float = Field(default=900.0, gt=0, description="wait for /health_generate (launch or urls)")
+    api_key: str | None = Field(default=None, description="SGLang's --api-key (sent as a bearer token)")
+
+
+class RolloutConfig(Section):
+    engine: Literal["native", "sglang"] = "native"
+    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
+    rollout_batch_size: int = Field(default=32, ge=1, description="prompts per rollout step")
+    n_samples_per_prompt: int = Field(default=8, ge=1)
+    sampling: SamplingConfig = SamplingConfig()
+    eval_sampling: SamplingConfig = SamplingConfig(temperature=0.0)
+    eval_n_samples_per_prompt: int = Field(default=1, ge=1)
+    reward: str = Field(default="exact_match",
+                        description="built-in name or `module:function` (sync or async, batched or per sample)")
+    max_batch_size: int = Field(default=512, ge=1, description="sequences decoded together by the engine")
+    max_context_length: int | None = Field(default=None, ge=1, description="defaults to the model's")
+    max_request_samples: int = Field(default=65536, ge=1, description="most samples (prompts × n) one Generate or "
+                                     "Evaluate call may ask for; larger requests are refused (INVALID_ARGUMENT)")
+    sglang: SGLangConfig = SGLangConfig()
+
+
+class TrainerConfig(Section):
+    device: str = "auto"
+    num_ranks: int = Field(default=1, ge=1, description="data-parallel ranks `tandem run` launches")
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    precision: Literal["fp32", "bf16"] = "fp32"
+    optimizer: Literal["adamw_torch", "adamw_deepspeed"] = "adamw_torch"
+    lr: float = Field(default=1e-3, gt=0)
+    min_lr: float = Field(default=0.0, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
+    total_steps: int | None = Field(default=None, ge=1, description="schedule length; defaults to num_rollout")
+    grad_clip: float = Field(default=1.0, gt=0)
+    micro_batch_tokens: int = Field(default=8192, ge=1, description="token budget of one micro-batch")
+    checkpoint_dir: str | None = Field(default=None, description="defaults to RUN_DIR/checkpoints")
+    keep_last_checkpoints: int = Field(default=3, ge=1)
+    export_hf_on_save: bool = True
+    critic_lr: float | None = Field(default=None, gt=0, description="defaults to lr")
+    seed: int = 0
+    gradient_checkpointing: bool = False
+
+
+class AlgorithmConfig(Section):
+    advantage_estimator: Literal["grpo", "gae"] = "grpo"
+    normalize_advantage_std: bool = Field(default=True, description="False = Dr.GRPO")
+    eps_clip: float = Field(default=0.2, gt=0)
+    eps_clip_high: float | None = Field(default=None, gt=0, description="asymmetric upper clip (DAPO)")
+    dual_clip_c: float | None = Field(default=None, gt=1.0)
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    kl_coef: float = Field(default=0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["loss", "reward"] = "loss"
+    entropy_coef: float = Field(default=0.0, ge=0)
+    use_rollout_logprobs: bool = Field(default=True, description="ratio denominator: rollout log-probs (True) "
+                                       "or log-probs the trainer computes (False: the current policy before the "
+                                       "update, or the old actor with keep_old_actor)")
+    use_tis: bool = Field(default=False, description="truncated importance sampling: weights pi_old / pi_rollout "
+                          "(capped at tis_clip) on the loss; needs use_rollout_logprobs: false")
+    tis_clip: float = Field(default=2.0, gt=0)
+    keep_old_actor: bool = Field(default=False, description="keep snapshots of the weights sent to the rollout "
+                                 "engines, and score each sample under the version that generated it (the ratio's "
+                                 "denominator); needs use_rollout_logprobs: false")
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    lambd: float = Field(default=1.0, ge=0, le=1)
+    whiten_advantages: bool = Field(default=False, description="gae: normalise advantages to mean 0, std 1 over "
+                                    "the batch's trainable tokens (verl's masked_whiten)")
+    value_clip: float = Field(default=0.2, gt=0)
+    num_critic_only_steps: int = Field(default=0, ge=0)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage_estimator == "gae"
+
+    @model_validator(mode="after")
+    def _consistent_corrections(self) -> AlgorithmConfig:
+        if self.use_rollout_logprobs and self.use_tis:
+            raise ValueError("use_tis: true needs use_rollout_logprobs: false (with rollout log-probs "
+                             "as the ratio's denominator the ratio already is the importance weight; TIS on top "
+                             "would apply it twice)")
+        if self.use_rollout_logprobs and self.keep_old_actor:
+            raise ValueError("keep_old_actor: true needs use_rollout_logprobs: false (the old actor "
+                             "computes the ratio's denominator, which use_rollout_logprobs takes from the rollout)")
+        if self.whiten_advantages and not self.uses_critic:
+            raise ValueError("whiten_advantages applies to advantage_estimator: gae (GRPO advantages are "
+                             "normalised per group: normalize_advantage_std)")
+        return self
+
+
+class LoopConfig(Section):
+    mode: Literal["async", "sync", "fully_async"] = "async"
+    num_rollout: int | None = Field(default=None, ge=1, description="defaults to dataset size × epochs / batch")
+    save_interval: int | None = Field(default=None, ge=1)
+    save_trigger_sentinel: str | None = Field(default=None, description="a file whose appearance triggers a save")
+    eval_interval: int | None = Field(default=None, ge=1)
+    skip_eval_before_train: bool = False
+    update_weights_interval: int = Field(default=1, ge=1)
+    debug_exit_after_rollout: int | None = Field(default=None, ge=1)
+    offload_train: bool = False
+    offload_rollout: bool = Field(default=False, description="sync mode, trainer and engines sharing GPUs: the "
+                                  "engines release KV cache, CUDA graphs and weights while the trainer trains, and "
+                                  "take them back around the weight sync (weights first, then the KV cache)")
+    max_staleness: int = Field(default=1, ge=0, description="fully_async: step − sample version bound")
+    stale_policy: Literal["drop"] = "drop"
+    step_timeout_s: float = Field(default=600.0, gt=0)
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    max_retries: int = Field(default=2, ge=0, description="retries of a failed Generate on another replica")
+
+
+class WeightsConfig(Section):
+    transport: Literal["gloo", "nccl", "cuda_ipc", "disk"] = "gloo"
+    bucket_mb: float = Field(default=64.0, gt=0, description="weight_bucket_mb: size of flattened buckets")
+    timeout_s: float = Field(default=120.0, gt=0, description="deadline of one transfer")
+    check_weight_update_equal: bool = False
+    disk_dir: str | None = Field(default=None, description="defaults to RUN_DIR/weights")
+    master_addr: str = "127.0.0.1"
+    trainer_id: str | None = Field(default=None, description="id the actor trainer announces in its plans; rollout "
+                                   "engines refuse plans (CUDA IPC handles included) of any other id. `tandem run` "
+                                   "sets <run_name>/actor; unset = engines accept any trainer")
+
+
+class RedisConfig(Section):
+    url: str | None = Field(default=None, description="redis:// or rediss://; empty = embedded redis-server")
+    password: str | None = None
+    stream_prefix: str = "tandem"
+    max_buffered_batches: int = Field(default=4, ge=1)
+    put_timeout_s: float = Field(default=300.0, gt=0)
+    get_timeout_s: float = Field(default=300.0, gt=0)
+    claim_idle_ms: int = Field(default=60_000, ge=1)
+    chunk_mb: float = Field(default=64.0, gt=0, le=256.0, description="payload chunk size (Redis bulk limit 512 MB)")
+    appendonly: bool = True
+    appendfsync: Literal["always", "everysec", "no"] = Field(
+        default="everysec", description="embedded redis-server: `always` loses no acknowledged write on a crash")
+
+
+class TracingConfig(Section):
+    exporter: Literal["none", "file", "console", "otlp"] = "none"
+    file_path: str | None = Field(default=None, description="defaults to RUN_DIR/traces.jsonl")
+    trackers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
+    wandb_project: str | None = None
+    prometheus_port: int | None = Field(default=None, ge=0, le=65535)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class ServiceAddress(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535, description="0 = pick a free port at start")
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class ServicesConfig(Section):
+    bind_host: str = Field(default="127.0.0.1", description="interface the services listen on")
+    coordinator: ServiceAddress = ServiceAddress()
+    trainer: ServiceAddress = ServiceAddress()
+    critic: ServiceAddress = ServiceAddress()
+    rollout: tuple[ServiceAddress, ...] = (ServiceAddress(),)
+    auth_token: str | None = Field(default=None, description="bearer token required by control RPCs")
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    max_message_mb: int = Field(default=64, ge=1, le=2047)
+    max_restarts: int = Field(default=0, ge=0, description="tandem run: restarts of a dead trainer, rollout, "
+                              "coordinator or embedded redis-server (0 = a dead child fails the run)")
+    max_watch_streams: int = Field(default=32, ge=1, le=1024, description="coordinator: WatchEvents streams open "
+                                   "at once (each on a thread beside the control API's); more get RESOURCE_EXHAUSTED")
+
+    @field_validator("rollout")
+    @classmethod
+    def _at_least_one_rollout(cls, value: tuple[ServiceAddress, ...]) -> tuple[ServiceAddress, ...]:
+        if not value:
+            raise ValueError("must list at least one rollout address (one per rollout replica), "
+                             "e.g. rollout: [{port: 0}]")
+        return value
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServicesConfig:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("services.tls_cert and services.tls_key must be given together")
+        return self
+
+
+class TandemConfig(Section):
+    run_name: str = "tandem"
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig = RolloutConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    loop: LoopConfig = LoopConfig()
+    weights: WeightsConfig = WeightsConfig()
+    redis: RedisConfig = RedisConfig()
+    tracing: TracingConfig = TracingConfig()
+    services: ServicesConfig = ServicesConfig()
+
+    @model_validator(mode="after")
+    def _cross_section_rules(self) -> TandemConfig:
+        validate_async_off_policy_correction(self)
+        if self.loop.offload_rollout and self.loop.mode != "sync":
+            raise ValueError(f"loop.offload_rollout needs loop.mode: sync (in {self.loop.mode} mode the engines "
+                             "generate the next batch while the trainer trains)")
+        if self.weights.transport == "cuda_ipc" and self.trainer.num_ranks > 1:
+            raise ValueError("weights.transport: cuda_ipc needs trainer.num_ranks == 1 (rank 0 owns the buckets)")
+        if self.trainer.precision == "bf16" and self.model.dtype != "bfloat16" and self.weights.transport == "cuda_ipc":
+            raise ValueError("model.dtype must be bfloat16 when trainer.precision is bf16 with cuda_ipc")
+        return self
+
+    def with_model_path(self, path: str) -> TandemConfig:
+        return self.model_copy(update={"model": self.model.model_copy(update={"path": path})})
+
+
+def validate_async_off_policy_correction(config: TandemConfig) -> None:
+    """Asynchronous generation trains on samples from an older policy: the ratio's denominator must be that
+    policy (rollout log-probs, or the old actor) or TIS must reweight for it. A critic is no correction (its
+    values do not change the ratio), so PPO needs one too, as miles requires; unlike miles this also holds for
+    GRPO, whose ratio is just as off-policy."""
+    if config.loop.mode == "sync":
+        return
+    algo = config.algorithm
+    if algo.use_rollout_logprobs or algo.use_tis or algo.keep_old_actor:
+        return
+    raise ValueError(
+        f"loop.mode: {config.loop.mode} trains on samples of an older policy, but no off-policy correction is on "
+        "(a critic is none): set algorithm.use_rollout_logprobs: true, algorithm.use_tis: true or "
+        "algorithm.keep_old_actor: true, or use loop.mode: sync")
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=c` -> (["a", "b"], value parsed as YAML, so numbers, booleans and lists work)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set trainer.lr=3e-4")
+    parts = key.strip().split(".")
+    if any(not p.strip() or p != p.strip() for p in parts):
+        raise ConfigError(f"--set {item!r}: {key.strip()!r} is not a dotted key like trainer.lr")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key.strip()}: value {raw!r} is not valid YAML ({_yaml_problem(exc)})") from None
+    return key.strip().split("."), value
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: where and what (PyYAML's own message spans several lines with a source excerpt)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}" + (f" ({context})" if context else "")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], *, base_dir: Path | None = None) -> dict[str, Any]:
+    """`--set` values; a relative file path among them is relative to base_dir (the shell's working directory)."""
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:              # absent, or an empty `section:` in the YAML
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {'.'.join(path)}: {'.'.join(path[:i + 1])} is not a section")
+            node = child
+        node[path[-1]] = value
+    # Paths from the YAML are absolute by now, so this only touches the relative ones just set.
+    return resolve_paths(data, base_dir) if base_dir is not None else data
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The Section class that holds the key at `loc` (following tuple-of-section indices)."""
+    model: Any = TandemConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        model = _section_type(model.model_fields[part].annotation)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _section_type(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):          # tuple[ServiceAddress, ...], X | None
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc)
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            known = sorted(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+            msg = f"unknown key ({hint})"
+        elif err["type"] == "missing":
+            msg = "required section is missing" if _model_at(loc) else "required key is missing"
+        elif err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+        elif "input" in err:
+            msg = f"{msg} (got {err['input']!r})"
+        # Cross-section rules name their keys themselves.
+        lines.append(f"  {key}: {msg}" if key else f"  {msg}")
+    return f"invalid configuration in {source}:\n" + "\n".join(lines)
+
+
+def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """Relative file paths in the YAML are relative to the YAML file's directory; so is the file of a
+    `path/to/file.py:function` reward plug-in."""
+    for section, key in _PATH_KEYS + (("rollout", "reward"),):
+        node = data.get(section)
+        value = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(value, str) or not value:
+            continue
+        if (section, key) == ("rollout", "reward"):
+            node[key] = _resolve_reward_file(value, base_dir)
+        elif not os.path.isabs(value):
+            node[key] = str((base_dir / value).resolve())
+    return data
+
+
+_PATH_KEYS = (("model", "path"), ("model", "tokenizer_path"), ("data", "train_path"), ("data", "eval_path"),
+              ("loop", "save_trigger_sentinel"), ("trainer", "checkpoint_dir"), ("weights", "disk_dir"))
+
+
+def _resolve_reward_file(spec: str, base_dir: Path) -> str:
+    """`dir/file.py:fn` -> `/abs/dir/file.py:fn`; built-in names and `module:function` stay as they are (the
+    same rule services.rollout.rewards applies: a target naming a .py file or holding a slash is a file)."""
+    target, sep, attr = spec.strip().rpartition(":")
+    if not sep or not (target.endswith(".py") or "/" in target) or os.path.isabs(target):
+        return spec
+    return f"{(base_dir / target).resolve()}:{attr}"
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> TandemConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid configuration in {source}: the top level must be a mapping of sections")
+    # An empty `section:` in YAML is null: treat it as a section left at its defaults.
+    data = {k: ({} if v is None and _section_type(TandemConfig.model_fields[k].annotation) else v)
+            if k in TandemConfig.model_fields else v for k, v in data.items()}
+    try:
+        return TandemConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> TandemConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid configuration in {path}: the top level must be a mapping of sections")
+    data = resolve_paths(data, path.parent.resolve())
+    data = apply_overrides(data, overrides or [], base_dir=Path.cwd())
+    return config_from_dict(data, source=str(path))
+
+
+def dump_config(config: TandemConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def write_resolved_config(config: TandemConfig, run_dir: Path) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "config.yaml"
+    out.write_text(dump_config(config))
+    return out

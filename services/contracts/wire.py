@@ -1,0 +1,280 @@
+"""Wire format of rollout batches: protobuf with raw little-endian arrays, plus a checksum.
+
+Arrays travel as `TensorData` (dtype, shape, bytes) — packed, zero-parse on decode (np.frombuffer) and
+never pickled. `decode_batch` validates every length relation so a malformed entry fails loudly at the
+consumer instead of training on garbage.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.sampling import SamplingParamsLike
+
+
+class WireError(ValueError):
+    """A batch or tensor payload that cannot be decoded or is inconsistent."""
+
+
+FINISH_REASONS = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+                  "abort": common_pb2.FINISH_REASON_ABORT}
+_FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+
+_NP_DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "uint8": np.uint8,
+              "float64": np.float64, "int8": np.int8, "float16": np.float16, "bool": np.bool_}
+
+
+def array_to_proto(array: np.ndarray) -> common_pb2.TensorData:
+    array = np.ascontiguousarray(array)
+    name = array.dtype.name
+    if name not in _NP_DTYPES:
+        raise WireError(f"dtype {name} cannot be sent as TensorData")
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return common_pb2.TensorData(dtype=name, shape=list(array.shape), data=array.tobytes())
+
+
+def array_from_proto(tensor: common_pb2.TensorData, *, what: str = "tensor") -> np.ndarray:
+    dtype = _NP_DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise WireError(f"{what}: unknown dtype {tensor.dtype!r}")
+    shape = tuple(tensor.shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"{what}: negative dimension in shape {shape}")
+    data = tensor.data   # one access: the upb runtime copies a bytes field on every access
+    expected = math.prod(shape) * np.dtype(dtype).itemsize
+    if expected != len(data):
+        raise WireError(f"{what}: shape {shape} of {tensor.dtype} needs {expected} bytes, got {len(data)}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+# What each array of a batch is on the wire, and which numpy kinds a batch may hold before encoding.
+_WIRE_DTYPES = {"tokens": "int32", "prompt_lengths": "int32", "response_lengths": "int32", "loss_mask": "uint8",
+                "rollout_log_probs": "float32", "rewards": "float32", "group_ids": "int64",
+                "sample_versions": "int64", "sampling_temperature": "float32", "sampling_top_p": "float32",
+                "sampling_top_k": "int32"}
+_FIELD_KINDS = {"tokens": "iu", "prompt_lengths": "iu", "response_lengths": "iu", "loss_mask": "iub",
+                "rollout_log_probs": "f", "rewards": "fiu", "group_ids": "iu", "sample_versions": "iu",
+                "sampling_temperature": "fiu", "sampling_top_p": "fiu", "sampling_top_k": "iu"}
+_PER_SAMPLE = ("response_lengths", "rewards", "group_ids", "sample_versions", "sampling_temperature",
+               "sampling_top_p", "sampling_top_k")
+
+
+def payload_checksum(payload: bytes | memoryview) -> str:
+    return f"crc32:{zlib.crc32(payload):08x}"
+
+
+@dataclass(frozen=True)
+class RolloutBatchData:
+    """One rollout step's samples, flattened. Response-token arrays are concatenated over samples."""
+
+    rollout_id: int
+    policy_version: int
+    tokens: np.ndarray               # int32, prompt+response of every sample, concatenated
+    prompt_lengths: np.ndarray       # int32 [n]
+    response_lengths: np.ndarray     # int32 [n]
+    loss_mask: np.ndarray            # uint8 [sum(response_lengths)]
+    rollout_log_probs: np.ndarray    # float32 [sum(response_lengths)]
+    rewards: np.ndarray              # float32 [n]
+    group_ids: np.ndarray            # int64 [n]
+    sample_versions: np.ndarray      # int64 [n]
+    # The distribution each sample was drawn from (services.tensors.sampling): the trainer scores it under it.
+    sampling_temperature: np.ndarray  # float32 [n], 0 = greedy
+    sampling_top_p: np.ndarray        # float32 [n], 1 = off
+    sampling_top_k: np.ndarray        # int32 [n], 0 = off
+    finish_reasons: tuple[str, ...]  # "stop" | "length" | "abort"
+    labels: tuple[str, ...] = ()
+    metadata: dict[str, str] = field(default_factory=dict)
+    producer: str = ""
+    created_unix_ns: int = 0
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.prompt_lengths.shape[0])
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_lengths.sum())
+
+    def validate(self) -> None:
+        for name, kinds in _FIELD_KINDS.items():
+            arr = getattr(self, name)
+            if not isinstance(arr, np.ndarray):
+                raise WireError(f"batch {self.rollout_id}: {name} is a {type(arr).__name__}, expected a numpy array")
+            if arr.dtype.kind not in kinds:
+                raise WireError(f"batch {self.rollout_id}: {name} has dtype {arr.dtype}, expected "
+                                f"{_WIRE_DTYPES[name]}")
+        if self.prompt_lengths.ndim != 1:
+            raise WireError(f"batch {self.rollout_id}: prompt_lengths has shape {self.prompt_lengths.shape}, "
+                            "expected one dimension")
+        n = self.num_samples
+        for name in _PER_SAMPLE:
+            arr = getattr(self, name)
+            if arr.ndim != 1 or arr.shape[0] != n:
+                raise WireError(f"batch {self.rollout_id}: {name} has shape {arr.shape}, expected ({n},)")
+        if len(self.finish_reasons) != n:
+            raise WireError(f"batch {self.rollout_id}: {len(self.finish_reasons)} finish reasons for {n} samples")
+        unknown = sorted({r for r in self.finish_reasons if r not in FINISH_REASONS})
+        if unknown:
+            raise WireError(f"batch {self.rollout_id}: unknown finish reason(s) {unknown}, expected one of "
+                            f"{sorted(FINISH_REASONS)}")
+        if self.labels and len(self.labels) != n:
+            raise WireError(f"batch {self.rollout_id}: {len(self.labels)} labels for {n} samples")
+        if (self.prompt_lengths < 0).any() or (self.response_lengths < 0).any():
+            raise WireError(f"batch {self.rollout_id}: negative prompt or response length")
+        total = int(self.prompt_lengths.sum()) + int(self.response_lengths.sum())
+        if self.tokens.ndim != 1 or self.tokens.shape[0] != total:
+            raise WireError(f"batch {self.rollout_id}: {self.tokens.shape[0]} tokens, lengths sum to {total}")
+        n_resp = int(self.response_lengths.sum())
+        for name in ("loss_mask", "rollout_log_probs"):
+            arr = getattr(self, name)
+            if arr.ndim != 1 or arr.shape[0] != n_resp:
+                raise WireError(f"batch {self.rollout_id}: {name} has {arr.shape[0]} entries, "
+                                f"expected {n_resp} (one per response token)")
+        if not np.isfinite(self.rewards).all():
+            raise WireError(f"batch {self.rollout_id}: rewards contain NaN or inf")
+        if np.isnan(self.rollout_log_probs).any():
+            raise WireError(f"batch {self.rollout_id}: rollout_log_probs contain NaN")
+        self._validate_sampling()
+
+    def _validate_sampling(self) -> None:
+        temperature, top_p = self.sampling_temperature, self.sampling_top_p
+        if not (np.isfinite(temperature) & (temperature >= 0)).all():
+            raise WireError(f"batch {self.rollout_id}: sampling_temperature must be finite and >= 0")
+        if not ((top_p > 0) & (top_p <= 1)).all():   # NaN fails both comparisons
+            raise WireError(f"batch {self.rollout_id}: sampling_top_p must lie in (0, 1]")
+        if (self.sampling_top_k < 0).any():
+            raise WireError(f"batch {self.rollout_id}: sampling_top_k must be >= 0 (0 = off)")
+
+    def sample_slices(self) -> list[tuple[slice, slice, slice]]:
+        """Per sample: (prompt slice of tokens, response slice of tokens, slice of response-token arrays)."""
+        out, tok, resp = [], 0, 0
+        for p, r in zip(self.prompt_lengths.tolist(), self.response_lengths.tolist()):
+            out.append((slice(tok, tok + p), slice(tok + p, tok + p + r), slice(resp, resp + r)))
+            tok += p + r
+            resp += r
+        return out
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _tensor_field(field_number: int, array: np.ndarray, dtype: str) -> list[bytes | memoryview]:
+    """One `TensorData` submessage as protobuf wire bytes, the array's buffer referenced, not copied."""
+    arr = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<"))
+    header = common_pb2.TensorData(dtype=dtype, shape=list(arr.shape)).SerializeToString()
+    data = memoryview(arr).cast("B")
+    body = [header, b"\x1a", _varint(data.nbytes), data] if data.nbytes else [header]   # field 3: data
+    inner_len = sum(len(x) if isinstance(x, bytes) else x.nbytes for x in body)
+    return [_varint(field_number << 3 | 2), _varint(inner_len), *body]
+
+
+_TENSOR_FIELDS = tuple((common_pb2.RolloutBatch.DESCRIPTOR.fields_by_name[name].number, name, dtype)
+                       for name, dtype in _WIRE_DTYPES.items())
+
+
+def encode_batch(batch: RolloutBatchData) -> bytes:
+    """Serialized `RolloutBatch` (standard protobuf: any parser reads it into the message).
+
+    The arrays are written straight from their buffers (one copy in all), after the small fields, and
+    `num_samples` comes last (parsers accept fields in any order), so a payload cut at any byte fails to
+    decode instead of silently losing trailing fields. The output is deterministic."""
+    batch.validate()
+    head = common_pb2.RolloutBatch(
+        rollout_id=batch.rollout_id, policy_version=batch.policy_version,
+        finish_reasons=[FINISH_REASONS[r] for r in batch.finish_reasons],
+        metadata=batch.metadata, created_unix_ns=batch.created_unix_ns or time.time_ns(),
+        producer=batch.producer, labels=list(batch.labels)).SerializeToString(deterministic=True)
+    parts: list[bytes | memoryview] = [head]
+    for number, name, dtype in _TENSOR_FIELDS:
+        parts += _tensor_field(number, getattr(batch, name), dtype)
+    parts.append(common_pb2.RolloutBatch(num_samples=batch.num_samples).SerializeToString())
+    return b"".join(parts)
+
+
+def decode_batch(payload: bytes) -> RolloutBatchData:
+    msg = common_pb2.RolloutBatch()
+    try:
+        msg.ParseFromString(payload)
+    except DecodeError as exc:
+        raise WireError(f"rollout batch is not a valid protobuf message: {exc}") from None
+    try:
+        reasons = tuple(_FINISH_NAMES[r] for r in msg.finish_reasons)
+    except KeyError as exc:
+        raise WireError(f"batch {msg.rollout_id}: unknown finish reason {exc}") from None
+
+    def arr(name: str) -> np.ndarray:
+        what = f"batch {msg.rollout_id} {name}"
+        if not msg.HasField(name):
+            why = ("the producer does not say which distribution its samples were drawn from"
+                   if name.startswith("sampling_") else "truncated or not a rollout batch")
+            raise WireError(f"{what}: missing ({why})")
+        tensor = getattr(msg, name)
+        if tensor.dtype != _WIRE_DTYPES[name]:
+            raise WireError(f"{what}: dtype {tensor.dtype!r}, expected {_WIRE_DTYPES[name]!r}")
+        return array_from_proto(tensor, what=what)
+
+    batch = RolloutBatchData(
+        rollout_id=msg.rollout_id, policy_version=msg.policy_version, tokens=arr("tokens"),
+        prompt_lengths=arr("prompt_lengths"), response_lengths=arr("response_lengths"),
+        loss_mask=arr("loss_mask"), rollout_log_probs=arr("rollout_log_probs"), rewards=arr("rewards"),
+        group_ids=arr("group_ids"), sample_versions=arr("sample_versions"),
+        sampling_temperature=arr("sampling_temperature"), sampling_top_p=arr("sampling_top_p"),
+        sampling_top_k=arr("sampling_top_k"), finish_reasons=reasons,
+        labels=tuple(msg.labels), metadata=dict(msg.metadata), producer=msg.producer,
+        created_unix_ns=msg.created_unix_ns)
+    if msg.num_samples == 0 and batch.num_samples > 0:
+        raise WireError(f"batch {msg.rollout_id}: num_samples (the last field) is missing: truncated payload")
+    if msg.num_samples != batch.num_samples:
+        raise WireError(f"batch {msg.rollout_id}: header says {msg.num_samples} samples, arrays hold "
+                        f"{batch.num_samples}")
+    batch.validate()
+    return batch
+
+
+def sampling_arrays(n: int, sampling: SamplingParamsLike) -> dict[str, np.ndarray]:
+    """The per-sample sampling fields of n samples drawn from one distribution."""
+    return {"sampling_temperature": np.full(n, sampling.temperature, dtype=np.float32),
+            "sampling_top_p": np.full(n, sampling.top_p, dtype=np.float32),
+            "sampling_top_k": np.full(n, sampling.top_k, dtype=np.int32)}
+
+
+def build_batch(*, rollout_id: int, policy_version: int, prompts: list[list[int]], responses: list[list[int]],
+                log_probs: list[list[float]], rewards: list[float], group_ids: list[int],
+                finish_reasons: list[str], sampling: SamplingParamsLike, sample_versions: list[int] | None = None,
+                loss_masks: list[list[int]] | None = None, labels: list[str] | None = None,
+                metadata: dict[str, str] | None = None, producer: str = "") -> RolloutBatchData:
+    """Builds a batch from per-sample lists (what an engine naturally produces); `sampling` is the distribution
+    every sample was drawn from."""
+    n = len(prompts)
+    if not (len(responses) == len(log_probs) == len(rewards) == len(group_ids) == len(finish_reasons) == n):
+        raise WireError("build_batch: per-sample lists differ in length")
+    tokens = np.fromiter((t for p, r in zip(prompts, responses) for t in (*p, *r)), dtype=np.int32)
+    masks = loss_masks or [[1] * len(r) for r in responses]
+    return RolloutBatchData(
+        rollout_id=rollout_id, policy_version=policy_version, tokens=tokens,
+        prompt_lengths=np.array([len(p) for p in prompts], dtype=np.int32),
+        response_lengths=np.array([len(r) for r in responses], dtype=np.int32),
+        loss_mask=np.fromiter((m for ms in masks for m in ms), dtype=np.uint8),
+        rollout_log_probs=np.fromiter((x for lp in log_probs for x in lp), dtype=np.float32),
+        rewards=np.asarray(rewards, dtype=np.float32), group_ids=np.asarray(group_ids, dtype=np.int64),
+        sample_versions=np.asarray(sample_versions if sample_versions is not None else [policy_version] * n,
+                                   dtype=np.int64),
+        **sampling_arrays(n, sampling), finish_reasons=tuple(finish_reasons), labels=tuple(labels or ()),
+        metadata=dict(metadata or {}), producer=producer, created_unix_ns=time.time_ns())

@@ -1,0 +1,133 @@
+"""What `tandem run` checks before any service starts.
+
+A run that would fail on its inputs fails here, in about a second, with one line naming the config key,
+instead of after every service has loaded its model. Problems that do not stop a run (text the tokenizer
+cannot encode) are returned as warnings.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from pathlib import Path
+
+from services.contracts.config import ConfigError, TandemConfig
+from services.coordinator.data import DataSource, PromptRecord, load_prompts
+
+log = logging.getLogger("tandem.preflight")
+
+MAX_TOKENIZER_CHECKS = 20000   # prompts (and labels) encoded to look for unknown tokens
+
+
+def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[str]:
+    """Raises ConfigError for the first input that would stop the run; returns warnings."""
+    check_model(config, init_model=init_model)
+    records = check_data(config)
+    _check_reward(config.rollout.reward)
+    return unencodable_text(config, records)
+
+
+def check_data(config: TandemConfig) -> dict[str, list[PromptRecord]]:
+    """The data files load, and one step's batch fits the training set."""
+    train = _load("data.train_path", config.data.train_path, config)
+    try:
+        DataSource(train, batch_size=config.rollout.rollout_batch_size, shuffle=False, seed=0, num_epochs=1)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (data.train_path {config.data.train_path})") from None
+    records = {"data.train_path": train}
+    if config.data.eval_path:
+        records["data.eval_path"] = _load("data.eval_path", config.data.eval_path, config)
+    return records
+
+
+def check_model(config: TandemConfig, *, init_model: bool) -> None:
+    """model.path must hold a model; a random one is built there only when asked (`--init-model`)."""
+    path = Path(config.model.path)
+    if (path / "config.json").is_file():
+        return
+    if path.exists() and any(path.iterdir()):
+        raise ConfigError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
+    if not init_model:
+        hint = _near_miss(path)
+        raise ConfigError(f"model.path: {path} holds no model{hint}; point model.path at a Hugging Face model "
+                          f"directory, build a random-init one with `tandem init-model {path}`, or pass "
+                          "--init-model to `tandem run`")
+    from services.rollout.model_init import init_model as build
+
+    preset = config.model.init_preset or "tiny"
+    log.warning("--init-model: building a random-init %s model at %s", preset, path)
+    build(path, preset=preset)
+
+
+def already_finished(config: TandemConfig, *, run_dir: Path) -> str | None:
+    """The message to exit with when run_dir's latest checkpoint is of the run's last step (the coordinator
+    checks the same after loading it, for deployments without `tandem run`)."""
+    from services.coordinator.state import RunState
+    from services.trainer.checkpoint import STATE, checkpoint_root, default_base, latest_complete, read_json
+
+    base = default_base(checkpoint_dir=config.trainer.checkpoint_dir, run_dir=run_dir)
+    latest = latest_complete(checkpoint_root(base=base, role="actor"))
+    if latest is None:
+        return None
+    try:
+        saved = RunState.from_json(read_json(latest / STATE)["extra_state"]["coordinator"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None   # not a checkpoint of a run: the trainer's Load decides what it is
+    num_rollout = config.loop.num_rollout or DataSource.from_config(
+        config.data, batch_size=config.rollout.rollout_batch_size).num_rollout
+    if saved.next_rollout_id < num_rollout:
+        return None
+    return finished_message(done=saved.next_rollout_id, num_rollout=num_rollout, checkpoint=str(latest))
+
+
+def finished_message(*, done: int, num_rollout: int, checkpoint: str) -> str:
+    return (f"this run already finished: {done} of {num_rollout} rollouts trained, last checkpoint {checkpoint}; "
+            "raise loop.num_rollout to train further, or use a new --run-dir")
+
+
+def _near_miss(path: Path) -> str:
+    """' (did you mean X?)' when a sibling directory with a similar name holds a model: the usual typo."""
+    parent = path.parent
+    if not parent.is_dir():
+        return f" ({parent} does not exist either)"
+    models = [p.name for p in parent.iterdir() if (p / "config.json").is_file()]
+    close = difflib.get_close_matches(path.name, models, n=1, cutoff=0.6)
+    return f" (did you mean {parent / close[0]}?)" if close else ""
+
+
+def _load(key: str, path: str, config: TandemConfig) -> list[PromptRecord]:
+    try:
+        return load_prompts(path, prompt_key=config.data.prompt_key, label_key=config.data.label_key)
+    except (OSError, ValueError) as exc:   # missing, unreadable, not JSONL, empty, or no prompt key
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def _check_reward(spec: str) -> None:
+    from services.rollout.rewards import RewardSpecError, resolve_reward
+
+    try:
+        resolve_reward(spec)
+    except RewardSpecError as exc:
+        raise ConfigError(f"rollout.reward: {exc}") from None
+
+
+def unencodable_text(config: TandemConfig, records: dict[str, list[PromptRecord]]) -> list[str]:
+    """One warning per data file whose prompts or labels hold text the tokenizer maps to its unknown token:
+    the model can never read (or, for labels, write) it, which looks like a run that does not learn."""
+    from services.rollout.service import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+    unk = tokenizer.unk_token_id
+    if unk is None:   # byte-level tokenizers encode everything
+        return []
+    warnings = []
+    for key, rows in records.items():
+        rows = rows[:MAX_TOKENIZER_CHECKS]
+        for field, texts in (("prompt", [r.text for r in rows]), ("label", [r.label for r in rows])):
+            encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+            bad = [i for i, ids in enumerate(encoded) if unk in ids]
+            if bad:
+                warnings.append(f"{key}: {len(bad)} of {len(rows)} {field}s hold text the tokenizer of "
+                                f"{config.model.tokenizer_path or config.model.path} cannot encode (it becomes "
+                                f"{tokenizer.unk_token}); the first: {texts[bad[0]]!r}")
+    return warnings

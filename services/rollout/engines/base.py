@@ -1,0 +1,179 @@
+"""The inference-engine interface of the rollout service.
+
+Shaped after what SGLang offers an RL framework, so an `sglang` engine can sit behind the same calls:
+generation over token ids with per-token log-probs, weight updates from tensors / a process group /
+disk, pause and resume around a weight update, release and resume of GPU memory, and a state snapshot.
+Engines work on token ids only; tokenization and rewards belong to the service.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.contracts.gen.tandem.v1 import common_pb2
+
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+PAUSE_MODES = ("drain", "abort", "retract", "in_place")
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot serve right now (paused too long, memory released, weights missing). The service
+    reports it as FAILED_PRECONDITION; engines import only torch, so they also run where gRPC is absent."""
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How to sample. temperature 0 = greedy; top_p 1 and top_k 0 = off; seed None = nondeterministic.
+
+    Stop tokens end a sample like EOS does and are kept as its last token (the policy must learn to emit
+    them). `ignore_eos` keeps going past EOS (benchmarks)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"sampling.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """One generated sample. `log_probs[i]` is the log-probability of `token_ids[i]` under the
+    distribution it was drawn from (see services.rollout.engines.sampling.sampling_log_probs)."""
+
+    token_ids: tuple[int, ...]
+    log_probs: tuple[float, ...]
+    finish_reason: str            # "stop" | "length" | "abort"
+    weight_version: int           # engine weight version when this sample's generation started
+
+
+@dataclass(frozen=True)
+class WeightLoadStats:
+    version: int
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EngineState:
+    engine: str
+    model_path: str
+    device: str
+    weight_version: int
+    paused: bool
+    pause_mode: str
+    released_memory: tuple[str, ...]
+    in_flight: int
+    generated_samples: int
+    max_context_length: int
+
+
+class Engine(ABC):
+    """An inference engine owned by one rollout replica."""
+
+    name: ClassVar[str]
+
+    @property
+    @abstractmethod
+    def weight_version(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def max_context_length(self) -> int:
+        """Prompt + response tokens one sequence may hold."""
+
+    @property
+    def engine_ranks(self) -> int:
+        """Ranks this engine contributes to a weight-sync process group (tensor-parallel size)."""
+        return 1
+
+    def validate_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """ValueError naming the first prompt that cannot be generated from."""
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} has no tokens")
+            if len(prompt) >= self.max_context_length:
+                raise ValueError(f"prompt {i} has {len(prompt)} tokens; the model's context holds "
+                                 f"{self.max_context_length}, leaving no room to generate")
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingOptions, *,
+                 wait_timeout_s: float | None = None) -> list[SampleOutput]:
+        """One output per prompt, in order. While paused, waits up to `wait_timeout_s` for a resume."""
+
+    @abstractmethod
+    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                                    version: int | None = None) -> WeightLoadStats:
+        """Copies tensors in place by name (a full state dict or one bucket of it); `version` set = the
+        update is complete and the engine now serves that version."""
+
+    @abstractmethod
+    def update_weights_from_disk(self, path: str | Path, *, version: int) -> WeightLoadStats:
+        """Loads every *.safetensors file in `path` (a model directory or a weight dump)."""
+
+    @abstractmethod
+    def receive_weights(self, plan: common_pb2.WeightSyncPlan, *, rank_offset: int, receiver: Any) -> Any:
+        """Takes part in a transfer announced by the trainer (process group, CUDA IPC or disk) through
+        `receiver` (services.weights.WeightReceiver); serves `plan.version` afterwards."""
+
+    @abstractmethod
+    def pause(self, mode: str = "drain", *, timeout_s: float | None = None) -> None:
+        """drain: running requests finish, new ones wait; abort: running requests end now with finish
+        reason abort; in_place / retract: running requests stop at the next token and continue on resume."""
+
+    @abstractmethod
+    def resume(self) -> None: ...
+
+    @abstractmethod
+    def release_memory(self, tags: Sequence[str] = ()) -> None:
+        """Frees device memory for `tags` (kv_cache, weights, cuda_graph; empty = all)."""
+
+    @abstractmethod
+    def resume_memory(self, tags: Sequence[str] = ()) -> None: ...
+
+    @abstractmethod
+    def get_state(self) -> EngineState: ...
+
+    def close(self) -> None:
+        """Releases what the engine holds; the object is unusable afterwards."""
+
+
+def normalize_memory_tags(tags: Sequence[str]) -> tuple[str, ...]:
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"unknown memory tag(s) {unknown}; known: {', '.join(MEMORY_TAGS)}")
+    return tuple(tags) or MEMORY_TAGS
+
+
+def check_pause_mode(mode: str) -> str:
+    mode = mode or "drain"
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"unknown pause mode {mode!r}; known: {', '.join(PAUSE_MODES)}")
+    return mode

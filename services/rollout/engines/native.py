@@ -1,0 +1,560 @@
+"""The `native` engine: a Hugging Face causal LM driven by a batched, KV-cached sampling loop in torch.
+
+Runs anywhere torch runs (CPU in CI, one GPU for real work). Prompts are left-padded into one batch.
+Two decode paths (`decode=`):
+- "dynamic": the model's own forward with a Hugging Face DynamicCache; finished rows are dropped from the
+  batch (and its KV cache) as they finish, so short answers do not pay for long ones. The CPU default.
+- "graph" (the CUDA default for Llama/Qwen2) / "compile" / "static": a preallocated KV cache of a fixed
+  (batch, length) bucket and, for "graph", a CUDA-graph-captured decode step (static_decode.py); "compile"
+  captures the torch.compile'd step instead (fewer, fused kernels; its first call per bucket compiles);
+  sampling stays on the device and the loop checks for finished rows every `_SYNC_EVERY` tokens.
+Calls are served one at a time; the `_Gate` below implements pause/resume and keeps weight loads from
+overlapping a forward pass. For cuda_ipc weight syncs the parameters are re-pointed once into flat buffers
+laid out like the trainer's buckets (`flatten_parameters`), so each later sync is one copy per bucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from services.rollout.engines.base import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Engine,
+    EngineState,
+    EngineUnavailable,
+    SampleOutput,
+    SamplingOptions,
+    WeightLoadStats,
+    check_pause_mode,
+    normalize_memory_tags,
+)
+from services.rollout.engines.sampling import make_generator, sample_next
+from services.rollout.engines.static_decode import RunnerCache, supported
+
+if TYPE_CHECKING:
+    from services.weights.layout import Layout
+
+log = logging.getLogger(__name__)
+
+_REASONS = (None, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)   # codes 0..3 in the loop's reason tensor
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DECODE_MODES = ("auto", "dynamic", "static", "graph", "compile")
+_SYNC_EVERY = 8        # static path: tokens between host checks for "every row finished"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"rollout.device is {device!r} but CUDA is not available here")
+    return dev
+
+
+class _Gate:
+    """Admission and token-boundary control.
+
+    `admitted` counts calls inside generate (queued or running); `running` counts those computing right
+    now (holding the compute lock and not parked). Pausing waits for the mode's condition; weight loads
+    and memory moves wait for running == 0 and keep everyone out while they work.
+    """
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.compute = threading.Lock()
+        self.paused = False
+        self.mode = "drain"
+        self.exclusive_held = False
+        self.admitted = 0
+        self.running = 0
+
+    @contextlib.contextmanager
+    def admit(self, wait_timeout_s: float | None) -> Iterator[None]:
+        with self.cv:
+            if not self.cv.wait_for(lambda: not self.paused, timeout=wait_timeout_s):
+                raise EngineUnavailable(f"rollout engine is paused ({self.mode}, e.g. for a weight update) and "
+                                        f"was not resumed within {wait_timeout_s:.0f}s")
+            self.admitted += 1
+        try:
+            with self.compute:
+                with self.cv:
+                    self.cv.wait_for(lambda: not self.exclusive_held)
+                    self.running += 1
+                try:
+                    yield
+                finally:
+                    with self.cv:
+                        self.running -= 1
+                        self.cv.notify_all()
+        finally:
+            with self.cv:
+                self.admitted -= 1
+                self.cv.notify_all()
+
+    def boundary(self) -> bool:
+        """Called between decode steps; True = abort now."""
+        with self.cv:
+            if self.paused and self.mode == "abort":
+                return True
+            if self.paused and self.mode in ("in_place", "retract"):
+                self.running -= 1
+                self.cv.notify_all()
+                self.cv.wait_for(lambda: not (self.paused and self.mode in ("in_place", "retract"))
+                                 and not self.exclusive_held)
+                self.running += 1
+            return False
+
+    def pause(self, mode: str, timeout_s: float | None) -> None:
+        with self.cv:
+            self.paused, self.mode = True, mode
+            self.cv.notify_all()
+            done = (lambda: self.running == 0) if mode in ("in_place", "retract") else (lambda: self.admitted == 0)
+            if not self.cv.wait_for(done, timeout=timeout_s):
+                raise TimeoutError(f"pause({mode}) did not complete within {timeout_s}s "
+                                   f"({self.admitted} generate calls in flight)")
+
+    def resume(self) -> None:
+        with self.cv:
+            self.paused, self.mode = False, "drain"
+            self.cv.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """No forward pass runs while inside. Without a pause this waits for the running call to finish
+        (its samples keep one weight version); parked in_place / retract calls stay parked."""
+        with self.cv:
+            self.cv.wait_for(lambda: not self.exclusive_held)
+            self.exclusive_held = True
+            self.cv.wait_for(lambda: self.running == 0)
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.exclusive_held = False
+                self.cv.notify_all()
+
+
+@dataclass
+class _Chunk:
+    """One left-padded batch of prompts, on the engine's device."""
+
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    budget: torch.Tensor        # new tokens each row may produce (max_new_tokens, capped by the context)
+    steps: int
+    stop_ids: torch.Tensor
+    n: int
+    width: int
+
+
+class NativeEngine(Engine):
+    name = "native"
+
+    def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "float32",
+                 attn_implementation: str = "sdpa", max_batch_size: int = 512,
+                 max_context_length: int | None = None, eos_token_ids: Sequence[int] | None = None,
+                 decode: str = "auto"):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} does not exist or has no config.json "
+                                    f"(create one with `tandem init-model {path} --preset tiny`)")
+        hf_logging.disable_progress_bar()
+        self.model_path = str(path)
+        self.device = resolve_device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation).to(self.device).eval()
+        self.model.requires_grad_(False)
+        cfg = self.model.config
+        self.vocab_size = int(cfg.vocab_size)
+        model_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 1 << 30
+        self._max_context = min(max_context_length or model_ctx, model_ctx)
+        self.max_batch_size = max_batch_size
+        self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(self.model)
+        self.pad_token_id = _pad_id(self.model, self.eos_token_ids)
+        self._gate = _Gate()
+        self._version = 0
+        self._generated = 0
+        self._released: set[str] = set()
+        self._params_without_values: set[str] = set()    # after release_memory("weights") on CPU
+        self._offloaded: dict[str, tuple[torch.device, torch.Size]] = {}    # released weights: where, what shape
+        # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns); 5.1x knows only the old.
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+            else "past_key_values"
+        self.decode_mode = self._resolve_decode(decode)
+        self._runners: RunnerCache | None = None       # static/graph decode: caches (and graphs) by bucket
+        # after flatten_parameters: (layout key, FlatParams of every parameter, or None when some slot of the
+        # layout is not one of ours: then a receive plans its copies per tensor)
+        self._flat: tuple[Any, Any] | None = None
+
+    def _resolve_decode(self, decode: str) -> str:
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
+        why = supported(self.model)
+        if decode == "auto":
+            if self.device.type == "cuda" and why is None:
+                return "graph"
+            return "dynamic"
+        if decode in ("static", "graph", "compile") and why is not None:
+            raise ValueError(f"decode={decode!r}: the static decode path does not support {why}")
+        if decode in ("graph", "compile") and self.device.type != "cuda":
+            raise ValueError(f"decode={decode!r} needs a CUDA device (use 'static' for the same path without graphs)")
+        return decode
+
+    def _drop_runners(self) -> None:
+        """Parameter storage moved (or memory is being released): captured graphs point at the old one."""
+        if self._runners is not None:
+            self._runners.clear()
+        self._runners = None
+
+    # ---- properties --------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def max_context_length(self) -> int:
+        return self._max_context
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter under every name it has (tied weights appear under each), for receivers that
+        copy in place."""
+        return dict(self.model.named_parameters(remove_duplicate=False))
+
+    # ---- generation --------------------------------------------------------------------------------
+
+    def validate_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        super().validate_prompts(prompts)
+        for i, prompt in enumerate(prompts):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {self.vocab_size})")
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingOptions, *,
+                 wait_timeout_s: float | None = None) -> list[SampleOutput]:
+        self.validate_prompts(prompts)
+        if not prompts:
+            return []
+        with self._gate.admit(wait_timeout_s):
+            self._check_servable()
+            version = self._version
+            generator = make_generator(sampling.seed, self.device)
+            out: list[SampleOutput] = []
+            with torch.inference_mode():
+                for start in range(0, len(prompts), self.max_batch_size):
+                    chunk = prompts[start:start + self.max_batch_size]
+                    out += self._generate_chunk(chunk, sampling, generator, version)
+            self._generated += len(out)
+            return out
+
+    def _check_servable(self) -> None:
+        if self._released:
+            raise EngineUnavailable(f"rollout engine memory is released ({', '.join(sorted(self._released))}); "
+                                    "call ResumeMemory first")
+        if self._params_without_values:
+            raise EngineUnavailable(f"{len(self._params_without_values)} parameters have no values since "
+                                    "release_memory('weights'); load or receive weights first")
+
+    def _prepare_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingOptions) -> _Chunk:
+        dev, n = self.device, len(prompts)
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):      # left padding, built on the host and copied once
+            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        input_ids, mask = input_ids.to(dev), mask.to(dev)
+        budget = torch.clamp(self._max_context - lengths, max=sampling.max_new_tokens)
+        stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids)
+                                       | (set() if sampling.ignore_eos else set(self.eos_token_ids))),
+                                dtype=torch.long, device=dev)
+        return _Chunk(input_ids=input_ids, mask=mask, positions=(mask.cumsum(-1) - 1).clamp(min=0), budget=budget,
+                      steps=int(budget.max()), stop_ids=stop_ids, n=n, width=width)
+
+    def _generate_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingOptions,
+                        generator: torch.Generator | None, version: int) -> list[SampleOutput]:
+        c = self._prepare_chunk(prompts, sampling)
+        if self.decode_mode != "dynamic":
+            return self._generate_static(c, sampling, generator, version)
+        dev, n, steps, budget, stop_ids, mask = c.input_ids.device, c.n, c.steps, c.budget, c.stop_ids, c.mask
+        out_tokens = torch.zeros((n, steps), dtype=torch.long, device=dev)
+        out_lp = torch.zeros((n, steps), dtype=torch.float32, device=dev)
+        n_out = torch.zeros(n, dtype=torch.long, device=dev)
+        reason = torch.zeros(n, dtype=torch.long, device=dev)     # index into _REASONS; 0 = still running
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        rows = torch.arange(n, device=dev)      # original index of each row still in the batch
+        done = torch.zeros(n, dtype=torch.bool, device=dev)
+        logits = self._forward(c.input_ids, mask, c.positions, cache)
+        next_pos = c.positions[:, -1] + 1
+        for step in range(steps):
+            tokens, lps = sample_next(logits, sampling, generator)
+            # No boolean-mask indexing here: it would cost a device sync per op on a GPU.
+            out_tokens[rows, step], out_lp[rows, step] = tokens, lps
+            lengths_now = n_out[rows] + (~done).long()
+            n_out[rows] = lengths_now
+            hit_stop = ~done & torch.isin(tokens, stop_ids)
+            hit_len = ~done & ~hit_stop & (lengths_now >= budget[rows])
+            reason[rows] = torch.where(hit_stop, 1, torch.where(hit_len, 2, reason[rows]))
+            done = done | hit_stop | hit_len
+            n_done = int(done.sum())                  # the loop's one host sync per token
+            if n_done == done.numel():
+                break
+            if self._gate.boundary():
+                reason[rows[~done]] = 3
+                break
+            if n_done * 4 >= done.numel():            # compact when a quarter of the rows are finished
+                keep = (~done).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                rows, done, mask, next_pos, tokens = rows[keep], done[keep], mask[keep], next_pos[keep], tokens[keep]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            logits = self._forward(tokens.unsqueeze(-1), mask, next_pos.unsqueeze(-1), cache)
+            next_pos = next_pos + 1
+        return _collect(out_tokens, out_lp, n_out, reason, version)
+
+    def _generate_static(self, c: _Chunk, sampling: SamplingOptions, generator: torch.Generator | None,
+                         version: int) -> list[SampleOutput]:
+        """Fixed-shape decode (static_decode.py): every row steps until the whole batch is done; finished
+        rows keep computing but their tokens are not counted. No host sync except every _SYNC_EVERY tokens."""
+        dev, n, steps = c.input_ids.device, c.n, c.steps
+        if self._runners is None:
+            self._runners = RunnerCache(self.model, graphs=self.decode_mode in ("graph", "compile"),
+                                        compile=self.decode_mode == "compile")
+        runners = self._runners        # a local: a weight update while parked may drop self._runners
+        runner = runners.get(n, c.width + steps)
+        ids, mask, positions = c.input_ids, c.mask, c.positions
+        if runner.batch > n:                          # batch padding: repeat row 0, results dropped
+            pad = runner.batch - n
+            ids, mask, positions = (torch.cat([t, t[:1].expand(pad, -1)]) for t in (ids, mask, positions))
+        logits = runner.prefill(ids, positions, mask)          # [runner.batch, vocab]: padded rows sampled too
+        next_pos = c.positions[:, -1] + 1
+        out_tokens = torch.zeros((n, steps), dtype=torch.long, device=dev)
+        out_lp = torch.zeros((n, steps), dtype=torch.float32, device=dev)
+        n_out = torch.zeros(n, dtype=torch.long, device=dev)
+        reason = torch.zeros(n, dtype=torch.long, device=dev)
+        done = torch.zeros(n, dtype=torch.bool, device=dev)
+        for step in range(steps):
+            tokens, lps = runners.sample(logits, sampling, generator)
+            tokens, lps = tokens[:n], lps[:n]
+            out_tokens[:, step], out_lp[:, step] = tokens, lps
+            n_out += (~done).long()
+            hit_stop = ~done & torch.isin(tokens, c.stop_ids)
+            hit_len = ~done & ~hit_stop & (n_out >= c.budget)
+            reason = torch.where(hit_stop, 1, torch.where(hit_len, 2, reason))
+            done = done | hit_stop | hit_len
+            if step == steps - 1 or (step % _SYNC_EVERY == _SYNC_EVERY - 1 and bool(done.all())):
+                break
+            if self._gate.boundary():
+                reason = torch.where(done, reason, 3)
+                break
+            logits = runner.step(tokens, next_pos, c.width + step)
+            next_pos = next_pos + 1
+        return _collect(out_tokens, out_lp, n_out, reason, version)
+
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 cache: Any) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kwarg: cache})
+        return out.logits[:, -1, :]
+
+    # ---- weights -----------------------------------------------------------------------------------
+
+    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                                    version: int | None = None) -> WeightLoadStats:
+        start = time.monotonic()
+        count = nbytes = 0
+        # A failure part-way leaves a mix of old and new tensors under the old version: load again.
+        with self._gate.exclusive(), torch.no_grad():
+            self._check_weights_resident()
+            targets = self._weight_targets()
+            for name, tensor in named_tensors:
+                target = targets.get(name)
+                if target is None:
+                    raise KeyError(f"weight {name!r} is not a parameter or buffer of the model")
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's "
+                                     f"{tuple(target.shape)}")
+                target.copy_(tensor)
+                self._params_without_values.discard(name)
+                count += 1
+                nbytes += tensor.numel() * tensor.element_size()
+            if version is not None:
+                self._version = int(version)
+        return WeightLoadStats(version=self._version, tensors=count, bytes=nbytes, seconds=time.monotonic() - start)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], *, version: int) -> WeightLoadStats:
+        """A full update: every parameter must be present (aliases of tied weights may be omitted)."""
+        missing = [n for n, p in self.model.named_parameters() if n not in state_dict]
+        if missing:
+            raise ValueError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        return self.update_weights_from_tensors(state_dict.items(), version=version)
+
+    def update_weights_from_disk(self, path: str | Path, *, version: int) -> WeightLoadStats:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f), device="cpu"))
+        return self.load_state_dict(state, version=version)
+
+    def receive_weights(self, plan: Any, *, rank_offset: int, receiver: Any) -> Any:
+        with self._gate.exclusive():
+            self._check_weights_resident()
+            if plan.transport == "cuda_ipc" and self.device.type == "cuda":
+                from services.weights.layout import layout_from_plan
+
+                self.flatten_parameters(layout_from_plan(plan))
+            params = self._flat[1] if self._flat is not None and self._flat[1] is not None else \
+                {n: p.data for n, p in self.named_parameters().items()}
+            stats = receiver.receive(plan, rank_offset, params)
+            names = {m.name for b in plan.buckets for m in b.tensors}
+            self._params_without_values -= names
+            self._version = int(plan.version)
+        return stats
+
+    def flatten_parameters(self, layout: Layout) -> int:
+        """Re-point every parameter the layout names (same dtype and shape) to a view of one flat buffer laid
+        out like the trainer's buckets (cuda_ipc.flat_views), so a cuda_ipc receive copies each bucket with
+        one copy. Values are kept. Idempotent for the same layout; returns how many parameters moved.
+        Call it where no forward pass runs (receive_weights does, under the gate)."""
+        from services.weights.transports.cuda_ipc import FlatParams, flat_views
+
+        if self._flat is not None and self._flat[0] == layout.key:
+            return 0
+        params = self.named_parameters()
+        by_name = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
+        wanted = [s for s in layout.order if s.name in params and params[s.name].dtype == s.dtype
+                  and tuple(params[s.name].shape) == s.shape]
+        flat, views = flat_views(layout, self.device, names={s.name for s in wanted})
+        moved, seen = 0, set()
+        with torch.no_grad():
+            for slot in wanted:
+                param = by_name[slot.name]
+                if id(param) in seen:            # a tied weight named twice: it lives in its first slot
+                    continue
+                seen.add(id(param))
+                views[slot.name].copy_(param.data)
+                param.data = views[slot.name]
+                moved += 1
+        complete = len(wanted) == len(layout.order)
+        self._flat = (layout.key, FlatParams({n: p.data for n, p in self.named_parameters().items()}, flat=flat,
+                                             layout_key=layout.key) if complete else None)
+        self._drop_runners()
+        return moved
+
+    def _check_weights_resident(self) -> None:
+        if "weights" in self._released:
+            raise EngineUnavailable("rollout engine weights are released; call ResumeMemory before loading weights")
+
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        targets = {n: p.data for n, p in self.named_parameters().items()}
+        for n, b in self.model.named_buffers():
+            targets.setdefault(n, b)
+        return targets
+
+    # ---- pause / memory / state --------------------------------------------------------------------
+
+    def pause(self, mode: str = "drain", *, timeout_s: float | None = None) -> None:
+        self._gate.pause(check_pause_mode(mode), timeout_s)
+
+    def resume(self) -> None:
+        self._gate.resume()
+
+    def release_memory(self, tags: Sequence[str] = ()) -> None:
+        tags = normalize_memory_tags(tags)
+        with self._gate.exclusive():
+            if "weights" in tags and "weights" not in self._released:
+                self._release_weights()
+            # Static caches and CUDA graphs live in the runners (dropped here: any release frees them); the
+            # dynamic KV cache lives only inside a generate call. Then the allocator's cached blocks go back.
+            self._drop_runners()
+            self._released.update(tags)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _release_weights(self) -> None:
+        # On a GPU the weights move to host memory (kept); on CPU there is nowhere cheaper to put them,
+        # so their storage is freed (an empty tensor keeps the Parameter object and its name) and they
+        # must be loaded again before the next generate.
+        for name, p in self.model.named_parameters():
+            self._offloaded[name] = (p.device, p.shape)
+            p.data = p.data.to("cpu") if self.device.type == "cuda" else torch.empty(0, dtype=p.dtype)
+        self._flat = None      # the flat buffer goes with them; the next cuda_ipc receive flattens again
+
+    def resume_memory(self, tags: Sequence[str] = ()) -> None:
+        tags = normalize_memory_tags(tags)
+        with self._gate.exclusive():
+            if "weights" in tags and "weights" in self._released:
+                for name, p in self.model.named_parameters():
+                    device, shape = self._offloaded[name]
+                    if self.device.type == "cuda":
+                        p.data = p.data.to(device)
+                    else:
+                        p.data = torch.empty(shape, dtype=p.dtype, device=device)
+                        self._params_without_values.add(name)
+                self._offloaded.clear()
+                self._drop_runners()
+            self._released.difference_update(tags)
+
+    def get_state(self) -> EngineState:
+        gate = self._gate
+        return EngineState(engine=self.name, model_path=self.model_path, device=str(self.device),
+                           weight_version=self._version, paused=gate.paused,
+                           pause_mode=gate.mode if gate.paused else "",
+                           released_memory=tuple(sorted(self._released)), in_flight=gate.admitted,
+                           generated_samples=self._generated, max_context_length=self._max_context)
+
+    def close(self) -> None:
+        self._drop_runners()
+        self._flat = None
+        self.model = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _collect(tokens: torch.Tensor, lps: torch.Tensor, lengths: torch.Tensor, reason: torch.Tensor,
+             version: int) -> list[SampleOutput]:
+    tokens_l, lps_l = tokens.cpu().tolist(), lps.cpu().tolist()
+    lengths_l, reason_l = lengths.cpu().tolist(), reason.cpu().tolist()
+    return [SampleOutput(token_ids=tuple(t[:k]), log_probs=tuple(lp[:k]), finish_reason=_REASONS[r] or FINISH_LENGTH,
+                         weight_version=version)
+            for t, lp, k, r in zip(tokens_l, lps_l, lengths_l, reason_l)]
+
+
+def _eos_ids(model: Any) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return tuple(sorted(ids))
+
+
+def _pad_id(model: Any, eos: tuple[int, ...]) -> int:
+    pad = getattr(model.config, "pad_token_id", None)
+    if pad is None and model.generation_config is not None:
+        pad = model.generation_config.pad_token_id
+    return int(pad) if pad is not None else (eos[0] if eos else 0)

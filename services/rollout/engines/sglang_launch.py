@@ -1,0 +1,119 @@
+"""Launching an SGLang server for the rollout service (rollout.engine: sglang with no rollout.sglang.urls).
+
+    python -m sglang.launch_server --model-path MODEL --host 127.0.0.1 --port PORT [--api-key K] [launch_args...]
+
+Flags are those of `sglang/srt/server_args.py` (ServerArgs.add_cli_args; 0.5.x): --model-path, --host, --port,
+--api-key, and whatever the user adds in rollout.sglang.launch_args (e.g. --tp-size 2, --enable-memory-saver,
+--mem-fraction-static 0.7). Never started on the machines this was written on: SGLang needs a CUDA GPU and is not
+installed there; tests check the command and the error for a missing sglang package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.rollout.engines.sglang_http import SGLangClient, SGLangError
+
+log = logging.getLogger(__name__)
+
+RESERVED_FLAGS = ("--model-path", "--host", "--port", "--api-key")
+
+
+class SGLangNotInstalled(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    model_path: str
+    port: int
+    host: str = "127.0.0.1"
+    api_key: str | None = None
+    extra_args: tuple[str, ...] = ()
+    python: str = sys.executable
+
+    def command(self) -> list[str]:
+        clash = [a for a in self.extra_args if a.split("=", 1)[0] in RESERVED_FLAGS]
+        if clash:
+            raise ValueError(f"rollout.sglang.launch_args must not set {', '.join(clash)}: the rollout service "
+                             f"sets the model path, host, port and API key of the server it launches")
+        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", self.host,
+               "--port", str(self.port)]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        return cmd + list(self.extra_args)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def sglang_installed(python: str = sys.executable) -> bool:
+    if python == sys.executable:
+        return importlib.util.find_spec("sglang") is not None
+    probe = subprocess.run([python, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('sglang') "
+                                          "is None)"], capture_output=True, timeout=60)
+    return probe.returncode == 0
+
+
+def require_sglang(python: str = sys.executable) -> None:
+    if not sglang_installed(python):
+        raise SGLangNotInstalled(
+            f"rollout.engine is sglang and rollout.sglang.urls is empty, so the rollout service would launch "
+            f"`{python} -m sglang.launch_server`, but the sglang package is not installed for {python}. Install it "
+            f"(pip install 'tandem-rl[sglang]'; it needs a CUDA GPU — there is no CPU backend) or list running "
+            f"servers in rollout.sglang.urls")
+
+
+class LaunchedServer:
+    """A server process this rollout service started and owns (stopped with the engine)."""
+
+    def __init__(self, spec: LaunchSpec, *, log_path: Path | None = None):
+        require_sglang(spec.python)
+        self.spec = spec
+        # its output goes where the rollout service's goes (tandem run keeps it in logs/), unless a file is given
+        self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - closed in stop()
+        log.info("launching SGLang: %s", " ".join(spec.command()))
+        self.process = subprocess.Popen(spec.command(), stdout=self._log,
+                                        stderr=subprocess.STDOUT if self._log else None, env={**os.environ},
+                                        start_new_session=True)
+
+    def wait_healthy(self, *, timeout_s: float) -> None:
+        client = SGLangClient(self.spec.url, api_key=self.spec.api_key)
+        deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise RuntimeError(f"the SGLang server launched for {self.spec.model_path} exited with code {code} "
+                                   f"before becoming healthy (command: {' '.join(self.spec.command())})")
+            try:
+                client.get("/health_generate", timeout_s=min(30.0, max(1.0, deadline - time.monotonic())))
+                return
+            except SGLangError as exc:
+                last = str(exc)
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"the SGLang server at {self.spec.url} was not healthy within {timeout_s:g}s "
+                           f"(rollout.sglang.startup_timeout_s); last answer: {last}")
+
+    def stop(self, *, grace_s: float = 20.0) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, 15)
+            except ProcessLookupError:
+                pass
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, 9)
+                self.process.wait(timeout=grace_s)
+        if self._log is not None:
+            self._log.close()

@@ -1,0 +1,43 @@
+"""Weight sync trainer -> rollout engines: bucketing, transports (gloo, nccl, cuda_ipc, disk), front ends.
+
+    publisher = WeightPublisher(config=cfg.weights, run_dir=run_dir, trainer_id="actor-0")
+    plan = publisher.prepare(specs, version, engine_world_size, verify)      # trainer.PrepareWeightSync
+    receiver.receive(plan, rank_offset, params)  ||  publisher.publish(plan, named_tensors)   # concurrently
+
+See docs/CONTRACTS.md ("Weight sync") and each transport module for its handshake.
+"""
+
+from services.weights.api import WeightPublisher, WeightReceiver
+from services.weights.base import (
+                                          Deadline,
+                                          Received,
+                                          ReceiverTransport,
+                                          SenderTransport,
+                                          SyncStats,
+                                          WeightSyncError,
+                                          WeightSyncPeerLost,
+                                          WeightSyncRefused,
+                                          WeightSyncTimeout,
+                                          register_transport,
+                                          transport_names,
+)
+from services.weights.layout import (
+                                          Layout,
+                                          TensorSpec,
+                                          check_params,
+                                          layout_from_plan,
+                                          plan_layout,
+                                          specs_from_tensors,
+                                          tensor_checksum,
+)
+from services.weights.transports import cuda_ipc as _cuda_ipc  # noqa: F401 - registers "cuda_ipc"
+from services.weights.transports import disk as _disk  # noqa: F401 - registers "disk"
+from services.weights.transports import pg as _pg  # noqa: F401 - registers "gloo" and "nccl"
+from services.weights.transports import sglang as _sglang  # noqa: F401 - "gloo"/"nccl" senders that also speak SGLang
+
+__all__ = [
+    "Deadline", "Layout", "Received", "ReceiverTransport", "SenderTransport", "SyncStats", "TensorSpec",
+    "WeightPublisher", "WeightReceiver", "WeightSyncError", "WeightSyncPeerLost", "WeightSyncRefused",
+    "WeightSyncTimeout", "check_params", "layout_from_plan", "plan_layout", "register_transport",
+    "specs_from_tensors", "tensor_checksum", "transport_names",
+]

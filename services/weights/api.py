@@ -1,0 +1,199 @@
+"""The two front ends: `WeightPublisher` (trainer rank 0) and `WeightReceiver` (each engine rank).
+
+They do the transport-neutral work — layout, validation of both sides against the plan, checksums, stats —
+and delegate the moving of bytes to the transport the plan names (base.SenderTransport/ReceiverTransport).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from services.contracts.config import WeightsConfig
+from services.contracts.gen.tandem.v1 import common_pb2
+from services.weights.base import (
+    Deadline,
+    ReceiverTransport,
+    SenderTransport,
+    SyncStats,
+    WeightSyncError,
+    WeightSyncRefused,
+    receiver_factory,
+    sender_factory,
+)
+from services.weights.layout import (
+    Layout,
+    Slot,
+    TensorSpec,
+    check_params,
+    iter_validated,
+    layout_from_plan,
+    layout_to_buckets,
+    plan_layout,
+    tensor_checksum,
+)
+
+_MAX_LISTED = 20   # mismatches listed in one error message
+
+
+class WeightPublisher:
+    """Trainer rank 0's side: `prepare` announces a plan, `publish` sends the tensors of that plan."""
+
+    def __init__(self, *, transport: str | SenderTransport | None = None, config: WeightsConfig, run_dir: Path,
+                 trainer_id: str):
+        if isinstance(transport, SenderTransport):
+            self._transport = transport
+        else:
+            self._transport = sender_factory(transport or config.transport)(config, Path(run_dir), trainer_id)
+        self._config = config
+        self._trainer_id = trainer_id
+        self._prepared: tuple[bytes, Layout] | None = None   # (serialized plan, layout)
+        self._lock = threading.Lock()
+
+    @property
+    def transport(self) -> str:
+        return self._transport.name
+
+    def prepare(self, specs: Sequence[TensorSpec], version: int, engine_world_size: int,
+                verify: bool = False) -> common_pb2.WeightSyncPlan:
+        if engine_world_size < 1:
+            raise ValueError(f"engine_world_size must be at least 1, got {engine_world_size}")
+        if version < 0:
+            raise ValueError(f"weight version must be >= 0, got {version}")
+        layout = plan_layout(list(specs), bucket_bytes=max(1, int(self._config.bucket_mb * 2**20)))
+        plan = common_pb2.WeightSyncPlan(
+            version=version, transport=self._transport.name, buckets=layout_to_buckets(layout),
+            timeout_s=self._config.timeout_s, verify=verify, total_bytes=layout.total_bytes,
+            trainer_id=self._trainer_id)
+        with self._lock:
+            self._transport.prepare(plan=plan, layout=layout, engine_world_size=engine_world_size)
+            self._prepared = (plan.SerializeToString(deterministic=True), layout)
+        return plan
+
+    def publish(self, plan: common_pb2.WeightSyncPlan,
+                named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+        """Send `named_tensors` (in the order of the specs given to prepare); returns once every receiver has
+        its copy (process groups, cuda_ipc) or the files are in place (disk)."""
+        if not self._lock.acquire(blocking=False):
+            raise WeightSyncError(f"{self.transport} weight sync v{plan.version}: a publish is already running")
+        try:
+            if self._prepared is None or self._prepared[0] != plan.SerializeToString(deterministic=True):
+                raise ValueError(f"{self.transport} weight sync v{plan.version}: publish needs the plan returned by "
+                                 f"this publisher's latest prepare")
+            layout = self._prepared[1]
+            checksums: dict[str, str] = {}
+            deadline = Deadline(plan.timeout_s)
+            started = time.monotonic()
+            with torch.no_grad():
+                waited = self._transport.publish(
+                    plan=plan, layout=layout, deadline=deadline, checksums=checksums,
+                    tensors=self._validated(plan=plan, layout=layout, named_tensors=named_tensors, checksums=checksums))
+            elapsed = time.monotonic() - started
+            return SyncStats(version=plan.version, bytes=layout.total_bytes, seconds=elapsed - waited,
+                             checksums=checksums, transport=self.transport, wait_seconds=waited)
+        finally:
+            self._lock.release()
+
+    @staticmethod
+    def _validated(*, plan: common_pb2.WeightSyncPlan, layout: Layout,
+                   named_tensors: Iterable[tuple[str, torch.Tensor]],
+                   checksums: dict[str, str]) -> Iterator[tuple[Slot, torch.Tensor]]:
+        where = f"{plan.transport} weight sync v{plan.version} (trainer)"
+        for slot, tensor in iter_validated(layout, named_tensors, where=where):
+            if plan.verify:
+                checksums[slot.name] = tensor_checksum(tensor)
+            yield slot, tensor
+
+    def release(self) -> None:
+        """Free buffers kept for receivers (cuda_ipc); the next prepare allocates again."""
+        with self._lock:
+            self._transport.release()
+
+    def close(self) -> None:
+        with self._lock:
+            self._transport.close()
+            self._prepared = None
+
+
+class WeightReceiver:
+    """An engine rank's side: `receive` copies a plan's tensors into `params` in place."""
+
+    def __init__(self, accepted_trainer_id: str | None = None):
+        self.accepted_trainer_id = accepted_trainer_id
+        self._transports: dict[str, ReceiverTransport] = {}
+        self._lock = threading.Lock()
+
+    def _transport(self, name: str) -> ReceiverTransport:
+        if name not in self._transports:
+            self._transports[name] = receiver_factory(name)()
+        return self._transports[name]
+
+    def receive(self, plan: common_pb2.WeightSyncPlan, rank_offset: int,
+                params: Mapping[str, torch.Tensor]) -> SyncStats:
+        """Everything is checked before joining any transfer; a refusal is posted to the trainer (process
+        groups, cuda_ipc) so it fails at once rather than at its deadline. With `plan.verify` the returned
+        checksums are computed from `params` after the copy, and compared here with the trainer's where the plan
+        (TensorMeta.checksum) or the transport (disk manifest) carries them: a difference raises WeightSyncError.
+        On a failure mid-transfer `params` may hold a mix of versions: sync again before generating."""
+        with self._lock:
+            transport = self._transport(plan.transport)
+            deadline = Deadline(plan.timeout_s if plan.timeout_s > 0 else 120.0)
+            where = f"{plan.transport} weight sync v{plan.version} (engine rank {rank_offset})"
+            if self.accepted_trainer_id and plan.trainer_id != self.accepted_trainer_id:
+                reason = f"trainer {plan.trainer_id!r} is not the accepted trainer {self.accepted_trainer_id!r}"
+                transport.refuse(plan=plan, rank=rank_offset, reason=reason, deadline=deadline)
+                raise WeightSyncRefused(f"{where}: {reason}")
+            layout, problems = self._check(plan=plan, rank_offset=rank_offset, params=params)
+            if problems:
+                reason = f"{len(problems)} problem(s) with the plan or params: " + "; ".join(problems[:_MAX_LISTED])
+                transport.refuse(plan=plan, rank=rank_offset, reason=reason, deadline=deadline)
+                raise ValueError(f"{where}: {reason}")
+            assert layout is not None
+            started = time.monotonic()
+            with torch.no_grad():
+                received = transport.receive(plan=plan, layout=layout, rank=rank_offset, params=params,
+                                             deadline=deadline)
+            elapsed = time.monotonic() - started
+            checksums = {slot.name: tensor_checksum(params[slot.name]) for slot in layout.order} if plan.verify else {}
+            # the trainer's checksums, where known: announced in the plan's TensorMeta, or carried by the transport
+            theirs = {m.name: m.checksum for b in plan.buckets for m in b.tensors if m.checksum}
+            self._compare(where=where, mine=checksums, theirs={**theirs, **received.sender_checksums})
+            return SyncStats(version=plan.version, bytes=layout.total_bytes, seconds=elapsed - received.waited_s,
+                             checksums=checksums, transport=plan.transport, wait_seconds=received.waited_s)
+
+    @staticmethod
+    def _check(*, plan: common_pb2.WeightSyncPlan, rank_offset: int,
+               params: Mapping[str, torch.Tensor]) -> tuple[Layout | None, list[str]]:
+        try:
+            layout = layout_from_plan(plan)
+        except ValueError as exc:
+            return None, [str(exc)]
+        problems = []
+        if plan.world_size and not 1 <= rank_offset < plan.world_size:
+            problems.append(f"rank_offset {rank_offset} outside 1..{plan.world_size - 1}")
+        return layout, problems + check_params(layout, params)
+
+    @staticmethod
+    def _compare(*, where: str, mine: Mapping[str, str], theirs: Mapping[str, str]) -> None:
+        if not mine or not theirs:
+            return
+        bad = [name for name, digest in mine.items() if theirs.get(name) != digest]
+        if bad:
+            raise WeightSyncError(f"{where}: {len(bad)} tensor(s) differ from the trainer's checksums: "
+                                  f"{', '.join(bad[:_MAX_LISTED])}")
+
+    def release(self) -> None:
+        """The engine gives its GPU memory away: let go of the trainer's memory too (kept IPC mappings)."""
+        with self._lock:
+            for transport in self._transports.values():
+                transport.release()
+
+    def close(self) -> None:
+        with self._lock:
+            for transport in self._transports.values():
+                transport.close()
+            self._transports.clear()

@@ -1,0 +1,150 @@
+"""The control handshake of a sync over the trainer's TCPStore, shared by the process-group and CUDA IPC
+transports.
+
+Keys live under `PrefixStore(f"{group_name}/ctl")`, per version:
+  v{V}/ready/{rank}   an engine rank arrived and its params match the plan (value: transport-specific, e.g. the
+                      process-group generation it holds)
+  v{V}/abort/{rank}   an engine rank refuses (value: why) — the trainer fails at once instead of at its deadline
+  v{V}/go             the trainer's answer once every rank is ready: b"ok[ <payload>]", or b"abort: <why>"
+  v{V}/done/{rank}    (cuda_ipc) the rank has copied the buffers and closed its handles
+Everything here polls with `check` (non-blocking) against a deadline, so no step can block past it.
+The trainer clears a version's keys in `prepare`, so a retried version cannot see stale answers.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from services.weights.base import (
+    Deadline,
+    SyncContext,
+    WeightSyncError,
+    WeightSyncPeerLost,
+    WeightSyncRefused,
+    WeightSyncTimeout,
+)
+
+_POLL_MAX_S = 0.005
+
+
+class _Backoff:
+    """Poll fast at first (a CUDA IPC sync is over in milliseconds), then every 5 ms."""
+
+    def __init__(self) -> None:
+        self._sleep = 0.0001
+
+    def wait(self) -> None:
+        time.sleep(self._sleep)
+        self._sleep = min(_POLL_MAX_S, self._sleep * 2)
+
+
+class MasterStore:
+    """The trainer's TCPStore: port 0 (the OS picks), no waiting for workers; created once, reused."""
+
+    def __init__(self, *, host: str, timeout_s: float):
+        self._host = host
+        self._timeout_s = timeout_s
+        self._store: dist.TCPStore | None = None
+
+    @property
+    def store(self) -> dist.TCPStore:
+        if self._store is None:
+            self._store = dist.TCPStore(host_name=self._host, port=0, is_master=True, wait_for_workers=False,
+                                        timeout=Deadline(self._timeout_s).timedelta())
+        return self._store
+
+    @property
+    def port(self) -> int:
+        return int(self.store.port)
+
+    def close(self) -> None:
+        self._store = None
+
+
+def ctl_store(store: dist.Store, group_name: str) -> dist.PrefixStore:
+    return dist.PrefixStore(f"{group_name}/ctl", store)
+
+
+def connect_store(*, host: str, port: int, deadline: Deadline, ctx: SyncContext) -> dist.TCPStore:
+    """A client of the trainer's store; connecting retries until the deadline, then fails clearly."""
+    try:
+        return dist.TCPStore(host_name=host, port=port, is_master=False, timeout=deadline.timedelta())
+    except Exception as exc:
+        raise WeightSyncTimeout(ctx.message(f"cannot reach the trainer's store at {host}:{port}: {exc}")) from exc
+
+
+def clear_version(ctl: dist.Store, *, version: int, world_size: int) -> None:
+    keys = [f"v{version}/go"] + [f"v{version}/{kind}/{rank}" for rank in range(1, world_size)
+                                 for kind in ("ready", "abort", "done")]
+    for key in keys:
+        ctl.delete_key(key)
+
+
+def _call(ctx: SyncContext, what: str, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise WeightSyncPeerLost(ctx.message(f"store unreachable while {what}: {exc}")) from exc
+
+
+def await_engines(ctl: dist.Store, *, version: int, world_size: int, kind: str, deadline: Deadline,
+                  ctx: SyncContext) -> dict[int, str]:
+    """Trainer: wait until every engine rank posted `kind` (ready/done); an abort key fails at once.
+    Returns what each rank posted."""
+    pending = set(range(1, world_size))
+    backoff = _Backoff()
+    while True:
+        for rank in sorted(pending):
+            if _call(ctx, "polling engines", ctl.check, [f"v{version}/abort/{rank}"]):
+                reason = _call(ctx, "reading a refusal", ctl.get, f"v{version}/abort/{rank}").decode(errors="replace")
+                raise WeightSyncRefused(ctx.message(f"engine rank {rank} refused the sync: {reason}"))
+            if _call(ctx, "polling engines", ctl.check, [f"v{version}/{kind}/{rank}"]):
+                pending.discard(rank)
+        if not pending:
+            return {rank: _call(ctx, "reading engines", ctl.get, f"v{version}/{kind}/{rank}").decode(errors="replace")
+                    for rank in range(1, world_size)}
+        if deadline.expired():
+            if kind == "ready":
+                what = f"engine rank(s) {sorted(pending)} did not join the sync"
+            else:
+                joined = [r for r in sorted(pending) if ctl.check([f"v{version}/ready/{r}"])]
+                what = f"engine rank(s) {sorted(pending)} did not confirm ({kind}; joined: {joined})"
+            raise WeightSyncTimeout(ctx.message(f"{what} within {deadline.timeout_s:g}s"))
+        backoff.wait()
+
+
+def signal_go(ctl: dist.Store, *, version: int, value: str, ctx: SyncContext) -> None:
+    _call(ctx, "signalling engines", ctl.set, f"v{version}/go", value.encode())
+
+
+def try_signal_abort(ctl: dist.Store | None, *, version: int, why: str) -> None:
+    """Best effort: tell waiting engines the trainer gave up (never masks the original error)."""
+    if ctl is None:
+        return
+    try:
+        if not ctl.check([f"v{version}/go"]):
+            ctl.set(f"v{version}/go", f"abort: {why}"[:2000].encode())
+    except Exception:  # noqa: BLE001 - the store may be the thing that failed
+        pass
+
+
+def post(ctl: dist.Store, *, version: int, kind: str, rank: int, value: str, ctx: SyncContext) -> None:
+    _call(ctx, f"posting {kind}", ctl.set, f"v{version}/{kind}/{rank}", value.encode())
+
+
+def await_go(ctl: dist.Store, *, version: int, deadline: Deadline, ctx: SyncContext) -> str:
+    """Engine: wait for the trainer's go ("ok" or "ok <payload>"; returns the payload); an abort answer or the
+    deadline fails clearly."""
+    key = f"v{version}/go"
+    backoff = _Backoff()
+    while not _call(ctx, "waiting for the trainer", ctl.check, [key]):
+        if deadline.expired():
+            raise WeightSyncTimeout(ctx.message(f"the trainer did not start the transfer within "
+                                                f"{deadline.timeout_s:g}s"))
+        backoff.wait()
+    answer = _call(ctx, "reading the trainer's answer", ctl.get, key).decode(errors="replace")
+    if answer != "ok" and not answer.startswith("ok "):
+        raise WeightSyncError(ctx.message(f"the trainer called the sync off ({answer})"))
+    return answer[3:]
