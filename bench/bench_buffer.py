@@ -17,8 +17,8 @@ import numpy as np
 
 from services.buffer.redis_server import EmbeddedRedis
 from services.buffer.stream import RolloutBuffer, connect
+from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData, encode_batch, sampling_arrays
-from services.tensors.sampling import SamplingDistribution
 
 
 def make_batch(target_bytes: int, rollout_id: int) -> RolloutBatchData:
@@ -34,7 +34,7 @@ def make_batch(target_bytes: int, rollout_id: int) -> RolloutBatchData:
         prompt_lengths=np.full(samples, prompt_len, np.int32), response_lengths=np.full(samples, resp_len, np.int32),
         loss_mask=np.ones(n_resp, np.uint8), rollout_log_probs=-rng.random(n_resp, dtype=np.float32),
         rewards=rng.random(samples, dtype=np.float32), group_ids=np.arange(samples, dtype=np.int64) // 8,
-        sample_versions=np.zeros(samples, np.int64), **sampling_arrays(samples, SamplingDistribution()),
+        sample_versions=np.zeros(samples, np.int64), **sampling_arrays(samples, SamplingSpec()),
         finish_reasons=("stop",) * samples, producer="bench")
 
 

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.rollout.engines.base import SamplingOptions
+from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.native import NativeEngine, resolve_device
 from services.rollout.model_init import PRESETS, init_model
 
@@ -54,7 +54,7 @@ def sync(device: torch.device) -> None:
 
 
 def time_native(engine: NativeEngine, prompts: list[list[int]], new_tokens: int, seed: int) -> float:
-    opts = SamplingOptions(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=seed)
+    opts = SamplingSpec(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=seed)
     sync(engine.device)
     start = time.perf_counter()
     outs = engine.generate(prompts, opts)

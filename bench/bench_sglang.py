@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.rollout.engines.base import SamplingOptions
+from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.sglang import SGLangEngine
 
 
@@ -41,7 +41,7 @@ def bench_generate(engine: SGLangEngine, *, batch: int, prompt_len: int, new_tok
                    repeats: int) -> dict[str, float]:
     rng = random.Random(batch)
     prompts = [[rng.randrange(10, vocab_hi) for _ in range(prompt_len)] for _ in range(batch)]
-    opts = SamplingOptions(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+    opts = SamplingSpec(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate(prompts[: min(batch, 8)], opts)   # warm-up
     rates = []
     for _ in range(repeats):

@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.buffer.redis_server import EmbeddedRedis
 from services.buffer.stream import RolloutBuffer, connect, stream_key
 from services.contracts.config import config_from_dict
+from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import build_batch
 from services.rollout.model_init import init_model
-from services.tensors.sampling import SamplingDistribution
 
 
 def make_batch(*, rollout_id: int, samples: int, response_len: int, vocab: int, seed: int):
@@ -48,7 +48,7 @@ def make_batch(*, rollout_id: int, samples: int, response_len: int, vocab: int, 
                        log_probs=[[-3.0] * response_len for _ in range(samples)],
                        rewards=rng.integers(0, 2, size=samples).astype(float).tolist(),
                        group_ids=[i // 8 for i in range(samples)], finish_reasons=["length"] * samples,
-                       sampling=SamplingDistribution())
+                       sampling=SamplingSpec())
 
 
 def start_trainer(*, model_dir: Path, run_dir: Path, redis_url: str, name: str, trainer: dict):

@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
+from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData, decode_batch, encode_batch, payload_checksum, sampling_arrays
-from services.tensors.sampling import SamplingDistribution
 
 
 def make_batch(total_tokens: int, samples: int) -> RolloutBatchData:
@@ -30,7 +30,7 @@ def make_batch(total_tokens: int, samples: int) -> RolloutBatchData:
         prompt_lengths=np.full(samples, prompt_len, np.int32), response_lengths=np.full(samples, resp_len, np.int32),
         loss_mask=np.ones(n_resp, np.uint8), rollout_log_probs=-rng.random(n_resp, dtype=np.float32),
         rewards=rng.random(samples, dtype=np.float32), group_ids=np.arange(samples, dtype=np.int64) // 8,
-        sample_versions=np.ones(samples, np.int64), **sampling_arrays(samples, SamplingDistribution()),
+        sample_versions=np.ones(samples, np.int64), **sampling_arrays(samples, SamplingSpec()),
         finish_reasons=("stop",) * samples,
         labels=tuple(str(i % 10) for i in range(samples)), producer="bench")
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from services.contracts.config import ConfigError, TandemConfig, load_config
+from services.contracts.exits import ExitCode
 from services.rpc.grpc_util import PortInUse
 
 
@@ -85,7 +86,7 @@ def _preflight(args: argparse.Namespace, config: TandemConfig, run_dir: Path) ->
     finished = already_finished(config, run_dir=run_dir)
     if finished:
         print(f"tandem: {finished}", file=sys.stderr)
-        return 0
+        return ExitCode.OK
     for warning in check_run_inputs(config, init_model=args.init_model):
         print(f"tandem: warning: {warning}", file=sys.stderr)
     return None
@@ -97,12 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(args)
     except ConfigError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.BAD_INPUT
     except PortInUse as exc:   # a service's fixed port (services.*.port) is taken
         print(f"tandem {args.command}: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return ExitCode.BAD_INPUT
     except KeyboardInterrupt:
-        return 130
+        return ExitCode.INTERRUPTED
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -111,7 +112,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         path = init_model(args.out_dir, preset=args.preset, arch=args.arch, seed=args.seed)
         print(f"wrote random-init {args.preset} {args.arch} model and tokenizer to {path}")
-        return 0
+        return ExitCode.OK
     if args.command == "ctl":
         from services.coordinator.ctl import find_coordinator, run_ctl
 
@@ -124,10 +125,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             paths = plot_run(args.run_dir, out=args.out)
         except (FileNotFoundError, ValueError) as exc:   # not a run dir, or no step finished yet
             print(f"tandem plot: {exc}", file=sys.stderr)
-            return 1
+            return ExitCode.FAILED
         for path in paths:
             print(f"wrote {path}")
-        return 0
+        return ExitCode.OK
     config = _load(args)
     run_dir = _run_dir(args, config)
     if args.command in ("run", "coordinator"):

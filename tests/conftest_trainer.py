@@ -25,8 +25,8 @@ import rl_reference
 import torch
 
 from services.contracts.config import TandemConfig, config_from_dict
+from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData, build_batch
-from services.tensors.sampling import SamplingDistribution
 
 VOCAB = 32
 # CI runs on CPU; TANDEM_TEST_TRAINER_DEVICE=cuda runs the same tests on a GPU machine.
@@ -92,7 +92,7 @@ def model_logits(model_dir: Path, prompts: list[list[int]], responses: list[list
 
 
 def model_log_probs(model_dir: Path, prompts: list[list[int]], responses: list[list[int]],
-                    sampling: SamplingDistribution = SamplingDistribution()) -> list[list[float]]:
+                    sampling: SamplingSpec = SamplingSpec()) -> list[list[float]]:
     """The log-prob of each response token under the tiny model's sampling distribution (reference formula)."""
     rows = model_logits(model_dir, prompts, responses)
     params = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
@@ -102,7 +102,7 @@ def model_log_probs(model_dir: Path, prompts: list[list[int]], responses: list[l
 
 def make_batch(*, rollout_id: int = 0, groups: int = 3, group_size: int = 4, seed: int = 0, version: int = 0,
                model_dir: Path | None = None, sample_versions: list[int] | None = None,
-               sampling: SamplingDistribution = SamplingDistribution(),
+               sampling: SamplingSpec = SamplingSpec(),
                loss_masks: list[list[int]] | None = None) -> RolloutBatchData:
     rng = np.random.default_rng(seed)
     n = groups * group_size
@@ -122,7 +122,7 @@ def make_batch(*, rollout_id: int = 0, groups: int = 3, group_size: int = 4, see
 
 
 def _within_support(model_dir: Path, prompt: list[int], response: list[int],
-                    sampling: SamplingDistribution) -> list[int]:
+                    sampling: SamplingSpec) -> list[int]:
     """The response with every token the truncated distribution excludes replaced by its most likely token
     (a sampler can only have drawn tokens of its support)."""
     if sampling.top_p >= 1.0 and not 0 < sampling.top_k < VOCAB:

@@ -15,8 +15,8 @@ from conftest import HELPERS_DIR, PYTHON
 
 from services.buffer.redis_server import EmbeddedRedis
 from services.buffer.stream import BufferError, BufferFullError, EntryNotFoundError, RolloutBuffer, connect, stream_key
+from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData, build_batch, encode_batch, sampling_arrays
-from services.tensors.sampling import SamplingDistribution
 
 ARRAYS = ("tokens", "prompt_lengths", "response_lengths", "loss_mask", "rollout_log_probs", "rewards",
           "group_ids", "sample_versions", "sampling_temperature", "sampling_top_p", "sampling_top_k")
@@ -32,7 +32,7 @@ def make_batch(rollout_id: int, *, n: int = 4, resp_len: int = 6, version: int =
                        rewards=rng.random(n).tolist(), group_ids=[rollout_id * 100 + i // 2 for i in range(n)],
                        finish_reasons=["stop", "length"] * (n // 2) + ["stop"] * (n % 2),
                        labels=[str(i) for i in range(n)], metadata={"k": "v"}, producer=producer,
-                       sampling=SamplingDistribution(temperature=0.7, top_p=0.95))
+                       sampling=SamplingSpec(temperature=0.7, top_p=0.95))
 
 
 def assert_same_batch(a: RolloutBatchData, b: RolloutBatchData) -> None:
@@ -296,7 +296,7 @@ def big_batch(target_bytes: int) -> RolloutBatchData:
         loss_mask=rng.integers(0, 2, size=total_resp, dtype=np.uint8),
         rollout_log_probs=-rng.random(total_resp, dtype=np.float32),
         rewards=rng.random(n, dtype=np.float32), group_ids=np.arange(n, dtype=np.int64) // 8,
-        sample_versions=np.full(n, 3, dtype=np.int64), **sampling_arrays(n, SamplingDistribution(temperature=0.7)),
+        sample_versions=np.full(n, 3, dtype=np.int64), **sampling_arrays(n, SamplingSpec(temperature=0.7)),
         finish_reasons=("length",) * n, producer="rollout-1")
 
 

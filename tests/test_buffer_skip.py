@@ -5,14 +5,14 @@ import uuid
 import pytest
 
 from services.buffer.stream import BufferError, RolloutBuffer
+from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import build_batch
-from services.tensors.sampling import SamplingDistribution
 
 
 def _batch(rollout_id):  # type: ignore[no-untyped-def]
     return build_batch(rollout_id=rollout_id, policy_version=0, prompts=[[1, 2]] * 2, responses=[[3]] * 2,
                        log_probs=[[-0.5]] * 2, rewards=[1.0, 0.0], group_ids=[0, 0], finish_reasons=["stop"] * 2,
-                       sampling=SamplingDistribution())
+                       sampling=SamplingSpec())
 
 
 def test_skipped_entries_are_deleted_once_the_other_role_acks(redis_client):

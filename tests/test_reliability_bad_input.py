@@ -11,7 +11,7 @@ import pytest
 from tandem_runs import EXAMPLE, REPO, start_run, stop_run, supervisor_log
 
 from services.buffer.redis_server import free_port
-from services.coordinator.clients import EXIT_PERMANENT
+from services.contracts.exits import ExitCode
 from services.rpc.grpc_util import ServerOptions, start_server
 
 pytestmark = [pytest.mark.reliability]
@@ -31,7 +31,7 @@ def test_a_task_file_that_is_not_utf8_is_refused_naming_file_line_and_column(tmp
     data.write_bytes(b'{"prompt": "1 2 =", "label": "2"}\n{"prompt": "3 \xc3\xa9 =", "label": "3"}\n'
                      b'{"prompt": "4 \xff =", "label": "4"}\n')
     out = _coordinator(tmp_path, f"services.coordinator.port={free_port()}", f"data.train_path={data}")
-    assert out.returncode == EXIT_PERMANENT, out.stderr   # tandem run does not restart it: the data stays bad
+    assert out.returncode == ExitCode.PERMANENT, out.stderr   # tandem run does not restart it: the data stays bad
     assert f"{data}:3: not valid UTF-8 (byte 0xff at column 15); task files must be UTF-8 JSON lines" in out.stderr
     assert "Traceback" not in out.stderr
 
@@ -58,7 +58,7 @@ def test_a_reward_that_raises_fails_the_run_once_without_retries_or_restarts(tmp
     finally:
         stop_run(proc)
     log = supervisor_log(run_dir)
-    assert code == EXIT_PERMANENT, log
+    assert code == ExitCode.PERMANENT, log
     assert "bad_rewards.py:raises_on_seven raised ZeroDivisionError on sample" in log
     assert "coordinator failed on an error a restart would only repeat (exit 3): not restarting it" in log
     assert "restarting it (restart" not in log

@@ -11,8 +11,9 @@ import rl_reference as ref
 import torch
 
 from services.contracts.config import AlgorithmConfig
+from services.contracts.sampling import SamplingSpec
 from services.rollout.engines import sampling as rollout_sampling
-from services.tensors.sampling import SamplingDistribution, sampling_log_probs
+from services.tensors.sampling import sampling_log_probs
 from services.trainer.actor import compute_advantages
 from services.trainer.advantages import gae, grpo_advantages, per_token, token_rewards, whiten
 from services.trainer.batching import TrainBatch
@@ -27,9 +28,9 @@ from services.trainer.scoring import (
 )
 
 VOCAB = 24
-SETTINGS = [SamplingDistribution(temperature=0.7, top_p=0.9), SamplingDistribution(temperature=1.3, top_k=6),
-            SamplingDistribution(temperature=0.7, top_p=0.6, top_k=10),
-            SamplingDistribution(temperature=0.0, top_p=0.5), SamplingDistribution(temperature=1.0)]
+SETTINGS = [SamplingSpec(temperature=0.7, top_p=0.9), SamplingSpec(temperature=1.3, top_k=6),
+            SamplingSpec(temperature=0.7, top_p=0.6, top_k=10),
+            SamplingSpec(temperature=0.0, top_p=0.5), SamplingSpec(temperature=1.0)]
 
 
 def random_logits(rows: int, seed: int) -> torch.Tensor:
@@ -51,7 +52,7 @@ def test_sampling_distribution_matches_the_reference(dist):
     assert rollout_sampling.sampling_log_probs is sampling_log_probs   # the rollout samples from this very one
 
 
-def mixed_sampling(rows: int, seed: int) -> tuple[TokenSampling, list[SamplingDistribution]]:
+def mixed_sampling(rows: int, seed: int) -> tuple[TokenSampling, list[SamplingSpec]]:
     rng = random.Random(seed)
     chosen = [rng.choice(SETTINGS) for _ in range(rows)]
     return TokenSampling(temperature=torch.tensor([d.temperature for d in chosen]),

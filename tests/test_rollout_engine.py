@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.rollout.engines.base import EngineUnavailable, SamplingOptions
+from services.contracts.sampling import SamplingSpec
+from services.rollout.engines.base import EngineUnavailable
 from services.rollout.engines.native import NativeEngine
 from services.rollout.engines.sampling import sampling_log_probs
 from services.rollout.model_init import init_model
@@ -43,7 +44,7 @@ def hf_model(model_dirs: tuple[Path, Path]):
     return AutoModelForCausalLM.from_pretrained(model_dirs[0]).eval()
 
 
-def teacher_forced(model, prompt: list[int], response: tuple[int, ...], opts: SamplingOptions) -> torch.Tensor:
+def teacher_forced(model, prompt: list[int], response: tuple[int, ...], opts: SamplingSpec) -> torch.Tensor:
     ids = torch.tensor([prompt + list(response)])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1:-1]
@@ -51,7 +52,7 @@ def teacher_forced(model, prompt: list[int], response: tuple[int, ...], opts: Sa
 
 
 def test_generation_shapes(engine: NativeEngine):
-    opts = SamplingOptions(temperature=1.0, max_new_tokens=6, seed=1)
+    opts = SamplingSpec(temperature=1.0, max_new_tokens=6, seed=1)
     outs = engine.generate(PROMPTS * 3, opts)
     assert len(outs) == len(PROMPTS) * 3
     for o in outs:
@@ -74,7 +75,7 @@ def _check_stop_semantics(outs, stop_ids: set[int], max_new: int) -> None:
 
 def test_eos_ends_a_sample_and_is_kept(engine: NativeEngine):
     eos = set(engine.eos_token_ids)
-    outs = engine.generate([[1, 5, 18]] * 64, SamplingOptions(temperature=1.0, max_new_tokens=12, seed=3))
+    outs = engine.generate([[1, 5, 18]] * 64, SamplingSpec(temperature=1.0, max_new_tokens=12, seed=3))
     _check_stop_semantics(outs, eos, 12)
     reasons = {o.finish_reason for o in outs}
     assert reasons == {"stop", "length"}, reasons          # fixed seed: both occur in 64 samples
@@ -84,20 +85,20 @@ def test_eos_ends_a_sample_and_is_kept(engine: NativeEngine):
 
 def test_stop_tokens_and_ignore_eos(engine: NativeEngine):
     stop = {7, 8}       # the digits 3 and 4
-    outs = engine.generate([[1, 5, 18]] * 64, SamplingOptions(max_new_tokens=12, stop_token_ids=tuple(stop), seed=4))
+    outs = engine.generate([[1, 5, 18]] * 64, SamplingSpec(max_new_tokens=12, stop_token_ids=tuple(stop), seed=4))
     _check_stop_semantics(outs, stop | set(engine.eos_token_ids), 12)
     assert any(o.finish_reason == "stop" and o.token_ids[-1] in stop for o in outs)
-    outs = engine.generate([[1, 5, 18]] * 16, SamplingOptions(max_new_tokens=10, ignore_eos=True, seed=5))
+    outs = engine.generate([[1, 5, 18]] * 16, SamplingSpec(max_new_tokens=10, ignore_eos=True, seed=5))
     assert all(len(o.token_ids) == 10 and o.finish_reason == "length" for o in outs)
 
 
 @pytest.mark.parametrize("opts", [
-    SamplingOptions(temperature=1.0, max_new_tokens=10, seed=11),
-    SamplingOptions(temperature=0.7, top_k=5, top_p=0.8, max_new_tokens=10, seed=12),
-    SamplingOptions(temperature=1.3, top_p=0.95, max_new_tokens=10, seed=13),
-    SamplingOptions(temperature=0.0, max_new_tokens=10),
+    SamplingSpec(temperature=1.0, max_new_tokens=10, seed=11),
+    SamplingSpec(temperature=0.7, top_k=5, top_p=0.8, max_new_tokens=10, seed=12),
+    SamplingSpec(temperature=1.3, top_p=0.95, max_new_tokens=10, seed=13),
+    SamplingSpec(temperature=0.0, max_new_tokens=10),
 ], ids=["plain", "topk-topp", "hot-topp", "greedy"])
-def test_log_probs_match_teacher_forced_forward(engine: NativeEngine, hf_model, opts: SamplingOptions):
+def test_log_probs_match_teacher_forced_forward(engine: NativeEngine, hf_model, opts: SamplingSpec):
     # Mixed prompt lengths exercise left padding; 8 samples per prompt exercise mid-decode compaction.
     prompts = [p for p in PROMPTS for _ in range(8)]
     outs = engine.generate(prompts, opts)
@@ -114,7 +115,7 @@ def test_log_probs_match_teacher_forced_forward(engine: NativeEngine, hf_model, 
 
 
 def test_greedy_matches_hf_generate(engine: NativeEngine, hf_model):
-    outs = engine.generate(PROMPTS, SamplingOptions(temperature=0.0, max_new_tokens=12))
+    outs = engine.generate(PROMPTS, SamplingSpec(temperature=0.0, max_new_tokens=12))
     for prompt, o in zip(PROMPTS, outs):
         ref = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 do_sample=False, max_new_tokens=12)[0, len(prompt):].tolist()
@@ -123,26 +124,26 @@ def test_greedy_matches_hf_generate(engine: NativeEngine, hf_model):
 
 def test_sampling_distribution_definition():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
-    lp = sampling_log_probs(logits, SamplingOptions(top_p=0.7)).exp()
+    lp = sampling_log_probs(logits, SamplingSpec(top_p=0.7)).exp()
     assert torch.allclose(lp, torch.tensor([[0.625, 0.375, 0.0]]), atol=1e-6)   # nucleus of mass >= 0.7
-    lp = sampling_log_probs(logits, SamplingOptions(top_k=1))
+    lp = sampling_log_probs(logits, SamplingSpec(top_k=1))
     assert lp[0, 0] == 0.0 and torch.isinf(lp[0, 1:]).all()
-    lp = sampling_log_probs(logits, SamplingOptions(temperature=0.5)).exp()
+    lp = sampling_log_probs(logits, SamplingSpec(temperature=0.5)).exp()
     expected = torch.tensor([0.25, 0.09, 0.04]) / 0.38                            # p^(1/T), renormalised
     assert torch.allclose(lp[0], expected, atol=1e-6)
-    assert torch.allclose(sampling_log_probs(logits, SamplingOptions(temperature=0.0)), torch.log_softmax(logits, -1))
+    assert torch.allclose(sampling_log_probs(logits, SamplingSpec(temperature=0.0)), torch.log_softmax(logits, -1))
 
 
 def test_seeded_sampling_is_reproducible(engine: NativeEngine):
-    a = engine.generate(PROMPTS * 4, SamplingOptions(max_new_tokens=8, seed=42))
-    b = engine.generate(PROMPTS * 4, SamplingOptions(max_new_tokens=8, seed=42))
-    c = engine.generate(PROMPTS * 4, SamplingOptions(max_new_tokens=8, seed=43))
+    a = engine.generate(PROMPTS * 4, SamplingSpec(max_new_tokens=8, seed=42))
+    b = engine.generate(PROMPTS * 4, SamplingSpec(max_new_tokens=8, seed=42))
+    c = engine.generate(PROMPTS * 4, SamplingSpec(max_new_tokens=8, seed=43))
     assert a == b
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
 
 
 def test_bad_prompts(engine: NativeEngine):
-    opts = SamplingOptions(max_new_tokens=4)
+    opts = SamplingSpec(max_new_tokens=4)
     ctx = engine.max_context_length
     with pytest.raises(ValueError, match=f"prompt 1 has {ctx + 5} tokens; the model's context holds {ctx}"):
         engine.generate([[1, 5], [1] * (ctx + 5)], opts)
@@ -151,12 +152,12 @@ def test_bad_prompts(engine: NativeEngine):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.generate([[1, 10_000]], opts)
     with pytest.raises(ValueError, match="top_p"):
-        SamplingOptions(top_p=1.5)
+        SamplingSpec(top_p=1.5)
 
 
 def test_context_limit_truncates_with_length(engine: NativeEngine):
     ctx = engine.max_context_length
-    outs = engine.generate([[1] * (ctx - 3), [1, 5, 18]], SamplingOptions(max_new_tokens=10, ignore_eos=True, seed=1))
+    outs = engine.generate([[1] * (ctx - 3), [1, 5, 18]], SamplingSpec(max_new_tokens=10, ignore_eos=True, seed=1))
     assert len(outs[0].token_ids) == 3 and outs[0].finish_reason == "length"
     assert len(outs[1].token_ids) == 10
 
@@ -176,7 +177,7 @@ def test_in_place_weight_loads(model_dirs: tuple[Path, Path]):
     stats = engine.update_weights_from_tensors([(n, state[n]) for n in names[5:]], version=3)
     assert (engine.weight_version, stats.version, stats.tensors) == (3, 3, len(names) - 5)
     assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == ptrs      # copied in place
-    greedy = SamplingOptions(temperature=0.0, max_new_tokens=8)
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
     out = engine.generate(PROMPTS[:1], greedy)[0]
     ref = other.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=8)[0, len(PROMPTS[0]):]
     assert list(out.token_ids) == ref.tolist()[:len(out.token_ids)] and out.weight_version == 3
@@ -194,7 +195,7 @@ def test_in_place_weight_loads(model_dirs: tuple[Path, Path]):
     assert engine.weight_version == 5
 
 
-def _start(engine: NativeEngine, opts: SamplingOptions, n: int = 128,
+def _start(engine: NativeEngine, opts: SamplingSpec, n: int = 128,
            wait_running: bool = True) -> tuple[threading.Thread, list]:
     result: list = []
     thread = threading.Thread(target=lambda: result.append(engine.generate([[1, 5, 18]] * n, opts)))
@@ -205,7 +206,7 @@ def _start(engine: NativeEngine, opts: SamplingOptions, n: int = 128,
     return thread, result
 
 
-LONG = SamplingOptions(max_new_tokens=120, ignore_eos=True, seed=9)
+LONG = SamplingSpec(max_new_tokens=120, ignore_eos=True, seed=9)
 
 
 def test_pause_drain_waits_for_running_and_holds_new_calls(engine: NativeEngine):
@@ -215,7 +216,7 @@ def test_pause_drain_waits_for_running_and_holds_new_calls(engine: NativeEngine)
     assert engine.get_state().paused
     with pytest.raises(EngineUnavailable, match="paused"):
         engine.generate([[1, 5, 18]], LONG, wait_timeout_s=0.05)
-    waiting, later = _start(engine, SamplingOptions(max_new_tokens=2, seed=1), n=1, wait_running=False)
+    waiting, later = _start(engine, SamplingSpec(max_new_tokens=2, seed=1), n=1, wait_running=False)
     time.sleep(0.05)
     assert waiting.is_alive() and not later
     engine.resume()
@@ -249,7 +250,7 @@ def test_pause_in_place_parks_and_continues_after_a_weight_update(engine: Native
 
 def test_release_and_resume_memory_on_cpu(model_dirs: tuple[Path, Path]):
     engine = NativeEngine(model_dirs[0], device="cpu")
-    greedy = SamplingOptions(temperature=0.0, max_new_tokens=6)
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=6)
     before = engine.generate(PROMPTS, greedy)
     engine.release_memory(["kv_cache"])
     assert engine.get_state().released_memory == ("kv_cache",)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.rollout.engines.base import SamplingOptions
+from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.native import NativeEngine
 from services.rollout.engines.sampling import sampling_log_probs
 from services.rollout.model_init import init_model
@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("m") / "small", preset="small", seed=0)
 
 
-def _worst_log_prob_gap(engine: NativeEngine, opts: SamplingOptions) -> float:
+def _worst_log_prob_gap(engine: NativeEngine, opts: SamplingSpec) -> float:
     prompts = [p for p in PROMPTS for _ in range(8)]
     outs = engine.generate(prompts, opts)
     worst = 0.0
@@ -42,14 +42,14 @@ def _worst_log_prob_gap(engine: NativeEngine, opts: SamplingOptions) -> float:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_log_probs_match_teacher_forced_forward_on_gpu(model_dir: Path, dtype: str):
     engine = NativeEngine(model_dir, device="cuda", dtype=dtype)
-    worst = _worst_log_prob_gap(engine, SamplingOptions(temperature=0.8, top_p=0.9, max_new_tokens=24, seed=3))
+    worst = _worst_log_prob_gap(engine, SamplingSpec(temperature=0.8, top_p=0.9, max_new_tokens=24, seed=3))
     print(f"{dtype}: max |rollout - teacher-forced| = {worst:.2e}")
     assert worst < ATOL[dtype]
 
 
 def test_compiled_decode_and_sampler_log_probs_match_teacher_forced(model_dir: Path):
     engine = NativeEngine(model_dir, device="cuda", dtype="bfloat16", decode="compile")
-    worst = _worst_log_prob_gap(engine, SamplingOptions(temperature=1.0, max_new_tokens=16, seed=3))
+    worst = _worst_log_prob_gap(engine, SamplingSpec(temperature=1.0, max_new_tokens=16, seed=3))
     assert engine._runners is not None and engine._runners.compiled and engine._runners._sampler is not None
     assert worst < ATOL["bfloat16"]
 
@@ -59,7 +59,7 @@ def test_greedy_matches_hf_generate_on_gpu(model_dir: Path):
 
     engine = NativeEngine(model_dir, device="cuda")
     hf = AutoModelForCausalLM.from_pretrained(model_dir).cuda().eval()
-    outs = engine.generate(PROMPTS, SamplingOptions(temperature=0.0, max_new_tokens=16))
+    outs = engine.generate(PROMPTS, SamplingSpec(temperature=0.0, max_new_tokens=16))
     for prompt, o in zip(PROMPTS, outs):
         ref = hf.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=16)
         assert list(o.token_ids) == ref[0, len(prompt):].tolist()[:len(o.token_ids)]
@@ -67,7 +67,7 @@ def test_greedy_matches_hf_generate_on_gpu(model_dir: Path):
 
 def test_release_and_resume_gpu_memory_keeps_weights(model_dir: Path):
     engine = NativeEngine(model_dir, device="cuda")
-    greedy = SamplingOptions(temperature=0.0, max_new_tokens=8)
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
     before = engine.generate(PROMPTS, greedy)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
@@ -82,7 +82,7 @@ def test_release_and_resume_gpu_memory_keeps_weights(model_dir: Path):
 def test_graph_decode_is_the_cuda_default_and_seeded(model_dir: Path):
     engine = NativeEngine(model_dir, device="cuda", dtype="bfloat16")
     assert engine.decode_mode == "graph"
-    opts = SamplingOptions(temperature=1.0, max_new_tokens=20, seed=7)
+    opts = SamplingSpec(temperature=1.0, max_new_tokens=20, seed=7)
     prompts = [p for p in PROMPTS for _ in range(5)]
     first = engine.generate(prompts, opts)
     assert engine.generate(prompts, opts) == first
@@ -99,7 +99,7 @@ def test_cuda_ipc_into_engine_flattens_once_and_is_bit_identical(model_dir: Path
     from services.weights.peer import Peer, bits_equal, make_tensors, plan_from_text, specs_to_json
 
     engine = NativeEngine(model_dir, device="cuda", dtype="bfloat16")
-    greedy = SamplingOptions(temperature=0.0, max_new_tokens=8)
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
     engine.generate(PROMPTS, greedy)                             # a graph captured before the params move
     specs = specs_from_tensors(engine.model.named_parameters())
     trainer, receiver = Peer(), WeightReceiver()

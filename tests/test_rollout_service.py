@@ -10,7 +10,7 @@ import torch
 
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config import config_from_dict
-from services.rollout.engines.base import SamplingOptions
+from services.contracts.sampling import SamplingSpec
 from services.rollout.model_init import init_model
 from services.rollout.rewards import RewardSpecError, digit_task
 from services.rollout.service import PromptInput, RolloutService, pass_at_k
@@ -78,7 +78,7 @@ def test_token_id_prompts_and_request_overrides(service: RolloutService, redis_s
     ids = service.tokenizer("4 2 =")["input_ids"]
     result = service.generate(
         rollout_id=1, prompts=[PromptInput(token_ids=tuple(ids), label="4", group_id=9)], n_samples_per_prompt=2,
-        sampling=SamplingOptions(temperature=0.0, max_new_tokens=2), stream=stream, reward="exact_match")
+        sampling=SamplingSpec(temperature=0.0, max_new_tokens=2), stream=stream, reward="exact_match")
     batch = consume(redis_server.url, stream, result.entry_id).batch
     assert batch.num_samples == 2 and batch.metadata["reward"] == "exact_match"
     assert batch.sampling_temperature.tolist() == [0.0, 0.0]   # the request's sampling, not the config's
@@ -130,12 +130,12 @@ def test_unknown_reward_in_config_fails_construction(service: RolloutService):
 def test_evaluate_greedy_and_pass_at_k(service: RolloutService, redis_client):
     ps = prompts(10)
     keys_before = set(redis_client.keys("*"))
-    greedy = service.evaluate(name="digits", prompts=ps, sampling=SamplingOptions(temperature=0.0, max_new_tokens=2))
+    greedy = service.evaluate(name="digits", prompts=ps, sampling=SamplingSpec(temperature=0.0, max_new_tokens=2))
     m = greedy.metrics
     assert m["digits/num_prompts"] == 10 and m["digits/num_samples"] == 10
     assert m["digits/pass@1"] == pytest.approx(m["digits/reward_mean"])            # binary reward, one sample
     sampled = service.evaluate(name="s", prompts=ps, n_samples_per_prompt=4,
-                               sampling=SamplingOptions(temperature=1.0, max_new_tokens=2, seed=3))
+                               sampling=SamplingSpec(temperature=1.0, max_new_tokens=2, seed=3))
     m = sampled.metrics
     assert {"s/pass@1", "s/pass@2", "s/pass@4", "s/reward_mean", "s/response_len_mean"} <= set(m)
     assert m["s/pass@1"] <= m["s/pass@2"] <= m["s/pass@4"] and m["s/num_samples"] == 40
@@ -191,7 +191,7 @@ def test_receive_weights_through_the_weight_receiver(service: RolloutService, tm
     assert result.checksums == {n: weights.tensor_checksum(t) for n, t in named}
     assert {n: p.data_ptr() for n, p in receiver_side.engine.model.named_parameters()} == ptrs
     ids = receiver_side.tokenizer("3 8 =")["input_ids"]
-    out = receiver_side.engine.generate([ids], SamplingOptions(temperature=0.0, max_new_tokens=4))[0]
+    out = receiver_side.engine.generate([ids], SamplingSpec(temperature=0.0, max_new_tokens=4))[0]
     ref = policy.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=4)[0, len(ids):].tolist()
     assert list(out.token_ids) == ref[:len(out.token_ids)] and out.weight_version == 7
     publisher.close()

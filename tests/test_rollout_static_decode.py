@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.rollout.engines.base import SamplingOptions
+from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.native import NativeEngine
 from services.rollout.engines.sampling import sampling_log_probs
 from services.rollout.engines.static_decode import StaticDecoder
@@ -46,10 +46,10 @@ def test_static_decode_logits_match_full_forward(model_dir: Path):
             assert worst < 1e-4, (row, worst)
 
 
-@pytest.mark.parametrize("opts", [SamplingOptions(temperature=0.8, top_p=0.9, max_new_tokens=10, seed=3),
-                                  SamplingOptions(temperature=0.7, max_new_tokens=10, seed=4)],
+@pytest.mark.parametrize("opts", [SamplingSpec(temperature=0.8, top_p=0.9, max_new_tokens=10, seed=3),
+                                  SamplingSpec(temperature=0.7, max_new_tokens=10, seed=4)],
                          ids=["top_p", "plain"])       # plain: the race runs on the logits (no log-prob tensor)
-def test_static_engine_log_probs_greedy_and_stops(model_dir: Path, opts: SamplingOptions):
+def test_static_engine_log_probs_greedy_and_stops(model_dir: Path, opts: SamplingSpec):
     static = NativeEngine(model_dir, device="cpu", decode="static")
     dynamic = NativeEngine(model_dir, device="cpu", decode="dynamic")
     prompts = PROMPTS * 2
@@ -63,12 +63,12 @@ def test_static_engine_log_probs_greedy_and_stops(model_dir: Path, opts: Samplin
             ref = sampling_log_probs(logits, opts).gather(-1, torch.tensor(o.token_ids)[:, None]).squeeze(-1)
             assert torch.allclose(ref, torch.tensor(o.log_probs), atol=1e-4)
             assert (o.finish_reason == "stop") == (o.token_ids[-1] in static.eos_token_ids)
-    greedy = SamplingOptions(temperature=0.0, max_new_tokens=8)
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
     for a, b in zip(static.generate(PROMPTS, greedy), dynamic.generate(PROMPTS, greedy)):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs)) < 1e-4
     stop = outs[0].token_ids[0]
-    stopped = static.generate(PROMPTS[:1], SamplingOptions(temperature=opts.temperature, top_p=opts.top_p,
+    stopped = static.generate(PROMPTS[:1], SamplingSpec(temperature=opts.temperature, top_p=opts.top_p,
                                                           max_new_tokens=10, seed=opts.seed, stop_token_ids=(stop,)))
     assert stopped[0].token_ids == (stop,) and stopped[0].finish_reason == "stop"
 
@@ -77,7 +77,7 @@ def test_flatten_parameters_keeps_values_and_outputs(model_dir: Path):
     from services.weights.layout import plan_layout, specs_from_tensors
 
     engine = NativeEngine(model_dir, device="cpu", decode="static")
-    greedy = SamplingOptions(temperature=0.0, max_new_tokens=6)
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=6)
     before = engine.generate(PROMPTS, greedy)
     values = {n: p.detach().clone() for n, p in engine.named_parameters().items()}
     layout = plan_layout(specs_from_tensors(engine.model.named_parameters()), bucket_bytes=16 * 1024)

@@ -19,7 +19,8 @@ import pytest
 import torch
 from helpers.sglang_contract_server import ContractServer
 
-from services.rollout.engines.base import EngineUnavailable, SamplingOptions
+from services.contracts.sampling import SamplingSpec
+from services.rollout.engines.base import EngineUnavailable
 from services.rollout.engines.sglang import SGLangEngine
 from services.rollout.engines.sglang_http import SGLangClient, SGLangRequestError, SGLangTimeout, SGLangUnavailable
 from services.rollout.engines.sglang_launch import LaunchSpec, SGLangNotInstalled, require_sglang
@@ -95,7 +96,7 @@ def test_sglang_contract_version_boundaries():
 
 def test_sglang_contract_generate_maps_tokens_log_probs_and_finish_reasons(server: ContractServer,
                                                                           engine: SGLangEngine):
-    out = engine.generate([[1, 5, 6], [3, 1], [7, 9]], SamplingOptions(temperature=0.7, top_k=0, max_new_tokens=4,
+    out = engine.generate([[1, 5, 6], [3, 1], [7, 9]], SamplingSpec(temperature=0.7, top_k=0, max_new_tokens=4,
                                                                       stop_token_ids=(11,)))
     assert [o.token_ids for o in out] == [tuple(expected([6], 4)), (2,), (10, 11)]
     assert [o.finish_reason for o in out] == ["length", "stop", "stop"]   # EOS 2 and stop id 11 kept as last token
@@ -105,12 +106,12 @@ def test_sglang_contract_generate_maps_tokens_log_probs_and_finish_reasons(serve
     assert body["input_ids"] == [[1, 5, 6], [3, 1], [7, 9]] and body["return_logprob"] is True
     assert body["sampling_params"] == {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "max_new_tokens": 4,
                                        "ignore_eos": False, "stop_token_ids": [11]}
-    (single,) = engine.generate([[1]], SamplingOptions(max_new_tokens=3, ignore_eos=True, seed=5))
+    (single,) = engine.generate([[1]], SamplingSpec(max_new_tokens=3, ignore_eos=True, seed=5))
     assert single.token_ids == (2, 3, 4) and single.finish_reason == "length"
     assert requests_to(server, "/generate")[-1]["sampling_params"]["sampling_seed"] == 5
     chunked = SGLangEngine([server.url], max_batch_size=2, startup_timeout_s=20)
     before = len(requests_to(server, "/generate"))
-    outs = chunked.generate([[i + 3] for i in range(5)], SamplingOptions(max_new_tokens=1))
+    outs = chunked.generate([[i + 3] for i in range(5)], SamplingSpec(max_new_tokens=1))
     assert [o.token_ids for o in outs] == [(i + 4,) for i in range(5)]
     # the chunks are sent concurrently: they may arrive in any order
     assert sorted(len(b["input_ids"]) for b in requests_to(server, "/generate")[before:]) == [1, 2, 2]
@@ -119,9 +120,9 @@ def test_sglang_contract_generate_maps_tokens_log_probs_and_finish_reasons(serve
 
 def test_sglang_contract_error_answers_are_clear(server: ContractServer, engine: SGLangEngine):
     with pytest.raises(SGLangRequestError, match=r"POST http://127\.0\.0\.1:\d+/generate answered 400: .*vocab size"):
-        engine.generate([[1, 99]], SamplingOptions(max_new_tokens=2))
+        engine.generate([[1, 99]], SamplingSpec(max_new_tokens=2))
     with pytest.raises(ValueError, match="context holds 128"):
-        engine.generate([[1] * 128], SamplingOptions(max_new_tokens=2))
+        engine.generate([[1] * 128], SamplingSpec(max_new_tokens=2))
     client = SGLangClient(server.url)
     with pytest.raises(SGLangRequestError, match="answered 400: .*unknown field"):   # a typo cannot pass silently
         client.post("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [], "flush_cahce": 1},
@@ -138,7 +139,7 @@ def test_sglang_contract_error_answers_are_clear(server: ContractServer, engine:
     server.configure(fail={"/generate": "out of memory while scheduling"})
     try:
         with pytest.raises(SGLangRequestError, match="answered 400: out of memory while scheduling"):
-            engine.generate([[1]], SamplingOptions(max_new_tokens=1))
+            engine.generate([[1]], SamplingSpec(max_new_tokens=1))
     finally:
         server.configure(fail={})
     with pytest.raises(SGLangRequestError, match="answered 400: Input should be 'abort', 'retract' or 'in_place'"):
@@ -151,7 +152,7 @@ def test_sglang_contract_a_hung_server_fails_at_the_deadline(server: ContractSer
     try:
         start = time.monotonic()
         with pytest.raises(SGLangTimeout, match=r"/generate: no answer within 1\.5s"):
-            impatient.generate([[1]], SamplingOptions(max_new_tokens=1))
+            impatient.generate([[1]], SamplingSpec(max_new_tokens=1))
         assert 1.4 < time.monotonic() - start < 4
         start = time.monotonic()
         with pytest.raises(TimeoutError, match="/pause_generation: no answer within 1s"):
@@ -170,13 +171,13 @@ def test_sglang_contract_a_stopped_then_dead_server():
         s.proc.send_signal(signal.SIGSTOP)     # the process stops answering; the kernel still accepts connections
         start = time.monotonic()
         with pytest.raises(SGLangTimeout):
-            e.generate([[1]], SamplingOptions(max_new_tokens=1))
+            e.generate([[1]], SamplingSpec(max_new_tokens=1))
         assert time.monotonic() - start < 3
         s.proc.send_signal(signal.SIGCONT)
-        assert e.generate([[1]], SamplingOptions(max_new_tokens=1))[0].token_ids == (2,)
+        assert e.generate([[1]], SamplingSpec(max_new_tokens=1))[0].token_ids == (2,)
         s.stop()
         with pytest.raises(SGLangUnavailable, match="cannot reach the server"):
-            e.generate([[1]], SamplingOptions(max_new_tokens=1))
+            e.generate([[1]], SamplingSpec(max_new_tokens=1))
         e.close()
     finally:
         s.stop()
@@ -193,25 +194,25 @@ def test_sglang_contract_pause_abort_ends_running_samples(server: ContractServer
     server.configure(token_delay_s=0.02)
     try:
         with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(engine.generate, [[1], [5]], SamplingOptions(max_new_tokens=100, ignore_eos=True))
+            running = pool.submit(engine.generate, [[1], [5]], SamplingSpec(max_new_tokens=100, ignore_eos=True))
             _wait_for(lambda: server.state()["running"] == 1)
             engine.pause("abort", timeout_s=10)
             aborted = running.result(timeout=20)
         assert [o.finish_reason for o in aborted] == ["abort", "abort"] and len(aborted[0].token_ids) < 100
         assert requests_to(server, "/pause_generation")[-1] == {"mode": "abort"}
         with pytest.raises(EngineUnavailable, match="paused"):   # new calls wait at the adapter while paused
-            engine.generate([[1]], SamplingOptions(max_new_tokens=1), wait_timeout_s=0.2)
+            engine.generate([[1]], SamplingSpec(max_new_tokens=1), wait_timeout_s=0.2)
     finally:
         engine.resume()
         server.configure(token_delay_s=0.0)
-    assert engine.generate([[1]], SamplingOptions(max_new_tokens=1))[0].finish_reason == "stop"
+    assert engine.generate([[1]], SamplingSpec(max_new_tokens=1))[0].finish_reason == "stop"
 
 
 def test_sglang_contract_pause_retract_parks_and_continues(server: ContractServer, engine: SGLangEngine):
     server.configure(token_delay_s=0.01)
     try:
         with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(engine.generate, [[1]], SamplingOptions(max_new_tokens=30, ignore_eos=True))
+            running = pool.submit(engine.generate, [[1]], SamplingSpec(max_new_tokens=30, ignore_eos=True))
             _wait_for(lambda: server.state()["running"] == 1)
             engine.pause("retract", timeout_s=10)
             assert server.state()["parked"] == 1 and engine.get_state().paused
@@ -229,7 +230,7 @@ def test_sglang_contract_drain_waits_then_pauses_with_the_configured_mode(server
     server.configure(token_delay_s=0.01)
     try:
         with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(e.generate, [[1]], SamplingOptions(max_new_tokens=20, ignore_eos=True))
+            running = pool.submit(e.generate, [[1]], SamplingSpec(max_new_tokens=20, ignore_eos=True))
             _wait_for(lambda: server.state()["running"] == 1)
             e.pause("drain", timeout_s=10)      # returns once the adapter's call has finished
             assert server.state()["running"] == 0 and requests_to(server, "/generate")[-1]["input_ids"] == [[1]]
@@ -248,7 +249,7 @@ def test_sglang_contract_memory_release_and_resume(server: ContractServer, engin
     assert requests_to(server, "/release_memory_occupation")[-1] == {"tags": ["kv_cache", "weights"]}
     assert server.state()["released"] == ["kv_cache", "weights"]
     with pytest.raises(EngineUnavailable, match="memory is released"):
-        engine.generate([[1]], SamplingOptions(max_new_tokens=1))
+        engine.generate([[1]], SamplingSpec(max_new_tokens=1))
     engine.resume_memory([])
     assert requests_to(server, "/resume_memory_occupation")[-1] == {"tags": None}   # null = every tag
     assert server.state()["released"] == [] and engine.get_state().released_memory == ()
@@ -274,7 +275,7 @@ def test_sglang_contract_api_key():
         with pytest.raises(SGLangRequestError, match="answered 401: Unauthorized"):
             SGLangEngine([s.url], startup_timeout_s=20)
         e = SGLangEngine([s.url], api_key="sk-test", startup_timeout_s=20)
-        assert e.generate([[4]], SamplingOptions(max_new_tokens=1))[0].token_ids == (5,)
+        assert e.generate([[4]], SamplingSpec(max_new_tokens=1))[0].token_ids == (5,)
         e.close()
     finally:
         s.stop()
@@ -320,14 +321,14 @@ def test_sglang_contract_build_engine_from_config(server: ContractServer, tmp_pa
 
 
 def test_sglang_contract_sampling_mapping_units():
-    assert sampling_params(SamplingOptions(temperature=0.0, top_k=5, max_new_tokens=2)) == {
+    assert sampling_params(SamplingSpec(temperature=0.0, top_k=5, max_new_tokens=2)) == {
         "temperature": 0.0, "top_p": 1.0, "top_k": 5, "max_new_tokens": 2, "ignore_eos": False}
 
 
 def test_sglang_contract_concurrent_calls_share_the_engine(server: ContractServer, engine: SGLangEngine):
     results: list = []
     threads = [threading.Thread(target=lambda i=i: results.append(
-        engine.generate([[i + 3]], SamplingOptions(max_new_tokens=2, ignore_eos=True))[0].token_ids))
+        engine.generate([[i + 3]], SamplingSpec(max_new_tokens=2, ignore_eos=True))[0].token_ids))
         for i in range(6)]
     for t in threads:
         t.start()

@@ -20,7 +20,7 @@ import torch
 from helpers.sglang_contract_server import ContractServer
 
 from services.contracts.config import WeightsConfig
-from services.rollout.engines.base import SamplingOptions
+from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.sglang import SGLangEngine
 from services.weights import (
     TensorSpec,
@@ -113,7 +113,7 @@ def test_sglang_contract_nccl_group_handshake_over_gloo(tmp_path: Path, load_for
         assert all(b.get("load_format") == (None if load_format == "tensor" else load_format) for b in updates)
         announced = [name for b in updates for name in b["names"]]
         assert announced == [t.name for b in plan.buckets for t in b.tensors if t.nbytes]   # bucket order
-        assert engine.generate([[3]], SamplingOptions(max_new_tokens=1))[0].weight_version == 2   # SGLang's "2"
+        assert engine.generate([[3]], SamplingSpec(max_new_tokens=1))[0].weight_version == 2   # SGLang's "2"
     finally:
         pub.close()
         engine.close()
@@ -153,7 +153,7 @@ def test_sglang_contract_in_place_keeps_the_kv_cache(tmp_path: Path):
     server.configure(token_delay_s=0.02)
     try:
         with ThreadPoolExecutor(2) as pool:
-            running = pool.submit(engine.generate, [[1]], SamplingOptions(max_new_tokens=40, ignore_eos=True))
+            running = pool.submit(engine.generate, [[1]], SamplingSpec(max_new_tokens=40, ignore_eos=True))
             while server.state()["running"] == 0:
                 time.sleep(0.02)
             tensors = make_tensors(SPECS, seed=5)
@@ -257,7 +257,7 @@ def test_sglang_contract_disk_transport_is_update_weights_from_disk(tmp_path: Pa
         assert body == {"model_path": plan.disk_path, "weight_version": "6", "flush_cache": True,
                         "abort_all_requests": False}
         assert json.loads((Path(plan.disk_path) / "manifest.json").read_text())["version"] == 6
-        assert got.version == 6 and engine.generate([[1]], SamplingOptions(max_new_tokens=1))[0].weight_version == 6
+        assert got.version == 6 and engine.generate([[1]], SamplingSpec(max_new_tokens=1))[0].weight_version == 6
     finally:
         pub.close()
         engine.close()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import build_batch
-from services.tensors.sampling import SamplingDistribution
 from services.trainer.backend import lr_lambda
 from services.trainer.batching import build_micro_batch, merge_batches, pack_samples, shard_samples, stale_samples
 
@@ -16,10 +16,10 @@ def _batch():
         build_batch(rollout_id=0, policy_version=0, prompts=[[1, 5], [1, 6, 7]], responses=[[8, 9, 10], [11]],
                     log_probs=[[-0.1, -0.2, -0.3], [-0.4]], rewards=[1.0, 0.0], group_ids=[0, 0],
                     finish_reasons=["stop", "length"], sample_versions=[3, 1],
-                    sampling=SamplingDistribution(temperature=0.7, top_p=0.9)),
+                    sampling=SamplingSpec(temperature=0.7, top_p=0.9)),
         build_batch(rollout_id=1, policy_version=0, prompts=[[1]], responses=[[12, 13]], log_probs=[[-0.5, -0.6]],
                     rewards=[0.5], group_ids=[1], finish_reasons=["stop"], sample_versions=[2],
-                    sampling=SamplingDistribution(temperature=0.0)),
+                    sampling=SamplingSpec(temperature=0.0)),
     ])
 
 
@@ -73,7 +73,7 @@ def test_stale_samples():
 
 def test_merge_rejects_inconsistent_batches():
     good = build_batch(rollout_id=0, policy_version=0, prompts=[[1]], responses=[[2]], log_probs=[[-1.0]],
-                       rewards=[1.0], group_ids=[0], finish_reasons=["stop"], sampling=SamplingDistribution())
+                       rewards=[1.0], group_ids=[0], finish_reasons=["stop"], sampling=SamplingSpec())
     from dataclasses import replace
 
     with pytest.raises(ValueError, match="rewards"):

@@ -15,8 +15,8 @@ import rl_reference as ref
 import torch
 from conftest_trainer import harness, make_batch, model_logits, peaked_model_dir, tiny_model_dir  # noqa: F401
 
+from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData, sampling_arrays
-from services.tensors.sampling import SamplingDistribution
 from services.trainer.critic import read_handoff
 
 pytestmark = pytest.mark.timeout(240)
@@ -48,8 +48,8 @@ def targets(batch: RolloutBatchData) -> list[int]:
 
 
 def test_each_sample_is_scored_under_the_distribution_it_was_drawn_from(harness, peaked_model_dir):  # noqa: F811
-    settings = [SamplingDistribution(temperature=0.7, top_p=0.9), SamplingDistribution(temperature=1.3, top_k=8),
-                SamplingDistribution(temperature=0.0)]
+    settings = [SamplingSpec(temperature=0.7, top_p=0.9), SamplingSpec(temperature=1.3, top_k=8),
+                SamplingSpec(temperature=0.0)]
     batches = [make_batch(rollout_id=i, seed=i, model_dir=peaked_model_dir, sampling=s) for i, s in enumerate(settings)]
     h = harness(model_dir=peaked_model_dir, algorithm={"kl_coef": 0.1})
     m = h.service.train(rollout_id=0, entry_ids=[h.put(b) for b in batches]).metrics
@@ -60,7 +60,7 @@ def test_each_sample_is_scored_under_the_distribution_it_was_drawn_from(harness,
     tables = [t for b in batches for t in reference_tables(peaked_model_dir, b)]
     assert m["entropy"] == pytest.approx(np.mean([ref.entropy(t) for t in tables]), rel=1e-4)
     # the inputs tell the difference: scored at temperature 1 untruncated, these tokens are far off
-    plain = [dataclasses.replace(b, **sampling_arrays(b.num_samples, SamplingDistribution())) for b in batches]
+    plain = [dataclasses.replace(b, **sampling_arrays(b.num_samples, SamplingSpec())) for b in batches]
     t1 = [table[tok] for b in plain for table, tok in zip(reference_tables(peaked_model_dir, b), targets(b))]
     rollout = np.concatenate([b.rollout_log_probs for b in batches])
     assert np.mean(np.abs(np.asarray(t1) - rollout)) > 0.1
@@ -83,7 +83,7 @@ def test_step_metrics_match_the_reference_after_an_update(harness, peaked_model_
     every metric of the second step recomputed from the exported weights after the first."""
     algo = {"kl_coef": 0.05, "eps_clip": 0.2, "eps_clip_high": 0.28, "dual_clip_c": 3.0}
     h = harness(model_dir=peaked_model_dir, algorithm=algo)
-    dist = SamplingDistribution(temperature=0.7, top_p=0.9)
+    dist = SamplingSpec(temperature=0.7, top_p=0.9)
     h.service.train(rollout_id=0, entry_ids=[h.put(make_batch(seed=1, model_dir=peaked_model_dir, sampling=dist))])
     trained = h.service.save(rollout_id=0, export_hf=True).hf_path
     batch = make_batch(rollout_id=1, seed=2, groups=4, model_dir=peaked_model_dir, sampling=dist)
@@ -145,7 +145,7 @@ def publish(h, version: int) -> None:
 def test_keep_old_actor_scores_samples_under_the_version_that_generated_them(harness, peaked_model_dir):  # noqa: F811
     h = harness(model_dir=peaked_model_dir, algorithm={"use_rollout_logprobs": False, "keep_old_actor": True,
                                                        "use_tis": True})
-    dist = SamplingDistribution(temperature=0.7, top_p=0.9)
+    dist = SamplingSpec(temperature=0.7, top_p=0.9)
     generated_by_v0 = [make_batch(rollout_id=i, seed=i, model_dir=peaked_model_dir, sampling=dist,
                                   sample_versions=[0] * 12) for i in range(2)]
     publish(h, 0)

@@ -15,11 +15,11 @@ import torch
 from conftest_trainer import DEVICE, harness, make_batch, tiny_model_dir  # noqa: F401
 
 from services.buffer.stream import EntryNotFoundError
+from services.contracts import checkpoints
 from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import array_to_proto, build_batch, sampling_arrays
 from services.rpc.grpc_util import FailedPrecondition
-from services.tensors.sampling import SamplingDistribution
-from services.trainer import checkpoint as ckpt
 from services.trainer.critic import handoff_key, read_handoff
 
 pytestmark = pytest.mark.timeout(180)
@@ -99,11 +99,11 @@ def test_half_written_checkpoint_is_ignored_and_retention_keeps_last(harness, tm
         h.service.train(rollout_id=i, entry_ids=[h.put(batch)])
         paths.append(h.service.save(rollout_id=i).path)
     root = tmp_path / "checkpoints" / "actor"
-    assert [p.name for _, p in ckpt.list_checkpoints(root)] == ["rollout_00000001", "rollout_00000002"]
+    assert [p.name for _, p in checkpoints.list_checkpoints(root)] == ["rollout_00000001", "rollout_00000002"]
     # a crash while writing rollout 7: its directory exists without the COMPLETE marker
     half = root / "rollout_00000007"
     (half / "ds").mkdir(parents=True)
-    (half / ckpt.STATE).write_text("{}")
+    (half / checkpoints.STATE).write_text("{}")
     loaded = h.service.load()
     assert loaded.path == paths[2] and loaded.rollout_id == 2
     with pytest.raises(FileNotFoundError, match="incomplete"):
@@ -137,7 +137,7 @@ def _raw_payload(*, rewards: list[float], response_lengths: list[int]) -> bytes:
         rollout_log_probs=array_to_proto(np.full(2 * n, -1.0, np.float32)),
         rewards=array_to_proto(np.asarray(rewards, np.float32)), group_ids=array_to_proto(np.zeros(n, np.int64)),
         sample_versions=array_to_proto(np.zeros(n, np.int64)),
-        **{name: array_to_proto(a) for name, a in sampling_arrays(n, SamplingDistribution()).items()},
+        **{name: array_to_proto(a) for name, a in sampling_arrays(n, SamplingSpec()).items()},
         finish_reasons=[common_pb2.FINISH_REASON_STOP] * n)
     return msg.SerializeToString()
 
@@ -158,12 +158,12 @@ def test_bad_input_gives_clear_errors_and_takes_no_step(harness):
         h.service.train(rollout_id=0, entry_ids=[bad_len])
     # decodes fine but cannot be trained: ids beyond the vocabulary, no trainable token
     oov = h.put(build_batch(rollout_id=0, policy_version=0, prompts=[[1, 2]], responses=[[99]], log_probs=[[-1.0]],
-                            rewards=[1.0], group_ids=[0], finish_reasons=["stop"], sampling=SamplingDistribution()))
+                            rewards=[1.0], group_ids=[0], finish_reasons=["stop"], sampling=SamplingSpec()))
     with pytest.raises(ValueError, match="vocabulary"):
         h.service.train(rollout_id=0, entry_ids=[oov])
     masked = h.put(build_batch(rollout_id=0, policy_version=0, prompts=[[1, 2]], responses=[[5, 6]],
                                log_probs=[[-1.0, -1.0]], rewards=[1.0], group_ids=[0], finish_reasons=["stop"],
-                               loss_masks=[[0, 0]], sampling=SamplingDistribution()))
+                               loss_masks=[[0, 0]], sampling=SamplingSpec()))
     with pytest.raises(ValueError, match="no trainable tokens"):
         h.service.train(rollout_id=0, entry_ids=[masked])
     assert h.service.step == 0 and h.service.backend.global_steps == 0 and not h.service.results

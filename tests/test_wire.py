@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import (
     FINISH_REASONS,
     RolloutBatchData,
@@ -19,7 +20,6 @@ from services.contracts.wire import (
     encode_batch,
     payload_checksum,
 )
-from services.tensors.sampling import SamplingDistribution
 
 
 def sample_batch(**overrides) -> RolloutBatchData:
@@ -27,7 +27,7 @@ def sample_batch(**overrides) -> RolloutBatchData:
               log_probs=[[-0.5, -1.25], [-0.1, -0.2, -0.3, -2.0]], rewards=[1.0, 0.0], group_ids=[70, 70],
               finish_reasons=["stop", "length"], sample_versions=[3, 2], loss_masks=[[1, 1], [1, 0, 1, 1]],
               labels=["4", "2"], metadata={"task": "copy", "seed": "1"}, producer="rollout-0",
-              sampling=SamplingDistribution(temperature=0.7, top_p=0.9, top_k=5))
+              sampling=SamplingSpec(temperature=0.7, top_p=0.9, top_k=5))
     kw.update(overrides)
     return build_batch(**kw)
 

@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from services.contracts.config import load_config  # noqa: E402
-from services.rollout.engines.base import SamplingOptions  # noqa: E402
+from services.contracts.sampling import SamplingSpec  # noqa: E402
 from services.rollout.engines.native import NativeEngine  # noqa: E402
 from services.rollout.model_init import init_model  # noqa: E402
 from services.rollout.rewards import resolve_reward  # noqa: E402
@@ -48,7 +48,7 @@ def policy_log_probs(model, sequences: list[list[int]], prompt_lens: list[int]) 
 
 def evaluate(engine, tokenizer, reward_fn, rows, max_new_tokens: int) -> float:
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
-    outs = engine.generate(prompts, SamplingOptions(temperature=0.0, max_new_tokens=max_new_tokens))
+    outs = engine.generate(prompts, SamplingSpec(temperature=0.0, max_new_tokens=max_new_tokens))
     scores = reward_fn.score(prompts=[r["prompt"] for r in rows], labels=[r["label"] for r in rows],
                              responses=[tokenizer.decode(list(o.token_ids), skip_special_tokens=True) for o in outs],
                              metadatas=[{} for _ in rows])
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         rows = rng.sample(train, ro.rollout_batch_size)
         prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
-        sampling = SamplingOptions(temperature=ro.sampling.temperature, max_new_tokens=ro.sampling.max_new_tokens,
+        sampling = SamplingSpec(temperature=ro.sampling.temperature, max_new_tokens=ro.sampling.max_new_tokens,
                                    seed=args.seed * 100_003 + step)
         outs = engine.generate([p for p in prompts for _ in range(n)], sampling)
         rewards = torch.tensor(reward_fn.score(

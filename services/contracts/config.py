@@ -52,6 +52,7 @@ class SamplingConfig(Section):
     max_new_tokens: int = Field(default=16, ge=1)
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    ignore_eos: bool = Field(default=False, description="keep generating past EOS (benchmarks that force a length)")
 
 
 class SGLangConfig(Section):

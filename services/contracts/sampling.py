@@ -1,29 +1,72 @@
-"""What defines a sampling distribution, without torch (the wire format and configs use it; the math that
-samples and scores under it is services.tensors.sampling)."""
+"""The sampling spec: the one type that says how tokens are drawn, from the config to the engine and the trainer.
+
+`SamplingSpec` is validated once, when it is made. It converts from the config section (`from_config`) and to and
+from the wire (`to_proto` / `from_proto`). The distribution it defines (logits / temperature, then top-k, then
+top-p, renormalised) is computed by `services.tensors.sampling.sampling_log_probs`; torch stays out of here so that
+the wire format and the coordinator import no torch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+from services.contracts.gen.tandem.v1 import common_pb2
 
-class SamplingParamsLike(Protocol):
-    """What defines a sampling distribution (the rollout's SamplingOptions has these and more)."""
-
-    @property
-    def temperature(self) -> float: ...
-
-    @property
-    def top_p(self) -> float: ...
-
-    @property
-    def top_k(self) -> int: ...
+if TYPE_CHECKING:
+    from services.contracts.config import SamplingConfig
 
 
 @dataclass(frozen=True)
-class SamplingDistribution:
-    """temperature 0 = greedy; top_p 1 and top_k 0 = off."""
+class SamplingSpec:
+    """temperature 0 = greedy; top_p 1 and top_k 0 = off; seed None = nondeterministic.
+
+    Stop tokens end a sample like EOS does and are kept as its last token (the policy must learn to emit them).
+    `ignore_eos` keeps going past EOS (benchmarks that force a response length)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"sampling.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_seed(self, seed: int | None) -> SamplingSpec:
+        return replace(self, seed=seed)
+
+    @classmethod
+    def from_config(cls, cfg: SamplingConfig) -> SamplingSpec:
+        return cls(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
+                   stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed or None, ignore_eos=cfg.ignore_eos)
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        return common_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                         max_new_tokens=self.max_new_tokens, stop_token_ids=list(self.stop_token_ids),
+                                         seed=self.seed or 0, ignore_eos=self.ignore_eos)
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.SamplingParams, *, default: SamplingSpec) -> SamplingSpec:
+        """Proto zeros mean: temperature 0 = greedy, top_p 0 = off, top_k 0 = off, max_new_tokens 0 and no stop
+        tokens = the default's, seed 0 = nondeterministic. Out-of-range values raise ValueError."""
+        return cls(temperature=float(msg.temperature), top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+                   top_k=int(msg.top_k), max_new_tokens=int(msg.max_new_tokens) or default.max_new_tokens,
+                   stop_token_ids=tuple(msg.stop_token_ids) or default.stop_token_ids, seed=int(msg.seed) or None,
+                   ignore_eos=bool(msg.ignore_eos))

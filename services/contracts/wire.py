@@ -16,7 +16,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.contracts.sampling import SamplingParamsLike
+from services.contracts.sampling import SamplingSpec
 
 
 class WireError(ValueError):
@@ -248,7 +248,7 @@ def decode_batch(payload: bytes) -> RolloutBatchData:
     return batch
 
 
-def sampling_arrays(n: int, sampling: SamplingParamsLike) -> dict[str, np.ndarray]:
+def sampling_arrays(n: int, sampling: SamplingSpec) -> dict[str, np.ndarray]:
     """The per-sample sampling fields of n samples drawn from one distribution."""
     return {"sampling_temperature": np.full(n, sampling.temperature, dtype=np.float32),
             "sampling_top_p": np.full(n, sampling.top_p, dtype=np.float32),
@@ -257,7 +257,7 @@ def sampling_arrays(n: int, sampling: SamplingParamsLike) -> dict[str, np.ndarra
 
 def build_batch(*, rollout_id: int, policy_version: int, prompts: list[list[int]], responses: list[list[int]],
                 log_probs: list[list[float]], rewards: list[float], group_ids: list[int],
-                finish_reasons: list[str], sampling: SamplingParamsLike, sample_versions: list[int] | None = None,
+                finish_reasons: list[str], sampling: SamplingSpec, sample_versions: list[int] | None = None,
                 loss_masks: list[list[int]] | None = None, labels: list[str] | None = None,
                 metadata: dict[str, str] | None = None, producer: str = "") -> RolloutBatchData:
     """Builds a batch from per-sample lists (what an engine naturally produces); `sampling` is the distribution

@@ -22,9 +22,8 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
 
 
-# The coordinator's exit status when the run failed on an error that a restart would only repeat (a reward
-# function that raises, a full disk, bad data): `tandem run` does not restart it. The statuses that say so:
-EXIT_PERMANENT = 3
+# Statuses of errors that a restart would only repeat (a reward function that raises, a full disk, bad data): the
+# coordinator then exits with ExitCode.PERMANENT and `tandem run` does not restart it.
 PERMANENT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
@@ -176,26 +175,27 @@ class RolloutPool:
         return True
 
     def generate_async(self, *, rollout_id: int, prompts: list[common_pb2.Prompt], n_samples: int,
-                       trace_context: dict[str, str]) -> Future[GenerationResult]:
+                       sampling: common_pb2.SamplingParams, trace_context: dict[str, str]) -> Future[GenerationResult]:
         return self.executor.submit(self.generate, rollout_id=rollout_id, prompts=prompts, n_samples=n_samples,
-                                    trace_context=trace_context)
+                                    sampling=sampling, trace_context=trace_context)
 
     def generate(self, *, rollout_id: int, prompts: list[common_pb2.Prompt], n_samples: int,
-                 trace_context: dict[str, str]) -> GenerationResult:
+                 sampling: common_pb2.SamplingParams, trace_context: dict[str, str]) -> GenerationResult:
         start = time.monotonic()
         shares = split_evenly(len(prompts), len(self.clients))
         futures = [self.executor.submit(self._generate_share, replica=i, rollout_id=rollout_id,
                                         prompts=[prompts[j] for j in share], n_samples=n_samples,
-                                        trace_context=trace_context)
+                                        sampling=sampling, trace_context=trace_context)
                    for i, share in enumerate(shares)]
         responses = tuple(f.result() for f in futures)
         return GenerationResult(rollout_id=rollout_id, entry_ids=tuple(r.entry_id for r in responses),
                                 responses=responses, seconds=time.monotonic() - start)
 
     def _generate_share(self, *, replica: int, rollout_id: int, prompts: list[common_pb2.Prompt], n_samples: int,
+                        sampling: common_pb2.SamplingParams,
                         trace_context: dict[str, str]) -> rollout_pb2.GenerateResponse:
         request = rollout_pb2.GenerateRequest(rollout_id=rollout_id, prompts=prompts, n_samples_per_prompt=n_samples,
-                                              trace_context=trace_context)
+                                              sampling=sampling, trace_context=trace_context)
         errors, code = [], None
         expected = self.expected_version
         for attempt in range(self.max_retries + 1):

@@ -17,6 +17,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from services.contracts.config import ConfigError, load_config
+from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.rpc.grpc_util import open_channel
 
@@ -90,6 +91,6 @@ def run_ctl(*, target: Target, action: str, timeout_s: float) -> int:
         hint = (f" (no coordinator at {target.addr}? a local `tandem run` prints its address; "
                 "use --run-dir or --addr)") if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
         print(f"tandem ctl {action}: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2, sort_keys=True))
-    return 0
+    return ExitCode.OK

@@ -97,13 +97,7 @@ class DataSource:
         return cls(records, batch_size=batch_size, shuffle=config.shuffle, seed=config.seed,
                    num_epochs=config.num_epochs)
 
-    @property
-    def batches_per_epoch(self) -> int:
-        return len(self.records) // self.batch_size   # the ragged tail of an epoch is dropped
 
-    @property
-    def num_rollout(self) -> int:
-        return self.batches_per_epoch * self.num_epochs
 
     def _order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:

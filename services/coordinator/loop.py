@@ -18,15 +18,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from services.buffer.stream import RolloutBuffer
+from services.contracts import runfacts
 from services.contracts.config import TandemConfig
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
+from services.contracts.sampling import SamplingSpec
 from services.coordinator.clients import GenerationResult, RolloutPool, TrainerClient
 from services.coordinator.control import Control
 from services.coordinator.data import DataSource, load_prompts
 from services.coordinator.state import GeneratedBatch, RunState
 from services.coordinator.stepmetrics import generation_metrics, prefixed, weighted_mean
 from services.coordinator.sync import WeightSync
-from services.launcher.preflight import finished_message
 from services.telemetry.tracing import StepSpans, annotate, inject_context, span
 from services.telemetry.trackers import EventLog, Tracker
 
@@ -47,7 +48,7 @@ class Coordinator:
         self.events = events or EventLog()
         self.control = Control()
         self.data = DataSource.from_config(config.data, batch_size=config.rollout.rollout_batch_size)
-        self.num_rollout = self.loop_cfg.num_rollout or self.data.num_rollout
+        self.num_rollout = runfacts.num_rollout(config, dataset_size=len(self.data.records))
         self.state = RunState()
         self.sync = WeightSync(trainer=trainer, pool=pool, config=config.weights,
                                trainer_offloads=config.loop.offload_train)
@@ -156,8 +157,8 @@ class Coordinator:
             client.wait_healthy(timeout)
         self._load_checkpoint()
         done = self.state.next_rollout_id
-        if done >= self.num_rollout:
-            message = finished_message(done=done, num_rollout=self.num_rollout, checkpoint=self.last_checkpoint)
+        if runfacts.is_finished(next_rollout_id=done, num_rollout=self.num_rollout):
+            message = runfacts.finished_message(done=done, num_rollout=self.num_rollout, checkpoint=self.last_checkpoint)
             log.info("%s", message)
             self.events.emit("state", rollout_id=done - 1, message=message)
             return True
@@ -230,6 +231,7 @@ class Coordinator:
         with self.step_spans.started(rollout_id, weight_version=self.state.weight_version, mode=self.loop_cfg.mode):
             fut = self.pool.generate_async(rollout_id=rollout_id, prompts=prompts,
                                            n_samples=self.config.rollout.n_samples_per_prompt,
+                                           sampling=SamplingSpec.from_config(self.config.rollout.sampling).to_proto(),
                                            trace_context=inject_context())
         fut.cursor_before, fut.cursor_after = cursor_before, batch.cursor_after  # type: ignore[attr-defined]
         return fut
@@ -397,10 +399,7 @@ class Coordinator:
                                limit=cfg.data.eval_max_prompts)
         protos = [common_pb2.Prompt(text=p.text, label=p.label, group_id=i, metadata=p.metadata)
                   for i, p in enumerate(prompts)]
-        s = cfg.rollout.eval_sampling
-        sampling = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                             max_new_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_token_ids),
-                                             seed=s.seed)
+        sampling = SamplingSpec.from_config(cfg.rollout.eval_sampling).to_proto()
         shares = [protos[i::len(self.pool.clients)] for i in range(len(self.pool.clients))]
         with span("rl.eval", weight_version=self.state.weight_version, prompts=len(protos)):
             replies = self.pool.broadcast_each("Evaluate", [rollout_pb2.EvaluateRequest(

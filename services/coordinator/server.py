@@ -14,8 +14,9 @@ import grpc
 
 from services.buffer.stream import RolloutBuffer, connect, stream_key
 from services.contracts.config import TandemConfig
+from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.coordinator.clients import EXIT_PERMANENT, RolloutPool, ServiceCallError, make_clients
+from services.coordinator.clients import RolloutPool, ServiceCallError, make_clients
 from services.coordinator.loop import Coordinator
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.telemetry.tracing import setup_logging, setup_tracing, shutdown_tracing
@@ -120,7 +121,7 @@ def main(config: TandemConfig, *, run_dir: Path) -> int:
         coordinator, _ = build_coordinator(config, run_dir=run_dir)
     except (ValueError, FileNotFoundError) as exc:   # bad data (file and line named): a restart would repeat it
         log.error("cannot start: %s", exc)
-        return EXIT_PERMANENT
+        return ExitCode.PERMANENT
     s = config.services
     servicer = CoordinatorServicer(coordinator, max_watch_streams=s.max_watch_streams)
     server = start_server([(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, "tandem.v1.Coordinator")],
@@ -139,12 +140,12 @@ def main(config: TandemConfig, *, run_dir: Path) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    code = 0
+    code = ExitCode.OK
     try:
         coordinator.run()
     except Exception as exc:
         log.exception("run failed")
-        code = EXIT_PERMANENT if isinstance(exc, ServiceCallError) and exc.permanent else 1
+        code = ExitCode.PERMANENT if isinstance(exc, ServiceCallError) and exc.permanent else ExitCode.FAILED
     finally:
         for tracker in coordinator.trackers:
             tracker.close()

@@ -11,6 +11,7 @@ import difflib
 import logging
 from pathlib import Path
 
+from services.contracts import runfacts
 from services.contracts.config import ConfigError, TandemConfig
 from services.coordinator.data import DataSource, PromptRecord, load_prompts
 
@@ -62,27 +63,20 @@ def check_model(config: TandemConfig, *, init_model: bool) -> None:
 def already_finished(config: TandemConfig, *, run_dir: Path) -> str | None:
     """The message to exit with when run_dir's latest checkpoint is of the run's last step (the coordinator
     checks the same after loading it, for deployments without `tandem run`)."""
+    from services.contracts.checkpoints import STATE, latest_checkpoint, read_json
     from services.coordinator.state import RunState
-    from services.trainer.checkpoint import STATE, checkpoint_root, default_base, latest_complete, read_json
 
-    base = default_base(checkpoint_dir=config.trainer.checkpoint_dir, run_dir=run_dir)
-    latest = latest_complete(checkpoint_root(base=base, role="actor"))
+    latest = latest_checkpoint(config, run_dir=run_dir)
     if latest is None:
         return None
     try:
         saved = RunState.from_json(read_json(latest / STATE)["extra_state"]["coordinator"])
     except (OSError, ValueError, KeyError, TypeError):
         return None   # not a checkpoint of a run: the trainer's Load decides what it is
-    num_rollout = config.loop.num_rollout or DataSource.from_config(
-        config.data, batch_size=config.rollout.rollout_batch_size).num_rollout
-    if saved.next_rollout_id < num_rollout:
+    total = runfacts.num_rollout(config, dataset_size=len(_load("data.train_path", config.data.train_path, config)))
+    if not runfacts.is_finished(next_rollout_id=saved.next_rollout_id, num_rollout=total):
         return None
-    return finished_message(done=saved.next_rollout_id, num_rollout=num_rollout, checkpoint=str(latest))
-
-
-def finished_message(*, done: int, num_rollout: int, checkpoint: str) -> str:
-    return (f"this run already finished: {done} of {num_rollout} rollouts trained, last checkpoint {checkpoint}; "
-            "raise loop.num_rollout to train further, or use a new --run-dir")
+    return runfacts.finished_message(done=saved.next_rollout_id, num_rollout=total, checkpoint=str(latest))
 
 
 def _near_miss(path: Path) -> str:

@@ -12,7 +12,7 @@ redis-server on its port and data directory (AOF); a coordinator that failed, wh
 checkpoint; a trainer together with the coordinator, which is killed first so it can neither drive the new
 trainer nor save a checkpoint mixing the two, and then resumes from the last checkpoint. A child that dies or
 hangs while it is being started again costs one more restart and is started again. A coordinator that exits
-with EXIT_PERMANENT (3) failed on an error a restart would repeat: it is not restarted (docs/reliability.md).
+with ExitCode.PERMANENT (3) failed on an error a restart would repeat: it is not restarted (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import grpc
 
 from services.buffer.redis_server import EmbeddedRedis, free_port
 from services.contracts.config import TandemConfig, config_from_dict, write_resolved_config
+from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.coordinator.clients import EXIT_PERMANENT
 from services.launcher.procs import dies_with_parent
 from services.rpc.grpc_util import ensure_port_free, open_channel, wait_healthy
 
@@ -146,7 +146,7 @@ class LocalRun:
 
     def _await(self, child: Child, target: str, *, may_exit: bool = False) -> None:
         """Waits until the child is healthy. It exiting first raises, unless may_exit, or it is a coordinator
-        that finished (0) or failed for good (EXIT_PERMANENT): watch() reports those."""
+        that finished (0) or failed for good (ExitCode.PERMANENT): watch() reports those."""
         def exited() -> str | None:
             if child.alive():
                 return None
@@ -157,7 +157,7 @@ class LocalRun:
                          should_abort=exited)
         except RuntimeError:
             code = child.process.returncode
-            if not (may_exit or code == 0 or (child.name == "coordinator" and code == EXIT_PERMANENT)):
+            if not (may_exit or code == 0 or (child.name == "coordinator" and code == ExitCode.PERMANENT)):
                 raise
 
     def _check_fixed_ports(self) -> None:
@@ -213,18 +213,18 @@ class LocalRun:
                 if self.redis is not None and not self.redis.alive():
                     if not self._restart_redis():
                         view.stop()
-                        return 1
+                        return ExitCode.FAILED
                 elif dead:
                     if not self._restart(dead[0]):
                         view.stop()
-                        return 1
+                        return ExitCode.FAILED
                 elif not coordinator.alive():
                     code = coordinator.process.returncode
-                    if code in (0, EXIT_PERMANENT) or self.interrupts or not self._restart(coordinator):
+                    if code in (0, ExitCode.PERMANENT) or self.interrupts or not self._restart(coordinator):
                         break
                 time.sleep(0.2)
         code = self.coordinator_child().process.returncode
-        if code == EXIT_PERMANENT:
+        if code == ExitCode.PERMANENT:
             log.error("coordinator failed on an error a restart would only repeat (exit %d): not restarting it. "
                       "Last lines of its log:\n%s", code, self.coordinator_child().log_tail())
         elif code != 0:
@@ -272,7 +272,7 @@ class LocalRun:
             coordinator.process.wait()
         for child in [c for c in self.children if c is not coordinator and not c.alive()]:
             self._start_again(child)
-        if not coordinator.alive() and coordinator.process.returncode not in (0, EXIT_PERMANENT):
+        if not coordinator.alive() and coordinator.process.returncode not in (0, ExitCode.PERMANENT):
             self._start_again(coordinator)
             threading.Thread(target=self._stream_events, args=(self.view,), daemon=True).start()
 
@@ -345,10 +345,10 @@ def run_local(config: TandemConfig, *, run_dir: Path, config_path: Path, overrid
         run.start()
         code = run.watch()
     except KeyboardInterrupt:
-        code = 130
+        code = ExitCode.INTERRUPTED
     except (RuntimeError, TimeoutError) as exc:
         log.error("%s", exc)
-        code = 1
+        code = ExitCode.FAILED
     finally:
         signal.signal(signal.SIGINT, previous)
         run.shutdown()
@@ -357,10 +357,9 @@ def run_local(config: TandemConfig, *, run_dir: Path, config_path: Path, overrid
 
 
 def _say_where_it_is(config: TandemConfig, *, run_dir: Path) -> None:
-    from services.trainer.checkpoint import checkpoint_root, default_base, latest_complete
+    from services.contracts.checkpoints import latest_checkpoint
 
-    base = default_base(checkpoint_dir=config.trainer.checkpoint_dir, run_dir=run_dir)
-    latest = latest_complete(checkpoint_root(base=base, role="actor"))
+    latest = latest_checkpoint(config, run_dir=run_dir)
     if latest is not None:
         hf = latest / "hf"
         log.info("last checkpoint: %s%s", latest, f" (Hugging Face model: {hf})" if hf.is_dir() else "")

@@ -17,9 +17,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from services.contracts.config import SamplingConfig, TandemConfig
+from services.contracts.config import TandemConfig
+from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.rollout.engines.base import SamplingOptions
+from services.contracts.sampling import SamplingSpec
 from services.rollout.service import PromptInput, RolloutService
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.telemetry import tracing
@@ -27,21 +28,11 @@ from services.tensors.devices import cuda_reserved_bytes
 
 log = logging.getLogger(__name__)
 
-EXIT_START_FAILED = 2
 
 
 def prompt_from_proto(p: common_pb2.Prompt) -> PromptInput:
     return PromptInput(text=p.text, token_ids=tuple(p.token_ids), label=p.label, group_id=p.group_id,
                        metadata=dict(p.metadata))
-
-
-def sampling_from_proto(msg: common_pb2.SamplingParams, default: SamplingConfig) -> SamplingOptions:
-    """Proto zeros mean: temperature 0 = greedy, top_p 0 = off, top_k 0 = off, max_new_tokens 0 = the
-    config's, seed 0 = nondeterministic."""
-    return SamplingOptions(temperature=float(msg.temperature), top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
-                           top_k=int(msg.top_k), max_new_tokens=int(msg.max_new_tokens) or default.max_new_tokens,
-                           stop_token_ids=tuple(msg.stop_token_ids) or tuple(default.stop_token_ids),
-                           seed=int(msg.seed) or None)
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -51,7 +42,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @map_errors
     def Generate(self, request: rollout_pb2.GenerateRequest, context: Any) -> rollout_pb2.GenerateResponse:
-        sampling = (sampling_from_proto(request.sampling, self.config.rollout.sampling)
+        sampling = (SamplingSpec.from_proto(request.sampling, default=SamplingSpec.from_config(self.config.rollout.sampling))
                     if request.HasField("sampling") else None)
         r = self.service.generate(
             rollout_id=request.rollout_id, prompts=[prompt_from_proto(p) for p in request.prompts],
@@ -66,7 +57,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @map_errors
     def Evaluate(self, request: rollout_pb2.EvaluateRequest, context: Any) -> rollout_pb2.EvaluateResponse:
-        sampling = (sampling_from_proto(request.sampling, self.config.rollout.eval_sampling)
+        sampling = (SamplingSpec.from_proto(request.sampling,
+                                           default=SamplingSpec.from_config(self.config.rollout.eval_sampling))
                     if request.HasField("sampling") else None)
         r = self.service.evaluate(name=request.name or "eval", prompts=[prompt_from_proto(p) for p in request.prompts],
                                   n_samples_per_prompt=request.n_samples_per_prompt or None, sampling=sampling,
@@ -141,7 +133,7 @@ def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
     problem = startup_problem(config, replica)
     if problem:
         print(f"tandem rollout: {problem}", file=sys.stderr, flush=True)
-        return EXIT_START_FAILED
+        return ExitCode.BAD_INPUT
     tracing.setup_tracing("tandem-rollout", exporter=config.tracing.exporter, instance=name,
                           file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"))
     try:
@@ -149,7 +141,7 @@ def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
     except (OSError, ValueError, NotImplementedError) as exc:
         print(f"tandem rollout: could not start: {type(exc).__name__}: {exc}".replace("\n", " "), file=sys.stderr,
               flush=True)
-        return EXIT_START_FAILED
+        return ExitCode.BAD_INPUT
     svc = config.services
     server = start_server(
         [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(service), "tandem.v1.Rollout")],
@@ -166,4 +158,4 @@ def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
     server.stop(grace_s=5.0)
     service.close()
     tracing.shutdown_tracing()
-    return 0
+    return ExitCode.OK

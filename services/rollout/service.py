@@ -15,14 +15,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from services.buffer.stream import RolloutBuffer, connect, redacted, stream_key
-from services.contracts.config import SamplingConfig, TandemConfig
+from services.contracts.config import TandemConfig
+from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import build_batch
 from services.rollout.engines.base import (
     FINISH_ABORT,
@@ -30,7 +31,6 @@ from services.rollout.engines.base import (
     EngineState,
     EngineUnavailable,
     SampleOutput,
-    SamplingOptions,
 )
 from services.rollout.rewards import RewardFunction, resolve_reward
 from services.rpc.grpc_util import FailedPrecondition, Unavailable
@@ -101,12 +101,6 @@ class _Scored:
     reward_s: float
 
 
-def sampling_options(cfg: SamplingConfig) -> SamplingOptions:
-    return SamplingOptions(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                           max_new_tokens=cfg.max_new_tokens, stop_token_ids=tuple(cfg.stop_token_ids),
-                           seed=cfg.seed or None)
-
-
 def load_tokenizer(path: str | Path) -> Any:
     """PreTrainedTokenizerFast when the directory has a tokenizer.json: it decodes exactly what the file
     says (AutoTokenizer swaps in a ByteLevel decoder for `qwen2` directories under transformers 5.x)."""
@@ -164,7 +158,7 @@ class RolloutService:
     # ---- Generate ----------------------------------------------------------------------------------
 
     def generate(self, *, rollout_id: int, prompts: Sequence[PromptInput], n_samples_per_prompt: int | None = None,
-                 sampling: SamplingOptions | None = None, trace_context: dict[str, str] | None = None,
+                 sampling: SamplingSpec | None = None, trace_context: dict[str, str] | None = None,
                  stream: str | None = None, reward: str | None = None,
                  caller_active: Callable[[], bool] | None = None) -> GenerateResult:
         """Samples n per prompt, scores them, writes one batch entry and returns its id and counts."""
@@ -204,15 +198,15 @@ class RolloutService:
         return result
 
     def _generate(self, *, rollout_id: int, prompts: Sequence[PromptInput], n: int | None,
-                  sampling: SamplingOptions | None, trace_context: dict[str, str] | None, stream: str,
+                  sampling: SamplingSpec | None, trace_context: dict[str, str] | None, stream: str,
                   reward: str | None, caller_active: Callable[[], bool] | None) -> GenerateResult:
         ro = self.config.rollout
         n = n or ro.n_samples_per_prompt
         if n < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
         if sampling is None:
-            sampling = sampling_options(ro.sampling)
-        sampling = _with_seed(sampling, mix_seed(sampling.seed, rollout_id))
+            sampling = SamplingSpec.from_config(ro.sampling)
+        sampling = sampling.with_seed(mix_seed(sampling.seed, rollout_id))
         reward_fn = resolve_reward(reward) if reward else self.default_reward
         prompt_ids = self.encode_prompts(prompts)
         version = self.engine.weight_version
@@ -247,7 +241,7 @@ class RolloutService:
             producer=self.producer)
 
     def _sample_and_score(self, *, prompts: Sequence[PromptInput], prompt_ids: list[list[int]], n: int,
-                          sampling: SamplingOptions, reward_fn: RewardFunction, rollout_id: int,
+                          sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int,
                           span_: Any) -> _Scored:
         expanded = [ids for ids in prompt_ids for _ in range(n)]
         t = time.monotonic()
@@ -333,7 +327,7 @@ class RolloutService:
     # ---- Evaluate ----------------------------------------------------------------------------------
 
     def evaluate(self, *, name: str = "eval", prompts: Sequence[PromptInput], n_samples_per_prompt: int | None = None,
-                 sampling: SamplingOptions | None = None, reward: str | None = None,
+                 sampling: SamplingSpec | None = None, reward: str | None = None,
                  pass_threshold: float = 1.0) -> EvaluateResult:
         """Greedy (or n-sample) generation over an eval set; metrics under `<name>/`. A sample passes when
         its reward reaches `pass_threshold`; pass@k uses the unbiased estimator over n samples."""
@@ -346,7 +340,7 @@ class RolloutService:
         n = n_samples_per_prompt or self.config.rollout.eval_n_samples_per_prompt
         if n < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
-        sampling = sampling or sampling_options(self.config.rollout.eval_sampling)
+        sampling = sampling or SamplingSpec.from_config(self.config.rollout.eval_sampling)
         reward_fn = resolve_reward(reward) if reward else self.default_reward
         prompt_ids = self.encode_prompts(prompts)
         with tracing.span("rl.eval.generate", eval_name=name, weight_version=self.engine.weight_version,
@@ -424,10 +418,6 @@ class RolloutService:
         if self._redis is not None:
             self._redis.close()
         self.engine.close()
-
-
-def _with_seed(sampling: SamplingOptions, seed: int | None) -> SamplingOptions:
-    return replace(sampling, seed=seed)
 
 
 # ---- metrics -------------------------------------------------------------------------------------

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from services.contracts.sampling import SamplingDistribution, SamplingParamsLike
-
-__all__ = ["SamplingDistribution", "SamplingParamsLike", "sampling_log_probs"]
+from services.contracts.sampling import SamplingSpec
 
 
-def sampling_log_probs(logits: torch.Tensor, sampling: SamplingParamsLike) -> torch.Tensor:
+def sampling_log_probs(logits: torch.Tensor, sampling: SamplingSpec) -> torch.Tensor:
     """[..., vocab] logits -> [..., vocab] float32 log-probs of the sampling distribution
     (-inf for tokens top-k / top-p exclude). Differentiable in the logits (the truncation set is not)."""
     logits = logits.float()

@@ -30,9 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
-COMPLETE = "COMPLETE.json"
-STATE = "tandem_state.json"
-_DIR_RE = re.compile(r"^rollout_(\d+)$")
+from services.contracts.checkpoints import (
+    COMPLETE,
+    is_complete,
+    list_checkpoints,
+)
+
 _STAGED_RE = re.compile(r"^\.rollout_(\d+)\.(partial|old)$")   # a save that was cut short, or its predecessor
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -45,19 +48,6 @@ class NoSpaceLeft(OSError):
 
     def __str__(self) -> str:
         return str(self.strerror)
-
-
-def checkpoint_root(*, base: Path, role: str) -> Path:
-    return base / role
-
-
-def default_base(*, checkpoint_dir: str | None, run_dir: Path) -> Path:
-    """trainer.checkpoint_dir, or RUN_DIR/checkpoints."""
-    return Path(checkpoint_dir) if checkpoint_dir else run_dir / "checkpoints"
-
-
-def checkpoint_dir(root: Path, rollout_id: int) -> Path:
-    return root / f"rollout_{rollout_id:08d}"
 
 
 def staging_dir(directory: Path) -> Path:
@@ -130,48 +120,8 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: Path) -> Any:
-    with open(path) as f:
-        return json.load(f)
-
-
-def is_complete(directory: Path) -> bool:
-    return (directory / COMPLETE).is_file()
-
-
 def mark_complete(directory: Path, info: dict[str, Any]) -> None:
     write_json_atomic(directory / COMPLETE, info)
-
-
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(rollout id, directory) of every checkpoint-shaped directory under root, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _DIR_RE.match(p.name))]
-    return sorted(found)
-
-
-def latest_complete(root: Path) -> Path | None:
-    complete = [p for _, p in list_checkpoints(root) if is_complete(p)]
-    return complete[-1] if complete else None
-
-
-def resolve_load_dir(path: str, *, default_root: Path, role: str) -> Path | None:
-    """Empty path: the latest complete checkpoint under the default root (None when there is none).
-    A path may name one checkpoint directory, a role directory, or a root holding role directories."""
-    if not path:
-        return latest_complete(default_root)
-    p = Path(path)
-    if is_complete(p):
-        return p
-    if _DIR_RE.match(p.name) and p.is_dir():
-        raise FileNotFoundError(f"checkpoint {p} is incomplete (no {COMPLETE}: it was being written when the "
-                                "trainer stopped)")
-    for candidate in (p / role, p):
-        found = latest_complete(candidate)
-        if found is not None:
-            return found
-    raise FileNotFoundError(f"no complete checkpoint at {p}")
 
 
 def apply_retention(root: Path, *, keep: int, current: Path) -> list[Path]:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.tensors.sampling import SamplingDistribution, sampling_log_probs
+from services.contracts.sampling import SamplingSpec
+from services.tensors.sampling import sampling_log_probs
 from services.trainer.advantages import per_token
 from services.trainer.batching import TrainBatch
 
@@ -45,12 +46,12 @@ class TokenSampling:
         cut = (self.top_p < 1.0) | ((self.top_k > 0) & (self.top_k < vocab))
         return bool((cut & (self.temperature != 0)).any())
 
-    def groups(self) -> Iterator[tuple[SamplingDistribution, torch.Tensor]]:
+    def groups(self) -> Iterator[tuple[SamplingSpec, torch.Tensor]]:
         """(distribution, token positions) for each distinct parameter set, in a fixed order."""
         keys = torch.stack([self.temperature.double(), self.top_p.double(), self.top_k.double()], dim=1)
         unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
         for i, (t, p, k) in enumerate(unique.tolist()):   # float32 values, as the rollout's tensors used them
-            yield SamplingDistribution(temperature=t, top_p=p, top_k=int(k)), torch.nonzero(inverse == i).flatten()
+            yield SamplingSpec(temperature=t, top_p=p, top_k=int(k)), torch.nonzero(inverse == i).flatten()
 
 
 def sampling_log_prob_table(logits: torch.Tensor, sampling: TokenSampling) -> torch.Tensor:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from services.buffer.redis_server import free_port
 from services.contracts.config import TandemConfig, dump_config
+from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import trainer_pb2, trainer_pb2_grpc
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.telemetry.tracing import setup_logging, setup_tracing, shutdown_tracing
@@ -91,7 +92,7 @@ def launch_ranks(config: TandemConfig, *, run_dir: Path, role: str) -> int:
     if stopping.is_set():
         # torchrun reports a signalled shutdown as a failure; here it is what was asked for.
         log.info("trainer ranks stopped on request (torchrun exit code %d)", rc)
-        return 0
+        return ExitCode.OK
     return rc
 
 
@@ -120,7 +121,7 @@ def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
     if service.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
         service.serve_worker()
-        return 0
+        return ExitCode.OK
     address = config.services.trainer if role == "actor" else config.services.critic
     s = config.services
     server = start_server([(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(service), SERVICE_NAME)],
@@ -137,5 +138,5 @@ def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
     server.stop(grace_s=5.0)
     _close_quietly(service)
     shutdown_tracing()   # flushes a batching (otlp) exporter
-    return 0
+    return ExitCode.OK
 

@@ -25,6 +25,7 @@ import torch
 from google.protobuf import json_format
 
 from services.buffer.stream import BufferEntry, RolloutBuffer, connect, stream_key
+from services.contracts import checkpoints
 from services.contracts.config import TandemConfig
 from services.contracts.gen.tandem.v1 import common_pb2, trainer_pb2
 from services.contracts.wire import array_from_proto, array_to_proto
@@ -92,7 +93,7 @@ class TrainerService:
         self.vocab_size = int(model_cfg.vocab_size)
         self.max_positions = getattr(model_cfg, "max_position_embeddings", None)
         self.export_dtype = TORCH_DTYPES[config.model.dtype]
-        self.checkpoint_base = ckpt.default_base(checkpoint_dir=config.trainer.checkpoint_dir, run_dir=self.run_dir)
+        self.checkpoint_base = checkpoints.default_base(checkpoint_dir=config.trainer.checkpoint_dir, run_dir=self.run_dir)
         # state (rank 0 is authoritative; it is what checkpoints hold)
         self.step = 0
         self.last_rollout_id = -1
@@ -108,7 +109,7 @@ class TrainerService:
         self._buffer: RolloutBuffer | None = None   # connected on first use: Redis may start after us
         # A trainer (re)started where checkpoints exist must Load before it trains: otherwise a coordinator
         # that outlived the old process would continue its run on the initial weights.
-        self._unloaded = ckpt.latest_complete(ckpt.checkpoint_root(base=self.checkpoint_base, role=role))
+        self._unloaded = checkpoints.latest_checkpoint(config, run_dir=self.run_dir, role=role)
 
     @property
     def buffer(self) -> RolloutBuffer:
@@ -328,10 +329,10 @@ class TrainerService:
         if rollout_id < 0:
             raise ValueError(f"Save: rollout_id must be >= 0, got {rollout_id}")
         with self._lock, span("rl.save", rollout_id=rollout_id, role=self.role):
-            root = ckpt.checkpoint_root(base=self._own_path(path) if path else self.checkpoint_base, role=self.role)
-            directory = ckpt.checkpoint_dir(root, rollout_id)
+            root = checkpoints.checkpoint_root(base=self._own_path(path) if path else self.checkpoint_base, role=self.role)
+            directory = checkpoints.checkpoint_dir(root, rollout_id)
             export = export_hf or self.config.trainer.export_hf_on_save
-            if ckpt.is_complete(directory) and ckpt.read_json(directory / ckpt.COMPLETE)["step"] == self.step:
+            if checkpoints.is_complete(directory) and checkpoints.read_json(directory / checkpoints.COMPLETE)["step"] == self.step:
                 log.info("checkpoint %s already holds step %d", directory, self.step)   # a retried Save
             else:
                 self._ensure_onloaded()
@@ -373,12 +374,12 @@ class TrainerService:
             self._export_hf(staging / "hf")
         barrier()   # every rank's shards are on disk before the marker says so
         if self.rank == 0:
-            ckpt.write_json_atomic(staging / ckpt.STATE, state)
+            ckpt.write_json_atomic(staging / checkpoints.STATE, state)
             ckpt.mark_complete(staging, {"rollout_id": header["rollout_id"], "step": state["step"],
                                          "world_size": self.dist.world_size, "time": time.time()})
 
     def _no_space(self, directory: Path) -> ckpt.NoSpaceLeft:
-        last = ckpt.latest_complete(directory.parent)
+        last = checkpoints.latest_complete(directory.parent)
         free = shutil.disk_usage(next(p for p in directory.parents if p.exists())).free
         return ckpt.NoSpaceLeft(f"no space left on {directory.parent}: checkpoint {directory.name} was not written "
                                 f"({free} bytes free after removing its partial files); the last good checkpoint "
@@ -404,12 +405,12 @@ class TrainerService:
 
     def load(self, *, path: str = "") -> trainer_pb2.LoadResponse:
         with self._lock:
-            directory = ckpt.resolve_load_dir(str(self._own_path(path)) if path else "", role=self.role,
-                                              default_root=ckpt.checkpoint_root(base=self.checkpoint_base,
+            directory = checkpoints.resolve_load_dir(str(self._own_path(path)) if path else "", role=self.role,
+                                              default_root=checkpoints.checkpoint_root(base=self.checkpoint_base,
                                                                                 role=self.role))
             if directory is None:
                 return trainer_pb2.LoadResponse(loaded=False)
-            state = ckpt.read_json(directory / ckpt.STATE)
+            state = checkpoints.read_json(directory / checkpoints.STATE)
             if state.get("role") != self.role:
                 raise FailedPrecondition(f"checkpoint {directory} belongs to role {state.get('role')}, not {self.role}")
             if state["world_size"] != self.dist.world_size and self.config.trainer.zero_stage > 0:
@@ -444,7 +445,7 @@ class TrainerService:
             self.old_actor.clear()
         rng = directory / f"rng_rank{self.rank}.json"
         if rng.is_file():
-            ckpt.set_rng_state(ckpt.read_json(rng))
+            ckpt.set_rng_state(checkpoints.read_json(rng))
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.step, self.last_rollout_id = int(state["step"]), int(state["rollout_id"])

@@ -8,12 +8,13 @@ Engines work on token ids only; tokenization and rewards belong to the service.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from services.contracts.sampling import SamplingSpec
 
 if TYPE_CHECKING:
     import torch
@@ -28,38 +29,6 @@ MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 class EngineUnavailable(RuntimeError):
     """The engine cannot serve right now (paused too long, memory released, weights missing). The service
     reports it as FAILED_PRECONDITION; engines import only torch, so they also run where gRPC is absent."""
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """How to sample. temperature 0 = greedy; top_p 1 and top_k 0 = off; seed None = nondeterministic.
-
-    Stop tokens end a sample like EOS does and are kept as its last token (the policy must learn to emit
-    them). `ignore_eos` keeps going past EOS (benchmarks)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"sampling.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 @dataclass(frozen=True)
@@ -124,7 +93,7 @@ class Engine(ABC):
                                  f"{self.max_context_length}, leaving no room to generate")
 
     @abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingOptions, *,
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *,
                  wait_timeout_s: float | None = None) -> list[SampleOutput]:
         """One output per prompt, in order. While paused, waits up to `wait_timeout_s` for a resume."""
 

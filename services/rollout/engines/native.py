@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -35,7 +36,6 @@ from services.rollout.engines.base import (
     EngineState,
     EngineUnavailable,
     SampleOutput,
-    SamplingOptions,
     WeightLoadStats,
     check_pause_mode,
     normalize_memory_tags,
@@ -246,7 +246,7 @@ class NativeEngine(Engine):
             if bad:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {self.vocab_size})")
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingOptions, *,
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *,
                  wait_timeout_s: float | None = None) -> list[SampleOutput]:
         self.validate_prompts(prompts)
         if not prompts:
@@ -271,7 +271,7 @@ class NativeEngine(Engine):
             raise EngineUnavailable(f"{len(self._params_without_values)} parameters have no values since "
                                     "release_memory('weights'); load or receive weights first")
 
-    def _prepare_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingOptions) -> _Chunk:
+    def _prepare_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> _Chunk:
         dev, n = self.device, len(prompts)
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
         width = max(len(p) for p in prompts)
@@ -288,7 +288,7 @@ class NativeEngine(Engine):
         return _Chunk(input_ids=input_ids, mask=mask, positions=(mask.cumsum(-1) - 1).clamp(min=0), budget=budget,
                       steps=int(budget.max()), stop_ids=stop_ids, n=n, width=width)
 
-    def _generate_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingOptions,
+    def _generate_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
                         generator: torch.Generator | None, version: int) -> list[SampleOutput]:
         c = self._prepare_chunk(prompts, sampling)
         if self.decode_mode != "dynamic":
@@ -330,7 +330,7 @@ class NativeEngine(Engine):
             next_pos = next_pos + 1
         return _collect(out_tokens, out_lp, n_out, reason, version)
 
-    def _generate_static(self, c: _Chunk, sampling: SamplingOptions, generator: torch.Generator | None,
+    def _generate_static(self, c: _Chunk, sampling: SamplingSpec, generator: torch.Generator | None,
                          version: int) -> list[SampleOutput]:
         """Fixed-shape decode (static_decode.py): every row steps until the whole batch is done; finished
         rows keep computing but their tokens are not counted. No host sync except every _SYNC_EVERY tokens."""

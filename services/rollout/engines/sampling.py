@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from services.rollout.engines.base import SamplingOptions
+from services.contracts.sampling import SamplingSpec
 from services.tensors.sampling import sampling_log_probs
 
 __all__ = ["make_generator", "sample_next", "sampling_log_probs"]
@@ -22,7 +22,7 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator | 
     return gen
 
 
-def sample_next(logits: torch.Tensor, sampling: SamplingOptions,
+def sample_next(logits: torch.Tensor, sampling: SamplingSpec,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """[batch, vocab] logits -> (token ids [batch] int64, their log-probs [batch] float32)."""
     log_probs = sampling_log_probs(logits, sampling)

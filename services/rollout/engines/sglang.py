@@ -35,12 +35,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import (
     Engine,
     EngineState,
     EngineUnavailable,
     SampleOutput,
-    SamplingOptions,
     WeightLoadStats,
     check_pause_mode,
     normalize_memory_tags,
@@ -245,7 +245,7 @@ class SGLangEngine(Engine):
 
     # ---- generation --------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingOptions, *,
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *,
                  wait_timeout_s: float | None = None) -> list[SampleOutput]:
         self.validate_prompts(prompts)
         if not prompts:
@@ -262,7 +262,7 @@ class SGLangEngine(Engine):
             self._generated += len(out)
             return out
 
-    def _generate_chunk(self, server: _Server, prompts: Sequence[Sequence[int]], sampling: SamplingOptions,
+    def _generate_chunk(self, server: _Server, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
                         start: int) -> list[SampleOutput]:
         answer = server.client.post("/generate", generate_body(prompts, sampling), timeout_s=self._request_timeout_s)
         items = answer.body

@@ -42,7 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.rollout.engines.base import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SampleOutput, SamplingOptions
+from services.contracts.sampling import SamplingSpec
+from services.rollout.engines.base import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SampleOutput
 
 MIN_VERSION = (0, 5, 15)
 END_VERSION = (0, 6, 0)          # exclusive
@@ -124,7 +125,7 @@ def parse_weight_version(value: Any) -> int | None:
 # ---- requests -------------------------------------------------------------------------------------
 
 
-def sampling_params(options: SamplingOptions) -> dict[str, Any]:
+def sampling_params(options: SamplingSpec) -> dict[str, Any]:
     params: dict[str, Any] = {"temperature": options.temperature, "top_p": options.top_p,
                               "top_k": options.top_k if options.top_k > 0 else -1,
                               "max_new_tokens": options.max_new_tokens, "ignore_eos": options.ignore_eos}
@@ -135,7 +136,7 @@ def sampling_params(options: SamplingOptions) -> dict[str, Any]:
     return params
 
 
-def generate_body(prompts: Sequence[Sequence[int]], options: SamplingOptions) -> dict[str, Any]:
+def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec) -> dict[str, Any]:
     """A batch request: input_ids as a list of lists (even for one prompt, so the answer is always a list)."""
     return {"input_ids": [[int(t) for t in p] for p in prompts], "sampling_params": sampling_params(options),
             "return_logprob": True, "stream": False}

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.rollout.engines.base import SamplingOptions
+from services.contracts.sampling import SamplingSpec
 from services.tensors.sampling import sampling_log_probs
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def supported(model: Any) -> str | None:
     return None
 
 
-def sample_race(logits: torch.Tensor, sampling: SamplingOptions,
+def sample_race(logits: torch.Tensor, sampling: SamplingSpec,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Like sampling.sample_next, without a host sync: torch.multinomial(p, 1) is the race argmax(p / E),
     E ~ Exp(1), but first checks p on the host; this draws the same race directly. Without top-k / top-p the
@@ -73,7 +73,7 @@ def sample_race(logits: torch.Tensor, sampling: SamplingOptions,
     return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def plain_sampling(sampling: SamplingOptions, vocab: int) -> bool:
+def plain_sampling(sampling: SamplingSpec, vocab: int) -> bool:
     """Temperature sampling without top-k / top-p truncation."""
     return not sampling.greedy and not (0 < sampling.top_k < vocab) and sampling.top_p >= 1.0
 
@@ -255,7 +255,7 @@ class RunnerCache:
         self._compiled = torch.compile(self.decoder.decode, dynamic=False) if compile and graphs else None
         self._sampler = torch.compile(race_from_noise, dynamic=False) if compile and graphs else None
 
-    def sample(self, logits: torch.Tensor, sampling: SamplingOptions,
+    def sample(self, logits: torch.Tensor, sampling: SamplingSpec,
                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
         """sample_race; in "compile" mode plain temperature sampling runs fused (same noise, same math)."""
         if self._sampler is None or not plain_sampling(sampling, logits.shape[-1]):

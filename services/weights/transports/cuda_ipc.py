@@ -44,7 +44,6 @@ import torch
 
 from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.weights.transports import rendezvous
 from services.weights.base import (
     Deadline,
     Received,
@@ -55,6 +54,7 @@ from services.weights.base import (
     register_transport,
 )
 from services.weights.layout import Layout, Slot
+from services.weights.transports import rendezvous
 
 
 def _device_uuid(index: int) -> str:

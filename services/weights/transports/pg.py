@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.weights.transports import rendezvous
 from services.weights.base import (
     Deadline,
     Received,
@@ -48,6 +47,7 @@ from services.weights.base import (
     register_transport,
 )
 from services.weights.layout import Bucket, Layout, Slot
+from services.weights.transports import rendezvous
 
 _STAGING_DEPTH = 2   # staging buffers per dtype: fill one while the other is on the wire
 

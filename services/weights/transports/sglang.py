@@ -47,7 +47,6 @@ import torch.distributed as dist
 
 from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.weights.transports import rendezvous
 from services.weights.base import (
     Deadline,
     SyncContext,
@@ -57,6 +56,7 @@ from services.weights.base import (
     register_transport,
 )
 from services.weights.layout import Bucket, Layout, Slot
+from services.weights.transports import rendezvous
 from services.weights.transports.pg import (
     ProcessGroupReceiver,
     ProcessGroupSender,

@@ -1,0 +1,28 @@
+"""Facts about a run that more than one service decides on: how many rollouts it has, and whether it is done.
+
+The coordinator's loop, `tandem run`'s preflight and `tandem ctl` all ask these questions; each has one answer here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.contracts.config import TandemConfig
+
+
+def num_rollout(config: TandemConfig, *, dataset_size: int) -> int:
+    """loop.num_rollout, else every prompt once per epoch in steps of rollout.rollout_batch_size (an epoch's ragged
+    tail is dropped) times data.num_epochs."""
+    if config.loop.num_rollout is not None:
+        return config.loop.num_rollout
+    return (dataset_size // config.rollout.rollout_batch_size) * config.data.num_epochs
+
+
+def is_finished(*, next_rollout_id: int, num_rollout: int) -> bool:
+    return next_rollout_id >= num_rollout
+
+
+def finished_message(*, done: int, num_rollout: int, checkpoint: str) -> str:
+    return (f"this run already finished: {done} of {num_rollout} rollouts trained, last checkpoint {checkpoint}; "
+            "raise loop.num_rollout to train further, or use a new --run-dir")
