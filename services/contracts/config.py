@@ -217,6 +217,25 @@ class ServiceAddress(Section):
         return f"{self.host}:{self.port}"
 
 
+class TimeoutsConfig(Section):
+    """Deadlines of the calls that have no key of their own. The step, start-up, weight-transfer and Redis deadlines
+    are loop.step_timeout_s, loop.startup_timeout_s, weights.timeout_s and redis.*_timeout_s."""
+
+    control_s: float = Field(default=30.0, gt=0, description="short control calls: GetState, Resume, Pause, "
+                             "SGLang's pause/continue/flush/server_info")
+    probe_s: float = Field(default=5.0, gt=0, description="a replica that failed a call: does it still hold the "
+                           "synced weights? (GetState); SGLang's end_weight_update / destroy group")
+    memory_s: float = Field(default=120.0, gt=0, description="Offload/Onload of the trainer, ReleaseMemory/"
+                            "ResumeMemory of the engines")
+    shutdown_s: float = Field(default=15.0, gt=0, description="a graceful stop of a service, a trainer rank or "
+                              "redis-server before it is killed")
+    process_group_s: float = Field(default=1800.0, gt=0, description="collectives between trainer ranks "
+                                   "(torch.distributed's timeout)")
+    redis_socket_s: float = Field(default=30.0, gt=0, description="one Redis command")
+    redis_connect_s: float = Field(default=10.0, gt=0, description="connecting to Redis")
+    health_check_s: float = Field(default=2.0, gt=0, description="one gRPC health check while waiting for a service")
+
+
 class ServicesConfig(Section):
     bind_host: str = Field(default="127.0.0.1", description="interface the services listen on")
     coordinator: ServiceAddress = ServiceAddress()
@@ -230,6 +249,7 @@ class ServicesConfig(Section):
     max_message_mb: int = Field(default=64, ge=1, le=2047)
     max_restarts: int = Field(default=0, ge=0, description="tandem run: restarts of a dead trainer, rollout, "
                               "coordinator or embedded redis-server (0 = a dead child fails the run)")
+    timeouts: TimeoutsConfig = TimeoutsConfig()
     max_watch_streams: int = Field(default=32, ge=1, le=1024, description="coordinator: WatchEvents streams open "
                                    "at once (each on a thread beside the control API's); more get RESOURCE_EXHAUSTED")
 
