@@ -1,0 +1,342 @@
+"""Where one actor train step's time goes: Tandem's GRPO step under DeepSpeed variants next to a plain torch step.
+
+    python bench/bench_train_step.py [--device cuda] [--presets q05] [--lengths 1 128] [--samples 512]
+                                     [--variants ds_z1_bf16 ds_z0_bf16 ...] [--steps 4] [--profile] [--out DIR]
+
+Every variant trains the same synthetic GRPO batches (digit_max-like prompts of 4-8 tokens, responses of exactly L
+tokens, 8 samples per group) with Tandem's own loss code (`services.trainer.actor.actor_step`), in this process:
+
+- `ds_*`: the DeepSpeed backend the trainer service uses (ZeRO stage, precision and token budget per variant);
+- `torch_*`: the same loss over a plain torch backend (no DeepSpeed): bf16 parameters with fused AdamW
+  (`torch_bf16`, what TRL does), or fp32 parameters under bf16 autocast (`torch_amp`);
+- `hf_fwd_bwd`: the model's forward and backward alone on the same micro-batches (no loss code, no optimizer):
+  the compute floor of these shapes.
+
+Columns: step seconds (median of `--steps` after 2 warm-ups), its parts (micro-batch planning on the host,
+forward+loss, backward, optimizer step; CUDA-synchronised), peak GPU memory, and MFU = 6 x params x tokens /
+(step s x 790e12). `--profile` writes a torch.profiler summary per variant (top ops by device and host time) to
+DIR/profile_<variant>_<preset>_L<L>.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.contracts.config import config_from_dict  # noqa: E402
+from services.contracts.sampling import SamplingSpec  # noqa: E402
+from services.contracts.wire import build_batch  # noqa: E402
+
+PEAK_FLOPS = 790e12   # H200 dense bf16, as measured for this workplace (FACTS.md)
+SHAPES = {   # Qwen2 bodies over Tandem's 22-token vocabulary (services/rollout/model_init.py VOCAB)
+    "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=8,
+                  num_key_value_heads=4),
+    "q05": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2),
+    "q15": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                num_key_value_heads=2),
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "ds_z1_bf16": {"kind": "ds", "zero_stage": 1, "precision": "bf16"},
+    "ds_z0_bf16": {"kind": "ds", "zero_stage": 0, "precision": "bf16"},
+    "ds_z2_bf16": {"kind": "ds", "zero_stage": 2, "precision": "bf16"},
+    "ds_z1_bf16_32k": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "micro_batch_tokens": 32768},
+    "ds_z1_fp32": {"kind": "ds", "zero_stage": 1, "precision": "fp32"},
+    "torch_bf16": {"kind": "torch", "param_dtype": torch.bfloat16, "autocast": False},
+    "torch_bf16_32k": {"kind": "torch", "param_dtype": torch.bfloat16, "autocast": False, "micro_batch_tokens": 32768},
+    "torch_amp": {"kind": "torch", "param_dtype": torch.float32, "autocast": True},
+    "hf_fwd_bwd": {"kind": "floor"},
+}
+
+
+def make_model_dir(root: Path, preset: str, vocab: int) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = root / f"{preset}-v{vocab}"
+    if (out / "config.json").is_file():
+        return out
+    cfg = Qwen2Config(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=0, rope_theta=1e6, rms_norm_eps=1e-6, **SHAPES[preset])
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def make_rollout(*, samples: int, response_len: int, vocab: int, seed: int):
+    from services.trainer.batching import merge_batches
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(4, vocab, size=int(rng.integers(4, 9))).tolist() for _ in range(samples)]
+    responses = [rng.integers(4, vocab, size=response_len).tolist() for _ in range(samples)]
+    batch = build_batch(rollout_id=seed, policy_version=0, prompts=prompts, responses=responses,
+                        log_probs=[(-rng.random(response_len) * 3).tolist() for _ in range(samples)],
+                        rewards=rng.integers(0, 2, size=samples).astype(float).tolist(),
+                        group_ids=[i // 8 for i in range(samples)], finish_reasons=["length"] * samples,
+                        sampling=SamplingSpec())
+    return merge_batches([batch])
+
+
+class Timer:
+    """Seconds per named phase, CUDA-synchronised around each phase (so phases don't bleed into each other)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds = device, {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+
+
+@dataclass
+class TimedBackend:
+    """Wraps a backend so each of its calls from actor_step lands in a phase of `timer`."""
+
+    inner: Any
+    timer: Timer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def logits(self, mb: Any) -> Any:
+        with self.timer.phase("forward"):
+            return self.inner.logits(mb)
+
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        with self.timer.phase("backward"):
+            self.inner.backward(loss, last=last)
+
+    def step(self) -> Any:
+        with self.timer.phase("optimizer"):
+            return self.inner.step()
+
+
+class TorchBackend:
+    """The DeepSpeedBackend's training surface over a plain torch model and optimizer (one rank)."""
+
+    def __init__(self, model_dir: Path, device: torch.device, *, param_dtype: torch.dtype, autocast: bool,
+                 lr: float = 1e-3):
+        from transformers import AutoModelForCausalLM
+
+        from services.trainer.dist import DistInfo
+        from services.trainer.backend import StepResult
+
+        self._step_result = StepResult
+        self.dist_info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+        self.module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=param_dtype, attn_implementation="sdpa")
+        self.module.to(device).train()
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                                           weight_decay=0.0, fused=device.type == "cuda")
+        self.autocast = autocast
+        self.global_steps = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist_info.device
+
+    def logits(self, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        mb = mb.to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.module(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        return out.logits[mb.rows, mb.positions], out.logits
+
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        loss.backward()
+
+    def step(self) -> Any:
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_steps += 1
+        return self._step_result(grad_norm=float(norm), lr=self.optimizer.param_groups[0]["lr"])
+
+
+def build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path) -> Any:
+    if variant["kind"] == "torch":
+        return TorchBackend(model_dir, device, param_dtype=variant["param_dtype"], autocast=variant["autocast"])
+    from services.trainer.backend import DeepSpeedBackend
+    from services.trainer.dist import init_process_group
+
+    config = config_from_dict({
+        "model": {"path": str(model_dir), "dtype": "bfloat16"}, "data": {"train_path": str(tmp / "unused.jsonl")},
+        "trainer": {"device": device.type, "zero_stage": variant["zero_stage"], "precision": variant["precision"],
+                    "lr": 1e-3, "micro_batch_tokens": variant.get("micro_batch_tokens", 8192)}})
+    return DeepSpeedBackend(config=config, role="actor", dist_info=init_process_group(device=device.type))
+
+
+def algo_config() -> Any:
+    return config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t"},
+                             "algorithm": {"advantage_estimator": "grpo", "use_rollout_logprobs": True}}).algorithm
+
+
+def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: list[Any], steps: int, tmp: Path,
+                profile_to: Path | None) -> dict[str, float]:
+    from services.trainer.actor import actor_step, lockstep_micro_batches
+
+    variant = VARIANTS[name]
+    budget = variant.get("micro_batch_tokens", 8192)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if variant["kind"] == "floor":
+        return run_floor(model_dir=model_dir, device=device, batches=batches, steps=steps, budget=budget)
+    backend = build_backend(variant, model_dir, device, tmp)
+    algo = algo_config()
+    rows: list[dict[str, float]] = []
+    for i in range(steps + 2):
+        timer = Timer(device)
+        timed = TimedBackend(backend, timer)
+        batch = batches[i % len(batches)]
+        with timer.phase("plan"):
+            lockstep_micro_batches(backend, batch, token_budget=budget)   # what actor_step does first, timed alone
+        started = time.perf_counter()
+        prof = _profiler(device) if (profile_to is not None and i == steps + 1) else contextlib.nullcontext()
+        with prof as p:
+            actor_step(backend=timed, batch=batch, algo=algo, ref_model=None, old_actor=None, token_budget=budget)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        step_s = time.perf_counter() - started
+        if p is not None and profile_to is not None:
+            profile_to.write_text(_profile_table(p))
+        if i >= 2:
+            parts = {k: timer.seconds.get(k, 0.0) for k in ("plan", "forward", "backward", "optimizer")}
+            other = step_s - parts["forward"] - parts["backward"] - parts["optimizer"]
+            rows.append({"step_s": step_s, **parts, "other": other})
+    out = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in rows[0]}
+    out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    del backend
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_floor(*, model_dir: Path, device: torch.device, batches: list[Any], steps: int,
+              budget: int) -> dict[str, float]:
+    """The model's forward + backward on the step's micro-batches, bf16 params, nothing else."""
+    from transformers import AutoModelForCausalLM
+
+    from services.trainer.batching import plan_micro_batches
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.to(device).train()
+    times = []
+    for i in range(steps + 2):
+        mbs = [mb.to(device) for mb in plan_micro_batches(batches[i % len(batches)], world_size=1, rank=0,
+                                                          token_budget=budget)]
+        timer = Timer(device)
+        with timer.phase("fwd_bwd"):
+            for mb in mbs:
+                out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+                out.logits[mb.rows, mb.positions].float().logsumexp(-1).mean().backward()
+        model.zero_grad(set_to_none=True)
+        if i >= 2:
+            times.append(timer.seconds["fwd_bwd"])
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    del model
+    return {"step_s": statistics.median(times), "forward": float("nan"), "peak_gib": peak}
+
+
+def _profiler(device: torch.device) -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=acts, record_shapes=False)
+
+
+def _profile_table(p: Any) -> str:
+    avg = p.key_averages()
+    dev = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    return ("## by device time\n" + avg.table(sort_by=dev, row_limit=30, max_name_column_width=70) +
+            "\n## by host time (self)\n" + avg.table(sort_by="self_cpu_time_total", row_limit=30,
+                                                     max_name_column_width=70))
+
+
+def num_params(model_dir: Path) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--presets", nargs="+", default=["q05"], choices=sorted(SHAPES))
+    parser.add_argument("--lengths", nargs="+", type=int, default=[1, 128])
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=22)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    out = args.out or Path(tempfile.mkdtemp())
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        for preset in args.presets:
+            model_dir = make_model_dir(tmp, preset, args.vocab)
+            params = num_params(model_dir)
+            for length in args.lengths:
+                batches = [make_rollout(samples=args.samples, response_len=length, vocab=args.vocab, seed=s)
+                           for s in range(3)]
+                tokens = batches[0].num_tokens
+                for name in args.variants:
+                    prof = out / f"profile_{name}_{preset}_L{length}.txt" if args.profile else None
+                    try:
+                        r = run_variant(name, model_dir=model_dir, device=device, batches=batches, steps=args.steps,
+                                        tmp=tmp, profile_to=prof)
+                    except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
+                        print(f"[{name} {preset} L={length}] failed: {type(exc).__name__}: {exc}", flush=True)
+                        continue
+                    mfu = 6 * params * tokens / (r["step_s"] * PEAK_FLOPS)
+                    rows.append({"preset": preset, "L": length, "variant": name, "tokens": tokens, "mfu": mfu, **r})
+                    print(f"[{name} {preset} L={length}] {r}", flush=True)
+    _print_table(rows, args, params_note=f"{datetime.date.today()} device={args.device} samples={args.samples}")
+    return 0
+
+
+def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace, *, params_note: str) -> None:
+    print(f"\n# bench_train_step {params_note} (medians of {args.steps} steps after 2 warm-ups)\n")
+    print("| preset | L | variant | tokens | step s | plan s | forward+loss s | backward s | optimizer s | "
+          "loss+host s | peak GiB | MFU | vs ds_z1_bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    base = {(r["preset"], r["L"]): r["step_s"] for r in rows if r["variant"] == "ds_z1_bf16"}
+    fmt: Callable[[float], str] = lambda x: "–" if x != x else f"{x:.3f}"   # noqa: E731
+    for r in rows:
+        ref = base.get((r["preset"], r["L"]))
+        ratio = f"{ref / r['step_s']:.2f}x" if ref else "–"
+        print(f"| {r['preset']} | {r['L']} | {r['variant']} | {r['tokens']} | {fmt(r['step_s'])} | "
+              f"{fmt(r.get('plan', float('nan')))} | {fmt(r.get('forward', float('nan')))} | "
+              f"{fmt(r.get('backward', float('nan')))} | {fmt(r.get('optimizer', float('nan')))} | "
+              f"{fmt(r.get('other', float('nan')))} | "
+              f"{r['peak_gib']:.1f} | {r['mfu'] * 100:.1f}% | {ratio} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
