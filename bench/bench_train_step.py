@@ -38,9 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.contracts.config import config_from_dict  # noqa: E402
-from services.contracts.sampling import SamplingSpec  # noqa: E402
-from services.contracts.wire import build_batch  # noqa: E402
+from services.contracts.config import config_from_dict
+from services.contracts.sampling import SamplingSpec
+from services.contracts.wire import build_batch
 
 PEAK_FLOPS = 790e12   # H200 dense bf16, as measured for this workplace (FACTS.md)
 SHAPES = {   # Qwen2 bodies over Tandem's 22-token vocabulary (services/rollout/model_init.py VOCAB)
@@ -140,8 +140,8 @@ class TorchBackend:
                  lr: float = 1e-3):
         from transformers import AutoModelForCausalLM
 
-        from services.trainer.dist import DistInfo
         from services.trainer.backend import StepResult
+        from services.trainer.dist import DistInfo
 
         self._step_result = StepResult
         self.dist_info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
