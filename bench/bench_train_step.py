@@ -1,7 +1,7 @@
 """Where one actor train step's time goes: Tandem's GRPO step under DeepSpeed variants next to a plain torch step.
 
     python bench/bench_train_step.py [--device cuda] [--presets q05] [--lengths 1 128] [--samples 512]
-                                     [--variants ds_z1_bf16 ds_z0_bf16 ...] [--steps 4] [--profile] [--out DIR]
+                                     [--variants ds_z1_bf16 ...] [--steps 4] [--profile [VARIANT ...]] [--out DIR]
 
 Every variant trains the same synthetic GRPO batches (digit_max-like prompts of 4-8 tokens, responses of exactly L
 tokens, 8 samples per group) with Tandem's own loss code (`services.trainer.actor.actor_step`), in this process:
@@ -290,7 +290,8 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=22)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile", nargs="*", default=None, metavar="VARIANT",
+                        help="write torch.profiler tables for these variants (none given: all)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -307,7 +308,8 @@ def main() -> int:
                            for s in range(3)]
                 tokens = batches[0].num_tokens
                 for name in args.variants:
-                    prof = out / f"profile_{name}_{preset}_L{length}.txt" if args.profile else None
+                    wanted = args.profile is not None and (not args.profile or name in args.profile)
+                    prof = out / f"profile_{name}_{preset}_L{length}.txt" if wanted else None
                     try:
                         r = run_variant(name, model_dir=model_dir, device=device, batches=batches, steps=args.steps,
                                         tmp=tmp, profile_to=prof)
