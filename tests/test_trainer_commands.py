@@ -97,5 +97,5 @@ def test_a_malformed_command_is_refused_with_a_clear_message(header, payloads, m
 
 def test_a_train_without_every_batch_field_is_refused():
     header, payloads = encode(_train(False))
-    with pytest.raises(CommandError, match="train: .*rewards"):
+    with pytest.raises(CommandError, match=r"train: .*rewards"):
         decode({**header, "fields": header["fields"][:5]}, payloads[:5])

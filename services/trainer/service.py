@@ -183,8 +183,8 @@ class TrainerService:
             else:
                 self._ensure_onloaded()
                 self.ranks.run(commands.Save(directory=str(directory), rollout_id=rollout_id,
-                                       export_hf=export_hf or self.config.trainer.export_hf_on_save,
-                                       extra_state=dict(extra_state or {})))
+                                             export_hf=export_hf or self.config.trainer.export_hf_on_save,
+                                             extra_state=dict(extra_state or {})))
             hf = directory / "hf"
             return trainer_pb2.SaveResponse(path=str(directory), hf_path=str(hf) if hf.is_dir() else "",
                                             step=self.ledger.step, time_s=time.monotonic() - start)
