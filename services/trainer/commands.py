@@ -157,22 +157,14 @@ def decode(header: Any, payloads: Sequence[bytes] = ()) -> Command:
     """The command a header and its payloads encode; CommandError names what is wrong with a malformed one."""
     if not isinstance(header, dict):
         raise CommandError(f"a relayed command header must be a JSON object, got {type(header).__name__}")
-    if header.get(_KIND) != "train" and payloads:
-        raise CommandError(f"relayed command {header.get(_KIND)!r} carries no payloads, got {len(payloads)}")
-    match header.get(_KIND):
+    kind = header.get(_KIND)
+    if kind != "train" and payloads:
+        raise CommandError(f"relayed command {kind!r} carries no payloads, got {len(payloads)}")
+    match kind:
         case "train":
-            try:
-                batch = decode_batch(_strings(header, "fields"), payloads)
-            except (WireError, DecodeError) as exc:
-                raise CommandError(f"train: {exc}") from None
-            return Train(rollout_id=_field(header, "rollout_id", int),
-                         entry_ids=tuple(_strings(header, "entry_ids")), batch=batch)
+            return _decode_train(header, payloads)
         case "save":
-            extra = _field(header, "extra_state", dict)
-            if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
-                raise CommandError("relayed command 'save': 'extra_state' must map strings to strings")
-            return Save(directory=_field(header, "dir", str), rollout_id=_field(header, "rollout_id", int),
-                        export_hf=_field(header, "export_hf", bool), extra_state=dict(extra))
+            return _decode_save(header)
         case "load":
             return Load(directory=_field(header, "dir", str))
         case "weights":
@@ -183,20 +175,33 @@ def decode(header: Any, payloads: Sequence[bytes] = ()) -> Command:
             return Onload()
         case "shutdown":
             return Shutdown()
-    raise CommandError(f"relayed header {_summary(header)} names no trainer command")
+    raise CommandError(f"relayed header {repr(header)[:200]} names no trainer command")
 
 
-def _decode_weights(header: dict[str, Any]) -> Command:
+def _decode_train(header: dict[str, Any], payloads: Sequence[bytes]) -> Train:
+    try:
+        batch = decode_batch(_strings(header, "fields"), payloads)
+    except (WireError, DecodeError) as exc:
+        raise CommandError(f"train: {exc}") from None
+    return Train(rollout_id=_field(header, "rollout_id", int), entry_ids=tuple(_strings(header, "entry_ids")),
+                 batch=batch)
+
+
+def _decode_save(header: dict[str, Any]) -> Save:
+    extra = _field(header, "extra_state", dict)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
+        raise CommandError("relayed command 'save': 'extra_state' must map strings to strings")
+    return Save(directory=_field(header, "dir", str), rollout_id=_field(header, "rollout_id", int),
+                export_hf=_field(header, "export_hf", bool), extra_state=dict(extra))
+
+
+def _decode_weights(header: dict[str, Any]) -> WeightChecksums | PublishWeights:
     match header.get("mode"):
         case "checksums":
             return WeightChecksums()
         case "publish":
             return PublishWeights(version=_field(header, "version", int))
     raise CommandError(f"relayed command 'weights': unknown mode {header.get('mode')!r}")
-
-
-def _summary(header: dict[str, Any]) -> str:
-    return repr(header)[:200]
 
 
 # ---- execution ------------------------------------------------------------------------------------
