@@ -6,7 +6,7 @@
 - `harness`: makes in-process trainers (`TrainerHarness`) on the session's redis-server, closed afterwards.
 - `trainer_config(...)`: a TandemConfig for one trainer, Redis at the given URL, its own stream.
 - `DEVICE`: the trainer device of these tests, cpu unless TANDEM_TEST_TRAINER_DEVICE says otherwise.
-- `make_batch(...)`: a deterministic rollout batch of `groups` prompts × `group_size` samples, optionally
+- `make_batch(...)`: a deterministic rollout batch of `groups` prompts x `group_size` samples, optionally
   with the log-probs the tiny model itself assigns under the batch's sampling distribution (computed by the
   independent reference in rl_reference.py), so PPO ratios start at exactly 1.
 """
@@ -31,6 +31,7 @@ from services.contracts.wire import RolloutBatchData, build_batch
 VOCAB = 32
 # CI runs on CPU; TANDEM_TEST_TRAINER_DEVICE=cuda runs the same tests on a GPU machine.
 DEVICE = os.environ.get("TANDEM_TEST_TRAINER_DEVICE", "cpu")
+DEFAULT_SAMPLING = SamplingSpec()   # temperature 1, no truncation
 
 
 def build_tiny_model(out_dir: Path, *, seed: int = 0, initializer_range: float = 0.02) -> Path:
@@ -85,24 +86,24 @@ def model_logits(model_dir: Path, prompts: list[list[int]], responses: list[list
     model = _load_model(str(model_dir))
     out = []
     with torch.no_grad():
-        for p, r in zip(prompts, responses):
+        for p, r in zip(prompts, responses, strict=True):
             logits = model(input_ids=torch.tensor([p + r])).logits[0].float()
             out.append([logits[len(p) - 1 + j].tolist() for j in range(len(r))])
     return out
 
 
 def model_log_probs(model_dir: Path, prompts: list[list[int]], responses: list[list[int]],
-                    sampling: SamplingSpec = SamplingSpec()) -> list[list[float]]:
+                    sampling: SamplingSpec = DEFAULT_SAMPLING) -> list[list[float]]:
     """The log-prob of each response token under the tiny model's sampling distribution (reference formula)."""
     rows = model_logits(model_dir, prompts, responses)
     params = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-    return [[rl_reference.sampling_log_probs(row, **params)[t] for row, t in zip(sample, r)]
-            for sample, r in zip(rows, responses)]
+    return [[rl_reference.sampling_log_probs(row, **params)[t] for row, t in zip(sample, r, strict=True)]
+            for sample, r in zip(rows, responses, strict=True)]
 
 
 def make_batch(*, rollout_id: int = 0, groups: int = 3, group_size: int = 4, seed: int = 0, version: int = 0,
                model_dir: Path | None = None, sample_versions: list[int] | None = None,
-               sampling: SamplingSpec = SamplingSpec(),
+               sampling: SamplingSpec = DEFAULT_SAMPLING,
                loss_masks: list[list[int]] | None = None) -> RolloutBatchData:
     rng = np.random.default_rng(seed)
     n = groups * group_size
@@ -111,7 +112,7 @@ def make_batch(*, rollout_id: int = 0, groups: int = 3, group_size: int = 4, see
     responses = [rng.integers(4, VOCAB, size=int(rng.integers(2, 7))).tolist() for _ in range(n)]
     rewards = rng.integers(0, 2, size=n).astype(float).tolist()
     if model_dir:
-        responses = [_within_support(model_dir, p, r, sampling) for p, r in zip(prompts, responses)]
+        responses = [_within_support(model_dir, p, r, sampling) for p, r in zip(prompts, responses, strict=True)]
     log_probs = model_log_probs(model_dir, prompts, responses, sampling) if model_dir else \
         [[-1.0] * len(r) for r in responses]
     return build_batch(rollout_id=rollout_id, policy_version=version, prompts=prompts, responses=responses,
@@ -129,7 +130,7 @@ def _within_support(model_dir: Path, prompt: list[int], response: list[int],
         return response
     out: list[int] = []
     for token in response:
-        row = model_logits(model_dir, [prompt], [out + [token]])[0][-1]
+        row = model_logits(model_dir, [prompt], [[*out, token]])[0][-1]
         lps = rl_reference.sampling_log_probs(row, temperature=sampling.temperature, top_p=sampling.top_p,
                                               top_k=sampling.top_k)
         out.append(token if lps[token] != rl_reference.NEG_INF else max(range(VOCAB), key=lambda i: lps[i]))

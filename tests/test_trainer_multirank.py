@@ -45,7 +45,7 @@ def test_two_ranks_match_one_rank_under_zero_1_and_2(tiny_model_dir, tmp_path, r
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     got = {int(k): v for k, v in json.loads(line.removeprefix("RESULT ")).items()}
     for stage in stages:
-        for step, (a, b) in enumerate(zip(got[stage]["steps"], expected[stage]["steps"])):
+        for step, (a, b) in enumerate(zip(got[stage]["steps"], expected[stage]["steps"], strict=True)):
             for key in KEYS:
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (stage, step, key)
         for name, values in expected[stage]["weights"].items():

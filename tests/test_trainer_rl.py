@@ -61,7 +61,8 @@ def test_each_sample_is_scored_under_the_distribution_it_was_drawn_from(harness,
     assert m["entropy"] == pytest.approx(np.mean([ref.entropy(t) for t in tables]), rel=1e-4)
     # the inputs tell the difference: scored at temperature 1 untruncated, these tokens are far off
     plain = [dataclasses.replace(b, **sampling_arrays(b.num_samples, SamplingSpec())) for b in batches]
-    t1 = [table[tok] for b in plain for table, tok in zip(reference_tables(peaked_model_dir, b), targets(b))]
+    t1 = [table[tok] for b in plain
+          for table, tok in zip(reference_tables(peaked_model_dir, b), targets(b), strict=True)]
     rollout = np.concatenate([b.rollout_log_probs for b in batches])
     assert np.mean(np.abs(np.asarray(t1) - rollout)) > 0.1
     tis = harness(model_dir=peaked_model_dir, run_name="tis", algorithm={"use_rollout_logprobs": False,
@@ -125,7 +126,7 @@ def test_critic_gae_skips_masked_tokens(harness, tiny_model_dir):  # noqa: F811
         a = actor.service.train(rollout_id=rollout_id, entry_ids=[entry], use_critic_values=True).metrics
     assert np.abs(handoff.values).max() > 0
     expected_adv, expected_ret = [], []
-    for (_, _, resp), reward in zip(batch.sample_slices(), batch.rewards.tolist()):
+    for (_, _, resp), reward in zip(batch.sample_slices(), batch.rewards.tolist(), strict=True):
         adv, ret = ref.gae_sequence(reward=reward, values=handoff.values[resp].tolist(),
                                     mask=batch.loss_mask[resp].tolist(), kl_penalty=None, gamma=0.9, lambd=0.8)
         expected_adv += adv

@@ -6,6 +6,7 @@ exactly-once batches, bad input, staleness, the critic → actor value hand-off,
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 
@@ -41,7 +42,7 @@ def test_loss_decreases_on_fixed_batch(harness, tiny_model_dir, zero_stage, prec
         losses.append(reply.metrics["loss"])
         assert reply.step == rollout_id + 1 and not reply.replayed
         assert math.isfinite(reply.metrics["grad_norm"]) and reply.metrics["grad_norm"] > 0
-    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses
     # ratio starts at exactly 1: rollout log-probs are the model's own
     first = h.service.results[0].metrics
     assert first["ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-5 if precision == "fp32" else 2e-2)
@@ -91,7 +92,7 @@ def test_micro_batch_split_does_not_change_the_update(harness, tiny_model_dir): 
         torch.testing.assert_close(w_small[name], w_big[name], rtol=1e-4, atol=atol)
 
 
-def test_half_written_checkpoint_is_ignored_and_retention_keeps_last(harness, tmp_path):
+def test_half_written_checkpoint_is_ignored_and_retention_keeps_last(harness, tmp_path):  # noqa: F811
     h = harness(trainer={"keep_last_checkpoints": 2})
     batch = make_batch()
     paths = []
@@ -112,7 +113,7 @@ def test_half_written_checkpoint_is_ignored_and_retention_keeps_last(harness, tm
     assert h.service.save(rollout_id=2).path == paths[2]
 
 
-def test_batch_delivered_twice_is_trained_once(harness):
+def test_batch_delivered_twice_is_trained_once(harness):  # noqa: F811
     h = harness()
     first_id, second_id = h.put(make_batch(seed=1)), h.put(make_batch(seed=2))
     first = h.service.train(rollout_id=0, entry_ids=[first_id])
@@ -142,7 +143,7 @@ def _raw_payload(*, rewards: list[float], response_lengths: list[int]) -> bytes:
     return msg.SerializeToString()
 
 
-def test_bad_input_gives_clear_errors_and_takes_no_step(harness):
+def test_bad_input_gives_clear_errors_and_takes_no_step(harness):  # noqa: F811
     h = harness()
     with pytest.raises(ValueError, match="empty batch"):
         h.service.train(rollout_id=0)
@@ -172,7 +173,7 @@ def test_bad_input_gives_clear_errors_and_takes_no_step(harness):
     assert good.step == 1
 
 
-def test_stale_samples_are_dropped_and_counted(harness):
+def test_stale_samples_are_dropped_and_counted(harness):  # noqa: F811
     h = harness()
     h.service.weight_version = 3   # what PublishWeights(v3) leaves behind
     batch = make_batch(groups=2, group_size=2, sample_versions=[0, 1, 2, 3])
@@ -228,7 +229,7 @@ def test_kl_entropy_tis_and_recomputed_logprobs(harness, tiny_model_dir):  # noq
     assert math.isfinite(m["loss"]) and m["kl"] == pytest.approx(0.0, abs=1e-6)
 
 
-def test_offload_onload_keeps_training(harness):
+def test_offload_onload_keeps_training(harness):  # noqa: F811
     h = harness(trainer={"zero_stage": 2})
     batch = make_batch()
     h.service.train(rollout_id=0, entry_ids=[h.put(batch)])
@@ -254,7 +255,7 @@ def test_offload_onload_keeps_training(harness):
         zero0.service.offload()
 
 
-def test_offload_cycles_train_exactly_like_no_offload(harness):
+def test_offload_cycles_train_exactly_like_no_offload(harness):  # noqa: F811
     """Offload/onload around every step (as loop.offload_train does) changes nothing: the weights after three
     steps equal those of a trainer that never offloaded, bit for bit (with the backend's start-up objects
     frozen, so DeepSpeed's collections do not see them)."""
@@ -284,7 +285,7 @@ def test_weight_export_matches_hf_reload_and_syncs_to_an_engine(harness, tiny_mo
     specs = h.service.weight_specs()
     named = list(h.service.iter_named_weights())
     assert [s.name for s in specs] == [n for n, _ in named] == list(reference)
-    assert all(tuple(s.shape) == tuple(t.shape) for s, (_, t) in zip(specs, named))
+    assert all(tuple(s.shape) == tuple(t.shape) for s, (_, t) in zip(specs, named, strict=True))
     assert {n: tensor_checksum(t) for n, t in named} == reference
     # a rollout engine's copy of the original model receives the trained weights (disk transport)
     engine = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

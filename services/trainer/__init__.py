@@ -7,14 +7,18 @@ Start it (the CLI dispatches to `server.main`):
     torchrun --nproc-per-node N -m services.cli trainer CONFIG      # N ranks (what `tandem run` does)
     deepspeed --no_local_rank --num_gpus N --module services.cli trainer CONFIG
 
-Rank 0 serves gRPC (`server.TrainerServicer` → `service.TrainerService`) and relays each command to the
-other ranks (`dist.CommandRelay`, JSON + raw bytes over a gloo group), which execute it in lockstep.
+Rank 0 serves gRPC (`server.TrainerServicer` -> `service.TrainerService`) and runs each step on every rank as a
+typed command (`commands`: frozen dataclasses, a JSON + raw-bytes codec over `dist.CommandRelay`'s gloo group,
+executed in lockstep with `match`).
 
-Modules: `service` (TrainerService: train/save/load/prepare_weight_sync/publish_weights/offload/onload/
-get_state), `backend` (DeepSpeed engine, value model, lr schedule), `actor` and `critic` (one update each),
-`losses`, `advantages`, `batching` (merge, validate, stale filter, shard, token-budget micro-batches),
-`checkpoint` (layout, COMPLETE marker, retention, RNG), `weight_export` (HF-named full tensors, ZeRO-3
-gathers), `dist` (process group, relay).
+Modules: `service` (TrainerService, the facade: train/save/load/prepare_weight_sync/publish_weights/offload/
+onload/get_state), `commands`, `ledger` (exactly-once records of Train, checkpointed), `training` (rank 0's
+Redis side of Train; every rank's step), `checkpointing` (Save/Load, layout files, retention, RNG),
+`publishing` (weight sync to the engines, old-actor snapshots), `backend` (DeepSpeed engine, value model, lr
+schedule), `update` (the micro-batch loop and optimizer step the actor and critic share), `actor` and `critic`
+(their losses over it), `losses`, `advantages`, `scoring`, `batching` (merge, validate, stale filter, shard,
+token-budget micro-batches), `old_actor`, `weight_export` (HF-named full tensors, ZeRO-3 gathers), `dist`
+(process group, relay).
 
 PPO: the critic's Train publishes V(s_t) (and its GAE advantages/returns) for the rollout under the Redis
 key `<stream>:adv:<rollout_id>` as TensorData protobufs; the actor's Train with use_critic_values reads them,

@@ -12,7 +12,6 @@ docs/algorithms.md lists every choice.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +19,9 @@ import torch
 from services.contracts.config import AlgorithmConfig
 from services.trainer.advantages import gae, grpo_advantages, per_sample_sum, per_token, token_rewards, whiten
 from services.trainer.backend import DeepSpeedBackend, frozen_log_probs
-from services.trainer.batching import MicroBatch, TrainBatch, dummy_micro_batch, plan_micro_batches
-from services.trainer.dist import all_reduce_max_int, all_reduce_sum
-from services.trainer.losses import PolicyLossConfig, aggregation_weights, kl_estimate, ppo_policy_loss, tis_weights
+from services.trainer.batching import MicroBatch, TrainBatch
+from services.trainer.dist import all_reduce_sum
+from services.trainer.losses import PolicyLossConfig, kl_estimate, ppo_policy_loss, tis_weights
 from services.trainer.old_actor import OldActor
 from services.trainer.scoring import (
     TokenSampling,
@@ -32,27 +31,14 @@ from services.trainer.scoring import (
     score_tokens,
     tempered_token_log_probs,
 )
-
-
-def lockstep_micro_batches(backend: DeepSpeedBackend, batch: TrainBatch, *, token_budget: int) -> list[MicroBatch]:
-    """This rank's micro-batches, padded with empty ones to the largest count over ranks (every rank must
-    run the same number of forward/backward passes: ZeRO-3 gathers parameters in each)."""
-    info = backend.dist_info
-    mbs = plan_micro_batches(batch, world_size=info.world_size, rank=info.rank, token_budget=token_budget)
-    count = all_reduce_max_int(len(mbs), info.device)
-    return mbs + [dummy_micro_batch() for _ in range(count - len(mbs))]
-
-
-def per_token_pass(num_tokens: int, mbs: list[MicroBatch], fn: Callable[[MicroBatch], torch.Tensor]) -> torch.Tensor:
-    """Runs `fn` (no grad) on every micro-batch and scatters its per-token output into a flat vector;
-    entries of other ranks' tokens stay 0."""
-    out = torch.zeros(num_tokens, dtype=torch.float32)
-    with torch.no_grad():
-        for mb in mbs:
-            values = fn(mb)
-            if mb.token_index.numel():
-                out[mb.token_index] = values.detach().float().cpu()
-    return out
+from services.trainer.update import (
+    MicroBatchLoss,
+    TokenWeights,
+    lockstep_micro_batches,
+    optimizer_update,
+    per_token_pass,
+    step_metrics,
+)
 
 
 def owned_tokens(num_tokens: int, mbs: list[MicroBatch]) -> torch.Tensor:
@@ -64,7 +50,7 @@ def owned_tokens(num_tokens: int, mbs: list[MicroBatch]) -> torch.Tensor:
 
 
 def compute_advantages(batch: TrainBatch, algo: AlgorithmConfig, kl_penalty: torch.Tensor | None) -> torch.Tensor:
-    """Per-token advantages. `kl_penalty` (kl_coef × per-token KL, full batch) shapes the rewards."""
+    """Per-token advantages. `kl_penalty` (kl_coef x per-token KL, full batch) shapes the rewards."""
     if algo.advantage_estimator == "grpo":
         rewards = batch.rewards
         if kl_penalty is not None:
@@ -77,6 +63,13 @@ def compute_advantages(batch: TrainBatch, algo: AlgorithmConfig, kl_penalty: tor
     advantages, _ = gae(rewards=rewards, values=batch.values, response_lengths=batch.response_lengths,
                         loss_mask=batch.loss_mask, gamma=algo.gamma, lambd=algo.lambd)
     return whiten(advantages, batch.loss_mask) if algo.whiten_advantages else advantages
+
+
+def frozen_pass(model: torch.nn.Module, num_tokens: int, mbs: list[MicroBatch], device: torch.device,
+                sampling: TokenSampling, *, tempered: bool) -> torch.Tensor:
+    """Log-probs of this rank's response tokens under a frozen model (reference, old actor), full-batch vector."""
+    return per_token_pass(num_tokens, mbs, lambda mb: frozen_log_probs(
+        model, mb, device, sampling=sampling.at(mb.token_index), tempered=tempered))
 
 
 @dataclass(frozen=True)
@@ -100,16 +93,14 @@ def old_actor_log_probs(*, old_actor: OldActor, backend: DeepSpeedBackend, batch
         if snapshot is None:
             fallback[chosen] = 1.0
         elif snapshot.optimizer_step != backend.global_steps:   # else nothing was trained since: current = old
-            module = old_actor.module_for(snapshot)
-            lp = per_token_pass(n_tok, mbs, lambda mb: frozen_log_probs(
-                module, mb, backend.device, sampling=sampling.at(mb.token_index), tempered=False))
+            lp = frozen_pass(old_actor.module_for(snapshot), n_tok, mbs, backend.device, sampling, tempered=False)
             out[chosen] = lp[chosen]
     return BehaviourLogProbs(log_probs=out, fallback=fallback)
 
 
 def reward_kl_penalty(*, backend: DeepSpeedBackend, mbs: list[MicroBatch], sampling: TokenSampling,
                       ref_lp: torch.Tensor, algo: AlgorithmConfig) -> torch.Tensor:
-    """kl_coef × per-token KL of the policy before the update to the reference (both tempered), full batch."""
+    """kl_coef x per-token KL of the policy before the update to the reference (both tempered), full batch."""
     n_tok = len(ref_lp)
     policy = per_token_pass(n_tok, mbs, lambda mb: score_tokens(
         backend.logits(mb)[0], mb.targets.to(backend.device), sampling.at(mb.token_index), tempered=True))
@@ -164,60 +155,48 @@ def token_terms(*, logits: torch.Tensor, mb: MicroBatch, batch: TrainBatch, samp
                       mismatch=(behaviour - rollout_lp).abs().clamp(max=20.0))
 
 
+def _ppo_micro_loss(*, backend: DeepSpeedBackend, mb: MicroBatch, batch: TrainBatch, sampling: TokenSampling,
+                   advantages: torch.Tensor, weights: TokenWeights, algo: AlgorithmConfig,
+                   ref_lp: torch.Tensor | None, old: BehaviourLogProbs | None) -> MicroBatchLoss:
+    device = backend.device
+    logits, anchor = backend.logits(mb)
+    t = token_terms(logits=logits, mb=mb, batch=batch, sampling=sampling, advantages=advantages, algo=algo,
+                    ref_lp=ref_lp, old=old, device=device)
+    loss_tok = t.pg
+    if ref_lp is not None and algo.kl_mode == "loss":
+        loss_tok = loss_tok + algo.kl_coef * t.kl
+    if algo.entropy_coef > 0:
+        loss_tok = loss_tok - algo.entropy_coef * t.entropy
+    w, tw = weights.at(mb, device)
+
+    def metrics() -> list[torch.Tensor]:
+        fallback = torch.zeros_like(tw) if old is None else old.fallback[mb.token_index].to(device)
+        return [(w * t.pg).sum(), *((tw * x).sum() for x in (t.clipped, t.kl, t.entropy, t.ratio, t.tis,
+                                                             t.mismatch, fallback))]
+
+    return MicroBatchLoss(loss=(w * loss_tok).sum(), anchor=anchor, metrics=metrics)
+
+
 def actor_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmConfig,
                ref_model: torch.nn.Module | None, old_actor: OldActor | None, token_budget: int) -> dict[str, float]:
     start = time.monotonic()
-    device, world = backend.device, backend.dist_info.world_size
+    device = backend.device
     mbs = lockstep_micro_batches(backend, batch, token_budget=token_budget)
     sampling = TokenSampling.of(batch)
     n_tok = batch.num_response_tokens
-    ref_lp = None if ref_model is None else per_token_pass(n_tok, mbs, lambda mb: frozen_log_probs(
-        ref_model, mb, device, sampling=sampling.at(mb.token_index), tempered=True))
+    ref_lp = None if ref_model is None else frozen_pass(ref_model, n_tok, mbs, device, sampling, tempered=True)
     kl_penalty = None
     if ref_lp is not None and algo.kl_mode == "reward":
         kl_penalty = reward_kl_penalty(backend=backend, mbs=mbs, sampling=sampling, ref_lp=ref_lp, algo=algo)
     old = None if old_actor is None else old_actor_log_probs(old_actor=old_actor, backend=backend, batch=batch,
                                                              mbs=mbs, sampling=sampling)
     advantages = compute_advantages(batch, algo, kl_penalty)
-    weights = aggregation_weights(batch.loss_mask, batch.response_lengths, algo.loss_aggregation)
-    token_w = aggregation_weights(batch.loss_mask, batch.response_lengths, "token_mean")
-    sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
-    for i, mb in enumerate(mbs):
-        logits, anchor = backend.logits(mb)
-        idx = mb.token_index
-        t = token_terms(logits=logits, mb=mb, batch=batch, sampling=sampling, advantages=advantages, algo=algo,
-                        ref_lp=ref_lp, old=old, device=device)
-        loss_tok = t.pg
-        if ref_lp is not None and algo.kl_mode == "loss":
-            loss_tok = loss_tok + algo.kl_coef * t.kl
-        if algo.entropy_coef > 0:
-            loss_tok = loss_tok - algo.entropy_coef * t.entropy
-        w, tw = weights[idx].to(device), token_w[idx].to(device)
-        loss = (w * loss_tok).sum()
-        if idx.numel() == 0:
-            loss = anchor.sum() * 0.0   # keeps the backward (and its ZeRO hooks) identical on every rank
-        backend.backward(loss * world, last=i == len(mbs) - 1)
-        with torch.no_grad():
-            fallback = torch.zeros_like(tw) if old is None else old.fallback[idx].to(device)
-            parts = [loss, (w * t.pg).sum(), *((tw * x).sum() for x in (t.clipped, t.kl, t.entropy, t.ratio, t.tis,
-                                                                          t.mismatch, fallback))]
-            sums += torch.stack([p.detach().double() for p in parts])
-    step = backend.step()
-    totals = dict(zip(_SUMS, all_reduce_sum(sums).cpu().tolist()))
+    weights = TokenWeights.of(batch, algo.loss_aggregation)
+    totals, step = optimizer_update(backend, mbs, sums=_SUMS, micro_loss=lambda mb: _ppo_micro_loss(
+        backend=backend, mb=mb, batch=batch, sampling=sampling, advantages=advantages, weights=weights, algo=algo,
+        ref_lp=ref_lp, old=old))
     for key, used in (("kl", ref_lp is not None), ("tis_weight_mean", algo.use_tis),
                       ("old_actor_fallback_frac", old is not None)):
         if not used:
             totals.pop(key)
-    return {**totals, **batch_metrics(batch), "grad_norm": step.grad_norm, "lr": step.lr,
-            "advantage_mean": float((advantages * token_w).sum()), **perf(batch, start)}
-
-
-def batch_metrics(batch: TrainBatch) -> dict[str, float]:
-    return {"tokens": float(batch.num_tokens), "response_tokens": float(batch.num_response_tokens),
-            "response_len_mean": float(batch.response_lengths.double().mean()),
-            "reward_mean": float(batch.rewards.double().mean()), "samples": float(batch.num_samples)}
-
-
-def perf(batch: TrainBatch, start: float) -> dict[str, float]:
-    seconds = time.monotonic() - start
-    return {"perf/train_time_s": seconds, "perf/train_tokens_per_s": batch.num_tokens / seconds if seconds else 0.0}
+    return {**totals, "advantage_mean": float((advantages * weights.mean).sum()), **step_metrics(batch, step, start)}

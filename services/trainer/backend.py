@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -22,6 +22,9 @@ from services.contracts.config import TandemConfig
 from services.trainer.batching import MicroBatch
 from services.trainer.dist import DistInfo
 from services.trainer.scoring import TokenSampling, score_tokens
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +43,14 @@ def lr_lambda(*, schedule: str, warmup_steps: int, total_steps: int | None, lr: 
     if schedule != "constant" and total_steps is None:
         raise ValueError(f"trainer.lr_schedule: {schedule} needs trainer.total_steps (or loop.num_rollout)")
     floor = min_lr / lr
+    decay_steps = max(1, total_steps - warmup_steps) if total_steps is not None else 1
 
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
         if schedule == "constant":
             return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        progress = min(1.0, (step - warmup_steps) / decay_steps)
         if schedule == "cosine":
             return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
         return 1.0 - (1.0 - floor) * progress
@@ -82,9 +86,9 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, attn: str) -> torch.nn.Modu
 class ValueModel(torch.nn.Module):
     """Critic: the policy's transformer body with a scalar head; values[b, i] estimates V(tokens[:i+1])."""
 
-    def __init__(self, backbone: torch.nn.Module, hidden_size: int):
+    def __init__(self, backbone: PreTrainedModel, hidden_size: int):
         super().__init__()
-        self.backbone = backbone
+        self.backbone: PreTrainedModel = backbone
         self.value_head = torch.nn.Linear(hidden_size, 1)
         torch.nn.init.zeros_(self.value_head.weight)   # V = 0 at start: the first advantages are the returns
         torch.nn.init.zeros_(self.value_head.bias)
@@ -101,6 +105,10 @@ class ValueModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
+
+
+def _hf_part(model: torch.nn.Module) -> PreTrainedModel:
+    return model.backbone if isinstance(model, ValueModel) else cast("PreTrainedModel", model)
 
 
 @dataclass(frozen=True)
@@ -126,7 +134,7 @@ class DeepSpeedBackend:
         else:
             model = load_causal_lm(config.model.path, dtype=dtype, attn=attn)
         if t.gradient_checkpointing:
-            (model.backbone if role == "critic" else model).gradient_checkpointing_enable()
+            _hf_part(model).gradient_checkpointing_enable()
         lr = (t.critic_lr or t.lr) if role == "critic" else t.lr
         total = t.total_steps or config.loop.num_rollout
         schedule = lr_lambda(schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total, lr=lr,
@@ -151,6 +159,11 @@ class DeepSpeedBackend:
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module
+
+    @property
+    def hf_model(self) -> PreTrainedModel:
+        """The Hugging Face model inside: the policy, or the critic's backbone (its config, save_pretrained)."""
+        return _hf_part(self.module)
 
     @property
     def device(self) -> torch.device:

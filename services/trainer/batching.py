@@ -143,7 +143,7 @@ def shard_samples(seq_lengths: list[int], *, world_size: int, rank: int) -> list
 
 
 def pack_samples(sample_ids: list[int], seq_lengths: list[int], *, token_budget: int) -> list[list[int]]:
-    """Groups samples so that rows × longest row stays within `token_budget` (padded cost); a sample
+    """Groups samples so that rows x longest row stays within `token_budget` (padded cost); a sample
     longer than the budget gets a micro-batch of its own."""
     groups: list[list[int]] = []
     current: list[int] = []
@@ -183,7 +183,9 @@ def build_micro_batch(batch: TrainBatch, sample_ids: list[int]) -> MicroBatch:
     width = max(prompts[i] + resps[i] for i in sample_ids)
     input_ids = torch.zeros(len(sample_ids), width, dtype=torch.long)
     attention = torch.zeros(len(sample_ids), width, dtype=torch.long)
-    rows, positions, index = [], [], []
+    rows: list[int] = []
+    positions: list[int] = []
+    index: list[int] = []
     for b, i in enumerate(sample_ids):
         n = prompts[i] + resps[i]
         input_ids[b, :n] = batch.tokens[tok_off[i]:tok_off[i] + n]

@@ -12,21 +12,23 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import redis
 import torch
+from redis.typing import EncodableT, FieldT
 
 from services.contracts.config import AlgorithmConfig
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.contracts.wire import array_from_proto, array_to_proto
 from services.rpc.grpc_util import FailedPrecondition
-from services.trainer.actor import batch_metrics, lockstep_micro_batches, per_token_pass, perf
+from services.trainer import update
 from services.trainer.advantages import gae, token_rewards
 from services.trainer.backend import DeepSpeedBackend
-from services.trainer.batching import TrainBatch
+from services.trainer.batching import MicroBatch, TrainBatch
 from services.trainer.dist import all_reduce_sum
-from services.trainer.losses import aggregation_weights, clipped_value_loss
+from services.trainer.losses import clipped_value_loss
 
 HANDOFF_TTL_S = 24 * 3600   # a hand-off the actor never consumed (run stopped) does not live forever
 
@@ -45,7 +47,7 @@ def handoff_key(stream: str, rollout_id: int) -> str:
 
 
 def publish_handoff(client: redis.Redis, *, stream: str, rollout_id: int, handoff: ValueHandoff) -> None:
-    fields = {"entry_ids": json.dumps(list(handoff.entry_ids))}
+    fields: dict[FieldT, EncodableT] = {"entry_ids": json.dumps(list(handoff.entry_ids))}
     for name in ("response_lengths", "values", "advantages", "returns"):
         fields[name] = array_to_proto(getattr(handoff, name)).SerializeToString()
     key = handoff_key(stream, rollout_id)
@@ -57,7 +59,7 @@ def publish_handoff(client: redis.Redis, *, stream: str, rollout_id: int, handof
 
 
 def read_handoff(client: redis.Redis, *, stream: str, rollout_id: int) -> ValueHandoff:
-    raw = client.hgetall(handoff_key(stream, rollout_id))
+    raw = cast("dict[bytes, bytes]", client.hgetall(handoff_key(stream, rollout_id)))   # a binary client
     if not raw:
         raise FailedPrecondition(f"no critic values for rollout {rollout_id} (key {handoff_key(stream, rollout_id)}):"
                                  " train the critic on this rollout first")
@@ -89,31 +91,24 @@ def critic_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: Algorithm
                 token_budget: int) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Returns (metrics, (values before the update, advantages, returns)) for the full batch."""
     start = time.monotonic()
-    device, world = backend.device, backend.dist_info.world_size
-    mbs = lockstep_micro_batches(backend, batch, token_budget=token_budget)
-    n_tok = batch.num_response_tokens
-    local = per_token_pass(n_tok, mbs, lambda mb: backend.values(mb)[0])
+    device = backend.device
+    mbs = update.lockstep_micro_batches(backend, batch, token_budget=token_budget)
+    local = update.per_token_pass(batch.num_response_tokens, mbs, lambda mb: backend.values(mb)[0])
     old_values = all_reduce_sum(local.to(device)).cpu()   # every rank needs all of them for the hand-off
     advantages, returns = gae(rewards=token_rewards(batch.rewards, batch.response_lengths, batch.loss_mask),
                               values=old_values, response_lengths=batch.response_lengths, loss_mask=batch.loss_mask,
                               gamma=algo.gamma, lambd=algo.lambd)
-    weights = aggregation_weights(batch.loss_mask, batch.response_lengths, algo.loss_aggregation)
-    token_w = aggregation_weights(batch.loss_mask, batch.response_lengths, "token_mean")
-    sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
-    for i, mb in enumerate(mbs):
+    weights = update.TokenWeights.of(batch, algo.loss_aggregation)
+
+    def value_loss(mb: MicroBatch) -> update.MicroBatchLoss:
         values, anchor = backend.values(mb)
         idx = mb.token_index
-        v_loss, clipped = clipped_value_loss(values=values, old_values=old_values[idx].to(device),
-                                             returns=returns[idx].to(device), clip=algo.value_clip)
-        w, tw = weights[idx].to(device), token_w[idx].to(device)
-        loss = (w * v_loss).sum() if idx.numel() else anchor.sum() * 0.0
-        backend.backward(loss * world, last=i == len(mbs) - 1)
-        with torch.no_grad():
-            parts = [loss, (tw * clipped).sum(), (tw * old_values[idx].to(device)).sum(),
-                     (tw * returns[idx].to(device)).sum(), (tw * advantages[idx].to(device)).sum()]
-            sums += torch.stack([p.detach().double() for p in parts])
-    step = backend.step()
-    totals = dict(zip(_SUMS, all_reduce_sum(sums).cpu().tolist()))
-    metrics = {**totals, "value_loss": totals["loss"], **batch_metrics(batch), "grad_norm": step.grad_norm,
-               "lr": step.lr, **perf(batch, start)}
+        old, ret, adv = (t[idx].to(device) for t in (old_values, returns, advantages))
+        v_loss, clipped = clipped_value_loss(values=values, old_values=old, returns=ret, clip=algo.value_clip)
+        w, tw = weights.at(mb, device)
+        return update.MicroBatchLoss(loss=(w * v_loss).sum(), anchor=anchor,
+                                     metrics=lambda: [(tw * x).sum() for x in (clipped, old, ret, adv)])
+
+    totals, step = update.optimizer_update(backend, mbs, sums=_SUMS, micro_loss=value_loss)
+    metrics = {**totals, "value_loss": totals["loss"], **update.step_metrics(batch, step, start)}
     return metrics, (old_values, advantages, returns)

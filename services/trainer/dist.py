@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,10 +55,11 @@ def _skip_shm_comm_build() -> None:
     deepspeed.ops.__compatible_ops__ = compatible
 
 
-def init_process_group(*, device: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
+def init_process_group(*, device: str = "auto", timeout_s: float) -> DistInfo:
     """Joins (or creates) the default group. Without a launcher this is a 1-rank group on an in-memory
     store: no port, and no RANK/WORLD_SIZE/MASTER_* left in os.environ, where child processes (a
-    `tandem run` started later from the same process) would mistake them for a launcher's."""
+    `tandem run` started later from the same process) would mistake them for a launcher's. `timeout_s` bounds
+    every collective (services.timeouts.process_group_s)."""
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", "0")   # DeepSpeed's engine reads it
@@ -87,7 +90,7 @@ class CommandRelay:
     def _broadcast(self, tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=0, group=self.group)
 
-    def send(self, header: dict, payloads: list[bytes] = ()) -> None:
+    def send(self, header: dict[str, Any], payloads: Sequence[bytes] = ()) -> None:
         if self.rank != 0:
             raise RuntimeError("only rank 0 relays commands")
         if self.world_size == 1:
@@ -99,7 +102,7 @@ class CommandRelay:
         data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
         self._broadcast(data)
 
-    def recv(self) -> tuple[dict, list[bytes]]:
+    def recv(self) -> tuple[Any, list[bytes]]:
         count = torch.zeros(1, dtype=torch.int64)
         self._broadcast(count)
         sizes = torch.zeros(int(count.item()), dtype=torch.int64)
@@ -107,7 +110,8 @@ class CommandRelay:
         data = torch.empty(int(sizes.sum().item()), dtype=torch.uint8)
         self._broadcast(data)
         blob = data.numpy().tobytes()
-        parts, offset = [], 0
+        parts: list[bytes] = []
+        offset = 0
         for size in sizes.tolist():
             parts.append(blob[offset:offset + size])
             offset += size

@@ -31,10 +31,7 @@ def aggregation_weights(loss_mask: torch.Tensor, response_lengths: torch.Tensor,
     seq_ids = torch.repeat_interleave(torch.arange(len(response_lengths)), response_lengths.to(torch.long))
     per_seq = torch.zeros(len(response_lengths), dtype=torch.float64).index_add_(0, seq_ids, mask)
     num_seqs = (per_seq > 0).sum().clamp(min=1).to(torch.float64)
-    if mode == "seq_mean_token_mean":
-        weights = mask / per_seq.clamp(min=1.0)[seq_ids] / num_seqs
-    else:
-        weights = mask / num_seqs
+    weights = mask / per_seq.clamp(min=1.0)[seq_ids] / num_seqs if mode == "seq_mean_token_mean" else mask / num_seqs
     return weights.to(torch.float32)
 
 

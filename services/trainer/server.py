@@ -13,7 +13,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.buffer.redis_server import free_port
 from services.contracts.config import TandemConfig, dump_config
@@ -21,6 +23,9 @@ from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import trainer_pb2, trainer_pb2_grpc
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.telemetry.tracing import setup_logging, setup_tracing, shutdown_tracing
+
+if TYPE_CHECKING:
+    from services.trainer.service import TrainerService
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +35,7 @@ SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     """Thin adapter: protobuf in, TrainerService call, protobuf out; errors become status codes."""
 
-    def __init__(self, service):  # type: ignore[no-untyped-def]
+    def __init__(self, service: TrainerService):
         self.service = service
 
     @map_errors
@@ -96,7 +101,7 @@ def launch_ranks(config: TandemConfig, *, run_dir: Path, role: str) -> int:
     return rc
 
 
-def _close_quietly(service, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+def _close_quietly(service: TrainerService, timeout_s: float) -> None:
     """Tells the other ranks to stop; they may already be gone (the launcher signals them too)."""
     worker = threading.Thread(target=service.close, daemon=True)
     worker.start()
@@ -135,8 +140,11 @@ def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
         signal.signal(sig, lambda _s, _f: stop.set())
     stop.wait()
     log.info("%s stopping", name)
-    server.stop(grace_s=5.0)
-    _close_quietly(service)
+    # One shutdown budget: half for in-flight calls, the rest for the ranks, so the process exits before a
+    # supervisor waiting services.timeouts.shutdown_s kills it.
+    deadline = time.monotonic() + s.timeouts.shutdown_s
+    server.stop(grace_s=s.timeouts.shutdown_s / 2)
+    _close_quietly(service, timeout_s=max(0.0, deadline - time.monotonic()))
     shutdown_tracing()   # flushes a batching (otlp) exporter
     return ExitCode.OK
 

@@ -29,8 +29,10 @@ def weight_specs(module: torch.nn.Module, *, dtype: torch.dtype) -> list[TensorS
             for name, p in module.named_parameters()]
 
 
-def _groups(params: list[tuple[str, torch.nn.Parameter]], group_bytes: int) -> Iterator[list]:
-    group, size = [], 0
+def _groups(params: list[tuple[str, torch.nn.Parameter]],
+            group_bytes: int) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
+    group: list[tuple[str, torch.nn.Parameter]] = []
+    size = 0
     for name, p in params:
         nbytes = int(torch.Size(_full_shape(p)).numel()) * p.element_size()
         if group and size + nbytes > group_bytes:

@@ -1,0 +1,134 @@
+"""PrepareWeightSync / PublishWeights: the actor's weights to the rollout engines, one publisher per transport.
+
+Rank 0 prepares a plan with the publisher of the request's transport (the plan names every tensor's bucket) and
+keeps it: the publish needs exactly that plan. The weights are iterated on every rank in lockstep (under ZeRO-3
+each group of parameters is gathered, a collective); only rank 0 sends them. After every publish, failed or not,
+each rank snapshots the weights for the old actor (keep_old_actor), again in lockstep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from services.contracts.config import TandemConfig
+from services.contracts.gen.tandem.v1 import common_pb2
+from services.rpc.grpc_util import FailedPrecondition
+from services.trainer.backend import TORCH_DTYPES, DeepSpeedBackend
+from services.trainer.old_actor import OldActor
+from services.trainer.weight_export import iter_named_weights, weight_specs
+from services.weights import SyncStats, TensorSpec, WeightPublisher
+from services.weights.layout import tensor_checksum
+
+MAX_ENGINE_RANKS = 4096            # a weight-sync group larger than this is a malformed request
+
+
+class WeightPublishing:
+    def __init__(self, config: TandemConfig, *, role: str, run_dir: Path, rank: int, backend: DeepSpeedBackend,
+                 old_actor: OldActor | None):
+        self.config, self.role, self.run_dir, self.rank = config, role, run_dir, rank
+        self.backend, self.old_actor = backend, old_actor
+        self.export_dtype = TORCH_DTYPES[config.model.dtype]
+        self._publishers: dict[str, WeightPublisher] = {}   # rank 0, made on first use of each transport
+        self._plan: common_pb2.WeightSyncPlan | None = None
+
+    @property
+    def trainer_id(self) -> str:
+        configured = self.config.weights.trainer_id if self.role == "actor" else None
+        return configured or f"{self.config.run_name}/{self.role}"
+
+    def specs(self) -> list[TensorSpec]:
+        """TensorSpec per parameter (HF names, export dtype, full shapes), in iteration order."""
+        return weight_specs(self.backend.module, dtype=self.export_dtype)
+
+    def iter_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors. Under ZeRO-3 a collective: every rank must exhaust it in lockstep."""
+        bucket = int(self.config.weights.bucket_mb * (1 << 20))
+        return iter_named_weights(self.backend.module, dtype=self.export_dtype, zero3=self.backend.zero_stage == 3,
+                                  group_bytes=bucket)
+
+    def _publisher(self, transport: str) -> WeightPublisher:
+        if transport not in self._publishers:
+            self._publishers[transport] = WeightPublisher(transport=transport, config=self.config.weights,
+                                                          run_dir=self.run_dir, trainer_id=self.trainer_id)
+        return self._publishers[transport]
+
+    # ---- rank 0 -------------------------------------------------------------------------------------
+
+    def check_request(self, *, engine_world_size: int) -> None:
+        if self.role != "actor":
+            raise FailedPrecondition("the critic has no weights to publish to rollout engines")
+        if not 1 <= engine_world_size <= MAX_ENGINE_RANKS:
+            raise ValueError(f"engine_world_size must be in 1..{MAX_ENGINE_RANKS}, got {engine_world_size}")
+
+    def prepare(self, *, version: int, transport: str, engine_world_size: int,
+                verify: bool) -> common_pb2.WeightSyncPlan:
+        """The plan the publish will follow (kept), as a copy the caller may annotate for the engines."""
+        plan = self._publisher(transport or self.config.weights.transport).prepare(
+            self.specs(), version=version, engine_world_size=engine_world_size, verify=verify)
+        self._plan = plan
+        announced = common_pb2.WeightSyncPlan()
+        announced.CopyFrom(plan)
+        return announced
+
+    @staticmethod
+    def add_checksums(plan: common_pb2.WeightSyncPlan, sums: dict[str, str]) -> None:
+        """What the coordinator compares the receivers' checksums with."""
+        for bucket in plan.buckets:
+            for meta in bucket.tensors:
+                meta.checksum = sums[meta.name]
+
+    def check_prepared(self, version: int) -> None:
+        if self._plan is None or self._plan.version != version:
+            raise FailedPrecondition(f"PublishWeights(v{version}) needs PrepareWeightSync(v{version}) first")
+
+    def forget_plan(self) -> None:
+        self._plan = None
+
+    # ---- every rank ---------------------------------------------------------------------------------
+
+    def checksums(self) -> dict[str, str] | None:
+        """The WeightChecksums command: rank 0 gets them."""
+        named = self.iter_named_weights()
+        try:
+            return {name: tensor_checksum(t) for name, t in named} if self.rank == 0 else None
+        finally:
+            _drain(named)
+
+    def publish(self, version: int) -> SyncStats | None:
+        """The PublishWeights command: rank 0 sends and gets the stats."""
+        try:
+            return self._send()
+        finally:   # every rank, even when the publish failed: under ZeRO-3 the snapshot is a collective
+            if self.old_actor is not None:
+                self.old_actor.take_snapshot(version=version, module=self.backend.module,
+                                             zero3=self.backend.zero_stage == 3,
+                                             optimizer_step=self.backend.global_steps)
+
+    def _send(self) -> SyncStats | None:
+        named = self.iter_named_weights()
+        try:
+            if self.rank != 0:
+                return None
+            if self._plan is None:
+                raise FailedPrecondition("PublishWeights needs PrepareWeightSync first")
+            return self._publisher(self._plan.transport or self.config.weights.transport).publish(self._plan, named)
+        finally:
+            _drain(named)
+
+    def release(self) -> None:
+        """Before an Offload: transports drop their buffers (cuda_ipc); the next sync allocates them again."""
+        for publisher in self._publishers.values():
+            publisher.release()
+
+    def close(self) -> None:
+        for publisher in self._publishers.values():
+            publisher.close()
+
+
+def _drain(named: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Walks the rest of a weight iterator: a failed send must still finish the collective gathers on every rank."""
+    for _ in named:
+        pass

@@ -1,0 +1,89 @@
+"""The optimizer update the actor and the critic share: lockstep micro-batches, one forward/backward each, one step.
+
+Every rank runs the same number of micro-batches (ZeRO-3 gathers parameters in each forward), padding with empty
+ones whose loss is `anchor.sum() * 0` so their backward, and its ZeRO hooks, match the other ranks'. Each rank
+scales its loss by the world size (DeepSpeed averages gradients over ranks) and sums its metrics; the sums are
+added over ranks after the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.trainer.backend import DeepSpeedBackend, StepResult
+from services.trainer.batching import MicroBatch, TrainBatch, dummy_micro_batch, plan_micro_batches
+from services.trainer.dist import all_reduce_max_int, all_reduce_sum
+from services.trainer.losses import aggregation_weights
+
+
+def lockstep_micro_batches(backend: DeepSpeedBackend, batch: TrainBatch, *, token_budget: int) -> list[MicroBatch]:
+    """This rank's micro-batches, padded with empty ones to the largest count over ranks."""
+    info = backend.dist_info
+    mbs = plan_micro_batches(batch, world_size=info.world_size, rank=info.rank, token_budget=token_budget)
+    count = all_reduce_max_int(len(mbs), info.device)
+    return mbs + [dummy_micro_batch() for _ in range(count - len(mbs))]
+
+
+def per_token_pass(num_tokens: int, mbs: list[MicroBatch], fn: Callable[[MicroBatch], torch.Tensor]) -> torch.Tensor:
+    """Runs `fn` (no grad) on every micro-batch and scatters its per-token output into a flat vector;
+    entries of other ranks' tokens stay 0."""
+    out = torch.zeros(num_tokens, dtype=torch.float32)
+    with torch.no_grad():
+        for mb in mbs:
+            values = fn(mb)
+            if mb.token_index.numel():
+                out[mb.token_index] = values.detach().float().cpu()
+    return out
+
+
+@dataclass(frozen=True)
+class TokenWeights:
+    """Per-token weights of the whole batch: `loss` aggregates the loss, `mean` (token_mean) the metrics."""
+
+    loss: torch.Tensor
+    mean: torch.Tensor
+
+    @classmethod
+    def of(cls, batch: TrainBatch, aggregation: str) -> TokenWeights:
+        return cls(loss=aggregation_weights(batch.loss_mask, batch.response_lengths, aggregation),
+                   mean=aggregation_weights(batch.loss_mask, batch.response_lengths, "token_mean"))
+
+    def at(self, mb: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loss[mb.token_index].to(device), self.mean[mb.token_index].to(device)
+
+
+@dataclass(frozen=True)
+class MicroBatchLoss:
+    loss: torch.Tensor                               # this micro-batch's weighted loss
+    anchor: torch.Tensor                             # the forward's full output (for an empty micro-batch)
+    metrics: Callable[[], Sequence[torch.Tensor]]    # its metric sums after the loss, computed without grad
+
+
+def optimizer_update(backend: DeepSpeedBackend, mbs: list[MicroBatch], *, sums: Sequence[str],
+                     micro_loss: Callable[[MicroBatch], MicroBatchLoss]) -> tuple[dict[str, float], StepResult]:
+    """Backward of every micro-batch's loss, one optimizer step; ({sums[0]: loss, sums[i]: metric i}, the step),
+    summed over micro-batches and ranks."""
+    device, world = backend.device, backend.dist_info.world_size
+    totals = torch.zeros(len(sums), dtype=torch.float64, device=device)
+    for i, mb in enumerate(mbs):
+        out = micro_loss(mb)
+        loss = out.loss if mb.token_index.numel() else out.anchor.sum() * 0.0
+        backend.backward(loss * world, last=i == len(mbs) - 1)
+        with torch.no_grad():
+            totals += torch.stack([p.detach().double() for p in (loss, *out.metrics())])
+    step = backend.step()
+    return dict(zip(sums, all_reduce_sum(totals).cpu().tolist(), strict=True)), step
+
+
+def step_metrics(batch: TrainBatch, step: StepResult, start: float) -> dict[str, float]:
+    """What every update reports beside its own sums: the batch, the step, the speed."""
+    seconds = time.monotonic() - start
+    return {"tokens": float(batch.num_tokens), "response_tokens": float(batch.num_response_tokens),
+            "response_len_mean": float(batch.response_lengths.double().mean()),
+            "reward_mean": float(batch.rewards.double().mean()), "samples": float(batch.num_samples),
+            "grad_norm": step.grad_norm, "lr": step.lr,
+            "perf/train_time_s": seconds, "perf/train_tokens_per_s": batch.num_tokens / seconds if seconds else 0.0}
