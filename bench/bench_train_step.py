@@ -42,6 +42,7 @@ from services.contracts.config import config_from_dict
 from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import build_batch
 
+DEFAULT_BUDGET = 16384   # trainer.micro_batch_tokens' default
 PEAK_FLOPS = 790e12   # H200 dense bf16, as measured for this workplace (FACTS.md)
 SHAPES = {   # Qwen2 bodies over Tandem's 22-token vocabulary (services/rollout/model_init.py VOCAB)
     "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=8,
@@ -53,9 +54,13 @@ SHAPES = {   # Qwen2 bodies over Tandem's 22-token vocabulary (services/rollout/
 }
 VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z1_bf16": {"kind": "ds", "zero_stage": 1, "precision": "bf16"},
+    "ds_z1_bf16_8k": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "micro_batch_tokens": 8192},
     "ds_z0_bf16": {"kind": "ds", "zero_stage": 0, "precision": "bf16"},
     "ds_z2_bf16": {"kind": "ds", "zero_stage": 2, "precision": "bf16"},
     "ds_z1_bf16_32k": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "micro_batch_tokens": 32768},
+    "ds_z1_bf16_nocheck": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "skip_nonfinite_steps": False},
+    "ds_z1_bf16pure": {"kind": "ds", "zero_stage": 1, "precision": "bf16_pure"},
+    "ds_z1_bf16pure_32k": {"kind": "ds", "zero_stage": 1, "precision": "bf16_pure", "micro_batch_tokens": 32768},
     "ds_z1_fp32": {"kind": "ds", "zero_stage": 1, "precision": "fp32"},
     "torch_bf16": {"kind": "torch", "param_dtype": torch.bfloat16, "autocast": False},
     "torch_bf16_32k": {"kind": "torch", "param_dtype": torch.bfloat16, "autocast": False, "micro_batch_tokens": 32768},
@@ -182,8 +187,10 @@ def build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device
     config = config_from_dict({
         "model": {"path": str(model_dir), "dtype": "bfloat16"}, "data": {"train_path": str(tmp / "unused.jsonl")},
         "trainer": {"device": device.type, "zero_stage": variant["zero_stage"], "precision": variant["precision"],
-                    "lr": 1e-3, "micro_batch_tokens": variant.get("micro_batch_tokens", 8192)}})
-    return DeepSpeedBackend(config=config, role="actor", dist_info=init_process_group(device=device.type))
+                    "lr": 1e-3, "micro_batch_tokens": variant.get("micro_batch_tokens", DEFAULT_BUDGET),
+                    "skip_nonfinite_steps": variant.get("skip_nonfinite_steps", True)}})
+    return DeepSpeedBackend(config=config, role="actor", dist_info=init_process_group(
+        device=device.type, timeout_s=config.services.timeouts.process_group_s))
 
 
 def algo_config() -> Any:
@@ -196,7 +203,7 @@ def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: li
     from services.trainer.actor import actor_step, lockstep_micro_batches
 
     variant = VARIANTS[name]
-    budget = variant.get("micro_batch_tokens", 8192)
+    budget = variant.get("micro_batch_tokens", DEFAULT_BUDGET)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if variant["kind"] == "floor":

@@ -55,9 +55,8 @@ def test_sampling_distribution_matches_the_reference(dist):
 def mixed_sampling(rows: int, seed: int) -> tuple[TokenSampling, list[SamplingSpec]]:
     rng = random.Random(seed)
     chosen = [rng.choice(SETTINGS) for _ in range(rows)]
-    return TokenSampling(temperature=torch.tensor([d.temperature for d in chosen]),
-                         top_p=torch.tensor([d.top_p for d in chosen]),
-                         top_k=torch.tensor([d.top_k for d in chosen])), chosen
+    return TokenSampling.per_row(torch.tensor([d.temperature for d in chosen]), torch.tensor([d.top_p for d in chosen]),
+                                 torch.tensor([d.top_k for d in chosen])), chosen
 
 
 def test_trainer_scores_each_row_under_its_own_distribution():
@@ -77,9 +76,8 @@ def test_trainer_scores_each_row_under_its_own_distribution():
     assert scored.min() >= LOG_PROB_FLOOR   # a token outside the nucleus is floored, not -inf
     (scored.sum() + entropy.sum() + tempered.sum()).backward()
     assert torch.isfinite(logits.grad).all()   # truncated entries pass no NaN gradient
-    assert sampling.truncates(VOCAB) and not TokenSampling(temperature=torch.tensor([0.0, 0.5]),
-                                                           top_p=torch.tensor([0.5, 1.0]),
-                                                           top_k=torch.tensor([3, 0])).truncates(VOCAB)
+    assert sampling.truncates(VOCAB) and not TokenSampling.per_row(
+        torch.tensor([0.0, 0.5]), torch.tensor([0.5, 1.0]), torch.tensor([3, 0])).truncates(VOCAB)
 
 
 def test_ppo_loss_matches_the_reference_on_random_tokens():

@@ -31,7 +31,8 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("zero_stage,precision", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16")])
+@pytest.mark.parametrize("zero_stage,precision", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"),
+                                                  (1, "bf16_pure")])
 def test_loss_decreases_on_fixed_batch(harness, tiny_model_dir, zero_stage, precision):  # noqa: F811
     h = harness(trainer={"zero_stage": zero_stage, "lr": 1e-3, "precision": precision},
                 algorithm={"eps_clip": 10.0})
@@ -48,6 +49,9 @@ def test_loss_decreases_on_fixed_batch(harness, tiny_model_dir, zero_stage, prec
     assert first["ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-5 if precision == "fp32" else 2e-2)
     assert first["tokens"] == batch.tokens.shape[0] and first["response_tokens"] == batch.num_response_tokens
     assert h.pending() == 0   # every entry acknowledged after its step
+    states = [s for s in h.service.backend.engine.optimizer.optimizer.state.values() if "exp_avg" in s]
+    master = torch.bfloat16 if precision == "bf16_pure" else torch.float32   # bf16 keeps fp32 masters and states
+    assert states and all(s["exp_avg"].dtype == master and s["exp_avg_sq"].dtype == master for s in states)
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])

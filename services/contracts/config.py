@@ -88,7 +88,11 @@ class TrainerConfig(Section):
     device: str = "auto"
     num_ranks: int = Field(default=1, ge=1, description="data-parallel ranks `tandem run` launches")
     zero_stage: Literal[0, 1, 2, 3] = 1
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "bf16_pure"] = Field(
+        default="fp32", description="bf16: bf16 weights with fp32 master weights, gradients and Adam states (use on "
+        "a GPU); bf16_pure: all in bf16 as TRL trains (less memory, small updates can round away; ZeRO 1-3)")
+    skip_nonfinite_steps: bool = Field(default=True, description="bf16: skip an optimizer step whose gradients "
+                                       "hold inf/NaN (DeepSpeed's check_grad_overflow; one pass over the gradients)")
     optimizer: Literal["adamw_torch", "adamw_deepspeed"] = "adamw_torch"
     lr: float = Field(default=1e-3, gt=0)
     min_lr: float = Field(default=0.0, ge=0)
@@ -98,7 +102,8 @@ class TrainerConfig(Section):
     warmup_steps: int = Field(default=0, ge=0)
     total_steps: int | None = Field(default=None, ge=1, description="schedule length; defaults to num_rollout")
     grad_clip: float = Field(default=1.0, gt=0)
-    micro_batch_tokens: int = Field(default=8192, ge=1, description="token budget of one micro-batch")
+    micro_batch_tokens: int = Field(default=16384, ge=1, description="token budget of one micro-batch (rows x "
+                                    "longest row); larger is faster until activations fill the GPU")
     checkpoint_dir: str | None = Field(default=None, description="defaults to RUN_DIR/checkpoints")
     keep_last_checkpoints: int = Field(default=3, ge=1)
     export_hf_on_save: bool = True
@@ -289,8 +294,12 @@ class TandemConfig(Section):
                              "generate the next batch while the trainer trains)")
         if self.weights.transport == "cuda_ipc" and self.trainer.num_ranks > 1:
             raise ValueError("weights.transport: cuda_ipc needs trainer.num_ranks == 1 (rank 0 owns the buckets)")
-        if self.trainer.precision == "bf16" and self.model.dtype != "bfloat16" and self.weights.transport == "cuda_ipc":
-            raise ValueError("model.dtype must be bfloat16 when trainer.precision is bf16 with cuda_ipc")
+        if self.trainer.precision != "fp32" and self.model.dtype != "bfloat16" and self.weights.transport == "cuda_ipc":
+            raise ValueError(f"model.dtype must be bfloat16 when trainer.precision is {self.trainer.precision} with "
+                             "cuda_ipc")
+        if self.trainer.precision == "bf16_pure" and self.trainer.zero_stage == 0:
+            raise ValueError("trainer.precision: bf16_pure needs trainer.zero_stage 1-3 (DeepSpeed keeps bf16 master "
+                             "weights only in its ZeRO optimizer)")
         return self
 
     def with_model_path(self, path: str) -> TandemConfig:

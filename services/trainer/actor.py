@@ -41,11 +41,11 @@ from services.trainer.update import (
 )
 
 
-def owned_tokens(num_tokens: int, mbs: list[MicroBatch]) -> torch.Tensor:
-    """1.0 on the response tokens this rank's micro-batches cover, else 0.0."""
-    out = torch.zeros(num_tokens, dtype=torch.float32)
+def owned_tokens(num_tokens: int, mbs: list[MicroBatch], device: torch.device) -> torch.Tensor:
+    """1.0 on the response tokens this rank's micro-batches cover, else 0.0 (on `device`)."""
+    out = torch.zeros(num_tokens, dtype=torch.float32, device=device)
     for mb in mbs:
-        out[mb.token_index] = 1.0
+        out[mb.to(device).token_index] = 1.0
     return out
 
 
@@ -67,15 +67,16 @@ def compute_advantages(batch: TrainBatch, algo: AlgorithmConfig, kl_penalty: tor
 
 def frozen_pass(model: torch.nn.Module, num_tokens: int, mbs: list[MicroBatch], device: torch.device,
                 sampling: TokenSampling, *, tempered: bool) -> torch.Tensor:
-    """Log-probs of this rank's response tokens under a frozen model (reference, old actor), full-batch vector."""
+    """Log-probs of this rank's response tokens under a frozen model (reference, old actor), full-batch vector on
+    the device. `sampling` is on the device."""
     return per_token_pass(num_tokens, mbs, lambda mb: frozen_log_probs(
-        model, mb, device, sampling=sampling.at(mb.token_index), tempered=tempered))
+        model, mb, device, sampling=sampling.at(mb.token_index), tempered=tempered), device=device)
 
 
 @dataclass(frozen=True)
 class BehaviourLogProbs:
     """The old actor's log-probs of each token's sample version (NaN: the current policy is that version) and
-    1.0 where no snapshot of the version was left (a restart): those use the current policy too."""
+    1.0 where no snapshot of the version was left (a restart): those use the current policy too. On the device."""
 
     log_probs: torch.Tensor   # float32 [T]
     fallback: torch.Tensor    # float32 [T]
@@ -83,33 +84,47 @@ class BehaviourLogProbs:
 
 def old_actor_log_probs(*, old_actor: OldActor, backend: DeepSpeedBackend, batch: TrainBatch,
                         mbs: list[MicroBatch], sampling: TokenSampling) -> BehaviourLogProbs:
-    n_tok = batch.num_response_tokens
-    versions = per_token(batch.sample_versions, batch.response_lengths)
-    out = torch.full((n_tok,), float("nan"))
-    fallback = torch.zeros(n_tok)
+    n_tok, device = batch.num_response_tokens, backend.device
+    versions = per_token(batch.sample_versions, batch.response_lengths).to(device)
+    out = torch.full((n_tok,), float("nan"), device=device)
+    fallback = torch.zeros(n_tok, device=device)
     for version in sorted(set(batch.sample_versions.tolist())):
         chosen = versions == version
         snapshot = old_actor.get(version)
         if snapshot is None:
             fallback[chosen] = 1.0
         elif snapshot.optimizer_step != backend.global_steps:   # else nothing was trained since: current = old
-            lp = frozen_pass(old_actor.module_for(snapshot), n_tok, mbs, backend.device, sampling, tempered=False)
+            lp = frozen_pass(old_actor.module_for(snapshot), n_tok, mbs, device, sampling, tempered=False)
             out[chosen] = lp[chosen]
     return BehaviourLogProbs(log_probs=out, fallback=fallback)
 
 
 def reward_kl_penalty(*, backend: DeepSpeedBackend, mbs: list[MicroBatch], sampling: TokenSampling,
                       ref_lp: torch.Tensor, algo: AlgorithmConfig) -> torch.Tensor:
-    """kl_coef x per-token KL of the policy before the update to the reference (both tempered), full batch."""
-    n_tok = len(ref_lp)
+    """kl_coef x per-token KL of the policy before the update to the reference (both tempered), full batch, on the
+    host (it shapes the rewards)."""
+    n_tok, device = len(ref_lp), backend.device
     policy = per_token_pass(n_tok, mbs, lambda mb: score_tokens(
-        backend.logits(mb)[0], mb.targets.to(backend.device), sampling.at(mb.token_index), tempered=True))
-    kl = kl_estimate(policy, ref_lp, algo.kl_estimator) * owned_tokens(n_tok, mbs)
-    return algo.kl_coef * all_reduce_sum(kl.to(backend.device)).cpu()
+        backend.logits(mb)[0], mb.targets, sampling.at(mb.token_index), tempered=True), device=device)
+    kl = kl_estimate(policy, ref_lp, algo.kl_estimator) * owned_tokens(n_tok, mbs, device)
+    return algo.kl_coef * all_reduce_sum(kl).cpu()
 
 
 _SUMS = ("loss", "pg_loss", "pg_clipfrac", "kl", "entropy", "ppo_ratio_mean", "tis_weight_mean",
          "rollout_logprob_abs_diff", "old_actor_fallback_frac")
+
+
+@dataclass(frozen=True)
+class TokenInputs:
+    """The step's per-token tensors, moved to the device once per step; a micro-batch indexes them with its
+    token_index (on the device too)."""
+
+    sampling: TokenSampling
+    advantages: torch.Tensor
+    rollout_log_probs: torch.Tensor
+    weights: TokenWeights
+    ref_log_probs: torch.Tensor | None
+    old: BehaviourLogProbs | None
 
 
 @dataclass(frozen=True)
@@ -125,52 +140,49 @@ class TokenTerms:
     mismatch: torch.Tensor  # |behaviour log-prob - rollout log-prob|, capped at 20
 
 
-def token_terms(*, logits: torch.Tensor, mb: MicroBatch, batch: TrainBatch, sampling: TokenSampling,
-                advantages: torch.Tensor, algo: AlgorithmConfig, ref_lp: torch.Tensor | None,
-                old: BehaviourLogProbs | None, device: torch.device) -> TokenTerms:
-    idx, targets, tok = mb.token_index, mb.targets.to(device), sampling.at(mb.token_index)
+def token_terms(*, logits: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, algo: AlgorithmConfig) -> TokenTerms:
+    """`mb` is on the device."""
+    idx, targets = mb.token_index, mb.targets
+    tok = inputs.sampling.at(idx)
     table = sampling_log_prob_table(logits, tok)
     logp = gather_targets(table, targets)
     entropy = entropy_from_log_probs(table if algo.entropy_coef > 0 else table.detach())
-    rollout_lp = batch.rollout_log_probs[idx].to(device)
+    rollout_lp = inputs.rollout_log_probs[idx]
     # The trainer's view of the behaviour policy: the old actor, or the current policy before this step's
     # single update (exact without keep_old_actor in sync mode).
     behaviour = logp.detach()
-    if old is not None:
-        kept = old.log_probs[idx].to(device)
+    if inputs.old is not None:
+        kept = inputs.old.log_probs[idx]
         behaviour = torch.where(torch.isnan(kept), behaviour, kept)
     clip = PolicyLossConfig(eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, dual_clip_c=algo.dual_clip_c)
     pg, clipped, ratio = ppo_policy_loss(log_probs=logp, old_log_probs=rollout_lp if algo.use_rollout_logprobs
-                                         else behaviour, advantages=advantages[idx].to(device), cfg=clip)
+                                         else behaviour, advantages=inputs.advantages[idx], cfg=clip)
     tis = torch.ones_like(pg)
     if algo.use_tis:
         tis = tis_weights(old_log_probs=behaviour, rollout_log_probs=rollout_lp, clip=algo.tis_clip)
         pg = pg * tis
     kl = torch.zeros_like(pg)
-    if ref_lp is not None:
+    if inputs.ref_log_probs is not None:
         tempered = tempered_token_log_probs(logits, targets, tok.temperature) \
             if tok.truncates(logits.shape[-1]) else logp
-        kl = kl_estimate(tempered, ref_lp[idx].to(device), algo.kl_estimator)
+        kl = kl_estimate(tempered, inputs.ref_log_probs[idx], algo.kl_estimator)
     return TokenTerms(pg=pg, clipped=clipped, ratio=ratio, tis=tis, kl=kl, entropy=entropy,
                       mismatch=(behaviour - rollout_lp).abs().clamp(max=20.0))
 
 
-def _ppo_micro_loss(*, backend: DeepSpeedBackend, mb: MicroBatch, batch: TrainBatch, sampling: TokenSampling,
-                   advantages: torch.Tensor, weights: TokenWeights, algo: AlgorithmConfig,
-                   ref_lp: torch.Tensor | None, old: BehaviourLogProbs | None) -> MicroBatchLoss:
-    device = backend.device
+def _ppo_micro_loss(*, backend: DeepSpeedBackend, mb: MicroBatch, inputs: TokenInputs,
+                    algo: AlgorithmConfig) -> MicroBatchLoss:
     logits, anchor = backend.logits(mb)
-    t = token_terms(logits=logits, mb=mb, batch=batch, sampling=sampling, advantages=advantages, algo=algo,
-                    ref_lp=ref_lp, old=old, device=device)
+    t = token_terms(logits=logits, mb=mb, inputs=inputs, algo=algo)
     loss_tok = t.pg
-    if ref_lp is not None and algo.kl_mode == "loss":
+    if inputs.ref_log_probs is not None and algo.kl_mode == "loss":
         loss_tok = loss_tok + algo.kl_coef * t.kl
     if algo.entropy_coef > 0:
         loss_tok = loss_tok - algo.entropy_coef * t.entropy
-    w, tw = weights.at(mb, device)
+    w, tw = inputs.weights.at(mb)
 
     def metrics() -> list[torch.Tensor]:
-        fallback = torch.zeros_like(tw) if old is None else old.fallback[mb.token_index].to(device)
+        fallback = torch.zeros_like(tw) if inputs.old is None else inputs.old.fallback[mb.token_index]
         return [(w * t.pg).sum(), *((tw * x).sum() for x in (t.clipped, t.kl, t.entropy, t.ratio, t.tis,
                                                              t.mismatch, fallback))]
 
@@ -182,7 +194,7 @@ def actor_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmC
     start = time.monotonic()
     device = backend.device
     mbs = lockstep_micro_batches(backend, batch, token_budget=token_budget)
-    sampling = TokenSampling.of(batch)
+    sampling = TokenSampling.of(batch).to(device)
     n_tok = batch.num_response_tokens
     ref_lp = None if ref_model is None else frozen_pass(ref_model, n_tok, mbs, device, sampling, tempered=True)
     kl_penalty = None
@@ -190,13 +202,14 @@ def actor_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmC
         kl_penalty = reward_kl_penalty(backend=backend, mbs=mbs, sampling=sampling, ref_lp=ref_lp, algo=algo)
     old = None if old_actor is None else old_actor_log_probs(old_actor=old_actor, backend=backend, batch=batch,
                                                              mbs=mbs, sampling=sampling)
-    advantages = compute_advantages(batch, algo, kl_penalty)
-    weights = TokenWeights.of(batch, algo.loss_aggregation)
+    inputs = TokenInputs(sampling=sampling, advantages=compute_advantages(batch, algo, kl_penalty).to(device),
+                         rollout_log_probs=batch.rollout_log_probs.to(device),
+                         weights=TokenWeights.of(batch, algo.loss_aggregation, device), ref_log_probs=ref_lp, old=old)
     totals, step = optimizer_update(backend, mbs, sums=_SUMS, micro_loss=lambda mb: _ppo_micro_loss(
-        backend=backend, mb=mb, batch=batch, sampling=sampling, advantages=advantages, weights=weights, algo=algo,
-        ref_lp=ref_lp, old=old))
+        backend=backend, mb=mb, inputs=inputs, algo=algo))
     for key, used in (("kl", ref_lp is not None), ("tis_weight_mean", algo.use_tis),
                       ("old_actor_fallback_frac", old is not None)):
         if not used:
             totals.pop(key)
-    return {**totals, "advantage_mean": float((advantages * weights.mean).sum()), **step_metrics(batch, step, start)}
+    advantage_mean = float((inputs.advantages * inputs.weights.mean).sum())
+    return {**totals, "advantage_mean": advantage_mean, **step_metrics(batch, step, start)}

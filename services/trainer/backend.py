@@ -32,8 +32,9 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def param_dtype(config: TandemConfig) -> torch.dtype:
-    """The dtype of the trained module's parameters (DeepSpeed bf16 keeps its fp32 masters in the optimizer)."""
-    return torch.bfloat16 if config.trainer.precision == "bf16" else torch.float32
+    """The dtype of the trained module's parameters (DeepSpeed bf16 keeps fp32 masters in the optimizer, bf16_pure
+    none)."""
+    return torch.float32 if config.trainer.precision == "fp32" else torch.bfloat16
 
 
 def lr_lambda(*, schedule: str, warmup_steps: int, total_steps: int | None, lr: float,
@@ -64,8 +65,7 @@ def deepspeed_config(config: TandemConfig, *, world_size: int, lr: float) -> dic
         # One "sample" per micro-batch call; the real batch size is decided by the token budget.
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world_size,
         "gradient_clipping": t.grad_clip, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False,
-        "zero_allow_untested_optimizer": True, "bf16": {"enabled": t.precision == "bf16"},
-        "zero_optimization": {"stage": t.zero_stage},
+        "zero_allow_untested_optimizer": True, "bf16": bf16_config(config), "zero_optimization": {"stage": t.zero_stage},
     }
     if t.zero_stage == 3:
         # Partition every parameter: by default DeepSpeed keeps ones under 1e5 elements whole, so a small
@@ -75,6 +75,18 @@ def deepspeed_config(config: TandemConfig, *, world_size: int, lr: float) -> dic
         ds["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": list(t.betas), "eps": 1e-8,
                                                       "weight_decay": t.weight_decay}}
     return ds
+
+
+def bf16_config(config: TandemConfig) -> dict[str, Any]:
+    """bf16: bf16 weights in the model, fp32 master weights, gradients and Adam states in the optimizer (the
+    default: an update smaller than a bf16 ulp of its weight is kept, not rounded away). bf16_pure: all of them in
+    bf16, as TRL trains (half the optimizer memory, no master copy to update; small updates can be lost)."""
+    t = config.trainer
+    if t.precision == "fp32":
+        return {"enabled": False}
+    pure = t.precision == "bf16_pure"
+    return {"enabled": True, "check_grad_overflow": t.skip_nonfinite_steps,
+            "bf16_master_weights_and_grads": pure, "bf16_optimizer_states": pure}
 
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, attn: str) -> torch.nn.Module:
@@ -142,7 +154,9 @@ class DeepSpeedBackend:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = None
         if t.optimizer == "adamw_torch":
-            optimizer = torch.optim.AdamW(params, lr=lr, betas=t.betas, eps=1e-8, weight_decay=t.weight_decay)
+            # fused: one kernel over every tensor of the step (DeepSpeed hands it its flat partitions)
+            optimizer = torch.optim.AdamW(params, lr=lr, betas=t.betas, eps=1e-8, weight_decay=t.weight_decay,
+                                          fused=dist_info.device.type == "cuda")
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=params if optimizer is None else None,
             config=deepspeed_config(config, world_size=dist_info.world_size, lr=lr),
@@ -261,7 +275,7 @@ def load_frozen_causal_lm(config: TandemConfig, device: torch.device) -> torch.n
 @torch.no_grad()
 def frozen_log_probs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, *, sampling: TokenSampling,
                      tempered: bool) -> torch.Tensor:
-    """Log-probs of a micro-batch's response tokens under a frozen model (see scoring.score_tokens)."""
+    """Log-probs of a micro-batch's response tokens under a frozen model (see scoring.score_tokens), on `device`."""
     mb = mb.to(device)
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-    return score_tokens(logits[mb.rows, mb.positions], mb.targets, sampling, tempered=tempered).cpu()
+    return score_tokens(logits[mb.rows, mb.positions], mb.targets, sampling, tempered=tempered)

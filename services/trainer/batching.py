@@ -171,32 +171,39 @@ class MicroBatch:
     num_tokens: int               # real (unpadded) tokens
 
     def to(self, device: torch.device) -> MicroBatch:
-        return MicroBatch(input_ids=self.input_ids.to(device), attention_mask=self.attention_mask.to(device),
-                          rows=self.rows.to(device), positions=self.positions.to(device),
-                          targets=self.targets.to(device), token_index=self.token_index,
-                          num_tokens=self.num_tokens)
+        """On `device`, token_index included. Host tensors are pinned first, so the copies do not stall the host
+        until the device has finished the work queued before them (a pageable copy would)."""
+        if self.input_ids.device == device:
+            return self
+        pin = device.type == "cuda"
+
+        def move(x: torch.Tensor) -> torch.Tensor:
+            return (x.pin_memory() if pin else x).to(device, non_blocking=pin)
+
+        return MicroBatch(input_ids=move(self.input_ids), attention_mask=move(self.attention_mask),
+                          rows=move(self.rows), positions=move(self.positions), targets=move(self.targets),
+                          token_index=move(self.token_index), num_tokens=self.num_tokens)
 
 
 def build_micro_batch(batch: TrainBatch, sample_ids: list[int]) -> MicroBatch:
-    tok_off, resp_off = batch.offsets()
-    prompts, resps = batch.prompt_lengths.tolist(), batch.response_lengths.tolist()
-    width = max(prompts[i] + resps[i] for i in sample_ids)
+    ids = torch.tensor(sample_ids, dtype=torch.long)
+    prompts, resps = batch.prompt_lengths[ids], batch.response_lengths[ids]
+    seqs = prompts + resps
+    width = int(seqs.max())
+    tok_start = _starts(batch.prompt_lengths + batch.response_lengths)[ids]
+    resp_start = _starts(batch.response_lengths)[ids]
+    # (row, column) of every real token, then of every response token's predicting position
+    row_of_tok = torch.repeat_interleave(torch.arange(len(sample_ids)), seqs)
+    col_of_tok = torch.arange(int(seqs.sum())) - torch.repeat_interleave(_starts(seqs), seqs)
     input_ids = torch.zeros(len(sample_ids), width, dtype=torch.long)
     attention = torch.zeros(len(sample_ids), width, dtype=torch.long)
-    rows: list[int] = []
-    positions: list[int] = []
-    index: list[int] = []
-    for b, i in enumerate(sample_ids):
-        n = prompts[i] + resps[i]
-        input_ids[b, :n] = batch.tokens[tok_off[i]:tok_off[i] + n]
-        attention[b, :n] = 1
-        rows += [b] * resps[i]
-        positions += range(prompts[i] - 1, n - 1)
-        index += range(resp_off[i], resp_off[i] + resps[i])
-    rows_t, pos_t = torch.tensor(rows, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
-    return MicroBatch(input_ids=input_ids, attention_mask=attention, rows=rows_t, positions=pos_t,
-                      targets=input_ids[rows_t, pos_t + 1], token_index=torch.tensor(index, dtype=torch.long),
-                      num_tokens=int(attention.sum()))
+    input_ids[row_of_tok, col_of_tok] = batch.tokens[_ranges(tok_start, seqs)]
+    attention[row_of_tok, col_of_tok] = 1
+    rows = torch.repeat_interleave(torch.arange(len(sample_ids)), resps)
+    positions = _ranges(prompts - 1, resps)
+    return MicroBatch(input_ids=input_ids, attention_mask=attention, rows=rows, positions=positions,
+                      targets=input_ids[rows, positions + 1], token_index=_ranges(resp_start, resps),
+                      num_tokens=int(seqs.sum()))
 
 
 def dummy_micro_batch() -> MicroBatch:

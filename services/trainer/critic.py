@@ -93,19 +93,19 @@ def critic_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: Algorithm
     start = time.monotonic()
     device = backend.device
     mbs = update.lockstep_micro_batches(backend, batch, token_budget=token_budget)
-    local = update.per_token_pass(batch.num_response_tokens, mbs, lambda mb: backend.values(mb)[0])
-    old_values = all_reduce_sum(local.to(device)).cpu()   # every rank needs all of them for the hand-off
+    local = update.per_token_pass(batch.num_response_tokens, mbs, lambda mb: backend.values(mb)[0], device=device)
+    old_values = all_reduce_sum(local).cpu()   # every rank needs all of them for the hand-off
     advantages, returns = gae(rewards=token_rewards(batch.rewards, batch.response_lengths, batch.loss_mask),
                               values=old_values, response_lengths=batch.response_lengths, loss_mask=batch.loss_mask,
                               gamma=algo.gamma, lambd=algo.lambd)
-    weights = update.TokenWeights.of(batch, algo.loss_aggregation)
+    weights = update.TokenWeights.of(batch, algo.loss_aggregation, device)
+    on_device = [x.to(device) for x in (old_values, returns, advantages)]
 
     def value_loss(mb: MicroBatch) -> update.MicroBatchLoss:
         values, anchor = backend.values(mb)
-        idx = mb.token_index
-        old, ret, adv = (t[idx].to(device) for t in (old_values, returns, advantages))
+        old, ret, adv = (x[mb.token_index] for x in on_device)
         v_loss, clipped = clipped_value_loss(values=values, old_values=old, returns=ret, clip=algo.value_clip)
-        w, tw = weights.at(mb, device)
+        w, tw = weights.at(mb)
         return update.MicroBatchLoss(loss=(w * v_loss).sum(), anchor=anchor,
                                      metrics=lambda: [(tw * x).sum() for x in (clipped, old, ret, adv)])
 

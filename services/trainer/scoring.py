@@ -24,43 +24,75 @@ from services.trainer.advantages import per_token
 from services.trainer.batching import TrainBatch
 
 
+def _truncates(spec: SamplingSpec, vocab: int) -> bool:
+    return spec.temperature != 0 and (spec.top_p < 1.0 or 0 < spec.top_k < vocab)
+
+
 @dataclass(frozen=True)
 class TokenSampling:
-    """Per response token: the sampling parameters of its sample."""
+    """Per response token: which of the batch's distinct sampling distributions its sample was drawn from.
 
-    temperature: torch.Tensor   # float32 [N]
-    top_p: torch.Tensor         # float32 [N]
-    top_k: torch.Tensor         # int64 [N]
+    The distinct distributions are found once per batch, over samples (a handful of keys), so a micro-batch of a
+    batch drawn under one distribution (the usual case) costs no host work or device sync to score."""
+
+    specs: tuple[SamplingSpec, ...]   # the batch's distinct distributions
+    group: torch.Tensor               # int64 [N]: each token's index into `specs`
+    temperature: torch.Tensor         # float32 [N] (the tempered log-probs of the KL term)
 
     @classmethod
     def of(cls, batch: TrainBatch) -> TokenSampling:
-        lengths = batch.response_lengths
-        return cls(temperature=per_token(batch.sampling_temperature, lengths),
-                   top_p=per_token(batch.sampling_top_p, lengths), top_k=per_token(batch.sampling_top_k, lengths))
+        return cls.per_row(batch.sampling_temperature, batch.sampling_top_p, batch.sampling_top_k,
+                           lengths=batch.response_lengths)
+
+    @classmethod
+    def per_row(cls, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, *,
+                lengths: torch.Tensor | None = None) -> TokenSampling:
+        """From one (T, top-p, top-k) per sample, repeated `lengths` times (once per row when None)."""
+        index: dict[tuple[float, float, int], int] = {}
+        # float32 values, as the rollout's tensors used them
+        keys = zip(temperature.tolist(), top_p.tolist(), top_k.tolist(), strict=True)
+        sample_group = torch.tensor([index.setdefault((t, p, int(k)), len(index)) for t, p, k in keys],
+                                    dtype=torch.long)
+        specs = tuple(SamplingSpec(temperature=t, top_p=p, top_k=k) for t, p, k in index)
+        temps = temperature.to(torch.float32)
+        if lengths is not None:
+            sample_group, temps = per_token(sample_group, lengths), per_token(temps, lengths)
+        return cls(specs=specs, group=sample_group, temperature=temps)
 
     def at(self, index: torch.Tensor) -> TokenSampling:
-        return TokenSampling(temperature=self.temperature[index], top_p=self.top_p[index], top_k=self.top_k[index])
+        return TokenSampling(specs=self.specs, group=self.group[index], temperature=self.temperature[index])
+
+    def to(self, device: torch.device) -> TokenSampling:
+        return TokenSampling(specs=self.specs, group=self.group.to(device), temperature=self.temperature.to(device))
+
+    def present(self) -> list[tuple[int, SamplingSpec]]:
+        """The distributions these tokens use (one device sync when the batch mixes several)."""
+        if len(self.specs) == 1:
+            return [(0, self.specs[0])]
+        return [(i, self.specs[i]) for i in torch.unique(self.group).tolist()]
 
     def truncates(self, vocab: int) -> bool:
         """Whether top-k or top-p removes tokens anywhere (then sampling and tempered log-probs differ)."""
-        cut = (self.top_p < 1.0) | ((self.top_k > 0) & (self.top_k < vocab))
-        return bool((cut & (self.temperature != 0)).any())
+        return any(_truncates(spec, vocab) for _, spec in self.present())
 
-    def groups(self) -> Iterator[tuple[SamplingSpec, torch.Tensor]]:
-        """(distribution, token positions) for each distinct parameter set, in a fixed order."""
-        keys = torch.stack([self.temperature.double(), self.top_p.double(), self.top_k.double()], dim=1)
-        unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
-        for i, (t, p, k) in enumerate(unique.tolist()):   # float32 values, as the rollout's tensors used them
-            yield SamplingSpec(temperature=t, top_p=p, top_k=int(k)), torch.nonzero(inverse == i).flatten()
+    def groups(self) -> Iterator[tuple[SamplingSpec, torch.Tensor | None]]:
+        """(distribution, its rows; None = every row) for each distribution these tokens use, in a fixed order."""
+        present = self.present()
+        if len(present) == 1:
+            yield present[0][1], None
+            return
+        for i, spec in present:
+            yield spec, torch.nonzero(self.group == i).flatten()
 
 
 def sampling_log_prob_table(logits: torch.Tensor, sampling: TokenSampling) -> torch.Tensor:
     """[N, V] logits -> [N, V] float32 log-probs of each row's sampling distribution (-inf where truncated)."""
     groups = list(sampling.groups())
-    if len(groups) == 1:
+    if groups[0][1] is None:
         return sampling_log_probs(logits, groups[0][0])
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for dist, rows in groups:
+        assert rows is not None
         rows = rows.to(logits.device)
         out[rows] = sampling_log_probs(logits[rows], dist)
     return out

@@ -28,32 +28,37 @@ def lockstep_micro_batches(backend: DeepSpeedBackend, batch: TrainBatch, *, toke
     return mbs + [dummy_micro_batch() for _ in range(count - len(mbs))]
 
 
-def per_token_pass(num_tokens: int, mbs: list[MicroBatch], fn: Callable[[MicroBatch], torch.Tensor]) -> torch.Tensor:
-    """Runs `fn` (no grad) on every micro-batch and scatters its per-token output into a flat vector;
-    entries of other ranks' tokens stay 0."""
-    out = torch.zeros(num_tokens, dtype=torch.float32)
+def per_token_pass(num_tokens: int, mbs: list[MicroBatch], fn: Callable[[MicroBatch], torch.Tensor], *,
+                   device: torch.device) -> torch.Tensor:
+    """Runs `fn` (no grad) on every micro-batch (moved to `device`) and scatters its per-token output into a flat
+    vector on `device`; entries of other ranks' tokens stay 0."""
+    out = torch.zeros(num_tokens, dtype=torch.float32, device=device)
     with torch.no_grad():
         for mb in mbs:
-            values = fn(mb)
-            if mb.token_index.numel():
-                out[mb.token_index] = values.detach().float().cpu()
+            dmb = mb.to(device)
+            values = fn(dmb)
+            if dmb.token_index.numel():
+                out[dmb.token_index] = values.detach().float()
     return out
 
 
 @dataclass(frozen=True)
 class TokenWeights:
-    """Per-token weights of the whole batch: `loss` aggregates the loss, `mean` (token_mean) the metrics."""
+    """Per-token weights of the whole batch, on the device: `loss` aggregates the loss, `mean` (token_mean) the
+    metrics."""
 
     loss: torch.Tensor
     mean: torch.Tensor
 
     @classmethod
-    def of(cls, batch: TrainBatch, aggregation: str) -> TokenWeights:
-        return cls(loss=aggregation_weights(batch.loss_mask, batch.response_lengths, aggregation),
-                   mean=aggregation_weights(batch.loss_mask, batch.response_lengths, "token_mean"))
+    def of(cls, batch: TrainBatch, aggregation: str, device: torch.device) -> TokenWeights:
+        lengths = batch.response_lengths
+        return cls(loss=aggregation_weights(batch.loss_mask, lengths, aggregation).to(device),
+                   mean=aggregation_weights(batch.loss_mask, lengths, "token_mean").to(device))
 
-    def at(self, mb: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.loss[mb.token_index].to(device), self.mean[mb.token_index].to(device)
+    def at(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a micro-batch on the device."""
+        return self.loss[mb.token_index], self.mean[mb.token_index]
 
 
 @dataclass(frozen=True)
@@ -66,11 +71,12 @@ class MicroBatchLoss:
 def optimizer_update(backend: DeepSpeedBackend, mbs: list[MicroBatch], *, sums: Sequence[str],
                      micro_loss: Callable[[MicroBatch], MicroBatchLoss]) -> tuple[dict[str, float], StepResult]:
     """Backward of every micro-batch's loss, one optimizer step; ({sums[0]: loss, sums[i]: metric i}, the step),
-    summed over micro-batches and ranks."""
+    summed over micro-batches and ranks. `micro_loss` gets each micro-batch on the device; the per-token tensors it
+    indexes should live there too, so that no host copy inside the loop stalls the queue."""
     device, world = backend.device, backend.dist_info.world_size
     totals = torch.zeros(len(sums), dtype=torch.float64, device=device)
     for i, mb in enumerate(mbs):
-        out = micro_loss(mb)
+        out = micro_loss(mb.to(device))
         loss = out.loss if mb.token_index.numel() else out.anchor.sum() * 0.0
         backend.backward(loss * world, last=i == len(mbs) - 1)
         with torch.no_grad():
