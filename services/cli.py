@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from services.coordinator.ctl import ACTIONS, DEFAULT_ADDR
 
-    p = sub.add_parser("ctl", help="control a running coordinator", formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = sub.add_parser("ctl", help="control a running coordinator",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Control a running coordinator. Which one: --addr; else --run-dir (its "
                                    "config.yaml names it); else the `tandem run` running under ./runs/; else "
                                    f"{DEFAULT_ADDR}.",

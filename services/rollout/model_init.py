@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from services.contracts.config import ConfigError
 
@@ -23,7 +24,7 @@ VOCAB = (*SPECIAL_TOKENS, *"0123456789", *SYMBOLS)
 # q05 / q15 are the bodies of Qwen2-0.5B / Qwen2-1.5B (their layer shapes, rope theta and context) over this
 # vocabulary, for real-size speed work: ~0.36B and ~1.31B parameters, nearly all of them in the layers.
 _QWEN2_BODY = dict(num_key_value_heads=2, max_position_embeddings=131_072, rope_theta=1_000_000.0)
-PRESETS: dict[str, dict[str, int | float]] = {
+PRESETS: dict[str, dict[str, Any]] = {   # config kwargs (transformers types them per field)
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128),
     "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=8,
