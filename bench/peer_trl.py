@@ -131,6 +131,23 @@ def _stop_group(proc: subprocess.Popen, signals: tuple[signal.Signals, ...]) -> 
             continue
 
 
+def wait_gone(marker: str, timeout_s: float = 20.0) -> None:
+    """Waits until no process names `marker` (a run directory) on its command line: a stopped `tandem run`'s
+    services are in sessions of their own and die with it (PR_SET_PDEATHSIG), a moment later; the next run
+    should find the GPU free."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = False
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                alive = alive or marker.encode() in cmdline.read_bytes()
+            except OSError:
+                continue
+        if not alive:
+            return
+        time.sleep(0.2)
+
+
 def count_lines(path: Path, key: str) -> int:
     try:
         return path.read_text().count(key)
@@ -214,6 +231,7 @@ def run_tandem(case: Case, *, model: Path, mode: str, args: argparse.Namespace, 
     metrics = run_dir / "metrics.jsonl"
     proc = run_limited(cmd, log=args.work / f"tandem_{case.name}_{mode}.log", limit_s=budget.limit(args.tandem_limit_s),
                        done=lambda: count_lines(metrics, '"perf/step_time_s"') >= args.steps)
+    wait_gone(str(run_dir))
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
     steps = [r for r in rows if "perf/step_time_s" in r][:args.steps]
     records = [{"step": i + 1, "step_s": r["perf/step_time_s"], "gen_s": r.get("perf/generate_time_s"),
@@ -413,8 +431,7 @@ def report(cases: list[Case], results: dict[tuple[str, str], dict], params: dict
         lengths = [fmt(med(x["records"], "response_tokens") / BATCH if x and x["status"] == "ok"
                        and med(x["records"], "response_tokens") is not None else None, ".1f") for x in (trl, a, s)]
         firsts = [fmt(x["first_step_s"] if x else None, ".1f") for x in (trl, a, s)]
-        mfus = [fmt(100 * m if (m := mfu(x, params[c.preset], peak)) is not None else None, ".1f") + "%"
-                for x in (trl, a, s)]
+        mfus = [f"{100 * m:.1f}%" if (m := mfu(x, params[c.preset], peak)) is not None else "-" for x in (trl, a, s)]
         rates = " / ".join(fmt(t, ",.0f") for t in tps)
         size = f"{params[c.preset] / 1e9:.3f}B" if params[c.preset] >= 1e8 else f"{params[c.preset] / 1e6:.2f}M"
         rows2.append(f"| {c.name} | {size} | {tokens} | {rates} | {' / '.join(lengths)} | "
