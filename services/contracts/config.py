@@ -110,6 +110,9 @@ class TrainerConfig(Section):
     critic_lr: float | None = Field(default=None, gt=0, description="defaults to lr")
     seed: int = 0
     gradient_checkpointing: bool = False
+    fused_kernels: Literal["auto", "on", "off"] = Field(
+        default="auto", description="fused Triton RMSNorm and SwiGLU (forward and backward) in the trained and frozen "
+        "models; auto = on a CUDA device with Triton and bf16 weights")
 
 
 class AlgorithmConfig(Section):
