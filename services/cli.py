@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from services.coordinator.ctl import ACTIONS, DEFAULT_ADDR
 
-    p = sub.add_parser("ctl", help="control a running coordinator", formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = sub.add_parser("ctl", help="control a running coordinator",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Control a running coordinator. Which one: --addr; else --run-dir (its "
                                    "config.yaml names it); else the `tandem run` running under ./runs/; else "
                                    f"{DEFAULT_ADDR}.",
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=Path, default=None, help="a run directory of `tandem run` (RUN_DIR/config.yaml)")
     p.add_argument("--token", default=None, help="bearer token (services.auth_token; default: from --run-dir)")
     p.add_argument("--tls-ca", default=None, help="CA certificate for TLS (default: from --run-dir)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the reply (default 30)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for the reply (default: the run's services.timeouts.control_s, else 30)")
     p.add_argument("action", choices=list(ACTIONS), metavar="ACTION", help=", ".join(ACTIONS))
 
     p = sub.add_parser("init-model", help="build a random-init HF model and tokenizer locally (no download)")

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from services.coordinator.clients import split_evenly
 from services.coordinator.data import DataCursor, DataSource, PromptRecord, load_prompts
+from services.coordinator.pool import split_evenly
 from services.coordinator.state import GeneratedBatch, RunState
 from services.coordinator.stepmetrics import prefixed, weighted_mean
 from services.coordinator.sync import WeightSyncError, compare_checksums
