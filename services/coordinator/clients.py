@@ -48,11 +48,12 @@ class GrpcService:
         self.deadlines = deadlines
         self.wait_for_ready = wait_for_ready   # calls wait, within their deadline, for a service that restarts
         self._tls_ca = services.tls_ca
+        self._health_check_s = services.timeouts.health_check_s
         self.channel = open_channel(target, max_message_mb=services.max_message_mb, tls_ca=services.tls_ca,
                                     auth_token=services.auth_token)
 
     def wait_healthy(self, timeout_s: float) -> None:
-        wait_healthy(self.target, timeout_s=timeout_s, tls_ca=self._tls_ca)
+        wait_healthy(self.target, timeout_s=timeout_s, tls_ca=self._tls_ca, check_timeout_s=self._health_check_s)
 
     def _call(self, method: Callable[..., Reply], request: object, *, timeout_s: float, what: str,
               wait_for_ready: bool = False) -> Reply:

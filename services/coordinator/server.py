@@ -111,7 +111,8 @@ def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinat
     buffer = None
     if config.redis.url:
         groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
-        buffer = RolloutBuffer(connect(config.redis.url, password=config.redis.password),
+        buffer = RolloutBuffer(connect(config.redis.url, password=config.redis.password,
+                                       timeout_s=config.services.timeouts.redis_socket_s),
                                stream_key(config.redis.stream_prefix, config.run_name), groups=groups)
     pool = RolloutPool(replicas, retry=generate_retry(config.loop.max_retries),
                        discard=buffer.delete if buffer is not None else None)

@@ -160,7 +160,7 @@ class LocalRun:
 
         try:
             wait_healthy(target, timeout_s=self.config.loop.startup_timeout_s, tls_ca=self.config.services.tls_ca,
-                         should_abort=exited)
+                         should_abort=exited, check_timeout_s=self.config.services.timeouts.health_check_s)
         except RuntimeError:
             code = child.process.returncode
             if not (may_exit or code == 0 or (child.name == "coordinator" and code == ExitCode.PERMANENT)):

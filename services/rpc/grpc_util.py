@@ -332,9 +332,9 @@ class _Details(grpc.ClientCallDetails):
 
 
 def wait_healthy(target: str, *, timeout_s: float = 60.0, service: str = "", tls_ca: str | None = None,
-                 should_abort: Callable[[], str | None] | None = None) -> None:
-    """Polls grpc.health.v1 until SERVING; `should_abort` may return a reason to give up early
-    (e.g. the child process died)."""
+                 should_abort: Callable[[], str | None] | None = None, check_timeout_s: float = 2.0) -> None:
+    """Polls grpc.health.v1 until SERVING, each check under `check_timeout_s` (services.timeouts.health_check_s);
+    `should_abort` may return a reason to give up early (e.g. the child process died)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     with open_channel(target, tls_ca=tls_ca, options=FAST_RECONNECT) as channel:
@@ -343,7 +343,7 @@ def wait_healthy(target: str, *, timeout_s: float = 60.0, service: str = "", tls
             if should_abort is not None and (reason := should_abort()):
                 raise RuntimeError(f"{target}: {reason}")
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=check_timeout_s)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
