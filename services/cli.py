@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.contracts.config import ConfigError, TandemConfig, load_config
+from services.contracts.config import ConfigError, TandemConfig, TimeoutsConfig, load_config
 from services.contracts.exits import ExitCode
 from services.rollout.model_init import ARCHS, PRESETS
 from services.rpc.grpc_util import PortInUse
@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=Path, default=None, help="a run directory of `tandem run` (RUN_DIR/config.yaml)")
     p.add_argument("--token", default=None, help="bearer token (services.auth_token; default: from --run-dir)")
     p.add_argument("--tls-ca", default=None, help="CA certificate for TLS (default: from --run-dir)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the reply (default 30)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for the reply (default: the run's services.timeouts.control_s, else "
+                        f"{TimeoutsConfig().control_s:g})")
     p.add_argument("action", choices=list(ACTIONS), metavar="ACTION", help=", ".join(ACTIONS))
 
     p = sub.add_parser("init-model", help="build a random-init HF model and tokenizer locally (no download)")
