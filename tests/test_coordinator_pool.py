@@ -207,7 +207,7 @@ class FakeTrainer:
 
     def publish_weights(self, version: int) -> trainer_pb2.PublishWeightsResponse:
         self.log("trainer.publish", version)
-        return trainer_pb2.PublishWeightsResponse(version=version)
+        return trainer_pb2.PublishWeightsResponse(version=version, time_s=0.25)
 
 
 def _sync(log: CallLog, replicas: list[FakeReplica], *, verify: bool = True) -> WeightSync:
@@ -223,6 +223,9 @@ def test_a_sync_prepares_the_engines_then_the_trainer_transfers_verifies_and_res
     assert log[:2] == [("r0.prepare", 4), ("trainer.prepare", 4, 2, True)]
     assert sorted(log[2:4]) == [("r0.receive", 4, 1), ("trainer.publish", 4)]   # concurrent
     assert log[4:] == [("r0.resume",)]
+    # every phase is timed; publish and receive are the services' own accounts
+    assert set(result.phase_seconds) == {"pause", "plan", "transfer", "publish", "receive", "verify", "resume"}
+    assert result.phase_seconds["publish"] == 0.25
 
 
 def test_a_sync_whose_checksums_differ_names_the_replica_and_still_resumes_the_engines():

@@ -281,7 +281,8 @@ class Coordinator:
         self.state = replace(self.state, weight_version=version, weights_pushed=True)
         self.events.emit("sync", rollout_id=self.state.next_rollout_id - 1,
                          metrics={"weight_version": version, "seconds": result.seconds, "gbps": result.gbps})
-        return {**moves, "perf/weight_sync_time_s": result.seconds, "perf/weight_sync_gbps": result.gbps,
+        phases = {f"perf/sync_{phase}_s": seconds for phase, seconds in result.phase_seconds.items()}
+        return {**moves, **phases, "perf/weight_sync_time_s": result.seconds, "perf/weight_sync_gbps": result.gbps,
                 "weights/version": float(version), "weights/bytes": float(result.bytes),
                 "weights/verified_tensors": float(result.verified_tensors)}
 

@@ -73,23 +73,28 @@ class WeightSync:
                 t = time.monotonic()
                 prepared = self.pool.prepare_weight_sync(version=version, pause_mode=self.pause_mode)
                 ranks = [max(1, p.engine_ranks) for p in prepared]
+                times["pause"] = time.monotonic() - t
                 plan = self.trainer.prepare_weight_sync(trainer_pb2.PrepareWeightSyncRequest(
                     version=version, transport=self.config.transport, engine_world_size=sum(ranks), verify=verify))
                 plan.buffers_freed_after = self.trainer_offloads
-                times["prepare"] = time.monotonic() - t
+                times["plan"] = time.monotonic() - t - times["pause"]   # the trainer's checksums, when verifying
 
                 self.phase = SyncPhase.TRANSFER
                 t = time.monotonic()
-                received = self._transfer(plan=plan, ranks=ranks)
+                published, received = self._transfer(plan=plan, ranks=ranks)
                 times["transfer"] = time.monotonic() - t
+                times["publish"] = published.time_s                 # the trainer's own account of it
+                times["receive"] = max(r.time_s for r in received)  # the slowest engine's (its checksums included)
 
                 self.phase = SyncPhase.VERIFY
+                t = time.monotonic()
                 checked = 0
                 if verify:
                     expected = {m.name: m.checksum for b in plan.buckets for m in b.tensors}
                     for replica, reply in zip(self.pool.replicas, received, strict=True):
                         compare_checksums(expected, dict(reply.checksums), replica=replica.name)
                     checked = len(expected)
+                times["verify"] = time.monotonic() - t
             except WeightSyncError:
                 self._resume_quietly()
                 raise
@@ -109,8 +114,8 @@ class WeightSync:
             s.set_attribute("rl.gbps", result.gbps)
             return result
 
-    def _transfer(self, *, plan: common_pb2.WeightSyncPlan,
-                  ranks: list[int]) -> list[rollout_pb2.ReceiveWeightsResponse]:
+    def _transfer(self, *, plan: common_pb2.WeightSyncPlan, ranks: list[int],
+                  ) -> tuple[trainer_pb2.PublishWeightsResponse, list[rollout_pb2.ReceiveWeightsResponse]]:
         # Engines first (they join the group and block), then the trainer broadcasts in the announced order.
         receive = [self.executor.submit(r.receive_weights, rollout_pb2.ReceiveWeightsRequest(plan=plan, rank_offset=o))
                    for r, o in zip(self.pool.replicas, rank_offsets(ranks), strict=True)]
@@ -125,7 +130,7 @@ class WeightSync:
         if errors:
             raise WeightSyncError(f"weight transfer of version {plan.version} over {plan.transport} failed: "
                                   + "; ".join(errors))
-        return [f.result() for f in receive]
+        return publish.result(), [f.result() for f in receive]
 
     def _resume_quietly(self) -> None:
         try:
