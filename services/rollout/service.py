@@ -392,7 +392,9 @@ class RolloutService:
                 from services.weights import WeightReceiver
             except ImportError as exc:
                 raise NotImplementedError(f"weight receiving needs services.weights: {exc}") from exc
-            self._receiver = WeightReceiver(accepted_trainer_id=self.config.weights.trainer_id)
+            self._receiver = WeightReceiver(accepted_trainer_id=self.config.weights.trainer_id,
+                                            timeout_s=self.config.weights.timeout_s,
+                                            refuse_timeout_s=self.config.services.timeouts.probe_s)
         return self._receiver
 
     def pause(self, mode: str = "drain") -> None:

@@ -5,7 +5,8 @@ the protobuf bytes and tensors are regenerated from a seed on each side, so noth
 `WeightReceiver` (and at most one `WeightPublisher`) lives for the process, so group reuse is exercised.
 
 Commands (`op`): receive (`flat`: params as views of one buffer laid out like the plan), prepare, publish,
-raw_recv (a bare ProcessGroupGloo broadcast, for the benchmark), exit. `Peer` below is the parent's handle on such a process.
+raw_recv (a bare ProcessGroupGloo broadcast, for the benchmark), exit. `Peer` below is the parent's handle on
+such a process.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
+from services.weights import torch_compat
 from services.weights.api import WeightPublisher, WeightReceiver
 from services.weights.layout import TensorSpec, layout_from_plan, tensor_bytes, torch_dtype
 
@@ -99,7 +101,7 @@ class _Worker:
             self.params_key = key
         stats = self.receiver.receive(plan, cmd.get("rank", 1), self.params)
         reply: dict[str, Any] = {"stats": stats_to_json(stats)}
-        transport = self.receiver._transports.get(plan.transport)
+        transport: Any = self.receiver._transports.get(plan.transport)   # diagnostics of some transports
         if hasattr(transport, "last_copies"):
             reply["copies"] = transport.last_copies
         if hasattr(transport, "last_timings"):
@@ -140,15 +142,13 @@ class _Worker:
     @staticmethod
     def raw_recv(cmd: dict[str, Any]) -> dict[str, Any]:
         """The bare-gloo baseline: one buffer of `nbytes`, broadcast `repeats` times from rank 0."""
-        store = dist.TCPStore(host_name=cmd["addr"], port=cmd["port"], is_master=False,
-                              timeout=datetime.timedelta(seconds=30))
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = datetime.timedelta(seconds=60)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(cmd["group"], store), 1, 2, opts)
+        timeout = datetime.timedelta(seconds=cmd["timeout_s"])
+        store = dist.TCPStore(host_name=cmd["addr"], port=cmd["port"], is_master=False, timeout=timeout)
+        pg = torch_compat.gloo_group(dist.PrefixStore(cmd["group"], store), rank=1, world_size=2, timeout=timeout,
+                                     device=dist.ProcessGroupGloo.create_device(hostname="127.0.0.1"))
         buffer = torch.empty(cmd["nbytes"], dtype=torch.uint8)
         for _ in range(cmd["repeats"]):
-            pg.broadcast(buffer, 0).wait()
+            pg.broadcast(buffer, 0, timeout).wait()
         pg.abort()
         return {}
 

@@ -38,9 +38,10 @@ import functools
 import os
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
@@ -51,7 +52,6 @@ from services.weights.base import (
     SenderTransport,
     SyncContext,
     WeightSyncError,
-    register_transport,
 )
 from services.weights.layout import Layout, Slot
 from services.weights.transports import rendezvous
@@ -128,7 +128,7 @@ class FlatParams(dict):
 
 
 def flat_spans(*, sizes: list[int], dst_starts: list[int],
-               sources: list[tuple[object, int]]) -> list[tuple[object, int, int, int]]:
+               sources: Sequence[tuple[object, int]]) -> list[tuple[object, int, int, int]]:
     """Copies (source allocation, source offset, destination offset, bytes) that move every bucket i
     (`sizes[i]` bytes from `sources[i]` = (allocation, offset) to `dst_starts[i]`), merging a bucket into the
     previous copy when it lies at the same distance in the same allocation on both sides; the gap between
@@ -156,7 +156,8 @@ class _Run:
     def __init__(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
         self.dst, self.src, self.nbytes, self.count = dst, src, nbytes, 1
         self.d_next, self.s_next = dst.data_ptr() + nbytes, src.data_ptr() + nbytes
-        self.d_storage = self.s_storage = None      # looked up only when a pair lines up
+        self.d_storage: int | None = None      # looked up only when a pair lines up
+        self.s_storage: int | None = None
 
     def continues(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         if dst.data_ptr() != self.d_next or src.data_ptr() != self.s_next:
@@ -340,7 +341,7 @@ class CudaIpcReceiver(ReceiverTransport):
     name = "cuda_ipc"
 
     def __init__(self, *, keep_mapped: bool | None = None) -> None:
-        self._stores: dict[tuple[str, int], object] = {}
+        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
         if keep_mapped is None:
             keep_mapped = os.environ.get("TANDEM_CUDA_IPC_KEEP_MAPPED", "1") != "0"
         self._keep_mapped = keep_mapped
@@ -365,7 +366,7 @@ class CudaIpcReceiver(ReceiverTransport):
     def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
         ctx = self._context(plan, rank)
         try:
-            ctl = self._ctl(plan, Deadline(min(deadline.remaining(), 5.0)), ctx)
+            ctl = self._ctl(plan, deadline, ctx)
             rendezvous.post(ctl, version=plan.version, kind="abort", rank=rank, value=reason[:4000], ctx=ctx)
         except WeightSyncError:
             pass
@@ -520,7 +521,3 @@ class CudaIpcReceiver(ReceiverTransport):
         self._stores.clear()
         self._recipe = None
 
-
-register_transport("cuda_ipc",
-                   sender=lambda config, run_dir, trainer_id: CudaIpcSender(config=config, trainer_id=trainer_id),
-                   receiver=CudaIpcReceiver)

@@ -35,7 +35,6 @@ from services.weights.base import (
     SyncContext,
     WeightSyncError,
     WeightSyncTimeout,
-    register_transport,
 )
 from services.weights.layout import SAFETENSORS_DTYPES, Bucket, Layout, Slot, dtype_name, tensor_bytes
 
@@ -72,7 +71,7 @@ class _BucketWriter:
         """Append one tensor's bytes; True once the bucket is complete (and the file closed)."""
         data = tensor_bytes(tensor)
         if data.numel():
-            self._file.write(memoryview(data.numpy()))
+            self._file.write(data.numpy().data)
         self._left -= 1
         if self._left == 0:
             self._file.close()
@@ -188,7 +187,3 @@ class DiskReceiver(ReceiverTransport):
         except Exception as exc:
             raise WeightSyncError(ctx.message(f"cannot read {file}: {exc}")) from exc
 
-
-register_transport("disk", sender=lambda config, run_dir, trainer_id: DiskSender(config=config, run_dir=run_dir,
-                                                                                  trainer_id=trainer_id),
-                   receiver=DiskReceiver)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
+from services.weights import torch_compat
 from services.weights.base import (
     Deadline,
     Received,
@@ -44,7 +45,6 @@ from services.weights.base import (
     WeightSyncError,
     WeightSyncPeerLost,
     WeightSyncTimeout,
-    register_transport,
 )
 from services.weights.layout import Bucket, Layout, Slot
 from services.weights.transports import rendezvous
@@ -102,7 +102,7 @@ def _classify(exc: BaseException, *, ctx: SyncContext, what: str) -> WeightSyncE
 class _Group:
     """A built process group plus what it needs alive (its store)."""
 
-    def __init__(self, *, key: tuple, generation: int, pg: dist.ProcessGroup, store: dist.Store,
+    def __init__(self, *, key: tuple, generation: int, pg: torch_compat.DirectGroup, store: dist.Store,
                  device: torch.device):
         self.key, self.generation, self.pg, self.store, self.device = key, generation, pg, store, device
 
@@ -118,7 +118,7 @@ class _Group:
 
 
 def _build_group(*, backend: str, store: dist.Store, group_name: str, generation: int, rank: int, world_size: int,
-                 master_addr: str, deadline: Deadline, ctx: SyncContext) -> dist.ProcessGroup:
+                 master_addr: str, deadline: Deadline, ctx: SyncContext) -> torch_compat.DirectGroup:
     """Construct the group on PrefixStore(group_name); a rebuild (generation g > 0) on PrefixStore(f"{group_name}/g{g}")
     so it never meets the old group's rendezvous keys. Bounded by the deadline like everything else."""
     left = deadline.timedelta()
@@ -126,13 +126,9 @@ def _build_group(*, backend: str, store: dist.Store, group_name: str, generation
     prefix = dist.PrefixStore(group_name if generation == 0 else f"{group_name}/g{generation}", store)
     try:
         if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = left
-            opts._devices = [_gloo_device(master_addr=master_addr, is_trainer=rank == 0)]
-            return dist.ProcessGroupGloo(prefix, rank, world_size, opts)
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = left
-        return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+            return torch_compat.gloo_group(prefix, rank=rank, world_size=world_size, timeout=left,
+                                           device=_gloo_device(master_addr=master_addr, is_trainer=rank == 0))
+        return torch_compat.nccl_group(prefix, rank=rank, world_size=world_size, timeout=left)
     except Exception as exc:
         raise _classify(exc, ctx=ctx, what=f"building group {group_name!r} (rank {rank} of {world_size})") from exc
 
@@ -325,7 +321,7 @@ class ProcessGroupReceiver(ReceiverTransport):
     def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
         ctx = self._context(plan, rank)
         try:
-            store = self._store(plan, Deadline(min(deadline.remaining(), 5.0)), ctx)
+            store = self._store(plan, deadline, ctx)
             rendezvous.post(rendezvous.ctl_store(store, plan.group_name), version=plan.version, kind="abort",
                             rank=rank, value=reason[:4000], ctx=ctx)
         except WeightSyncError:
@@ -413,11 +409,3 @@ class ProcessGroupReceiver(ReceiverTransport):
         self._teardown()
         self._staging = None
 
-
-def _sender(backend: str):
-    return lambda config, run_dir, trainer_id: ProcessGroupSender(backend=backend, config=config,
-                                                                  trainer_id=trainer_id)
-
-
-register_transport("gloo", sender=_sender("gloo"), receiver=lambda: ProcessGroupReceiver(backend="gloo"))
-register_transport("nccl", sender=_sender("nccl"), receiver=lambda: ProcessGroupReceiver(backend="nccl"))

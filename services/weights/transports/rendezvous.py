@@ -125,7 +125,7 @@ def try_signal_abort(ctl: dist.Store | None, *, version: int, why: str) -> None:
         return
     try:
         if not ctl.check([f"v{version}/go"]):
-            ctl.set(f"v{version}/go", f"abort: {why}"[:2000].encode())
+            ctl.set(f"v{version}/go", f"abort: {why}"[:2000])
     except Exception:  # noqa: BLE001 - the store may be the thing that failed
         pass
 

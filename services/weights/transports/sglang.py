@@ -29,14 +29,13 @@ torch and keeps its groups between requests, so a rebuild (a replaced server or 
 SGLang call fails the adapter posts `abort` with SGLang's message; the trainer watches for it while it joins and
 broadcasts, so it fails at once with that message instead of at its deadline.
 
-`SGLangAwareSender` is registered as the sender of "gloo" and "nccl": when every rank's ready says sglang it
-takes this path; when none does it is pg.ProcessGroupSender unchanged; a mix is refused.
+`SGLangAwareSender` is the sender of "gloo" and "nccl" in the registry (services/weights/registry.py): when every
+rank's ready says sglang it takes this path; when none does it is pg.ProcessGroupSender unchanged; a mix is refused.
 """
 
 from __future__ import annotations
 
 import datetime
-import inspect
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -47,18 +46,17 @@ import torch.distributed as dist
 
 from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
+from services.weights import torch_compat
 from services.weights.base import (
     Deadline,
     SyncContext,
     WeightSyncError,
     WeightSyncRefused,
     WeightSyncTimeout,
-    register_transport,
 )
 from services.weights.layout import Bucket, Layout, Slot
 from services.weights.transports import rendezvous
 from services.weights.transports.pg import (
-    ProcessGroupReceiver,
     ProcessGroupSender,
     _classify,
     _transport_device,
@@ -108,16 +106,10 @@ def wire_tensors(bucket: Bucket) -> list[Slot]:
 def join_sglang_group(*, backend: str, store: dist.Store, group_name: str, rank: int, world_size: int,
                       timeout: datetime.timedelta) -> dist.ProcessGroup:
     """The trainer's half of SGLang's init_custom_process_group: the same PrefixStore(group_name) over the rendezvous
-    store and the same torch helper (its options argument was renamed pg_options -> backend_options in torch 2.6)."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
+    store and the same torch helper (torch_compat.registered_group)."""
     store.set_timeout(timeout)
-    options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
-        else "pg_options"
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                      group_name=group_name, timeout=timeout, **{options: None})
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
+    return torch_compat.registered_group(backend=backend, store=store, group_name=group_name, rank=rank,
+                                         world_size=world_size, timeout=timeout)
 
 
 class _SGLangGroup:
@@ -369,22 +361,10 @@ class EngineHandshake:
             ctl = self._ctl(plan, Deadline(5.0), ctx)
             for rank in ranks:
                 if not ctl.check([f"v{plan.version}/abort/{rank}"]):
-                    ctl.set(f"v{plan.version}/abort/{rank}", reason[:4000].encode())
+                    ctl.set(f"v{plan.version}/abort/{rank}", reason[:4000])
         except Exception:  # noqa: BLE001 - the caller raises the real reason
             pass
 
     def close(self) -> None:
         self._stores.clear()
 
-
-def _sender(backend: str):
-    return lambda config, run_dir, trainer_id: SGLangAwareSender(backend=backend, config=config,
-                                                                 trainer_id=trainer_id)
-
-
-def _receiver(backend: str):
-    return lambda: ProcessGroupReceiver(backend=backend)
-
-
-register_transport("gloo", sender=_sender("gloo"), receiver=_receiver("gloo"))
-register_transport("nccl", sender=_sender("nccl"), receiver=_receiver("nccl"))
