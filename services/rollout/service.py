@@ -286,7 +286,9 @@ class RolloutService:
                 if self._redis is None:
                     if not self.config.redis.url:
                         raise FailedPrecondition("redis.url is not set: the rollout service needs the run's Redis")
-                    self._redis = connect(self.config.redis.url, password=self.config.redis.password)
+                    timeouts = self.config.services.timeouts
+                    self._redis = connect(self.config.redis.url, password=self.config.redis.password,
+                                          timeout_s=timeouts.redis_socket_s, connect_timeout_s=timeouts.redis_connect_s)
                 self._buffers[stream] = RolloutBuffer(
                     self._redis, stream, groups=self.groups, group=None, consumer=self.producer,
                     max_buffered_batches=self.config.redis.max_buffered_batches,
