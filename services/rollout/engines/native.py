@@ -8,19 +8,17 @@ Two decode paths (`decode=`):
   (batch, length) bucket and, for "graph", a CUDA-graph-captured decode step (static_decode.py); "compile"
   captures the torch.compile'd step instead (fewer, fused kernels; its first call per bucket compiles);
   sampling stays on the device and the loop checks for finished rows every `_SYNC_EVERY` tokens.
-Calls are served one at a time; the `_Gate` below implements pause/resume and keeps weight loads from
+Calls are served one at a time; a `DecodeGate` (gate.py) implements pause/resume and keeps weight loads from
 overlapping a forward pass. For cuda_ipc weight syncs the parameters are re-pointed once into flat buffers
 laid out like the trainer's buckets (`flatten_parameters`), so each later sync is one copy per bucket.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
-import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,13 +31,12 @@ from services.rollout.engines.base import (
     FINISH_LENGTH,
     FINISH_STOP,
     Engine,
-    EngineState,
     EngineUnavailable,
     SampleOutput,
     WeightLoadStats,
-    check_pause_mode,
     normalize_memory_tags,
 )
+from services.rollout.engines.gate import DecodeGate, check_pause_mode
 from services.rollout.engines.sampling import make_generator, sample_next
 from services.rollout.engines.static_decode import RunnerCache, supported
 
@@ -61,89 +58,6 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"rollout.device is {device!r} but CUDA is not available here")
     return dev
-
-
-class _Gate:
-    """Admission and token-boundary control.
-
-    `admitted` counts calls inside generate (queued or running); `running` counts those computing right
-    now (holding the compute lock and not parked). Pausing waits for the mode's condition; weight loads
-    and memory moves wait for running == 0 and keep everyone out while they work.
-    """
-
-    def __init__(self) -> None:
-        self.cv = threading.Condition()
-        self.compute = threading.Lock()
-        self.paused = False
-        self.mode = "drain"
-        self.exclusive_held = False
-        self.admitted = 0
-        self.running = 0
-
-    @contextlib.contextmanager
-    def admit(self, wait_timeout_s: float | None) -> Iterator[None]:
-        with self.cv:
-            if not self.cv.wait_for(lambda: not self.paused, timeout=wait_timeout_s):
-                raise EngineUnavailable(f"rollout engine is paused ({self.mode}, e.g. for a weight update) and "
-                                        f"was not resumed within {wait_timeout_s:.0f}s")
-            self.admitted += 1
-        try:
-            with self.compute:
-                with self.cv:
-                    self.cv.wait_for(lambda: not self.exclusive_held)
-                    self.running += 1
-                try:
-                    yield
-                finally:
-                    with self.cv:
-                        self.running -= 1
-                        self.cv.notify_all()
-        finally:
-            with self.cv:
-                self.admitted -= 1
-                self.cv.notify_all()
-
-    def boundary(self) -> bool:
-        """Called between decode steps; True = abort now."""
-        with self.cv:
-            if self.paused and self.mode == "abort":
-                return True
-            if self.paused and self.mode in ("in_place", "retract"):
-                self.running -= 1
-                self.cv.notify_all()
-                self.cv.wait_for(lambda: not (self.paused and self.mode in ("in_place", "retract"))
-                                 and not self.exclusive_held)
-                self.running += 1
-            return False
-
-    def pause(self, mode: str, timeout_s: float | None) -> None:
-        with self.cv:
-            self.paused, self.mode = True, mode
-            self.cv.notify_all()
-            done = (lambda: self.running == 0) if mode in ("in_place", "retract") else (lambda: self.admitted == 0)
-            if not self.cv.wait_for(done, timeout=timeout_s):
-                raise TimeoutError(f"pause({mode}) did not complete within {timeout_s}s "
-                                   f"({self.admitted} generate calls in flight)")
-
-    def resume(self) -> None:
-        with self.cv:
-            self.paused, self.mode = False, "drain"
-            self.cv.notify_all()
-
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """No forward pass runs while inside. Without a pause this waits for the running call to finish
-        (its samples keep one weight version); parked in_place / retract calls stay parked."""
-        with self.cv:
-            self.cv.wait_for(lambda: not self.exclusive_held)
-            self.exclusive_held = True
-            self.cv.wait_for(lambda: self.running == 0)
-        try:
-            yield
-        finally:
-            with self.cv:
-                self.exclusive_held = False
-                self.cv.notify_all()
 
 
 @dataclass
@@ -175,7 +89,7 @@ class NativeEngine(Engine):
             raise FileNotFoundError(f"model directory {path} does not exist or has no config.json "
                                     f"(create one with `tandem init-model {path} --preset tiny`)")
         hf_logging.disable_progress_bar()
-        self.model_path = str(path)
+        self._model_path = str(path)
         self.device = resolve_device(device)
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation).to(self.device).eval()
@@ -187,7 +101,7 @@ class NativeEngine(Engine):
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(self.model)
         self.pad_token_id = _pad_id(self.model, self.eos_token_ids)
-        self._gate = _Gate()
+        self._gate: DecodeGate = DecodeGate(engine="rollout engine")
         self._version = 0
         self._generated = 0
         self._released: set[str] = set()
@@ -225,12 +139,12 @@ class NativeEngine(Engine):
     # ---- properties --------------------------------------------------------------------------------
 
     @property
-    def weight_version(self) -> int:
-        return self._version
+    def model_path(self) -> str:
+        return self._model_path
 
     @property
-    def max_context_length(self) -> int:
-        return self._max_context
+    def device_label(self) -> str:
+        return str(self.device)
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter under every name it has (tied weights appear under each), for receivers that
@@ -246,22 +160,17 @@ class NativeEngine(Engine):
             if bad:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {self.vocab_size})")
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *,
-                 wait_timeout_s: float | None = None) -> list[SampleOutput]:
-        self.validate_prompts(prompts)
-        if not prompts:
-            return []
-        with self._gate.admit(wait_timeout_s):
-            self._check_servable()
-            version = self._version
-            generator = make_generator(sampling.seed, self.device)
-            out: list[SampleOutput] = []
-            with torch.inference_mode():
-                for start in range(0, len(prompts), self.max_batch_size):
-                    chunk = prompts[start:start + self.max_batch_size]
-                    out += self._generate_chunk(chunk, sampling, generator, version)
-            self._generated += len(out)
-            return out
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
+        self._check_servable()
+        version = self._version
+        generator = make_generator(sampling.seed, self.device)
+        out: list[SampleOutput] = []
+        with torch.inference_mode():
+            for start in range(0, len(prompts), self.max_batch_size):
+                chunk = prompts[start:start + self.max_batch_size]
+                out += self._generate_chunk(chunk, sampling, generator, version)
+        self._generated += len(out)
+        return out
 
     def _check_servable(self) -> None:
         if self._released:
@@ -479,7 +388,7 @@ class NativeEngine(Engine):
         self._gate.pause(check_pause_mode(mode), timeout_s)
 
     def resume(self) -> None:
-        self._gate.resume()
+        self._gate.open()
 
     def release_memory(self, tags: Sequence[str] = ()) -> None:
         tags = normalize_memory_tags(tags)
@@ -516,14 +425,6 @@ class NativeEngine(Engine):
                 self._offloaded.clear()
                 self._drop_runners()
             self._released.difference_update(tags)
-
-    def get_state(self) -> EngineState:
-        gate = self._gate
-        return EngineState(engine=self.name, model_path=self.model_path, device=str(self.device),
-                           weight_version=self._version, paused=gate.paused,
-                           pause_mode=gate.mode if gate.paused else "",
-                           released_memory=tuple(sorted(self._released)), in_flight=gate.admitted,
-                           generated_samples=self._generated, max_context_length=self._max_context)
 
     def close(self) -> None:
         self._drop_runners()

@@ -30,7 +30,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,13 +38,12 @@ from typing import TYPE_CHECKING, Any
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import (
     Engine,
-    EngineState,
     EngineUnavailable,
     SampleOutput,
     WeightLoadStats,
-    check_pause_mode,
     normalize_memory_tags,
 )
+from services.rollout.engines.gate import PauseGate, check_pause_mode
 from services.rollout.engines.sglang_http import (
     SGLangClient,
     SGLangError,
@@ -81,44 +80,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _CONTROL_TIMEOUT_S = 30.0
-
-
-class _Admission:
-    """Who may start a generate call: closed while paused; `drain` waits for the calls inside to finish."""
-
-    def __init__(self) -> None:
-        self.cv = threading.Condition()
-        self.paused = False
-        self.mode = ""
-        self.in_flight = 0
-
-    @contextlib.contextmanager
-    def admit(self, wait_timeout_s: float | None) -> Iterator[None]:
-        with self.cv:
-            if not self.cv.wait_for(lambda: not self.paused, timeout=wait_timeout_s):
-                raise EngineUnavailable(f"the sglang engine is paused ({self.mode}, e.g. for a weight update) and "
-                                        f"was not resumed within {wait_timeout_s:.0f}s")
-            self.in_flight += 1
-        try:
-            yield
-        finally:
-            with self.cv:
-                self.in_flight -= 1
-                self.cv.notify_all()
-
-    def close(self, mode: str) -> None:
-        with self.cv:
-            self.paused, self.mode = True, mode
-
-    def drain(self, timeout_s: float | None) -> None:
-        with self.cv:
-            if not self.cv.wait_for(lambda: self.in_flight == 0, timeout=timeout_s):
-                raise TimeoutError(f"pause(drain): {self.in_flight} generate calls still running after {timeout_s}s")
-
-    def open(self) -> None:
-        with self.cv:
-            self.paused, self.mode = False, ""
-            self.cv.notify_all()
 
 
 class _Server:
@@ -190,7 +151,7 @@ class SGLangEngine(Engine):
         self._max_context = min([max_context_length or 1 << 30, *known])
         versions = [parse_weight_version(s.info.weight_version) for s in self.servers]
         self._version = min((v for v in versions if v is not None), default=0)
-        self._admission = _Admission()
+        self._gate = PauseGate(engine="the sglang engine")
         self._weights_lock = threading.Lock()
         self._released: set[str] = set()
         self._generated = 0
@@ -228,14 +189,6 @@ class SGLangEngine(Engine):
     # ---- properties --------------------------------------------------------------------------------
 
     @property
-    def weight_version(self) -> int:
-        return self._version
-
-    @property
-    def max_context_length(self) -> int:
-        return self._max_context
-
-    @property
     def engine_ranks(self) -> int:
         return sum(s.info.tp_size for s in self.servers)
 
@@ -243,24 +196,23 @@ class SGLangEngine(Engine):
     def model_path(self) -> str:
         return self.servers[0].info.model_path
 
+    @property
+    def device_label(self) -> str:
+        return " ".join(s.url for s in self.servers)
+
     # ---- generation --------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *,
-                 wait_timeout_s: float | None = None) -> list[SampleOutput]:
-        self.validate_prompts(prompts)
-        if not prompts:
-            return []
-        with self._admission.admit(wait_timeout_s):
-            if self._released:
-                raise EngineUnavailable(f"SGLang memory is released ({', '.join(sorted(self._released))}); "
-                                        "call ResumeMemory first")
-            start = self._version
-            chunks = [prompts[i:i + self.max_batch_size] for i in range(0, len(prompts), self.max_batch_size)]
-            futures = [self._pool.submit(self._generate_chunk, self.servers[k % len(self.servers)], chunk, sampling,
-                                         start) for k, chunk in enumerate(chunks)]
-            out = [sample for f in futures for sample in f.result()]
-            self._generated += len(out)
-            return out
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
+        if self._released:
+            raise EngineUnavailable(f"SGLang memory is released ({', '.join(sorted(self._released))}); "
+                                    "call ResumeMemory first")
+        start = self._version
+        chunks = [prompts[i:i + self.max_batch_size] for i in range(0, len(prompts), self.max_batch_size)]
+        futures = [self._pool.submit(self._generate_chunk, self.servers[k % len(self.servers)], chunk, sampling,
+                                     start) for k, chunk in enumerate(chunks)]
+        out = [sample for f in futures for sample in f.result()]
+        self._generated += len(out)
+        return out
 
     def _generate_chunk(self, server: _Server, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
                         start: int) -> list[SampleOutput]:
@@ -279,16 +231,16 @@ class SGLangEngine(Engine):
     def pause(self, mode: str = "drain", *, timeout_s: float | None = None) -> None:
         mode = check_pause_mode(mode)
         sglang_mode = self._pause_mode if mode == "drain" else mode
-        self._admission.close(mode)
+        self._gate.close(mode)
         if mode == "drain":
-            self._admission.drain(timeout_s)
+            self._gate.drain(timeout_s)
         self._each("/pause_generation", pause_body(sglang_mode), timeout_s=timeout_s or _CONTROL_TIMEOUT_S)
         self._sglang_mode = sglang_mode
 
     def resume(self) -> None:
         self._each("/continue_generation", {}, timeout_s=_CONTROL_TIMEOUT_S)
         self._sglang_mode = ""
-        self._admission.open()
+        self._gate.open()
 
     def _each(self, path: str, body: Any, *, timeout_s: float) -> list[Any]:
         """The same call on every server, concurrently; the first failure is raised after all have answered."""
@@ -505,14 +457,6 @@ class SGLangEngine(Engine):
         with self._weights_lock:
             self._each("/resume_memory_occupation", memory_body(tuple(tags)), timeout_s=self._request_timeout_s)
             self._released.difference_update(normalize_memory_tags(tags))
-
-    def get_state(self) -> EngineState:
-        admission = self._admission
-        return EngineState(engine=self.name, model_path=self.model_path,
-                           device=" ".join(s.url for s in self.servers), weight_version=self._version,
-                           paused=admission.paused, pause_mode=admission.mode,
-                           released_memory=tuple(sorted(self._released)), in_flight=admission.in_flight,
-                           generated_samples=self._generated, max_context_length=self._max_context)
 
     def close(self) -> None:
         self._handshake.close()
