@@ -155,7 +155,8 @@ def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
     print(f"TANDEM_READY rollout {server.port}", flush=True)
     stop.wait()
     log.info("%s stopping", name)
-    server.stop(grace_s=5.0)
+    # calls in flight get a third of the graceful-stop budget; closing the engine gets the rest
+    server.stop(grace_s=svc.timeouts.shutdown_s / 3)
     service.close()
     tracing.shutdown_tracing()
     return ExitCode.OK

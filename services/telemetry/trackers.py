@@ -18,6 +18,8 @@ from services.contracts.gen.tandem.v1 import coordinator_pb2
 
 log = logging.getLogger(__name__)
 
+_ACTIVE_POLL_S = 1.0   # WatchEvents: how often a waiting stream asks whether its client is still there
+
 
 class Tracker(ABC):
     @abstractmethod
@@ -157,7 +159,7 @@ class EventLog:
         while True:
             with self._cond:
                 while index >= len(self._events) and not self._closed and is_active():
-                    self._cond.wait(timeout=1.0)
+                    self._cond.wait(timeout=_ACTIVE_POLL_S)   # is_active has no way to wake us
                 batch = self._events[index:]
                 index = len(self._events)
                 done = self._closed or not is_active()

@@ -33,6 +33,12 @@ from services.weights import torch_compat
 from services.weights.api import WeightPublisher, WeightReceiver
 from services.weights.layout import TensorSpec, layout_from_plan, tensor_bytes, torch_dtype
 
+# A test and benchmark harness, not a service (no config): how long the parent waits for the peer to start and
+# to answer a command, and for it to exit; a `stall_after` publish sleeps past any deadline a test sets.
+_HARNESS_TIMEOUT_S = 60.0
+_EXIT_TIMEOUT_S = 10.0
+_STALL_S = 3600.0
+
 
 def make_tensors(specs: Sequence[TensorSpec], *, seed: int) -> dict[str, torch.Tensor]:
     """Deterministic tensors for `specs`: the same seed gives the same bits in every process."""
@@ -132,7 +138,7 @@ class _Worker:
         def stream():
             for i, spec in enumerate(self.specs):
                 if i == stall_after:
-                    time.sleep(3600)
+                    time.sleep(_STALL_S)
                 if i == exit_after:
                     os._exit(3)
                 yield spec.name, tensors[spec.name]
@@ -181,7 +187,7 @@ class Peer:
                                      stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        hello = self.reply(timeout_s=60)
+        hello = self.reply(timeout_s=_HARNESS_TIMEOUT_S)
         assert hello.get("ready"), hello
 
     def _read(self) -> None:
@@ -201,7 +207,7 @@ class Peer:
             raise RuntimeError(f"peer {self.proc.pid} exited with {self.proc.wait()}")
         return item
 
-    def call(self, *, reply_timeout_s: float = 60, **cmd: Any) -> dict[str, Any]:
+    def call(self, *, reply_timeout_s: float = _HARNESS_TIMEOUT_S, **cmd: Any) -> dict[str, Any]:
         self.send(**cmd)
         return self.reply(timeout_s=reply_timeout_s)
 
@@ -214,7 +220,7 @@ class Peer:
         if self.proc.poll() is None:
             try:
                 self.send(op="exit")
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=_EXIT_TIMEOUT_S)
             except (OSError, subprocess.TimeoutExpired):
                 self.kill()
 

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.contracts.config import SGLangConfig, TimeoutsConfig, WeightsConfig
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import (
     Engine,
@@ -79,7 +80,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_CONTROL_TIMEOUT_S = 30.0
+# Defaults of an engine built without a config (tests, benchmarks); from_config passes the run's.
+_SGLANG, _TIMEOUTS, _WEIGHTS = SGLangConfig(), TimeoutsConfig(), WeightsConfig()
+_HEALTH_POLL_S = 0.5      # while a server starts: between /health_generate calls
+_MANIFEST_POLL_S = 0.02   # disk sync: between looks for the trainer's manifest
 
 
 class _Server:
@@ -99,29 +103,29 @@ class _Server:
         return self.group[-1] if self.group is not None and self.group[:-1] == key else None
 
 
-def connect_server(url: str, *, api_key: str | None, deadline: float) -> _Server:
+def connect_server(url: str, *, api_key: str | None, deadline: float, control_s: float) -> _Server:
     """Waits for /health_generate, then reads the version (/server_info, or /get_server_info where the newer
-    route is missing) and the context length (/v1/models)."""
+    route is missing) and the context length (/v1/models); each call within `control_s`."""
     client = SGLangClient(url, api_key=api_key)
     last: Exception | None = None
     while True:
         try:
-            client.get("/health_generate", timeout_s=max(0.1, min(30.0, deadline - time.monotonic())))
+            client.get("/health_generate", timeout_s=max(0.1, min(control_s, deadline - time.monotonic())))
             break
         except (SGLangUnavailable, SGLangTimeout) as exc:   # starting (503), not up yet, or busy: wait
             last = exc
         if time.monotonic() >= deadline:
             raise TimeoutError(f"SGLang at {url} was not healthy within rollout.sglang.startup_timeout_s: {last}")
-        time.sleep(0.5)
+        time.sleep(_HEALTH_POLL_S)
     try:
-        raw = client.get("/server_info", timeout_s=_CONTROL_TIMEOUT_S).body
+        raw = client.get("/server_info", timeout_s=control_s).body
     except SGLangNotFound:
-        raw = client.get("/get_server_info", timeout_s=_CONTROL_TIMEOUT_S).body
+        raw = client.get("/get_server_info", timeout_s=control_s).body
     info = parse_server_info(raw, url=client.url)
     profile = profile_for(info.version, url=client.url)
     max_len = None
     with contextlib.suppress(SGLangError, TypeError, ValueError, KeyError, IndexError):
-        max_len = int(client.get("/v1/models", timeout_s=_CONTROL_TIMEOUT_S).body["data"][0]["max_model_len"])
+        max_len = int(client.get("/v1/models", timeout_s=control_s).body["data"][0]["max_model_len"])
     log.info("SGLang %s at %s (tp %d, model %s)", info.version, client.url, info.tp_size, info.model_path)
     return _Server(client=client, info=info, profile=profile, max_model_len=max_len)
 
@@ -130,9 +134,13 @@ class SGLangEngine(Engine):
     name = "sglang"
 
     def __init__(self, urls: Sequence[str], *, max_batch_size: int = 512, max_context_length: int | None = None,
-                 pause_mode: str = "retract", request_timeout_s: float = 600.0, weight_load_format: str = "tensor",
-                 startup_timeout_s: float = 900.0, api_key: str | None = None,
-                 launched: LaunchedServer | None = None):
+                 pause_mode: str = _SGLANG.pause_mode, request_timeout_s: float = _SGLANG.request_timeout_s,
+                 weight_load_format: str = _SGLANG.weight_load_format,
+                 startup_timeout_s: float = _SGLANG.startup_timeout_s, api_key: str | None = None,
+                 launched: LaunchedServer | None = None, timeouts: TimeoutsConfig = _TIMEOUTS,
+                 weights_timeout_s: float = _WEIGHTS.timeout_s):
+        """`timeouts`: services.timeouts (control_s for pause/continue/flush/server_info, probe_s for best-effort
+        cleanup calls); `weights_timeout_s` bounds a sync whose plan names no deadline (weights.timeout_s)."""
         if not urls:
             raise ValueError("the sglang engine needs at least one server URL")
         if pause_mode not in SGLANG_PAUSE_MODES:
@@ -141,7 +149,9 @@ class SGLangEngine(Engine):
             raise ValueError(f"rollout.sglang.weight_load_format must be one of {', '.join(LOAD_FORMATS)}")
         self._launched = launched
         deadline = time.monotonic() + startup_timeout_s
-        self.servers = [connect_server(u, api_key=api_key, deadline=deadline) for u in urls]
+        self._control_s, self._probe_s = timeouts.control_s, timeouts.probe_s
+        self._weights_timeout_s = weights_timeout_s
+        self.servers = [connect_server(u, api_key=api_key, deadline=deadline, control_s=self._control_s) for u in urls]
         self.max_batch_size = max_batch_size
         self._pause_mode = pause_mode
         self._sglang_mode = ""                   # the mode SGLang was last paused with ("" = running)
@@ -155,7 +165,7 @@ class SGLangEngine(Engine):
         self._weights_lock = threading.Lock()
         self._released: set[str] = set()
         self._generated = 0
-        self._handshake = EngineHandshake()
+        self._handshake = EngineHandshake(refuse_timeout_s=timeouts.probe_s)
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.servers)), thread_name_prefix="sglang-gen")
         self._control = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="sglang-ctl")
         self._weight_pool = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="sglang-weights")
@@ -172,7 +182,7 @@ class SGLangEngine(Engine):
         if not urls:
             spec = LaunchSpec(model_path=config.model.path, port=free_port(), api_key=sg.api_key,
                               extra_args=tuple(sg.launch_args))
-            launched = LaunchedServer(spec)
+            launched = LaunchedServer(spec, timeouts=config.services.timeouts)
             urls = [spec.url]
         try:
             if launched is not None:
@@ -180,7 +190,8 @@ class SGLangEngine(Engine):
             return cls(urls, max_batch_size=ro.max_batch_size, max_context_length=ro.max_context_length,
                        pause_mode=sg.pause_mode, request_timeout_s=sg.request_timeout_s,
                        weight_load_format=sg.weight_load_format, startup_timeout_s=sg.startup_timeout_s,
-                       api_key=sg.api_key, launched=launched)
+                       api_key=sg.api_key, launched=launched, timeouts=config.services.timeouts,
+                       weights_timeout_s=config.weights.timeout_s)
         except BaseException:
             if launched is not None:
                 launched.stop()
@@ -234,11 +245,11 @@ class SGLangEngine(Engine):
         self._gate.close(mode)
         if mode == "drain":
             self._gate.drain(timeout_s)
-        self._each("/pause_generation", pause_body(sglang_mode), timeout_s=timeout_s or _CONTROL_TIMEOUT_S)
+        self._each("/pause_generation", pause_body(sglang_mode), timeout_s=timeout_s or self._control_s)
         self._sglang_mode = sglang_mode
 
     def resume(self) -> None:
-        self._each("/continue_generation", {}, timeout_s=_CONTROL_TIMEOUT_S)
+        self._each("/continue_generation", {}, timeout_s=self._control_s)
         self._sglang_mode = ""
         self._gate.open()
 
@@ -294,7 +305,7 @@ class SGLangEngine(Engine):
         """Takes part in the trainer's transfer for every server of this engine. SGLang receives into its own
         weights; of `receiver` (a WeightReceiver) only `accepted_trainer_id` is used."""
         started = time.monotonic()
-        deadline = Deadline(plan.timeout_s if plan.timeout_s > 0 else 120.0)
+        deadline = Deadline(plan.timeout_s if plan.timeout_s > 0 else self._weights_timeout_s)
         ranks = list(range(rank_offset, rank_offset + self.engine_ranks))
         ctx = SyncContext(plan.transport, plan.version, f"SGLang engine rank(s) {ranks}",
                           f"trainer {plan.trainer_id or '?'} at {plan.master_addr}:{plan.master_port}", plan.timeout_s)
@@ -340,7 +351,7 @@ class SGLangEngine(Engine):
         while not manifest.exists():
             if deadline.expired():
                 raise WeightSyncTimeout(ctx.message(f"{manifest} did not appear within {plan.timeout_s:g}s"))
-            time.sleep(0.02)
+            time.sleep(_MANIFEST_POLL_S)
         written = json.loads(manifest.read_text())
         if written.get("version") != plan.version or (plan.trainer_id and written.get("trainer_id") != plan.trainer_id):
             raise WeightSyncError(ctx.message(f"{path} holds version {written.get('version')} of trainer "
@@ -409,7 +420,7 @@ class SGLangEngine(Engine):
             self._handshake.refuse(plan, ranks=ranks, reason=str(exc), ctx=ctx)
             if session:   # best effort: a session left open would refuse the next sync's begin
                 with contextlib.suppress(SGLangError):
-                    server.client.post("/end_weight_update", {}, timeout_s=5.0)
+                    server.client.post("/end_weight_update", {}, timeout_s=self._probe_s)
             raise WeightSyncError(ctx.message(f"SGLang at {server.url}: {exc}")) from exc
 
     def _begin_session(self, server: _Server, deadline: Deadline) -> bool:
@@ -432,7 +443,8 @@ class SGLangEngine(Engine):
         if server.group is None or not server.group_name:
             return
         with contextlib.suppress(SGLangError):
-            server.client.post("/destroy_weights_update_group", {"group_name": server.group_name}, timeout_s=5.0)
+            server.client.post("/destroy_weights_update_group", {"group_name": server.group_name},
+                               timeout_s=self._probe_s)
         server.group, server.group_name = None, ""
 
     # ---- memory / state ----------------------------------------------------------------------------
@@ -448,7 +460,7 @@ class SGLangEngine(Engine):
         with self._weights_lock:
             for server in self.servers:
                 with contextlib.suppress(SGLangError):   # 400 while requests run; the release then says why
-                    server.client.post("/flush_cache", {}, timeout_s=_CONTROL_TIMEOUT_S)
+                    server.client.post("/flush_cache", {}, timeout_s=self._control_s)
             self._each("/release_memory_occupation", memory_body(tuple(tags)), timeout_s=self._request_timeout_s)
             self._released.update(normalize_memory_tags(tags))
 

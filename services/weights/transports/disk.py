@@ -39,6 +39,7 @@ from services.weights.base import (
 from services.weights.layout import SAFETENSORS_DTYPES, Bucket, Layout, Slot, dtype_name, tensor_bytes
 
 KEEP_VERSIONS = 2
+_MANIFEST_POLL_S = 0.02   # receiver: between looks for the trainer's manifest
 MANIFEST = "manifest.json"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
@@ -155,7 +156,7 @@ class DiskReceiver(ReceiverTransport):
         while not (path / MANIFEST).exists():
             if deadline.expired():
                 raise WeightSyncTimeout(ctx.message(f"{path / MANIFEST} did not appear within {plan.timeout_s:g}s"))
-            time.sleep(0.02)
+            time.sleep(_MANIFEST_POLL_S)
         waited = time.monotonic() - started
         manifest = json.loads((path / MANIFEST).read_text())
         foreign = plan.trainer_id and manifest.get("trainer_id") != plan.trainer_id

@@ -66,7 +66,8 @@ from services.weights.transports.pg import (
 
 READY_PREFIX = "sglang"
 FORMATS = ("tensor", "flattened_bucket")
-_ABORT_CHECK_S = 0.02
+_ABORT_CHECK_S = 0.02     # how often a wait looks at the engines' abort keys
+_WORK_POLL_MAX_S = 0.005  # the longest pause between looks at pending broadcasts
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ class _Watch:
                 raise WeightSyncTimeout(self.ctx.message(f"{what} did not complete within "
                                                          f"{self.deadline.timeout_s:g}s")) from exc
             time.sleep(sleep)
-            sleep = min(0.005, sleep * 2)
+            sleep = min(_WORK_POLL_MAX_S, sleep * 2)
         for work in works:
             try:
                 work.wait()
@@ -323,8 +324,10 @@ class EngineHandshake:
     """The rollout adapter's half of the handshake, on behalf of the SGLang servers it drives (SGLang itself only
     ever connects to the store inside init_custom_process_group)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, refuse_timeout_s: float) -> None:
+        """`refuse_timeout_s`: how long a best-effort refusal may try to reach the trainer's store."""
         self._stores: dict[tuple[str, int], dist.TCPStore] = {}
+        self._refuse_timeout_s = refuse_timeout_s
 
     def _ctl(self, plan: common_pb2.WeightSyncPlan, deadline: Deadline, ctx: SyncContext) -> dist.Store:
         key = (plan.master_addr, plan.master_port)
@@ -358,7 +361,7 @@ class EngineHandshake:
     def refuse(self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], reason: str, ctx: SyncContext) -> None:
         """Best effort: the trainer fails now with `reason` instead of at its deadline."""
         try:
-            ctl = self._ctl(plan, Deadline(5.0), ctx)
+            ctl = self._ctl(plan, Deadline(self._refuse_timeout_s), ctx)
             for rank in ranks:
                 if not ctl.check([f"v{plan.version}/abort/{rank}"]):
                     ctl.set(f"v{plan.version}/abort/{rank}", reason[:4000])
