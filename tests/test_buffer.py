@@ -458,6 +458,6 @@ def test_a_retried_xadd_does_not_add_the_batch_twice(redis_client, stream):
     producer = buffer(redis_client, stream, max_buffered_batches=1)
     keys = [stream, f"{stream}:put:retry-test"]
     args = [1, "rollout_id", 0, "payload", b"x"]
-    first = producer._bounded_xadd(keys=keys, args=args)
-    assert producer._bounded_xadd(keys=keys, args=args) == first      # also when the buffer is now full
+    first = producer._producer._bounded_xadd(keys=keys, args=args)
+    assert producer._producer._bounded_xadd(keys=keys, args=args) == first      # also when the buffer is now full
     assert redis_client.xlen(stream) == 1

@@ -21,64 +21,37 @@ skipped by later `get` calls (ask for them again by id with `read`).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import redis
 
 from services.buffer import scripts
+from services.buffer.entries import (
+    DECODE_ERRORS,
+    BufferEntry,
+    BufferError,
+    BufferFullError,
+    DeadLetter,
+    EntryNotFoundError,
+    Rows,
+    decode_entry,
+)
+from services.buffer.entries import as_str as _s
+from services.buffer.entries import messages as _messages
+from services.buffer.entries import rows as _rows
+from services.buffer.producer import StreamProducer
 from services.contracts.config import RedisConfig, TimeoutsConfig
-from services.contracts.wire import RolloutBatchData, WireError, decode_batch, encode_batch, payload_checksum
+from services.contracts.wire import RolloutBatchData, encode_batch
 
 log = logging.getLogger(__name__)
 
-
-class BufferError(RuntimeError):
-    pass
-
-
-class BufferFullError(BufferError, TimeoutError):
-    pass
-
-
-class EntryNotFoundError(BufferError, KeyError):
-    def __str__(self) -> str:  # KeyError would print the message with quotes around it
-        return str(self.args[0]) if self.args else ""
-
-
-@dataclass(frozen=True)
-class BufferEntry:
-    entry_id: str
-    batch: RolloutBatchData
-    rollout_id: int
-    policy_version: int
-    trace_context: dict[str, str]
-    producer: str
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    entry_id: str
-    reason: str
-
-
-@dataclass
-class _Put:
-    """One put in progress: the XADD script's keys (stream, put key, chunk keys...) and arguments, and whether
-    its chunk keys were written without an entry owning them yet (to delete if the put gives up)."""
-
-    keys: list[str]
-    args: list[bytes | str | int]
-    chunk_keys: list[str]
-    view: memoryview
-    chunk_ttl_s: int
-    chunks_written: bool = False
+__all__ = ["BufferEntry", "BufferError", "BufferFullError", "BufferStats", "DeadLetter", "EntryNotFoundError",
+           "RolloutBuffer", "connect", "redacted", "stream_key"]
 
 
 @dataclass
@@ -91,9 +64,8 @@ _REDIS, _TIMEOUTS = RedisConfig(), TimeoutsConfig()   # defaults of a handle bui
 
 # The longest single blocking XREADGROUP: well below the client's socket timeout.
 _BLOCK_SLICE_MS = 5_000
+_PAGE = _DELETE_BATCH = 256   # entries read per XRANGE page / removed per script call
 _HEALTH_CHECK_EVERY_S = 30   # redis-py pings a connection idle this long before using it
-_FULL_POLL_S = 0.02          # put: how often to look again while the stream is full
-_UNREACHABLE_RETRY_S = 0.2   # put: pause between attempts while Redis is unreachable
 
 
 def connect(url: str, *, password: str | None = None, timeout_s: float = _TIMEOUTS.redis_socket_s,
@@ -113,20 +85,63 @@ def stream_key(prefix: str, run_name: str) -> str:
     return f"{prefix}:{run_name}:rollouts"
 
 
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _check_handle(*, groups: tuple[str, ...], group: str | None, max_buffered_batches: int, chunk_bytes: int) -> None:
+    if not groups:
+        raise BufferError("a rollout buffer needs at least one consumer group")
+    if group is not None and group not in groups:
+        raise BufferError(f"consumer group {group!r} is not one of the run's roles {groups}")
+    if max_buffered_batches < 1:
+        raise BufferError(f"max_buffered_batches must be >= 1, got {max_buffered_batches}")
+    if not 0 < int(chunk_bytes) <= 256 << 20:
+        raise BufferError(f"chunk_bytes must be in (0, 256 MiB] (Redis' bulk limit is 512 MB), got {chunk_bytes}")
 
 
-Rows = list[tuple[bytes, dict[bytes, bytes]]]   # XRANGE's answer on a binary client (redis-py types it loosely)
+def _create_groups(client: redis.Redis, stream: str, groups: tuple[str, ...]) -> None:
+    for g in groups:
+        try:
+            client.xgroup_create(stream, g, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
 
 
-def _rows(response: Any) -> Rows:
-    return cast(Rows, response or [])
+def _check_in_stream(client: redis.Redis, stream: str, entry_id: str, *, dead_reason: Callable[[], str | None]) -> None:
+    """EntryNotFoundError, saying why where it can, unless `entry_id` is in the stream."""
+    try:
+        found = client.xrange(stream, entry_id, entry_id)
+    except redis.exceptions.ResponseError:
+        raise EntryNotFoundError(f"{entry_id!r} is not a valid stream entry id") from None
+    if not found:
+        reason = dead_reason()
+        detail = f" (dead-lettered: {reason})" if reason is not None else \
+            " (never written, or acknowledged by every group and deleted)"
+        raise EntryNotFoundError(f"entry {entry_id} is not in stream {stream}{detail}")
 
 
-def _messages(response: Any) -> Rows:
-    """The (id, fields) pairs of an XREADGROUP answer over one stream."""
-    return [m for _stream, msgs in response or [] for m in msgs]
+def _dead_reason(client: redis.Redis, dead_stream: str, entry_id: str) -> str | None:
+    for _id, fields in _rows(client.xrange(dead_stream)):
+        if fields.get(b"original_id", b"").decode() == entry_id:
+            return fields.get(b"reason", b"").decode(errors="replace")
+    return None
+
+
+def _each_entry(client: redis.Redis, stream: str, entry_ids: list[str]) -> list[Rows]:
+    """XRANGE of each id (one round trip): [] where the entry is not in the stream."""
+    pipe = client.pipeline(transaction=False)
+    for i in entry_ids:
+        pipe.xrange(stream, i, i)
+    return [_rows(found) for found in pipe.execute()]
+
+
+def _all_ids(client: redis.Redis, stream: str) -> list[str]:
+    ids: list[str] = []
+    last = "-"
+    while True:
+        page = [r for r in _rows(client.xrange(stream, min=last, max="+", count=_PAGE)) if _s(r[0]) != last]
+        if not page:
+            return ids
+        ids += [_s(r[0]) for r in page]
+        last = ids[-1]
 
 
 class RolloutBuffer:
@@ -142,14 +157,7 @@ class RolloutBuffer:
                  chunk_bytes: int = int(_REDIS.chunk_mb * 2**20), claim_idle_ms: int = _REDIS.claim_idle_ms,
                  inline_max_bytes: int = 1 << 20):
         groups = tuple(groups)
-        if not groups:
-            raise BufferError("a rollout buffer needs at least one consumer group")
-        if group is not None and group not in groups:
-            raise BufferError(f"consumer group {group!r} is not one of the run's roles {groups}")
-        if max_buffered_batches < 1:
-            raise BufferError(f"max_buffered_batches must be >= 1, got {max_buffered_batches}")
-        if not 0 < int(chunk_bytes) <= 256 << 20:
-            raise BufferError(f"chunk_bytes must be in (0, 256 MiB] (Redis' bulk limit is 512 MB), got {chunk_bytes}")
+        _check_handle(groups=groups, group=group, max_buffered_batches=max_buffered_batches, chunk_bytes=chunk_bytes)
         self.client = client
         self.stream = stream
         self.dead_stream = f"{stream}:dead"
@@ -167,18 +175,14 @@ class RolloutBuffer:
         self._own_cursor: str | None = "0"         # next own-pending id to re-read after a restart; None = done
         self._ack = client.register_script(scripts.ACK)
         self._skip = client.register_script(scripts.SKIP)
-        self._bounded_xadd = client.register_script(scripts.BOUNDED_XADD)
+        self._producer = StreamProducer(client, stream, max_buffered_batches=max_buffered_batches,
+                                        chunk_bytes=self.chunk_bytes, inline_max_bytes=self.inline_max_bytes)
         self._dead_letter_script = client.register_script(scripts.DEAD_LETTER)
         self._delete_script = client.register_script(scripts.DELETE)
         self.ensure_groups()
 
     def ensure_groups(self) -> None:
-        for g in self.groups:
-            try:
-                self.client.xgroup_create(self.stream, g, id="0", mkstream=True)
-            except redis.exceptions.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+        _create_groups(self.client, self.stream, self.groups)
 
     # ---- producer ---------------------------------------------------------------------------------
 
@@ -191,79 +195,9 @@ class RolloutBuffer:
 
     def put_payload(self, payload: bytes, *, rollout_id: int, policy_version: int, producer: str = "",
                     trace_context: dict[str, str] | None = None, timeout_s: float = _REDIS.put_timeout_s) -> str:
-        put = self._new_put(payload, rollout_id=rollout_id, policy_version=policy_version, producer=producer,
-                            trace_context=trace_context, timeout_s=timeout_s)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                try:
-                    entry_id = self._try_put(put)
-                    if entry_id is not None:
-                        return entry_id
-                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-                    # Redis restarting: keep trying until our deadline; an XADD that did run before the
-                    # connection broke is answered from its put key, never added twice.
-                    if time.monotonic() >= deadline:
-                        raise
-                    log.warning("rollout buffer %s: redis unreachable (%s); retrying", self.stream, exc)
-                    time.sleep(_UNREACHABLE_RETRY_S)
-                    continue
-                if time.monotonic() >= deadline:
-                    raise BufferFullError(
-                        f"rollout buffer {self.stream} stayed full ({self.max_buffered_batches} batches waiting, "
-                        f"redis.max_buffered_batches) for {timeout_s:.1f}s: is the trainer consuming and "
-                        f"acknowledging?")
-                time.sleep(_FULL_POLL_S)
-        finally:
-            if put.chunks_written:
-                try:
-                    self.client.delete(*put.chunk_keys)
-                except redis.exceptions.RedisError:   # they expire anyway
-                    log.warning("could not delete the chunks of an unwritten batch under %s", put.keys[1])
-
-    def _new_put(self, payload: bytes, *, rollout_id: int, policy_version: int, producer: str,
-                 trace_context: dict[str, str] | None, timeout_s: float) -> _Put:
-        put_id = uuid.uuid4().hex
-        fields: dict[str, bytes | str | int] = {
-            "rollout_id": rollout_id, "policy_version": policy_version, "producer": producer,
-            "nbytes": len(payload), "checksum": payload_checksum(payload),
-            "trace": json.dumps(trace_context or {})}
-        chunk_keys: list[str] = []
-        if len(payload) <= self.inline_max_bytes:
-            fields["payload"] = payload
-        else:
-            prefix = f"{self.stream}:chunk:{put_id}"
-            chunk_keys = [f"{prefix}:{i}" for i in range((len(payload) + self.chunk_bytes - 1) // self.chunk_bytes)]
-            fields.update(chunks=len(chunk_keys), chunk_prefix=prefix)
-        # Orphaned chunks (producer died before the XADD) expire; the XADD makes them persistent.
-        return _Put(keys=[self.stream, f"{self.stream}:put:{put_id}", *chunk_keys],
-                    args=[self.max_buffered_batches, *[x for kv in fields.items() for x in kv]],
-                    chunk_keys=chunk_keys, view=memoryview(payload), chunk_ttl_s=int(timeout_s) + 600)
-
-    def _try_put(self, put: _Put) -> str | None:
-        """Adds the entry if the stream has room (writing its chunks first); None while it is full."""
-        while self.client.xlen(self.stream) < self.max_buffered_batches:
-            if put.chunk_keys and not put.chunks_written:
-                self._write_chunks(put.chunk_keys, put.view, put.chunk_ttl_s)
-                put.chunks_written = True
-            try:
-                entry_id = self._bounded_xadd(keys=put.keys, args=put.args)
-            except redis.exceptions.ResponseError as exc:
-                if "TANDEM_CHUNK_MISSING" not in str(exc):
-                    raise
-                put.chunks_written = False       # expired while we waited: write them again
-                continue
-            if entry_id is None:
-                return None
-            put.chunks_written = False       # owned by the entry now
-            return _s(entry_id)
-        return None
-
-    def _write_chunks(self, keys: list[str], view: memoryview, ttl_s: int) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        for i, key in enumerate(keys):
-            pipe.set(key, view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes], ex=ttl_s)
-        pipe.execute()
+        """Adds an encoded batch (see `put`)."""
+        return self._producer.put_payload(payload, rollout_id=rollout_id, policy_version=policy_version,
+                                          producer=producer, trace_context=trace_context, timeout_s=timeout_s)
 
     # ---- consumer ---------------------------------------------------------------------------------
 
@@ -365,33 +299,16 @@ class RolloutBuffer:
     def _raise_if_gone(self, entry_ids: list[str], group: str) -> None:
         for entry_id in entry_ids:
             self._check_exists(entry_id)
-            if not self._pending_in_group(entry_id):
+            if not self.client.xpending_range(self.stream, group, min=entry_id, max=entry_id, count=1):
                 raise EntryNotFoundError(f"entry {entry_id} of {self.stream} was already acknowledged "
                                          f"by group {group}")
 
     def _check_exists(self, entry_id: str) -> None:
-        try:
-            found = self.client.xrange(self.stream, entry_id, entry_id)
-        except redis.exceptions.ResponseError:
-            raise EntryNotFoundError(f"{entry_id!r} is not a valid stream entry id") from None
-        if not found:
-            reason = self._dead_reason(entry_id)
-            detail = f" (dead-lettered: {reason})" if reason is not None else \
-                " (never written, or acknowledged by every group and deleted)"
-            raise EntryNotFoundError(f"entry {entry_id} is not in stream {self.stream}{detail}")
+        def why_gone() -> str | None:
+            known = next((d.reason for d in self.stats.dead_lettered if d.entry_id == entry_id), None)
+            return known if known is not None else _dead_reason(self.client, self.dead_stream, entry_id)
 
-    def _dead_reason(self, entry_id: str) -> str | None:
-        for d in self.stats.dead_lettered:
-            if d.entry_id == entry_id:
-                return d.reason
-        for _id, fields in _rows(self.client.xrange(self.dead_stream)):
-            if fields.get(b"original_id", b"").decode() == entry_id:
-                return fields.get(b"reason", b"").decode(errors="replace")
-        return None
-
-    def _pending_in_group(self, entry_id: str) -> bool:
-        rows = self.client.xpending_range(self.stream, self._require_group(), min=entry_id, max=entry_id, count=1)
-        return bool(rows)
+        _check_in_stream(self.client, self.stream, entry_id, dead_reason=why_gone)
 
     def _claim_ids(self, entry_ids: list[str]) -> None:
         """Takes over named entries pending at any consumer of our group (e.g. a dead trainer, or us)."""
@@ -424,10 +341,7 @@ class RolloutBuffer:
         """Entries now pending at us, by id; ones deleted meanwhile are acknowledged away."""
         if not entry_ids:
             return []
-        pipe = self.client.pipeline(transaction=False)
-        for i in entry_ids:
-            pipe.xrange(self.stream, i, i)
-        messages = [rows[0] for rows in pipe.execute() if rows]
+        messages = [rows[0] for rows in _each_entry(self.client, self.stream, entry_ids) if rows]
         found = {_s(m[0]) for m in messages}
         gone = [i for i in entry_ids if i not in found]
         if gone:
@@ -441,9 +355,7 @@ class RolloutBuffer:
         if not entry_ids:
             return 0
         ids = [_s(i) for i in entry_ids]
-        for i in ids:
-            self._held.pop(i, None)
-            self._outstanding.discard(i)
+        self._forget(ids)
         return int(self._ack(keys=[self.stream, self.acks_key], args=[group, len(self.groups), *ids]))
 
     def skip(self, entry_ids: list[str], *, group: str) -> int:
@@ -461,40 +373,29 @@ class RolloutBuffer:
         """Deletes every entry of the stream (with its chunks, from every group) except those in `keep`;
         returns how many were removed. For a resume: batches generated after the last checkpoint are dropped."""
         keep_ids = {_s(i) for i in keep}
-        drop: list[str] = []
-        last = "-"
-        while True:
-            rows = [r for r in _rows(self.client.xrange(self.stream, min=last, max="+", count=256)) if _s(r[0]) != last]
-            if not rows:
-                break
-            drop += [_s(r[0]) for r in rows if _s(r[0]) not in keep_ids]
-            last = _s(rows[-1][0])
-        removed = 0
-        for start in range(0, len(drop), 256):
-            part = drop[start:start + 256]
-            removed += int(self._delete_script(keys=[self.stream, self.acks_key],
-                                               args=[len(self.groups), *self.groups, *part]))
-        for i in drop:
-            self._held.pop(i, None)
-            self._outstanding.discard(i)
-        return removed
+        return self.delete([i for i in _all_ids(self.client, self.stream) if i not in keep_ids])
 
     def delete(self, entry_ids: list[str]) -> int:
         """Deletes these entries (with their chunks, from every group): batches nobody will train."""
         ids = [_s(i) for i in entry_ids]
-        if not ids:
-            return 0
-        for i in ids:
-            self._held.pop(i, None)
-            self._outstanding.discard(i)
-        return int(self._delete_script(keys=[self.stream, self.acks_key], args=[len(self.groups), *self.groups, *ids]))
+        self._forget(ids)
+        removed = 0
+        for start in range(0, len(ids), _DELETE_BATCH):
+            removed += int(self._delete_script(keys=[self.stream, self.acks_key],
+                                               args=[len(self.groups), *self.groups,
+                                                     *ids[start:start + _DELETE_BATCH]]))
+        return removed
 
     def missing(self, entry_ids: list[str]) -> list[str]:
         """The ids that are not in the stream (never written, or acknowledged by every group and deleted)."""
-        pipe = self.client.pipeline(transaction=False)
+        found = _each_entry(self.client, self.stream, entry_ids)
+        return [_s(i) for i, rows in zip(entry_ids, found, strict=True) if not rows]
+
+    def _forget(self, entry_ids: list[str]) -> None:
+        """These are acknowledged or gone: no longer held or handed out by this handle."""
         for i in entry_ids:
-            pipe.xrange(self.stream, i, i)
-        return [_s(i) for i, rows in zip(entry_ids, pipe.execute(), strict=True) if not rows]
+            self._held.pop(i, None)
+            self._outstanding.discard(i)
 
     def _deliver(self, messages: Rows) -> list[BufferEntry]:
         out = []
@@ -512,44 +413,17 @@ class RolloutBuffer:
 
     def _decode_entry(self, entry_id: str, fields: dict[bytes, bytes]) -> BufferEntry | None:
         try:
-            payload = self._payload(entry_id, fields)
-            expected_len = int(fields.get(b"nbytes", b"-1"))
-            if expected_len != len(payload):
-                raise WireError(f"payload is {len(payload)} bytes, entry says {expected_len}")
-            expected = fields.get(b"checksum", b"").decode()
-            if payload_checksum(payload) != expected:
-                raise WireError(f"checksum mismatch (entry says {expected!r}, payload is {payload_checksum(payload)})")
-            batch = decode_batch(payload)
-            trace = json.loads(fields.get(b"trace", b"{}").decode() or "{}")
-            if not isinstance(trace, dict):
-                raise WireError("trace context is not a JSON object")
-            return BufferEntry(entry_id=entry_id, batch=batch, rollout_id=batch.rollout_id,
-                               policy_version=batch.policy_version,
-                               trace_context={str(k): str(v) for k, v in trace.items()},
-                               producer=batch.producer, nbytes=len(payload))
-        except (WireError, ValueError, UnicodeDecodeError) as exc:
+            return decode_entry(self.client, entry_id, fields)
+        except DECODE_ERRORS as exc:
             self._dead_letter(entry_id, str(exc))
             return None
-
-    def _payload(self, entry_id: str, fields: dict[bytes, bytes]) -> bytes:
-        if b"payload" in fields:
-            return fields[b"payload"]
-        if b"chunks" not in fields or b"chunk_prefix" not in fields:
-            raise WireError("entry has neither payload nor chunks")
-        n, prefix = int(fields[b"chunks"]), fields[b"chunk_prefix"].decode()
-        parts = cast(list[bytes | None], self.client.mget([f"{prefix}:{i}" for i in range(n)]) if n else [])
-        missing = [i for i, p in enumerate(parts) if p is None]
-        if missing:
-            raise WireError(f"{len(missing)} of {n} chunks are missing (chunk {missing[0]}: {prefix}:{missing[0]})")
-        return b"".join(p for p in parts if p is not None)
 
     def _dead_letter(self, entry_id: str, reason: str) -> None:
         log.error("rollout entry %s in %s is corrupted, moved to %s: %s", entry_id, self.stream,
                   self.dead_stream, reason)
         self._dead_letter_script(keys=[self.stream, self.dead_stream, self.acks_key],
                                  args=[entry_id, reason, time.time_ns(), *self.groups])
-        self._held.pop(entry_id, None)
-        self._outstanding.discard(entry_id)
+        self._forget([entry_id])
         self.stats.dead_lettered.append(DeadLetter(entry_id=entry_id, reason=reason))
 
     # ---- introspection ----------------------------------------------------------------------------
