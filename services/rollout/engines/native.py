@@ -7,7 +7,7 @@ Two decode paths (`decode=`):
 - "graph" (the CUDA default for Llama/Qwen2) / "compile" / "static": a preallocated KV cache of a fixed
   (batch, length) bucket and, for "graph", a CUDA-graph-captured decode step (static_decode.py); "compile"
   captures the torch.compile'd step instead (fewer, fused kernels; its first call per bucket compiles);
-  sampling stays on the device and the loop checks for finished rows every `_SYNC_EVERY` tokens.
+  sampling stays on the device and the loop checks for finished rows every few tokens. The loops are in decode.py.
 Calls are served one at a time; a `DecodeGate` (gate.py) implements pause/resume and keeps weight loads from
 overlapping a forward pass. For cuda_ipc weight syncs the parameters are re-pointed once into flat buffers
 laid out like the trainer's buckets (`flatten_parameters`), so each later sync is one copy per bucket.
@@ -19,7 +19,6 @@ import inspect
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,17 +26,15 @@ import torch
 
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import (
-    FINISH_ABORT,
-    FINISH_LENGTH,
-    FINISH_STOP,
     Engine,
     EngineUnavailable,
     SampleOutput,
     WeightLoadStats,
     normalize_memory_tags,
 )
+from services.rollout.engines.decode import decode_dynamic, decode_static, prepare_chunk
 from services.rollout.engines.gate import DecodeGate, check_pause_mode
-from services.rollout.engines.sampling import make_generator, sample_next
+from services.rollout.engines.sampling import make_generator
 from services.rollout.engines.static_decode import RunnerCache, supported
 
 if TYPE_CHECKING:
@@ -45,10 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_REASONS = (None, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)   # codes 0..3 in the loop's reason tensor
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DECODE_MODES = ("auto", "dynamic", "static", "graph", "compile")
-_SYNC_EVERY = 8        # static path: tokens between host checks for "every row finished"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -58,20 +53,6 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"rollout.device is {device!r} but CUDA is not available here")
     return dev
-
-
-@dataclass
-class _Chunk:
-    """One left-padded batch of prompts, on the engine's device."""
-
-    input_ids: torch.Tensor
-    mask: torch.Tensor
-    positions: torch.Tensor
-    budget: torch.Tensor        # new tokens each row may produce (max_new_tokens, capped by the context)
-    steps: int
-    stop_ids: torch.Tensor
-    n: int
-    width: int
 
 
 class NativeEngine(Engine):
@@ -180,103 +161,22 @@ class NativeEngine(Engine):
             raise EngineUnavailable(f"{len(self._params_without_values)} parameters have no values since "
                                     "release_memory('weights'); load or receive weights first")
 
-    def _prepare_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> _Chunk:
-        dev, n = self.device, len(prompts)
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(prompts):      # left padding, built on the host and copied once
-            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
-        input_ids, mask = input_ids.to(dev), mask.to(dev)
-        budget = torch.clamp(self._max_context - lengths, max=sampling.max_new_tokens)
-        stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids)
-                                       | (set() if sampling.ignore_eos else set(self.eos_token_ids))),
-                                dtype=torch.long, device=dev)
-        return _Chunk(input_ids=input_ids, mask=mask, positions=(mask.cumsum(-1) - 1).clamp(min=0), budget=budget,
-                      steps=int(budget.max()), stop_ids=stop_ids, n=n, width=width)
-
     def _generate_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
                         generator: torch.Generator | None, version: int) -> list[SampleOutput]:
-        c = self._prepare_chunk(prompts, sampling)
-        if self.decode_mode != "dynamic":
-            return self._generate_static(c, sampling, generator, version)
-        dev, n, steps, budget, stop_ids, mask = c.input_ids.device, c.n, c.steps, c.budget, c.stop_ids, c.mask
-        out_tokens = torch.zeros((n, steps), dtype=torch.long, device=dev)
-        out_lp = torch.zeros((n, steps), dtype=torch.float32, device=dev)
-        n_out = torch.zeros(n, dtype=torch.long, device=dev)
-        reason = torch.zeros(n, dtype=torch.long, device=dev)     # index into _REASONS; 0 = still running
-        from transformers import DynamicCache
+        chunk = prepare_chunk(prompts, sampling, device=self.device, pad_token_id=self.pad_token_id,
+                              eos_token_ids=self.eos_token_ids, max_context=self._max_context)
+        if self.decode_mode == "dynamic":
+            from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
-        rows = torch.arange(n, device=dev)      # original index of each row still in the batch
-        done = torch.zeros(n, dtype=torch.bool, device=dev)
-        logits = self._forward(c.input_ids, mask, c.positions, cache)
-        next_pos = c.positions[:, -1] + 1
-        for step in range(steps):
-            tokens, lps = sample_next(logits, sampling, generator)
-            # No boolean-mask indexing here: it would cost a device sync per op on a GPU.
-            out_tokens[rows, step], out_lp[rows, step] = tokens, lps
-            lengths_now = n_out[rows] + (~done).long()
-            n_out[rows] = lengths_now
-            hit_stop = ~done & torch.isin(tokens, stop_ids)
-            hit_len = ~done & ~hit_stop & (lengths_now >= budget[rows])
-            reason[rows] = torch.where(hit_stop, 1, torch.where(hit_len, 2, reason[rows]))
-            done = done | hit_stop | hit_len
-            n_done = int(done.sum())                  # the loop's one host sync per token
-            if n_done == done.numel():
-                break
-            if self._gate.boundary():
-                reason[rows[~done]] = 3
-                break
-            if n_done * 4 >= done.numel():            # compact when a quarter of the rows are finished
-                keep = (~done).nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
-                rows, done, mask, next_pos, tokens = rows[keep], done[keep], mask[keep], next_pos[keep], tokens[keep]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            logits = self._forward(tokens.unsqueeze(-1), mask, next_pos.unsqueeze(-1), cache)
-            next_pos = next_pos + 1
-        return _collect(out_tokens, out_lp, n_out, reason, version)
-
-    def _generate_static(self, c: _Chunk, sampling: SamplingSpec, generator: torch.Generator | None,
-                         version: int) -> list[SampleOutput]:
-        """Fixed-shape decode (static_decode.py): every row steps until the whole batch is done; finished
-        rows keep computing but their tokens are not counted. No host sync except every _SYNC_EVERY tokens."""
-        dev, n, steps = c.input_ids.device, c.n, c.steps
-        if self._runners is None:
-            self._runners = RunnerCache(self.model, graphs=self.decode_mode in ("graph", "compile"),
-                                        compile=self.decode_mode == "compile")
-        runners = self._runners        # a local: a weight update while parked may drop self._runners
-        runner = runners.get(n, c.width + steps)
-        ids, mask, positions = c.input_ids, c.mask, c.positions
-        if runner.batch > n:                          # batch padding: repeat row 0, results dropped
-            pad = runner.batch - n
-            ids, mask, positions = (torch.cat([t, t[:1].expand(pad, -1)]) for t in (ids, mask, positions))
-        logits = runner.prefill(ids, positions, mask)          # [runner.batch, vocab]: padded rows sampled too
-        next_pos = c.positions[:, -1] + 1
-        out_tokens = torch.zeros((n, steps), dtype=torch.long, device=dev)
-        out_lp = torch.zeros((n, steps), dtype=torch.float32, device=dev)
-        n_out = torch.zeros(n, dtype=torch.long, device=dev)
-        reason = torch.zeros(n, dtype=torch.long, device=dev)
-        done = torch.zeros(n, dtype=torch.bool, device=dev)
-        for step in range(steps):
-            tokens, lps = runners.sample(logits, sampling, generator)
-            tokens, lps = tokens[:n], lps[:n]
-            out_tokens[:, step], out_lp[:, step] = tokens, lps
-            n_out += (~done).long()
-            hit_stop = ~done & torch.isin(tokens, c.stop_ids)
-            hit_len = ~done & ~hit_stop & (n_out >= c.budget)
-            reason = torch.where(hit_stop, 1, torch.where(hit_len, 2, reason))
-            done = done | hit_stop | hit_len
-            if step == steps - 1 or (step % _SYNC_EVERY == _SYNC_EVERY - 1 and bool(done.all())):
-                break
-            if self._gate.boundary():
-                reason = torch.where(done, reason, 3)
-                break
-            logits = runner.step(tokens, next_pos, c.width + step)
-            next_pos = next_pos + 1
-        return _collect(out_tokens, out_lp, n_out, reason, version)
+            decoded = decode_dynamic(chunk, sampling, generator, cache=DynamicCache(config=self.model.config),
+                                     forward=self._forward, boundary=self._gate.boundary)
+        else:
+            if self._runners is None:
+                self._runners = RunnerCache(self.model, graphs=self.decode_mode in ("graph", "compile"),
+                                            compile=self.decode_mode == "compile")
+            # the runners are passed on: a weight update while parked may drop self._runners
+            decoded = decode_static(chunk, sampling, generator, runners=self._runners, boundary=self._gate.boundary)
+        return decoded.samples(version)
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: Any) -> torch.Tensor:
@@ -432,15 +332,6 @@ class NativeEngine(Engine):
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _collect(tokens: torch.Tensor, lps: torch.Tensor, lengths: torch.Tensor, reason: torch.Tensor,
-             version: int) -> list[SampleOutput]:
-    tokens_l, lps_l = tokens.cpu().tolist(), lps.cpu().tolist()
-    lengths_l, reason_l = lengths.cpu().tolist(), reason.cpu().tolist()
-    return [SampleOutput(token_ids=tuple(t[:k]), log_probs=tuple(lp[:k]), finish_reason=_REASONS[r] or FINISH_LENGTH,
-                         weight_version=version)
-            for t, lp, k, r in zip(tokens_l, lps_l, lengths_l, reason_l)]
 
 
 def _eos_ids(model: Any) -> tuple[int, ...]:
