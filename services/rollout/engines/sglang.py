@@ -61,9 +61,7 @@ from services.rollout.engines.sglang_protocol import (
     ServerInfo,
     answer_version,
     disk_update_body,
-    distributed_update_body,
     generate_body,
-    init_group_body,
     memory_body,
     parse_server_info,
     parse_weight_version,
@@ -71,9 +69,9 @@ from services.rollout.engines.sglang_protocol import (
     profile_for,
     sample_from_answer,
 )
+from services.rollout.engines.sglang_sync import DistributedSync
 from services.weights.base import Deadline, SyncContext, WeightSyncError, WeightSyncRefused, WeightSyncTimeout
-from services.weights.layout import dtype_name, layout_from_plan
-from services.weights.transports.sglang import EngineHandshake, group_name_for, ready_value, wire_tensors
+from services.weights.transports.sglang import EngineHandshake
 
 if TYPE_CHECKING:
     from services.contracts.config import TandemConfig
@@ -86,7 +84,7 @@ _HEALTH_POLL_S = 0.5      # while a server starts: between /health_generate call
 _MANIFEST_POLL_S = 0.02   # disk sync: between looks for the trainer's manifest
 
 
-class _Server:
+class Server:
     """One SGLang server and what the adapter knows about it (mutated only under the engine's weights lock)."""
 
     def __init__(self, *, client: SGLangClient, info: ServerInfo, profile: ApiProfile, max_model_len: int | None):
@@ -103,7 +101,7 @@ class _Server:
         return self.group[-1] if self.group is not None and self.group[:-1] == key else None
 
 
-def connect_server(url: str, *, api_key: str | None, deadline: float, control_s: float) -> _Server:
+def connect_server(url: str, *, api_key: str | None, deadline: float, control_s: float) -> Server:
     """Waits for /health_generate, then reads the version (/server_info, or /get_server_info where the newer
     route is missing) and the context length (/v1/models); each call within `control_s`."""
     client = SGLangClient(url, api_key=api_key)
@@ -127,7 +125,7 @@ def connect_server(url: str, *, api_key: str | None, deadline: float, control_s:
     with contextlib.suppress(SGLangError, TypeError, ValueError, KeyError, IndexError):
         max_len = int(client.get("/v1/models", timeout_s=control_s).body["data"][0]["max_model_len"])
     log.info("SGLang %s at %s (tp %d, model %s)", info.version, client.url, info.tp_size, info.model_path)
-    return _Server(client=client, info=info, profile=profile, max_model_len=max_len)
+    return Server(client=client, info=info, profile=profile, max_model_len=max_len)
 
 
 class SGLangEngine(Engine):
@@ -149,7 +147,7 @@ class SGLangEngine(Engine):
             raise ValueError(f"rollout.sglang.weight_load_format must be one of {', '.join(LOAD_FORMATS)}")
         self._launched = launched
         deadline = time.monotonic() + startup_timeout_s
-        self._control_s, self._probe_s = timeouts.control_s, timeouts.probe_s
+        self._control_s = timeouts.control_s
         self._weights_timeout_s = weights_timeout_s
         self.servers = [connect_server(u, api_key=api_key, deadline=deadline, control_s=self._control_s) for u in urls]
         self.max_batch_size = max_batch_size
@@ -169,6 +167,8 @@ class SGLangEngine(Engine):
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.servers)), thread_name_prefix="sglang-gen")
         self._control = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="sglang-ctl")
         self._weight_pool = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="sglang-weights")
+        self._distributed = DistributedSync(self.servers, handshake=self._handshake, pool=self._weight_pool,
+                                            load_format=weight_load_format, probe_s=timeouts.probe_s)
 
     @classmethod
     def from_config(cls, config: TandemConfig) -> SGLangEngine:
@@ -225,7 +225,7 @@ class SGLangEngine(Engine):
         self._generated += len(out)
         return out
 
-    def _generate_chunk(self, server: _Server, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+    def _generate_chunk(self, server: Server, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
                         start: int) -> list[SampleOutput]:
         answer = server.client.post("/generate", generate_body(prompts, sampling), timeout_s=self._request_timeout_s)
         items = answer.body
@@ -319,7 +319,8 @@ class SGLangEngine(Engine):
             if plan.transport == "disk":
                 self._receive_disk(plan, deadline=deadline, ctx=ctx)
             else:
-                self._receive_distributed(plan, rank_offset=rank_offset, deadline=deadline, ctx=ctx)
+                self._distributed.receive(plan, rank_offset=rank_offset, deadline=deadline, ctx=ctx,
+                                          flush_cache=self._flush_after_update)
             self._version = int(plan.version)
         return WeightLoadStats(version=self._version, tensors=sum(len(b.tensors) for b in plan.buckets),
                                bytes=int(plan.total_bytes), seconds=time.monotonic() - started)
@@ -358,95 +359,6 @@ class SGLangEngine(Engine):
                                               f"{written.get('trainer_id')!r}, not the planned one"))
         self._load_disk(str(path), version=plan.version, timeout_s=max(0.1, deadline.remaining()))
 
-    def _receive_distributed(self, plan: Any, *, rank_offset: int, deadline: Deadline, ctx: SyncContext) -> None:
-        """Ready for every server's ranks -> the trainer's go -> each server, concurrently: join the group when it
-        does not hold this generation, then one update request per bucket (see weights/sglang.py)."""
-        offsets: list[tuple[int, list[int]]] = []   # per server: its rank offset and its ranks
-        next_rank = rank_offset
-        for server in self.servers:
-            offsets.append((next_rank, list(range(next_rank, next_rank + server.info.tp_size))))
-            next_rank += server.info.tp_size
-        key = (plan.master_addr, plan.master_port, plan.group_name, plan.world_size)
-        try:
-            for server, (offset, ranks) in zip(self.servers, offsets):
-                held = server.held((*key, offset))
-                value = ready_value(held=held, load_format=self._load_format)
-                self._handshake.post_ready(plan, ranks=ranks, value=value, deadline=deadline, ctx=ctx)
-            generation = self._handshake.await_go(plan, deadline=deadline, ctx=ctx)
-        except WeightSyncError:
-            for server in self.servers:
-                server.group = None
-            raise
-        buckets = [wire_tensors(b) for b in layout_from_plan(plan).buckets]
-        futures = [self._weight_pool.submit(self._update_server, server, plan, offset=offset, ranks=ranks,
-                                            generation=generation, buckets=[b for b in buckets if b],
-                                            deadline=deadline, ctx=ctx)
-                   for server, (offset, ranks) in zip(self.servers, offsets)]
-        errors = []
-        for f in futures:
-            try:
-                f.result()
-            except Exception as exc:  # noqa: BLE001 - all servers answer before the first error is raised
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    def _update_server(self, server: _Server, plan: Any, *, offset: int, ranks: list[int], generation: int,
-                       buckets: list[list[Any]], deadline: Deadline, ctx: SyncContext) -> None:
-        key = (plan.master_addr, plan.master_port, plan.group_name, plan.world_size, offset)
-        name = group_name_for(plan.group_name, generation)
-        session = False
-        try:
-            if server.held(key) != generation:
-                self._leave_group(server)
-                server.client.post("/init_weights_update_group", init_group_body(
-                    master_address=plan.master_addr, master_port=plan.master_port, rank_offset=offset,
-                    world_size=plan.world_size, group_name=name, backend=plan.transport), timeout_s=_left(deadline))
-                server.group, server.group_name = (*key, generation), name
-            session = self._begin_session(server, deadline)
-            for i, slots in enumerate(buckets):
-                last = i == len(buckets) - 1
-                server.client.post("/update_weights_from_distributed", distributed_update_body(
-                    names=[s.name for s in slots], dtypes=[dtype_name(s.dtype) for s in slots],
-                    shapes=[list(s.shape) for s in slots], group_name=name,
-                    flush_cache=last and self._flush_after_update,
-                    weight_version=str(plan.version) if last else None, load_format=self._load_format),
-                    timeout_s=_left(deadline))
-            if session:
-                server.client.post("/end_weight_update", {}, timeout_s=_left(deadline))
-            self._handshake.post_done(plan, ranks=ranks, deadline=deadline, ctx=ctx)
-        except (SGLangError, BadAnswer) as exc:
-            server.group = None   # the trainer drops its group after any failure; the next sync joins a new one
-            self._handshake.refuse(plan, ranks=ranks, reason=str(exc), ctx=ctx)
-            if session:   # best effort: a session left open would refuse the next sync's begin
-                with contextlib.suppress(SGLangError):
-                    server.client.post("/end_weight_update", {}, timeout_s=self._probe_s)
-            raise WeightSyncError(ctx.message(f"SGLang at {server.url}: {exc}")) from exc
-
-    def _begin_session(self, server: _Server, deadline: Deadline) -> bool:
-        """POST /begin_weight_update where the server has it (required from 0.5.23; probed once before that)."""
-        if server.session is False:
-            return False
-        try:
-            server.client.post("/begin_weight_update", {}, timeout_s=_left(deadline))
-        except SGLangNotFound as exc:
-            if server.profile.session == "required":
-                raise SGLangError(f"SGLang {server.info.version} at {server.url} has no /begin_weight_update, which "
-                                  f"0.5.23 and later require around weight updates: {exc}") from exc
-            server.session = False
-            return False
-        server.session = True
-        return True
-
-    def _leave_group(self, server: _Server) -> None:
-        """Best effort: the server frees the group it holds under an older name (SGLang keeps groups by name)."""
-        if server.group is None or not server.group_name:
-            return
-        with contextlib.suppress(SGLangError):
-            server.client.post("/destroy_weights_update_group", {"group_name": server.group_name},
-                               timeout_s=self._probe_s)
-        server.group, server.group_name = None, ""
-
     # ---- memory / state ----------------------------------------------------------------------------
 
     def release_memory(self, tags: Sequence[str] = ()) -> None:
@@ -478,6 +390,3 @@ class SGLangEngine(Engine):
         if self._launched is not None:
             self._launched.stop()
 
-
-def _left(deadline: Deadline) -> float:
-    return max(0.001, deadline.remaining())
