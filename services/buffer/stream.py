@@ -76,7 +76,7 @@ def connect(url: str, *, password: str | None = None, timeout_s: float = _TIMEOU
                                 socket_connect_timeout=connect_timeout_s, health_check_interval=_HEALTH_CHECK_EVERY_S)
 
 
-def redacted(url: str) -> str:
+def redacted(url: str | None) -> str:
     """The URL without its password, for messages and logs."""
     return re.sub(r"//[^@/]*@", "//***@", url or "")
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from services.contracts.config import ConfigError
 
@@ -20,7 +21,7 @@ SYMBOLS = ("+", "-", "*", "/", "=", "(", ")", ",")
 VOCAB = (*SPECIAL_TOKENS, *"0123456789", *SYMBOLS)
 
 # tiny learns the example task in seconds of compute; small is a few M parameters for throughput work.
-PRESETS: dict[str, dict[str, int]] = {
+PRESETS: dict[str, dict[str, Any]] = {   # Any: the config classes take these as **kwargs
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128),
     "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=8,

@@ -257,7 +257,7 @@ class RolloutService:
         tokens = sum(len(o.token_ids) for o in outputs)
         tracing.set_attributes(span_, tokens=tokens)
         responses = [self.decode(o.token_ids) for o in outputs]
-        texts = [self.prompt_text(p, ids) for p, ids in zip(prompts, prompt_ids)]
+        texts = [self.prompt_text(p, ids) for p, ids in zip(prompts, prompt_ids, strict=True)]
         t = time.monotonic()
         with tracing.span("rl.reward", rollout_id=rollout_id, weight_version=outputs[0].weight_version,
                           tokens=tokens, reward=reward_fn.spec, samples=len(outputs)):

@@ -25,10 +25,10 @@ class Tracker(ABC):
     @abstractmethod
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
 
-    def rewind(self, *, next_step: int) -> None:
+    def rewind(self, *, next_step: int) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """A resumed run trains again from next_step: forget what was logged for it and later steps."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         pass
 
 

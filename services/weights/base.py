@@ -1,8 +1,8 @@
 """Shared pieces of the weight-sync transports: stats, errors, deadlines and the transport plug-in point.
 
 A transport is a pair of classes, one per side, listed in registry.py under the name that
-`WeightSyncPlan.transport` and `weights.transport` use. The publisher/receiver front ends (api.py) do everything transport-neutral
-(layout, validation, stats) and hand a transport a validated layout and a deadline.
+`WeightSyncPlan.transport` and `weights.transport` use. The publisher/receiver front ends (api.py) do everything
+transport-neutral (layout, validation, stats) and hand a transport a validated layout and a deadline.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class SenderTransport(ABC):
                 checksums: Mapping[str, str]) -> float:
         """`checksums` fills up (when plan.verify) as `tensors` is consumed, for transports that carry them."""
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Free what the last sync kept alive for receivers (CUDA IPC buffers)."""
 
     def close(self) -> None:
@@ -125,12 +125,13 @@ class ReceiverTransport(ABC):
     def receive(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, rank: int,
                 params: Mapping[str, torch.Tensor], deadline: Deadline) -> Received: ...
 
-    def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
+    def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str,  # noqa: B027 - optional hook, a no-op unless overridden
+               deadline: Deadline) -> None:
         """Tell the trainer this receiver will not take part, so it fails now instead of at its deadline; best
         effort within `deadline` (short: the caller raises the real reason next)."""
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Drop what holds device memory between syncs (cuda_ipc: the kept mapping of the trainer's buffers)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Tear down whatever the transport keeps between syncs."""

@@ -158,7 +158,7 @@ class Engine(ABC):
                            released_memory=tuple(sorted(self._released)), in_flight=gate.admitted,
                            generated_samples=self._generated, max_context_length=self._max_context)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Releases what the engine holds; the object is unusable afterwards."""
 
 

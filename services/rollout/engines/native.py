@@ -72,8 +72,9 @@ class NativeEngine(Engine):
         hf_logging.disable_progress_bar()
         self._model_path = str(path)
         self.device = resolve_device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation).to(self.device).eval()
+        loaded: Any = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype],
+                                                           attn_implementation=attn_implementation)
+        self.model = loaded.to(self.device).eval()
         self.model.requires_grad_(False)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -329,7 +330,7 @@ class NativeEngine(Engine):
     def close(self) -> None:
         self._drop_runners()
         self._flat = None
-        self.model = None  # type: ignore[assignment]
+        self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -14,11 +14,11 @@ are in sglang_protocol.py. None of this was run against a real SGLang server (do
   POST /pause_generation with rollout.sglang.pause_mode; abort / retract / in_place are sent as they are.
   Flush rules: after in_place the KV cache must survive, so no update asks SGLang to flush; after abort and
   retract the last update request of a sync flushes (flush_cache: true).
-- Weights: transports gloo / nccl join SGLang's group protocol (services/weights/transports/sglang.py: ready and go
-  over the trainer's store for the servers, /init_weights_update_group once per group, one
-  /update_weights_from_distributed per plan bucket inside /begin_weight_update ... /end_weight_update where
-  the server has them); disk maps to /update_weights_from_disk on the version's directory; cuda_ipc and
-  verification are refused with the reason (see `_refusal`).
+- Weights: transports gloo / nccl join SGLang's group protocol (sglang_sync.py; the trainer's side and the store
+  keys are in services/weights/transports/sglang.py): ready and go over the trainer's store for the servers,
+  /init_weights_update_group once per group, one /update_weights_from_distributed per plan bucket inside
+  /begin_weight_update ... /end_weight_update where the server has them; disk maps to /update_weights_from_disk on
+  the version's directory; cuda_ipc and verification are refused with the reason (see `_refusal`).
 - Memory: /release_memory_occupation and /resume_memory_occupation with tags; refused up front when a server
   was started without --enable-memory-saver (SGLang would answer success and free nothing).
 """

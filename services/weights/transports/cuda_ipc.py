@@ -34,11 +34,13 @@ engine must be different processes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,6 +57,8 @@ from services.weights.base import (
 )
 from services.weights.layout import Layout, Slot
 from services.weights.transports import rendezvous
+
+_Alloc = TypeVar("_Alloc")   # what names an allocation (the receiver: (device, IPC handle))
 
 
 def _device_uuid(index: int) -> str:
@@ -105,7 +109,7 @@ def flat_views(layout: Layout, device: torch.device | str,
     starts, total = bucket_starts(layout)
     flat = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
     views = {}
-    for bucket, start in zip(layout.buckets, starts):
+    for bucket, start in zip(layout.buckets, starts, strict=True):
         region = flat[start: start + bucket.nbytes]
         for slot in bucket.tensors:
             if names is None or slot.name in names:
@@ -128,13 +132,13 @@ class FlatParams(dict):
 
 
 def flat_spans(*, sizes: list[int], dst_starts: list[int],
-               sources: Sequence[tuple[object, int]]) -> list[tuple[object, int, int, int]]:
+               sources: Sequence[tuple[_Alloc, int]]) -> list[tuple[_Alloc, int, int, int]]:
     """Copies (source allocation, source offset, destination offset, bytes) that move every bucket i
     (`sizes[i]` bytes from `sources[i]` = (allocation, offset) to `dst_starts[i]`), merging a bucket into the
     previous copy when it lies at the same distance in the same allocation on both sides; the gap between
     them (alignment padding) is then copied too, which is harmless. Empty buckets need no copy."""
     spans: list[list] = []
-    for size, dst, (alloc, src) in zip(sizes, dst_starts, sources):
+    for size, dst, (alloc, src) in zip(sizes, dst_starts, sources, strict=True):
         if not size:
             continue
         last = spans[-1] if spans else None
@@ -255,7 +259,7 @@ class _SharedBuckets:
             storage_offset_bytes=int(offset) + start, ref_counter_handle=bytes(ref_handle),
             ref_counter_offset=int(ref_offset), event_handle=bytes(event_handle or b""),
             event_sync_required=bool(event_sync), device_uuid=_device_uuid(device.index))
-            for bucket, start in zip(layout.buckets, self.starts)]
+            for bucket, start in zip(layout.buckets, self.starts, strict=True)]
         self.views = {slot.name: _typed(self.bucket(bucket.index, bucket.nbytes), slot)   # each tensor's place
                       for bucket in layout.buckets for slot in bucket.tensors}
 
@@ -265,10 +269,8 @@ class _SharedBuckets:
     def free(self) -> None:
         """Drop the share count `_share_cuda_` took (receivers never touch it, see the module docstring), so
         the buffer returns to the caching allocator instead of waiting in torch's IPC limbo forever."""
-        try:
+        with contextlib.suppress(Exception):   # best effort, as torch's own release
             torch.UntypedStorage._release_ipc_counter_cuda(*self._ref_counter)
-        except Exception:  # noqa: BLE001 - best effort, as torch's own release
-            pass
         self.views = {}
         self.flat = torch.empty(0)
 
@@ -293,7 +295,7 @@ class CudaIpcSender(SenderTransport):
             self._shared = _SharedBuckets(layout=layout, device=device)
         if self._group_name is None:
             self._group_name = f"tandem-ipc-{self._trainer_id}-{uuid.uuid4().hex[:12]}"
-        for wb, handle in zip(plan.buckets, self._shared.handles):
+        for wb, handle in zip(plan.buckets, self._shared.handles, strict=True):
             wb.ipc.CopyFrom(handle)
         plan.group_name = self._group_name
         plan.master_addr = self._config.master_addr
@@ -398,7 +400,7 @@ class CudaIpcReceiver(ReceiverTransport):
         """(device, handle) -> (lo, uint8 view of the allocation from byte `lo`): every allocation the buckets
         live in, mapped with one open covering all of its buckets (or kept from the last sync)."""
         spans: dict[tuple[int, bytes], list[int]] = {}
-        for bucket, wb in zip(layout.buckets, plan.buckets):
+        for bucket, wb in zip(layout.buckets, plan.buckets, strict=True):
             if not bucket.nbytes:
                 continue
             handle = wb.ipc
@@ -431,7 +433,7 @@ class CudaIpcReceiver(ReceiverTransport):
                       mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]]) -> list[torch.Tensor | None]:
         """A uint8 view of each bucket (None for empty ones)."""
         out: list[torch.Tensor | None] = []
-        for bucket, wb in zip(layout.buckets, plan.buckets):
+        for bucket, wb in zip(layout.buckets, plan.buckets, strict=True):
             if not bucket.nbytes:
                 out.append(None)
                 continue
@@ -442,7 +444,8 @@ class CudaIpcReceiver(ReceiverTransport):
 
     @staticmethod
     def _flat_copies(plan: common_pb2.WeightSyncPlan, layout: Layout, flat: torch.Tensor,
-                     mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                     mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]],
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Whole bucket spans into a FlatParams buffer (one copy when the trainer's buckets share an allocation)."""
         sources = [((_local_device(wb.ipc), bytes(wb.ipc.handle)), wb.ipc.storage_offset_bytes)
                    for wb in plan.buckets]
@@ -450,7 +453,7 @@ class CudaIpcReceiver(ReceiverTransport):
                            sources=sources)
         copies = []
         for alloc, src, dst, nbytes in spans:
-            lo, view = mapped[alloc]   # type: ignore[index]
+            lo, view = mapped[alloc]
             copies.append((flat[dst: dst + nbytes], view[src - lo: src - lo + nbytes]))
         return copies
 

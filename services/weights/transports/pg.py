@@ -23,6 +23,7 @@ tensor itself. Everything is sent as uint8 views, so any dtype travels bit-exact
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
@@ -111,10 +112,8 @@ class _Group:
 
     def abort(self) -> None:
         """Abort closes the sockets at once (peers blocked on us fail immediately) and never blocks."""
-        try:
+        with contextlib.suppress(Exception):   # tearing down a broken group is best effort
             self.pg.abort()
-        except Exception:  # noqa: BLE001 - tearing down a broken group is best effort
-            pass
 
 
 def _build_group(*, backend: str, store: dist.Store, group_name: str, generation: int, rank: int, world_size: int,
@@ -261,9 +260,9 @@ class ProcessGroupSender(SenderTransport):
         next_index = 0
         for slot, tensor in tensors:
             bucket = layout.buckets[slot.bucket]
-            if bucket.direct or left[bucket.index] == 1:   # this tensor completes its bucket
-                if bucket.index != next_index:   # cannot happen: layout indices follow completion order
-                    raise WeightSyncError(ctx.message(f"internal: bucket {bucket.index} completes before {next_index}"))
+            completes = bucket.direct or left[bucket.index] == 1   # this tensor completes its bucket
+            if completes and bucket.index != next_index:   # cannot happen: layout indices follow completion order
+                raise WeightSyncError(ctx.message(f"internal: bucket {bucket.index} completes before {next_index}"))
             if bucket.direct:
                 if bucket.nbytes:
                     source = tensor.detach().to(group.device).contiguous()

@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -168,13 +169,14 @@ class _Watch:
                 raise _classify(exc, ctx=self.ctx, what=what) from exc
 
     def thread(self, target, *, what: str):
-        result: dict[str, object] = {}
+        value: list[Any] = []
+        error: list[BaseException] = []
 
         def run() -> None:
             try:
-                result["value"] = target()
+                value.append(target())
             except BaseException as exc:  # noqa: BLE001 - handed to the watching thread
-                result["error"] = exc
+                error.append(exc)
 
         worker = threading.Thread(target=run, daemon=True, name="sglang-group-join")
         worker.start()
@@ -182,9 +184,9 @@ class _Watch:
             worker.join(timeout=_ABORT_CHECK_S)
             if worker.is_alive():
                 self.check()   # on a refusal or the deadline the join thread is left to time out on its own
-        if "error" in result:
-            raise _classify(result["error"], ctx=self.ctx, what=what)  # type: ignore[arg-type]
-        return result["value"]
+        if error:
+            raise _classify(error[0], ctx=self.ctx, what=what)
+        return value[0]
 
 
 class SGLangAwareSender(ProcessGroupSender):
@@ -243,9 +245,9 @@ class SGLangAwareSender(ProcessGroupSender):
                                   readies: Mapping[int, SGLangReady]) -> int:
         """Keep the group only if every SGLang rank still holds it; else every member joins the next one."""
         group = self._sglang
-        if group is not None and group.key == (plan.group_name, plan.world_size):
-            if all(r.held == group.generation for r in readies.values()):
-                return group.generation
+        if (group is not None and group.key == (plan.group_name, plan.world_size)
+                and all(r.held == group.generation for r in readies.values())):
+            return group.generation
         if group is not None:
             group.close(abort=True)
             self._sglang = None
