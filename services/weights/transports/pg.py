@@ -30,6 +30,7 @@ import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -204,28 +205,45 @@ class ProcessGroupSender(SenderTransport):
     def publish(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
                 tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline,
                 checksums: Mapping[str, str]) -> float:
+        ctx, ctl = self._begin_publish(plan)
+        started = time.monotonic()
+        try:
+            held = rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="ready",
+                                            deadline=deadline, ctx=ctx)
+            return self._publish_ready(plan=plan, layout=layout, tensors=tensors, deadline=deadline, ctx=ctx,
+                                       ctl=ctl, held=held, started=started)
+        except BaseException as exc:  # noqa: BLE001 - _fail re-raises it, or a WeightSyncError for it
+            self._fail(exc, plan=plan, ctl=ctl, ctx=ctx, what="sending")
+
+    def _begin_publish(self, plan: common_pb2.WeightSyncPlan) -> tuple[SyncContext, dist.PrefixStore]:
+        """The plan must be the one prepared last; (who talks to whom, the control store of its group)."""
         if plan.group_name != self._group_name or self._staging is None:
             raise ValueError(f"{self.name} weight sync v{plan.version}: plan is not the one this trainer prepared "
                              f"last (group {plan.group_name!r}, expected {self._group_name!r})")
         ctx = SyncContext(self.name, plan.version, "trainer", f"engine rank(s) {list(range(1, plan.world_size))}",
                           plan.timeout_s)
-        ctl = rendezvous.ctl_store(self._master.store, plan.group_name)
-        started = time.monotonic()
-        try:
-            held = rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="ready",
-                                            deadline=deadline, ctx=ctx)
-            generation = self._choose_generation(plan=plan, held=held)
-            rendezvous.signal_go(ctl, version=plan.version, value=f"ok {generation}", ctx=ctx)
-            waited = time.monotonic() - started
-            group = self._ensure_group(plan=plan, generation=generation, deadline=deadline, ctx=ctx)
-            self._send(group=group, layout=layout, tensors=tensors, deadline=deadline, ctx=ctx)
-            return waited
-        except BaseException as exc:
-            rendezvous.try_signal_abort(ctl, version=plan.version, why=str(exc))
-            self._teardown()
-            if isinstance(exc, (WeightSyncError, ValueError)) or not isinstance(exc, Exception):
-                raise
-            raise _classify(exc, ctx=ctx, what="sending") from exc
+        return ctx, rendezvous.ctl_store(self._master.store, plan.group_name)
+
+    def _publish_ready(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
+                       tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline, ctx: SyncContext,
+                       ctl: dist.Store, held: dict[int, str], started: float) -> float:
+        """Every rank is ready (`held`: what each posted, the group generation it holds): go, then broadcast
+        bucket by bucket. Returns the seconds waited for the ranks since `started`."""
+        generation = self._choose_generation(plan=plan, held=held)
+        rendezvous.signal_go(ctl, version=plan.version, value=f"ok {generation}", ctx=ctx)
+        waited = time.monotonic() - started
+        group = self._ensure_group(plan=plan, generation=generation, deadline=deadline, ctx=ctx)
+        self._send(group=group, layout=layout, tensors=tensors, deadline=deadline, ctx=ctx)
+        return waited
+
+    def _fail(self, exc: BaseException, *, plan: common_pb2.WeightSyncPlan, ctl: dist.Store, ctx: SyncContext,
+              what: str) -> NoReturn:
+        """Tell the engines, drop the group (the next prepare announces a fresh one), raise a WeightSyncError."""
+        rendezvous.try_signal_abort(ctl, version=plan.version, why=str(exc))
+        self._teardown()
+        if isinstance(exc, (WeightSyncError, ValueError)) or not isinstance(exc, Exception):
+            raise exc
+        raise _classify(exc, ctx=ctx, what=what) from exc
 
     def _choose_generation(self, *, plan: common_pb2.WeightSyncPlan, held: dict[int, str]) -> int:
         """Reuse the built group only if every rank holds it; a rank that does not (a replaced engine process)

@@ -190,34 +190,22 @@ class _Watch:
 
 
 class SGLangAwareSender(ProcessGroupSender):
-    """pg.ProcessGroupSender, plus the SGLang protocol when the engine ranks say they are SGLang servers."""
+    """pg.ProcessGroupSender, plus the SGLang protocol when the engine ranks' ready values say they are SGLang
+    servers (publish is pg's; what follows every rank's ready is chosen here)."""
 
     def __init__(self, *, backend: str, config: WeightsConfig, trainer_id: str):
         super().__init__(backend=backend, config=config, trainer_id=trainer_id)
         self._sglang: _SGLangGroup | None = None
         self._sglang_generation = -1
 
-    def publish(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
-                tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline,
-                checksums: Mapping[str, str]) -> float:
-        if plan.group_name != self._group_name or self._staging is None:
-            return super().publish(plan=plan, layout=layout, tensors=tensors, deadline=deadline, checksums=checksums)
-        ranks = list(range(1, plan.world_size))
-        ctx = SyncContext(self.name, plan.version, "trainer", f"engine rank(s) {ranks}", plan.timeout_s)
-        ctl = rendezvous.ctl_store(self._master.store, plan.group_name)
-        started = time.monotonic()
-        try:
-            held = rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="ready",
-                                            deadline=deadline, ctx=ctx)
-            readies = {rank: parse_ready(value) for rank, value in held.items()}
-        except BaseException as exc:
-            rendezvous.try_signal_abort(ctl, version=plan.version, why=str(exc))
-            self._teardown()
-            raise
+    def _publish_ready(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
+                       tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline, ctx: SyncContext,
+                       ctl: dist.Store, held: dict[int, str], started: float) -> float:
+        readies = {rank: parse_ready(value) for rank, value in held.items()}
         sglang = {rank: r for rank, r in readies.items() if r is not None}
-        if not sglang:   # native receivers: the plain process-group transport (their ready keys are still there)
-            return time.monotonic() - started + super().publish(plan=plan, layout=layout, tensors=tensors,
-                                                                deadline=deadline, checksums=checksums)
+        if not sglang:   # native receivers: the plain process-group transport
+            return super()._publish_ready(plan=plan, layout=layout, tensors=tensors, deadline=deadline, ctx=ctx,
+                                          ctl=ctl, held=held, started=started)
         try:
             formats = {r.format for r in sglang.values()}
             if len(sglang) != len(readies) or len(formats) != 1:
@@ -234,12 +222,8 @@ class SGLangAwareSender(ProcessGroupSender):
             rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="done",
                                      deadline=deadline, ctx=ctx)
             return waited
-        except BaseException as exc:
-            rendezvous.try_signal_abort(ctl, version=plan.version, why=str(exc))
-            self._teardown()
-            if isinstance(exc, (WeightSyncError, ValueError)) or not isinstance(exc, Exception):
-                raise
-            raise _classify(exc, ctx=ctx, what="sending to SGLang") from exc
+        except BaseException as exc:  # noqa: BLE001 - _fail re-raises it, or a WeightSyncError for it
+            self._fail(exc, plan=plan, ctl=ctl, ctx=ctx, what="sending to SGLang")
 
     def _choose_sglang_generation(self, *, plan: common_pb2.WeightSyncPlan,
                                   readies: Mapping[int, SGLangReady]) -> int:
