@@ -43,7 +43,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
-import torch.distributed as dist
 
 from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
@@ -343,7 +342,7 @@ class CudaIpcReceiver(ReceiverTransport):
     name = "cuda_ipc"
 
     def __init__(self, *, keep_mapped: bool | None = None) -> None:
-        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
+        self._trainer_store = rendezvous.TrainerStore()
         if keep_mapped is None:
             keep_mapped = os.environ.get("TANDEM_CUDA_IPC_KEEP_MAPPED", "1") != "0"
         self._keep_mapped = keep_mapped
@@ -357,28 +356,15 @@ class CudaIpcReceiver(ReceiverTransport):
         peer = f"trainer at {plan.master_addr}:{plan.master_port} (trainer_id {plan.trainer_id or '?'})"
         return SyncContext("cuda_ipc", plan.version, f"engine rank {rank}", peer, plan.timeout_s)
 
-    def _ctl(self, plan: common_pb2.WeightSyncPlan, deadline: Deadline, ctx: SyncContext):
-        key = (plan.master_addr, plan.master_port)
-        if key not in self._stores:
-            self._stores.clear()
-            self._stores[key] = rendezvous.connect_store(host=plan.master_addr, port=plan.master_port,
-                                                         deadline=deadline, ctx=ctx)
-        return rendezvous.ctl_store(self._stores[key], plan.group_name)
-
     def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
-        ctx = self._context(plan, rank)
-        try:
-            ctl = self._ctl(plan, deadline, ctx)
-            rendezvous.post(ctl, version=plan.version, kind="abort", rank=rank, value=reason[:4000], ctx=ctx)
-        except WeightSyncError:
-            pass
+        self._trainer_store.refuse(plan, ranks=[rank], reason=reason, deadline=deadline, ctx=self._context(plan, rank))
 
     def receive(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, rank: int,
                 params: Mapping[str, torch.Tensor], deadline: Deadline) -> Received:
         ctx = self._context(plan, rank)
         started = time.monotonic()
         try:
-            ctl = self._ctl(plan, deadline, ctx)
+            ctl = self._trainer_store.ctl(plan, deadline=deadline, ctx=ctx)
             rendezvous.post(ctl, version=plan.version, kind="ready", rank=rank, value="1", ctx=ctx)
             ready = time.monotonic()
             # the handles are in the plan: map them and plan every copy while the trainer fills its buckets
@@ -392,7 +378,7 @@ class CudaIpcReceiver(ReceiverTransport):
             self.last_timings["done_post_s"] = time.perf_counter() - t
             return Received(waited_s=waited)
         except BaseException:
-            self._stores.clear()
+            self._trainer_store.clear()
             raise
 
     def _map_allocations(self, plan: common_pb2.WeightSyncPlan, layout: Layout,
@@ -521,6 +507,6 @@ class CudaIpcReceiver(ReceiverTransport):
 
     def close(self) -> None:
         self._kept.clear()
-        self._stores.clear()
+        self._trainer_store.clear()
         self._recipe = None
 

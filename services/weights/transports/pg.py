@@ -318,7 +318,7 @@ class ProcessGroupReceiver(ReceiverTransport):
     def __init__(self, *, backend: str):
         self.name = backend
         self._backend = backend
-        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
+        self._trainer_store = rendezvous.TrainerStore()
         self._group: _Group | None = None
         self._staging: _Staging | None = None
 
@@ -327,29 +327,15 @@ class ProcessGroupReceiver(ReceiverTransport):
         peer = f"trainer rank 0 at {plan.master_addr}:{plan.master_port} (trainer_id {plan.trainer_id or '?'})"
         return SyncContext(plan.transport, plan.version, f"engine rank {rank}", peer, plan.timeout_s)
 
-    def _store(self, plan: common_pb2.WeightSyncPlan, deadline: Deadline, ctx: SyncContext) -> dist.TCPStore:
-        key = (plan.master_addr, plan.master_port)
-        if key not in self._stores:
-            self._stores.clear()   # a new trainer store: the old trainer is gone or restarted
-            self._stores[key] = rendezvous.connect_store(host=plan.master_addr, port=plan.master_port,
-                                                         deadline=deadline, ctx=ctx)
-        return self._stores[key]
-
     def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
-        ctx = self._context(plan, rank)
-        try:
-            store = self._store(plan, deadline, ctx)
-            rendezvous.post(rendezvous.ctl_store(store, plan.group_name), version=plan.version, kind="abort",
-                            rank=rank, value=reason[:4000], ctx=ctx)
-        except WeightSyncError:
-            pass  # the trainer will time out on its own; the caller raises the real reason
+        self._trainer_store.refuse(plan, ranks=[rank], reason=reason, deadline=deadline, ctx=self._context(plan, rank))
 
     def receive(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, rank: int,
                 params: Mapping[str, torch.Tensor], deadline: Deadline) -> Received:
         ctx = self._context(plan, rank)
         started = time.monotonic()
         try:
-            store = self._store(plan, deadline, ctx)
+            store = self._trainer_store.get(plan, deadline=deadline, ctx=ctx)
             ctl = rendezvous.ctl_store(store, plan.group_name)
             key = (plan.master_addr, plan.master_port, plan.group_name, plan.world_size, rank)
             held = str(self._group.generation) if self._group is not None and self._group.key == key else "-"
@@ -420,7 +406,7 @@ class ProcessGroupReceiver(ReceiverTransport):
         if self._group is not None:
             self._group.abort()
         self._group = None
-        self._stores.clear()
+        self._trainer_store.clear()
 
     def close(self) -> None:
         self._teardown()

@@ -312,16 +312,11 @@ class EngineHandshake:
 
     def __init__(self, *, refuse_timeout_s: float) -> None:
         """`refuse_timeout_s`: how long a best-effort refusal may try to reach the trainer's store."""
-        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
+        self._trainer_store = rendezvous.TrainerStore()
         self._refuse_timeout_s = refuse_timeout_s
 
     def _ctl(self, plan: common_pb2.WeightSyncPlan, deadline: Deadline, ctx: SyncContext) -> dist.Store:
-        key = (plan.master_addr, plan.master_port)
-        if key not in self._stores:
-            self._stores.clear()   # a new trainer store: the old trainer is gone or restarted
-            self._stores[key] = rendezvous.connect_store(host=plan.master_addr, port=plan.master_port,
-                                                         deadline=deadline, ctx=ctx)
-        return rendezvous.ctl_store(self._stores[key], plan.group_name)
+        return self._trainer_store.ctl(plan, deadline=deadline, ctx=ctx)
 
     def post_ready(self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], value: str, deadline: Deadline,
                    ctx: SyncContext) -> None:
@@ -346,14 +341,8 @@ class EngineHandshake:
 
     def refuse(self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], reason: str, ctx: SyncContext) -> None:
         """Best effort: the trainer fails now with `reason` instead of at its deadline."""
-        try:
-            ctl = self._ctl(plan, Deadline(self._refuse_timeout_s), ctx)
-            for rank in ranks:
-                if not ctl.check([f"v{plan.version}/abort/{rank}"]):
-                    ctl.set(f"v{plan.version}/abort/{rank}", reason[:4000])
-        except Exception:  # noqa: BLE001 - the caller raises the real reason
-            pass
+        self._trainer_store.refuse(plan, ranks=ranks, reason=reason, deadline=Deadline(self._refuse_timeout_s), ctx=ctx)
 
     def close(self) -> None:
-        self._stores.clear()
+        self._trainer_store.clear()
 
