@@ -184,7 +184,7 @@ def test_sglang_contract_a_failed_join_fails_both_sides_at_once(tmp_path: Path):
                                                           "in: unhandled system error"})
     try:
         start = time.monotonic()
-        with pytest.raises(WeightSyncRefused, match="SGLang engine rank 1 gave up: .*unhandled system error"):
+        with pytest.raises(WeightSyncRefused, match=r"SGLang engine rank 1 gave up: .*unhandled system error"):
             sync(pub, engine, version=1)
         assert time.monotonic() - start < 10   # not the 30 s deadline
         server.configure(fail={})

@@ -80,7 +80,8 @@ def test_plan_round_trip_and_validation():
     again = layout_from_plan(common_pb2.WeightSyncPlan.FromString(plan.SerializeToString()))
     assert again.buckets == layout.buckets
 
-    bad = common_pb2.WeightSyncPlan(); bad.CopyFrom(plan)
+    bad = common_pb2.WeightSyncPlan()
+    bad.CopyFrom(plan)
     bad.buckets[0].tensors[0].offset_bytes = 8
     with pytest.raises(ValueError, match="offset"):
         layout_from_plan(bad)
@@ -127,7 +128,8 @@ def test_check_params_lists_every_mismatch():
     params["norm0"] = torch.zeros(64, dtype=torch.float16)
     problems = check_params(layout, params)
     assert len(problems) == 3 and any("w1: missing" in p for p in problems)
-    assert any("w2" in p and "[64, 32]" in p for p in problems) and any("norm0" in p and "float16" in p for p in problems)
+    assert any("w2" in p and "[64, 32]" in p for p in problems)
+    assert any("norm0" in p and "float16" in p for p in problems)
 
 
 def _disk_publisher(tmp_path: Path, timeout_s: float = 2.0) -> WeightPublisher:
@@ -140,7 +142,8 @@ def test_receiver_refuses_mismatched_params_before_anything(tmp_path: Path):
     params = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in _specs()[1:]}
     params["w0"] = torch.zeros(3)
     started = time.monotonic()
-    with pytest.raises(ValueError, match=r"disk weight sync v1 .*2 problem\(s\).*embed: missing.*w0: have float32 \[3\]"):
+    with pytest.raises(ValueError, match=r"disk weight sync v1 .*2 problem\(s\).*embed: missing.*"
+                                         r"w0: have float32 \[3\]"):
         WeightReceiver().receive(plan, 1, params)
     assert time.monotonic() - started < 1.0      # refused up front, not after waiting for the files
 

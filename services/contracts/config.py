@@ -419,7 +419,7 @@ def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     for section, key in _PATH_KEYS + (("rollout", "reward"),):
         node = data.get(section)
         value = node.get(key) if isinstance(node, dict) else None
-        if not isinstance(value, str) or not value:
+        if not isinstance(node, dict) or not isinstance(value, str) or not value:
             continue
         if (section, key) == ("rollout", "reward"):
             node[key] = _resolve_reward_file(value, base_dir)

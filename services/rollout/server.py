@@ -42,8 +42,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @map_errors
     def Generate(self, request: rollout_pb2.GenerateRequest, context: Any) -> rollout_pb2.GenerateResponse:
-        sampling = (SamplingSpec.from_proto(request.sampling, default=SamplingSpec.from_config(self.config.rollout.sampling))
-                    if request.HasField("sampling") else None)
+        default = SamplingSpec.from_config(self.config.rollout.sampling)
+        sampling = SamplingSpec.from_proto(request.sampling, default=default) if request.HasField("sampling") else None
         r = self.service.generate(
             rollout_id=request.rollout_id, prompts=[prompt_from_proto(p) for p in request.prompts],
             n_samples_per_prompt=request.n_samples_per_prompt or None, sampling=sampling,
@@ -155,7 +155,8 @@ def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
     print(f"TANDEM_READY rollout {server.port}", flush=True)
     stop.wait()
     log.info("%s stopping", name)
-    server.stop(grace_s=5.0)
+    # calls in flight get a third of the graceful-stop budget; closing the engine gets the rest
+    server.stop(grace_s=svc.timeouts.shutdown_s / 3)
     service.close()
     tracing.shutdown_tracing()
     return ExitCode.OK

@@ -257,7 +257,7 @@ class RolloutService:
         tokens = sum(len(o.token_ids) for o in outputs)
         tracing.set_attributes(span_, tokens=tokens)
         responses = [self.decode(o.token_ids) for o in outputs]
-        texts = [self.prompt_text(p, ids) for p, ids in zip(prompts, prompt_ids)]
+        texts = [self.prompt_text(p, ids) for p, ids in zip(prompts, prompt_ids, strict=True)]
         t = time.monotonic()
         with tracing.span("rl.reward", rollout_id=rollout_id, weight_version=outputs[0].weight_version,
                           tokens=tokens, reward=reward_fn.spec, samples=len(outputs)):
@@ -286,7 +286,9 @@ class RolloutService:
                 if self._redis is None:
                     if not self.config.redis.url:
                         raise FailedPrecondition("redis.url is not set: the rollout service needs the run's Redis")
-                    self._redis = connect(self.config.redis.url, password=self.config.redis.password)
+                    timeouts = self.config.services.timeouts
+                    self._redis = connect(self.config.redis.url, password=self.config.redis.password,
+                                          timeout_s=timeouts.redis_socket_s, connect_timeout_s=timeouts.redis_connect_s)
                 self._buffers[stream] = RolloutBuffer(
                     self._redis, stream, groups=self.groups, group=None, consumer=self.producer,
                     max_buffered_batches=self.config.redis.max_buffered_batches,
@@ -392,7 +394,9 @@ class RolloutService:
                 from services.weights import WeightReceiver
             except ImportError as exc:
                 raise NotImplementedError(f"weight receiving needs services.weights: {exc}") from exc
-            self._receiver = WeightReceiver(accepted_trainer_id=self.config.weights.trainer_id)
+            self._receiver = WeightReceiver(accepted_trainer_id=self.config.weights.trainer_id,
+                                            timeout_s=self.config.weights.timeout_s,
+                                            refuse_timeout_s=self.config.services.timeouts.probe_s)
         return self._receiver
 
     def pause(self, mode: str = "drain") -> None:

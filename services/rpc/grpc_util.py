@@ -133,7 +133,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+    def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(OPEN_METHODS_PREFIXES):
             return continuation(handler_call_details)
         for key, value in handler_call_details.invocation_metadata or ():
@@ -162,7 +162,7 @@ class DecodeErrorInterceptor(grpc.ServerInterceptor):
     """Request bytes that do not parse get INVALID_ARGUMENT (gRPC's own answer is INTERNAL "Exception
     deserializing request!", which reads like a server bug and is what a fuzzer would hit first)."""
 
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+    def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
@@ -246,7 +246,8 @@ class RunningServer:
         for name in ("", *self.service_names):
             self.health.set(name, status)
 
-    def stop(self, grace_s: float = 2.0) -> None:
+    def stop(self, grace_s: float) -> None:
+        """Stops serving; calls in flight get `grace_s` to finish."""
         self.set_serving(False)
         self.server.stop(grace_s).wait()
 
@@ -309,20 +310,20 @@ class _HeaderInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClien
     def __init__(self, header: tuple[str, str]):
         self._header = header
 
-    def _with_header(self, details):  # type: ignore[no-untyped-def]
-        metadata = list(details.metadata or []) + [self._header]
+    def _with_header(self, details):
+        metadata = [*(details.metadata or []), self._header]
         return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[override]
+    def intercept_unary_unary(self, continuation, client_call_details, request):
         return continuation(self._with_header(client_call_details), request)
 
-    def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[override]
+    def intercept_unary_stream(self, continuation, client_call_details, request):
         return continuation(self._with_header(client_call_details), request)
 
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
         return continuation(self._with_header(client_call_details), request_iterator)
 
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return continuation(self._with_header(client_call_details), request_iterator)
 
 

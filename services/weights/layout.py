@@ -205,7 +205,7 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     digest = hashlib.blake2b(digest_size=16)
     data = tensor_bytes(tensor)
     if data.numel():
-        digest.update(memoryview(data.numpy()))
+        digest.update(data.numpy().data)
     return digest.hexdigest()
 
 
