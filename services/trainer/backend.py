@@ -151,6 +151,7 @@ class DeepSpeedBackend:
             _hf_part(model).gradient_checkpointing_enable()
         if use_fused_kernels(config, dist_info.device):
             fused.patch_model(model)
+            fused.warm_up(model)   # while the engines start, not in the first step
         lr = (t.critic_lr or t.lr) if role == "critic" else t.lr
         total = t.total_steps or config.loop.num_rollout
         schedule = lr_lambda(schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total, lr=lr,

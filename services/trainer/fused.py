@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import types
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -177,6 +177,35 @@ def _is_swiglu_mlp(module: torch.nn.Module) -> bool:
     act = getattr(module, "act_fn", None)
     return (all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
             and type(act).__name__ in _SILU_CLASSES)
+
+
+def warm_up(model: torch.nn.Module) -> None:
+    """Compiles the kernels for this model's widths and dtype now (Triton compiles on first launch, a second or
+    two each), so the first training step does not pay for it: one tiny forward and backward per shape."""
+    seen: set[tuple[str, int, torch.dtype]] = set()
+    for module in model.modules():
+        if getattr(module, "_unfused_forward", None) is None:
+            continue
+        key: tuple[str, int, torch.dtype]
+        if _is_rms_norm(module):
+            weight = cast("torch.Tensor", module.weight)
+            key = ("rms", int(weight.shape[-1]), weight.dtype)
+        elif _is_swiglu_mlp(module):
+            gate = cast("torch.nn.Linear", module.gate_proj)
+            key = ("swiglu", gate.out_features, gate.weight.dtype)
+        else:
+            continue
+        if key in seen:
+            continue
+        seen.add(key)
+        kind, width, dtype = key
+        device = next(module.parameters()).device
+        x = torch.randn(2, width, device=device, dtype=dtype, requires_grad=True)
+        if kind == "rms":
+            w = torch.ones(width, device=device, dtype=dtype, requires_grad=True)
+            rms_norm(x, w, 1e-6).sum().backward()
+        else:
+            swiglu(x, torch.randn_like(x).requires_grad_()).sum().backward()
 
 
 def patch_model(model: torch.nn.Module) -> dict[str, int]:
