@@ -29,9 +29,9 @@ class ModelConfig(Section):
     tokenizer_path: str | None = Field(default=None, description="defaults to model.path")
     dtype: Literal["float32", "bfloat16"] = "float32"
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
-    init_preset: Literal["tiny", "small"] | None = Field(
-        default=None, description="the random-init preset `tandem run --init-model` builds when model.path holds no model "
-                    "(default tiny); nothing is ever built without that flag")
+    init_preset: Literal["tiny", "small", "q05", "q15"] | None = Field(
+        default=None, description="the random-init preset `tandem run --init-model` builds when model.path holds no "
+        "model (default tiny); nothing is ever built without that flag")
 
 
 class DataConfig(Section):
@@ -416,7 +416,7 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
 def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     """Relative file paths in the YAML are relative to the YAML file's directory; so is the file of a
     `path/to/file.py:function` reward plug-in."""
-    for section, key in _PATH_KEYS + (("rollout", "reward"),):
+    for section, key in (*_PATH_KEYS, ("rollout", "reward")):
         node = data.get(section)
         value = node.get(key) if isinstance(node, dict) else None
         if not isinstance(node, dict) or not isinstance(value, str) or not value:

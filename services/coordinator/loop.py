@@ -43,6 +43,7 @@ from services.coordinator.retry import TRAIN_RETRY, RetryPolicy
 from services.coordinator.startup import keep_reusable, restore, wait_for_services
 from services.coordinator.state import GeneratedBatch, RunState
 from services.coordinator.stepmetrics import generation_metrics, prefixed
+from services.telemetry.startup import process_age_s
 from services.telemetry.tracing import StepSpans, annotate, inject_context, span
 from services.telemetry.trackers import EventLog, Tracker
 
@@ -86,6 +87,8 @@ class Coordinator:
         self.error = ""
         self._start_id = 0
         self._epoch_ends: set[int] = set()
+        # where the coordinator's start-up went (reported with the first step as perf/startup_*_s)
+        self.startup_seconds: dict[str, float] = {}
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -169,8 +172,10 @@ class Coordinator:
 
     def _startup(self) -> bool:
         """True when the checkpoint shows the run already finished: nothing to do, nothing to log again."""
+        started = self.clock.monotonic()
         wait_for_services([self.trainer, *([self.critic] if self.critic else []), self.pool],
                           timeout_s=self.loop_cfg.startup_timeout_s)
+        self.startup_seconds["services"] = self.clock.monotonic() - started
         restored = restore(self.trainer, self.critic)
         self.state, self.last_checkpoint = restored.state, restored.checkpoint
         self.data.cursor = self.state.cursor
@@ -187,11 +192,15 @@ class Coordinator:
             tracker.rewind(next_step=done)
         self.events.emit("state", rollout_id=done, message=f"starting at rollout {done} of {self.num_rollout}")
         metrics = self._sync_weights(bump=False)
+        self.startup_seconds["first_sync"] = metrics["perf/weight_sync_time_s"]
         log.info("initial weights pushed: version %d (%.2fs)", self.state.weight_version,
                  metrics["perf/weight_sync_time_s"])
         if policy.eval_before_training(interval=self.loop_cfg.eval_interval, next_rollout_id=done,
                                        skip=self.loop_cfg.skip_eval_before_train):
+            t = self.clock.monotonic()
             self.evals.run_now(-1)
+            self.startup_seconds["first_eval"] = self.clock.monotonic() - t
+        self.startup_seconds["total"] = self.clock.monotonic() - started
         return False
 
     def _finish(self) -> None:
@@ -301,6 +310,9 @@ class Coordinator:
         metrics["perf/tokens_per_s"] = metrics.get("rollout/response_tokens", 0.0) / step_s if step_s else 0.0
         metrics["weights/version"] = float(self.state.weight_version)
         metrics["data/epoch"] = float(self.data.cursor.epoch)
+        if rollout_id == self._start_id:   # the run's first step: where the coordinator's start-up went
+            metrics.update({f"perf/startup_{k}_s": v for k, v in self.startup_seconds.items()})
+            metrics["perf/startup_to_first_step_s"] = process_age_s()
         annotate(staleness=metrics.get("rollout/staleness"), tokens=metrics.get("rollout/response_tokens"),
                  step_time_s=step_s)   # on the step's rl.loop span
         self.last_metrics = metrics

@@ -24,6 +24,7 @@ from services.contracts.sampling import SamplingSpec
 from services.rollout.service import PromptInput, RolloutService
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.telemetry import tracing
+from services.telemetry.startup import process_age_s
 from services.tensors.devices import cuda_reserved_bytes
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    log.info("%s ready %.1fs after its process started", name, process_age_s())
     log.info("%s serving on %s:%d (engine %s, model %s, device %s)", name, svc.bind_host, server.port,
              service.engine.name, config.model.path, service.get_state().engine.device)
     print(f"TANDEM_READY rollout {server.port}", flush=True)

@@ -141,7 +141,9 @@ class RolloutService:
         self.replica = replica
         self.producer = f"rollout-{replica}"
         self.default_reward = resolve_reward(config.rollout.reward)   # a bad spec fails the start
+        started = time.monotonic()
         self.engine = engine if engine is not None else build_engine(config)
+        log.info("startup: %s engine ready in %.2fs", self.engine.name, time.monotonic() - started)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             config.model.tokenizer_path or config.model.path)
         self.stream = stream_key(config.redis.stream_prefix, config.run_name)

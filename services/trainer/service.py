@@ -49,9 +49,13 @@ class TrainerService:
         if role == "critic" and not config.algorithm.uses_critic:
             raise ValueError("--role critic needs algorithm.advantage_estimator: gae")
         self.config, self.role, self.run_dir = config, role, Path(run_dir)
+        started = time.monotonic()
         self.dist = init_process_group(device=config.trainer.device,
                                        timeout_s=config.services.timeouts.process_group_s)
+        joined = time.monotonic()
         self.backend = DeepSpeedBackend(config=config, role=role, dist_info=self.dist)
+        log.info("startup: process group %.2fs, model + DeepSpeed engine %.2fs", joined - started,
+                 time.monotonic() - joined)
         self.old_actor = OldActor(config=config, device=self.dist.device, dtype=param_dtype(config),
                                   keep=snapshots_to_keep(config)) \
             if role == "actor" and config.algorithm.keep_old_actor else None
