@@ -4,8 +4,9 @@ Round t: one `engine.generate` call over every episode still running (its prompt
 reset observation, and every earlier turn and observation), then every live episode's `step` concurrently.
 An episode ends when its environment says done, after `max_turns` turns, or when the next observation would
 leave no room in the engine's context (verl's ToolAgentLoop rule: an episode never ends on an observation, so
-its last response token is a policy token). Round by round keeps the engine's batch wide; a slow step delays
-its round, not each episode in turn.
+its last response token is a policy token). Round by round keeps the engine's batch wide; the engine call runs
+on a worker thread, so an async environment's own tasks keep running meanwhile; a slow async step delays its
+round, not each episode in turn.
 
 One episode becomes one sample: response = turns and observations in order, loss_mask 1 on policy tokens and 0
 on observation tokens, rollout log-probs the engine's on policy tokens and 0.0 on observation tokens (the
@@ -39,7 +40,6 @@ EPISODE_ENDS = (END_DONE, END_MAX_TURNS, END_CONTEXT, END_ABORT)
 _WIRE_FINISH = {END_DONE: FINISH_STOP, END_MAX_TURNS: FINISH_LENGTH, END_CONTEXT: FINISH_LENGTH,
                 END_ABORT: FINISH_ABORT}
 _TURN_SEED_STRIDE = 0x9E37_79B9_7F4A_7C15   # turn t > 0 samples with seed + t x this (mod 2^63)
-_MAX_THREADS = 64   # worker threads of sync environment methods (and the engine call) per request
 
 
 @dataclass(frozen=True)
@@ -121,9 +121,6 @@ class MultiTurnRollout:
         return _run_coroutine(self._run(samples, sampling))
 
     async def _run(self, samples: Sequence[EpisodeSample], sampling: SamplingSpec) -> EpisodeBatch:
-        # sync environment methods run here; a blocking one (a sandbox, a request) holds a thread, not the round
-        asyncio.get_running_loop().set_default_executor(
-            concurrent.futures.ThreadPoolExecutor(max_workers=min(_MAX_THREADS, max(1, len(samples)))))
         clock = _Clock()
         with clock.timing("environment"):
             episodes = await self._reset(samples)
