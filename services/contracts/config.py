@@ -30,8 +30,8 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
     init_preset: Literal["tiny", "small"] | None = Field(
-        default=None, description="the random-init preset `tandem run --init-model` builds when model.path holds no model "
-                    "(default tiny); nothing is ever built without that flag")
+        default=None, description="the random-init preset `tandem run --init-model` builds when model.path holds no "
+                    "model (default tiny); nothing is ever built without that flag")
 
 
 class DataConfig(Section):
@@ -113,12 +113,20 @@ class TrainerConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage_estimator: Literal["grpo", "gae"] = "grpo"
-    normalize_advantage_std: bool = Field(default=True, description="False = Dr.GRPO")
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = Field(
+        default="grpo", description="grpo (group-normalised), rloo (leave-one-out baseline), reinforce_pp (discounted "
+        "returns whitened over the batch), reinforce_pp_baseline (group mean baseline, then whitened over the batch), "
+        "gae (PPO with a critic); docs/algorithms.md")
+    normalize_advantage_std: bool = Field(default=True, description="grpo: divide by the group's std (False = "
+                                          "Dr.GRPO)")
+    policy_loss: Literal["ppo", "gspo"] = Field(default="ppo", description="ppo: per-token ratio, clipped per token; "
+                                                "gspo: the sequence's geometric-mean ratio, clipped per sequence")
     eps_clip: float = Field(default=0.2, gt=0)
     eps_clip_high: float | None = Field(default=None, gt=0, description="asymmetric upper clip (DAPO)")
     dual_clip_c: float | None = Field(default=None, gt=1.0)
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
+        default="token_mean", description="default token_mean; with policy_loss: gspo left unset it is "
+        "seq_mean_token_mean, the GSPO paper's objective")
     kl_coef: float = Field(default=0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_mode: Literal["loss", "reward"] = "loss"
@@ -132,8 +140,8 @@ class AlgorithmConfig(Section):
     keep_old_actor: bool = Field(default=False, description="keep snapshots of the weights sent to the rollout "
                                  "engines, and score each sample under the version that generated it (the ratio's "
                                  "denominator); needs use_rollout_logprobs: false")
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    lambd: float = Field(default=1.0, ge=0, le=1)
+    gamma: float = Field(default=1.0, ge=0, le=1, description="discount per action: gae, reinforce_pp")
+    lambd: float = Field(default=1.0, ge=0, le=1, description="GAE's lambda: gae")
     whiten_advantages: bool = Field(default=False, description="gae: normalise advantages to mean 0, std 1 over "
                                     "the batch's trainable tokens (verl's masked_whiten)")
     value_clip: float = Field(default=0.2, gt=0)
@@ -142,6 +150,18 @@ class AlgorithmConfig(Section):
     @property
     def uses_critic(self) -> bool:
         return self.advantage_estimator == "gae"
+
+    @property
+    def compares_within_groups(self) -> bool:
+        """The estimator's baseline is the other samples of the same prompt."""
+        return self.advantage_estimator in ("grpo", "rloo", "reinforce_pp_baseline")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gspo_aggregates_per_sequence(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("policy_loss") == "gspo" and "loss_aggregation" not in data:
+            return {**data, "loss_aggregation": "seq_mean_token_mean"}
+        return data
 
     @model_validator(mode="after")
     def _consistent_corrections(self) -> AlgorithmConfig:
@@ -152,9 +172,27 @@ class AlgorithmConfig(Section):
         if self.use_rollout_logprobs and self.keep_old_actor:
             raise ValueError("keep_old_actor: true needs use_rollout_logprobs: false (the old actor "
                              "computes the ratio's denominator, which use_rollout_logprobs takes from the rollout)")
-        if self.whiten_advantages and not self.uses_critic:
-            raise ValueError("whiten_advantages applies to advantage_estimator: gae (GRPO advantages are "
-                             "normalised per group: normalize_advantage_std)")
+        return self
+
+    @model_validator(mode="after")
+    def _keys_the_estimator_uses(self) -> AlgorithmConfig:
+        """A key the chosen estimator ignores, set away from its default, is a mistake: refuse it."""
+        est = self.advantage_estimator
+        if self.whiten_advantages and est != "gae":
+            raise ValueError(f"whiten_advantages applies to advantage_estimator: gae (advantage_estimator {est} "
+                             "normalises by itself: grpo per group, reinforce_pp and reinforce_pp_baseline over the "
+                             "batch, rloo not at all)")
+        if not self.normalize_advantage_std and est != "grpo":
+            raise ValueError("normalize_advantage_std: false (Dr.GRPO) applies to advantage_estimator: grpo; "
+                             f"advantage_estimator {est} divides by no group std")
+        if self.gamma != 1.0 and est not in ("gae", "reinforce_pp"):
+            raise ValueError(f"gamma applies to advantage_estimator: gae or reinforce_pp (per-token returns); "
+                             f"advantage_estimator {est} gives each sample one advantage")
+        if self.lambd != 1.0 and est != "gae":
+            raise ValueError(f"lambd is GAE's lambda: it needs advantage_estimator: gae, not {est}")
+        if self.num_critic_only_steps and not self.uses_critic:
+            raise ValueError(f"num_critic_only_steps needs a critic: advantage_estimator: gae (advantage_estimator "
+                             f"{est} trains none)")
         return self
 
 
@@ -289,6 +327,10 @@ class TandemConfig(Section):
     @model_validator(mode="after")
     def _cross_section_rules(self) -> TandemConfig:
         validate_async_off_policy_correction(self)
+        if self.algorithm.compares_within_groups and self.rollout.n_samples_per_prompt == 1:
+            raise ValueError(f"rollout.n_samples_per_prompt: 1 gives every sample advantage 0 with "
+                             f"algorithm.advantage_estimator: {self.algorithm.advantage_estimator} (its baseline is "
+                             "the other samples of the prompt); sample 2 or more per prompt, or use reinforce_pp")
         if self.loop.offload_rollout and self.loop.mode != "sync":
             raise ValueError(f"loop.offload_rollout needs loop.mode: sync (in {self.loop.mode} mode the engines "
                              "generate the next batch while the trainer trains)")
@@ -413,9 +455,11 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
 def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     """Relative file paths in the YAML are relative to the YAML file's directory; so is the file of a
     `path/to/file.py:function` reward plug-in."""
-    for section, key in _PATH_KEYS + (("rollout", "reward"),):
+    for section, key in (*_PATH_KEYS, ("rollout", "reward")):
         node = data.get(section)
-        value = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        value = node.get(key)
         if not isinstance(value, str) or not value:
             continue
         if (section, key) == ("rollout", "reward"):
