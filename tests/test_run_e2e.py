@@ -52,19 +52,19 @@ def learning_curve(run_dir) -> tuple[list[dict], list[dict]]:  # type: ignore[no
 def test_gspo_with_rloo_learns_digit_max_with_two_token_answers(tmp_path):
     """One run for both: GSPO's sequence ratio and RLOO's leave-one-out advantages. Two tokens per answer (the digit,
     then EOS or another special token that decodes to nothing), so a sequence's ratio is a geometric mean over tokens
-    and its length varies: with one token GSPO would be PPO. 40 steps: greedy eval 0.68-0.81 over the seeds tried
-    (untrained 0.0); the one-token task learns faster but would not exercise the sequence ratio."""
+    and its length varies: with one token GSPO would be PPO. 50 steps: greedy eval 0.83-0.92 over the seeds tried
+    (0.62-0.80 after 40; untrained 0.0); the one-token task learns faster but would not exercise the sequence ratio."""
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, "loop.num_rollout=40", "loop.eval_interval=20", "algorithm.policy_loss=gspo",
+    proc = start_run(run_dir, "loop.num_rollout=50", "loop.eval_interval=25", "algorithm.policy_loss=gspo",
                      "algorithm.advantage_estimator=rloo", "rollout.sampling.max_new_tokens=2",
                      "rollout.eval_sampling.max_new_tokens=2")
     assert proc.wait(timeout=600) == 0, supervisor_log(run_dir)
     evals, steps = learning_curve(run_dir)
-    assert [r["rollout_id"] for r in evals] == [-1, 19, 39] and len(steps) == 40
+    assert [r["rollout_id"] for r in evals] == [-1, 24, 49] and len(steps) == 50
     untrained, trained = evals[0]["eval/reward_mean"], evals[-1]["eval/reward_mean"]
-    assert untrained < 0.1 and trained > 0.5, evals
+    assert untrained < 0.1 and trained > 0.6, evals
     first, last = (sum(r["rollout/reward_mean"] for r in part) / 5 for part in (steps[:5], steps[-5:]))
-    assert last > first + 0.1, (first, last)
+    assert last > first + 0.15, (first, last)
     assert all(1.0 < r["train/response_len_mean"] <= 2.0 for r in steps), "sequences of one and two tokens"
 
 
