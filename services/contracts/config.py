@@ -67,6 +67,28 @@ class SGLangConfig(Section):
     api_key: str | None = Field(default=None, description="SGLang's --api-key (sent as a bearer token)")
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling (docs/algorithms.md): groups whose rewards are all equal are filtered out, and more
+    prompts are generated until a step has rollout_batch_size informative groups."""
+
+    enabled: bool = False
+    max_rounds: int = Field(default=3, ge=1, description="generation rounds of one step at most, the first included "
+                            "(each draws the next rollout_batch_size prompts); at the cap the step trains on the "
+                            "informative groups there are (metric rollout/groups_short)")
+    min_std: float = Field(default=1e-6, ge=0, description="a group is informative when the population std of its "
+                           "rewards exceeds this")
+
+
+class OverlongPenaltyConfig(Section):
+    """DAPO's soft overlong punishment: a length penalty over the last `buffer_tokens` before max_new_tokens, added
+    to the reward by the rollout before the batch is written."""
+
+    enabled: bool = False
+    buffer_tokens: int = Field(default=1, ge=1, description="the penalty grows from 0 at max_new_tokens - "
+                               "buffer_tokens to -factor at max_new_tokens")
+    factor: float = Field(default=1.0, gt=0)
+
+
 class RolloutConfig(Section):
     engine: Literal["native", "sglang"] = "native"
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
@@ -82,6 +104,8 @@ class RolloutConfig(Section):
     max_request_samples: int = Field(default=65536, ge=1, description="most samples (prompts × n) one Generate or "
                                      "Evaluate call may ask for; larger requests are refused (INVALID_ARGUMENT)")
     sglang: SGLangConfig = SGLangConfig()
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    overlong_penalty: OverlongPenaltyConfig = OverlongPenaltyConfig()
 
 
 class TrainerConfig(Section):
@@ -141,6 +165,9 @@ class AlgorithmConfig(Section):
                                     "the batch's trainable tokens (verl's masked_whiten)")
     value_clip: float = Field(default=0.2, gt=0)
     num_critic_only_steps: int = Field(default=0, ge=0)
+    overlong_filter: bool = Field(default=False, description="DAPO's overlong filtering: samples that reached "
+                                  "max_new_tokens without stopping get loss_mask 0 in the actor's loss (they still "
+                                  "count in their group's baseline and in the books)")
 
     @property
     def uses_critic(self) -> bool:
@@ -292,6 +319,7 @@ class TandemConfig(Section):
     @model_validator(mode="after")
     def _cross_section_rules(self) -> TandemConfig:
         validate_async_off_policy_correction(self)
+        validate_dapo_options(self)
         if self.loop.offload_rollout and self.loop.mode != "sync":
             raise ValueError(f"loop.offload_rollout needs loop.mode: sync (in {self.loop.mode} mode the engines "
                              "generate the next batch while the trainer trains)")
@@ -323,6 +351,32 @@ def validate_async_off_policy_correction(config: TandemConfig) -> None:
         f"loop.mode: {config.loop.mode} trains on samples of an older policy, but no off-policy correction is on "
         "(a critic is none): set algorithm.use_rollout_logprobs: true, algorithm.use_tis: true or "
         "algorithm.keep_old_actor: true, or use loop.mode: sync")
+
+
+def validate_dapo_options(config: TandemConfig) -> None:
+    """Dynamic sampling needs a group baseline, contiguous prompt ranges per step, and one step's entries within the
+    buffer; the overlong buffer lies inside the response budget."""
+    ro = config.rollout
+    if ro.dynamic_sampling.enabled:
+        where = "rollout.dynamic_sampling.enabled"
+        if config.algorithm.uses_critic:
+            raise ValueError(f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
+                             "baseline; with algorithm.advantage_estimator: gae the critic's values are the baseline "
+                             "and such groups still train")
+        if ro.n_samples_per_prompt < 2:
+            raise ValueError(f"{where} needs rollout.n_samples_per_prompt >= 2 (a group of one is always uniform)")
+        if config.loop.mode == "fully_async":
+            raise ValueError(f"{where} needs loop.mode async or sync (in fully_async several generations draw "
+                             "prompts at once, so a step's prompts would not be one range of the data cursor)")
+        entries = ro.dynamic_sampling.max_rounds * min(len(config.services.rollout), ro.rollout_batch_size)
+        if entries > config.redis.max_buffered_batches:
+            raise ValueError(f"rollout.dynamic_sampling.max_rounds {ro.dynamic_sampling.max_rounds} x "
+                             f"{len(config.services.rollout)} rollout replica(s) = {entries} buffer entries for one "
+                             f"step, more than redis.max_buffered_batches ({config.redis.max_buffered_batches}): "
+                             "raise that or lower max_rounds")
+    if ro.overlong_penalty.enabled and ro.overlong_penalty.buffer_tokens > ro.sampling.max_new_tokens:
+        raise ValueError(f"rollout.overlong_penalty.buffer_tokens ({ro.overlong_penalty.buffer_tokens}) must not "
+                         f"exceed rollout.sampling.max_new_tokens ({ro.sampling.max_new_tokens})")
 
 
 # ---- loading ----------------------------------------------------------------------------------
