@@ -6,7 +6,8 @@
 Every variant trains the same synthetic GRPO batches (digit_max-like prompts of 4-8 tokens, responses of exactly L
 tokens, 8 samples per group) with Tandem's own loss code (`services.trainer.actor.actor_step`), in this process:
 
-- `ds_*`: the DeepSpeed backend the trainer service uses (ZeRO stage, precision and token budget per variant);
+- `ds_*`: the DeepSpeed backend the trainer service uses (ZeRO stage, precision and token budget per variant; the
+  fused RMSNorm/SwiGLU kernels on a GPU unless the name says `eager`);
 - `torch_*`: the same loss over a plain torch backend (no DeepSpeed): bf16 parameters with fused AdamW
   (`torch_bf16`, what TRL does), or fp32 parameters under bf16 autocast (`torch_amp`);
 - `hf_fwd_bwd`: the model's forward and backward alone on the same micro-batches (no loss code, no optimizer):
@@ -55,6 +56,7 @@ SHAPES = {   # Qwen2 bodies over Tandem's 22-token vocabulary (services/rollout/
 VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z1_bf16": {"kind": "ds", "zero_stage": 1, "precision": "bf16"},
     "ds_z1_bf16_8k": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "micro_batch_tokens": 8192},
+    "ds_z1_bf16_eager": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "fused_kernels": "off"},
     "ds_z0_bf16": {"kind": "ds", "zero_stage": 0, "precision": "bf16"},
     "ds_z2_bf16": {"kind": "ds", "zero_stage": 2, "precision": "bf16"},
     "ds_z1_bf16_32k": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "micro_batch_tokens": 32768},
@@ -63,6 +65,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z1_bf16pure_32k": {"kind": "ds", "zero_stage": 1, "precision": "bf16_pure", "micro_batch_tokens": 32768},
     "ds_z1_fp32": {"kind": "ds", "zero_stage": 1, "precision": "fp32"},
     "torch_bf16": {"kind": "torch", "param_dtype": torch.bfloat16, "autocast": False},
+    "torch_bf16_fused": {"kind": "torch", "param_dtype": torch.bfloat16, "autocast": False, "fused": True},
     "torch_bf16_32k": {"kind": "torch", "param_dtype": torch.bfloat16, "autocast": False, "micro_batch_tokens": 32768},
     "torch_amp": {"kind": "torch", "param_dtype": torch.float32, "autocast": True},
     "hf_fwd_bwd": {"kind": "floor"},
@@ -180,7 +183,12 @@ class TorchBackend:
 
 def build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path) -> Any:
     if variant["kind"] == "torch":
-        return TorchBackend(model_dir, device, param_dtype=variant["param_dtype"], autocast=variant["autocast"])
+        backend = TorchBackend(model_dir, device, param_dtype=variant["param_dtype"], autocast=variant["autocast"])
+        if variant.get("fused"):
+            from services.trainer import fused
+
+            fused.patch_model(backend.module)
+        return backend
     from services.trainer.backend import DeepSpeedBackend
     from services.trainer.dist import init_process_group
 
@@ -188,7 +196,8 @@ def build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device
         "model": {"path": str(model_dir), "dtype": "bfloat16"}, "data": {"train_path": str(tmp / "unused.jsonl")},
         "trainer": {"device": device.type, "zero_stage": variant["zero_stage"], "precision": variant["precision"],
                     "lr": 1e-3, "micro_batch_tokens": variant.get("micro_batch_tokens", DEFAULT_BUDGET),
-                    "skip_nonfinite_steps": variant.get("skip_nonfinite_steps", True)}})
+                    "skip_nonfinite_steps": variant.get("skip_nonfinite_steps", True),
+                    "fused_kernels": variant.get("fused_kernels", "auto")}})
     return DeepSpeedBackend(config=config, role="actor", dist_info=init_process_group(
         device=device.type, timeout_s=config.services.timeouts.process_group_s))
 

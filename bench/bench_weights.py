@@ -36,7 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.contracts.config import WeightsConfig
-from services.weights import TensorSpec, WeightPublisher
+from services.weights import TensorSpec, WeightPublisher, torch_compat
 from services.weights.peer import Peer, make_tensors, plan_to_text, specs_to_json
 
 
@@ -79,16 +79,16 @@ def bench_transport(*, transport: str, bucket_mb: float, specs: list[TensorSpec]
 def bench_raw_gloo(*, nbytes: int, repeats: int, peer: Peer) -> dict[str, float]:
     store = dist.TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
-    peer.send(op="raw_recv", addr="127.0.0.1", port=store.port, group="raw", nbytes=nbytes, repeats=repeats + 1)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = datetime.timedelta(seconds=60)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, opts)
+    peer.send(op="raw_recv", addr="127.0.0.1", port=store.port, group="raw", nbytes=nbytes, repeats=repeats + 1,
+              timeout_s=60)
+    timeout = datetime.timedelta(seconds=60)
+    pg = torch_compat.gloo_group(dist.PrefixStore("raw", store), rank=0, world_size=2, timeout=timeout,
+                                 device=dist.ProcessGroupGloo.create_device(hostname="127.0.0.1"))
     buffer = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     times = []
     for i in range(repeats + 1):
         started = time.perf_counter()
-        pg.broadcast(buffer, 0).wait()
+        pg.broadcast(buffer, 0, timeout).wait()
         if i:
             times.append(time.perf_counter() - started)
     assert peer.reply(timeout_s=300)["ok"]

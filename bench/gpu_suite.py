@@ -1,6 +1,11 @@
 """Every GPU check in one call: the GPU tests, the same-GPU weight hand-off bench and the native engine bench.
 
-    python bench/gpu_suite.py [--out DIR] [--only handoff ipc_copy engine engine_compile tests trainer_tests run] [--quick]
+    python bench/gpu_suite.py [--out DIR] [--quick]
+        [--only handoff ipc_copy engine engine_compile tests offload trainer_tests run]
+    python bench/gpu_suite.py --only peer_trl        # Tandem vs TRL (bench/peer_trl.py), a call of its own
+
+On the device machine every command starts with `source bench/gpu_env.sh` (add `sglang` for SGLang stages), which
+installs the wheels the call carries: `.whl` for these stages, `.whl .whl_trl` for peer_trl (bench/gpu_kit.sh).
 
 Each stage runs as its own process with its own time limit, so one hang cannot take the others down; its
 full output goes to DIR/<stage>.log and a markdown summary (command, exit code, seconds, the stage's tables
@@ -47,7 +52,13 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
                           200, {"TANDEM_TEST_TRAINER_DEVICE": "cuda"}),
         # full `tandem run`s sharing the GPU through cuda_ipc (needs deepspeed, redis, opentelemetry)
         "run": ([PY, "bench/gpu_run.py", "--steps", "40", "--out", str(out / "run")], 450, {}),
+        # Tandem async/sync vs TRL's GRPOTrainer (needs .whl_trl carried; TRL is skipped in one line without it).
+        # It keeps to its own --budget-s (520 s), so it only runs when named: a call of its own.
+        "peer_trl": ([PY, "bench/peer_trl.py", "--out", str(out / "peer_trl")], 560, {}),
     }
+
+
+OPT_IN = {"peer_trl"}   # stages left out unless --only names them (each needs most of a 10-minute call)
 
 
 def run_stage(name: str, cmd: list[str], limit_s: int, out: Path, extra_env: dict[str, str]) -> dict:
@@ -55,7 +66,8 @@ def run_stage(name: str, cmd: list[str], limit_s: int, out: Path, extra_env: dic
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra_env}
     with open(out / f"{name}.log", "w") as log:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=limit_s).returncode
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                timeout=limit_s).returncode
         except subprocess.TimeoutExpired:
             rc = 124
     text = (out / f"{name}.log").read_text(errors="replace")
@@ -102,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats in the engine bench")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    chosen = args.only if args.only is not None else [n for n in stages(args.quick, args.out) if n not in OPT_IN]
     results = [run_stage(name, cmd, limit, args.out, env) for name, (cmd, limit, env) in
-               stages(args.quick, args.out).items() if args.only is None or name in args.only]
+               stages(args.quick, args.out).items() if name in chosen]
     print(write_summary(results, args.out))
     return 0 if all(r["rc"] == 0 for r in results) else 1
 

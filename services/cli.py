@@ -6,8 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.contracts.config import ConfigError, TandemConfig, load_config
+from services.contracts.config import ConfigError, TandemConfig, TimeoutsConfig, load_config
 from services.contracts.exits import ExitCode
+from services.rollout.model_init import ARCHS, PRESETS
 from services.rpc.grpc_util import PortInUse
 
 
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from services.coordinator.ctl import ACTIONS, DEFAULT_ADDR
 
-    p = sub.add_parser("ctl", help="control a running coordinator", formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = sub.add_parser("ctl", help="control a running coordinator",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Control a running coordinator. Which one: --addr; else --run-dir (its "
                                    "config.yaml names it); else the `tandem run` running under ./runs/; else "
                                    f"{DEFAULT_ADDR}.",
@@ -51,13 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=Path, default=None, help="a run directory of `tandem run` (RUN_DIR/config.yaml)")
     p.add_argument("--token", default=None, help="bearer token (services.auth_token; default: from --run-dir)")
     p.add_argument("--tls-ca", default=None, help="CA certificate for TLS (default: from --run-dir)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the reply (default 30)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for the reply (default: the run's services.timeouts.control_s, else "
+                        f"{TimeoutsConfig().control_s:g})")
     p.add_argument("action", choices=list(ACTIONS), metavar="ACTION", help=", ".join(ACTIONS))
 
     p = sub.add_parser("init-model", help="build a random-init HF model and tokenizer locally (no download)")
     p.add_argument("out_dir", type=Path)
-    p.add_argument("--preset", choices=["tiny", "small"], default="tiny")
-    p.add_argument("--arch", choices=["qwen2", "llama"], default="llama")
+    p.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    p.add_argument("--arch", choices=list(ARCHS), default=None,
+                   help="default: the preset's (qwen2 for q05/q15, else llama)")
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("plot", help="reward / throughput curves of a run as PNG")
@@ -108,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "init-model":
-        from services.rollout.model_init import init_model
+        from services.rollout.model_init import init_model, parameter_count, preset_arch
 
         path = init_model(args.out_dir, preset=args.preset, arch=args.arch, seed=args.seed)
-        print(f"wrote random-init {args.preset} {args.arch} model and tokenizer to {path}")
+        print(f"wrote random-init {args.preset} {preset_arch(args.preset, args.arch)} model and tokenizer to {path} "
+              f"({parameter_count(path) / 1e9:.3f}B parameters)")
         return ExitCode.OK
     if args.command == "ctl":
         from services.coordinator.ctl import find_coordinator, run_ctl

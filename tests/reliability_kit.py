@@ -19,7 +19,8 @@ from services.buffer.redis_server import EmbeddedRedis
 from services.buffer.stream import connect, stream_key
 from services.contracts.config import load_config, write_resolved_config
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2_grpc
-from services.coordinator.clients import RolloutPool, make_clients
+from services.coordinator.clients import make_clients
+from services.coordinator.pool import RolloutPool
 from services.launcher.supervisor import resolve_for_local_run
 
 BATCH_SAMPLES = 32 * 8   # rollout_batch_size × n_samples_per_prompt of examples/digit_max.yaml
@@ -174,8 +175,8 @@ class Services:
         self.run_dir = run_dir
         write_resolved_config(self.config, run_dir)
         self.procs = {"trainer": self._start("trainer", "--role", "actor"), "rollout": self._start("rollout")}
-        self.trainer, _, rollouts = make_clients(self.config.services, uses_critic=False)
-        self.pool = RolloutPool(rollouts, max_retries=0, timeout_s=60)
+        self.trainer, _, rollouts = make_clients(self.config)
+        self.pool = RolloutPool(rollouts)
         self.rollout = rollouts[0]
         self.wait_healthy()
 

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from services.coordinator.clients import split_evenly
+from services.coordinator.control import Control
 from services.coordinator.data import DataCursor, DataSource, PromptRecord, load_prompts
+from services.coordinator.pool import split_evenly
 from services.coordinator.state import GeneratedBatch, RunState
 from services.coordinator.stepmetrics import prefixed, weighted_mean
 from services.coordinator.sync import WeightSyncError, compare_checksums
@@ -79,3 +80,24 @@ def test_metric_helpers():
     assert merged == {"r": 0.75, "s": 0.5}
     assert [len(r) for r in split_evenly(10, 3)] == [4, 3, 3]
     assert [len(r) for r in split_evenly(2, 3)] == [1, 1]
+
+
+def test_run_state_of_a_checkpoint_written_before_samples_critic_only_still_loads():
+    """Checkpoints of earlier runs carry the JSON as it was written then (no samples_critic_only, no weights_pushed)."""
+    text = ('{"next_rollout_id": 7, "weight_version": 6, "cursor": {"epoch": 1, "offset": 4, "consumed": 28}, '
+            '"pending": [{"rollout_id": 7, "entry_ids": ["1-0"], "cursor_before": {"epoch": 1, "offset": 4, '
+            '"consumed": 28}, "cursor_after": {"epoch": 1, "offset": 8, "consumed": 32}}], "samples_generated": 56, '
+            '"samples_trained": 50, "samples_dropped_stale": 6, "history": ["/c/rollout_00000006"]}')
+    state = RunState.from_json(text)
+    assert (state.next_rollout_id, state.weight_version, state.samples_trained) == (7, 6, 50)
+    assert state.samples_critic_only == 0 and state.weights_pushed
+    assert state.pending[0].cursor_after == DataCursor(epoch=1, offset=8, consumed=32)
+    assert RunState.from_json(state.to_json()) == state
+
+
+def test_a_save_is_requested_by_ctl_or_by_the_sentinel_file_once_each(tmp_path):
+    control, sentinel = Control(), tmp_path / "save.now"
+    control.request_save()
+    sentinel.touch()
+    assert [control.take_save_request(sentinel=str(sentinel)) for _ in range(3)] == [True, True, False]
+    assert not sentinel.exists()

@@ -165,7 +165,8 @@ def test_oversized_messages_are_refused_with_resource_exhausted(plain):
 @pytest.mark.parametrize("method, request_msg, code, details", [
     ("Eval", coordinator_pb2.EvalRequest(timeout_s=-1), grpc.StatusCode.INVALID_ARGUMENT,
      "ValueError: timeout_s must be positive, got -1.0"),
-    ("Pause", common_pb2.Empty(), grpc.StatusCode.FAILED_PRECONDITION, "FailedPrecondition: the run is not started yet"),
+    ("Pause", common_pb2.Empty(), grpc.StatusCode.FAILED_PRECONDITION,
+     "FailedPrecondition: the run is not started yet"),
     ("Resume", common_pb2.Empty(), grpc.StatusCode.NOT_FOUND, "KeyError: no such step 7"),
     ("Save", common_pb2.Empty(), grpc.StatusCode.NOT_FOUND, "EntryNotFoundError: entry 1-1 is not in stream s"),
     ("Stop", common_pb2.Empty(), grpc.StatusCode.INTERNAL, "RuntimeError: boom"),

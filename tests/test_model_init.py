@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.rollout.model_init import VOCAB, ModelInitError, init_model
+from services.rollout.model_init import VOCAB, ModelInitError, build_config, init_model, preset_arch
 from services.rollout.service import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +55,27 @@ def test_small_preset_has_a_few_million_parameters(tmp_path: Path):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert 1_000_000 < sum(p.numel() for p in model.parameters()) < 10_000_000
+
+
+@pytest.mark.parametrize(("preset", "layers", "hidden", "params"), [
+    ("q05", 24, 896, 357_937_536),     # Qwen2-0.5B's body over our 22-token vocabulary
+    ("q15", 28, 1536, 1_310_408_192),  # Qwen2-1.5B's
+])
+def test_qwen2_body_presets(preset: str, layers: int, hidden: int, params: int):
+    """The config a q05/q15 model directory gets, counted on the meta device (building the weights is minutes)."""
+    from transformers import AutoModelForCausalLM
+
+    arch = preset_arch(preset)
+    config = build_config(preset=preset, arch=arch, vocab_size=len(VOCAB), bos=1, eos=2, pad=0)
+    assert (arch, config.model_type, config.num_hidden_layers, config.hidden_size) == ("qwen2", "qwen2", layers, hidden)
+    assert (config.num_key_value_heads, config.max_position_embeddings) == (2, 131_072)
+    assert config.rope_parameters["rope_theta"] == 1_000_000.0
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == params
+    with pytest.raises(ModelInitError, match="q05' is a qwen2 body"):
+        preset_arch("q05", "llama")
+    assert preset_arch("tiny") == "llama" and preset_arch("tiny", "qwen2") == "qwen2"
 
 
 def test_refuses_to_overwrite_and_rejects_bad_arguments(tmp_path: Path):

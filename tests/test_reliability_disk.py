@@ -44,7 +44,7 @@ def test_a_full_disk_during_save_names_the_path_and_keeps_the_last_good_checkpoi
                    str(run_dir), "--role", "actor"]
     proc = subprocess.Popen(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _MOUNT, str(ckpt),
                              *trainer_cmd], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    trainer, _, rollouts = make_clients(config.services, uses_critic=False)
+    trainer, _, rollouts = make_clients(config)
     try:
         trainer.wait_healthy(180)
         seen = Path(f"/proc/{proc.pid}/root{ckpt}")   # the trainer's view: the tmpfs

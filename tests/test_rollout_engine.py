@@ -103,7 +103,7 @@ def test_log_probs_match_teacher_forced_forward(engine: NativeEngine, hf_model, 
     prompts = [p for p in PROMPTS for _ in range(8)]
     outs = engine.generate(prompts, opts)
     worst = 0.0
-    for prompt, o in zip(prompts, outs):
+    for prompt, o in zip(prompts, outs, strict=True):
         ref = teacher_forced(hf_model, prompt, o.token_ids, opts)
         worst = max(worst, float((ref - torch.tensor(o.log_probs)).abs().max()))
         if opts.temperature == 1.0 and opts.top_p == 1.0:   # independent of sampling_log_probs
@@ -116,7 +116,7 @@ def test_log_probs_match_teacher_forced_forward(engine: NativeEngine, hf_model, 
 
 def test_greedy_matches_hf_generate(engine: NativeEngine, hf_model):
     outs = engine.generate(PROMPTS, SamplingSpec(temperature=0.0, max_new_tokens=12))
-    for prompt, o in zip(PROMPTS, outs):
+    for prompt, o in zip(PROMPTS, outs, strict=True):
         ref = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 do_sample=False, max_new_tokens=12)[0, len(prompt):].tolist()
         assert list(o.token_ids) == ref[:len(o.token_ids)]

@@ -31,7 +31,7 @@ def _worst_log_prob_gap(engine: NativeEngine, opts: SamplingSpec) -> float:
     outs = engine.generate(prompts, opts)
     worst = 0.0
     with torch.no_grad():
-        for prompt, o in zip(prompts, outs):
+        for prompt, o in zip(prompts, outs, strict=True):
             ids = torch.tensor([prompt + list(o.token_ids)], device="cuda")
             logits = engine.model(ids).logits[0, len(prompt) - 1:-1]
             ref = sampling_log_probs(logits, opts).gather(-1, torch.tensor(o.token_ids, device="cuda")[:, None])
@@ -60,7 +60,7 @@ def test_greedy_matches_hf_generate_on_gpu(model_dir: Path):
     engine = NativeEngine(model_dir, device="cuda")
     hf = AutoModelForCausalLM.from_pretrained(model_dir).cuda().eval()
     outs = engine.generate(PROMPTS, SamplingSpec(temperature=0.0, max_new_tokens=16))
-    for prompt, o in zip(PROMPTS, outs):
+    for prompt, o in zip(PROMPTS, outs, strict=True):
         ref = hf.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=16)
         assert list(o.token_ids) == ref[0, len(prompt):].tolist()[:len(o.token_ids)]
 

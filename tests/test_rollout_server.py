@@ -49,7 +49,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, redis_server):
     tmp = tmp_path_factory.mktemp("srv")
-    log = open(tmp / "stderr.log", "w")   # a file, not a pipe: a full pipe would block the server's logging
+    # a file, not a pipe: a full pipe would block the server's logging; closed when the fixture ends
+    log = open(tmp / "stderr.log", "w")  # noqa: SIM115
     proc = start_rollout(write_config(tmp / "c.yaml", model=model_dir, redis_url=redis_server.url), tmp / "run",
                          stderr=log)
     line = proc.stdout.readline()        # the server prints TANDEM_READY once its port is bound

@@ -42,7 +42,7 @@ def test_static_decode_logits_match_full_forward(model_dir: Path):
             pos = pos + 1
         for row, seq in enumerate([prompt, prompt[3:]]):
             ref = model(torch.tensor([seq + extra])).logits[0, len(seq) - 1:]
-            worst = max(float((g[row] - r).abs().max()) for g, r in zip(got, ref))
+            worst = max(float((g[row] - r).abs().max()) for g, r in zip(got, ref, strict=True))
             assert worst < 1e-4, (row, worst)
 
 
@@ -57,16 +57,16 @@ def test_static_engine_log_probs_greedy_and_stops(model_dir: Path, opts: Samplin
     assert outs == static.generate(prompts, opts)                  # seeded: same samples, cache reused
     assert len(static._runners) == 1
     with torch.no_grad():
-        for prompt, o in zip(prompts, outs):
+        for prompt, o in zip(prompts, outs, strict=True):
             ids = torch.tensor([prompt + list(o.token_ids)])
             logits = static.model(ids).logits[0, len(prompt) - 1:-1]
             ref = sampling_log_probs(logits, opts).gather(-1, torch.tensor(o.token_ids)[:, None]).squeeze(-1)
             assert torch.allclose(ref, torch.tensor(o.log_probs), atol=1e-4)
             assert (o.finish_reason == "stop") == (o.token_ids[-1] in static.eos_token_ids)
     greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
-    for a, b in zip(static.generate(PROMPTS, greedy), dynamic.generate(PROMPTS, greedy)):
+    for a, b in zip(static.generate(PROMPTS, greedy), dynamic.generate(PROMPTS, greedy), strict=True):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-        assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs)) < 1e-4
+        assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs, strict=True)) < 1e-4
     stop = outs[0].token_ids[0]
     stopped = static.generate(PROMPTS[:1], SamplingSpec(temperature=opts.temperature, top_p=opts.top_p,
                                                           max_new_tokens=10, seed=opts.seed, stop_token_ids=(stop,)))

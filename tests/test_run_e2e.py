@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+from reliability_kit import buffer_leftovers, final_checkpoint_state
 from tandem_runs import (
     alive,
     checkpoints,
@@ -101,6 +102,31 @@ def test_policy_learns_at_temperature_0_7_with_top_p_scored_on_policy(tmp_path):
     state = _coordinator_state(checkpoints(run_dir)[-1])   # the final checkpoint: nothing lost in sync mode
     assert state["next_rollout_id"] == 30
     assert state["samples_trained"] == state["samples_generated"] == 30 * 32 * 8
+
+
+def test_dynamic_sampling_filters_uniform_groups_keeps_the_books_and_learns(tmp_path):
+    """DAPO dynamic sampling on digit_max: the untrained policy gets most groups all wrong, so steps take extra
+    rounds; each Train names every round's entries, the trainer keeps rollout_batch_size informative groups, and
+    every generated sample is trained or filtered, acknowledged, and gone from Redis at the end."""
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, "loop.num_rollout=20", "loop.eval_interval=20", "rollout.dynamic_sampling.enabled=true")
+    assert proc.wait(timeout=600) == 0, supervisor_log(run_dir)
+    rows = metrics(run_dir)
+    steps = [r for r in rows if "rollout/dynamic_rounds" in r]
+    evals = [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r]
+    assert len(steps) == 20 and len(evals) == 2
+    assert all(r["rollout/filtered_group_frac"] > 0 for r in steps[:3]), steps[:3]   # ~60% uniform at first
+    assert any(r["rollout/dynamic_rounds"] > 1 and r["rollout/extra_samples"] > 0 for r in steps)
+    assert all(r["rollout/informative_groups"] >= 32 or r["rollout/groups_short"] > 0 for r in steps)
+    trainer, state = final_checkpoint_state(run_dir)
+    generated = sum(r["rollout/num_samples"] for r in steps)
+    assert state["samples_generated"] == generated > 20 * 32 * 8   # more than one round's worth
+    assert state["samples_filtered"] == sum(r["rollout/filtered_samples"] for r in steps) > 0
+    assert (state["samples_trained"] + state["samples_filtered"] + state["samples_dropped_stale"]
+            + state["samples_critic_only"] == generated)
+    assert trainer["samples_trained"] == state["samples_trained"] <= 20 * 32 * 8
+    assert buffer_leftovers(run_dir) == (0, 0)   # every entry, filtered groups included, acknowledged and deleted
+    assert evals[0] < 0.3 and evals[-1] > 0.6, evals   # untrained ~0.05; trained ~0.95 here
 
 
 def test_control_api_save_eval_sentinel_stop_and_resume(tmp_path):

@@ -124,11 +124,11 @@ def test_sglang_contract_error_answers_are_clear(server: ContractServer, engine:
     with pytest.raises(ValueError, match="context holds 128"):
         engine.generate([[1] * 128], SamplingSpec(max_new_tokens=2))
     client = SGLangClient(server.url)
-    with pytest.raises(SGLangRequestError, match="answered 400: .*unknown field"):   # a typo cannot pass silently
+    with pytest.raises(SGLangRequestError, match=r"answered 400: .*unknown field"):   # a typo cannot pass silently
         client.post("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [], "flush_cahce": 1},
                     timeout_s=5)
     update = {"names": [], "dtypes": [], "shapes": [], "group_name": "g"}
-    with pytest.raises(SGLangRequestError, match="answered 400: .*between begin_weight_update and end_weight_upd"):
+    with pytest.raises(SGLangRequestError, match=r"answered 400: .*between begin_weight_update and end_weight_upd"):
         client.post("/update_weights_from_distributed", update, timeout_s=5)   # 0.5.23: a session is required
     client.post("/begin_weight_update", {}, timeout_s=5)
     try:
@@ -293,7 +293,7 @@ def test_sglang_contract_launch_command_and_a_missing_sglang(tmp_path: Path):
         LaunchSpec(model_path="/m", port=1, extra_args=("--port=5",)).command()
     if importlib.util.find_spec("sglang") is not None:
         pytest.skip("sglang is installed here; the missing-package error cannot be shown")
-    with pytest.raises(SGLangNotInstalled, match="sglang package is not installed .* rollout.sglang.urls"):
+    with pytest.raises(SGLangNotInstalled, match=r"sglang package is not installed .* rollout.sglang.urls"):
         require_sglang()
     from services.contracts.config import config_from_dict
     from services.rollout.service import build_engine

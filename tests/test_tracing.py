@@ -161,7 +161,7 @@ def test_unknown_exporter_and_file_without_path_are_clear_errors():
 
     with pytest.raises(ValueError, match="unknown exporter 'zipkin'"):
         _span_processor("zipkin", file_path=None)
-    with pytest.raises(ValueError, match="file needs tracing.file_path"):
+    with pytest.raises(ValueError, match=r"file needs tracing.file_path"):
         _span_processor("file", file_path=None)
 
 

@@ -10,7 +10,8 @@ from tandem_runs import EXAMPLE, REPO
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config import load_config, write_resolved_config
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
-from services.coordinator.clients import RolloutPool, make_clients
+from services.coordinator.clients import make_clients
+from services.coordinator.pool import RolloutPool
 from services.coordinator.sync import WeightSync, WeightSyncError
 from services.launcher.supervisor import resolve_for_local_run
 
@@ -29,10 +30,10 @@ def services(tmp_path, redis_server):
         procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", args[0], str(tmp_path / "config.yaml"),
                                        "--run-dir", str(tmp_path), *args[1:]], stdout=log, stderr=subprocess.STDOUT,
                                       cwd=REPO))
-    trainer, _, rollouts = make_clients(config.services, uses_critic=False)
+    trainer, _, rollouts = make_clients(config)
     for client in (trainer, *rollouts):
         client.wait_healthy(120)
-    pool = RolloutPool(rollouts, max_retries=0, timeout_s=60)
+    pool = RolloutPool(rollouts)
     yield config, trainer, pool, procs
     pool.close()
     trainer.close()
@@ -43,9 +44,8 @@ def services(tmp_path, redis_server):
 
 def _generate(pool, *, rollout_id, stream):  # type: ignore[no-untyped-def]
     prompts = [common_pb2.Prompt(text="3 5 =", label="5", group_id=i) for i in range(4)]
-    [reply] = pool.broadcast("Generate", rollout_pb2.GenerateRequest(
-        rollout_id=rollout_id, prompts=prompts, n_samples_per_prompt=2, stream=stream), timeout_s=60)
-    return reply
+    return pool.replicas[0].generate(rollout_pb2.GenerateRequest(
+        rollout_id=rollout_id, prompts=prompts, n_samples_per_prompt=2, stream=stream))
 
 
 def test_trained_weights_arrive_bit_identical_and_samples_carry_the_version(services, redis_server):
@@ -56,11 +56,11 @@ def test_trained_weights_arrive_bit_identical_and_samples_carry_the_version(serv
 
     # train one step on a real batch so the weights really change, then sync version 1 and check every tensor
     reply = _generate(pool, rollout_id=0, stream="")
-    trained = trainer.train(trainer_pb2.TrainRequest(rollout_id=0, entry_ids=[reply.entry_id]), timeout_s=120)
+    trained = trainer.train(trainer_pb2.TrainRequest(rollout_id=0, entry_ids=[reply.entry_id]))
     assert trained.samples_trained == 8
     second = sync.run(version=1)
     assert second.verified_tensors == first.verified_tensors  # every tensor's checksum matched the trainer's
-    state = pool.clients[0].call(pool.clients[0].stub.GetState, common_pb2.Empty(), timeout_s=10, what="GetState")
+    state = pool.replicas[0].get_state()
     assert state.weight_version == 1
 
     stream = f"test:{config.run_name}:probe"

@@ -41,7 +41,7 @@ def test_flat_receiver_gets_one_copy_per_bucket_and_identical_bits():
     assert all(s % ALIGN == 0 for s in starts)
     flat, params = flat_views(layout, "cpu")
     runs = _Runs()
-    for bucket, start in zip(layout.buckets, starts):
+    for bucket, start in zip(layout.buckets, starts, strict=True):
         for slot in bucket.tensors:
             runs.add(params[slot.name], _typed(buffer[start:], slot))
         runs.flush()
@@ -57,7 +57,7 @@ def test_separate_or_strided_targets_fall_back_to_one_copy_each():
     params = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in SPECS}
     params["embed"] = torch.zeros(33, 64, dtype=torch.bfloat16).t()              # not contiguous
     runs = _Runs()
-    for bucket, start in zip(layout.buckets, starts):
+    for bucket, start in zip(layout.buckets, starts, strict=True):
         for slot in bucket.tensors:
             runs.add(params[slot.name], _typed(buffer[start:], slot))
         runs.flush()
@@ -73,11 +73,11 @@ def test_flat_source_in_spec_order_fills_each_bucket_with_one_copy():
     starts, total = bucket_starts(layout)
     buffer = torch.zeros(total, dtype=torch.uint8)
     runs = _Runs()
-    for slot, (_, tensor) in zip(layout.order, named):
+    for slot, (_, tensor) in zip(layout.order, named, strict=True):
         runs.add(_typed(buffer[starts[slot.bucket]:], slot), tensor)
     runs.flush()
     assert runs.copies == len(layout.buckets) == 3
-    for slot, (_, tensor) in zip(layout.order, named):
+    for slot, (_, tensor) in zip(layout.order, named, strict=True):
         assert bits_equal(_typed(buffer[starts[slot.bucket]:], slot), tensor)
 
 
@@ -112,7 +112,7 @@ def test_flat_views_is_flat_params_only_with_every_slot():
 
 def _ipc_plan(layout, offsets, handles):
     plan = common_pb2.WeightSyncPlan(transport="cuda_ipc")
-    for bucket, offset, handle in zip(layout.buckets, offsets, handles):
+    for bucket, offset, handle in zip(layout.buckets, offsets, handles, strict=True):
         wb = plan.buckets.add()
         wb.ipc.CopyFrom(common_pb2.CudaIpcHandle(device=0, handle=handle, storage_offset_bytes=offset,
                                                  storage_size_bytes=bucket.nbytes))

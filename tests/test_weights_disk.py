@@ -37,7 +37,7 @@ def test_disk_round_trip_atomic_and_cleaned(tmp_path: Path):
         tensors = make_tensors(SPECS, seed=version)
         result: dict = {}
         # the receiver starts first and waits for the directory, as with the coordinator's concurrent calls
-        thread = threading.Thread(target=lambda: result.update(stats=receiver.receive(plan, 1, params)))
+        thread = threading.Thread(target=lambda r=result, p=plan: r.update(stats=receiver.receive(p, 1, params)))
         thread.start()
         time.sleep(0.05)
         sent = publisher.publish(plan, [(s.name, tensors[s.name]) for s in SPECS])
@@ -71,8 +71,8 @@ def test_disk_retried_version_replaces_the_old(tmp_path: Path):
 def test_disk_receiver_times_out_clearly(tmp_path: Path):
     plan = _publisher(tmp_path, timeout_s=0.5).prepare(SPECS, 9, 1, False)
     started = time.monotonic()
-    with pytest.raises(WeightSyncTimeout, match=r"disk weight sync v9 failed on the engine rank 1: .*v9.*did not appear "
-                                                r"within 0.5s \(peer: trainer actor-0"):
+    with pytest.raises(WeightSyncTimeout, match=r"disk weight sync v9 failed on the engine rank 1: .*v9.*did not "
+                                                r"appear within 0.5s \(peer: trainer actor-0"):
         WeightReceiver().receive(plan, 1, _zeros())
     assert time.monotonic() - started < 2.0
 

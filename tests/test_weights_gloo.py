@@ -62,7 +62,7 @@ def peer():
 
 def test_gloo_syncs_are_bit_identical_and_reuse_the_group(tmp_path: Path, peer: Peer):
     publisher = _publisher(tmp_path)
-    plans = []
+    plans, first_staging = [], None
     for version, verify in ((1, True), (2, False), (3, True)):
         plan, sent, got = _sync(publisher, peer, version=version, verify=verify)
         plans.append(plan)
@@ -99,12 +99,13 @@ def test_gloo_mismatched_params_fail_both_sides_fast_then_recover(tmp_path: Path
     wrong = [TensorSpec(s.name, s.dtype, (3,)) if s.name == "l2.mlp" else s for s in SPECS if s.name != "embed"]
     started = time.monotonic()
     with pytest.raises(WeightSyncRefused, match=r"gloo weight sync v4 failed on the trainer: engine rank 1 refused "
-                                                r"the sync: 2 problem\(s\).*embed: missing.*l2.mlp: have float32 \[3\]"):
+                                                r"the sync: 2 problem\(s\).*embed: missing.*"
+                                                r"l2.mlp: have float32 \[3\]"):
         _sync(publisher, peer, version=4, verify=False, peer_specs=wrong)
     assert time.monotonic() - started < 5.0            # told by the receiver, not its own deadline
     got = peer.reply(timeout_s=30)
     assert not got["ok"] and got["error"] == "ValueError" and "l2.mlp" in got["message"]
-    plan, _, got = _sync(publisher, peer, version=5, verify=True)   # same receiver process, new group
+    _, _, got = _sync(publisher, peer, version=5, verify=True)   # same receiver process, new group
     assert got["ok"] and got["unequal"] == [], got
     publisher.close()
 
@@ -141,13 +142,13 @@ def test_gloo_trainer_stalls_or_dies_mid_transfer(failure: str, tmp_path: Path):
     receiver = WeightReceiver()
     params = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in SPECS}
     try:
-        answer = trainer.call(op="prepare", transport="gloo", bucket_mb=0.0625, timeout_s=3.0, specs=specs_to_json(SPECS),
-                              version=11, run_dir=str(tmp_path), trainer_id="actor-7")
+        answer = trainer.call(op="prepare", transport="gloo", bucket_mb=0.0625, timeout_s=3.0,
+                              specs=specs_to_json(SPECS), version=11, run_dir=str(tmp_path), trainer_id="actor-7")
         plan = plan_from_text(answer["plan"])
         trainer.send(op="publish", seed=11, **({"stall_after": 10} if failure == "stall" else {"exit_after": 10}))
         started = time.monotonic()
-        with pytest.raises(WeightSyncError, match=r"gloo weight sync v11 failed on the engine rank 1: .*"
-                                                  r"peer: trainer rank 0 at 127.0.0.1:\d+ \(trainer_id actor-7\)") as info:
+        with pytest.raises(WeightSyncError, match=r"gloo weight sync v11 failed on the engine rank 1: .*peer: "
+                                                  r"trainer rank 0 at 127.0.0.1:\d+ \(trainer_id actor-7\)") as info:
             receiver.receive(plan, 1, params)
         assert time.monotonic() - started < 3.0 + 2.0
         assert isinstance(info.value, WeightSyncTimeout) == (failure == "stall")

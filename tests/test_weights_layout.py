@@ -80,7 +80,8 @@ def test_plan_round_trip_and_validation():
     again = layout_from_plan(common_pb2.WeightSyncPlan.FromString(plan.SerializeToString()))
     assert again.buckets == layout.buckets
 
-    bad = common_pb2.WeightSyncPlan(); bad.CopyFrom(plan)
+    bad = common_pb2.WeightSyncPlan()
+    bad.CopyFrom(plan)
     bad.buckets[0].tensors[0].offset_bytes = 8
     with pytest.raises(ValueError, match="offset"):
         layout_from_plan(bad)
@@ -116,6 +117,23 @@ def test_checksum_is_bit_exact():
     b = torch.randn(7, 5).to(torch.bfloat16)
     assert tensor_checksum(b) == tensor_checksum(b.clone()) and len(tensor_checksum(b)) == 32
     assert tensor_checksum(torch.empty(0, 3)) == tensor_checksum(torch.empty(0, 5))
+    swapped = x.clone().view(-1)
+    swapped[[5, 9]] = swapped[[9, 5]]                                        # two words trade places
+    assert tensor_checksum(swapped.view(64, 32)) != tensor_checksum(x)
+    odd = torch.arange(3, dtype=torch.uint8)                                 # not a whole number of words
+    assert tensor_checksum(odd) != tensor_checksum(torch.arange(4, dtype=torch.uint8))
+
+
+def test_checksums_of_many_tensors_match_one_at_a_time_and_span_chunks(monkeypatch):
+    from services.weights import layout
+
+    monkeypatch.setattr(layout, "_CHECKSUM_CHUNK_WORDS", 7)   # several chunks per tensor
+    tensors = [torch.randn(5, 11), torch.randn(3).to(torch.bfloat16), torch.randint(0, 9, (13,))]
+    many = layout.tensor_checksums(tensors)
+    assert many == [tensor_checksum(t) for t in tensors]
+    assert layout.named_checksums(zip("abc", tensors, strict=True)) == dict(zip("abc", many, strict=True))
+    monkeypatch.setattr(layout, "_CHECKSUM_CHUNK_WORDS", 1 << 24)
+    assert layout.tensor_checksums(tensors) == many                          # chunking does not change it
 
 
 def test_check_params_lists_every_mismatch():
@@ -127,7 +145,8 @@ def test_check_params_lists_every_mismatch():
     params["norm0"] = torch.zeros(64, dtype=torch.float16)
     problems = check_params(layout, params)
     assert len(problems) == 3 and any("w1: missing" in p for p in problems)
-    assert any("w2" in p and "[64, 32]" in p for p in problems) and any("norm0" in p and "float16" in p for p in problems)
+    assert any("w2" in p and "[64, 32]" in p for p in problems)
+    assert any("norm0" in p and "float16" in p for p in problems)
 
 
 def _disk_publisher(tmp_path: Path, timeout_s: float = 2.0) -> WeightPublisher:
@@ -140,7 +159,8 @@ def test_receiver_refuses_mismatched_params_before_anything(tmp_path: Path):
     params = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in _specs()[1:]}
     params["w0"] = torch.zeros(3)
     started = time.monotonic()
-    with pytest.raises(ValueError, match=r"disk weight sync v1 .*2 problem\(s\).*embed: missing.*w0: have float32 \[3\]"):
+    with pytest.raises(ValueError, match=r"disk weight sync v1 .*2 problem\(s\).*embed: missing.*"
+                                         r"w0: have float32 \[3\]"):
         WeightReceiver().receive(plan, 1, params)
     assert time.monotonic() - started < 1.0      # refused up front, not after waiting for the files
 

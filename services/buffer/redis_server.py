@@ -16,8 +16,17 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
+from services.contracts.config import LoopConfig, TimeoutsConfig
 from services.launcher.procs import dies_with_parent
+
+# Defaults for a server started without a config: the start-up deadline of a service (loop.startup_timeout_s),
+# a graceful stop (services.timeouts.shutdown_s), one PING while waiting for it (services.timeouts.health_check_s).
+_START_TIMEOUT_S = LoopConfig().startup_timeout_s
+_TIMEOUTS = TimeoutsConfig()
+_READY_POLL_S = 0.05
 
 
 class RedisServerError(RuntimeError):
@@ -98,7 +107,7 @@ class EmbeddedRedis:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
 
-    def start(self, timeout_s: float = 20.0) -> EmbeddedRedis:
+    def start(self, timeout_s: float = _START_TIMEOUT_S) -> EmbeddedRedis:
         """Starts the server and waits until it answers PING. With port 0 a free port is picked (and another
         one if that was taken in between); a restart after `stop()`/`kill()` reuses the port and data."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -133,8 +142,8 @@ class EmbeddedRedis:
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=1.0,
-                             retry=None)
+        client = redis.Redis(host=self.host, port=self.port, password=self.password,
+                             socket_timeout=_TIMEOUTS.health_check_s, retry=Retry(NoBackoff(), 0))
         try:
             while time.monotonic() < deadline:
                 if self.process is not None and self.process.poll() is not None:
@@ -148,13 +157,13 @@ class EmbeddedRedis:
                     if client.ping():
                         return
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                    time.sleep(0.05)
+                    time.sleep(_READY_POLL_S)
         finally:
             client.close()
         self.stop()
         raise RedisServerError(f"redis-server on {self.host}:{self.port} did not answer within {timeout_s}s")
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = _TIMEOUTS.shutdown_s) -> None:
         proc, self.process = self.process, None
         if proc is None or proc.poll() is not None:
             return

@@ -21,48 +21,37 @@ skipped by later `get` calls (ask for them again by id with `read`).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import redis
 
-from services.contracts.wire import RolloutBatchData, WireError, decode_batch, encode_batch, payload_checksum
+from services.buffer import scripts
+from services.buffer.entries import (
+    DECODE_ERRORS,
+    BufferEntry,
+    BufferError,
+    BufferFullError,
+    DeadLetter,
+    EntryNotFoundError,
+    Rows,
+    decode_entry,
+)
+from services.buffer.entries import as_str as _s
+from services.buffer.entries import messages as _messages
+from services.buffer.entries import rows as _rows
+from services.buffer.producer import StreamProducer
+from services.contracts.config import RedisConfig, TimeoutsConfig
+from services.contracts.wire import RolloutBatchData, encode_batch
 
 log = logging.getLogger(__name__)
 
-
-class BufferError(RuntimeError):
-    pass
-
-
-class BufferFullError(BufferError, TimeoutError):
-    pass
-
-
-class EntryNotFoundError(BufferError, KeyError):
-    def __str__(self) -> str:  # KeyError would print the message with quotes around it
-        return str(self.args[0]) if self.args else ""
-
-
-@dataclass(frozen=True)
-class BufferEntry:
-    entry_id: str
-    batch: RolloutBatchData
-    rollout_id: int
-    policy_version: int
-    trace_context: dict[str, str]
-    producer: str
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    entry_id: str
-    reason: str
+__all__ = ["BufferEntry", "BufferError", "BufferFullError", "BufferStats", "DeadLetter", "EntryNotFoundError",
+           "RolloutBuffer", "connect", "redacted", "stream_key"]
 
 
 @dataclass
@@ -71,149 +60,23 @@ class BufferStats:
     claimed: int = 0
 
 
-# Acknowledge for one group; delete the entry and its chunks once all groups have acknowledged.
-_ACK_SCRIPT = """
-local stream, acks = KEYS[1], KEYS[2]
-local group, ngroups = ARGV[1], tonumber(ARGV[2])
-local done = 0
-for i = 3, #ARGV do
-  local id = ARGV[i]
-  if redis.call('XACK', stream, group, id) == 1 then
-    done = done + 1
-    if redis.call('HINCRBY', acks, id, 1) >= ngroups then
-      local entry = redis.call('XRANGE', stream, id, id)
-      if #entry == 1 then
-        local fields = entry[1][2]
-        local nchunks, prefix = 0, nil
-        for j = 1, #fields, 2 do
-          if fields[j] == 'chunks' then nchunks = tonumber(fields[j + 1]) end
-          if fields[j] == 'chunk_prefix' then prefix = fields[j + 1] end
-        end
-        if prefix then
-          for c = 0, nchunks - 1 do redis.call('DEL', prefix .. ':' .. c) end
-        end
-      end
-      redis.call('XDEL', stream, id)
-      redis.call('HDEL', acks, id)
-    end
-  end
-end
-return done
-"""
-
-# A group gives up entries it will never train (the actor during PPO's critic-only steps): acknowledged if
-# pending there, else counted once (the set KEYS[3] makes a repeated call harmless); deleted when complete.
-_SKIP_SCRIPT = """
-local stream, acks, skipped = KEYS[1], KEYS[2], KEYS[3]
-local group, ngroups = ARGV[1], tonumber(ARGV[2])
-local done = 0
-for i = 3, #ARGV do
-  local id = ARGV[i]
-  local counted = redis.call('XACK', stream, group, id) == 1
-  if not counted and #redis.call('XRANGE', stream, id, id) == 1 then
-    counted = redis.call('SADD', skipped, id) == 1
-  end
-  if counted then
-    done = done + 1
-    if redis.call('HINCRBY', acks, id, 1) >= ngroups then
-      local entry = redis.call('XRANGE', stream, id, id)
-      if #entry == 1 then
-        local fields = entry[1][2]
-        local nchunks, prefix = 0, nil
-        for j = 1, #fields, 2 do
-          if fields[j] == 'chunks' then nchunks = tonumber(fields[j + 1]) end
-          if fields[j] == 'chunk_prefix' then prefix = fields[j + 1] end
-        end
-        if prefix then
-          for c = 0, nchunks - 1 do redis.call('DEL', prefix .. ':' .. c) end
-        end
-      end
-      redis.call('XDEL', stream, id)
-      redis.call('HDEL', acks, id)
-      redis.call('SREM', skipped, id)
-    end
-  end
-end
-return done
-"""
-
-# XADD only while fewer than ARGV[1] entries wait, so concurrent producers cannot overshoot the bound.
-# KEYS[2] makes a retried call (redis-py retries on timeouts) return the id of the first XADD instead of
-# adding the batch twice; KEYS[3..] are the chunk keys, which must all exist and become persistent.
-_BOUNDED_XADD_SCRIPT = """
-local done = redis.call('GET', KEYS[2])
-if done then return done end
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
-for i = 3, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 0 then return redis.error_reply('TANDEM_CHUNK_MISSING ' .. KEYS[i]) end
-end
-for i = 3, #KEYS do redis.call('PERSIST', KEYS[i]) end
-local fields = {}
-for i = 2, #ARGV do fields[#fields + 1] = ARGV[i] end
-local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
-redis.call('SET', KEYS[2], id, 'EX', 3600)
-return id
-"""
-
-# Move one entry to the dead-letter stream (fields copied server-side, plus original_id and reason),
-# acknowledge it in every group and remove it from the live stream. A no-op when it is already gone,
-# so two consumers that both find the entry corrupted record it once.
-_DEAD_LETTER_SCRIPT = """
-local stream, dead, acks = KEYS[1], KEYS[2], KEYS[3]
-local id = ARGV[1]
-local entry = redis.call('XRANGE', stream, id, id)
-if #entry == 0 then return 0 end
-local fields = entry[1][2]
-fields[#fields + 1] = 'original_id'
-fields[#fields + 1] = id
-fields[#fields + 1] = 'reason'
-fields[#fields + 1] = ARGV[2]
-fields[#fields + 1] = 'dead_at_ns'
-fields[#fields + 1] = ARGV[3]
-redis.call('XADD', dead, '*', unpack(fields))
-for i = 4, #ARGV do redis.call('XACK', stream, ARGV[i], id) end
-redis.call('XDEL', stream, id)
-redis.call('HDEL', acks, id)
-return 1
-"""
-
-# Remove entries outright (chunks too), acknowledging them in every group: ARGV = ngroups, groups..., ids...
-_DELETE_SCRIPT = """
-local stream, acks = KEYS[1], KEYS[2]
-local ngroups = tonumber(ARGV[1])
-local removed = 0
-for i = 2 + ngroups, #ARGV do
-  local id = ARGV[i]
-  local entry = redis.call('XRANGE', stream, id, id)
-  if #entry == 1 then
-    local fields = entry[1][2]
-    local nchunks, prefix = 0, nil
-    for j = 1, #fields, 2 do
-      if fields[j] == 'chunks' then nchunks = tonumber(fields[j + 1]) end
-      if fields[j] == 'chunk_prefix' then prefix = fields[j + 1] end
-    end
-    if prefix then
-      for c = 0, nchunks - 1 do redis.call('DEL', prefix .. ':' .. c) end
-    end
-    removed = removed + redis.call('XDEL', stream, id)
-  end
-  for g = 2, 1 + ngroups do redis.call('XACK', stream, ARGV[g], id) end
-  redis.call('HDEL', acks, id)
-end
-return removed
-"""
+_REDIS, _TIMEOUTS = RedisConfig(), TimeoutsConfig()   # defaults of a handle built without a config
 
 # The longest single blocking XREADGROUP: well below the client's socket timeout.
 _BLOCK_SLICE_MS = 5_000
+_PAGE = _DELETE_BATCH = 256   # entries read per XRANGE page / removed per script call
+_HEALTH_CHECK_EVERY_S = 30   # redis-py pings a connection idle this long before using it
 
 
-def connect(url: str, *, password: str | None = None, timeout_s: float = 30.0) -> redis.Redis:
-    """A binary-safe client; `rediss://` URLs get TLS from redis-py."""
-    return redis.Redis.from_url(url, password=password, socket_timeout=timeout_s, socket_connect_timeout=10.0,
-                                health_check_interval=30)
+def connect(url: str, *, password: str | None = None, timeout_s: float = _TIMEOUTS.redis_socket_s,
+            connect_timeout_s: float = _TIMEOUTS.redis_connect_s) -> redis.Redis:
+    """A binary-safe client; `rediss://` URLs get TLS from redis-py. The deadlines are
+    services.timeouts.redis_socket_s (one command) and redis_connect_s; services pass their config's."""
+    return redis.Redis.from_url(url, password=password, socket_timeout=timeout_s,
+                                socket_connect_timeout=connect_timeout_s, health_check_interval=_HEALTH_CHECK_EVERY_S)
 
 
-def redacted(url: str) -> str:
+def redacted(url: str | None) -> str:
     """The URL without its password, for messages and logs."""
     return re.sub(r"//[^@/]*@", "//***@", url or "")
 
@@ -222,8 +85,63 @@ def stream_key(prefix: str, run_name: str) -> str:
     return f"{prefix}:{run_name}:rollouts"
 
 
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _check_handle(*, groups: tuple[str, ...], group: str | None, max_buffered_batches: int, chunk_bytes: int) -> None:
+    if not groups:
+        raise BufferError("a rollout buffer needs at least one consumer group")
+    if group is not None and group not in groups:
+        raise BufferError(f"consumer group {group!r} is not one of the run's roles {groups}")
+    if max_buffered_batches < 1:
+        raise BufferError(f"max_buffered_batches must be >= 1, got {max_buffered_batches}")
+    if not 0 < int(chunk_bytes) <= 256 << 20:
+        raise BufferError(f"chunk_bytes must be in (0, 256 MiB] (Redis' bulk limit is 512 MB), got {chunk_bytes}")
+
+
+def _create_groups(client: redis.Redis, stream: str, groups: tuple[str, ...]) -> None:
+    for g in groups:
+        try:
+            client.xgroup_create(stream, g, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+
+def _check_in_stream(client: redis.Redis, stream: str, entry_id: str, *, dead_reason: Callable[[], str | None]) -> None:
+    """EntryNotFoundError, saying why where it can, unless `entry_id` is in the stream."""
+    try:
+        found = client.xrange(stream, entry_id, entry_id)
+    except redis.exceptions.ResponseError:
+        raise EntryNotFoundError(f"{entry_id!r} is not a valid stream entry id") from None
+    if not found:
+        reason = dead_reason()
+        detail = f" (dead-lettered: {reason})" if reason is not None else \
+            " (never written, or acknowledged by every group and deleted)"
+        raise EntryNotFoundError(f"entry {entry_id} is not in stream {stream}{detail}")
+
+
+def _dead_reason(client: redis.Redis, dead_stream: str, entry_id: str) -> str | None:
+    for _id, fields in _rows(client.xrange(dead_stream)):
+        if fields.get(b"original_id", b"").decode() == entry_id:
+            return fields.get(b"reason", b"").decode(errors="replace")
+    return None
+
+
+def _each_entry(client: redis.Redis, stream: str, entry_ids: list[str]) -> list[Rows]:
+    """XRANGE of each id (one round trip): [] where the entry is not in the stream."""
+    pipe = client.pipeline(transaction=False)
+    for i in entry_ids:
+        pipe.xrange(stream, i, i)
+    return [_rows(found) for found in pipe.execute()]
+
+
+def _all_ids(client: redis.Redis, stream: str) -> list[str]:
+    ids: list[str] = []
+    last = "-"
+    while True:
+        page = [r for r in _rows(client.xrange(stream, min=last, max="+", count=_PAGE)) if _s(r[0]) != last]
+        if not page:
+            return ids
+        ids += [_s(r[0]) for r in page]
+        last = ids[-1]
 
 
 class RolloutBuffer:
@@ -234,17 +152,12 @@ class RolloutBuffer:
     """
 
     def __init__(self, client: redis.Redis, stream: str, *, groups: tuple[str, ...] = ("actor",),
-                 group: str | None = None, consumer: str = "consumer-0", max_buffered_batches: int = 4,
-                 chunk_bytes: int = 64 << 20, claim_idle_ms: int = 60_000, inline_max_bytes: int = 1 << 20):
+                 group: str | None = None, consumer: str = "consumer-0",
+                 max_buffered_batches: int = _REDIS.max_buffered_batches,
+                 chunk_bytes: int = int(_REDIS.chunk_mb * 2**20), claim_idle_ms: int = _REDIS.claim_idle_ms,
+                 inline_max_bytes: int = 1 << 20):
         groups = tuple(groups)
-        if not groups:
-            raise BufferError("a rollout buffer needs at least one consumer group")
-        if group is not None and group not in groups:
-            raise BufferError(f"consumer group {group!r} is not one of the run's roles {groups}")
-        if max_buffered_batches < 1:
-            raise BufferError(f"max_buffered_batches must be >= 1, got {max_buffered_batches}")
-        if not 0 < int(chunk_bytes) <= 256 << 20:
-            raise BufferError(f"chunk_bytes must be in (0, 256 MiB] (Redis' bulk limit is 512 MB), got {chunk_bytes}")
+        _check_handle(groups=groups, group=group, max_buffered_batches=max_buffered_batches, chunk_bytes=chunk_bytes)
         self.client = client
         self.stream = stream
         self.dead_stream = f"{stream}:dead"
@@ -260,94 +173,31 @@ class RolloutBuffer:
         self._held: dict[str, BufferEntry] = {}   # delivered to us, not yet handed out (read() fetched past them)
         self._outstanding: set[str] = set()       # handed out by get/read, not yet acked
         self._own_cursor: str | None = "0"         # next own-pending id to re-read after a restart; None = done
-        self._ack = client.register_script(_ACK_SCRIPT)
-        self._skip = client.register_script(_SKIP_SCRIPT)
-        self._bounded_xadd = client.register_script(_BOUNDED_XADD_SCRIPT)
-        self._dead_letter_script = client.register_script(_DEAD_LETTER_SCRIPT)
-        self._delete_script = client.register_script(_DELETE_SCRIPT)
+        self._ack = client.register_script(scripts.ACK)
+        self._skip = client.register_script(scripts.SKIP)
+        self._producer = StreamProducer(client, stream, max_buffered_batches=max_buffered_batches,
+                                        chunk_bytes=self.chunk_bytes, inline_max_bytes=self.inline_max_bytes)
+        self._dead_letter_script = client.register_script(scripts.DEAD_LETTER)
+        self._delete_script = client.register_script(scripts.DELETE)
         self.ensure_groups()
 
     def ensure_groups(self) -> None:
-        for g in self.groups:
-            try:
-                self.client.xgroup_create(self.stream, g, id="0", mkstream=True)
-            except redis.exceptions.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+        _create_groups(self.client, self.stream, self.groups)
 
     # ---- producer ---------------------------------------------------------------------------------
 
     def put(self, batch: RolloutBatchData, *, trace_context: dict[str, str] | None = None,
-            timeout_s: float = 300.0) -> str:
+            timeout_s: float = _REDIS.put_timeout_s) -> str:
         """Adds one batch; blocks while `max_buffered_batches` entries wait (BufferFullError after timeout_s)."""
         return self.put_payload(encode_batch(batch), rollout_id=batch.rollout_id,
                                 policy_version=batch.policy_version, producer=batch.producer,
                                 trace_context=trace_context, timeout_s=timeout_s)
 
     def put_payload(self, payload: bytes, *, rollout_id: int, policy_version: int, producer: str = "",
-                    trace_context: dict[str, str] | None = None, timeout_s: float = 300.0) -> str:
-        put_id = uuid.uuid4().hex
-        fields: dict[str, bytes | str | int] = {
-            "rollout_id": rollout_id, "policy_version": policy_version, "producer": producer,
-            "nbytes": len(payload), "checksum": payload_checksum(payload),
-            "trace": json.dumps(trace_context or {})}
-        chunk_keys: list[str] = []
-        view = memoryview(payload)
-        if len(payload) <= self.inline_max_bytes:
-            fields["payload"] = payload
-        else:
-            prefix = f"{self.stream}:chunk:{put_id}"
-            chunk_keys = [f"{prefix}:{i}" for i in range((len(payload) + self.chunk_bytes - 1) // self.chunk_bytes)]
-            fields.update(chunks=len(chunk_keys), chunk_prefix=prefix)
-        args = [self.max_buffered_batches, *[x for kv in fields.items() for x in kv]]
-        keys = [self.stream, f"{self.stream}:put:{put_id}", *chunk_keys]
-        # Orphaned chunks (producer died before the XADD) expire; the XADD makes them persistent.
-        chunk_ttl_s = int(timeout_s) + 600
-        deadline = time.monotonic() + timeout_s
-        chunks_written = False
-        try:
-            while True:
-                try:
-                    if self.client.xlen(self.stream) < self.max_buffered_batches:
-                        if chunk_keys and not chunks_written:
-                            self._write_chunks(chunk_keys, view, chunk_ttl_s)
-                            chunks_written = True
-                        try:
-                            entry_id = self._bounded_xadd(keys=keys, args=args)
-                        except redis.exceptions.ResponseError as exc:
-                            if "TANDEM_CHUNK_MISSING" not in str(exc):
-                                raise
-                            chunks_written = False       # expired while we waited: write them again
-                            continue
-                        if entry_id is not None:
-                            chunks_written = False       # owned by the entry now
-                            return _s(entry_id)
-                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-                    # Redis restarting: keep trying until our deadline; an XADD that did run before the
-                    # connection broke is answered from its put key, never added twice.
-                    if time.monotonic() >= deadline:
-                        raise
-                    log.warning("rollout buffer %s: redis unreachable (%s); retrying", self.stream, exc)
-                    time.sleep(0.2)
-                    continue
-                if time.monotonic() >= deadline:
-                    raise BufferFullError(
-                        f"rollout buffer {self.stream} stayed full ({self.max_buffered_batches} batches waiting, "
-                        f"redis.max_buffered_batches) for {timeout_s:.1f}s: is the trainer consuming and "
-                        f"acknowledging?")
-                time.sleep(0.02)
-        finally:
-            if chunks_written:
-                try:
-                    self.client.delete(*chunk_keys)
-                except redis.exceptions.RedisError:   # they expire anyway
-                    log.warning("could not delete the chunks of an unwritten batch under %s", keys[1])
-
-    def _write_chunks(self, keys: list[str], view: memoryview, ttl_s: int) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        for i, key in enumerate(keys):
-            pipe.set(key, view[i * self.chunk_bytes:(i + 1) * self.chunk_bytes], ex=ttl_s)
-        pipe.execute()
+                    trace_context: dict[str, str] | None = None, timeout_s: float = _REDIS.put_timeout_s) -> str:
+        """Adds an encoded batch (see `put`)."""
+        return self._producer.put_payload(payload, rollout_id=rollout_id, policy_version=policy_version,
+                                          producer=producer, trace_context=trace_context, timeout_s=timeout_s)
 
     # ---- consumer ---------------------------------------------------------------------------------
 
@@ -375,7 +225,7 @@ class RolloutBuffer:
             wait = not out and remaining_ms > 0
             response = self.client.xreadgroup(group, self.consumer, {self.stream: ">"}, count=count - len(out),
                                               block=min(remaining_ms, _BLOCK_SLICE_MS) if wait else None)
-            messages = [m for _s_, msgs in response or [] for m in msgs]
+            messages = _messages(response)
             if messages:
                 out += self._deliver(messages)   # loop again: dead-lettered ones are topped up
                 continue
@@ -394,14 +244,15 @@ class RolloutBuffer:
 
     def _read_own_pending(self, count: int) -> list[BufferEntry]:
         """After a restart: this consumer name's pending entries, oldest first, each once."""
-        response = self.client.xreadgroup(self._require_group(), self.consumer, {self.stream: self._own_cursor},
-                                          count=count)
-        messages = [m for _s_, msgs in response or [] for m in msgs]
+        cursor = self._own_cursor
+        assert cursor is not None
+        response = self.client.xreadgroup(self._require_group(), self.consumer, {self.stream: cursor}, count=count)
+        messages = _messages(response)
         self._own_cursor = _s(messages[-1][0]) if len(messages) >= count else None
         mine = self._outstanding | set(self._held)      # already handed out or held by this handle
         return self._deliver([m for m in messages if _s(m[0]) not in mine])
 
-    def read(self, entry_ids: list[str], *, timeout_s: float = 300.0) -> list[BufferEntry]:
+    def read(self, entry_ids: list[str], *, timeout_s: float = _REDIS.get_timeout_s) -> list[BufferEntry]:
         """Exactly these entries, in this order (what the coordinator named in a Train call).
 
         An entry pending at another consumer of this group (e.g. a dead trainer) is taken over at once;
@@ -414,66 +265,58 @@ class RolloutBuffer:
             if entry_id not in self._held:
                 self._check_exists(entry_id)
         deadline = time.monotonic() + timeout_s
-        while True:
-            missing = [i for i in wanted if i not in self._held]
-            if not missing:
-                break
+        while missing := self._not_held(wanted):
             self._claim_ids(missing)
-            missing = [i for i in missing if i not in self._held]
+            missing = self._not_held(missing)
             if not missing:
                 break
-            for d in self.stats.dead_lettered:
-                if d.entry_id in missing:
-                    raise EntryNotFoundError(f"entry {d.entry_id} of {self.stream} was dead-lettered: {d.reason}")
-            response = self.client.xreadgroup(group, self.consumer, {self.stream: ">"}, count=1)
-            messages = [m for _s_, msgs in response or [] for m in msgs]
-            for e in self._deliver(messages):
-                self._held[e.entry_id] = e
-            if not messages:
+            self._raise_if_dead_lettered(missing)
+            if not self._hold_next_delivery(group):
                 # Nothing left to deliver to the group: the missing ids were delivered and acknowledged
                 # (or removed meanwhile); re-check so the error says which.
-                for entry_id in missing:
-                    self._check_exists(entry_id)
-                    if not self._pending_in_group(entry_id):
-                        raise EntryNotFoundError(f"entry {entry_id} of {self.stream} was already acknowledged "
-                                                 f"by group {group}")
+                self._raise_if_gone(missing, group)
             if time.monotonic() >= deadline:
                 raise BufferError(f"entries {missing} not delivered to group {group} within {timeout_s}s")
         out = [self._held.pop(i) for i in wanted]
         self._outstanding.update(wanted)
         return out
 
-    def _check_exists(self, entry_id: str) -> None:
-        try:
-            found = self.client.xrange(self.stream, entry_id, entry_id)
-        except redis.exceptions.ResponseError:
-            raise EntryNotFoundError(f"{entry_id!r} is not a valid stream entry id") from None
-        if not found:
-            reason = self._dead_reason(entry_id)
-            detail = f" (dead-lettered: {reason})" if reason is not None else \
-                " (never written, or acknowledged by every group and deleted)"
-            raise EntryNotFoundError(f"entry {entry_id} is not in stream {self.stream}{detail}")
+    def _not_held(self, entry_ids: list[str]) -> list[str]:
+        return [i for i in entry_ids if i not in self._held]
 
-    def _dead_reason(self, entry_id: str) -> str | None:
+    def _raise_if_dead_lettered(self, entry_ids: list[str]) -> None:
         for d in self.stats.dead_lettered:
-            if d.entry_id == entry_id:
-                return d.reason
-        for _id, fields in self.client.xrange(self.dead_stream):
-            if fields.get(b"original_id", b"").decode() == entry_id:
-                return fields.get(b"reason", b"").decode(errors="replace")
-        return None
+            if d.entry_id in entry_ids:
+                raise EntryNotFoundError(f"entry {d.entry_id} of {self.stream} was dead-lettered: {d.reason}")
 
-    def _pending_in_group(self, entry_id: str) -> bool:
-        rows = self.client.xpending_range(self.stream, self._require_group(), min=entry_id, max=entry_id, count=1)
-        return bool(rows)
+    def _hold_next_delivery(self, group: str) -> bool:
+        """Reads the group's next undelivered entry into `_held`; False when there is none."""
+        messages = _messages(self.client.xreadgroup(group, self.consumer, {self.stream: ">"}, count=1))
+        for e in self._deliver(messages):
+            self._held[e.entry_id] = e
+        return bool(messages)
+
+    def _raise_if_gone(self, entry_ids: list[str], group: str) -> None:
+        for entry_id in entry_ids:
+            self._check_exists(entry_id)
+            if not self.client.xpending_range(self.stream, group, min=entry_id, max=entry_id, count=1):
+                raise EntryNotFoundError(f"entry {entry_id} of {self.stream} was already acknowledged "
+                                         f"by group {group}")
+
+    def _check_exists(self, entry_id: str) -> None:
+        def why_gone() -> str | None:
+            known = next((d.reason for d in self.stats.dead_lettered if d.entry_id == entry_id), None)
+            return known if known is not None else _dead_reason(self.client, self.dead_stream, entry_id)
+
+        _check_in_stream(self.client, self.stream, entry_id, dead_reason=why_gone)
 
     def _claim_ids(self, entry_ids: list[str]) -> None:
         """Takes over named entries pending at any consumer of our group (e.g. a dead trainer, or us)."""
         if not entry_ids:
             return
         claimed = self.client.xclaim(self.stream, self._require_group(), self.consumer, min_idle_time=0,
-                                     message_ids=entry_ids, justid=True)
-        for e in self._fetch_and_deliver([_s(i) for i in claimed]):
+                                     message_ids=cast(list[Any], entry_ids), justid=True)
+        for e in self._fetch_and_deliver([_s(i) for i in cast(list[bytes], claimed)]):
             self._held[e.entry_id] = e
 
     def claim_stale(self, *, count: int = 16) -> list[BufferEntry]:
@@ -498,10 +341,7 @@ class RolloutBuffer:
         """Entries now pending at us, by id; ones deleted meanwhile are acknowledged away."""
         if not entry_ids:
             return []
-        pipe = self.client.pipeline(transaction=False)
-        for i in entry_ids:
-            pipe.xrange(self.stream, i, i)
-        messages = [rows[0] for rows in pipe.execute() if rows]
+        messages = [rows[0] for rows in _each_entry(self.client, self.stream, entry_ids) if rows]
         found = {_s(m[0]) for m in messages}
         gone = [i for i in entry_ids if i not in found]
         if gone:
@@ -515,9 +355,7 @@ class RolloutBuffer:
         if not entry_ids:
             return 0
         ids = [_s(i) for i in entry_ids]
-        for i in ids:
-            self._held.pop(i, None)
-            self._outstanding.discard(i)
+        self._forget(ids)
         return int(self._ack(keys=[self.stream, self.acks_key], args=[group, len(self.groups), *ids]))
 
     def skip(self, entry_ids: list[str], *, group: str) -> int:
@@ -535,43 +373,31 @@ class RolloutBuffer:
         """Deletes every entry of the stream (with its chunks, from every group) except those in `keep`;
         returns how many were removed. For a resume: batches generated after the last checkpoint are dropped."""
         keep_ids = {_s(i) for i in keep}
-        drop: list[str] = []
-        last = "-"
-        while True:
-            rows = self.client.xrange(self.stream, min=last, max="+", count=256)
-            rows = [r for r in rows if _s(r[0]) != last]
-            if not rows:
-                break
-            drop += [_s(r[0]) for r in rows if _s(r[0]) not in keep_ids]
-            last = _s(rows[-1][0])
-        removed = 0
-        for start in range(0, len(drop), 256):
-            part = drop[start:start + 256]
-            removed += int(self._delete_script(keys=[self.stream, self.acks_key],
-                                               args=[len(self.groups), *self.groups, *part]))
-        for i in drop:
-            self._held.pop(i, None)
-            self._outstanding.discard(i)
-        return removed
+        return self.delete([i for i in _all_ids(self.client, self.stream) if i not in keep_ids])
 
     def delete(self, entry_ids: list[str]) -> int:
         """Deletes these entries (with their chunks, from every group): batches nobody will train."""
         ids = [_s(i) for i in entry_ids]
-        if not ids:
-            return 0
-        for i in ids:
-            self._held.pop(i, None)
-            self._outstanding.discard(i)
-        return int(self._delete_script(keys=[self.stream, self.acks_key], args=[len(self.groups), *self.groups, *ids]))
+        self._forget(ids)
+        removed = 0
+        for start in range(0, len(ids), _DELETE_BATCH):
+            removed += int(self._delete_script(keys=[self.stream, self.acks_key],
+                                               args=[len(self.groups), *self.groups,
+                                                     *ids[start:start + _DELETE_BATCH]]))
+        return removed
 
     def missing(self, entry_ids: list[str]) -> list[str]:
         """The ids that are not in the stream (never written, or acknowledged by every group and deleted)."""
-        pipe = self.client.pipeline(transaction=False)
-        for i in entry_ids:
-            pipe.xrange(self.stream, i, i)
-        return [_s(i) for i, rows in zip(entry_ids, pipe.execute()) if not rows]
+        found = _each_entry(self.client, self.stream, entry_ids)
+        return [_s(i) for i, rows in zip(entry_ids, found, strict=True) if not rows]
 
-    def _deliver(self, messages) -> list[BufferEntry]:  # type: ignore[no-untyped-def]
+    def _forget(self, entry_ids: list[str]) -> None:
+        """These are acknowledged or gone: no longer held or handed out by this handle."""
+        for i in entry_ids:
+            self._held.pop(i, None)
+            self._outstanding.discard(i)
+
+    def _deliver(self, messages: Rows) -> list[BufferEntry]:
         out = []
         for raw_id, fields in messages:
             if raw_id is None:
@@ -587,44 +413,17 @@ class RolloutBuffer:
 
     def _decode_entry(self, entry_id: str, fields: dict[bytes, bytes]) -> BufferEntry | None:
         try:
-            payload = self._payload(entry_id, fields)
-            expected_len = int(fields.get(b"nbytes", b"-1"))
-            if expected_len != len(payload):
-                raise WireError(f"payload is {len(payload)} bytes, entry says {expected_len}")
-            expected = fields.get(b"checksum", b"").decode()
-            if payload_checksum(payload) != expected:
-                raise WireError(f"checksum mismatch (entry says {expected!r}, payload is {payload_checksum(payload)})")
-            batch = decode_batch(payload)
-            trace = json.loads(fields.get(b"trace", b"{}").decode() or "{}")
-            if not isinstance(trace, dict):
-                raise WireError("trace context is not a JSON object")
-            return BufferEntry(entry_id=entry_id, batch=batch, rollout_id=batch.rollout_id,
-                               policy_version=batch.policy_version,
-                               trace_context={str(k): str(v) for k, v in trace.items()},
-                               producer=batch.producer, nbytes=len(payload))
-        except (WireError, ValueError, UnicodeDecodeError) as exc:
+            return decode_entry(self.client, entry_id, fields)
+        except DECODE_ERRORS as exc:
             self._dead_letter(entry_id, str(exc))
             return None
-
-    def _payload(self, entry_id: str, fields: dict[bytes, bytes]) -> bytes:
-        if b"payload" in fields:
-            return fields[b"payload"]
-        if b"chunks" not in fields or b"chunk_prefix" not in fields:
-            raise WireError("entry has neither payload nor chunks")
-        n, prefix = int(fields[b"chunks"]), fields[b"chunk_prefix"].decode()
-        parts = self.client.mget([f"{prefix}:{i}" for i in range(n)]) if n else []
-        missing = [i for i, p in enumerate(parts) if p is None]
-        if missing:
-            raise WireError(f"{len(missing)} of {n} chunks are missing (chunk {missing[0]}: {prefix}:{missing[0]})")
-        return b"".join(parts)
 
     def _dead_letter(self, entry_id: str, reason: str) -> None:
         log.error("rollout entry %s in %s is corrupted, moved to %s: %s", entry_id, self.stream,
                   self.dead_stream, reason)
         self._dead_letter_script(keys=[self.stream, self.dead_stream, self.acks_key],
                                  args=[entry_id, reason, time.time_ns(), *self.groups])
-        self._held.pop(entry_id, None)
-        self._outstanding.discard(entry_id)
+        self._forget([entry_id])
         self.stats.dead_lettered.append(DeadLetter(entry_id=entry_id, reason=reason))
 
     # ---- introspection ----------------------------------------------------------------------------
@@ -640,4 +439,4 @@ class RolloutBuffer:
 
     def dead_letters(self) -> list[tuple[str, dict[bytes, bytes]]]:
         """Entries of the dead-letter stream: (dead id, fields incl. original_id and reason)."""
-        return [(_s(i), f) for i, f in self.client.xrange(self.dead_stream)]
+        return [(_s(i), f) for i, f in _rows(self.client.xrange(self.dead_stream))]

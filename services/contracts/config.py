@@ -29,9 +29,9 @@ class ModelConfig(Section):
     tokenizer_path: str | None = Field(default=None, description="defaults to model.path")
     dtype: Literal["float32", "bfloat16"] = "float32"
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
-    init_preset: Literal["tiny", "small"] | None = Field(
+    init_preset: Literal["tiny", "small", "q05", "q15"] | None = Field(
         default=None, description="the random-init preset `tandem run --init-model` builds when model.path holds no "
-                    "model (default tiny); nothing is ever built without that flag")
+        "model (default tiny); nothing is ever built without that flag")
 
 
 class DataConfig(Section):
@@ -67,6 +67,28 @@ class SGLangConfig(Section):
     api_key: str | None = Field(default=None, description="SGLang's --api-key (sent as a bearer token)")
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling (docs/algorithms.md): groups whose rewards are all equal are filtered out, and more
+    prompts are generated until a step has rollout_batch_size informative groups."""
+
+    enabled: bool = False
+    max_rounds: int = Field(default=3, ge=1, description="generation rounds of one step at most, the first included "
+                            "(each draws the next rollout_batch_size prompts); at the cap the step trains on the "
+                            "informative groups there are (metric rollout/groups_short)")
+    min_std: float = Field(default=1e-6, ge=0, description="a group is informative when the population std of its "
+                           "rewards exceeds this")
+
+
+class OverlongPenaltyConfig(Section):
+    """DAPO's soft overlong punishment: a length penalty over the last `buffer_tokens` before max_new_tokens, added
+    to the reward by the rollout before the batch is written."""
+
+    enabled: bool = False
+    buffer_tokens: int = Field(default=1, ge=1, description="the penalty grows from 0 at max_new_tokens - "
+                               "buffer_tokens to -factor at max_new_tokens")
+    factor: float = Field(default=1.0, gt=0)
+
+
 class RolloutConfig(Section):
     engine: Literal["native", "sglang"] = "native"
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
@@ -82,6 +104,8 @@ class RolloutConfig(Section):
     max_request_samples: int = Field(default=65536, ge=1, description="most samples (prompts × n) one Generate or "
                                      "Evaluate call may ask for; larger requests are refused (INVALID_ARGUMENT)")
     sglang: SGLangConfig = SGLangConfig()
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    overlong_penalty: OverlongPenaltyConfig = OverlongPenaltyConfig()
 
 
 class TrainerConfig(Section):
@@ -110,6 +134,9 @@ class TrainerConfig(Section):
     critic_lr: float | None = Field(default=None, gt=0, description="defaults to lr")
     seed: int = 0
     gradient_checkpointing: bool = False
+    fused_kernels: Literal["auto", "on", "off"] = Field(
+        default="auto", description="fused Triton RMSNorm and SwiGLU (forward and backward) in the trained and frozen "
+        "models; auto = on a CUDA device with Triton and bf16 weights")
 
 
 class AlgorithmConfig(Section):
@@ -146,6 +173,9 @@ class AlgorithmConfig(Section):
                                     "the batch's trainable tokens (verl's masked_whiten)")
     value_clip: float = Field(default=0.2, gt=0)
     num_critic_only_steps: int = Field(default=0, ge=0)
+    overlong_filter: bool = Field(default=False, description="DAPO's overlong filtering: samples that reached "
+                                  "max_new_tokens without stopping get loss_mask 0 in the actor's loss (they still "
+                                  "count in their group's baseline and in the books)")
 
     @property
     def uses_critic(self) -> bool:
@@ -327,6 +357,7 @@ class TandemConfig(Section):
     @model_validator(mode="after")
     def _cross_section_rules(self) -> TandemConfig:
         validate_async_off_policy_correction(self)
+        validate_dapo_options(self)
         if self.algorithm.compares_within_groups and self.rollout.n_samples_per_prompt == 1:
             raise ValueError(f"rollout.n_samples_per_prompt: 1 gives every sample advantage 0 with "
                              f"algorithm.advantage_estimator: {self.algorithm.advantage_estimator} (its baseline is "
@@ -362,6 +393,36 @@ def validate_async_off_policy_correction(config: TandemConfig) -> None:
         f"loop.mode: {config.loop.mode} trains on samples of an older policy, but no off-policy correction is on "
         "(a critic is none): set algorithm.use_rollout_logprobs: true, algorithm.use_tis: true or "
         "algorithm.keep_old_actor: true, or use loop.mode: sync")
+
+
+def validate_dapo_options(config: TandemConfig) -> None:
+    """Dynamic sampling needs a group baseline, contiguous prompt ranges per step, and one step's entries within the
+    buffer; the overlong buffer lies inside the response budget."""
+    ro = config.rollout
+    if ro.dynamic_sampling.enabled:
+        where = "rollout.dynamic_sampling.enabled"
+        if config.algorithm.uses_critic:
+            raise ValueError(f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
+                             "baseline; with algorithm.advantage_estimator: gae the critic's values are the baseline "
+                             "and such groups still train")
+        if config.algorithm.advantage_estimator == "reinforce_pp":
+            raise ValueError(f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
+                             "baseline; algorithm.advantage_estimator: reinforce_pp's baseline is the whole batch, "
+                             "so such groups still train (reinforce_pp_baseline has a group baseline)")
+        if ro.n_samples_per_prompt < 2:
+            raise ValueError(f"{where} needs rollout.n_samples_per_prompt >= 2 (a group of one is always uniform)")
+        if config.loop.mode == "fully_async":
+            raise ValueError(f"{where} needs loop.mode async or sync (in fully_async several generations draw "
+                             "prompts at once, so a step's prompts would not be one range of the data cursor)")
+        entries = ro.dynamic_sampling.max_rounds * min(len(config.services.rollout), ro.rollout_batch_size)
+        if entries > config.redis.max_buffered_batches:
+            raise ValueError(f"rollout.dynamic_sampling.max_rounds {ro.dynamic_sampling.max_rounds} x "
+                             f"{len(config.services.rollout)} rollout replica(s) = {entries} buffer entries for one "
+                             f"step, more than redis.max_buffered_batches ({config.redis.max_buffered_batches}): "
+                             "raise that or lower max_rounds")
+    if ro.overlong_penalty.enabled and ro.overlong_penalty.buffer_tokens > ro.sampling.max_new_tokens:
+        raise ValueError(f"rollout.overlong_penalty.buffer_tokens ({ro.overlong_penalty.buffer_tokens}) must not "
+                         f"exceed rollout.sampling.max_new_tokens ({ro.sampling.max_new_tokens})")
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -457,10 +518,8 @@ def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     `path/to/file.py:function` reward plug-in."""
     for section, key in (*_PATH_KEYS, ("rollout", "reward")):
         node = data.get(section)
-        if not isinstance(node, dict):
-            continue
-        value = node.get(key)
-        if not isinstance(value, str) or not value:
+        value = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or not isinstance(value, str) or not value:
             continue
         if (section, key) == ("rollout", "reward"):
             node[key] = _resolve_reward_file(value, base_dir)

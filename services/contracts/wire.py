@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,63 +105,88 @@ class RolloutBatchData:
         return int(self.response_lengths.sum())
 
     def validate(self) -> None:
-        for name, kinds in _FIELD_KINDS.items():
-            arr = getattr(self, name)
-            if not isinstance(arr, np.ndarray):
-                raise WireError(f"batch {self.rollout_id}: {name} is a {type(arr).__name__}, expected a numpy array")
-            if arr.dtype.kind not in kinds:
-                raise WireError(f"batch {self.rollout_id}: {name} has dtype {arr.dtype}, expected "
-                                f"{_WIRE_DTYPES[name]}")
-        if self.prompt_lengths.ndim != 1:
-            raise WireError(f"batch {self.rollout_id}: prompt_lengths has shape {self.prompt_lengths.shape}, "
-                            "expected one dimension")
-        n = self.num_samples
-        for name in _PER_SAMPLE:
-            arr = getattr(self, name)
-            if arr.ndim != 1 or arr.shape[0] != n:
-                raise WireError(f"batch {self.rollout_id}: {name} has shape {arr.shape}, expected ({n},)")
-        if len(self.finish_reasons) != n:
-            raise WireError(f"batch {self.rollout_id}: {len(self.finish_reasons)} finish reasons for {n} samples")
-        unknown = sorted({r for r in self.finish_reasons if r not in FINISH_REASONS})
-        if unknown:
-            raise WireError(f"batch {self.rollout_id}: unknown finish reason(s) {unknown}, expected one of "
-                            f"{sorted(FINISH_REASONS)}")
-        if self.labels and len(self.labels) != n:
-            raise WireError(f"batch {self.rollout_id}: {len(self.labels)} labels for {n} samples")
-        if (self.prompt_lengths < 0).any() or (self.response_lengths < 0).any():
-            raise WireError(f"batch {self.rollout_id}: negative prompt or response length")
-        total = int(self.prompt_lengths.sum()) + int(self.response_lengths.sum())
-        if self.tokens.ndim != 1 or self.tokens.shape[0] != total:
-            raise WireError(f"batch {self.rollout_id}: {self.tokens.shape[0]} tokens, lengths sum to {total}")
-        n_resp = int(self.response_lengths.sum())
-        for name in ("loss_mask", "rollout_log_probs"):
-            arr = getattr(self, name)
-            if arr.ndim != 1 or arr.shape[0] != n_resp:
-                raise WireError(f"batch {self.rollout_id}: {name} has {arr.shape[0]} entries, "
-                                f"expected {n_resp} (one per response token)")
-        if not np.isfinite(self.rewards).all():
-            raise WireError(f"batch {self.rollout_id}: rewards contain NaN or inf")
-        if np.isnan(self.rollout_log_probs).any():
-            raise WireError(f"batch {self.rollout_id}: rollout_log_probs contain NaN")
-        self._validate_sampling()
-
-    def _validate_sampling(self) -> None:
-        temperature, top_p = self.sampling_temperature, self.sampling_top_p
-        if not (np.isfinite(temperature) & (temperature >= 0)).all():
-            raise WireError(f"batch {self.rollout_id}: sampling_temperature must be finite and >= 0")
-        if not ((top_p > 0) & (top_p <= 1)).all():   # NaN fails both comparisons
-            raise WireError(f"batch {self.rollout_id}: sampling_top_p must lie in (0, 1]")
-        if (self.sampling_top_k < 0).any():
-            raise WireError(f"batch {self.rollout_id}: sampling_top_k must be >= 0 (0 = off)")
+        """Raises WireError naming the first inconsistency found (checks in this order)."""
+        for check in _BATCH_CHECKS:
+            check(self)
 
     def sample_slices(self) -> list[tuple[slice, slice, slice]]:
         """Per sample: (prompt slice of tokens, response slice of tokens, slice of response-token arrays)."""
         out, tok, resp = [], 0, 0
-        for p, r in zip(self.prompt_lengths.tolist(), self.response_lengths.tolist()):
+        for p, r in zip(self.prompt_lengths.tolist(), self.response_lengths.tolist(), strict=True):
             out.append((slice(tok, tok + p), slice(tok + p, tok + p + r), slice(resp, resp + r)))
             tok += p + r
             resp += r
         return out
+
+
+def _check_dtypes(batch: RolloutBatchData) -> None:
+    for name, kinds in _FIELD_KINDS.items():
+        arr = getattr(batch, name)
+        if not isinstance(arr, np.ndarray):
+            raise WireError(f"batch {batch.rollout_id}: {name} is a {type(arr).__name__}, expected a numpy array")
+        if arr.dtype.kind not in kinds:
+            raise WireError(f"batch {batch.rollout_id}: {name} has dtype {arr.dtype}, expected "
+                            f"{_WIRE_DTYPES[name]}")
+
+
+def _check_per_sample_shapes(batch: RolloutBatchData) -> None:
+    if batch.prompt_lengths.ndim != 1:
+        raise WireError(f"batch {batch.rollout_id}: prompt_lengths has shape {batch.prompt_lengths.shape}, "
+                        "expected one dimension")
+    n = batch.num_samples
+    for name in _PER_SAMPLE:
+        arr = getattr(batch, name)
+        if arr.ndim != 1 or arr.shape[0] != n:
+            raise WireError(f"batch {batch.rollout_id}: {name} has shape {arr.shape}, expected ({n},)")
+
+
+def _check_per_sample_strings(batch: RolloutBatchData) -> None:
+    n = batch.num_samples
+    if len(batch.finish_reasons) != n:
+        raise WireError(f"batch {batch.rollout_id}: {len(batch.finish_reasons)} finish reasons for {n} samples")
+    unknown = sorted({r for r in batch.finish_reasons if r not in FINISH_REASONS})
+    if unknown:
+        raise WireError(f"batch {batch.rollout_id}: unknown finish reason(s) {unknown}, expected one of "
+                        f"{sorted(FINISH_REASONS)}")
+    if batch.labels and len(batch.labels) != n:
+        raise WireError(f"batch {batch.rollout_id}: {len(batch.labels)} labels for {n} samples")
+
+
+def _check_token_counts(batch: RolloutBatchData) -> None:
+    """The concatenated arrays hold exactly what the per-sample lengths say."""
+    if (batch.prompt_lengths < 0).any() or (batch.response_lengths < 0).any():
+        raise WireError(f"batch {batch.rollout_id}: negative prompt or response length")
+    total = int(batch.prompt_lengths.sum()) + int(batch.response_lengths.sum())
+    if batch.tokens.ndim != 1 or batch.tokens.shape[0] != total:
+        raise WireError(f"batch {batch.rollout_id}: {batch.tokens.shape[0]} tokens, lengths sum to {total}")
+    n_resp = int(batch.response_lengths.sum())
+    for name in ("loss_mask", "rollout_log_probs"):
+        arr = getattr(batch, name)
+        if arr.ndim != 1 or arr.shape[0] != n_resp:
+            raise WireError(f"batch {batch.rollout_id}: {name} has {arr.shape[0]} entries, "
+                            f"expected {n_resp} (one per response token)")
+
+
+def _check_finite(batch: RolloutBatchData) -> None:
+    if not np.isfinite(batch.rewards).all():
+        raise WireError(f"batch {batch.rollout_id}: rewards contain NaN or inf")
+    if np.isnan(batch.rollout_log_probs).any():
+        raise WireError(f"batch {batch.rollout_id}: rollout_log_probs contain NaN")
+
+
+def _check_sampling(batch: RolloutBatchData) -> None:
+    temperature, top_p = batch.sampling_temperature, batch.sampling_top_p
+    if not (np.isfinite(temperature) & (temperature >= 0)).all():
+        raise WireError(f"batch {batch.rollout_id}: sampling_temperature must be finite and >= 0")
+    if not ((top_p > 0) & (top_p <= 1)).all():   # NaN fails both comparisons
+        raise WireError(f"batch {batch.rollout_id}: sampling_top_p must lie in (0, 1]")
+    if (batch.sampling_top_k < 0).any():
+        raise WireError(f"batch {batch.rollout_id}: sampling_top_k must be >= 0 (0 = off)")
+
+
+_BATCH_CHECKS: tuple[Callable[[RolloutBatchData], None], ...] = (
+    _check_dtypes, _check_per_sample_shapes, _check_per_sample_strings, _check_token_counts, _check_finite,
+    _check_sampling)
 
 
 def _varint(value: int) -> bytes:
@@ -179,8 +205,10 @@ def _tensor_field(field_number: int, array: np.ndarray, dtype: str) -> list[byte
     """One `TensorData` submessage as protobuf wire bytes, the array's buffer referenced, not copied."""
     arr = np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<"))
     header = common_pb2.TensorData(dtype=dtype, shape=list(arr.shape)).SerializeToString()
-    data = memoryview(arr).cast("B")
-    body = [header, b"\x1a", _varint(data.nbytes), data] if data.nbytes else [header]   # field 3: data
+    data = arr.data.cast("B")
+    body: list[bytes | memoryview] = [header]
+    if data.nbytes:
+        body += [b"\x1a", _varint(data.nbytes), data]   # field 3: data
     inner_len = sum(len(x) if isinstance(x, bytes) else x.nbytes for x in body)
     return [_varint(field_number << 3 | 2), _varint(inner_len), *body]
 
@@ -265,7 +293,7 @@ def build_batch(*, rollout_id: int, policy_version: int, prompts: list[list[int]
     n = len(prompts)
     if not (len(responses) == len(log_probs) == len(rewards) == len(group_ids) == len(finish_reasons) == n):
         raise WireError("build_batch: per-sample lists differ in length")
-    tokens = np.fromiter((t for p, r in zip(prompts, responses) for t in (*p, *r)), dtype=np.int32)
+    tokens = np.fromiter((t for p, r in zip(prompts, responses, strict=True) for t in (*p, *r)), dtype=np.int32)
     masks = loss_masks or [[1] * len(r) for r in responses]
     return RolloutBatchData(
         rollout_id=rollout_id, policy_version=policy_version, tokens=tokens,

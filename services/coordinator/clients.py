@@ -1,75 +1,62 @@
-"""Clients the coordinator uses to drive trainers and rollout replicas: deadlines on every call, retries
-of a replica's share of prompts on another replica when one fails."""
+"""gRPC implementations of TrainerApi and RolloutApi: each call under its deadline from the config, every failure a
+ServiceCallError naming the service, the call and the status."""
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
-from services.contracts.config import ServiceAddress, ServicesConfig
+from services.contracts.config import ServiceAddress, ServicesConfig, TandemConfig
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.coordinator.errors import ServiceCallError, TrainerStateLost
 from services.rpc.grpc_util import open_channel, wait_healthy
 
-log = logging.getLogger(__name__)
-
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
-             grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
+Reply = TypeVar("Reply")
 
 
-# Statuses of errors that a restart would only repeat (a reward function that raises, a full disk, bad data): the
-# coordinator then exits with ExitCode.PERMANENT and `tandem run` does not restart it.
-PERMANENT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
+@dataclass(frozen=True)
+class Deadlines:
+    """The deadline of each kind of call, in seconds, and the config key it comes from."""
 
-
-class ServiceCallError(RuntimeError):
-    """A call to a service failed; the message names the service, the call and the status."""
-
-    def __init__(self, message: str, *, code: grpc.StatusCode | None = None):
-        super().__init__(message)
-        self.code = code
+    step_s: float        # Train, Save, Load, Generate, Evaluate: loop.step_timeout_s
+    weights_s: float     # the prepare phase of a weight sync: weights.timeout_s
+    control_s: float     # GetState, Resume: services.timeouts.control_s
+    probe_s: float       # GetState of a replica that failed: services.timeouts.probe_s
+    memory_s: float      # Offload/Onload, ReleaseMemory/ResumeMemory: services.timeouts.memory_s
 
     @classmethod
-    def from_rpc(cls, service: str, call: str, exc: grpc.RpcError) -> ServiceCallError:
-        return cls(describe_rpc_error(service, call, exc), code=exc.code())
+    def from_config(cls, config: TandemConfig) -> Deadlines:
+        t = config.services.timeouts
+        return cls(step_s=config.loop.step_timeout_s, weights_s=config.weights.timeout_s, control_s=t.control_s,
+                   probe_s=t.probe_s, memory_s=t.memory_s)
 
     @property
-    def permanent(self) -> bool:
-        return self.code in PERMANENT_CODES
+    def transfer_s(self) -> float:
+        """A transfer's services give up after weights.timeout_s themselves; the caller waits one control deadline
+        longer, so that their error (naming the phase and the peer) arrives instead of a bare DEADLINE_EXCEEDED."""
+        return self.weights_s + self.control_s
 
 
-class TrainerStateLost(ServiceCallError):
-    """The trainer's optimizer step does not follow on from the last one we saw: it restarted (or someone else
-    trained it) and no longer holds the state this coordinator's run state describes."""
-
-
-def describe_rpc_error(service: str, call: str, exc: grpc.RpcError) -> str:
-    hint = " (the limit is services.max_message_mb on both sides)" \
-        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else ""
-    return f"{service} {call} failed: {exc.code().name}: {exc.details()}{hint}"
-
-
-@dataclass
-class ServiceClient:
-    name: str
-    target: str
-    services: ServicesConfig
-    channel: grpc.Channel = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.channel = open_channel(self.target, max_message_mb=self.services.max_message_mb,
-                                    tls_ca=self.services.tls_ca, auth_token=self.services.auth_token)
+class GrpcService:
+    def __init__(self, name: str, target: str, *, services: ServicesConfig, deadlines: Deadlines,
+                 wait_for_ready: bool = False):
+        self.name = name
+        self.target = target
+        self.deadlines = deadlines
+        self.wait_for_ready = wait_for_ready   # calls wait, within their deadline, for a service that restarts
+        self._tls_ca = services.tls_ca
+        self._health_check_s = services.timeouts.health_check_s
+        self.channel = open_channel(target, max_message_mb=services.max_message_mb, tls_ca=services.tls_ca,
+                                    auth_token=services.auth_token)
 
     def wait_healthy(self, timeout_s: float) -> None:
-        wait_healthy(self.target, timeout_s=timeout_s, tls_ca=self.services.tls_ca)
+        wait_healthy(self.target, timeout_s=timeout_s, tls_ca=self._tls_ca, check_timeout_s=self._health_check_s)
 
-    def call(self, method, request, *, timeout_s: float, what: str,  # type: ignore[no-untyped-def]
-             wait_for_ready: bool = False):
+    def _call(self, method: Callable[..., Reply], request: object, *, timeout_s: float, what: str,
+              wait_for_ready: bool = False) -> Reply:
         try:
             return method(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:
@@ -79,25 +66,17 @@ class ServiceClient:
         self.channel.close()
 
 
-class TrainerClient(ServiceClient):
-    # The trainer's optimizer step after the last Train or Load (None = not known yet): a reply that does not
-    # follow on from it comes from a trainer that lost its state.
-    last_step: int | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
+class GrpcTrainer(GrpcService):
+    def __init__(self, name: str, target: str, *, services: ServicesConfig, deadlines: Deadlines):
+        super().__init__(name, target, services=services, deadlines=deadlines)
         self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
+        # The trainer's optimizer step after the last Train or Load (None = not known yet): a reply that does not
+        # follow on from it comes from a trainer that lost its state.
+        self.last_step: int | None = None
 
-    def train(self, request: trainer_pb2.TrainRequest, *, timeout_s: float) -> trainer_pb2.TrainResponse:
-        # Train is idempotent per rollout_id, so a lost reply can be retried safely.
-        for attempt in range(3):
-            try:
-                reply = self.stub.Train(request, timeout=timeout_s)
-                break
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == 2:
-                    raise ServiceCallError.from_rpc(self.name, f"Train({request.rollout_id})", exc) from exc
-                time.sleep(1.0 + attempt)
+    def train(self, request: trainer_pb2.TrainRequest) -> trainer_pb2.TrainResponse:
+        reply = self._call(self.stub.Train, request, timeout_s=self.deadlines.step_s,
+                           what=f"Train({request.rollout_id})")
         expected = None if self.last_step is None else self.last_step + (1 if reply.samples_trained else 0)
         if not reply.replayed and expected is not None and reply.step != expected:
             raise TrainerStateLost(f"{self.name} answered Train({request.rollout_id}) at optimizer step {reply.step}, "
@@ -106,156 +85,90 @@ class TrainerClient(ServiceClient):
         self.last_step = reply.step
         return reply
 
+    def save(self, request: trainer_pb2.SaveRequest) -> trainer_pb2.SaveResponse:
+        return self._call(self.stub.Save, request, timeout_s=self.deadlines.step_s, what="Save")
 
-class RolloutClient(ServiceClient):
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def load(self) -> trainer_pb2.LoadResponse:
+        reply = self._call(self.stub.Load, trainer_pb2.LoadRequest(), timeout_s=self.deadlines.step_s, what="Load")
+        self.last_step = reply.step if reply.loaded else None
+        return reply
+
+    def prepare_weight_sync(self, request: trainer_pb2.PrepareWeightSyncRequest) -> common_pb2.WeightSyncPlan:
+        return self._call(self.stub.PrepareWeightSync, request, timeout_s=self.deadlines.weights_s,
+                          what=f"PrepareWeightSync(v{request.version})")
+
+    def publish_weights(self, version: int) -> trainer_pb2.PublishWeightsResponse:
+        return self._call(self.stub.PublishWeights, trainer_pb2.PublishWeightsRequest(version=version),
+                          timeout_s=self.deadlines.transfer_s, what=f"PublishWeights(v{version})")
+
+    def offload(self) -> None:
+        self._call(self.stub.Offload, common_pb2.Empty(), timeout_s=self.deadlines.memory_s, what="Offload")
+
+    def onload(self) -> None:
+        self._call(self.stub.Onload, common_pb2.Empty(), timeout_s=self.deadlines.memory_s, what="Onload")
+
+    def get_state(self) -> trainer_pb2.TrainerState:
+        return self._call(self.stub.GetState, common_pb2.Empty(), timeout_s=self.deadlines.control_s, what="GetState")
+
+
+class GrpcRollout(GrpcService):
+    """One replica. Its control calls wait for a replica that restarts when `wait_for_ready` (services.max_restarts
+    > 0); Generate and the probe do not: the pool retries a share elsewhere instead."""
+
+    def __init__(self, name: str, target: str, *, services: ServicesConfig, deadlines: Deadlines,
+                 wait_for_ready: bool = False):
+        super().__init__(name, target, services=services, deadlines=deadlines, wait_for_ready=wait_for_ready)
         self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
 
+    def generate(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+        return self._call(self.stub.Generate, request, timeout_s=self.deadlines.step_s,
+                          what=f"Generate({request.rollout_id})")
 
-@dataclass(frozen=True)
-class GenerationResult:
-    rollout_id: int
-    entry_ids: tuple[str, ...]
-    responses: tuple[rollout_pb2.GenerateResponse, ...]
-    seconds: float
-    recorded_metrics: dict[str, float] | None = None   # set when reused from a checkpoint
+    def evaluate(self, request: rollout_pb2.EvaluateRequest) -> rollout_pb2.EvaluateResponse:
+        return self._call(self.stub.Evaluate, request, timeout_s=self.deadlines.step_s, what="Evaluate",
+                          wait_for_ready=self.wait_for_ready)
 
+    def prepare_weight_sync(self, request: rollout_pb2.PrepareReceiveRequest) -> rollout_pb2.PrepareReceiveResponse:
+        return self._call(self.stub.PrepareWeightSync, request, timeout_s=self.deadlines.weights_s,
+                          what=f"PrepareWeightSync(v{request.version})", wait_for_ready=self.wait_for_ready)
 
-def split_evenly(n: int, parts: int) -> list[range]:
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (1 if i < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return [r for r in out if len(r)]
+    def receive_weights(self, request: rollout_pb2.ReceiveWeightsRequest) -> rollout_pb2.ReceiveWeightsResponse:
+        return self._call(self.stub.ReceiveWeights, request, timeout_s=self.deadlines.transfer_s,
+                          what=f"ReceiveWeights(v{request.plan.version})")
 
+    def resume(self) -> None:
+        self._call(self.stub.Resume, common_pb2.Empty(), timeout_s=self.deadlines.control_s, what="Resume",
+                   wait_for_ready=self.wait_for_ready)
 
-class RolloutPool:
-    """All rollout replicas of a run. A step's prompts are split among them; a replica that fails has its
-    share retried on the next replica (up to max_retries times).
+    def release_memory(self, tags: Sequence[str]) -> None:
+        self._call(self.stub.ReleaseMemory, rollout_pb2.MemoryRequest(tags=list(tags)),
+                   timeout_s=self.deadlines.memory_s, what="ReleaseMemory", wait_for_ready=self.wait_for_ready)
 
-    A replica that failed a call may have restarted with its initial weights, so it gets no share until it
-    shows the synced weight version again (GetState) or the next weight sync reaches it. A reply generated
-    with older weights than were synced when it was asked (a restart nobody saw) is discarded and retried.
-    With `wait_for_restarts` (services.max_restarts > 0) broadcasts such as a sync's PrepareWeightSync wait,
-    within their deadline, for a replica that is down to come back instead of failing at once."""
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        self._call(self.stub.ResumeMemory, rollout_pb2.MemoryRequest(tags=list(tags)),
+                   timeout_s=self.deadlines.memory_s, what="ResumeMemory", wait_for_ready=self.wait_for_ready)
 
-    def __init__(self, clients: list[RolloutClient], *, max_retries: int, timeout_s: float,
-                 wait_for_restarts: bool = False, discard: Callable[[list[str]], int] | None = None):
-        self.clients = clients
-        self.max_retries = max_retries
-        self.timeout_s = timeout_s
-        self.wait_for_restarts = wait_for_restarts
-        self.discard = discard            # deletes buffer entries nobody will train
-        self.expected_version: int | None = None   # weight version of the last successful sync
-        self._suspect: set[int] = set()   # replicas that failed since the last sync
-        self._lock = threading.Lock()
-        self.executor = ThreadPoolExecutor(max_workers=max(4, 2 * len(clients)), thread_name_prefix="rollout")
+    def get_state(self) -> rollout_pb2.RolloutState:
+        return self._call(self.stub.GetState, common_pb2.Empty(), timeout_s=self.deadlines.control_s,
+                          what="GetState", wait_for_ready=self.wait_for_ready)
 
-    def weights_synced(self, version: int) -> None:
-        with self._lock:
-            self.expected_version = version
-            self._suspect.clear()
-
-    def _usable(self, index: int, expected: int | None) -> bool:
-        with self._lock:
-            if index not in self._suspect or expected is None:
-                return True
-        client = self.clients[index]
-        try:
-            state = client.stub.GetState(common_pb2.Empty(), timeout=5.0)
-        except grpc.RpcError:
-            return False
-        if state.weight_version < expected:
-            return False
-        with self._lock:
-            self._suspect.discard(index)
-        return True
-
-    def generate_async(self, *, rollout_id: int, prompts: list[common_pb2.Prompt], n_samples: int,
-                       sampling: common_pb2.SamplingParams, trace_context: dict[str, str]) -> Future[GenerationResult]:
-        return self.executor.submit(self.generate, rollout_id=rollout_id, prompts=prompts, n_samples=n_samples,
-                                    sampling=sampling, trace_context=trace_context)
-
-    def generate(self, *, rollout_id: int, prompts: list[common_pb2.Prompt], n_samples: int,
-                 sampling: common_pb2.SamplingParams, trace_context: dict[str, str]) -> GenerationResult:
-        start = time.monotonic()
-        shares = split_evenly(len(prompts), len(self.clients))
-        futures = [self.executor.submit(self._generate_share, replica=i, rollout_id=rollout_id,
-                                        prompts=[prompts[j] for j in share], n_samples=n_samples,
-                                        sampling=sampling, trace_context=trace_context)
-                   for i, share in enumerate(shares)]
-        responses = tuple(f.result() for f in futures)
-        return GenerationResult(rollout_id=rollout_id, entry_ids=tuple(r.entry_id for r in responses),
-                                responses=responses, seconds=time.monotonic() - start)
-
-    def _generate_share(self, *, replica: int, rollout_id: int, prompts: list[common_pb2.Prompt], n_samples: int,
-                        sampling: common_pb2.SamplingParams,
-                        trace_context: dict[str, str]) -> rollout_pb2.GenerateResponse:
-        request = rollout_pb2.GenerateRequest(rollout_id=rollout_id, prompts=prompts, n_samples_per_prompt=n_samples,
-                                              sampling=sampling, trace_context=trace_context)
-        errors, code = [], None
-        expected = self.expected_version
-        for attempt in range(self.max_retries + 1):
-            index = (replica + attempt) % len(self.clients)
-            client = self.clients[index]
-            if not self._usable(index, expected):
-                errors.append(f"{client.name} skipped: it failed earlier and does not hold weight version {expected}")
-                continue
-            try:
-                reply = client.stub.Generate(request, timeout=self.timeout_s)
-            except grpc.RpcError as exc:
-                errors.append(describe_rpc_error(client.name, f"Generate({rollout_id})", exc))
-                code = exc.code()
-                if code not in RETRYABLE:   # e.g. a reward function that raises: another replica would too
-                    break
-                with self._lock:
-                    self._suspect.add(index)
-                log.warning("%s; retrying on another replica", errors[-1])
-                time.sleep(min(0.5 * (attempt + 1), 2.0))
-                continue
-            if expected is None or reply.weight_version >= expected:
-                return reply
-            errors.append(f"{client.name} generated Generate({rollout_id}) with weight version {reply.weight_version}, "
-                          f"older than the synced {expected} (it restarted): batch {reply.entry_id} discarded")
-            log.warning("%s", errors[-1])
-            with self._lock:
-                self._suspect.add(index)
-            if self.discard is not None:
-                self.discard([reply.entry_id])
-        raise ServiceCallError("; ".join(errors), code=code)
-
-    def broadcast(self, method_name: str, request, *, timeout_s: float) -> list:  # type: ignore[no-untyped-def]
-        """Calls one RPC on every replica concurrently; raises on the first failure."""
-        futures = [self.executor.submit(c.call, getattr(c.stub, method_name), request, timeout_s=timeout_s,
-                                        what=method_name, wait_for_ready=self.wait_for_restarts) for c in self.clients]
-        return [f.result() for f in futures]
-
-    def broadcast_each(self, method_name: str, requests: list, *, timeout_s: float) -> list:  # type: ignore[type-arg]
-        """Calls one RPC on every replica concurrently, replica i with requests[i]."""
-        futures = [self.executor.submit(c.call, getattr(c.stub, method_name), r, timeout_s=timeout_s,
-                                        what=method_name, wait_for_ready=self.wait_for_restarts)
-                   for c, r in zip(self.clients, requests)]
-        return [f.result() for f in futures]
-
-    def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        for c in self.clients:
-            c.close()
+    def probe(self) -> rollout_pb2.RolloutState:
+        return self._call(self.stub.GetState, common_pb2.Empty(), timeout_s=self.deadlines.probe_s, what="GetState")
 
 
-def make_clients(services: ServicesConfig, *, uses_critic: bool) -> tuple[TrainerClient, TrainerClient | None,
-                                                                          list[RolloutClient]]:
+def make_clients(config: TandemConfig) -> tuple[GrpcTrainer, GrpcTrainer | None, list[GrpcRollout]]:
+    """The actor, the critic (None without one) and the rollout replicas of config.services."""
+    services, deadlines = config.services, Deadlines.from_config(config)
+
     def target(addr: ServiceAddress) -> str:
         if addr.port == 0:
             raise ValueError(f"service address {addr.host}:0 has no port: set it in services.* "
                              "(tandem run picks free ports itself)")
         return addr.target
 
-    actor = TrainerClient(name="trainer", target=target(services.trainer), services=services)
-    critic = TrainerClient(name="critic", target=target(services.critic), services=services) if uses_critic else None
-    rollouts = [RolloutClient(name=f"rollout[{i}]", target=target(a), services=services)
-                for i, a in enumerate(services.rollout)]
+    actor = GrpcTrainer("trainer", target(services.trainer), services=services, deadlines=deadlines)
+    critic = GrpcTrainer("critic", target(services.critic), services=services, deadlines=deadlines) \
+        if config.algorithm.uses_critic else None
+    rollouts = [GrpcRollout(f"rollout[{i}]", target(a), services=services, deadlines=deadlines,
+                            wait_for_ready=services.max_restarts > 0) for i, a in enumerate(services.rollout)]
     return actor, critic, rollouts

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class Control:
@@ -18,10 +22,18 @@ class Control:
         with self._lock:
             self._save = True
 
-    def take_save_request(self) -> bool:
+    def take_save_request(self, *, sentinel: str | None = None) -> bool:
+        """`tandem ctl save` since the last call, or the `sentinel` file appeared (it is removed: one save each
+        time it appears)."""
         with self._lock:
             requested, self._save = self._save, False
-            return requested
+        if requested:
+            return True
+        if sentinel and Path(sentinel).exists():
+            Path(sentinel).unlink(missing_ok=True)
+            log.info("save triggered by sentinel %s", sentinel)
+            return True
+        return False
 
     def pause(self) -> None:
         self._running.clear()

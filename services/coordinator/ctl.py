@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from services.contracts.config import ConfigError, load_config
+from services.contracts.config import ConfigError, TimeoutsConfig, load_config
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.rpc.grpc_util import open_channel
@@ -39,6 +39,7 @@ class Target:
     addr: str
     token: str | None
     tls_ca: str | None
+    control_s: float = TimeoutsConfig().control_s   # the run's services.timeouts.control_s, when its config is known
 
 
 def find_coordinator(*, addr: str | None, run_dir: Path | None, token: str | None, tls_ca: str | None,
@@ -54,7 +55,7 @@ def find_coordinator(*, addr: str | None, run_dir: Path | None, token: str | Non
                           "once the run's ports are chosen)")
     services = load_config(resolved).services
     return Target(addr=services.coordinator.target, token=token or services.auth_token,
-                  tls_ca=tls_ca or services.tls_ca)
+                  tls_ca=tls_ca or services.tls_ca, control_s=services.timeouts.control_s)
 
 
 def _running_run(runs_root: Path) -> Path | None:
@@ -75,7 +76,9 @@ def _running_run(runs_root: Path) -> Path | None:
     return live[0] if live else None
 
 
-def run_ctl(*, target: Target, action: str, timeout_s: float) -> int:
+def run_ctl(*, target: Target, action: str, timeout_s: float | None = None) -> int:
+    """`timeout_s` None: the run's services.timeouts.control_s."""
+    timeout_s = target.control_s if timeout_s is None else timeout_s
     try:
         with open_channel(target.addr, tls_ca=target.tls_ca, auth_token=target.token) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)

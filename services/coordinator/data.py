@@ -79,6 +79,12 @@ def _decode_line(raw: bytes, *, path: str, line_no: int) -> str:
                          "task files must be UTF-8 JSON lines") from None
 
 
+def load_eval_prompts(config: DataConfig) -> list[PromptRecord]:
+    """The eval set: data.eval_path (else the training set), at most data.eval_max_prompts of it."""
+    return load_prompts(config.eval_path or config.train_path, prompt_key=config.prompt_key,
+                        label_key=config.label_key, limit=config.eval_max_prompts)
+
+
 class DataSource:
     def __init__(self, records: list[PromptRecord], *, batch_size: int, shuffle: bool, seed: int, num_epochs: int):
         if batch_size > len(records):
@@ -97,7 +103,9 @@ class DataSource:
         return cls(records, batch_size=batch_size, shuffle=config.shuffle, seed=config.seed,
                    num_epochs=config.num_epochs)
 
-
+    @property
+    def size(self) -> int:
+        return len(self.records)
 
     def _order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:

@@ -96,7 +96,7 @@ def render(rows: list[dict], *, out: Path, title: str = "") -> list[Panel]:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     try:
         grid = axes.flatten()
-        panels = [_line_panel(ax, rows, title=t, keys=k) for ax, (t, k) in zip(grid, PANELS)]
+        panels = [_line_panel(ax, rows, title=t, keys=k) for ax, (t, k) in zip(grid, PANELS, strict=False)]
         panels.append(_step_time_panel(grid[3], rows))
         if title:
             fig.suptitle(title)

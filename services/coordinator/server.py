@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import signal
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import FrameType
 
 import grpc
 
@@ -16,8 +19,13 @@ from services.buffer.stream import RolloutBuffer, connect, stream_key
 from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.coordinator.clients import RolloutPool, ServiceCallError, make_clients
+from services.coordinator.clients import make_clients
+from services.coordinator.data import DataSource, load_eval_prompts
+from services.coordinator.errors import ServiceCallError
 from services.coordinator.loop import Coordinator
+from services.coordinator.pool import RolloutPool
+from services.coordinator.retry import generate_retry
+from services.coordinator.sync import WeightSync
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.telemetry.tracing import setup_logging, setup_tracing, shutdown_tracing
 from services.telemetry.trackers import make_trackers
@@ -71,9 +79,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @map_errors
     def Eval(self, request, context):
-        metrics = self.c.evaluate()
         rollout_id = self.c.state.next_rollout_id - 1
-        self.c._record_eval(rollout_id=rollout_id, metrics=metrics)
+        metrics = self.c.evals.evaluate()
+        self.c.evals.record(rollout_id, metrics)
         return coordinator_pb2.EvalResult(rollout_id=rollout_id, metrics=metrics)
 
     @map_errors
@@ -97,19 +105,26 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 
 def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinator, RolloutBuffer | None]:
-    actor, critic, rollouts = make_clients(config.services, uses_critic=config.algorithm.uses_critic)
+    """The coordinator of `config` with its real collaborators: gRPC clients, the Redis buffer, the data file."""
+    data = DataSource.from_config(config.data, batch_size=config.rollout.rollout_batch_size)
+    trainer, critic, replicas = make_clients(config)
     buffer = None
     if config.redis.url:
         groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
-        buffer = RolloutBuffer(connect(config.redis.url, password=config.redis.password),
+        buffer = RolloutBuffer(connect(config.redis.url, password=config.redis.password,
+                                       timeout_s=config.services.timeouts.redis_socket_s),
                                stream_key(config.redis.stream_prefix, config.run_name), groups=groups)
-    pool = RolloutPool(rollouts, max_retries=config.loop.max_retries, timeout_s=config.loop.step_timeout_s,
-                       wait_for_restarts=config.services.max_restarts > 0,
+    pool = RolloutPool(replicas, retry=generate_retry(config.loop.max_retries),
                        discard=buffer.delete if buffer is not None else None)
+    sync = WeightSync(trainer=trainer, pool=pool, config=config.weights, trainer_offloads=config.loop.offload_train)
     trackers = make_trackers(config.tracing.trackers, run_dir=run_dir, run_name=config.run_name,
                              wandb_project=config.tracing.wandb_project, prometheus_port=config.tracing.prometheus_port)
-    coordinator = Coordinator(config=config, run_dir=run_dir, trainer=actor, critic=critic, pool=pool,
-                              trackers=trackers, buffer=buffer)
+    coordinator = Coordinator(
+        config=config, run_dir=run_dir, trainer=trainer, critic=critic, pool=pool, sync=sync, data=data,
+        buffer=buffer, trackers=trackers, eval_prompts=functools.partial(load_eval_prompts, config.data),
+        # fully_async keeps one generation per replica in flight, plus the one the trainer waits for
+        generations=ThreadPoolExecutor(max_workers=pool.size + 1, thread_name_prefix="generate"),
+        evals=ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval"))
     return coordinator, buffer
 
 
@@ -131,7 +146,7 @@ def main(config: TandemConfig, *, run_dir: Path) -> int:
     print(f"TANDEM_READY coordinator {server.port}", flush=True)
     stop_once = threading.Event()
 
-    def on_signal(signum, frame):  # type: ignore[no-untyped-def]
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         if stop_once.is_set():
             raise KeyboardInterrupt
         stop_once.set()
@@ -149,7 +164,7 @@ def main(config: TandemConfig, *, run_dir: Path) -> int:
     finally:
         for tracker in coordinator.trackers:
             tracker.close()
-        server.stop(grace_s=1.0)
+        server.stop(grace_s=s.timeouts.control_s)   # control calls still running get their deadline to finish
         shutdown_tracing()
     return code
 

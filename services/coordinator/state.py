@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.coordinator.data import DataCursor
 
@@ -35,14 +35,33 @@ class GeneratedBatch:
 class RunState:
     next_rollout_id: int = 0
     weight_version: int = 0
-    cursor: DataCursor = DataCursor()              # data cursor before generating next_rollout_id
+    cursor: DataCursor = field(default_factory=DataCursor)   # data cursor before generating next_rollout_id
     pending: tuple[GeneratedBatch, ...] = ()        # generated, not yet trained, in rollout order
     samples_generated: int = 0
     samples_trained: int = 0
     samples_dropped_stale: int = 0
     samples_critic_only: int = 0                    # PPO warm-up: trained by the critic only, never by the actor
+    samples_filtered: int = 0                       # dynamic sampling: in uniform or surplus groups, acknowledged
     weights_pushed: bool = True                     # engines hold exactly the trainer's weights (no step since sync)
     history: tuple[str, ...] = field(default_factory=tuple)  # checkpoint paths, oldest first
+
+    def resumed(self) -> RunState:
+        """The state a resume starts from: weights trained after the last sync were never pushed under the saved
+        version, so they get a new one (pushed at start-up)."""
+        return replace(self, weight_version=self.weight_version + (0 if self.weights_pushed else 1),
+                       weights_pushed=True)
+
+    def trained(self, rollout_id: int, *, generated: int, trained: int, dropped_stale: int, critic_only: int,
+                filtered: int = 0) -> RunState:
+        """After the step of `rollout_id`: its samples counted (generated = trained + dropped_stale + filtered +
+        critic_only), its generation no longer pending, and the trainer's weights ahead of the engines' until the
+        next sync."""
+        return replace(self, next_rollout_id=rollout_id + 1, samples_generated=self.samples_generated + generated,
+                       samples_trained=self.samples_trained + trained,
+                       samples_dropped_stale=self.samples_dropped_stale + dropped_stale,
+                       samples_critic_only=self.samples_critic_only + critic_only,
+                       samples_filtered=self.samples_filtered + filtered,
+                       pending=tuple(p for p in self.pending if p.rollout_id != rollout_id), weights_pushed=False)
 
     def to_json(self) -> str:
         return json.dumps({"next_rollout_id": self.next_rollout_id, "weight_version": self.weight_version,
@@ -50,6 +69,7 @@ class RunState:
                            "samples_generated": self.samples_generated, "samples_trained": self.samples_trained,
                            "samples_dropped_stale": self.samples_dropped_stale,
                            "samples_critic_only": self.samples_critic_only,
+                           "samples_filtered": self.samples_filtered,
                            "weights_pushed": self.weights_pushed, "history": list(self.history)})
 
     @classmethod
@@ -62,5 +82,6 @@ class RunState:
                    samples_trained=int(d.get("samples_trained", 0)),
                    samples_dropped_stale=int(d.get("samples_dropped_stale", 0)),
                    samples_critic_only=int(d.get("samples_critic_only", 0)),
+                   samples_filtered=int(d.get("samples_filtered", 0)),
                    weights_pushed=bool(d.get("weights_pushed", True)),
                    history=tuple(d.get("history", [])))

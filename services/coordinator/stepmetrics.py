@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from services.coordinator.clients import GenerationResult
+from services.coordinator.api import GenerationResult
 
 
 def prefixed(prefix: str, metrics: Mapping[str, float]) -> dict[str, float]:
@@ -12,13 +12,13 @@ def prefixed(prefix: str, metrics: Mapping[str, float]) -> dict[str, float]:
     return {(k if "/" in k else f"{prefix}/{k}"): float(v) for k, v in metrics.items()}
 
 
-def weighted_mean(parts: list[dict[str, float]], weights: list[float]) -> dict[str, float]:
+def weighted_mean(parts: Sequence[Mapping[str, float]], weights: Sequence[float]) -> dict[str, float]:
     """Combines per-replica metric dicts, weighting each by its sample (or prompt) count."""
     total = sum(weights)
     if total <= 0:
         return {}
     keys = {k for p in parts for k in p}
-    return {k: sum(p.get(k, 0.0) * w for p, w in zip(parts, weights)) / total for k in sorted(keys)}
+    return {k: sum(p.get(k, 0.0) * w for p, w in zip(parts, weights, strict=True)) / total for k in sorted(keys)}
 
 
 def generation_metrics(gen: GenerationResult, *, weight_version: int) -> dict[str, float]:
@@ -33,4 +33,5 @@ def generation_metrics(gen: GenerationResult, *, weight_version: int) -> dict[st
     out["perf/generate_time_s"] = max(r.generate_time_s for r in gen.responses)
     out["perf/reward_time_s"] = max(r.reward_time_s for r in gen.responses)
     out["rollout/staleness"] = float(weight_version - min(r.weight_version for r in gen.responses))
+    out.update(gen.sampling_metrics)
     return out

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum
 from itertools import accumulate
 
-import grpc
-
 from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
-from services.coordinator.clients import RolloutPool, TrainerClient, describe_rpc_error
+from services.coordinator.api import SyncResult, TrainerApi
+from services.coordinator.errors import ServiceCallError
+from services.coordinator.pool import RolloutPool
 from services.telemetry.tracing import span
 
 log = logging.getLogger(__name__)
+
+__all__ = ["SyncPhase", "SyncResult", "WeightSync", "WeightSyncError", "compare_checksums"]
 
 
 class SyncPhase(Enum):
@@ -36,21 +37,6 @@ class WeightSyncError(RuntimeError):
     pass
 
 
-@dataclass(frozen=True)
-class SyncResult:
-    version: int
-    transport: str
-    bytes: int
-    seconds: float
-    phase_seconds: dict[str, float] = field(default_factory=dict)
-    verified_tensors: int = 0
-
-    @property
-    def gbps(self) -> float:
-        transfer = self.phase_seconds.get("transfer", self.seconds)
-        return self.bytes / transfer / 1e9 if transfer > 0 else 0.0
-
-
 def compare_checksums(expected: dict[str, str], received: dict[str, str], *, replica: str) -> None:
     missing = sorted(set(expected) - set(received))
     differ = sorted(n for n in expected if n in received and received[n] != expected[n])
@@ -61,47 +47,54 @@ def compare_checksums(expected: dict[str, str], received: dict[str, str], *, rep
             f"({', '.join(missing[:5])})")
 
 
+def rank_offsets(ranks: list[int]) -> list[int]:
+    """Each replica's first rank in the transfer group; the trainer is rank 0."""
+    return [1 + o for o in accumulate([0, *ranks[:-1]])]
+
+
 class WeightSync:
-    def __init__(self, *, trainer: TrainerClient, pool: RolloutPool, config: WeightsConfig, pause_mode: str = "drain",
+    def __init__(self, *, trainer: TrainerApi, pool: RolloutPool, config: WeightsConfig, pause_mode: str = "drain",
                  trainer_offloads: bool = False):
         self.trainer = trainer
         self.trainer_offloads = trainer_offloads   # the trainer frees its buffers after every sync
         self.pool = pool
         self.config = config
         self.pause_mode = pause_mode
-        self.executor = ThreadPoolExecutor(max_workers=len(pool.clients) + 1, thread_name_prefix="sync")
+        self.executor = ThreadPoolExecutor(max_workers=pool.size + 1, thread_name_prefix="sync")
         self.phase = SyncPhase.DONE
 
     def run(self, *, version: int, verify: bool | None = None) -> SyncResult:
         verify = self.config.check_weight_update_equal if verify is None else verify
-        timeout = self.config.timeout_s
         times: dict[str, float] = {}
         start = time.monotonic()
         with span("rl.sync", weight_version=version, transport=self.config.transport) as s:
             try:
                 self.phase = SyncPhase.PREPARE
                 t = time.monotonic()
-                prepared = self.pool.broadcast("PrepareWeightSync", rollout_pb2.PrepareReceiveRequest(
-                    version=version, pause_mode=self.pause_mode), timeout_s=timeout)
+                prepared = self.pool.prepare_weight_sync(version=version, pause_mode=self.pause_mode)
                 ranks = [max(1, p.engine_ranks) for p in prepared]
-                plan = self.trainer.call(self.trainer.stub.PrepareWeightSync, trainer_pb2.PrepareWeightSyncRequest(
-                    version=version, transport=self.config.transport, engine_world_size=sum(ranks), verify=verify),
-                    timeout_s=timeout, what=f"PrepareWeightSync(v{version})")
+                times["pause"] = time.monotonic() - t
+                plan = self.trainer.prepare_weight_sync(trainer_pb2.PrepareWeightSyncRequest(
+                    version=version, transport=self.config.transport, engine_world_size=sum(ranks), verify=verify))
                 plan.buffers_freed_after = self.trainer_offloads
-                times["prepare"] = time.monotonic() - t
+                times["plan"] = time.monotonic() - t - times["pause"]   # the trainer's checksums, when verifying
 
                 self.phase = SyncPhase.TRANSFER
                 t = time.monotonic()
-                received = self._transfer(plan=plan, ranks=ranks, timeout_s=timeout)
+                published, received = self._transfer(plan=plan, ranks=ranks)
                 times["transfer"] = time.monotonic() - t
+                times["publish"] = published.time_s                 # the trainer's own account of it
+                times["receive"] = max(r.time_s for r in received)  # the slowest engine's (its checksums included)
 
                 self.phase = SyncPhase.VERIFY
+                t = time.monotonic()
                 checked = 0
                 if verify:
                     expected = {m.name: m.checksum for b in plan.buckets for m in b.tensors}
-                    for client, reply in zip(self.pool.clients, received):
-                        compare_checksums(expected, dict(reply.checksums), replica=client.name)
+                    for replica, reply in zip(self.pool.replicas, received, strict=True):
+                        compare_checksums(expected, dict(reply.checksums), replica=replica.name)
                     checked = len(expected)
+                times["verify"] = time.monotonic() - t
             except WeightSyncError:
                 self._resume_quietly()
                 raise
@@ -112,7 +105,7 @@ class WeightSync:
             self.pool.weights_synced(version)   # every replica holds `version`, restarted ones included
             self.phase = SyncPhase.RESUME
             t = time.monotonic()
-            self.pool.broadcast("Resume", common_pb2.Empty(), timeout_s=timeout)
+            self.pool.resume()
             times["resume"] = time.monotonic() - t
             self.phase = SyncPhase.DONE
             result = SyncResult(version=version, transport=plan.transport, bytes=plan.total_bytes,
@@ -121,26 +114,26 @@ class WeightSync:
             s.set_attribute("rl.gbps", result.gbps)
             return result
 
-    def _transfer(self, *, plan: common_pb2.WeightSyncPlan, ranks: list[int], timeout_s: float) -> list:
+    def _transfer(self, *, plan: common_pb2.WeightSyncPlan, ranks: list[int],
+                  ) -> tuple[trainer_pb2.PublishWeightsResponse, list[rollout_pb2.ReceiveWeightsResponse]]:
         # Engines first (they join the group and block), then the trainer broadcasts in the announced order.
-        offsets = [1 + o for o in accumulate([0] + ranks[:-1])]
-        receive = [self.executor.submit(c.stub.ReceiveWeights, rollout_pb2.ReceiveWeightsRequest(
-            plan=plan, rank_offset=off), timeout=timeout_s + 5) for c, off in zip(self.pool.clients, offsets)]
-        publish = self.executor.submit(self.trainer.stub.PublishWeights,
-                                       trainer_pb2.PublishWeightsRequest(version=plan.version), timeout=timeout_s + 5)
+        receive = [self.executor.submit(r.receive_weights, rollout_pb2.ReceiveWeightsRequest(plan=plan, rank_offset=o))
+                   for r, o in zip(self.pool.replicas, rank_offsets(ranks), strict=True)]
+        publish = self.executor.submit(self.trainer.publish_weights, plan.version)
+        waits: list[Future] = [publish, *receive]
         errors = []
-        for name, fut in [("trainer", publish), *((c.name, f) for c, f in zip(self.pool.clients, receive))]:
+        for fut in waits:
             try:
                 fut.result()
-            except grpc.RpcError as exc:
-                errors.append(describe_rpc_error(name, "weight transfer", exc))
+            except ServiceCallError as exc:
+                errors.append(str(exc))
         if errors:
             raise WeightSyncError(f"weight transfer of version {plan.version} over {plan.transport} failed: "
                                   + "; ".join(errors))
-        return [f.result() for f in receive]
+        return publish.result(), [f.result() for f in receive]
 
     def _resume_quietly(self) -> None:
         try:
-            self.pool.broadcast("Resume", common_pb2.Empty(), timeout_s=10.0)
+            self.pool.resume()
         except Exception as exc:  # noqa: BLE001 - best effort; the original error is what matters
             log.warning("could not resume rollout engines after a failed sync: %s", exc)

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from services.contracts.gen.tandem.v1 import coordinator_pb2
+from services.contracts.gen.tandem.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 COLUMNS = (("rollout/reward_mean", "reward"), ("rollout/response_len_mean", "resp len"), ("train/loss", "loss"),
            ("train/kl", "kl"), ("train/grad_norm", "grad"), ("rollout/staleness", "stale"),
@@ -71,7 +71,7 @@ def event_line(event: coordinator_pb2.StepEvent) -> str:
     return f"{event.kind} {event.rollout_id}: {event.message}"
 
 
-def watch_table(stub, *, console: Console | None = None) -> int:  # type: ignore[no-untyped-def]
+def watch_table(stub: coordinator_pb2_grpc.CoordinatorStub, *, console: Console | None = None) -> int:
     console = console or Console()
     state = WatchState()
     events = stub.WatchEvents(coordinator_pb2.WatchRequest(include_history=True))

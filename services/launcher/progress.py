@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from services.contracts.gen.tandem.v1 import coordinator_pb2
 
@@ -28,7 +28,7 @@ class ProgressView:
         self.enabled = enabled
         self.progress = Progress(TextColumn("[bold]tandem"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[summary]}"), TimeElapsedColumn()) if enabled else None
-        self.task = None
+        self.task: TaskID | None = None
         self.total = 0
 
     def __enter__(self) -> ProgressView:

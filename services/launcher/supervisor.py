@@ -17,6 +17,7 @@ with ExitCode.PERMANENT (3) failed on an error a restart would repeat: it is not
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -37,7 +39,12 @@ from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordi
 from services.launcher.procs import dies_with_parent
 from services.rpc.grpc_util import ensure_port_free, open_channel, wait_healthy
 
+if TYPE_CHECKING:
+    from services.launcher.progress import ProgressView
+
 log = logging.getLogger("tandem.run")
+
+WATCH_POLL_S = 0.2   # how often watch() looks at its children
 
 
 @dataclass
@@ -56,7 +63,8 @@ class Child:
         except OSError:
             return ""
 
-    def stop(self, timeout_s: float = 15.0) -> None:
+    def stop(self, timeout_s: float) -> None:
+        """SIGTERM, and SIGKILL to its group after `timeout_s` (services.timeouts.shutdown_s)."""
         if not self.alive():
             return
         self.process.send_signal(signal.SIGTERM)
@@ -101,7 +109,7 @@ class LocalRun:
         self.config_file = run_dir / "config.yaml"
         self.interrupts = 0
         self.restarts_left = config.services.max_restarts
-        self.view = None
+        self.view: ProgressView | None = None
 
     def _spawn(self, name: str, args: list[str]) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.log"
@@ -116,10 +124,8 @@ class LocalRun:
 
     def _respawn(self, child: Child) -> Child:
         """The same command again (same ports: they are in the resolved config)."""
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.process.pid, signal.SIGKILL)   # leftovers of its group (torchrun ranks)
-        except (ProcessLookupError, PermissionError):
-            pass
         child.process.wait()
         self.children.remove(child)
         assert child.args is not None
@@ -154,7 +160,7 @@ class LocalRun:
 
         try:
             wait_healthy(target, timeout_s=self.config.loop.startup_timeout_s, tls_ca=self.config.services.tls_ca,
-                         should_abort=exited)
+                         should_abort=exited, check_timeout_s=self.config.services.timeouts.health_check_s)
         except RuntimeError:
             code = child.process.returncode
             if not (may_exit or code == 0 or (child.name == "coordinator" and code == ExitCode.PERMANENT)):
@@ -176,7 +182,7 @@ class LocalRun:
         else:
             self.redis = EmbeddedRedis(self.run_dir / "redis", appendonly=self.config.redis.appendonly,
                                        appendfsync=self.config.redis.appendfsync,
-                                       password=self.config.redis.password).start()
+                                       password=self.config.redis.password).start(self.config.loop.startup_timeout_s)
             redis_url = f"redis://{self.redis.host}:{self.redis.port}/0"   # the password travels as redis.password
         self.config = resolve_for_local_run(self.config, redis_url=redis_url)
         write_resolved_config(self.config, self.run_dir).chmod(0o600)   # it may hold the token and passwords
@@ -222,7 +228,7 @@ class LocalRun:
                     code = coordinator.process.returncode
                     if code in (0, ExitCode.PERMANENT) or self.interrupts or not self._restart(coordinator):
                         break
-                time.sleep(0.2)
+                time.sleep(WATCH_POLL_S)
         code = self.coordinator_child().process.returncode
         if code == ExitCode.PERMANENT:
             log.error("coordinator failed on an error a restart would only repeat (exit %d): not restarting it. "
@@ -297,15 +303,15 @@ class LocalRun:
         self.restarts_left -= 1
         log.warning("redis-server exited with %s; restarting it on port %d (appendonly %s)", code, self.redis.port,
                     self.redis.appendonly)
-        self.redis.start()
+        self.redis.start(self.config.loop.startup_timeout_s)
         return True
 
-    def _stream_events(self, view) -> None:  # type: ignore[no-untyped-def]
+    def _stream_events(self, view: ProgressView) -> None:
         s = self.config.services
         try:
             with open_channel(s.coordinator.target, tls_ca=s.tls_ca, auth_token=s.auth_token) as channel:
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-                status = stub.GetStatus(common_pb2.Empty(), timeout=10)
+                status = stub.GetStatus(common_pb2.Empty(), timeout=s.timeouts.control_s)
                 view.set_total(status.num_rollout, start=status.rollout_id)
                 for event in stub.WatchEvents(coordinator_pb2.WatchRequest(include_history=True)):
                     view.on_event(event)
@@ -322,16 +328,18 @@ class LocalRun:
             with open_channel(s.coordinator.target, tls_ca=s.tls_ca, auth_token=s.auth_token) as channel:
                 # wait_for_ready: a channel in reconnect backoff (a coordinator that has just started) fails at
                 # once otherwise, and a Ctrl-C then terminates instead of stopping gracefully
-                coordinator_pb2_grpc.CoordinatorStub(channel).Stop(common_pb2.Empty(), timeout=10, wait_for_ready=True)
+                coordinator_pb2_grpc.CoordinatorStub(channel).Stop(common_pb2.Empty(), timeout=s.timeouts.control_s,
+                                                                   wait_for_ready=True)
         except grpc.RpcError as exc:
             log.warning("could not reach the coordinator (%s); terminating", exc.code().name)
             raise KeyboardInterrupt from None
 
     def shutdown(self) -> None:
+        grace = self.config.services.timeouts.shutdown_s
         for child in reversed(self.children):   # coordinator first, then rollouts, then trainers
-            child.stop()
+            child.stop(grace)
         if self.redis is not None:
-            self.redis.stop()
+            self.redis.stop(grace)
         (self.run_dir / RUN_MARKER).unlink(missing_ok=True)
 
 

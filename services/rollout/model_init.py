@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from services.contracts.config import ConfigError
 
@@ -20,13 +21,30 @@ SYMBOLS = ("+", "-", "*", "/", "=", "(", ")", ",")
 VOCAB = (*SPECIAL_TOKENS, *"0123456789", *SYMBOLS)
 
 # tiny learns the example task in seconds of compute; small is a few M parameters for throughput work.
-PRESETS: dict[str, dict[str, int]] = {
+# q05 / q15 are the bodies of Qwen2-0.5B / Qwen2-1.5B (their layer shapes, rope theta and context) over this
+# vocabulary, for real-size speed work: ~0.36B and ~1.31B parameters, nearly all of them in the layers.
+_QWEN2_BODY = dict(num_key_value_heads=2, max_position_embeddings=131_072, rope_theta=1_000_000.0)
+PRESETS: dict[str, dict[str, Any]] = {   # config kwargs (transformers types them per field)
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128),
     "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=8,
                   num_key_value_heads=4, max_position_embeddings=512),
+    "q05": dict(_QWEN2_BODY, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, max_window_layers=24,
+                num_attention_heads=14),
+    "q15": dict(_QWEN2_BODY, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, max_window_layers=28,
+                num_attention_heads=12),
 }
 ARCHS = ("llama", "qwen2")
+# A preset named after a model family is built only as that family; the others default to llama (module doc).
+PRESET_ARCH = {"q05": "qwen2", "q15": "qwen2"}
+
+
+def preset_arch(preset: str, arch: str | None = None) -> str:
+    """The arch to build `preset` as: `arch` when given (refused if the preset fixes another one)."""
+    fixed = PRESET_ARCH.get(preset)
+    if arch is not None and fixed is not None and arch != fixed:
+        raise ModelInitError(f"init-model: preset {preset!r} is a {fixed} body; drop --arch or pass --arch {fixed}")
+    return arch or fixed or "llama"
 
 
 class ModelInitError(ConfigError):
@@ -64,13 +82,17 @@ def build_config(*, preset: str, arch: str, vocab_size: int, bos: int, eos: int,
                tie_word_embeddings=False, rms_norm_eps=1e-6, dtype="float32", **PRESETS[preset])
 
 
-def init_model(out_dir: str | os.PathLike[str], *, preset: str = "tiny", arch: str = "llama", seed: int = 0) -> Path:
+def init_model(out_dir: str | os.PathLike[str], *, preset: str = "tiny", arch: str | None = None,
+               seed: int = 0) -> Path:
     """Writes config, safetensors weights, generation config and tokenizer to `out_dir`; returns it.
+
+    `arch` defaults to the preset's (`preset_arch`).
 
     Refuses to overwrite a directory that already holds a model. Writes into a temporary sibling and
     renames, so an interrupted run never leaves a half-written model behind.
     """
     out = Path(out_dir).resolve()
+    arch = preset_arch(preset, arch) if preset in PRESETS else arch or "llama"
     if preset not in PRESETS or arch not in ARCHS:
         raise ModelInitError(f"init-model: unknown preset {preset!r} or arch {arch!r} (presets: "
                              f"{', '.join(PRESETS)}; archs: {', '.join(ARCHS)})")
@@ -84,7 +106,7 @@ def init_model(out_dir: str | os.PathLike[str], *, preset: str = "tiny", arch: s
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    tokenizer = build_tokenizer(model_max_length=PRESETS[preset]["max_position_embeddings"])
+    tokenizer = build_tokenizer(model_max_length=int(PRESETS[preset]["max_position_embeddings"]))
     config = build_config(preset=preset, arch=arch, vocab_size=len(VOCAB), bos=tokenizer.bos_token_id,
                           eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
     with torch.random.fork_rng(devices=[]):
@@ -110,3 +132,12 @@ def init_model(out_dir: str | os.PathLike[str], *, preset: str = "tiny", arch: s
 
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def parameter_count(model_dir: str | os.PathLike[str]) -> int:
+    """Parameters of the model in `model_dir`, from its config alone (built on the meta device: no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return count_parameters(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)))

@@ -152,12 +152,10 @@ class RewardFunction:
                 raise RewardError(f"batched reward {self.spec} returned {type(raw).__name__} "
                                   f"{_len_of(raw)} for {n} samples; expected a list of {n} numbers")
             return [_to_float(v, spec=self.spec, index=i) for i, v in enumerate(raw)]
-        calls = [functools.partial(self._call, p, r, lb, m, index=i)
-                 for i, (p, r, lb, m) in enumerate(zip(prompts, responses, labels, metadatas))]
-        if inspect.iscoroutinefunction(self.fn):
-            raw = _run_coroutines(calls)
-        else:
-            raw = [_run_maybe_async(c) for c in calls]
+        calls: list[Callable[[], Any]] = [
+            functools.partial(self._call, p, r, lb, m, index=i)
+            for i, (p, r, lb, m) in enumerate(zip(prompts, responses, labels, metadatas, strict=True))]
+        raw = _run_coroutines(calls) if inspect.iscoroutinefunction(self.fn) else [_run_maybe_async(c) for c in calls]
         return [_to_float(v, spec=self.spec, index=i) for i, v in enumerate(raw)]
 
     def _call(self, *args: Any, index: int | None = None) -> Any:
@@ -166,7 +164,7 @@ class RewardFunction:
             if self.keywords is None:
                 result = self.fn(*args)
             else:
-                result = self.fn(**{k: v for k, v in zip(names, args) if k in self.keywords})
+                result = self.fn(**{k: v for k, v in zip(names, args, strict=True) if k in self.keywords})
         except Exception as exc:
             raise self._failure(exc, index) from exc
         return self._guarded(result, index) if inspect.isawaitable(result) else result
@@ -255,7 +253,7 @@ def _load_callable(spec: str) -> Callable[..., Any]:
             raise RewardSpecError(f"reward {spec!r}: {target} has no attribute {attr!r}")
     if not callable(fn):
         raise RewardSpecError(f"reward {spec!r}: {attr} is a {type(fn).__name__}, not a function")
-    return fn  # type: ignore[return-value]
+    return fn
 
 
 def _import(name: str, spec: str) -> Any:
@@ -263,7 +261,7 @@ def _import(name: str, spec: str) -> Any:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
         raise RewardSpecError(f"reward {spec!r}: module {exc.name!r} not found") from None
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - user code may raise anything; the spec error names it
         raise RewardSpecError(f"reward {spec!r}: importing {name} failed: {type(exc).__name__}: {exc}") from None
 
 
@@ -282,7 +280,7 @@ def _load_file(path_text: str, spec: str) -> Any:
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - user code may raise anything; the spec error names it
         raise RewardSpecError(f"reward {spec!r}: loading {file} failed: {type(exc).__name__}: {exc}") from None
     sys.modules[name] = module
     return module

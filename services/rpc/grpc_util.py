@@ -23,7 +23,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.contracts.config import TimeoutsConfig
+
 log = logging.getLogger(__name__)
+
+_TIMEOUTS = TimeoutsConfig()   # defaults for callers without a config
+_HEALTH_POLL_S = 0.2           # between health checks while waiting for a service
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 OPEN_METHODS_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -128,7 +133,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+    def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(OPEN_METHODS_PREFIXES):
             return continuation(handler_call_details)
         for key, value in handler_call_details.invocation_metadata or ():
@@ -157,7 +162,7 @@ class DecodeErrorInterceptor(grpc.ServerInterceptor):
     """Request bytes that do not parse get INVALID_ARGUMENT (gRPC's own answer is INTERNAL "Exception
     deserializing request!", which reads like a server bug and is what a fuzzer would hit first)."""
 
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+    def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
@@ -241,7 +246,8 @@ class RunningServer:
         for name in ("", *self.service_names):
             self.health.set(name, status)
 
-    def stop(self, grace_s: float = 2.0) -> None:
+    def stop(self, grace_s: float) -> None:
+        """Stops serving; calls in flight get `grace_s` to finish."""
         self.set_serving(False)
         self.server.stop(grace_s).wait()
 
@@ -304,20 +310,20 @@ class _HeaderInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClien
     def __init__(self, header: tuple[str, str]):
         self._header = header
 
-    def _with_header(self, details):  # type: ignore[no-untyped-def]
-        metadata = list(details.metadata or []) + [self._header]
+    def _with_header(self, details):
+        metadata = [*(details.metadata or []), self._header]
         return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[override]
+    def intercept_unary_unary(self, continuation, client_call_details, request):
         return continuation(self._with_header(client_call_details), request)
 
-    def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[override]
+    def intercept_unary_stream(self, continuation, client_call_details, request):
         return continuation(self._with_header(client_call_details), request)
 
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
         return continuation(self._with_header(client_call_details), request_iterator)
 
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return continuation(self._with_header(client_call_details), request_iterator)
 
 
@@ -331,10 +337,11 @@ class _Details(grpc.ClientCallDetails):
         self.compression = getattr(base, "compression", None)
 
 
-def wait_healthy(target: str, *, timeout_s: float = 60.0, service: str = "", tls_ca: str | None = None,
-                 should_abort: Callable[[], str | None] | None = None) -> None:
-    """Polls grpc.health.v1 until SERVING; `should_abort` may return a reason to give up early
-    (e.g. the child process died)."""
+def wait_healthy(target: str, *, timeout_s: float, service: str = "", tls_ca: str | None = None,
+                 should_abort: Callable[[], str | None] | None = None,
+                 check_timeout_s: float = _TIMEOUTS.health_check_s) -> None:
+    """Polls grpc.health.v1 until SERVING, each check within `check_timeout_s` (services.timeouts.health_check_s);
+    `should_abort` may return a reason to give up early (e.g. the child process died)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     with open_channel(target, tls_ca=tls_ca, options=FAST_RECONNECT) as channel:
@@ -343,11 +350,11 @@ def wait_healthy(target: str, *, timeout_s: float = 60.0, service: str = "", tls
             if should_abort is not None and (reason := should_abort()):
                 raise RuntimeError(f"{target}: {reason}")
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=check_timeout_s)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
                 last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             except grpc.RpcError as exc:
                 last = f"{exc.code().name}: {exc.details()}"
-            time.sleep(0.2)
+            time.sleep(_HEALTH_POLL_S)
     raise TimeoutError(f"service at {target} not healthy after {timeout_s:.0f}s (last: {last})")

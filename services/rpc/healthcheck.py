@@ -15,8 +15,12 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+# A container health check reads no config file, and importing the config (pydantic) would make every probe
+# slower: the default answer deadline lives here, and --timeout overrides it.
+_TIMEOUT_S = 3.0
 
-def check(target: str, *, service: str = "", timeout_s: float = 3.0, tls_ca: str | None = None) -> str | None:
+
+def check(target: str, *, service: str = "", timeout_s: float = _TIMEOUT_S, tls_ca: str | None = None) -> str | None:
     """None when `target` reports SERVING for `service`, else why not."""
     if tls_ca:
         with open(tls_ca, "rb") as f:
@@ -38,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.rpc.healthcheck", description=__doc__.splitlines()[0])
     parser.add_argument("target", help="HOST:PORT of a Tandem service")
     parser.add_argument("--service", default="", help="service name to check (default: the whole server)")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    parser.add_argument("--timeout", type=float, default=_TIMEOUT_S,
+                        help="seconds to wait for the answer")
     parser.add_argument("--tls-ca", default=None, help="CA certificate when the service uses TLS")
     args = parser.parse_args(argv)
     problem = check(args.target, service=args.service, timeout_s=args.timeout, tls_ca=args.tls_ca)

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -110,13 +110,19 @@ def setup_tracing(service_name: str, *, exporter: str = "none", file_path: str |
 
 
 def _span_processor(exporter: str, *, file_path: str | None) -> Any:
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        ConsoleSpanExporter,
+        SimpleSpanProcessor,
+        SpanExporter,
+    )
 
     # file / console export each span as it ends: nothing is lost when a hung run is killed.
     if exporter == "file":
         if not file_path:
             raise ValueError("tracing.exporter: file needs tracing.file_path (or a run dir)")
-        return SimpleSpanProcessor(JsonLinesSpanExporter(file_path))
+        # duck-typed (export/shutdown/force_flush), so the module needs the SDK only when a processor is built
+        return SimpleSpanProcessor(cast(SpanExporter, JsonLinesSpanExporter(file_path)))
     if exporter == "console":
         return SimpleSpanProcessor(ConsoleSpanExporter())
     if exporter == "otlp":   # endpoint, headers, protocol, ... from the standard OTEL_EXPORTER_OTLP_* variables
@@ -171,7 +177,7 @@ def _propagate_into_thread_pools() -> None:
         return original(self, contextvars.copy_context().run, fn, *args, **kwargs)
 
     submit._tandem_context = True  # type: ignore[attr-defined]
-    ThreadPoolExecutor.submit = submit  # type: ignore[method-assign]
+    ThreadPoolExecutor.submit = submit  # type: ignore[method-assign, assignment]  # patched on purpose
 
 
 def _links(carriers: Carrier | Iterable[Carrier] | None) -> list[trace.Link]:

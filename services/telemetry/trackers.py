@@ -18,15 +18,17 @@ from services.contracts.gen.tandem.v1 import coordinator_pb2
 
 log = logging.getLogger(__name__)
 
+_ACTIVE_POLL_S = 1.0   # WatchEvents: how often a waiting stream asks whether its client is still there
+
 
 class Tracker(ABC):
     @abstractmethod
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
 
-    def rewind(self, *, next_step: int) -> None:
+    def rewind(self, *, next_step: int) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """A resumed run trains again from next_step: forget what was logged for it and later steps."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         pass
 
 
@@ -157,7 +159,7 @@ class EventLog:
         while True:
             with self._cond:
                 while index >= len(self._events) and not self._closed and is_active():
-                    self._cond.wait(timeout=1.0)
+                    self._cond.wait(timeout=_ACTIVE_POLL_S)   # is_active has no way to wake us
                 batch = self._events[index:]
                 index = len(self._events)
                 done = self._closed or not is_active()

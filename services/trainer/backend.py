@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from services.contracts.config import TandemConfig
+from services.trainer import fused
 from services.trainer.batching import MicroBatch
 from services.trainer.dist import DistInfo
 from services.trainer.scoring import TokenSampling, score_tokens
@@ -65,7 +66,8 @@ def deepspeed_config(config: TandemConfig, *, world_size: int, lr: float) -> dic
         # One "sample" per micro-batch call; the real batch size is decided by the token budget.
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world_size,
         "gradient_clipping": t.grad_clip, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False,
-        "zero_allow_untested_optimizer": True, "bf16": bf16_config(config), "zero_optimization": {"stage": t.zero_stage},
+        "zero_allow_untested_optimizer": True, "bf16": bf16_config(config),
+        "zero_optimization": {"stage": t.zero_stage},
     }
     if t.zero_stage == 3:
         # Partition every parameter: by default DeepSpeed keeps ones under 1e5 elements whole, so a small
@@ -147,6 +149,9 @@ class DeepSpeedBackend:
             model = load_causal_lm(config.model.path, dtype=dtype, attn=attn)
         if t.gradient_checkpointing:
             _hf_part(model).gradient_checkpointing_enable()
+        if use_fused_kernels(config, dist_info.device):
+            fused.patch_model(model)
+            fused.warm_up(model)   # while the engines start, not in the first step
         lr = (t.critic_lr or t.lr) if role == "critic" else t.lr
         total = t.total_steps or config.loop.num_rollout
         schedule = lr_lambda(schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total, lr=lr,
@@ -261,11 +266,25 @@ class DeepSpeedBackend:
         self.engine.destroy()
 
 
+def use_fused_kernels(config: TandemConfig, device: torch.device) -> bool:
+    """trainer.fused_kernels: auto = on a CUDA device with Triton and bf16 weights; on = required (an error when
+    they cannot run here); off = the models' own eager modules."""
+    choice = config.trainer.fused_kernels
+    if choice == "off":
+        return False
+    usable = device.type == "cuda" and fused.available()
+    if choice == "on" and not usable:
+        raise ValueError("trainer.fused_kernels: on needs a CUDA device and the triton package; use auto or off")
+    return usable and (choice == "on" or param_dtype(config) == torch.bfloat16)
+
+
 def load_frozen_causal_lm(config: TandemConfig, device: torch.device) -> torch.nn.Module:
     """A frozen copy of the policy from model.path in the trainer's dtype: the reference model of the KL term
     (the initial weights), and the old actor's container (keep_old_actor loads snapshots into it)."""
     model = load_causal_lm(config.model.path, dtype=param_dtype(config), attn=config.model.attn_implementation)
     model = model.to(device)
+    if use_fused_kernels(config, device):
+        fused.patch_model(model)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)

@@ -20,7 +20,7 @@ from services.trainer.backend import TORCH_DTYPES, DeepSpeedBackend
 from services.trainer.old_actor import OldActor
 from services.trainer.weight_export import iter_named_weights, weight_specs
 from services.weights import SyncStats, TensorSpec, WeightPublisher
-from services.weights.layout import tensor_checksum
+from services.weights.layout import named_checksums
 
 MAX_ENGINE_RANKS = 4096            # a weight-sync group larger than this is a malformed request
 
@@ -93,7 +93,7 @@ class WeightPublishing:
         """The WeightChecksums command: rank 0 gets them."""
         named = self.iter_named_weights()
         try:
-            return {name: tensor_checksum(t) for name, t in named} if self.rank == 0 else None
+            return named_checksums(named) if self.rank == 0 else None
         finally:
             _drain(named)
 

@@ -18,8 +18,6 @@ from services.weights.base import (
                                           WeightSyncPeerLost,
                                           WeightSyncRefused,
                                           WeightSyncTimeout,
-                                          register_transport,
-                                          transport_names,
 )
 from services.weights.layout import (
                                           Layout,
@@ -30,14 +28,27 @@ from services.weights.layout import (
                                           specs_from_tensors,
                                           tensor_checksum,
 )
-from services.weights.transports import cuda_ipc as _cuda_ipc  # noqa: F401 - registers "cuda_ipc"
-from services.weights.transports import disk as _disk  # noqa: F401 - registers "disk"
-from services.weights.transports import pg as _pg  # noqa: F401 - registers "gloo" and "nccl"
-from services.weights.transports import sglang as _sglang  # noqa: F401 - "gloo"/"nccl" senders that also speak SGLang
+from services.weights.registry import TRANSPORTS, transport_names
 
 __all__ = [
-    "Deadline", "Layout", "Received", "ReceiverTransport", "SenderTransport", "SyncStats", "TensorSpec",
-    "WeightPublisher", "WeightReceiver", "WeightSyncError", "WeightSyncPeerLost", "WeightSyncRefused",
-    "WeightSyncTimeout", "check_params", "layout_from_plan", "plan_layout", "register_transport",
-    "specs_from_tensors", "tensor_checksum", "transport_names",
+                                          "TRANSPORTS",
+                                          "Deadline",
+                                          "Layout",
+                                          "Received",
+                                          "ReceiverTransport",
+                                          "SenderTransport",
+                                          "SyncStats",
+                                          "TensorSpec",
+                                          "WeightPublisher",
+                                          "WeightReceiver",
+                                          "WeightSyncError",
+                                          "WeightSyncPeerLost",
+                                          "WeightSyncRefused",
+                                          "WeightSyncTimeout",
+                                          "check_params",
+                                          "layout_from_plan",
+                                          "plan_layout",
+                                          "specs_from_tensors",
+                                          "tensor_checksum",
+                                          "transport_names",
 ]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import TimeoutsConfig, WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights.base import (
     Deadline,
@@ -22,8 +22,6 @@ from services.weights.base import (
     SyncStats,
     WeightSyncError,
     WeightSyncRefused,
-    receiver_factory,
-    sender_factory,
 )
 from services.weights.layout import (
     Layout,
@@ -35,9 +33,12 @@ from services.weights.layout import (
     layout_to_buckets,
     plan_layout,
     tensor_checksum,
+    tensor_checksums,
 )
+from services.weights.registry import transport as registered_transport
 
 _MAX_LISTED = 20   # mismatches listed in one error message
+_WEIGHTS, _TIMEOUTS = WeightsConfig(), TimeoutsConfig()   # the defaults of a receiver built without a config
 
 
 class WeightPublisher:
@@ -48,7 +49,8 @@ class WeightPublisher:
         if isinstance(transport, SenderTransport):
             self._transport = transport
         else:
-            self._transport = sender_factory(transport or config.transport)(config, Path(run_dir), trainer_id)
+            build = registered_transport(transport or config.transport).sender
+            self._transport = build(config, Path(run_dir), trainer_id)
         self._config = config
         self._trainer_id = trainer_id
         self._prepared: tuple[bytes, Layout] | None = None   # (serialized plan, layout)
@@ -122,14 +124,19 @@ class WeightPublisher:
 class WeightReceiver:
     """An engine rank's side: `receive` copies a plan's tensors into `params` in place."""
 
-    def __init__(self, accepted_trainer_id: str | None = None):
+    def __init__(self, accepted_trainer_id: str | None = None, *, timeout_s: float = _WEIGHTS.timeout_s,
+                 refuse_timeout_s: float = _TIMEOUTS.probe_s):
+        """`timeout_s` bounds a plan that names no deadline (weights.timeout_s); `refuse_timeout_s` the best-effort
+        notice of a refusal to the trainer (services.timeouts.probe_s)."""
         self.accepted_trainer_id = accepted_trainer_id
+        self._timeout_s = timeout_s
+        self._refuse_timeout_s = refuse_timeout_s
         self._transports: dict[str, ReceiverTransport] = {}
         self._lock = threading.Lock()
 
     def _transport(self, name: str) -> ReceiverTransport:
         if name not in self._transports:
-            self._transports[name] = receiver_factory(name)()
+            self._transports[name] = registered_transport(name).receiver()
         return self._transports[name]
 
     def receive(self, plan: common_pb2.WeightSyncPlan, rank_offset: int,
@@ -141,16 +148,16 @@ class WeightReceiver:
         On a failure mid-transfer `params` may hold a mix of versions: sync again before generating."""
         with self._lock:
             transport = self._transport(plan.transport)
-            deadline = Deadline(plan.timeout_s if plan.timeout_s > 0 else 120.0)
+            deadline = Deadline(plan.timeout_s if plan.timeout_s > 0 else self._timeout_s)
             where = f"{plan.transport} weight sync v{plan.version} (engine rank {rank_offset})"
             if self.accepted_trainer_id and plan.trainer_id != self.accepted_trainer_id:
                 reason = f"trainer {plan.trainer_id!r} is not the accepted trainer {self.accepted_trainer_id!r}"
-                transport.refuse(plan=plan, rank=rank_offset, reason=reason, deadline=deadline)
+                transport.refuse(plan=plan, rank=rank_offset, reason=reason, deadline=self._refusal(deadline))
                 raise WeightSyncRefused(f"{where}: {reason}")
             layout, problems = self._check(plan=plan, rank_offset=rank_offset, params=params)
             if problems:
                 reason = f"{len(problems)} problem(s) with the plan or params: " + "; ".join(problems[:_MAX_LISTED])
-                transport.refuse(plan=plan, rank=rank_offset, reason=reason, deadline=deadline)
+                transport.refuse(plan=plan, rank=rank_offset, reason=reason, deadline=self._refusal(deadline))
                 raise ValueError(f"{where}: {reason}")
             assert layout is not None
             started = time.monotonic()
@@ -158,12 +165,16 @@ class WeightReceiver:
                 received = transport.receive(plan=plan, layout=layout, rank=rank_offset, params=params,
                                              deadline=deadline)
             elapsed = time.monotonic() - started
-            checksums = {slot.name: tensor_checksum(params[slot.name]) for slot in layout.order} if plan.verify else {}
+            checksums = dict(zip((s.name for s in layout.order), tensor_checksums(
+                [params[s.name] for s in layout.order]), strict=True)) if plan.verify else {}
             # the trainer's checksums, where known: announced in the plan's TensorMeta, or carried by the transport
             theirs = {m.name: m.checksum for b in plan.buckets for m in b.tensors if m.checksum}
             self._compare(where=where, mine=checksums, theirs={**theirs, **received.sender_checksums})
             return SyncStats(version=plan.version, bytes=layout.total_bytes, seconds=elapsed - received.waited_s,
                              checksums=checksums, transport=plan.transport, wait_seconds=received.waited_s)
+
+    def _refusal(self, deadline: Deadline) -> Deadline:
+        return Deadline(min(deadline.remaining(), self._refuse_timeout_s))
 
     @staticmethod
     def _check(*, plan: common_pb2.WeightSyncPlan, rank_offset: int,

@@ -1,8 +1,8 @@
 """Shared pieces of the weight-sync transports: stats, errors, deadlines and the transport plug-in point.
 
-A transport is a pair of classes, one per side, registered under the name that `WeightSyncPlan.transport`
-and `weights.transport` use. The publisher/receiver front ends (api.py) do everything transport-neutral
-(layout, validation, stats) and hand a transport a validated layout and a deadline.
+A transport is a pair of classes, one per side, listed in registry.py under the name that
+`WeightSyncPlan.transport` and `weights.transport` use. The publisher/receiver front ends (api.py) do everything
+transport-neutral (layout, validation, stats) and hand a transport a validated layout and a deadline.
 """
 
 from __future__ import annotations
@@ -10,14 +10,11 @@ from __future__ import annotations
 import datetime
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import ClassVar
 
 import torch
 
-from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.rpc.grpc_util import FailedPrecondition
 from services.weights.layout import Layout, Slot
@@ -101,7 +98,7 @@ class SenderTransport(ABC):
     tensors (validated pairs in spec order) and returns the seconds it waited for receivers before moving data.
     On failure a transport tears down what it shares with receivers, so the next `prepare` starts afresh."""
 
-    name: ClassVar[str]
+    name: str   # the registry key (services/weights/registry.py)
 
     @abstractmethod
     def prepare(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, engine_world_size: int) -> None: ...
@@ -112,7 +109,7 @@ class SenderTransport(ABC):
                 checksums: Mapping[str, str]) -> float:
         """`checksums` fills up (when plan.verify) as `tensors` is consumed, for transports that carry them."""
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Free what the last sync kept alive for receivers (CUDA IPC buffers)."""
 
     def close(self) -> None:
@@ -122,46 +119,19 @@ class SenderTransport(ABC):
 class ReceiverTransport(ABC):
     """Engine side of a transport: copy the plan's tensors into `params` in place (already validated)."""
 
-    name: ClassVar[str]
+    name: str   # the registry key (services/weights/registry.py)
 
     @abstractmethod
     def receive(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, rank: int,
                 params: Mapping[str, torch.Tensor], deadline: Deadline) -> Received: ...
 
-    def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
-        """Tell the trainer this receiver will not take part, so it fails now instead of at its deadline."""
+    def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str,  # noqa: B027 - optional hook, a no-op unless overridden
+               deadline: Deadline) -> None:
+        """Tell the trainer this receiver will not take part, so it fails now instead of at its deadline; best
+        effort within `deadline` (short: the caller raises the real reason next)."""
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Drop what holds device memory between syncs (cuda_ipc: the kept mapping of the trainer's buffers)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Tear down whatever the transport keeps between syncs."""
-
-
-SenderFactory = Callable[[WeightsConfig, Path, str], SenderTransport]  # (config, run_dir, trainer_id)
-ReceiverFactory = Callable[[], ReceiverTransport]
-
-_SENDERS: dict[str, SenderFactory] = {}
-_RECEIVERS: dict[str, ReceiverFactory] = {}
-
-
-def register_transport(name: str, *, sender: SenderFactory, receiver: ReceiverFactory) -> None:
-    """Plug in a transport under `name` (the value of `weights.transport` and `WeightSyncPlan.transport`)."""
-    _SENDERS[name] = sender
-    _RECEIVERS[name] = receiver
-
-
-def sender_factory(name: str) -> SenderFactory:
-    if name not in _SENDERS:
-        raise ValueError(f"unknown weight transport {name!r} (known: {', '.join(sorted(_SENDERS))})")
-    return _SENDERS[name]
-
-
-def receiver_factory(name: str) -> ReceiverFactory:
-    if name not in _RECEIVERS:
-        raise ValueError(f"unknown weight transport {name!r} (known: {', '.join(sorted(_RECEIVERS))})")
-    return _RECEIVERS[name]
-
-
-def transport_names() -> list[str]:
-    return sorted(_SENDERS)

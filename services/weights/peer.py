@@ -5,7 +5,8 @@ the protobuf bytes and tensors are regenerated from a seed on each side, so noth
 `WeightReceiver` (and at most one `WeightPublisher`) lives for the process, so group reuse is exercised.
 
 Commands (`op`): receive (`flat`: params as views of one buffer laid out like the plan), prepare, publish,
-raw_recv (a bare ProcessGroupGloo broadcast, for the benchmark), exit. `Peer` below is the parent's handle on such a process.
+raw_recv (a bare ProcessGroupGloo broadcast, for the benchmark), exit. `Peer` below is the parent's handle on
+such a process.
 """
 
 from __future__ import annotations
@@ -28,8 +29,15 @@ import torch.distributed as dist
 
 from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
+from services.weights import torch_compat
 from services.weights.api import WeightPublisher, WeightReceiver
 from services.weights.layout import TensorSpec, layout_from_plan, tensor_bytes, torch_dtype
+
+# A test and benchmark harness, not a service (no config): how long the parent waits for the peer to start and
+# to answer a command, and for it to exit; a `stall_after` publish sleeps past any deadline a test sets.
+_HARNESS_TIMEOUT_S = 60.0
+_EXIT_TIMEOUT_S = 10.0
+_STALL_S = 3600.0
 
 
 def make_tensors(specs: Sequence[TensorSpec], *, seed: int) -> dict[str, torch.Tensor]:
@@ -99,7 +107,7 @@ class _Worker:
             self.params_key = key
         stats = self.receiver.receive(plan, cmd.get("rank", 1), self.params)
         reply: dict[str, Any] = {"stats": stats_to_json(stats)}
-        transport = self.receiver._transports.get(plan.transport)
+        transport: Any = self.receiver._transports.get(plan.transport)   # diagnostics of some transports
         if hasattr(transport, "last_copies"):
             reply["copies"] = transport.last_copies
         if hasattr(transport, "last_timings"):
@@ -130,7 +138,7 @@ class _Worker:
         def stream():
             for i, spec in enumerate(self.specs):
                 if i == stall_after:
-                    time.sleep(3600)
+                    time.sleep(_STALL_S)
                 if i == exit_after:
                     os._exit(3)
                 yield spec.name, tensors[spec.name]
@@ -140,15 +148,13 @@ class _Worker:
     @staticmethod
     def raw_recv(cmd: dict[str, Any]) -> dict[str, Any]:
         """The bare-gloo baseline: one buffer of `nbytes`, broadcast `repeats` times from rank 0."""
-        store = dist.TCPStore(host_name=cmd["addr"], port=cmd["port"], is_master=False,
-                              timeout=datetime.timedelta(seconds=30))
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = datetime.timedelta(seconds=60)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(cmd["group"], store), 1, 2, opts)
+        timeout = datetime.timedelta(seconds=cmd["timeout_s"])
+        store = dist.TCPStore(host_name=cmd["addr"], port=cmd["port"], is_master=False, timeout=timeout)
+        pg = torch_compat.gloo_group(dist.PrefixStore(cmd["group"], store), rank=1, world_size=2, timeout=timeout,
+                                     device=dist.ProcessGroupGloo.create_device(hostname="127.0.0.1"))
         buffer = torch.empty(cmd["nbytes"], dtype=torch.uint8)
         for _ in range(cmd["repeats"]):
-            pg.broadcast(buffer, 0).wait()
+            pg.broadcast(buffer, 0, timeout).wait()
         pg.abort()
         return {}
 
@@ -181,7 +187,7 @@ class Peer:
                                      stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        hello = self.reply(timeout_s=60)
+        hello = self.reply(timeout_s=_HARNESS_TIMEOUT_S)
         assert hello.get("ready"), hello
 
     def _read(self) -> None:
@@ -201,7 +207,7 @@ class Peer:
             raise RuntimeError(f"peer {self.proc.pid} exited with {self.proc.wait()}")
         return item
 
-    def call(self, *, reply_timeout_s: float = 60, **cmd: Any) -> dict[str, Any]:
+    def call(self, *, reply_timeout_s: float = _HARNESS_TIMEOUT_S, **cmd: Any) -> dict[str, Any]:
         self.send(**cmd)
         return self.reply(timeout_s=reply_timeout_s)
 
@@ -214,7 +220,7 @@ class Peer:
         if self.proc.poll() is None:
             try:
                 self.send(op="exit")
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=_EXIT_TIMEOUT_S)
             except (OSError, subprocess.TimeoutExpired):
                 self.kill()
 

@@ -268,7 +268,8 @@ class Server:
             self.cv.wait_for(lambda: self.paused is None)
             self.running += 1
         try:
-            items = [self._one(p, s, logprob=bool(req["return_logprob"])) for p, s in zip(prompts, samplings)]
+            logprob = bool(req["return_logprob"])
+            items = [self._one(p, s, logprob=logprob) for p, s in zip(prompts, samplings, strict=False)]
         finally:
             with self.cv:
                 self.running -= 1
@@ -405,7 +406,7 @@ class Server:
                             shapes: list[list[int]], *, device: torch.device) -> list[tuple[str, torch.Tensor]]:
         """ModelRunner.update_weights_from_distributed: one async broadcast per announced tensor, then wait."""
         weights, handles = [], []
-        for name, dtype, shape in zip(names, dtypes, shapes):
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=False):
             weight = torch.empty(shape, dtype=dtype, device=device)
             handles.append(dist.broadcast(weight, src=0, group=pg, async_op=True))
             weights.append((name, weight))
@@ -418,7 +419,7 @@ class Server:
                            shapes: list[list[int]], *, device: torch.device) -> list[tuple[str, torch.Tensor]]:
         """_update_bucketed_weights_from_distributed: FlattenedTensorBucket (supports_multi_dtypes: each tensor
         flattened, viewed as uint8, concatenated without padding), one broadcast, then reconstruct_tensors()."""
-        named = [(n, torch.empty(s, dtype=d, device=device)) for n, d, s in zip(names, dtypes, shapes)]
+        named = [(n, torch.empty(s, dtype=d, device=device)) for n, d, s in zip(names, dtypes, shapes, strict=False)]
         flattened = torch.cat([t.flatten().view(torch.uint8) for _, t in named], dim=0)
         dist.broadcast(flattened, src=0, group=pg)
         out, start = [], 0

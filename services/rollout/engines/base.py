@@ -20,9 +20,9 @@ if TYPE_CHECKING:
     import torch
 
     from services.contracts.gen.tandem.v1 import common_pb2
+    from services.rollout.engines.gate import PauseGate
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
-PAUSE_MODES = ("drain", "abort", "retract", "in_place")
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
@@ -68,15 +68,31 @@ class Engine(ABC):
     """An inference engine owned by one rollout replica."""
 
     name: ClassVar[str]
+    # Set by every engine's __init__: the version it serves, its context size, the gate of its generate calls,
+    # the memory tags it released and how many samples it generated.
+    _version: int
+    _max_context: int
+    _gate: PauseGate
+    _released: set[str]
+    _generated: int
 
     @property
     @abstractmethod
-    def weight_version(self) -> int: ...
+    def model_path(self) -> str: ...
 
     @property
     @abstractmethod
+    def device_label(self) -> str:
+        """Where it generates (a device, server URLs), for the state snapshot."""
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
     def max_context_length(self) -> int:
         """Prompt + response tokens one sequence may hold."""
+        return self._max_context
 
     @property
     def engine_ranks(self) -> int:
@@ -92,10 +108,18 @@ class Engine(ABC):
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens; the model's context holds "
                                  f"{self.max_context_length}, leaving no room to generate")
 
-    @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *,
                  wait_timeout_s: float | None = None) -> list[SampleOutput]:
         """One output per prompt, in order. While paused, waits up to `wait_timeout_s` for a resume."""
+        self.validate_prompts(prompts)
+        if not prompts:
+            return []
+        with self._gate.admit(wait_timeout_s):
+            return self._generate_admitted(prompts, sampling)
+
+    @abstractmethod
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
+        """`generate` once the gate let the call in; `prompts` are validated and not empty."""
 
     @abstractmethod
     def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
@@ -127,10 +151,14 @@ class Engine(ABC):
     @abstractmethod
     def resume_memory(self, tags: Sequence[str] = ()) -> None: ...
 
-    @abstractmethod
-    def get_state(self) -> EngineState: ...
+    def get_state(self) -> EngineState:
+        gate = self._gate
+        return EngineState(engine=self.name, model_path=self.model_path, device=self.device_label,
+                           weight_version=self._version, paused=gate.paused, pause_mode=gate.pause_mode,
+                           released_memory=tuple(sorted(self._released)), in_flight=gate.admitted,
+                           generated_samples=self._generated, max_context_length=self._max_context)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Releases what the engine holds; the object is unusable afterwards."""
 
 
@@ -140,9 +168,3 @@ def normalize_memory_tags(tags: Sequence[str]) -> tuple[str, ...]:
         raise ValueError(f"unknown memory tag(s) {unknown}; known: {', '.join(MEMORY_TAGS)}")
     return tuple(tags) or MEMORY_TAGS
 
-
-def check_pause_mode(mode: str) -> str:
-    mode = mode or "drain"
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"unknown pause mode {mode!r}; known: {', '.join(PAUSE_MODES)}")
-    return mode

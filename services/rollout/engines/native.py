@@ -7,21 +7,18 @@ Two decode paths (`decode=`):
 - "graph" (the CUDA default for Llama/Qwen2) / "compile" / "static": a preallocated KV cache of a fixed
   (batch, length) bucket and, for "graph", a CUDA-graph-captured decode step (static_decode.py); "compile"
   captures the torch.compile'd step instead (fewer, fused kernels; its first call per bucket compiles);
-  sampling stays on the device and the loop checks for finished rows every `_SYNC_EVERY` tokens.
-Calls are served one at a time; the `_Gate` below implements pause/resume and keeps weight loads from
+  sampling stays on the device and the loop checks for finished rows every few tokens. The loops are in decode.py.
+Calls are served one at a time; a `DecodeGate` (gate.py) implements pause/resume and keeps weight loads from
 overlapping a forward pass. For cuda_ipc weight syncs the parameters are re-pointed once into flat buffers
 laid out like the trainer's buckets (`flatten_parameters`), so each later sync is one copy per bucket.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
-import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,18 +26,15 @@ import torch
 
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import (
-    FINISH_ABORT,
-    FINISH_LENGTH,
-    FINISH_STOP,
     Engine,
-    EngineState,
     EngineUnavailable,
     SampleOutput,
     WeightLoadStats,
-    check_pause_mode,
     normalize_memory_tags,
 )
-from services.rollout.engines.sampling import make_generator, sample_next
+from services.rollout.engines.decode import decode_dynamic, decode_static, prepare_chunk
+from services.rollout.engines.gate import DecodeGate, check_pause_mode
+from services.rollout.engines.sampling import make_generator
 from services.rollout.engines.static_decode import RunnerCache, supported
 
 if TYPE_CHECKING:
@@ -48,10 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_REASONS = (None, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)   # codes 0..3 in the loop's reason tensor
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DECODE_MODES = ("auto", "dynamic", "static", "graph", "compile")
-_SYNC_EVERY = 8        # static path: tokens between host checks for "every row finished"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -61,103 +53,6 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"rollout.device is {device!r} but CUDA is not available here")
     return dev
-
-
-class _Gate:
-    """Admission and token-boundary control.
-
-    `admitted` counts calls inside generate (queued or running); `running` counts those computing right
-    now (holding the compute lock and not parked). Pausing waits for the mode's condition; weight loads
-    and memory moves wait for running == 0 and keep everyone out while they work.
-    """
-
-    def __init__(self) -> None:
-        self.cv = threading.Condition()
-        self.compute = threading.Lock()
-        self.paused = False
-        self.mode = "drain"
-        self.exclusive_held = False
-        self.admitted = 0
-        self.running = 0
-
-    @contextlib.contextmanager
-    def admit(self, wait_timeout_s: float | None) -> Iterator[None]:
-        with self.cv:
-            if not self.cv.wait_for(lambda: not self.paused, timeout=wait_timeout_s):
-                raise EngineUnavailable(f"rollout engine is paused ({self.mode}, e.g. for a weight update) and "
-                                        f"was not resumed within {wait_timeout_s:.0f}s")
-            self.admitted += 1
-        try:
-            with self.compute:
-                with self.cv:
-                    self.cv.wait_for(lambda: not self.exclusive_held)
-                    self.running += 1
-                try:
-                    yield
-                finally:
-                    with self.cv:
-                        self.running -= 1
-                        self.cv.notify_all()
-        finally:
-            with self.cv:
-                self.admitted -= 1
-                self.cv.notify_all()
-
-    def boundary(self) -> bool:
-        """Called between decode steps; True = abort now."""
-        with self.cv:
-            if self.paused and self.mode == "abort":
-                return True
-            if self.paused and self.mode in ("in_place", "retract"):
-                self.running -= 1
-                self.cv.notify_all()
-                self.cv.wait_for(lambda: not (self.paused and self.mode in ("in_place", "retract"))
-                                 and not self.exclusive_held)
-                self.running += 1
-            return False
-
-    def pause(self, mode: str, timeout_s: float | None) -> None:
-        with self.cv:
-            self.paused, self.mode = True, mode
-            self.cv.notify_all()
-            done = (lambda: self.running == 0) if mode in ("in_place", "retract") else (lambda: self.admitted == 0)
-            if not self.cv.wait_for(done, timeout=timeout_s):
-                raise TimeoutError(f"pause({mode}) did not complete within {timeout_s}s "
-                                   f"({self.admitted} generate calls in flight)")
-
-    def resume(self) -> None:
-        with self.cv:
-            self.paused, self.mode = False, "drain"
-            self.cv.notify_all()
-
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """No forward pass runs while inside. Without a pause this waits for the running call to finish
-        (its samples keep one weight version); parked in_place / retract calls stay parked."""
-        with self.cv:
-            self.cv.wait_for(lambda: not self.exclusive_held)
-            self.exclusive_held = True
-            self.cv.wait_for(lambda: self.running == 0)
-        try:
-            yield
-        finally:
-            with self.cv:
-                self.exclusive_held = False
-                self.cv.notify_all()
-
-
-@dataclass
-class _Chunk:
-    """One left-padded batch of prompts, on the engine's device."""
-
-    input_ids: torch.Tensor
-    mask: torch.Tensor
-    positions: torch.Tensor
-    budget: torch.Tensor        # new tokens each row may produce (max_new_tokens, capped by the context)
-    steps: int
-    stop_ids: torch.Tensor
-    n: int
-    width: int
 
 
 class NativeEngine(Engine):
@@ -175,10 +70,11 @@ class NativeEngine(Engine):
             raise FileNotFoundError(f"model directory {path} does not exist or has no config.json "
                                     f"(create one with `tandem init-model {path} --preset tiny`)")
         hf_logging.disable_progress_bar()
-        self.model_path = str(path)
+        self._model_path = str(path)
         self.device = resolve_device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation).to(self.device).eval()
+        loaded: Any = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype],
+                                                           attn_implementation=attn_implementation)
+        self.model = loaded.to(self.device).eval()
         self.model.requires_grad_(False)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -187,7 +83,7 @@ class NativeEngine(Engine):
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(self.model)
         self.pad_token_id = _pad_id(self.model, self.eos_token_ids)
-        self._gate = _Gate()
+        self._gate: DecodeGate = DecodeGate(engine="rollout engine")
         self._version = 0
         self._generated = 0
         self._released: set[str] = set()
@@ -225,12 +121,12 @@ class NativeEngine(Engine):
     # ---- properties --------------------------------------------------------------------------------
 
     @property
-    def weight_version(self) -> int:
-        return self._version
+    def model_path(self) -> str:
+        return self._model_path
 
     @property
-    def max_context_length(self) -> int:
-        return self._max_context
+    def device_label(self) -> str:
+        return str(self.device)
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter under every name it has (tied weights appear under each), for receivers that
@@ -246,22 +142,17 @@ class NativeEngine(Engine):
             if bad:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {self.vocab_size})")
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *,
-                 wait_timeout_s: float | None = None) -> list[SampleOutput]:
-        self.validate_prompts(prompts)
-        if not prompts:
-            return []
-        with self._gate.admit(wait_timeout_s):
-            self._check_servable()
-            version = self._version
-            generator = make_generator(sampling.seed, self.device)
-            out: list[SampleOutput] = []
-            with torch.inference_mode():
-                for start in range(0, len(prompts), self.max_batch_size):
-                    chunk = prompts[start:start + self.max_batch_size]
-                    out += self._generate_chunk(chunk, sampling, generator, version)
-            self._generated += len(out)
-            return out
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
+        self._check_servable()
+        version = self._version
+        generator = make_generator(sampling.seed, self.device)
+        out: list[SampleOutput] = []
+        with torch.inference_mode():
+            for start in range(0, len(prompts), self.max_batch_size):
+                chunk = prompts[start:start + self.max_batch_size]
+                out += self._generate_chunk(chunk, sampling, generator, version)
+        self._generated += len(out)
+        return out
 
     def _check_servable(self) -> None:
         if self._released:
@@ -271,103 +162,22 @@ class NativeEngine(Engine):
             raise EngineUnavailable(f"{len(self._params_without_values)} parameters have no values since "
                                     "release_memory('weights'); load or receive weights first")
 
-    def _prepare_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> _Chunk:
-        dev, n = self.device, len(prompts)
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(prompts):      # left padding, built on the host and copied once
-            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
-        input_ids, mask = input_ids.to(dev), mask.to(dev)
-        budget = torch.clamp(self._max_context - lengths, max=sampling.max_new_tokens)
-        stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids)
-                                       | (set() if sampling.ignore_eos else set(self.eos_token_ids))),
-                                dtype=torch.long, device=dev)
-        return _Chunk(input_ids=input_ids, mask=mask, positions=(mask.cumsum(-1) - 1).clamp(min=0), budget=budget,
-                      steps=int(budget.max()), stop_ids=stop_ids, n=n, width=width)
-
     def _generate_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
                         generator: torch.Generator | None, version: int) -> list[SampleOutput]:
-        c = self._prepare_chunk(prompts, sampling)
-        if self.decode_mode != "dynamic":
-            return self._generate_static(c, sampling, generator, version)
-        dev, n, steps, budget, stop_ids, mask = c.input_ids.device, c.n, c.steps, c.budget, c.stop_ids, c.mask
-        out_tokens = torch.zeros((n, steps), dtype=torch.long, device=dev)
-        out_lp = torch.zeros((n, steps), dtype=torch.float32, device=dev)
-        n_out = torch.zeros(n, dtype=torch.long, device=dev)
-        reason = torch.zeros(n, dtype=torch.long, device=dev)     # index into _REASONS; 0 = still running
-        from transformers import DynamicCache
+        chunk = prepare_chunk(prompts, sampling, device=self.device, pad_token_id=self.pad_token_id,
+                              eos_token_ids=self.eos_token_ids, max_context=self._max_context)
+        if self.decode_mode == "dynamic":
+            from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
-        rows = torch.arange(n, device=dev)      # original index of each row still in the batch
-        done = torch.zeros(n, dtype=torch.bool, device=dev)
-        logits = self._forward(c.input_ids, mask, c.positions, cache)
-        next_pos = c.positions[:, -1] + 1
-        for step in range(steps):
-            tokens, lps = sample_next(logits, sampling, generator)
-            # No boolean-mask indexing here: it would cost a device sync per op on a GPU.
-            out_tokens[rows, step], out_lp[rows, step] = tokens, lps
-            lengths_now = n_out[rows] + (~done).long()
-            n_out[rows] = lengths_now
-            hit_stop = ~done & torch.isin(tokens, stop_ids)
-            hit_len = ~done & ~hit_stop & (lengths_now >= budget[rows])
-            reason[rows] = torch.where(hit_stop, 1, torch.where(hit_len, 2, reason[rows]))
-            done = done | hit_stop | hit_len
-            n_done = int(done.sum())                  # the loop's one host sync per token
-            if n_done == done.numel():
-                break
-            if self._gate.boundary():
-                reason[rows[~done]] = 3
-                break
-            if n_done * 4 >= done.numel():            # compact when a quarter of the rows are finished
-                keep = (~done).nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
-                rows, done, mask, next_pos, tokens = rows[keep], done[keep], mask[keep], next_pos[keep], tokens[keep]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            logits = self._forward(tokens.unsqueeze(-1), mask, next_pos.unsqueeze(-1), cache)
-            next_pos = next_pos + 1
-        return _collect(out_tokens, out_lp, n_out, reason, version)
-
-    def _generate_static(self, c: _Chunk, sampling: SamplingSpec, generator: torch.Generator | None,
-                         version: int) -> list[SampleOutput]:
-        """Fixed-shape decode (static_decode.py): every row steps until the whole batch is done; finished
-        rows keep computing but their tokens are not counted. No host sync except every _SYNC_EVERY tokens."""
-        dev, n, steps = c.input_ids.device, c.n, c.steps
-        if self._runners is None:
-            self._runners = RunnerCache(self.model, graphs=self.decode_mode in ("graph", "compile"),
-                                        compile=self.decode_mode == "compile")
-        runners = self._runners        # a local: a weight update while parked may drop self._runners
-        runner = runners.get(n, c.width + steps)
-        ids, mask, positions = c.input_ids, c.mask, c.positions
-        if runner.batch > n:                          # batch padding: repeat row 0, results dropped
-            pad = runner.batch - n
-            ids, mask, positions = (torch.cat([t, t[:1].expand(pad, -1)]) for t in (ids, mask, positions))
-        logits = runner.prefill(ids, positions, mask)          # [runner.batch, vocab]: padded rows sampled too
-        next_pos = c.positions[:, -1] + 1
-        out_tokens = torch.zeros((n, steps), dtype=torch.long, device=dev)
-        out_lp = torch.zeros((n, steps), dtype=torch.float32, device=dev)
-        n_out = torch.zeros(n, dtype=torch.long, device=dev)
-        reason = torch.zeros(n, dtype=torch.long, device=dev)
-        done = torch.zeros(n, dtype=torch.bool, device=dev)
-        for step in range(steps):
-            tokens, lps = runners.sample(logits, sampling, generator)
-            tokens, lps = tokens[:n], lps[:n]
-            out_tokens[:, step], out_lp[:, step] = tokens, lps
-            n_out += (~done).long()
-            hit_stop = ~done & torch.isin(tokens, c.stop_ids)
-            hit_len = ~done & ~hit_stop & (n_out >= c.budget)
-            reason = torch.where(hit_stop, 1, torch.where(hit_len, 2, reason))
-            done = done | hit_stop | hit_len
-            if step == steps - 1 or (step % _SYNC_EVERY == _SYNC_EVERY - 1 and bool(done.all())):
-                break
-            if self._gate.boundary():
-                reason = torch.where(done, reason, 3)
-                break
-            logits = runner.step(tokens, next_pos, c.width + step)
-            next_pos = next_pos + 1
-        return _collect(out_tokens, out_lp, n_out, reason, version)
+            decoded = decode_dynamic(chunk, sampling, generator, cache=DynamicCache(config=self.model.config),
+                                     forward=self._forward, boundary=self._gate.boundary)
+        else:
+            if self._runners is None:
+                self._runners = RunnerCache(self.model, graphs=self.decode_mode in ("graph", "compile"),
+                                            compile=self.decode_mode == "compile")
+            # the runners are passed on: a weight update while parked may drop self._runners
+            decoded = decode_static(chunk, sampling, generator, runners=self._runners, boundary=self._gate.boundary)
+        return decoded.samples(version)
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: Any) -> torch.Tensor:
@@ -479,7 +289,7 @@ class NativeEngine(Engine):
         self._gate.pause(check_pause_mode(mode), timeout_s)
 
     def resume(self) -> None:
-        self._gate.resume()
+        self._gate.open()
 
     def release_memory(self, tags: Sequence[str] = ()) -> None:
         tags = normalize_memory_tags(tags)
@@ -517,29 +327,12 @@ class NativeEngine(Engine):
                 self._drop_runners()
             self._released.difference_update(tags)
 
-    def get_state(self) -> EngineState:
-        gate = self._gate
-        return EngineState(engine=self.name, model_path=self.model_path, device=str(self.device),
-                           weight_version=self._version, paused=gate.paused,
-                           pause_mode=gate.mode if gate.paused else "",
-                           released_memory=tuple(sorted(self._released)), in_flight=gate.admitted,
-                           generated_samples=self._generated, max_context_length=self._max_context)
-
     def close(self) -> None:
         self._drop_runners()
         self._flat = None
-        self.model = None  # type: ignore[assignment]
+        self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _collect(tokens: torch.Tensor, lps: torch.Tensor, lengths: torch.Tensor, reason: torch.Tensor,
-             version: int) -> list[SampleOutput]:
-    tokens_l, lps_l = tokens.cpu().tolist(), lps.cpu().tolist()
-    lengths_l, reason_l = lengths.cpu().tolist(), reason.cpu().tolist()
-    return [SampleOutput(token_ids=tuple(t[:k]), log_probs=tuple(lp[:k]), finish_reason=_REASONS[r] or FINISH_LENGTH,
-                         weight_version=version)
-            for t, lp, k, r in zip(tokens_l, lps_l, lengths_l, reason_l)]
 
 
 def _eos_ids(model: Any) -> tuple[int, ...]:

@@ -14,11 +14,11 @@ are in sglang_protocol.py. None of this was run against a real SGLang server (do
   POST /pause_generation with rollout.sglang.pause_mode; abort / retract / in_place are sent as they are.
   Flush rules: after in_place the KV cache must survive, so no update asks SGLang to flush; after abort and
   retract the last update request of a sync flushes (flush_cache: true).
-- Weights: transports gloo / nccl join SGLang's group protocol (services/weights/transports/sglang.py: ready and go
-  over the trainer's store for the servers, /init_weights_update_group once per group, one
-  /update_weights_from_distributed per plan bucket inside /begin_weight_update ... /end_weight_update where
-  the server has them); disk maps to /update_weights_from_disk on the version's directory; cuda_ipc and
-  verification are refused with the reason (see `_refusal`).
+- Weights: transports gloo / nccl join SGLang's group protocol (sglang_sync.py; the trainer's side and the store
+  keys are in services/weights/transports/sglang.py): ready and go over the trainer's store for the servers,
+  /init_weights_update_group once per group, one /update_weights_from_distributed per plan bucket inside
+  /begin_weight_update ... /end_weight_update where the server has them; disk maps to /update_weights_from_disk on
+  the version's directory; cuda_ipc and verification are refused with the reason (see `_refusal`).
 - Memory: /release_memory_occupation and /resume_memory_occupation with tags; refused up front when a server
   was started without --enable-memory-saver (SGLang would answer success and free nothing).
 """
@@ -30,21 +30,21 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.contracts.config import SGLangConfig, TimeoutsConfig, WeightsConfig
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import (
     Engine,
-    EngineState,
     EngineUnavailable,
     SampleOutput,
     WeightLoadStats,
-    check_pause_mode,
     normalize_memory_tags,
 )
+from services.rollout.engines.gate import PauseGate, check_pause_mode
 from services.rollout.engines.sglang_http import (
     SGLangClient,
     SGLangError,
@@ -61,9 +61,7 @@ from services.rollout.engines.sglang_protocol import (
     ServerInfo,
     answer_version,
     disk_update_body,
-    distributed_update_body,
     generate_body,
-    init_group_body,
     memory_body,
     parse_server_info,
     parse_weight_version,
@@ -71,57 +69,22 @@ from services.rollout.engines.sglang_protocol import (
     profile_for,
     sample_from_answer,
 )
+from services.rollout.engines.sglang_sync import DistributedSync
 from services.weights.base import Deadline, SyncContext, WeightSyncError, WeightSyncRefused, WeightSyncTimeout
-from services.weights.layout import dtype_name, layout_from_plan
-from services.weights.transports.sglang import EngineHandshake, group_name_for, ready_value, wire_tensors
+from services.weights.transports.sglang import EngineHandshake
 
 if TYPE_CHECKING:
     from services.contracts.config import TandemConfig
 
 log = logging.getLogger(__name__)
 
-_CONTROL_TIMEOUT_S = 30.0
+# Defaults of an engine built without a config (tests, benchmarks); from_config passes the run's.
+_SGLANG, _TIMEOUTS, _WEIGHTS = SGLangConfig(), TimeoutsConfig(), WeightsConfig()
+_HEALTH_POLL_S = 0.5      # while a server starts: between /health_generate calls
+_MANIFEST_POLL_S = 0.02   # disk sync: between looks for the trainer's manifest
 
 
-class _Admission:
-    """Who may start a generate call: closed while paused; `drain` waits for the calls inside to finish."""
-
-    def __init__(self) -> None:
-        self.cv = threading.Condition()
-        self.paused = False
-        self.mode = ""
-        self.in_flight = 0
-
-    @contextlib.contextmanager
-    def admit(self, wait_timeout_s: float | None) -> Iterator[None]:
-        with self.cv:
-            if not self.cv.wait_for(lambda: not self.paused, timeout=wait_timeout_s):
-                raise EngineUnavailable(f"the sglang engine is paused ({self.mode}, e.g. for a weight update) and "
-                                        f"was not resumed within {wait_timeout_s:.0f}s")
-            self.in_flight += 1
-        try:
-            yield
-        finally:
-            with self.cv:
-                self.in_flight -= 1
-                self.cv.notify_all()
-
-    def close(self, mode: str) -> None:
-        with self.cv:
-            self.paused, self.mode = True, mode
-
-    def drain(self, timeout_s: float | None) -> None:
-        with self.cv:
-            if not self.cv.wait_for(lambda: self.in_flight == 0, timeout=timeout_s):
-                raise TimeoutError(f"pause(drain): {self.in_flight} generate calls still running after {timeout_s}s")
-
-    def open(self) -> None:
-        with self.cv:
-            self.paused, self.mode = False, ""
-            self.cv.notify_all()
-
-
-class _Server:
+class Server:
     """One SGLang server and what the adapter knows about it (mutated only under the engine's weights lock)."""
 
     def __init__(self, *, client: SGLangClient, info: ServerInfo, profile: ApiProfile, max_model_len: int | None):
@@ -138,40 +101,44 @@ class _Server:
         return self.group[-1] if self.group is not None and self.group[:-1] == key else None
 
 
-def connect_server(url: str, *, api_key: str | None, deadline: float) -> _Server:
+def connect_server(url: str, *, api_key: str | None, deadline: float, control_s: float) -> Server:
     """Waits for /health_generate, then reads the version (/server_info, or /get_server_info where the newer
-    route is missing) and the context length (/v1/models)."""
+    route is missing) and the context length (/v1/models); each call within `control_s`."""
     client = SGLangClient(url, api_key=api_key)
     last: Exception | None = None
     while True:
         try:
-            client.get("/health_generate", timeout_s=max(0.1, min(30.0, deadline - time.monotonic())))
+            client.get("/health_generate", timeout_s=max(0.1, min(control_s, deadline - time.monotonic())))
             break
         except (SGLangUnavailable, SGLangTimeout) as exc:   # starting (503), not up yet, or busy: wait
             last = exc
         if time.monotonic() >= deadline:
             raise TimeoutError(f"SGLang at {url} was not healthy within rollout.sglang.startup_timeout_s: {last}")
-        time.sleep(0.5)
+        time.sleep(_HEALTH_POLL_S)
     try:
-        raw = client.get("/server_info", timeout_s=_CONTROL_TIMEOUT_S).body
+        raw = client.get("/server_info", timeout_s=control_s).body
     except SGLangNotFound:
-        raw = client.get("/get_server_info", timeout_s=_CONTROL_TIMEOUT_S).body
+        raw = client.get("/get_server_info", timeout_s=control_s).body
     info = parse_server_info(raw, url=client.url)
     profile = profile_for(info.version, url=client.url)
     max_len = None
     with contextlib.suppress(SGLangError, TypeError, ValueError, KeyError, IndexError):
-        max_len = int(client.get("/v1/models", timeout_s=_CONTROL_TIMEOUT_S).body["data"][0]["max_model_len"])
+        max_len = int(client.get("/v1/models", timeout_s=control_s).body["data"][0]["max_model_len"])
     log.info("SGLang %s at %s (tp %d, model %s)", info.version, client.url, info.tp_size, info.model_path)
-    return _Server(client=client, info=info, profile=profile, max_model_len=max_len)
+    return Server(client=client, info=info, profile=profile, max_model_len=max_len)
 
 
 class SGLangEngine(Engine):
     name = "sglang"
 
     def __init__(self, urls: Sequence[str], *, max_batch_size: int = 512, max_context_length: int | None = None,
-                 pause_mode: str = "retract", request_timeout_s: float = 600.0, weight_load_format: str = "tensor",
-                 startup_timeout_s: float = 900.0, api_key: str | None = None,
-                 launched: LaunchedServer | None = None):
+                 pause_mode: str = _SGLANG.pause_mode, request_timeout_s: float = _SGLANG.request_timeout_s,
+                 weight_load_format: str = _SGLANG.weight_load_format,
+                 startup_timeout_s: float = _SGLANG.startup_timeout_s, api_key: str | None = None,
+                 launched: LaunchedServer | None = None, timeouts: TimeoutsConfig = _TIMEOUTS,
+                 weights_timeout_s: float = _WEIGHTS.timeout_s):
+        """`timeouts`: services.timeouts (control_s for pause/continue/flush/server_info, probe_s for best-effort
+        cleanup calls); `weights_timeout_s` bounds a sync whose plan names no deadline (weights.timeout_s)."""
         if not urls:
             raise ValueError("the sglang engine needs at least one server URL")
         if pause_mode not in SGLANG_PAUSE_MODES:
@@ -180,7 +147,9 @@ class SGLangEngine(Engine):
             raise ValueError(f"rollout.sglang.weight_load_format must be one of {', '.join(LOAD_FORMATS)}")
         self._launched = launched
         deadline = time.monotonic() + startup_timeout_s
-        self.servers = [connect_server(u, api_key=api_key, deadline=deadline) for u in urls]
+        self._control_s = timeouts.control_s
+        self._weights_timeout_s = weights_timeout_s
+        self.servers = [connect_server(u, api_key=api_key, deadline=deadline, control_s=self._control_s) for u in urls]
         self.max_batch_size = max_batch_size
         self._pause_mode = pause_mode
         self._sglang_mode = ""                   # the mode SGLang was last paused with ("" = running)
@@ -190,14 +159,16 @@ class SGLangEngine(Engine):
         self._max_context = min([max_context_length or 1 << 30, *known])
         versions = [parse_weight_version(s.info.weight_version) for s in self.servers]
         self._version = min((v for v in versions if v is not None), default=0)
-        self._admission = _Admission()
+        self._gate = PauseGate(engine="the sglang engine")
         self._weights_lock = threading.Lock()
         self._released: set[str] = set()
         self._generated = 0
-        self._handshake = EngineHandshake()
+        self._handshake = EngineHandshake(refuse_timeout_s=timeouts.probe_s)
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.servers)), thread_name_prefix="sglang-gen")
         self._control = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="sglang-ctl")
         self._weight_pool = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="sglang-weights")
+        self._distributed = DistributedSync(self.servers, handshake=self._handshake, pool=self._weight_pool,
+                                            load_format=weight_load_format, probe_s=timeouts.probe_s)
 
     @classmethod
     def from_config(cls, config: TandemConfig) -> SGLangEngine:
@@ -211,7 +182,7 @@ class SGLangEngine(Engine):
         if not urls:
             spec = LaunchSpec(model_path=config.model.path, port=free_port(), api_key=sg.api_key,
                               extra_args=tuple(sg.launch_args))
-            launched = LaunchedServer(spec)
+            launched = LaunchedServer(spec, timeouts=config.services.timeouts)
             urls = [spec.url]
         try:
             if launched is not None:
@@ -219,21 +190,14 @@ class SGLangEngine(Engine):
             return cls(urls, max_batch_size=ro.max_batch_size, max_context_length=ro.max_context_length,
                        pause_mode=sg.pause_mode, request_timeout_s=sg.request_timeout_s,
                        weight_load_format=sg.weight_load_format, startup_timeout_s=sg.startup_timeout_s,
-                       api_key=sg.api_key, launched=launched)
+                       api_key=sg.api_key, launched=launched, timeouts=config.services.timeouts,
+                       weights_timeout_s=config.weights.timeout_s)
         except BaseException:
             if launched is not None:
                 launched.stop()
             raise
 
     # ---- properties --------------------------------------------------------------------------------
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
-    @property
-    def max_context_length(self) -> int:
-        return self._max_context
 
     @property
     def engine_ranks(self) -> int:
@@ -243,26 +207,25 @@ class SGLangEngine(Engine):
     def model_path(self) -> str:
         return self.servers[0].info.model_path
 
+    @property
+    def device_label(self) -> str:
+        return " ".join(s.url for s in self.servers)
+
     # ---- generation --------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *,
-                 wait_timeout_s: float | None = None) -> list[SampleOutput]:
-        self.validate_prompts(prompts)
-        if not prompts:
-            return []
-        with self._admission.admit(wait_timeout_s):
-            if self._released:
-                raise EngineUnavailable(f"SGLang memory is released ({', '.join(sorted(self._released))}); "
-                                        "call ResumeMemory first")
-            start = self._version
-            chunks = [prompts[i:i + self.max_batch_size] for i in range(0, len(prompts), self.max_batch_size)]
-            futures = [self._pool.submit(self._generate_chunk, self.servers[k % len(self.servers)], chunk, sampling,
-                                         start) for k, chunk in enumerate(chunks)]
-            out = [sample for f in futures for sample in f.result()]
-            self._generated += len(out)
-            return out
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
+        if self._released:
+            raise EngineUnavailable(f"SGLang memory is released ({', '.join(sorted(self._released))}); "
+                                    "call ResumeMemory first")
+        start = self._version
+        chunks = [prompts[i:i + self.max_batch_size] for i in range(0, len(prompts), self.max_batch_size)]
+        futures = [self._pool.submit(self._generate_chunk, self.servers[k % len(self.servers)], chunk, sampling,
+                                     start) for k, chunk in enumerate(chunks)]
+        out = [sample for f in futures for sample in f.result()]
+        self._generated += len(out)
+        return out
 
-    def _generate_chunk(self, server: _Server, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+    def _generate_chunk(self, server: Server, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
                         start: int) -> list[SampleOutput]:
         answer = server.client.post("/generate", generate_body(prompts, sampling), timeout_s=self._request_timeout_s)
         items = answer.body
@@ -279,16 +242,16 @@ class SGLangEngine(Engine):
     def pause(self, mode: str = "drain", *, timeout_s: float | None = None) -> None:
         mode = check_pause_mode(mode)
         sglang_mode = self._pause_mode if mode == "drain" else mode
-        self._admission.close(mode)
+        self._gate.close(mode)
         if mode == "drain":
-            self._admission.drain(timeout_s)
-        self._each("/pause_generation", pause_body(sglang_mode), timeout_s=timeout_s or _CONTROL_TIMEOUT_S)
+            self._gate.drain(timeout_s)
+        self._each("/pause_generation", pause_body(sglang_mode), timeout_s=timeout_s or self._control_s)
         self._sglang_mode = sglang_mode
 
     def resume(self) -> None:
-        self._each("/continue_generation", {}, timeout_s=_CONTROL_TIMEOUT_S)
+        self._each("/continue_generation", {}, timeout_s=self._control_s)
         self._sglang_mode = ""
-        self._admission.open()
+        self._gate.open()
 
     def _each(self, path: str, body: Any, *, timeout_s: float) -> list[Any]:
         """The same call on every server, concurrently; the first failure is raised after all have answered."""
@@ -342,7 +305,7 @@ class SGLangEngine(Engine):
         """Takes part in the trainer's transfer for every server of this engine. SGLang receives into its own
         weights; of `receiver` (a WeightReceiver) only `accepted_trainer_id` is used."""
         started = time.monotonic()
-        deadline = Deadline(plan.timeout_s if plan.timeout_s > 0 else 120.0)
+        deadline = Deadline(plan.timeout_s if plan.timeout_s > 0 else self._weights_timeout_s)
         ranks = list(range(rank_offset, rank_offset + self.engine_ranks))
         ctx = SyncContext(plan.transport, plan.version, f"SGLang engine rank(s) {ranks}",
                           f"trainer {plan.trainer_id or '?'} at {plan.master_addr}:{plan.master_port}", plan.timeout_s)
@@ -356,7 +319,8 @@ class SGLangEngine(Engine):
             if plan.transport == "disk":
                 self._receive_disk(plan, deadline=deadline, ctx=ctx)
             else:
-                self._receive_distributed(plan, rank_offset=rank_offset, deadline=deadline, ctx=ctx)
+                self._distributed.receive(plan, rank_offset=rank_offset, deadline=deadline, ctx=ctx,
+                                          flush_cache=self._flush_after_update)
             self._version = int(plan.version)
         return WeightLoadStats(version=self._version, tensors=sum(len(b.tensors) for b in plan.buckets),
                                bytes=int(plan.total_bytes), seconds=time.monotonic() - started)
@@ -388,100 +352,12 @@ class SGLangEngine(Engine):
         while not manifest.exists():
             if deadline.expired():
                 raise WeightSyncTimeout(ctx.message(f"{manifest} did not appear within {plan.timeout_s:g}s"))
-            time.sleep(0.02)
+            time.sleep(_MANIFEST_POLL_S)
         written = json.loads(manifest.read_text())
         if written.get("version") != plan.version or (plan.trainer_id and written.get("trainer_id") != plan.trainer_id):
             raise WeightSyncError(ctx.message(f"{path} holds version {written.get('version')} of trainer "
                                               f"{written.get('trainer_id')!r}, not the planned one"))
         self._load_disk(str(path), version=plan.version, timeout_s=max(0.1, deadline.remaining()))
-
-    def _receive_distributed(self, plan: Any, *, rank_offset: int, deadline: Deadline, ctx: SyncContext) -> None:
-        """Ready for every server's ranks -> the trainer's go -> each server, concurrently: join the group when it
-        does not hold this generation, then one update request per bucket (see weights/sglang.py)."""
-        offsets: list[tuple[int, list[int]]] = []   # per server: its rank offset and its ranks
-        next_rank = rank_offset
-        for server in self.servers:
-            offsets.append((next_rank, list(range(next_rank, next_rank + server.info.tp_size))))
-            next_rank += server.info.tp_size
-        key = (plan.master_addr, plan.master_port, plan.group_name, plan.world_size)
-        try:
-            for server, (offset, ranks) in zip(self.servers, offsets):
-                held = server.held((*key, offset))
-                value = ready_value(held=held, load_format=self._load_format)
-                self._handshake.post_ready(plan, ranks=ranks, value=value, deadline=deadline, ctx=ctx)
-            generation = self._handshake.await_go(plan, deadline=deadline, ctx=ctx)
-        except WeightSyncError:
-            for server in self.servers:
-                server.group = None
-            raise
-        buckets = [wire_tensors(b) for b in layout_from_plan(plan).buckets]
-        futures = [self._weight_pool.submit(self._update_server, server, plan, offset=offset, ranks=ranks,
-                                            generation=generation, buckets=[b for b in buckets if b],
-                                            deadline=deadline, ctx=ctx)
-                   for server, (offset, ranks) in zip(self.servers, offsets)]
-        errors = []
-        for f in futures:
-            try:
-                f.result()
-            except Exception as exc:  # noqa: BLE001 - all servers answer before the first error is raised
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    def _update_server(self, server: _Server, plan: Any, *, offset: int, ranks: list[int], generation: int,
-                       buckets: list[list[Any]], deadline: Deadline, ctx: SyncContext) -> None:
-        key = (plan.master_addr, plan.master_port, plan.group_name, plan.world_size, offset)
-        name = group_name_for(plan.group_name, generation)
-        session = False
-        try:
-            if server.held(key) != generation:
-                self._leave_group(server)
-                server.client.post("/init_weights_update_group", init_group_body(
-                    master_address=plan.master_addr, master_port=plan.master_port, rank_offset=offset,
-                    world_size=plan.world_size, group_name=name, backend=plan.transport), timeout_s=_left(deadline))
-                server.group, server.group_name = (*key, generation), name
-            session = self._begin_session(server, deadline)
-            for i, slots in enumerate(buckets):
-                last = i == len(buckets) - 1
-                server.client.post("/update_weights_from_distributed", distributed_update_body(
-                    names=[s.name for s in slots], dtypes=[dtype_name(s.dtype) for s in slots],
-                    shapes=[list(s.shape) for s in slots], group_name=name,
-                    flush_cache=last and self._flush_after_update,
-                    weight_version=str(plan.version) if last else None, load_format=self._load_format),
-                    timeout_s=_left(deadline))
-            if session:
-                server.client.post("/end_weight_update", {}, timeout_s=_left(deadline))
-            self._handshake.post_done(plan, ranks=ranks, deadline=deadline, ctx=ctx)
-        except (SGLangError, BadAnswer) as exc:
-            server.group = None   # the trainer drops its group after any failure; the next sync joins a new one
-            self._handshake.refuse(plan, ranks=ranks, reason=str(exc), ctx=ctx)
-            if session:   # best effort: a session left open would refuse the next sync's begin
-                with contextlib.suppress(SGLangError):
-                    server.client.post("/end_weight_update", {}, timeout_s=5.0)
-            raise WeightSyncError(ctx.message(f"SGLang at {server.url}: {exc}")) from exc
-
-    def _begin_session(self, server: _Server, deadline: Deadline) -> bool:
-        """POST /begin_weight_update where the server has it (required from 0.5.23; probed once before that)."""
-        if server.session is False:
-            return False
-        try:
-            server.client.post("/begin_weight_update", {}, timeout_s=_left(deadline))
-        except SGLangNotFound as exc:
-            if server.profile.session == "required":
-                raise SGLangError(f"SGLang {server.info.version} at {server.url} has no /begin_weight_update, which "
-                                  f"0.5.23 and later require around weight updates: {exc}") from exc
-            server.session = False
-            return False
-        server.session = True
-        return True
-
-    def _leave_group(self, server: _Server) -> None:
-        """Best effort: the server frees the group it holds under an older name (SGLang keeps groups by name)."""
-        if server.group is None or not server.group_name:
-            return
-        with contextlib.suppress(SGLangError):
-            server.client.post("/destroy_weights_update_group", {"group_name": server.group_name}, timeout_s=5.0)
-        server.group, server.group_name = None, ""
 
     # ---- memory / state ----------------------------------------------------------------------------
 
@@ -496,7 +372,7 @@ class SGLangEngine(Engine):
         with self._weights_lock:
             for server in self.servers:
                 with contextlib.suppress(SGLangError):   # 400 while requests run; the release then says why
-                    server.client.post("/flush_cache", {}, timeout_s=_CONTROL_TIMEOUT_S)
+                    server.client.post("/flush_cache", {}, timeout_s=self._control_s)
             self._each("/release_memory_occupation", memory_body(tuple(tags)), timeout_s=self._request_timeout_s)
             self._released.update(normalize_memory_tags(tags))
 
@@ -506,14 +382,6 @@ class SGLangEngine(Engine):
             self._each("/resume_memory_occupation", memory_body(tuple(tags)), timeout_s=self._request_timeout_s)
             self._released.difference_update(normalize_memory_tags(tags))
 
-    def get_state(self) -> EngineState:
-        admission = self._admission
-        return EngineState(engine=self.name, model_path=self.model_path,
-                           device=" ".join(s.url for s in self.servers), weight_version=self._version,
-                           paused=admission.paused, pause_mode=admission.mode,
-                           released_memory=tuple(sorted(self._released)), in_flight=admission.in_flight,
-                           generated_samples=self._generated, max_context_length=self._max_context)
-
     def close(self) -> None:
         self._handshake.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -522,6 +390,3 @@ class SGLangEngine(Engine):
         if self._launched is not None:
             self._launched.stop()
 
-
-def _left(deadline: Deadline) -> float:
-    return max(0.001, deadline.remaining())

@@ -10,6 +10,7 @@ installed there; tests check the command and the error for a missing sglang pack
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -19,9 +20,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.contracts.config import TimeoutsConfig
 from services.rollout.engines.sglang_http import SGLangClient, SGLangError
 
 log = logging.getLogger(__name__)
+
+_TIMEOUTS = TimeoutsConfig()   # defaults of a launch without a config; the engine passes services.timeouts
+_HEALTH_POLL_S = 1.0           # between /health_generate calls while the server starts
 
 RESERVED_FLAGS = ("--model-path", "--host", "--port", "--api-key")
 
@@ -55,16 +60,16 @@ class LaunchSpec:
         return f"http://{self.host}:{self.port}"
 
 
-def sglang_installed(python: str = sys.executable) -> bool:
+def sglang_installed(python: str = sys.executable, *, timeout_s: float = _TIMEOUTS.control_s) -> bool:
     if python == sys.executable:
         return importlib.util.find_spec("sglang") is not None
     probe = subprocess.run([python, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('sglang') "
-                                          "is None)"], capture_output=True, timeout=60)
+                                          "is None)"], capture_output=True, timeout=timeout_s)
     return probe.returncode == 0
 
 
-def require_sglang(python: str = sys.executable) -> None:
-    if not sglang_installed(python):
+def require_sglang(python: str = sys.executable, *, timeout_s: float = _TIMEOUTS.control_s) -> None:
+    if not sglang_installed(python, timeout_s=timeout_s):
         raise SGLangNotInstalled(
             f"rollout.engine is sglang and rollout.sglang.urls is empty, so the rollout service would launch "
             f"`{python} -m sglang.launch_server`, but the sglang package is not installed for {python}. Install it "
@@ -75,9 +80,11 @@ def require_sglang(python: str = sys.executable) -> None:
 class LaunchedServer:
     """A server process this rollout service started and owns (stopped with the engine)."""
 
-    def __init__(self, spec: LaunchSpec, *, log_path: Path | None = None):
-        require_sglang(spec.python)
+    def __init__(self, spec: LaunchSpec, *, log_path: Path | None = None, timeouts: TimeoutsConfig = _TIMEOUTS):
+        """`timeouts`: control_s bounds each probe of the server, shutdown_s its graceful stop."""
+        require_sglang(spec.python, timeout_s=timeouts.control_s)
         self.spec = spec
+        self._timeouts = timeouts
         # its output goes where the rollout service's goes (tandem run keeps it in logs/), unless a file is given
         self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - closed in stop()
         log.info("launching SGLang: %s", " ".join(spec.command()))
@@ -95,21 +102,21 @@ class LaunchedServer:
                 raise RuntimeError(f"the SGLang server launched for {self.spec.model_path} exited with code {code} "
                                    f"before becoming healthy (command: {' '.join(self.spec.command())})")
             try:
-                client.get("/health_generate", timeout_s=min(30.0, max(1.0, deadline - time.monotonic())))
+                client.get("/health_generate",
+                           timeout_s=min(self._timeouts.control_s, max(1.0, deadline - time.monotonic())))
                 return
             except SGLangError as exc:
                 last = str(exc)
-            time.sleep(1.0)
+            time.sleep(_HEALTH_POLL_S)
         self.stop()
         raise TimeoutError(f"the SGLang server at {self.spec.url} was not healthy within {timeout_s:g}s "
                            f"(rollout.sglang.startup_timeout_s); last answer: {last}")
 
-    def stop(self, *, grace_s: float = 20.0) -> None:
+    def stop(self, *, grace_s: float | None = None) -> None:
+        grace_s = self._timeouts.shutdown_s if grace_s is None else grace_s
         if self.process.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, 15)
-            except ProcessLookupError:
-                pass
             try:
                 self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:

@@ -12,8 +12,8 @@ fixed-shape buffers:
   `decode` is one token for every row with attention over the whole cache, masked by the slot mask.
   Attention in decode groups the query heads per KV head, so the cache is read once (no repeat_kv).
 - `Runner` owns one cache and, on CUDA, a captured graph of `decode` (in "compile" mode of the
-  torch.compile'd `decode`, whose fused kernels cut the launches a token roughly threefold); a step copies the new tokens and
-  positions into the graph's inputs and replays it. On CPU (or with graphs off) it calls `decode` eagerly,
+  torch.compile'd `decode`, whose fused kernels cut the launches a token roughly threefold); a step copies the new
+  tokens and positions into the graph's inputs and replays it. On CPU (or with graphs off) it calls `decode` eagerly,
   which is what the CPU tests check against the model's own forward.
 
 Only plain decoder stacks are supported (`supported()`): Llama and Qwen2 with full attention. Everything

@@ -34,11 +34,13 @@ engine must be different processes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -51,10 +53,11 @@ from services.weights.base import (
     SenderTransport,
     SyncContext,
     WeightSyncError,
-    register_transport,
 )
 from services.weights.layout import Layout, Slot
 from services.weights.transports import rendezvous
+
+_Alloc = TypeVar("_Alloc")   # what names an allocation (the receiver: (device, IPC handle))
 
 
 def _device_uuid(index: int) -> str:
@@ -105,7 +108,7 @@ def flat_views(layout: Layout, device: torch.device | str,
     starts, total = bucket_starts(layout)
     flat = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
     views = {}
-    for bucket, start in zip(layout.buckets, starts):
+    for bucket, start in zip(layout.buckets, starts, strict=True):
         region = flat[start: start + bucket.nbytes]
         for slot in bucket.tensors:
             if names is None or slot.name in names:
@@ -128,13 +131,13 @@ class FlatParams(dict):
 
 
 def flat_spans(*, sizes: list[int], dst_starts: list[int],
-               sources: list[tuple[object, int]]) -> list[tuple[object, int, int, int]]:
+               sources: Sequence[tuple[_Alloc, int]]) -> list[tuple[_Alloc, int, int, int]]:
     """Copies (source allocation, source offset, destination offset, bytes) that move every bucket i
     (`sizes[i]` bytes from `sources[i]` = (allocation, offset) to `dst_starts[i]`), merging a bucket into the
     previous copy when it lies at the same distance in the same allocation on both sides; the gap between
     them (alignment padding) is then copied too, which is harmless. Empty buckets need no copy."""
     spans: list[list] = []
-    for size, dst, (alloc, src) in zip(sizes, dst_starts, sources):
+    for size, dst, (alloc, src) in zip(sizes, dst_starts, sources, strict=True):
         if not size:
             continue
         last = spans[-1] if spans else None
@@ -156,7 +159,8 @@ class _Run:
     def __init__(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
         self.dst, self.src, self.nbytes, self.count = dst, src, nbytes, 1
         self.d_next, self.s_next = dst.data_ptr() + nbytes, src.data_ptr() + nbytes
-        self.d_storage = self.s_storage = None      # looked up only when a pair lines up
+        self.d_storage: int | None = None      # looked up only when a pair lines up
+        self.s_storage: int | None = None
 
     def continues(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         if dst.data_ptr() != self.d_next or src.data_ptr() != self.s_next:
@@ -254,7 +258,7 @@ class _SharedBuckets:
             storage_offset_bytes=int(offset) + start, ref_counter_handle=bytes(ref_handle),
             ref_counter_offset=int(ref_offset), event_handle=bytes(event_handle or b""),
             event_sync_required=bool(event_sync), device_uuid=_device_uuid(device.index))
-            for bucket, start in zip(layout.buckets, self.starts)]
+            for bucket, start in zip(layout.buckets, self.starts, strict=True)]
         self.views = {slot.name: _typed(self.bucket(bucket.index, bucket.nbytes), slot)   # each tensor's place
                       for bucket in layout.buckets for slot in bucket.tensors}
 
@@ -264,10 +268,8 @@ class _SharedBuckets:
     def free(self) -> None:
         """Drop the share count `_share_cuda_` took (receivers never touch it, see the module docstring), so
         the buffer returns to the caching allocator instead of waiting in torch's IPC limbo forever."""
-        try:
+        with contextlib.suppress(Exception):   # best effort, as torch's own release
             torch.UntypedStorage._release_ipc_counter_cuda(*self._ref_counter)
-        except Exception:  # noqa: BLE001 - best effort, as torch's own release
-            pass
         self.views = {}
         self.flat = torch.empty(0)
 
@@ -292,7 +294,7 @@ class CudaIpcSender(SenderTransport):
             self._shared = _SharedBuckets(layout=layout, device=device)
         if self._group_name is None:
             self._group_name = f"tandem-ipc-{self._trainer_id}-{uuid.uuid4().hex[:12]}"
-        for wb, handle in zip(plan.buckets, self._shared.handles):
+        for wb, handle in zip(plan.buckets, self._shared.handles, strict=True):
             wb.ipc.CopyFrom(handle)
         plan.group_name = self._group_name
         plan.master_addr = self._config.master_addr
@@ -340,7 +342,7 @@ class CudaIpcReceiver(ReceiverTransport):
     name = "cuda_ipc"
 
     def __init__(self, *, keep_mapped: bool | None = None) -> None:
-        self._stores: dict[tuple[str, int], object] = {}
+        self._trainer_store = rendezvous.TrainerStore()
         if keep_mapped is None:
             keep_mapped = os.environ.get("TANDEM_CUDA_IPC_KEEP_MAPPED", "1") != "0"
         self._keep_mapped = keep_mapped
@@ -354,28 +356,15 @@ class CudaIpcReceiver(ReceiverTransport):
         peer = f"trainer at {plan.master_addr}:{plan.master_port} (trainer_id {plan.trainer_id or '?'})"
         return SyncContext("cuda_ipc", plan.version, f"engine rank {rank}", peer, plan.timeout_s)
 
-    def _ctl(self, plan: common_pb2.WeightSyncPlan, deadline: Deadline, ctx: SyncContext):
-        key = (plan.master_addr, plan.master_port)
-        if key not in self._stores:
-            self._stores.clear()
-            self._stores[key] = rendezvous.connect_store(host=plan.master_addr, port=plan.master_port,
-                                                         deadline=deadline, ctx=ctx)
-        return rendezvous.ctl_store(self._stores[key], plan.group_name)
-
     def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
-        ctx = self._context(plan, rank)
-        try:
-            ctl = self._ctl(plan, Deadline(min(deadline.remaining(), 5.0)), ctx)
-            rendezvous.post(ctl, version=plan.version, kind="abort", rank=rank, value=reason[:4000], ctx=ctx)
-        except WeightSyncError:
-            pass
+        self._trainer_store.refuse(plan, ranks=[rank], reason=reason, deadline=deadline, ctx=self._context(plan, rank))
 
     def receive(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, rank: int,
                 params: Mapping[str, torch.Tensor], deadline: Deadline) -> Received:
         ctx = self._context(plan, rank)
         started = time.monotonic()
         try:
-            ctl = self._ctl(plan, deadline, ctx)
+            ctl = self._trainer_store.ctl(plan, deadline=deadline, ctx=ctx)
             rendezvous.post(ctl, version=plan.version, kind="ready", rank=rank, value="1", ctx=ctx)
             ready = time.monotonic()
             # the handles are in the plan: map them and plan every copy while the trainer fills its buckets
@@ -389,7 +378,7 @@ class CudaIpcReceiver(ReceiverTransport):
             self.last_timings["done_post_s"] = time.perf_counter() - t
             return Received(waited_s=waited)
         except BaseException:
-            self._stores.clear()
+            self._trainer_store.clear()
             raise
 
     def _map_allocations(self, plan: common_pb2.WeightSyncPlan, layout: Layout,
@@ -397,7 +386,7 @@ class CudaIpcReceiver(ReceiverTransport):
         """(device, handle) -> (lo, uint8 view of the allocation from byte `lo`): every allocation the buckets
         live in, mapped with one open covering all of its buckets (or kept from the last sync)."""
         spans: dict[tuple[int, bytes], list[int]] = {}
-        for bucket, wb in zip(layout.buckets, plan.buckets):
+        for bucket, wb in zip(layout.buckets, plan.buckets, strict=True):
             if not bucket.nbytes:
                 continue
             handle = wb.ipc
@@ -430,7 +419,7 @@ class CudaIpcReceiver(ReceiverTransport):
                       mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]]) -> list[torch.Tensor | None]:
         """A uint8 view of each bucket (None for empty ones)."""
         out: list[torch.Tensor | None] = []
-        for bucket, wb in zip(layout.buckets, plan.buckets):
+        for bucket, wb in zip(layout.buckets, plan.buckets, strict=True):
             if not bucket.nbytes:
                 out.append(None)
                 continue
@@ -441,7 +430,8 @@ class CudaIpcReceiver(ReceiverTransport):
 
     @staticmethod
     def _flat_copies(plan: common_pb2.WeightSyncPlan, layout: Layout, flat: torch.Tensor,
-                     mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                     mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]],
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Whole bucket spans into a FlatParams buffer (one copy when the trainer's buckets share an allocation)."""
         sources = [((_local_device(wb.ipc), bytes(wb.ipc.handle)), wb.ipc.storage_offset_bytes)
                    for wb in plan.buckets]
@@ -449,7 +439,7 @@ class CudaIpcReceiver(ReceiverTransport):
                            sources=sources)
         copies = []
         for alloc, src, dst, nbytes in spans:
-            lo, view = mapped[alloc]   # type: ignore[index]
+            lo, view = mapped[alloc]
             copies.append((flat[dst: dst + nbytes], view[src - lo: src - lo + nbytes]))
         return copies
 
@@ -517,10 +507,6 @@ class CudaIpcReceiver(ReceiverTransport):
 
     def close(self) -> None:
         self._kept.clear()
-        self._stores.clear()
+        self._trainer_store.clear()
         self._recipe = None
 
-
-register_transport("cuda_ipc",
-                   sender=lambda config, run_dir, trainer_id: CudaIpcSender(config=config, trainer_id=trainer_id),
-                   receiver=CudaIpcReceiver)

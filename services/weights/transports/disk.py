@@ -35,11 +35,11 @@ from services.weights.base import (
     SyncContext,
     WeightSyncError,
     WeightSyncTimeout,
-    register_transport,
 )
 from services.weights.layout import SAFETENSORS_DTYPES, Bucket, Layout, Slot, dtype_name, tensor_bytes
 
 KEEP_VERSIONS = 2
+_MANIFEST_POLL_S = 0.02   # receiver: between looks for the trainer's manifest
 MANIFEST = "manifest.json"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
@@ -72,7 +72,7 @@ class _BucketWriter:
         """Append one tensor's bytes; True once the bucket is complete (and the file closed)."""
         data = tensor_bytes(tensor)
         if data.numel():
-            self._file.write(memoryview(data.numpy()))
+            self._file.write(data.numpy().data)
         self._left -= 1
         if self._left == 0:
             self._file.close()
@@ -156,7 +156,7 @@ class DiskReceiver(ReceiverTransport):
         while not (path / MANIFEST).exists():
             if deadline.expired():
                 raise WeightSyncTimeout(ctx.message(f"{path / MANIFEST} did not appear within {plan.timeout_s:g}s"))
-            time.sleep(0.02)
+            time.sleep(_MANIFEST_POLL_S)
         waited = time.monotonic() - started
         manifest = json.loads((path / MANIFEST).read_text())
         foreign = plan.trainer_id and manifest.get("trainer_id") != plan.trainer_id
@@ -188,7 +188,3 @@ class DiskReceiver(ReceiverTransport):
         except Exception as exc:
             raise WeightSyncError(ctx.message(f"cannot read {file}: {exc}")) from exc
 
-
-register_transport("disk", sender=lambda config, run_dir, trainer_id: DiskSender(config=config, run_dir=run_dir,
-                                                                                  trainer_id=trainer_id),
-                   receiver=DiskReceiver)

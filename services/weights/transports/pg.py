@@ -23,18 +23,21 @@ tensor itself. Everything is sent as uint8 views, so any dtype travels bit-exact
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
+from services.weights import torch_compat
 from services.weights.base import (
     Deadline,
     Received,
@@ -44,7 +47,6 @@ from services.weights.base import (
     WeightSyncError,
     WeightSyncPeerLost,
     WeightSyncTimeout,
-    register_transport,
 )
 from services.weights.layout import Bucket, Layout, Slot
 from services.weights.transports import rendezvous
@@ -102,7 +104,7 @@ def _classify(exc: BaseException, *, ctx: SyncContext, what: str) -> WeightSyncE
 class _Group:
     """A built process group plus what it needs alive (its store)."""
 
-    def __init__(self, *, key: tuple, generation: int, pg: dist.ProcessGroup, store: dist.Store,
+    def __init__(self, *, key: tuple, generation: int, pg: torch_compat.DirectGroup, store: dist.Store,
                  device: torch.device):
         self.key, self.generation, self.pg, self.store, self.device = key, generation, pg, store, device
 
@@ -111,14 +113,12 @@ class _Group:
 
     def abort(self) -> None:
         """Abort closes the sockets at once (peers blocked on us fail immediately) and never blocks."""
-        try:
+        with contextlib.suppress(Exception):   # tearing down a broken group is best effort
             self.pg.abort()
-        except Exception:  # noqa: BLE001 - tearing down a broken group is best effort
-            pass
 
 
 def _build_group(*, backend: str, store: dist.Store, group_name: str, generation: int, rank: int, world_size: int,
-                 master_addr: str, deadline: Deadline, ctx: SyncContext) -> dist.ProcessGroup:
+                 master_addr: str, deadline: Deadline, ctx: SyncContext) -> torch_compat.DirectGroup:
     """Construct the group on PrefixStore(group_name); a rebuild (generation g > 0) on PrefixStore(f"{group_name}/g{g}")
     so it never meets the old group's rendezvous keys. Bounded by the deadline like everything else."""
     left = deadline.timedelta()
@@ -126,13 +126,9 @@ def _build_group(*, backend: str, store: dist.Store, group_name: str, generation
     prefix = dist.PrefixStore(group_name if generation == 0 else f"{group_name}/g{generation}", store)
     try:
         if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = left
-            opts._devices = [_gloo_device(master_addr=master_addr, is_trainer=rank == 0)]
-            return dist.ProcessGroupGloo(prefix, rank, world_size, opts)
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = left
-        return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+            return torch_compat.gloo_group(prefix, rank=rank, world_size=world_size, timeout=left,
+                                           device=_gloo_device(master_addr=master_addr, is_trainer=rank == 0))
+        return torch_compat.nccl_group(prefix, rank=rank, world_size=world_size, timeout=left)
     except Exception as exc:
         raise _classify(exc, ctx=ctx, what=f"building group {group_name!r} (rank {rank} of {world_size})") from exc
 
@@ -209,28 +205,45 @@ class ProcessGroupSender(SenderTransport):
     def publish(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
                 tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline,
                 checksums: Mapping[str, str]) -> float:
+        ctx, ctl = self._begin_publish(plan)
+        started = time.monotonic()
+        try:
+            held = rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="ready",
+                                            deadline=deadline, ctx=ctx)
+            return self._publish_ready(plan=plan, layout=layout, tensors=tensors, deadline=deadline, ctx=ctx,
+                                       ctl=ctl, held=held, started=started)
+        except BaseException as exc:  # noqa: BLE001 - _fail re-raises it, or a WeightSyncError for it
+            self._fail(exc, plan=plan, ctl=ctl, ctx=ctx, what="sending")
+
+    def _begin_publish(self, plan: common_pb2.WeightSyncPlan) -> tuple[SyncContext, dist.PrefixStore]:
+        """The plan must be the one prepared last; (who talks to whom, the control store of its group)."""
         if plan.group_name != self._group_name or self._staging is None:
             raise ValueError(f"{self.name} weight sync v{plan.version}: plan is not the one this trainer prepared "
                              f"last (group {plan.group_name!r}, expected {self._group_name!r})")
         ctx = SyncContext(self.name, plan.version, "trainer", f"engine rank(s) {list(range(1, plan.world_size))}",
                           plan.timeout_s)
-        ctl = rendezvous.ctl_store(self._master.store, plan.group_name)
-        started = time.monotonic()
-        try:
-            held = rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="ready",
-                                            deadline=deadline, ctx=ctx)
-            generation = self._choose_generation(plan=plan, held=held)
-            rendezvous.signal_go(ctl, version=plan.version, value=f"ok {generation}", ctx=ctx)
-            waited = time.monotonic() - started
-            group = self._ensure_group(plan=plan, generation=generation, deadline=deadline, ctx=ctx)
-            self._send(group=group, layout=layout, tensors=tensors, deadline=deadline, ctx=ctx)
-            return waited
-        except BaseException as exc:
-            rendezvous.try_signal_abort(ctl, version=plan.version, why=str(exc))
-            self._teardown()
-            if isinstance(exc, (WeightSyncError, ValueError)) or not isinstance(exc, Exception):
-                raise
-            raise _classify(exc, ctx=ctx, what="sending") from exc
+        return ctx, rendezvous.ctl_store(self._master.store, plan.group_name)
+
+    def _publish_ready(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
+                       tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline, ctx: SyncContext,
+                       ctl: dist.Store, held: dict[int, str], started: float) -> float:
+        """Every rank is ready (`held`: what each posted, the group generation it holds): go, then broadcast
+        bucket by bucket. Returns the seconds waited for the ranks since `started`."""
+        generation = self._choose_generation(plan=plan, held=held)
+        rendezvous.signal_go(ctl, version=plan.version, value=f"ok {generation}", ctx=ctx)
+        waited = time.monotonic() - started
+        group = self._ensure_group(plan=plan, generation=generation, deadline=deadline, ctx=ctx)
+        self._send(group=group, layout=layout, tensors=tensors, deadline=deadline, ctx=ctx)
+        return waited
+
+    def _fail(self, exc: BaseException, *, plan: common_pb2.WeightSyncPlan, ctl: dist.Store, ctx: SyncContext,
+              what: str) -> NoReturn:
+        """Tell the engines, drop the group (the next prepare announces a fresh one), raise a WeightSyncError."""
+        rendezvous.try_signal_abort(ctl, version=plan.version, why=str(exc))
+        self._teardown()
+        if isinstance(exc, (WeightSyncError, ValueError)) or not isinstance(exc, Exception):
+            raise exc
+        raise _classify(exc, ctx=ctx, what=what) from exc
 
     def _choose_generation(self, *, plan: common_pb2.WeightSyncPlan, held: dict[int, str]) -> int:
         """Reuse the built group only if every rank holds it; a rank that does not (a replaced engine process)
@@ -265,9 +278,9 @@ class ProcessGroupSender(SenderTransport):
         next_index = 0
         for slot, tensor in tensors:
             bucket = layout.buckets[slot.bucket]
-            if bucket.direct or left[bucket.index] == 1:   # this tensor completes its bucket
-                if bucket.index != next_index:   # cannot happen: layout indices follow completion order
-                    raise WeightSyncError(ctx.message(f"internal: bucket {bucket.index} completes before {next_index}"))
+            completes = bucket.direct or left[bucket.index] == 1   # this tensor completes its bucket
+            if completes and bucket.index != next_index:   # cannot happen: layout indices follow completion order
+                raise WeightSyncError(ctx.message(f"internal: bucket {bucket.index} completes before {next_index}"))
             if bucket.direct:
                 if bucket.nbytes:
                     source = tensor.detach().to(group.device).contiguous()
@@ -305,7 +318,7 @@ class ProcessGroupReceiver(ReceiverTransport):
     def __init__(self, *, backend: str):
         self.name = backend
         self._backend = backend
-        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
+        self._trainer_store = rendezvous.TrainerStore()
         self._group: _Group | None = None
         self._staging: _Staging | None = None
 
@@ -314,29 +327,15 @@ class ProcessGroupReceiver(ReceiverTransport):
         peer = f"trainer rank 0 at {plan.master_addr}:{plan.master_port} (trainer_id {plan.trainer_id or '?'})"
         return SyncContext(plan.transport, plan.version, f"engine rank {rank}", peer, plan.timeout_s)
 
-    def _store(self, plan: common_pb2.WeightSyncPlan, deadline: Deadline, ctx: SyncContext) -> dist.TCPStore:
-        key = (plan.master_addr, plan.master_port)
-        if key not in self._stores:
-            self._stores.clear()   # a new trainer store: the old trainer is gone or restarted
-            self._stores[key] = rendezvous.connect_store(host=plan.master_addr, port=plan.master_port,
-                                                         deadline=deadline, ctx=ctx)
-        return self._stores[key]
-
     def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
-        ctx = self._context(plan, rank)
-        try:
-            store = self._store(plan, Deadline(min(deadline.remaining(), 5.0)), ctx)
-            rendezvous.post(rendezvous.ctl_store(store, plan.group_name), version=plan.version, kind="abort",
-                            rank=rank, value=reason[:4000], ctx=ctx)
-        except WeightSyncError:
-            pass  # the trainer will time out on its own; the caller raises the real reason
+        self._trainer_store.refuse(plan, ranks=[rank], reason=reason, deadline=deadline, ctx=self._context(plan, rank))
 
     def receive(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, rank: int,
                 params: Mapping[str, torch.Tensor], deadline: Deadline) -> Received:
         ctx = self._context(plan, rank)
         started = time.monotonic()
         try:
-            store = self._store(plan, deadline, ctx)
+            store = self._trainer_store.get(plan, deadline=deadline, ctx=ctx)
             ctl = rendezvous.ctl_store(store, plan.group_name)
             key = (plan.master_addr, plan.master_port, plan.group_name, plan.world_size, rank)
             held = str(self._group.generation) if self._group is not None and self._group.key == key else "-"
@@ -407,17 +406,9 @@ class ProcessGroupReceiver(ReceiverTransport):
         if self._group is not None:
             self._group.abort()
         self._group = None
-        self._stores.clear()
+        self._trainer_store.clear()
 
     def close(self) -> None:
         self._teardown()
         self._staging = None
 
-
-def _sender(backend: str):
-    return lambda config, run_dir, trainer_id: ProcessGroupSender(backend=backend, config=config,
-                                                                  trainer_id=trainer_id)
-
-
-register_transport("gloo", sender=_sender("gloo"), receiver=lambda: ProcessGroupReceiver(backend="gloo"))
-register_transport("nccl", sender=_sender("nccl"), receiver=lambda: ProcessGroupReceiver(backend="nccl"))

@@ -14,9 +14,11 @@ The trainer clears a version's keys in `prepare`, so a retried version cannot se
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights.base import (
     Deadline,
     SyncContext,
@@ -27,6 +29,7 @@ from services.weights.base import (
 )
 
 _POLL_MAX_S = 0.005
+_REASON_MAX = 4000   # characters of a refusal's reason posted to the trainer
 
 
 class _Backoff:
@@ -61,6 +64,40 @@ class MasterStore:
 
     def close(self) -> None:
         self._store = None
+
+
+class TrainerStore:
+    """An engine's client of the trainer's store, connected once and kept while the plans name the same one."""
+
+    def __init__(self) -> None:
+        self._key: tuple[str, int] | None = None
+        self._store: dist.TCPStore | None = None
+
+    def get(self, plan: common_pb2.WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> dist.TCPStore:
+        key = (plan.master_addr, plan.master_port)
+        if self._store is None or self._key != key:
+            self.clear()   # a new trainer store: the old trainer is gone or restarted
+            self._store = connect_store(host=plan.master_addr, port=plan.master_port, deadline=deadline, ctx=ctx)
+            self._key = key
+        return self._store
+
+    def ctl(self, plan: common_pb2.WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> dist.PrefixStore:
+        return ctl_store(self.get(plan, deadline=deadline, ctx=ctx), plan.group_name)
+
+    def refuse(self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], reason: str, deadline: Deadline,
+               ctx: SyncContext) -> None:
+        """Best effort: post `abort` for `ranks` (a first reason stays), so the trainer fails now with `reason`
+        instead of at its deadline. Never raises: the caller raises the real reason next."""
+        try:
+            ctl = self.ctl(plan, deadline=deadline, ctx=ctx)
+            for rank in ranks:
+                if not ctl.check([f"v{plan.version}/abort/{rank}"]):
+                    ctl.set(f"v{plan.version}/abort/{rank}", reason[:_REASON_MAX])
+        except Exception:  # noqa: BLE001 - the store may be what failed
+            pass
+
+    def clear(self) -> None:
+        self._key, self._store = None, None
 
 
 def ctl_store(store: dist.Store, group_name: str) -> dist.PrefixStore:
@@ -125,7 +162,7 @@ def try_signal_abort(ctl: dist.Store | None, *, version: int, why: str) -> None:
         return
     try:
         if not ctl.check([f"v{version}/go"]):
-            ctl.set(f"v{version}/go", f"abort: {why}"[:2000].encode())
+            ctl.set(f"v{version}/go", f"abort: {why}"[:2000])
     except Exception:  # noqa: BLE001 - the store may be the thing that failed
         pass
 

@@ -29,36 +29,35 @@ torch and keeps its groups between requests, so a rebuild (a replaced server or 
 SGLang call fails the adapter posts `abort` with SGLang's message; the trainer watches for it while it joins and
 broadcasts, so it fails at once with that message instead of at its deadline.
 
-`SGLangAwareSender` is registered as the sender of "gloo" and "nccl": when every rank's ready says sglang it
-takes this path; when none does it is pg.ProcessGroupSender unchanged; a mix is refused.
+`SGLangAwareSender` is the sender of "gloo" and "nccl" in the registry (services/weights/registry.py): when every
+rank's ready says sglang it takes this path; when none does it is pg.ProcessGroupSender unchanged; a mix is refused.
 """
 
 from __future__ import annotations
 
 import datetime
-import inspect
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
+from services.weights import torch_compat
 from services.weights.base import (
     Deadline,
     SyncContext,
     WeightSyncError,
     WeightSyncRefused,
     WeightSyncTimeout,
-    register_transport,
 )
 from services.weights.layout import Bucket, Layout, Slot
 from services.weights.transports import rendezvous
 from services.weights.transports.pg import (
-    ProcessGroupReceiver,
     ProcessGroupSender,
     _classify,
     _transport_device,
@@ -68,7 +67,8 @@ from services.weights.transports.pg import (
 
 READY_PREFIX = "sglang"
 FORMATS = ("tensor", "flattened_bucket")
-_ABORT_CHECK_S = 0.02
+_ABORT_CHECK_S = 0.02     # how often a wait looks at the engines' abort keys
+_WORK_POLL_MAX_S = 0.005  # the longest pause between looks at pending broadcasts
 
 
 @dataclass(frozen=True)
@@ -108,16 +108,10 @@ def wire_tensors(bucket: Bucket) -> list[Slot]:
 def join_sglang_group(*, backend: str, store: dist.Store, group_name: str, rank: int, world_size: int,
                       timeout: datetime.timedelta) -> dist.ProcessGroup:
     """The trainer's half of SGLang's init_custom_process_group: the same PrefixStore(group_name) over the rendezvous
-    store and the same torch helper (its options argument was renamed pg_options -> backend_options in torch 2.6)."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
+    store and the same torch helper (torch_compat.registered_group)."""
     store.set_timeout(timeout)
-    options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
-        else "pg_options"
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                      group_name=group_name, timeout=timeout, **{options: None})
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
+    return torch_compat.registered_group(backend=backend, store=store, group_name=group_name, rank=rank,
+                                         world_size=world_size, timeout=timeout)
 
 
 class _SGLangGroup:
@@ -167,7 +161,7 @@ class _Watch:
                 raise WeightSyncTimeout(self.ctx.message(f"{what} did not complete within "
                                                          f"{self.deadline.timeout_s:g}s")) from exc
             time.sleep(sleep)
-            sleep = min(0.005, sleep * 2)
+            sleep = min(_WORK_POLL_MAX_S, sleep * 2)
         for work in works:
             try:
                 work.wait()
@@ -175,13 +169,14 @@ class _Watch:
                 raise _classify(exc, ctx=self.ctx, what=what) from exc
 
     def thread(self, target, *, what: str):
-        result: dict[str, object] = {}
+        value: list[Any] = []
+        error: list[BaseException] = []
 
         def run() -> None:
             try:
-                result["value"] = target()
+                value.append(target())
             except BaseException as exc:  # noqa: BLE001 - handed to the watching thread
-                result["error"] = exc
+                error.append(exc)
 
         worker = threading.Thread(target=run, daemon=True, name="sglang-group-join")
         worker.start()
@@ -189,40 +184,28 @@ class _Watch:
             worker.join(timeout=_ABORT_CHECK_S)
             if worker.is_alive():
                 self.check()   # on a refusal or the deadline the join thread is left to time out on its own
-        if "error" in result:
-            raise _classify(result["error"], ctx=self.ctx, what=what)  # type: ignore[arg-type]
-        return result["value"]
+        if error:
+            raise _classify(error[0], ctx=self.ctx, what=what)
+        return value[0]
 
 
 class SGLangAwareSender(ProcessGroupSender):
-    """pg.ProcessGroupSender, plus the SGLang protocol when the engine ranks say they are SGLang servers."""
+    """pg.ProcessGroupSender, plus the SGLang protocol when the engine ranks' ready values say they are SGLang
+    servers (publish is pg's; what follows every rank's ready is chosen here)."""
 
     def __init__(self, *, backend: str, config: WeightsConfig, trainer_id: str):
         super().__init__(backend=backend, config=config, trainer_id=trainer_id)
         self._sglang: _SGLangGroup | None = None
         self._sglang_generation = -1
 
-    def publish(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
-                tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline,
-                checksums: Mapping[str, str]) -> float:
-        if plan.group_name != self._group_name or self._staging is None:
-            return super().publish(plan=plan, layout=layout, tensors=tensors, deadline=deadline, checksums=checksums)
-        ranks = list(range(1, plan.world_size))
-        ctx = SyncContext(self.name, plan.version, "trainer", f"engine rank(s) {ranks}", plan.timeout_s)
-        ctl = rendezvous.ctl_store(self._master.store, plan.group_name)
-        started = time.monotonic()
-        try:
-            held = rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="ready",
-                                            deadline=deadline, ctx=ctx)
-            readies = {rank: parse_ready(value) for rank, value in held.items()}
-        except BaseException as exc:
-            rendezvous.try_signal_abort(ctl, version=plan.version, why=str(exc))
-            self._teardown()
-            raise
+    def _publish_ready(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
+                       tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline, ctx: SyncContext,
+                       ctl: dist.Store, held: dict[int, str], started: float) -> float:
+        readies = {rank: parse_ready(value) for rank, value in held.items()}
         sglang = {rank: r for rank, r in readies.items() if r is not None}
-        if not sglang:   # native receivers: the plain process-group transport (their ready keys are still there)
-            return time.monotonic() - started + super().publish(plan=plan, layout=layout, tensors=tensors,
-                                                                deadline=deadline, checksums=checksums)
+        if not sglang:   # native receivers: the plain process-group transport
+            return super()._publish_ready(plan=plan, layout=layout, tensors=tensors, deadline=deadline, ctx=ctx,
+                                          ctl=ctl, held=held, started=started)
         try:
             formats = {r.format for r in sglang.values()}
             if len(sglang) != len(readies) or len(formats) != 1:
@@ -239,20 +222,16 @@ class SGLangAwareSender(ProcessGroupSender):
             rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="done",
                                      deadline=deadline, ctx=ctx)
             return waited
-        except BaseException as exc:
-            rendezvous.try_signal_abort(ctl, version=plan.version, why=str(exc))
-            self._teardown()
-            if isinstance(exc, (WeightSyncError, ValueError)) or not isinstance(exc, Exception):
-                raise
-            raise _classify(exc, ctx=ctx, what="sending to SGLang") from exc
+        except BaseException as exc:  # noqa: BLE001 - _fail re-raises it, or a WeightSyncError for it
+            self._fail(exc, plan=plan, ctl=ctl, ctx=ctx, what="sending to SGLang")
 
     def _choose_sglang_generation(self, *, plan: common_pb2.WeightSyncPlan,
                                   readies: Mapping[int, SGLangReady]) -> int:
         """Keep the group only if every SGLang rank still holds it; else every member joins the next one."""
         group = self._sglang
-        if group is not None and group.key == (plan.group_name, plan.world_size):
-            if all(r.held == group.generation for r in readies.values()):
-                return group.generation
+        if (group is not None and group.key == (plan.group_name, plan.world_size)
+                and all(r.held == group.generation for r in readies.values())):
+            return group.generation
         if group is not None:
             group.close(abort=True)
             self._sglang = None
@@ -331,16 +310,13 @@ class EngineHandshake:
     """The rollout adapter's half of the handshake, on behalf of the SGLang servers it drives (SGLang itself only
     ever connects to the store inside init_custom_process_group)."""
 
-    def __init__(self) -> None:
-        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
+    def __init__(self, *, refuse_timeout_s: float) -> None:
+        """`refuse_timeout_s`: how long a best-effort refusal may try to reach the trainer's store."""
+        self._trainer_store = rendezvous.TrainerStore()
+        self._refuse_timeout_s = refuse_timeout_s
 
     def _ctl(self, plan: common_pb2.WeightSyncPlan, deadline: Deadline, ctx: SyncContext) -> dist.Store:
-        key = (plan.master_addr, plan.master_port)
-        if key not in self._stores:
-            self._stores.clear()   # a new trainer store: the old trainer is gone or restarted
-            self._stores[key] = rendezvous.connect_store(host=plan.master_addr, port=plan.master_port,
-                                                         deadline=deadline, ctx=ctx)
-        return rendezvous.ctl_store(self._stores[key], plan.group_name)
+        return self._trainer_store.ctl(plan, deadline=deadline, ctx=ctx)
 
     def post_ready(self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], value: str, deadline: Deadline,
                    ctx: SyncContext) -> None:
@@ -365,26 +341,8 @@ class EngineHandshake:
 
     def refuse(self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], reason: str, ctx: SyncContext) -> None:
         """Best effort: the trainer fails now with `reason` instead of at its deadline."""
-        try:
-            ctl = self._ctl(plan, Deadline(5.0), ctx)
-            for rank in ranks:
-                if not ctl.check([f"v{plan.version}/abort/{rank}"]):
-                    ctl.set(f"v{plan.version}/abort/{rank}", reason[:4000].encode())
-        except Exception:  # noqa: BLE001 - the caller raises the real reason
-            pass
+        self._trainer_store.refuse(plan, ranks=ranks, reason=reason, deadline=Deadline(self._refuse_timeout_s), ctx=ctx)
 
     def close(self) -> None:
-        self._stores.clear()
+        self._trainer_store.clear()
 
-
-def _sender(backend: str):
-    return lambda config, run_dir, trainer_id: SGLangAwareSender(backend=backend, config=config,
-                                                                 trainer_id=trainer_id)
-
-
-def _receiver(backend: str):
-    return lambda: ProcessGroupReceiver(backend=backend)
-
-
-register_transport("gloo", sender=_sender("gloo"), receiver=_receiver("gloo"))
-register_transport("nccl", sender=_sender("nccl"), receiver=_receiver("nccl"))

@@ -1,0 +1,82 @@
+"""The weight transports, by the name `weights.transport` and `WeightSyncPlan.transport` use: one explicit table.
+
+Each entry says which class sends and which receives. The transport modules are imported only when a transport is
+built (cuda_ipc and the process groups pull in CUDA and torch.distributed), and they register nothing themselves,
+so the table does not depend on what was imported before. A test keeps its keys equal to WeightsConfig.transport's.
+
+gloo and nccl send with `SGLangAwareSender`: a trainer cannot know before the engine ranks post `ready` whether
+they are native receivers (pg.ProcessGroupReceiver) or SGLang servers behind the rollout adapter; that sender
+serves both, taking pg.ProcessGroupSender's path unchanged for native receivers (transports/sglang.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+from services.contracts.config import WeightsConfig
+from services.weights.base import ReceiverTransport, SenderTransport
+
+SenderFactory = Callable[[WeightsConfig, Path, str], SenderTransport]  # (config, run_dir, trainer_id)
+ReceiverFactory = Callable[[], ReceiverTransport]
+
+
+@dataclass(frozen=True)
+class Transport:
+    name: str
+    sender: SenderFactory
+    receiver: ReceiverFactory
+
+
+def _process_group_sender(backend: str) -> SenderFactory:
+    def build(config: WeightsConfig, run_dir: Path, trainer_id: str) -> SenderTransport:
+        from services.weights.transports.sglang import SGLangAwareSender
+        return SGLangAwareSender(backend=backend, config=config, trainer_id=trainer_id)
+    return build
+
+
+def _process_group_receiver(backend: str) -> ReceiverFactory:
+    def build() -> ReceiverTransport:
+        from services.weights.transports.pg import ProcessGroupReceiver
+        return ProcessGroupReceiver(backend=backend)
+    return build
+
+
+def _cuda_ipc_sender(config: WeightsConfig, run_dir: Path, trainer_id: str) -> SenderTransport:
+    from services.weights.transports.cuda_ipc import CudaIpcSender
+    return CudaIpcSender(config=config, trainer_id=trainer_id)
+
+
+def _cuda_ipc_receiver() -> ReceiverTransport:
+    from services.weights.transports.cuda_ipc import CudaIpcReceiver
+    return CudaIpcReceiver()
+
+
+def _disk_sender(config: WeightsConfig, run_dir: Path, trainer_id: str) -> SenderTransport:
+    from services.weights.transports.disk import DiskSender
+    return DiskSender(config=config, run_dir=run_dir, trainer_id=trainer_id)
+
+
+def _disk_receiver() -> ReceiverTransport:
+    from services.weights.transports.disk import DiskReceiver
+    return DiskReceiver()
+
+
+TRANSPORTS: Mapping[str, Transport] = MappingProxyType({t.name: t for t in (
+    Transport("gloo", sender=_process_group_sender("gloo"), receiver=_process_group_receiver("gloo")),
+    Transport("nccl", sender=_process_group_sender("nccl"), receiver=_process_group_receiver("nccl")),
+    Transport("cuda_ipc", sender=_cuda_ipc_sender, receiver=_cuda_ipc_receiver),
+    Transport("disk", sender=_disk_sender, receiver=_disk_receiver),
+)})
+
+
+def transport(name: str) -> Transport:
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown weight transport {name!r} (known: {', '.join(sorted(TRANSPORTS))})")
+    return TRANSPORTS[name]
+
+
+def transport_names() -> list[str]:
+    return sorted(TRANSPORTS)
