@@ -84,6 +84,34 @@ class RolloutConfig(Section):
     sglang: SGLangConfig = SGLangConfig()
 
 
+class LoraConfig(Section):
+    """LoRA adapters (peft) on the trainer's model: only they are trained and have optimizer state; weight sync and
+    the HF export send the merged weights under the base model's names (docs/algorithms.md, LoRA)."""
+
+    rank: int = Field(ge=1, description="r: the adapters' inner dimension")
+    alpha: int | None = Field(default=None, ge=1, description="lora_alpha; the update is scaled by alpha / rank "
+                              "(default 2 × rank: scale 2)")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input (train mode only)")
+    target_modules: tuple[str, ...] = Field(
+        default=("all-linear",), min_length=1, description="names of the linear layers to adapt (the last part "
+        "of a module path, e.g. q_proj, v_proj); all-linear = every linear layer but the output head (add lm_head "
+        "to adapt it too)")
+
+    @property
+    def lora_alpha(self) -> int:
+        return self.alpha if self.alpha is not None else 2 * self.rank
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [name for name in value if not name.strip() or name != name.strip()]
+        if bad:
+            raise ValueError(f"names a module by an empty or padded string: {bad}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"names a module more than once: {list(value)}")
+        return value
+
+
 class TrainerConfig(Section):
     device: str = "auto"
     num_ranks: int = Field(default=1, ge=1, description="data-parallel ranks `tandem run` launches")
@@ -105,6 +133,8 @@ class TrainerConfig(Section):
     critic_lr: float | None = Field(default=None, gt=0, description="defaults to lr")
     seed: int = 0
     gradient_checkpointing: bool = False
+    lora: LoraConfig | None = Field(default=None, description="LoRA adapters instead of full fine-tuning "
+                                    "(null = full fine-tuning)")
 
 
 class AlgorithmConfig(Section):
