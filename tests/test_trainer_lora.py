@@ -245,3 +245,28 @@ def test_critic_with_lora_trains_adapters_and_value_head(harness, tiny_model_dir
         expected = critic.service.backend.engine(input_ids=INPUTS, attention_mask=torch.ones_like(INPUTS))
         head = module.value_head
         torch.testing.assert_close(head(hidden).squeeze(-1).float(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_offload_moves_the_frozen_base_too_and_training_goes_on(harness, tiny_model_dir):  # noqa: F811
+    h = harness(trainer={"zero_stage": 2, "lora": LORA})
+    _train(h, 1, tiny_model_dir)
+    before = {n: t.detach().cpu().clone() for n, t in h.service.iter_named_weights()}
+    on_gpu = h.service.dist.device.type == "cuda"
+    resident = torch.cuda.memory_allocated() if on_gpu else 0
+    assert h.service.offload().ok
+    frozen = [p for p in h.service.backend.module.parameters() if not p.requires_grad]
+    assert frozen and all(p.device.type == "cpu" for p in frozen)
+    if on_gpu:   # DeepSpeed's offload moves the adapters' states; the base weights leave the device as well
+        assert resident - torch.cuda.memory_allocated() >= sum(p.numel() * p.element_size() for p in frozen)
+    assert h.service.onload().ok
+    assert all(p.device == h.service.dist.device for p in h.service.backend.module.parameters())
+    after = {n: t.detach().cpu() for n, t in h.service.iter_named_weights()}
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    h.service.offload()
+    assert _train(h, 1, tiny_model_dir, first=1)[0].step == 2   # onloads by itself
+    zero3 = harness(run_name="lora-z3", trainer={"zero_stage": 3, "lora": LORA})
+    with pytest.raises(NotImplementedError, match="needs trainer.zero_stage 1 or 2"):
+        zero3.service.offload()
+    with pytest.raises(ConfigError, match="needs trainer.zero_stage 1 or 2"):
+        config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t"}, "loop": {"offload_train": True},
+                          "trainer": {"zero_stage": 3, "lora": LORA}})

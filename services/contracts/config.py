@@ -84,6 +84,12 @@ class RolloutConfig(Section):
     sglang: SGLangConfig = SGLangConfig()
 
 
+# DeepSpeed 0.19's ZeRO-3 offload_states maps every module parameter, frozen ones included, onto the flat buffer of
+# the trainable ones' partitions, which does not hold the frozen ones.
+LORA_ZERO3_OFFLOAD = ("offloading the trainer (Offload, loop.offload_train) with trainer.lora needs trainer.zero_stage "
+                      "1 or 2: DeepSpeed's ZeRO-3 offload_states cannot move a model with frozen parameters")
+
+
 class LoraConfig(Section):
     """LoRA adapters (peft) on the trainer's model: only they are trained and have optimizer state; weight sync and
     the HF export send the merged weights under the base model's names (docs/algorithms.md, LoRA)."""
@@ -317,6 +323,8 @@ class TandemConfig(Section):
         if self.loop.offload_rollout and self.loop.mode != "sync":
             raise ValueError(f"loop.offload_rollout needs loop.mode: sync (in {self.loop.mode} mode the engines "
                              "generate the next batch while the trainer trains)")
+        if self.loop.offload_train and self.trainer.lora is not None and self.trainer.zero_stage == 3:
+            raise ValueError(LORA_ZERO3_OFFLOAD)
         if self.weights.transport == "cuda_ipc" and self.trainer.num_ranks > 1:
             raise ValueError("weights.transport: cuda_ipc needs trainer.num_ranks == 1 (rank 0 owns the buckets)")
         if self.trainer.precision == "bf16" and self.model.dtype != "bfloat16" and self.weights.transport == "cuda_ipc":

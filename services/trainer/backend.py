@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from services.contracts.config import TandemConfig
+from services.contracts.config import LORA_ZERO3_OFFLOAD, TandemConfig
 from services.trainer.batching import MicroBatch
 from services.trainer.dist import DistInfo
 from services.trainer.scoring import TokenSampling, score_tokens
@@ -168,6 +168,8 @@ class DeepSpeedBackend:
             config=deepspeed_config(config, world_size=dist_info.world_size, lr=lr),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
         self.engine.train()
+        # LoRA's frozen base weights: DeepSpeed's offload moves only what its optimizer holds (see offload)
+        self._frozen = [p for p in self.engine.module.parameters() if not p.requires_grad]
         self.offloaded = False
         # DeepSpeed's offload_states runs gc.collect() three times; over everything torch, transformers and
         # deepspeed leave tracked, one full collection took 176 ms on CPU and 283 ms next to an H200, so an
@@ -256,6 +258,8 @@ class DeepSpeedBackend:
         if self.zero_stage == 0:
             raise NotImplementedError("Offload needs ZeRO stage 1-3 (DeepSpeed offload_states); "
                                       "trainer.zero_stage is 0")
+        if self.zero_stage == 3 and self._frozen:
+            raise NotImplementedError(LORA_ZERO3_OFFLOAD)
 
     def offload(self) -> str:
         self.check_offload_supported()
@@ -263,8 +267,11 @@ class DeepSpeedBackend:
             return "already offloaded"
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
-        self.engine.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=self.device.type == "cuda",
-                                   non_blocking=False)
+        pin = self.device.type == "cuda"
+        self.engine.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=pin, non_blocking=False)
+        for p in self._frozen:   # ZeRO 1/2: whole tensors of the module, outside DeepSpeed's buffers
+            host = p.data.to("cpu")
+            p.data = host.pin_memory() if pin else host
         if self.device.type == "cuda":
             torch.cuda.empty_cache()   # hand the freed blocks back, so the engines on this GPU can use them
         self.offloaded = True
@@ -274,6 +281,8 @@ class DeepSpeedBackend:
         if not self.offloaded:
             return "not offloaded"
         self.engine.reload_states(non_blocking=False)
+        for p in self._frozen:
+            p.data = p.data.to(self.device)
         self.offloaded = False
         return f"states reloaded to {self.device}"
 
