@@ -265,8 +265,8 @@ def test_lora_offload_moves_the_frozen_base_too_and_training_goes_on(harness, ti
     h.service.offload()
     assert _train(h, 1, tiny_model_dir, first=1)[0].step == 2   # onloads by itself
     zero3 = harness(run_name="lora-z3", trainer={"zero_stage": 3, "lora": LORA})
-    with pytest.raises(NotImplementedError, match="needs trainer.zero_stage 1 or 2"):
+    with pytest.raises(NotImplementedError, match=r"needs trainer\.zero_stage 1 or 2"):
         zero3.service.offload()
-    with pytest.raises(ConfigError, match="needs trainer.zero_stage 1 or 2"):
+    with pytest.raises(ConfigError, match=r"needs trainer\.zero_stage 1 or 2"):
         config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t"}, "loop": {"offload_train": True},
                           "trainer": {"zero_stage": 3, "lora": LORA}})
