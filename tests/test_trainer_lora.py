@@ -17,6 +17,7 @@ import torch
 from conftest_trainer import harness, make_batch, tiny_model_dir  # noqa: F401
 
 from services.contracts.config import ConfigError, config_from_dict
+from services.launcher.preflight import check_lora
 from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.lora import AdapterOffReference, check_model_targets
 
@@ -74,6 +75,12 @@ def test_lora_config_and_targets_are_validated(tiny_model_dir):  # noqa: F811
     check_model_targets(str(tiny_model_dir), head, critic=False)
     with pytest.raises(ConfigError, match="'lm_head' names no module in LlamaModel"):   # the critic has no head
         check_model_targets(str(tiny_model_dir), head, critic=True)
+    # `tandem run` checks the actor's and the critic's targets before any service starts
+    ppo = config_from_dict({"model": {"path": str(tiny_model_dir)}, "data": {"train_path": "t"},
+                            "trainer": {"lora": {"rank": 8, "target_modules": ["all-linear", "lm_head"]}},
+                            "algorithm": {"advantage_estimator": "gae"}}, source="test")
+    with pytest.raises(ConfigError, match="'lm_head' names no module in LlamaModel"):
+        check_lora(ppo)
 
 
 @pytest.mark.parametrize("zero_stage,gradient_checkpointing", [(0, False), (1, False), (2, True), (3, False)])
