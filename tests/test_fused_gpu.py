@@ -79,7 +79,7 @@ def test_a_patched_qwen2_model_matches_the_unpatched_one():
     fused.load_state_dict(ref.state_dict())
     assert patch_model(fused) == {"rms_norm": 2 * 2 + 1, "swiglu_mlp": 2}
     assert patch_model(fused) == {"rms_norm": 0, "swiglu_mlp": 0}   # patching twice changes nothing
-    warm_up(fused)
+    warm_up(fused, torch.device(DEVICE))
     ids = torch.randint(0, 50, (4, 24), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     grads = {}
     for name, model in (("ref", ref), ("fused", fused)):

@@ -108,6 +108,40 @@ class RolloutConfig(Section):
     overlong_penalty: OverlongPenaltyConfig = OverlongPenaltyConfig()
 
 
+# DeepSpeed 0.19's ZeRO-3 offload_states maps every module parameter, frozen ones included, onto the flat buffer of
+# the trainable ones' partitions, which does not hold the frozen ones.
+LORA_ZERO3_OFFLOAD = ("offloading the trainer (Offload, loop.offload_train) with trainer.lora needs trainer.zero_stage "
+                      "1 or 2: DeepSpeed's ZeRO-3 offload_states cannot move a model with frozen parameters")
+
+
+class LoraConfig(Section):
+    """LoRA adapters (peft) on the trainer's model: only they are trained and have optimizer state; weight sync and
+    the HF export send the merged weights under the base model's names (docs/algorithms.md, LoRA)."""
+
+    rank: int = Field(ge=1, description="r: the adapters' inner dimension")
+    alpha: int | None = Field(default=None, ge=1, description="lora_alpha; the update is scaled by alpha / rank "
+                              "(default 2 × rank: scale 2)")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input (train mode only)")
+    target_modules: tuple[str, ...] = Field(
+        default=("all-linear",), min_length=1, description="names of the linear layers to adapt (the last part "
+        "of a module path, e.g. q_proj, v_proj); all-linear = every linear layer but the output head (add lm_head "
+        "to adapt it too)")
+
+    @property
+    def lora_alpha(self) -> int:
+        return self.alpha if self.alpha is not None else 2 * self.rank
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [name for name in value if not name.strip() or name != name.strip()]
+        if bad:
+            raise ValueError(f"names a module by an empty or padded string: {bad}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"names a module more than once: {list(value)}")
+        return value
+
+
 class TrainerConfig(Section):
     device: str = "auto"
     num_ranks: int = Field(default=1, ge=1, description="data-parallel ranks `tandem run` launches")
@@ -137,6 +171,8 @@ class TrainerConfig(Section):
     fused_kernels: Literal["auto", "on", "off"] = Field(
         default="auto", description="fused Triton RMSNorm and SwiGLU (forward and backward) in the trained and frozen "
         "models; auto = on a CUDA device with Triton and bf16 weights")
+    lora: LoraConfig | None = Field(default=None, description="LoRA adapters instead of full fine-tuning "
+                                    "(null = full fine-tuning)")
 
 
 class AlgorithmConfig(Section):
@@ -365,6 +401,8 @@ class TandemConfig(Section):
         if self.loop.offload_rollout and self.loop.mode != "sync":
             raise ValueError(f"loop.offload_rollout needs loop.mode: sync (in {self.loop.mode} mode the engines "
                              "generate the next batch while the trainer trains)")
+        if self.loop.offload_train and self.trainer.lora is not None and self.trainer.zero_stage == 3:
+            raise ValueError(LORA_ZERO3_OFFLOAD)
         if self.weights.transport == "cuda_ipc" and self.trainer.num_ranks > 1:
             raise ValueError("weights.transport: cuda_ipc needs trainer.num_ranks == 1 (rank 0 owns the buckets)")
         if self.trainer.precision != "fp32" and self.model.dtype != "bfloat16" and self.weights.transport == "cuda_ipc":

@@ -179,7 +179,7 @@ def _is_swiglu_mlp(module: torch.nn.Module) -> bool:
             and type(act).__name__ in _SILU_CLASSES)
 
 
-def warm_up(model: torch.nn.Module) -> None:
+def warm_up(model: torch.nn.Module, device: torch.device) -> None:
     """Compiles the kernels for this model's widths and dtype now (Triton compiles on first launch, a second or
     two each), so the first training step does not pay for it: one tiny forward and backward per shape."""
     seen: set[tuple[str, int, torch.dtype]] = set()
@@ -199,7 +199,6 @@ def warm_up(model: torch.nn.Module) -> None:
             continue
         seen.add(key)
         kind, width, dtype = key
-        device = next(module.parameters()).device
         x = torch.randn(2, width, device=device, dtype=dtype, requires_grad=True)
         if kind == "rms":
             w = torch.ones(width, device=device, dtype=dtype, requires_grad=True)
