@@ -193,7 +193,7 @@ def build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device
     if variant["kind"] == "torch":
         backend = TorchBackend(model_dir, device, param_dtype=variant["param_dtype"], autocast=variant["autocast"])
         if variant.get("fused"):
-            from services.trainer import fused
+            from services.tensors import fused
 
             fused.patch_model(backend.module)
         return backend
@@ -201,11 +201,12 @@ def build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device
     from services.trainer.dist import init_process_group
 
     config = config_from_dict({
-        "model": {"path": str(model_dir), "dtype": "bfloat16"}, "data": {"train_path": str(tmp / "unused.jsonl")},
+        "model": {"path": str(model_dir), "dtype": "bfloat16", "fused_kernels": variant.get("fused_kernels", "auto")},
+        "data": {"train_path": str(tmp / "unused.jsonl")},
         "trainer": {"device": device.type, "zero_stage": variant["zero_stage"], "precision": variant["precision"],
                     "lr": 1e-3, "micro_batch_tokens": variant.get("micro_batch_tokens", DEFAULT_BUDGET),
                     "skip_nonfinite_steps": variant.get("skip_nonfinite_steps", True),
-                    "fused_kernels": variant.get("fused_kernels", "auto"), "lora": variant.get("lora")}})
+                    "lora": variant.get("lora")}})
     dist_info = init_process_group(device=device.type, timeout_s=config.services.timeouts.process_group_s)
     return DeepSpeedBackend(config=config, role="actor", dist_info=dist_info)
 

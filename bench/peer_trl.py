@@ -470,7 +470,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=["async", "sync"], default=["async", "sync"])
     p.add_argument("--no-trl", action="store_true", help="the Tandem side only")
     p.add_argument("--tandem-set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="more --set overrides for every Tandem run (e.g. trainer.fused_kernels=off)")
+                   help="more --set overrides for every Tandem run (e.g. model.fused_kernels=off)")
     p.add_argument("--budget-s", type=float, default=520.0, help="the whole call, model init included")
     p.add_argument("--trl-limit-s", type=float, default=150.0)
     p.add_argument("--tandem-limit-s", type=float, default=150.0)

@@ -29,6 +29,9 @@ class ModelConfig(Section):
     tokenizer_path: str | None = Field(default=None, description="defaults to model.path")
     dtype: Literal["float32", "bfloat16"] = "float32"
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+    fused_kernels: Literal["auto", "on", "off"] = Field(
+        default="auto", description="fused Triton RMSNorm and SwiGLU in the trained model (forward and backward), the "
+        "frozen ones and the native engine's; auto = on a CUDA device with Triton and bf16 weights")
     init_preset: Literal["tiny", "small", "q05", "q15"] | None = Field(
         default=None, description="the random-init preset `tandem run --init-model` builds when model.path holds no "
         "model (default tiny); nothing is ever built without that flag")
@@ -168,9 +171,6 @@ class TrainerConfig(Section):
     critic_lr: float | None = Field(default=None, gt=0, description="defaults to lr")
     seed: int = 0
     gradient_checkpointing: bool = False
-    fused_kernels: Literal["auto", "on", "off"] = Field(
-        default="auto", description="fused Triton RMSNorm and SwiGLU (forward and backward) in the trained and frozen "
-        "models; auto = on a CUDA device with Triton and bf16 weights")
     lora: LoraConfig | None = Field(default=None, description="LoRA adapters instead of full fine-tuning "
                                     "(null = full fine-tuning)")
 

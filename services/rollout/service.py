@@ -122,7 +122,7 @@ def build_engine(config: TandemConfig) -> Engine:
 
         return NativeEngine(config.model.path, device=ro.device, dtype=config.model.dtype,
                             attn_implementation=config.model.attn_implementation, max_batch_size=ro.max_batch_size,
-                            max_context_length=ro.max_context_length)
+                            max_context_length=ro.max_context_length, fused_kernels=config.model.fused_kernels)
     if ro.engine == "sglang":
         from services.rollout.engines.sglang import SGLangEngine
 

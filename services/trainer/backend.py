@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from services.contracts.config import LORA_ZERO3_OFFLOAD, TandemConfig
-from services.trainer import fused
+from services.tensors import fused
 from services.trainer.batching import MicroBatch
 from services.trainer.dist import DistInfo
 from services.trainer.scoring import TokenSampling, score_tokens
@@ -312,15 +312,7 @@ class DeepSpeedBackend:
 
 
 def use_fused_kernels(config: TandemConfig, device: torch.device) -> bool:
-    """trainer.fused_kernels: auto = on a CUDA device with Triton and bf16 weights; on = required (an error when
-    they cannot run here); off = the models' own eager modules."""
-    choice = config.trainer.fused_kernels
-    if choice == "off":
-        return False
-    usable = device.type == "cuda" and fused.available()
-    if choice == "on" and not usable:
-        raise ValueError("trainer.fused_kernels: on needs a CUDA device and the triton package; use auto or off")
-    return usable and (choice == "on" or param_dtype(config) == torch.bfloat16)
+    return fused.enabled(config.model.fused_kernels, device=device, dtype=param_dtype(config))
 
 
 def _load_trainable(*, src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
