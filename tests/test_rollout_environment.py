@@ -129,6 +129,9 @@ def test_environment_keys_are_checked_and_plug_in_paths_resolve_against_the_yaml
     with pytest.raises(ConfigError, match=r"env_plus_reward needs rollout\.environment"):
         config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t"},
                           "rollout": {"episode_reward": "env_plus_reward"}})
+    with pytest.raises(ConfigError, match=r"rollout\.overlong_penalty measures one generation"):
+        config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t"},
+                          "rollout": {"environment": LOOKUP, "overlong_penalty": {"enabled": True}}})
     config = load_config(REPO / "examples" / "tool_lookup.yaml")
     assert config.rollout.environment == f"{REPO}/examples/tool_lookup/env.py:LookupEnvironment"
     assert (config.rollout.max_turns, config.rollout.episode_reward) == (3, "env")

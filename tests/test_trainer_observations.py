@@ -15,10 +15,8 @@ from conftest_trainer import harness, make_batch, peaked_model_dir, tiny_model_d
 
 from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData
-from services.trainer.actor import TokenInputs, _ppo_micro_loss, compute_advantages, frozen_pass
+from services.trainer.actor import actor_step
 from services.trainer.batching import merge_batches
-from services.trainer.scoring import TokenSampling
-from services.trainer.update import TokenWeights, lockstep_micro_batches
 
 pytestmark = pytest.mark.timeout(240)
 ALGO = {"use_rollout_logprobs": False, "use_tis": True, "kl_coef": 0.1, "entropy_coef": 0.05,
@@ -46,38 +44,34 @@ def with_observations(batch: RolloutBatchData, *, seed: int, observation_log_pro
     return dataclasses.replace(batch, tokens=tokens, loss_mask=mask, rollout_log_probs=log_probs)
 
 
-class _Forwarded:
-    """The backend's forward output of one micro-batch, handed to the loss as the backend would (so the test can
-    take the gradient with respect to exactly those logits)."""
+class GradientSpy:
+    """The trainer's real backend, recording d loss / d logits of each micro-batch's response tokens during the real
+    backward (a hook on the logits it hands the loss); everything else passes straight through."""
 
-    def __init__(self, logits: torch.Tensor, anchor: torch.Tensor):
-        self.out = (logits, anchor)
+    def __init__(self, backend) -> None:  # type: ignore[no-untyped-def]
+        self.backend, self.grads = backend, []
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.backend, name)
 
     def logits(self, mb):  # type: ignore[no-untyped-def]
-        return self.out
+        logits, anchor = self.backend.logits(mb)
+        if mb.token_index.numel():
+            index = mb.token_index.cpu()
+            logits.register_hook(lambda grad: self.grads.append((index, grad.detach().cpu())))
+        return logits, anchor
 
 
 def logit_gradients(h, batch: RolloutBatchData, *, trainable_everywhere: bool = False) -> list[tuple]:
-    """Per micro-batch: (the batch's loss mask at its tokens, d loss / d logits at its tokens [N, V]); with
-    `trainable_everywhere` the loss sees loss_mask 1 on every token instead."""
-    algo = h.config.algorithm
-    backend = h.service.backend
+    """One real actor step (actor_step) on `batch`: per micro-batch, (the batch's loss mask at its tokens,
+    d loss / d logits at its tokens [N, V]); with `trainable_everywhere` the step sees loss_mask 1 on every token."""
     train = merge_batches([batch])
-    scored = dataclasses.replace(train, loss_mask=torch.ones_like(train.loss_mask)) if trainable_everywhere else train
-    device = backend.device
-    mbs = lockstep_micro_batches(backend, scored, token_budget=h.config.trainer.micro_batch_tokens)
-    sampling = TokenSampling.of(scored).to(device)
-    ref = frozen_pass(h.service.train_step.ref_model, scored.num_response_tokens, mbs, device, sampling, tempered=True)
-    inputs = TokenInputs(sampling=sampling, advantages=compute_advantages(scored, algo, None).to(device),
-                         rollout_log_probs=scored.rollout_log_probs.to(device),
-                         weights=TokenWeights.of(scored, algo.loss_aggregation, device), ref_log_probs=ref, old=None)
-    out = []
-    for mb in mbs:
-        logits, anchor = backend.logits(mb)
-        loss = _ppo_micro_loss(backend=_Forwarded(logits, anchor), mb=mb.to(device), inputs=inputs, algo=algo).loss
-        (grad,) = torch.autograd.grad(loss, logits)
-        out.append((train.loss_mask[mb.token_index.cpu()], grad))
-    return out
+    stepped = dataclasses.replace(train, loss_mask=torch.ones_like(train.loss_mask)) if trainable_everywhere else train
+    spy = GradientSpy(h.service.backend)
+    actor_step(backend=spy, batch=stepped, algo=h.config.algorithm, ref_model=h.service.train_step.ref_model,
+               old_actor=None, token_budget=h.config.trainer.micro_batch_tokens)
+    assert spy.grads
+    return [(train.loss_mask[index], grad) for index, grad in spy.grads]
 
 
 def test_observation_tokens_pass_no_gradient_through_any_loss_term(harness, peaked_model_dir):  # noqa: F811
