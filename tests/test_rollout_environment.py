@@ -135,3 +135,15 @@ def test_environment_keys_are_checked_and_plug_in_paths_resolve_against_the_yaml
     config = load_config(REPO / "examples" / "tool_lookup.yaml")
     assert config.rollout.environment == f"{REPO}/examples/tool_lookup/env.py:LookupEnvironment"
     assert (config.rollout.max_turns, config.rollout.episode_reward) == (3, "env")
+
+
+def test_preflight_names_a_broken_environment_before_anything_starts(tmp_path):
+    from services.launcher.preflight import check_run_inputs
+
+    assert check_run_inputs(load_config(REPO / "examples" / "tool_lookup.yaml")) == []
+    (tmp_path / "envs.py").write_text("class Env:\n    def reset(self, sample):\n        return ''\n")
+    for spec, fragment in [(f"{tmp_path}/envs.py:Env", "Env has no step method"),
+                           (f"{tmp_path}/nothere.py:Env", "file"), ("no_colon", "not of the form")]:
+        config = load_config(REPO / "examples" / "tool_lookup.yaml", [f"rollout.environment={spec}"])
+        with pytest.raises(ConfigError, match=rf"^rollout\.environment: environment .*{fragment}"):
+            check_run_inputs(config)
