@@ -109,6 +109,24 @@ class RolloutConfig(Section):
     sglang: SGLangConfig = SGLangConfig()
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     overlong_penalty: OverlongPenaltyConfig = OverlongPenaltyConfig()
+    environment: str | None = Field(default=None, description="multi-turn environment, `module:Class` or "
+                                    "`file.py:Class` (docs/own-task.md); unset = one turn per sample")
+    max_turns: int = Field(default=4, ge=1, description="environment: most policy turns (generations) per episode")
+    episode_reward: Literal["env", "env_plus_reward"] = Field(
+        default="env", description="environment: an episode's reward is the sum of its step rewards (env), or that "
+        "plus rollout.reward's score of the whole response, observations included (env_plus_reward)")
+    environment_timeout_s: float = Field(default=60.0, gt=0, description="one reset or step call of an environment")
+
+    @model_validator(mode="after")
+    def _environment_keys(self) -> RolloutConfig:
+        if self.environment is None and self.episode_reward != "env":
+            raise ValueError("rollout.episode_reward: env_plus_reward needs rollout.environment (without one, "
+                             "rollout.reward alone scores each sample)")
+        if self.environment is not None and self.overlong_penalty.enabled:
+            raise ValueError("rollout.overlong_penalty measures one generation against sampling.max_new_tokens; an "
+                             "episode of rollout.environment holds several turns and observations, so the two are "
+                             "refused together (algorithm.overlong_filter does apply: it masks episodes that were cut)")
+        return self
 
 
 # DeepSpeed 0.19's ZeRO-3 offload_states maps every module parameter, frozen ones included, onto the flat buffer of
@@ -553,13 +571,13 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
 
 def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     """Relative file paths in the YAML are relative to the YAML file's directory; so is the file of a
-    `path/to/file.py:function` reward plug-in."""
-    for section, key in (*_PATH_KEYS, ("rollout", "reward")):
+    `path/to/file.py:name` plug-in (reward, environment)."""
+    for section, key in (*_PATH_KEYS, *_PLUGIN_KEYS):
         node = data.get(section)
         value = node.get(key) if isinstance(node, dict) else None
         if not isinstance(node, dict) or not isinstance(value, str) or not value:
             continue
-        if (section, key) == ("rollout", "reward"):
+        if (section, key) in _PLUGIN_KEYS:
             node[key] = _resolve_reward_file(value, base_dir)
         elif not os.path.isabs(value):
             node[key] = str((base_dir / value).resolve())
@@ -568,6 +586,7 @@ def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
 
 _PATH_KEYS = (("model", "path"), ("model", "tokenizer_path"), ("data", "train_path"), ("data", "eval_path"),
               ("loop", "save_trigger_sentinel"), ("trainer", "checkpoint_dir"), ("weights", "disk_dir"))
+_PLUGIN_KEYS = (("rollout", "reward"), ("rollout", "environment"))
 
 
 def _resolve_reward_file(spec: str, base_dir: Path) -> str:

@@ -26,6 +26,7 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
     check_lora(config)
     records = check_data(config)
     _check_reward(config.rollout.reward)
+    _check_environment(config.rollout.environment)
     return unencodable_text(config, records)
 
 
@@ -115,6 +116,17 @@ def _check_reward(spec: str) -> None:
         resolve_reward(spec)
     except RewardSpecError as exc:
         raise ConfigError(f"rollout.reward: {exc}") from None
+
+
+def _check_environment(spec: str | None) -> None:
+    if not spec:
+        return
+    from services.rollout.environments import EnvironmentSpecError, resolve_environment
+
+    try:
+        resolve_environment(spec)
+    except EnvironmentSpecError as exc:
+        raise ConfigError(f"rollout.environment: {exc}") from None
 
 
 def unencodable_text(config: TandemConfig, records: dict[str, list[PromptRecord]]) -> list[str]:

@@ -245,44 +245,55 @@ def _load_callable(spec: str) -> Callable[..., Any]:
     if not sep or not target or not attr:
         raise RewardSpecError(f"reward {spec!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}) "
                               "and not of the form module:function or path/to/file.py:function")
-    module = _load_file(target, spec) if target.endswith(".py") or "/" in target else _import(target, spec)
-    fn = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise RewardSpecError(f"reward {spec!r}: {target} has no attribute {attr!r}")
+    fn = load_attribute(spec, kind="reward", error=RewardSpecError)
     if not callable(fn):
         raise RewardSpecError(f"reward {spec!r}: {attr} is a {type(fn).__name__}, not a function")
     return fn
 
 
-def _import(name: str, spec: str) -> Any:
+def load_attribute(spec: str, *, kind: str, error: type[ValueError]) -> Any:
+    """The object `module:attr` or `path/to/file.py:attr` names (a plug-in: a reward, an environment); `error`
+    (a ValueError naming `kind` and `spec`) when it cannot be loaded. A file is imported once per process."""
+    target, _, attr = spec.rpartition(":")
+    module = _load_file(target, spec, kind, error) if target.endswith(".py") or "/" in target else \
+        _import(target, spec, kind, error)
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise error(f"{kind} {spec!r}: {target} has no attribute {attr!r}")
+    return obj
+
+
+def _import(name: str, spec: str, kind: str, error: type[ValueError]) -> Any:
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
-        raise RewardSpecError(f"reward {spec!r}: module {exc.name!r} not found") from None
+        raise error(f"{kind} {spec!r}: module {exc.name!r} not found") from None
     except Exception as exc:  # noqa: BLE001 - user code may raise anything; the spec error names it
-        raise RewardSpecError(f"reward {spec!r}: importing {name} failed: {type(exc).__name__}: {exc}") from None
+        raise error(f"{kind} {spec!r}: importing {name} failed: {type(exc).__name__}: {exc}") from None
 
 
-def _load_file(path_text: str, spec: str) -> Any:
+def _load_file(path_text: str, spec: str, kind: str, error: type[ValueError]) -> Any:
     path = Path(path_text)
     candidates = [path] if path.is_absolute() else [Path.cwd() / path, REPO_ROOT / path]
     file = next((c.resolve() for c in candidates if c.is_file()), None)
     if file is None:
-        raise RewardSpecError(f"reward {spec!r}: file {path_text} not found (tried "
-                              f"{', '.join(str(c) for c in candidates)})")
-    name = f"tandem_reward_{abs(hash(str(file))):x}"
+        raise error(f"{kind} {spec!r}: file {path_text} not found (tried "
+                    f"{', '.join(str(c) for c in candidates)})")
+    # one module per file, whichever plug-in asks first: a file may hold an environment and a reward
+    name = f"tandem_plugin_{abs(hash(str(file))):x}"
     if name in sys.modules:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, file)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module   # before it runs: a dataclass in it looks its module up there
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 - user code may raise anything; the spec error names it
-        raise RewardSpecError(f"reward {spec!r}: loading {file} failed: {type(exc).__name__}: {exc}") from None
-    sys.modules[name] = module
+        del sys.modules[name]
+        raise error(f"{kind} {spec!r}: loading {file} failed: {type(exc).__name__}: {exc}") from None
     return module
 
 
