@@ -26,3 +26,9 @@ def is_finished(*, next_rollout_id: int, num_rollout: int) -> bool:
 def finished_message(*, done: int, num_rollout: int, checkpoint: str) -> str:
     return (f"this run already finished: {done} of {num_rollout} rollouts trained, last checkpoint {checkpoint}; "
             "raise loop.num_rollout to train further, or use a new --run-dir")
+
+
+def reward_timeout_s(config: TandemConfig) -> float:
+    """The deadline of one reward call: rollout.reward_timeout_s, else half the Generate's own deadline
+    (loop.step_timeout_s), so that a reward that hangs is named before the Generate times out."""
+    return config.rollout.reward_timeout_s or config.loop.step_timeout_s / 2

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from services.buffer.stream import RolloutBuffer, connect, redacted, stream_key
+from services.contracts import runfacts
 from services.contracts.config import TandemConfig
 from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import build_batch
@@ -263,7 +264,8 @@ class RolloutService:
                           tokens=tokens, reward=reward_fn.spec, samples=len(outputs)):
             rewards = reward_fn.score(prompts=[s for s in texts for _ in range(n)], responses=responses,
                                       labels=[p.label for p in prompts for _ in range(n)],
-                                      metadatas=[dict(p.metadata) for p in prompts for _ in range(n)])
+                                      metadatas=[dict(p.metadata) for p in prompts for _ in range(n)],
+                                      timeout_s=runfacts.reward_timeout_s(self.config))
         return _Scored(prompt_ids=expanded, outputs=outputs, rewards=rewards, responses=responses,
                        generate_s=generate_s, reward_s=time.monotonic() - t)
 
