@@ -156,7 +156,7 @@ def main(config: TandemConfig, *, run_dir: Path) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    code = ExitCode.OK
+    code: int = ExitCode.OK
     try:
         coordinator.run()
     except Exception as exc:  # noqa: BLE001 - every failure becomes the record and its exit code

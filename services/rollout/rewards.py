@@ -194,13 +194,15 @@ class RewardFunction:
     def _within(self, job: Callable[[_Watch], list[Any]], timeout_s: float, *, n: int) -> list[Any]:
         """`job` on a daemon thread (a sync call cannot be interrupted; one that hangs is left there), watched: the
         first call running longer than timeout_s fails the scoring with RewardTimeout."""
-        watch, done, box = _Watch(), threading.Event(), {}
+        watch, done = _Watch(), threading.Event()
+        values: list[list[Any]] = []
+        errors: list[BaseException] = []
 
         def run() -> None:
             try:
-                box["value"] = job(watch)
+                values.append(job(watch))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
-                box["error"] = exc
+                errors.append(exc)
             finally:
                 done.set()
 
@@ -210,9 +212,9 @@ class RewardFunction:
             late = watch.overdue(timeout_s)
             if late is not None:
                 raise self._timeout(late, timeout_s, n=n)
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        if errors:
+            raise errors[0]
+        return values[0]
 
     def _timeout(self, index: int, timeout_s: float, *, n: int) -> RewardTimeout:
         which = f"sample {index}" if index != BATCH else \
