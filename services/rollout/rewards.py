@@ -170,7 +170,7 @@ class RewardFunction:
             def job(watch: _Watch) -> list[Any]:
                 with watch.running(BATCH):
                     return _run_maybe_async(lambda: self._call(prompts, responses, labels, metadatas,
-                                                               timeout_s=timeout_s))
+                                                               timeout_s=timeout_s, batch_size=n))
             raw = job(_Watch()) if timeout_s is None else self._within(job, timeout_s, n=n)
             if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or len(raw) != n:
                 raise RewardError(f"batched reward {self.spec} returned {type(raw).__name__} "
@@ -217,15 +217,14 @@ class RewardFunction:
         return values[0]
 
     def _timeout(self, index: int, timeout_s: float, *, n: int) -> RewardTimeout:
-        which = f"sample {index}" if index != BATCH else \
-            (f"the {n} samples of its one batched call" if n else "the samples of its one batched call")
+        which = f"sample {index}" if index != BATCH else f"the {n} samples of its one batched call"
         return RewardTimeout(f"reward function {self.spec} did not return within {timeout_s:g} s "
                              f"(rollout.reward_timeout_s) for {which}",
                              hint=f"make {self.spec} return sooner (give what it waits for a timeout of its own), "
                                   "or raise rollout.reward_timeout_s")
 
     def _call(self, *args: Any, index: int | None = None, timeout_s: float | None = None,
-              watch: _Watch | None = None) -> Any:
+              watch: _Watch | None = None, batch_size: int = 0) -> Any:
         names = _BATCHED if self.batched else _PER_SAMPLE
         try:
             if self.keywords is None:
@@ -234,15 +233,17 @@ class RewardFunction:
                 result = self.fn(**{k: v for k, v in zip(names, args, strict=True) if k in self.keywords})
         except Exception as exc:
             raise self._failure(exc, index) from exc
-        return self._guarded(result, index, timeout_s, watch) if inspect.isawaitable(result) else result
+        if not inspect.isawaitable(result):
+            return result
+        return self._guarded(result, index, timeout_s, watch, batch_size=batch_size)
 
     async def _guarded(self, result: Awaitable[Any], index: int | None, timeout_s: float | None,
-                       watch: _Watch | None) -> Any:
+                       watch: _Watch | None, *, batch_size: int) -> Any:
         """An async call: cancelled at its deadline (the watchdog of _within catches one that blocks its loop)."""
         try:
             return await asyncio.wait_for(self._awaited(result, index, watch), timeout_s)
         except TimeoutError:   # wait_for's own: what the function raised is a RewardUnavailable by now
-            raise self._timeout(BATCH if index is None else index, timeout_s or 0.0, n=0) from None
+            raise self._timeout(BATCH if index is None else index, timeout_s or 0.0, n=batch_size) from None
 
     async def _awaited(self, result: Awaitable[Any], index: int | None, watch: _Watch | None) -> Any:
         # watched from its first step: coroutines queued behind one that blocks the loop are not yet running
