@@ -13,6 +13,9 @@ checkpoint; a trainer together with the coordinator, which is killed first so it
 trainer nor save a checkpoint mixing the two, and then resumes from the last checkpoint. A child that dies or
 hangs while it is being started again costs one more restart and is started again. A coordinator that exits
 with ExitCode.PERMANENT (3) failed on an error a restart would repeat: it is not restarted (docs/reliability.md).
+
+A failed run ends in one block, its last lines (services/contracts/failure.py): the record the coordinator wrote
+(RUN_DIR/failure.json), or one for a child that died without writing one; tracebacks stay in the logs.
 """
 
 from __future__ import annotations
