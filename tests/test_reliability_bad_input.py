@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from tandem_runs import EXAMPLE, REPO, TRACEBACK, last_lines, start_run, stop_run, supervisor_log
@@ -80,7 +81,7 @@ def test_a_service_on_a_taken_port_says_so_in_one_line(tmp_path):
     assert "Traceback" not in out.stderr
 
 
-def _failed_run(run_dir, reward: str, *overrides: str) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+def _failed_run(run_dir: Path, reward: str, *overrides: str) -> tuple[int, str]:
     """A `tandem run` (restarts allowed) whose reward fails in its first Generate: exit code, what it printed."""
     proc = start_run(run_dir, "loop.num_rollout=2", "loop.eval_interval=null", "services.max_restarts=2",
                      f"rollout.reward=tests/helpers/bad_rewards.py:{reward}", *overrides)
@@ -91,7 +92,7 @@ def _failed_run(run_dir, reward: str, *overrides: str) -> tuple[int, str]:  # ty
     return code, supervisor_log(run_dir)
 
 
-def _reward_ending(run_dir, what: str, hint: str) -> list[str]:  # type: ignore[no-untyped-def]
+def _reward_ending(run_dir: Path, what: str, hint: str) -> list[str]:
     return ["tandem run failed: rollout-0 answered Generate(0) with INVALID_ARGUMENT",
             f"  what went wrong: {what}",
             "  kept:            no checkpoint (none was written yet)",
@@ -101,7 +102,7 @@ def _reward_ending(run_dir, what: str, hint: str) -> list[str]:  # type: ignore[
             "  exit code 3: a restart would only repeat it, so nothing was restarted"]
 
 
-def _assert_failed_once(run_dir, printed: str) -> None:  # type: ignore[no-untyped-def]
+def _assert_failed_once(run_dir: Path, printed: str) -> None:
     """Not retried on a replica, not restarted; no traceback on the terminal, the full one in the replica's log."""
     assert "restarting it (restart" not in printed
     assert TRACEBACK not in printed

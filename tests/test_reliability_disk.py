@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -136,7 +137,7 @@ def test_a_full_disk_during_a_save_in_tandem_run_ends_in_one_block_keeping_the_l
     assert "Traceback (most recent call last)" in trainer_log and "NoSpaceLeft: no space left on" in trainer_log
 
 
-def _wait(done, proc: subprocess.Popen, what: str, timeout_s: float = 180) -> None:  # type: ignore[no-untyped-def]
+def _wait(done: Callable[[], bool], proc: subprocess.Popen, what: str, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while not done():
         assert proc.poll() is None, f"tandem run exited with {proc.returncode} before {what}"

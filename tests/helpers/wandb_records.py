@@ -44,7 +44,7 @@ def _records(path: Path) -> Iterator[object]:
         pending += data[pos + _HEADER.size:pos + _HEADER.size + length]
         pos += _HEADER.size + length
         if kind in (_FULL, _LAST):
-            record = wandb_internal_pb2.Record()
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
             record.ParseFromString(pending)
             pending = b""
             yield record
