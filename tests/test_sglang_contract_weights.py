@@ -5,7 +5,7 @@ The trainer side is this test process (WeightPublisher, transport gloo: SGLangAw
 joins the group in /init_weights_update_group with a copy of SGLang's init_custom_process_group (tcp://
 rendezvous, PrefixStore(group_name), torch's _new_process_group_helper) and receives in
 /update_weights_from_distributed as SGLang's ModelRunner does (per tensor, or one flattened uint8 bucket), into its
-own tensors; it reports blake2b checksums of what it holds, compared here with the trainer's tensor_checksum.
+own tensors; it reports blake2b checksums of what it holds, compared here with its digest of what was sent.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.sglang_contract_server import ContractServer
+from helpers.sglang_contract_server import ContractServer, blake2b_hex
 
 from services.contracts.config import WeightsConfig
 from services.contracts.sampling import SamplingSpec
@@ -29,7 +29,6 @@ from services.weights import (
     WeightSyncError,
     WeightSyncRefused,
     WeightSyncTimeout,
-    tensor_checksum,
 )
 from services.weights.peer import make_tensors
 
@@ -82,7 +81,7 @@ def assert_holds(server: ContractServer, tensors: dict[str, torch.Tensor], *, em
             assert spec.name not in held   # nothing to load, never announced
             continue
         assert held[spec.name] == {"dtype": spec.dtype, "shape": list(spec.shape),
-                                   "checksum": tensor_checksum(tensors[spec.name])}, spec.name
+                                   "checksum": blake2b_hex(tensors[spec.name])}, spec.name   # its own digest
 
 
 def weight_calls(server: ContractServer) -> list[tuple[str, dict]]:

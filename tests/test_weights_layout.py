@@ -117,6 +117,23 @@ def test_checksum_is_bit_exact():
     b = torch.randn(7, 5).to(torch.bfloat16)
     assert tensor_checksum(b) == tensor_checksum(b.clone()) and len(tensor_checksum(b)) == 32
     assert tensor_checksum(torch.empty(0, 3)) == tensor_checksum(torch.empty(0, 5))
+    swapped = x.clone().view(-1)
+    swapped[[5, 9]] = swapped[[9, 5]]                                        # two words trade places
+    assert tensor_checksum(swapped.view(64, 32)) != tensor_checksum(x)
+    odd = torch.arange(3, dtype=torch.uint8)                                 # not a whole number of words
+    assert tensor_checksum(odd) != tensor_checksum(torch.arange(4, dtype=torch.uint8))
+
+
+def test_checksums_of_many_tensors_match_one_at_a_time_and_span_chunks(monkeypatch):
+    from services.weights import layout
+
+    monkeypatch.setattr(layout, "_CHECKSUM_CHUNK_WORDS", 7)   # several chunks per tensor
+    tensors = [torch.randn(5, 11), torch.randn(3).to(torch.bfloat16), torch.randint(0, 9, (13,))]
+    many = layout.tensor_checksums(tensors)
+    assert many == [tensor_checksum(t) for t in tensors]
+    assert layout.named_checksums(zip("abc", tensors, strict=True)) == dict(zip("abc", many, strict=True))
+    monkeypatch.setattr(layout, "_CHECKSUM_CHUNK_WORDS", 1 << 24)
+    assert layout.tensor_checksums(tensors) == many                          # chunking does not change it
 
 
 def test_check_params_lists_every_mismatch():

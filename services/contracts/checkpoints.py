@@ -2,8 +2,9 @@
 
     <base>/<role>/rollout_<id:08d>/ ... COMPLETE.json (written last)
 
-<base> is trainer.checkpoint_dir or RUN_DIR/checkpoints. The trainer writes checkpoints (services.trainer.checkpointing);
-`tandem run`'s preflight, its supervisor and the trainer find them here. Pure pathlib and JSON: no torch.
+<base> is trainer.checkpoint_dir or RUN_DIR/checkpoints. The trainer writes checkpoints
+(services.trainer.checkpointing); `tandem run`'s preflight, its supervisor and the trainer find them here. Pure
+pathlib and JSON: no torch.
 """
 
 from __future__ import annotations

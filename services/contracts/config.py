@@ -29,9 +29,12 @@ class ModelConfig(Section):
     tokenizer_path: str | None = Field(default=None, description="defaults to model.path")
     dtype: Literal["float32", "bfloat16"] = "float32"
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
-    init_preset: Literal["tiny", "small"] | None = Field(
-        default=None, description="the random-init preset `tandem run --init-model` builds when model.path holds no model "
-                    "(default tiny); nothing is ever built without that flag")
+    fused_kernels: Literal["auto", "on", "off"] = Field(
+        default="auto", description="fused Triton RMSNorm and SwiGLU in the trained model (forward and backward), the "
+        "frozen ones and the native engine's; auto = on a CUDA device with Triton and bf16 weights")
+    init_preset: Literal["tiny", "small", "q05", "q15"] | None = Field(
+        default=None, description="the random-init preset `tandem run --init-model` builds when model.path holds no "
+        "model (default tiny); nothing is ever built without that flag")
 
 
 class DataConfig(Section):
@@ -67,6 +70,28 @@ class SGLangConfig(Section):
     api_key: str | None = Field(default=None, description="SGLang's --api-key (sent as a bearer token)")
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling (docs/algorithms.md): groups whose rewards are all equal are filtered out, and more
+    prompts are generated until a step has rollout_batch_size informative groups."""
+
+    enabled: bool = False
+    max_rounds: int = Field(default=3, ge=1, description="generation rounds of one step at most, the first included "
+                            "(each draws the next rollout_batch_size prompts); at the cap the step trains on the "
+                            "informative groups there are (metric rollout/groups_short)")
+    min_std: float = Field(default=1e-6, ge=0, description="a group is informative when the population std of its "
+                           "rewards exceeds this")
+
+
+class OverlongPenaltyConfig(Section):
+    """DAPO's soft overlong punishment: a length penalty over the last `buffer_tokens` before max_new_tokens, added
+    to the reward by the rollout before the batch is written."""
+
+    enabled: bool = False
+    buffer_tokens: int = Field(default=1, ge=1, description="the penalty grows from 0 at max_new_tokens - "
+                               "buffer_tokens to -factor at max_new_tokens")
+    factor: float = Field(default=1.0, gt=0)
+
+
 class RolloutConfig(Section):
     engine: Literal["native", "sglang"] = "native"
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
@@ -86,6 +111,42 @@ class RolloutConfig(Section):
     max_request_samples: int = Field(default=65536, ge=1, description="most samples (prompts × n) one Generate or "
                                      "Evaluate call may ask for; larger requests are refused (INVALID_ARGUMENT)")
     sglang: SGLangConfig = SGLangConfig()
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    overlong_penalty: OverlongPenaltyConfig = OverlongPenaltyConfig()
+
+
+# DeepSpeed 0.19's ZeRO-3 offload_states maps every module parameter, frozen ones included, onto the flat buffer of
+# the trainable ones' partitions, which does not hold the frozen ones.
+LORA_ZERO3_OFFLOAD = ("offloading the trainer (Offload, loop.offload_train) with trainer.lora needs trainer.zero_stage "
+                      "1 or 2: DeepSpeed's ZeRO-3 offload_states cannot move a model with frozen parameters")
+
+
+class LoraConfig(Section):
+    """LoRA adapters (peft) on the trainer's model: only they are trained and have optimizer state; weight sync and
+    the HF export send the merged weights under the base model's names (docs/algorithms.md, LoRA)."""
+
+    rank: int = Field(ge=1, description="r: the adapters' inner dimension")
+    alpha: int | None = Field(default=None, ge=1, description="lora_alpha; the update is scaled by alpha / rank "
+                              "(default 2 × rank: scale 2)")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input (train mode only)")
+    target_modules: tuple[str, ...] = Field(
+        default=("all-linear",), min_length=1, description="names of the linear layers to adapt (the last part "
+        "of a module path, e.g. q_proj, v_proj); all-linear = every linear layer but the output head (add lm_head "
+        "to adapt it too)")
+
+    @property
+    def lora_alpha(self) -> int:
+        return self.alpha if self.alpha is not None else 2 * self.rank
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [name for name in value if not name.strip() or name != name.strip()]
+        if bad:
+            raise ValueError(f"names a module by an empty or padded string: {bad}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"names a module more than once: {list(value)}")
+        return value
 
 
 class TrainerConfig(Section):
@@ -114,18 +175,25 @@ class TrainerConfig(Section):
     critic_lr: float | None = Field(default=None, gt=0, description="defaults to lr")
     seed: int = 0
     gradient_checkpointing: bool = False
-    fused_kernels: Literal["auto", "on", "off"] = Field(
-        default="auto", description="fused Triton RMSNorm and SwiGLU (forward and backward) in the trained and frozen "
-        "models; auto = on a CUDA device with Triton and bf16 weights")
+    lora: LoraConfig | None = Field(default=None, description="LoRA adapters instead of full fine-tuning "
+                                    "(null = full fine-tuning)")
 
 
 class AlgorithmConfig(Section):
-    advantage_estimator: Literal["grpo", "gae"] = "grpo"
-    normalize_advantage_std: bool = Field(default=True, description="False = Dr.GRPO")
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = Field(
+        default="grpo", description="grpo (group-normalised), rloo (leave-one-out baseline), reinforce_pp (discounted "
+        "returns whitened over the batch), reinforce_pp_baseline (group mean baseline, then whitened over the batch), "
+        "gae (PPO with a critic); docs/algorithms.md")
+    normalize_advantage_std: bool = Field(default=True, description="grpo: divide by the group's std (False = "
+                                          "Dr.GRPO)")
+    policy_loss: Literal["ppo", "gspo"] = Field(default="ppo", description="ppo: per-token ratio, clipped per token; "
+                                                "gspo: the sequence's geometric-mean ratio, clipped per sequence")
     eps_clip: float = Field(default=0.2, gt=0)
     eps_clip_high: float | None = Field(default=None, gt=0, description="asymmetric upper clip (DAPO)")
     dual_clip_c: float | None = Field(default=None, gt=1.0)
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
+        default="token_mean", description="default token_mean; with policy_loss: gspo left unset it is "
+        "seq_mean_token_mean, the GSPO paper's objective")
     kl_coef: float = Field(default=0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_mode: Literal["loss", "reward"] = "loss"
@@ -139,16 +207,31 @@ class AlgorithmConfig(Section):
     keep_old_actor: bool = Field(default=False, description="keep snapshots of the weights sent to the rollout "
                                  "engines, and score each sample under the version that generated it (the ratio's "
                                  "denominator); needs use_rollout_logprobs: false")
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    lambd: float = Field(default=1.0, ge=0, le=1)
+    gamma: float = Field(default=1.0, ge=0, le=1, description="discount per action: gae, reinforce_pp")
+    lambd: float = Field(default=1.0, ge=0, le=1, description="GAE's lambda: gae")
     whiten_advantages: bool = Field(default=False, description="gae: normalise advantages to mean 0, std 1 over "
                                     "the batch's trainable tokens (verl's masked_whiten)")
     value_clip: float = Field(default=0.2, gt=0)
     num_critic_only_steps: int = Field(default=0, ge=0)
+    overlong_filter: bool = Field(default=False, description="DAPO's overlong filtering: samples that reached "
+                                  "max_new_tokens without stopping get loss_mask 0 in the actor's loss (they still "
+                                  "count in their group's baseline and in the books)")
 
     @property
     def uses_critic(self) -> bool:
         return self.advantage_estimator == "gae"
+
+    @property
+    def compares_within_groups(self) -> bool:
+        """The estimator's baseline is the other samples of the same prompt."""
+        return self.advantage_estimator in ("grpo", "rloo", "reinforce_pp_baseline")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gspo_aggregates_per_sequence(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("policy_loss") == "gspo" and "loss_aggregation" not in data:
+            return {**data, "loss_aggregation": "seq_mean_token_mean"}
+        return data
 
     @model_validator(mode="after")
     def _consistent_corrections(self) -> AlgorithmConfig:
@@ -159,9 +242,27 @@ class AlgorithmConfig(Section):
         if self.use_rollout_logprobs and self.keep_old_actor:
             raise ValueError("keep_old_actor: true needs use_rollout_logprobs: false (the old actor "
                              "computes the ratio's denominator, which use_rollout_logprobs takes from the rollout)")
-        if self.whiten_advantages and not self.uses_critic:
-            raise ValueError("whiten_advantages applies to advantage_estimator: gae (GRPO advantages are "
-                             "normalised per group: normalize_advantage_std)")
+        return self
+
+    @model_validator(mode="after")
+    def _keys_the_estimator_uses(self) -> AlgorithmConfig:
+        """A key the chosen estimator ignores, set away from its default, is a mistake: refuse it."""
+        est = self.advantage_estimator
+        if self.whiten_advantages and est != "gae":
+            raise ValueError(f"whiten_advantages applies to advantage_estimator: gae (advantage_estimator {est} "
+                             "normalises by itself: grpo per group, reinforce_pp and reinforce_pp_baseline over the "
+                             "batch, rloo not at all)")
+        if not self.normalize_advantage_std and est != "grpo":
+            raise ValueError("normalize_advantage_std: false (Dr.GRPO) applies to advantage_estimator: grpo; "
+                             f"advantage_estimator {est} divides by no group std")
+        if self.gamma != 1.0 and est not in ("gae", "reinforce_pp"):
+            raise ValueError(f"gamma applies to advantage_estimator: gae or reinforce_pp (per-token returns); "
+                             f"advantage_estimator {est} gives each sample one advantage")
+        if self.lambd != 1.0 and est != "gae":
+            raise ValueError(f"lambd is GAE's lambda: it needs advantage_estimator: gae, not {est}")
+        if self.num_critic_only_steps and not self.uses_critic:
+            raise ValueError(f"num_critic_only_steps needs a critic: advantage_estimator: gae (advantage_estimator "
+                             f"{est} trains none)")
         return self
 
 
@@ -296,9 +397,16 @@ class TandemConfig(Section):
     @model_validator(mode="after")
     def _cross_section_rules(self) -> TandemConfig:
         validate_async_off_policy_correction(self)
+        validate_dapo_options(self)
+        if self.algorithm.compares_within_groups and self.rollout.n_samples_per_prompt == 1:
+            raise ValueError(f"rollout.n_samples_per_prompt: 1 gives every sample advantage 0 with "
+                             f"algorithm.advantage_estimator: {self.algorithm.advantage_estimator} (its baseline is "
+                             "the other samples of the prompt); sample 2 or more per prompt, or use reinforce_pp")
         if self.loop.offload_rollout and self.loop.mode != "sync":
             raise ValueError(f"loop.offload_rollout needs loop.mode: sync (in {self.loop.mode} mode the engines "
                              "generate the next batch while the trainer trains)")
+        if self.loop.offload_train and self.trainer.lora is not None and self.trainer.zero_stage == 3:
+            raise ValueError(LORA_ZERO3_OFFLOAD)
         if self.weights.transport == "cuda_ipc" and self.trainer.num_ranks > 1:
             raise ValueError("weights.transport: cuda_ipc needs trainer.num_ranks == 1 (rank 0 owns the buckets)")
         if self.trainer.precision != "fp32" and self.model.dtype != "bfloat16" and self.weights.transport == "cuda_ipc":
@@ -331,6 +439,36 @@ def validate_async_off_policy_correction(config: TandemConfig) -> None:
         f"loop.mode: {config.loop.mode} trains on samples of an older policy, but no off-policy correction is on "
         "(a critic is none): set algorithm.use_rollout_logprobs: true, algorithm.use_tis: true or "
         "algorithm.keep_old_actor: true, or use loop.mode: sync")
+
+
+def validate_dapo_options(config: TandemConfig) -> None:
+    """Dynamic sampling needs a group baseline, contiguous prompt ranges per step, and one step's entries within the
+    buffer; the overlong buffer lies inside the response budget."""
+    ro = config.rollout
+    if ro.dynamic_sampling.enabled:
+        where = "rollout.dynamic_sampling.enabled"
+        if config.algorithm.uses_critic:
+            raise ValueError(f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
+                             "baseline; with algorithm.advantage_estimator: gae the critic's values are the baseline "
+                             "and such groups still train")
+        if config.algorithm.advantage_estimator == "reinforce_pp":
+            raise ValueError(f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
+                             "baseline; algorithm.advantage_estimator: reinforce_pp's baseline is the whole batch, "
+                             "so such groups still train (reinforce_pp_baseline has a group baseline)")
+        if ro.n_samples_per_prompt < 2:
+            raise ValueError(f"{where} needs rollout.n_samples_per_prompt >= 2 (a group of one is always uniform)")
+        if config.loop.mode == "fully_async":
+            raise ValueError(f"{where} needs loop.mode async or sync (in fully_async several generations draw "
+                             "prompts at once, so a step's prompts would not be one range of the data cursor)")
+        entries = ro.dynamic_sampling.max_rounds * min(len(config.services.rollout), ro.rollout_batch_size)
+        if entries > config.redis.max_buffered_batches:
+            raise ValueError(f"rollout.dynamic_sampling.max_rounds {ro.dynamic_sampling.max_rounds} x "
+                             f"{len(config.services.rollout)} rollout replica(s) = {entries} buffer entries for one "
+                             f"step, more than redis.max_buffered_batches ({config.redis.max_buffered_batches}): "
+                             "raise that or lower max_rounds")
+    if ro.overlong_penalty.enabled and ro.overlong_penalty.buffer_tokens > ro.sampling.max_new_tokens:
+        raise ValueError(f"rollout.overlong_penalty.buffer_tokens ({ro.overlong_penalty.buffer_tokens}) must not "
+                         f"exceed rollout.sampling.max_new_tokens ({ro.sampling.max_new_tokens})")
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -424,7 +562,7 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
 def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     """Relative file paths in the YAML are relative to the YAML file's directory; so is the file of a
     `path/to/file.py:function` reward plug-in."""
-    for section, key in _PATH_KEYS + (("rollout", "reward"),):
+    for section, key in (*_PATH_KEYS, ("rollout", "reward")):
         node = data.get(section)
         value = node.get(key) if isinstance(node, dict) else None
         if not isinstance(node, dict) or not isinstance(value, str) or not value:

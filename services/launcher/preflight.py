@@ -27,6 +27,7 @@ SHOWN_LINES = 5                # line numbers named besides the first offending 
 def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[str]:
     """Raises ConfigError for the first input that would stop the run; returns warnings."""
     check_model(config, init_model=init_model)
+    check_lora(config)
     records = check_data(config)
     _check_reward(config.rollout.reward)
     from services.rollout.service import load_tokenizer
@@ -112,6 +113,17 @@ def check_model(config: TandemConfig, *, init_model: bool) -> None:
     preset = config.model.init_preset or "tiny"
     log.warning("--init-model: building a random-init %s model at %s", preset, path)
     build(path, preset=preset)
+
+
+def check_lora(config: TandemConfig) -> None:
+    """trainer.lora's target_modules name linear layers of the model (and of the critic's backbone)."""
+    lora = config.trainer.lora
+    if lora is None:
+        return
+    from services.trainer.lora import check_model_targets
+
+    for critic in (False, True) if config.algorithm.uses_critic else (False,):
+        check_model_targets(config.model.path, lora, critic=critic)
 
 
 def already_finished(config: TandemConfig, *, run_dir: Path) -> str | None:

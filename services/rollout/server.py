@@ -24,6 +24,7 @@ from services.contracts.sampling import SamplingSpec
 from services.rollout.service import PromptInput, RolloutService
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.telemetry import tracing
+from services.telemetry.startup import process_age_s
 from services.tensors.devices import cuda_reserved_bytes
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             entry_id=r.entry_id, num_samples=r.num_samples, num_prompt_tokens=r.num_prompt_tokens,
             num_response_tokens=r.num_response_tokens, weight_version=r.weight_version,
             generate_time_s=r.generate_time_s, reward_time_s=r.reward_time_s, put_time_s=r.put_time_s,
-            metrics=r.metrics, producer=r.producer)
+            metrics=r.metrics, producer=r.producer, num_groups=r.num_groups, informative_groups=r.informative_groups)
 
     @map_errors
     def Evaluate(self, request: rollout_pb2.EvaluateRequest, context: Any) -> rollout_pb2.EvaluateResponse:
@@ -150,6 +151,7 @@ def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    log.info("%s ready %.1fs after its process started", name, process_age_s())
     log.info("%s serving on %s:%d (engine %s, model %s, device %s)", name, svc.bind_host, server.port,
              service.engine.name, config.model.path, service.get_state().engine.device)
     print(f"TANDEM_READY rollout {server.port}", flush=True)

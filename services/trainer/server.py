@@ -22,6 +22,7 @@ from services.contracts.config import TandemConfig, dump_config
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import trainer_pb2, trainer_pb2_grpc
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
+from services.telemetry.startup import process_age_s
 from services.telemetry.tracing import setup_logging, setup_tracing, shutdown_tracing
 
 if TYPE_CHECKING:
@@ -132,6 +133,7 @@ def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
     server = start_server([(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(service), SERVICE_NAME)],
                           ServerOptions(bind_host=s.bind_host, port=address.port, max_message_mb=s.max_message_mb,
                                         auth_token=s.auth_token, tls_cert=s.tls_cert, tls_key=s.tls_key))
+    log.info("%s ready %.1fs after its process started", name, process_age_s())
     log.info("%s (%d ranks, ZeRO %d) serving on %s:%d", name, service.dist.world_size,
              config.trainer.zero_stage, s.bind_host, server.port)
     print(f"TANDEM_READY {name} {server.port}", flush=True)

@@ -33,6 +33,7 @@ from services.weights.layout import (
     layout_to_buckets,
     plan_layout,
     tensor_checksum,
+    tensor_checksums,
 )
 from services.weights.registry import transport as registered_transport
 
@@ -164,7 +165,8 @@ class WeightReceiver:
                 received = transport.receive(plan=plan, layout=layout, rank=rank_offset, params=params,
                                              deadline=deadline)
             elapsed = time.monotonic() - started
-            checksums = {slot.name: tensor_checksum(params[slot.name]) for slot in layout.order} if plan.verify else {}
+            checksums = dict(zip((s.name for s in layout.order), tensor_checksums(
+                [params[s.name] for s in layout.order]), strict=True)) if plan.verify else {}
             # the trainer's checksums, where known: announced in the plan's TensorMeta, or carried by the transport
             theirs = {m.name: m.checksum for b in plan.buckets for m in b.tensors if m.checksum}
             self._compare(where=where, mine=checksums, theirs={**theirs, **received.sender_checksums})

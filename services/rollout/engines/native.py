@@ -37,6 +37,7 @@ from services.rollout.engines.decode import decode_dynamic, decode_static, prepa
 from services.rollout.engines.gate import DecodeGate, check_pause_mode
 from services.rollout.engines.sampling import make_generator
 from services.rollout.engines.static_decode import RunnerCache, supported
+from services.tensors import fused
 
 if TYPE_CHECKING:
     from services.weights.layout import Layout
@@ -62,7 +63,7 @@ class NativeEngine(Engine):
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "float32",
                  attn_implementation: str = "sdpa", max_batch_size: int = 512,
                  max_context_length: int | None = None, eos_token_ids: Sequence[int] | None = None,
-                 decode: str = "auto"):
+                 decode: str = "auto", fused_kernels: str = "off"):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -77,6 +78,10 @@ class NativeEngine(Engine):
                                                            attn_implementation=attn_implementation)
         self.model = loaded.to(self.device).eval()
         self.model.requires_grad_(False)
+        if fused.enabled(fused_kernels, device=self.device, dtype=_DTYPES[dtype]):
+            # the decode step is ~1,000 small kernels; RMSNorm is 8 of them 49 times in a 0.5B model
+            fused.patch_model(self.model)
+            fused.warm_up(self.model, self.device)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self._max_context = runfacts.context_length(configured=max_context_length,
