@@ -102,6 +102,10 @@ class RolloutConfig(Section):
     eval_n_samples_per_prompt: int = Field(default=1, ge=1)
     reward: str = Field(default="exact_match",
                         description="built-in name or `module:function` (sync or async, batched or per sample)")
+    reward_timeout_s: float | None = Field(default=None, gt=0, description="each reward call (one per sample, or the "
+                                           "one call of a batched function) must return within this, else the run "
+                                           "fails naming the function and the sample (not retried); defaults to "
+                                           "half of loop.step_timeout_s")
     max_batch_size: int = Field(default=512, ge=1, description="sequences decoded together by the engine")
     max_context_length: int | None = Field(default=None, ge=1, description="defaults to the model's")
     max_request_samples: int = Field(default=65536, ge=1, description="most samples (prompts × n) one Generate or "
@@ -426,6 +430,10 @@ class TandemConfig(Section):
         if self.trainer.precision != "fp32" and self.model.dtype != "bfloat16" and self.weights.transport == "cuda_ipc":
             raise ValueError(f"model.dtype must be bfloat16 when trainer.precision is {self.trainer.precision} with "
                              "cuda_ipc")
+        if self.rollout.reward_timeout_s is not None and self.rollout.reward_timeout_s >= self.loop.step_timeout_s:
+            raise ValueError(f"rollout.reward_timeout_s ({self.rollout.reward_timeout_s:g}) must be below "
+                             f"loop.step_timeout_s ({self.loop.step_timeout_s:g}), the deadline of the Generate that "
+                             "scores: else the Generate times out first and the reward that hung is not named")
         if self.trainer.precision == "bf16_pure" and self.trainer.zero_stage == 0:
             raise ValueError("trainer.precision: bf16_pure needs trainer.zero_stage 1-3 (DeepSpeed keeps bf16 master "
                              "weights only in its ZeRO optimizer)")

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from services.buffer.stream import RolloutBuffer, connect, redacted, stream_key
+from services.contracts import runfacts
 from services.contracts.config import OverlongPenaltyConfig, TandemConfig
 from services.contracts.dapo import informative_groups, overlong_penalty
 from services.contracts.sampling import SamplingSpec
@@ -117,6 +118,16 @@ def load_tokenizer(path: str | Path) -> Any:
     if (path / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def prompt_token_ids(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Prompt texts as the engine gets them (with the tokenizer's BOS): the rollout service and preflight both. A
+    fast tokenizer's Rust backend directly: the Python wrapper around it costs 4x as much per prompt."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None:
+        return [encoding.ids for encoding in backend.encode_batch(list(texts), add_special_tokens=True)]
+    # verbose=False: no "longer than the maximum" warning per prompt; the engine and preflight check the context
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=True, verbose=False)["input_ids"]]
 
 
 def build_engine(config: TandemConfig) -> Engine:
@@ -277,7 +288,8 @@ class RolloutService:
                           tokens=tokens, reward=reward_fn.spec, samples=len(outputs)):
             rewards = reward_fn.score(prompts=[s for s in texts for _ in range(n)], responses=responses,
                                       labels=[p.label for p in prompts for _ in range(n)],
-                                      metadatas=[dict(p.metadata) for p in prompts for _ in range(n)])
+                                      metadatas=[dict(p.metadata) for p in prompts for _ in range(n)],
+                                      timeout_s=runfacts.reward_timeout_s(self.config))
         return _Scored(prompt_ids=expanded, outputs=outputs, rewards=rewards, responses=responses,
                        generate_s=generate_s, reward_s=time.monotonic() - t)
 
@@ -373,7 +385,7 @@ class RolloutService:
                 ids = [int(t) for t in p.token_ids]
             elif p.text:
                 with self._tokenizer_lock:
-                    ids = list(self.tokenizer(p.text, add_special_tokens=True)["input_ids"])
+                    ids = prompt_token_ids(self.tokenizer, [p.text])[0]
             else:
                 raise ValueError(f"prompt {i} (group_id {p.group_id}) is empty: give text or token_ids")
             out.append(ids)

@@ -61,8 +61,9 @@ ADAPTER_DIR = "adapter"   # under hf/: the LoRA adapter in peft's format
 class NoSpaceLeft(OSError):
     """The filesystem of the checkpoint directory is full (or over quota); maps to RESOURCE_EXHAUSTED."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, *, hint: str = ""):
         super().__init__(errno.ENOSPC, message)
+        self.hint = hint   # what to do: the caller's failure record shows it (grpc_util.map_errors)
 
     def __str__(self) -> str:
         return str(self.strerror)
@@ -316,7 +317,9 @@ class Checkpointer:
         free = shutil.disk_usage(next(p for p in directory.parents if p.exists())).free
         return NoSpaceLeft(f"no space left on {directory.parent}: checkpoint {directory.name} was not written "
                            f"({free} bytes free after removing its partial files); the last good checkpoint "
-                           f"{last or '(none)'} is kept")
+                           f"{last or '(none)'} is kept",
+                           hint=f"free space on {directory.parent} (or point trainer.checkpoint_dir at a larger "
+                                "disk; trainer.keep_last_checkpoints bounds how many are kept)")
 
     def _export_hf(self, out: Path) -> None:
         """HF-format safetensors of the current weights (collective under ZeRO-3; rank 0 writes). With LoRA they

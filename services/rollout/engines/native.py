@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from services.contracts import runfacts
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import (
     Engine,
@@ -83,8 +84,8 @@ class NativeEngine(Engine):
             fused.warm_up(self.model, self.device)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
-        model_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 1 << 30
-        self._max_context = min(max_context_length or model_ctx, model_ctx)
+        self._max_context = runfacts.context_length(configured=max_context_length,
+                                                    model_positions=getattr(cfg, "max_position_embeddings", None))
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(self.model)
         self.pad_token_id = _pad_id(self.model, self.eos_token_ids)
