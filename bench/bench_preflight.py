@@ -17,7 +17,7 @@ from pathlib import Path
 
 from services.contracts.config import load_config
 from services.launcher import preflight
-from services.rollout.service import load_tokenizer
+from services.rollout.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -290,7 +290,7 @@ def trl_child(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig
 
-    from services.rollout.service import load_tokenizer
+    from services.rollout.tokenizer import load_tokenizer
 
     cuda = args.device == "cuda"
     tokenizer = load_tokenizer(args.model)

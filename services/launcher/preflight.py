@@ -31,7 +31,7 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
     records = check_data(config)
     _check_reward(config.rollout.reward)
     _check_environment(config.rollout.environment)
-    from services.rollout.service import load_tokenizer
+    from services.rollout.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
     prompt_ids = {key: encode_prompts(tokenizer, rows) for key, rows in records.items()}
@@ -42,7 +42,7 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
 def encode_prompts(tokenizer: Any, rows: list[PromptRecord]) -> list[list[int]]:
     """Every prompt as the rollout service encodes it, ENCODE_BATCH at a time (a fast tokenizer does 100k short
     prompts in about a second)."""
-    from services.rollout.service import prompt_token_ids
+    from services.rollout.tokenizer import prompt_token_ids
 
     out: list[list[int]] = []
     for start in range(0, len(rows), ENCODE_BATCH):

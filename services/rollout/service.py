@@ -16,7 +16,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,6 +36,7 @@ from services.rollout.engines.base import (
 from services.rollout.environments import EpisodeSample, resolve_environment
 from services.rollout.multi_turn import MultiTurnRollout, episode_metrics
 from services.rollout.rewards import RewardFunction, resolve_reward
+from services.rollout.tokenizer import load_tokenizer, prompt_token_ids
 from services.rpc.grpc_util import FailedPrecondition, Unavailable
 from services.telemetry import tracing
 
@@ -107,27 +107,6 @@ class _Scored:
     reward_s: float
     loss_masks: list[list[int]] | None = None    # None: every response token is the policy's
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """PreTrainedTokenizerFast when the directory has a tokenizer.json: it decodes exactly what the file
-    says (AutoTokenizer swaps in a ByteLevel decoder for `qwen2` directories under transformers 5.x)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    path = Path(path)
-    if (path / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def prompt_token_ids(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """Prompt texts as the engine gets them (with the tokenizer's BOS): the rollout service and preflight both. A
-    fast tokenizer's Rust backend directly: the Python wrapper around it costs 4x as much per prompt."""
-    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
-    if backend is not None:
-        return [encoding.ids for encoding in backend.encode_batch(list(texts), add_special_tokens=True)]
-    # verbose=False: no "longer than the maximum" warning per prompt; the engine and preflight check the context
-    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=True, verbose=False)["input_ids"]]
 
 
 def build_engine(config: TandemConfig) -> Engine:
