@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 def run_mode(mode: str, *, steps: int, overrides: list[str], base: Path) -> list[dict]:
     run_dir = base / mode
     args = [sys.executable, "-m", "services.cli", "run", str(REPO / "examples" / "digit_max.yaml"), "--run-dir",
-            str(run_dir), "--no-progress", "--init-model", "--set", f"loop.mode={mode}", "--set", f"loop.num_rollout={steps}",
+            str(run_dir), "--no-progress", "--init-model", "--set", f"loop.mode={mode}",
+            "--set", f"loop.num_rollout={steps}",
             "--set", "loop.eval_interval=null"]
     for item in overrides:
         args += ["--set", item]

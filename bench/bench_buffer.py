@@ -73,7 +73,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(tmp, appendonly=args.aof) as server:
         client = connect(server.url, timeout_s=120)
         version = client.info("server")["redis_version"]
-        rows = [bench_size(client, mb, n, args.chunk_mb) for mb, n in zip(args.sizes_mb, counts)]
+        rows = [bench_size(client, mb, n, args.chunk_mb) for mb, n in zip(args.sizes_mb, counts, strict=False)]
     print(f"rollout buffer through redis-server {version} (AOF {'everysec' if args.aof else 'off'}), "
           f"chunk {args.chunk_mb:g} MiB, one producer then one consumer, same host")
     print(f"| {'batch MB':>8} | {'n':>3} | {'chunks':>6} | {'put MB/s':>8} | {'put/s':>7} | "

@@ -87,7 +87,7 @@ def main() -> int:
     nbytes = int(args.mb * 2**20) // 8 * 8
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()
-    _, handle, size, offset, _, _, event, _ = src.untyped_storage()._share_cuda_()
+    _, handle, _size, offset, _, _, event, _ = src.untyped_storage()._share_cuda_()
     info = {"handle": handle.hex(), "size": nbytes, "offset": offset, "event": event.hex()}
     out = subprocess.run([sys.executable, __file__, "--repeats", str(args.repeats), "--reader", json.dumps(info)],
                          capture_output=True, text=True, check=False)

@@ -122,8 +122,8 @@ def bench_offload(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, 
         gc.unfreeze()
         t = time.perf_counter()
         gc.collect()
-        rows.append({"mode": "gc.collect(), nothing frozen", "first_s": time.perf_counter() - t, "offload_s": float("nan"),
-                     "onload_s": float("nan")})
+        rows.append({"mode": "gc.collect(), nothing frozen", "first_s": time.perf_counter() - t,
+                     "offload_s": float("nan"), "onload_s": float("nan")})
     finally:
         service.close()
     return rows
@@ -139,7 +139,8 @@ def offload_main(args: argparse.Namespace) -> int:
     print(f"| {'offload path':30} | first offload ms | offload ms | onload ms |")
     print(f"|{'-' * 32}|------------------|------------|-----------|")
     for r in rows:
-        print(f"| {r['mode']:30} | {r['first_s'] * 1e3:16.1f} | {r['offload_s'] * 1e3:10.1f} | {r['onload_s'] * 1e3:9.1f} |")
+        print(f"| {r['mode']:30} | {r['first_s'] * 1e3:16.1f} | {r['offload_s'] * 1e3:10.1f} | "
+              f"{r['onload_s'] * 1e3:9.1f} |")
     return 0
 
 

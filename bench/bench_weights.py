@@ -117,7 +117,7 @@ def gpu_tensors(specs: list[TensorSpec], *, flat: bool) -> dict[str, torch.Tenso
         return {s.name: torch.randn(s.shape, generator=gen, device="cuda").to(torch.bfloat16) for s in specs}
     buffer = torch.randn(sum(sizes), generator=gen, device="cuda").to(torch.bfloat16)
     views, at = {}, 0
-    for spec, n in zip(specs, sizes):
+    for spec, n in zip(specs, sizes, strict=False):
         views[spec.name] = buffer[at: at + n].view(spec.shape)
         at += n
     return views
@@ -184,7 +184,7 @@ def handoff_main(args: argparse.Namespace) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         publisher = WeightPublisher(config=config, run_dir=Path(tmp), trainer_id="bench")
-        peers = {False: Peer(env={"TANDEM_CUDA_IPC_KEEP_MAPPED": "0"}), True: Peer(env={"TANDEM_CUDA_IPC_KEEP_MAPPED": "1"})}
+        peers = {keep: Peer(env={"TANDEM_CUDA_IPC_KEEP_MAPPED": "1" if keep else "0"}) for keep in (False, True)}
         try:
             separate = gpu_tensors(specs, flat=False)
             # flat receiver: "recipe" = views of one buffer as a plain mapping (a copy per run of tensors),
@@ -213,7 +213,8 @@ def handoff_main(args: argparse.Namespace) -> int:
           f"GB/s; {d2d_wall * 1e3:.3f} ms host wall (launch + synchronize)\n")
     print(f"| {'sender -> receiver':44} | buckets | send copies | recv copies | bit-identical | recv ms | "
           f"recv / D2D | publish wall ms |")
-    print(f"|{'-' * 46}|---------|-------------|-------------|---------------|---------|------------|-----------------|")
+    print(f"|{'-' * 46}|---------|-------------|-------------|---------------|---------|------------|"
+          "-----------------|")
     for name, r in rows:
         print(f"| {name:44} | {r['buckets']:7} | {r['send_copies']:11} | {r['copies']:11} | "
               f"{'yes' if r['identical'] else 'NO':13} | {r['recv_s'] * 1e3:7.3f} | {r['recv_s'] / d2d:10.2f} | "
@@ -258,7 +259,8 @@ def main() -> int:
                 rows.append(("tandem disk (tmpdir)", f"{args.bucket_mb[-1]:g}", bench_transport(
                     transport="disk", bucket_mb=args.bucket_mb[-1], specs=specs, repeats=args.repeats, peer=peer,
                     run_dir=Path(tmp))))
-            if "cuda" in args.rows and torch.cuda.is_available():   # both processes on GPU 0; params and tensors in device memory
+            # both processes on GPU 0; params and tensors in device memory
+            if "cuda" in args.rows and torch.cuda.is_available():
                 for transport in ("cuda_ipc", "gloo"):
                     rows.append((f"tandem {transport} (cuda->cuda)", f"{args.bucket_mb[-1]:g}", bench_transport(
                         transport=transport, bucket_mb=args.bucket_mb[-1], specs=specs, repeats=args.repeats,

@@ -128,7 +128,7 @@ def random_inputs(base: message.Message, *, seed: int, count: int = 24) -> Itera
     for i in range(count):
         yield f"random#{i}", bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 96)))
     valid = base.SerializeToString()
-    for i in range(min(len(valid), 12)):
+    for _ in range(min(len(valid), 12)):
         cut = rng.randint(1, max(1, len(valid) - 1))
         yield f"truncated@{cut}", valid[:cut]
 

@@ -181,9 +181,10 @@ class Services:
         self.wait_healthy()
 
     def _start(self, service: str, *args: str) -> subprocess.Popen:
-        log = open(self.run_dir / f"{service}.log", "ab")
-        return subprocess.Popen([sys.executable, "-m", "services.cli", service, str(self.run_dir / "config.yaml"),
-                                 "--run-dir", str(self.run_dir), *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        with open(self.run_dir / f"{service}.log", "ab") as log:   # the child keeps its own copy of the fd
+            return subprocess.Popen([sys.executable, "-m", "services.cli", service, str(self.run_dir / "config.yaml"),
+                                     "--run-dir", str(self.run_dir), *args], stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=REPO)
 
     def wait_healthy(self) -> None:
         for client in (self.trainer, self.rollout):

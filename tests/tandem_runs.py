@@ -24,8 +24,8 @@ def start_run(run_dir: Path, *overrides: str, config: Path = EXAMPLE) -> subproc
     args = [sys.executable, "-m", "services.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"]
     for item in overrides:
         args += ["--set", item]
-    log = open(run_dir.parent / f"{run_dir.name}-supervisor.log", "ab")
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    with open(run_dir.parent / f"{run_dir.name}-supervisor.log", "ab") as log:   # the child keeps its own fd
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
 
 
 def supervisor_log(run_dir: Path) -> str:

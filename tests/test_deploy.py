@@ -451,10 +451,9 @@ class LocalCompose:
 
     def spawn(self, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         args = self.map.args(argv(self.services[name])) + [a for o in extra for a in ("--set", o)]
-        log = open(self.tmp / f"{name}.log", "ab")
-        proc = subprocess.Popen(args, cwd=REPO, env={**self.service_env(name), **(env or {})}, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
+        with open(self.tmp / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(args, cwd=REPO, env={**self.service_env(name), **(env or {})}, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs[name] = proc
         return proc
 

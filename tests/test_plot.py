@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_missing_or_empty_metrics_are_clear_errors(tmp_path: Path):
-    with pytest.raises(FileNotFoundError, match="is .* a run directory"):
+    with pytest.raises(FileNotFoundError, match=r"is .* a run directory"):
         plot_run(tmp_path)
     (tmp_path / "metrics.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="holds no metrics yet"):

@@ -61,7 +61,8 @@ def test_an_edited_proto_without_regeneration_is_caught(tmp_path):
     common = protos / "tandem" / "v1" / "common.proto"
     text = common.read_text()
     assert "message Ack {\n  bool ok = 1;\n" in text
-    common.write_text(text.replace("message Ack {\n  bool ok = 1;\n", "message Ack {\n  bool ok = 1;\n  int32 code = 9;\n"))
+    common.write_text(text.replace("message Ack {\n  bool ok = 1;\n",
+                                   "message Ack {\n  bool ok = 1;\n  int32 code = 9;\n"))
     (protos / "tandem" / "v1" / "extra.proto").write_text('syntax = "proto3";\npackage tandem.v1;\nmessage X {}\n')
     generate(tmp_path / "gen", proto_root=protos)
     problems = drift(tmp_path / "gen")

@@ -41,11 +41,11 @@ def test_a_full_disk_during_save_names_the_path_and_keeps_the_last_good_checkpoi
     config = load_config(EXAMPLE, [f"trainer.checkpoint_dir={ckpt}", "trainer.export_hf_on_save=true"])
     config = resolve_for_local_run(config, redis_url=redis_server.url)
     write_resolved_config(config, run_dir)
-    log = open(tmp_path / "trainer.log", "ab")
     trainer_cmd = [sys.executable, "-m", "services.cli", "trainer", str(run_dir / "config.yaml"), "--run-dir",
                    str(run_dir), "--role", "actor"]
-    proc = subprocess.Popen(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _MOUNT, str(ckpt),
-                             *trainer_cmd], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    with open(tmp_path / "trainer.log", "ab") as log:
+        proc = subprocess.Popen(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _MOUNT, str(ckpt),
+                                 *trainer_cmd], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     trainer, _, rollouts = make_clients(config)
     try:
         trainer.wait_healthy(180)

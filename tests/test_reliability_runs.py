@@ -74,7 +74,7 @@ def test_coordinator_and_redis_kill_9_resume_without_double_training(tmp_path):
         os.kill(service_pid(proc.pid, "coordinator"), signal.SIGKILL)
         wait_for(lambda: "coordinator restarted" in supervisor_log(run_dir), what="the coordinator's restart")
         wait_running(run_dir, rollout_id=7)
-        with pytest.raises(Exception, match="(?i)auth"):     # the embedded redis-server wants its password
+        with pytest.raises(Exception, match=r"(?i)auth"):     # the embedded redis-server wants its password
             connect(resolved_config(run_dir)["redis"]["url"]).ping()
         os.kill(redis_pid(proc.pid), signal.SIGKILL)
         assert proc.wait(timeout=300) == 0, supervisor_log(run_dir)

@@ -4,6 +4,7 @@ before any service starts. Real `tandem run`s (every service a process, a real r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -48,8 +49,8 @@ def tandem(*args: str, cwd: Path = REPO, timeout_s: float = 120) -> subprocess.C
 @pytest.mark.slow
 def test_a_run_crashes_resumes_finishes_and_a_rerun_says_it_is_done(tmp_path):
     """One run's whole life: ctl finds it and asks for a checkpoint, it crashes two steps later (kill -9 of
-    every process), resumes from that checkpoint without logging a step twice, ends with a final checkpoint and HF export, and a
-    rerun of the finished run says so without starting anything."""
+    every process), resumes from that checkpoint without logging a step twice, ends with a final checkpoint and HF
+    export, and a rerun of the finished run says so without starting anything."""
     run_dir = tmp_path / "runs" / "mine"
     run_dir.mkdir(parents=True)
     proc = start_run(run_dir, "loop.num_rollout=100000", "loop.save_interval=100000", "loop.eval_interval=null")
@@ -70,10 +71,8 @@ def test_a_run_crashes_resumes_finishes_and_a_rerun_says_it_is_done(tmp_path):
         _wait(lambda: (step_ids(run_dir) or [-1])[-1] >= at + 2, what="two steps logged after the checkpoint")
     finally:
         for pid in [proc.pid, *children_of(proc.pid)]:   # a crash: nobody gets to save or clean up
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         proc.wait()
     crashed = step_ids(run_dir)
     saved = int(checkpoints(run_dir)[-1].name.split("_")[1])
@@ -115,7 +114,7 @@ def test_ctl_discovery_ignores_dead_runs_and_refuses_to_guess_between_two(tmp_pa
     target = find_coordinator(addr=None, run_dir=None, token=None, tls_ca=None, runs_root=tmp_path)
     assert target.addr == "127.0.0.1:41002"
     (tmp_path / "old" / "run.json").write_text(json.dumps({"pid": os.getppid()}))   # a second live run
-    with pytest.raises(ConfigError, match="2 runs are running .*--run-dir"):
+    with pytest.raises(ConfigError, match=r"2 runs are running .*--run-dir"):
         find_coordinator(addr=None, run_dir=None, token=None, tls_ca=None, runs_root=tmp_path)
     assert find_coordinator(addr="h:9", run_dir=None, token="t", tls_ca=None, runs_root=tmp_path).addr == "h:9"
     with pytest.raises(ConfigError, match="not a run directory"):
@@ -181,9 +180,11 @@ def test_a_reward_plugin_path_is_relative_to_the_yaml_and_a_set_path_to_the_shel
 
     elsewhere = tmp_path / "shell"
     (elsewhere / "data").mkdir(parents=True)
-    (elsewhere / "data" / "t.jsonl").write_text("".join(f'{{"prompt": "{i} 1 =", "label": "{i}"}}\n' for i in range(40)))
+    lines = (f'{{"prompt": "{i} 1 =", "label": "{i}"}}\n' for i in range(40))
+    (elsewhere / "data" / "t.jsonl").write_text("".join(lines))
     monkeypatch.chdir(elsewhere)
-    config = load_config(_config(tmp_path), ["data.train_path=data/t.jsonl", "rollout.reward=../plugins/score.py:score"])
+    config = load_config(_config(tmp_path), ["data.train_path=data/t.jsonl",
+                                             "rollout.reward=../plugins/score.py:score"])
     assert config.data.train_path == str(elsewhere / "data" / "t.jsonl")
     assert config.rollout.reward == f"{tmp_path / 'plugins' / 'score.py'}:score"
     assert config.model.path == str(REPO / "examples" / "models" / "tiny")   # from the YAML: untouched

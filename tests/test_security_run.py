@@ -6,6 +6,7 @@ opened listens on 127.0.0.1 only."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -80,10 +81,8 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
         pass
     finally:
         for s in (src, dst):
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 def _ctl(target: str, action: str, *extra: str) -> subprocess.CompletedProcess:
@@ -120,7 +119,7 @@ def test_a_run_with_token_tls_and_a_redis_password_refuses_everyone_else(tmp_pat
             assert {a for p in ports for a in listening_addresses(p)} == {"127.0.0.1"}
             assert listening_addresses(redis_server.port) == {"127.0.0.1"}
             assert os.stat(run_dir / "config.yaml").st_mode & 0o077 == 0   # it holds the token
-            with pytest.raises(Exception, match="(?i)auth"):   # Redis without the password: refused
+            with pytest.raises(Exception, match=r"(?i)auth"):   # Redis without the password: refused
                 connect(f"redis://127.0.0.1:{redis_server.port}/0").xlen("x")
             assert _ctl(target, "stop", "--token", TOKEN, "--tls-ca", str(cert)).returncode == 0
             assert proc.wait(timeout=120) == 0, supervisor_log(run_dir)
@@ -151,7 +150,7 @@ def _check_refusals(target: str, trainer_target: str, cert: Path) -> None:
         with open_channel(target, tls_ca=str(cert), auth_token=token) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             for rpc in (stub.Stop, stub.Save, stub.Pause):
-                err = _refused(lambda: rpc(common_pb2.Empty(), timeout=10))
+                err = _refused(lambda rpc=rpc: rpc(common_pb2.Empty(), timeout=10))
                 assert err.code() == grpc.StatusCode.UNAUTHENTICATED and "services.auth_token" in err.details()
         with open_channel(trainer_target, tls_ca=str(cert), auth_token=token) as channel:
             err = _refused(lambda: trainer_pb2_grpc.TrainerStub(channel).Save(trainer_pb2.SaveRequest(), timeout=10))

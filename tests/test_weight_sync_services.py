@@ -26,10 +26,10 @@ def services(tmp_path, redis_server):
     write_resolved_config(config, tmp_path)
     procs = []
     for args in (["trainer", "--role", "actor"], ["rollout", "--replica", "0"]):
-        log = open(tmp_path / f"{args[0]}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", args[0], str(tmp_path / "config.yaml"),
-                                       "--run-dir", str(tmp_path), *args[1:]], stdout=log, stderr=subprocess.STDOUT,
-                                      cwd=REPO))
+        with open(tmp_path / f"{args[0]}.log", "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", args[0],
+                                           str(tmp_path / "config.yaml"), "--run-dir", str(tmp_path), *args[1:]],
+                                          stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
     trainer, _, rollouts = make_clients(config)
     for client in (trainer, *rollouts):
         client.wait_healthy(120)

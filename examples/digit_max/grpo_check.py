@@ -43,7 +43,7 @@ def policy_log_probs(model, sequences: list[list[int]], prompt_lens: list[int]) 
         ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
     logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
     return [logp[i, p - 1:len(s) - 1].gather(-1, ids[i, p:len(s)].unsqueeze(-1)).squeeze(-1)
-            for i, (s, p) in enumerate(zip(sequences, prompt_lens))]
+            for i, (s, p) in enumerate(zip(sequences, prompt_lens, strict=False))]
 
 
 def evaluate(engine, tokenizer, reward_fn, rows, max_new_tokens: int) -> float:
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         seqs = [prompts[i // n] + list(o.token_ids) for i, o in enumerate(outs)]
         new = policy_log_probs(policy, seqs, [len(prompts[i // n]) for i in range(len(outs))])
         old = [torch.tensor(o.log_probs) for o in outs]
-        drift = max(float((a.detach() - b).abs().max()) for a, b in zip(new, old))     # on-policy: ~0
+        drift = max(float((a.detach() - b).abs().max()) for a, b in zip(new, old, strict=False))     # on-policy: ~0
         ratio = torch.exp(torch.cat(new) - torch.cat(old))
         token_adv = torch.cat([adv.flatten()[i].expand(len(o.token_ids)) for i, o in enumerate(outs)])
         clipped = torch.clamp(ratio, 1 - algo.eps_clip, 1 + (algo.eps_clip_high or algo.eps_clip))
