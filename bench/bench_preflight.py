@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.contracts.config import load_config
+from services.contracts.config_loading import load_config
 from services.launcher import preflight
 from services.rollout.tokenizer import load_tokenizer
 

@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.contracts.config import config_from_dict
+from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import build_batch
 

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.contracts.config import ConfigError, TandemConfig, TimeoutsConfig, load_config
+from services.contracts.config import ConfigError, TandemConfig, TimeoutsConfig
+from services.contracts.config_loading import load_config
 from services.contracts.exits import ExitCode
 from services.rollout.model_init import ARCHS, PRESETS
 from services.rpc.grpc_util import PortInUse

@@ -24,7 +24,8 @@ import pytest
 import rl_reference
 import torch
 
-from services.contracts.config import TandemConfig, config_from_dict
+from services.contracts.config import TandemConfig
+from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData, build_batch
 

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.contracts.config import (
-    ConfigError,
-    TandemConfig,
+from services.contracts.config import ConfigError, TandemConfig
+from services.contracts.config_loading import (
     apply_overrides,
     config_from_dict,
     dump_config,

@@ -16,7 +16,8 @@ from typing import Any
 import grpc
 import pytest
 
-from services.contracts.config import TandemConfig, config_from_dict
+from services.contracts.config import TandemConfig
+from services.contracts.config_loading import config_from_dict
 from services.contracts.gen.tandem.v1 import rollout_pb2, trainer_pb2
 from services.coordinator import policy
 from services.coordinator.api import GenerationResult, SyncResult

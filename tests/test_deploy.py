@@ -280,7 +280,7 @@ def test_env_example_documents_every_knob_with_its_default():
 
 
 def test_run_config_loads_with_the_compose_wiring():
-    from services.contracts.config import load_config
+    from services.contracts.config_loading import load_config
 
     services = load_compose()["services"]
     args = services["trainer"]["command"]

@@ -15,7 +15,8 @@ from conftest_trainer import harness, tiny_model_dir  # noqa: F401
 
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts import dapo
-from services.contracts.config import ConfigError, config_from_dict
+from services.contracts.config import ConfigError
+from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData, build_batch
 from services.rollout.model_init import init_model

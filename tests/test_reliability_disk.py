@@ -16,7 +16,7 @@ import grpc
 import pytest
 from tandem_runs import EXAMPLE, REPO
 
-from services.contracts.config import load_config, write_resolved_config
+from services.contracts.config_loading import load_config, write_resolved_config
 from services.contracts.gen.tandem.v1 import trainer_pb2
 from services.coordinator.clients import make_clients
 from services.launcher.supervisor import resolve_for_local_run

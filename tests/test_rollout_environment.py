@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from services.buffer.stream import RolloutBuffer, connect
-from services.contracts.config import ConfigError, config_from_dict, load_config
+from services.contracts.config import ConfigError
+from services.contracts.config_loading import config_from_dict, load_config
 from services.contracts.sampling import SamplingSpec
 from services.rollout.service import PromptInput, RolloutService
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.buffer.stream import RolloutBuffer, connect
-from services.contracts.config import config_from_dict
+from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
 from services.rollout.model_init import init_model
 from services.rollout.rewards import RewardSpecError, digit_task

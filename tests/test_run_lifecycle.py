@@ -169,7 +169,7 @@ def test_bad_eval_data_and_a_missing_reward_plugin_name_their_keys(tmp_path):
 
 
 def test_a_reward_plugin_path_is_relative_to_the_yaml_and_a_set_path_to_the_shell(tmp_path, monkeypatch):
-    from services.contracts.config import load_config
+    from services.contracts.config_loading import load_config
     from services.launcher.preflight import check_run_inputs
 
     (tmp_path / "plugins").mkdir()
@@ -192,7 +192,7 @@ def test_a_reward_plugin_path_is_relative_to_the_yaml_and_a_set_path_to_the_shel
 
 
 def test_a_mistyped_model_path_is_an_error_and_init_model_builds_only_when_asked(tmp_path):
-    from services.contracts.config import load_config
+    from services.contracts.config_loading import load_config
     from services.launcher.preflight import check_model
 
     (tmp_path / "models").mkdir()
@@ -211,7 +211,7 @@ def test_a_mistyped_model_path_is_an_error_and_init_model_builds_only_when_asked
 
 
 def test_data_the_tokenizer_cannot_encode_gives_a_warning(tmp_path):
-    from services.contracts.config import load_config
+    from services.contracts.config_loading import load_config
     from services.launcher.preflight import check_run_inputs
 
     data = tmp_path / "words.jsonl"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.contracts import checkpoints, runfacts
-from services.contracts.config import config_from_dict
+from services.contracts.config_loading import config_from_dict
 
 
 def _config(**loop):

@@ -295,7 +295,7 @@ def test_sglang_contract_launch_command_and_a_missing_sglang(tmp_path: Path):
         pytest.skip("sglang is installed here; the missing-package error cannot be shown")
     with pytest.raises(SGLangNotInstalled, match=r"sglang package is not installed .* rollout.sglang.urls"):
         require_sglang()
-    from services.contracts.config import config_from_dict
+    from services.contracts.config_loading import config_from_dict
     from services.rollout.service import build_engine
 
     config = config_from_dict({"model": {"path": str(tmp_path)}, "data": {"train_path": "x.jsonl"},
@@ -305,7 +305,7 @@ def test_sglang_contract_launch_command_and_a_missing_sglang(tmp_path: Path):
 
 
 def test_sglang_contract_build_engine_from_config(server: ContractServer, tmp_path: Path):
-    from services.contracts.config import config_from_dict
+    from services.contracts.config_loading import config_from_dict
     from services.rollout.service import build_engine
 
     config = config_from_dict({"model": {"path": str(tmp_path)}, "data": {"train_path": "x.jsonl"},

@@ -12,7 +12,8 @@ import torch
 from helpers.sglang_contract_server import ContractServer
 
 from services.buffer.stream import RolloutBuffer, connect
-from services.contracts.config import WeightsConfig, config_from_dict
+from services.contracts.config import WeightsConfig
+from services.contracts.config_loading import config_from_dict
 from services.rollout.engines.sglang import SGLangEngine
 from services.rollout.model_init import init_model
 from services.rollout.service import PromptInput, RolloutService

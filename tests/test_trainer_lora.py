@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest_trainer import harness, make_batch, tiny_model_dir  # noqa: F401
 
-from services.contracts.config import ConfigError, config_from_dict
+from services.contracts.config import ConfigError
+from services.contracts.config_loading import config_from_dict
 from services.launcher.preflight import check_lora
 from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.lora import AdapterOffReference, check_model_targets

@@ -8,7 +8,7 @@ import pytest
 from tandem_runs import EXAMPLE, REPO
 
 from services.buffer.stream import RolloutBuffer, connect
-from services.contracts.config import load_config, write_resolved_config
+from services.contracts.config_loading import load_config, write_resolved_config
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
 from services.coordinator.clients import make_clients
 from services.coordinator.pool import RolloutPool

@@ -22,7 +22,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from services.contracts.config import load_config  # noqa: E402
+from services.contracts.config_loading import load_config  # noqa: E402
 from services.contracts.sampling import SamplingSpec  # noqa: E402
 from services.rollout.engines.native import NativeEngine  # noqa: E402
 from services.rollout.model_init import init_model  # noqa: E402

@@ -16,7 +16,8 @@ from pathlib import Path
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from services.contracts.config import ConfigError, TimeoutsConfig, load_config
+from services.contracts.config import ConfigError, TimeoutsConfig
+from services.contracts.config_loading import load_config
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.rpc.grpc_util import open_channel

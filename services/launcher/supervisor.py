@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from services.buffer.redis_server import EmbeddedRedis, free_port
-from services.contracts.config import TandemConfig, config_from_dict, write_resolved_config
+from services.contracts.config import TandemConfig
+from services.contracts.config_loading import config_from_dict, write_resolved_config
 from services.contracts.exits import ExitCode
 from services.contracts.failure import FailureRecord, clear_failure, read_failure
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc

@@ -42,6 +42,19 @@ def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     return getter() if callable(getter) else None
 
 
+def _target_problem(model: torch.nn.Module, target: str, head: torch.nn.Module | None) -> str | None:
+    """Why `target` cannot be adapted, or None when it names linear layers peft can wrap."""
+    hits = [(path, m) for path, m in model.named_modules() if path and _matches(path, target)]
+    if not hits:
+        return f"{target!r} names no module"
+    if not all(isinstance(m, torch.nn.Linear) for _, m in hits):
+        kinds = sorted({type(m).__name__ for _, m in hits if not isinstance(m, torch.nn.Linear)})
+        return f"{target!r} names a {', '.join(kinds)}, not a linear layer"
+    if head is not None and any(m is head for _, m in hits) and _tied(model, head):
+        return f"{target!r} is the output head, whose weight is tied to the input embeddings"
+    return None
+
+
 def check_targets(model: torch.nn.Module, targets: tuple[str, ...], *, what: str) -> list[str]:
     """The module names to give peft, or one ConfigError naming every bad target (`what` names the model in it).
     all-linear = every nn.Linear but the output head (peft's meaning), as full module paths; other names may be
@@ -50,18 +63,9 @@ def check_targets(model: torch.nn.Module, targets: tuple[str, ...], *, what: str
     head = _output_head(model)
     body = sorted(path for path, m in linear.items() if m is not head)
     names = [t for t in targets if t != ALL_LINEAR]
-    problems = []
-    if ALL_LINEAR in targets and not body:
-        problems.append(f"{ALL_LINEAR!r} finds no linear layer but the output head")
-    for target in names:
-        hits = [(path, m) for path, m in model.named_modules() if path and _matches(path, target)]
-        if not hits:
-            problems.append(f"{target!r} names no module")
-        elif not all(isinstance(m, torch.nn.Linear) for _, m in hits):
-            kinds = sorted({type(m).__name__ for _, m in hits if not isinstance(m, torch.nn.Linear)})
-            problems.append(f"{target!r} names a {', '.join(kinds)}, not a linear layer")
-        elif head is not None and any(m is head for _, m in hits) and _tied(model, head):
-            problems.append(f"{target!r} is the output head, whose weight is tied to the input embeddings")
+    problems = [f"{ALL_LINEAR!r} finds no linear layer but the output head"] if ALL_LINEAR in targets and not body \
+        else []
+    problems += [p for p in (_target_problem(model, target, head) for target in names) if p is not None]
     if problems:
         known = sorted({path.rsplit(".", 1)[-1] for path in linear})
         raise ConfigError(f"trainer.lora.target_modules: {'; '.join(problems)} in {what} (its linear layers: "

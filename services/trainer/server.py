@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.buffer.redis_server import free_port
-from services.contracts.config import TandemConfig, dump_config
+from services.contracts.config import TandemConfig
+from services.contracts.config_loading import dump_config
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import trainer_pb2, trainer_pb2_grpc
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server

@@ -1,0 +1,166 @@
+"""Loading a run configuration: YAML, `--set` overrides, paths relative to the YAML file, and one error message
+naming every bad key (the sections themselves are in services/contracts/config.py)."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, get_args
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from services.contracts.config import ConfigError, TandemConfig
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=c` -> (["a", "b"], value parsed as YAML, so numbers, booleans and lists work)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set trainer.lr=3e-4")
+    parts = key.strip().split(".")
+    if any(not p.strip() or p != p.strip() for p in parts):
+        raise ConfigError(f"--set {item!r}: {key.strip()!r} is not a dotted key like trainer.lr")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key.strip()}: value {raw!r} is not valid YAML ({_yaml_problem(exc)})") from None
+    return key.strip().split("."), value
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: where and what (PyYAML's own message spans several lines with a source excerpt)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}" + (f" ({context})" if context else "")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], *, base_dir: Path | None = None) -> dict[str, Any]:
+    """`--set` values; a relative file path among them is relative to base_dir (the shell's working directory)."""
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:              # absent, or an empty `section:` in the YAML
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {'.'.join(path)}: {'.'.join(path[:i + 1])} is not a section")
+            node = child
+        node[path[-1]] = value
+    # Paths from the YAML are absolute by now, so this only touches the relative ones just set.
+    return resolve_paths(data, base_dir) if base_dir is not None else data
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The Section class that holds the key at `loc` (following tuple-of-section indices)."""
+    model: Any = TandemConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        model = _section_type(model.model_fields[part].annotation)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _section_type(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):          # tuple[ServiceAddress, ...], X | None
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc)
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            known = sorted(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+            msg = f"unknown key ({hint})"
+        elif err["type"] == "missing":
+            msg = "required section is missing" if _model_at(loc) else "required key is missing"
+        elif err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+        elif "input" in err:
+            msg = f"{msg} (got {err['input']!r})"
+        # Cross-section rules name their keys themselves.
+        lines.append(f"  {key}: {msg}" if key else f"  {msg}")
+    return f"invalid configuration in {source}:\n" + "\n".join(lines)
+
+
+def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    """Relative file paths in the YAML are relative to the YAML file's directory; so is the file of a
+    `path/to/file.py:name` plug-in (reward, environment)."""
+    for section, key in (*_PATH_KEYS, *_PLUGIN_KEYS):
+        node = data.get(section)
+        value = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or not isinstance(value, str) or not value:
+            continue
+        if (section, key) in _PLUGIN_KEYS:
+            node[key] = _resolve_reward_file(value, base_dir)
+        elif not os.path.isabs(value):
+            node[key] = str((base_dir / value).resolve())
+    return data
+
+
+_PATH_KEYS = (("model", "path"), ("model", "tokenizer_path"), ("data", "train_path"), ("data", "eval_path"),
+              ("loop", "save_trigger_sentinel"), ("trainer", "checkpoint_dir"), ("weights", "disk_dir"))
+_PLUGIN_KEYS = (("rollout", "reward"), ("rollout", "environment"))
+
+
+def _resolve_reward_file(spec: str, base_dir: Path) -> str:
+    """`dir/file.py:fn` -> `/abs/dir/file.py:fn`; built-in names and `module:function` stay as they are (the
+    same rule services.rollout.rewards applies: a target naming a .py file or holding a slash is a file)."""
+    target, sep, attr = spec.strip().rpartition(":")
+    if not sep or not (target.endswith(".py") or "/" in target) or os.path.isabs(target):
+        return spec
+    return f"{(base_dir / target).resolve()}:{attr}"
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> TandemConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid configuration in {source}: the top level must be a mapping of sections")
+    # An empty `section:` in YAML is null: treat it as a section left at its defaults.
+    data = {k: ({} if v is None and _section_type(TandemConfig.model_fields[k].annotation) else v)
+            if k in TandemConfig.model_fields else v for k, v in data.items()}
+    try:
+        return TandemConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> TandemConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(exc)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid configuration in {path}: the top level must be a mapping of sections")
+    data = resolve_paths(data, path.parent.resolve())
+    data = apply_overrides(data, overrides or [], base_dir=Path.cwd())
+    return config_from_dict(data, source=str(path))
+
+
+def dump_config(config: TandemConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def write_resolved_config(config: TandemConfig, run_dir: Path) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "config.yaml"
+    out.write_text(dump_config(config))
+    return out
