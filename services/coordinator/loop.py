@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 from services.contracts import runfacts
 from services.contracts.config import TandemConfig
-from services.contracts.gen.tandem.v1 import common_pb2, trainer_pb2
-from services.contracts.sampling import SamplingSpec
+from services.contracts.gen.tandem.v1 import trainer_pb2
 from services.coordinator import policy
 from services.coordinator.api import (
     BufferApi,
@@ -37,9 +35,9 @@ from services.coordinator.api import (
     WeightSyncApi,
 )
 from services.coordinator.control import Control
-from services.coordinator.data import PromptBatch, PromptRecord
-from services.coordinator.dynamic import run_rounds
+from services.coordinator.data import PromptRecord
 from services.coordinator.evals import Evaluator
+from services.coordinator.generation import Generator
 from services.coordinator.memory import ENGINE_CACHES, ENGINE_WEIGHTS, MemoryMoves
 from services.coordinator.retry import TRAIN_RETRY, RetryPolicy
 from services.coordinator.startup import keep_reusable, restore, wait_for_services
@@ -82,6 +80,8 @@ class Coordinator:
         self.evals = Evaluator(pool=pool, rollout=config.rollout, prompts=eval_prompts, executor=evals,
                                trackers=trackers, events=self.events, weight_version=lambda: self.state.weight_version)
         self.step_spans = StepSpans()   # one trace per rollout id, opened when its generation starts
+        self.generator = Generator(config=config, pool=pool, data=data, executor=generations, spans=self.step_spans,
+                                   clock=self.clock)
         self.last_metrics: dict[str, float] = {}
         self.last_checkpoint = ""
         self.last_saved_rollout = -1
@@ -217,37 +217,7 @@ class Coordinator:
     # ---- steps ------------------------------------------------------------------------------------
 
     def _generation_for(self, rollout_id: int) -> InFlight:
-        """After a resume, a generation recorded in the checkpoint is reused instead of generated again."""
-        for p in self.state.pending:
-            if p.rollout_id == rollout_id:
-                self.data.cursor = p.cursor_after
-                log.info("reusing %d buffered entries of rollout %d from the checkpoint", len(p.entry_ids), rollout_id)
-                self.step_spans.open(rollout_id, weight_version=self.state.weight_version, mode=self.loop_cfg.mode,
-                                     reused=True)
-                return _reused(p)
-        before = self.data.cursor
-        batch = self.data.next_batch()
-        # The step's own trace starts here; the generation's thread inherits it, so Generate runs under rl.loop.
-        with self.step_spans.started(rollout_id, weight_version=self.state.weight_version, mode=self.loop_cfg.mode):
-            generate = partial(self._generate, rollout_id=rollout_id, trace_context=inject_context(),
-                               sampling=SamplingSpec.from_config(self.config.rollout.sampling).to_proto())
-            dynamic = self.config.rollout.dynamic_sampling
-            if dynamic.enabled:   # further rounds draw prompts on the generation thread (dynamic.py says why)
-                future = self.generations.submit(run_rounds, rollout_id=rollout_id, first=batch, generate=generate,
-                                                 next_batch=self.data.next_batch, max_rounds=dynamic.max_rounds,
-                                                 target_groups=self.config.rollout.rollout_batch_size,
-                                                 clock=self.clock)
-            else:
-                future = self.generations.submit(generate, batch)
-        return InFlight(rollout_id, future, cursor_before=before, cursor_after=batch.cursor_after)
-
-    def _generate(self, batch: PromptBatch, *, rollout_id: int, sampling: common_pb2.SamplingParams,
-                  trace_context: dict[str, str]) -> GenerationResult:
-        prompts = [common_pb2.Prompt(text=p.text, label=p.label, group_id=g, metadata=p.metadata)
-                   for p, g in zip(batch.prompts, batch.group_ids, strict=True)]
-        result = self.pool.generate(rollout_id=rollout_id, prompts=prompts, sampling=sampling,
-                                    n_samples=self.config.rollout.n_samples_per_prompt, trace_context=trace_context)
-        return replace(result, cursor_after=batch.cursor_after, epoch_end=batch.epoch_end)
+        return self.generator.start(rollout_id, pending=self.state.pending, weight_version=self.state.weight_version)
 
     def _awaited(self, gen: InFlight) -> GenerationResult:
         """The generation of the step about to train; an epoch it ended makes the step a save point."""
@@ -371,14 +341,6 @@ class Coordinator:
             where = f"{reply.path} (final; Hugging Face model in {reply.hf_path})"
         self.events.emit("save", rollout_id=rollout_id, message=where)
         log.info("saved rollout %d to %s", rollout_id, where)
-
-
-def _reused(batch: GeneratedBatch) -> InFlight:
-    """A generation recorded in the checkpoint whose entries are still buffered: finished already."""
-    done: Future[GenerationResult] = Future()
-    done.set_result(GenerationResult(rollout_id=batch.rollout_id, entry_ids=batch.entry_ids, responses=(),
-                                     seconds=0.0, recorded_metrics=batch.metrics))
-    return InFlight(batch.rollout_id, done, cursor_before=batch.cursor_before, cursor_after=batch.cursor_after)
 
 
 def _recorded(gen: InFlight, *, weight_version: int) -> GeneratedBatch:
