@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 
-from services.buffer.redis_server import EmbeddedRedis
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData, encode_batch, sampling_arrays
+from services.launcher.redis_server import EmbeddedRedis
 
 
 def make_batch(target_bytes: int, rollout_id: int) -> RolloutBatchData:

@@ -29,8 +29,8 @@ os.environ["OPENBLAS_NUM_THREADS"] = "1"
 
 import pytest
 
-from services.buffer.redis_server import EmbeddedRedis
-from services.buffer.redis_server import free_port as _free_port
+from services.launcher.redis_server import EmbeddedRedis
+from services.rpc.ports import free_port as _free_port
 
 TESTS_DIR = Path(__file__).resolve().parent
 HELPERS_DIR = TESTS_DIR / "helpers"

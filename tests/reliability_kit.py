@@ -15,12 +15,12 @@ import grpc
 import yaml
 from tandem_runs import EXAMPLE, REPO, checkpoints, children_of
 
-from services.buffer.redis_server import EmbeddedRedis
 from services.buffer.stream import connect, stream_key
 from services.contracts.config_loading import load_config, write_resolved_config
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2_grpc
 from services.coordinator.clients import make_clients
 from services.coordinator.pool import RolloutPool
+from services.launcher.redis_server import EmbeddedRedis
 from services.launcher.supervisor import resolve_for_local_run
 
 BATCH_SAMPLES = 32 * 8   # rollout_batch_size × n_samples_per_prompt of examples/digit_max.yaml

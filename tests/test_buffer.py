@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from conftest import HELPERS_DIR, PYTHON
 
-from services.buffer.redis_server import EmbeddedRedis
 from services.buffer.stream import BufferError, BufferFullError, EntryNotFoundError, RolloutBuffer, connect, stream_key
 from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData, build_batch, encode_batch, sampling_arrays
+from services.launcher.redis_server import EmbeddedRedis
 
 ARRAYS = ("tokens", "prompt_lengths", "response_lengths", "loss_mask", "rollout_log_probs", "rewards",
           "group_ids", "sample_versions", "sampling_temperature", "sampling_top_p", "sampling_top_k")

@@ -362,7 +362,7 @@ class ContainerMap:
     container 0.0.0.0 means its own network; the stand-in for that network here is loopback."""
 
     def __init__(self, hosts: set[str], paths: dict[str, Path]):
-        from services.buffer.redis_server import free_port
+        from services.rpc.ports import free_port
 
         self.hosts = hosts | {"0.0.0.0", "127.0.0.1"}
         self.paths = dict(sorted(paths.items(), key=lambda kv: -len(kv[0])))    # longest prefix first
@@ -530,8 +530,8 @@ def seconds(duration: str) -> float:
 def run_like_compose(tmp_path: Path, overrides: tuple[str, ...], env: dict[str, dict[str, str]]) -> None:
     """redis + jaeger stand-ins, init twice, trainer, rollout and coordinator in depends_on order with their
     health checks; a few steps; then stopped as `docker compose stop` stops them, and the results checked."""
-    from services.buffer.redis_server import EmbeddedRedis
     from services.buffer.stream import connect
+    from services.launcher.redis_server import EmbeddedRedis
 
     run = LocalCompose(tmp_path)
     services = run.services

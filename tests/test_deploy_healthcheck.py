@@ -11,7 +11,7 @@ import pytest
 from conftest import HELPERS_DIR, PYTHON, REPO_ROOT
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.buffer.redis_server import free_port
+from services.rpc.ports import free_port
 
 
 def healthcheck(*args: str) -> subprocess.CompletedProcess[str]:

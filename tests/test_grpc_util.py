@@ -14,7 +14,6 @@ from conftest import HELPERS_DIR, PYTHON
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.buffer.redis_server import free_port
 from services.contracts.gen.tandem.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -23,6 +22,7 @@ from services.contracts.gen.tandem.v1 import (
     rollout_pb2_grpc,
 )
 from services.rpc.grpc_util import open_channel, wait_healthy
+from services.rpc.ports import free_port
 
 TOKEN = "s3cret-token"
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 from tandem_runs import REPO, coordinator_target, metrics, start_run, stop_run, supervisor_log, wait_status
 
-from services.buffer.redis_server import free_port
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2_grpc
 from services.rpc.grpc_util import open_channel
+from services.rpc.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from tandem_runs import EXAMPLE, REPO, TRACEBACK, last_lines, start_run, stop_run, supervisor_log
 
-from services.buffer.redis_server import free_port
 from services.contracts.exits import ExitCode
 from services.rpc.grpc_util import ServerOptions, start_server
+from services.rpc.ports import free_port
 
 pytestmark = [pytest.mark.reliability]
 

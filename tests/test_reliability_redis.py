@@ -10,8 +10,8 @@ import threading
 import pytest
 from test_buffer import assert_same_batch, make_batch, pending_by_consumer, start_consumer
 
-from services.buffer.redis_server import EmbeddedRedis
 from services.buffer.stream import RolloutBuffer, connect
+from services.launcher.redis_server import EmbeddedRedis
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(60)]
 GROUPS = ("actor", "critic")

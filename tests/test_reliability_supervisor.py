@@ -21,9 +21,9 @@ from tandem_runs import (
     wait_status,
 )
 
-from services.buffer.redis_server import free_port
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.rpc.grpc_util import open_channel
+from services.rpc.ports import free_port
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -22,9 +22,9 @@ from reliability_kit import resolved_config_when_written, wait_for
 from tandem_runs import REPO, metrics, start_run, stop_run, supervisor_log
 from test_grpc_util import listening_addresses
 
-from services.buffer.redis_server import EmbeddedRedis
 from services.buffer.stream import connect
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.launcher.redis_server import EmbeddedRedis
 from services.rpc.grpc_util import open_channel
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(300)]

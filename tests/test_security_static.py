@@ -12,10 +12,11 @@ import pytest
 import redis
 import torch.distributed as dist
 
-from services.buffer.redis_server import EmbeddedRedis, free_port
 from services.buffer.stream import connect, redacted
 from services.contracts.config import ServicesConfig, TandemConfig, WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
+from services.launcher.redis_server import EmbeddedRedis
+from services.rpc.ports import free_port
 from services.weights import WeightReceiver, WeightSyncRefused
 
 pytestmark = pytest.mark.reliability

@@ -18,12 +18,12 @@ import pytest
 import torch
 from conftest_trainer import TrainerHarness, make_batch, tiny_model_dir, trainer_config  # noqa: F401
 
-from services.buffer.redis_server import free_port
 from services.buffer.stream import RolloutBuffer, connect, stream_key
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import config_from_dict, dump_config
 from services.contracts.gen.tandem.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.rpc.grpc_util import open_channel, wait_healthy
+from services.rpc.ports import free_port
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[1]

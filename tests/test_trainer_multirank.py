@@ -17,7 +17,7 @@ import torch
 from conftest_trainer import TrainerHarness, tiny_model_dir  # noqa: F401
 from trainer_ranks import KEYS, batches, stage_config, train_stage
 
-from services.buffer.redis_server import free_port
+from services.rpc.ports import free_port
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[1]

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from services.contracts.config import TandemConfig
 
 
+RUN_MARKER = "run.json"   # in RUN_DIR while `tandem run` runs it (pid, coordinator address): how `tandem ctl` finds it
+
+
 def num_rollout(config: TandemConfig, *, dataset_size: int) -> int:
     """loop.num_rollout, else every prompt once per epoch in steps of rollout.rollout_batch_size (an epoch's ragged
     tail is dropped) times data.num_epochs."""

@@ -61,7 +61,7 @@ def find_coordinator(*, addr: str | None, run_dir: Path | None, token: str | Non
 
 def _running_run(runs_root: Path) -> Path | None:
     """The run directory under runs_root whose `tandem run` is alive (its run.json names a live pid)."""
-    from services.launcher.supervisor import RUN_MARKER
+    from services.contracts.runfacts import RUN_MARKER
 
     live = []
     for marker in sorted(runs_root.glob(f"*/{RUN_MARKER}")):

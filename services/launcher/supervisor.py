@@ -35,14 +35,16 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from services.buffer.redis_server import EmbeddedRedis, free_port
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import config_from_dict, write_resolved_config
 from services.contracts.exits import ExitCode
 from services.contracts.failure import FailureRecord, clear_failure, read_failure
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.contracts.runfacts import RUN_MARKER
 from services.launcher.procs import dies_with_parent
+from services.launcher.redis_server import EmbeddedRedis
 from services.rpc.grpc_util import ensure_port_free, open_channel, wait_healthy
+from services.rpc.ports import free_port
 
 if TYPE_CHECKING:
     from services.launcher.progress import ProgressView
@@ -402,7 +404,6 @@ def _say_where_it_is(config: TandemConfig, *, run_dir: Path) -> None:
     log.info("run directory: %s (metrics.jsonl, logs/, checkpoints/)", run_dir)
 
 
-RUN_MARKER = "run.json"   # present while `tandem run` runs: how `tandem ctl` finds the coordinator
 
 
 def write_run_marker(run_dir: Path, *, coordinator: str) -> None:

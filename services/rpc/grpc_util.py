@@ -12,7 +12,6 @@ import hmac
 import inspect
 import logging
 import socket
-import sys
 import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
@@ -50,30 +49,25 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
-    from services.buffer.stream import BufferFullError, EntryNotFoundError
-
     if isinstance(exc, RedisConnectionError | RedisTimeoutError):   # Redis restarting: worth a retry
         return grpc.StatusCode.UNAVAILABLE
 
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):   # a full disk: say so, do not retry
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, EntryNotFoundError | FileNotFoundError | KeyError):
+    if isinstance(exc, FileNotFoundError | KeyError):   # the buffer's EntryNotFoundError is a KeyError
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, PermissionError):
         return grpc.StatusCode.PERMISSION_DENIED
-    if isinstance(exc, BufferFullError | TimeoutError):
+    if isinstance(exc, TimeoutError):   # the buffer's BufferFullError and weights' WeightSyncTimeout too
         return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(exc, NotImplementedError):
         return grpc.StatusCode.UNIMPLEMENTED
-    if isinstance(exc, FailedPrecondition):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(exc, Unavailable | ConnectionError):
+    if isinstance(exc, Unavailable | ConnectionError):   # before FailedPrecondition: a lost weight-sync peer
         return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, FailedPrecondition):   # a weight sync this machine cannot serve too (WeightSyncError)
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, ValueError | TypeError | OverflowError):
         return grpc.StatusCode.INVALID_ARGUMENT
-    weights = sys.modules.get("services.weights.base")   # loaded wherever weights can move
-    if weights is not None and isinstance(exc, weights.WeightSyncError):
-        return grpc.StatusCode.FAILED_PRECONDITION   # e.g. a transport this machine cannot serve
     return grpc.StatusCode.INTERNAL
 
 

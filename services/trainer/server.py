@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.buffer.redis_server import free_port
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import dump_config
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import trainer_pb2, trainer_pb2_grpc
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
+from services.rpc.ports import free_port
 from services.telemetry.startup import process_age_s
 from services.telemetry.tracing import setup_logging, setup_tracing, shutdown_tracing
 

@@ -20,7 +20,7 @@ from services.rpc.grpc_util import FailedPrecondition
 from services.weights.layout import Layout, Slot
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(FailedPrecondition):
     """A weight transfer failed; the message names the transport, the version and the peer."""
 
 
@@ -32,7 +32,7 @@ class WeightSyncPeerLost(WeightSyncError, ConnectionError):
     """A peer closed its connection mid-transfer, e.g. it crashed (gRPC: UNAVAILABLE)."""
 
 
-class WeightSyncRefused(WeightSyncError, FailedPrecondition):
+class WeightSyncRefused(WeightSyncError):
     """The other side refused this sync (mismatched params, foreign trainer) (gRPC: FAILED_PRECONDITION)."""
 
 

@@ -173,8 +173,8 @@ class SGLangEngine(Engine):
     @classmethod
     def from_config(cls, config: TandemConfig) -> SGLangEngine:
         """rollout.sglang.urls, or a server launched here when none are given."""
-        from services.buffer.redis_server import free_port
         from services.rollout.engines.sglang_launch import LaunchSpec
+        from services.rpc.ports import free_port
 
         ro, sg = config.rollout, config.rollout.sglang
         launched = None

