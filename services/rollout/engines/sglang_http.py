@@ -13,7 +13,10 @@ Error answers become exceptions that carry SGLang's own words. The shapes below 
   - an unknown route answers FastAPI's 404 `{"detail": "Not Found"}` (how a missing endpoint of an older
     version shows up);
   - /flush_cache answers plain text (200, or 400 while requests are running);
-  - /health_generate answers 200 or 503 with no body.
+  - /health_generate answers 200 or 503 with no body;
+  - a /generate request aborted while it waited (pause_generation abort, then continue) answers 499
+    `{"error": {"message": "Request ... was aborted"}}` (RequestAbortedError): retryable, not bad input;
+  - an exception the handlers do not catch (e.g. an unknown sampling key) answers 500 "Internal Server Error".
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 _READ_CHUNK = 1 << 16
+ABORTED_STATUS = 499   # SGLang's RequestAbortedError (a client-closed-request code, not a 4xx of bad input)
 
 
 class SGLangError(RuntimeError):
@@ -46,6 +50,10 @@ class SGLangNotFound(SGLangRequestError):
 
 class SGLangUnavailable(SGLangError, ConnectionError):
     """The server is not reachable, closed the connection, or answered 5xx (e.g. 503 while starting)."""
+
+
+class SGLangAborted(SGLangUnavailable):
+    """499: SGLang aborted the request (a pause with mode abort reached it while it waited); retry it."""
 
 
 class SGLangTimeout(SGLangError, TimeoutError):
@@ -135,7 +143,8 @@ class SGLangClient:
             return Answer(status=status, body=parsed, text=text)
         reason = error_reason(parsed, text)
         message = f"{where} answered {status}: {reason}"
-        kind = (SGLangNotFound if status == 404 else SGLangUnavailable if status >= 500 else SGLangRequestError)
+        kind = (SGLangNotFound if status == 404 else SGLangAborted if status == ABORTED_STATUS
+                else SGLangUnavailable if status >= 500 else SGLangRequestError)
         raise kind(message, url=self.url, path=path, status=status, reason=reason)
 
     def _exchange(self, method: str, path: str, *, body: Any, deadline: float) -> tuple[int, bytes]:
