@@ -60,7 +60,7 @@ def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def trainer_config(*, model_dir: Path, run_dir: Path, redis_url: str | None, trainer: dict[str, Any] | None = None,
                    algorithm: dict[str, Any] | None = None, run_name: str | None = None,
-                   loop: dict[str, Any] | None = None) -> TandemConfig:
+                   loop: dict[str, Any] | None = None, rollout: dict[str, Any] | None = None) -> TandemConfig:
     data = {
         "run_name": run_name or f"t{uuid.uuid4().hex[:8]}",
         "model": {"path": str(model_dir), "attn_implementation": "eager"},
@@ -68,6 +68,7 @@ def trainer_config(*, model_dir: Path, run_dir: Path, redis_url: str | None, tra
         "trainer": {"device": DEVICE, "lr": 1e-2, "micro_batch_tokens": 64, "export_hf_on_save": False,
                     **(trainer or {})},
         "algorithm": {"use_rollout_logprobs": True, **(algorithm or {})},
+        "rollout": rollout or {},
         "loop": {"mode": "async", **(loop or {})},
         "redis": {"url": redis_url, "get_timeout_s": 5.0, "max_buffered_batches": 64},
     }

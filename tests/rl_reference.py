@@ -5,6 +5,12 @@ Sources: Hugging Face's TopK/TopP logits warpers (the sampling distribution), ve
 `compute_gae_advantage_return` (GAE skipping masked tokens), `masked_whiten`, `compute_policy_loss`
 (clip, asymmetric clip, dual clip) and `kl_penalty` (k1 / "mse" k2 / low_var_kl k3 without its clamp),
 miles' truncated importance sampling (exp(old - rollout) capped), and GRPO's group normalisation.
+Added for the estimators of issue 25: RLOO as Ahmadian et al. 2024 and TRL's RLOOTrainer define it, REINFORCE++'s
+discounted returns (Hu et al. 2025; slime/miles' get_reinforce_plus_plus_returns, OpenRLHF's cumulative returns,
+verl's compute_reinforce_plus_plus_outcome_advantage, each peer's treatment of masked tokens selectable),
+OpenRLHF's biased whitening, and GSPO's sequence-level objective (Zheng et al. 2025, eq. 5-7; TRL's
+importance_sampling_level="sequence"), written in its sequence form: one ratio per sequence, its gradient through
+s = (pi / pi_old)^(1 / |y|) by the chain rule.
 """
 
 from __future__ import annotations
@@ -75,8 +81,8 @@ def tis_weight(*, old_log_prob: float, rollout_log_prob: float, clip: float) -> 
 
 def grpo_advantages(rewards: list[float], groups: list[int], *, normalize_std: bool, eps: float = 1e-6) -> list[float]:
     out = []
-    for r, g in zip(rewards, groups):
-        members = [x for x, h in zip(rewards, groups) if h == g]
+    for r, g in zip(rewards, groups, strict=True):
+        members = [x for x, h in zip(rewards, groups, strict=True) if h == g]
         mean = sum(members) / len(members)
         a = r - mean
         if normalize_std:
@@ -106,11 +112,83 @@ def gae_sequence(*, reward: float, values: list[float], mask: list[int], kl_pena
         if mask[t]:
             next_value, last_gae = values[t], candidate
             adv[t] = candidate
-    return adv, [a + v for a, v in zip(adv, values)]
+    return adv, [a + v for a, v in zip(adv, values, strict=True)]
 
 
 def whiten(values: list[float], mask: list[int], eps: float = 1e-8) -> list[float]:
-    picked = [v for v, m in zip(values, mask) if m]
+    picked = [v for v, m in zip(values, mask, strict=True) if m]
     mean = sum(picked) / len(picked)
     var = sum((v - mean) ** 2 for v in picked) / (len(picked) - 1)
-    return [(v - mean) / math.sqrt(var + eps) if m else 0.0 for v, m in zip(values, mask)]
+    return [(v - mean) / math.sqrt(var + eps) if m else 0.0 for v, m in zip(values, mask, strict=True)]
+
+
+def rloo_advantages(rewards: list[float], groups: list[int], *, lone: str = "zero") -> list[float]:
+    """r_i minus the mean of the other rewards of its group. A group of one: `lone` "zero" (TRL, slime, verl's
+    vectorised RLOO) or "raw" (verl's compute_rloo_outcome_advantage keeps the reward)."""
+    out = []
+    for i, (r, g) in enumerate(zip(rewards, groups, strict=True)):
+        others = [x for j, (x, h) in enumerate(zip(rewards, groups, strict=True)) if h == g and j != i]
+        out.append(r - sum(others) / len(others) if others else (0.0 if lone == "zero" else r))
+    return out
+
+
+def reinforce_pp_returns(*, reward: float, mask: list[int], kl_penalty: list[float] | None, gamma: float,
+                         masked: str = "skip") -> list[float]:
+    """One sample's REINFORCE++ returns G_t = r_t + gamma G_{t+1}; the reward on the last trainable token, minus
+    kl_penalty on trainable tokens. How a masked (observation) token is treated:
+    - "skip" (Tandem): it is no step: G passes through it undiscounted and its own entry is 0;
+    - "through" (slime, miles, OpenRLHF): every position is a step and discounts, masked ones included;
+    - "reset" (verl): the running return is zeroed after each masked token, so earlier tokens see nothing after it.
+    """
+    n = len(mask)
+    token_rewards = [0.0] * n
+    trainable = [t for t in range(n) if mask[t]]
+    if trainable:
+        token_rewards[trainable[-1]] += reward
+    if kl_penalty is not None:
+        for t in trainable:
+            token_rewards[t] -= kl_penalty[t]
+    running, out = 0.0, [0.0] * n
+    for t in reversed(range(n)):
+        if masked == "skip" and not mask[t]:
+            continue
+        running = token_rewards[t] + gamma * running
+        out[t] = running
+        if masked == "reset" and not mask[t]:
+            running = 0.0
+    return out
+
+
+def whiten_biased(values: list[float], mask: list[int], eps: float = 1e-8) -> list[float]:
+    """OpenRLHF's advantage normalisation: the variance divides by n, not n - 1."""
+    picked = [v for v, m in zip(values, mask, strict=True) if m]
+    mean = sum(picked) / len(picked)
+    var = sum((v - mean) ** 2 for v in picked) / len(picked)
+    return [(v - mean) / math.sqrt(max(var, eps)) if m else 0.0 for v, m in zip(values, mask, strict=True)]
+
+
+def gspo_sequence(*, log_probs: list[float], old_log_probs: list[float], advantage: float, mask: list[int],
+                  eps_low: float, eps_high: float, dual_clip_c: float | None,
+                  max_log_ratio: float = 20.0) -> tuple[float, float, float, list[float]]:
+    """One sequence's GSPO objective L = max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high)) with
+    s = exp(mean over trainable tokens of log pi - log pi_old) (log s capped at +-max_log_ratio, past which nothing
+    moves it), bounded by -A c for A < 0 with dual clip (slime's compute_policy_loss applies it to GSPO too).
+    Returns (L, s, clipped 0/1, dL / d log pi_t per token: dL/ds * s / |y| on trainable tokens, else 0)."""
+    trainable = [t for t in range(len(mask)) if mask[t]]
+    log_s = sum(log_probs[t] - old_log_probs[t] for t in trainable) / max(len(trainable), 1)
+    capped = abs(log_s) > max_log_ratio
+    s = math.exp(max(-max_log_ratio, min(max_log_ratio, log_s)))
+    unclipped, clipped_loss = -advantage * s, -advantage * min(max(s, 1 - eps_low), 1 + eps_high)
+    loss, clipped = max(unclipped, clipped_loss), float(clipped_loss > unclipped)
+    d_loss_d_s = 0.0 if clipped or capped else -advantage
+    if dual_clip_c is not None and advantage < 0 and -advantage * dual_clip_c < loss:
+        loss, clipped, d_loss_d_s = -advantage * dual_clip_c, 1.0, 0.0
+    grads = [d_loss_d_s * s / len(trainable) if mask[t] else 0.0 for t in range(len(mask))]
+    return loss, s, clipped, grads
+
+
+def tis_sequence_weight(*, old_log_probs: list[float], rollout_log_probs: list[float], mask: list[int],
+                        clip: float) -> float:
+    """GSPO's TIS: the geometric mean of pi_old / pi_rollout over the sequence's trainable tokens, capped."""
+    trainable = [t for t in range(len(mask)) if mask[t]]
+    return min(math.exp(sum(old_log_probs[t] - rollout_log_probs[t] for t in trainable) / len(trainable)), clip)

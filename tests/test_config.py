@@ -229,10 +229,28 @@ def test_a_critic_is_no_off_policy_correction():
     ({"use_tis": True}, "use_tis: true needs use_rollout_logprobs: false"),
     ({"keep_old_actor": True}, "keep_old_actor: true needs use_rollout_logprobs: false"),
     ({"whiten_advantages": True}, "whiten_advantages applies to advantage_estimator: gae"),
+    ({"advantage_estimator": "reinforce_pp", "whiten_advantages": True},
+     "whiten_advantages applies to advantage_estimator: gae (advantage_estimator reinforce_pp normalises by itself"),
+    ({"advantage_estimator": "rloo", "normalize_advantage_std": False},
+     "normalize_advantage_std: false (Dr.GRPO) applies to advantage_estimator: grpo"),
+    ({"advantage_estimator": "rloo", "gamma": 0.99}, "gamma applies to advantage_estimator: gae or reinforce_pp"),
+    ({"advantage_estimator": "reinforce_pp", "lambd": 0.95}, "lambd is GAE's lambda"),
+    ({"advantage_estimator": "rloo", "num_critic_only_steps": 2}, "num_critic_only_steps needs a critic"),
 ])
 def test_contradicting_algorithm_choices_are_refused(algorithm, words):
     [line] = problem_lines(error_of(config_from_dict, minimal(algorithm=algorithm)))
     assert line.startswith(f"algorithm: {words}")
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp_baseline"])
+def test_a_group_baseline_needs_two_samples_per_prompt(estimator):
+    [line] = problem_lines(error_of(config_from_dict, minimal(rollout={"n_samples_per_prompt": 1},
+                                                              algorithm={"advantage_estimator": estimator})))
+    assert line.startswith(f"rollout.n_samples_per_prompt: 1 gives every sample advantage 0 with "
+                           f"algorithm.advantage_estimator: {estimator}")
+    solo = config_from_dict(minimal(rollout={"n_samples_per_prompt": 1},
+                                    algorithm={"advantage_estimator": "reinforce_pp", "gamma": 0.99}))
+    assert solo.algorithm.gamma == 0.99 and solo.algorithm.policy_loss == "ppo"
 
 
 @pytest.mark.parametrize("safe", [{"use_tis": True}, {"keep_old_actor": True},
@@ -241,7 +259,8 @@ def test_contradicting_algorithm_choices_are_refused(algorithm, words):
 def test_async_with_a_correction_or_sync_mode_is_accepted(safe):
     cfg = config_from_dict(minimal(loop={"mode": "async"}, algorithm={"use_rollout_logprobs": False, **safe}))
     assert cfg.loop.mode == "async"
-    assert config_from_dict(minimal(loop={"mode": "sync"}, algorithm={"use_rollout_logprobs": False})).loop.mode == "sync"
+    sync = config_from_dict(minimal(loop={"mode": "sync"}, algorithm={"use_rollout_logprobs": False}))
+    assert sync.loop.mode == "sync"
 
 
 @pytest.mark.parametrize("item, words", [

@@ -64,10 +64,11 @@ class FakeTrainer:
 
     def __init__(self, name: str, log: CallLog, *, checkpoint: RunState | None = None,
                  failures: dict[int, list[grpc.StatusCode]] | None = None,
-                 on_train: Callable[[int], None] | None = None):
+                 on_train: Callable[[int], None] | None = None, answers: dict[int, tuple[int, int]] | None = None):
         self.name, self.log, self.checkpoint = name, log, checkpoint
         self.failures = failures or {}
         self.on_train = on_train
+        self.answers = answers or {}   # rollout id -> (samples trained, samples filtered); else SAMPLES_PER_STEP, 0
         self.requests: list[trainer_pb2.TrainRequest] = []
         self.saved: list[RunState] = []
         self.step = 0
@@ -92,8 +93,9 @@ class FakeTrainer:
             code = codes.pop(0)
             raise ServiceCallError(f"{self.name} Train({request.rollout_id}) failed: {code.name}", code=code)
         self.step += 1
+        trained, filtered = self.answers.get(request.rollout_id, (SAMPLES_PER_STEP, 0))
         return trainer_pb2.TrainResponse(rollout_id=request.rollout_id, step=self.step, metrics={"loss": 0.5},
-                                         samples_trained=SAMPLES_PER_STEP)
+                                         samples_trained=trained, samples_filtered=filtered)
 
     def save(self, request: trainer_pb2.SaveRequest) -> trainer_pb2.SaveResponse:
         self.log(f"{self.name}.save", request.rollout_id)
@@ -112,19 +114,26 @@ class FakeTrainer:
 
 
 class FakePool:
-    """Fake of the rollout replicas: a generation of rollout r writes entry `r-a`."""
+    """Fake of the rollout replicas: the k-th generation of rollout r writes entry `r-a`, `r-b`, ...; the prompts
+    whose first group id is g hold `informative[g]` informative groups (default: all of them)."""
 
-    def __init__(self, log: CallLog, *, size: int = 1):
+    def __init__(self, log: CallLog, *, size: int = 1, informative: dict[int, int] | None = None):
         self.log, self.size = log, size
+        self.informative = informative or {}
+        self.calls: dict[int, int] = {}
 
     def wait_healthy(self, timeout_s: float) -> None:
         self.log("pool.wait_healthy")
 
     def generate(self, *, rollout_id: int, prompts: list, n_samples: int, sampling: Any,
                  trace_context: dict[str, str]) -> GenerationResult:
-        self.log("pool.generate", rollout_id, prompts[0].group_id)   # the first group id names the prompts
-        reply = rollout_pb2.GenerateResponse(entry_id=f"{rollout_id}-a", num_samples=len(prompts) * n_samples,
-                                             metrics={"reward_mean": 0.25})
+        first = prompts[0].group_id
+        self.log("pool.generate", rollout_id, first)   # the first group id names the prompts
+        k = self.calls[rollout_id] = self.calls.get(rollout_id, -1) + 1
+        reply = rollout_pb2.GenerateResponse(entry_id=f"{rollout_id}-{'abcdefgh'[k]}",
+                                             num_samples=len(prompts) * n_samples, metrics={"reward_mean": 0.25},
+                                             num_groups=len(prompts),
+                                             informative_groups=self.informative.get(first, len(prompts)))
         return GenerationResult(rollout_id=rollout_id, entry_ids=(reply.entry_id,), responses=(reply,), seconds=0.0)
 
     def evaluate(self, prompts: list, *, n_samples: int, sampling: Any) -> dict[str, float]:
@@ -202,15 +211,16 @@ class Run:
 
     def __init__(self, config: TandemConfig, *, checkpoint: RunState | None = None, pool_size: int = 1,
                  failures: dict[int, list[grpc.StatusCode]] | None = None, buffer: bool = False,
-                 gone: frozenset[str] = frozenset(), on_train: Callable[[Coordinator, int], None] | None = None):
+                 gone: frozenset[str] = frozenset(), on_train: Callable[[Coordinator, int], None] | None = None,
+                 informative: dict[int, int] | None = None, answers: dict[int, tuple[int, int]] | None = None):
         self.log = CallLog()
-        self.trainer = FakeTrainer("trainer", self.log, checkpoint=checkpoint, failures=failures,
+        self.trainer = FakeTrainer("trainer", self.log, checkpoint=checkpoint, failures=failures, answers=answers,
                                    on_train=lambda rid: on_train(self.coordinator, rid) if on_train else None)
         self.critic = FakeTrainer("critic", self.log) if config.algorithm.uses_critic else None
         self.tracker = FakeTracker(self.log)
         self.coordinator = Coordinator(
             config=config, run_dir=Path("/nonexistent/run"), trainer=self.trainer, critic=self.critic,
-            pool=FakePool(self.log, size=pool_size), sync=FakeSync(self.log),
+            pool=FakePool(self.log, size=pool_size, informative=informative), sync=FakeSync(self.log),
             data=DataSource(RECORDS, batch_size=config.rollout.rollout_batch_size, shuffle=False, seed=0,
                             num_epochs=config.data.num_epochs),
             buffer=FakeBuffer(self.log, gone=gone) if buffer else None, trackers=[self.tracker],
@@ -397,6 +407,84 @@ def test_a_train_still_unavailable_after_its_attempts_fails_the_run_as_transient
     assert not info.value.permanent
     assert run.log == [*FRESH_START, gen(0, 0), ("trainer.train", 0), ("sleep", 1.0), ("trainer.train", 0),
                        ("sleep", 2.0), ("trainer.train", 0)]
+
+
+# ---- dynamic sampling ---------------------------------------------------------------------------------------
+
+DYNAMIC = {"dynamic_sampling": {"enabled": True, "max_rounds": 3}}
+
+
+def test_dynamic_sampling_generates_rounds_until_the_batch_is_full_and_trains_every_entry_in_one_call(caplog):
+    """Rollout 0: 1 of its 2 groups is informative, a second round (groups 2-3) brings 2 more: 2 rounds, 1 surplus.
+    Rollout 1: no group is informative in 3 rounds (groups 4-5, 6-7, then 8-9 of the next epoch): the cap; it trains
+    on what there is (nothing) and says so. Rollout 2: both groups informative at once. Every round's entries go to
+    the step's one Train, and the books add up to what was generated."""
+    config = make_config(rollout=DYNAMIC, loop={"mode": "async", "save_interval": 100})
+    answers = {0: (4, 4), 1: (0, 12), 2: (4, 0)}   # what the trainer keeps: rollout_batch_size informative groups
+    run = Run(config, informative={0: 1, 2: 2, 4: 0, 6: 0, 8: 0, 10: 2}, answers=answers)
+    assert run.run() == [*FRESH_START,
+                         gen(0, 0), gen(0, 2),
+                         gen(1, 4), gen(1, 6), gen(1, 8), ("trainer.train", 0), ("sync", 1), step(0),
+                         gen(2, 10), ("trainer.train", 1), ("sync", 2),
+                         ("trainer.save", 1), step(1),   # the epoch ended in rollout 1's second round: a save point
+                         ("trainer.train", 2), ("sync", 3), ("trainer.save", 2), step(2)]
+    assert [list(r.entry_ids) for r in run.trainer.requests] == [["0-a", "0-b"], ["1-a", "1-b", "1-c"], ["2-a"]]
+    rows = [run.tracker.rows[(i, "step")] for i in range(3)]
+    assert [r["rollout/dynamic_rounds"] for r in rows] == [2.0, 3.0, 1.0]
+    assert [r["rollout/informative_groups"] for r in rows] == [3.0, 0.0, 2.0]
+    assert [r["rollout/filtered_group_frac"] for r in rows] == [0.25, 1.0, 0.0]
+    assert [r["rollout/surplus_groups"] for r in rows] == [1.0, 0.0, 0.0]
+    assert [r["rollout/groups_short"] for r in rows] == [0.0, 2.0, 0.0]
+    assert [r["rollout/extra_samples"] for r in rows] == [4.0, 8.0, 0.0]
+    assert [r["rollout/num_samples"] for r in rows] == [8.0, 12.0, 4.0]
+    assert [r["rollout/filtered_samples"] for r in rows] == [4.0, 12.0, 0.0]
+    assert all(r["perf/extra_generate_time_s"] >= 0 for r in rows)
+    assert "rollout 1: 0 of 6 groups informative after 3 rounds" in caplog.text
+    mid, final = run.trainer.saved
+    # the checkpoint of step 1 records rollout 2's generation in flight: its range of the data cursor
+    assert [(p.rollout_id, p.entry_ids, p.cursor_before, p.cursor_after) for p in mid.pending] == [
+        (2, ("2-a",), DataCursor(1, 2, 10), DataCursor(1, 4, 12))]
+    assert (final.samples_generated, final.samples_trained, final.samples_filtered) == (24, 8, 16)
+    assert final.samples_generated == (final.samples_trained + final.samples_dropped_stale + final.samples_filtered
+                                       + final.samples_critic_only)
+
+
+def test_dynamic_sampling_in_sync_mode_generates_the_rounds_after_the_weights_arrived():
+    run = Run(make_config(rollout=DYNAMIC, loop={"mode": "sync", "num_rollout": 2}), informative={0: 0, 2: 1, 4: 1})
+    assert run.run() == [*FRESH_START,
+                         gen(0, 0), gen(0, 2), gen(0, 4), ("trainer.train", 0), ("sync", 1),
+                         gen(1, 6), step(0),
+                         ("trainer.train", 1), ("sync", 2), ("trainer.save", 1), step(1)]
+    assert list(run.trainer.requests[0].entry_ids) == ["0-a", "0-b", "0-c"]
+
+
+def test_a_resume_reuses_every_round_of_a_recorded_generation_or_generates_its_range_again():
+    """Rollout 2 was generated in two rounds (groups 10-13). Still buffered: one Train names both entries and the
+    next generation starts after the range. One entry gone (trained after the checkpoint): the range is generated
+    again from its start, the same prompts (group 10, then group 12)."""
+    pending = (GeneratedBatch(rollout_id=2, entry_ids=("2-a", "2-b"), cursor_before=DataCursor(1, 2, 10),
+                              cursor_after=DataCursor(1, 6, 14), metrics={"rollout/num_samples": 8.0}),)
+    saved = RunState(next_rollout_id=2, weight_version=2, cursor=DataCursor(1, 2, 10), pending=pending,
+                     samples_generated=20, samples_trained=8, samples_filtered=12)
+    config = make_config(rollout=DYNAMIC, loop={"mode": "async", "num_rollout": 4})
+    reused = Run(config, checkpoint=saved, buffer=True, informative={10: 1}, answers={2: (4, 4)})
+    assert reused.run() == [("trainer.wait_healthy",), ("pool.wait_healthy",), ("trainer.load",),
+                            ("buffer.missing", ("2-a", "2-b")), ("buffer.discard_except", ("2-a", "2-b")),
+                            ("tracker.rewind", 2), ("sync", 2),
+                            gen(3, 14), ("trainer.train", 2), ("sync", 3), step(2),
+                            ("trainer.train", 3), ("sync", 4), ("trainer.save", 3), step(3)]
+    assert list(reused.trainer.requests[0].entry_ids) == ["2-a", "2-b"]
+    final = reused.trainer.saved[-1]
+    assert final.samples_generated == 20 + 8 + SAMPLES_PER_STEP == final.samples_trained + final.samples_filtered
+
+    again = Run(config, checkpoint=saved, buffer=True, gone=frozenset({"2-b"}), informative={10: 1},
+                answers={2: (4, 4)})
+    assert again.run()[3:] == [("buffer.missing", ("2-a", "2-b")), ("buffer.discard_except", ()),
+                               ("tracker.rewind", 2), ("sync", 2),
+                               gen(2, 10), gen(2, 12),
+                               gen(3, 14), ("trainer.train", 2), ("sync", 3), step(2),
+                               ("trainer.train", 3), ("sync", 4), ("trainer.save", 3), step(3)]
+    assert list(again.trainer.requests[0].entry_ids) == ["2-a", "2-b"]   # the regenerated entries
 
 
 # ---- policy: one line each ---------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The trainer's RL math end to end (real DeepSpeed on CPU, real redis-server) against the independent
 references of rl_reference.py: each sample scored under the distribution it was drawn from (T != 1, top-p,
 top-k, greedy, mixed in one step), the step's metrics recomputed by hand after an update with masked interior
-tokens, GAE skipping masked tokens in the critic, and keep_old_actor's per-version snapshots."""
+tokens, GAE skipping masked tokens in the critic, keep_old_actor's per-version snapshots, and the estimators and
+losses of issue 25 in a real step: GSPO with RLOO, REINFORCE++ and REINFORCE++-baseline with KL rewards."""
 
 from __future__ import annotations
 
@@ -166,3 +167,79 @@ def test_keep_old_actor_scores_samples_under_the_version_that_generated_them(har
     assert third["old_actor_fallback_frac"] == 1.0 and math.isfinite(third["loss"])   # v0 is gone: current policy
     h.service.save(rollout_id=2)
     assert h.service.load().loaded and not h.service.old_actor.snapshots   # a Load rolls back: snapshots dropped
+
+
+def noisy_masked_batch(model_dir: Path, *, seed: int, dist: SamplingSpec, noise: float) -> RolloutBatchData:
+    """Masked interior tokens and rollout log-probs off the policy by N(0, noise) per token."""
+    batch = make_batch(rollout_id=1, seed=seed, groups=4, model_dir=model_dir, sampling=dist)
+    shift = np.random.default_rng(seed + 1).normal(0.0, noise, batch.num_response_tokens).astype(np.float32)
+    return dataclasses.replace(batch, loss_mask=interior_masks(batch, seed=seed + 2),
+                               rollout_log_probs=batch.rollout_log_probs + shift)
+
+
+def test_gspo_with_rloo_step_matches_the_reference_after_an_update(harness, peaked_model_dir):  # noqa: F811
+    """GSPO's sequence ratio over multi-token sequences with masked interior tokens, split over micro-batches, with
+    asymmetric and dual clip and the default seq_mean_token_mean; RLOO advantages: every metric of the second step
+    against GSPO's sequence objective (rl_reference.gspo_sequence) under the exported weights."""
+    algo = {"policy_loss": "gspo", "advantage_estimator": "rloo", "eps_clip": 0.1, "eps_clip_high": 0.15,
+            "dual_clip_c": 1.5}
+    h = harness(model_dir=peaked_model_dir, algorithm=algo)
+    dist = SamplingSpec(temperature=0.7, top_p=0.9)
+    h.service.train(rollout_id=0, entry_ids=[h.put(make_batch(seed=1, model_dir=peaked_model_dir, sampling=dist))])
+    trained = h.service.save(rollout_id=0, export_hf=True).hf_path
+    batch = noisy_masked_batch(peaked_model_dir, seed=2, dist=dist, noise=0.3)
+    m = h.service.train(rollout_id=1, entry_ids=[h.put(batch)]).metrics
+
+    now, toks = reference_tables(trained, batch), targets(batch)
+    adv = ref.rloo_advantages(batch.rewards.tolist(), batch.group_ids.tolist())
+    seqs, token_rows = [], []
+    for (_, _, resp), a in zip(batch.sample_slices(), adv, strict=True):
+        idx = range(resp.start, resp.stop)
+        mask = batch.loss_mask[resp].tolist()
+        loss, s, clipped, _ = ref.gspo_sequence(log_probs=[now[i][toks[i]] for i in idx],
+                                                old_log_probs=batch.rollout_log_probs[resp].tolist(), advantage=a,
+                                                mask=mask, eps_low=0.1, eps_high=0.15, dual_clip_c=1.5)
+        seqs.append(loss)
+        token_rows += [(s, clipped, ref.entropy(now[i])) for i, k in zip(idx, mask, strict=True) if k]
+    ratio, clipfrac, entropy = np.mean(token_rows, axis=0)
+    assert 0 < clipfrac < 1 and abs(ratio - 1) > 1e-3   # some sequences clip, some do not
+    got = [m[k] for k in ("pg_loss", "loss", "ppo_ratio_mean", "pg_clipfrac", "entropy")]
+    assert got == pytest.approx([np.mean(seqs), np.mean(seqs), ratio, clipfrac, entropy], rel=2e-4, abs=2e-6)
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_reinforce_pp_step_with_kl_reward_matches_the_reference(harness, peaked_model_dir, estimator):  # noqa: F811
+    """REINFORCE++ (gamma 0.9, per-token KL rewards, masked interior tokens no steps) and REINFORCE++-baseline
+    (KL-shaped group-centred rewards), both whitened over the batch, in a real step after an update: the policy
+    loss recomputed from the exported weights, the reference model's log-probs and the rollout's."""
+    algo = {"advantage_estimator": estimator, "kl_coef": 0.05, "kl_mode": "reward",
+            **({"gamma": 0.9} if estimator == "reinforce_pp" else {})}
+    h = harness(model_dir=peaked_model_dir, algorithm=algo)
+    dist = SamplingSpec(temperature=0.7, top_p=0.9)
+    h.service.train(rollout_id=0, entry_ids=[h.put(make_batch(seed=1, model_dir=peaked_model_dir, sampling=dist))])
+    trained = h.service.save(rollout_id=0, export_hf=True).hf_path
+    batch = noisy_masked_batch(peaked_model_dir, seed=3, dist=dist, noise=0.2)
+    m = h.service.train(rollout_id=1, entry_ids=[h.put(batch)]).metrics
+
+    now, toks = reference_tables(trained, batch), targets(batch)
+    now_t, init_t = reference_tables(trained, batch, tempered=True), reference_tables(peaked_model_dir, batch,
+                                                                                       tempered=True)
+    kl_penalty = [0.05 * ref.kl(now_t[i][t], init_t[i][t], "k3") for i, t in enumerate(toks)]
+    mask = batch.loss_mask.tolist()
+    per_token_adv = []
+    if estimator == "reinforce_pp":
+        for (_, _, resp), r in zip(batch.sample_slices(), batch.rewards.tolist(), strict=True):
+            per_token_adv += ref.reinforce_pp_returns(reward=r, mask=mask[resp], kl_penalty=kl_penalty[resp],
+                                                      gamma=0.9)
+    else:
+        shaped = [r - sum(k for k, on in zip(kl_penalty[resp], mask[resp], strict=True) if on)
+                  for (_, _, resp), r in zip(batch.sample_slices(), batch.rewards.tolist(), strict=True)]
+        centred = ref.grpo_advantages(shaped, batch.group_ids.tolist(), normalize_std=False)
+        per_token_adv = np.repeat(centred, batch.response_lengths).tolist()
+    advantages = ref.whiten(per_token_adv, mask)
+    rows = [ref.ppo_loss(log_prob=now[i][t], old_log_prob=float(batch.rollout_log_probs[i]), advantage=advantages[i],
+                         eps_low=0.2, eps_high=0.2, dual_clip_c=None) for i, t in enumerate(toks) if mask[i]]
+    pg, ratio, clipfrac = np.mean(rows, axis=0)
+    assert 0 < clipfrac < 1 and max(kl_penalty) > 1e-5   # the update moved the policy away from the reference
+    got = [m[k] for k in ("pg_loss", "loss", "ppo_ratio_mean", "pg_clipfrac", "advantage_mean")]
+    assert got == pytest.approx([pg, pg, ratio, clipfrac, 0.0], rel=2e-4, abs=2e-6)

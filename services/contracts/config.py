@@ -67,6 +67,28 @@ class SGLangConfig(Section):
     api_key: str | None = Field(default=None, description="SGLang's --api-key (sent as a bearer token)")
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling (docs/algorithms.md): groups whose rewards are all equal are filtered out, and more
+    prompts are generated until a step has rollout_batch_size informative groups."""
+
+    enabled: bool = False
+    max_rounds: int = Field(default=3, ge=1, description="generation rounds of one step at most, the first included "
+                            "(each draws the next rollout_batch_size prompts); at the cap the step trains on the "
+                            "informative groups there are (metric rollout/groups_short)")
+    min_std: float = Field(default=1e-6, ge=0, description="a group is informative when the population std of its "
+                           "rewards exceeds this")
+
+
+class OverlongPenaltyConfig(Section):
+    """DAPO's soft overlong punishment: a length penalty over the last `buffer_tokens` before max_new_tokens, added
+    to the reward by the rollout before the batch is written."""
+
+    enabled: bool = False
+    buffer_tokens: int = Field(default=1, ge=1, description="the penalty grows from 0 at max_new_tokens - "
+                               "buffer_tokens to -factor at max_new_tokens")
+    factor: float = Field(default=1.0, gt=0)
+
+
 class RolloutConfig(Section):
     engine: Literal["native", "sglang"] = "native"
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
@@ -82,6 +104,8 @@ class RolloutConfig(Section):
     max_request_samples: int = Field(default=65536, ge=1, description="most samples (prompts × n) one Generate or "
                                      "Evaluate call may ask for; larger requests are refused (INVALID_ARGUMENT)")
     sglang: SGLangConfig = SGLangConfig()
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    overlong_penalty: OverlongPenaltyConfig = OverlongPenaltyConfig()
 
 
 class TrainerConfig(Section):
@@ -116,12 +140,20 @@ class TrainerConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage_estimator: Literal["grpo", "gae"] = "grpo"
-    normalize_advantage_std: bool = Field(default=True, description="False = Dr.GRPO")
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = Field(
+        default="grpo", description="grpo (group-normalised), rloo (leave-one-out baseline), reinforce_pp (discounted "
+        "returns whitened over the batch), reinforce_pp_baseline (group mean baseline, then whitened over the batch), "
+        "gae (PPO with a critic); docs/algorithms.md")
+    normalize_advantage_std: bool = Field(default=True, description="grpo: divide by the group's std (False = "
+                                          "Dr.GRPO)")
+    policy_loss: Literal["ppo", "gspo"] = Field(default="ppo", description="ppo: per-token ratio, clipped per token; "
+                                                "gspo: the sequence's geometric-mean ratio, clipped per sequence")
     eps_clip: float = Field(default=0.2, gt=0)
     eps_clip_high: float | None = Field(default=None, gt=0, description="asymmetric upper clip (DAPO)")
     dual_clip_c: float | None = Field(default=None, gt=1.0)
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
+        default="token_mean", description="default token_mean; with policy_loss: gspo left unset it is "
+        "seq_mean_token_mean, the GSPO paper's objective")
     kl_coef: float = Field(default=0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_mode: Literal["loss", "reward"] = "loss"
@@ -135,16 +167,31 @@ class AlgorithmConfig(Section):
     keep_old_actor: bool = Field(default=False, description="keep snapshots of the weights sent to the rollout "
                                  "engines, and score each sample under the version that generated it (the ratio's "
                                  "denominator); needs use_rollout_logprobs: false")
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    lambd: float = Field(default=1.0, ge=0, le=1)
+    gamma: float = Field(default=1.0, ge=0, le=1, description="discount per action: gae, reinforce_pp")
+    lambd: float = Field(default=1.0, ge=0, le=1, description="GAE's lambda: gae")
     whiten_advantages: bool = Field(default=False, description="gae: normalise advantages to mean 0, std 1 over "
                                     "the batch's trainable tokens (verl's masked_whiten)")
     value_clip: float = Field(default=0.2, gt=0)
     num_critic_only_steps: int = Field(default=0, ge=0)
+    overlong_filter: bool = Field(default=False, description="DAPO's overlong filtering: samples that reached "
+                                  "max_new_tokens without stopping get loss_mask 0 in the actor's loss (they still "
+                                  "count in their group's baseline and in the books)")
 
     @property
     def uses_critic(self) -> bool:
         return self.advantage_estimator == "gae"
+
+    @property
+    def compares_within_groups(self) -> bool:
+        """The estimator's baseline is the other samples of the same prompt."""
+        return self.advantage_estimator in ("grpo", "rloo", "reinforce_pp_baseline")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gspo_aggregates_per_sequence(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("policy_loss") == "gspo" and "loss_aggregation" not in data:
+            return {**data, "loss_aggregation": "seq_mean_token_mean"}
+        return data
 
     @model_validator(mode="after")
     def _consistent_corrections(self) -> AlgorithmConfig:
@@ -155,9 +202,27 @@ class AlgorithmConfig(Section):
         if self.use_rollout_logprobs and self.keep_old_actor:
             raise ValueError("keep_old_actor: true needs use_rollout_logprobs: false (the old actor "
                              "computes the ratio's denominator, which use_rollout_logprobs takes from the rollout)")
-        if self.whiten_advantages and not self.uses_critic:
-            raise ValueError("whiten_advantages applies to advantage_estimator: gae (GRPO advantages are "
-                             "normalised per group: normalize_advantage_std)")
+        return self
+
+    @model_validator(mode="after")
+    def _keys_the_estimator_uses(self) -> AlgorithmConfig:
+        """A key the chosen estimator ignores, set away from its default, is a mistake: refuse it."""
+        est = self.advantage_estimator
+        if self.whiten_advantages and est != "gae":
+            raise ValueError(f"whiten_advantages applies to advantage_estimator: gae (advantage_estimator {est} "
+                             "normalises by itself: grpo per group, reinforce_pp and reinforce_pp_baseline over the "
+                             "batch, rloo not at all)")
+        if not self.normalize_advantage_std and est != "grpo":
+            raise ValueError("normalize_advantage_std: false (Dr.GRPO) applies to advantage_estimator: grpo; "
+                             f"advantage_estimator {est} divides by no group std")
+        if self.gamma != 1.0 and est not in ("gae", "reinforce_pp"):
+            raise ValueError(f"gamma applies to advantage_estimator: gae or reinforce_pp (per-token returns); "
+                             f"advantage_estimator {est} gives each sample one advantage")
+        if self.lambd != 1.0 and est != "gae":
+            raise ValueError(f"lambd is GAE's lambda: it needs advantage_estimator: gae, not {est}")
+        if self.num_critic_only_steps and not self.uses_critic:
+            raise ValueError(f"num_critic_only_steps needs a critic: advantage_estimator: gae (advantage_estimator "
+                             f"{est} trains none)")
         return self
 
 
@@ -292,6 +357,11 @@ class TandemConfig(Section):
     @model_validator(mode="after")
     def _cross_section_rules(self) -> TandemConfig:
         validate_async_off_policy_correction(self)
+        validate_dapo_options(self)
+        if self.algorithm.compares_within_groups and self.rollout.n_samples_per_prompt == 1:
+            raise ValueError(f"rollout.n_samples_per_prompt: 1 gives every sample advantage 0 with "
+                             f"algorithm.advantage_estimator: {self.algorithm.advantage_estimator} (its baseline is "
+                             "the other samples of the prompt); sample 2 or more per prompt, or use reinforce_pp")
         if self.loop.offload_rollout and self.loop.mode != "sync":
             raise ValueError(f"loop.offload_rollout needs loop.mode: sync (in {self.loop.mode} mode the engines "
                              "generate the next batch while the trainer trains)")
@@ -323,6 +393,36 @@ def validate_async_off_policy_correction(config: TandemConfig) -> None:
         f"loop.mode: {config.loop.mode} trains on samples of an older policy, but no off-policy correction is on "
         "(a critic is none): set algorithm.use_rollout_logprobs: true, algorithm.use_tis: true or "
         "algorithm.keep_old_actor: true, or use loop.mode: sync")
+
+
+def validate_dapo_options(config: TandemConfig) -> None:
+    """Dynamic sampling needs a group baseline, contiguous prompt ranges per step, and one step's entries within the
+    buffer; the overlong buffer lies inside the response budget."""
+    ro = config.rollout
+    if ro.dynamic_sampling.enabled:
+        where = "rollout.dynamic_sampling.enabled"
+        if config.algorithm.uses_critic:
+            raise ValueError(f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
+                             "baseline; with algorithm.advantage_estimator: gae the critic's values are the baseline "
+                             "and such groups still train")
+        if config.algorithm.advantage_estimator == "reinforce_pp":
+            raise ValueError(f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
+                             "baseline; algorithm.advantage_estimator: reinforce_pp's baseline is the whole batch, "
+                             "so such groups still train (reinforce_pp_baseline has a group baseline)")
+        if ro.n_samples_per_prompt < 2:
+            raise ValueError(f"{where} needs rollout.n_samples_per_prompt >= 2 (a group of one is always uniform)")
+        if config.loop.mode == "fully_async":
+            raise ValueError(f"{where} needs loop.mode async or sync (in fully_async several generations draw "
+                             "prompts at once, so a step's prompts would not be one range of the data cursor)")
+        entries = ro.dynamic_sampling.max_rounds * min(len(config.services.rollout), ro.rollout_batch_size)
+        if entries > config.redis.max_buffered_batches:
+            raise ValueError(f"rollout.dynamic_sampling.max_rounds {ro.dynamic_sampling.max_rounds} x "
+                             f"{len(config.services.rollout)} rollout replica(s) = {entries} buffer entries for one "
+                             f"step, more than redis.max_buffered_batches ({config.redis.max_buffered_batches}): "
+                             "raise that or lower max_rounds")
+    if ro.overlong_penalty.enabled and ro.overlong_penalty.buffer_tokens > ro.sampling.max_new_tokens:
+        raise ValueError(f"rollout.overlong_penalty.buffer_tokens ({ro.overlong_penalty.buffer_tokens}) must not "
+                         f"exceed rollout.sampling.max_new_tokens ({ro.sampling.max_new_tokens})")
 
 
 # ---- loading ----------------------------------------------------------------------------------

@@ -72,6 +72,11 @@ class GenerationResult:
     responses: tuple[rollout_pb2.GenerateResponse, ...]
     seconds: float
     recorded_metrics: dict[str, float] | None = None   # set when reused from a checkpoint
+    # Set by the loop: the data cursor after the generation's last prompts, and whether they ended an epoch
+    # (dynamic sampling draws more prompts while it runs).
+    cursor_after: DataCursor | None = None
+    epoch_end: bool = False
+    sampling_metrics: dict[str, float] = field(default_factory=dict)   # dynamic sampling's rounds
 
 
 @dataclass(frozen=True)

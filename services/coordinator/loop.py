@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from services.contracts import runfacts
@@ -36,7 +37,8 @@ from services.coordinator.api import (
     WeightSyncApi,
 )
 from services.coordinator.control import Control
-from services.coordinator.data import PromptRecord
+from services.coordinator.data import PromptBatch, PromptRecord
+from services.coordinator.dynamic import run_rounds
 from services.coordinator.evals import Evaluator
 from services.coordinator.memory import ENGINE_CACHES, ENGINE_WEIGHTS, MemoryMoves
 from services.coordinator.retry import TRAIN_RETRY, RetryPolicy
@@ -124,7 +126,7 @@ class Coordinator:
             with self.step_spans.step(rollout_id):
                 step_start = self.clock.monotonic()
                 assert upcoming is not None   # started above or by the previous step
-                current = upcoming.result()
+                current = self._awaited(upcoming)
                 wait_s = self.clock.monotonic() - step_start
                 more = rollout_id + 1 < self.num_rollout
                 upcoming = self._generation_for(rollout_id + 1) if overlap and more else None
@@ -155,7 +157,7 @@ class Coordinator:
                 next_id += 1
             with self.step_spans.step(rollout_id):
                 step_start = self.clock.monotonic()
-                metrics = self._train_step(rollout_id, in_flight.pop(0).result(),
+                metrics = self._train_step(rollout_id, self._awaited(in_flight.pop(0)),
                                            max_staleness=self.loop_cfg.max_staleness)
                 if policy.sync_due(rollout_id, interval=self.loop_cfg.update_weights_interval, mode=self.loop_cfg.mode):
                     metrics.update(self._sync_weights())
@@ -225,17 +227,34 @@ class Coordinator:
                 return _reused(p)
         before = self.data.cursor
         batch = self.data.next_batch()
-        if batch.epoch_end:
-            self._epoch_ends.add(rollout_id)
+        # The step's own trace starts here; the generation's thread inherits it, so Generate runs under rl.loop.
+        with self.step_spans.started(rollout_id, weight_version=self.state.weight_version, mode=self.loop_cfg.mode):
+            generate = partial(self._generate, rollout_id=rollout_id, trace_context=inject_context(),
+                               sampling=SamplingSpec.from_config(self.config.rollout.sampling).to_proto())
+            dynamic = self.config.rollout.dynamic_sampling
+            if dynamic.enabled:   # further rounds draw prompts on the generation thread (dynamic.py says why)
+                future = self.generations.submit(run_rounds, rollout_id=rollout_id, first=batch, generate=generate,
+                                                 next_batch=self.data.next_batch, max_rounds=dynamic.max_rounds,
+                                                 target_groups=self.config.rollout.rollout_batch_size,
+                                                 clock=self.clock)
+            else:
+                future = self.generations.submit(generate, batch)
+        return InFlight(rollout_id, future, cursor_before=before, cursor_after=batch.cursor_after)
+
+    def _generate(self, batch: PromptBatch, *, rollout_id: int, sampling: common_pb2.SamplingParams,
+                  trace_context: dict[str, str]) -> GenerationResult:
         prompts = [common_pb2.Prompt(text=p.text, label=p.label, group_id=g, metadata=p.metadata)
                    for p, g in zip(batch.prompts, batch.group_ids, strict=True)]
-        # The step's own trace starts here; the generation's thread inherits it, so Generate runs under rl.loop.
-        sampling = SamplingSpec.from_config(self.config.rollout.sampling).to_proto()
-        with self.step_spans.started(rollout_id, weight_version=self.state.weight_version, mode=self.loop_cfg.mode):
-            future = self.generations.submit(self.pool.generate, rollout_id=rollout_id, prompts=prompts,
-                                             n_samples=self.config.rollout.n_samples_per_prompt, sampling=sampling,
-                                             trace_context=inject_context())
-        return InFlight(rollout_id, future, cursor_before=before, cursor_after=batch.cursor_after)
+        result = self.pool.generate(rollout_id=rollout_id, prompts=prompts, sampling=sampling,
+                                    n_samples=self.config.rollout.n_samples_per_prompt, trace_context=trace_context)
+        return replace(result, cursor_after=batch.cursor_after, epoch_end=batch.epoch_end)
+
+    def _awaited(self, gen: InFlight) -> GenerationResult:
+        """The generation of the step about to train; an epoch it ended makes the step a save point."""
+        result = gen.result()
+        if result.epoch_end:
+            self._epoch_ends.add(gen.rollout_id)
+        return result
 
     def _train_step(self, rollout_id: int, gen: GenerationResult, *, max_staleness: int = -1) -> dict[str, float]:
         metrics = generation_metrics(gen, weight_version=self.state.weight_version)
@@ -265,9 +284,13 @@ class Coordinator:
         self.state = self.state.trained(rollout_id, generated=generated,
                                         trained=reply.samples_trained if reply is not None else 0,
                                         dropped_stale=reply.samples_dropped_stale if reply is not None else 0,
+                                        filtered=reply.samples_filtered if reply is not None else 0,
                                         critic_only=generated if reply is None else 0)
         metrics["rollout/stale_dropped"] = float(reply.samples_dropped_stale if reply is not None else 0)
         metrics["rollout/stale_dropped_total"] = float(self.state.samples_dropped_stale)
+        if self.config.rollout.dynamic_sampling.enabled:
+            metrics["rollout/filtered_samples"] = float(reply.samples_filtered if reply is not None else 0)
+            metrics["rollout/filtered_samples_total"] = float(self.state.samples_filtered)
         return metrics
 
     def _train(self, client: TrainerApi, request: trainer_pb2.TrainRequest) -> trainer_pb2.TrainResponse:
@@ -361,6 +384,7 @@ def _reused(batch: GeneratedBatch) -> InFlight:
 def _recorded(gen: InFlight, *, weight_version: int) -> GeneratedBatch:
     """What a checkpoint records of a generation in flight (waiting for it), for a resume to reuse."""
     result = gen.result()
+    cursor_after = result.cursor_after if result.cursor_after is not None else gen.cursor_after   # the last round's
     return GeneratedBatch(rollout_id=gen.rollout_id, entry_ids=result.entry_ids, cursor_before=gen.cursor_before,
-                          cursor_after=gen.cursor_after,
+                          cursor_after=cursor_after,
                           metrics=generation_metrics(result, weight_version=weight_version))

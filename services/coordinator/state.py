@@ -41,6 +41,7 @@ class RunState:
     samples_trained: int = 0
     samples_dropped_stale: int = 0
     samples_critic_only: int = 0                    # PPO warm-up: trained by the critic only, never by the actor
+    samples_filtered: int = 0                       # dynamic sampling: in uniform or surplus groups, acknowledged
     weights_pushed: bool = True                     # engines hold exactly the trainer's weights (no step since sync)
     history: tuple[str, ...] = field(default_factory=tuple)  # checkpoint paths, oldest first
 
@@ -50,14 +51,16 @@ class RunState:
         return replace(self, weight_version=self.weight_version + (0 if self.weights_pushed else 1),
                        weights_pushed=True)
 
-    def trained(self, rollout_id: int, *, generated: int, trained: int, dropped_stale: int,
-                critic_only: int) -> RunState:
-        """After the step of `rollout_id`: its samples counted, its generation no longer pending, and the trainer's
-        weights ahead of the engines' until the next sync."""
+    def trained(self, rollout_id: int, *, generated: int, trained: int, dropped_stale: int, critic_only: int,
+                filtered: int = 0) -> RunState:
+        """After the step of `rollout_id`: its samples counted (generated = trained + dropped_stale + filtered +
+        critic_only), its generation no longer pending, and the trainer's weights ahead of the engines' until the
+        next sync."""
         return replace(self, next_rollout_id=rollout_id + 1, samples_generated=self.samples_generated + generated,
                        samples_trained=self.samples_trained + trained,
                        samples_dropped_stale=self.samples_dropped_stale + dropped_stale,
                        samples_critic_only=self.samples_critic_only + critic_only,
+                       samples_filtered=self.samples_filtered + filtered,
                        pending=tuple(p for p in self.pending if p.rollout_id != rollout_id), weights_pushed=False)
 
     def to_json(self) -> str:
@@ -66,6 +69,7 @@ class RunState:
                            "samples_generated": self.samples_generated, "samples_trained": self.samples_trained,
                            "samples_dropped_stale": self.samples_dropped_stale,
                            "samples_critic_only": self.samples_critic_only,
+                           "samples_filtered": self.samples_filtered,
                            "weights_pushed": self.weights_pushed, "history": list(self.history)})
 
     @classmethod
@@ -78,5 +82,6 @@ class RunState:
                    samples_trained=int(d.get("samples_trained", 0)),
                    samples_dropped_stale=int(d.get("samples_dropped_stale", 0)),
                    samples_critic_only=int(d.get("samples_critic_only", 0)),
+                   samples_filtered=int(d.get("samples_filtered", 0)),
                    weights_pushed=bool(d.get("weights_pushed", True)),
                    history=tuple(d.get("history", [])))

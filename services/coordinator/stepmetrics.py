@@ -33,4 +33,5 @@ def generation_metrics(gen: GenerationResult, *, weight_version: int) -> dict[st
     out["perf/generate_time_s"] = max(r.generate_time_s for r in gen.responses)
     out["perf/reward_time_s"] = max(r.reward_time_s for r in gen.responses)
     out["rollout/staleness"] = float(weight_version - min(r.weight_version for r in gen.responses))
+    out.update(gen.sampling_metrics)
     return out

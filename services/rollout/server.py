@@ -54,7 +54,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             entry_id=r.entry_id, num_samples=r.num_samples, num_prompt_tokens=r.num_prompt_tokens,
             num_response_tokens=r.num_response_tokens, weight_version=r.weight_version,
             generate_time_s=r.generate_time_s, reward_time_s=r.reward_time_s, put_time_s=r.put_time_s,
-            metrics=r.metrics, producer=r.producer)
+            metrics=r.metrics, producer=r.producer, num_groups=r.num_groups, informative_groups=r.informative_groups)
 
     @map_errors
     def Evaluate(self, request: rollout_pb2.EvaluateRequest, context: Any) -> rollout_pb2.EvaluateResponse:

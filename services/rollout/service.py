@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from services.buffer.stream import RolloutBuffer, connect, redacted, stream_key
-from services.contracts.config import TandemConfig
+from services.contracts.config import OverlongPenaltyConfig, TandemConfig
+from services.contracts.dapo import informative_groups, overlong_penalty
 from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import build_batch
 from services.rollout.engines.base import (
@@ -68,6 +69,8 @@ class GenerateResult:
     put_time_s: float
     metrics: dict[str, float]
     producer: str
+    num_groups: int = 0
+    informative_groups: int = 0    # groups whose rewards are not all equal (what dynamic sampling counts)
 
 
 @dataclass(frozen=True)
@@ -216,10 +219,11 @@ class RolloutService:
                           prompts=len(prompts), samples=len(prompts) * n, replica=self.replica) as sp:
             scored = self._sample_and_score(prompts=prompts, prompt_ids=prompt_ids, n=n, sampling=sampling,
                                             reward_fn=reward_fn, rollout_id=rollout_id, span_=sp)
+            rewards, shaping = shaped_rewards(scored, ro.overlong_penalty, max_new_tokens=sampling.max_new_tokens)
             batch = build_batch(
                 rollout_id=rollout_id, policy_version=min(o.weight_version for o in scored.outputs),
                 prompts=scored.prompt_ids, responses=[list(o.token_ids) for o in scored.outputs],
-                log_probs=[list(o.log_probs) for o in scored.outputs], rewards=scored.rewards,
+                log_probs=[list(o.log_probs) for o in scored.outputs], rewards=rewards,
                 group_ids=[p.group_id for p in prompts for _ in range(n)],
                 finish_reasons=[o.finish_reason for o in scored.outputs], sampling=sampling,
                 sample_versions=[o.weight_version for o in scored.outputs],
@@ -239,8 +243,10 @@ class RolloutService:
             entry_id=entry_id, num_samples=batch.num_samples, num_prompt_tokens=int(batch.prompt_lengths.sum()),
             num_response_tokens=batch.num_response_tokens, weight_version=batch.policy_version,
             generate_time_s=scored.generate_s, reward_time_s=scored.reward_s, put_time_s=put_s,
-            metrics=batch_metrics(scored.outputs, scored.rewards, n=n, generate_s=scored.generate_s),
-            producer=self.producer)
+            metrics={**batch_metrics(scored.outputs, rewards, n=n, generate_s=scored.generate_s), **shaping},
+            producer=self.producer, num_groups=len(prompts),
+            informative_groups=len(informative_groups(batch.rewards, batch.group_ids,
+                                                      min_std=ro.dynamic_sampling.min_std)))
 
     def _sample_and_score(self, *, prompts: Sequence[PromptInput], prompt_ids: list[list[int]], n: int,
                           sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int,
@@ -427,6 +433,19 @@ class RolloutService:
 
 
 # ---- metrics -------------------------------------------------------------------------------------
+
+
+def shaped_rewards(scored: _Scored, penalty: OverlongPenaltyConfig, *,
+                   max_new_tokens: int) -> tuple[list[float], dict[str, float]]:
+    """The rewards a training batch carries: the reward function's, plus DAPO's soft overlong penalty when it is on
+    (applied here, before the batch is written, so the dynamic-sampling filter and the advantages both see it; evals
+    never get it). With its metrics."""
+    if not penalty.enabled:
+        return list(scored.rewards), {}
+    extra = overlong_penalty(np.asarray([len(o.token_ids) for o in scored.outputs]), max_new_tokens=max_new_tokens,
+                             buffer=min(penalty.buffer_tokens, max_new_tokens), factor=penalty.factor)
+    shaped = [float(r) + float(p) for r, p in zip(scored.rewards, extra, strict=True)]
+    return shaped, {"overlong_penalty_mean": float(extra.mean()), "overlong_penalized_frac": float((extra < 0).mean())}
 
 
 def batch_metrics(outputs: Sequence[SampleOutput], rewards: Sequence[float], *, n: int,

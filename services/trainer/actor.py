@@ -1,4 +1,5 @@
-"""One policy update (GRPO or PPO with critic values) over a whole TrainBatch, on every rank in lockstep.
+"""One policy update (PPO or GSPO loss; GRPO, RLOO, REINFORCE++ or critic (GAE) advantages) over a whole TrainBatch,
+on every rank in lockstep.
 
 Global per-token quantities (advantages, aggregation weights) are computed from the full batch that every
 rank holds; forward passes only cover the rank's shard. Per-token results of a pre-pass that other ranks
@@ -17,11 +18,27 @@ from dataclasses import dataclass
 import torch
 
 from services.contracts.config import AlgorithmConfig
-from services.trainer.advantages import gae, grpo_advantages, per_sample_sum, per_token, token_rewards, whiten
+from services.trainer.advantages import (
+    discounted_returns,
+    gae,
+    grpo_advantages,
+    per_sample_sum,
+    per_token,
+    rloo_advantages,
+    token_rewards,
+    whiten,
+)
 from services.trainer.backend import DeepSpeedBackend, frozen_log_probs
 from services.trainer.batching import MicroBatch, TrainBatch
 from services.trainer.dist import all_reduce_sum
-from services.trainer.losses import PolicyLossConfig, kl_estimate, ppo_policy_loss, tis_weights
+from services.trainer.losses import (
+    PolicyLossConfig,
+    Sequences,
+    gspo_policy_loss,
+    kl_estimate,
+    ppo_policy_loss,
+    tis_weights,
+)
 from services.trainer.old_actor import OldActor
 from services.trainer.scoring import (
     TokenSampling,
@@ -50,19 +67,36 @@ def owned_tokens(num_tokens: int, mbs: list[MicroBatch], device: torch.device) -
 
 
 def compute_advantages(batch: TrainBatch, algo: AlgorithmConfig, kl_penalty: torch.Tensor | None) -> torch.Tensor:
-    """Per-token advantages. `kl_penalty` (kl_coef x per-token KL, full batch) shapes the rewards."""
-    if algo.advantage_estimator == "grpo":
-        rewards = batch.rewards
-        if kl_penalty is not None:
-            rewards = rewards - per_sample_sum(kl_penalty * batch.loss_mask, batch.response_lengths)
-        adv = grpo_advantages(rewards, batch.group_ids, normalize_std=algo.normalize_advantage_std)
-        return per_token(adv, batch.response_lengths)
-    if batch.values is None:
-        raise ValueError("advantage_estimator gae needs the critic's values (Train with use_critic_values)")
-    rewards = token_rewards(batch.rewards, batch.response_lengths, batch.loss_mask, kl_penalty)
-    advantages, _ = gae(rewards=rewards, values=batch.values, response_lengths=batch.response_lengths,
-                        loss_mask=batch.loss_mask, gamma=algo.gamma, lambd=algo.lambd)
-    return whiten(advantages, batch.loss_mask) if algo.whiten_advantages else advantages
+    """Per-token advantages. `kl_penalty` (kl_coef x per-token KL, full batch) shapes the rewards: per token for the
+    estimators with per-token returns (gae, reinforce_pp), summed over each sample's trainable tokens for the rest."""
+    lengths, mask = batch.response_lengths, batch.loss_mask
+    match algo.advantage_estimator:
+        case "gae":
+            if batch.values is None:
+                raise ValueError("advantage_estimator gae needs the critic's values (Train with use_critic_values)")
+            advantages, _ = gae(rewards=token_rewards(batch.rewards, lengths, mask, kl_penalty), values=batch.values,
+                                response_lengths=lengths, loss_mask=mask, gamma=algo.gamma, lambd=algo.lambd)
+            return whiten(advantages, mask) if algo.whiten_advantages else advantages
+        case "reinforce_pp":
+            returns = discounted_returns(rewards=token_rewards(batch.rewards, lengths, mask, kl_penalty),
+                                         response_lengths=lengths, loss_mask=mask, gamma=algo.gamma)
+            return whiten(returns, mask)
+        case "rloo":
+            return per_token(rloo_advantages(_sample_rewards(batch, kl_penalty), batch.group_ids), lengths)
+        case "reinforce_pp_baseline":
+            centred = grpo_advantages(_sample_rewards(batch, kl_penalty), batch.group_ids, normalize_std=False)
+            return whiten(per_token(centred, lengths), mask)
+        case _:
+            adv = grpo_advantages(_sample_rewards(batch, kl_penalty), batch.group_ids,
+                                  normalize_std=algo.normalize_advantage_std)
+            return per_token(adv, lengths)
+
+
+def _sample_rewards(batch: TrainBatch, kl_penalty: torch.Tensor | None) -> torch.Tensor:
+    """Each sample's reward minus its KL penalty summed over its trainable tokens."""
+    if kl_penalty is None:
+        return batch.rewards
+    return batch.rewards - per_sample_sum(kl_penalty * batch.loss_mask, batch.response_lengths)
 
 
 def frozen_pass(model: torch.nn.Module, num_tokens: int, mbs: list[MicroBatch], device: torch.device,
@@ -122,6 +156,7 @@ class TokenInputs:
     sampling: TokenSampling
     advantages: torch.Tensor
     rollout_log_probs: torch.Tensor
+    loss_mask: torch.Tensor
     weights: TokenWeights
     ref_log_probs: torch.Tensor | None
     old: BehaviourLogProbs | None
@@ -140,6 +175,26 @@ class TokenTerms:
     mismatch: torch.Tensor  # |behaviour log-prob - rollout log-prob|, capped at 20
 
 
+def policy_loss_terms(*, logp: torch.Tensor, behaviour: torch.Tensor, rollout_lp: torch.Tensor, mb: MicroBatch,
+                      inputs: TokenInputs, algo: AlgorithmConfig) -> tuple[torch.Tensor, ...]:
+    """Per token: (the policy loss of `algo.policy_loss`, TIS-weighted; clipped; ratio; TIS weight). Under GSPO the
+    ratio and the TIS weight are the sequence's geometric means (the micro-batch's rows are its sequences)."""
+    clip = PolicyLossConfig(eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, dual_clip_c=algo.dual_clip_c)
+    old_lp = rollout_lp if algo.use_rollout_logprobs else behaviour
+    advantages = inputs.advantages[mb.token_index]
+    if algo.policy_loss == "gspo":
+        seqs = Sequences(ids=mb.rows, count=mb.input_ids.shape[0], trainable=inputs.loss_mask[mb.token_index] > 0)
+        pg, clipped, ratio = gspo_policy_loss(log_probs=logp, old_log_probs=old_lp, advantages=advantages,
+                                              sequences=seqs, cfg=clip)
+        behaviour, rollout_lp = seqs.mean(behaviour), seqs.mean(rollout_lp)
+    else:
+        pg, clipped, ratio = ppo_policy_loss(log_probs=logp, old_log_probs=old_lp, advantages=advantages, cfg=clip)
+    if not algo.use_tis:
+        return pg, clipped, ratio, torch.ones_like(pg)
+    tis = tis_weights(old_log_probs=behaviour, rollout_log_probs=rollout_lp, clip=algo.tis_clip)
+    return pg * tis, clipped, ratio, tis
+
+
 def token_terms(*, logits: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, algo: AlgorithmConfig) -> TokenTerms:
     """`mb` is on the device."""
     idx, targets = mb.token_index, mb.targets
@@ -154,13 +209,8 @@ def token_terms(*, logits: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, al
     if inputs.old is not None:
         kept = inputs.old.log_probs[idx]
         behaviour = torch.where(torch.isnan(kept), behaviour, kept)
-    clip = PolicyLossConfig(eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, dual_clip_c=algo.dual_clip_c)
-    pg, clipped, ratio = ppo_policy_loss(log_probs=logp, old_log_probs=rollout_lp if algo.use_rollout_logprobs
-                                         else behaviour, advantages=inputs.advantages[idx], cfg=clip)
-    tis = torch.ones_like(pg)
-    if algo.use_tis:
-        tis = tis_weights(old_log_probs=behaviour, rollout_log_probs=rollout_lp, clip=algo.tis_clip)
-        pg = pg * tis
+    pg, clipped, ratio, tis = policy_loss_terms(logp=logp, behaviour=behaviour, rollout_lp=rollout_lp, mb=mb,
+                                                inputs=inputs, algo=algo)
     kl = torch.zeros_like(pg)
     if inputs.ref_log_probs is not None:
         tempered = tempered_token_log_probs(logits, targets, tok.temperature) \
@@ -203,7 +253,7 @@ def actor_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmC
     old = None if old_actor is None else old_actor_log_probs(old_actor=old_actor, backend=backend, batch=batch,
                                                              mbs=mbs, sampling=sampling)
     inputs = TokenInputs(sampling=sampling, advantages=compute_advantages(batch, algo, kl_penalty).to(device),
-                         rollout_log_probs=batch.rollout_log_probs.to(device),
+                         rollout_log_probs=batch.rollout_log_probs.to(device), loss_mask=batch.loss_mask.to(device),
                          weights=TokenWeights.of(batch, algo.loss_aggregation, device), ref_log_probs=ref_lp, old=old)
     totals, step = optimizer_update(backend, mbs, sums=_SUMS, micro_loss=lambda mb: _ppo_micro_loss(
         backend=backend, mb=mb, inputs=inputs, algo=algo))

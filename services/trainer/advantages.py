@@ -1,4 +1,5 @@
-"""Advantage estimators: group-normalised (GRPO, Dr.GRPO) and GAE, plus KL reward shaping and whitening.
+"""Advantage estimators: group-normalised (GRPO, Dr.GRPO), leave-one-out (RLOO), REINFORCE++ and REINFORCE++-baseline,
+and GAE, plus KL reward shaping and whitening.
 
 Inputs are per-sample arrays (rewards, group ids, response lengths) and flat per-response-token arrays
 in the batch's sample order, the layout of `RolloutBatchData`. Tokens with loss_mask 0 (tool output,
@@ -21,6 +22,15 @@ def per_sample_sum(token_values: torch.Tensor, response_lengths: torch.Tensor) -
     return out.index_add_(0, seq_ids, token_values)
 
 
+def _group_sums(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(each sample's group index, samples per group, sum per group), float64."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    num_groups = int(inverse.max()) + 1 if len(inverse) else 0
+    count = torch.bincount(inverse, minlength=num_groups).to(torch.float64)
+    total = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inverse, values)
+    return inverse, count, total
+
+
 def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool,
                     eps: float = 1e-6) -> torch.Tensor:
     """A_i = r_i - mean(group), divided by the group's (unbiased) std when `normalize_std`.
@@ -28,16 +38,25 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize
     `normalize_std=False` is Dr.GRPO. A group of one sample has advantage 0 (nothing to compare with).
     """
     r = rewards.to(torch.float64)
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    num_groups = int(inverse.max()) + 1 if len(inverse) else 0
-    count = torch.bincount(inverse, minlength=num_groups).to(torch.float64)
-    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inverse, r) / count
-    centered = r - mean[inverse]
+    inverse, count, total = _group_sums(r, group_ids)
+    centered = r - (total / count)[inverse]
     if normalize_std:
-        sq = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inverse, centered.square())
+        sq = torch.zeros(len(count), dtype=torch.float64).index_add_(0, inverse, centered.square())
         std = torch.sqrt(sq / (count - 1).clamp(min=1.0))
         centered = centered / (std[inverse] + eps)
     return centered.to(torch.float32)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """A_i = r_i - mean of the other samples of its group (Ahmadian et al. 2024), i.e. k/(k-1) (r_i - mean).
+
+    A group of one has no other sample: advantage 0, as GRPO's (TRL, slime; verl's loop version keeps the raw reward).
+    """
+    r = rewards.to(torch.float64)
+    inverse, count, total = _group_sums(r, group_ids)
+    k = count[inverse]
+    others = (total[inverse] - r) / (k - 1).clamp(min=1.0)
+    return torch.where(k > 1, r - others, torch.zeros_like(r)).to(torch.float32)
 
 
 def token_rewards(rewards: torch.Tensor, response_lengths: torch.Tensor, loss_mask: torch.Tensor,
@@ -95,9 +114,19 @@ def gae(*, rewards: torch.Tensor, values: torch.Tensor, response_lengths: torch.
     return advantages, advantages + values.to(torch.float32)
 
 
+def discounted_returns(*, rewards: torch.Tensor, response_lengths: torch.Tensor, loss_mask: torch.Tensor,
+                       gamma: float) -> torch.Tensor:
+    """REINFORCE++'s per-token returns G_t = r_t + gamma G_next over flat per-token rewards, "next" being the next
+    token with loss_mask 1: GAE with V = 0 and lambda = 1, so masked tokens are no steps here either (they carry G
+    through undiscounted and get 0)."""
+    returns, _ = gae(rewards=rewards, values=torch.zeros_like(rewards), response_lengths=response_lengths,
+                     loss_mask=loss_mask, gamma=gamma, lambd=1.0)
+    return returns
+
+
 def whiten(advantages: torch.Tensor, loss_mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(A - mean) / sqrt(var + eps) over the trainable tokens of the whole batch (unbiased variance, as verl's
-    masked_whiten); masked tokens stay 0."""
+    masked_whiten; OpenRLHF's is biased, a factor sqrt(n / (n - 1)) apart); masked tokens stay 0."""
     mask = loss_mask.to(torch.float64) > 0
     a = advantages.to(torch.float64)
     picked = a[mask]

@@ -61,6 +61,13 @@ class TrainBatch:
             sampling_temperature=self.sampling_temperature[idx], sampling_top_p=self.sampling_top_p[idx],
             sampling_top_k=self.sampling_top_k[idx], values=None if self.values is None else self.values[rsp_idx])
 
+    def mask_samples(self, samples: list[int]) -> TrainBatch:
+        """The batch with every response token of `samples` at loss_mask 0 (out of the loss, still in the batch)."""
+        idx = torch.tensor(samples, dtype=torch.long)
+        mask = self.loss_mask.clone()
+        mask[_ranges(_starts(self.response_lengths)[idx], self.response_lengths[idx])] = 0.0
+        return replace(self, loss_mask=mask)
+
     def with_values(self, values: torch.Tensor) -> TrainBatch:
         if values.shape != (self.num_response_tokens,):
             raise ValueError(f"critic values hold {values.shape[0]} entries, the batch has "

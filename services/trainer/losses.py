@@ -1,5 +1,5 @@
-"""Per-token policy and value losses, KL estimators, truncated importance sampling (log-probs and entropy of the
-sampling distribution are in scoring.py).
+"""Per-token policy losses (PPO, GSPO) and value loss, KL estimators, truncated importance sampling (log-probs and
+entropy of the sampling distribution are in scoring.py).
 
 Everything here works on flat per-response-token tensors. Aggregation (token mean, sequence mean) is
 expressed as per-token weights computed once for the whole global batch (`aggregation_weights`), so the
@@ -14,6 +14,7 @@ import torch
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+MAX_LOG_RATIO = 20.0   # exp overflow guard on every ratio; real ratios are near 1
 
 
 def aggregation_weights(loss_mask: torch.Tensor, response_lengths: torch.Tensor, mode: str) -> torch.Tensor:
@@ -42,15 +43,27 @@ class PolicyLossConfig:
     dual_clip_c: float | None = None      # None = off; > 1 bounds the loss of negative advantages
 
 
-def ppo_policy_loss(*, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                    cfg: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Clipped surrogate per token. Returns (loss, clipped indicator (float), ratio).
+@dataclass(frozen=True)
+class Sequences:
+    """Which sequence each token belongs to, and which tokens are trainable: GSPO's per-sequence means. Tokens of one
+    sequence never span two micro-batches, so a micro-batch's own rows are its sequences."""
 
-    loss = max(-A r, -A clip(r, 1-eps, 1+eps_high)); with dual clip, for A < 0 the loss is further
-    bounded by -A c (Ye et al. 2020), so a huge ratio on a bad action cannot dominate the step.
-    """
-    log_ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0)   # exp overflow guard; real ratios are near 1
-    ratio = torch.exp(log_ratio)
+    ids: torch.Tensor        # int64 [N]: each token's sequence, in [0, count)
+    count: int
+    trainable: torch.Tensor  # bool [N]: loss_mask 1
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Per token: the mean of `values` over its sequence's trainable tokens (0 for a sequence without any)."""
+        picked = torch.where(self.trainable, values, torch.zeros_like(values))   # masked tokens may hold NaN
+        total = torch.zeros(self.count, dtype=values.dtype, device=values.device).index_add_(0, self.ids, picked)
+        size = torch.zeros(self.count, dtype=values.dtype, device=values.device).index_add_(
+            0, self.ids, self.trainable.to(values.dtype))
+        return (total / size.clamp(min=1.0))[self.ids]
+
+
+def _clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor,
+                       cfg: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + eps_high)
@@ -62,6 +75,26 @@ def ppo_policy_loss(*, log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
         loss = torch.where(dual_active, bound, loss)
         clipped = torch.where(dual_active, torch.ones_like(clipped), clipped)
     return loss, clipped, ratio.detach()
+
+
+def ppo_policy_loss(*, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                    cfg: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clipped surrogate per token. Returns (loss, clipped indicator (float), ratio).
+
+    loss = max(-A r, -A clip(r, 1-eps, 1+eps_high)); with dual clip, for A < 0 the loss is further
+    bounded by -A c (Ye et al. 2020), so a huge ratio on a bad action cannot dominate the step.
+    """
+    return _clipped_surrogate(log_probs - old_log_probs, advantages, cfg)
+
+
+def gspo_policy_loss(*, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                     sequences: Sequences, cfg: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025) in its GSPO-token form, per token: the ratio's value is the sequence's
+    s = exp(mean over its trainable tokens of log(pi / pi_old)), clipped like PPO's (dual clip included), and its
+    gradient is s times the token's own score, so per-token advantages are allowed. With one advantage per
+    sequence and seq_mean_token_mean this is exactly GSPO's gradient; on one-token sequences exactly PPO's."""
+    seq_log_ratio = sequences.mean((log_probs - old_log_probs).detach())
+    return _clipped_surrogate(seq_log_ratio + log_probs - log_probs.detach(), advantages, cfg)
 
 
 def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -82,7 +115,7 @@ def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator:
 
 def tis_weights(*, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip: float) -> torch.Tensor:
     """Truncated importance weights pi_trainer / pi_rollout, capped at `clip`, with no gradient."""
-    return torch.exp((old_log_probs - rollout_log_probs).clamp(max=20.0)).clamp(max=clip).detach()
+    return torch.exp((old_log_probs - rollout_log_probs).clamp(max=MAX_LOG_RATIO)).clamp(max=clip).detach()
 
 
 def clipped_value_loss(*, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

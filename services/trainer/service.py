@@ -145,14 +145,16 @@ class TrainerService:
                       entries=len(entries), bytes=sum(e.nbytes for e in entries)) as sp:
                 reply = self._train_entries(rollout_id=rollout_id, entries=entries, skipped=skipped,
                                             max_staleness=max_staleness, use_critic_values=use_critic_values)
-                set_attributes(sp, samples=reply.samples_trained, samples_dropped_stale=reply.samples_dropped_stale)
+                set_attributes(sp, samples=reply.samples_trained, samples_dropped_stale=reply.samples_dropped_stale,
+                               samples_filtered=reply.samples_filtered)
                 return reply
 
     def _train_entries(self, *, rollout_id: int, entries: list[BufferEntry], skipped: list[str],
                        max_staleness: int, use_critic_values: bool) -> trainer_pb2.TrainResponse:
         start = time.monotonic()
-        batch, dropped = self.rollouts.prepare(entries, rollout_id=rollout_id, max_staleness=max_staleness,
-                                               use_critic_values=use_critic_values)
+        selection = self.rollouts.prepare(entries, rollout_id=rollout_id, max_staleness=max_staleness,
+                                          use_critic_values=use_critic_values)
+        batch, dropped = selection.batch, selection.dropped_stale
         entry_ids = [e.entry_id for e in entries]
         metrics: dict[str, float] = {}
         step = self.ledger.step
@@ -160,14 +162,16 @@ class TrainerService:
             self._ensure_onloaded()
             metrics = self.ranks.run(commands.Train(rollout_id=rollout_id, entry_ids=tuple(entry_ids), batch=batch))
             step += 1
-        metrics.update(samples_dropped_stale=float(dropped), entries_skipped_duplicate=float(len(skipped)))
+        metrics.update(selection.metrics, samples_dropped_stale=float(dropped),
+                       entries_skipped_duplicate=float(len(skipped)))
+        # Filtered samples are acknowledged with their entries below: used by this step, never trained again.
         reply = trainer_pb2.TrainResponse(rollout_id=rollout_id, step=step, metrics=metrics, entry_ids=entry_ids,
                                           samples_trained=batch.num_samples, samples_dropped_stale=dropped,
-                                          time_s=time.monotonic() - start)
+                                          samples_filtered=selection.filtered, time_s=time.monotonic() - start)
         self.ledger.record(rollout_id, reply)
         self._commit(rollout_id, entry_ids)
-        log.info("rollout %d: step %d, %d samples (%d stale dropped), loss %.5f", rollout_id, step,
-                 batch.num_samples, dropped, metrics.get("loss", float("nan")))
+        log.info("rollout %d: step %d, %d samples (%d stale dropped, %d filtered), loss %.5f", rollout_id, step,
+                 batch.num_samples, dropped, selection.filtered, metrics.get("loss", float("nan")))
         return reply
 
     def _commit(self, rollout_id: int, entry_ids: list[str]) -> None:

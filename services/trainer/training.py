@@ -1,7 +1,8 @@
 """Train's two halves: rank 0 turns Redis entries into a batch (`RolloutSource`), every rank steps on it (`TrainStep`).
 
-Rank 0 reads the named entries (or the next ones), skips entries the ledger says were trained, removes stale
-samples and refuses batches the model cannot train on. After the step is committed and recorded it acknowledges
+Rank 0 reads the named entries (or the next ones), skips entries the ledger says were trained, selects the samples
+to train (selection.py: stale ones dropped, dynamic sampling, the overlong filter) and refuses batches the model
+cannot train on. After the step is committed and recorded it acknowledges
 the entries and moves the PPO value hand-off along: the critic publishes its values, the actor deletes the key.
 """
 
@@ -17,7 +18,7 @@ from services.contracts.config import TandemConfig
 from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.actor import actor_step
 from services.trainer.backend import DeepSpeedBackend, load_frozen_causal_lm
-from services.trainer.batching import TrainBatch, check_trainable, merge_batches, stale_samples
+from services.trainer.batching import check_trainable, merge_batches
 from services.trainer.commands import Train
 from services.trainer.critic import (
     ValueHandoff,
@@ -29,6 +30,7 @@ from services.trainer.critic import (
 )
 from services.trainer.ledger import TrainLedger
 from services.trainer.old_actor import OldActor
+from services.trainer.selection import Selection, select_samples, truncated_samples
 
 
 def check_train_request(config: TandemConfig, *, role: str, rollout_id: int, num_entry_ids: int, num_batches: int,
@@ -113,24 +115,22 @@ class RolloutSource:
         return entries
 
     def prepare(self, entries: list[BufferEntry], *, rollout_id: int, max_staleness: int,
-                use_critic_values: bool) -> tuple[TrainBatch, int]:
-        """The batch to train on (stale samples removed) and the number dropped; raises on bad input."""
+                use_critic_values: bool) -> Selection:
+        """The batch to train on (stale samples dropped, dynamic sampling and the overlong filter applied) and how
+        many samples went; raises on bad input."""
         batch = merge_batches([e.batch for e in entries])
-        if use_critic_values:
+        if use_critic_values:   # before any selection: the hand-off holds a value for every sample
             handoff = read_handoff(self.buffer.client, stream=self.stream, rollout_id=rollout_id)
             batch = batch.with_values(values_for_batch(handoff, entry_ids=[e.entry_id for e in entries], batch=batch))
-        # The critic values every sample, so its hand-off lines up with the actor's unfiltered batch.
-        if self.role == "critic":
-            max_staleness = -1
-        stale = stale_samples(batch, weight_version=self.ledger.weight_version, max_staleness=max_staleness)
-        if stale:
-            dropped = set(stale)
-            batch = batch.select([i for i in range(batch.num_samples) if i not in dropped])
-        if batch.num_samples:
+        selection = select_samples(batch, truncated=truncated_samples([e.batch.finish_reasons for e in entries]),
+                                   config=self.config, role=self.role, weight_version=self.ledger.weight_version,
+                                   max_staleness=max_staleness)
+        if selection.batch.num_samples:
             algo = self.config.algorithm
-            check_trainable(batch, vocab_size=self.limits.vocab_size, max_positions=self.limits.max_positions,
+            check_trainable(selection.batch, vocab_size=self.limits.vocab_size,
+                            max_positions=self.limits.max_positions,
                             needs_rollout_log_probs=algo.use_rollout_logprobs or algo.use_tis)
-        return batch, len(stale)
+        return selection
 
     def commit(self, rollout_id: int, entry_ids: list[str], handoff: ValueHandoff | None) -> None:
         """After the step is committed and recorded (again on a replay: the first ack or hand-off may have been

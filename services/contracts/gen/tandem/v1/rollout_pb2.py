@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.contracts.gen.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/rollout.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xae\x02\n\x0fGenerateRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\x03\x12\"\n\x07prompts\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Prompt\x12\x1c\n\x14n_samples_per_prompt\x18\x03 \x01(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\t\x12\x43\n\rtrace_context\x18\x06 \x03(\x0b\x32,.tandem.v1.GenerateRequest.TraceContextEntry\x12\x0e\n\x06reward\x18\x07 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xca\x02\n\x10GenerateResponse\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x03\x12\x1b\n\x13num_response_tokens\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x17\n\x0fgenerate_time_s\x18\x06 \x01(\x01\x12\x15\n\rreward_time_s\x18\x07 \x01(\x01\x12\x12\n\nput_time_s\x18\x08 \x01(\x01\x12\x39\n\x07metrics\x18\t \x03(\x0b\x32(.tandem.v1.GenerateResponse.MetricsEntry\x12\x10\n\x08producer\x18\n \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x9e\x01\n\x0f\x45valuateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x07prompts\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Prompt\x12\x1c\n\x14n_samples_per_prompt\x18\x03 \x01(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0e\n\x06reward\x18\x05 \x01(\t\"\xa5\x01\n\x10\x45valuateResponse\x12\x39\n\x07metrics\x18\x01 \x03(\x0b\x32(.tandem.v1.EvaluateResponse.MetricsEntry\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x0e\n\x06time_s\x18\x03 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"<\n\x15PrepareReceiveRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\npause_mode\x18\x02 \x01(\t\"=\n\x16PrepareReceiveResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x14\n\x0c\x65ngine_ranks\x18\x02 \x01(\x05\"U\n\x15ReceiveWeightsRequest\x12\'\n\x04plan\x18\x01 \x01(\x0b\x32\x19.tandem.v1.WeightSyncPlan\x12\x13\n\x0brank_offset\x18\x02 \x01(\x05\"\xc8\x01\n\x16ReceiveWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x43\n\tchecksums\x18\x02 \x03(\x0b\x32\x30.tandem.v1.ReceiveWeightsResponse.ChecksumsEntry\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\x12\x0e\n\x06time_s\x18\x04 \x01(\x01\x1a\x30\n\x0e\x43hecksumsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1c\n\x0cPauseRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\"\x1d\n\rMemoryRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"\x86\x02\n\x0cRolloutState\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x0e\n\x06paused\x18\x04 \x01(\x08\x12\x17\n\x0fmemory_released\x18\x05 \x01(\x08\x12\x19\n\x11generated_samples\x18\x06 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x10\n\x08producer\x18\x08 \x01(\t\x12\x11\n\tin_flight\x18\t \x01(\x03\x12!\n\x19gpu_memory_reserved_bytes\x18\n \x01(\x03\x12\x1e\n\x16gpu_memory_freed_bytes\x18\x0b \x01(\x03\x32\xce\x04\n\x07Rollout\x12\x43\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12\x43\n\x08\x45valuate\x12\x1a.tandem.v1.EvaluateRequest\x1a\x1b.tandem.v1.EvaluateResponse\x12X\n\x11PrepareWeightSync\x12 .tandem.v1.PrepareReceiveRequest\x1a!.tandem.v1.PrepareReceiveResponse\x12U\n\x0eReceiveWeights\x12 .tandem.v1.ReceiveWeightsRequest\x1a!.tandem.v1.ReceiveWeightsResponse\x12\x30\n\x05Pause\x12\x17.tandem.v1.PauseRequest\x1a\x0e.tandem.v1.Ack\x12*\n\x06Resume\x12\x10.tandem.v1.Empty\x1a\x0e.tandem.v1.Ack\x12\x39\n\rReleaseMemory\x12\x18.tandem.v1.MemoryRequest\x1a\x0e.tandem.v1.Ack\x12\x38\n\x0cResumeMemory\x12\x18.tandem.v1.MemoryRequest\x1a\x0e.tandem.v1.Ack\x12\x35\n\x08GetState\x12\x10.tandem.v1.Empty\x1a\x17.tandem.v1.RolloutStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/rollout.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xae\x02\n\x0fGenerateRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\x03\x12\"\n\x07prompts\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Prompt\x12\x1c\n\x14n_samples_per_prompt\x18\x03 \x01(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\t\x12\x43\n\rtrace_context\x18\x06 \x03(\x0b\x32,.tandem.v1.GenerateRequest.TraceContextEntry\x12\x0e\n\x06reward\x18\x07 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xfa\x02\n\x10GenerateResponse\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x03\x12\x1b\n\x13num_response_tokens\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x17\n\x0fgenerate_time_s\x18\x06 \x01(\x01\x12\x15\n\rreward_time_s\x18\x07 \x01(\x01\x12\x12\n\nput_time_s\x18\x08 \x01(\x01\x12\x39\n\x07metrics\x18\t \x03(\x0b\x32(.tandem.v1.GenerateResponse.MetricsEntry\x12\x10\n\x08producer\x18\n \x01(\t\x12\x12\n\nnum_groups\x18\x0b \x01(\x05\x12\x1a\n\x12informative_groups\x18\x0c \x01(\x05\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x9e\x01\n\x0f\x45valuateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x07prompts\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Prompt\x12\x1c\n\x14n_samples_per_prompt\x18\x03 \x01(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x0e\n\x06reward\x18\x05 \x01(\t\"\xa5\x01\n\x10\x45valuateResponse\x12\x39\n\x07metrics\x18\x01 \x03(\x0b\x32(.tandem.v1.EvaluateResponse.MetricsEntry\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x0e\n\x06time_s\x18\x03 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"<\n\x15PrepareReceiveRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\npause_mode\x18\x02 \x01(\t\"=\n\x16PrepareReceiveResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x14\n\x0c\x65ngine_ranks\x18\x02 \x01(\x05\"U\n\x15ReceiveWeightsRequest\x12\'\n\x04plan\x18\x01 \x01(\x0b\x32\x19.tandem.v1.WeightSyncPlan\x12\x13\n\x0brank_offset\x18\x02 \x01(\x05\"\xc8\x01\n\x16ReceiveWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x43\n\tchecksums\x18\x02 \x03(\x0b\x32\x30.tandem.v1.ReceiveWeightsResponse.ChecksumsEntry\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\x12\x0e\n\x06time_s\x18\x04 \x01(\x01\x1a\x30\n\x0e\x43hecksumsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1c\n\x0cPauseRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\"\x1d\n\rMemoryRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"\x86\x02\n\x0cRolloutState\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x0e\n\x06paused\x18\x04 \x01(\x08\x12\x17\n\x0fmemory_released\x18\x05 \x01(\x08\x12\x19\n\x11generated_samples\x18\x06 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x10\n\x08producer\x18\x08 \x01(\t\x12\x11\n\tin_flight\x18\t \x01(\x03\x12!\n\x19gpu_memory_reserved_bytes\x18\n \x01(\x03\x12\x1e\n\x16gpu_memory_freed_bytes\x18\x0b \x01(\x03\x32\xce\x04\n\x07Rollout\x12\x43\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse\x12\x43\n\x08\x45valuate\x12\x1a.tandem.v1.EvaluateRequest\x1a\x1b.tandem.v1.EvaluateResponse\x12X\n\x11PrepareWeightSync\x12 .tandem.v1.PrepareReceiveRequest\x1a!.tandem.v1.PrepareReceiveResponse\x12U\n\x0eReceiveWeights\x12 .tandem.v1.ReceiveWeightsRequest\x1a!.tandem.v1.ReceiveWeightsResponse\x12\x30\n\x05Pause\x12\x17.tandem.v1.PauseRequest\x1a\x0e.tandem.v1.Ack\x12*\n\x06Resume\x12\x10.tandem.v1.Empty\x1a\x0e.tandem.v1.Ack\x12\x39\n\rReleaseMemory\x12\x18.tandem.v1.MemoryRequest\x1a\x0e.tandem.v1.Ack\x12\x38\n\x0cResumeMemory\x12\x18.tandem.v1.MemoryRequest\x1a\x0e.tandem.v1.Ack\x12\x35\n\x08GetState\x12\x10.tandem.v1.Empty\x1a\x17.tandem.v1.RolloutStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,31 +45,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_start=314
   _globals['_GENERATEREQUEST_TRACECONTEXTENTRY']._serialized_end=365
   _globals['_GENERATERESPONSE']._serialized_start=368
-  _globals['_GENERATERESPONSE']._serialized_end=698
-  _globals['_GENERATERESPONSE_METRICSENTRY']._serialized_start=652
-  _globals['_GENERATERESPONSE_METRICSENTRY']._serialized_end=698
-  _globals['_EVALUATEREQUEST']._serialized_start=701
-  _globals['_EVALUATEREQUEST']._serialized_end=859
-  _globals['_EVALUATERESPONSE']._serialized_start=862
-  _globals['_EVALUATERESPONSE']._serialized_end=1027
-  _globals['_EVALUATERESPONSE_METRICSENTRY']._serialized_start=652
-  _globals['_EVALUATERESPONSE_METRICSENTRY']._serialized_end=698
-  _globals['_PREPARERECEIVEREQUEST']._serialized_start=1029
-  _globals['_PREPARERECEIVEREQUEST']._serialized_end=1089
-  _globals['_PREPARERECEIVERESPONSE']._serialized_start=1091
-  _globals['_PREPARERECEIVERESPONSE']._serialized_end=1152
-  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_start=1154
-  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_end=1239
-  _globals['_RECEIVEWEIGHTSRESPONSE']._serialized_start=1242
-  _globals['_RECEIVEWEIGHTSRESPONSE']._serialized_end=1442
-  _globals['_RECEIVEWEIGHTSRESPONSE_CHECKSUMSENTRY']._serialized_start=1394
-  _globals['_RECEIVEWEIGHTSRESPONSE_CHECKSUMSENTRY']._serialized_end=1442
-  _globals['_PAUSEREQUEST']._serialized_start=1444
-  _globals['_PAUSEREQUEST']._serialized_end=1472
-  _globals['_MEMORYREQUEST']._serialized_start=1474
-  _globals['_MEMORYREQUEST']._serialized_end=1503
-  _globals['_ROLLOUTSTATE']._serialized_start=1506
-  _globals['_ROLLOUTSTATE']._serialized_end=1768
-  _globals['_ROLLOUT']._serialized_start=1771
-  _globals['_ROLLOUT']._serialized_end=2361
+  _globals['_GENERATERESPONSE']._serialized_end=746
+  _globals['_GENERATERESPONSE_METRICSENTRY']._serialized_start=700
+  _globals['_GENERATERESPONSE_METRICSENTRY']._serialized_end=746
+  _globals['_EVALUATEREQUEST']._serialized_start=749
+  _globals['_EVALUATEREQUEST']._serialized_end=907
+  _globals['_EVALUATERESPONSE']._serialized_start=910
+  _globals['_EVALUATERESPONSE']._serialized_end=1075
+  _globals['_EVALUATERESPONSE_METRICSENTRY']._serialized_start=700
+  _globals['_EVALUATERESPONSE_METRICSENTRY']._serialized_end=746
+  _globals['_PREPARERECEIVEREQUEST']._serialized_start=1077
+  _globals['_PREPARERECEIVEREQUEST']._serialized_end=1137
+  _globals['_PREPARERECEIVERESPONSE']._serialized_start=1139
+  _globals['_PREPARERECEIVERESPONSE']._serialized_end=1200
+  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_start=1202
+  _globals['_RECEIVEWEIGHTSREQUEST']._serialized_end=1287
+  _globals['_RECEIVEWEIGHTSRESPONSE']._serialized_start=1290
+  _globals['_RECEIVEWEIGHTSRESPONSE']._serialized_end=1490
+  _globals['_RECEIVEWEIGHTSRESPONSE_CHECKSUMSENTRY']._serialized_start=1442
+  _globals['_RECEIVEWEIGHTSRESPONSE_CHECKSUMSENTRY']._serialized_end=1490
+  _globals['_PAUSEREQUEST']._serialized_start=1492
+  _globals['_PAUSEREQUEST']._serialized_end=1520
+  _globals['_MEMORYREQUEST']._serialized_start=1522
+  _globals['_MEMORYREQUEST']._serialized_end=1551
+  _globals['_ROLLOUTSTATE']._serialized_start=1554
+  _globals['_ROLLOUTSTATE']._serialized_end=1816
+  _globals['_ROLLOUT']._serialized_start=1819
+  _globals['_ROLLOUT']._serialized_end=2409
 # @@protoc_insertion_point(module_scope)

@@ -33,7 +33,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, rollout_id: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[_common_pb2.Prompt, _Mapping]]] = ..., n_samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stream: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., reward: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("entry_id", "num_samples", "num_prompt_tokens", "num_response_tokens", "weight_version", "generate_time_s", "reward_time_s", "put_time_s", "metrics", "producer")
+    __slots__ = ("entry_id", "num_samples", "num_prompt_tokens", "num_response_tokens", "weight_version", "generate_time_s", "reward_time_s", "put_time_s", "metrics", "producer", "num_groups", "informative_groups")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,8 @@ class GenerateResponse(_message.Message):
     PUT_TIME_S_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    INFORMATIVE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     entry_id: str
     num_samples: int
     num_prompt_tokens: int
@@ -61,7 +63,9 @@ class GenerateResponse(_message.Message):
     put_time_s: float
     metrics: _containers.ScalarMap[str, float]
     producer: str
-    def __init__(self, entry_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_response_tokens: _Optional[int] = ..., weight_version: _Optional[int] = ..., generate_time_s: _Optional[float] = ..., reward_time_s: _Optional[float] = ..., put_time_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., producer: _Optional[str] = ...) -> None: ...
+    num_groups: int
+    informative_groups: int
+    def __init__(self, entry_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_response_tokens: _Optional[int] = ..., weight_version: _Optional[int] = ..., generate_time_s: _Optional[float] = ..., reward_time_s: _Optional[float] = ..., put_time_s: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., producer: _Optional[str] = ..., num_groups: _Optional[int] = ..., informative_groups: _Optional[int] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
     __slots__ = ("name", "prompts", "n_samples_per_prompt", "sampling", "reward")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.contracts.gen.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/trainer.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xf3\x01\n\x0cTrainRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\x03\x12\x11\n\tentry_ids\x18\x02 \x03(\t\x12\x13\n\x0bnum_batches\x18\x03 \x01(\x05\x12\x15\n\rmax_staleness\x18\x04 \x01(\x03\x12\x19\n\x11use_critic_values\x18\x05 \x01(\x08\x12@\n\rtrace_context\x18\x06 \x03(\x0b\x32).tandem.v1.TrainRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x86\x02\n\rTrainResponse\x12\x12\n\nrollout_id\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x36\n\x07metrics\x18\x03 \x03(\x0b\x32%.tandem.v1.TrainResponse.MetricsEntry\x12\x11\n\tentry_ids\x18\x04 \x03(\t\x12\x10\n\x08replayed\x18\x05 \x01(\x08\x12\x17\n\x0fsamples_trained\x18\x06 \x01(\x03\x12\x1d\n\x15samples_dropped_stale\x18\x07 \x01(\x03\x12\x0e\n\x06time_s\x18\x08 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb2\x01\n\x0bSaveRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\texport_hf\x18\x03 \x01(\x08\x12;\n\x0b\x65xtra_state\x18\x04 \x03(\x0b\x32&.tandem.v1.SaveRequest.ExtraStateEntry\x1a\x31\n\x0f\x45xtraStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"K\n\x0cSaveResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07hf_path\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06time_s\x18\x04 \x01(\x01\"\x1b\n\x0bLoadRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"\xd7\x01\n\x0cLoadResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\x08\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nrollout_id\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12<\n\x0b\x65xtra_state\x18\x06 \x03(\x0b\x32\'.tandem.v1.LoadResponse.ExtraStateEntry\x1a\x31\n\x0f\x45xtraStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"i\n\x18PrepareWeightSyncRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x19\n\x11\x65ngine_world_size\x18\x03 \x01(\x05\x12\x0e\n\x06verify\x18\x04 \x01(\x08\"(\n\x15PublishWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"M\n\x16PublishWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\nbytes_sent\x18\x02 \x01(\x03\x12\x0e\n\x06time_s\x18\x03 \x01(\x01\"\xe2\x01\n\x0cTrainerState\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x17\n\x0flast_rollout_id\x18\x03 \x01(\x03\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x12\n\nzero_stage\x18\x06 \x01(\x05\x12\x11\n\toffloaded\x18\x07 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x17\n\x0fsamples_trained\x18\t \x01(\x03\x12!\n\x19gpu_memory_reserved_bytes\x18\n \x01(\x03\x32\xf3\x03\n\x07Trainer\x12:\n\x05Train\x12\x17.tandem.v1.TrainRequest\x1a\x18.tandem.v1.TrainResponse\x12\x37\n\x04Save\x12\x16.tandem.v1.SaveRequest\x1a\x17.tandem.v1.SaveResponse\x12\x37\n\x04Load\x12\x16.tandem.v1.LoadRequest\x1a\x17.tandem.v1.LoadResponse\x12S\n\x11PrepareWeightSync\x12#.tandem.v1.PrepareWeightSyncRequest\x1a\x19.tandem.v1.WeightSyncPlan\x12U\n\x0ePublishWeights\x12 .tandem.v1.PublishWeightsRequest\x1a!.tandem.v1.PublishWeightsResponse\x12+\n\x07Offload\x12\x10.tandem.v1.Empty\x1a\x0e.tandem.v1.Ack\x12*\n\x06Onload\x12\x10.tandem.v1.Empty\x1a\x0e.tandem.v1.Ack\x12\x35\n\x08GetState\x12\x10.tandem.v1.Empty\x1a\x17.tandem.v1.TrainerStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/trainer.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xf3\x01\n\x0cTrainRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\x03\x12\x11\n\tentry_ids\x18\x02 \x03(\t\x12\x13\n\x0bnum_batches\x18\x03 \x01(\x05\x12\x15\n\rmax_staleness\x18\x04 \x01(\x03\x12\x19\n\x11use_critic_values\x18\x05 \x01(\x08\x12@\n\rtrace_context\x18\x06 \x03(\x0b\x32).tandem.v1.TrainRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa0\x02\n\rTrainResponse\x12\x12\n\nrollout_id\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x36\n\x07metrics\x18\x03 \x03(\x0b\x32%.tandem.v1.TrainResponse.MetricsEntry\x12\x11\n\tentry_ids\x18\x04 \x03(\t\x12\x10\n\x08replayed\x18\x05 \x01(\x08\x12\x17\n\x0fsamples_trained\x18\x06 \x01(\x03\x12\x1d\n\x15samples_dropped_stale\x18\x07 \x01(\x03\x12\x0e\n\x06time_s\x18\x08 \x01(\x01\x12\x18\n\x10samples_filtered\x18\t \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb2\x01\n\x0bSaveRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\texport_hf\x18\x03 \x01(\x08\x12;\n\x0b\x65xtra_state\x18\x04 \x03(\x0b\x32&.tandem.v1.SaveRequest.ExtraStateEntry\x1a\x31\n\x0f\x45xtraStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"K\n\x0cSaveResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07hf_path\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0e\n\x06time_s\x18\x04 \x01(\x01\"\x1b\n\x0bLoadRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"\xd7\x01\n\x0cLoadResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\x08\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nrollout_id\x18\x03 \x01(\x03\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12<\n\x0b\x65xtra_state\x18\x06 \x03(\x0b\x32\'.tandem.v1.LoadResponse.ExtraStateEntry\x1a\x31\n\x0f\x45xtraStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"i\n\x18PrepareWeightSyncRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x19\n\x11\x65ngine_world_size\x18\x03 \x01(\x05\x12\x0e\n\x06verify\x18\x04 \x01(\x08\"(\n\x15PublishWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"M\n\x16PublishWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\nbytes_sent\x18\x02 \x01(\x03\x12\x0e\n\x06time_s\x18\x03 \x01(\x01\"\xe2\x01\n\x0cTrainerState\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x17\n\x0flast_rollout_id\x18\x03 \x01(\x03\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x12\n\nzero_stage\x18\x06 \x01(\x05\x12\x11\n\toffloaded\x18\x07 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x17\n\x0fsamples_trained\x18\t \x01(\x03\x12!\n\x19gpu_memory_reserved_bytes\x18\n \x01(\x03\x32\xf3\x03\n\x07Trainer\x12:\n\x05Train\x12\x17.tandem.v1.TrainRequest\x1a\x18.tandem.v1.TrainResponse\x12\x37\n\x04Save\x12\x16.tandem.v1.SaveRequest\x1a\x17.tandem.v1.SaveResponse\x12\x37\n\x04Load\x12\x16.tandem.v1.LoadRequest\x1a\x17.tandem.v1.LoadResponse\x12S\n\x11PrepareWeightSync\x12#.tandem.v1.PrepareWeightSyncRequest\x1a\x19.tandem.v1.WeightSyncPlan\x12U\n\x0ePublishWeights\x12 .tandem.v1.PublishWeightsRequest\x1a!.tandem.v1.PublishWeightsResponse\x12+\n\x07Offload\x12\x10.tandem.v1.Empty\x1a\x0e.tandem.v1.Ack\x12*\n\x06Onload\x12\x10.tandem.v1.Empty\x1a\x0e.tandem.v1.Ack\x12\x35\n\x08GetState\x12\x10.tandem.v1.Empty\x1a\x17.tandem.v1.TrainerStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,29 +45,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINREQUEST_TRACECONTEXTENTRY']._serialized_start=255
   _globals['_TRAINREQUEST_TRACECONTEXTENTRY']._serialized_end=306
   _globals['_TRAINRESPONSE']._serialized_start=309
-  _globals['_TRAINRESPONSE']._serialized_end=571
-  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_start=525
-  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_end=571
-  _globals['_SAVEREQUEST']._serialized_start=574
-  _globals['_SAVEREQUEST']._serialized_end=752
-  _globals['_SAVEREQUEST_EXTRASTATEENTRY']._serialized_start=703
-  _globals['_SAVEREQUEST_EXTRASTATEENTRY']._serialized_end=752
-  _globals['_SAVERESPONSE']._serialized_start=754
-  _globals['_SAVERESPONSE']._serialized_end=829
-  _globals['_LOADREQUEST']._serialized_start=831
-  _globals['_LOADREQUEST']._serialized_end=858
-  _globals['_LOADRESPONSE']._serialized_start=861
-  _globals['_LOADRESPONSE']._serialized_end=1076
-  _globals['_LOADRESPONSE_EXTRASTATEENTRY']._serialized_start=703
-  _globals['_LOADRESPONSE_EXTRASTATEENTRY']._serialized_end=752
-  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_start=1078
-  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_end=1183
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=1185
-  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=1225
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=1227
-  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=1304
-  _globals['_TRAINERSTATE']._serialized_start=1307
-  _globals['_TRAINERSTATE']._serialized_end=1533
-  _globals['_TRAINER']._serialized_start=1536
-  _globals['_TRAINER']._serialized_end=2035
+  _globals['_TRAINRESPONSE']._serialized_end=597
+  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_start=551
+  _globals['_TRAINRESPONSE_METRICSENTRY']._serialized_end=597
+  _globals['_SAVEREQUEST']._serialized_start=600
+  _globals['_SAVEREQUEST']._serialized_end=778
+  _globals['_SAVEREQUEST_EXTRASTATEENTRY']._serialized_start=729
+  _globals['_SAVEREQUEST_EXTRASTATEENTRY']._serialized_end=778
+  _globals['_SAVERESPONSE']._serialized_start=780
+  _globals['_SAVERESPONSE']._serialized_end=855
+  _globals['_LOADREQUEST']._serialized_start=857
+  _globals['_LOADREQUEST']._serialized_end=884
+  _globals['_LOADRESPONSE']._serialized_start=887
+  _globals['_LOADRESPONSE']._serialized_end=1102
+  _globals['_LOADRESPONSE_EXTRASTATEENTRY']._serialized_start=729
+  _globals['_LOADRESPONSE_EXTRASTATEENTRY']._serialized_end=778
+  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_start=1104
+  _globals['_PREPAREWEIGHTSYNCREQUEST']._serialized_end=1209
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=1211
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=1251
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=1253
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=1330
+  _globals['_TRAINERSTATE']._serialized_start=1333
+  _globals['_TRAINERSTATE']._serialized_end=1559
+  _globals['_TRAINER']._serialized_start=1562
+  _globals['_TRAINER']._serialized_end=2061
 # @@protoc_insertion_point(module_scope)

@@ -31,7 +31,7 @@ class TrainRequest(_message.Message):
     def __init__(self, rollout_id: _Optional[int] = ..., entry_ids: _Optional[_Iterable[str]] = ..., num_batches: _Optional[int] = ..., max_staleness: _Optional[int] = ..., use_critic_values: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class TrainResponse(_message.Message):
-    __slots__ = ("rollout_id", "step", "metrics", "entry_ids", "replayed", "samples_trained", "samples_dropped_stale", "time_s")
+    __slots__ = ("rollout_id", "step", "metrics", "entry_ids", "replayed", "samples_trained", "samples_dropped_stale", "time_s", "samples_filtered")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class TrainResponse(_message.Message):
     SAMPLES_TRAINED_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
     TIME_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FILTERED_FIELD_NUMBER: _ClassVar[int]
     rollout_id: int
     step: int
     metrics: _containers.ScalarMap[str, float]
@@ -55,7 +56,8 @@ class TrainResponse(_message.Message):
     samples_trained: int
     samples_dropped_stale: int
     time_s: float
-    def __init__(self, rollout_id: _Optional[int] = ..., step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., entry_ids: _Optional[_Iterable[str]] = ..., replayed: _Optional[bool] = ..., samples_trained: _Optional[int] = ..., samples_dropped_stale: _Optional[int] = ..., time_s: _Optional[float] = ...) -> None: ...
+    samples_filtered: int
+    def __init__(self, rollout_id: _Optional[int] = ..., step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., entry_ids: _Optional[_Iterable[str]] = ..., replayed: _Optional[bool] = ..., samples_trained: _Optional[int] = ..., samples_dropped_stale: _Optional[int] = ..., time_s: _Optional[float] = ..., samples_filtered: _Optional[int] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
     __slots__ = ("rollout_id", "path", "export_hf", "extra_state")
