@@ -28,7 +28,6 @@ from services.tensors.sampling import sampling_log_probs
 from services.trainer.advantages import per_token
 from services.trainer.batching import TrainBatch
 
-
 # A batch's behaviour log-prob space (TokenSampling.space): every token's, or a mix.
 SAMPLING, TEMPERED, MIXED = "sampling", "tempered", "mixed"
 

@@ -64,7 +64,7 @@ from services.rollout.engines.sglang_http import (
     SGLangTimeout,
     SGLangUnavailable,
 )
-from services.rollout.engines.sglang_launch import LaunchedServer
+from services.rollout.engines.sglang_launch import JIT_NOTE, LaunchedServer
 from services.rollout.engines.sglang_protocol import (
     LOAD_FORMATS,
     SGLANG_PAUSE_MODES,
@@ -126,7 +126,8 @@ def connect_server(url: str, *, api_key: str | None, deadline: float, control_s:
         except (SGLangUnavailable, SGLangTimeout) as exc:   # starting (503), not up yet, or busy: wait
             last = exc
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"SGLang at {url} was not healthy within rollout.sglang.startup_timeout_s: {last}")
+            raise TimeoutError(f"SGLang at {url} was not healthy within rollout.sglang.startup_timeout_s ({JIT_NOTE}): "
+                               f"{last}")
         time.sleep(_HEALTH_POLL_S)
     try:
         raw = client.get("/server_info", timeout_s=control_s).body

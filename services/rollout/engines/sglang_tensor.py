@@ -108,7 +108,8 @@ def checkpoint_problems(plan: Any, model_path: str) -> list[str]:
              if n in shapes and shapes[n] != s]
     out = []
     if unknown:
-        out.append(f"{len(unknown)} tensor(s) the model at {model_path} does not have: {', '.join(unknown[:_MAX_LISTED])}")
+        out.append(f"{len(unknown)} tensor(s) the model at {model_path} does not have: "
+                   f"{', '.join(unknown[:_MAX_LISTED])}")
     if wrong:
         out.append(f"{len(wrong)} tensor(s) of another shape: {', '.join(wrong[:_MAX_LISTED])}")
     return out

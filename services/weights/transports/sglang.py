@@ -326,7 +326,8 @@ class EngineHandshake:
 
     def await_go(self, plan: common_pb2.WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> int:
         """The trainer's go once every rank is ready: the generation of the group to join."""
-        answer = rendezvous.await_go(self.ctl(plan, deadline=deadline, ctx=ctx), version=plan.version, deadline=deadline, ctx=ctx)
+        ctl = self.ctl(plan, deadline=deadline, ctx=ctx)
+        answer = rendezvous.await_go(ctl, version=plan.version, deadline=deadline, ctx=ctx)
         if not answer.isdigit():
             raise WeightSyncError(ctx.message(f"the trainer answered {answer!r}, not a group generation: does its "
                                               f"Tandem version speak the SGLang protocol?"))

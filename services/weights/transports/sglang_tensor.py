@@ -37,8 +37,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
-import torch.multiprocessing  # noqa: F401 - registers torch's tensor reducers with ForkingPickler
-from torch.multiprocessing import reductions
+from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
 
 from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
