@@ -188,7 +188,7 @@ class SGLangEngine(Engine):
                                             load_format=weight_load_format, probe_s=timeouts.probe_s,
                                             flush=self._flush_after_sync)
         self._tensor = TensorSync(self.servers, handshake=self._handshake, pool=self._weight_pool,
-                                  flush=self._flush_after_sync)
+                                  flush=self._flush_after_sync, probe_s=timeouts.probe_s)
 
     @classmethod
     def from_config(cls, config: TandemConfig) -> SGLangEngine:

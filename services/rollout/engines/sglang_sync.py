@@ -82,7 +82,7 @@ class DistributedSync:
                     master_address=plan.master_addr, master_port=plan.master_port, rank_offset=offset,
                     world_size=plan.world_size, group_name=name, backend=plan.transport), timeout_s=_left(deadline))
                 server.group, server.group_name = (*key, generation), name
-            session = self._begin_session(server, deadline)
+            session = begin_session(server, deadline)
             for i, slots in enumerate(buckets):
                 last = i == len(buckets) - 1
                 server.client.post("/update_weights_from_distributed", distributed_update_body(
@@ -102,21 +102,6 @@ class DistributedSync:
                     server.client.post("/end_weight_update", {}, timeout_s=self._probe_s)
             raise WeightSyncError(ctx.message(f"SGLang at {server.url}: {exc}")) from exc
 
-    def _begin_session(self, server: Server, deadline: Deadline) -> bool:
-        """POST /begin_weight_update where the server has it (required from 0.5.23; probed once before that)."""
-        if server.session is False:
-            return False
-        try:
-            server.client.post("/begin_weight_update", {}, timeout_s=_left(deadline))
-        except SGLangNotFound as exc:
-            if server.profile.session == "required":
-                raise SGLangError(f"SGLang {server.info.version} at {server.url} has no /begin_weight_update, which "
-                                  f"0.5.23 and later require around weight updates: {exc}") from exc
-            server.session = False
-            return False
-        server.session = True
-        return True
-
     def _leave_group(self, server: Server) -> None:
         """Best effort: the server frees the group it holds under an older name (SGLang keeps groups by name)."""
         if server.group is None or not server.group_name:
@@ -125,6 +110,23 @@ class DistributedSync:
             server.client.post("/destroy_weights_update_group", {"group_name": server.group_name},
                                timeout_s=self._probe_s)
         server.group, server.group_name = None, ""
+
+
+def begin_session(server: Server, deadline: Deadline) -> bool:
+    """POST /begin_weight_update where the server has it (required from 0.5.23; probed once before that, 0.5.17
+    answers 404): whether a session is open, to be ended with /end_weight_update."""
+    if server.session is False:
+        return False
+    try:
+        server.client.post("/begin_weight_update", {}, timeout_s=_left(deadline))
+    except SGLangNotFound as exc:
+        if server.profile.session == "required":
+            raise SGLangError(f"SGLang {server.info.version} at {server.url} has no /begin_weight_update, which "
+                              f"0.5.23 and later require around weight updates: {exc}") from exc
+        server.session = False
+        return False
+    server.session = True
+    return True
 
 
 def _left(deadline: Deadline) -> float:

@@ -11,7 +11,8 @@ on a payload it cannot load, and that kills the server instead of answering 400 
   - every tensor's name and shape are those of the checkpoint the server loaded (its model_path's safetensors
     headers, where that directory is readable here), so SGLang's loader meets no unknown name or wrong shape.
 Then, after the trainer's go (its buffers are filled and synchronised): per server, concurrently, one POST per bucket
-with that server's ranks' strings (rank r reads entry r), weight_version on the last, never flush_cache (a failed
+(inside /begin_weight_update ... /end_weight_update where the server has them, as 0.5.23 requires) with that
+server's ranks' strings (rank r reads entry r), weight_version on the last, never flush_cache (a failed
 flush inside an update is an assert in SGLang); the adapter flushes afterwards with its own /flush_cache. Each
 server's success is posted as `done` for its ranks; a failure is posted as `abort` with SGLang's message.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import functools
 import ipaddress
 import json
@@ -34,6 +36,7 @@ from urllib.parse import urlsplit
 
 from services.rollout.engines.sglang_http import SGLangError
 from services.rollout.engines.sglang_protocol import BadAnswer, tensor_update_body
+from services.rollout.engines.sglang_sync import begin_session
 from services.weights.base import Deadline, SyncContext, WeightSyncError
 from services.weights.transports import rendezvous
 from services.weights.transports.sglang import EngineHandshake
@@ -116,11 +119,13 @@ def checkpoint_problems(plan: Any, model_path: str) -> list[str]:
 
 
 class TensorSync:
-    """`flush`: the adapter's best-effort /flush_cache on one server after its last update."""
+    """`flush`: the adapter's best-effort /flush_cache on one server after its last update; `probe_s` bounds the
+    best-effort /end_weight_update after a failure."""
 
     def __init__(self, servers: Sequence[Server], *, handshake: EngineHandshake, pool: ThreadPoolExecutor,
-                 flush: Callable[[Server], None]):
+                 flush: Callable[[Server], None], probe_s: float):
         self.servers = servers
+        self._probe_s = probe_s
         self._handshake = handshake
         self._pool = pool
         self._flush = flush
@@ -178,15 +183,22 @@ class TensorSync:
     def _update_server(self, server: Server, plan: Any, *, ranks: list[int], deadline: Deadline,
                        ctx: SyncContext) -> None:
         buckets = [b for b in plan.buckets if b.sglang_payloads]
+        session = False
         try:
+            session = begin_session(server, deadline)   # 0.5.23 and later; 0.5.17 has none
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
                 body = tensor_update_body(payloads=[bucket.sglang_payloads[r - 1] for r in ranks],
                                           load_format=plan.sglang_load_format,
                                           weight_version=str(plan.version) if last else None)
                 server.client.post("/update_weights_from_tensor", body, timeout_s=max(0.001, deadline.remaining()))
+            if session:
+                server.client.post("/end_weight_update", {}, timeout_s=max(0.001, deadline.remaining()))
             self._flush(server)
             self._handshake.post_done(plan, ranks=ranks, deadline=deadline, ctx=ctx)
         except (SGLangError, BadAnswer) as exc:
             self._handshake.refuse(plan, ranks=ranks, reason=str(exc), ctx=ctx)
+            if session:   # best effort: a session left open would refuse the next sync's begin
+                with contextlib.suppress(SGLangError):
+                    server.client.post("/end_weight_update", {}, timeout_s=self._probe_s)
             raise WeightSyncError(ctx.message(f"SGLang at {server.url}: {exc}")) from exc

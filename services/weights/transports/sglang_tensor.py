@@ -103,7 +103,9 @@ class SGLangTensorSender(SenderTransport):
 
     name = "cuda_ipc"
 
-    def __init__(self, *, config: WeightsConfig, trainer_id: str, load_format: str):
+    def __init__(self, *, config: WeightsConfig, trainer_id: str, load_format: str, device: str | None = None):
+        """`device`: where the bucket buffers live, default the current CUDA device. Tests on machines without CUDA
+        pass "cpu": torch then serialises shared-memory handles where it would write CUDA IPC handles."""
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"SGLang load format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
         self._config = config
@@ -112,18 +114,21 @@ class SGLangTensorSender(SenderTransport):
         self._master = rendezvous.MasterStore(host=config.master_addr, timeout_s=config.timeout_s)
         self._group_name: str | None = None
         self._buffers: list[torch.Tensor] = []   # this sync's buckets, kept until the next prepare
+        self._device = device
 
     def prepare(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, engine_world_size: int) -> None:
-        if not torch.cuda.is_available():
+        if self._device is None and not torch.cuda.is_available():
             raise WeightSyncError("transport cuda_ipc needs CUDA; use disk or nccl with rollout.engine sglang")
         self.release()
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(self._device or f"cuda:{torch.cuda.current_device()}")
         self._buffers = [torch.empty(max(b.nbytes, 1), dtype=torch.uint8, device=device) for b in layout.buckets]
-        torch.cuda.synchronize(device)   # the allocations exist before another process maps them
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)   # the allocations exist before another process maps them
         for wb, bucket, buffer in zip(plan.buckets, layout.buckets, self._buffers, strict=True):
             if wire_slots(bucket):
                 obj = bucket_payload(bucket, buffer, load_format=self._load_format)
-                wb.sglang_payloads.extend(serialize_for_sglang(obj) for _ in range(engine_world_size))
+                wb.sglang_payloads.extend(serialize_for_sglang(obj, cuda_uuid=device.type == "cuda")
+                                          for _ in range(engine_world_size))
         plan.sglang_load_format = self._load_format
         if self._group_name is None:
             self._group_name = f"tandem-sgl-{self._trainer_id}-{uuid.uuid4().hex[:12]}"
@@ -146,7 +151,8 @@ class SGLangTensorSender(SenderTransport):
             for slot, tensor in tensors:
                 if slot.nbytes:
                     typed_view(self._buffers[slot.bucket], slot).copy_(tensor.detach())
-            torch.cuda.synchronize(self._buffers[0].device)
+            if self._buffers[0].is_cuda:
+                torch.cuda.synchronize(self._buffers[0].device)
             rendezvous.signal_go(ctl, version=plan.version, value="ok", ctx=ctx)
             rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="done",
                                      deadline=deadline, ctx=ctx)
@@ -159,8 +165,10 @@ class SGLangTensorSender(SenderTransport):
     def release(self) -> None:
         """Drop the last sync's buffers (SGLang answered for them) and free what torch's IPC limbo still holds."""
         if self._buffers:
+            cuda = self._buffers[0].is_cuda
             self._buffers = []
-            torch.cuda.ipc_collect()
+            if cuda:
+                torch.cuda.ipc_collect()
 
     def close(self) -> None:
         self.release()
