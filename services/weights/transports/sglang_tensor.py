@@ -68,7 +68,7 @@ def serialize_for_sglang(obj: Any, *, cuda_uuid: bool = True) -> str:
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)
     if cuda_uuid:
-        pickler.dispatch_table[torch.Tensor] = _reduce_cuda_tensor_by_uuid  # type: ignore[index]
+        pickler.dispatch_table[torch.Tensor] = _reduce_cuda_tensor_by_uuid
     pickler.dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
