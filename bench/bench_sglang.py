@@ -51,7 +51,7 @@ def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(4, vocab) for _ in range(prompt_len)] for _ in range(batch)]
 
 
-def timed_generate(generate, prompts: list[list[int]], opts: SamplingSpec) -> float:  # type: ignore[no-untyped-def]
+def timed_generate(generate, prompts: list[list[int]], opts: SamplingSpec) -> float:
     import torch
 
     torch.cuda.synchronize()
@@ -124,7 +124,7 @@ def publisher_for(transport: str, load_format: str, *, work: Path, timeout_s: fl
     from services.contracts.config import WeightsConfig
     from services.weights import WeightPublisher
 
-    config = WeightsConfig(transport=transport, bucket_mb=bucket_mb, timeout_s=timeout_s,  # type: ignore[arg-type]
+    config = WeightsConfig(transport=transport, bucket_mb=bucket_mb, timeout_s=timeout_s,
                            disk_dir=str(work / "weights"))
     return WeightPublisher(config=config, run_dir=work, trainer_id="bench",
                            sglang_load_format=load_format)
@@ -221,11 +221,16 @@ def main() -> int:
     parser.add_argument("--sync-repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=512.0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
-    parser.add_argument("--sync-timeout-s", type=float, default=30.0, help="the nccl attempt's deadline")
+    parser.add_argument("--sync-timeout-s", type=float, default=20.0, help="the nccl attempt's deadline per sync")
     parser.add_argument("--no-nccl", action="store_true")
+    parser.add_argument("--nccl-only", action="store_true", help=argparse.SUPPRESS)   # the child of nccl_attempt
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "."))
     args = parser.parse_args()
     servers = servers_from(args)
+    if args.nccl_only:
+        rows, _ = bench_syncs(servers["q05"], args, transports=(("nccl", "tensor"),), version=10_000)
+        print("NCCL_ROW " + json.dumps(rows[0]), flush=True)
+        os._exit(0)   # a refused NCCL communicator may leave threads that hold the exit
     if importlib.util.find_spec("sglang") is None and not args.url:
         print("skipped: the sglang package is not importable (source bench/gpu_env.sh sglang); nothing was measured")
         return 0
@@ -245,13 +250,30 @@ def main() -> int:
             rows, version = bench_syncs(servers[name], args, transports=TRANSPORTS, version=version)
             syncs += rows
     if not args.no_nccl:   # last: a refused NCCL communicator may leave the q05 server unusable
-        rows, version = bench_syncs(servers["q05"], args, transports=(("nccl", "tensor"),), version=version)
-        syncs += rows
+        syncs.append(nccl_attempt(args))
     print_tables(startup, gen, syncs, args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_sglang.json").write_text(json.dumps({"startup": startup, "generate": gen, "syncs": syncs},
                                                            indent=1))
     return 0
+
+
+def nccl_attempt(args: argparse.Namespace) -> dict[str, Any]:
+    """nccl in a child process with a deadline: NCCL refuses two ranks of a communicator on one GPU, and a refused
+    communicator can abort its process or hang its exit."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--nccl-only", "--sync-repeats", "1", "--timeout-s", str(args.sync_timeout_s)]
+    row: dict[str, Any] = {"server": "q05", "transport": "nccl", "format": "tensor"}
+    limit = args.sync_timeout_s * 2 + 30   # two syncs at most, plus start-up
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        return {**row, "error": f"no answer within {limit:g}s"}
+    found = [ln for ln in out.stdout.splitlines() if ln.startswith("NCCL_ROW ")]
+    if found:
+        return json.loads(found[-1].removeprefix("NCCL_ROW "))
+    return {**row, "error": f"exit {out.returncode}: {(out.stderr or out.stdout)[-300:]}"}
 
 
 if __name__ == "__main__":

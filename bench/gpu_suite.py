@@ -65,8 +65,8 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
         # the contract facts checked on the real server, SGLang vs native tok/s and sync ms per transport, and
         # two `tandem run`s (sync at T=0.7 / top-p 0.9 with its log-prob checks, and sync_offload)
         "sglang_smoke": ([PY, "bench/sglang_smoke.py"], 100, {}),
-        "sglang_bench": ([PY, "bench/bench_sglang.py"], 180, {}),
-        "sglang_run": ([PY, "bench/sglang_run.py", "--steps", "12", "--out", str(out / "sglang_run")], 240, {}),
+        "sglang_bench": ([PY, "bench/bench_sglang.py"], 200, {}),
+        "sglang_run": ([PY, "bench/sglang_run.py", "--steps", "10", "--out", str(out / "sglang_run")], 240, {}),
     }
 
 

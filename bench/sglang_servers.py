@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -28,7 +29,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -84,6 +85,10 @@ def healthy(url: str) -> bool:
         return False
 
 
+def log_says(log: Path, text: str) -> bool:
+    return text in log.read_text(errors="replace")
+
+
 def launch(name: str, model: Path, log_dir: Path) -> tuple[Launched, subprocess.Popen]:
     port = free_port()
     log = log_dir / f"sglang_{name}.log"
@@ -96,7 +101,7 @@ def launch(name: str, model: Path, log_dir: Path) -> tuple[Launched, subprocess.
                     log=str(log), pid=proc.pid), proc
 
 
-def _wait(pred, proc: subprocess.Popen, deadline: float) -> bool:  # type: ignore[no-untyped-def]
+def _wait(pred: Callable[[], bool], proc: subprocess.Popen, deadline: float) -> bool:
     while time.monotonic() < deadline:
         if pred():
             return True
@@ -121,10 +126,10 @@ def servers(work: Path, out: Path, *, timeout_s: float) -> Iterator[Path]:
             info, proc = launch(name, models[name], out)
             started[name] = (info, proc, t)
             if name != list(SERVERS)[-1]:   # the next one profiles free memory only after this pool exists
-                _wait(lambda info=info: POOL_READY in Path(info.log).read_text(errors="replace"), proc,
+                _wait(functools.partial(log_says, Path(info.log), POOL_READY), proc,
                       min(deadline, time.monotonic() + 120))
         for info, proc, t in started.values():
-            if _wait(lambda info=info: healthy(info.url), proc, deadline):
+            if _wait(functools.partial(healthy, info.url), proc, deadline):
                 info.startup_s = time.monotonic() - t
             else:
                 info.error = (f"exited with code {proc.returncode}" if proc.poll() is not None

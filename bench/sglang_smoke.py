@@ -141,7 +141,7 @@ def logprob_check(url: str, model: Path) -> None:
         prompts = [[4 + (i * 7 + j) % 18 for j in range(6)] for i in range(64)]
         outs = engine.generate(prompts, spec)
         engine.close()
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()  # type: ignore[call-arg]
         tempered, truncated = [], []
         with torch.inference_mode():
             for prompt, out in zip(prompts, outs, strict=True):
