@@ -250,7 +250,10 @@ def test_sglang_contract_drain_waits_then_pauses_with_the_configured_mode(server
         e.close()
 
 
-def test_sglang_contract_memory_release_and_resume(server: ContractServer, engine: SGLangEngine):
+def test_sglang_contract_memory_release_and_resume(server: ContractServer, tmp_path: Path):
+    from safetensors.torch import save_file
+
+    engine = SGLangEngine([server.url], startup_timeout_s=20)
     engine.release_memory(["kv_cache", "weights"])
     assert [e["path"] for e in server.log()][-2:] == ["/flush_cache", "/release_memory_occupation"]   # idle first
     assert requests_to(server, "/release_memory_occupation")[-1] == {"tags": ["kv_cache", "weights"]}
@@ -262,11 +265,18 @@ def test_sglang_contract_memory_release_and_resume(server: ContractServer, engin
     engine.resume_memory([])   # every tag: only those released are asked for (an unreleased one kills SGLang)
     assert requests_to(server, "/resume_memory_occupation")[-1] == {"tags": ["kv_cache", "weights"]}
     assert server.state()["released"] == [] and engine.get_state().released_memory == ()
-    assert server.state()["weights_lost"]   # without --enable-weights-cpu-backup: the next sync must refill them
+    assert server.state()["weights_lost"]   # without --enable-weights-cpu-backup the contents are gone ...
+    with pytest.raises(EngineUnavailable, match="weights came back empty from ResumeMemory"):
+        engine.generate([[1]], SamplingSpec(max_new_tokens=1))   # ... so nothing is generated from them
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    engine.update_weights_from_disk(tmp_path, version=1)   # a sync refills them
+    assert engine.generate([[1]], SamplingSpec(max_new_tokens=1))[0].weight_version == 1
+    assert not server.state()["weights_lost"]
     engine.resume_memory(["weights"])
     assert len(requests_to(server, "/resume_memory_occupation")) == 1 and server.proc.poll() is None
     with pytest.raises(ValueError, match="unknown memory tag"):
         engine.release_memory(["activations"])
+    engine.close()
 
 
 def test_sglang_contract_a_busy_server_is_not_released(server: ContractServer, engine: SGLangEngine):

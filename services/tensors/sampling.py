@@ -2,9 +2,10 @@
 
 The distribution is: logits / temperature, then top-k, then top-p (nucleus), renormalised (the order Hugging
 Face uses; SGLang's rule is joint, the top-p mass measured on the tempered distribution inside the top-k, so with
-both set the supports can differ. SGLang reports the untruncated tempered log-probs anyway: docs/algorithms.md). `sampling_log_probs` is its single definition: the native engine draws tokens from it and
-reports their log-probs; the trainer recomputes the same log-probs from teacher-forced logits with the
-parameters each sample carries (`RolloutBatch.sampling_*`), so a PPO ratio of an on-policy sample is 1.
+both set the supports can differ; SGLang reports the untruncated tempered log-probs anyway: docs/algorithms.md).
+`sampling_log_probs` is its single definition: the native engine draws tokens from it and reports their
+log-probs; the trainer recomputes the same log-probs from teacher-forced logits with the parameters each sample
+carries (`RolloutBatch.sampling_*`), so a PPO ratio of an on-policy sample is 1.
 
 Greedy (temperature 0) has a point-mass distribution whose log-probs are all 0, which is useless to a trainer;
 for greedy, log-probs are those of the unscaled model distribution (temperature 1, no truncation), which is

@@ -177,6 +177,7 @@ class SGLangEngine(Engine):
         self._gate = PauseGate(engine="the sglang engine")
         self._weights_lock = threading.Lock()
         self._released: set[str] = set()
+        self._weights_empty = False   # resumed without --enable-weights-cpu-backup and not synced since
         self._generated = 0
         self._probe_s = timeouts.probe_s
         self._local = all(is_loopback(s.url) for s in self.servers)   # GPU memory is measurable here
@@ -237,6 +238,9 @@ class SGLangEngine(Engine):
         if self._released:
             raise EngineUnavailable(f"SGLang memory is released ({', '.join(sorted(self._released))}); "
                                     "call ResumeMemory first")
+        if self._weights_empty:
+            raise EngineUnavailable("SGLang's weights came back empty from ResumeMemory (its servers run without "
+                                    "--enable-weights-cpu-backup): sync weights before generating")
         start = self._version
         chunks = [prompts[i:i + self.max_batch_size] for i in range(0, len(prompts), self.max_batch_size)]
         futures = [self._pool.submit(self._generate_chunk, self.servers[k % len(self.servers)], chunk, sampling,
@@ -318,6 +322,7 @@ class SGLangEngine(Engine):
             self._check_weights_resident()
             self._load_disk(str(path), version=version, timeout_s=self._request_timeout_s)
             self._version = int(version)
+            self._weights_empty = False
         return WeightLoadStats(version=self._version, tensors=0, bytes=0, seconds=time.monotonic() - started)
 
     def _load_disk(self, path: str, *, version: int, timeout_s: float) -> None:
@@ -357,6 +362,7 @@ class SGLangEngine(Engine):
                 case _:
                     self._distributed.receive(plan, rank_offset=rank_offset, deadline=deadline, ctx=ctx)
             self._version = int(plan.version)
+            self._weights_empty = False
         return WeightLoadStats(version=self._version, tensors=sum(len(b.tensors) for b in plan.buckets),
                                bytes=int(plan.total_bytes), seconds=time.monotonic() - started)
 
@@ -435,6 +441,8 @@ class SGLangEngine(Engine):
         with self._weights_lock:
             self._each("/resume_memory_occupation", memory_body(tuple(wanted)), timeout_s=self._request_timeout_s)
             self._released.difference_update(wanted)
+            if "weights" in wanted and not all(s.info.weights_cpu_backup for s in self.servers):
+                self._weights_empty = True
 
     def _gpu_memory_used(self) -> int | None:
         return device_memory_used_bytes(timeout_s=self._probe_s) if self._local else None
