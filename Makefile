@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 DEMO_CONFIG ?= examples/digit_max.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test protos bench clean
+.PHONY: setup demo test lint protos bench clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The gates CI runs before the tests (.ci/run); .pre-commit-config.yaml runs the same on every commit.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 protos: setup
 	$(BIN)/python -m services.contracts.protogen

@@ -86,7 +86,7 @@ def bench_model(model_dir: Path, args: argparse.Namespace) -> list[tuple]:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     engines = [NativeEngine(model_dir, device=str(device), dtype=args.dtype, max_batch_size=max(args.batch),
-                            decode=mode) for mode in args.decode]
+                            decode=mode, fused_kernels=args.fused_kernels) for mode in args.decode]
     vocab = engines[0].vocab_size
     low = 4 if vocab > 8 else 0          # skip special tokens of the local tokenizer
     pad = engines[0].pad_token_id
@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=None, help="an existing model directory instead of presets")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--fused-kernels", default="off", choices=["auto", "on", "off"],
+                        help="model.fused_kernels for the native engine (Triton RMSNorm/SwiGLU in its decode)")
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)

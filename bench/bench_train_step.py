@@ -12,9 +12,13 @@ tokens, 8 samples per group) with Tandem's own loss code (`services.trainer.acto
   (`torch_bf16`, what TRL does), or fp32 parameters under bf16 autocast (`torch_amp`);
 - `hf_fwd_bwd`: the model's forward and backward alone on the same micro-batches (no loss code, no optimizer):
   the compute floor of these shapes.
+- `*_loraR`: the DeepSpeed backend with trainer.lora rank R on every linear layer: trainer memory (peak GiB) and
+  step time against full fine-tuning at the same shapes. Their MFU column counts 6 x all params like the others,
+  although LoRA computes no gradient of the frozen weights (about 4 x params of work): compare step seconds.
 
 Columns: step seconds (median of `--steps` after 2 warm-ups), its parts (micro-batch planning on the host,
-forward+loss, backward, optimizer step; CUDA-synchronised), peak GPU memory, and MFU = 6 x params x tokens /
+forward+loss, backward, optimizer step; CUDA-synchronised), peak GPU memory (and what was still allocated when
+the variant started, which that peak includes), and MFU = 6 x params x tokens /
 (step s x 790e12). `--profile` writes a torch.profiler summary per variant (top ops by device and host time) to
 DIR/profile_<variant>_<preset>_L<L>.txt.
 """
@@ -64,6 +68,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z1_bf16pure": {"kind": "ds", "zero_stage": 1, "precision": "bf16_pure"},
     "ds_z1_bf16pure_32k": {"kind": "ds", "zero_stage": 1, "precision": "bf16_pure", "micro_batch_tokens": 32768},
     "ds_z1_fp32": {"kind": "ds", "zero_stage": 1, "precision": "fp32"},
+    # trainer.lora: rank-16 / rank-64 adapters on every linear layer (not the head), the base frozen
+    "ds_z1_bf16_lora16": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "lora": {"rank": 16}},
+    "ds_z1_bf16_lora64": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "lora": {"rank": 64}},
+    "ds_z3_bf16_lora16": {"kind": "ds", "zero_stage": 3, "precision": "bf16", "lora": {"rank": 16}},
     "torch_bf16": {"kind": "torch", "param_dtype": torch.bfloat16, "autocast": False},
     "torch_bf16_fused": {"kind": "torch", "param_dtype": torch.bfloat16, "autocast": False, "fused": True},
     "torch_bf16_32k": {"kind": "torch", "param_dtype": torch.bfloat16, "autocast": False, "micro_batch_tokens": 32768},
@@ -185,7 +193,7 @@ def build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device
     if variant["kind"] == "torch":
         backend = TorchBackend(model_dir, device, param_dtype=variant["param_dtype"], autocast=variant["autocast"])
         if variant.get("fused"):
-            from services.trainer import fused
+            from services.tensors import fused
 
             fused.patch_model(backend.module)
         return backend
@@ -193,13 +201,14 @@ def build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device
     from services.trainer.dist import init_process_group
 
     config = config_from_dict({
-        "model": {"path": str(model_dir), "dtype": "bfloat16"}, "data": {"train_path": str(tmp / "unused.jsonl")},
+        "model": {"path": str(model_dir), "dtype": "bfloat16", "fused_kernels": variant.get("fused_kernels", "auto")},
+        "data": {"train_path": str(tmp / "unused.jsonl")},
         "trainer": {"device": device.type, "zero_stage": variant["zero_stage"], "precision": variant["precision"],
                     "lr": 1e-3, "micro_batch_tokens": variant.get("micro_batch_tokens", DEFAULT_BUDGET),
                     "skip_nonfinite_steps": variant.get("skip_nonfinite_steps", True),
-                    "fused_kernels": variant.get("fused_kernels", "auto")}})
-    return DeepSpeedBackend(config=config, role="actor", dist_info=init_process_group(
-        device=device.type, timeout_s=config.services.timeouts.process_group_s))
+                    "lora": variant.get("lora")}})
+    dist_info = init_process_group(device=device.type, timeout_s=config.services.timeouts.process_group_s)
+    return DeepSpeedBackend(config=config, role="actor", dist_info=dist_info)
 
 
 def algo_config() -> Any:
@@ -213,8 +222,10 @@ def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: li
 
     variant = VARIANTS[name]
     budget = variant.get("micro_batch_tokens", DEFAULT_BUDGET)
+    held = 0.0   # what earlier variants left allocated counts in this one's peak: shown beside it
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_allocated(device) / 2**30
     if variant["kind"] == "floor":
         return run_floor(model_dir=model_dir, device=device, batches=batches, steps=steps, budget=budget)
     backend = build_backend(variant, model_dir, device, tmp)
@@ -241,6 +252,9 @@ def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: li
             rows.append({"step_s": step_s, **parts, "other": other})
     out = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in rows[0]}
     out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    out["held_gib"] = held
+    if hasattr(backend, "close"):
+        backend.close()   # DeepSpeed's engine lets go of its buffers
     del backend
     gc.collect()
     if device.type == "cuda":
@@ -342,8 +356,8 @@ def main() -> int:
 def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace, *, params_note: str) -> None:
     print(f"\n# bench_train_step {params_note} (medians of {args.steps} steps after 2 warm-ups)\n")
     print("| preset | L | variant | tokens | step s | plan s | forward+loss s | backward s | optimizer s | "
-          "loss+host s | peak GiB | MFU | vs ds_z1_bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "loss+host s | peak GiB | held before GiB | MFU | vs ds_z1_bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {(r["preset"], r["L"]): r["step_s"] for r in rows if r["variant"] == "ds_z1_bf16"}
     fmt: Callable[[float], str] = lambda x: "–" if x != x else f"{x:.3f}"   # noqa: E731
     for r in rows:
@@ -353,7 +367,7 @@ def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace, *, params
               f"{fmt(r.get('plan', float('nan')))} | {fmt(r.get('forward', float('nan')))} | "
               f"{fmt(r.get('backward', float('nan')))} | {fmt(r.get('optimizer', float('nan')))} | "
               f"{fmt(r.get('other', float('nan')))} | "
-              f"{r['peak_gib']:.1f} | {r['mfu'] * 100:.1f}% | {ratio} |")
+              f"{r['peak_gib']:.1f} | {r.get('held_gib', 0.0):.1f} | {r['mfu'] * 100:.1f}% | {ratio} |")
 
 
 if __name__ == "__main__":

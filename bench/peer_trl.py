@@ -210,7 +210,8 @@ def without_eos(src: Path, dst: Path) -> Path:
 # ---- one side each -------------------------------------------------------------------------------
 
 
-def tandem_overrides(case: Case, *, model: Path, mode: str, steps: int, device: str) -> list[str]:
+def tandem_overrides(case: Case, *, model: Path, mode: str, steps: int, device: str,
+                     extra: tuple[str, ...] = ()) -> list[str]:
     sets = [f"model.path={model}", f"loop.mode={mode}", f"loop.num_rollout={steps + 1}", "loop.eval_interval=null",
             f"rollout.rollout_batch_size={PROMPTS}", f"rollout.n_samples_per_prompt={SAMPLES}",
             f"rollout.sampling.max_new_tokens={case.length}", "rollout.sampling.temperature=1.0",
@@ -220,14 +221,15 @@ def tandem_overrides(case: Case, *, model: Path, mode: str, steps: int, device: 
         sets += ["weights.transport=cuda_ipc", "model.dtype=bfloat16", "trainer.precision=bf16"]
     else:   # the CPU smoke test: gloo, fp32
         sets += ["weights.transport=gloo", "model.dtype=float32", "trainer.precision=fp32"]
-    return [a for s in sets for a in ("--set", s)]
+    return [a for s in (*sets, *extra) for a in ("--set", s)]
 
 
 def run_tandem(case: Case, *, model: Path, mode: str, args: argparse.Namespace, budget: Budget) -> dict:
     run_dir = args.work / f"tandem_{case.name}_{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [PY, "-m", "services.cli", "run", str(CONFIG), "--run-dir", str(run_dir), "--no-progress",
-           *tandem_overrides(case, model=model, mode=mode, steps=args.steps, device=args.device)]
+           *tandem_overrides(case, model=model, mode=mode, steps=args.steps, device=args.device,
+                             extra=tuple(args.tandem_set))]
     metrics = run_dir / "metrics.jsonl"
     proc = run_limited(cmd, log=args.work / f"tandem_{case.name}_{mode}.log", limit_s=budget.limit(args.tandem_limit_s),
                        done=lambda: count_lines(metrics, '"perf/step_time_s"') >= args.steps)
@@ -288,7 +290,7 @@ def trl_child(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig
 
-    from services.rollout.service import load_tokenizer
+    from services.rollout.tokenizer import load_tokenizer
 
     cuda = args.device == "cuda"
     tokenizer = load_tokenizer(args.model)
@@ -467,6 +469,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per run (medians over steps 3-6)")
     p.add_argument("--modes", nargs="+", choices=["async", "sync"], default=["async", "sync"])
     p.add_argument("--no-trl", action="store_true", help="the Tandem side only")
+    p.add_argument("--tandem-set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="more --set overrides for every Tandem run (e.g. model.fused_kernels=off)")
     p.add_argument("--budget-s", type=float, default=520.0, help="the whole call, model init included")
     p.add_argument("--trl-limit-s", type=float, default=150.0)
     p.add_argument("--tandem-limit-s", type=float, default=150.0)

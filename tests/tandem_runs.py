@@ -119,3 +119,11 @@ def stop_run(proc: subprocess.Popen, *, timeout_s: float = 60.0) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return proc.returncode
+
+
+TRACEBACK = "Traceback (most recent call last)"
+
+
+def last_lines(text: str, n: int) -> list[str]:
+    """The last n lines a command printed (what a user reads first)."""
+    return text.rstrip("\n").splitlines()[-n:]

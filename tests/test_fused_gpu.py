@@ -32,7 +32,7 @@ def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 @pytest.mark.parametrize("cols", [64, 896, 1000])
 def test_rms_norm_forward_and_backward_match_the_eager_module(cols):
-    from services.trainer.fused import rms_norm
+    from services.tensors.fused import rms_norm
 
     gen = torch.Generator().manual_seed(cols)
     x = torch.randn(3, 37, cols, generator=gen).to(DEVICE, torch.bfloat16)
@@ -50,7 +50,7 @@ def test_rms_norm_forward_and_backward_match_the_eager_module(cols):
 
 
 def test_swiglu_forward_and_backward_match_silu_times_up():
-    from services.trainer.fused import swiglu
+    from services.tensors.fused import swiglu
 
     gen = torch.Generator().manual_seed(7)
     g = (3 * torch.randn(5, 33, 700, generator=gen)).to(DEVICE, torch.bfloat16)
@@ -69,7 +69,7 @@ def test_swiglu_forward_and_backward_match_silu_times_up():
 def test_a_patched_qwen2_model_matches_the_unpatched_one():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from services.trainer.fused import patch_model, warm_up
+    from services.tensors.fused import patch_model, warm_up
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=50, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
@@ -79,7 +79,7 @@ def test_a_patched_qwen2_model_matches_the_unpatched_one():
     fused.load_state_dict(ref.state_dict())
     assert patch_model(fused) == {"rms_norm": 2 * 2 + 1, "swiglu_mlp": 2}
     assert patch_model(fused) == {"rms_norm": 0, "swiglu_mlp": 0}   # patching twice changes nothing
-    warm_up(fused)
+    warm_up(fused, torch.device(DEVICE))
     ids = torch.randint(0, 50, (4, 24), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     grads = {}
     for name, model in (("ref", ref), ("fused", fused)):

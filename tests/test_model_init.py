@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.rollout.model_init import VOCAB, ModelInitError, build_config, init_model, preset_arch
-from services.rollout.service import load_tokenizer
+from services.rollout.tokenizer import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -115,6 +115,36 @@ def plugin_module(tmp_path: Path):
         def odd_names(a, b):
             return 1.0
 
+        import threading
+        import time
+
+        def hangs_on_b(prompt, response, label, metadata):
+            if response == "b":
+                threading.Event().wait()
+            return 1.0
+
+        async def async_hangs_on_b(prompt, response, label, metadata):
+            if response == "b":
+                await asyncio.Event().wait()
+            return 1.0
+
+        async def async_blocks_on_b(prompt, response, label, metadata):
+            if response == "b":
+                time.sleep(3600)   # blocks the event loop: only the watchdog can see it
+            return 1.0
+
+        @batched
+        def batch_hangs(prompts, responses, labels, metadatas):
+            threading.Event().wait()
+
+        @batched
+        async def async_batch_hangs(prompts, responses, labels, metadatas):
+            await asyncio.Event().wait()
+
+        def slow_but_in_time(prompt, response, label, metadata):
+            time.sleep(0.05)
+            return 0.5
+
         NOT_CALLABLE = 3
     """)
     yield name
@@ -195,3 +225,26 @@ def test_a_reward_whose_dependency_is_down_is_transient(plugin_module: str, name
     with pytest.raises(RewardUnavailable, match=fragment) as info:
         score(f"{plugin_module}:{name}", ["a"], ["a"])
     assert isinstance(info.value, Unavailable) and not isinstance(info.value, ValueError)   # UNAVAILABLE: retried
+
+
+@pytest.mark.parametrize("name,which", [
+    ("hangs_on_b", "sample 1"), ("async_hangs_on_b", "sample 1"), ("async_blocks_on_b", "sample 1"),
+    ("batch_hangs", "the 3 samples of its one batched call"),
+    ("async_batch_hangs", "the 3 samples of its one batched call"),
+])
+def test_a_reward_that_never_returns_is_named_at_its_deadline_and_is_not_transient(plugin_module: str, name: str,
+                                                                                    which: str):
+    fn = resolve_reward(f"{plugin_module}:{name}")
+    with pytest.raises(rewards.RewardTimeout) as info:
+        fn.score(prompts=["p"] * 3, responses=["a", "b", "c"], labels=["a"] * 3, metadatas=[{}] * 3, timeout_s=0.3)
+    assert str(info.value) == (f"reward function {plugin_module}:{name} did not return within 0.3 s "
+                               f"(rollout.reward_timeout_s) for {which}")
+    assert info.value.hint == (f"make {plugin_module}:{name} return sooner (give what it waits for a timeout of its "
+                               "own), or raise rollout.reward_timeout_s")
+    assert isinstance(info.value, RewardError)   # INVALID_ARGUMENT: not retried on another replica
+
+
+def test_the_deadline_is_per_call_so_many_quick_samples_may_take_longer_in_all(plugin_module: str):
+    fn = resolve_reward(f"{plugin_module}:slow_but_in_time")
+    assert fn.score(prompts=["p"] * 8, responses=["a"] * 8, labels=["a"] * 8, metadatas=[{}] * 8,
+                    timeout_s=0.2) == [0.5] * 8   # 8 x 0.05 s = 0.4 s in all, each call well within 0.2 s

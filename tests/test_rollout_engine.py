@@ -142,6 +142,18 @@ def test_seeded_sampling_is_reproducible(engine: NativeEngine):
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
 
 
+def test_unseeded_sampling_differs_between_processes(tmp_path):
+    """seed None means nondeterministic: two fresh processes must not replay torch's fixed default stream."""
+    import subprocess
+    import sys
+
+    script = ("import sys, torch; from services.rollout.engines.sampling import make_generator; "
+              "print(torch.rand(8, generator=make_generator(None, torch.device('cpu'))).tolist())")
+    runs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)}
+    assert len(runs) == 2
+
+
 def test_bad_prompts(engine: NativeEngine):
     opts = SamplingSpec(max_new_tokens=4)
     ctx = engine.max_context_length

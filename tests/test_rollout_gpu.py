@@ -47,6 +47,19 @@ def test_log_probs_match_teacher_forced_forward_on_gpu(model_dir: Path, dtype: s
     assert worst < ATOL[dtype]
 
 
+def test_fused_kernels_in_the_graph_decode_keep_log_probs_matching(model_dir: Path):
+    """model.fused_kernels in the engine: its decode (CUDA graph) and its teacher-forced forward both run the fused
+    RMSNorm/SwiGLU, and they agree as closely as the eager ones do."""
+    from services.tensors import fused
+
+    if not fused.available():
+        pytest.skip("needs triton")
+    engine = NativeEngine(model_dir, device="cuda", dtype="bfloat16", fused_kernels="on")
+    assert any(hasattr(m, "_unfused_forward") for m in engine.model.modules())
+    worst = _worst_log_prob_gap(engine, SamplingSpec(temperature=0.8, top_p=0.9, max_new_tokens=24, seed=3))
+    assert worst < ATOL["bfloat16"]
+
+
 def test_compiled_decode_and_sampler_log_probs_match_teacher_forced(model_dir: Path):
     engine = NativeEngine(model_dir, device="cuda", dtype="bfloat16", decode="compile")
     worst = _worst_log_prob_gap(engine, SamplingSpec(temperature=1.0, max_new_tokens=16, seed=3))

@@ -129,6 +129,27 @@ def test_dynamic_sampling_filters_uniform_groups_keeps_the_books_and_learns(tmp_
     assert evals[0] < 0.3 and evals[-1] > 0.6, evals   # untrained ~0.05; trained ~0.95 here
 
 
+def test_lora_policy_learns_digit_max(tmp_path):
+    """trainer.lora: rank-8 adapters on every linear layer and the output head, everything else frozen. The
+    engines get the merged weights each step with nothing new on their side, so their greedy eval rises; the final
+    checkpoint holds the adapter in peft's format beside the merged HF model."""
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, "loop.num_rollout=20", "loop.eval_interval=10", "trainer.lr=1e-2",
+                     "trainer.lora.rank=8", "trainer.lora.target_modules=[all-linear, lm_head]")
+    assert proc.wait(timeout=600) == 0, supervisor_log(run_dir)
+    rows = metrics(run_dir)
+    evals = [r for r in rows if "eval/reward_mean" in r]
+    steps = [r for r in rows if "rollout/reward_mean" in r]
+    assert [r["rollout_id"] for r in evals] == [-1, 9, 19] and len(steps) == 20
+    # Untrained 0.05; after 20 steps 0.65-0.84 over four seeds tried (full fine-tuning at lr 1e-3: 0.86).
+    untrained, trained = evals[0]["eval/reward_mean"], evals[-1]["eval/reward_mean"]
+    assert untrained < 0.3 and trained > 0.5, evals
+    first, last = (sum(r["rollout/reward_mean"] for r in part) / 5 for part in (steps[:5], steps[-5:]))
+    assert last > first + 0.2, (first, last)   # seen: ~0.05 -> 0.4-0.5
+    hf = checkpoints(run_dir)[-1] / "hf"
+    assert (hf / "model.safetensors").is_file() and (hf / "adapter" / "adapter_model.safetensors").is_file()
+
+
 def test_control_api_save_eval_sentinel_stop_and_resume(tmp_path):
     run_dir = tmp_path / "run"
     sentinel = tmp_path / "save.now"

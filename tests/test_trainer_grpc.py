@@ -213,3 +213,45 @@ def test_kill_9_then_restart_resumes_exactly(tiny_model_dir, tmp_path, redis_ser
         assert producer.client.xlen(producer.stream) == 0   # every entry acknowledged and deleted
     finally:
         assert server.stop() == 0
+
+
+def test_lora_two_ranks_zero3_over_grpc_match_one_rank(tiny_model_dir, tmp_path, redis_server):  # noqa: F811
+    """trainer.lora under ZeRO-3 on 2 ranks: the base weights and the adapters are partitioned, so the merged weight
+    sync and the adapter export gather across ranks; the steps match one rank's, the engine receives W + s·B·A
+    (peft's own merge of the exported adapter), and the KL reference is the model with its adapters off."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    lora = {"zero_stage": 3, "lora": {"rank": 4}}
+    algorithm = {"kl_coef": 0.05}
+    batches = [make_batch(rollout_id=i, seed=40 + i, groups=4, model_dir=tiny_model_dir) for i in range(2)]
+    one = _config(tiny_model_dir, tmp_path / "one", redis_server.url, run_name="lora-one", port=free_port(),
+                  algorithm=algorithm, **lora)
+    reference = TrainerHarness(one, run_dir=tmp_path / "one")
+    try:
+        expected = [reference.service.train(rollout_id=i, entry_ids=[reference.put(b)]) for i, b in enumerate(batches)]
+    finally:
+        reference.close()
+    two = _config(tiny_model_dir, tmp_path / "two", redis_server.url, run_name="lora-two", port=free_port(),
+                  algorithm=algorithm, num_ranks=2, **lora)
+    server = TrainerProcess(two, run_dir=tmp_path / "two", name="trainer")
+    try:
+        producer = _producer(two)
+        for i, b in enumerate(batches):
+            got = server.stub.Train(trainer_pb2.TrainRequest(rollout_id=i, entry_ids=[producer.put(b)],
+                                                             max_staleness=-1), timeout=120)
+            for key in ("loss", "pg_loss", "kl", "grad_norm", "entropy", "ppo_ratio_mean"):
+                assert got.metrics[key] == pytest.approx(expected[i].metrics[key], rel=1e-4, abs=1e-6), key
+        weights = _sync_to_engine(server.stub, tiny_model_dir, version=1)
+        saved = server.stub.Save(trainer_pb2.SaveRequest(rollout_id=1, export_hf=True), timeout=60)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        merged = PeftModel.from_pretrained(base, str(Path(saved.hf_path) / "adapter")).merge_and_unload()
+        exported = AutoModelForCausalLM.from_pretrained(saved.hf_path, dtype=torch.float32)
+        assert list(weights) == [n for n, _ in merged.named_parameters()]
+        for (name, p), (_, q) in zip(merged.named_parameters(), exported.named_parameters(), strict=True):
+            torch.testing.assert_close(weights[name], p.detach(), rtol=0, atol=1e-6)
+            assert torch.equal(weights[name], q.detach()), name
+        assert server.stop() == 0, server.log()[-3000:]
+    finally:
+        server.stop(signal.SIGKILL)

@@ -29,6 +29,9 @@ class ModelConfig(Section):
     tokenizer_path: str | None = Field(default=None, description="defaults to model.path")
     dtype: Literal["float32", "bfloat16"] = "float32"
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+    fused_kernels: Literal["auto", "on", "off"] = Field(
+        default="auto", description="fused Triton RMSNorm and SwiGLU in the trained model (forward and backward), the "
+        "frozen ones and the native engine's; auto = on a CUDA device with Triton and bf16 weights")
     init_preset: Literal["tiny", "small", "q05", "q15"] | None = Field(
         default=None, description="the random-init preset `tandem run --init-model` builds when model.path holds no "
         "model (default tiny); nothing is ever built without that flag")
@@ -99,6 +102,10 @@ class RolloutConfig(Section):
     eval_n_samples_per_prompt: int = Field(default=1, ge=1)
     reward: str = Field(default="exact_match",
                         description="built-in name or `module:function` (sync or async, batched or per sample)")
+    reward_timeout_s: float | None = Field(default=None, gt=0, description="each reward call (one per sample, or the "
+                                           "one call of a batched function) must return within this, else the run "
+                                           "fails naming the function and the sample (not retried); defaults to "
+                                           "half of loop.step_timeout_s")
     max_batch_size: int = Field(default=512, ge=1, description="sequences decoded together by the engine")
     max_context_length: int | None = Field(default=None, ge=1, description="defaults to the model's")
     max_request_samples: int = Field(default=65536, ge=1, description="most samples (prompts × n) one Generate or "
@@ -106,6 +113,58 @@ class RolloutConfig(Section):
     sglang: SGLangConfig = SGLangConfig()
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     overlong_penalty: OverlongPenaltyConfig = OverlongPenaltyConfig()
+    environment: str | None = Field(default=None, description="multi-turn environment, `module:Class` or "
+                                    "`file.py:Class` (docs/own-task.md); unset = one turn per sample")
+    max_turns: int = Field(default=4, ge=1, description="environment: most policy turns (generations) per episode")
+    episode_reward: Literal["env", "env_plus_reward"] = Field(
+        default="env", description="environment: an episode's reward is the sum of its step rewards (env), or that "
+        "plus rollout.reward's score of the whole response, observations included (env_plus_reward)")
+    environment_timeout_s: float = Field(default=60.0, gt=0, description="one reset or step call of an environment")
+
+    @model_validator(mode="after")
+    def _environment_keys(self) -> RolloutConfig:
+        if self.environment is None and self.episode_reward != "env":
+            raise ValueError("rollout.episode_reward: env_plus_reward needs rollout.environment (without one, "
+                             "rollout.reward alone scores each sample)")
+        if self.environment is not None and self.overlong_penalty.enabled:
+            raise ValueError("rollout.overlong_penalty measures one generation against sampling.max_new_tokens; an "
+                             "episode of rollout.environment holds several turns and observations, so the two are "
+                             "refused together (algorithm.overlong_filter does apply: it masks episodes that were cut)")
+        return self
+
+
+# DeepSpeed 0.19's ZeRO-3 offload_states maps every module parameter, frozen ones included, onto the flat buffer of
+# the trainable ones' partitions, which does not hold the frozen ones.
+LORA_ZERO3_OFFLOAD = ("offloading the trainer (Offload, loop.offload_train) with trainer.lora needs trainer.zero_stage "
+                      "1 or 2: DeepSpeed's ZeRO-3 offload_states cannot move a model with frozen parameters")
+
+
+class LoraConfig(Section):
+    """LoRA adapters (peft) on the trainer's model: only they are trained and have optimizer state; weight sync and
+    the HF export send the merged weights under the base model's names (docs/algorithms.md, LoRA)."""
+
+    rank: int = Field(ge=1, description="r: the adapters' inner dimension")
+    alpha: int | None = Field(default=None, ge=1, description="lora_alpha; the update is scaled by alpha / rank "
+                              "(default 2 × rank: scale 2)")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input (train mode only)")
+    target_modules: tuple[str, ...] = Field(
+        default=("all-linear",), min_length=1, description="names of the linear layers to adapt (the last part "
+        "of a module path, e.g. q_proj, v_proj); all-linear = every linear layer but the output head (add lm_head "
+        "to adapt it too)")
+
+    @property
+    def lora_alpha(self) -> int:
+        return self.alpha if self.alpha is not None else 2 * self.rank
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [name for name in value if not name.strip() or name != name.strip()]
+        if bad:
+            raise ValueError(f"names a module by an empty or padded string: {bad}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"names a module more than once: {list(value)}")
+        return value
 
 
 class TrainerConfig(Section):
@@ -134,9 +193,8 @@ class TrainerConfig(Section):
     critic_lr: float | None = Field(default=None, gt=0, description="defaults to lr")
     seed: int = 0
     gradient_checkpointing: bool = False
-    fused_kernels: Literal["auto", "on", "off"] = Field(
-        default="auto", description="fused Triton RMSNorm and SwiGLU (forward and backward) in the trained and frozen "
-        "models; auto = on a CUDA device with Triton and bf16 weights")
+    lora: LoraConfig | None = Field(default=None, description="LoRA adapters instead of full fine-tuning "
+                                    "(null = full fine-tuning)")
 
 
 class AlgorithmConfig(Section):
@@ -365,11 +423,17 @@ class TandemConfig(Section):
         if self.loop.offload_rollout and self.loop.mode != "sync":
             raise ValueError(f"loop.offload_rollout needs loop.mode: sync (in {self.loop.mode} mode the engines "
                              "generate the next batch while the trainer trains)")
+        if self.loop.offload_train and self.trainer.lora is not None and self.trainer.zero_stage == 3:
+            raise ValueError(LORA_ZERO3_OFFLOAD)
         if self.weights.transport == "cuda_ipc" and self.trainer.num_ranks > 1:
             raise ValueError("weights.transport: cuda_ipc needs trainer.num_ranks == 1 (rank 0 owns the buckets)")
         if self.trainer.precision != "fp32" and self.model.dtype != "bfloat16" and self.weights.transport == "cuda_ipc":
             raise ValueError(f"model.dtype must be bfloat16 when trainer.precision is {self.trainer.precision} with "
                              "cuda_ipc")
+        if self.rollout.reward_timeout_s is not None and self.rollout.reward_timeout_s >= self.loop.step_timeout_s:
+            raise ValueError(f"rollout.reward_timeout_s ({self.rollout.reward_timeout_s:g}) must be below "
+                             f"loop.step_timeout_s ({self.loop.step_timeout_s:g}), the deadline of the Generate that "
+                             "scores: else the Generate times out first and the reward that hung is not named")
         if self.trainer.precision == "bf16_pure" and self.trainer.zero_stage == 0:
             raise ValueError("trainer.precision: bf16_pure needs trainer.zero_stage 1-3 (DeepSpeed keeps bf16 master "
                              "weights only in its ZeRO optimizer)")
@@ -515,13 +579,13 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
 
 def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     """Relative file paths in the YAML are relative to the YAML file's directory; so is the file of a
-    `path/to/file.py:function` reward plug-in."""
-    for section, key in (*_PATH_KEYS, ("rollout", "reward")):
+    `path/to/file.py:name` plug-in (reward, environment)."""
+    for section, key in (*_PATH_KEYS, *_PLUGIN_KEYS):
         node = data.get(section)
         value = node.get(key) if isinstance(node, dict) else None
         if not isinstance(node, dict) or not isinstance(value, str) or not value:
             continue
-        if (section, key) == ("rollout", "reward"):
+        if (section, key) in _PLUGIN_KEYS:
             node[key] = _resolve_reward_file(value, base_dir)
         elif not os.path.isabs(value):
             node[key] = str((base_dir / value).resolve())
@@ -530,6 +594,7 @@ def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
 
 _PATH_KEYS = (("model", "path"), ("model", "tokenizer_path"), ("data", "train_path"), ("data", "eval_path"),
               ("loop", "save_trigger_sentinel"), ("trainer", "checkpoint_dir"), ("weights", "disk_dir"))
+_PLUGIN_KEYS = (("rollout", "reward"), ("rollout", "environment"))
 
 
 def _resolve_reward_file(spec: str, base_dir: Path) -> str:

@@ -5,6 +5,8 @@ The coordinator's loop, `tandem run`'s preflight and `tandem ctl` all ask these 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,3 +28,28 @@ def is_finished(*, next_rollout_id: int, num_rollout: int) -> bool:
 def finished_message(*, done: int, num_rollout: int, checkpoint: str) -> str:
     return (f"this run already finished: {done} of {num_rollout} rollouts trained, last checkpoint {checkpoint}; "
             "raise loop.num_rollout to train further, or use a new --run-dir")
+
+
+def reward_timeout_s(config: TandemConfig) -> float:
+    """The deadline of one reward call: rollout.reward_timeout_s, else half the Generate's own deadline
+    (loop.step_timeout_s), so that a reward that hangs is named before the Generate times out."""
+    return config.rollout.reward_timeout_s or config.loop.step_timeout_s / 2
+
+
+UNBOUNDED_CONTEXT = 1 << 30   # neither the config nor the model says
+
+
+def context_length(*, configured: int | None, model_positions: int | None) -> int:
+    """Prompt + response tokens one sequence may hold: rollout.max_context_length, capped by the model's
+    max_position_embeddings. The rollout engine generates within it; preflight checks the prompts against it."""
+    known = [n for n in (configured, model_positions) if n]
+    return min(known) if known else UNBOUNDED_CONTEXT
+
+
+def model_positions(model_dir: str | Path) -> int | None:
+    """max_position_embeddings of a Hugging Face model directory's config.json (None: not given)."""
+    try:
+        value = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None

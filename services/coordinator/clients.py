@@ -42,8 +42,9 @@ class Deadlines:
 
 class GrpcService:
     def __init__(self, name: str, target: str, *, services: ServicesConfig, deadlines: Deadlines,
-                 wait_for_ready: bool = False):
+                 wait_for_ready: bool = False, process: str = ""):
         self.name = name
+        self.process = process or name   # its log: RUN_DIR/logs/<process>.log
         self.target = target
         self.deadlines = deadlines
         self.wait_for_ready = wait_for_ready   # calls wait, within their deadline, for a service that restarts
@@ -60,7 +61,7 @@ class GrpcService:
         try:
             return method(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:
-            raise ServiceCallError.from_rpc(self.name, what, exc) from exc
+            raise ServiceCallError.from_rpc(self.name, what, exc, process=self.process) from exc
 
     def close(self) -> None:
         self.channel.close()
@@ -81,7 +82,8 @@ class GrpcTrainer(GrpcService):
         if not reply.replayed and expected is not None and reply.step != expected:
             raise TrainerStateLost(f"{self.name} answered Train({request.rollout_id}) at optimizer step {reply.step}, "
                                    f"expected {expected}: it restarted and lost its state; restart the coordinator "
-                                   "to resume from the last checkpoint")
+                                   "to resume from the last checkpoint", service=self.process,
+                                   call=f"Train({request.rollout_id})")
         self.last_step = reply.step
         return reply
 
@@ -116,8 +118,9 @@ class GrpcRollout(GrpcService):
     > 0); Generate and the probe do not: the pool retries a share elsewhere instead."""
 
     def __init__(self, name: str, target: str, *, services: ServicesConfig, deadlines: Deadlines,
-                 wait_for_ready: bool = False):
-        super().__init__(name, target, services=services, deadlines=deadlines, wait_for_ready=wait_for_ready)
+                 wait_for_ready: bool = False, process: str = ""):
+        super().__init__(name, target, services=services, deadlines=deadlines, wait_for_ready=wait_for_ready,
+                         process=process)
         self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
 
     def generate(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
@@ -170,5 +173,6 @@ def make_clients(config: TandemConfig) -> tuple[GrpcTrainer, GrpcTrainer | None,
     critic = GrpcTrainer("critic", target(services.critic), services=services, deadlines=deadlines) \
         if config.algorithm.uses_critic else None
     rollouts = [GrpcRollout(f"rollout[{i}]", target(a), services=services, deadlines=deadlines,
-                            wait_for_ready=services.max_restarts > 0) for i, a in enumerate(services.rollout)]
+                            wait_for_ready=services.max_restarts > 0, process=f"rollout-{i}")
+                for i, a in enumerate(services.rollout)]
     return actor, critic, rollouts

@@ -20,6 +20,7 @@ class PromptRecord:
     text: str
     label: str
     metadata: dict[str, str] = field(default_factory=dict)
+    line: int = field(default=0, compare=False)   # its line in the data file (1-based; 0 = not from a file)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,8 @@ def load_prompts(path: str, *, prompt_key: str, label_key: str, limit: int | Non
                 raise ValueError(f"{path}:{line_no}: expected an object with key {prompt_key!r}")
             meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in row.items()
                     if k not in (prompt_key, label_key)}
-            records.append(PromptRecord(text=str(row[prompt_key]), label=str(row.get(label_key, "")), metadata=meta))
+            records.append(PromptRecord(text=str(row[prompt_key]), label=str(row.get(label_key, "")), metadata=meta,
+                                        line=line_no))
             if limit is not None and len(records) >= limit:
                 break
     if not records:

@@ -111,7 +111,7 @@ class RolloutPool:
 
     def _generate_share(self, *, first: int, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
         errors: list[str] = []
-        code = None
+        last: ServiceCallError | None = None
         expected = self.expected_version
         start = self.clock.monotonic()
         for attempt in range(self.retry.attempts):
@@ -124,6 +124,7 @@ class RolloutPool:
                 reply = replica.generate(request)
             except ServiceCallError as exc:
                 errors.append(str(exc))
+                last = exc
                 code = exc.code
                 if code not in self.retry.retryable:   # e.g. a reward function that raises: another replica would too
                     break
@@ -142,7 +143,11 @@ class RolloutPool:
             self._suspect_of(index)
             if self.discard is not None:
                 self.discard([reply.entry_id])
-        raise ServiceCallError("; ".join(errors), code=code)
+        if last is not None and errors == [str(last)]:
+            raise last   # the one answer, with its service, call, details and hint
+        raise ServiceCallError("; ".join(errors), code=last.code if last else None,
+                               service=last.service if last else "", call=last.call if last else "",
+                               hint=last.hint if last else "")
 
     def _suspect_of(self, index: int) -> None:
         with self._lock:

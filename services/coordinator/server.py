@@ -18,16 +18,17 @@ import grpc
 from services.buffer.stream import RolloutBuffer, connect, stream_key
 from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
+from services.contracts.failure import clear_failure, write_failure
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.clients import make_clients
 from services.coordinator.data import DataSource, load_eval_prompts
-from services.coordinator.errors import ServiceCallError
+from services.coordinator.errors import failure_record
 from services.coordinator.loop import Coordinator
 from services.coordinator.pool import RolloutPool
 from services.coordinator.retry import generate_retry
 from services.coordinator.sync import WeightSync
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
-from services.telemetry.tracing import setup_logging, setup_tracing, shutdown_tracing
+from services.telemetry.tracing import TRACEBACK_TO_FILE, setup_logging, setup_tracing, shutdown_tracing
 from services.telemetry.trackers import make_trackers
 
 log = logging.getLogger(__name__)
@@ -132,11 +133,11 @@ def main(config: TandemConfig, *, run_dir: Path) -> int:
     setup_logging("coordinator", config.tracing.log_level, str(run_dir / "logs" / "coordinator.log"))
     setup_tracing("tandem-coordinator", exporter=config.tracing.exporter, instance="coordinator",
                   file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"))
+    clear_failure(run_dir)   # a record of an earlier coordinator is not this one's
     try:
         coordinator, _ = build_coordinator(config, run_dir=run_dir)
     except (ValueError, FileNotFoundError) as exc:   # bad data (file and line named): a restart would repeat it
-        log.error("cannot start: %s", exc)
-        return ExitCode.PERMANENT
+        return _failed(exc, run_dir=run_dir, kept="", starting=True)
     s = config.services
     servicer = CoordinatorServicer(coordinator, max_watch_streams=s.max_watch_streams)
     server = start_server([(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, "tandem.v1.Coordinator")],
@@ -155,18 +156,27 @@ def main(config: TandemConfig, *, run_dir: Path) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    code = ExitCode.OK
+    code: int = ExitCode.OK
     try:
         coordinator.run()
-    except Exception as exc:
-        log.exception("run failed")
-        code = ExitCode.PERMANENT if isinstance(exc, ServiceCallError) and exc.permanent else ExitCode.FAILED
+    except Exception as exc:  # noqa: BLE001 - every failure becomes the record and its exit code
+        code = _failed(exc, run_dir=run_dir, kept=coordinator.last_checkpoint)
     finally:
         for tracker in coordinator.trackers:
             tracker.close()
         server.stop(grace_s=s.timeouts.control_s)   # control calls still running get their deadline to finish
         shutdown_tracing()
     return code
+
+
+def _failed(exc: Exception, *, run_dir: Path, kept: str, starting: bool = False) -> int:
+    """Every failure ends the same way: the traceback to the log file, RUN_DIR/failure.json for `tandem run` to
+    show, and the same block on stderr for a coordinator run alone; the exit code says whether to restart."""
+    record = failure_record(exc, kept=kept, starting=starting)
+    log.error("run failed: %s", exc, exc_info=exc, extra=TRACEBACK_TO_FILE)
+    write_failure(run_dir, record)
+    print(record.render(command="tandem coordinator", run_dir=run_dir), file=sys.stderr, flush=True)
+    return record.exit_code
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """What `tandem run` checks before any service starts.
 
-A run that would fail on its inputs fails here, in about a second, with one line naming the config key,
-instead of after every service has loaded its model. Problems that do not stop a run (text the tokenizer
+A run that would fail on its inputs fails here, in about a second, with one line naming the config key (or the
+file and line of a bad prompt: empty, or too long for the context), instead of after every service has loaded its
+model. Problems that do not stop a run (text the tokenizer
 cannot encode) are returned as warnings.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import difflib
 import logging
 from pathlib import Path
+from typing import Any
 
 from services.contracts import runfacts
 from services.contracts.config import ConfigError, TandemConfig
@@ -17,16 +19,70 @@ from services.coordinator.data import DataSource, PromptRecord, load_prompts
 
 log = logging.getLogger("tandem.preflight")
 
-MAX_TOKENIZER_CHECKS = 20000   # prompts (and labels) encoded to look for unknown tokens
+MAX_TOKENIZER_CHECKS = 20000   # prompts and labels looked at for unknown tokens (every prompt's length is checked)
+ENCODE_BATCH = 8192            # prompts the tokenizer encodes in one call
+SHOWN_LINES = 5                # line numbers named besides the first offending one
 
 
 def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[str]:
     """Raises ConfigError for the first input that would stop the run; returns warnings."""
     check_engine(config)
     check_model(config, init_model=init_model)
+    check_lora(config)
     records = check_data(config)
     _check_reward(config.rollout.reward)
-    return unencodable_text(config, records)
+    _check_environment(config.rollout.environment)
+    from services.rollout.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+    prompt_ids = {key: encode_prompts(tokenizer, rows) for key, rows in records.items()}
+    check_prompt_lengths(config, records, prompt_ids)
+    return unencodable_text(config, records, prompt_ids, tokenizer)
+
+
+def encode_prompts(tokenizer: Any, rows: list[PromptRecord]) -> list[list[int]]:
+    """Every prompt as the rollout service encodes it, ENCODE_BATCH at a time (a fast tokenizer does 100k short
+    prompts in about a second)."""
+    from services.rollout.tokenizer import prompt_token_ids
+
+    out: list[list[int]] = []
+    for start in range(0, len(rows), ENCODE_BATCH):
+        out += prompt_token_ids(tokenizer, [r.text for r in rows[start:start + ENCODE_BATCH]])
+    return out
+
+
+def check_prompt_lengths(config: TandemConfig, records: dict[str, list[PromptRecord]],
+                         prompt_ids: dict[str, list[list[int]]]) -> None:
+    """ConfigError naming file:line of the first prompt that is empty or leaves no room for max_new_tokens in the
+    context (runfacts.context_length), with the limits and how many more lines are like it."""
+    context = runfacts.context_length(configured=config.rollout.max_context_length,
+                                      model_positions=runfacts.model_positions(config.model.path))
+    context_from = ("rollout.max_context_length" if config.rollout.max_context_length and
+                    context == config.rollout.max_context_length else "the model's max_position_embeddings")
+    for key, rows in records.items():
+        sampling, sampling_key = ((config.rollout.eval_sampling, "rollout.eval_sampling")
+                                  if key == "data.eval_path" else (config.rollout.sampling, "rollout.sampling"))
+        limit = context - sampling.max_new_tokens
+        bad = [(row, len(ids)) for row, ids in zip(rows, prompt_ids[key], strict=True)
+               if not row.text.strip() or len(ids) > limit]
+        if not bad:
+            continue
+        first, tokens = bad[0]
+        if not first.text.strip():
+            problem = "the prompt is empty"
+        else:
+            problem = (f"the prompt has {tokens} tokens, more than the {limit} a prompt may have (a context of "
+                       f"{context} tokens, from {context_from}, minus {sampling_key}.max_new_tokens "
+                       f"{sampling.max_new_tokens})")
+        path = getattr(config.data, key.split(".")[1])
+        raise ConfigError(f"{key}: {path}:{first.line}: {problem}{_others([row.line for row, _ in bad[1:]])}")
+
+
+def _others(lines: list[int]) -> str:
+    if not lines:
+        return ""
+    shown = ", ".join(str(n) for n in lines[:SHOWN_LINES]) + (", …" if len(lines) > SHOWN_LINES else "")
+    return f"; {len(lines)} more line{'s' if len(lines) > 1 else ''} empty or too long (line {shown})"
 
 
 def check_engine(config: TandemConfig) -> None:
@@ -88,6 +144,17 @@ def check_model(config: TandemConfig, *, init_model: bool) -> None:
     build(path, preset=preset)
 
 
+def check_lora(config: TandemConfig) -> None:
+    """trainer.lora's target_modules name linear layers of the model (and of the critic's backbone)."""
+    lora = config.trainer.lora
+    if lora is None:
+        return
+    from services.trainer.lora import check_model_targets
+
+    for critic in (False, True) if config.algorithm.uses_critic else (False,):
+        check_model_targets(config.model.path, lora, critic=critic)
+
+
 def already_finished(config: TandemConfig, *, run_dir: Path) -> str | None:
     """The message to exit with when run_dir's latest checkpoint is of the run's last step (the coordinator
     checks the same after loading it, for deployments without `tandem run`)."""
@@ -133,20 +200,31 @@ def _check_reward(spec: str) -> None:
         raise ConfigError(f"rollout.reward: {exc}") from None
 
 
-def unencodable_text(config: TandemConfig, records: dict[str, list[PromptRecord]]) -> list[str]:
+def _check_environment(spec: str | None) -> None:
+    if not spec:
+        return
+    from services.rollout.environments import EnvironmentSpecError, resolve_environment
+
+    try:
+        resolve_environment(spec)
+    except EnvironmentSpecError as exc:
+        raise ConfigError(f"rollout.environment: {exc}") from None
+
+
+def unencodable_text(config: TandemConfig, records: dict[str, list[PromptRecord]],
+                     prompt_ids: dict[str, list[list[int]]], tokenizer: Any) -> list[str]:
     """One warning per data file whose prompts or labels hold text the tokenizer maps to its unknown token:
     the model can never read (or, for labels, write) it, which looks like a run that does not learn."""
-    from services.rollout.service import load_tokenizer
-
-    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
     unk = tokenizer.unk_token_id
     if unk is None:   # byte-level tokenizers encode everything
         return []
     warnings = []
-    for key, rows in records.items():
-        rows = rows[:MAX_TOKENIZER_CHECKS]
-        for field, texts in (("prompt", [r.text for r in rows]), ("label", [r.label for r in rows])):
-            encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    for key, all_rows in records.items():
+        rows = all_rows[:MAX_TOKENIZER_CHECKS]
+        labels = [r.label for r in rows]
+        for field, texts, encoded in (
+                ("prompt", [r.text for r in rows], prompt_ids[key][:MAX_TOKENIZER_CHECKS]),
+                ("label", labels, tokenizer(labels, add_special_tokens=False)["input_ids"])):
             bad = [i for i, ids in enumerate(encoded) if unk in ids]
             if bad:
                 warnings.append(f"{key}: {len(bad)} of {len(rows)} {field}s hold text the tokenizer of "

@@ -13,6 +13,9 @@ checkpoint; a trainer together with the coordinator, which is killed first so it
 trainer nor save a checkpoint mixing the two, and then resumes from the last checkpoint. A child that dies or
 hangs while it is being started again costs one more restart and is started again. A coordinator that exits
 with ExitCode.PERMANENT (3) failed on an error a restart would repeat: it is not restarted (docs/reliability.md).
+
+A failed run ends in one block, its last lines (services/contracts/failure.py): the record the coordinator wrote
+(RUN_DIR/failure.json), or one for a child that died without writing one; tracebacks stay in the logs.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +38,7 @@ import grpc
 from services.buffer.redis_server import EmbeddedRedis, free_port
 from services.contracts.config import TandemConfig, config_from_dict, write_resolved_config
 from services.contracts.exits import ExitCode
+from services.contracts.failure import FailureRecord, clear_failure, read_failure
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.launcher.procs import dies_with_parent
 from services.rpc.grpc_util import ensure_port_free, open_channel, wait_healthy
@@ -110,8 +114,11 @@ class LocalRun:
         self.interrupts = 0
         self.restarts_left = config.services.max_restarts
         self.view: ProgressView | None = None
+        self.failure: FailureRecord | None = None   # what ended the run, shown as its last lines
 
     def _spawn(self, name: str, args: list[str]) -> Child:
+        if name == "coordinator":
+            clear_failure(self.run_dir)   # what it writes when it fails is about this start, not an earlier one
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_SERVICE": name}
@@ -229,14 +236,31 @@ class LocalRun:
                     if code in (0, ExitCode.PERMANENT) or self.interrupts or not self._restart(coordinator):
                         break
                 time.sleep(WATCH_POLL_S)
-        code = self.coordinator_child().process.returncode
-        if code == ExitCode.PERMANENT:
-            log.error("coordinator failed on an error a restart would only repeat (exit %d): not restarting it. "
-                      "Last lines of its log:\n%s", code, self.coordinator_child().log_tail())
-        elif code != 0:
-            log.error("coordinator exited with %s. Last lines of its log:\n%s", code,
-                      self.coordinator_child().log_tail())
+        coordinator = self.coordinator_child()
+        code = coordinator.process.returncode
+        if code != 0:
+            self.failure = read_failure(self.run_dir) or self._exited(coordinator)
         return code
+
+    def _exited(self, child: Child, reason: str = "") -> FailureRecord:
+        """The record of a child that died without writing one (a crash, a signal): its log tail is logged too."""
+        reason = reason or f"exited with {child.process.returncode}"
+        log.error("%s %s. Last lines of %s:\n%s", child.name, reason, child.log_path, child.log_tail())
+        return FailureRecord(service=child.name, kind="EXITED", what=f"{child.name} {reason}",
+                             kept=self._kept(), exit_code=ExitCode.FAILED)
+
+    def _kept(self) -> str:
+        from services.contracts.checkpoints import latest_checkpoint
+
+        latest = latest_checkpoint(self.config, run_dir=self.run_dir)
+        return str(latest) if latest is not None else ""
+
+    def _why(self, child: Child, lines: int) -> str:
+        """Why a child died, for the restart's log line: the coordinator's own record, else the tail of its log."""
+        record = read_failure(self.run_dir) if child.name == "coordinator" else None
+        if record is not None:
+            return f"{record.service} answered {record.call or 'it'} with {record.kind}: {record.what}"
+        return f"Last lines of {child.log_path}:\n{child.log_tail(lines)}"
 
     def _restart(self, child: Child) -> bool:
         """Restarts a dead child (see the module docstring), and again whatever dies or hangs while it comes
@@ -257,13 +281,12 @@ class LocalRun:
                 limit = self.config.services.max_restarts
                 why = "Ctrl-C" if self.interrupts else (f"services.max_restarts {limit} used up" if limit else
                                                         "restarts are off: services.max_restarts is 0")
-                log.error("%s %s; stopping the run (%s). Last lines of %s:\n%s", child.name, reason, why,
-                          child.log_path, child.log_tail())
+                self.failure = self._exited(child, f"{reason}; stopping the run ({why})")
             return False
         self.restarts_left -= 1
         used = self.config.services.max_restarts - self.restarts_left
-        log.warning("%s %s; restarting it (restart %d of services.max_restarts %d). Last lines of %s:\n%s",
-                    child.name, reason, used, self.config.services.max_restarts, child.log_path, child.log_tail(8))
+        log.warning("%s %s; restarting it (restart %d of services.max_restarts %d). %s",
+                    child.name, reason, used, self.config.services.max_restarts, self._why(child, 8))
         return True
 
     def _bring_back(self, *, stop_coordinator: bool) -> None:
@@ -298,7 +321,8 @@ class LocalRun:
         assert self.redis is not None
         code = self.redis.process.returncode if self.redis.process is not None else None
         if self.restarts_left <= 0:
-            log.error("redis-server exited with %s; stopping the run", code)
+            self.failure = FailureRecord(service="redis-server", kind="EXITED", what=f"redis-server exited with {code}",
+                                         kept=self._kept(), exit_code=ExitCode.FAILED)
             return False
         self.restarts_left -= 1
         log.warning("redis-server exited with %s; restarting it on port %d (appendonly %s)", code, self.redis.port,
@@ -361,6 +385,9 @@ def run_local(config: TandemConfig, *, run_dir: Path, config_path: Path, overrid
         signal.signal(signal.SIGINT, previous)
         run.shutdown()
     _say_where_it_is(run.config, run_dir=run_dir)
+    if run.failure is not None:   # the last lines: what went wrong, where, what was kept, what to do, the exit code
+        record = replace(run.failure, exit_code=code)
+        print(record.render(command="tandem run", run_dir=run_dir), file=sys.stderr, flush=True)
     return code
 
 

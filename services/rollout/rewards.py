@@ -13,12 +13,20 @@ keyword when the function names only known ones (so `fn(response, label)` works)
 A result may be a number, a bool, or a dict with a `score` / `reward` entry; a string, even "1.0", is refused.
 A function that raises fails the request with the sample named (`RewardError`, not retried), unless what it
 raised is a ConnectionError or TimeoutError (`RewardUnavailable`, retried like any transient failure).
+
+Under a deadline (`score(timeout_s=...)`, rollout.reward_timeout_s in the rollout service) each call gets that long:
+each sample's call for a per-sample function (async ones run concurrently, each with its own deadline), the one
+call of a batched function. One that does not return fails the request with `RewardTimeout`, naming the function,
+the deadline and the sample; that is not retried either (another replica would wait just as long). A sync function
+cannot be interrupted: its call is left running on a daemon thread, which dies with the process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import contextvars
 import functools
 import importlib
 import importlib.util
@@ -26,7 +34,9 @@ import inspect
 import math
 import re
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +54,16 @@ class RewardSpecError(ValueError):
 
 class RewardError(ValueError):
     """A reward function raised or returned something that is not a finite number. Deterministic: the request
-    fails (INVALID_ARGUMENT) and is not retried on another replica."""
+    fails (INVALID_ARGUMENT) and is not retried on another replica. `hint` says what to do (the failure record
+    that ends the run shows it)."""
+
+    def __init__(self, message: str, *, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint or "fix the reward function"
+
+
+class RewardTimeout(RewardError):
+    """A reward function did not return within its deadline (rollout.reward_timeout_s)."""
 
 
 class RewardUnavailable(Unavailable):
@@ -140,25 +159,72 @@ class RewardFunction:
     keywords: tuple[str, ...] | None     # parameter names to pass by keyword; None = positional
 
     def score(self, *, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[str],
-              metadatas: Sequence[dict[str, str]]) -> list[float]:
+              metadatas: Sequence[dict[str, str]], timeout_s: float | None = None) -> list[float]:
+        """One reward per sample; with `timeout_s` each call must return within it (RewardTimeout otherwise)."""
         n = len(responses)
         if not (len(prompts) == len(labels) == len(metadatas) == n):
             raise ValueError("reward inputs differ in length")
         if n == 0:
             return []
         if self.batched:
-            raw = _run_maybe_async(lambda: self._call(prompts, responses, labels, metadatas))
+            def job(watch: _Watch) -> list[Any]:
+                with watch.running(BATCH):
+                    return _run_maybe_async(lambda: self._call(prompts, responses, labels, metadatas,
+                                                               timeout_s=timeout_s, batch_size=n))
+            raw = job(_Watch()) if timeout_s is None else self._within(job, timeout_s, n=n)
             if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or len(raw) != n:
                 raise RewardError(f"batched reward {self.spec} returned {type(raw).__name__} "
                                   f"{_len_of(raw)} for {n} samples; expected a list of {n} numbers")
             return [_to_float(v, spec=self.spec, index=i) for i, v in enumerate(raw)]
-        calls: list[Callable[[], Any]] = [
-            functools.partial(self._call, p, r, lb, m, index=i)
-            for i, (p, r, lb, m) in enumerate(zip(prompts, responses, labels, metadatas, strict=True))]
-        raw = _run_coroutines(calls) if inspect.iscoroutinefunction(self.fn) else [_run_maybe_async(c) for c in calls]
+
+        def each(watch: _Watch) -> list[Any]:
+            calls: list[Callable[[], Any]] = [
+                functools.partial(self._call, p, r, lb, m, index=i, timeout_s=timeout_s, watch=watch)
+                for i, (p, r, lb, m) in enumerate(zip(prompts, responses, labels, metadatas, strict=True))]
+            if inspect.iscoroutinefunction(self.fn):
+                return _run_coroutines(calls)   # each coroutine is watched while it runs (_awaited)
+            out = []
+            for i, call in enumerate(calls):
+                with watch.running(i):
+                    out.append(_run_maybe_async(call))
+            return out
+        raw = each(_Watch()) if timeout_s is None else self._within(each, timeout_s, n=n)
         return [_to_float(v, spec=self.spec, index=i) for i, v in enumerate(raw)]
 
-    def _call(self, *args: Any, index: int | None = None) -> Any:
+    def _within(self, job: Callable[[_Watch], list[Any]], timeout_s: float, *, n: int) -> list[Any]:
+        """`job` on a daemon thread (a sync call cannot be interrupted; one that hangs is left there), watched: the
+        first call running longer than timeout_s fails the scoring with RewardTimeout."""
+        watch, done = _Watch(), threading.Event()
+        values: list[list[Any]] = []
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                values.append(job(watch))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+                errors.append(exc)
+            finally:
+                done.set()
+
+        context = contextvars.copy_context()   # the reward's own spans stay under rl.reward
+        threading.Thread(target=context.run, args=(run,), name=f"reward {self.spec}", daemon=True).start()
+        while not done.wait(watch.wait_s(timeout_s)):
+            late = watch.overdue(timeout_s)
+            if late is not None:
+                raise self._timeout(late, timeout_s, n=n)
+        if errors:
+            raise errors[0]
+        return values[0]
+
+    def _timeout(self, index: int, timeout_s: float, *, n: int) -> RewardTimeout:
+        which = f"sample {index}" if index != BATCH else f"the {n} samples of its one batched call"
+        return RewardTimeout(f"reward function {self.spec} did not return within {timeout_s:g} s "
+                             f"(rollout.reward_timeout_s) for {which}",
+                             hint=f"make {self.spec} return sooner (give what it waits for a timeout of its own), "
+                                  "or raise rollout.reward_timeout_s")
+
+    def _call(self, *args: Any, index: int | None = None, timeout_s: float | None = None,
+              watch: _Watch | None = None, batch_size: int = 0) -> Any:
         names = _BATCHED if self.batched else _PER_SAMPLE
         try:
             if self.keywords is None:
@@ -167,13 +233,25 @@ class RewardFunction:
                 result = self.fn(**{k: v for k, v in zip(names, args, strict=True) if k in self.keywords})
         except Exception as exc:
             raise self._failure(exc, index) from exc
-        return self._guarded(result, index) if inspect.isawaitable(result) else result
+        if not inspect.isawaitable(result):
+            return result
+        return self._guarded(result, index, timeout_s, watch, batch_size=batch_size)
 
-    async def _guarded(self, result: Awaitable[Any], index: int | None) -> Any:
+    async def _guarded(self, result: Awaitable[Any], index: int | None, timeout_s: float | None,
+                       watch: _Watch | None, *, batch_size: int) -> Any:
+        """An async call: cancelled at its deadline (the watchdog of _within catches one that blocks its loop)."""
         try:
-            return await result
-        except Exception as exc:
-            raise self._failure(exc, index) from exc
+            return await asyncio.wait_for(self._awaited(result, index, watch), timeout_s)
+        except TimeoutError:   # wait_for's own: what the function raised is a RewardUnavailable by now
+            raise self._timeout(BATCH if index is None else index, timeout_s or 0.0, n=batch_size) from None
+
+    async def _awaited(self, result: Awaitable[Any], index: int | None, watch: _Watch | None) -> Any:
+        # watched from its first step: coroutines queued behind one that blocks the loop are not yet running
+        with watch.running(index) if watch is not None and index is not None else contextlib.nullcontext():
+            try:
+                return await result
+            except Exception as exc:
+                raise self._failure(exc, index) from exc
 
     def _failure(self, exc: Exception, index: int | None) -> Exception:
         where = f" on sample {index}" if index is not None else ""
@@ -219,6 +297,43 @@ def _run_coroutines(calls: list[Callable[[], Any]]) -> list[Any]:
     return _run_async(gather())
 
 
+BATCH = -1   # _Watch's key of a batched function's one call
+
+
+class _Watch:
+    """Which reward calls of a scoring job are running, and since when: the caller's watchdog reads it."""
+
+    _POLL_S = 0.05   # when nothing is running (between two calls): look again this soon
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: dict[int, float] = {}
+
+    @contextlib.contextmanager
+    def running(self, index: int) -> Iterator[None]:
+        with self._lock:
+            self._since[index] = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._since.pop(index, None)
+
+    def _oldest(self) -> tuple[int, float] | None:
+        with self._lock:
+            return min(self._since.items(), key=lambda item: (item[1], item[0]), default=None)
+
+    def overdue(self, timeout_s: float) -> int | None:
+        oldest = self._oldest()
+        return oldest[0] if oldest is not None and time.monotonic() - oldest[1] >= timeout_s else None
+
+    def wait_s(self, timeout_s: float) -> float:
+        oldest = self._oldest()
+        if oldest is None:
+            return min(self._POLL_S, timeout_s)
+        return max(0.0, oldest[1] + timeout_s - time.monotonic())
+
+
 def _run_async(coro: Any) -> Any:
     try:
         asyncio.get_running_loop()
@@ -245,44 +360,55 @@ def _load_callable(spec: str) -> Callable[..., Any]:
     if not sep or not target or not attr:
         raise RewardSpecError(f"reward {spec!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}) "
                               "and not of the form module:function or path/to/file.py:function")
-    module = _load_file(target, spec) if target.endswith(".py") or "/" in target else _import(target, spec)
-    fn = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise RewardSpecError(f"reward {spec!r}: {target} has no attribute {attr!r}")
+    fn = load_attribute(spec, kind="reward", error=RewardSpecError)
     if not callable(fn):
         raise RewardSpecError(f"reward {spec!r}: {attr} is a {type(fn).__name__}, not a function")
     return fn
 
 
-def _import(name: str, spec: str) -> Any:
+def load_attribute(spec: str, *, kind: str, error: type[ValueError]) -> Any:
+    """The object `module:attr` or `path/to/file.py:attr` names (a plug-in: a reward, an environment); `error`
+    (a ValueError naming `kind` and `spec`) when it cannot be loaded. A file is imported once per process."""
+    target, _, attr = spec.rpartition(":")
+    module = _load_file(target, spec, kind, error) if target.endswith(".py") or "/" in target else \
+        _import(target, spec, kind, error)
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise error(f"{kind} {spec!r}: {target} has no attribute {attr!r}")
+    return obj
+
+
+def _import(name: str, spec: str, kind: str, error: type[ValueError]) -> Any:
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
-        raise RewardSpecError(f"reward {spec!r}: module {exc.name!r} not found") from None
+        raise error(f"{kind} {spec!r}: module {exc.name!r} not found") from None
     except Exception as exc:  # noqa: BLE001 - user code may raise anything; the spec error names it
-        raise RewardSpecError(f"reward {spec!r}: importing {name} failed: {type(exc).__name__}: {exc}") from None
+        raise error(f"{kind} {spec!r}: importing {name} failed: {type(exc).__name__}: {exc}") from None
 
 
-def _load_file(path_text: str, spec: str) -> Any:
+def _load_file(path_text: str, spec: str, kind: str, error: type[ValueError]) -> Any:
     path = Path(path_text)
     candidates = [path] if path.is_absolute() else [Path.cwd() / path, REPO_ROOT / path]
     file = next((c.resolve() for c in candidates if c.is_file()), None)
     if file is None:
-        raise RewardSpecError(f"reward {spec!r}: file {path_text} not found (tried "
-                              f"{', '.join(str(c) for c in candidates)})")
-    name = f"tandem_reward_{abs(hash(str(file))):x}"
+        raise error(f"{kind} {spec!r}: file {path_text} not found (tried "
+                    f"{', '.join(str(c) for c in candidates)})")
+    # one module per file, whichever plug-in asks first: a file may hold an environment and a reward
+    name = f"tandem_plugin_{abs(hash(str(file))):x}"
     if name in sys.modules:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, file)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module   # before it runs: a dataclass in it looks its module up there
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 - user code may raise anything; the spec error names it
-        raise RewardSpecError(f"reward {spec!r}: loading {file} failed: {type(exc).__name__}: {exc}") from None
-    sys.modules[name] = module
+        del sys.modules[name]
+        raise error(f"{kind} {spec!r}: loading {file} failed: {type(exc).__name__}: {exc}") from None
     return module
 
 

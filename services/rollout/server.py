@@ -126,6 +126,13 @@ def startup_problem(config: TandemConfig, replica: int) -> str | None:
         resolve_reward(config.rollout.reward)
     except RewardSpecError as exc:
         return f"rollout.reward: {exc}"
+    if config.rollout.environment:
+        from services.rollout.environments import EnvironmentSpecError, resolve_environment
+
+        try:
+            resolve_environment(config.rollout.environment)
+        except EnvironmentSpecError as exc:
+            return f"rollout.environment: {exc}"
     return None
 
 

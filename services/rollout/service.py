@@ -16,12 +16,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from services.buffer.stream import RolloutBuffer, connect, redacted, stream_key
+from services.contracts import runfacts
 from services.contracts.config import OverlongPenaltyConfig, TandemConfig
 from services.contracts.dapo import informative_groups, overlong_penalty
 from services.contracts.sampling import SamplingSpec
@@ -33,7 +33,10 @@ from services.rollout.engines.base import (
     EngineUnavailable,
     SampleOutput,
 )
+from services.rollout.environments import EpisodeSample, resolve_environment
+from services.rollout.multi_turn import MultiTurnRollout, episode_metrics
 from services.rollout.rewards import RewardFunction, resolve_reward
+from services.rollout.tokenizer import load_tokenizer, prompt_token_ids
 from services.rpc.grpc_util import FailedPrecondition, Unavailable
 from services.telemetry import tracing
 
@@ -102,17 +105,8 @@ class _Scored:
     responses: list[str]
     generate_s: float
     reward_s: float
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """PreTrainedTokenizerFast when the directory has a tokenizer.json: it decodes exactly what the file
-    says (AutoTokenizer swaps in a ByteLevel decoder for `qwen2` directories under transformers 5.x)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    path = Path(path)
-    if (path / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
-    return AutoTokenizer.from_pretrained(str(path))
+    loss_masks: list[list[int]] | None = None    # None: every response token is the policy's
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def build_engine(config: TandemConfig) -> Engine:
@@ -122,7 +116,7 @@ def build_engine(config: TandemConfig) -> Engine:
 
         return NativeEngine(config.model.path, device=ro.device, dtype=config.model.dtype,
                             attn_implementation=config.model.attn_implementation, max_batch_size=ro.max_batch_size,
-                            max_context_length=ro.max_context_length)
+                            max_context_length=ro.max_context_length, fused_kernels=config.model.fused_kernels)
     if ro.engine == "sglang":
         from services.rollout.engines.sglang import SGLangEngine
 
@@ -144,6 +138,7 @@ class RolloutService:
         self.replica = replica
         self.producer = f"rollout-{replica}"
         self.default_reward = resolve_reward(config.rollout.reward)   # a bad spec fails the start
+        self.environment = resolve_environment(config.rollout.environment) if config.rollout.environment else None
         started = time.monotonic()
         self.engine = engine if engine is not None else build_engine(config)
         log.info("startup: %s engine ready in %.2fs", self.engine.name, time.monotonic() - started)
@@ -212,7 +207,7 @@ class RolloutService:
         if sampling is None:
             sampling = SamplingSpec.from_config(ro.sampling)
         sampling = sampling.with_seed(mix_seed(sampling.seed, rollout_id))
-        reward_fn = resolve_reward(reward) if reward else self.default_reward
+        reward_fn = self._reward_fn(reward)
         prompt_ids = self.encode_prompts(prompts)
         version = self.engine.weight_version
         with tracing.span("rl.sample", parent=trace_context or None, rollout_id=rollout_id, weight_version=version,
@@ -226,10 +221,10 @@ class RolloutService:
                 log_probs=[list(o.log_probs) for o in scored.outputs], rewards=rewards,
                 group_ids=[p.group_id for p in prompts for _ in range(n)],
                 finish_reasons=[o.finish_reason for o in scored.outputs], sampling=sampling,
-                sample_versions=[o.weight_version for o in scored.outputs],
+                sample_versions=[o.weight_version for o in scored.outputs], loss_masks=scored.loss_masks,
                 labels=[p.label for p in prompts for _ in range(n)],
                 metadata={"reward": reward_fn.spec, "engine": self.engine.name, "n_samples_per_prompt": str(n),
-                          "temperature": str(sampling.temperature)},
+                          "temperature": str(sampling.temperature), **self._environment_metadata()},
                 producer=self.producer, logprob_space=self.engine.logprob_space)
             if caller_active is not None and not caller_active():
                 raise CallerGone(f"Generate(rollout_id={rollout_id}): the caller went away during generation; "
@@ -243,7 +238,8 @@ class RolloutService:
             entry_id=entry_id, num_samples=batch.num_samples, num_prompt_tokens=int(batch.prompt_lengths.sum()),
             num_response_tokens=batch.num_response_tokens, weight_version=batch.policy_version,
             generate_time_s=scored.generate_s, reward_time_s=scored.reward_s, put_time_s=put_s,
-            metrics={**batch_metrics(scored.outputs, rewards, n=n, generate_s=scored.generate_s), **shaping},
+            metrics={**batch_metrics(scored.outputs, rewards, n=n, generate_s=scored.generate_s), **shaping,
+                     **scored.metrics},
             producer=self.producer, num_groups=len(prompts),
             informative_groups=len(informative_groups(batch.rewards, batch.group_ids,
                                                       min_std=ro.dynamic_sampling.min_std)))
@@ -251,6 +247,9 @@ class RolloutService:
     def _sample_and_score(self, *, prompts: Sequence[PromptInput], prompt_ids: list[list[int]], n: int,
                           sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int,
                           span_: Any) -> _Scored:
+        if self.environment is not None:
+            return self._play_and_score(prompts=prompts, prompt_ids=prompt_ids, n=n, sampling=sampling,
+                                        reward_fn=reward_fn, rollout_id=rollout_id, span_=span_)
         expanded = [ids for ids in prompt_ids for _ in range(n)]
         t = time.monotonic()
         try:
@@ -258,10 +257,7 @@ class RolloutService:
         except EngineUnavailable as exc:
             raise FailedPrecondition(str(exc)) from exc
         generate_s = time.monotonic() - t
-        aborted = sum(o.finish_reason == FINISH_ABORT for o in outputs)
-        if aborted:
-            raise FailedPrecondition(f"rollout_id {rollout_id}: {aborted} of {len(outputs)} samples were aborted by "
-                                     "pause(abort); nothing was written or scored, retry after Resume")
+        _refuse_aborted(outputs, rollout_id)
         tokens = sum(len(o.token_ids) for o in outputs)
         tracing.set_attributes(span_, tokens=tokens)
         responses = [self.decode(o.token_ids) for o in outputs]
@@ -271,9 +267,57 @@ class RolloutService:
                           tokens=tokens, reward=reward_fn.spec, samples=len(outputs)):
             rewards = reward_fn.score(prompts=[s for s in texts for _ in range(n)], responses=responses,
                                       labels=[p.label for p in prompts for _ in range(n)],
-                                      metadatas=[dict(p.metadata) for p in prompts for _ in range(n)])
+                                      metadatas=[dict(p.metadata) for p in prompts for _ in range(n)],
+                                      timeout_s=runfacts.reward_timeout_s(self.config))
         return _Scored(prompt_ids=expanded, outputs=outputs, rewards=rewards, responses=responses,
                        generate_s=generate_s, reward_s=time.monotonic() - t)
+
+    def _play_and_score(self, *, prompts: Sequence[PromptInput], prompt_ids: list[list[int]], n: int,
+                        sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int, span_: Any) -> _Scored:
+        """Multi-turn episodes (services.rollout.multi_turn): n per prompt, scored by the environment."""
+        ro = self.config.rollout
+        assert self.environment is not None
+        texts = [self.prompt_text(p, ids) for p, ids in zip(prompts, prompt_ids, strict=True)]
+        samples = [EpisodeSample(prompt=text, prompt_ids=tuple(ids), label=p.label, metadata=dict(p.metadata),
+                                 group_id=p.group_id, sample_index=j)
+                   for p, ids, text in zip(prompts, prompt_ids, texts, strict=True) for j in range(n)]
+        rollout = MultiTurnRollout(engine=self.engine, plugin=self.environment, encode=self.encode_text,
+                                   decode=self.decode, max_turns=ro.max_turns, step_timeout_s=ro.environment_timeout_s,
+                                   vocab_size=len(self.tokenizer), wait_timeout_s=self.config.loop.step_timeout_s)
+        try:
+            played = rollout.run(samples, sampling)
+        except EngineUnavailable as exc:
+            raise FailedPrecondition(str(exc)) from exc
+        outputs = [e.output for e in played.episodes]
+        _refuse_aborted(outputs, rollout_id)
+        tracing.set_attributes(span_, tokens=sum(len(o.token_ids) for o in outputs), environment=self.environment.spec)
+        responses = [self.decode(o.token_ids) for o in outputs]
+        rewards = [e.reward for e in played.episodes]
+        t = time.monotonic()
+        if ro.episode_reward == "env_plus_reward":
+            scores = reward_fn.score(prompts=[s.prompt for s in samples], responses=responses,
+                                     labels=[s.label for s in samples], metadatas=[dict(s.metadata) for s in samples])
+            rewards = [a + b for a, b in zip(rewards, scores, strict=True)]
+        return _Scored(prompt_ids=[list(e.prompt_ids) for e in played.episodes], outputs=outputs, rewards=rewards,
+                       responses=responses, generate_s=played.engine_s,
+                       reward_s=played.environment_s + time.monotonic() - t,
+                       loss_masks=[list(e.loss_mask) for e in played.episodes],
+                       metrics={**episode_metrics(played.episodes), "env_time_s": played.environment_s})
+
+    def _environment_metadata(self) -> dict[str, str]:
+        if self.environment is None:
+            return {}
+        ro = self.config.rollout
+        return {"environment": self.environment.spec, "max_turns": str(ro.max_turns),
+                "episode_reward": ro.episode_reward}
+
+    def _reward_fn(self, reward: str | None) -> RewardFunction:
+        """A request's reward, else the configured one. With an environment scoring alone, none is asked for."""
+        if reward and self.environment is not None and self.config.rollout.episode_reward == "env":
+            raise ValueError(f"the request names reward {reward!r}, but rollout.episode_reward is env: the "
+                             f"environment {self.environment.spec} scores each episode alone (set "
+                             "rollout.episode_reward: env_plus_reward to add a reward function)")
+        return resolve_reward(reward) if reward else self.default_reward
 
     def _put(self, batch: Any, *, stream: str, trace_context: dict[str, str]) -> str:
         import redis
@@ -320,12 +364,17 @@ class RolloutService:
                 ids = [int(t) for t in p.token_ids]
             elif p.text:
                 with self._tokenizer_lock:
-                    ids = list(self.tokenizer(p.text, add_special_tokens=True)["input_ids"])
+                    ids = prompt_token_ids(self.tokenizer, [p.text])[0]
             else:
                 raise ValueError(f"prompt {i} (group_id {p.group_id}) is empty: give text or token_ids")
             out.append(ids)
         self.engine.validate_prompts(out)
         return out
+
+    def encode_text(self, text: str) -> list[int]:
+        """Text inside a sequence (an observation): no special tokens."""
+        with self._tokenizer_lock:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: Sequence[int]) -> str:
         with self._tokenizer_lock:
@@ -351,13 +400,14 @@ class RolloutService:
         if n < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
         sampling = sampling or SamplingSpec.from_config(self.config.rollout.eval_sampling)
-        reward_fn = resolve_reward(reward) if reward else self.default_reward
+        reward_fn = self._reward_fn(reward)
         prompt_ids = self.encode_prompts(prompts)
         with tracing.span("rl.eval.generate", eval_name=name, weight_version=self.engine.weight_version,
                           prompts=len(prompts), replica=self.replica) as sp:
             scored = self._sample_and_score(prompts=prompts, prompt_ids=prompt_ids, n=n, sampling=sampling,
                                             reward_fn=reward_fn, rollout_id=-1, span_=sp)
         metrics = eval_metrics(scored.outputs, scored.rewards, n=n, prefix=name, pass_threshold=pass_threshold)
+        metrics.update({f"{name}/{key}": value for key, value in scored.metrics.items()})
         return EvaluateResult(metrics=metrics, weight_version=scored.outputs[0].weight_version,
                               time_s=time.monotonic() - start)
 
@@ -430,6 +480,13 @@ class RolloutService:
         if self._redis is not None:
             self._redis.close()
         self.engine.close()
+
+
+def _refuse_aborted(outputs: Sequence[SampleOutput], rollout_id: int) -> None:
+    aborted = sum(o.finish_reason == FINISH_ABORT for o in outputs)
+    if aborted:
+        raise FailedPrecondition(f"rollout_id {rollout_id}: {aborted} of {len(outputs)} samples were aborted by "
+                                 "pause(abort); nothing was written or scored, retry after Resume")
 
 
 # ---- metrics -------------------------------------------------------------------------------------

@@ -77,13 +77,22 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+# Trailing metadata of a failed call: what to do about it, from the error's `hint` attribute (a reward function
+# that hangs, a full disk), in UTF-8; the coordinator's failure record shows it (services/contracts/failure.py).
+HINT_METADATA_KEY = "tandem-hint-bin"
+
+
 def _abort_with(method: Callable[..., Any], exc: Exception, context: grpc.ServicerContext) -> None:
     code = _status_for(exc)
+    # the full traceback goes to this service's log (RUN_DIR/logs/<service>.log); the caller gets one line
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method.__name__)
     else:
-        log.warning("%s: %s: %s", method.__name__, code.name, exc)
+        log.warning("%s: %s: %s", method.__name__, code.name, exc, exc_info=exc)
     message = str(exc.args[0] if exc.args else "") if isinstance(exc, KeyError) else str(exc)
+    hint = getattr(exc, "hint", "")
+    if isinstance(hint, str) and hint:
+        context.set_trailing_metadata(((HINT_METADATA_KEY, _details(hint).encode()),))
     context.abort(code, _details(f"{type(exc).__name__}: {message}"))
 
 

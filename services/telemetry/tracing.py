@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextvars
+import importlib
 import json
 import logging
 import os
@@ -128,15 +129,13 @@ def _span_processor(exporter: str, *, file_path: str | None) -> Any:
     if exporter == "otlp":   # endpoint, headers, protocol, ... from the standard OTEL_EXPORTER_OTLP_* variables
         protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL",
                                                                                           "grpc"))
+        module = "http" if protocol.startswith("http") else "grpc"
         try:
-            if protocol.startswith("http"):
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            else:
-                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            exporter_module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{module}.trace_exporter")
         except ImportError as exc:
             raise ValueError(f"tracing.exporter: otlp over {protocol} needs the matching "
                              f"opentelemetry-exporter-otlp-proto-* package: {exc}") from exc
-        return BatchSpanProcessor(OTLPSpanExporter())
+        return BatchSpanProcessor(exporter_module.OTLPSpanExporter())
     raise ValueError(f"tracing.exporter: unknown exporter {exporter!r} (none, file, console, otlp)")
 
 
@@ -343,15 +342,37 @@ def _install_log_correlation() -> None:
             handler.addFilter(_TraceIdFilter())
 
 
+# `log.error(..., exc_info=exc, extra=TRACEBACK_TO_FILE)`: the traceback goes to the log file only, the terminal gets
+# the line (a service run alone, whose expected failure ends in a block of its own instead).
+TRACEBACK_TO_FILE = {"traceback_to_file": True}
+
+
+class _TerminalFormatter(logging.Formatter):
+    """Leaves out the traceback of records marked TRACEBACK_TO_FILE (the file handler still writes it)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not getattr(record, "traceback_to_file", False):
+            return super().format(record)
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            return super().format(record) + " (traceback in the log file)"
+        finally:
+            record.exc_info, record.exc_text = saved
+
+
 def setup_logging(service_name: str, level: str = "INFO", log_file: str | None = None) -> None:
     """Log lines carry the service name and the current trace/span ids (`-` outside a span)."""
     fmt = f"%(asctime)s %(levelname)s {service_name} [trace=%(trace_id)s span=%(span_id)s] %(name)s: %(message)s"
-    handlers: list[logging.Handler] = [logging.StreamHandler()]
     # Under `tandem run` the supervisor already captures stdout/stderr into logs/<service>.log.
-    if log_file and not os.environ.get("TANDEM_SERVICE"):
+    own_file = bool(log_file) and not os.environ.get("TANDEM_SERVICE")
+    terminal = logging.StreamHandler()
+    terminal.setFormatter(_TerminalFormatter(fmt) if own_file else logging.Formatter(fmt))
+    handlers: list[logging.Handler] = [terminal]
+    if log_file and own_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
+        handlers[-1].setFormatter(logging.Formatter(fmt))
     for h in handlers:
-        h.setFormatter(logging.Formatter(fmt))
         h.addFilter(_TraceIdFilter())
     logging.basicConfig(level=getattr(logging, level), handlers=handlers, force=True)

@@ -70,10 +70,10 @@ class JsonlTracker(Tracker):
 
 def check_tracker_packages(names: tuple[str, ...]) -> None:
     """Optional trackers need optional packages: say so before any service starts, naming the key."""
-    for name in ("tensorboard", "wandb"):
+    for name, install in (("tensorboard", "pip install tensorboard"), ("wandb", "pip install 'tandem-rl[wandb]'")):
         if name in names and importlib.util.find_spec(name) is None:
             raise ConfigError(f"tracing.trackers: {name} needs the `{name}` package, which is not installed "
-                              f"(pip install {name}), or drop {name} from tracing.trackers")
+                              f"({install}), or drop {name} from tracing.trackers")
 
 
 class TensorBoardTracker(Tracker):
@@ -98,20 +98,6 @@ class TensorBoardTracker(Tracker):
         self.writer.close()
 
 
-class WandbTracker(Tracker):
-    def __init__(self, *, project: str | None, run_name: str, run_dir: Path):
-        check_tracker_packages(("wandb",))
-        import wandb
-
-        self.run = wandb.init(project=project or "tandem", name=run_name, dir=str(run_dir))
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log(metrics, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
 def make_trackers(names: tuple[str, ...], *, run_dir: Path, run_name: str, wandb_project: str | None,
                   prometheus_port: int | None = None) -> list[Tracker]:
     """metrics.jsonl always (first, so every other tracker's view is already on disk), then the optional ones."""
@@ -120,6 +106,8 @@ def make_trackers(names: tuple[str, ...], *, run_dir: Path, run_name: str, wandb
         if "tensorboard" in names:
             trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
         if "wandb" in names:
+            from services.telemetry.wandb_tracker import WandbTracker
+
             trackers.append(WandbTracker(project=wandb_project, run_name=run_name, run_dir=run_dir))
         if prometheus_port is not None:
             from services.telemetry.prometheus import PrometheusTracker

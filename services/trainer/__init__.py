@@ -17,7 +17,8 @@ Redis side of Train; every rank's step), `checkpointing` (Save/Load, layout file
 `publishing` (weight sync to the engines, old-actor snapshots), `backend` (DeepSpeed engine, value model, lr
 schedule), `update` (the micro-batch loop and optimizer step the actor and critic share), `actor` and `critic`
 (their losses over it), `losses`, `advantages`, `scoring`, `batching` (merge, validate, stale filter, shard,
-token-budget micro-batches), `old_actor`, `weight_export` (HF-named full tensors, ZeRO-3 gathers), `dist`
+token-budget micro-batches), `old_actor`, `weight_export` (HF-named full tensors, ZeRO-3 gathers), `lora`
+(trainer.lora through peft: targets, merged export, adapter-off reference, adapter files), `dist`
 (process group, relay).
 
 PPO: the critic's Train publishes V(s_t) (and its GAE advantages/returns) for the rollout under the Redis

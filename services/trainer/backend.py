@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from services.contracts.config import TandemConfig
-from services.trainer import fused
+from services.contracts.config import LORA_ZERO3_OFFLOAD, TandemConfig
+from services.tensors import fused
 from services.trainer.batching import MicroBatch
 from services.trainer.dist import DistInfo
 from services.trainer.scoring import TokenSampling, score_tokens
+from services.trainer.weight_export import ExportedTensor, plain_tensors
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -102,7 +103,7 @@ class ValueModel(torch.nn.Module):
 
     def __init__(self, backbone: PreTrainedModel, hidden_size: int):
         super().__init__()
-        self.backbone: PreTrainedModel = backbone
+        self.backbone: torch.nn.Module = backbone   # a peft model around it with trainer.lora
         self.value_head = torch.nn.Linear(hidden_size, 1)
         torch.nn.init.zeros_(self.value_head.weight)   # V = 0 at start: the first advantages are the returns
         torch.nn.init.zeros_(self.value_head.bias)
@@ -122,7 +123,32 @@ class ValueModel(torch.nn.Module):
 
 
 def _hf_part(model: torch.nn.Module) -> PreTrainedModel:
-    return model.backbone if isinstance(model, ValueModel) else cast("PreTrainedModel", model)
+    """The policy, or the critic's backbone, as the HF model without LoRA wrappers (its config, save_pretrained)."""
+    hf = model.backbone if isinstance(model, ValueModel) else model
+    unwrap = getattr(hf, "get_base_model", None)   # a peft model (trainer.lora)
+    return cast("PreTrainedModel", unwrap() if callable(unwrap) else hf)
+
+
+def build_model(config: TandemConfig, *, role: str) -> torch.nn.Module:
+    """The trained module: the policy (a causal LM) or the critic (ValueModel); with trainer.lora its HF part gets
+    peft's LoRA layers, and only they (and the critic's value head) require grad."""
+    t = config.trainer
+    dtype, attn = param_dtype(config), config.model.attn_implementation
+    if role == "critic":
+        model: torch.nn.Module = ValueModel.from_pretrained(config.model.path, dtype=dtype, attn=attn)
+    else:
+        model = load_causal_lm(config.model.path, dtype=dtype, attn=attn)
+    if t.gradient_checkpointing:
+        _hf_part(model).gradient_checkpointing_enable()
+    if t.lora is None:
+        return model
+    from services.trainer import lora
+
+    what = f"the {role}'s model at {config.model.path}"
+    if isinstance(model, ValueModel):
+        model.backbone = lora.wrap(model.backbone, t.lora, what=what)
+        return model
+    return lora.wrap(model, t.lora, what=what)
 
 
 @dataclass(frozen=True)
@@ -141,17 +167,11 @@ class DeepSpeedBackend:
         self.dist_info = dist_info
         self.zero_stage = t.zero_stage
         torch.manual_seed(t.seed)
-        dtype = param_dtype(config)
-        attn = config.model.attn_implementation
-        if role == "critic":
-            model: torch.nn.Module = ValueModel.from_pretrained(config.model.path, dtype=dtype, attn=attn)
-        else:
-            model = load_causal_lm(config.model.path, dtype=dtype, attn=attn)
-        if t.gradient_checkpointing:
-            _hf_part(model).gradient_checkpointing_enable()
-        if use_fused_kernels(config, dist_info.device):
+        self.lora = t.lora
+        model = build_model(config, role=role)
+        fused_kernels = use_fused_kernels(config, dist_info.device)
+        if fused_kernels:
             fused.patch_model(model)
-            fused.warm_up(model)   # while the engines start, not in the first step
         lr = (t.critic_lr or t.lr) if role == "critic" else t.lr
         total = t.total_steps or config.loop.num_rollout
         schedule = lr_lambda(schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total, lr=lr,
@@ -167,6 +187,10 @@ class DeepSpeedBackend:
             config=deepspeed_config(config, world_size=dist_info.world_size, lr=lr),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
         self.engine.train()
+        if fused_kernels:
+            fused.warm_up(self.engine.module, dist_info.device)   # compiles now, while the engines start
+        # LoRA's frozen base weights: DeepSpeed's offload moves only what its optimizer holds (see offload)
+        self._frozen = [p for p in self.engine.module.parameters() if not p.requires_grad]
         self.offloaded = False
         # DeepSpeed's offload_states runs gc.collect() three times; over everything torch, transformers and
         # deepspeed leave tracked, one full collection took 176 ms on CPU and 283 ms next to an H200, so an
@@ -226,14 +250,28 @@ class DeepSpeedBackend:
     # ---- checkpoints ------------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: Path, *, client_state: dict[str, Any]) -> None:
-        """Collective: every rank writes its shards under directory/ds."""
-        self.engine.save_checkpoint(str(directory), tag="ds", client_state=client_state, save_latest=False)
+        """Collective: every rank writes its shards under directory/ds. With LoRA the frozen base weights are left
+        out (they are model.path's): the shards hold the adapters and their optimizer state."""
+        self.engine.save_checkpoint(str(directory), tag="ds", client_state=client_state, save_latest=False,
+                                    exclude_frozen_parameters=self.lora is not None)
 
     def load_checkpoint(self, directory: Path) -> None:
         path, _ = self.engine.load_checkpoint(str(directory), tag="ds", load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+                                              load_lr_scheduler_states=True,
+                                              custom_load_fn=_load_trainable if self.lora is not None else None)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}/ds")
+
+    # ---- export -----------------------------------------------------------------------------------
+
+    def exported_tensors(self) -> list[ExportedTensor]:
+        """What weight sync and the HF export send: the model's parameters, or with LoRA the merged weights under
+        the base model's names."""
+        if self.lora is None:
+            return plain_tensors(self.module)
+        from services.trainer import lora
+
+        return lora.merged_tensors(self.module)
 
     # ---- offload ----------------------------------------------------------------------------------
 
@@ -241,6 +279,8 @@ class DeepSpeedBackend:
         if self.zero_stage == 0:
             raise NotImplementedError("Offload needs ZeRO stage 1-3 (DeepSpeed offload_states); "
                                       "trainer.zero_stage is 0")
+        if self.zero_stage == 3 and self._frozen:
+            raise NotImplementedError(LORA_ZERO3_OFFLOAD)
 
     def offload(self) -> str:
         self.check_offload_supported()
@@ -248,8 +288,11 @@ class DeepSpeedBackend:
             return "already offloaded"
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
-        self.engine.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=self.device.type == "cuda",
-                                   non_blocking=False)
+        pin = self.device.type == "cuda"
+        self.engine.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=pin, non_blocking=False)
+        for p in self._frozen:   # ZeRO 1/2: whole tensors of the module, outside DeepSpeed's buffers
+            host = p.data.to("cpu")
+            p.data = host.pin_memory() if pin else host
         if self.device.type == "cuda":
             torch.cuda.empty_cache()   # hand the freed blocks back, so the engines on this GPU can use them
         self.offloaded = True
@@ -259,6 +302,8 @@ class DeepSpeedBackend:
         if not self.offloaded:
             return "not offloaded"
         self.engine.reload_states(non_blocking=False)
+        for p in self._frozen:
+            p.data = p.data.to(self.device)
         self.offloaded = False
         return f"states reloaded to {self.device}"
 
@@ -267,15 +312,18 @@ class DeepSpeedBackend:
 
 
 def use_fused_kernels(config: TandemConfig, device: torch.device) -> bool:
-    """trainer.fused_kernels: auto = on a CUDA device with Triton and bf16 weights; on = required (an error when
-    they cannot run here); off = the models' own eager modules."""
-    choice = config.trainer.fused_kernels
-    if choice == "off":
-        return False
-    usable = device.type == "cuda" and fused.available()
-    if choice == "on" and not usable:
-        raise ValueError("trainer.fused_kernels: on needs a CUDA device and the triton package; use auto or off")
-    return usable and (choice == "on" or param_dtype(config) == torch.bfloat16)
+    return fused.enabled(config.model.fused_kernels, device=device, dtype=param_dtype(config))
+
+
+def _load_trainable(*, src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
+    """A LoRA checkpoint's module state holds the trainable parameters only: every one of them must be there,
+    nothing else may be (a checkpoint of other adapters, or of full fine-tuning, is refused)."""
+    result = dst.load_state_dict(src, strict=False)
+    frozen = {name for name, p in dst.named_parameters() if not p.requires_grad}
+    missing = sorted(set(result.missing_keys) - frozen)
+    if missing or result.unexpected_keys:
+        raise ValueError(f"the checkpoint does not hold this trainer's adapters: missing {missing[:3]}, "
+                         f"unexpected {sorted(result.unexpected_keys)[:3]}")
 
 
 def load_frozen_causal_lm(config: TandemConfig, device: torch.device) -> torch.nn.Module:

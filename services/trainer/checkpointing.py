@@ -1,8 +1,10 @@
 """Save and Load: the checkpoint files (layout, completeness, retention, RNG) and the `Checkpointer` using them.
 
     <root>/<role>/rollout_<id:08d>/
-        ds/                     DeepSpeed shards (every rank writes its own)
-        hf/                     HF-format export (safetensors + config + tokenizer files), optional
+        ds/                     DeepSpeed shards (every rank writes its own); with trainer.lora the adapters
+                                and their optimizer state only (the frozen base is model.path's)
+        hf/                     HF-format export (safetensors + config + tokenizer files), optional;
+                                with trainer.lora the merged weights, and hf/adapter/ the adapter (peft format)
         tandem_state.json       the trainer's state: step, weight version, recorded Train results, ...
         rng_rank<r>.json        each rank's RNG state
         COMPLETE.json           written last, atomically: a directory without it is ignored (half-written)
@@ -39,6 +41,9 @@ from services.contracts.config import TandemConfig
 from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.commands import Load, Save
 from services.trainer.dist import DistInfo, barrier
+from services.trainer.lora import adapter_state as lora_adapter_state
+from services.trainer.lora import describe as describe_lora
+from services.trainer.lora import save_adapter
 
 if TYPE_CHECKING:
     from services.trainer.backend import DeepSpeedBackend
@@ -50,13 +55,15 @@ log = logging.getLogger(__name__)
 
 _STAGED_RE = re.compile(r"^\.rollout_(\d+)\.(partial|old)$")   # a save that was cut short, or its predecessor
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+ADAPTER_DIR = "adapter"   # under hf/: the LoRA adapter in peft's format
 
 
 class NoSpaceLeft(OSError):
     """The filesystem of the checkpoint directory is full (or over quota); maps to RESOURCE_EXHAUSTED."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, *, hint: str = ""):
         super().__init__(errno.ENOSPC, message)
+        self.hint = hint   # what to do: the caller's failure record shows it (grpc_util.map_errors)
 
     def __str__(self) -> str:
         return str(self.strerror)
@@ -245,6 +252,10 @@ class Checkpointer:
         state = checkpoints.read_json(directory / checkpoints.STATE)
         if state.get("role") != self.role:
             raise FailedPrecondition(f"checkpoint {directory} belongs to role {state.get('role')}, not {self.role}")
+        saved, current = state.get("lora"), describe_lora(self.config.trainer.lora)
+        if saved != current:
+            raise FailedPrecondition(f"checkpoint {directory} was trained with trainer.lora {saved}; this trainer "
+                                     f"has {current}: its shards do not fit")
         if state["world_size"] != self.dist.world_size and self.config.trainer.zero_stage > 0:
             raise FailedPrecondition(f"checkpoint {directory} was saved by {state['world_size']} ranks; ZeRO "
                                      f"shards cannot be loaded by {self.dist.world_size}")
@@ -255,7 +266,8 @@ class Checkpointer:
         Save named (they differ for the actor during critic-only steps)."""
         return {"format": 1, "role": self.role, **self.ledger.state_dict(),
                 "checkpoint_rollout_id": checkpoint_rollout_id, "world_size": self.dist.world_size,
-                "zero_stage": self.config.trainer.zero_stage, "extra_state": dict(extra_state)}
+                "zero_stage": self.config.trainer.zero_stage, "lora": describe_lora(self.config.trainer.lora),
+                "extra_state": dict(extra_state)}
 
     def restore(self, state: dict[str, Any]) -> None:
         """After every rank read the checkpoint: the ledger it holds; a prepared weight sync is void."""
@@ -305,15 +317,22 @@ class Checkpointer:
         free = shutil.disk_usage(next(p for p in directory.parents if p.exists())).free
         return NoSpaceLeft(f"no space left on {directory.parent}: checkpoint {directory.name} was not written "
                            f"({free} bytes free after removing its partial files); the last good checkpoint "
-                           f"{last or '(none)'} is kept")
+                           f"{last or '(none)'} is kept",
+                           hint=f"free space on {directory.parent} (or point trainer.checkpoint_dir at a larger "
+                                "disk; trainer.keep_last_checkpoints bounds how many are kept)")
 
     def _export_hf(self, out: Path) -> None:
-        """HF-format safetensors of the current weights (collective under ZeRO-3; rank 0 writes)."""
+        """HF-format safetensors of the current weights (collective under ZeRO-3; rank 0 writes). With LoRA they
+        are the merged weights, and out/adapter holds the adapter in peft's format."""
         from safetensors.torch import save_file
 
         state = dict(self.weights.iter_named_weights())
+        adapter = lora_adapter_state(self.backend.module, zero3=self.backend.zero_stage == 3) \
+            if self.config.trainer.lora is not None else None
         if self.rank != 0:
             return
+        if adapter is not None:
+            save_adapter(self.backend.module, out / ADAPTER_DIR, adapter, base_path=self.config.model.path)
         out.mkdir(parents=True, exist_ok=True)
         hf_state = state if self.role == "actor" else \
             {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}

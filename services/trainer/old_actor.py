@@ -22,12 +22,12 @@ Offload.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from services.contracts.config import TandemConfig
-from services.trainer.weight_export import iter_named_weights
 
 
 @dataclass(frozen=True)
@@ -51,14 +51,15 @@ class OldActor:
         self._module: torch.nn.Module | None = None
         self._loaded: int | None = None
 
-    def take_snapshot(self, *, version: int, module: torch.nn.Module, zero3: bool, optimizer_step: int) -> None:
-        """Every rank (a collective under ZeRO-3)."""
+    def take_snapshot(self, *, version: int, weights: Iterator[tuple[str, torch.Tensor]], optimizer_step: int) -> None:
+        """Every rank, walking the exported weights in self.dtype (a collective under ZeRO-3); with LoRA they are
+        the merged weights, which the frozen base model takes."""
         pin = self.device.type == "cuda"
-        weights = {}
-        for name, tensor in iter_named_weights(module, dtype=self.dtype, zero3=zero3):
+        host_weights = {}
+        for name, tensor in weights:
             host = tensor.to("cpu", copy=True)
-            weights[name] = host.pin_memory() if pin else host
-        self.snapshots[version] = Snapshot(version=version, optimizer_step=optimizer_step, weights=weights)
+            host_weights[name] = host.pin_memory() if pin else host
+        self.snapshots[version] = Snapshot(version=version, optimizer_step=optimizer_step, weights=host_weights)
         self.snapshots.move_to_end(version)
         while len(self.snapshots) > self.keep:
             dropped, _ = self.snapshots.popitem(last=False)

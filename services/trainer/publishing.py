@@ -40,14 +40,16 @@ class WeightPublishing:
         return configured or f"{self.config.run_name}/{self.role}"
 
     def specs(self) -> list[TensorSpec]:
-        """TensorSpec per parameter (HF names, export dtype, full shapes), in iteration order."""
-        return weight_specs(self.backend.module, dtype=self.export_dtype)
+        """TensorSpec per exported tensor (HF names, export dtype, full shapes), in iteration order; with LoRA
+        the base model's names and shapes (the weights are sent merged)."""
+        return weight_specs(self.backend.exported_tensors(), dtype=self.export_dtype)
 
-    def iter_named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named tensors. Under ZeRO-3 a collective: every rank must exhaust it in lockstep."""
+    def iter_named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors (in the export dtype unless given). Under ZeRO-3 a collective: every rank must
+        exhaust it in lockstep."""
         bucket = int(self.config.weights.bucket_mb * (1 << 20))
-        return iter_named_weights(self.backend.module, dtype=self.export_dtype, zero3=self.backend.zero_stage == 3,
-                                  group_bytes=bucket)
+        return iter_named_weights(self.backend.exported_tensors(), dtype=dtype or self.export_dtype,
+                                  zero3=self.backend.zero_stage == 3, group_bytes=bucket)
 
     def _publisher(self, transport: str) -> WeightPublisher:
         if transport not in self._publishers:
@@ -105,8 +107,7 @@ class WeightPublishing:
             return self._send()
         finally:   # every rank, even when the publish failed: under ZeRO-3 the snapshot is a collective
             if self.old_actor is not None:
-                self.old_actor.take_snapshot(version=version, module=self.backend.module,
-                                             zero3=self.backend.zero_stage == 3,
+                self.old_actor.take_snapshot(version=version, weights=self.iter_named_weights(self.old_actor.dtype),
                                              optimizer_step=self.backend.global_steps)
 
     def _send(self) -> SyncStats | None:

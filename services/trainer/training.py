@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from services.buffer.stream import BufferEntry, RolloutBuffer, connect, stream_key
 from services.contracts.config import TandemConfig
 from services.rpc.grpc_util import FailedPrecondition
@@ -143,15 +145,22 @@ class RolloutSource:
             client.delete(handoff_key(self.stream, rollout_id))
 
 
+def reference_model(config: TandemConfig, backend: DeepSpeedBackend) -> torch.nn.Module:
+    if config.trainer.lora is None:
+        return load_frozen_causal_lm(config, backend.device)
+    from services.trainer.lora import AdapterOffReference
+
+    return AdapterOffReference(backend.engine)
+
+
 class TrainStep:
     """Every rank: one update of the role's model on a relayed batch."""
 
     def __init__(self, config: TandemConfig, *, role: str, rank: int, backend: DeepSpeedBackend,
                  old_actor: OldActor | None):
         self.config, self.role, self.rank, self.backend, self.old_actor = config, role, rank, backend, old_actor
-        # the KL term's reference: the initial weights, frozen
-        self.ref_model = load_frozen_causal_lm(config, backend.device) \
-            if role == "actor" and config.algorithm.kl_coef > 0 else None
+        # the KL term's reference: the initial weights, frozen (with LoRA the model with its adapters off)
+        self.ref_model = reference_model(config, backend) if role == "actor" and config.algorithm.kl_coef > 0 else None
         self._handoff: tuple[int, ValueHandoff] | None = None   # critic, rank 0: the last one, for replays
 
     def run(self, command: Train) -> dict[str, float]:

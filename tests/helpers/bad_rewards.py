@@ -9,3 +9,12 @@ def raises_on_seven(prompt, response, label, metadata):  # type: ignore[no-untyp
 def numeric_text(prompt, response, label, metadata):  # type: ignore[no-untyped-def]
     """Returns the score as text, which float() would accept."""
     return "1.0"
+
+
+def hangs_on_seven(prompt, response, label, metadata):  # type: ignore[no-untyped-def]
+    """A per-sample reward that never returns for prompts whose answer is 7 (a judge that hangs)."""
+    if label.strip() == "7":
+        import threading
+
+        threading.Event().wait()
+    return 1.0

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from services.contracts import runfacts
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import (
     Engine,
@@ -36,6 +37,7 @@ from services.rollout.engines.decode import decode_dynamic, decode_static, prepa
 from services.rollout.engines.gate import DecodeGate, check_pause_mode
 from services.rollout.engines.sampling import make_generator
 from services.rollout.engines.static_decode import RunnerCache, supported
+from services.tensors import fused
 
 if TYPE_CHECKING:
     from services.weights.layout import Layout
@@ -61,7 +63,7 @@ class NativeEngine(Engine):
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "float32",
                  attn_implementation: str = "sdpa", max_batch_size: int = 512,
                  max_context_length: int | None = None, eos_token_ids: Sequence[int] | None = None,
-                 decode: str = "auto"):
+                 decode: str = "auto", fused_kernels: str = "off"):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -76,10 +78,14 @@ class NativeEngine(Engine):
                                                            attn_implementation=attn_implementation)
         self.model = loaded.to(self.device).eval()
         self.model.requires_grad_(False)
+        if fused.enabled(fused_kernels, device=self.device, dtype=_DTYPES[dtype]):
+            # the decode step is ~1,000 small kernels; RMSNorm is 8 of them 49 times in a 0.5B model
+            fused.patch_model(self.model)
+            fused.warm_up(self.model, self.device)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
-        model_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 1 << 30
-        self._max_context = min(max_context_length or model_ctx, model_ctx)
+        self._max_context = runfacts.context_length(configured=max_context_length,
+                                                    model_positions=getattr(cfg, "max_position_embeddings", None))
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(self.model)
         self.pad_token_id = _pad_id(self.model, self.eos_token_ids)

@@ -14,11 +14,14 @@ from services.tensors.sampling import sampling_log_probs
 __all__ = ["make_generator", "sample_next", "sampling_log_probs"]
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    if seed is None:
-        return None
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A generator for one generate call: seeded from `seed`, or from the OS's entropy when it is None (torch's
+    default generator would replay the same fixed stream in every fresh process)."""
     gen = torch.Generator(device=device)
-    gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
     return gen
 
 

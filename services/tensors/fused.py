@@ -1,5 +1,5 @@
 """Fused Triton kernels for the elementwise parts of a Llama/Qwen2 decoder layer: RMSNorm and SwiGLU, forward and
-backward (`trainer.fused_kernels`).
+backward (`model.fused_kernels`).
 
 In eager mode each RMSNorm is eight kernels over the hidden states (casts to fp32, square, mean, rsqrt, two
 multiplies, the cast back) and SwiGLU's backward half a dozen over the MLP's widest tensor; on the H200 these were
@@ -26,6 +26,17 @@ log = logging.getLogger(__name__)
 
 def available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def enabled(choice: str, *, device: torch.device, dtype: torch.dtype) -> bool:
+    """model.fused_kernels: auto = on a CUDA device with Triton and bf16 weights; on = required (an error where they
+    cannot run); off = the models' own eager modules."""
+    if choice == "off":
+        return False
+    usable = device.type == "cuda" and available()
+    if choice == "on" and not usable:
+        raise ValueError("model.fused_kernels: on needs a CUDA device and the triton package; use auto or off")
+    return usable and (choice == "on" or dtype == torch.bfloat16)
 
 
 if importlib.util.find_spec("triton") is not None:
@@ -179,7 +190,7 @@ def _is_swiglu_mlp(module: torch.nn.Module) -> bool:
             and type(act).__name__ in _SILU_CLASSES)
 
 
-def warm_up(model: torch.nn.Module) -> None:
+def warm_up(model: torch.nn.Module, device: torch.device) -> None:
     """Compiles the kernels for this model's widths and dtype now (Triton compiles on first launch, a second or
     two each), so the first training step does not pay for it: one tiny forward and backward per shape."""
     seen: set[tuple[str, int, torch.dtype]] = set()
@@ -199,7 +210,6 @@ def warm_up(model: torch.nn.Module) -> None:
             continue
         seen.add(key)
         kind, width, dtype = key
-        device = next(module.parameters()).device
         x = torch.randn(2, width, device=device, dtype=dtype, requires_grad=True)
         if kind == "rms":
             w = torch.ones(width, device=device, dtype=dtype, requires_grad=True)

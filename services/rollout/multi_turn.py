@@ -1,0 +1,217 @@
+"""The multi-turn rollout: engine turns alternate with environment steps, in rounds over all live episodes.
+
+Round t: one `engine.generate` call over every episode still running (its prompt is the original prompt, the
+reset observation, and every earlier turn and observation), then every live episode's `step` concurrently.
+An episode ends when its environment says done, after `max_turns` turns, or when the next observation would
+leave no room in the engine's context (verl's ToolAgentLoop rule: an episode never ends on an observation, so
+its last response token is a policy token). Round by round keeps the engine's batch wide; the engine call runs
+on a worker thread, so an async environment's own tasks keep running meanwhile; a slow async step delays its
+round, not each episode in turn.
+
+One episode becomes one sample: response = turns and observations in order, loss_mask 1 on policy tokens and 0
+on observation tokens, rollout log-probs the engine's on policy tokens and 0.0 on observation tokens (the
+trainer weighs masked tokens 0 in every loss and metric), reward = the sum of the step rewards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.contracts.sampling import SamplingSpec
+from services.rollout.engines.base import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, SampleOutput
+from services.rollout.environments import (
+    Action,
+    EnvironmentPlugin,
+    EpisodeSample,
+    as_step_result,
+    call_environment,
+    observation_ids,
+)
+
+# How an episode ended. On the wire: done -> stop; max_turns and context -> length (it was cut); abort -> abort.
+END_DONE, END_MAX_TURNS, END_CONTEXT, END_ABORT = "done", "max_turns", "context", "abort"
+EPISODE_ENDS = (END_DONE, END_MAX_TURNS, END_CONTEXT, END_ABORT)
+_WIRE_FINISH = {END_DONE: FINISH_STOP, END_MAX_TURNS: FINISH_LENGTH, END_CONTEXT: FINISH_LENGTH,
+                END_ABORT: FINISH_ABORT}
+_TURN_SEED_STRIDE = 0x9E37_79B9_7F4A_7C15   # turn t > 0 samples with seed + t x this (mod 2^63)
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One finished episode, as the batch holds it."""
+
+    prompt_ids: tuple[int, ...]   # the request's prompt + the reset observation
+    output: SampleOutput          # token_ids: the whole response; finish_reason: the wire's (see _WIRE_FINISH)
+    loss_mask: tuple[int, ...]    # 1 policy token, 0 observation token
+    reward: float                 # sum of the step rewards
+    turns: int
+    end: str                      # one of EPISODE_ENDS
+
+
+@dataclass(frozen=True)
+class EpisodeBatch:
+    episodes: list[Episode]
+    engine_s: float         # in engine.generate, summed over rounds
+    environment_s: float    # in reset and step calls (a round's run concurrently), summed over rounds
+
+
+@dataclass
+class _Clock:
+    seconds: dict[str, float] = field(default_factory=lambda: {"engine": 0.0, "environment": 0.0})
+
+    @contextlib.contextmanager
+    def timing(self, part: str) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[part] += time.monotonic() - start
+
+
+@dataclass
+class _Running:
+    env: Any
+    context: list[int]
+    prompt_len: int
+    versions: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    end: str | None = None
+
+    def add(self, ids: Sequence[int], log_probs: Sequence[float] | None) -> None:
+        self.context += ids
+        self.tokens += ids
+        self.mask += [1 if log_probs is not None else 0] * len(ids)
+        self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(ids)
+
+    def finish(self, *, version: int) -> Episode:
+        assert self.end is not None, "every episode ends by the last round"
+        end = self.end
+        return Episode(prompt_ids=tuple(self.context[:self.prompt_len]), loss_mask=tuple(self.mask),
+                       output=SampleOutput(token_ids=tuple(self.tokens), log_probs=tuple(self.log_probs),
+                                           finish_reason=_WIRE_FINISH[end],
+                                           weight_version=min(self.versions, default=version)),
+                       reward=self.reward, turns=len(self.versions), end=end)
+
+
+@dataclass(frozen=True)
+class MultiTurnRollout:
+    """Runs episodes of `plugin` against `engine`. `encode` tokenizes observation text (no special tokens),
+    `decode` a turn's tokens (special tokens removed)."""
+
+    engine: Engine
+    plugin: EnvironmentPlugin
+    encode: Callable[[str], list[int]]
+    decode: Callable[[Sequence[int]], str]
+    max_turns: int
+    step_timeout_s: float
+    vocab_size: int | None = None
+    wait_timeout_s: float | None = None
+
+    def run(self, samples: Sequence[EpisodeSample], sampling: SamplingSpec) -> EpisodeBatch:
+        """One episode per sample, in order."""
+        return _run_coroutine(self._run(samples, sampling))
+
+    async def _run(self, samples: Sequence[EpisodeSample], sampling: SamplingSpec) -> EpisodeBatch:
+        clock = _Clock()
+        with clock.timing("environment"):
+            episodes = await self._reset(samples)
+        for turn in range(self.max_turns):
+            live = [i for i, e in enumerate(episodes) if e.end is None]
+            if not live:
+                break
+            with clock.timing("engine"):
+                outputs = await asyncio.to_thread(self.engine.generate, [episodes[i].context for i in live],
+                                                  turn_sampling(sampling, turn), wait_timeout_s=self.wait_timeout_s)
+            if any(o.finish_reason == FINISH_ABORT for o in outputs):
+                for i in live:   # pause(abort): the request ends now, nothing of it is written
+                    episodes[i].end = END_ABORT
+                break
+            for i, out in zip(live, outputs, strict=True):
+                episodes[i].add(out.token_ids, out.log_probs)
+                episodes[i].versions.append(out.weight_version)
+            actions = [Action(text=self.decode(out.token_ids), token_ids=tuple(out.token_ids),
+                              finish_reason=out.finish_reason, turn=turn) for out in outputs]
+            with clock.timing("environment"):
+                results = await asyncio.gather(*(self._step(episodes[i], i, a)
+                                                 for i, a in zip(live, actions, strict=True)))
+            for i, (observation, reward, done) in zip(live, results, strict=True):
+                self._advance(episodes[i], i, observation=observation, reward=reward, done=done, turn=turn)
+        version = self.engine.weight_version
+        return EpisodeBatch(episodes=[e.finish(version=version) for e in episodes], engine_s=clock.seconds["engine"],
+                            environment_s=clock.seconds["environment"])
+
+    async def _reset(self, samples: Sequence[EpisodeSample]) -> list[_Running]:
+        envs = [self.plugin.make() for _ in samples]
+        observations = await asyncio.gather(*(
+            call_environment(env, "reset", s, spec=self.plugin.spec, episode=i, timeout_s=self.step_timeout_s)
+            for i, (env, s) in enumerate(zip(envs, samples, strict=True))))
+        episodes = []
+        for i, (env, s, obs) in enumerate(zip(envs, samples, observations, strict=True)):
+            context = [*s.prompt_ids, *self._ids(obs, i)]
+            running = _Running(env=env, context=context, prompt_len=len(context))
+            if len(context) >= self.engine.max_context_length:
+                running.end = END_CONTEXT   # the reset observation filled the context: no turn fits
+            episodes.append(running)
+        return episodes
+
+    async def _step(self, episode: _Running, index: int, action: Action) -> tuple[Any, float, bool]:
+        raw = await call_environment(episode.env, "step", action, spec=self.plugin.spec, episode=index,
+                                     timeout_s=self.step_timeout_s)
+        return as_step_result(raw, spec=self.plugin.spec, episode=index)
+
+    def _advance(self, episode: _Running, index: int, *, observation: Any, reward: float, done: bool,
+                 turn: int) -> None:
+        episode.reward += reward
+        if done:
+            episode.end = END_DONE
+            return
+        if turn + 1 >= self.max_turns:
+            episode.end = END_MAX_TURNS
+            return
+        ids = self._ids(observation, index)
+        if len(episode.context) + len(ids) >= self.engine.max_context_length:
+            episode.end = END_CONTEXT   # the observation would leave no room for the next turn
+            return
+        episode.add(ids, None)
+
+    def _ids(self, observation: Any, index: int) -> list[int]:
+        return observation_ids(observation, encode=self.encode, vocab_size=self.vocab_size, spec=self.plugin.spec,
+                               episode=index)
+
+
+def turn_sampling(sampling: SamplingSpec, turn: int) -> SamplingSpec:
+    """Turn 0 samples exactly as a single-turn request would; later turns draw from other random streams."""
+    if turn == 0 or sampling.seed is None:
+        return sampling
+    return sampling.with_seed((sampling.seed + turn * _TURN_SEED_STRIDE) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Per-batch numbers of the episodes (the coordinator prefixes them with `rollout/`)."""
+    n = len(episodes)
+    tokens = sum(len(e.loss_mask) for e in episodes)
+    observed = sum(len(e.loss_mask) - sum(e.loss_mask) for e in episodes)
+    out = {"env_turns_mean": sum(e.turns for e in episodes) / n,
+           "env_observation_token_frac": observed / tokens if tokens else 0.0}
+    for end in (END_DONE, END_MAX_TURNS, END_CONTEXT):
+        out[f"env_end_{end}_frac"] = sum(e.end == end for e in episodes) / n
+    return out
+
+
+def _run_coroutine(coro: Any) -> Any:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    # Called from inside an event loop (an async caller): run on a fresh loop elsewhere.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -1,0 +1,29 @@
+"""The tokenizer of a run, as the rollout service and `tandem run`'s preflight both use it: a light module (no torch,
+no engine), so checking a data file before the run does not pay for importing the rollout service."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """PreTrainedTokenizerFast when the directory has a tokenizer.json: it decodes exactly what the file
+    says (AutoTokenizer swaps in a ByteLevel decoder for `qwen2` directories under transformers 5.x)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def prompt_token_ids(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Prompt texts as the engine gets them (with the tokenizer's BOS): the rollout service and preflight both. A
+    fast tokenizer's Rust backend directly: the Python wrapper around it costs 4x as much per prompt."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None:
+        return [encoding.ids for encoding in backend.encode_batch(list(texts), add_special_tokens=True)]
+    # verbose=False: no "longer than the maximum" warning per prompt; the engine and preflight check the context
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=True, verbose=False)["input_ids"]]
