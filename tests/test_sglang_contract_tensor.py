@@ -27,8 +27,8 @@ from helpers.sglang_contract_weights import CRASH_EXIT, inspect_pickle, payload_
 from services.contracts.config import WeightsConfig
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.sglang import SGLangEngine
-from services.rollout.engines.sglang_http import SGLangClient, SGLangUnavailable
-from services.rollout.engines.sglang_tensor import TensorSync, is_loopback
+from services.rollout.engines.sglang_http import SGLangClient, SGLangUnavailable, is_loopback
+from services.rollout.engines.sglang_tensor import TensorSync
 from services.weights import TensorSpec, WeightPublisher, WeightReceiver, WeightSyncError
 from services.weights.peer import make_tensors
 from services.weights.transports.sglang_tensor import (

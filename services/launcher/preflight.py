@@ -92,8 +92,8 @@ def check_engine(config: TandemConfig) -> None:
         return
     import os
 
+    from services.rollout.engines.sglang_http import is_loopback
     from services.rollout.engines.sglang_launch import launch_problems
-    from services.rollout.engines.sglang_tensor import is_loopback
 
     problems = []
     if config.weights.check_weight_update_equal:

@@ -63,6 +63,7 @@ from services.rollout.engines.sglang_http import (
     SGLangRequestError,
     SGLangTimeout,
     SGLangUnavailable,
+    is_loopback,
 )
 from services.rollout.engines.sglang_launch import JIT_NOTE, LaunchedServer
 from services.rollout.engines.sglang_protocol import (
@@ -82,7 +83,7 @@ from services.rollout.engines.sglang_protocol import (
     sample_from_answer,
 )
 from services.rollout.engines.sglang_sync import DistributedSync
-from services.rollout.engines.sglang_tensor import TensorSync, is_loopback
+from services.rollout.engines.sglang_tensor import TensorSync
 from services.weights.base import Deadline, SyncContext, WeightSyncError, WeightSyncRefused, WeightSyncTimeout
 from services.weights.transports.sglang import EngineHandshake
 

@@ -22,6 +22,7 @@ Error answers become exceptions that carry SGLang's own words. The shapes below 
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import time
 from dataclasses import dataclass
@@ -175,6 +176,17 @@ class SGLangClient:
         finally:
             conn.keep = False
             conn.close()
+
+
+def is_loopback(url: str) -> bool:
+    """Whether `url` names this host (CUDA IPC handles open only there)."""
+    host = urlsplit(url if "://" in url else f"http://{url}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _left(deadline: float) -> float:

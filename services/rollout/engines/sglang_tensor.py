@@ -23,7 +23,6 @@ import base64
 import binascii
 import contextlib
 import functools
-import ipaddress
 import json
 import logging
 import pickle
@@ -32,9 +31,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
-from services.rollout.engines.sglang_http import SGLangError
+from services.rollout.engines.sglang_http import SGLangError, is_loopback
 from services.rollout.engines.sglang_protocol import BadAnswer, tensor_update_body
 from services.rollout.engines.sglang_sync import begin_session
 from services.weights.base import Deadline, SyncContext, WeightSyncError
@@ -48,16 +46,6 @@ log = logging.getLogger(__name__)
 
 _MAX_LISTED = 5          # names listed in one refusal
 _HEADER_MAX = 100 << 20  # bytes of a safetensors header read at most
-
-
-def is_loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def payload_problem(payload: str) -> str | None:
