@@ -156,7 +156,9 @@ def logprob_check(url: str, model: Path) -> None:
         del hf
         torch.cuda.empty_cache()
         t_diff, s_diff = torch.cat(tempered).mean().item(), torch.cat(truncated).mean().item()
-        return (t_diff < 0.01 and s_diff > 3 * t_diff,
+        # bf16 on both sides, SGLang's triton attention against HF's sdpa: a few 1e-3 (more at T < 1) is kernel noise;
+        # the truncated distribution differs by -log(kept mass), ~0.05-0.1 at top-p 0.9
+        return (t_diff < 0.02 and s_diff > 3 * t_diff,
                 f"mean |reported - log_softmax(logits/T)| {t_diff:.4f}, |reported - truncated| {s_diff:.4f}")
 
     check("reported_logprobs_are_tempered_untruncated", run)
