@@ -5,7 +5,8 @@ waiting for the status line and before each read of the body, so a server that s
 bytes) fails the call at its deadline and not later. One connection per call (`Connection: close`).
 
 Error answers become exceptions that carry SGLang's own words. The shapes below are recorded from SGLang's
-`python/sglang/srt/entrypoints/http_server.py` (0.5.x; not run against a real server here):
+`python/sglang/srt/entrypoints/http_server.py` (0.5.x, and the 0.5.17 wheel for 499 and 500; bench/sglang_smoke.py
+checks them on a real server):
   - weight and group endpoints answer 400 `{"success": false, "message": ...}` (ORJSONResponse);
   - /generate and the memory endpoints answer 400 `{"error": {"message": ...}}` (`_create_error_response`);
   - request validation answers 400 `{"object": "error", "message": ..., "type": "Bad Request", "code": 400}`

@@ -1,7 +1,8 @@
 """SGLang's native HTTP API as the `sglang` engine uses it: supported versions, request bodies, answer mapping.
 
-Pure functions, no I/O. Recorded from SGLang's source, NOT run against a real SGLang server (SGLang has no CPU
-backend and cannot be installed on the machines this was written on). Sources, by the version they were read at:
+Pure functions, no I/O. Recorded from SGLang's source (SGLang has no CPU backend: CPU CI runs the adapter against
+the contract server; bench/sglang_smoke.py checks these shapes on a real 0.5.17, docs/sglang.md). Sources, by the
+version they were read at:
 
 - `python/sglang/srt/entrypoints/http_server.py` — a 0.5.3rc2 snapshot and a later 0.5.x one:
   GET /health_generate (200 | 503); GET /server_info (later) and /get_server_info (both; later a deprecated alias)
