@@ -1,144 +1,279 @@
-"""Generate tokens/s and weight-update time of the `sglang` rollout engine against a real SGLang server.
+"""SGLang next to the native engine (tokens/s, same model and prompts), SGLang's start-up, and sync ms per transport.
 
-    python -m sglang.launch_server --model-path MODEL --port 30000 [--enable-memory-saver] &    # SGLang's GPUs
-    python bench/bench_sglang.py --url http://127.0.0.1:30000                                  # generation only
-    CUDA_VISIBLE_DEVICES=1 python bench/bench_sglang.py --url http://127.0.0.1:30000 \\
-        --weights MODEL --transport nccl --bucket-mb 512 --load-format flattened_bucket        # + weight updates
+    python bench/bench_sglang.py                         # the servers of bench/sglang_servers.py (SGLANG_SERVERS)
+    python bench/bench_sglang.py --url http://127.0.0.1:30000 --model DIR [--small-url URL --small-model DIR]
 
-Without --url (or SGLANG_URL) it measures nothing and says so: SGLang does not run on the machines this was
-written on (no CPU backend), so this script has not produced a number yet. It drives the server exactly as the
-rollout service does (services/rollout/engines/sglang.py), so what it measures includes the adapter's overhead.
+bench/gpu_suite.py --only sglang_bench runs it against the two servers it launched once for all SGLang stages
+(bench/sglang_servers.py: random-init q05 and small presets, bf16, triton attention, pytorch sampling, CUDA graphs
+on). Without a server, or without the sglang package, it prints that it measured nothing and exits 0.
 
-- generate: --batch prompts of --prompt-len random token ids (below --vocab-hi), sampled at temperature 1 with EOS
-  ignored so every sequence makes --new-tokens tokens; tokens/s = generated tokens / wall time of one
-  engine.generate, the median of --repeats after one warm-up.
-- weights (with --weights DIR, an HF directory holding the server's model): this process is the trainer. It loads
-  the safetensors (on cuda:0 for nccl: give it a GPU SGLang does not use) and syncs them --repeats times through
-  WeightPublisher -> SGLangEngine.receive_weights, each with a pause (drain + rollout.sglang.pause_mode) and
-  resume as the coordinator does. Reported: seconds per sync (prepare + transfer + resume) and GB/s of the
-  transfer. The server must reach --master-addr (default 127.0.0.1) on the trainer's store port.
+- generate (the q05 server): --batch prompts of --prompt-len random token ids, temperature 1, EOS ignored, so every
+  sequence makes --new-tokens tokens; tokens/s = generated tokens / wall time of one engine.generate through the
+  rollout adapter (services/rollout/engines/sglang.py), median of --repeats after a warm-up call of the same batch
+  (SGLang's JIT and the native engine's CUDA-graph capture are that first call, reported apart). The native engine
+  runs in this process on the same GPU, decode "graph", bf16, the same weights and prompts.
+- weights (both servers): this process is the trainer. It loads the server's own checkpoint onto the GPU as bf16 and
+  syncs it --sync-repeats times per transport, each with the coordinator's pause (drain) and resume: disk
+  (/update_weights_from_disk), cuda_ipc (/update_weights_from_tensor, load format tensor and flattened_bucket), gloo
+  (SGLang's group protocol: works with trainer and SGLang on one GPU), and nccl last (NCCL refuses two ranks of a
+  communicator on one GPU: measured where it works, else its error is reported). ms = prepare + pause + transfer +
+  resume, the median; after each transport greedy answers must equal those before (the same weights went back).
+Tables go to stdout, numbers to $OUT/bench_sglang.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
-import random
 import statistics
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.sglang import SGLangEngine
 
+TRANSPORTS = (("disk", "tensor"), ("cuda_ipc", "tensor"), ("cuda_ipc", "flattened_bucket"), ("gloo", "tensor"))
+PROBE = [[5, 6, 7], [9, 3], [12, 4, 8, 1]]   # greedy answers compared before and after the syncs
 
-def bench_generate(engine: SGLangEngine, *, batch: int, prompt_len: int, new_tokens: int, vocab_hi: int,
-                   repeats: int) -> dict[str, float]:
+
+def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    import random
+
     rng = random.Random(batch)
-    prompts = [[rng.randrange(10, vocab_hi) for _ in range(prompt_len)] for _ in range(batch)]
-    opts = SamplingSpec(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
-    engine.generate(prompts[: min(batch, 8)], opts)   # warm-up
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        outs = engine.generate(prompts, opts)
-        elapsed = time.perf_counter() - start
-        rates.append(sum(len(o.token_ids) for o in outs) / elapsed)
-        assert all(len(o.log_probs) == len(o.token_ids) for o in outs)
-    return {"tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates)}
+    return [[rng.randrange(4, vocab) for _ in range(prompt_len)] for _ in range(batch)]
 
 
-def load_weights(model_dir: Path, *, device: str) -> list[tuple[str, object]]:
+def timed_generate(generate, prompts: list[list[int]], opts: SamplingSpec) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = generate(prompts, opts)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    assert all(len(o.token_ids) == opts.max_new_tokens for o in outs), "a sequence stopped early (EOS ignored?)"
+    return elapsed
+
+
+def bench_generate(engine: SGLangEngine, model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
+    from services.rollout.engines.native import NativeEngine
+
+    native = NativeEngine(model, device="cuda", dtype="bfloat16", max_batch_size=max(args.batch), decode="graph")
+    rows = []
+    try:
+        for batch in args.batch:
+            prompts = prompts_for(batch, args.prompt_len, native.vocab_size)
+            opts = SamplingSpec(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
+            row: dict[str, Any] = {"batch": batch, "tokens": batch * args.new_tokens}
+            for name, generate in (("sglang", engine.generate), ("native", native.generate)):
+                row[f"{name}_first_s"] = timed_generate(generate, prompts, opts)
+                times = [timed_generate(generate, prompts, opts) for _ in range(args.repeats)]
+                row[f"{name}_tok_s"] = row["tokens"] / statistics.median(times)
+            rows.append(row)
+    finally:
+        native.close()
+        del native
+        torch.cuda.empty_cache()
+    return rows
+
+
+def trainer_weights(model: Path) -> list[tuple[str, Any]]:
+    """The server's checkpoint as the trainer would export it: bf16, on the GPU, in file order."""
+    import torch
     from safetensors.torch import load_file
 
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise SystemExit(f"--weights {model_dir}: no *.safetensors files")
     named = []
-    for f in files:
-        named += sorted(load_file(str(f), device=device).items())
+    for f in sorted(model.glob("*.safetensors")):
+        named += [(n, t.to(torch.bfloat16)) for n, t in load_file(str(f), device="cuda").items()]
     return named
 
 
-def bench_weights(engine: SGLangEngine, named: list, *, transport: str, bucket_mb: float, master_addr: str,
-                  repeats: int, timeout_s: float) -> list[dict[str, float]]:
-    from services.contracts.config import WeightsConfig
-    from services.weights import WeightPublisher, specs_from_tensors
+def sync_once(engine: SGLangEngine, publisher: Any, named: list[tuple[str, Any]], *, version: int,
+              timeout_s: float) -> dict[str, float]:
+    """One sync as the coordinator runs it: prepare, pause (drain), engine and trainer concurrently, resume."""
+    from services.weights import specs_from_tensors
 
-    run_dir = Path(tempfile.mkdtemp(prefix="bench-sglang-"))
-    config = WeightsConfig(transport=transport, bucket_mb=bucket_mb, timeout_s=timeout_s, master_addr=master_addr,
-                           disk_dir=str(run_dir / "weights"))
-    publisher = WeightPublisher(config=config, run_dir=run_dir, trainer_id="bench")
-    specs = specs_from_tensors(named)
-    rows = []
+    start = time.perf_counter()
+    plan = publisher.prepare(specs_from_tensors(named), version, engine.engine_ranks)
+    engine.pause("drain", timeout_s=timeout_s)
     try:
-        for version in range(1, repeats + 1):
-            start = time.perf_counter()
-            plan = publisher.prepare(specs, version, engine.engine_ranks)
-            engine.pause("drain", timeout_s=timeout_s)
-            with ThreadPoolExecutor(1) as pool:
-                received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=None)
+        with ThreadPoolExecutor(1) as pool:
+            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=None)
+            try:
                 sent = publisher.publish(plan, named)
-                received.result(timeout=timeout_s + 10)
-            engine.resume()
-            rows.append({"version": version, "seconds": time.perf_counter() - start, "transfer_s": sent.seconds,
-                         "gbps": sent.gbps, "bytes": plan.total_bytes})
+            except BaseException:
+                received.exception(timeout=timeout_s + 10)
+                raise
+            received.result(timeout=timeout_s + 10)
     finally:
-        publisher.close()
-    return rows
+        engine.resume()
+    return {"seconds": time.perf_counter() - start, "transfer_s": sent.seconds, "bytes": float(plan.total_bytes)}
+
+
+def publisher_for(transport: str, load_format: str, *, work: Path, timeout_s: float, bucket_mb: float) -> Any:
+    from services.contracts.config import WeightsConfig
+    from services.weights import WeightPublisher
+
+    config = WeightsConfig(transport=transport, bucket_mb=bucket_mb, timeout_s=timeout_s,
+                           disk_dir=str(work / "weights"))
+    return WeightPublisher(config=config, run_dir=work, trainer_id="bench",
+                           sglang_load_format=load_format)
+
+
+def greedy(engine: SGLangEngine) -> list[tuple[int, ...]]:
+    return [o.token_ids for o in engine.generate(PROBE, SamplingSpec(temperature=0.0, max_new_tokens=8,
+                                                                     ignore_eos=True))]
+
+
+def bench_syncs(server: dict[str, Any], args: argparse.Namespace, *, transports: tuple,
+                version: int) -> tuple[list[dict[str, Any]], int]:
+    import torch
+
+    named = trainer_weights(Path(server["model"]))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-sglang-") as tmp:
+        for transport, load_format in transports:
+            engine = SGLangEngine([server["url"]], weight_load_format=load_format, request_timeout_s=args.timeout_s)
+            before = greedy(engine)
+            publisher = publisher_for(transport, load_format, work=Path(tmp), timeout_s=args.sync_timeout_s
+                                      if transport == "nccl" else args.timeout_s, bucket_mb=args.bucket_mb)
+            row: dict[str, Any] = {"server": server["name"], "transport": transport, "format": load_format}
+            try:
+                runs = []
+                for _ in range(args.sync_repeats + 1):   # the first: groups joined, buffers allocated
+                    version += 1
+                    runs.append(sync_once(engine, publisher, named, version=version, timeout_s=args.timeout_s))
+                runs = runs[1:]
+                row.update(ms=1000 * statistics.median(r["seconds"] for r in runs),
+                           transfer_ms=1000 * statistics.median(r["transfer_s"] for r in runs),
+                           gb=runs[0]["bytes"] / 1e9, greedy_same=greedy(engine) == before)
+            except Exception as exc:  # noqa: BLE001 - a transport that fails is reported, the others still run
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            finally:
+                publisher.close()
+                engine.close()
+            rows.append(row)
+            print(f"[bench_sglang] {row}", flush=True)
+    del named
+    torch.cuda.empty_cache()
+    return rows, version
+
+
+def print_tables(startup: list[dict[str, Any]], gen: list[dict[str, Any]], syncs: list[dict[str, Any]],
+                 args: argparse.Namespace) -> None:
+    import torch
+
+    print(f"\nSGLang vs native — {torch.cuda.get_device_name()}, bf16, q05 (Qwen2-0.5B-shaped, random init), prompt "
+          f"{args.prompt_len}, {args.new_tokens} new tokens, EOS ignored, median of {args.repeats}")
+    print("| batch | SGLang tok/s | native tok/s | SGLang / native | SGLang first call s | native first call s |")
+    print("|---|---|---|---|---|---|")
+    for r in gen:
+        print(f"| {r['batch']} | {r['sglang_tok_s']:,.0f} | {r['native_tok_s']:,.0f} | "
+              f"{r['sglang_tok_s'] / r['native_tok_s']:.2f} | {r['sglang_first_s']:.2f} | {r['native_first_s']:.2f} |")
+    print("\n| SGLang server | model | start-up s (launch to healthy) |")
+    print("|---|---|---|")
+    for s in startup:
+        seconds = "not healthy" if s["startup_s"] is None else f"{s['startup_s']:.0f}"
+        print(f"| {s['name']} | {s['preset']} | {seconds} |")
+    print(f"\n| server | transport | load format | GB | sync ms | transfer ms | greedy same after |  (median of "
+          f"{args.sync_repeats})")
+    print("|---|---|---|---|---|---|---|")
+    for r in syncs:
+        if "error" in r:
+            print(f"| {r['server']} | {r['transport']} | {r['format']} | – | failed | {r['error'][:120]} | – |")
+        else:
+            print(f"| {r['server']} | {r['transport']} | {r['format']} | {r['gb']:.3f} | {r['ms']:.1f} | "
+                  f"{r['transfer_ms']:.1f} | {r['greedy_same']} |")
+
+
+def servers_from(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    from sglang_servers import load
+
+    if args.url:
+        out = {"q05": {"name": "q05", "preset": "?", "url": args.url, "model": str(args.model), "startup_s": None}}
+        if args.small_url:
+            out["small"] = {"name": "small", "preset": "?", "url": args.small_url, "model": str(args.small_model),
+                            "startup_s": None}
+        return out
+    return {k: v for k, v in load().items() if v.get("startup_s") is not None}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default=os.environ.get("SGLANG_URL"), help="a running SGLang server")
-    parser.add_argument("--api-key", default=os.environ.get("SGLANG_API_KEY"))
+    parser.add_argument("--url", help="a running SGLang server (its --model-path is --model)")
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--small-url")
+    parser.add_argument("--small-model", type=Path)
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--vocab-hi", type=int, default=30_000, help="prompt token ids are drawn below this")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--weights", type=Path, help="HF model directory of the server's model (enables the sync)")
-    parser.add_argument("--transport", choices=["nccl", "gloo", "disk"], default="nccl")
+    parser.add_argument("--sync-repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=512.0)
-    parser.add_argument("--load-format", choices=["tensor", "flattened_bucket"], default="tensor")
-    parser.add_argument("--pause-mode", choices=["abort", "retract", "in_place"], default="retract")
-    parser.add_argument("--master-addr", default="127.0.0.1")
-    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--sync-timeout-s", type=float, default=20.0, help="the nccl attempt's deadline per sync")
+    parser.add_argument("--no-nccl", action="store_true")
+    parser.add_argument("--nccl-only", action="store_true", help=argparse.SUPPRESS)   # the child of nccl_attempt
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "."))
     args = parser.parse_args()
-    if not args.url:
-        print("skipped: no SGLang server given (--url or SGLANG_URL); nothing was measured. Start one with "
-              "`python -m sglang.launch_server --model-path MODEL --port 30000` (SGLang >=0.5.15, <0.6, a GPU).")
+    servers = servers_from(args)
+    if args.nccl_only:
+        rows, _ = bench_syncs(servers["q05"], args, transports=(("nccl", "tensor"),), version=10_000)
+        print("NCCL_ROW " + json.dumps(rows[0]), flush=True)
+        os._exit(0)   # a refused NCCL communicator may leave threads that hold the exit
+    if importlib.util.find_spec("sglang") is None and not args.url:
+        print("skipped: the sglang package is not importable (source bench/gpu_env.sh sglang); nothing was measured")
         return 0
-    engine = SGLangEngine([args.url], api_key=args.api_key, pause_mode=args.pause_mode,
-                          weight_load_format=args.load_format, request_timeout_s=args.timeout_s)
+    if "q05" not in servers:
+        print("skipped: no healthy SGLang server (SGLANG_SERVERS or --url); nothing was measured")
+        return 0
+    startup = [{"name": s["name"], "preset": s["preset"], "startup_s": s["startup_s"]} for s in servers.values()]
+    engine = SGLangEngine([servers["q05"]["url"]], request_timeout_s=args.timeout_s)
     try:
-        server = engine.servers[0]
-        print(f"SGLang {server.info.version} at {server.url}: model {server.info.model_path}, "
-              f"tp {server.info.tp_size}, context {engine.max_context_length}")
-        print(f"{'batch':>6} {'prompt':>6} {'new':>5} {'tok/s':>10} {'min':>10} {'max':>10}")
-        for batch in args.batch:
-            r = bench_generate(engine, batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                               vocab_hi=args.vocab_hi, repeats=args.repeats)
-            print(f"{batch:>6} {args.prompt_len:>6} {args.new_tokens:>5} {r['tokens_per_s']:>10.0f} "
-                  f"{r['min']:>10.0f} {r['max']:>10.0f}")
-        if args.weights:
-            device = "cuda:0" if args.transport == "nccl" else "cpu"
-            named = load_weights(args.weights, device=device)
-            rows = bench_weights(engine, named, transport=args.transport, bucket_mb=args.bucket_mb,
-                                 master_addr=args.master_addr, repeats=args.repeats, timeout_s=args.timeout_s)
-            print(f"weights over {args.transport} ({args.load_format}, {args.bucket_mb:g} MB buckets):")
-            print(f"{'version':>7} {'GB':>7} {'sync s':>8} {'transfer s':>10} {'GB/s':>7}")
-            for row in rows:
-                print(f"{row['version']:>7} {row['bytes'] / 1e9:>7.2f} {row['seconds']:>8.2f} "
-                      f"{row['transfer_s']:>10.2f} {row['gbps']:>7.2f}")
+        gen = bench_generate(engine, Path(servers["q05"]["model"]), args)
+        version = max(engine.weight_version, 0)
     finally:
         engine.close()
+    syncs: list[dict[str, Any]] = []
+    for name in ("small", "q05"):
+        if name in servers:
+            rows, version = bench_syncs(servers[name], args, transports=TRANSPORTS, version=version)
+            syncs += rows
+    if not args.no_nccl:   # last: a refused NCCL communicator may leave the q05 server unusable
+        syncs.append(nccl_attempt(args))
+    print_tables(startup, gen, syncs, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_sglang.json").write_text(json.dumps({"startup": startup, "generate": gen, "syncs": syncs},
+                                                           indent=1))
     return 0
+
+
+def nccl_attempt(args: argparse.Namespace) -> dict[str, Any]:
+    """nccl in a child process with a deadline: NCCL refuses two ranks of a communicator on one GPU, and a refused
+    communicator can abort its process or hang its exit."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--nccl-only", "--sync-repeats", "1", "--timeout-s", str(args.sync_timeout_s)]
+    row: dict[str, Any] = {"server": "q05", "transport": "nccl", "format": "tensor"}
+    limit = args.sync_timeout_s * 2 + 30   # two syncs at most, plus start-up
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        return {**row, "error": f"no answer within {limit:g}s"}
+    found = [ln for ln in out.stdout.splitlines() if ln.startswith("NCCL_ROW ")]
+    if found:
+        return json.loads(found[-1].removeprefix("NCCL_ROW "))
+    return {**row, "error": f"exit {out.returncode}: {(out.stderr or out.stdout)[-300:]}"}
 
 
 if __name__ == "__main__":

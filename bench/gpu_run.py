@@ -51,14 +51,15 @@ MEMORY = [
     ("memory/trainer_gpu_gb_training", "trainer GPU GiB, training"),
     ("memory/trainer_gpu_gb_offloaded", "trainer GPU GiB, offloaded"),
     ("memory/rollout_gpu_gb_released", "engine GPU GiB, released"),
+    ("memory/rollout_gpu_gb_freed", "engine GPU GiB freed by the release"),
 ]
 
 
-def run_one(name: str, overrides: list[str], *, steps: int, work: Path) -> dict:
+def run_one(name: str, overrides: list[str], *, steps: int, work: Path, config: Path = CONFIG) -> dict:
     run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [a for o in [f"loop.num_rollout={steps}", *overrides] for a in ("--set", o)]
-    cmd = [sys.executable, "-m", "services.cli", "run", str(CONFIG), "--run-dir", str(run_dir), "--no-progress",
+    cmd = [sys.executable, "-m", "services.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress",
            "--init-model", *sets]
     t = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)

@@ -3,9 +3,13 @@
     python bench/gpu_suite.py [--out DIR] [--quick]
         [--only handoff ipc_copy engine engine_compile tests offload trainer_tests run]
     python bench/gpu_suite.py --only peer_trl        # Tandem vs TRL (bench/peer_trl.py), a call of its own
+    python bench/gpu_suite.py --only sglang_smoke sglang_bench sglang_run   # SGLang 0.5.17, a call of its own
 
 On the device machine every command starts with `source bench/gpu_env.sh` (add `sglang` for SGLang stages), which
-installs the wheels the call carries: `.whl` for these stages, `.whl .whl_trl` for peer_trl (bench/gpu_kit.sh).
+installs the wheels the call carries: `.whl` for these stages, `.whl .whl_trl` for peer_trl, `.whl/core .sglang`
+for the SGLang stages (bench/gpu_kit.sh). The SGLang stages share two servers that the suite launches once before
+the first of them and stops after the last (bench/sglang_servers.py; its start-up has a limit of its own and is
+reported as the stage "sglang_servers"); without the sglang package nothing is launched and each stage skips.
 
 Each stage runs as its own process with its own time limit, so one hang cannot take the others down; its
 full output goes to DIR/<stage>.log and a markdown summary (command, exit code, seconds, the stage's tables
@@ -16,7 +20,9 @@ device tool's output folder), else bench/gpu_suite_out. Exit code 0 only when ev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -55,10 +61,18 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
         # Tandem async/sync vs TRL's GRPOTrainer (needs .whl_trl carried; TRL is skipped in one line without it).
         # It keeps to its own --budget-s (520 s), so it only runs when named: a call of its own.
         "peer_trl": ([PY, "bench/peer_trl.py", "--out", str(out / "peer_trl")], 560, {}),
+        # SGLang 0.5.17 (needs .sglang carried; each skips without it), against the servers launched for them:
+        # the contract facts checked on the real server, SGLang vs native tok/s and sync ms per transport, and
+        # two `tandem run`s (sync at T=0.7 / top-p 0.9 with its log-prob checks, and sync_offload)
+        "sglang_smoke": ([PY, "bench/sglang_smoke.py"], 100, {}),
+        "sglang_bench": ([PY, "bench/bench_sglang.py"], 200, {}),
+        "sglang_run": ([PY, "bench/sglang_run.py", "--steps", "10", "--out", str(out / "sglang_run")], 240, {}),
     }
 
 
-OPT_IN = {"peer_trl"}   # stages left out unless --only names them (each needs most of a 10-minute call)
+OPT_IN = {"peer_trl", "sglang_smoke", "sglang_bench", "sglang_run"}   # left out unless --only names them
+SGLANG_STAGES = ("sglang_smoke", "sglang_bench", "sglang_run")
+SGLANG_START_S = 240   # launching both servers, until healthy (kernel JIT and CUDA-graph capture included)
 
 
 def run_stage(name: str, cmd: list[str], limit_s: int, out: Path, extra_env: dict[str, str]) -> dict:
@@ -78,6 +92,9 @@ def run_stage(name: str, cmd: list[str], limit_s: int, out: Path, extra_env: dic
 def summary_lines(stage: dict) -> list[str]:
     """pytest: its result lines; benches: the table and the lines describing it."""
     lines = stage["text"].splitlines()
+    if stage["name"] in SGLANG_STAGES:   # several tables and the PASS/FAIL lines: all of it but the progress lines
+        keep = [ln for ln in lines if ln.startswith(("|", "PASS", "FAIL", "skipped", "SGLang", "sync_", "\nSGLang"))]
+        return keep[-80:] or ["```", *lines[-30:], "```"]
     if stage["name"].endswith("tests"):
         keep = [ln for ln in lines if ln.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL"))
                 or any(w in ln for w in (" passed", " failed", " skipped", " error")) or ln.startswith("E ")]
@@ -115,10 +132,39 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     chosen = args.only if args.only is not None else [n for n in stages(args.quick, args.out) if n not in OPT_IN]
-    results = [run_stage(name, cmd, limit, args.out, env) for name, (cmd, limit, env) in
-               stages(args.quick, args.out).items() if name in chosen]
+    plan = [(name, *spec) for name, spec in stages(args.quick, args.out).items() if name in chosen]
+    results: list[dict] = []
+    with contextlib.ExitStack() as servers:
+        for name, cmd, limit, env in plan:
+            if name in SGLANG_STAGES and "SGLANG_SERVERS" not in os.environ:
+                os.environ["SGLANG_SERVERS"] = str(start_sglang(servers, args.out, results))
+            results.append(run_stage(name, cmd, limit, args.out, env))
+            write_summary(results, args.out)   # after every stage: a call cut short still leaves its summary
     print(write_summary(results, args.out))
     return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+def start_sglang(stack: contextlib.ExitStack, out: Path, results: list[dict]) -> Path:
+    """Launches the SGLang stages' servers (stopped when `stack` closes); their start-up is a summary entry. Without
+    the sglang package nothing starts and the stages skip (the file does not exist)."""
+    import importlib.util
+
+    started = time.monotonic()
+    if importlib.util.find_spec("sglang") is None:
+        results.append({"name": "sglang_servers", "cmd": ["(none)"], "rc": 0, "seconds": 0.0,
+                        "text": "skipped: the sglang package is not importable (source bench/gpu_env.sh sglang)"})
+        return out / "no_sglang_servers.json"
+    sys.path.insert(0, str(ROOT / "bench"))
+    from sglang_servers import servers
+
+    path = stack.enter_context(servers(Path("/tmp/tandem-sglang"), out, timeout_s=SGLANG_START_S))
+    text = path.read_text()
+    healthy = all(s["startup_s"] is not None for s in json.loads(text).values())
+    results.append({"name": "sglang_servers", "cmd": ["bench/sglang_servers.py"], "rc": 0 if healthy else 1,
+                    "seconds": time.monotonic() - started, "text": text})
+    print(f"[sglang_servers] {'healthy' if healthy else 'NOT healthy'} in {time.monotonic() - started:.0f}s",
+          flush=True)
+    return path
 
 
 if __name__ == "__main__":

@@ -147,9 +147,9 @@ class FakePool:
     def resume_memory(self, tags: Any) -> None:
         self.log("pool.resume_memory", tuple(tags))
 
-    def gpu_memory_reserved_bytes(self) -> int:
-        self.log("pool.gpu_memory_reserved_bytes")
-        return 0
+    def gpu_memory(self) -> tuple[int, int]:
+        self.log("pool.gpu_memory")
+        return 0, 0
 
 
 class FakeSync:
@@ -352,7 +352,7 @@ def test_evals_run_before_training_on_the_interval_and_after_the_last_step():
 
 def test_offloading_moves_memory_between_engines_and_trainer_around_train_and_sync():
     run = Run(make_config(loop={"mode": "sync", "num_rollout": 2, "offload_train": True, "offload_rollout": True}))
-    release = [("pool.release_memory",), ("pool.gpu_memory_reserved_bytes",)]
+    release = [("pool.release_memory",), ("pool.gpu_memory",)]
     weights, caches = ("pool.resume_memory", ("weights",)), ("pool.resume_memory", ("kv_cache", "cuda_graph"))
     offload = [("trainer.get_state",), ("trainer.offload",), ("trainer.get_state",)]
     assert run.run() == [*FRESH_START,

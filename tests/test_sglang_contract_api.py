@@ -1,14 +1,16 @@
 """Contract tests of the sglang engine's HTTP side: the adapter against the contract test server.
 
 The server (tests/helpers/sglang_contract_server.py) is a real HTTP server in its own process that implements the
-request and answer shapes recorded from SGLang's source for the supported versions (0.5.15, 0.5.23) and the
-version answer of an unsupported one (0.4.10). No real SGLang runs here: these tests check the adapter against the
-recorded contract, not SGLang itself.
+request and answer shapes recorded from SGLang's source for the supported versions (0.5.15, 0.5.17 — the one that
+ran on the GPU, docs/sglang.md —, 0.5.23) and the version answer of an unsupported one (0.4.10). No real SGLang runs
+here: these tests check the adapter against the recorded contract; bench/sglang_smoke.py checks the same facts
+against a real server.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import threading
 import time
@@ -22,7 +24,12 @@ from helpers.sglang_contract_server import ContractServer
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import EngineUnavailable
 from services.rollout.engines.sglang import SGLangEngine
-from services.rollout.engines.sglang_http import SGLangClient, SGLangRequestError, SGLangTimeout, SGLangUnavailable
+from services.rollout.engines.sglang_http import (
+    SGLangClient,
+    SGLangRequestError,
+    SGLangTimeout,
+    SGLangUnavailable,
+)
 from services.rollout.engines.sglang_launch import LaunchSpec, SGLangNotInstalled, require_sglang
 from services.rollout.engines.sglang_protocol import (
     UnsupportedSGLangVersion,
@@ -37,7 +44,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def server():
-    s = ContractServer("--profile", "0.5.23", "--enable-memory-saver")
+    s = ContractServer("--profile", "0.5.17", "--enable-memory-saver")
     yield s
     s.stop()
 
@@ -68,7 +75,7 @@ def test_sglang_contract_version_detection_per_profile(server: ContractServer, e
         older.close()
     finally:
         old.stop()
-    assert engine.servers[0].profile.session == "required"
+    assert engine.servers[0].profile.session == "probe"   # 0.5.17 has no begin/end routes: probed, then skipped
     assert [e["path"] for e in server.log()][:3] == ["/health_generate", "/server_info", "/v1/models"]
     assert engine.max_context_length == 128 and engine.engine_ranks == 1 and engine.weight_version == 0
 
@@ -128,14 +135,13 @@ def test_sglang_contract_error_answers_are_clear(server: ContractServer, engine:
         client.post("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [], "flush_cahce": 1},
                     timeout_s=5)
     update = {"names": [], "dtypes": [], "shapes": [], "group_name": "g"}
-    with pytest.raises(SGLangRequestError, match=r"answered 400: .*between begin_weight_update and end_weight_upd"):
-        client.post("/update_weights_from_distributed", update, timeout_s=5)   # 0.5.23: a session is required
-    client.post("/begin_weight_update", {}, timeout_s=5)
-    try:
-        with pytest.raises(SGLangRequestError, match="answered 400: Group g not in"):    # {"success": false, ...}
-            client.post("/update_weights_from_distributed", update, timeout_s=5)
-    finally:
-        client.post("/end_weight_update", {}, timeout_s=5)
+    with pytest.raises(SGLangRequestError, match="answered 400: Group g not in"):    # {"success": false, ...}
+        client.post("/update_weights_from_distributed", update, timeout_s=5)
+    with pytest.raises(SGLangUnavailable, match="answered 500: Internal Server Error"):   # SamplingParams TypeError
+        client.post("/generate", {"input_ids": [[1]], "sampling_params": {"temprature": 1.0}}, timeout_s=5)
+    with pytest.raises(SGLangRequestError, match="answered 400: Requested token count exceeds the model's maximum "
+                                                 "context length of 128 tokens"):   # 0.5.17 does not clamp
+        client.post("/generate", {"input_ids": [[1] * 120], "sampling_params": {"max_new_tokens": 9}}, timeout_s=5)
     server.configure(fail={"/generate": "out of memory while scheduling"})
     try:
         with pytest.raises(SGLangRequestError, match="answered 400: out of memory while scheduling"):
@@ -244,17 +250,132 @@ def test_sglang_contract_drain_waits_then_pauses_with_the_configured_mode(server
         e.close()
 
 
-def test_sglang_contract_memory_release_and_resume(server: ContractServer, engine: SGLangEngine):
+def test_sglang_contract_memory_release_and_resume(server: ContractServer, tmp_path: Path):
+    from safetensors.torch import save_file
+
+    engine = SGLangEngine([server.url], startup_timeout_s=20)
     engine.release_memory(["kv_cache", "weights"])
+    assert [e["path"] for e in server.log()][-2:] == ["/flush_cache", "/release_memory_occupation"]   # idle first
     assert requests_to(server, "/release_memory_occupation")[-1] == {"tags": ["kv_cache", "weights"]}
     assert server.state()["released"] == ["kv_cache", "weights"]
     with pytest.raises(EngineUnavailable, match="memory is released"):
         engine.generate([[1]], SamplingSpec(max_new_tokens=1))
-    engine.resume_memory([])
-    assert requests_to(server, "/resume_memory_occupation")[-1] == {"tags": None}   # null = every tag
+    engine.release_memory(["weights"])   # released already: SGLang is not asked twice
+    assert len(requests_to(server, "/release_memory_occupation")) == 1
+    engine.resume_memory([])   # every tag: only those released are asked for (an unreleased one kills SGLang)
+    assert requests_to(server, "/resume_memory_occupation")[-1] == {"tags": ["kv_cache", "weights"]}
     assert server.state()["released"] == [] and engine.get_state().released_memory == ()
+    assert server.state()["weights_lost"]   # without --enable-weights-cpu-backup the contents are gone ...
+    with pytest.raises(EngineUnavailable, match="weights came back empty from ResumeMemory"):
+        engine.generate([[1]], SamplingSpec(max_new_tokens=1))   # ... so nothing is generated from them
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    engine.update_weights_from_disk(tmp_path, version=1)   # a sync refills them
+    assert engine.generate([[1]], SamplingSpec(max_new_tokens=1))[0].weight_version == 1
+    assert not server.state()["weights_lost"]
+    engine.resume_memory(["weights"])
+    assert len(requests_to(server, "/resume_memory_occupation")) == 1 and server.proc.poll() is None
     with pytest.raises(ValueError, match="unknown memory tag"):
         engine.release_memory(["activations"])
+    engine.close()
+
+
+def test_sglang_contract_a_busy_server_is_not_released(server: ContractServer, engine: SGLangEngine):
+    """SGLang asserts an idle scheduler in release_memory_occupation (and dies otherwise, as the contract server
+    does): another client's request parked by pause(retract) waits in its queue, so /flush_cache fails and the
+    release stops there; one of the adapter's own calls stops it before any request."""
+    server.configure(token_delay_s=0.01)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            mine = pool.submit(engine.generate, [[1]], SamplingSpec(max_new_tokens=10, ignore_eos=True))
+            _wait_for(lambda: server.state()["running"] == 1)
+            with pytest.raises(EngineUnavailable, match=r"while 1 generate call\(s\) of this adapter run"):
+                engine.release_memory([])
+            mine.result(timeout=20)
+            other = SGLangClient(server.url)
+            running = pool.submit(other.post, "/generate", {"input_ids": [[1]], "sampling_params": {
+                "max_new_tokens": 30, "ignore_eos": True}}, timeout_s=20)
+            _wait_for(lambda: server.state()["running"] == 1)
+            engine.pause("retract", timeout_s=10)
+            released = len(requests_to(server, "/release_memory_occupation"))
+            with pytest.raises(EngineUnavailable, match=r"is not idle \(Flush cache failed\.\), so nothing was "
+                                                        r"released"):
+                engine.release_memory([])
+            assert len(requests_to(server, "/release_memory_occupation")) == released
+            assert server.proc.poll() is None and server.state()["released"] == []
+            engine.resume()
+            assert running.result(timeout=20).body[0]["meta_info"]["finish_reason"]["type"] == "length"
+    finally:
+        server.configure(token_delay_s=0.0)
+
+
+def test_sglang_contract_release_reports_the_freed_memory_with_a_fake_nvidia_smi(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """nvidia-smi cannot run here: a script of that name answers 50,000 MiB in use, then 2,000 (what a release of
+    48 GiB looks like on the GPU), so the measurement and its way into the engine state are what is tested."""
+    counter = tmp_path / "calls"
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\nn=$(cat {counter} 2>/dev/null || echo 0); echo $((n + 1)) > {counter}\n"
+                    f"if [ \"$n\" = 0 ]; then echo 50000; else echo 2000; fi\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    s = ContractServer("--profile", "0.5.17", "--enable-memory-saver")
+    try:
+        e = SGLangEngine([s.url], startup_timeout_s=20)
+        e.release_memory([])
+        assert e.get_state().memory_freed_bytes == 48000 * 2**20
+        e.close()
+    finally:
+        s.stop()
+
+
+def test_sglang_contract_context_limit_and_an_aborted_wait(server: ContractServer, engine: SGLangEngine):
+    """0.5.17 refuses a whole request whose input + max_new_tokens exceed the context (it does not clamp): the
+    adapter cuts that prompt's max_new_tokens, as the native engine stops at the context. A request a pause(abort)
+    reaches while it waits answers 499: the adapter returns aborted samples (the service retries), not bad input."""
+    out = engine.generate([[1] * 120, [3]], SamplingSpec(max_new_tokens=20, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [8, 20] and out[0].finish_reason == "length"
+    sent = requests_to(server, "/generate")[-1]["sampling_params"]
+    assert [p["max_new_tokens"] for p in sent] == [8, 20]
+    client = SGLangClient(server.url)
+    client.post("/pause_generation", {"mode": "retract"}, timeout_s=5)   # paused behind the adapter's back
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(engine.generate, [[4], [5]], SamplingSpec(max_new_tokens=2))
+            _wait_for(lambda: len(requests_to(server, "/generate")) and requests_to(server, "/generate")[-1][
+                "input_ids"] == [[4], [5]])
+            client.post("/pause_generation", {"mode": "abort"}, timeout_s=5)
+            client.post("/continue_generation", {}, timeout_s=5)
+            aborted = waiting.result(timeout=20)
+        assert [o.finish_reason for o in aborted] == ["abort", "abort"] and aborted[0].token_ids == ()
+    finally:
+        client.post("/continue_generation", {}, timeout_s=5)
+
+
+def test_sglang_contract_refuses_servers_that_report_other_log_probs():
+    for flag, words in (('rl_on_policy_target="fsdp"', "bf16 log-probs"),
+                        ("enable_deterministic_inference=true", "one seed")):
+        s = ContractServer("--profile", "0.5.17", "--server-arg", flag)
+        try:
+            with pytest.raises(ValueError, match=f"runs with {flag.split('=')[0]}=.*{words}"):
+                SGLangEngine([s.url], startup_timeout_s=20)
+        finally:
+            s.stop()
+
+
+def test_sglang_contract_session_routes_of_0_5_23():
+    s = ContractServer("--profile", "0.5.23")
+    try:
+        client = SGLangClient(s.url)
+        update = {"names": [], "dtypes": [], "shapes": [], "group_name": "g"}
+        with pytest.raises(SGLangRequestError, match=r"answered 400: .*between begin_weight_update and end_weight_"):
+            client.post("/update_weights_from_distributed", update, timeout_s=5)   # a session is required
+        client.post("/begin_weight_update", {}, timeout_s=5)
+        with pytest.raises(SGLangRequestError, match="answered 400: Group g not in"):
+            client.post("/update_weights_from_distributed", update, timeout_s=5)
+        client.post("/end_weight_update", {}, timeout_s=5)
+        assert SGLangEngine([s.url], startup_timeout_s=20).servers[0].profile.session == "required"
+    finally:
+        s.stop()
 
 
 def test_sglang_contract_memory_needs_the_memory_saver():

@@ -1,6 +1,7 @@
 """Contract test of RolloutService with rollout.engine sglang: samples from the contract test server become the same
 batch format as the native engine's (tokens, per-token rollout log-probs, finish reasons, sample versions) in Redis,
-and a weight sync through the service restamps later samples with the version SGLang reports."""
+a weight sync through the service restamps later samples with the version SGLang reports, and every batch names
+the distribution of its log-probs (tempered, what SGLang reports)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def test_sglang_contract_service_writes_the_native_batch_format(tmp_path: Path, 
         assert list(batch.finish_reasons) == ["length", "length"] and batch.loss_mask.tolist() == [1] * 6
         assert batch.sample_versions.tolist() == [0, 0] and batch.policy_version == 0
         assert batch.metadata["engine"] == "sglang" and batch.group_ids.tolist() == [7, 7]
+        assert batch.logprob_space == "tempered"   # SGLang reports log_softmax(logits / T): the trainer scores that
 
         from transformers import AutoModelForCausalLM
 

@@ -108,7 +108,9 @@ def test_sglang_contract_nccl_group_handshake_over_gloo(tmp_path: Path, load_for
                             + ["/end_weight_update"]) * 2
         updates = [b for p, b in calls if p == "/update_weights_from_distributed"][n:]
         assert [b.get("weight_version") for b in updates] == [None] * (n - 1) + ["2"]   # set once complete
-        assert [b["flush_cache"] for b in updates] == [False] * (n - 1) + [True]       # retract: flush at the end
+        assert [b["flush_cache"] for b in updates] == [False] * n   # a flush inside an update is an assert in SGLang
+        paths = [e["path"] for e in server.log()]
+        assert paths[-3:] == ["/end_weight_update", "/flush_cache", "/continue_generation"]   # the adapter's own
         assert all(b.get("load_format") == (None if load_format == "tensor" else load_format) for b in updates)
         announced = [name for b in updates for name in b["names"]]
         assert announced == [t.name for b in plan.buckets for t in b.tensors if t.nbytes]   # bucket order
@@ -166,6 +168,7 @@ def test_sglang_contract_in_place_keeps_the_kv_cache(tmp_path: Path):
             (sample,) = running.result(timeout=30)
         assert_holds(server, tensors)
         assert all(b["flush_cache"] is False for p, b in weight_calls(server) if "update_weights" in p)
+        assert "/flush_cache" not in [e["path"] for e in server.log()]   # in_place: the parked KV cache stays
         assert sample.finish_reason == "length" and len(sample.token_ids) == 40
         assert sample.weight_version == 0   # began under version 0; SGLang reports the new one at the end
     finally:
@@ -234,8 +237,8 @@ def test_sglang_contract_refusals_reach_the_trainer(tmp_path: Path):
             sync(pub, engine, version=2, receiver=WeightReceiver(accepted_trainer_id="other"))
         assert time.monotonic() - start < 10
         plan = pub.prepare(SPECS, 3, 1, False)
-        plan.transport = "cuda_ipc"
-        with pytest.raises(ValueError, match="pickled tensors"):
+        plan.transport = "cuda_ipc"   # a plan that names cuda_ipc but carries no SGLang payloads
+        with pytest.raises(ValueError, match="prepared this cuda_ipc sync for native engines"):
             engine.receive_weights(plan, rank_offset=1, receiver=None)
         assert weight_calls(server) == []   # nothing reached SGLang
     finally:
@@ -253,8 +256,10 @@ def test_sglang_contract_disk_transport_is_update_weights_from_disk(tmp_path: Pa
         assert_holds(server, tensors, empty_sent=True)   # SGLang reads whole safetensors files
         ((path, body),) = weight_calls(server)
         assert path == "/update_weights_from_disk"
-        assert body == {"model_path": plan.disk_path, "weight_version": "6", "flush_cache": True,
+        assert body == {"model_path": plan.disk_path, "weight_version": "6", "flush_cache": False,
                         "abort_all_requests": False}
+        assert [e["path"] for e in server.log()][-3:] == ["/update_weights_from_disk", "/flush_cache",
+                                                         "/continue_generation"]
         assert json.loads((Path(plan.disk_path) / "manifest.json").read_text())["version"] == 6
         assert got.version == 6 and engine.generate([[1]], SamplingSpec(max_new_tokens=1))[0].weight_version == 6
     finally:

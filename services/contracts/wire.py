@@ -24,6 +24,11 @@ class WireError(ValueError):
     """A batch or tensor payload that cannot be decoded or is inconsistent."""
 
 
+# What a batch's rollout log-probs are of (docs/algorithms.md): the sampling distribution (truncated, renormalised;
+# the native engine, and every batch without the field) or the tempered one, log_softmax(logits / T) (SGLang).
+LOGPROB_SPACES = {"sampling": common_pb2.LOGPROB_SPACE_SAMPLING, "tempered": common_pb2.LOGPROB_SPACE_TEMPERED}
+_LOGPROB_SPACE_NAMES = {v: k for k, v in LOGPROB_SPACES.items()}
+
 FINISH_REASONS = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
                   "abort": common_pb2.FINISH_REASON_ABORT}
 _FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
@@ -95,6 +100,7 @@ class RolloutBatchData:
     metadata: dict[str, str] = field(default_factory=dict)
     producer: str = ""
     created_unix_ns: int = 0
+    logprob_space: str = "sampling"  # what rollout_log_probs are of: "sampling" | "tempered" (LOGPROB_SPACES)
 
     @property
     def num_samples(self) -> int:
@@ -150,6 +156,9 @@ def _check_per_sample_strings(batch: RolloutBatchData) -> None:
                         f"{sorted(FINISH_REASONS)}")
     if batch.labels and len(batch.labels) != n:
         raise WireError(f"batch {batch.rollout_id}: {len(batch.labels)} labels for {n} samples")
+    if batch.logprob_space not in LOGPROB_SPACES:
+        raise WireError(f"batch {batch.rollout_id}: unknown logprob_space {batch.logprob_space!r}, expected one of "
+                        f"{sorted(LOGPROB_SPACES)}")
 
 
 def _check_token_counts(batch: RolloutBatchData) -> None:
@@ -228,7 +237,8 @@ def encode_batch(batch: RolloutBatchData) -> bytes:
         rollout_id=batch.rollout_id, policy_version=batch.policy_version,
         finish_reasons=[FINISH_REASONS[r] for r in batch.finish_reasons],
         metadata=batch.metadata, created_unix_ns=batch.created_unix_ns or time.time_ns(),
-        producer=batch.producer, labels=list(batch.labels)).SerializeToString(deterministic=True)
+        producer=batch.producer, labels=list(batch.labels),
+        logprob_space=LOGPROB_SPACES[batch.logprob_space]).SerializeToString(deterministic=True)
     parts: list[bytes | memoryview] = [head]
     for number, name, dtype in _TENSOR_FIELDS:
         parts += _tensor_field(number, getattr(batch, name), dtype)
@@ -246,6 +256,9 @@ def decode_batch(payload: bytes) -> RolloutBatchData:
         reasons = tuple(_FINISH_NAMES[r] for r in msg.finish_reasons)
     except KeyError as exc:
         raise WireError(f"batch {msg.rollout_id}: unknown finish reason {exc}") from None
+    space = _LOGPROB_SPACE_NAMES.get(msg.logprob_space)
+    if space is None:
+        raise WireError(f"batch {msg.rollout_id}: unknown logprob_space {msg.logprob_space} (a newer producer?)")
 
     def arr(name: str) -> np.ndarray:
         what = f"batch {msg.rollout_id} {name}"
@@ -266,7 +279,7 @@ def decode_batch(payload: bytes) -> RolloutBatchData:
         sampling_temperature=arr("sampling_temperature"), sampling_top_p=arr("sampling_top_p"),
         sampling_top_k=arr("sampling_top_k"), finish_reasons=reasons,
         labels=tuple(msg.labels), metadata=dict(msg.metadata), producer=msg.producer,
-        created_unix_ns=msg.created_unix_ns)
+        created_unix_ns=msg.created_unix_ns, logprob_space=space)
     if msg.num_samples == 0 and batch.num_samples > 0:
         raise WireError(f"batch {msg.rollout_id}: num_samples (the last field) is missing: truncated payload")
     if msg.num_samples != batch.num_samples:
@@ -287,9 +300,10 @@ def build_batch(*, rollout_id: int, policy_version: int, prompts: list[list[int]
                 log_probs: list[list[float]], rewards: list[float], group_ids: list[int],
                 finish_reasons: list[str], sampling: SamplingSpec, sample_versions: list[int] | None = None,
                 loss_masks: list[list[int]] | None = None, labels: list[str] | None = None,
-                metadata: dict[str, str] | None = None, producer: str = "") -> RolloutBatchData:
+                metadata: dict[str, str] | None = None, producer: str = "",
+                logprob_space: str = "sampling") -> RolloutBatchData:
     """Builds a batch from per-sample lists (what an engine naturally produces); `sampling` is the distribution
-    every sample was drawn from."""
+    every sample was drawn from, `logprob_space` what the engine's log-probs are of."""
     n = len(prompts)
     if not (len(responses) == len(log_probs) == len(rewards) == len(group_ids) == len(finish_reasons) == n):
         raise WireError("build_batch: per-sample lists differ in length")
@@ -305,4 +319,5 @@ def build_batch(*, rollout_id: int, policy_version: int, prompts: list[list[int]
         sample_versions=np.asarray(sample_versions if sample_versions is not None else [policy_version] * n,
                                    dtype=np.int64),
         **sampling_arrays(n, sampling), finish_reasons=tuple(finish_reasons), labels=tuple(labels or ()),
-        metadata=dict(metadata or {}), producer=producer, created_unix_ns=time.time_ns())
+        metadata=dict(metadata or {}), producer=producer, created_unix_ns=time.time_ns(),
+        logprob_space=logprob_space)

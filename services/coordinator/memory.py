@@ -36,7 +36,9 @@ class MemoryMoves:
             first()
             self.pool.release_memory()
         self.engines_released = set(ENGINE_TAGS)
-        metrics["memory/rollout_gpu_gb_released"] = self.pool.gpu_memory_reserved_bytes() / GIB
+        held, freed = self.pool.gpu_memory()
+        metrics["memory/rollout_gpu_gb_released"] = held / GIB   # what the engines' own processes still hold
+        metrics["memory/rollout_gpu_gb_freed"] = freed / GIB      # what the release gave back (SGLang: device-wide)
 
     def resume_engines(self, tags: tuple[str, ...], metrics: dict[str, float]) -> None:
         wanted = tuple(t for t in tags if t in self.engines_released)

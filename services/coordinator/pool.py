@@ -77,8 +77,10 @@ class RolloutPool:
     def resume_memory(self, tags: Sequence[str]) -> None:
         self.each(lambda r: r.resume_memory(tags))
 
-    def gpu_memory_reserved_bytes(self) -> int:
-        return sum(s.gpu_memory_reserved_bytes for s in self.each(lambda r: r.get_state()))
+    def gpu_memory(self) -> tuple[int, int]:
+        """(GPU bytes the replicas hold, GPU bytes their last ReleaseMemory gave back), summed over replicas."""
+        states = self.each(lambda r: r.get_state())
+        return sum(s.gpu_memory_reserved_bytes for s in states), sum(s.gpu_memory_freed_bytes for s in states)
 
     def evaluate(self, prompts: list[common_pb2.Prompt], *, n_samples: int,
                  sampling: common_pb2.SamplingParams) -> dict[str, float]:

@@ -26,6 +26,7 @@ SHOWN_LINES = 5                # line numbers named besides the first offending 
 
 def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[str]:
     """Raises ConfigError for the first input that would stop the run; returns warnings."""
+    check_engine(config)
     check_model(config, init_model=init_model)
     check_lora(config)
     records = check_data(config)
@@ -82,6 +83,33 @@ def _others(lines: list[int]) -> str:
         return ""
     shown = ", ".join(str(n) for n in lines[:SHOWN_LINES]) + (", …" if len(lines) > SHOWN_LINES else "")
     return f"; {len(lines)} more line{'s' if len(lines) > 1 else ''} empty or too long (line {shown})"
+
+
+def check_engine(config: TandemConfig) -> None:
+    """Settings the rollout engine cannot honour, one line each (SGLang would fail them after its 70-130 s start,
+    or silently report other log-probs)."""
+    if config.rollout.engine != "sglang":
+        return
+    import os
+
+    from services.rollout.engines.sglang_http import is_loopback
+    from services.rollout.engines.sglang_launch import launch_problems
+
+    problems = []
+    if config.weights.check_weight_update_equal:
+        problems.append("weights.check_weight_update_equal: not supported with rollout.engine sglang (SGLang exposes "
+                        "no bit-exact checksums of the tensors it loaded: its /weights_checker hashes its own, "
+                        "possibly fused ones); set it to false")
+    if config.weights.transport == "cuda_ipc":
+        remote = [u for u in config.rollout.sglang.urls if not is_loopback(u)]
+        if remote:
+            problems.append(f"weights.transport: cuda_ipc needs SGLang on the trainer's host (CUDA IPC handles open "
+                            f"only there), and rollout.sglang.urls names {', '.join(remote)}; use nccl or disk")
+        if config.trainer.device == "cpu":
+            problems.append("weights.transport: cuda_ipc needs the trainer on a GPU (trainer.device is cpu)")
+    problems += launch_problems(tuple(config.rollout.sglang.launch_args), dict(os.environ))
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def check_data(config: TandemConfig) -> dict[str, list[PromptRecord]]:

@@ -106,7 +106,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.RolloutState(engine=e.engine, model_path=e.model_path, weight_version=e.weight_version,
                                         paused=e.paused, memory_released=bool(e.released_memory),
                                         generated_samples=e.generated_samples, device=e.device, producer=s.producer,
-                                        in_flight=e.in_flight, gpu_memory_reserved_bytes=cuda_reserved_bytes())
+                                        in_flight=e.in_flight, gpu_memory_reserved_bytes=cuda_reserved_bytes(),
+                                        gpu_memory_freed_bytes=e.memory_freed_bytes)
 
 
 def startup_problem(config: TandemConfig, replica: int) -> str | None:

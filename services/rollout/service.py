@@ -225,7 +225,7 @@ class RolloutService:
                 labels=[p.label for p in prompts for _ in range(n)],
                 metadata={"reward": reward_fn.spec, "engine": self.engine.name, "n_samples_per_prompt": str(n),
                           "temperature": str(sampling.temperature), **self._environment_metadata()},
-                producer=self.producer)
+                producer=self.producer, logprob_space=self.engine.logprob_space)
             if caller_active is not None and not caller_active():
                 raise CallerGone(f"Generate(rollout_id={rollout_id}): the caller went away during generation; "
                                  "no batch was written")

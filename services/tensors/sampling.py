@@ -1,9 +1,11 @@
 """The sampling distribution: the one definition the rollout engines sample from and the trainer scores under.
 
 The distribution is: logits / temperature, then top-k, then top-p (nucleus), renormalised (the order Hugging
-Face and SGLang use). `sampling_log_probs` is its single definition: the native engine draws tokens from it and
-reports their log-probs; the trainer recomputes the same log-probs from teacher-forced logits with the
-parameters each sample carries (`RolloutBatch.sampling_*`), so a PPO ratio of an on-policy sample is 1.
+Face uses; SGLang's rule is joint, the top-p mass measured on the tempered distribution inside the top-k, so with
+both set the supports can differ; SGLang reports the untruncated tempered log-probs anyway: docs/algorithms.md).
+`sampling_log_probs` is its single definition: the native engine draws tokens from it and reports their
+log-probs; the trainer recomputes the same log-probs from teacher-forced logits with the parameters each sample
+carries (`RolloutBatch.sampling_*`), so a PPO ratio of an on-policy sample is 1.
 
 Greedy (temperature 0) has a point-mass distribution whose log-probs are all 0, which is useless to a trainer;
 for greedy, log-probs are those of the unscaled model distribution (temperature 1, no truncation), which is

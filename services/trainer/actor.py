@@ -5,9 +5,10 @@ Global per-token quantities (advantages, aggregation weights) are computed from 
 rank holds; forward passes only cover the rank's shard. Per-token results of a pre-pass that other ranks
 need (KL for reward shaping) are summed over ranks into a full-length vector.
 
-Every log-prob is of the distribution the sample was drawn from (scoring.py): the ratio, TIS and the entropy
-use the sampling distribution (temperature, top-k, top-p), the KL to the reference the tempered one.
-docs/algorithms.md lists every choice.
+Every log-prob is of the distribution the sample was drawn from (scoring.py): the ratio, TIS and the log-prob
+mismatch use each sample's behaviour space, the one its engine reported (the sampling distribution with temperature,
+top-k and top-p for the native engine; the tempered one, logits / T untruncated, for SGLang), the entropy the
+sampling distribution, the KL to the reference the tempered one. docs/algorithms.md lists every choice.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ from services.trainer.losses import (
 )
 from services.trainer.old_actor import OldActor
 from services.trainer.scoring import (
+    TEMPERED,
     TokenSampling,
+    behaviour_log_probs,
     entropy_from_log_probs,
-    gather_targets,
     sampling_log_prob_table,
     score_tokens,
     tempered_token_log_probs,
@@ -200,7 +202,7 @@ def token_terms(*, logits: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, al
     idx, targets = mb.token_index, mb.targets
     tok = inputs.sampling.at(idx)
     table = sampling_log_prob_table(logits, tok)
-    logp = gather_targets(table, targets)
+    logp = behaviour_log_probs(logits, targets, tok, table=table)   # in the space the rollout reported
     entropy = entropy_from_log_probs(table if algo.entropy_coef > 0 else table.detach())
     rollout_lp = inputs.rollout_log_probs[idx]
     # The trainer's view of the behaviour policy: the old actor, or the current policy before this step's
@@ -213,8 +215,8 @@ def token_terms(*, logits: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, al
                                                 inputs=inputs, algo=algo)
     kl = torch.zeros_like(pg)
     if inputs.ref_log_probs is not None:
-        tempered = tempered_token_log_probs(logits, targets, tok.temperature) \
-            if tok.truncates(logits.shape[-1]) else logp
+        tempered = logp if tok.space == TEMPERED or not tok.truncates(logits.shape[-1]) \
+            else tempered_token_log_probs(logits, targets, tok.temperature)
         kl = kl_estimate(tempered, inputs.ref_log_probs[idx], algo.kl_estimator)
     return TokenTerms(pg=pg, clipped=clipped, ratio=ratio, tis=tis, kl=kl, entropy=entropy,
                       mismatch=(behaviour - rollout_lp).abs().clamp(max=20.0))

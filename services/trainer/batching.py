@@ -29,7 +29,20 @@ class TrainBatch:
     sampling_temperature: torch.Tensor   # float32 [n]: the distribution each sample was drawn from
     sampling_top_p: torch.Tensor         # float32 [n]
     sampling_top_k: torch.Tensor         # int64 [n]
+    # bool [n]: the sample's rollout log-probs are of the tempered distribution (its batch's logprob_space,
+    # e.g. SGLang), else of the sampling one (the native engine): the trainer scores each in its own space
+    logprob_tempered: torch.Tensor | None = None
     values: torch.Tensor | None = None   # float32 [T], the critic's values (PPO actor)
+
+    def __post_init__(self) -> None:
+        if self.logprob_tempered is None:   # built without it (tests, benches): the sampling space
+            object.__setattr__(self, "logprob_tempered", torch.zeros(self.num_samples, dtype=torch.bool))
+
+    @property
+    def tempered(self) -> torch.Tensor:
+        """logprob_tempered, never None (the type checker's view of __post_init__)."""
+        assert self.logprob_tempered is not None
+        return self.logprob_tempered
 
     @property
     def num_samples(self) -> int:
@@ -59,7 +72,8 @@ class TrainBatch:
             rollout_log_probs=self.rollout_log_probs[rsp_idx], rewards=self.rewards[idx],
             group_ids=self.group_ids[idx], sample_versions=self.sample_versions[idx],
             sampling_temperature=self.sampling_temperature[idx], sampling_top_p=self.sampling_top_p[idx],
-            sampling_top_k=self.sampling_top_k[idx], values=None if self.values is None else self.values[rsp_idx])
+            sampling_top_k=self.sampling_top_k[idx], logprob_tempered=self.tempered[idx],
+            values=None if self.values is None else self.values[rsp_idx])
 
     def mask_samples(self, samples: list[int]) -> TrainBatch:
         """The batch with every response token of `samples` at loss_mask 0 (out of the loss, still in the batch)."""
@@ -105,7 +119,9 @@ def merge_batches(batches: list[RolloutBatchData]) -> TrainBatch:
                       sample_versions=cat("sample_versions", torch.long),
                       sampling_temperature=cat("sampling_temperature", torch.float32),
                       sampling_top_p=cat("sampling_top_p", torch.float32),
-                      sampling_top_k=cat("sampling_top_k", torch.long))
+                      sampling_top_k=cat("sampling_top_k", torch.long),
+                      logprob_tempered=torch.cat([torch.full((b.num_samples,), b.logprob_space == "tempered")
+                                                  for b in batches]))
 
 
 def check_trainable(batch: TrainBatch, *, vocab_size: int, max_positions: int | None,

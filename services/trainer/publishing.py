@@ -53,8 +53,10 @@ class WeightPublishing:
 
     def _publisher(self, transport: str) -> WeightPublisher:
         if transport not in self._publishers:
-            self._publishers[transport] = WeightPublisher(transport=transport, config=self.config.weights,
-                                                          run_dir=self.run_dir, trainer_id=self.trainer_id)
+            rollout = self.config.rollout
+            self._publishers[transport] = WeightPublisher(
+                transport=transport, config=self.config.weights, run_dir=self.run_dir, trainer_id=self.trainer_id,
+                sglang_load_format=rollout.sglang.weight_load_format if rollout.engine == "sglang" else None)
         return self._publishers[transport]
 
     # ---- rank 0 -------------------------------------------------------------------------------------

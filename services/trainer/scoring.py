@@ -5,15 +5,20 @@ may mix distributions (eval-style greedy samples next to T=0.7 ones, two replica
 Two views are needed:
 
 - the sampling distribution (`sampling_log_prob_table`, the shared `services.tensors.sampling` definition,
-  truncation included): the PPO ratio, TIS and the entropy, so an on-policy ratio is exactly 1;
+  truncation included): the entropy, and the PPO ratio, TIS and the log-prob mismatch of samples whose engine
+  reports that distribution (the native engine), so an on-policy ratio is exactly 1;
 - the tempered distribution (`tempered_token_log_probs`, logits / T without truncation): the KL to the reference
-  model. Truncated, the KL would be infinite wherever the trained policy picks a token outside the reference's
-  nucleus; tempered it is finite, and 0 while the policy equals the reference.
+  model (truncated, it would be infinite wherever the trained policy picks a token outside the reference's
+  nucleus; tempered it is finite, and 0 while the policy equals the reference), and the ratio, TIS and mismatch of
+  samples whose engine reports the tempered distribution (SGLang 0.5.x: `RolloutBatch.logprob_space` TEMPERED).
+
+"The trainer scores what the engine reports": each token's behaviour space is its batch's stamp
+(`TrainBatch.logprob_tempered`), so the ratio compares like with like whichever engine sampled (docs/algorithms.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +27,9 @@ from services.contracts.sampling import SamplingSpec
 from services.tensors.sampling import sampling_log_probs
 from services.trainer.advantages import per_token
 from services.trainer.batching import TrainBatch
+
+# A batch's behaviour log-prob space (TokenSampling.space): every token's, or a mix.
+SAMPLING, TEMPERED, MIXED = "sampling", "tempered", "mixed"
 
 
 def _truncates(spec: SamplingSpec, vocab: int) -> bool:
@@ -38,16 +46,19 @@ class TokenSampling:
     specs: tuple[SamplingSpec, ...]   # the batch's distinct distributions
     group: torch.Tensor               # int64 [N]: each token's index into `specs`
     temperature: torch.Tensor         # float32 [N] (the tempered log-probs of the KL term)
+    tempered: torch.Tensor | None = None   # bool [N]: the token's behaviour space is the tempered one
+    space: str = SAMPLING                  # the batch's: SAMPLING, TEMPERED (every token) or MIXED (host side)
 
     @classmethod
     def of(cls, batch: TrainBatch) -> TokenSampling:
         return cls.per_row(batch.sampling_temperature, batch.sampling_top_p, batch.sampling_top_k,
-                           lengths=batch.response_lengths)
+                           lengths=batch.response_lengths, tempered=batch.tempered)
 
     @classmethod
     def per_row(cls, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, *,
-                lengths: torch.Tensor | None = None) -> TokenSampling:
-        """From one (T, top-p, top-k) per sample, repeated `lengths` times (once per row when None)."""
+                lengths: torch.Tensor | None = None, tempered: torch.Tensor | None = None) -> TokenSampling:
+        """From one (T, top-p, top-k) per sample, repeated `lengths` times (once per row when None); `tempered`
+        (bool per sample, default none): samples whose rollout log-probs are of the tempered distribution."""
         index: dict[tuple[float, float, int], int] = {}
         # float32 values, as the rollout's tensors used them
         keys = zip(temperature.tolist(), top_p.tolist(), top_k.tolist(), strict=True)
@@ -55,15 +66,21 @@ class TokenSampling:
                                     dtype=torch.long)
         specs = tuple(SamplingSpec(temperature=t, top_p=p, top_k=k) for t, p, k in index)
         temps = temperature.to(torch.float32)
+        tempered = torch.zeros(len(temps), dtype=torch.bool) if tempered is None else tempered.to(torch.bool)
+        space = TEMPERED if bool(tempered.all()) else MIXED if bool(tempered.any()) else SAMPLING
         if lengths is not None:
-            sample_group, temps = per_token(sample_group, lengths), per_token(temps, lengths)
-        return cls(specs=specs, group=sample_group, temperature=temps)
+            sample_group, temps, tempered = (per_token(x, lengths) for x in (sample_group, temps, tempered))
+        return cls(specs=specs, group=sample_group, temperature=temps, tempered=tempered, space=space)
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TokenSampling:
+        return TokenSampling(specs=self.specs, group=fn(self.group), temperature=fn(self.temperature),
+                             tempered=None if self.tempered is None else fn(self.tempered), space=self.space)
 
     def at(self, index: torch.Tensor) -> TokenSampling:
-        return TokenSampling(specs=self.specs, group=self.group[index], temperature=self.temperature[index])
+        return self._map(lambda x: x[index])
 
     def to(self, device: torch.device) -> TokenSampling:
-        return TokenSampling(specs=self.specs, group=self.group.to(device), temperature=self.temperature.to(device))
+        return self._map(lambda x: x.to(device))
 
     def present(self) -> list[tuple[int, SamplingSpec]]:
         """The distributions these tokens use (one device sync when the batch mixes several)."""
@@ -114,12 +131,28 @@ def gather_targets(table: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return table.gather(-1, targets.unsqueeze(-1)).squeeze(-1).clamp(min=LOG_PROB_FLOOR)
 
 
+def behaviour_log_probs(logits: torch.Tensor, targets: torch.Tensor, sampling: TokenSampling, *,
+                        table: torch.Tensor | None = None) -> torch.Tensor:
+    """Log-probs of `targets` in each row's behaviour space: its sampling distribution (`table`, the rows'
+    sampling_log_prob_table, when the caller has it) or, for rows of tempered-space batches, logits / T untruncated.
+    Decided on the host from `sampling.space`: one batch of one engine (the usual case) computes one of the two."""
+    if sampling.space == TEMPERED:
+        return tempered_token_log_probs(logits, targets, sampling.temperature)
+    sampled = gather_targets(table if table is not None else sampling_log_prob_table(logits, sampling), targets)
+    if sampling.space == SAMPLING:
+        return sampled
+    assert sampling.tempered is not None
+    tempered = tempered_token_log_probs(logits, targets, sampling.temperature)
+    return torch.where(sampling.tempered.to(logits.device), tempered, sampled)
+
+
 def score_tokens(logits: torch.Tensor, targets: torch.Tensor, sampling: TokenSampling, *,
                  tempered: bool) -> torch.Tensor:
-    """Log-probs of `targets` under each row's sampling distribution, or (tempered) of logits / T untruncated."""
+    """Log-probs of `targets` in each row's behaviour space (behaviour_log_probs), or (tempered, the KL to the
+    reference) of logits / T untruncated for every row."""
     if tempered:
         return tempered_token_log_probs(logits, targets, sampling.temperature)
-    return gather_targets(sampling_log_prob_table(logits, sampling), targets)
+    return behaviour_log_probs(logits, targets, sampling)
 
 
 def entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:

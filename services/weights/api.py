@@ -45,12 +45,17 @@ class WeightPublisher:
     """Trainer rank 0's side: `prepare` announces a plan, `publish` sends the tensors of that plan."""
 
     def __init__(self, *, transport: str | SenderTransport | None = None, config: WeightsConfig, run_dir: Path,
-                 trainer_id: str):
+                 trainer_id: str, sglang_load_format: str | None = None):
+        """`sglang_load_format`: the engines are SGLang servers (rollout.engine sglang) and receive buckets in that
+        format (rollout.sglang.weight_load_format); None = native engines."""
         if isinstance(transport, SenderTransport):
             self._transport = transport
         else:
-            build = registered_transport(transport or config.transport).sender
-            self._transport = build(config, Path(run_dir), trainer_id)
+            entry = registered_transport(transport or config.transport)
+            if sglang_load_format is not None and entry.sglang_sender is not None:
+                self._transport = entry.sglang_sender(config, trainer_id, sglang_load_format)
+            else:
+                self._transport = entry.sender(config, Path(run_dir), trainer_id)
         self._config = config
         self._trainer_id = trainer_id
         self._prepared: tuple[bytes, Layout] | None = None   # (serialized plan, layout)
@@ -184,6 +189,9 @@ class WeightReceiver:
         except ValueError as exc:
             return None, [str(exc)]
         problems = []
+        if plan.sglang_load_format:
+            problems.append("the trainer prepared this sync for SGLang engines (its rollout.engine is sglang), and "
+                            "this engine is native: give the trainer and the rollout service the same rollout.engine")
         if plan.world_size and not 1 <= rank_offset < plan.world_size:
             problems.append(f"rank_offset {rank_offset} outside 1..{plan.world_size - 1}")
         return layout, problems + check_params(layout, params)

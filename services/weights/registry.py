@@ -7,6 +7,9 @@ so the table does not depend on what was imported before. A test keeps its keys 
 gloo and nccl send with `SGLangAwareSender`: a trainer cannot know before the engine ranks post `ready` whether
 they are native receivers (pg.ProcessGroupReceiver) or SGLang servers behind the rollout adapter; that sender
 serves both, taking pg.ProcessGroupSender's path unchanged for native receivers (transports/sglang.py).
+cuda_ipc must decide at prepare time (a native plan carries IPC handles of one shared buffer, an SGLang plan
+serialised buckets of fresh buffers), so it has a second sender for SGLang engines, which the publisher picks when
+the run's rollout.engine is sglang (`sglang_sender`; the SGLang adapter receives, there is no receiver class).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from services.contracts.config import WeightsConfig
 from services.weights.base import ReceiverTransport, SenderTransport
 
 SenderFactory = Callable[[WeightsConfig, Path, str], SenderTransport]  # (config, run_dir, trainer_id)
+SGLangSenderFactory = Callable[[WeightsConfig, str, str], SenderTransport]   # (config, trainer_id, load format)
 ReceiverFactory = Callable[[], ReceiverTransport]
 
 
@@ -28,6 +32,7 @@ class Transport:
     name: str
     sender: SenderFactory
     receiver: ReceiverFactory
+    sglang_sender: SGLangSenderFactory | None = None   # None: `sender` serves SGLang engines too
 
 
 def _process_group_sender(backend: str) -> SenderFactory:
@@ -54,6 +59,11 @@ def _cuda_ipc_receiver() -> ReceiverTransport:
     return CudaIpcReceiver()
 
 
+def _sglang_tensor_sender(config: WeightsConfig, trainer_id: str, load_format: str) -> SenderTransport:
+    from services.weights.transports.sglang_tensor import SGLangTensorSender
+    return SGLangTensorSender(config=config, trainer_id=trainer_id, load_format=load_format)
+
+
 def _disk_sender(config: WeightsConfig, run_dir: Path, trainer_id: str) -> SenderTransport:
     from services.weights.transports.disk import DiskSender
     return DiskSender(config=config, run_dir=run_dir, trainer_id=trainer_id)
@@ -67,7 +77,7 @@ def _disk_receiver() -> ReceiverTransport:
 TRANSPORTS: Mapping[str, Transport] = MappingProxyType({t.name: t for t in (
     Transport("gloo", sender=_process_group_sender("gloo"), receiver=_process_group_receiver("gloo")),
     Transport("nccl", sender=_process_group_sender("nccl"), receiver=_process_group_receiver("nccl")),
-    Transport("cuda_ipc", sender=_cuda_ipc_sender, receiver=_cuda_ipc_receiver),
+    Transport("cuda_ipc", sender=_cuda_ipc_sender, receiver=_cuda_ipc_receiver, sglang_sender=_sglang_tensor_sender),
     Transport("disk", sender=_disk_sender, receiver=_disk_receiver),
 )})
 

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+# What an engine's reported log-probs are of (RolloutBatch.logprob_space; docs/algorithms.md): the distribution it
+# sampled from (truncated by top-k/top-p and renormalised), or log_softmax(logits / T) over the whole vocabulary.
+LOGPROB_SAMPLING, LOGPROB_TEMPERED = "sampling", "tempered"
 
 
 class EngineUnavailable(RuntimeError):
@@ -33,8 +36,9 @@ class EngineUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class SampleOutput:
-    """One generated sample. `log_probs[i]` is the log-probability of `token_ids[i]` under the
-    distribution it was drawn from (see services.rollout.engines.sampling.sampling_log_probs)."""
+    """One generated sample. `log_probs[i]` is the log-probability of `token_ids[i]` in the engine's
+    `logprob_space`: the distribution it was drawn from (services.rollout.engines.sampling.sampling_log_probs) for
+    the native engine, the tempered one for SGLang."""
 
     token_ids: tuple[int, ...]
     log_probs: tuple[float, ...]
@@ -62,12 +66,15 @@ class EngineState:
     in_flight: int
     generated_samples: int
     max_context_length: int
+    memory_freed_bytes: int = 0   # GPU memory the last release_memory gave back (0 where not measured)
 
 
 class Engine(ABC):
     """An inference engine owned by one rollout replica."""
 
     name: ClassVar[str]
+    logprob_space: ClassVar[str] = LOGPROB_SAMPLING
+    _freed_bytes: int = 0   # what the last release_memory gave back, where the engine measures it
     # Set by every engine's __init__: the version it serves, its context size, the gate of its generate calls,
     # the memory tags it released and how many samples it generated.
     _version: int
@@ -156,7 +163,8 @@ class Engine(ABC):
         return EngineState(engine=self.name, model_path=self.model_path, device=self.device_label,
                            weight_version=self._version, paused=gate.paused, pause_mode=gate.pause_mode,
                            released_memory=tuple(sorted(self._released)), in_flight=gate.admitted,
-                           generated_samples=self._generated, max_context_length=self._max_context)
+                           generated_samples=self._generated, max_context_length=self._max_context,
+                           memory_freed_bytes=self._freed_bytes)
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Releases what the engine holds; the object is unusable afterwards."""

@@ -300,6 +300,7 @@ class NativeEngine(Engine):
     def release_memory(self, tags: Sequence[str] = ()) -> None:
         tags = normalize_memory_tags(tags)
         with self._gate.exclusive():
+            before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
             if "weights" in tags and "weights" not in self._released:
                 self._release_weights()
             # Static caches and CUDA graphs live in the runners (dropped here: any release frees them); the
@@ -308,6 +309,7 @@ class NativeEngine(Engine):
             self._released.update(tags)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+                self._freed_bytes = max(0, before - torch.cuda.memory_reserved(self.device))
 
     def _release_weights(self) -> None:
         # On a GPU the weights move to host memory (kept); on CPU there is nowhere cheaper to put them,

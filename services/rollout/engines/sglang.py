@@ -3,24 +3,31 @@
 Two ways to reach SGLang, one adapter: servers the user already runs (rollout.sglang.urls, one engine over all of
 them) or one server the rollout service launches itself (`python -m sglang.launch_server`, sglang_launch.py).
 The HTTP shapes, the supported versions (0.5.15 <= v < 0.6) and the SGLang source files they were recorded from
-are in sglang_protocol.py. None of this was run against a real SGLang server (docs/sglang.md says what was).
+are in sglang_protocol.py; docs/sglang.md says what ran against a real SGLang 0.5.17 server and with which numbers.
 
 - Generation: one POST /generate per chunk of `max_batch_size` prompts (token ids, return_logprob), chunks spread
   over the servers. Token ids and log-probs come from meta_info.output_token_logprobs, finish reasons from
   meta_info.finish_reason; samples are stamped with the weight version SGLang reports (meta_info.weight_version,
   which Tandem sets on every update), or the older of that and the version at the start of the call when an
-  update landed while the call was parked (pause retract / in_place).
+  update landed while the call was parked (pause retract / in_place). The log-probs are of the tempered
+  distribution, log_softmax(logits / T) over the whole vocabulary (`logprob_space`): the trainer scores that.
+  A chunk SGLang aborted while it waited (499) comes back as aborted samples, as a pause(abort) would.
 - Pause: `drain` (what the coordinator asks) stops admitting calls, waits for this adapter's calls to finish, then
   POST /pause_generation with rollout.sglang.pause_mode; abort / retract / in_place are sent as they are.
-  Flush rules: after in_place the KV cache must survive, so no update asks SGLang to flush; after abort and
-  retract the last update request of a sync flushes (flush_cache: true).
+  Flush rule: no update request asks SGLang to flush (a failed flush inside one is an assert that kills its
+  scheduler); after a sync the adapter calls /flush_cache itself, which SGLang refuses (400) while any request is
+  running or waiting, and which is skipped after in_place (the parked requests keep their KV cache).
 - Weights: transports gloo / nccl join SGLang's group protocol (sglang_sync.py; the trainer's side and the store
   keys are in services/weights/transports/sglang.py): ready and go over the trainer's store for the servers,
   /init_weights_update_group once per group, one /update_weights_from_distributed per plan bucket inside
-  /begin_weight_update ... /end_weight_update where the server has them; disk maps to /update_weights_from_disk on
-  the version's directory; cuda_ipc and verification are refused with the reason (see `_refusal`).
+  /begin_weight_update ... /end_weight_update where the server has them; cuda_ipc is /update_weights_from_tensor
+  with the buckets the trainer serialised (sglang_tensor.py, same host only); disk maps to
+  /update_weights_from_disk on the version's directory; verification is refused with the reason (`_refusal`).
 - Memory: /release_memory_occupation and /resume_memory_occupation with tags; refused up front when a server
-  was started without --enable-memory-saver (SGLang would answer success and free nothing).
+  was started without --enable-memory-saver (SGLang would answer success and free nothing), and when a server is
+  not idle (its /flush_cache answers 400: a release on a busy scheduler is an assert that kills it). Released
+  weights come back empty (unless --enable-weights-cpu-backup): the next sync refills them. The GPU memory a
+  release gave back is measured on this host (nvidia-smi, before and after) when every server is local.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 from services.contracts.config import SGLangConfig, TimeoutsConfig, WeightsConfig
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import (
+    FINISH_ABORT,
+    LOGPROB_TEMPERED,
     Engine,
     EngineUnavailable,
     SampleOutput,
@@ -45,14 +54,18 @@ from services.rollout.engines.base import (
     normalize_memory_tags,
 )
 from services.rollout.engines.gate import PauseGate, check_pause_mode
+from services.rollout.engines.gpu_memory import device_memory_used_bytes
 from services.rollout.engines.sglang_http import (
+    SGLangAborted,
     SGLangClient,
     SGLangError,
     SGLangNotFound,
+    SGLangRequestError,
     SGLangTimeout,
     SGLangUnavailable,
+    is_loopback,
 )
-from services.rollout.engines.sglang_launch import LaunchedServer
+from services.rollout.engines.sglang_launch import JIT_NOTE, LaunchedServer
 from services.rollout.engines.sglang_protocol import (
     LOAD_FORMATS,
     SGLANG_PAUSE_MODES,
@@ -70,6 +83,7 @@ from services.rollout.engines.sglang_protocol import (
     sample_from_answer,
 )
 from services.rollout.engines.sglang_sync import DistributedSync
+from services.rollout.engines.sglang_tensor import TensorSync
 from services.weights.base import Deadline, SyncContext, WeightSyncError, WeightSyncRefused, WeightSyncTimeout
 from services.weights.transports.sglang import EngineHandshake
 
@@ -113,7 +127,8 @@ def connect_server(url: str, *, api_key: str | None, deadline: float, control_s:
         except (SGLangUnavailable, SGLangTimeout) as exc:   # starting (503), not up yet, or busy: wait
             last = exc
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"SGLang at {url} was not healthy within rollout.sglang.startup_timeout_s: {last}")
+            raise TimeoutError(f"SGLang at {url} was not healthy within rollout.sglang.startup_timeout_s ({JIT_NOTE}): "
+                               f"{last}")
         time.sleep(_HEALTH_POLL_S)
     try:
         raw = client.get("/server_info", timeout_s=control_s).body
@@ -130,6 +145,7 @@ def connect_server(url: str, *, api_key: str | None, deadline: float, control_s:
 
 class SGLangEngine(Engine):
     name = "sglang"
+    logprob_space = LOGPROB_TEMPERED   # SGLang 0.5.x reports log_softmax(logits / T), never truncated
 
     def __init__(self, urls: Sequence[str], *, max_batch_size: int = 512, max_context_length: int | None = None,
                  pause_mode: str = _SGLANG.pause_mode, request_timeout_s: float = _SGLANG.request_timeout_s,
@@ -162,18 +178,24 @@ class SGLangEngine(Engine):
         self._gate = PauseGate(engine="the sglang engine")
         self._weights_lock = threading.Lock()
         self._released: set[str] = set()
+        self._weights_empty = False   # resumed without --enable-weights-cpu-backup and not synced since
         self._generated = 0
+        self._probe_s = timeouts.probe_s
+        self._local = all(is_loopback(s.url) for s in self.servers)   # GPU memory is measurable here
         self._handshake = EngineHandshake(refuse_timeout_s=timeouts.probe_s)
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.servers)), thread_name_prefix="sglang-gen")
         self._control = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="sglang-ctl")
         self._weight_pool = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="sglang-weights")
         self._distributed = DistributedSync(self.servers, handshake=self._handshake, pool=self._weight_pool,
-                                            load_format=weight_load_format, probe_s=timeouts.probe_s)
+                                            load_format=weight_load_format, probe_s=timeouts.probe_s,
+                                            flush=self._flush_after_sync)
+        self._tensor = TensorSync(self.servers, handshake=self._handshake, pool=self._weight_pool,
+                                  flush=self._flush_after_sync, probe_s=timeouts.probe_s)
 
     @classmethod
     def from_config(cls, config: TandemConfig) -> SGLangEngine:
         """rollout.sglang.urls, or a server launched here when none are given."""
-        from services.rollout.engines.sglang_launch import LaunchSpec
+        from services.rollout.engines.sglang_launch import LaunchSpec, launch_args
         from services.rpc.ports import free_port
 
         ro, sg = config.rollout, config.rollout.sglang
@@ -181,7 +203,7 @@ class SGLangEngine(Engine):
         urls = list(sg.urls)
         if not urls:
             spec = LaunchSpec(model_path=config.model.path, port=free_port(), api_key=sg.api_key,
-                              extra_args=tuple(sg.launch_args))
+                              extra_args=launch_args(config))
             launched = LaunchedServer(spec, timeouts=config.services.timeouts)
             urls = [spec.url]
         try:
@@ -217,6 +239,9 @@ class SGLangEngine(Engine):
         if self._released:
             raise EngineUnavailable(f"SGLang memory is released ({', '.join(sorted(self._released))}); "
                                     "call ResumeMemory first")
+        if self._weights_empty:
+            raise EngineUnavailable("SGLang's weights came back empty from ResumeMemory (its servers run without "
+                                    "--enable-weights-cpu-backup): sync weights before generating")
         start = self._version
         chunks = [prompts[i:i + self.max_batch_size] for i in range(0, len(prompts), self.max_batch_size)]
         futures = [self._pool.submit(self._generate_chunk, self.servers[k % len(self.servers)], chunk, sampling,
@@ -227,7 +252,12 @@ class SGLangEngine(Engine):
 
     def _generate_chunk(self, server: Server, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
                         start: int) -> list[SampleOutput]:
-        answer = server.client.post("/generate", generate_body(prompts, sampling), timeout_s=self._request_timeout_s)
+        body = generate_body(prompts, sampling, max_context=self._max_context)
+        try:
+            answer = server.client.post("/generate", body, timeout_s=self._request_timeout_s)
+        except SGLangAborted:   # a pause(abort) reached the call while it waited: as aborted samples (retried)
+            return [SampleOutput(token_ids=(), log_probs=(), finish_reason=FINISH_ABORT, weight_version=start)
+                    for _ in prompts]
         items = answer.body
         where = f"SGLang /generate at {server.url}"
         if not isinstance(items, list) or len(items) != len(prompts):
@@ -267,19 +297,24 @@ class SGLangEngine(Engine):
             raise errors[0]
         return answers
 
-    @property
-    def _flush_after_update(self) -> bool:
-        """in_place keeps the requests and their KV cache: SGLang must not flush (it would fail, or drop them)."""
-        return self._sglang_mode != "in_place"
+    def _flush_after_sync(self, server: Server) -> None:
+        """Best effort, after a server's last update: SGLang refuses (400) while requests run or wait; after
+        in_place the parked requests keep their KV cache, so it is not asked."""
+        if self._sglang_mode == "in_place":
+            return
+        try:
+            server.client.post("/flush_cache", {}, timeout_s=self._control_s)
+        except SGLangRequestError as exc:
+            log.warning("SGLang at %s kept its prefix cache after the weight update (not idle): %s", server.url,
+                        exc.reason)
 
     # ---- weights -----------------------------------------------------------------------------------
 
     def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], *,
                                     version: int | None = None) -> WeightLoadStats:
         raise NotImplementedError(
-            "the sglang engine does not load in-process tensors: SGLang's /update_weights_from_tensor takes "
-            "MultiprocessingSerializer (pickled) tensors, and Tandem pickles nothing across processes; use "
-            "weights.transport nccl (SGLang's group protocol) or disk")
+            "the sglang engine does not load tensors of the rollout process: SGLang's /update_weights_from_tensor "
+            "takes buckets the trainer serialised (weights.transport cuda_ipc); use cuda_ipc, nccl or disk")
 
     def update_weights_from_disk(self, path: str | Path, *, version: int) -> WeightLoadStats:
         """Every server loads the safetensors in `path` (a path as the servers see it) and serves `version`."""
@@ -288,13 +323,17 @@ class SGLangEngine(Engine):
             self._check_weights_resident()
             self._load_disk(str(path), version=version, timeout_s=self._request_timeout_s)
             self._version = int(version)
+            self._weights_empty = False
         return WeightLoadStats(version=self._version, tensors=0, bytes=0, seconds=time.monotonic() - started)
 
     def _load_disk(self, path: str, *, version: int, timeout_s: float) -> None:
-        body = disk_update_body(model_path=path, weight_version=str(version), flush_cache=self._flush_after_update)
-        futures = [self._weight_pool.submit(s.client.post, "/update_weights_from_disk", body, timeout_s=timeout_s)
-                   for s in self.servers]
-        for f in futures:
+        body = disk_update_body(model_path=path, weight_version=str(version))
+
+        def load(server: Server) -> None:
+            server.client.post("/update_weights_from_disk", body, timeout_s=timeout_s)
+            self._flush_after_sync(server)
+
+        for f in [self._weight_pool.submit(load, s) for s in self.servers]:
             f.result()
 
     def _check_weights_resident(self) -> None:
@@ -316,12 +355,15 @@ class SGLangEngine(Engine):
                 self._handshake.refuse(plan, ranks=ranks, reason=f"SGLang engine refuses: {reason}", ctx=ctx)
             raise kind(ctx.message(reason))
         with self._weights_lock:
-            if plan.transport == "disk":
-                self._receive_disk(plan, deadline=deadline, ctx=ctx)
-            else:
-                self._distributed.receive(plan, rank_offset=rank_offset, deadline=deadline, ctx=ctx,
-                                          flush_cache=self._flush_after_update)
+            match plan.transport:
+                case "disk":
+                    self._receive_disk(plan, deadline=deadline, ctx=ctx)
+                case "cuda_ipc":
+                    self._tensor.receive(plan, rank_offset=rank_offset, deadline=deadline, ctx=ctx)
+                case _:
+                    self._distributed.receive(plan, rank_offset=rank_offset, deadline=deadline, ctx=ctx)
             self._version = int(plan.version)
+            self._weights_empty = False
         return WeightLoadStats(version=self._version, tensors=sum(len(b.tensors) for b in plan.buckets),
                                bytes=int(plan.total_bytes), seconds=time.monotonic() - started)
 
@@ -329,18 +371,19 @@ class SGLangEngine(Engine):
                  accepted_trainer_id: str | None) -> tuple[type[Exception], str] | None:
         if accepted_trainer_id and plan.trainer_id != accepted_trainer_id:
             return WeightSyncRefused, f"trainer {plan.trainer_id!r} is not the accepted trainer {accepted_trainer_id!r}"
-        if plan.transport == "cuda_ipc":
-            return ValueError, ("transport cuda_ipc is not supported with rollout.engine sglang: SGLang's same-GPU "
-                                "path (/update_weights_from_tensor) takes pickled tensors (MultiprocessingSerializer) "
-                                "and Tandem pickles nothing across processes; use weights.transport nccl or disk")
-        if plan.transport not in ("gloo", "nccl", "disk"):
-            return ValueError, f"transport {plan.transport!r} is not one the sglang engine speaks (gloo, nccl, disk)"
+        if plan.transport not in ("gloo", "nccl", "cuda_ipc", "disk"):
+            return ValueError, (f"transport {plan.transport!r} is not one the sglang engine speaks (gloo, nccl, "
+                                f"cuda_ipc, disk)")
         if plan.verify:
             return ValueError, ("weights.check_weight_update_equal is not supported with rollout.engine sglang: the "
                                 "adapter cannot read bit-exact checksums of SGLang's weights (its /weights_checker "
                                 "hashes SGLang's own, possibly fused, tensors); set it to false")
         if "weights" in self._released:
             return EngineUnavailable, "SGLang's weights are released; call ResumeMemory before a weight sync"
+        if plan.transport == "cuda_ipc":
+            reason = self._tensor.refusal(plan, rank_offset)
+            if reason is not None:
+                return ValueError, reason
         if plan.transport != "disk" and (rank_offset < 1 or rank_offset + self.engine_ranks > plan.world_size):
             return ValueError, (f"rank_offset {rank_offset} with {self.engine_ranks} engine rank(s) does not fit the "
                                 f"plan's world of {plan.world_size}")
@@ -362,25 +405,48 @@ class SGLangEngine(Engine):
     # ---- memory / state ----------------------------------------------------------------------------
 
     def release_memory(self, tags: Sequence[str] = ()) -> None:
-        normalize_memory_tags(tags)
+        """Releases `tags` (empty = all) not released yet, once every server is idle (SGLang asserts that in its
+        scheduler: a release on a busy server kills it, so a failed /flush_cache stops here with the reason)."""
+        wanted = [t for t in normalize_memory_tags(tags) if t not in self._released]
         lacking = [s.url for s in self.servers if not s.info.enable_memory_saver]
         if lacking:
             raise EngineUnavailable(
                 f"release_memory_occupation needs SGLang started with --enable-memory-saver; {', '.join(lacking)} "
                 f"report enable_memory_saver false (SGLang would answer success and free nothing). Add the flag to "
                 f"rollout.sglang.launch_args or to the server's command line")
+        if not wanted:
+            return
         with self._weights_lock:
+            if self._gate.admitted:
+                raise EngineUnavailable(f"cannot release SGLang's memory while {self._gate.admitted} generate call(s) "
+                                        f"of this adapter run; release between steps")
             for server in self.servers:
-                with contextlib.suppress(SGLangError):   # 400 while requests run; the release then says why
+                try:
                     server.client.post("/flush_cache", {}, timeout_s=self._control_s)
-            self._each("/release_memory_occupation", memory_body(tuple(tags)), timeout_s=self._request_timeout_s)
-            self._released.update(normalize_memory_tags(tags))
+                except SGLangRequestError as exc:
+                    raise EngineUnavailable(
+                        f"SGLang at {server.url} is not idle ({exc.reason}), so nothing was released: its "
+                        f"release_memory_occupation asserts an idle scheduler and would crash it. Requests of another "
+                        f"client, or parked by pause retract / in_place, must finish first") from exc
+            before = self._gpu_memory_used()
+            self._each("/release_memory_occupation", memory_body(tuple(wanted)), timeout_s=self._request_timeout_s)
+            self._released.update(wanted)
+            after = self._gpu_memory_used()
+            self._freed_bytes = max(0, before - after) if before is not None and after is not None else 0
 
     def resume_memory(self, tags: Sequence[str] = ()) -> None:
-        normalize_memory_tags(tags)
+        """Resumes the released ones among `tags` (SGLang raises, and dies, on a tag it did not release)."""
+        wanted = [t for t in normalize_memory_tags(tags) if t in self._released]
+        if not wanted:
+            return
         with self._weights_lock:
-            self._each("/resume_memory_occupation", memory_body(tuple(tags)), timeout_s=self._request_timeout_s)
-            self._released.difference_update(normalize_memory_tags(tags))
+            self._each("/resume_memory_occupation", memory_body(tuple(wanted)), timeout_s=self._request_timeout_s)
+            self._released.difference_update(wanted)
+            if "weights" in wanted and not all(s.info.weights_cpu_backup for s in self.servers):
+                self._weights_empty = True
+
+    def _gpu_memory_used(self) -> int | None:
+        return device_memory_used_bytes(timeout_s=self._probe_s) if self._local else None
 
     def close(self) -> None:
         self._handshake.close()

@@ -5,7 +5,8 @@ waiting for the status line and before each read of the body, so a server that s
 bytes) fails the call at its deadline and not later. One connection per call (`Connection: close`).
 
 Error answers become exceptions that carry SGLang's own words. The shapes below are recorded from SGLang's
-`python/sglang/srt/entrypoints/http_server.py` (0.5.x; not run against a real server here):
+`python/sglang/srt/entrypoints/http_server.py` (0.5.x, and the 0.5.17 wheel for 499 and 500; bench/sglang_smoke.py
+checks them on a real server):
   - weight and group endpoints answer 400 `{"success": false, "message": ...}` (ORJSONResponse);
   - /generate and the memory endpoints answer 400 `{"error": {"message": ...}}` (`_create_error_response`);
   - request validation answers 400 `{"object": "error", "message": ..., "type": "Bad Request", "code": 400}`
@@ -13,12 +14,16 @@ Error answers become exceptions that carry SGLang's own words. The shapes below 
   - an unknown route answers FastAPI's 404 `{"detail": "Not Found"}` (how a missing endpoint of an older
     version shows up);
   - /flush_cache answers plain text (200, or 400 while requests are running);
-  - /health_generate answers 200 or 503 with no body.
+  - /health_generate answers 200 or 503 with no body;
+  - a /generate request aborted while it waited (pause_generation abort, then continue) answers 499
+    `{"error": {"message": "Request ... was aborted"}}` (RequestAbortedError): retryable, not bad input;
+  - an exception the handlers do not catch (e.g. an unknown sampling key) answers 500 "Internal Server Error".
 """
 
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import time
 from dataclasses import dataclass
@@ -26,6 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 _READ_CHUNK = 1 << 16
+ABORTED_STATUS = 499   # SGLang's RequestAbortedError (a client-closed-request code, not a 4xx of bad input)
 
 
 class SGLangError(RuntimeError):
@@ -46,6 +52,10 @@ class SGLangNotFound(SGLangRequestError):
 
 class SGLangUnavailable(SGLangError, ConnectionError):
     """The server is not reachable, closed the connection, or answered 5xx (e.g. 503 while starting)."""
+
+
+class SGLangAborted(SGLangUnavailable):
+    """499: SGLang aborted the request (a pause with mode abort reached it while it waited); retry it."""
 
 
 class SGLangTimeout(SGLangError, TimeoutError):
@@ -135,7 +145,8 @@ class SGLangClient:
             return Answer(status=status, body=parsed, text=text)
         reason = error_reason(parsed, text)
         message = f"{where} answered {status}: {reason}"
-        kind = (SGLangNotFound if status == 404 else SGLangUnavailable if status >= 500 else SGLangRequestError)
+        kind = (SGLangNotFound if status == 404 else SGLangAborted if status == ABORTED_STATUS
+                else SGLangUnavailable if status >= 500 else SGLangRequestError)
         raise kind(message, url=self.url, path=path, status=status, reason=reason)
 
     def _exchange(self, method: str, path: str, *, body: Any, deadline: float) -> tuple[int, bytes]:
@@ -166,6 +177,17 @@ class SGLangClient:
         finally:
             conn.keep = False
             conn.close()
+
+
+def is_loopback(url: str) -> bool:
+    """Whether `url` names this host (CUDA IPC handles open only there)."""
+    host = urlsplit(url if "://" in url else f"http://{url}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _left(deadline: float) -> float:

@@ -3,9 +3,10 @@
     python -m sglang.launch_server --model-path MODEL --host 127.0.0.1 --port PORT [--api-key K] [launch_args...]
 
 Flags are those of `sglang/srt/server_args.py` (ServerArgs.add_cli_args; 0.5.x): --model-path, --host, --port,
---api-key, and whatever the user adds in rollout.sglang.launch_args (e.g. --tp-size 2, --enable-memory-saver,
---mem-fraction-static 0.7). Never started on the machines this was written on: SGLang needs a CUDA GPU and is not
-installed there; tests check the command and the error for a missing sglang package.
+--api-key, and whatever the user adds in rollout.sglang.launch_args (e.g. --tp-size 2, --mem-fraction-static 0.7);
+--enable-memory-saver is added when loop.offload_rollout is on (release/resume of memory need it). Settings that
+change what SGLang reports or runs are refused, here and by `tandem run`'s preflight (`launch_problems`). On the
+machines this was written on SGLang cannot run (no CUDA GPU); the GPU suite starts it (docs/sglang.md).
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.contracts.config import TimeoutsConfig
 from services.rollout.engines.sglang_http import SGLangClient, SGLangError
+
+if TYPE_CHECKING:
+    from services.contracts.config import TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +34,46 @@ _TIMEOUTS = TimeoutsConfig()   # defaults of a launch without a config; the engi
 _HEALTH_POLL_S = 1.0           # between /health_generate calls while the server starts
 
 RESERVED_FLAGS = ("--model-path", "--host", "--port", "--api-key")
+MEMORY_SAVER_FLAG = "--enable-memory-saver"
+# launch_args the rollout engine refuses, with the reason (0.5.17's server_args.py and sampler.py)
+REFUSED_FLAGS = {
+    "--rl-on-policy-target": "it makes SGLang report bf16 log-probs of logits/T, which the fp32 trainer cannot match",
+    "--enable-deterministic-inference": "it samples every request without a seed of its own with seed 42, so all "
+                                        "samples of a GRPO group would be the same",
+    "--enable-custom-logit-processor": "it lets requests run dill-pickled code in the server; Tandem sends no logit "
+                                       "processor, so it only opens that door",
+}
+# environment variables of the launched server that change its reported log-probs
+REFUSED_ENV = {
+    "SGLANG_RETURN_ORIGINAL_LOGPROB": "it makes SGLang report log-probs of the raw logits (temperature 1), not of "
+                                      "the distribution it samples from",
+}
+_TRUE = ("1", "true", "yes", "on")
+JIT_NOTE = ("SGLang JIT-compiles its kernels on first use: on an H200 it took 70-130 s to become healthy (more with "
+            "CUDA graphs to capture)")
+
+
+def launch_problems(args: tuple[str, ...], environ: dict[str, str]) -> list[str]:
+    """One line per launch setting the sglang engine cannot honour (flags of rollout.sglang.launch_args and the
+    environment the server inherits)."""
+    out = []
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in REFUSED_FLAGS:
+            out.append(f"rollout.sglang.launch_args: {flag} is refused: {REFUSED_FLAGS[flag]}")
+    for name, why in REFUSED_ENV.items():
+        if environ.get(name, "").strip().lower() in _TRUE:
+            out.append(f"{name}={environ[name]} in the environment is refused (the launched SGLang server inherits "
+                       f"it): {why}; unset it")
+    return out
+
+
+def launch_args(config: TandemConfig) -> tuple[str, ...]:
+    """rollout.sglang.launch_args, plus --enable-memory-saver when loop.offload_rollout asks for memory hand-back."""
+    args = tuple(config.rollout.sglang.launch_args)
+    if config.loop.offload_rollout and MEMORY_SAVER_FLAG not in args:
+        args += (MEMORY_SAVER_FLAG,)
+    return args
 
 
 class SGLangNotInstalled(RuntimeError):
@@ -82,6 +127,9 @@ class LaunchedServer:
 
     def __init__(self, spec: LaunchSpec, *, log_path: Path | None = None, timeouts: TimeoutsConfig = _TIMEOUTS):
         """`timeouts`: control_s bounds each probe of the server, shutdown_s its graceful stop."""
+        problems = launch_problems(spec.extra_args, dict(os.environ))
+        if problems:
+            raise ValueError("; ".join(problems))
         require_sglang(spec.python, timeout_s=timeouts.control_s)
         self.spec = spec
         self._timeouts = timeouts
@@ -110,7 +158,7 @@ class LaunchedServer:
             time.sleep(_HEALTH_POLL_S)
         self.stop()
         raise TimeoutError(f"the SGLang server at {self.spec.url} was not healthy within {timeout_s:g}s "
-                           f"(rollout.sglang.startup_timeout_s); last answer: {last}")
+                           f"(rollout.sglang.startup_timeout_s; {JIT_NOTE}); last answer: {last}")
 
     def stop(self, *, grace_s: float | None = None) -> None:
         grace_s = self._timeouts.shutdown_s if grace_s is None else grace_s

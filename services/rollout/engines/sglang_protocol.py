@@ -1,7 +1,8 @@
 """SGLang's native HTTP API as the `sglang` engine uses it: supported versions, request bodies, answer mapping.
 
-Pure functions, no I/O. Recorded from SGLang's source, NOT run against a real SGLang server (SGLang has no CPU
-backend and cannot be installed on the machines this was written on). Sources, by the version they were read at:
+Pure functions, no I/O. Recorded from SGLang's source (SGLang has no CPU backend: CPU CI runs the adapter against
+the contract server; bench/sglang_smoke.py checks these shapes on a real 0.5.17, docs/sglang.md). Sources, by the
+version they were read at:
 
 - `python/sglang/srt/entrypoints/http_server.py` — a 0.5.3rc2 snapshot and a later 0.5.x one:
   GET /health_generate (200 | 503); GET /server_info (later) and /get_server_info (both; later a deprecated alias)
@@ -29,6 +30,16 @@ backend and cannot be installed on the machines this was written on). Sources, b
   such a session and older 0.5.x lack the methods (checked in the 0.5.23 wheel, /work/shared/FACTS.md). Their
   bodies (`{}`; BeginWeightUpdateReqInput's `selector` defaults to "all") and `{"success", "message"}` answers
   follow miles' client (miles/backends/sglang_utils/sglang_engine.py); SGLang's own route source was not read.
+
+- The 0.5.17 wheel (read whole; /work/notes/sglang_0517.md): both info routes, no begin/end routes,
+  /update_weights_from_tensor (`serialized_named_tensors`: one base64 MultiprocessingSerializer string per TP rank,
+  `load_format` null | "flattened_bucket", `flush_cache`, `weight_version`); /generate answers 400 when
+  len(input) + max_new_tokens exceeds the context (it does not clamp) and 499 for a request aborted while it waited;
+  every flush_cache inside an update is an assert in the scheduler (a failed flush kills the server), so updates
+  never ask for one: the adapter flushes with its own /flush_cache, which answers 400 whenever SGLang is not idle.
+  Reported log-probs are log_softmax(logits / T) over the whole vocabulary (no top-k/top-p truncation), T = 1 for
+  greedy; `rl_on_policy_target` (bf16 log-probs) and `enable_deterministic_inference` (one seed, 42, for every
+  request unless each carries its own) are refused when /server_info shows them.
 
 Supported: 0.5.15 <= version < 0.6 (pyproject's `sglang` extra pins >=0.5.15). From 0.5.23 on the adapter
 wraps every distributed update in begin/end; between 0.5.15 and 0.5.23 it probes /begin_weight_update once per
@@ -98,6 +109,16 @@ class ServerInfo:
     tp_size: int
     enable_memory_saver: bool
     weight_version: str
+    weights_cpu_backup: bool = False   # --enable-weights-cpu-backup: weights survive a release
+
+
+# Server settings that change what SGLang reports or samples, refused with the reason (their /server_info keys).
+REFUSED_SERVER_SETTINGS = {
+    "rl_on_policy_target": "--rl-on-policy-target makes SGLang report bf16 log-probs of logits/T, which an fp32 "
+                           "trainer cannot match",
+    "enable_deterministic_inference": "--enable-deterministic-inference samples with one seed (42) for every request "
+                                      "that carries none, so every sample of a GRPO group would be the same",
+}
 
 
 def parse_server_info(info: Any, *, url: str) -> ServerInfo:
@@ -110,10 +131,14 @@ def parse_server_info(info: Any, *, url: str) -> ServerInfo:
             raise ValueError(f"SGLang at {url} runs with {key}={info[key]}; the sglang engine maps weight-update "
                              f"ranks for tensor parallelism only (dp_size 1, pp_size 1): run one server per "
                              f"data-parallel replica and list each in rollout.sglang.urls")
+    for key, why in REFUSED_SERVER_SETTINGS.items():
+        if info.get(key):
+            raise ValueError(f"SGLang at {url} runs with {key}={info[key]!r}: {why}; restart it without that flag")
     return ServerInfo(version=info["version"], model_path=str(info.get("model_path") or ""),
                       tp_size=int(info.get("tp_size") or 1),
                       enable_memory_saver=bool(info.get("enable_memory_saver", False)),
-                      weight_version=str(info.get("weight_version") or ""))
+                      weight_version=str(info.get("weight_version") or ""),
+                      weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)))
 
 
 def parse_weight_version(value: Any) -> int | None:
@@ -136,10 +161,21 @@ def sampling_params(options: SamplingSpec) -> dict[str, Any]:
     return params
 
 
-def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec) -> dict[str, Any]:
-    """A batch request: input_ids as a list of lists (even for one prompt, so the answer is always a list)."""
-    return {"input_ids": [[int(t) for t in p] for p in prompts], "sampling_params": sampling_params(options),
-            "return_logprob": True, "stream": False}
+def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec, *,
+                  max_context: int | None = None) -> dict[str, Any]:
+    """A batch request: input_ids as a list of lists (even for one prompt, so the answer is always a list).
+
+    SGLang refuses the whole request (400) when one prompt's length + max_new_tokens exceeds the context, where the
+    native engine stops that sample at the context: prompts that would are sent with their own sampling params,
+    max_new_tokens cut to what the context leaves (the prompts are validated shorter than the context)."""
+    params = sampling_params(options)
+    body: dict[str, Any] = {"input_ids": [[int(t) for t in p] for p in prompts], "sampling_params": params,
+                            "return_logprob": True, "stream": False}
+    if max_context is not None and any(len(p) + options.max_new_tokens > max_context for p in prompts):
+        body["sampling_params"] = [{**params, "max_new_tokens": max(1, min(options.max_new_tokens,
+                                                                           max_context - len(p)))}
+                                   for p in prompts]
+    return body
 
 
 def pause_body(mode: str) -> dict[str, Any]:
@@ -155,10 +191,10 @@ def init_group_body(*, master_address: str, master_port: int, rank_offset: int, 
 
 
 def distributed_update_body(*, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-                            group_name: str, flush_cache: bool, weight_version: str | None,
-                            load_format: str) -> dict[str, Any]:
+                            group_name: str, weight_version: str | None, load_format: str) -> dict[str, Any]:
+    """flush_cache is always false: SGLang asserts that a requested flush succeeds (module docstring)."""
     body: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                            "group_name": group_name, "flush_cache": flush_cache, "abort_all_requests": False}
+                            "group_name": group_name, "flush_cache": False, "abort_all_requests": False}
     if weight_version is not None:
         body["weight_version"] = weight_version
     if load_format == "flattened_bucket":
@@ -166,9 +202,20 @@ def distributed_update_body(*, names: Sequence[str], dtypes: Sequence[str], shap
     return body
 
 
-def disk_update_body(*, model_path: str, weight_version: str, flush_cache: bool) -> dict[str, Any]:
-    return {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache,
+def disk_update_body(*, model_path: str, weight_version: str) -> dict[str, Any]:
+    return {"model_path": model_path, "weight_version": weight_version, "flush_cache": False,
             "abort_all_requests": False}
+
+
+def tensor_update_body(*, payloads: Sequence[str], load_format: str, weight_version: str | None) -> dict[str, Any]:
+    """/update_weights_from_tensor for one bucket: `payloads` holds one serialised bucket per TP rank of the server
+    (SGLang's rank r reads entry r only), as the trainer wrote them; the adapter never decodes them."""
+    body: dict[str, Any] = {"serialized_named_tensors": list(payloads),
+                            "load_format": "flattened_bucket" if load_format == "flattened_bucket" else None,
+                            "flush_cache": False, "abort_all_requests": False}
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    return body
 
 
 def memory_body(tags: Sequence[str]) -> dict[str, Any]:

@@ -315,18 +315,19 @@ class EngineHandshake:
         self._trainer_store = rendezvous.TrainerStore()
         self._refuse_timeout_s = refuse_timeout_s
 
-    def _ctl(self, plan: common_pb2.WeightSyncPlan, deadline: Deadline, ctx: SyncContext) -> dist.Store:
+    def ctl(self, plan: common_pb2.WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> dist.Store:
         return self._trainer_store.ctl(plan, deadline=deadline, ctx=ctx)
 
     def post_ready(self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], value: str, deadline: Deadline,
                    ctx: SyncContext) -> None:
-        ctl = self._ctl(plan, deadline, ctx)
+        ctl = self.ctl(plan, deadline=deadline, ctx=ctx)
         for rank in ranks:
             rendezvous.post(ctl, version=plan.version, kind="ready", rank=rank, value=value, ctx=ctx)
 
     def await_go(self, plan: common_pb2.WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> int:
         """The trainer's go once every rank is ready: the generation of the group to join."""
-        answer = rendezvous.await_go(self._ctl(plan, deadline, ctx), version=plan.version, deadline=deadline, ctx=ctx)
+        ctl = self.ctl(plan, deadline=deadline, ctx=ctx)
+        answer = rendezvous.await_go(ctl, version=plan.version, deadline=deadline, ctx=ctx)
         if not answer.isdigit():
             raise WeightSyncError(ctx.message(f"the trainer answered {answer!r}, not a group generation: does its "
                                               f"Tandem version speak the SGLang protocol?"))
@@ -335,7 +336,7 @@ class EngineHandshake:
     def post_done(self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], deadline: Deadline,
                   ctx: SyncContext) -> None:
         """Every update request of these ranks' server answered success."""
-        ctl = self._ctl(plan, deadline, ctx)
+        ctl = self.ctl(plan, deadline=deadline, ctx=ctx)
         for rank in ranks:
             rendezvous.post(ctl, version=plan.version, kind="done", rank=rank, value="ok", ctx=ctx)
 

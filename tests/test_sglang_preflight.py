@@ -1,0 +1,52 @@
+"""`tandem run` refuses, before anything starts and one line each, what the sglang engine cannot honour."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.contracts.config import ConfigError, load_config
+from services.launcher.preflight import check_engine
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "digit_max_sglang_gpu.yaml"
+
+
+def test_the_sglang_example_passes_and_each_refusal_is_one_line(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)
+    check_engine(load_config(EXAMPLE))
+    cases = {
+        "weights.check_weight_update_equal=true": "weights.check_weight_update_equal: not supported with rollout.engine"
+                                                  " sglang",
+        "rollout.sglang.urls=[http://10.0.0.7:30000]": "weights.transport: cuda_ipc needs SGLang on the trainer's host",
+        "trainer.device=cpu": "weights.transport: cuda_ipc needs the trainer on a GPU",
+        "rollout.sglang.launch_args=[--rl-on-policy-target,fsdp]": "--rl-on-policy-target is refused: it makes SGLang "
+                                                                   "report bf16 log-probs",
+        "rollout.sglang.launch_args=[--enable-deterministic-inference]": "--enable-deterministic-inference is refused",
+        "rollout.sglang.launch_args=[--enable-custom-logit-processor]": "--enable-custom-logit-processor is refused",
+    }
+    for override, line in cases.items():
+        with pytest.raises(ConfigError) as info:
+            check_engine(load_config(EXAMPLE, [override]))
+        assert str(info.value).count("\n") == 0 and line in str(info.value), override
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    with pytest.raises(ConfigError, match="SGLANG_RETURN_ORIGINAL_LOGPROB=1 in the environment is refused"):
+        check_engine(load_config(EXAMPLE))
+    with pytest.raises(ConfigError) as info:   # several problems: one line each
+        check_engine(load_config(EXAMPLE, ["weights.check_weight_update_equal=true", "trainer.device=cpu"]))
+    assert len(str(info.value).splitlines()) == 3
+    check_engine(load_config(EXAMPLE, ["rollout.engine=native", "weights.check_weight_update_equal=true"]))
+
+
+def test_tandem_run_stops_in_seconds_not_after_sglang_started(tmp_path: Path):
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "services.cli", "run", str(EXAMPLE), "--run-dir", str(tmp_path / "r"),
+                          "--set", "weights.check_weight_update_equal=true"], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "weights.check_weight_update_equal: not supported with rollout.engine sglang" in out.stderr
+    assert time.monotonic() - start < 60 and not (tmp_path / "r" / "logs").exists()
