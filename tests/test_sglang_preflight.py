@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.contracts.config import ConfigError, load_config
+from services.contracts.config import ConfigError
+from services.contracts.config_loading import load_config
 from services.launcher.preflight import check_engine
 
 REPO = Path(__file__).resolve().parents[1]
