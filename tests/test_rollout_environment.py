@@ -52,18 +52,18 @@ def read_batch(url: str, stream: str, entry_id: str):
 def replay(service: RolloutService, prompt: PromptInput, response: list[int]) -> tuple[list[int], float]:
     """The lookup environment's rules replayed over a response: (its loss mask, its reward). Asserts that each
     call is followed by exactly the observation `) v` and that an answer (or any other token) ends the episode."""
-    call = service.encode_text("(")[0]
+    call = service.texts.encode_text("(")[0]
     j, looked_up, mask, reward = 0, False, [], 0.0
     while j < len(response):
         mask.append(1)
         if response[j] == call:
             looked_up = True
-            observation = service.encode_text(f") {prompt.metadata['table'][int(prompt.text.split()[0])]}")
+            observation = service.texts.encode_text(f") {prompt.metadata['table'][int(prompt.text.split()[0])]}")
             assert response[j + 1:j + 1 + len(observation)] == observation
             mask += [0] * len(observation)
             j += 1 + len(observation)
         else:
-            reward = float(looked_up and service.decode([response[j]]) == prompt.label)
+            reward = float(looked_up and service.texts.decode([response[j]]) == prompt.label)
             j += 1
             assert j == len(response)
     return mask, reward
@@ -77,11 +77,11 @@ def test_episodes_reach_the_wire_with_observations_masked_and_their_log_probs_ze
     batch = read_batch(redis_server.url, stream, result.entry_id)
     assert batch.num_samples == 64 and batch.metadata["environment"].endswith("LookupEnvironment")
     assert batch.metadata["max_turns"] == "3" and batch.metadata["episode_reward"] == "env"
-    call = service.encode_text("(")[0]
+    call = service.texts.encode_text("(")[0]
     calls = 0
     for i, (p_sl, r_sl, t_sl) in enumerate(batch.sample_slices()):
         prompt = prompts[i // 4]
-        assert service.decode(batch.tokens[p_sl].tolist()) == prompt.text
+        assert service.texts.decode(batch.tokens[p_sl].tolist()) == prompt.text
         response = batch.tokens[r_sl].tolist()
         mask, log_probs = batch.loss_mask[t_sl].tolist(), batch.rollout_log_probs[t_sl].tolist()
         assert (mask, float(batch.rewards[i])) == replay(service, prompt, response)
@@ -119,7 +119,7 @@ def test_env_plus_reward_adds_the_reward_function_and_env_alone_refuses_a_reques
         for i, (_, r_sl, _) in enumerate(batch.sample_slices()):
             response = batch.tokens[r_sl].tolist()
             # digit_max's reward scores the whole transcript: 1 for exactly the label, i.e. an unassisted answer
-            plug_in = float(both.decode(response).split() == [prompts[i // 4].label])
+            plug_in = float(both.texts.decode(response).split() == [prompts[i // 4].label])
             assert batch.rewards[i] == replay(both, prompts[i // 4], response)[1] + plug_in
         assert batch.metadata["episode_reward"] == "env_plus_reward"
     finally:

@@ -63,8 +63,8 @@ def test_generate_writes_one_decodable_batch(service: RolloutService, redis_serv
     assert batch.metadata["reward"] == "digit_task" and batch.producer == "rollout-0"
     # The rewards are those of the decoded responses under the configured reward.
     for i, (p_sl, r_sl, _) in enumerate(batch.sample_slices()):
-        assert service.decode(batch.tokens[p_sl].tolist()) == ps[i // 4].text
-        response = service.decode(batch.tokens[r_sl].tolist())
+        assert service.texts.decode(batch.tokens[p_sl].tolist()) == ps[i // 4].text
+        response = service.texts.decode(batch.tokens[r_sl].tolist())
         assert batch.rewards[i] == digit_task(ps[i // 4].text, response, ps[i // 4].label, {})
         assert batch.finish_reasons[i] in ("stop", "length")
     m = result.metrics
@@ -75,7 +75,7 @@ def test_generate_writes_one_decodable_batch(service: RolloutService, redis_serv
 
 
 def test_token_id_prompts_and_request_overrides(service: RolloutService, redis_server, stream: str):
-    ids = service.tokenizer("4 2 =")["input_ids"]
+    ids = service.texts.tokenizer("4 2 =")["input_ids"]
     result = service.generate(
         rollout_id=1, prompts=[PromptInput(token_ids=tuple(ids), label="4", group_id=9)], n_samples_per_prompt=2,
         sampling=SamplingSpec(temperature=0.0, max_new_tokens=2), stream=stream, reward="exact_match")
@@ -124,7 +124,7 @@ def test_unknown_reward_in_config_fails_construction(service: RolloutService):
     config = service.config.model_copy(update={"rollout": service.config.rollout.model_copy(
         update={"reward": "nowhere.mod:score"})})
     with pytest.raises(RewardSpecError, match="module 'nowhere' not found"):
-        RolloutService(config, engine=service.engine, tokenizer=service.tokenizer)
+        RolloutService(config, engine=service.engine, tokenizer=service.texts.tokenizer)
 
 
 def test_evaluate_greedy_and_pass_at_k(service: RolloutService, redis_client):
@@ -190,7 +190,7 @@ def test_receive_weights_through_the_weight_receiver(service: RolloutService, tm
     assert result.bytes_received == plan.total_bytes
     assert result.checksums == {n: weights.tensor_checksum(t) for n, t in named}
     assert {n: p.data_ptr() for n, p in receiver_side.engine.model.named_parameters()} == ptrs
-    ids = receiver_side.tokenizer("3 8 =")["input_ids"]
+    ids = receiver_side.texts.tokenizer("3 8 =")["input_ids"]
     out = receiver_side.engine.generate([ids], SamplingSpec(temperature=0.0, max_new_tokens=4))[0]
     ref = policy.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=4)[0, len(ids):].tolist()
     assert list(out.token_ids) == ref[:len(out.token_ids)] and out.weight_version == 7

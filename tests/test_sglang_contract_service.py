@@ -42,7 +42,7 @@ def test_sglang_contract_service_writes_the_native_batch_format(tmp_path: Path, 
                                  stream=stream)
         buffer = RolloutBuffer(connect(redis_server.url), stream, groups=("actor",), group="actor", consumer="t")
         batch = buffer.read([first.entry_id], timeout_s=10)[0].batch
-        prompt = service.tokenizer("3 4 =")["input_ids"]
+        prompt = service.texts.tokenizer("3 4 =")["input_ids"]
         response = [(prompt[-1] + 1 + i) % 22 for i in range(3)]   # the contract server's rule
         assert batch.tokens.tolist() == (prompt + response) * 2 and batch.response_lengths.tolist() == [3, 3]
         assert batch.rollout_log_probs.tolist() == pytest.approx([-(0.25 + 0.01 * t) for t in response] * 2)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from services.buffer.stream import RolloutBuffer, connect, redacted, stream_key
+from services.buffer.stream import stream_key
 from services.contracts import runfacts
 from services.contracts.config import OverlongPenaltyConfig, TandemConfig
 from services.contracts.dapo import informative_groups, overlong_penalty
@@ -36,8 +36,9 @@ from services.rollout.engines.base import (
 from services.rollout.environments import EpisodeSample, resolve_environment
 from services.rollout.multi_turn import MultiTurnRollout, episode_metrics
 from services.rollout.rewards import RewardFunction, resolve_reward
-from services.rollout.tokenizer import load_tokenizer, prompt_token_ids
-from services.rpc.grpc_util import FailedPrecondition, Unavailable
+from services.rollout.tokenizer import Texts, load_tokenizer
+from services.rollout.writer import BatchWriter
+from services.rpc.grpc_util import FailedPrecondition
 from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,14 @@ def build_engine(config: TandemConfig) -> Engine:
     raise NotImplementedError(f"rollout.engine: {ro.engine} is not available; use rollout.engine: native or sglang")
 
 
+def check_request_size(what: str, prompts: int, n: int | None, default: int, *, limit: int) -> None:
+    """Refuses a request before any work: its samples are allocated at once, so a huge one is an outage."""
+    total = prompts * (n or default)
+    if total > limit:
+        raise ValueError(f"{what}: {prompts} prompts x {n or default} samples = {total} samples, more than "
+                         f"rollout.max_request_samples ({limit})")
+
+
 def mix_seed(seed: int | None, rollout_id: int) -> int | None:
     """A per-step seed, so a fixed config seed does not replay one random stream every step."""
     if seed is None:
@@ -142,17 +151,13 @@ class RolloutService:
         started = time.monotonic()
         self.engine = engine if engine is not None else build_engine(config)
         log.info("startup: %s engine ready in %.2fs", self.engine.name, time.monotonic() - started)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
-            config.model.tokenizer_path or config.model.path)
+        self.texts = Texts(tokenizer if tokenizer is not None else load_tokenizer(
+            config.model.tokenizer_path or config.model.path))
         self.stream = stream_key(config.redis.stream_prefix, config.run_name)
         self.groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
-        self._redis = redis_client
-        self._buffers: dict[str, RolloutBuffer] = {}
+        self.writer = BatchWriter(config, producer=self.producer, groups=self.groups, client=redis_client)
         self._receiver: Any = None
         self._lock = threading.Lock()
-        # Fast tokenizers reconfigure their Rust backend per call; concurrent gRPC threads would collide
-        # ("Already borrowed"), so calls are serialised.
-        self._tokenizer_lock = threading.Lock()
         self._recent: OrderedDict[tuple[Any, ...], Future[GenerateResult]] = OrderedDict()
 
     # ---- Generate ----------------------------------------------------------------------------------
@@ -166,8 +171,8 @@ class RolloutService:
             raise ValueError(f"Generate(rollout_id={rollout_id}): no prompts given")
         if rollout_id < 0:
             raise ValueError(f"Generate: rollout_id must be >= 0, got {rollout_id}")
-        self._check_size(f"Generate(rollout_id={rollout_id})", prompts, n_samples_per_prompt,
-                         self.config.rollout.n_samples_per_prompt)
+        check_request_size(f"Generate(rollout_id={rollout_id})", len(prompts), n_samples_per_prompt,
+                           self.config.rollout.n_samples_per_prompt, limit=self.config.rollout.max_request_samples)
         group_ids = [p.group_id for p in prompts]
         if len(set(group_ids)) != len(group_ids):
             dup = next(g for g in group_ids if group_ids.count(g) > 1)
@@ -230,7 +235,7 @@ class RolloutService:
                 raise CallerGone(f"Generate(rollout_id={rollout_id}): the caller went away during generation; "
                                  "no batch was written")
             t = time.monotonic()
-            entry_id = self._put(batch, stream=stream, trace_context=tracing.inject_context())
+            entry_id = self.writer.put(batch, stream=stream, trace_context=tracing.inject_context())
             put_s = time.monotonic() - t
             # weight_version: the version generation actually started with
             tracing.set_attributes(sp, entry_id=entry_id, weight_version=batch.policy_version)
@@ -260,7 +265,7 @@ class RolloutService:
         _refuse_aborted(outputs, rollout_id)
         tokens = sum(len(o.token_ids) for o in outputs)
         tracing.set_attributes(span_, tokens=tokens)
-        responses = [self.decode(o.token_ids) for o in outputs]
+        responses = [self.texts.decode(o.token_ids) for o in outputs]
         texts = [self.prompt_text(p, ids) for p, ids in zip(prompts, prompt_ids, strict=True)]
         t = time.monotonic()
         with tracing.span("rl.reward", rollout_id=rollout_id, weight_version=outputs[0].weight_version,
@@ -281,9 +286,10 @@ class RolloutService:
         samples = [EpisodeSample(prompt=text, prompt_ids=tuple(ids), label=p.label, metadata=dict(p.metadata),
                                  group_id=p.group_id, sample_index=j)
                    for p, ids, text in zip(prompts, prompt_ids, texts, strict=True) for j in range(n)]
-        rollout = MultiTurnRollout(engine=self.engine, plugin=self.environment, encode=self.encode_text,
-                                   decode=self.decode, max_turns=ro.max_turns, step_timeout_s=ro.environment_timeout_s,
-                                   vocab_size=len(self.tokenizer), wait_timeout_s=self.config.loop.step_timeout_s)
+        rollout = MultiTurnRollout(engine=self.engine, plugin=self.environment, encode=self.texts.encode_text,
+                                   decode=self.texts.decode, max_turns=ro.max_turns,
+                                   step_timeout_s=ro.environment_timeout_s, vocab_size=self.texts.vocab_size,
+                                   wait_timeout_s=self.config.loop.step_timeout_s)
         try:
             played = rollout.run(samples, sampling)
         except EngineUnavailable as exc:
@@ -291,7 +297,7 @@ class RolloutService:
         outputs = [e.output for e in played.episodes]
         _refuse_aborted(outputs, rollout_id)
         tracing.set_attributes(span_, tokens=sum(len(o.token_ids) for o in outputs), environment=self.environment.spec)
-        responses = [self.decode(o.token_ids) for o in outputs]
+        responses = [self.texts.decode(o.token_ids) for o in outputs]
         rewards = [e.reward for e in played.episodes]
         t = time.monotonic()
         if ro.episode_reward == "env_plus_reward":
@@ -319,69 +325,22 @@ class RolloutService:
                              "rollout.episode_reward: env_plus_reward to add a reward function)")
         return resolve_reward(reward) if reward else self.default_reward
 
-    def _put(self, batch: Any, *, stream: str, trace_context: dict[str, str]) -> str:
-        import redis
-
-        try:
-            return self._buffer(stream).put(batch, trace_context=trace_context,
-                                            timeout_s=self.config.redis.put_timeout_s)
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-            raise Unavailable(f"redis at {redacted(self.config.redis.url)} is not reachable: {exc}") from exc
-        except redis.exceptions.ResponseError as exc:
-            if "WRONGTYPE" not in str(exc):
-                raise
-            raise ValueError(f"stream {stream!r} names a Redis key that is not a stream") from exc
-
-    def _buffer(self, stream: str) -> RolloutBuffer:
-        with self._lock:
-            if stream not in self._buffers:
-                if self._redis is None:
-                    if not self.config.redis.url:
-                        raise FailedPrecondition("redis.url is not set: the rollout service needs the run's Redis")
-                    timeouts = self.config.services.timeouts
-                    self._redis = connect(self.config.redis.url, password=self.config.redis.password,
-                                          timeout_s=timeouts.redis_socket_s, connect_timeout_s=timeouts.redis_connect_s)
-                self._buffers[stream] = RolloutBuffer(
-                    self._redis, stream, groups=self.groups, group=None, consumer=self.producer,
-                    max_buffered_batches=self.config.redis.max_buffered_batches,
-                    chunk_bytes=int(self.config.redis.chunk_mb * (1 << 20)))
-            return self._buffers[stream]
-
-    def _check_size(self, what: str, prompts: Sequence[PromptInput], n: int | None, default: int) -> None:
-        """Refuses a request before any work: its samples are allocated at once, so a huge one is an outage."""
-        limit = self.config.rollout.max_request_samples
-        total = len(prompts) * (n or default)
-        if total > limit:
-            raise ValueError(f"{what}: {len(prompts)} prompts x {n or default} samples = {total} samples, more than "
-                             f"rollout.max_request_samples ({limit})")
-
     # ---- prompts and text --------------------------------------------------------------------------
 
     def encode_prompts(self, prompts: Sequence[PromptInput]) -> list[list[int]]:
         out = []
         for i, p in enumerate(prompts):
             if p.token_ids:
-                ids = [int(t) for t in p.token_ids]
+                out.append([int(x) for x in p.token_ids])
             elif p.text:
-                with self._tokenizer_lock:
-                    ids = prompt_token_ids(self.tokenizer, [p.text])[0]
+                out.append(self.texts.encode_prompt(p.text))
             else:
                 raise ValueError(f"prompt {i} (group_id {p.group_id}) is empty: give text or token_ids")
-            out.append(ids)
         self.engine.validate_prompts(out)
         return out
 
-    def encode_text(self, text: str) -> list[int]:
-        """Text inside a sequence (an observation): no special tokens."""
-        with self._tokenizer_lock:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        with self._tokenizer_lock:
-            return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
     def prompt_text(self, prompt: PromptInput, ids: Sequence[int]) -> str:
-        return prompt.text or self.decode(ids)
+        return prompt.text or self.texts.decode(ids)
 
     # ---- Evaluate ----------------------------------------------------------------------------------
 
@@ -392,8 +351,9 @@ class RolloutService:
         its reward reaches `pass_threshold`; pass@k uses the unbiased estimator over n samples."""
         if not prompts:
             raise ValueError(f"Evaluate({name!r}): no prompts given")
-        self._check_size(f"Evaluate({name!r})", prompts, n_samples_per_prompt,
-                         self.config.rollout.eval_n_samples_per_prompt)
+        check_request_size(f"Evaluate({name!r})", len(prompts), n_samples_per_prompt,
+                           self.config.rollout.eval_n_samples_per_prompt,
+                           limit=self.config.rollout.max_request_samples)
         start = time.monotonic()
         name = name or "eval"
         n = n_samples_per_prompt or self.config.rollout.eval_n_samples_per_prompt
@@ -477,8 +437,7 @@ class RolloutService:
     def close(self) -> None:
         if self._receiver is not None and hasattr(self._receiver, "close"):
             self._receiver.close()
-        if self._redis is not None:
-            self._redis.close()
+        self.writer.close()
         self.engine.close()
 
 

@@ -3,6 +3,7 @@ no engine), so checking a data file before the run does not pay for importing th
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,3 +28,30 @@ def prompt_token_ids(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
         return [encoding.ids for encoding in backend.encode_batch(list(texts), add_special_tokens=True)]
     # verbose=False: no "longer than the maximum" warning per prompt; the engine and preflight check the context
     return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=True, verbose=False)["input_ids"]]
+
+
+class Texts:
+    """A tokenizer shared by a service's gRPC threads: a fast tokenizer reconfigures its Rust backend on every
+    call, so concurrent calls would collide ("Already borrowed"); they are serialised here."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt as the engine gets it (with the tokenizer's BOS)."""
+        with self._lock:
+            return prompt_token_ids(self.tokenizer, [text])[0]
+
+    def encode_text(self, text: str) -> list[int]:
+        """Text inside a sequence (an observation): no special tokens."""
+        with self._lock:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        with self._lock:
+            return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

@@ -37,7 +37,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -348,7 +348,10 @@ class SGLangEngine(Engine):
         ranks = list(range(rank_offset, rank_offset + self.engine_ranks))
         ctx = SyncContext(plan.transport, plan.version, f"SGLang engine rank(s) {ranks}",
                           f"trainer {plan.trainer_id or '?'} at {plan.master_addr}:{plan.master_port}", plan.timeout_s)
-        refusal = self._refusal(plan, rank_offset, accepted_trainer_id=getattr(receiver, "accepted_trainer_id", None))
+        refusal = plan_refusal(plan, rank_offset, engine_ranks=self.engine_ranks,
+                               accepted_trainer_id=getattr(receiver, "accepted_trainer_id", None),
+                               weights_released="weights" in self._released,
+                               tensor_refusal=self._tensor.refusal if plan.transport == "cuda_ipc" else None)
         if refusal is not None:
             kind, reason = refusal
             if plan.transport != "disk":   # the trainer fails now, with the reason, instead of at its deadline
@@ -367,39 +370,8 @@ class SGLangEngine(Engine):
         return WeightLoadStats(version=self._version, tensors=sum(len(b.tensors) for b in plan.buckets),
                                bytes=int(plan.total_bytes), seconds=time.monotonic() - started)
 
-    def _refusal(self, plan: Any, rank_offset: int, *,
-                 accepted_trainer_id: str | None) -> tuple[type[Exception], str] | None:
-        if accepted_trainer_id and plan.trainer_id != accepted_trainer_id:
-            return WeightSyncRefused, f"trainer {plan.trainer_id!r} is not the accepted trainer {accepted_trainer_id!r}"
-        if plan.transport not in ("gloo", "nccl", "cuda_ipc", "disk"):
-            return ValueError, (f"transport {plan.transport!r} is not one the sglang engine speaks (gloo, nccl, "
-                                f"cuda_ipc, disk)")
-        if plan.verify:
-            return ValueError, ("weights.check_weight_update_equal is not supported with rollout.engine sglang: the "
-                                "adapter cannot read bit-exact checksums of SGLang's weights (its /weights_checker "
-                                "hashes SGLang's own, possibly fused, tensors); set it to false")
-        if "weights" in self._released:
-            return EngineUnavailable, "SGLang's weights are released; call ResumeMemory before a weight sync"
-        if plan.transport == "cuda_ipc":
-            reason = self._tensor.refusal(plan, rank_offset)
-            if reason is not None:
-                return ValueError, reason
-        if plan.transport != "disk" and (rank_offset < 1 or rank_offset + self.engine_ranks > plan.world_size):
-            return ValueError, (f"rank_offset {rank_offset} with {self.engine_ranks} engine rank(s) does not fit the "
-                                f"plan's world of {plan.world_size}")
-        return None
-
     def _receive_disk(self, plan: Any, *, deadline: Deadline, ctx: SyncContext) -> None:
-        path = Path(plan.disk_path)
-        manifest = path / "manifest.json"
-        while not manifest.exists():
-            if deadline.expired():
-                raise WeightSyncTimeout(ctx.message(f"{manifest} did not appear within {plan.timeout_s:g}s"))
-            time.sleep(_MANIFEST_POLL_S)
-        written = json.loads(manifest.read_text())
-        if written.get("version") != plan.version or (plan.trainer_id and written.get("trainer_id") != plan.trainer_id):
-            raise WeightSyncError(ctx.message(f"{path} holds version {written.get('version')} of trainer "
-                                              f"{written.get('trainer_id')!r}, not the planned one"))
+        path = await_disk_manifest(plan, deadline=deadline, ctx=ctx)
         self._load_disk(str(path), version=plan.version, timeout_s=max(0.1, deadline.remaining()))
 
     # ---- memory / state ----------------------------------------------------------------------------
@@ -456,3 +428,42 @@ class SGLangEngine(Engine):
         if self._launched is not None:
             self._launched.stop()
 
+
+def plan_refusal(plan: Any, rank_offset: int, *, engine_ranks: int, accepted_trainer_id: str | None,
+                 weights_released: bool, tensor_refusal: Callable[[Any, int], str | None] | None,
+                 ) -> tuple[type[Exception], str] | None:
+    """Why this engine will not take part in `plan` (the exception to raise and the reason), or None."""
+    if accepted_trainer_id and plan.trainer_id != accepted_trainer_id:
+        return WeightSyncRefused, f"trainer {plan.trainer_id!r} is not the accepted trainer {accepted_trainer_id!r}"
+    if plan.transport not in ("gloo", "nccl", "cuda_ipc", "disk"):
+        return ValueError, (f"transport {plan.transport!r} is not one the sglang engine speaks (gloo, nccl, "
+                            f"cuda_ipc, disk)")
+    if plan.verify:
+        return ValueError, ("weights.check_weight_update_equal is not supported with rollout.engine sglang: the "
+                            "adapter cannot read bit-exact checksums of SGLang's weights (its /weights_checker "
+                            "hashes SGLang's own, possibly fused, tensors); set it to false")
+    if weights_released:
+        return EngineUnavailable, "SGLang's weights are released; call ResumeMemory before a weight sync"
+    if tensor_refusal is not None:
+        reason = tensor_refusal(plan, rank_offset)
+        if reason is not None:
+            return ValueError, reason
+    if plan.transport != "disk" and (rank_offset < 1 or rank_offset + engine_ranks > plan.world_size):
+        return ValueError, (f"rank_offset {rank_offset} with {engine_ranks} engine rank(s) does not fit the "
+                            f"plan's world of {plan.world_size}")
+    return None
+
+
+def await_disk_manifest(plan: Any, *, deadline: Deadline, ctx: SyncContext) -> Path:
+    """The disk transport's directory once the trainer's manifest of this plan is there (it is written last)."""
+    path = Path(plan.disk_path)
+    manifest = path / "manifest.json"
+    while not manifest.exists():
+        if deadline.expired():
+            raise WeightSyncTimeout(ctx.message(f"{manifest} did not appear within {plan.timeout_s:g}s"))
+        time.sleep(_MANIFEST_POLL_S)
+    written = json.loads(manifest.read_text())
+    if written.get("version") != plan.version or (plan.trainer_id and written.get("trainer_id") != plan.trainer_id):
+        raise WeightSyncError(ctx.message(f"{path} holds version {written.get('version')} of trainer "
+                                          f"{written.get('trainer_id')!r}, not the planned one"))
+    return path

@@ -26,6 +26,7 @@ import http.client
 import ipaddress
 import json
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -195,3 +196,15 @@ def _left(deadline: float) -> float:
     if left <= 0:
         raise TimeoutError("deadline passed")
     return left
+
+
+def wait_for_all(futures: list[Future[Any]]) -> None:
+    """Waits for every server's call, then raises the first error: no server is left mid-update unobserved."""
+    errors = []
+    for f in futures:
+        try:
+            f.result()
+        except Exception as exc:  # noqa: BLE001 - all servers answer before the first error is raised
+            errors.append(exc)
+    if errors:
+        raise errors[0]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from services.rollout.engines.sglang_http import SGLangError, SGLangNotFound
+from services.rollout.engines.sglang_http import SGLangError, SGLangNotFound, wait_for_all
 from services.rollout.engines.sglang_protocol import BadAnswer, distributed_update_body, init_group_body
 from services.weights.base import Deadline, SyncContext, WeightSyncError
 from services.weights.layout import dtype_name, layout_from_plan
@@ -61,14 +61,7 @@ class DistributedSync:
                                      generation=generation, buckets=[b for b in buckets if b],
                                      deadline=deadline, ctx=ctx)
                    for server, (offset, ranks) in zip(self.servers, offsets, strict=True)]
-        errors = []
-        for f in futures:
-            try:
-                f.result()
-            except Exception as exc:  # noqa: BLE001 - all servers answer before the first error is raised
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        wait_for_all(futures)
 
     def _update_server(self, server: Server, plan: Any, *, offset: int, ranks: list[int], generation: int,
                        buckets: list[list[Any]], deadline: Deadline, ctx: SyncContext) -> None:

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.rollout.engines.sglang_http import SGLangError, is_loopback
+from services.rollout.engines.sglang_http import SGLangError, is_loopback, wait_for_all
 from services.rollout.engines.sglang_protocol import BadAnswer, tensor_update_body
 from services.rollout.engines.sglang_sync import begin_session
 from services.weights.base import Deadline, SyncContext, WeightSyncError
@@ -159,14 +159,7 @@ class TensorSync:
         rendezvous.await_go(ctl, version=plan.version, deadline=deadline, ctx=ctx)   # the buffers are filled
         futures = [self._pool.submit(self._update_server, server, plan, ranks=ranks, deadline=deadline, ctx=ctx)
                    for server, ranks in self._ranks(rank_offset)]
-        errors = []
-        for f in futures:
-            try:
-                f.result()
-            except Exception as exc:  # noqa: BLE001 - all servers answer before the first error is raised
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        wait_for_all(futures)
 
     def _update_server(self, server: Server, plan: Any, *, ranks: list[int], deadline: Deadline,
                        ctx: SyncContext) -> None:
