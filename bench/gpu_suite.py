@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     chosen = args.only if args.only is not None else [n for n in stages(args.quick, args.out) if n not in OPT_IN]
-    plan = [(name, *spec) for name, spec in stages(args.quick, args.out).items() if name in chosen]
+    every = stages(args.quick, args.out)
+    plan = [(name, *every[name]) for name in chosen]   # in the order given: the most wanted first, in case of a cut
     results: list[dict] = []
     with contextlib.ExitStack() as servers:
         for name, cmd, limit, env in plan:
