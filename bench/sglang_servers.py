@@ -65,11 +65,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wanted() -> list[str]:
+    """SGLANG_SERVERS_ONLY=small (comma-separated names) launches only those: a short call pays one start-up."""
+    only = [n for n in os.environ.get("SGLANG_SERVERS_ONLY", "").split(",") if n]
+    unknown = [n for n in only if n not in SERVERS]
+    if unknown:
+        raise SystemExit(f"SGLANG_SERVERS_ONLY: unknown server(s) {unknown}; known: {', '.join(SERVERS)}")
+    return only or list(SERVERS)
+
+
 def init_models(work: Path) -> dict[str, Path]:
     from services.rollout.model_init import init_model
 
     out = {}
-    for name, (preset, _) in SERVERS.items():
+    for name in wanted():
+        preset = SERVERS[name][0]
         path = work / f"model_{preset}"
         if not (path / "config.json").is_file():
             init_model(path, preset=preset, seed=0)
@@ -121,11 +131,12 @@ def servers(work: Path, out: Path, *, timeout_s: float) -> Iterator[Path]:
     deadline = time.monotonic() + timeout_s
     started: dict[str, tuple[Launched, subprocess.Popen, float]] = {}
     try:
-        for name in SERVERS:
+        names = wanted()
+        for name in names:
             t = time.monotonic()
             info, proc = launch(name, models[name], out)
             started[name] = (info, proc, t)
-            if name != list(SERVERS)[-1]:   # the next one profiles free memory only after this pool exists
+            if name != names[-1]:   # the next one profiles free memory only after this pool exists
                 _wait(functools.partial(log_says, Path(info.log), POOL_READY), proc,
                       min(deadline, time.monotonic() + 120))
         for info, proc, t in started.values():
