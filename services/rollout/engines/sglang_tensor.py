@@ -25,7 +25,6 @@ import contextlib
 import functools
 import json
 import logging
-import pickle
 import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +46,8 @@ log = logging.getLogger(__name__)
 _MAX_LISTED = 5          # names listed in one refusal
 _HEADER_MAX = 100 << 20  # bytes of a safetensors header read at most
 
+_HIGHEST_PICKLE_PROTOCOL = 5   # the header byte a pickle starts with after 0x80 (checked, never loaded)
+
 
 def payload_problem(payload: str) -> str | None:
     """Why `payload` cannot be a MultiprocessingSerializer string, judged without unpickling it."""
@@ -54,7 +55,7 @@ def payload_problem(payload: str) -> str | None:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         return f"not base64 ({exc})"
-    if len(raw) < 2 or raw[0] != 0x80 or raw[1] > pickle.HIGHEST_PROTOCOL:
+    if len(raw) < 2 or raw[0] != 0x80 or raw[1] > _HIGHEST_PICKLE_PROTOCOL:
         return f"not a pickle (starts with {raw[:2].hex() or 'nothing'})"
     return None
 
