@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_CONFIG ?= examples/digit_max.yaml
-PYTEST_ARGS ?=
+# Test modules go to two workers whole (--dist loadscope), so module-scoped services start once.
+PYTEST_ARGS ?= -n 2 --dist loadscope
 
 .PHONY: setup demo test lint protos bench clean
 

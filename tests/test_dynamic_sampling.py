@@ -136,7 +136,8 @@ def test_the_rollout_adds_the_overlong_penalty_before_writing_and_counts_informa
         buf.ack([result.entry_id])
         lengths = batch.response_lengths.tolist()
         for i, (_, r_sl, _) in enumerate(batch.sample_slices()):
-            task = digit_task(prompts[i // 4].text, svc.texts.decode(batch.tokens[r_sl].tolist()), prompts[i // 4].label, {})
+            response = svc.texts.decode(batch.tokens[r_sl].tolist())
+            task = digit_task(prompts[i // 4].text, response, prompts[i // 4].label, {})
             assert batch.rewards[i] == pytest.approx(
                 task + reference_penalty(lengths[i], l_max=3, l_cache=2, factor=0.5)), i
         assert result.num_groups == 6

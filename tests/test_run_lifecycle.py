@@ -53,7 +53,8 @@ def test_a_run_crashes_resumes_finishes_and_a_rerun_says_it_is_done(tmp_path):
     export, and a rerun of the finished run says so without starting anything."""
     run_dir = tmp_path / "runs" / "mine"
     run_dir.mkdir(parents=True)
-    proc = start_run(run_dir, "loop.num_rollout=100000", "loop.save_interval=100000", "loop.eval_interval=null")
+    # save_interval null: no periodic or epoch-end checkpoint, so ctl's is the only one before the crash
+    proc = start_run(run_dir, "loop.num_rollout=100000", "loop.save_interval=null", "loop.eval_interval=null")
     try:
         target = coordinator_target(run_dir)
         wait_status(target, lambda s: s.state == "running", what="running")
@@ -79,7 +80,7 @@ def test_a_run_crashes_resumes_finishes_and_a_rerun_says_it_is_done(tmp_path):
     assert crashed[-1] > saved, (crashed, saved)   # steps after the checkpoint were logged, then lost
 
     num_rollout = crashed[-1] + 3
-    proc = start_run(run_dir, f"loop.num_rollout={num_rollout}", "loop.save_interval=100000", "loop.eval_interval=null")
+    proc = start_run(run_dir, f"loop.num_rollout={num_rollout}", "loop.save_interval=null", "loop.eval_interval=null")
     assert proc.wait(timeout=300) == 0, supervisor_log(run_dir)
     assert step_ids(run_dir) == list(range(num_rollout))
     assert "dropped" in (run_dir / "logs" / "coordinator.log").read_text()

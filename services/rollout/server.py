@@ -14,6 +14,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb
 from services.contracts.sampling import SamplingSpec
 from services.rollout.service import PromptInput, RolloutService
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
+from services.rpc.shutdown import arm_exit_watchdog
 from services.telemetry import tracing
 from services.telemetry.startup import process_age_s
 from services.tensors.devices import cuda_reserved_bytes
@@ -166,7 +168,9 @@ def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
     stop.wait()
     log.info("%s stopping", name)
     # calls in flight get a third of the graceful-stop budget; closing the engine gets the rest
+    deadline = time.monotonic() + svc.timeouts.shutdown_s
     server.stop(grace_s=svc.timeouts.shutdown_s / 3)
     service.close()
     tracing.shutdown_tracing()
+    arm_exit_watchdog(ExitCode.OK, name=name, after_s=max(1.0, deadline - time.monotonic()))
     return ExitCode.OK

@@ -23,6 +23,7 @@ from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import trainer_pb2, trainer_pb2_grpc
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.ports import free_port
+from services.rpc.shutdown import arm_exit_watchdog
 from services.telemetry.startup import process_age_s
 from services.telemetry.tracing import setup_logging, setup_tracing, shutdown_tracing
 
@@ -149,5 +150,6 @@ def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
     server.stop(grace_s=s.timeouts.shutdown_s / 2)
     _close_quietly(service, timeout_s=max(0.0, deadline - time.monotonic()))
     shutdown_tracing()   # flushes a batching (otlp) exporter
+    arm_exit_watchdog(ExitCode.OK, name=name, after_s=max(1.0, deadline - time.monotonic()))
     return ExitCode.OK
 
