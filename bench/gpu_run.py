@@ -1,14 +1,15 @@
 """Full `tandem run`s on one GPU: trainer and native engine share the device, weights move by CUDA IPC.
 
-    python bench/gpu_run.py [--steps 60] [--out DIR]
+    python bench/gpu_run.py [--steps 60] [--out DIR] [--config examples/digit_max_gpu.yaml] [--only RUN ...]
 
-Runs examples/digit_max_gpu.yaml three ways:
+Runs a GPU example (examples/digit_max_gpu.yaml unless --config) three ways:
   async         one step off-policy: generation of step i+1 overlaps training of step i
   sync_offload  sync mode, trainer offloaded after each step and the engine's memory released while it trains
   async_t07_topp  async, sampled at temperature 0.7 with top-p 0.9 (the trainer scores that distribution)
-and prints, per run, the eval reward before and after, the median per-step time breakdown and (sync_offload)
-the GPU memory each side holds while the other works. Run dirs go under --work; gpu_run.md and each run's
-metrics.jsonl are copied to --out.
+and prints, per run, the eval reward before and after, the median per-step time breakdown, the overlap ratio
+step / max(generate, train) (1.0 is perfect overlap in async; sync is their sum), tokens/s, the trainer's dense
+TFLOP/s, each side's peak GPU memory and (sync_offload) the GPU memory each side holds while the other works.
+Run dirs go under --work; gpu_run.md and each run's metrics.jsonl are copied to --out.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ BREAKDOWN = [   # (metric, label): the parts of a step, as the coordinator measu
     ("perf/trainer_onload_s", "trainer onload"),
 ]
 MEMORY = [
+    ("train/gpu_gb_peak", "trainer peak GPU GiB (allocator reserved)"),
+    ("rollout/gpu_gb_peak", "engine peak GPU GiB (allocator reserved)"),
     ("memory/trainer_gpu_gb_training", "trainer GPU GiB, training"),
     ("memory/trainer_gpu_gb_offloaded", "trainer GPU GiB, offloaded"),
     ("memory/rollout_gpu_gb_released", "engine GPU GiB, released"),
@@ -56,7 +59,7 @@ MEMORY = [
 
 
 def run_one(name: str, overrides: list[str], *, steps: int, work: Path, config: Path = CONFIG) -> dict:
-    run_dir = work / name
+    run_dir = work / config.stem / name
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [a for o in [f"loop.num_rollout={steps}", *overrides] for a in ("--set", o)]
     cmd = [sys.executable, "-m", "services.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress",
@@ -86,14 +89,20 @@ def report(results: list[dict]) -> str:
 
     row("steps", [str(len(r["steps"])) for r in results])
     row("wall s (start-up included)", [f"{r['wall_s']:.1f}" for r in results])
-    row("eval reward, before training", [f"{r['evals'][0]['eval/reward_mean']:.3f}" for r in results])
-    row("eval reward, after the last step", [f"{r['evals'][-1]['eval/reward_mean']:.3f}" for r in results])
+    row("eval reward, before training", [_eval(r, 0) for r in results])
+    row("eval reward, after the last step", [_eval(r, -1) for r in results])
     row("train reward, first 5 → last 5 steps",
         [f"{statistics.mean(s['rollout/reward_mean'] for s in r['steps'][:5]):.3f} → "
          f"{statistics.mean(s['rollout/reward_mean'] for s in r['steps'][-5:]):.3f}" for r in results])
     for key, label in BREAKDOWN:
         cells = [median(r["steps"], key) for r in results]
         row(f"median {label} ms", ["–" if c is None else f"{1000 * c:.1f}" for c in cells])
+    row("overlap: step / max(generate, train)", [_overlap(r["steps"]) for r in results])
+    row("median tokens/s (prompt + response, trained)",
+        [f"{median(r['steps'], 'train/tokens') / median(r['steps'], 'perf/step_time_s'):.0f}"
+         if median(r["steps"], "train/tokens") else "–" for r in results])
+    row("median trainer TFLOP/s (6 x params x tokens / train s)",
+        [f"{median(r['steps'], 'perf/train_tflops') or 0:.1f}" for r in results])
     row("median weight sync GB/s", [f"{median(r['steps'], 'perf/weight_sync_gbps') or 0:.1f}" for r in results])
     row("verified tensors per sync", [f"{median(r['steps'], 'weights/verified_tensors') or 0:.0f}" for r in results])
     for key, label, fmt in SCORING:
@@ -105,15 +114,27 @@ def report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _eval(result: dict, index: int) -> str:
+    return f"{result['evals'][index]['eval/reward_mean']:.3f}" if result["evals"] else "– (no evals)"
+
+
+def _overlap(steps: list[dict]) -> str:
+    ratios = [s["perf/step_time_s"] / max(s["perf/generate_time_s"], s["perf/train_time_s"]) for s in steps[2:]
+              if s.get("perf/generate_time_s") and s.get("perf/train_time_s")]
+    return f"{statistics.median(ratios):.2f}" if ratios else "–"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "runs" / "gpu_run")))
     parser.add_argument("--work", type=Path, default=Path("/tmp/tandem-gpu-run"), help="where the run dirs go")
     parser.add_argument("--only", choices=list(RUNS), nargs="*", default=list(RUNS))
+    parser.add_argument("--config", type=Path, default=CONFIG, help="the example to run (its own data and model)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [run_one(name, RUNS[name], steps=args.steps, work=args.work) for name in args.only]
+    results = [run_one(name, RUNS[name], steps=args.steps, work=args.work, config=args.config.resolve())
+               for name in args.only]
     table = report(results)
     print(table)
     (args.out / "gpu_run.md").write_text(table + "\n")

@@ -58,6 +58,11 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
                           200, {"TANDEM_TEST_TRAINER_DEVICE": "cuda"}),
         # full `tandem run`s sharing the GPU through cuda_ipc (needs deepspeed, redis, opentelemetry)
         "run": ([PY, "bench/gpu_run.py", "--steps", "40", "--out", str(out / "run")], 450, {}),
+        # real-size runs (issue 24): q05 async and sync_offload, q15 async; 128-token prompts, 256-token responses
+        "real_size": (["bash", "-c", f"{PY} bench/gpu_run.py --config examples/qwen05_gpu.yaml --steps 12 "
+                       f"--only async sync_offload --out {out / 'real_size_q05'} && {PY} bench/gpu_run.py "
+                       f"--config examples/qwen15_gpu.yaml --steps 10 --only async --out {out / 'real_size_q15'}"],
+                      540, {}),
         # Tandem async/sync vs TRL's GRPOTrainer (needs .whl_trl carried; TRL is skipped in one line without it).
         # It keeps to its own --budget-s (520 s), so it only runs when named: a call of its own.
         "peer_trl": ([PY, "bench/peer_trl.py", "--out", str(out / "peer_trl")], 560, {}),
@@ -70,7 +75,7 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
     }
 
 
-OPT_IN = {"peer_trl", "sglang_smoke", "sglang_bench", "sglang_run"}   # left out unless --only names them
+OPT_IN = {"real_size", "peer_trl", "sglang_smoke", "sglang_bench", "sglang_run"}   # left out unless --only names them
 SGLANG_STAGES = ("sglang_smoke", "sglang_bench", "sglang_run")
 SGLANG_START_S = 240   # launching both servers, until healthy (kernel JIT and CUDA-graph capture included)
 

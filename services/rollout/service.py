@@ -40,6 +40,7 @@ from services.rollout.tokenizer import Texts, load_tokenizer
 from services.rollout.writer import BatchWriter
 from services.rpc.grpc_util import FailedPrecondition
 from services.telemetry import tracing
+from services.tensors.devices import cuda_peak_metrics
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +245,7 @@ class RolloutService:
             num_response_tokens=batch.num_response_tokens, weight_version=batch.policy_version,
             generate_time_s=scored.generate_s, reward_time_s=scored.reward_s, put_time_s=put_s,
             metrics={**batch_metrics(scored.outputs, rewards, n=n, generate_s=scored.generate_s), **shaping,
-                     **scored.metrics},
+                     **scored.metrics, **cuda_peak_metrics()},
             producer=self.producer, num_groups=len(prompts),
             informative_groups=len(informative_groups(batch.rewards, batch.group_ids,
                                                       min_std=ro.dynamic_sampling.min_std)))

@@ -264,4 +264,5 @@ def actor_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmC
         if not used:
             totals.pop(key)
     advantage_mean = float((inputs.advantages * inputs.weights.mean).sum())
-    return {**totals, "advantage_mean": advantage_mean, **step_metrics(batch, step, start)}
+    return {**totals, "advantage_mean": advantage_mean,
+            **step_metrics(batch, step, start, parameters=backend.parameters)}

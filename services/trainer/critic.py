@@ -110,5 +110,6 @@ def critic_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: Algorithm
                                      metrics=lambda: [(tw * x).sum() for x in (clipped, old, ret, adv)])
 
     totals, step = update.optimizer_update(backend, mbs, sums=_SUMS, micro_loss=value_loss)
-    metrics = {**totals, "value_loss": totals["loss"], **update.step_metrics(batch, step, start)}
+    metrics = {**totals, "value_loss": totals["loss"],
+               **update.step_metrics(batch, step, start, parameters=backend.parameters)}
     return metrics, (old_values, advantages, returns)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.tensors.devices import cuda_peak_metrics
 from services.trainer.backend import DeepSpeedBackend, StepResult
 from services.trainer.batching import MicroBatch, TrainBatch, dummy_micro_batch, plan_micro_batches
 from services.trainer.dist import all_reduce_max_int, all_reduce_sum
@@ -85,11 +86,15 @@ def optimizer_update(backend: DeepSpeedBackend, mbs: list[MicroBatch], *, sums: 
     return dict(zip(sums, all_reduce_sum(totals).cpu().tolist(), strict=True)), step
 
 
-def step_metrics(batch: TrainBatch, step: StepResult, start: float) -> dict[str, float]:
-    """What every update reports beside its own sums: the batch, the step, the speed."""
+def step_metrics(batch: TrainBatch, step: StepResult, start: float, *, parameters: int) -> dict[str, float]:
+    """What every update reports beside its own sums: the batch, the step, the speed, the memory high-water mark.
+    perf/train_tflops is the dense estimate 6 x parameters x tokens / seconds of all ranks together (no attention
+    term, recomputation not counted): divided by the ranks' peak FLOP/s it is the MFU bench/ reports."""
     seconds = time.monotonic() - start
     return {"tokens": float(batch.num_tokens), "response_tokens": float(batch.num_response_tokens),
             "response_len_mean": float(batch.response_lengths.double().mean()),
             "reward_mean": float(batch.rewards.double().mean()), "samples": float(batch.num_samples),
-            "grad_norm": step.grad_norm, "lr": step.lr,
-            "perf/train_time_s": seconds, "perf/train_tokens_per_s": batch.num_tokens / seconds if seconds else 0.0}
+            "grad_norm": step.grad_norm, "lr": step.lr, "perf/train_time_s": seconds,
+            "perf/train_tokens_per_s": batch.num_tokens / seconds if seconds else 0.0,
+            "perf/train_tflops": 6 * parameters * batch.num_tokens / seconds / 1e12 if seconds else 0.0,
+            **cuda_peak_metrics()}
