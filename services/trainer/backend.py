@@ -161,14 +161,7 @@ class DeepSpeedBackend:
     """Owns the DeepSpeed engine: forward passes on micro-batches, backward, step, checkpoints, offload."""
 
     def __init__(self, *, config: TandemConfig, role: str, dist_info: DistInfo):
-        import sys
-
         import deepspeed
-
-        # DeepSpeed's ZeRO optimizer check imports its Muon optimizer, whose import compiles kernels (1.4 s of every
-        # trainer start on a CPU). Tandem never uses Muon; a None entry makes that import fail, which DeepSpeed
-        # catches and treats as "Muon not installed".
-        sys.modules.setdefault("deepspeed.runtime.zero.muon.muon_optimizer", None)  # type: ignore[arg-type]
 
         t = config.trainer
         self.dist_info = dist_info
