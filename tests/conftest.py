@@ -41,11 +41,17 @@ PYTHON = sys.executable
 @pytest.fixture(scope="session", autouse=True)
 def example_model() -> Path:
     """examples/models/tiny, which the example configs name (`tandem run` never builds a model unasked)."""
+    import fcntl
+
     from services.rollout.model_init import init_model
 
     path = REPO_ROOT / "examples" / "models" / "tiny"
-    if not (path / "config.json").is_file():
-        init_model(path, preset="tiny")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # xdist workers start together on a fresh clone: one builds, the others wait for it and find it built
+    with open(path.parent / ".tiny.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").is_file():
+            init_model(path, preset="tiny")
     return path
 
 
