@@ -17,7 +17,8 @@ on). Without a server, or without the sglang package, it prints that it measured
   (/update_weights_from_disk), cuda_ipc (/update_weights_from_tensor, load format tensor and flattened_bucket), gloo
   (SGLang's group protocol: works with trainer and SGLang on one GPU), and nccl last (NCCL refuses two ranks of a
   communicator on one GPU: measured where it works, else its error is reported). ms = prepare + pause + transfer +
-  resume, the median; after each transport greedy answers must equal those before (the same weights went back).
+  resume, the median; after each transport the server's weight fingerprint (`weight_fingerprint`: teacher-forced
+  log-probs of a fixed sequence) must equal the one before, within FINGERPRINT_TOL (the same weights went back).
 Tables go to stdout, numbers to $OUT/bench_sglang.json.
 """
 
@@ -41,7 +42,8 @@ from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.sglang import SGLangEngine
 
 TRANSPORTS = (("disk", "tensor"), ("cuda_ipc", "tensor"), ("cuda_ipc", "flattened_bucket"), ("gloo", "tensor"))
-PROBE = [[5, 6, 7], [9, 3], [12, 4, 8, 1]]   # greedy answers compared before and after the syncs
+SCORED = [4 + (7 * i) % 18 for i in range(48)]   # a fixed sequence whose prefill log-probs fingerprint the weights
+FINGERPRINT_TOL = 1e-2   # the same weights and request give the same numbers; other weights differ by ~0.1-3
 
 
 def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
@@ -130,9 +132,20 @@ def publisher_for(transport: str, load_format: str, *, work: Path, timeout_s: fl
                            sglang_load_format=load_format)
 
 
-def greedy(engine: SGLangEngine) -> list[tuple[int, ...]]:
-    return [o.token_ids for o in engine.generate(PROBE, SamplingSpec(temperature=0.0, max_new_tokens=8,
-                                                                     ignore_eos=True))]
+def weight_fingerprint(url: str) -> list[float]:
+    """SGLang's log-prob of each token of SCORED given the ones before it (one prefill; logprob_start_len 0 keeps
+    the radix cache from serving the prefix). Greedy answers are no such check: a random-init model's logits have
+    bf16 near-ties, and which token wins can change with the kernels' reduction order."""
+    from services.rollout.engines.sglang_http import SGLangClient
+
+    body = {"input_ids": SCORED, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True, "logprob_start_len": 0}
+    meta = SGLangClient(url).post("/generate", body, timeout_s=60).body["meta_info"]
+    return [float(entry[0]) for entry in meta["input_token_logprobs"][1:]]   # the first token has none
+
+
+def fingerprint_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 def bench_syncs(server: dict[str, Any], args: argparse.Namespace, *, transports: tuple,
@@ -144,7 +157,7 @@ def bench_syncs(server: dict[str, Any], args: argparse.Namespace, *, transports:
     with tempfile.TemporaryDirectory(prefix="bench-sglang-") as tmp:
         for transport, load_format in transports:
             engine = SGLangEngine([server["url"]], weight_load_format=load_format, request_timeout_s=args.timeout_s)
-            before = greedy(engine)
+            before = weight_fingerprint(server["url"])
             publisher = publisher_for(transport, load_format, work=Path(tmp), timeout_s=args.sync_timeout_s
                                       if transport == "nccl" else args.timeout_s, bucket_mb=args.bucket_mb)
             row: dict[str, Any] = {"server": server["name"], "transport": transport, "format": load_format}
@@ -156,7 +169,8 @@ def bench_syncs(server: dict[str, Any], args: argparse.Namespace, *, transports:
                 runs = runs[1:]
                 row.update(ms=1000 * statistics.median(r["seconds"] for r in runs),
                            transfer_ms=1000 * statistics.median(r["transfer_s"] for r in runs),
-                           gb=runs[0]["bytes"] / 1e9, greedy_same=greedy(engine) == before)
+                           gb=runs[0]["bytes"] / 1e9,
+                           weights_diff=fingerprint_diff(weight_fingerprint(server["url"]), before))
             except Exception as exc:  # noqa: BLE001 - a transport that fails is reported, the others still run
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             finally:
@@ -185,15 +199,19 @@ def print_tables(startup: list[dict[str, Any]], gen: list[dict[str, Any]], syncs
     for s in startup:
         seconds = "not healthy" if s["startup_s"] is None else f"{s['startup_s']:.0f}"
         print(f"| {s['name']} | {s['preset']} | {seconds} |")
-    print(f"\n| server | transport | load format | GB | sync ms | transfer ms | greedy same after |  (median of "
-          f"{args.sync_repeats})")
+    print(f"\n| server | transport | load format | GB | sync ms | transfer ms | weights after (max \\|Δ log-prob\\|) "
+          f"|  (median of {args.sync_repeats})")
     print("|---|---|---|---|---|---|---|")
     for r in syncs:
         if "error" in r:
             print(f"| {r['server']} | {r['transport']} | {r['format']} | – | failed | {r['error'][:120]} | – |")
         else:
             print(f"| {r['server']} | {r['transport']} | {r['format']} | {r['gb']:.3f} | {r['ms']:.1f} | "
-                  f"{r['transfer_ms']:.1f} | {r['greedy_same']} |")
+                  f"{r['transfer_ms']:.1f} | {same_text(r['weights_diff'])} |")
+
+
+def same_text(diff: float) -> str:
+    return f"{'same' if diff <= FINGERPRINT_TOL else 'DIFFERENT'} ({diff:.4f})"
 
 
 def servers_from(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

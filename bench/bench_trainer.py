@@ -7,7 +7,7 @@ Each row is one trainer (1 rank) on a random-init model from `tandem init-model`
 batches of `samples` sequences (prompt 8-16 tokens, response `response-len`, cut to fit the model's
 positions) through a real redis-server.
 "tok/s" counts prompt + response tokens of a step / the step's wall time (median over steps, after one
-untimed warm-up step); "train s" is the trainer's own perf/train_time_s (forward, backward, step).
+untimed warm-up step); "train s" is the trainer's own perf/train_update_s (forward, backward, step).
 
     python bench/bench_trainer.py --offload [--presets small] [--zero 1] [--precision bf16] --device cuda
 
@@ -82,7 +82,7 @@ def bench_one(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, prec
             reply = service.train(rollout_id=step, entry_ids=[entry])
             if step:   # the first step pays one-off costs (allocator, optimizer state)
                 wall.append(time.perf_counter() - started)
-                train.append(reply.metrics["perf/train_time_s"])
+                train.append(reply.metrics["perf/train_update_s"])
                 tokens = int(reply.metrics["tokens"])
         params = sum(math.prod(s.shape) for s in service.weight_specs())   # full shapes, also under ZeRO-3
     finally:

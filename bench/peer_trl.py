@@ -16,7 +16,9 @@ ids, so it gets min_new_tokens = L as well. Both decode with the same tokenizer 
   makes up the 512). Generation = the time inside `_generate_and_score_completions` (generate, decode, reward,
   advantages); step = the time between consecutive `on_step_end` callbacks, CUDA synchronised; train = step - gen.
 - Tandem: `tandem run examples/digit_max_gpu.yaml` with cuda_ipc, `check_weight_update_equal` off and eval off, in
-  loop.mode async and sync; the perf/* keys of its metrics.jsonl. It is given steps + 1 rollouts, since a run's
+  loop.mode async and sync, at TRL's precision (trainer.precision bf16_pure, skip_nonfinite_steps off); the perf/*
+  keys of its metrics.jsonl, the trainer's own split of its train phase (perf/train_read_s, _prepare_s, _update_s)
+  included. It is given steps + 1 rollouts, since a run's
   last step also saves a checkpoint.
 
 Each side is its own subprocess with its own time limit, stopped (SIGKILL to its process group) once its steps are
@@ -61,6 +63,7 @@ TRAIN = ROOT / "examples" / "digit_max" / "train.jsonl"
 PROMPTS, SAMPLES = 64, 8
 BATCH = PROMPTS * SAMPLES
 WINDOW = slice(2, 6)          # steps 3-6, 1-based
+TRAIN_PARTS = ("read", "prepare", "update", "call")   # the trainer's perf/train_<part>_s (services/trainer)
 DEFAULT_CASES = ["small_L1", "small_L128", "q05_L1", "q05_L128"]
 MIN_RUN_S = {"trl": 30, "tandem_async": 55, "tandem_sync": 55}   # start-up + 6 steps, from issue 24: else skip
 
@@ -218,7 +221,10 @@ def tandem_overrides(case: Case, *, model: Path, mode: str, steps: int, device: 
             "trainer.lr=1e-3", "trainer.lr_schedule=constant", "trainer.export_hf_on_save=false",
             "weights.check_weight_update_equal=false", f"trainer.device={device}", f"rollout.device={device}"]
     if device == "cuda":
-        sets += ["weights.transport=cuda_ipc", "model.dtype=bfloat16", "trainer.precision=bf16"]
+        # TRL's precision and work: bf16 weights and Adam states, no per-step overflow check (Tandem's GPU examples
+        # keep fp32 master weights, trainer.precision bf16: bench/bench_train_step.py measures the difference)
+        sets += ["weights.transport=cuda_ipc", "model.dtype=bfloat16", "trainer.precision=bf16_pure",
+                 "trainer.skip_nonfinite_steps=false"]
     else:   # the CPU smoke test: gloo, fp32
         sets += ["weights.transport=gloo", "model.dtype=float32", "trainer.precision=fp32"]
     return [a for s in (*sets, *extra) for a in ("--set", s)]
@@ -238,6 +244,7 @@ def run_tandem(case: Case, *, model: Path, mode: str, args: argparse.Namespace, 
     steps = [r for r in rows if "perf/step_time_s" in r][:args.steps]
     records = [{"step": i + 1, "step_s": r["perf/step_time_s"], "gen_s": r.get("perf/generate_time_s"),
                 "train_s": r.get("perf/train_time_s"), "sync_s": r.get("perf/weight_sync_time_s"),
+                **{f"{part}_s": r.get(f"perf/train_{part}_s") for part in TRAIN_PARTS},
                 "prompt_tokens": r.get("rollout/prompt_tokens", 0.0),
                 "response_tokens": r.get("rollout/response_tokens", 0.0),
                 "finish_stop_frac": r.get("rollout/finish_stop_frac"), "reward": r.get("rollout/reward_mean"),
@@ -413,6 +420,29 @@ def mfu(res: dict | None, params: int, peak_tflops: float) -> float | None:
     return 6 * params * (prompt + response) / (train * peak_tflops * 1e12)
 
 
+def breakdown(cases: list[Case], results: dict[tuple[str, str], dict], params: dict[str, int],
+              peak: float) -> list[str]:
+    """Where Tandem's train phase went: the coordinator's Train call, the trainer's own part of it (read from Redis,
+    prepare, the update), and the update's MFU."""
+    rows = ["| case, mode | train phase s | on the trainer: read / prepare / update s | rest (gRPC, commit) s | "
+            "update MFU |", "|---|---|---|---|---|"]
+    for c in cases:
+        for mode in ("async", "sync"):
+            res = results.get((f"tandem_{mode}", c.name))
+            if res is None or res["status"] != "ok":
+                continue
+            m = {k: med(res["records"], k) for k in ("train_s", "call_s", "prompt_tokens", "response_tokens",
+                                                      *(f"{p}_s" for p in TRAIN_PARTS))}
+            rest = m["train_s"] - m["call_s"] if m["train_s"] is not None and m["call_s"] is not None else None
+            update_mfu = (6 * params[c.preset] * (m["prompt_tokens"] + m["response_tokens"]) /
+                          (m["update_s"] * peak * 1e12) if m["update_s"] and m["prompt_tokens"] is not None
+                          and m["response_tokens"] is not None else None)
+            rows.append(f"| {c.name}, {mode} | {fmt(m['train_s'])} | "
+                        f"{' / '.join(fmt(m[f'{p}_s']) for p in ('read', 'prepare', 'update'))} | {fmt(rest)} | "
+                        f"{fmt(None if update_mfu is None else 100 * update_mfu, '.1f')}% |")
+    return rows
+
+
 def report(cases: list[Case], results: dict[tuple[str, str], dict], params: dict[str, int], peak: float) -> str:
     rows = ["| case | TRL step s (gen / train) | Tandem async step s (gen / train / sync) | "
             "Tandem sync step s (gen / train / sync) | Tandem/TRL tokens/s, async | sync |",
@@ -438,7 +468,7 @@ def report(cases: list[Case], results: dict[tuple[str, str], dict], params: dict
         size = f"{params[c.preset] / 1e9:.3f}B" if params[c.preset] >= 1e8 else f"{params[c.preset] / 1e6:.2f}M"
         rows2.append(f"| {c.name} | {size} | {tokens} | {rates} | {' / '.join(lengths)} | "
                      f"{' / '.join(firsts)} | {' / '.join(mfus)} |")
-    return "\n".join([*rows, "", *rows2])
+    return "\n".join([*rows, "", *rows2, "", *breakdown(cases, results, params, peak)])
 
 
 def write_outputs(out: Path, work: Path, table: str, results: dict, header: str) -> None:

@@ -7,10 +7,10 @@ server. Against the q05 server: version and routes, /generate's meta_info fields
 400 for input + max_new_tokens over the context (and the adapter's cut), 500 for an unknown sampling key, 499 for a
 request a pause(abort) reached while it waited, /flush_cache refused while a request runs, what the reported
 log-probs are (compared with log_softmax(logits / T) and with the truncated distribution, from the same weights in
-this process), and /update_weights_from_tensor with the trainer's serialisation (the same weights leave greedy
-answers unchanged, a zeroed lm_head changes them, the originals bring them back). Against the small server
-(--enable-memory-saver): release and resume of memory (GPU memory freed, by nvidia-smi) and weights refilled by a
-tensor sync after resuming them.
+this process), and /update_weights_from_tensor with the trainer's serialisation (the same weights leave the weight
+fingerprint of bench_sglang.py unchanged, a zeroed lm_head changes it, the originals bring it back). Against the
+small server (--enable-memory-saver): release and resume of memory (GPU memory freed, by nvidia-smi) and weights
+refilled by a tensor sync after resuming them.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def generation_checks(url: str) -> None:
         engine = SGLangEngine([url])
         out = engine.generate([[5] * (limit - 8)], SamplingSpec(max_new_tokens=9, ignore_eos=True))
         engine.close()
-        return (status == 400 and "Requested token count exceeds" in reason and len(out[0].token_ids) == 8,
+        # the adapter asks for the 8 the context leaves; SGLang's scheduler clamps to context - 1 - prompt - 1
+        return (status == 400 and "Requested token count exceeds" in reason and len(out[0].token_ids) == 6,
                 f"context {limit}: raw {status} {reason[:90]!r}; adapter made {len(out[0].token_ids)} tokens")
 
     def unknown_key() -> tuple[bool, str]:
@@ -166,45 +167,65 @@ def logprob_check(url: str, model: Path) -> None:
 
 def tensor_update_checks(server: dict[str, Any]) -> None:
     import torch
-    from bench_sglang import publisher_for, sync_once, trainer_weights
+    from bench_sglang import (
+        FINGERPRINT_TOL,
+        fingerprint_diff,
+        publisher_for,
+        sync_once,
+        trainer_weights,
+        weight_fingerprint,
+    )
 
     def run() -> tuple[bool, str]:
         named = trainer_weights(Path(server["model"]))
+        url = server["url"]
+        loaded = weight_fingerprint(url)   # the checkpoint the server started from: what every format must restore
         details = []
         ok = True
         for load_format in ("tensor", "flattened_bucket"):
-            engine = SGLangEngine([server["url"]], weight_load_format=load_format)
-            probe = [[5, 6, 7], [9, 3]]
-            greedy = SamplingSpec(temperature=0.0, max_new_tokens=6, ignore_eos=True)
-            before = [o.token_ids for o in engine.generate(probe, greedy)]
+            engine = SGLangEngine([url], weight_load_format=load_format)
             publisher = publisher_for("cuda_ipc", load_format, work=Path("/tmp"), timeout_s=60, bucket_mb=64)
             version = engine.weight_version + 1
             try:
                 sync_once(engine, publisher, named, version=version, timeout_s=60)
-                same = [o.token_ids for o in engine.generate(probe, greedy)] == before
+                same = fingerprint_diff(weight_fingerprint(url), loaded)
                 zeroed = [(n, torch.zeros_like(t) if n == "lm_head.weight" else t) for n, t in named]
                 sync_once(engine, publisher, zeroed, version=version + 1, timeout_s=60)
-                changed = [o.token_ids for o in engine.generate(probe, greedy)] != before
+                changed = fingerprint_diff(weight_fingerprint(url), loaded)
                 sync_once(engine, publisher, named, version=version + 2, timeout_s=60)
-                back = [o.token_ids for o in engine.generate(probe, greedy)] == before
+                back = fingerprint_diff(weight_fingerprint(url), loaded)
             finally:
                 publisher.close()
                 engine.close()
-            ok &= same and changed and back
-            details.append(f"{load_format}: same {same}, lm_head zeroed changes {changed}, restored {back}")
+            ok &= same <= FINGERPRINT_TOL and changed > FINGERPRINT_TOL and back <= FINGERPRINT_TOL
+            details.append(f"{load_format}: max |Δ log-prob| vs the checkpoint after the same weights {same:.4f}, "
+                           f"after a zeroed lm_head {changed:.4f}, after the originals {back:.4f}")
+        if not ok:   # leave the server as it started for the stages after this one
+            restore = SGLangEngine([url])
+            publisher = publisher_for("disk", "tensor", work=Path("/tmp"), timeout_s=60, bucket_mb=64)
+            try:
+                sync_once(restore, publisher, named, version=restore.weight_version + 1, timeout_s=60)
+            finally:
+                publisher.close()
+                restore.close()
         return ok, "; ".join(details)
 
     check(f"update_weights_from_tensor_{server['name']}", run)
 
 
 def memory_checks(server: dict[str, Any]) -> None:
-    from bench_sglang import publisher_for, sync_once, trainer_weights
+    from bench_sglang import (
+        FINGERPRINT_TOL,
+        fingerprint_diff,
+        publisher_for,
+        sync_once,
+        trainer_weights,
+        weight_fingerprint,
+    )
 
     def run() -> tuple[bool, str]:
         engine = SGLangEngine([server["url"]])
-        probe = [[5, 6, 7], [9, 3]]
-        greedy = SamplingSpec(temperature=0.0, max_new_tokens=6, ignore_eos=True)
-        before = [o.token_ids for o in engine.generate(probe, greedy)]
+        before = weight_fingerprint(server["url"])
         t = time.perf_counter()
         engine.release_memory([])
         release_s = time.perf_counter() - t
@@ -219,11 +240,11 @@ def memory_checks(server: dict[str, Any]) -> None:
             publisher.close()
         engine.resume_memory(["kv_cache", "cuda_graph"])
         resume_s = time.perf_counter() - t
-        after = [o.token_ids for o in engine.generate(probe, greedy)]
+        diff = fingerprint_diff(weight_fingerprint(server["url"]), before)
         engine.close()
-        return (freed > 0.5 and after == before,
+        return (freed > 0.5 and diff <= FINGERPRINT_TOL,
                 f"freed {freed:.2f} GiB in {release_s:.2f} s; resume weights + tensor sync + caches {resume_s:.2f} s; "
-                f"greedy after == before: {after == before}")
+                f"max |Δ log-prob| after vs before {diff:.4f}")
 
     check(f"release_resume_memory_{server['name']}", run)
 

@@ -330,10 +330,11 @@ def test_sglang_contract_release_reports_the_freed_memory_with_a_fake_nvidia_smi
 
 def test_sglang_contract_context_limit_and_an_aborted_wait(server: ContractServer, engine: SGLangEngine):
     """0.5.17 refuses a whole request whose input + max_new_tokens exceed the context (it does not clamp): the
-    adapter cuts that prompt's max_new_tokens, as the native engine stops at the context. A request a pause(abort)
+    adapter cuts that prompt's max_new_tokens to what the context leaves, and SGLang's scheduler makes 2 fewer (on
+    the H200 too: bench/sglang_smoke.py). A request a pause(abort)
     reaches while it waits answers 499: the adapter returns aborted samples (the service retries), not bad input."""
     out = engine.generate([[1] * 120, [3]], SamplingSpec(max_new_tokens=20, ignore_eos=True))
-    assert [len(o.token_ids) for o in out] == [8, 20] and out[0].finish_reason == "length"
+    assert [len(o.token_ids) for o in out] == [6, 20] and out[0].finish_reason == "length"
     sent = requests_to(server, "/generate")[-1]["sampling_params"]
     assert [p["max_new_tokens"] for p in sent] == [8, 20]
     client = SGLangClient(server.url)

@@ -12,11 +12,14 @@ from typing import Any
 def load_tokenizer(path: str | Path) -> Any:
     """PreTrainedTokenizerFast when the directory has a tokenizer.json: it decodes exactly what the file
     says (AutoTokenizer swaps in a ByteLevel decoder for `qwen2` directories under transformers 5.x)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     path = Path(path)
     if (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
         return PreTrainedTokenizerFast.from_pretrained(str(path))
+    # only here: importing AutoTokenizer imports torch (transformers' configuration_utils), seconds on a GPU host
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))
 
 

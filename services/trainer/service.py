@@ -135,7 +135,9 @@ class TrainerService:
             check_train_request(self.config, role=self.role, rollout_id=rollout_id, num_entry_ids=len(entry_ids),
                                 num_batches=num_batches, use_critic_values=use_critic_values,
                                 unloaded=self._unloaded)
+            read_start = time.monotonic()
             entries, skipped = self.rollouts.read(list(entry_ids), num_batches)
+            read_s = time.monotonic() - read_start
             version = self.ledger.weight_version
             oldest = min((e.policy_version for e in entries), default=version)
             # Linked to the rl.sample span of every entry (its context travelled in the Redis entry).
@@ -144,16 +146,18 @@ class TrainerService:
                       weight_version=version, staleness=version - oldest,
                       entries=len(entries), bytes=sum(e.nbytes for e in entries)) as sp:
                 reply = self._train_entries(rollout_id=rollout_id, entries=entries, skipped=skipped,
-                                            max_staleness=max_staleness, use_critic_values=use_critic_values)
+                                            max_staleness=max_staleness, use_critic_values=use_critic_values,
+                                            read_s=read_s)
                 set_attributes(sp, samples=reply.samples_trained, samples_dropped_stale=reply.samples_dropped_stale,
                                samples_filtered=reply.samples_filtered)
                 return reply
 
     def _train_entries(self, *, rollout_id: int, entries: list[BufferEntry], skipped: list[str],
-                       max_staleness: int, use_critic_values: bool) -> trainer_pb2.TrainResponse:
+                       max_staleness: int, use_critic_values: bool, read_s: float) -> trainer_pb2.TrainResponse:
         start = time.monotonic()
         selection = self.rollouts.prepare(entries, rollout_id=rollout_id, max_staleness=max_staleness,
                                           use_critic_values=use_critic_values)
+        prepare_s = time.monotonic() - start
         batch, dropped = selection.batch, selection.dropped_stale
         entry_ids = [e.entry_id for e in entries]
         metrics: dict[str, float] = {}
@@ -164,6 +168,9 @@ class TrainerService:
             step += 1
         metrics.update(selection.metrics, samples_dropped_stale=float(dropped),
                        entries_skipped_duplicate=float(len(skipped)))
+        # where the Train call's time went on the trainer (the update's own part is perf/train_update_s)
+        metrics.update({"perf/train_read_s": read_s, "perf/train_prepare_s": prepare_s,
+                        "perf/train_call_s": read_s + time.monotonic() - start})
         # Filtered samples are acknowledged with their entries below: used by this step, never trained again.
         reply = trainer_pb2.TrainResponse(rollout_id=rollout_id, step=step, metrics=metrics, entry_ids=entry_ids,
                                           samples_trained=batch.num_samples, samples_dropped_stale=dropped,

@@ -94,7 +94,7 @@ def step_metrics(batch: TrainBatch, step: StepResult, start: float, *, parameter
     return {"tokens": float(batch.num_tokens), "response_tokens": float(batch.num_response_tokens),
             "response_len_mean": float(batch.response_lengths.double().mean()),
             "reward_mean": float(batch.rewards.double().mean()), "samples": float(batch.num_samples),
-            "grad_norm": step.grad_norm, "lr": step.lr, "perf/train_time_s": seconds,
+            "grad_norm": step.grad_norm, "lr": step.lr, "perf/train_update_s": seconds,
             "perf/train_tokens_per_s": batch.num_tokens / seconds if seconds else 0.0,
             "perf/train_tflops": 6 * parameters * batch.num_tokens / seconds / 1e12 if seconds else 0.0,
             **cuda_peak_metrics()}

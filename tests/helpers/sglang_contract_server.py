@@ -263,7 +263,9 @@ class Server(WeightRoutes):
     def _one(self, prompt: list[int], p: dict[str, Any], *, logprob: bool) -> dict[str, Any]:
         self.next_rid += 1
         stops = set(p["stop_token_ids"] or ()) | (set() if p["ignore_eos"] else {self.eos})
-        budget = p["max_new_tokens"]
+        # the scheduler's clamp (0.5.17 scheduler.py): at most max_req_len (context - 1) - input - 1 new tokens, so
+        # a request the tokenizer manager let through may still end 2 tokens short of the context
+        budget = max(0, min(p["max_new_tokens"], self.context - 1 - len(prompt) - 1))
         tokens: list[int] = []
         finish: dict[str, Any] = {"type": "length", "length": budget}
         for i in range(budget):

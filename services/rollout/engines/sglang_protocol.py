@@ -167,7 +167,8 @@ def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec, *,
 
     SGLang refuses the whole request (400) when one prompt's length + max_new_tokens exceeds the context, where the
     native engine stops that sample at the context: prompts that would are sent with their own sampling params,
-    max_new_tokens cut to what the context leaves (the prompts are validated shorter than the context)."""
+    max_new_tokens cut to what the context leaves (the prompts are validated shorter than the context). SGLang's
+    scheduler then ends such a sample 2 tokens before the context (its max_req_len is the context - 1)."""
     params = sampling_params(options)
     body: dict[str, Any] = {"input_ids": [[int(t) for t in p] for p in prompts], "sampling_params": params,
                             "return_logprob": True, "stream": False}
