@@ -91,6 +91,8 @@ class OverlongPenaltyConfig(Section):
 class RolloutConfig(Section):
     engine: Literal["native", "sglang"] = "native"
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
+    cpu_threads: int | None = Field(default=None, ge=1, description="torch's intra-op CPU threads in the rollout "
+                                    "service (null: 4 on a GPU, torch's default on the CPU)")
     rollout_batch_size: int = Field(default=32, ge=1, description="prompts per rollout step")
     n_samples_per_prompt: int = Field(default=8, ge=1)
     sampling: SamplingConfig = SamplingConfig()
@@ -189,6 +191,8 @@ class TrainerConfig(Section):
     critic_lr: float | None = Field(default=None, gt=0, description="defaults to lr")
     seed: int = 0
     gradient_checkpointing: bool = False
+    cpu_threads: int | None = Field(default=None, ge=1, description="torch's intra-op CPU threads in the trainer "
+                                    "(null: 4 on a GPU, torch's default on the CPU)")
     lora: LoraConfig | None = Field(default=None, description="LoRA adapters instead of full fine-tuning "
                                     "(null = full fine-tuning)")
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from services.buffer.stream import stream_key
 from services.contracts import runfacts
@@ -40,7 +41,7 @@ from services.rollout.tokenizer import Texts, load_tokenizer
 from services.rollout.writer import BatchWriter
 from services.rpc.grpc_util import FailedPrecondition
 from services.telemetry import tracing
-from services.tensors.devices import cuda_peak_metrics
+from services.tensors.devices import cuda_peak_metrics, limit_cpu_threads
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,10 @@ class RolloutService:
         started = time.monotonic()
         self.engine = engine if engine is not None else build_engine(config)
         log.info("startup: %s engine ready in %.2fs", self.engine.name, time.monotonic() - started)
+        # SGLang computes in its own processes on the GPU: this one only prepares requests and scores rewards
+        device = torch.device("cuda") if self.engine.name == "sglang" else getattr(self.engine, "device", None)
+        if isinstance(device, torch.device):
+            limit_cpu_threads(config.rollout.cpu_threads, device)
         self.texts = Texts(tokenizer if tokenizer is not None else load_tokenizer(
             config.model.tokenizer_path or config.model.path))
         self.stream = stream_key(config.redis.stream_prefix, config.run_name)

@@ -26,7 +26,7 @@ from services.contracts import checkpoints
 from services.contracts.config import TandemConfig
 from services.contracts.gen.tandem.v1 import common_pb2, trainer_pb2
 from services.telemetry.tracing import set_attributes, span
-from services.tensors.devices import cuda_reserved_bytes
+from services.tensors.devices import cuda_reserved_bytes, limit_cpu_threads
 from services.trainer import commands
 from services.trainer.backend import DeepSpeedBackend, param_dtype
 from services.trainer.checkpointing import Checkpointer
@@ -53,6 +53,7 @@ class TrainerService:
         self.dist = init_process_group(device=config.trainer.device,
                                        timeout_s=config.services.timeouts.process_group_s)
         joined = time.monotonic()
+        limit_cpu_threads(config.trainer.cpu_threads, self.dist.device)
         self.backend = DeepSpeedBackend(config=config, role=role, dist_info=self.dist)
         log.info("startup: process group %.2fs, model + DeepSpeed engine %.2fs", joined - started,
                  time.monotonic() - joined)
