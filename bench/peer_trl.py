@@ -410,10 +410,11 @@ def tokens_per_s(res: dict | None) -> float | None:
     return tokens / step if step and tokens is not None else None
 
 
-def mfu(res: dict | None, params: int, peak_tflops: float) -> float | None:
+def mfu(res: dict | None, params: int, peak_tflops: float, seconds: str = "train_s") -> float | None:
+    """6 x params x the step's tokens over the median of record key `seconds` (the train phase, or the update)."""
     if res is None or res["status"] != "ok":
         return None
-    train, prompt = med(res["records"], "train_s"), med(res["records"], "prompt_tokens")
+    train, prompt = med(res["records"], seconds), med(res["records"], "prompt_tokens")
     response = med(res["records"], "response_tokens")
     if not train or prompt is None or response is None:
         return None
@@ -431,12 +432,9 @@ def breakdown(cases: list[Case], results: dict[tuple[str, str], dict], params: d
             res = results.get((f"tandem_{mode}", c.name))
             if res is None or res["status"] != "ok":
                 continue
-            m = {k: med(res["records"], k) for k in ("train_s", "call_s", "prompt_tokens", "response_tokens",
-                                                      *(f"{p}_s" for p in TRAIN_PARTS))}
+            m = {k: med(res["records"], k) for k in ("train_s", *(f"{p}_s" for p in TRAIN_PARTS))}
             rest = m["train_s"] - m["call_s"] if m["train_s"] is not None and m["call_s"] is not None else None
-            update_mfu = (6 * params[c.preset] * (m["prompt_tokens"] + m["response_tokens"]) /
-                          (m["update_s"] * peak * 1e12) if m["update_s"] and m["prompt_tokens"] is not None
-                          and m["response_tokens"] is not None else None)
+            update_mfu = mfu(res, params[c.preset], peak, seconds="update_s")
             rows.append(f"| {c.name}, {mode} | {fmt(m['train_s'])} | "
                         f"{' / '.join(fmt(m[f'{p}_s']) for p in ('read', 'prepare', 'update'))} | {fmt(rest)} | "
                         f"{fmt(None if update_mfu is None else 100 * update_mfu, '.1f')}% |")

@@ -27,6 +27,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_sglang import (
+    FINGERPRINT_TOL,
+    fingerprint_diff,
+    publisher_for,
+    sync_once,
+    trainer_weights,
+    weight_fingerprint,
+)
 from sglang_servers import load
 
 from services.contracts.sampling import SamplingSpec
@@ -165,16 +173,17 @@ def logprob_check(url: str, model: Path) -> None:
     check("reported_logprobs_are_tempered_untruncated", run)
 
 
+def sync_one(engine: SGLangEngine, named: list[tuple[str, Any]], *, transport: str) -> None:
+    """One sync of `named` to the engine's server by `transport` (load format tensor), with its own publisher."""
+    publisher = publisher_for(transport, "tensor", work=Path("/tmp"), timeout_s=60, bucket_mb=64)
+    try:
+        sync_once(engine, publisher, named, version=engine.weight_version + 1, timeout_s=60)
+    finally:
+        publisher.close()
+
+
 def tensor_update_checks(server: dict[str, Any]) -> None:
     import torch
-    from bench_sglang import (
-        FINGERPRINT_TOL,
-        fingerprint_diff,
-        publisher_for,
-        sync_once,
-        trainer_weights,
-        weight_fingerprint,
-    )
 
     def run() -> tuple[bool, str]:
         named = trainer_weights(Path(server["model"]))
@@ -202,11 +211,9 @@ def tensor_update_checks(server: dict[str, Any]) -> None:
                            f"after a zeroed lm_head {changed:.4f}, after the originals {back:.4f}")
         if not ok:   # leave the server as it started for the stages after this one
             restore = SGLangEngine([url])
-            publisher = publisher_for("disk", "tensor", work=Path("/tmp"), timeout_s=60, bucket_mb=64)
             try:
-                sync_once(restore, publisher, named, version=restore.weight_version + 1, timeout_s=60)
+                sync_one(restore, named, transport="disk")
             finally:
-                publisher.close()
                 restore.close()
         return ok, "; ".join(details)
 
@@ -214,14 +221,6 @@ def tensor_update_checks(server: dict[str, Any]) -> None:
 
 
 def memory_checks(server: dict[str, Any]) -> None:
-    from bench_sglang import (
-        FINGERPRINT_TOL,
-        fingerprint_diff,
-        publisher_for,
-        sync_once,
-        trainer_weights,
-        weight_fingerprint,
-    )
 
     def run() -> tuple[bool, str]:
         engine = SGLangEngine([server["url"]])
@@ -232,12 +231,7 @@ def memory_checks(server: dict[str, Any]) -> None:
         freed = engine.get_state().memory_freed_bytes / 2**30
         t = time.perf_counter()
         engine.resume_memory(["weights"])
-        publisher = publisher_for("cuda_ipc", "tensor", work=Path("/tmp"), timeout_s=60, bucket_mb=64)
-        try:
-            sync_once(engine, publisher, trainer_weights(Path(server["model"])), version=engine.weight_version + 1,
-                      timeout_s=60)
-        finally:
-            publisher.close()
+        sync_one(engine, trainer_weights(Path(server["model"])), transport="cuda_ipc")
         engine.resume_memory(["kv_cache", "cuda_graph"])
         resume_s = time.perf_counter() - t
         diff = fingerprint_diff(weight_fingerprint(server["url"]), before)
