@@ -7,7 +7,7 @@ Every variant trains the same synthetic GRPO batches (digit_max-like prompts of 
 tokens, 8 samples per group) with Tandem's own loss code (`services.trainer.actor.actor_step`), in this process:
 
 - `ds_*`: the DeepSpeed backend the trainer service uses (ZeRO stage, precision and token budget per variant; the
-  fused RMSNorm/SwiGLU kernels on a GPU unless the name says `eager`);
+  fused RMSNorm/SwiGLU kernels on a GPU unless the name says `eager`); `ds_z0_*` step with Tandem's flat AdamW;
 - `torch_*`: the same loss over a plain torch backend (no DeepSpeed): bf16 parameters with fused AdamW
   (`torch_bf16`, what TRL does), or fp32 parameters under bf16 autocast (`torch_amp`);
 - `hf_fwd_bwd`: the model's forward and backward alone on the same micro-batches (no loss code, no optimizer):
@@ -17,8 +17,9 @@ tokens, 8 samples per group) with Tandem's own loss code (`services.trainer.acto
   although LoRA computes no gradient of the frozen weights (about 4 x params of work): compare step seconds.
 
 Columns: step seconds (median of `--steps` after 2 warm-ups), its parts (micro-batch planning on the host,
-forward+loss, backward, optimizer step; CUDA-synchronised), peak GPU memory (and what was still allocated when
-the variant started, which that peak includes), and MFU = 6 x params x tokens /
+forward+loss, backward, optimizer step; CUDA-synchronised), the host work of one more step under torch.profiler
+(aten ops that are not views, and on a GPU the kernel launches), peak GPU memory (and what was still allocated
+when the variant started, which that peak includes), and MFU = 6 x params x tokens /
 (step s x 790e12). `--profile` writes a torch.profiler summary per variant (top ops by device and host time) to
 DIR/profile_<variant>_<preset>_L<L>.txt.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import statistics
 import sys
@@ -56,12 +58,21 @@ SHAPES = {   # Qwen2 bodies over Tandem's 22-token vocabulary (services/rollout/
                 num_key_value_heads=2),
     "q15": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                 num_key_value_heads=2),
+    # q05's 24 layers and 291 tensors at a width a CPU steps through in milliseconds: the host work per tensor
+    # (what made q05 L=1 launch-bound on the H200) without the FLOPs
+    "q05_narrow": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=4,
+                       num_key_value_heads=2),
 }
 VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z1_bf16": {"kind": "ds", "zero_stage": 1, "precision": "bf16"},
     "ds_z1_bf16_8k": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "micro_batch_tokens": 8192},
     "ds_z1_bf16_eager": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "fused_kernels": "off"},
+    # ZeRO-0: Tandem's flat AdamW (services/trainer/flat_adamw.py) under the DeepSpeed engine
     "ds_z0_bf16": {"kind": "ds", "zero_stage": 0, "precision": "bf16"},
+    "ds_z0_bf16pure": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure"},
+    "ds_z0_bf16pure_nocheck": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure",
+                               "skip_nonfinite_steps": False},
+    "ds_z0_fp32": {"kind": "ds", "zero_stage": 0, "precision": "fp32"},
     "ds_z2_bf16": {"kind": "ds", "zero_stage": 2, "precision": "bf16"},
     "ds_z1_bf16_32k": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "micro_batch_tokens": 32768},
     "ds_z1_bf16_nocheck": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "skip_nonfinite_steps": False},
@@ -251,6 +262,8 @@ def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: li
             other = step_s - parts["forward"] - parts["backward"] - parts["optimizer"]
             rows.append({"step_s": step_s, **parts, "other": other})
     out = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in rows[0]}
+    out.update(count_step_ops(functools.partial(actor_step, backend=backend, batch=batches[0], algo=algo,
+                                                ref_model=None, old_actor=None, token_budget=budget), device))
     out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     out["held_gib"] = held
     if hasattr(backend, "close"):
@@ -286,6 +299,24 @@ def run_floor(*, model_dir: Path, device: torch.device, batches: list[Any], step
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     del model
     return {"step_s": statistics.median(times), "forward": float("nan"), "peak_gib": peak}
+
+
+VIEW_OPS = frozenset({"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::detach",
+                      "aten::alias", "aten::narrow", "aten::slice", "aten::select", "aten::unsqueeze",
+                      "aten::squeeze", "aten::expand", "aten::t", "aten::transpose", "aten::permute"})
+LAUNCHES = frozenset({"cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"})
+
+
+def count_step_ops(step: Callable[[], Any], device: torch.device) -> dict[str, float]:
+    """One more step under torch.profiler: the aten ops that do work (views left out; nested ops counted, so a
+    proxy of the host's work that holds on a CPU too) and, on a GPU, the kernel launches."""
+    with _profiler(device) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    names = [e.name for e in prof.events()]
+    return {"host_ops": float(sum(n.startswith("aten::") and n not in VIEW_OPS for n in names)),
+            "launches": float(sum(n in LAUNCHES for n in names)) if device.type == "cuda" else float("nan")}
 
 
 def _profiler(device: torch.device) -> Any:
@@ -356,8 +387,8 @@ def main() -> int:
 def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace, *, params_note: str) -> None:
     print(f"\n# bench_train_step {params_note} (medians of {args.steps} steps after 2 warm-ups)\n")
     print("| preset | L | variant | tokens | step s | plan s | forward+loss s | backward s | optimizer s | "
-          "loss+host s | peak GiB | held before GiB | MFU | vs ds_z1_bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "loss+host s | host ops | launches | peak GiB | held before GiB | MFU | vs ds_z1_bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {(r["preset"], r["L"]): r["step_s"] for r in rows if r["variant"] == "ds_z1_bf16"}
     fmt: Callable[[float], str] = lambda x: "–" if x != x else f"{x:.3f}"   # noqa: E731
     for r in rows:
@@ -366,8 +397,12 @@ def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace, *, params
         print(f"| {r['preset']} | {r['L']} | {r['variant']} | {r['tokens']} | {fmt(r['step_s'])} | "
               f"{fmt(r.get('plan', float('nan')))} | {fmt(r.get('forward', float('nan')))} | "
               f"{fmt(r.get('backward', float('nan')))} | {fmt(r.get('optimizer', float('nan')))} | "
-              f"{fmt(r.get('other', float('nan')))} | "
+              f"{fmt(r.get('other', float('nan')))} | {_count(r.get('host_ops'))} | {_count(r.get('launches'))} | "
               f"{r['peak_gib']:.1f} | {r.get('held_gib', 0.0):.1f} | {r['mfu'] * 100:.1f}% | {ratio} |")
+
+
+def _count(value: float | None) -> str:
+    return "–" if value is None or value != value else f"{value:,.0f}"
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""2 ranks under torchrun give the 1-rank result (ZeRO 1 and 2; ZeRO-3 over gRPC in test_trainer_grpc.py).
+"""2 ranks under torchrun give the 1-rank result (ZeRO 0 (the flat AdamW), 1 and 2; ZeRO-3 over gRPC in
+test_trainer_grpc.py).
 
 One launch of tests/trainer_ranks.py trains both stages; rank 0 drives TrainerService in-process and the
 other rank executes the relayed commands, the same path the gRPC server uses.
@@ -24,9 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def test_two_ranks_match_one_rank_under_zero_1_and_2(tiny_model_dir, tmp_path, redis_server):  # noqa: F811
+def test_two_ranks_match_one_rank_under_zero_0_1_and_2(tiny_model_dir, tmp_path, redis_server):  # noqa: F811
     torch.set_num_threads(1)
-    stages = (1, 2)
+    stages = (0, 1, 2)
     expected = {}
     for stage in stages:
         h = TrainerHarness(stage_config(tiny_model_dir, tmp_path / "one", redis_server.url, stage, "one"),

@@ -2,7 +2,7 @@
 rank builds a TrainerService, rank 0 trains the seeded batches while the others serve relayed commands.
 Rank 0 prints one JSON line: {stage: {steps: [metrics of each step], weights: {name: values}}}.
 
-    torchrun --nproc-per-node 2 tests/trainer_ranks.py MODEL_DIR RUN_DIR REDIS_URL --stages 1 2
+    torchrun --nproc-per-node 2 tests/trainer_ranks.py MODEL_DIR RUN_DIR REDIS_URL --stages 0 1 2
 """
 
 from __future__ import annotations

@@ -168,13 +168,19 @@ class LoraConfig(Section):
 class TrainerConfig(Section):
     device: str = "auto"
     num_ranks: int = Field(default=1, ge=1, description="data-parallel ranks `tandem run` launches")
-    zero_stage: Literal[0, 1, 2, 3] = 1
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        default=1, description="0: nothing partitioned, every rank holds all weights, gradients and optimizer "
+        "states, and steps with Tandem's flat AdamW (one buffer per dtype, a step of a few kernels: the fastest "
+        "on one GPU); 1-3: DeepSpeed ZeRO partitions optimizer states, then gradients, then weights over ranks")
     precision: Literal["fp32", "bf16", "bf16_pure"] = Field(
         default="fp32", description="bf16: bf16 weights with fp32 master weights, gradients and Adam states (use on "
-        "a GPU); bf16_pure: all in bf16 as TRL trains (less memory, small updates can round away; ZeRO 1-3)")
-    skip_nonfinite_steps: bool = Field(default=True, description="bf16: skip an optimizer step whose gradients "
-                                       "hold inf/NaN (DeepSpeed's check_grad_overflow; one pass over the gradients)")
-    optimizer: Literal["adamw_torch", "adamw_deepspeed"] = "adamw_torch"
+        "a GPU); bf16_pure: all in bf16 as TRL trains (less memory, small updates can round away)")
+    skip_nonfinite_steps: bool = Field(default=True, description="skip an optimizer step whose gradients hold "
+                                       "inf/NaN: at ZeRO 1-3 with bf16 DeepSpeed's check_grad_overflow (one pass "
+                                       "over the gradients); at ZeRO 0 any precision, from the clip's norm (free)")
+    optimizer: Literal["adamw_torch", "adamw_deepspeed"] = Field(
+        default="adamw_torch", description="adamw_torch: torch's fused AdamW; adamw_deepspeed: DeepSpeed's own "
+        "(ZeRO 1-3)")
     lr: float = Field(default=1e-3, gt=0)
     min_lr: float = Field(default=0.0, ge=0)
     weight_decay: float = Field(default=0.0, ge=0)
@@ -434,9 +440,9 @@ class TandemConfig(Section):
             raise ValueError(f"rollout.reward_timeout_s ({self.rollout.reward_timeout_s:g}) must be below "
                              f"loop.step_timeout_s ({self.loop.step_timeout_s:g}), the deadline of the Generate that "
                              "scores: else the Generate times out first and the reward that hung is not named")
-        if self.trainer.precision == "bf16_pure" and self.trainer.zero_stage == 0:
-            raise ValueError("trainer.precision: bf16_pure needs trainer.zero_stage 1-3 (DeepSpeed keeps bf16 master "
-                             "weights only in its ZeRO optimizer)")
+        if self.trainer.optimizer == "adamw_deepspeed" and self.trainer.zero_stage == 0:
+            raise ValueError("trainer.optimizer: adamw_deepspeed needs trainer.zero_stage 1-3 (stage 0 steps with "
+                             "Tandem's flat fused AdamW; use adamw_torch)")
         return self
 
     def with_model_path(self, path: str) -> TandemConfig:

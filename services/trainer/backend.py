@@ -22,6 +22,7 @@ from services.contracts.config import LORA_ZERO3_OFFLOAD, TandemConfig
 from services.tensors import fused
 from services.trainer.batching import MicroBatch
 from services.trainer.dist import DistInfo
+from services.trainer.flat_adamw import FlatAdamW
 from services.trainer.scoring import TokenSampling, score_tokens
 from services.trainer.weight_export import ExportedTensor, plain_tensors
 
@@ -66,8 +67,10 @@ def deepspeed_config(config: TandemConfig, *, world_size: int, lr: float) -> dic
     ds: dict[str, Any] = {
         # One "sample" per micro-batch call; the real batch size is decided by the token budget.
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world_size,
-        "gradient_clipping": t.grad_clip, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False,
-        "zero_allow_untested_optimizer": True, "bf16": bf16_config(config),
+        # ZeRO-0's FlatAdamW clips and handles bf16 itself (DeepSpeed's would do both per parameter tensor)
+        "gradient_clipping": 0.0 if t.zero_stage == 0 else t.grad_clip, "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False, "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": False} if t.zero_stage == 0 else bf16_config(config),
         "zero_optimization": {"stage": t.zero_stage},
     }
     if t.zero_stage == 3:
@@ -178,8 +181,15 @@ class DeepSpeedBackend:
                              min_lr=t.min_lr)
         self.parameters = sum(p.numel() for p in model.parameters())   # before ZeRO-3 partitions them
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = None
-        if t.optimizer == "adamw_torch":
+        optimizer: torch.optim.Optimizer | None = None
+        self.flat: FlatAdamW | None = None
+        if t.zero_stage == 0:
+            # on the device first: DeepSpeed's own move would replace the tensors the flat buffers' views are
+            model.to(dist_info.device)
+            optimizer = self.flat = FlatAdamW(
+                model.named_parameters(), precision=t.precision, lr=lr, betas=t.betas, eps=1e-8,
+                weight_decay=t.weight_decay, max_grad_norm=t.grad_clip, skip_nonfinite=t.skip_nonfinite_steps)
+        elif t.optimizer == "adamw_torch":
             # fused: one kernel over every tensor of the step (DeepSpeed hands it its flat partitions)
             optimizer = torch.optim.AdamW(params, lr=lr, betas=t.betas, eps=1e-8, weight_decay=t.weight_decay,
                                           fused=dist_info.device.type == "cuda")
@@ -188,6 +198,9 @@ class DeepSpeedBackend:
             config=deepspeed_config(config, world_size=dist_info.world_size, lr=lr),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
         self.engine.train()
+        if self.flat is not None:
+            self.flat.check_bound()
+            self.engine.enable_backward_allreduce = False   # FlatAdamW all-reduces its flat buffers in step()
         if fused_kernels:
             fused.warm_up(self.engine.module, dist_info.device)   # compiles now, while the engines start
         # LoRA's frozen base weights: DeepSpeed's offload moves only what its optimizer holds (see offload)
@@ -240,6 +253,8 @@ class DeepSpeedBackend:
     def backward(self, loss: torch.Tensor, *, last: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(loss)
+        if self.flat is not None:
+            self.flat.fold_grads()
 
     def step(self) -> StepResult:
         lr = self.lr   # the lr this update uses; step() advances the schedule
@@ -277,9 +292,6 @@ class DeepSpeedBackend:
     # ---- offload ----------------------------------------------------------------------------------
 
     def check_offload_supported(self) -> None:
-        if self.zero_stage == 0:
-            raise NotImplementedError("Offload needs ZeRO stage 1-3 (DeepSpeed offload_states); "
-                                      "trainer.zero_stage is 0")
         if self.zero_stage == 3 and self._frozen:
             raise NotImplementedError(LORA_ZERO3_OFFLOAD)
 
@@ -290,7 +302,10 @@ class DeepSpeedBackend:
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
         pin = self.device.type == "cuda"
-        self.engine.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=pin, non_blocking=False)
+        if self.flat is not None:
+            self.flat.move(torch.device("cpu"), pin=pin)
+        else:
+            self.engine.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=pin, non_blocking=False)
         for p in self._frozen:   # ZeRO 1/2: whole tensors of the module, outside DeepSpeed's buffers
             host = p.data.to("cpu")
             p.data = host.pin_memory() if pin else host
@@ -302,7 +317,10 @@ class DeepSpeedBackend:
     def onload(self) -> str:
         if not self.offloaded:
             return "not offloaded"
-        self.engine.reload_states(non_blocking=False)
+        if self.flat is not None:
+            self.flat.move(self.device)
+        else:
+            self.engine.reload_states(non_blocking=False)
         for p in self._frozen:
             p.data = p.data.to(self.device)
         self.offloaded = False
