@@ -174,6 +174,7 @@ class TorchBackend:
         self.dist_info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
         self.module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=param_dtype, attn_implementation="sdpa")
         self.module.to(device).train()
+        self.parameters = sum(p.numel() for p in self.module.parameters())
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
                                            weight_decay=0.0, fused=device.type == "cuda")
         self.autocast = autocast

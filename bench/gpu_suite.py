@@ -54,7 +54,8 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
                      "--precision", "bf16", "--device", "cuda"], 120, {}),
         # the trainer's own tests on the GPU (DeepSpeed bf16/fp32, offload freeing memory, scoring under the
         # sampling distribution, keep_old_actor); needs redis-server
-        "trainer_tests": ([*pytest, "-o", "timeout=100", "tests/test_trainer_service.py", "tests/test_trainer_rl.py"],
+        "trainer_tests": ([*pytest, "-o", "timeout=100", "tests/test_trainer_service.py", "tests/test_trainer_rl.py",
+                           "tests/test_flat_adamw.py"],
                           200, {"TANDEM_TEST_TRAINER_DEVICE": "cuda"}),
         # full `tandem run`s sharing the GPU through cuda_ipc (needs deepspeed, redis, opentelemetry)
         "run": ([PY, "bench/gpu_run.py", "--steps", "40", "--out", str(out / "run")], 450, {}),

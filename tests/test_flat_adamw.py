@@ -1,6 +1,7 @@
 """ZeRO-0's FlatAdamW against torch's own AdamW and clip, step by step: the same update in fp32, fp32 masters
 under bf16 weights, the non-finite skip, a step whose host work does not grow with the parameter count, and a
-state dict that refuses other parameters."""
+state dict that refuses other parameters. On the device of TANDEM_TEST_TRAINER_DEVICE (bench/gpu_suite.py's
+trainer_tests stage runs them on CUDA, where the fused kernel is CUDA's)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from conftest_trainer import DEVICE
 from torch.profiler import ProfilerActivity, profile
 
 from services.trainer.flat_adamw import FlatAdamW
@@ -20,12 +22,12 @@ def make_model(layers: int = 3, width: int = 16, dtype: torch.dtype = torch.floa
     mods: list[torch.nn.Module] = []
     for _ in range(layers):
         mods += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.Tanh()]
-    return torch.nn.Sequential(*mods).to(dtype)
+    return torch.nn.Sequential(*mods).to(DEVICE, dtype)
 
 
 def micro_batches(n: int, width: int = 16, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    return [torch.randn(8, width, generator=gen).to(dtype) for _ in range(n)]
+    return [torch.randn(8, width, generator=gen).to(DEVICE, dtype) for _ in range(n)]
 
 
 def flat_step(model: torch.nn.Module, opt: FlatAdamW, mbs: list[torch.Tensor], scale: float = 1.0) -> None:

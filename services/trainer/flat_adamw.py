@@ -88,10 +88,14 @@ class FlatGroup:
             p.grad = None
         if self.grad is None:
             self.grad = torch.empty_like(self.master)
-        if self.folded:
-            self.grad.add_(torch.cat(grads))
-        else:
-            torch.cat(grads, out=self.grad)   # casts bf16 gradients into an fp32 accumulator as it copies
+        if not self.folded and self.grad.dtype == self.flat.dtype:
+            torch.cat(grads, out=self.grad)
+        else:   # cat in the gradients' own dtype: CUDA's batched cat kernel wants one dtype in and out
+            joined = torch.cat(grads)
+            if self.folded:
+                self.grad.add_(joined)
+            else:
+                self.grad.copy_(joined)
         self.folded += 1
 
     def move(self, device: torch.device, *, pin: bool) -> None:

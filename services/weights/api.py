@@ -25,6 +25,7 @@ from services.weights.base import (
 )
 from services.weights.layout import (
     Layout,
+    PendingChecksums,
     Slot,
     TensorSpec,
     check_params,
@@ -32,7 +33,6 @@ from services.weights.layout import (
     layout_from_plan,
     layout_to_buckets,
     plan_layout,
-    tensor_checksum,
     tensor_checksums,
 )
 from services.weights.registry import transport as registered_transport
@@ -92,7 +92,7 @@ class WeightPublisher:
                 raise ValueError(f"{self.transport} weight sync v{plan.version}: publish needs the plan returned by "
                                  f"this publisher's latest prepare")
             layout = self._prepared[1]
-            checksums: dict[str, str] = {}
+            checksums = PendingChecksums()
             deadline = Deadline(plan.timeout_s)
             started = time.monotonic()
             with torch.no_grad():
@@ -101,18 +101,26 @@ class WeightPublisher:
                     tensors=self._validated(plan=plan, layout=layout, named_tensors=named_tensors, checksums=checksums))
             elapsed = time.monotonic() - started
             return SyncStats(version=plan.version, bytes=layout.total_bytes, seconds=elapsed - waited,
-                             checksums=checksums, transport=self.transport, wait_seconds=waited)
+                             checksums=dict(checksums), transport=self.transport, wait_seconds=waited)
         finally:
             self._lock.release()
 
     @staticmethod
     def _validated(*, plan: common_pb2.WeightSyncPlan, layout: Layout,
                    named_tensors: Iterable[tuple[str, torch.Tensor]],
-                   checksums: dict[str, str]) -> Iterator[tuple[Slot, torch.Tensor]]:
+                   checksums: PendingChecksums) -> Iterator[tuple[Slot, torch.Tensor]]:
+        """The tensors checked against the plan; with plan.verify their checksums go to `checksums`: those the plan
+        announces (the trainer computed them from these weights in prepare, in one batch) as announced, others
+        summed as they pass, with no host sync between the transport's copies."""
         where = f"{plan.transport} weight sync v{plan.version} (trainer)"
+        announced = {m.name: m.checksum for b in plan.buckets for m in b.tensors if m.checksum} if plan.verify \
+            else {}
         for slot, tensor in iter_validated(layout, named_tensors, where=where):
             if plan.verify:
-                checksums[slot.name] = tensor_checksum(tensor)
+                if slot.name in announced:
+                    checksums.set_known(slot.name, announced[slot.name])
+                else:
+                    checksums.add(slot.name, tensor)
             yield slot, tensor
 
     def release(self) -> None:
