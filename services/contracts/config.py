@@ -169,9 +169,9 @@ class TrainerConfig(Section):
     device: str = "auto"
     num_ranks: int = Field(default=1, ge=1, description="data-parallel ranks `tandem run` launches")
     zero_stage: Literal[0, 1, 2, 3] = Field(
-        default=0, description="0 (default): nothing partitioned, every rank holds all weights, gradients and optimizer "
-        "states, and steps with Tandem's flat AdamW (one buffer per dtype, a step of a few kernels: the fastest "
-        "on one GPU); 1-3: DeepSpeed ZeRO partitions optimizer states, then gradients, then weights over ranks")
+        default=0, description="0: nothing partitioned, every rank holds all weights, gradients and optimizer "
+        "states, and steps with Tandem's flat AdamW (one buffer per dtype, a step of a few kernels: the fastest on "
+        "one GPU); 1-3: DeepSpeed ZeRO partitions optimizer states, then gradients, then weights over ranks")
     precision: Literal["fp32", "bf16", "bf16_pure"] = Field(
         default="fp32", description="bf16: bf16 weights with fp32 master weights, gradients and Adam states (use on "
         "a GPU); bf16_pure: all in bf16 as TRL trains (less memory, small updates can round away)")
