@@ -1,7 +1,7 @@
 """Every GPU check in one call: the GPU tests, the same-GPU weight hand-off bench and the native engine bench.
 
     python bench/gpu_suite.py [--out DIR] [--quick]
-        [--only handoff ipc_copy engine engine_compile tests offload trainer_tests run]
+        [--only handoff ipc_copy checksums engine engine_compile tests offload trainer_tests run]
     python bench/gpu_suite.py --only peer_trl        # Tandem vs TRL (bench/peer_trl.py), a call of its own
     python bench/gpu_suite.py --only sglang_smoke sglang_bench sglang_run   # SGLang 0.5.17, a call of its own
 
@@ -46,6 +46,8 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
         "handoff": ([PY, "bench/bench_weights.py", "--handoff", "--repeats", "10", "--bucket-mb", "64"], 100, {}),
         # the copy itself: from another process's IPC allocation next to a same-process D2D, by copy method
         "ipc_copy": ([PY, "bench/bench_ipc_copy.py", "--repeats", "20"], 60, {}),
+        # check_weight_update_equal's cost: checksums one tensor at a time next to packs, q05 and its narrow twin
+        "checksums": ([PY, "bench/bench_checksums.py", "--presets", "q05", "q05_narrow", "q15"], 60, {}),
         "engine": ([*engine, "--decode", "dynamic", "graph"], 55, {}),
         "engine_compile": ([*engine, "--decode", "compile"], 95, {}),   # its first call compiles (inductor)
         "tests": ([*pytest, "--noconftest", "-o", "timeout=80", *tests], 150, {}),

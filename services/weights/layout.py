@@ -224,24 +224,38 @@ def _word_sums(words: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_BLOCK_WORDS = 256   # a pack places each tensor at a multiple of this many words (zeros between: they add 0)
+
+
 def _pack_sums(words: list[torch.Tensor]) -> torch.Tensor:
-    """int64 [n, 2]: _word_sums of each of `words` (one device, together at most a chunk), from the prefix sums of
-    their concatenation: sum_i w_i over a tensor's span, and sum_i w_i * (i - start + 1) = sum_i w_i * (i + 1) -
-    start * sum_i w_i."""
-    device = words[0].device
+    """int64 [n, 2]: _word_sums of each of `words` (one device, together at most a chunk). They are concatenated
+    with zero padding so each starts a block of _BLOCK_WORDS words; per block the plain sum b0 and the sum
+    weighted by position within the block b1; a tensor over blocks first..last-1 then has s0 = sum b0 and
+    s1 = sum (b1 + (block - first) * B * b0), read off prefix sums over the blocks."""
+    block, device = _BLOCK_WORDS, words[0].device
     counts = [w.numel() for w in words]
-    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int64).to(device, non_blocking=True)
-    starts = ends - torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True)
-    flat = (torch.cat(words) if len(words) > 1 else words[0]).to(torch.int64)
-    position = torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=device)
-    prefix = torch.stack([flat.cumsum(0), (flat * position).cumsum(0)], dim=1)   # [W, 2]
+    blocks = [-(-c // block) for c in counts]
+    pad = words[0].new_zeros(block)
+    parts = []
+    for w, count, n in zip(words, counts, blocks, strict=True):
+        parts.append(w)
+        if n * block > count:
+            parts.append(pad[:n * block - count])
+    grid = torch.cat(parts).to(torch.int64).view(-1, block)
+    within = torch.arange(1, block + 1, dtype=torch.int64, device=device)
+    b0 = grid.sum(1)
+    index = torch.arange(grid.shape[0], dtype=torch.int64, device=device)
+    prefix = torch.stack([b0, (grid * within).sum(1), index * b0], dim=1).cumsum(0)   # [blocks, 3]
+    ends = torch.tensor(list(itertools.accumulate(blocks)), dtype=torch.int64).to(device, non_blocking=True)
+    firsts = ends - torch.tensor(blocks, dtype=torch.int64).to(device, non_blocking=True)
 
-    def upto(index: torch.Tensor) -> torch.Tensor:   # prefix sums of the words before `index` ([n, 2])
-        taken = prefix[(index - 1).clamp(min=0)]
-        return torch.where((index > 0).unsqueeze(1), taken, torch.zeros_like(taken))
+    def upto(at: torch.Tensor) -> torch.Tensor:   # the prefix sums of the blocks before `at` ([n, 3])
+        taken = prefix[(at - 1).clamp(min=0)]
+        return torch.where((at > 0).unsqueeze(1), taken, torch.zeros_like(taken))
 
-    span = upto(ends) - upto(starts)
-    return torch.stack([span[:, 0], span[:, 1] - starts * span[:, 0]], dim=1)
+    span = upto(ends) - upto(firsts)
+    s0 = span[:, 0]
+    return torch.stack([s0, span[:, 1] + block * (span[:, 2] - firsts * s0)], dim=1)
 
 
 def _word_sums_many(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -334,9 +348,9 @@ def tensor_checksums(tensors: Sequence[torch.Tensor]) -> list[str]:
     another NaN payload, or two words swapped always changes it; an arbitrary corruption goes unnoticed only when
     both sums collide modulo 2**64. It is a copy check, not a cryptographic hash.
 
-    Tensors are summed in packs of up to _CHECKSUM_CHUNK_WORDS words (one concatenation, then prefix sums read at
-    the tensors' boundaries), so the kernels launched grow with the bytes, not with the tensor count: a 0.36B
-    model's 291 tensors took ~2.3k launches one tensor at a time."""
+    Tensors are summed in packs of up to _CHECKSUM_CHUNK_WORDS words (one concatenation, block sums, prefix sums over
+    the blocks read at the tensors' boundaries), so the kernels launched grow with the bytes, not with the tensor
+    count: a 0.36B model's 291 tensors took ~2.3k launches one tensor at a time."""
     return _hex_pairs(_word_sums_many(tensors))
 
 
