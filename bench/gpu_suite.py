@@ -1,7 +1,7 @@
 """Every GPU check in one call: the GPU tests, the same-GPU weight hand-off bench and the native engine bench.
 
     python bench/gpu_suite.py [--out DIR] [--quick]
-        [--only handoff ipc_copy checksums engine engine_compile tests offload trainer_tests run]
+        [--only handoff ipc_copy checksums train_step engine engine_compile tests offload trainer_tests run]
     python bench/gpu_suite.py --only peer_trl        # Tandem vs TRL (bench/peer_trl.py), a call of its own
     python bench/gpu_suite.py --only sglang_smoke sglang_bench sglang_run   # SGLang 0.5.17, a call of its own
 
@@ -48,6 +48,11 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
         "ipc_copy": ([PY, "bench/bench_ipc_copy.py", "--repeats", "20"], 60, {}),
         # check_weight_update_equal's cost: checksums one tensor at a time next to packs, q05 and its narrow twin
         "checksums": ([PY, "bench/bench_checksums.py", "--presets", "q05", "q05_narrow", "q15"], 60, {}),
+        # one actor step in process at q05 (issue 24): DeepSpeed ZeRO-1 next to ZeRO-0's flat AdamW, plain torch
+        # (TRL's recipe) and the model's bare forward+backward, with host ops and kernel launches per step
+        "train_step": ([PY, "bench/bench_train_step.py", "--presets", "q05", "--lengths", "1", "128", "--steps", "3",
+                        "--variants", "ds_z1_bf16", "ds_z0_bf16", "ds_z0_bf16pure_nocheck", "torch_bf16",
+                        "hf_fwd_bwd", "--out", str(out / "train_step")], 240, {}),
         "engine": ([*engine, "--decode", "dynamic", "graph"], 55, {}),
         "engine_compile": ([*engine, "--decode", "compile"], 95, {}),   # its first call compiles (inductor)
         "tests": ([*pytest, "--noconftest", "-o", "timeout=80", *tests], 150, {}),
@@ -78,7 +83,8 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
     }
 
 
-OPT_IN = {"real_size", "peer_trl", "sglang_smoke", "sglang_bench", "sglang_run"}   # left out unless --only names them
+# left out unless --only names them
+OPT_IN = {"train_step", "real_size", "peer_trl", "sglang_smoke", "sglang_bench", "sglang_run"}
 SGLANG_STAGES = ("sglang_smoke", "sglang_bench", "sglang_run")
 SGLANG_START_S = 240   # launching both servers, until healthy (kernel JIT and CUDA-graph capture included)
 
