@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("coordinator", help="run the coordinator service alone")
     _add_config_args(p)
+    p.add_argument("--start-gate", action="store_true",
+                   help="after loading its code, wait for a line 'go' on stdin before starting (`tandem run` starts "
+                        "the coordinator beside the other services this way and lets it go once they are healthy)")
 
     p = sub.add_parser("trainer", help="run one trainer service (all ranks of it under torchrun/deepspeed)")
     _add_config_args(p)
@@ -150,6 +153,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "coordinator":
         from services.coordinator.server import main as coordinator_main
 
+        if args.start_gate and sys.stdin.readline().strip() != "go":
+            return ExitCode.INTERRUPTED   # the supervisor gave up on this start (it stops this process too)
         return coordinator_main(config, run_dir=run_dir)
     if args.command == "trainer":
         from services.trainer.server import main as trainer_main

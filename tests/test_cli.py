@@ -105,3 +105,18 @@ def test_plot_of_a_directory_without_metrics_says_so(tmp_path):
         result = tandem("plot", str(run_dir))
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
         assert result.stderr.startswith("tandem plot: ") and words in result.stderr
+
+
+def test_a_gated_coordinator_waits_for_go_and_leaves_quietly_when_the_gate_closes(tmp_path):
+    """`tandem run` starts the coordinator beside the other services behind a start gate. Without "go" (the
+    supervisor gave up on the start) it ends at once: no log, no failure record, no port bound."""
+    config = tmp_path / "c.yaml"
+    config.write_text("model: {path: m}\ndata: {train_path: t.jsonl}\nservices: {coordinator: {port: 1}}\n")
+    proc = subprocess.Popen([*tandem_cmd(), "coordinator", str(config), "--run-dir", str(tmp_path / "run"),
+                             "--start-gate"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=3)   # held at the gate, not failing on its missing data or the privileged port
+    out, err = proc.communicate("stop\n", timeout=60)
+    assert proc.returncode == 130 and out == "" and err == ""
+    assert not (tmp_path / "run" / "logs").exists()

@@ -106,6 +106,18 @@ def resolve_for_local_run(config: TandemConfig, *, redis_url: str) -> TandemConf
     return config_from_dict(data, source="resolved config")
 
 
+def _let_go(child: Child) -> None:
+    """Opens a gated child's start gate (`tandem coordinator --start-gate`); one that already died is left to the
+    health wait that follows."""
+    stdin = child.process.stdin
+    assert stdin is not None, f"{child.name} was not started gated"
+    with contextlib.suppress(BrokenPipeError, OSError):
+        stdin.write(b"go\n")
+        stdin.flush()
+    with contextlib.suppress(BrokenPipeError, OSError):
+        stdin.close()
+
+
 class LocalRun:
     def __init__(self, config: TandemConfig, *, run_dir: Path, progress: bool):
         self.config = config
@@ -119,15 +131,18 @@ class LocalRun:
         self.view: ProgressView | None = None
         self.failure: FailureRecord | None = None   # what ended the run, shown as its last lines
 
-    def _spawn(self, name: str, args: list[str]) -> Child:
+    def _spawn(self, name: str, args: list[str], *, gated: bool = False) -> Child:
+        """`gated`: the child waits for `_let_go` after loading its code (a respawn is never gated)."""
         if name == "coordinator":
             clear_failure(self.run_dir)   # what it writes when it fails is about this start, not an earlier one
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_SERVICE": name}
+        argv = [*args, "--start-gate"] if gated else args
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen(dies_with_parent(args), stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+            proc = subprocess.Popen(dies_with_parent(argv), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.PIPE if gated else subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
         child = Child(name=name, process=proc, log_path=log_path, args=args)
         self.children.append(child)
         return child
@@ -205,10 +220,13 @@ class LocalRun:
             waits.append((self._spawn("critic", self._trainer_args("critic")), s.critic.target))
         for i, addr in enumerate(s.rollout):
             waits.append((self._spawn(f"rollout-{i}", self._service_args("rollout", "--replica", str(i))), addr.target))
+        # The coordinator loads its code beside the others but starts only once they are healthy: a service that
+        # dies before that is a failed start, one that dies later is restarted (services.max_restarts).
+        coordinator = self._spawn("coordinator", self._service_args("coordinator"), gated=True)
         for child, target in waits:
             self._await(child, target)
             log.info("%s is healthy at %s", child.name, target)
-        coordinator = self._spawn("coordinator", self._service_args("coordinator"))
+        _let_go(coordinator)
         # a coordinator dying as it starts (a service died under it) is restarted by watch() when allowed
         self._await(coordinator, s.coordinator.target, may_exit=True)
 
@@ -341,6 +359,9 @@ class LocalRun:
                 status = stub.GetStatus(common_pb2.Empty(), timeout=s.timeouts.control_s)
                 view.set_total(status.num_rollout, start=status.rollout_id)
                 for event in stub.WatchEvents(coordinator_pb2.WatchRequest(include_history=True)):
+                    if not view.total:   # asked before the coordinator's start-up knew it (0 until then)
+                        status = stub.GetStatus(common_pb2.Empty(), timeout=s.timeouts.control_s)
+                        view.set_total(status.num_rollout, start=status.rollout_id)
                     view.on_event(event)
         except grpc.RpcError:
             pass   # the coordinator went away; watch() notices and reports
