@@ -28,6 +28,7 @@ from services.weights.layout import (
     PendingChecksums,
     Slot,
     TensorSpec,
+    announced_checksums,
     check_params,
     iter_validated,
     layout_from_plan,
@@ -113,8 +114,7 @@ class WeightPublisher:
         announces (the trainer computed them from these weights in prepare, in one batch) as announced, others
         summed as they pass, with no host sync between the transport's copies."""
         where = f"{plan.transport} weight sync v{plan.version} (trainer)"
-        announced = {m.name: m.checksum for b in plan.buckets for m in b.tensors if m.checksum} if plan.verify \
-            else {}
+        announced = announced_checksums(plan) if plan.verify else {}
         for slot, tensor in iter_validated(layout, named_tensors, where=where):
             if plan.verify:
                 if slot.name in announced:
@@ -181,7 +181,7 @@ class WeightReceiver:
             checksums = dict(zip((s.name for s in layout.order), tensor_checksums(
                 [params[s.name] for s in layout.order]), strict=True)) if plan.verify else {}
             # the trainer's checksums, where known: announced in the plan's TensorMeta, or carried by the transport
-            theirs = {m.name: m.checksum for b in plan.buckets for m in b.tensors if m.checksum}
+            theirs = announced_checksums(plan)
             self._compare(where=where, mine=checksums, theirs={**theirs, **received.sender_checksums})
             return SyncStats(version=plan.version, bytes=layout.total_bytes, seconds=elapsed - received.waited_s,
                              checksums=checksums, transport=plan.transport, wait_seconds=received.waited_s)

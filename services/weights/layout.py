@@ -301,6 +301,11 @@ def named_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]
     return dict(zip(names, _hex_pairs(sums), strict=True))
 
 
+def announced_checksums(plan: common_pb2.WeightSyncPlan) -> dict[str, str]:
+    """The trainer's checksums a plan carries (TensorMeta.checksum; set when it asked for verification)."""
+    return {m.name: m.checksum for b in plan.buckets for m in b.tensors if m.checksum}
+
+
 class PendingChecksums(Mapping[str, str]):
     """Checksums filled in as tensors stream by: known ones (announced in the plan) as given, the others summed on
     their device without a host sync, and turned into hex together at the first read."""
