@@ -16,7 +16,8 @@ ids, so it gets min_new_tokens = L as well. Both decode with the same tokenizer 
   makes up the 512). Generation = the time inside `_generate_and_score_completions` (generate, decode, reward,
   advantages); step = the time between consecutive `on_step_end` callbacks, CUDA synchronised; train = step - gen.
 - Tandem: `tandem run examples/digit_max_gpu.yaml` with cuda_ipc, `check_weight_update_equal` off and eval off, in
-  loop.mode async and sync, at TRL's precision (trainer.precision bf16_pure, skip_nonfinite_steps off); the perf/*
+  loop.mode async and sync, at TRL's precision (trainer.precision bf16_pure, skip_nonfinite_steps off) and the
+  default trainer.zero_stage 0 (the flat AdamW; ZeRO-1 until 2026-12-05); the perf/*
   keys of its metrics.jsonl, the trainer's own split of its train phase (perf/train_read_s, _prepare_s, _update_s)
   included. It is given steps + 1 rollouts, since a run's
   last step also saves a checkpoint.
