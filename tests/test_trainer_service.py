@@ -22,6 +22,7 @@ from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import array_to_proto, build_batch, sampling_arrays
 from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.critic import handoff_key, read_handoff
+from services.trainer.flat_adamw import FlatAdamW
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -311,3 +312,22 @@ def test_weight_export_matches_hf_reload_and_syncs_to_an_engine(harness, tiny_mo
     with pytest.raises(FailedPrecondition, match="PrepareWeightSync"):
         h.service.publish_weights(version=2)
     receiver.close()
+
+
+@pytest.mark.parametrize("saved_at,loaded_at", [(1, 0), (0, 1)])
+def test_a_checkpoint_of_another_zero_stage_is_refused_naming_the_key(harness, tiny_model_dir, saved_at,  # noqa: F811
+                                                                     loaded_at):
+    """Stage 0 keeps the flat AdamW's state in the model file, stages 1-3 DeepSpeed's shards: a resume must use the
+    stage the checkpoint was written with, and is told so."""
+    a = harness(trainer={"zero_stage": saved_at}, run_name="cross")
+    a.service.train(rollout_id=0, entry_ids=[a.put(make_batch(model_dir=tiny_model_dir))])
+    a.service.save(rollout_id=0)
+    a.close()
+    b = harness(trainer={"zero_stage": loaded_at}, run_name="cross")
+    with pytest.raises(FailedPrecondition, match=f"written at trainer.zero_stage {saved_at}; this trainer runs at "
+                       f"{loaded_at}"):
+        b.service.load()
+    # the optimizer's own check, for checkpoints that do not record their stage
+    with pytest.raises(ValueError, match="zero_stage must match"):
+        FlatAdamW([("w", torch.nn.Parameter(torch.zeros(2)))], precision="fp32", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                  weight_decay=0.0, max_grad_norm=1.0, skip_nonfinite=True).load_state_dict(None)

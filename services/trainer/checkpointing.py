@@ -256,6 +256,11 @@ class Checkpointer:
         if saved != current:
             raise FailedPrecondition(f"checkpoint {directory} was trained with trainer.lora {saved}; this trainer "
                                      f"has {current}: its shards do not fit")
+        saved_stage, stage = state.get("zero_stage"), self.config.trainer.zero_stage
+        if saved_stage is not None and saved_stage != stage and 0 in (saved_stage, stage):
+            raise FailedPrecondition(f"checkpoint {directory} was written at trainer.zero_stage {saved_stage}; this "
+                                     f"trainer runs at {stage}: stage 0 keeps the flat AdamW's state, stages 1-3 "
+                                     f"DeepSpeed's shards, so resume at trainer.zero_stage {saved_stage}")
         if state["world_size"] != self.dist.world_size and self.config.trainer.zero_stage > 0:
             raise FailedPrecondition(f"checkpoint {directory} was saved by {state['world_size']} ranks; ZeRO "
                                      f"shards cannot be loaded by {self.dist.world_size}")

@@ -202,8 +202,8 @@ class FlatAdamW(torch.optim.AdamW):
                        "masters": [g.master if g.separate_master else None for g in self.groups]}
         return out
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
+    def load_state_dict(self, state_dict: dict[str, Any] | None) -> None:
+        state_dict = dict(state_dict or {})   # a ZeRO 1-3 checkpoint keeps None here (its state is in shards)
         flat = state_dict.pop("flat", None)
         if flat is None:
             raise ValueError("this optimizer state was not written by ZeRO stage 0's flat AdamW (trainer.zero_stage "
