@@ -100,14 +100,10 @@ class FlatGroup:
 
     def move(self, device: torch.device, *, pin: bool) -> None:
         """Moves the weights (and masters) to `device`, drops the gradient accumulator; parameters follow."""
-        def moved(t: torch.Tensor) -> torch.Tensor:
-            out = t.to(device, non_blocking=False)
-            return out.pin_memory() if pin and out.device.type == "cpu" else out
-
         separate = self.separate_master
-        self.flat.data = moved(self.flat.data)
+        self.flat.data = _moved(self.flat.data, device, pin=pin)
         if separate:
-            self.master.data = moved(self.master.data)
+            self.master.data = _moved(self.master.data, device, pin=pin)
         self.grad, self.folded = None, 0
         self.rebind()
 
@@ -231,8 +227,15 @@ class FlatAdamW(torch.optim.AdamW):
         for state in self.state.values():
             for key, value in state.items():   # "step" too: the fused kernel wants it beside the parameter
                 if torch.is_tensor(value):
-                    moved = value.to(device)
-                    state[key] = moved.pin_memory() if pin and moved.device.type == "cpu" else moved
+                    state[key] = _moved(value, device, pin=pin)
+
+def _moved(tensor: torch.Tensor, device: torch.device, *, pin: bool) -> torch.Tensor:
+    """`tensor` on `device`; to the host into pinned memory when `pin` (one copy, and a fast one back)."""
+    if pin and device.type == "cpu" and tensor.device.type != "cpu":
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        return out.copy_(tensor)
+    return tensor.to(device)
+
 
 def _first_names(layout: list[list[list[Any]]]) -> list[str]:
     return [slot[0] for group in layout for slot in group][:3]
