@@ -54,9 +54,7 @@ class FlatGroup:
                            for (name, p), offset in zip(named, offsets[:-1], strict=True))
         first = self.params[0]
         self.flat = torch.empty(offsets[-1], dtype=first.dtype, device=first.device)
-        with torch.no_grad():
-            for p, slot in zip(self.params, self.slots, strict=True):
-                self.flat[slot.offset: slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        torch.cat([p.detach().reshape(-1) for p in self.params], out=self.flat)
         self.rebind()
         self.master = self.flat if first.dtype == master_dtype else self.flat.to(master_dtype)
         self.grad: torch.Tensor | None = None
@@ -141,10 +139,6 @@ class FlatAdamW(torch.optim.AdamW):
         self.overflow = False                # read by DeepSpeed: a skipped step does not advance the lr schedule
         self._global_grad_norm = float("nan")   # read by DeepSpeed's get_global_grad_norm()
 
-    @property
-    def device(self) -> torch.device:
-        return self.groups[0].flat.device
-
     def check_bound(self) -> None:
         for g in self.groups:
             g.check_bound()
@@ -228,6 +222,7 @@ class FlatAdamW(torch.optim.AdamW):
             for key, value in state.items():   # "step" too: the fused kernel wants it beside the parameter
                 if torch.is_tensor(value):
                     state[key] = _moved(value, device, pin=pin)
+
 
 def _moved(tensor: torch.Tensor, device: torch.device, *, pin: bool) -> torch.Tensor:
     """`tensor` on `device`; to the host into pinned memory when `pin` (one copy, and a fast one back)."""
