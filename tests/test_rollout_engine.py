@@ -258,6 +258,11 @@ def test_pause_in_place_parks_and_continues_after_a_weight_update(engine: Native
     outs = result[0]
     assert all(o.finish_reason == "length" and len(o.token_ids) == 120 for o in outs)
     assert outs[0].weight_version == engine.weight_version - 1    # the version generation started with
+    # every token carries the version that sampled it: the old one up to where the call was parked, then the new
+    old, new = engine.weight_version - 1, engine.weight_version
+    switch = outs[0].token_versions.index(new)
+    assert 0 < switch < 120
+    assert all(o.token_versions == (old,) * switch + (new,) * (120 - switch) for o in outs)
 
 
 def test_release_and_resume_memory_on_cpu(model_dirs: tuple[Path, Path]):

@@ -160,12 +160,20 @@ def test_keep_old_actor_scores_samples_under_the_version_that_generated_them(har
     second = h.service.train(rollout_id=1, entry_ids=[h.put(generated_by_v0[1])]).metrics
     assert second["rollout_logprob_abs_diff"] < 1e-5 and second["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
     assert abs(second["ppo_ratio_mean"] - 1.0) > 1e-4 and second["old_actor_fallback_frac"] == 0.0
+    # Per token: a sync landed mid-sample. Each sample's first token is v0's, whose snapshot reproduces its rollout
+    # log-prob; the later ones claim version 5, which has no snapshot: exactly those fall back to the current policy.
+    mixed = make_batch(rollout_id=2, seed=3, model_dir=peaked_model_dir, sampling=dist, sample_versions=[0] * 12)
+    firsts = np.zeros(mixed.num_response_tokens, dtype=bool)
+    firsts[np.cumsum(mixed.response_lengths) - mixed.response_lengths] = True
+    mixed = dataclasses.replace(mixed, token_versions=np.where(firsts, 0, 5).astype(np.int64))
+    third = h.service.train(rollout_id=2, entry_ids=[h.put(mixed)]).metrics
+    assert third["old_actor_fallback_frac"] == pytest.approx(1 - 12 / mixed.num_response_tokens, abs=1e-6)
     publish(h, 2)
     assert sorted(h.service.old_actor.snapshots) == [1, 2]   # one step off keeps two versions
-    unknown = make_batch(rollout_id=2, seed=5, model_dir=peaked_model_dir, sampling=dist, sample_versions=[0] * 12)
-    third = h.service.train(rollout_id=2, entry_ids=[h.put(unknown)]).metrics
-    assert third["old_actor_fallback_frac"] == 1.0 and math.isfinite(third["loss"])   # v0 is gone: current policy
-    h.service.save(rollout_id=2)
+    unknown = make_batch(rollout_id=3, seed=5, model_dir=peaked_model_dir, sampling=dist, sample_versions=[0] * 12)
+    fourth = h.service.train(rollout_id=3, entry_ids=[h.put(unknown)]).metrics
+    assert fourth["old_actor_fallback_frac"] == 1.0 and math.isfinite(fourth["loss"])   # v0 is gone: current policy
+    h.service.save(rollout_id=3)
     assert h.service.load().loaded and not h.service.old_actor.snapshots   # a Load rolls back: snapshots dropped
 
 

@@ -233,6 +233,7 @@ class RolloutService:
                 group_ids=[p.group_id for p in prompts for _ in range(n)],
                 finish_reasons=[o.finish_reason for o in scored.outputs], sampling=sampling,
                 sample_versions=[o.weight_version for o in scored.outputs], loss_masks=scored.loss_masks,
+                token_versions=[list(o.versions) for o in scored.outputs],
                 labels=[p.label for p in prompts for _ in range(n)],
                 metadata={"reward": reward_fn.spec, "engine": self.engine.name, "n_samples_per_prompt": str(n),
                           "temperature": str(sampling.temperature), **self._environment_metadata()},
@@ -486,7 +487,20 @@ def batch_metrics(outputs: Sequence[SampleOutput], rewards: Sequence[float], *, 
         # GRPO gets no signal from a group whose rewards are all equal.
         "zero_std_group_frac": float((groups.std(axis=1) == 0).mean()),
         "tokens_per_s": float(lengths.sum() / generate_s) if generate_s > 0 else 0.0,
+        **version_metrics(outputs),
     }
+
+
+def version_metrics(outputs: Sequence[SampleOutput]) -> dict[str, float]:
+    """How far weight updates reached into the samples (rollout.inflight_update): the spread of token versions
+    within a sample (newest - oldest), and the fraction of tokens sampled by a newer version than their sample's
+    first token."""
+    spreads = [max(o.versions) - min(o.versions) for o in outputs if o.token_ids]
+    newer = sum(sum(v > o.weight_version for v in o.versions) for o in outputs)
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {"version_spread_mean": float(np.mean(spreads)) if spreads else 0.0,
+            "version_spread_max": float(max(spreads, default=0)),
+            "inflight_token_frac": newer / tokens if tokens else 0.0}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

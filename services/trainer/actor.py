@@ -111,7 +111,7 @@ def frozen_pass(model: torch.nn.Module, num_tokens: int, mbs: list[MicroBatch], 
 
 @dataclass(frozen=True)
 class BehaviourLogProbs:
-    """The old actor's log-probs of each token's sample version (NaN: the current policy is that version) and
+    """The old actor's log-probs of each token's version (NaN: the current policy is that version) and
     1.0 where no snapshot of the version was left (a restart): those use the current policy too. On the device."""
 
     log_probs: torch.Tensor   # float32 [T]
@@ -121,10 +121,10 @@ class BehaviourLogProbs:
 def old_actor_log_probs(*, old_actor: OldActor, backend: DeepSpeedBackend, batch: TrainBatch,
                         mbs: list[MicroBatch], sampling: TokenSampling) -> BehaviourLogProbs:
     n_tok, device = batch.num_response_tokens, backend.device
-    versions = per_token(batch.sample_versions, batch.response_lengths).to(device)
+    versions = batch.versions.to(device)   # each token's own: a sync may have landed mid-sample
     out = torch.full((n_tok,), float("nan"), device=device)
     fallback = torch.zeros(n_tok, device=device)
-    for version in sorted(set(batch.sample_versions.tolist())):
+    for version in sorted(set(batch.versions.tolist())):
         chosen = versions == version
         snapshot = old_actor.get(version)
         if snapshot is None:

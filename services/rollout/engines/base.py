@@ -38,12 +38,19 @@ class EngineUnavailable(RuntimeError):
 class SampleOutput:
     """One generated sample. `log_probs[i]` is the log-probability of `token_ids[i]` in the engine's
     `logprob_space`: the distribution it was drawn from (services.rollout.engines.sampling.sampling_log_probs) for
-    the native engine, the tempered one for SGLang."""
+    the native engine, the tempered one for SGLang; under the weights of `token_versions[i]`, so it is the token's
+    behaviour log-prob even when a weight update landed mid-generation (rollout.inflight_update)."""
 
     token_ids: tuple[int, ...]
     log_probs: tuple[float, ...]
     finish_reason: str            # "stop" | "length" | "abort"
     weight_version: int           # engine weight version when this sample's generation started
+    token_versions: tuple[int, ...] = ()   # the version that sampled each token; () = all weight_version
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The version of each token (token_versions, or weight_version for every token)."""
+        return self.token_versions or (self.weight_version,) * len(self.token_ids)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@
   batch (and its KV cache) once a quarter of them are done, so short answers do not pay for long ones.
 - `decode_static`: fixed-shape decode through static_decode.py's runners (a preallocated KV cache, CUDA graphs
   or torch.compile); every row steps until the whole batch is done and the host looks every `_SYNC_EVERY` tokens.
-Both call `boundary()` between tokens (the engine's DecodeGate: True = abort now, or it parks the call there).
+Both call `hooks.boundary()` between tokens (the engine's DecodeGate: True = abort now, or it parks the call there)
+and read `hooks.version()` before each forward pass, so every token is stamped with the weight version whose logits it
+was sampled from: a weight update that lands while the call is parked gives the later tokens the new version.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ _SYNC_EVERY = 8        # static path: tokens between host checks for "every row 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]  # ids, mask, positions, cache
 
 
+@dataclass(frozen=True)
+class Hooks:
+    """What a decode loop asks its engine between two steps."""
+
+    boundary: Callable[[], bool]   # True = abort now; the engine's gate may park the call inside it
+    version: Callable[[], int]     # the weight version the next forward pass computes with
+
+
 @dataclass
 class Chunk:
     """One left-padded batch of prompts, on the engine's device."""
@@ -43,25 +53,31 @@ class Chunk:
 
 @dataclass
 class Decoded:
-    """What a loop produced per row: tokens and log-probs (the first `lengths[i]` count), why it ended."""
+    """What a loop produced per row: tokens and log-probs (the first `lengths[i]` count), why it ended, and the
+    weight version of each step (every row's token i was sampled at step i)."""
 
     tokens: torch.Tensor
     log_probs: torch.Tensor
     lengths: torch.Tensor
     reason: torch.Tensor
+    step_versions: list[int]
 
     @classmethod
     def empty(cls, n: int, steps: int, device: torch.device) -> Decoded:
         return cls(tokens=torch.zeros((n, steps), dtype=torch.long, device=device),
                    log_probs=torch.zeros((n, steps), dtype=torch.float32, device=device),
                    lengths=torch.zeros(n, dtype=torch.long, device=device),
-                   reason=torch.zeros(n, dtype=torch.long, device=device))   # index into _REASONS; 0 = running
+                   reason=torch.zeros(n, dtype=torch.long, device=device),   # index into _REASONS; 0 = running
+                   step_versions=[])
 
     def samples(self, version: int) -> list[SampleOutput]:
+        """`version`: the one the call started with (a sample's version when it has no token)."""
         tokens_l, lps_l = self.tokens.cpu().tolist(), self.log_probs.cpu().tolist()
         lengths_l, reason_l = self.lengths.cpu().tolist(), self.reason.cpu().tolist()
+        steps = self.step_versions
         return [SampleOutput(token_ids=tuple(t[:k]), log_probs=tuple(lp[:k]),
-                             finish_reason=_REASONS[r] or FINISH_LENGTH, weight_version=version)
+                             finish_reason=_REASONS[r] or FINISH_LENGTH, weight_version=steps[0] if k else version,
+                             token_versions=tuple(steps[:k]))
                 for t, lp, k, r in zip(tokens_l, lps_l, lengths_l, reason_l, strict=True)]
 
 
@@ -85,14 +101,16 @@ def prepare_chunk(prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *, d
 
 
 def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator | None, *, cache: Any,
-                   forward: Forward, boundary: Callable[[], bool]) -> Decoded:
+                   forward: Forward, hooks: Hooks) -> Decoded:
     dev, n, steps, budget, stop_ids, mask = c.input_ids.device, c.n, c.steps, c.budget, c.stop_ids, c.mask
     out = Decoded.empty(n, steps, dev)
     rows = torch.arange(n, device=dev)      # original index of each row still in the batch
     done = torch.zeros(n, dtype=torch.bool, device=dev)
+    version = hooks.version()
     logits = forward(c.input_ids, mask, c.positions, cache)
     next_pos = c.positions[:, -1] + 1
     for step in range(steps):
+        out.step_versions.append(version)
         tokens, lps = sample_next(logits, sampling, generator)
         # No boolean-mask indexing here: it would cost a device sync per op on a GPU.
         out.tokens[rows, step], out.log_probs[rows, step] = tokens, lps
@@ -105,9 +123,10 @@ def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator 
         n_done = int(done.sum())                  # the loop's one host sync per token
         if n_done == done.numel():
             break
-        if boundary():
+        if hooks.boundary():
             out.reason[rows[~done]] = _ABORT
             break
+        version = hooks.version()
         if n_done * 4 >= done.numel():            # compact when a quarter of the rows are finished
             keep = (~done).nonzero().squeeze(-1)
             cache.batch_select_indices(keep)
@@ -119,7 +138,7 @@ def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator 
 
 
 def decode_static(c: Chunk, sampling: SamplingSpec, generator: torch.Generator | None, *, runners: RunnerCache,
-                  boundary: Callable[[], bool]) -> Decoded:
+                  hooks: Hooks) -> Decoded:
     """Finished rows keep computing but their tokens are not counted; no host sync except every _SYNC_EVERY."""
     n, steps = c.n, c.steps
     runner = runners.get(n, c.width + steps)
@@ -127,11 +146,13 @@ def decode_static(c: Chunk, sampling: SamplingSpec, generator: torch.Generator |
     if runner.batch > n:                          # batch padding: repeat row 0, results dropped
         pad = runner.batch - n
         ids, mask, positions = (torch.cat([t, t[:1].expand(pad, -1)]) for t in (ids, mask, positions))
+    version = hooks.version()
     logits = runner.prefill(ids, positions, mask)          # [runner.batch, vocab]: padded rows sampled too
     next_pos = c.positions[:, -1] + 1
     out = Decoded.empty(n, steps, c.input_ids.device)
     done = torch.zeros(n, dtype=torch.bool, device=c.input_ids.device)
     for step in range(steps):
+        out.step_versions.append(version)
         tokens, lps = runners.sample(logits, sampling, generator)
         tokens, lps = tokens[:n], lps[:n]
         out.tokens[:, step], out.log_probs[:, step] = tokens, lps
@@ -142,9 +163,10 @@ def decode_static(c: Chunk, sampling: SamplingSpec, generator: torch.Generator |
         done = done | hit_stop | hit_len
         if step == steps - 1 or (step % _SYNC_EVERY == _SYNC_EVERY - 1 and bool(done.all())):
             break
-        if boundary():
+        if hooks.boundary():
             out.reason = torch.where(done, out.reason, _ABORT)
             break
+        version = hooks.version()
         logits = runner.step(tokens, next_pos, c.width + step)
         next_pos = next_pos + 1
     return out

@@ -33,7 +33,7 @@ from services.rollout.engines.base import (
     WeightLoadStats,
     normalize_memory_tags,
 )
-from services.rollout.engines.decode import decode_dynamic, decode_static, prepare_chunk
+from services.rollout.engines.decode import Hooks, decode_dynamic, decode_static, prepare_chunk
 from services.rollout.engines.gate import DecodeGate, check_pause_mode
 from services.rollout.engines.sampling import make_generator
 from services.rollout.engines.static_decode import RunnerCache, supported
@@ -172,17 +172,18 @@ class NativeEngine(Engine):
                         generator: torch.Generator | None, version: int) -> list[SampleOutput]:
         chunk = prepare_chunk(prompts, sampling, device=self.device, pad_token_id=self.pad_token_id,
                               eos_token_ids=self.eos_token_ids, max_context=self._max_context)
+        hooks = Hooks(boundary=self._gate.boundary, version=lambda: self._version)
         if self.decode_mode == "dynamic":
             from transformers import DynamicCache
 
             decoded = decode_dynamic(chunk, sampling, generator, cache=DynamicCache(config=self.model.config),
-                                     forward=self._forward, boundary=self._gate.boundary)
+                                     forward=self._forward, hooks=hooks)
         else:
             if self._runners is None:
                 self._runners = RunnerCache(self.model, graphs=self.decode_mode in ("graph", "compile"),
                                             compile=self.decode_mode == "compile")
             # the runners are passed on: a weight update while parked may drop self._runners
-            decoded = decode_static(chunk, sampling, generator, runners=self._runners, boundary=self._gate.boundary)
+            decoded = decode_static(chunk, sampling, generator, runners=self._runners, hooks=hooks)
         return decoded.samples(version)
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,

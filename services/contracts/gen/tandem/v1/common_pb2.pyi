@@ -36,7 +36,7 @@ class TensorData(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RolloutBatch(_message.Message):
-    __slots__ = ("rollout_id", "policy_version", "num_samples", "tokens", "prompt_lengths", "response_lengths", "loss_mask", "rollout_log_probs", "rewards", "group_ids", "sample_versions", "finish_reasons", "metadata", "created_unix_ns", "producer", "labels", "sampling_temperature", "sampling_top_p", "sampling_top_k", "logprob_space")
+    __slots__ = ("rollout_id", "policy_version", "num_samples", "tokens", "prompt_lengths", "response_lengths", "loss_mask", "rollout_log_probs", "rewards", "group_ids", "sample_versions", "finish_reasons", "metadata", "created_unix_ns", "producer", "labels", "sampling_temperature", "sampling_top_p", "sampling_top_k", "logprob_space", "token_version_runs")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class RolloutBatch(_message.Message):
     SAMPLING_TOP_P_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_TOP_K_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_SPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_VERSION_RUNS_FIELD_NUMBER: _ClassVar[int]
     rollout_id: int
     policy_version: int
     num_samples: int
@@ -84,7 +85,8 @@ class RolloutBatch(_message.Message):
     sampling_top_p: TensorData
     sampling_top_k: TensorData
     logprob_space: LogProbSpace
-    def __init__(self, rollout_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., tokens: _Optional[_Union[TensorData, _Mapping]] = ..., prompt_lengths: _Optional[_Union[TensorData, _Mapping]] = ..., response_lengths: _Optional[_Union[TensorData, _Mapping]] = ..., loss_mask: _Optional[_Union[TensorData, _Mapping]] = ..., rollout_log_probs: _Optional[_Union[TensorData, _Mapping]] = ..., rewards: _Optional[_Union[TensorData, _Mapping]] = ..., group_ids: _Optional[_Union[TensorData, _Mapping]] = ..., sample_versions: _Optional[_Union[TensorData, _Mapping]] = ..., finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ns: _Optional[int] = ..., producer: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., sampling_temperature: _Optional[_Union[TensorData, _Mapping]] = ..., sampling_top_p: _Optional[_Union[TensorData, _Mapping]] = ..., sampling_top_k: _Optional[_Union[TensorData, _Mapping]] = ..., logprob_space: _Optional[_Union[LogProbSpace, str]] = ...) -> None: ...
+    token_version_runs: TensorData
+    def __init__(self, rollout_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., tokens: _Optional[_Union[TensorData, _Mapping]] = ..., prompt_lengths: _Optional[_Union[TensorData, _Mapping]] = ..., response_lengths: _Optional[_Union[TensorData, _Mapping]] = ..., loss_mask: _Optional[_Union[TensorData, _Mapping]] = ..., rollout_log_probs: _Optional[_Union[TensorData, _Mapping]] = ..., rewards: _Optional[_Union[TensorData, _Mapping]] = ..., group_ids: _Optional[_Union[TensorData, _Mapping]] = ..., sample_versions: _Optional[_Union[TensorData, _Mapping]] = ..., finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ns: _Optional[int] = ..., producer: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., sampling_temperature: _Optional[_Union[TensorData, _Mapping]] = ..., sampling_top_p: _Optional[_Union[TensorData, _Mapping]] = ..., sampling_top_k: _Optional[_Union[TensorData, _Mapping]] = ..., logprob_space: _Optional[_Union[LogProbSpace, str]] = ..., token_version_runs: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
 
 class Prompt(_message.Message):
     __slots__ = ("text", "token_ids", "label", "group_id", "metadata")
