@@ -114,6 +114,37 @@ def test_step_metrics_match_the_reference_after_an_update(harness, peaked_model_
     assert got == pytest.approx([pg, ratio, clipfrac, kl, entropy, mismatch, pg + 0.05 * kl], rel=2e-4, abs=2e-6)
 
 
+def test_decoupled_ppo_step_weighs_each_token_by_its_own_behaviour_log_prob(harness, peaked_model_dir):  # noqa: F811
+    """A real DeepSpeed step with tis_mode: mask (AReaL's decoupled PPO): the second half of every sample was
+    sampled after a mid-generation sync by a far-off policy (its rollout log-probs moved by N(0, 1.5)), so some of
+    those tokens pass the cap and leave the loss. The metrics are the reference's from each token's own log-prob."""
+    h = harness(model_dir=peaked_model_dir, algorithm={"use_rollout_logprobs": False, "use_tis": True,
+                                                       "tis_mode": "mask", "tis_clip": 2.0})
+    dist = SamplingSpec(temperature=0.7, top_p=0.9)
+    batch = make_batch(rollout_id=0, seed=6, groups=4, model_dir=peaked_model_dir, sampling=dist)
+    offsets = np.concatenate([np.arange(k) for k in batch.response_lengths])
+    late = offsets >= np.repeat(batch.response_lengths // 2, batch.response_lengths)
+    shift = np.random.default_rng(7).normal(0.0, 1.5, batch.num_response_tokens).astype(np.float32)
+    batch = dataclasses.replace(batch, rollout_log_probs=np.where(late, batch.rollout_log_probs + shift,
+                                                                  batch.rollout_log_probs).astype(np.float32),
+                                token_versions=np.where(late, 1, 0).astype(np.int64))
+    m = h.service.train(rollout_id=0, entry_ids=[h.put(batch)]).metrics
+    prox = reference_tables(peaked_model_dir, batch)   # the policy the step starts from
+    adv = np.repeat(ref.grpo_advantages(batch.rewards.tolist(), batch.group_ids.tolist(), normalize_std=True),
+                    batch.response_lengths)
+    rows = []
+    for i, tok in enumerate(targets(batch)):
+        lp, behav = prox[i][tok], float(batch.rollout_log_probs[i])
+        loss = ref.decoupled_ppo_loss(log_prob=lp, prox_log_prob=lp, behav_log_prob=behav, advantage=float(adv[i]),
+                                      eps_low=0.2, eps_high=0.2, dual_clip_c=None, cap=2.0)
+        weight = math.exp(lp - behav)
+        rows.append((loss, weight if weight <= 2.0 else 0.0, float(weight > 2.0)))
+    pg, weight, masked = np.mean(rows, axis=0)
+    assert 0 < masked < 0.5 and all(r[2] == 0 for r, is_late in zip(rows, late, strict=True) if not is_late)
+    assert [m["pg_loss"], m["tis_weight_mean"], m["tis_masked_frac"]] == pytest.approx([pg, weight, masked],
+                                                                                      rel=2e-4, abs=2e-6)
+
+
 def test_critic_gae_skips_masked_tokens(harness, tiny_model_dir):  # noqa: F811
     gae = {"advantage_estimator": "gae", "gamma": 0.9, "lambd": 0.8}
     critic = harness(role="critic", run_name="ppo-mask", algorithm=gae)

@@ -228,6 +228,9 @@ class AlgorithmConfig(Section):
     use_tis: bool = Field(default=False, description="truncated importance sampling: weights pi_old / pi_rollout "
                           "(capped at tis_clip) on the loss; needs use_rollout_logprobs: false")
     tis_clip: float = Field(default=2.0, gt=0)
+    tis_mode: Literal["truncate", "mask"] = Field(
+        default="truncate", description="use_tis: what a weight above tis_clip becomes: truncate = tis_clip (miles' "
+        "TIS); mask = 0, the token drops out of the loss (AReaL's decoupled PPO with its behaviour-weight cap)")
     keep_old_actor: bool = Field(default=False, description="keep snapshots of the weights sent to the rollout "
                                  "engines, and score each sample under the version that generated it (the ratio's "
                                  "denominator); needs use_rollout_logprobs: false")
@@ -266,6 +269,8 @@ class AlgorithmConfig(Section):
         if self.use_rollout_logprobs and self.keep_old_actor:
             raise ValueError("keep_old_actor: true needs use_rollout_logprobs: false (the old actor "
                              "computes the ratio's denominator, which use_rollout_logprobs takes from the rollout)")
+        if self.tis_mode != "truncate" and not self.use_tis:
+            raise ValueError(f"tis_mode: {self.tis_mode} applies to TIS's weights: it needs use_tis: true")
         return self
 
     @model_validator(mode="after")

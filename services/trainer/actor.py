@@ -147,7 +147,7 @@ def reward_kl_penalty(*, backend: DeepSpeedBackend, mbs: list[MicroBatch], sampl
 
 
 _SUMS = ("loss", "pg_loss", "pg_clipfrac", "kl", "entropy", "ppo_ratio_mean", "tis_weight_mean",
-         "rollout_logprob_abs_diff", "old_actor_fallback_frac")
+         "rollout_logprob_abs_diff", "old_actor_fallback_frac", "tis_masked_frac")
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def policy_loss_terms(*, logp: torch.Tensor, behaviour: torch.Tensor, rollout_lp
         pg, clipped, ratio = ppo_policy_loss(log_probs=logp, old_log_probs=old_lp, advantages=advantages, cfg=clip)
     if not algo.use_tis:
         return pg, clipped, ratio, torch.ones_like(pg)
-    tis = tis_weights(old_log_probs=behaviour, rollout_log_probs=rollout_lp, clip=algo.tis_clip)
+    tis = tis_weights(old_log_probs=behaviour, rollout_log_probs=rollout_lp, clip=algo.tis_clip, mode=algo.tis_mode)
     return pg * tis, clipped, ratio, tis
 
 
@@ -236,7 +236,7 @@ def _ppo_micro_loss(*, backend: DeepSpeedBackend, mb: MicroBatch, inputs: TokenI
     def metrics() -> list[torch.Tensor]:
         fallback = torch.zeros_like(tw) if inputs.old is None else inputs.old.fallback[mb.token_index]
         return [(w * t.pg).sum(), *((tw * x).sum() for x in (t.clipped, t.kl, t.entropy, t.ratio, t.tis,
-                                                             t.mismatch, fallback))]
+                                                             t.mismatch, fallback, (t.tis == 0).float()))]
 
     return MicroBatchLoss(loss=(w * loss_tok).sum(), anchor=anchor, metrics=metrics)
 
@@ -260,7 +260,8 @@ def actor_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmC
     totals, step = optimizer_update(backend, mbs, sums=_SUMS, micro_loss=lambda mb: _ppo_micro_loss(
         backend=backend, mb=mb, inputs=inputs, algo=algo))
     for key, used in (("kl", ref_lp is not None), ("tis_weight_mean", algo.use_tis),
-                      ("old_actor_fallback_frac", old is not None)):
+                      ("old_actor_fallback_frac", old is not None),
+                      ("tis_masked_frac", algo.use_tis and algo.tis_mode == "mask")):
         if not used:
             totals.pop(key)
     advantage_mean = float((inputs.advantages * inputs.weights.mean).sum())
