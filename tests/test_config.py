@@ -308,3 +308,12 @@ def test_offload_rollout_outside_sync_mode_is_refused(mode):
     [line] = problem_lines(error_of(config_from_dict, minimal(loop={"mode": mode, "offload_rollout": True})))
     assert line.startswith(f"loop.offload_rollout needs loop.mode: sync (in {mode} mode")
     assert config_from_dict(minimal(loop={"mode": "sync", "offload_rollout": True})).loop.offload_rollout
+
+
+@pytest.mark.parametrize("inflight", ["keep", "recompute"])
+def test_inflight_update_needs_generation_that_overlaps_the_sync(inflight):
+    [line] = problem_lines(error_of(config_from_dict, minimal(loop={"mode": "sync"},
+                                                              rollout={"inflight_update": inflight})))
+    assert line.startswith(f"rollout.inflight_update: {inflight} needs loop.mode async or fully_async")
+    assert config_from_dict(minimal(loop={"mode": "fully_async"},
+                                    rollout={"inflight_update": inflight})).rollout.inflight_update == inflight

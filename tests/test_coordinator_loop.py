@@ -48,6 +48,27 @@ class InlineExecutor(Executor):
         return fut
 
 
+class LazyFuture(Future):
+    """A generation that runs when the loop first waits for it: until then it is "still generating"."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        super().__init__()
+        self.fn = fn
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            try:
+                self.set_result(self.fn())
+            except Exception as exc:  # noqa: BLE001 - handed to whoever waits, as a thread pool does
+                self.set_exception(exc)
+        return super().result(timeout)
+
+
+class LazyExecutor(Executor):
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        return LazyFuture(lambda: fn(*args, **kwargs))
+
+
 class FakeClock:
     def __init__(self, log: CallLog):
         self.log, self.now = log, 0.0
@@ -213,7 +234,8 @@ class Run:
     def __init__(self, config: TandemConfig, *, checkpoint: RunState | None = None, pool_size: int = 1,
                  failures: dict[int, list[grpc.StatusCode]] | None = None, buffer: bool = False,
                  gone: frozenset[str] = frozenset(), on_train: Callable[[Coordinator, int], None] | None = None,
-                 informative: dict[int, int] | None = None, answers: dict[int, tuple[int, int]] | None = None):
+                 informative: dict[int, int] | None = None, answers: dict[int, tuple[int, int]] | None = None,
+                 generations: Executor | None = None):
         self.log = CallLog()
         self.trainer = FakeTrainer("trainer", self.log, checkpoint=checkpoint, failures=failures, answers=answers,
                                    on_train=lambda rid: on_train(self.coordinator, rid) if on_train else None)
@@ -225,7 +247,7 @@ class Run:
             data=DataSource(RECORDS, batch_size=config.rollout.rollout_batch_size, shuffle=False, seed=0,
                             num_epochs=config.data.num_epochs),
             buffer=FakeBuffer(self.log, gone=gone) if buffer else None, trackers=[self.tracker],
-            eval_prompts=lambda: RECORDS[:3], generations=InlineExecutor(), evals=InlineExecutor(),
+            eval_prompts=lambda: RECORDS[:3], generations=generations or InlineExecutor(), evals=InlineExecutor(),
             clock=FakeClock(self.log))
 
     def run(self) -> CallLog:
@@ -267,6 +289,20 @@ def test_sync_generates_each_batch_after_the_weights_of_the_previous_step_arrive
     assert run.run() == [*FRESH_START,
                          gen(0, 0), ("trainer.train", 0), ("sync", 1), gen(1, 2), step(0),
                          ("trainer.train", 1), ("sync", 2), gen(2, 4), step(1),
+                         ("trainer.train", 2), ("sync", 3), ("trainer.save", 2), step(2)]
+
+
+@pytest.mark.parametrize("inflight", ["off", "keep", "recompute"])
+def test_in_flight_updates_sync_without_waiting_for_the_next_batchs_generation(inflight):
+    """Generations finish only when the loop waits for them: without rollout.inflight_update the sync waits for the
+    next batch's generation; with it the sync lands while that generation runs (between two of its decode steps)."""
+    run = Run(make_config(loop={"mode": "async"}, rollout={"inflight_update": inflight}), generations=LazyExecutor())
+    if inflight == "off":
+        middle = [("trainer.train", 0), gen(1, 2), ("sync", 1), step(0), ("trainer.train", 1), gen(2, 4), ("sync", 2)]
+    else:   # each generation finishes when its own step waits for it, after the sync that landed in it
+        middle = [("trainer.train", 0), ("sync", 1), step(0), gen(1, 2), ("trainer.train", 1), ("sync", 2), step(1),
+                  gen(2, 4)]
+    assert run.run() == [*FRESH_START, gen(0, 0), *middle, *([step(1)] if inflight == "off" else []),
                          ("trainer.train", 2), ("sync", 3), ("trainer.save", 2), step(2)]
 
 
@@ -493,6 +529,11 @@ def test_a_resume_reuses_every_round_of_a_recorded_generation_or_generates_its_r
 
 def test_overlaps():
     assert [policy.overlaps(m) for m in ("async", "sync", "fully_async")] == [True, False, False]
+
+
+def test_sync_pause_mode_and_waiting_follow_inflight_update():
+    assert [policy.sync_pause_mode(m) for m in ("off", "keep", "recompute")] == ["drain", "in_place", "retract"]
+    assert [policy.waits_for_generation_before_sync(m) for m in ("off", "keep")] == [True, False]
 
 
 def test_sync_due():

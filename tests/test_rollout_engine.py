@@ -209,8 +209,13 @@ def test_in_place_weight_loads(model_dirs: tuple[Path, Path]):
 
 def _start(engine: NativeEngine, opts: SamplingSpec, n: int = 128,
            wait_running: bool = True) -> tuple[threading.Thread, list]:
+    return _start_prompts(engine, [[1, 5, 18]] * n, opts, wait_running=wait_running)
+
+
+def _start_prompts(engine: NativeEngine, prompts: list[list[int]], opts: SamplingSpec, *,
+                   wait_running: bool = True) -> tuple[threading.Thread, list]:
     result: list = []
-    thread = threading.Thread(target=lambda: result.append(engine.generate([[1, 5, 18]] * n, opts)))
+    thread = threading.Thread(target=lambda: result.append(engine.generate(prompts, opts)))
     thread.start()
     deadline = time.monotonic() + 10
     while wait_running and engine.get_state().in_flight == 0 and time.monotonic() < deadline:
@@ -263,6 +268,75 @@ def test_pause_in_place_parks_and_continues_after_a_weight_update(engine: Native
     switch = outs[0].token_versions.index(new)
     assert 0 < switch < 120
     assert all(o.token_versions == (old,) * switch + (new,) * (120 - switch) for o in outs)
+
+
+def _teacher_forced_logits(model, prompt: list[int], response: tuple[int, ...]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([prompt + list(response)])).logits[0, len(prompt) - 1:-1]
+
+
+def _update_while_parked(engine: NativeEngine, mode: str, state: dict[str, torch.Tensor], *, version: int,
+                         while_parked=None) -> list:  # type: ignore[no-untyped-def]
+    """Greedy generation of PROMPTS x 8 with a weight update that lands between two decode steps."""
+    thread, result = _start_prompts(engine, PROMPTS * 8, SamplingSpec(temperature=0.0, max_new_tokens=80,
+                                                                      ignore_eos=True))
+    engine.pause(mode, timeout_s=30)
+    if while_parked is not None:
+        while_parked()
+    engine.update_weights_from_tensors(state.items(), version=version)
+    engine.resume()
+    thread.join(30)
+    return result[0]
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_a_weight_update_lands_between_two_decode_steps(model_dirs: tuple[Path, Path], decode: str, mode: str):
+    """rollout.inflight_update: the tokens before the update are model A's greedy choices, the ones after are sampled
+    by model B and say so (token_versions). retract (recompute) refills the KV cache under B, so the rest is exactly
+    B's continuation of the prompt and the tokens so far (B's teacher-forced argmax and log-probs); in_place (keep)
+    goes on with A's KV cache, so B's log-probs of the later tokens differ from a fresh B forward."""
+    from transformers import AutoModelForCausalLM
+
+    engine = NativeEngine(model_dirs[0], device="cpu", decode=decode)
+    a = AutoModelForCausalLM.from_pretrained(model_dirs[0]).eval()
+    b = AutoModelForCausalLM.from_pretrained(model_dirs[1]).eval()
+    outs = _update_while_parked(engine, mode, {k: v.clone() for k, v in b.state_dict().items()}, version=1)
+    stale_kv = []
+    for prompt, o in zip(PROMPTS * 8, outs, strict=True):
+        switch = o.token_versions.index(1)
+        assert 0 < switch < 80 and o.token_versions == (0,) * switch + (1,) * (80 - switch)
+        before, after = _teacher_forced_logits(a, prompt, o.token_ids), _teacher_forced_logits(b, prompt, o.token_ids)
+        lp_a, lp_b = before.log_softmax(-1), after.log_softmax(-1)
+        tokens = torch.tensor(o.token_ids)
+        assert before[:switch].argmax(-1).tolist() == list(o.token_ids[:switch])
+        assert torch.allclose(lp_a[:switch].gather(-1, tokens[:switch, None]).squeeze(-1),
+                              torch.tensor(o.log_probs[:switch]), atol=LOGPROB_ATOL)
+        fresh = lp_b[switch:].gather(-1, tokens[switch:, None]).squeeze(-1)
+        gap = float((fresh - torch.tensor(o.log_probs[switch:])).abs().max())
+        if mode == "retract":
+            assert after[switch:].argmax(-1).tolist() == list(o.token_ids[switch:]) and gap < LOGPROB_ATOL
+        stale_kv.append(gap)
+    if mode == "in_place":
+        assert max(stale_kv) > 1e-2    # the KV of the tokens before the update is A's
+
+
+def test_a_runner_whose_parameters_moved_while_parked_refills_its_cache(model_dirs: tuple[Path, Path]):
+    """decode="static" (CUDA graphs capture parameter addresses): a first cuda_ipc sync re-points the parameters
+    into flat buffers while a call is parked in place; the call then needs a new runner, whose cache it refills."""
+    from transformers import AutoModelForCausalLM
+
+    from services.weights.layout import plan_layout, specs_from_tensors
+
+    engine = NativeEngine(model_dirs[0], device="cpu", decode="static")
+    b = AutoModelForCausalLM.from_pretrained(model_dirs[1]).eval()
+    layout = plan_layout(specs_from_tensors(engine.model.named_parameters()), bucket_bytes=16 * 1024)
+    outs = _update_while_parked(engine, "in_place", {k: v.clone() for k, v in b.state_dict().items()}, version=1,
+                                while_parked=lambda: engine.flatten_parameters(layout))
+    for prompt, o in zip(PROMPTS * 8, outs, strict=True):
+        switch = o.token_versions.index(1)
+        after = _teacher_forced_logits(b, prompt, o.token_ids)
+        assert after[switch:].argmax(-1).tolist() == list(o.token_ids[switch:])   # B's own continuation
 
 
 def test_release_and_resume_memory_on_cpu(model_dirs: tuple[Path, Path]):

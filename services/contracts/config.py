@@ -104,6 +104,10 @@ class RolloutConfig(Section):
                                            "one call of a batched function) must return within this, else the run "
                                            "fails naming the function and the sample (not retried); defaults to "
                                            "half of loop.step_timeout_s")
+    inflight_update: Literal["off", "keep", "recompute"] = Field(
+        default="off", description="a weight sync lands between two decode steps of running samples instead of "
+        "waiting for them: keep = they go on with the KV cache of the old weights, recompute = their KV cache is "
+        "recomputed under the new weights first; off = the sync waits for running generation (drain)")
     max_batch_size: int = Field(default=512, ge=1, description="sequences decoded together by the engine")
     max_context_length: int | None = Field(default=None, ge=1, description="defaults to the model's")
     max_request_samples: int = Field(default=65536, ge=1, description="most samples (prompts × n) one Generate or "
@@ -431,6 +435,9 @@ class TandemConfig(Section):
             raise ValueError(f"rollout.n_samples_per_prompt: 1 gives every sample advantage 0 with "
                              f"algorithm.advantage_estimator: {self.algorithm.advantage_estimator} (its baseline is "
                              "the other samples of the prompt); sample 2 or more per prompt, or use reinforce_pp")
+        if self.rollout.inflight_update != "off" and self.loop.mode == "sync":
+            raise ValueError(f"rollout.inflight_update: {self.rollout.inflight_update} needs loop.mode async or "
+                             "fully_async (in sync mode no generation runs while the weights are synced)")
         if self.loop.offload_rollout and self.loop.mode != "sync":
             raise ValueError(f"loop.offload_rollout needs loop.mode: sync (in {self.loop.mode} mode the engines "
                              "generate the next batch while the trainer trains)")

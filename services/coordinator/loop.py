@@ -4,7 +4,8 @@
     for rollout_id in range(start, num_rollout):
         batch = the generation in flight for rollout_id;  start generating rollout_id + 1
         train (PPO: critic first, then the actor once past num_critic_only_steps)
-        every update_weights_interval steps: wait for generation, then sync weights;  save when due
+        every update_weights_interval steps: wait for generation (unless rollout.inflight_update: then the sync lands
+        between two of its decode steps), then sync weights;  save when due
         eval when due (asynchronously), drained at the end
 
 Its decisions are pure functions (policy.py); memory moves (memory.py), evals (evals.py) and the start-up's pieces
@@ -60,6 +61,7 @@ class Coordinator:
                  train_retry: RetryPolicy = TRAIN_RETRY):
         self.config = config
         self.loop_cfg = config.loop
+        self.inflight_update = config.rollout.inflight_update
         self.run_dir = run_dir
         self.trainer = trainer
         self.critic = critic
@@ -133,8 +135,8 @@ class Coordinator:
                 metrics = self._train_step(rollout_id, current)
                 metrics["perf/rollout_wait_s"] = wait_s
                 if policy.sync_due(rollout_id, interval=self.loop_cfg.update_weights_interval, mode=self.loop_cfg.mode):
-                    if upcoming is not None:
-                        upcoming.result()   # never swap weights under a running generation
+                    if upcoming is not None and policy.waits_for_generation_before_sync(self.inflight_update):
+                        upcoming.result()   # else the sync lands between two of its decode steps
                     metrics.update(self._sync_weights())
                 self.memory.offload_trainer(metrics)   # after the sync, which needs the weights
                 if not overlap and more:

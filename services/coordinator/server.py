@@ -24,6 +24,7 @@ from services.coordinator.clients import make_clients
 from services.coordinator.data import DataSource, load_eval_prompts
 from services.coordinator.errors import failure_record
 from services.coordinator.loop import Coordinator
+from services.coordinator.policy import sync_pause_mode
 from services.coordinator.pool import RolloutPool
 from services.coordinator.retry import generate_retry
 from services.coordinator.sync import WeightSync
@@ -117,7 +118,8 @@ def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinat
                                stream_key(config.redis.stream_prefix, config.run_name), groups=groups)
     pool = RolloutPool(replicas, retry=generate_retry(config.loop.max_retries),
                        discard=buffer.delete if buffer is not None else None)
-    sync = WeightSync(trainer=trainer, pool=pool, config=config.weights, trainer_offloads=config.loop.offload_train)
+    sync = WeightSync(trainer=trainer, pool=pool, config=config.weights, trainer_offloads=config.loop.offload_train,
+                      pause_mode=sync_pause_mode(config.rollout.inflight_update))
     trackers = make_trackers(config.tracing.trackers, run_dir=run_dir, run_name=config.run_name,
                              wandb_project=config.tracing.wandb_project, prometheus_port=config.tracing.prometheus_port)
     coordinator = Coordinator(

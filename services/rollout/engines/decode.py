@@ -4,9 +4,11 @@
   batch (and its KV cache) once a quarter of them are done, so short answers do not pay for long ones.
 - `decode_static`: fixed-shape decode through static_decode.py's runners (a preallocated KV cache, CUDA graphs
   or torch.compile); every row steps until the whole batch is done and the host looks every `_SYNC_EVERY` tokens.
-Both call `hooks.boundary()` between tokens (the engine's DecodeGate: True = abort now, or it parks the call there)
-and read `hooks.version()` before each forward pass, so every token is stamped with the weight version whose logits it
-was sampled from: a weight update that lands while the call is parked gives the later tokens the new version.
+Both call `hooks.boundary()` between tokens (the engine's DecodeGate: it may park the call there while a weight update
+lands, rollout.inflight_update) and read `hooks.version()` before each forward pass, so every token is stamped with the
+weight version whose logits it was sampled from. After a park by in_place (Step.KEPT) the loop goes on with the KV
+cache of the old weights; after retract (Step.REFILL) it first recomputes the KV of the prompt and the tokens so far
+under the new weights (one prefill), so the rest of the sample is exactly the new policy's continuation.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import torch
 
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SampleOutput
+from services.rollout.engines.gate import Step
 from services.rollout.engines.sampling import sample_next
-from services.rollout.engines.static_decode import RunnerCache
+from services.rollout.engines.static_decode import Runner, RunnerCache
 
-_REASONS = (None, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)   # codes 0..3 in the loop's reason tensor
-_STOP, _LENGTH, _ABORT = 1, 2, 3
+REASONS = (None, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)   # codes 0..3 in the loop's reason tensor
+STOP, LENGTH, ABORT = 1, 2, 3
 _SYNC_EVERY = 8        # static path: tokens between host checks for "every row finished"
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]  # ids, mask, positions, cache
@@ -33,7 +36,7 @@ Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor
 class Hooks:
     """What a decode loop asks its engine between two steps."""
 
-    boundary: Callable[[], bool]   # True = abort now; the engine's gate may park the call inside it
+    boundary: Callable[[], Step]   # the engine's gate: it may park the call inside (a weight update may land)
     version: Callable[[], int]     # the weight version the next forward pass computes with
 
 
@@ -67,7 +70,7 @@ class Decoded:
         return cls(tokens=torch.zeros((n, steps), dtype=torch.long, device=device),
                    log_probs=torch.zeros((n, steps), dtype=torch.float32, device=device),
                    lengths=torch.zeros(n, dtype=torch.long, device=device),
-                   reason=torch.zeros(n, dtype=torch.long, device=device),   # index into _REASONS; 0 = running
+                   reason=torch.zeros(n, dtype=torch.long, device=device),   # index into REASONS; 0 = running
                    step_versions=[])
 
     def samples(self, version: int) -> list[SampleOutput]:
@@ -76,7 +79,7 @@ class Decoded:
         lengths_l, reason_l = self.lengths.cpu().tolist(), self.reason.cpu().tolist()
         steps = self.step_versions
         return [SampleOutput(token_ids=tuple(t[:k]), log_probs=tuple(lp[:k]),
-                             finish_reason=_REASONS[r] or FINISH_LENGTH, weight_version=steps[0] if k else version,
+                             finish_reason=REASONS[r] or FINISH_LENGTH, weight_version=steps[0] if k else version,
                              token_versions=tuple(steps[:k]))
                 for t, lp, k, r in zip(tokens_l, lps_l, lengths_l, reason_l, strict=True)]
 
@@ -100,13 +103,14 @@ def prepare_chunk(prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *, d
                  steps=int(budget.max()), stop_ids=stop_ids, n=n, width=width)
 
 
-def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator | None, *, cache: Any,
-                   forward: Forward, hooks: Hooks) -> Decoded:
+def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator | None, *,
+                   new_cache: Callable[[], Any], forward: Forward, hooks: Hooks) -> Decoded:
     dev, n, steps, budget, stop_ids, mask = c.input_ids.device, c.n, c.steps, c.budget, c.stop_ids, c.mask
     out = Decoded.empty(n, steps, dev)
     rows = torch.arange(n, device=dev)      # original index of each row still in the batch
     done = torch.zeros(n, dtype=torch.bool, device=dev)
     version = hooks.version()
+    cache = new_cache()
     logits = forward(c.input_ids, mask, c.positions, cache)
     next_pos = c.positions[:, -1] + 1
     for step in range(steps):
@@ -118,13 +122,14 @@ def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator 
         out.lengths[rows] = lengths_now
         hit_stop = ~done & torch.isin(tokens, stop_ids)
         hit_len = ~done & ~hit_stop & (lengths_now >= budget[rows])
-        out.reason[rows] = torch.where(hit_stop, _STOP, torch.where(hit_len, _LENGTH, out.reason[rows]))
+        out.reason[rows] = torch.where(hit_stop, STOP, torch.where(hit_len, LENGTH, out.reason[rows]))
         done = done | hit_stop | hit_len
         n_done = int(done.sum())                  # the loop's one host sync per token
         if n_done == done.numel():
             break
-        if hooks.boundary():
-            out.reason[rows[~done]] = _ABORT
+        after = hooks.boundary()
+        if after is Step.ABORT:
+            out.reason[rows[~done]] = ABORT
             break
         version = hooks.version()
         if n_done * 4 >= done.numel():            # compact when a quarter of the rows are finished
@@ -132,7 +137,12 @@ def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator 
             cache.batch_select_indices(keep)
             rows, done, mask, next_pos, tokens = rows[keep], done[keep], mask[keep], next_pos[keep], tokens[keep]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-        logits = forward(tokens.unsqueeze(-1), mask, next_pos.unsqueeze(-1), cache)
+        if after is Step.REFILL:                  # the rows' prompts and tokens so far, under the current weights
+            cache = new_cache()
+            ids = torch.cat([c.input_ids[rows], out.tokens[rows, :step + 1]], dim=-1)
+            logits = forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
+        else:
+            logits = forward(tokens.unsqueeze(-1), mask, next_pos.unsqueeze(-1), cache)
         next_pos = next_pos + 1
     return out
 
@@ -142,12 +152,8 @@ def decode_static(c: Chunk, sampling: SamplingSpec, generator: torch.Generator |
     """Finished rows keep computing but their tokens are not counted; no host sync except every _SYNC_EVERY."""
     n, steps = c.n, c.steps
     runner = runners.get(n, c.width + steps)
-    ids, mask, positions = c.input_ids, c.mask, c.positions
-    if runner.batch > n:                          # batch padding: repeat row 0, results dropped
-        pad = runner.batch - n
-        ids, mask, positions = (torch.cat([t, t[:1].expand(pad, -1)]) for t in (ids, mask, positions))
     version = hooks.version()
-    logits = runner.prefill(ids, positions, mask)          # [runner.batch, vocab]: padded rows sampled too
+    logits = _prefill(runner, c.input_ids, c.mask)          # [runner.batch, vocab]: padded rows sampled too
     next_pos = c.positions[:, -1] + 1
     out = Decoded.empty(n, steps, c.input_ids.device)
     done = torch.zeros(n, dtype=torch.bool, device=c.input_ids.device)
@@ -159,14 +165,32 @@ def decode_static(c: Chunk, sampling: SamplingSpec, generator: torch.Generator |
         out.lengths += (~done).long()
         hit_stop = ~done & torch.isin(tokens, c.stop_ids)
         hit_len = ~done & ~hit_stop & (out.lengths >= c.budget)
-        out.reason = torch.where(hit_stop, _STOP, torch.where(hit_len, _LENGTH, out.reason))
+        out.reason = torch.where(hit_stop, STOP, torch.where(hit_len, LENGTH, out.reason))
         done = done | hit_stop | hit_len
         if step == steps - 1 or (step % _SYNC_EVERY == _SYNC_EVERY - 1 and bool(done.all())):
             break
-        if hooks.boundary():
-            out.reason = torch.where(done, out.reason, _ABORT)
+        after = hooks.boundary()
+        if after is Step.ABORT:
+            out.reason = torch.where(done, out.reason, ABORT)
             break
+        if after is not Step.GO and not runner.current():   # parameters moved while parked (a first cuda_ipc sync)
+            runner, after = runners.get(n, c.width + steps), Step.REFILL
         version = hooks.version()
-        logits = runner.step(tokens, next_pos, c.width + step)
+        if after is Step.REFILL:                  # slots 0 .. width + step again, under the current weights
+            generated = out.tokens[:, :step + 1]
+            logits = _prefill(runner, torch.cat([c.input_ids, generated], dim=-1),
+                              torch.cat([c.mask, torch.ones_like(generated)], dim=-1))
+        else:
+            logits = runner.step(tokens, next_pos, c.width + step)
         next_pos = next_pos + 1
     return out
+
+
+def _prefill(runner: Runner, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Left-padded rows into the runner's cache from slot 0 (rotary positions count each row's own tokens); rows
+    beyond ids' own up to the runner's batch repeat row 0 (their results are dropped)."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    if runner.batch > ids.shape[0]:
+        pad = runner.batch - ids.shape[0]
+        ids, mask, positions = (torch.cat([t, t[:1].expand(pad, -1)]) for t in (ids, mask, positions))
+    return runner.prefill(ids, positions, mask)

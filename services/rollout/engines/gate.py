@@ -3,7 +3,8 @@
 `PauseGate` is what the SGLang engine needs (the server pauses its own requests): calls are admitted while it
 is open, wait up to their timeout while it is closed, and `drain` waits for the admitted ones to finish.
 `DecodeGate` adds what an engine that runs the decode loop itself needs (the native engine): one forward pass
-at a time, calls parked at a token boundary by in_place / retract, and exclusive access for weight loads and
+at a time, calls parked at a token boundary by in_place / retract (a weight update lands between two decode steps:
+rollout.inflight_update; after retract the call recomputes its KV cache), and exclusive access for weight loads and
 memory moves.
 """
 
@@ -12,11 +13,21 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from enum import Enum
 
 from services.rollout.engines.base import EngineUnavailable
 
 PAUSE_MODES = ("drain", "abort", "retract", "in_place")
 _PARKING_MODES = ("in_place", "retract")   # running calls stop at the next token and continue on resume
+
+
+class Step(Enum):
+    """What a decode loop does after a token boundary (DecodeGate.boundary)."""
+
+    GO = "go"            # not parked: carry on
+    ABORT = "abort"      # pause(abort): the call ends now
+    KEPT = "kept"        # parked by in_place and resumed: carry on with the KV cache computed so far
+    REFILL = "refill"    # parked by retract and resumed: the KV cache was given up, recompute it (current weights)
 
 
 def check_pause_mode(mode: str) -> str:
@@ -80,15 +91,34 @@ class DecodeGate(PauseGate):
     (holding the compute lock and not parked). Pausing waits for the mode's condition; weight loads and memory
     moves (`exclusive`) wait for running == 0 and keep everyone out while they work."""
 
-    def __init__(self, *, engine: str) -> None:
+    def __init__(self, *, engine: str, shared: bool = False) -> None:
+        """`shared`: admitted calls do not compute one after the other (`admit` takes no compute lock); they share
+        one batch and take turns stepping it inside `computing` (continuous batching)."""
         super().__init__(engine=engine)
         self.compute = threading.Lock()
+        self.shared = shared
         self.exclusive_held = False
         self.running = 0
+        self.retracts = 0   # pauses with mode retract so far: a call parked across one recomputes its KV cache
+
+    def close(self, mode: str) -> None:
+        with self.cv:
+            self.retracts += mode == "retract"
+        super().close(mode)
 
     @contextlib.contextmanager
     def admit(self, wait_timeout_s: float | None) -> Iterator[None]:
-        with super().admit(wait_timeout_s), self.compute:
+        with super().admit(wait_timeout_s):
+            if self.shared:
+                yield
+                return
+            with self.computing():
+                yield
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """The compute lock, counted in `running` (forward passes run inside, parked ones at a boundary)."""
+        with self.compute:
             with self.cv:
                 self.cv.wait_for(lambda: not self.exclusive_held)
                 self.running += 1
@@ -99,18 +129,20 @@ class DecodeGate(PauseGate):
                     self.running -= 1
                     self.cv.notify_all()
 
-    def boundary(self) -> bool:
-        """Called between decode steps; True = abort now."""
+    def boundary(self) -> Step:
+        """Called between decode steps: parks the call while paused by in_place / retract (a weight update may land
+        meanwhile) and says how to go on."""
         with self.cv:
             if self.paused and self.mode == "abort":
-                return True
-            if self.paused and self.mode in _PARKING_MODES:
-                self.running -= 1
-                self.cv.notify_all()
-                self.cv.wait_for(lambda: not (self.paused and self.mode in _PARKING_MODES)
-                                 and not self.exclusive_held)
-                self.running += 1
-            return False
+                return Step.ABORT
+            if not (self.paused and self.mode in _PARKING_MODES):
+                return Step.GO
+            retracted, retracts = self.mode == "retract", self.retracts
+            self.running -= 1
+            self.cv.notify_all()
+            self.cv.wait_for(lambda: not (self.paused and self.mode in _PARKING_MODES) and not self.exclusive_held)
+            self.running += 1
+            return Step.REFILL if retracted or self.retracts != retracts else Step.KEPT
 
     def pause(self, mode: str, timeout_s: float | None) -> None:
         """Closes the gate and waits until no call computes (in_place / retract: parked) or none is inside."""
