@@ -8,8 +8,9 @@ sequence the loop must produce. The pure decisions of policy.py have a one-line 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from services.coordinator.api import GenerationResult, SyncResult
 from services.coordinator.data import DataCursor, DataSource, PromptRecord
 from services.coordinator.errors import ServiceCallError
 from services.coordinator.loop import Coordinator
-from services.coordinator.state import GeneratedBatch, RunState
+from services.coordinator.state import GeneratedBatch, RunState, StreamGroup
 from services.telemetry.trackers import Tracker
 
 RECORDS = [PromptRecord(text=f"p{i}", label=str(i)) for i in range(8)]   # 4 batches of 2 per epoch
@@ -157,6 +158,15 @@ class FakePool:
                                              num_groups=len(prompts),
                                              informative_groups=self.informative.get(first, len(prompts)))
         return GenerationResult(rollout_id=rollout_id, entry_ids=(reply.entry_id,), responses=(reply,), seconds=0.0)
+
+    def generate_one(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+        """loop.mode streaming: one group; its entry is `g<group>-a` (`-b` when the group is generated again)."""
+        group = request.prompts[0].group_id
+        assert request.rollout_id == group and len(request.prompts) == 1
+        self.log("pool.generate_one", group, request.prompts[0].text)
+        k = self.calls[group] = self.calls.get(group, -1) + 1
+        return rollout_pb2.GenerateResponse(entry_id=f"g{group}-{'ab'[k]}", num_groups=1,
+                                            num_samples=request.n_samples_per_prompt, metrics={"reward_mean": 0.25})
 
     def evaluate(self, prompts: list, *, n_samples: int, sampling: Any) -> dict[str, float]:
         self.log("pool.evaluate", len(prompts))
@@ -304,6 +314,70 @@ def test_in_flight_updates_sync_without_waiting_for_the_next_batchs_generation(i
                   gen(2, 4)]
     assert run.run() == [*FRESH_START, gen(0, 0), *middle, *([step(1)] if inflight == "off" else []),
                          ("trainer.train", 2), ("sync", 3), ("trainer.save", 2), step(2)]
+
+
+STREAMING = {"loop": {"mode": "streaming", "groups_in_flight": 4, "num_rollout": 3, "save_interval": 1},
+             "redis": {"max_buffered_batches": 4}}
+
+
+def one(group: int) -> tuple:
+    return ("pool.generate_one", group, f"p{group}")
+
+
+def test_streaming_sends_each_group_alone_trains_them_as_they_finish_and_checkpoints_the_rest():
+    """Groups of 2 steps are out at a time (groups_in_flight 4); each step trains the first 2 done, and the room they
+    leave is filled at once; a checkpoint records every group drawn and not trained (here all done: this executor
+    finishes a Generate when it is sent); nothing is drawn past the run's last step."""
+    run = Run(make_config(**STREAMING))
+    assert run.run() == [*FRESH_START, one(0), one(1), one(2), one(3), one(4), one(5), ("trainer.train", 0),
+                         ("sync", 1), ("trainer.save", 0), step(0),
+                         ("trainer.train", 1), ("sync", 2), ("trainer.save", 1), step(1),
+                         ("trainer.train", 2), ("sync", 3), ("trainer.save", 2), step(2)]
+    assert [list(r.entry_ids) for r in run.trainer.requests] == [["g0-a", "g1-a"], ["g2-a", "g3-a"],
+                                                                 ["g4-a", "g5-a"]]
+    assert [r.max_staleness for r in run.trainer.requests] == [1, 1, 1]
+    first, second, final = run.trainer.saved
+    assert [(g.group_id, g.entry_id, g.epoch, g.offset) for g in first.groups] == \
+        [(2, "g2-a", 0, 2), (3, "g3-a", 0, 3), (4, "g4-a", 0, 4), (5, "g5-a", 0, 5)]
+    assert first.cursor == DataCursor(0, 6, 6) and [g.group_id for g in second.groups] == [4, 5]
+    assert final.groups == () and final.samples_generated == final.samples_trained == 3 * SAMPLES_PER_STEP
+
+
+def test_a_streaming_step_trains_the_groups_that_finished_first_not_the_ones_sent_first():
+    """Generates run on threads; group 0 takes longest, so the first step trains two of the others and group 0
+    waits for a later step. Every group is trained exactly once."""
+    slow = threading.Event()
+
+    class SlowFirstPool(FakePool):
+        def generate_one(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+            if request.prompts[0].group_id == 0:
+                slow.wait(10)   # until the first step has trained
+            return super().generate_one(request)
+
+    run = Run(make_config(**STREAMING), generations=ThreadPoolExecutor(max_workers=4),
+              on_train=lambda _c, rid: slow.set() if rid == 0 else None)
+    run.coordinator.pool = run.coordinator.stream.pool = SlowFirstPool(run.log)   # type: ignore[union-attr]
+    run.run()
+    steps = [list(r.entry_ids) for r in run.trainer.requests]
+    assert "g0-a" not in steps[0] and sorted(e for s in steps for e in s) == [f"g{g}-a" for g in range(6)]
+
+
+def test_a_streaming_resume_reuses_buffered_groups_and_generates_the_others_again():
+    """The checkpoint holds 4 groups drawn and not trained: g2 done and still buffered (reused), g3 done but trained
+    after the checkpoint (its entry is gone: generated again), g4 still generating and g5 not sent (generated, from
+    their recorded place in the data order). Entries nobody recorded are deleted."""
+    groups = (StreamGroup(2, 0, 2, "g2-a", weight_version=1), StreamGroup(3, 0, 3, "g3-a"), StreamGroup(4, 0, 4),
+              StreamGroup(5, 0, 5))
+    saved = RunState(next_rollout_id=1, weight_version=1, cursor=DataCursor(0, 6, 6), groups=groups,
+                     samples_generated=4, samples_trained=4)
+    run = Run(make_config(**STREAMING), checkpoint=saved, buffer=True, gone=frozenset({"g3-a"}))
+    assert run.run() == [("trainer.wait_healthy",), ("pool.wait_healthy",), ("trainer.load",),
+                         ("buffer.missing", ("g2-a", "g3-a")), ("buffer.discard_except", ("g2-a",)),
+                         ("tracker.rewind", 1), ("sync", 1), one(3), one(4), one(5),
+                         ("trainer.train", 1), ("sync", 2), ("trainer.save", 1), step(1),
+                         ("trainer.train", 2), ("sync", 3), ("trainer.save", 2), step(2)]
+    assert [list(r.entry_ids) for r in run.trainer.requests] == [["g2-a", "g3-a"], ["g4-a", "g5-a"]]   # g3-a: anew
+    assert run.trainer.saved[-1].samples_generated == 4 + 2 * SAMPLES_PER_STEP
 
 
 def test_fully_async_keeps_a_generation_per_replica_in_flight_and_checkpoints_them():

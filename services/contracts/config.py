@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.contracts import runfacts
+
 
 class ConfigError(ValueError):
     """A configuration problem, with a message naming the offending key."""
@@ -104,6 +106,9 @@ class RolloutConfig(Section):
                                            "one call of a batched function) must return within this, else the run "
                                            "fails naming the function and the sample (not retried); defaults to "
                                            "half of loop.step_timeout_s")
+    continuous_batching: bool = Field(
+        default=False, description="native engine: the samples of concurrent calls decode as one batch, and a "
+        "finished sample's row goes to a waiting one (the dynamic decode path); pair with loop.mode: streaming")
     inflight_update: Literal["off", "keep", "recompute"] = Field(
         default="off", description="a weight sync lands between two decode steps of running samples instead of "
         "waiting for them: keep = they go on with the KV cache of the old weights, recompute = their KV cache is "
@@ -300,7 +305,11 @@ class AlgorithmConfig(Section):
 
 
 class LoopConfig(Section):
-    mode: Literal["async", "sync", "fully_async"] = "async"
+    mode: Literal["async", "sync", "fully_async", "streaming"] = Field(
+        default="async", description="async: the next step generates while this one trains (one step off-policy); "
+        "sync: generate, train, sync; fully_async: one generation per replica always in flight; streaming: every "
+        "prompt is its own Generate, groups stream to the buffer as they finish and a step trains the first "
+        "rollout_batch_size done (docs/architecture.md)")
     num_rollout: int | None = Field(default=None, ge=1, description="defaults to dataset size × epochs / batch")
     save_interval: int | None = Field(default=None, ge=1)
     save_trigger_sentinel: str | None = Field(default=None, description="a file whose appearance triggers a save")
@@ -312,7 +321,10 @@ class LoopConfig(Section):
     offload_rollout: bool = Field(default=False, description="sync mode, trainer and engines sharing GPUs: the "
                                   "engines release KV cache, CUDA graphs and weights while the trainer trains, and "
                                   "take them back around the weight sync (weights first, then the KV cache)")
-    max_staleness: int = Field(default=1, ge=0, description="fully_async: step − sample version bound")
+    max_staleness: int = Field(default=1, ge=0, description="fully_async, streaming: step − sample version bound "
+                               "(a sample's version is its oldest token's)")
+    groups_in_flight: int | None = Field(default=None, ge=1, description="streaming: groups generating or done and "
+                                         "waiting for a step, over all replicas (default 2 × rollout_batch_size)")
     stale_policy: Literal["drop"] = "drop"
     step_timeout_s: float = Field(default=600.0, gt=0)
     startup_timeout_s: float = Field(default=300.0, gt=0)
@@ -435,6 +447,7 @@ class TandemConfig(Section):
             raise ValueError(f"rollout.n_samples_per_prompt: 1 gives every sample advantage 0 with "
                              f"algorithm.advantage_estimator: {self.algorithm.advantage_estimator} (its baseline is "
                              "the other samples of the prompt); sample 2 or more per prompt, or use reinforce_pp")
+        validate_streaming(self)
         if self.rollout.inflight_update != "off" and self.loop.mode == "sync":
             raise ValueError(f"rollout.inflight_update: {self.rollout.inflight_update} needs loop.mode async or "
                              "fully_async (in sync mode no generation runs while the weights are synced)")
@@ -477,6 +490,27 @@ def validate_async_off_policy_correction(config: TandemConfig) -> None:
         "algorithm.keep_old_actor: true, or use loop.mode: sync")
 
 
+def validate_streaming(config: TandemConfig) -> None:
+    """Streaming writes one buffer entry per group, so the buffer must hold every group in flight; continuous
+    batching is the native engine's (SGLang batches continuously by itself)."""
+    ro, loop = config.rollout, config.loop
+    if ro.continuous_batching and ro.engine != "native":
+        raise ValueError(f"rollout.continuous_batching is the native engine's (rollout.engine {ro.engine} batches "
+                         "continuously by itself)")
+    if loop.mode != "streaming":
+        if loop.groups_in_flight is not None:
+            raise ValueError(f"loop.groups_in_flight applies to loop.mode: streaming, not {loop.mode}")
+        return
+    in_flight = runfacts.groups_in_flight(config)
+    if in_flight < ro.rollout_batch_size:
+        raise ValueError(f"loop.groups_in_flight ({in_flight}) must be at least rollout.rollout_batch_size "
+                         f"({ro.rollout_batch_size}): a step trains that many groups")
+    if config.redis.max_buffered_batches < in_flight:
+        raise ValueError(f"loop.mode: streaming writes one buffer entry per group: redis.max_buffered_batches "
+                         f"({config.redis.max_buffered_batches}) must be at least loop.groups_in_flight ({in_flight}"
+                         f"{'' if loop.groups_in_flight else ', 2 × rollout.rollout_batch_size'})")
+
+
 def validate_dapo_options(config: TandemConfig) -> None:
     """Dynamic sampling needs a group baseline, contiguous prompt ranges per step, and one step's entries within the
     buffer; the overlong buffer lies inside the response budget."""
@@ -493,9 +527,9 @@ def validate_dapo_options(config: TandemConfig) -> None:
                              "so such groups still train (reinforce_pp_baseline has a group baseline)")
         if ro.n_samples_per_prompt < 2:
             raise ValueError(f"{where} needs rollout.n_samples_per_prompt >= 2 (a group of one is always uniform)")
-        if config.loop.mode == "fully_async":
-            raise ValueError(f"{where} needs loop.mode async or sync (in fully_async several generations draw "
-                             "prompts at once, so a step's prompts would not be one range of the data cursor)")
+        if config.loop.mode in ("fully_async", "streaming"):
+            raise ValueError(f"{where} needs loop.mode async or sync (in {config.loop.mode} several generations "
+                             "draw prompts at once, so a step's prompts would not be one range of the data cursor)")
         entries = ro.dynamic_sampling.max_rounds * min(len(config.services.rollout), ro.rollout_batch_size)
         if entries > config.redis.max_buffered_batches:
             raise ValueError(f"rollout.dynamic_sampling.max_rounds {ro.dynamic_sampling.max_rounds} x "

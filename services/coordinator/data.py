@@ -114,6 +114,10 @@ class DataSource:
             return np.arange(len(self.records))
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.records))
 
+    def record_at(self, epoch: int, offset: int) -> PromptRecord:
+        """The prompt at `offset` of epoch `epoch`'s order (a group drawn before a restart, generated again)."""
+        return self.records[int(self._order(epoch)[offset])]
+
     def next_batch(self) -> PromptBatch:
         cur = self.cursor
         epoch, offset = cur.epoch, cur.offset

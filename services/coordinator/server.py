@@ -16,6 +16,7 @@ from types import FrameType
 import grpc
 
 from services.buffer.stream import RolloutBuffer, connect, stream_key
+from services.contracts import runfacts
 from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
 from services.contracts.failure import clear_failure, write_failure
@@ -125,8 +126,10 @@ def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinat
     coordinator = Coordinator(
         config=config, run_dir=run_dir, trainer=trainer, critic=critic, pool=pool, sync=sync, data=data,
         buffer=buffer, trackers=trackers, eval_prompts=functools.partial(load_eval_prompts, config.data),
-        # fully_async keeps one generation per replica in flight, plus the one the trainer waits for
-        generations=ThreadPoolExecutor(max_workers=pool.size + 1, thread_name_prefix="generate"),
+        # fully_async keeps one generation per replica in flight, plus the one the trainer waits for; streaming
+        # one Generate per group in flight
+        generations=ThreadPoolExecutor(max_workers=runfacts.groups_in_flight(config) if config.loop.mode == "streaming"
+                                       else pool.size + 1, thread_name_prefix="generate"),
         evals=ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval"))
     return coordinator, buffer
 

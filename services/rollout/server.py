@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.contracts import runfacts
 from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -112,6 +113,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                                         gpu_memory_freed_bytes=e.memory_freed_bytes)
 
 
+def generate_calls(config: TandemConfig) -> int:
+    """Generate calls one replica may hold at once beyond the usual: loop.mode streaming sends one per group (all of
+    them to one replica, at worst)."""
+    return runfacts.groups_in_flight(config) if config.loop.mode == "streaming" else 0
+
+
 def startup_problem(config: TandemConfig, replica: int) -> str | None:
     """Cheap checks before loading anything, each a one-line reason."""
     if not 0 <= replica < len(config.services.rollout):
@@ -157,7 +164,8 @@ def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
     server = start_server(
         [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(service), "tandem.v1.Rollout")],
         ServerOptions(bind_host=svc.bind_host, port=svc.rollout[replica].port, max_message_mb=svc.max_message_mb,
-                      auth_token=svc.auth_token, tls_cert=svc.tls_cert, tls_key=svc.tls_key))
+                      auth_token=svc.auth_token, tls_cert=svc.tls_cert, tls_key=svc.tls_key,
+                      max_workers=ServerOptions.max_workers + generate_calls(config)))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -38,8 +38,8 @@ class Snapshot:
 
 
 def snapshots_to_keep(config: TandemConfig) -> int:
-    """One step off needs the version before the last; fully_async up to max_staleness versions back."""
-    if config.loop.mode == "fully_async":
+    """One step off needs the version before the last; fully_async and streaming up to max_staleness versions back."""
+    if config.loop.mode in ("fully_async", "streaming"):
         return max(2, config.loop.max_staleness + 1)
     return 2
 
