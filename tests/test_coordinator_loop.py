@@ -325,21 +325,20 @@ def one(group: int) -> tuple:
 
 
 def test_streaming_sends_each_group_alone_trains_them_as_they_finish_and_checkpoints_the_rest():
-    """Groups of 2 steps are out at a time (groups_in_flight 4); each step trains the first 2 done, and the room they
-    leave is filled at once; a checkpoint records every group drawn and not trained (here all done: this executor
-    finishes a Generate when it is sent); nothing is drawn past the run's last step."""
+    """Up to 4 groups out (groups_in_flight), at most a step's 2 done and waiting (this executor finishes a Generate
+    when it is sent, so no more are sent then); each step trains the first 2 done, and the room they leave is
+    filled at once; a checkpoint records every group drawn and not trained; nothing is drawn past the last step."""
     run = Run(make_config(**STREAMING))
-    assert run.run() == [*FRESH_START, one(0), one(1), one(2), one(3), one(4), one(5), ("trainer.train", 0),
-                         ("sync", 1), ("trainer.save", 0), step(0),
-                         ("trainer.train", 1), ("sync", 2), ("trainer.save", 1), step(1),
-                         ("trainer.train", 2), ("sync", 3), ("trainer.save", 2), step(2)]
+    assert run.run() == [*FRESH_START, one(0), one(1), one(2), one(3), ("trainer.train", 0), ("sync", 1),
+                         ("trainer.save", 0), step(0), one(4), one(5), ("trainer.train", 1), ("sync", 2),
+                         ("trainer.save", 1), step(1), ("trainer.train", 2), ("sync", 3), ("trainer.save", 2), step(2)]
     assert [list(r.entry_ids) for r in run.trainer.requests] == [["g0-a", "g1-a"], ["g2-a", "g3-a"],
                                                                  ["g4-a", "g5-a"]]
     assert [r.max_staleness for r in run.trainer.requests] == [1, 1, 1]
     first, second, final = run.trainer.saved
-    assert [(g.group_id, g.entry_id, g.epoch, g.offset) for g in first.groups] == \
-        [(2, "g2-a", 0, 2), (3, "g3-a", 0, 3), (4, "g4-a", 0, 4), (5, "g5-a", 0, 5)]
-    assert first.cursor == DataCursor(0, 6, 6) and [g.group_id for g in second.groups] == [4, 5]
+    assert [(g.group_id, g.entry_id, g.epoch, g.offset) for g in first.groups] == [(2, "g2-a", 0, 2),
+                                                                                   (3, "g3-a", 0, 3)]
+    assert first.cursor == DataCursor(0, 4, 4) and [g.group_id for g in second.groups] == [4, 5]
     assert final.groups == () and final.samples_generated == final.samples_trained == 3 * SAMPLES_PER_STEP
 
 

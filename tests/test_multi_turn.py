@@ -43,7 +43,8 @@ class ScriptedFakeEngine(Engine):
 
     model_path = device_label = "scripted"   # type: ignore[assignment]
 
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                           budgets: Sequence[int]) -> list[SampleOutput]:
         self.calls.append(([list(p) for p in prompts], sampling))
         if self.abort_on_call == len(self.calls) - 1:
             return [SampleOutput((), (), FINISH_ABORT, self._version) for _ in prompts]

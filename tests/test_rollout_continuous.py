@@ -158,6 +158,12 @@ def test_abort_ends_the_batch_and_the_waiting_samples_then_generation_goes_on(mo
     assert [len(o.token_ids) for o in again] == [5] * 4 and all(o.finish_reason == "length" for o in again)
 
 
+def test_each_prompt_may_cap_its_own_new_tokens(model_dirs):  # type: ignore[no-untyped-def]
+    engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True, max_batch_size=2)
+    outs = engine.generate(SHORT, SamplingSpec(max_new_tokens=9, ignore_eos=True, seed=4), max_new_tokens=[3, 20, 1, 9])
+    assert [len(o.token_ids) for o in outs] == [3, 9, 1, 9]
+
+
 def test_continuous_batching_needs_the_dynamic_decode_path(model_dirs):  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="continuous batching runs on the dynamic decode path, not decode='static'"):
         NativeEngine(model_dirs[0], device="cpu", continuous_batching=True, decode="static")

@@ -154,6 +154,18 @@ def test_unseeded_sampling_differs_between_processes(tmp_path):
     assert len(runs) == 2
 
 
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_each_prompt_may_cap_its_own_new_tokens(model_dirs: tuple[Path, Path], decode: str):
+    """A data row's max_new_tokens: caps below sampling.max_new_tokens stop each sample at its own length (the
+    long-tailed lengths of issue 33's tasks), in one batch."""
+    engine = NativeEngine(model_dirs[0], device="cpu", decode=decode)
+    opts = SamplingSpec(max_new_tokens=9, ignore_eos=True, seed=4)
+    outs = engine.generate(PROMPTS, opts, max_new_tokens=[3, 20, 1, 9])
+    assert [len(o.token_ids) for o in outs] == [3, 9, 1, 9] and {o.finish_reason for o in outs} == {"length"}
+    with pytest.raises(ValueError, match="max_new_tokens: expected 4 caps >= 1"):
+        engine.generate(PROMPTS, opts, max_new_tokens=[3, 0, 1, 9])
+
+
 def test_bad_prompts(engine: NativeEngine):
     opts = SamplingSpec(max_new_tokens=4)
     ctx = engine.max_context_length

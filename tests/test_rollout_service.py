@@ -76,6 +76,18 @@ def test_generate_writes_one_decodable_batch(service: RolloutService, redis_serv
     assert (m["version_spread_mean"], m["version_spread_max"], m["inflight_token_frac"]) == (0.0, 0.0, 0.0)
 
 
+def test_a_prompts_own_max_new_tokens_caps_its_samples(service: RolloutService, redis_server, stream: str):
+    ps = [PromptInput(text="1 2 =", label="2", group_id=300, metadata={"max_new_tokens": "1"}),
+          PromptInput(text="3 4 =", label="4", group_id=301)]
+    opts = SamplingSpec(max_new_tokens=5, ignore_eos=True, seed=3)
+    result = service.generate(rollout_id=30, prompts=ps, sampling=opts, stream=stream)
+    lengths = consume(redis_server.url, stream, result.entry_id).batch.response_lengths.tolist()
+    assert lengths == [1] * 4 + [5] * 4
+    bad = [PromptInput(text="1 2 =", group_id=302, metadata={"max_new_tokens": "0"})]
+    with pytest.raises(ValueError, match="prompt of group 302: max_new_tokens must be a whole number >= 1, got '0'"):
+        service.generate(rollout_id=31, prompts=bad, stream=stream)
+
+
 def test_version_metrics_measure_how_far_updates_reached_into_samples():
     outs = [SampleOutput(token_ids=(1, 2, 3, 4), log_probs=(0.0,) * 4, finish_reason="stop", weight_version=2,
                          token_versions=(2, 2, 3, 4)),

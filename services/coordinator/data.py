@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from services.contracts.config import DataConfig
+from services.contracts.sampling import prompt_max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ def load_prompts(path: str, *, prompt_key: str, label_key: str, limit: int | Non
                 raise ValueError(f"{path}:{line_no}: expected an object with key {prompt_key!r}")
             meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in row.items()
                     if k not in (prompt_key, label_key)}
+            prompt_max_new_tokens(meta, where=f"{path}:{line_no}")   # a bad response budget is named with its line
             records.append(PromptRecord(text=str(row[prompt_key]), label=str(row.get(label_key, "")), metadata=meta,
                                         line=line_no))
             if limit is not None and len(records) >= limit:

@@ -3,9 +3,10 @@ that are done.
 
 Every prompt is its own Generate (one group of n samples, one buffer entry written when all of them are done), sent
 to the least busy replica; up to `loop.groups_in_flight` groups are generating or done and waiting, over all
-replicas, so the engines always have work (with rollout.continuous_batching the native engine decodes the concurrent
-groups as one batch) and the buffer never holds more entries than that. A step takes the groups in the order they
-finished. Prompts are drawn from the data cursor as the run needs them, never past its last step's.
+replicas (at most a step's worth waiting), so the engines always have work (with rollout.continuous_batching the
+native engine decodes the concurrent groups as one batch) and the buffer never holds more entries than that. A step
+takes the groups in the order they finished. Prompts are drawn from the data cursor as they are sent, never past the
+run's last step.
 
 The books: every group drawn and not trained is `outstanding` (a checkpoint records it: its place in the data order,
 and its entry once done). A resume reuses the recorded entries still buffered and generates every other recorded
@@ -74,19 +75,26 @@ class GroupStream:
     # ---- drawing and sending --------------------------------------------------------------------------
 
     def fill(self) -> None:
-        """Draws what the run's remaining steps need, and sends groups while fewer than the limit are out."""
+        """Draws what the run's remaining steps need, and sends groups while fewer than the limit are out and fewer
+        than a step's worth are done and waiting (deeper, the waiting ones would only age: with fast generation
+        every group would sit out a whole step more, one version staler)."""
         with self._cv:
             have = len(self._drawn) + len(self._running) + len(self._done)
-            while have < self.needed:
-                batch = self.data.next_batch()
-                epoch, first = batch.cursor_after.epoch, batch.cursor_after.offset - len(batch.prompts)
-                self._drawn.extend(StreamGroup(group_id=g, epoch=epoch, offset=first + k)
-                                   for k, g in enumerate(batch.group_ids))
-                have += len(batch.prompts)
-            while self._drawn and len(self._running) + len(self._done) < self.limit:
+            while len(self._running) + len(self._done) < self.limit and len(self._done) < self.batch_size:
+                if not self._drawn:   # drawn as they are sent: a checkpoint records few groups not sent yet
+                    if have >= self.needed:
+                        break
+                    have += self._draw()
                 group = self._drawn.popleft()
                 self._running[group.group_id] = group
                 self.executor.submit(self._generate, group, inject_context())
+
+    def _draw(self) -> int:
+        batch = self.data.next_batch()
+        epoch, first = batch.cursor_after.epoch, batch.cursor_after.offset - len(batch.prompts)
+        self._drawn.extend(StreamGroup(group_id=g, epoch=epoch, offset=first + k)
+                           for k, g in enumerate(batch.group_ids))
+        return len(batch.prompts)
 
     def _generate(self, group: StreamGroup, trace_context: dict[str, str]) -> None:
         record = self.data.record_at(group.epoch, group.offset)

@@ -25,7 +25,7 @@ from services.buffer.stream import stream_key
 from services.contracts import runfacts
 from services.contracts.config import OverlongPenaltyConfig, TandemConfig
 from services.contracts.dapo import informative_groups, overlong_penalty
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling import SamplingSpec, prompt_max_new_tokens
 from services.contracts.wire import build_batch
 from services.rollout.engines.base import (
     FINISH_ABORT,
@@ -119,7 +119,8 @@ def build_engine(config: TandemConfig) -> Engine:
 
         return NativeEngine(config.model.path, device=ro.device, dtype=config.model.dtype,
                             attn_implementation=config.model.attn_implementation, max_batch_size=ro.max_batch_size,
-                            max_context_length=ro.max_context_length, fused_kernels=config.model.fused_kernels)
+                            max_context_length=ro.max_context_length, fused_kernels=config.model.fused_kernels,
+                            continuous_batching=ro.continuous_batching)
     if ro.engine == "sglang":
         from services.rollout.engines.sglang import SGLangEngine
 
@@ -263,9 +264,12 @@ class RolloutService:
             return self._play_and_score(prompts=prompts, prompt_ids=prompt_ids, n=n, sampling=sampling,
                                         reward_fn=reward_fn, rollout_id=rollout_id, span_=span_)
         expanded = [ids for ids in prompt_ids for _ in range(n)]
+        caps = [prompt_max_new_tokens(dict(p.metadata), where=f"prompt of group {p.group_id}") for p in prompts]
         t = time.monotonic()
         try:
-            outputs = self.engine.generate(expanded, sampling, wait_timeout_s=self.config.loop.step_timeout_s)
+            outputs = self.engine.generate(expanded, sampling, wait_timeout_s=self.config.loop.step_timeout_s,
+                                           max_new_tokens=None if all(c is None for c in caps) else
+                                           [c or sampling.max_new_tokens for c in caps for _ in range(n)])
         except EngineUnavailable as exc:
             raise FailedPrecondition(str(exc)) from exc
         generate_s = time.monotonic() - t

@@ -123,17 +123,22 @@ class Engine(ABC):
                                  f"{self.max_context_length}, leaving no room to generate")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *,
+                 max_new_tokens: Sequence[int] | None = None,
                  wait_timeout_s: float | None = None) -> list[SampleOutput]:
-        """One output per prompt, in order. While paused, waits up to `wait_timeout_s` for a resume."""
+        """One output per prompt, in order. `max_new_tokens`: each prompt's own cap, below sampling.max_new_tokens
+        (a data row's max_new_tokens). While paused, waits up to `wait_timeout_s` for a resume."""
         self.validate_prompts(prompts)
         if not prompts:
             return []
+        budgets = prompt_budgets(len(prompts), sampling, max_new_tokens)
         with self._gate.admit(wait_timeout_s):
-            return self._generate_admitted(prompts, sampling)
+            return self._generate_admitted(prompts, sampling, budgets)
 
     @abstractmethod
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
-        """`generate` once the gate let the call in; `prompts` are validated and not empty."""
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                           budgets: Sequence[int]) -> list[SampleOutput]:
+        """`generate` once the gate let the call in; `prompts` are validated and not empty, `budgets` the new tokens
+        each may produce at most (the context may stop it earlier)."""
 
     @abstractmethod
     def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
@@ -175,6 +180,15 @@ class Engine(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Releases what the engine holds; the object is unusable afterwards."""
+
+
+def prompt_budgets(n: int, sampling: SamplingSpec, caps: Sequence[int] | None) -> list[int]:
+    """The new tokens each of n prompts may produce: sampling.max_new_tokens, or its own cap when lower."""
+    if caps is None:
+        return [sampling.max_new_tokens] * n
+    if len(caps) != n or any(c < 1 for c in caps):
+        raise ValueError(f"max_new_tokens: expected {n} caps >= 1, got {list(caps)[:8]}")
+    return [min(sampling.max_new_tokens, int(c)) for c in caps]
 
 
 def normalize_memory_tags(tags: Sequence[str]) -> tuple[str, ...]:

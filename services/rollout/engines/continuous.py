@@ -44,6 +44,7 @@ class Ticket:
 
     prompts: list[list[int]]
     sampling: SamplingSpec
+    budgets: list[int]          # each sample's new tokens at most
     start_version: int
     outputs: list[SampleOutput | None] = field(default_factory=list)
     queued: deque[int] = field(default_factory=deque)
@@ -131,8 +132,10 @@ class ContinuousBatcher:
         self._stop_ids = torch.zeros(0, dtype=torch.long, device=device)
         self.peak_rows = 0                         # most rows decoded together so far
 
-    def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *, version: int) -> Ticket:
-        ticket = Ticket(prompts=[list(p) for p in prompts], sampling=sampling, start_version=version)
+    def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *, budgets: Sequence[int],
+               version: int) -> Ticket:
+        ticket = Ticket(prompts=[list(p) for p in prompts], sampling=sampling, budgets=list(budgets),
+                        start_version=version)
         with self._queue_lock:
             self._queue.append(ticket)
         return ticket
@@ -258,9 +261,9 @@ class ContinuousBatcher:
     def _prefill(self, picked: list[tuple[Ticket, int]]) -> _Rows:
         prompts = [t.prompts[i] for t, i in picked]
         chunk = prepare_chunk(prompts, self._spec_or_fail(), device=self.device, pad_token_id=self.pad_token_id,
-                              eos_token_ids=self.eos_token_ids, max_context=self.max_context)
-        budget = torch.tensor([min(self.max_context - len(p), t.sampling.max_new_tokens)
-                               for p, (t, _) in zip(prompts, picked, strict=True)], device=self.device)
+                              eos_token_ids=self.eos_token_ids, max_context=self.max_context,
+                              budgets=[t.budgets[i] for t, i in picked])
+        budget = chunk.budget
         cache = self.new_cache()
         logits = self.forward(chunk.input_ids, chunk.mask, chunk.positions, cache)
         n, cap = len(picked), int(budget.max())

@@ -85,7 +85,9 @@ class Decoded:
 
 
 def prepare_chunk(prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *, device: torch.device,
-                  pad_token_id: int, eos_token_ids: Sequence[int], max_context: int) -> Chunk:
+                  pad_token_id: int, eos_token_ids: Sequence[int], max_context: int,
+                  budgets: Sequence[int] | None = None) -> Chunk:
+    """`budgets`: each prompt's new tokens at most (default sampling.max_new_tokens); the context caps them too."""
     n = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     width = max(len(p) for p in prompts)
@@ -95,7 +97,8 @@ def prepare_chunk(prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *, d
         input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p):] = 1
     input_ids, mask = input_ids.to(device), mask.to(device)
-    budget = torch.clamp(max_context - lengths, max=sampling.max_new_tokens)
+    caps = torch.tensor(list(budgets) if budgets is not None else [sampling.max_new_tokens] * n, device=device)
+    budget = torch.minimum(max_context - lengths, caps)
     stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids)
                                    | (set() if sampling.ignore_eos else set(eos_token_ids))),
                             dtype=torch.long, device=device)

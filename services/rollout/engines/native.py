@@ -171,25 +171,28 @@ class NativeEngine(Engine):
             if bad:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {self.vocab_size})")
 
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                           budgets: Sequence[int]) -> list[SampleOutput]:
         self._check_servable()
         if self._batcher is not None:
-            return self._generate_shared(prompts, sampling)
+            return self._generate_shared(prompts, sampling, budgets)
         version = self._version
         generator = make_generator(sampling.seed, self.device)
         out: list[SampleOutput] = []
         with torch.inference_mode():
             for start in range(0, len(prompts), self.max_batch_size):
-                chunk = prompts[start:start + self.max_batch_size]
-                out += self._generate_chunk(chunk, sampling, generator, version)
+                end = start + self.max_batch_size
+                out += self._generate_chunk(prompts[start:end], sampling, generator, version, budgets[start:end])
         self._generated += len(out)
         return out
 
-    def _generate_shared(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
+    def _generate_shared(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                         budgets: Sequence[int]) -> list[SampleOutput]:
         """Continuous batching: the samples join the shared batch; this call steps it in its turns until they are
         done (continuous.py)."""
         assert self._batcher is not None
-        out = self._batcher.serve(self._batcher.submit(prompts, sampling, version=self._version), self._computing)
+        ticket = self._batcher.submit(prompts, sampling, budgets=budgets, version=self._version)
+        out = self._batcher.serve(ticket, self._computing)
         self._generated += len(out)
         return out
 
@@ -208,9 +211,9 @@ class NativeEngine(Engine):
                                     "release_memory('weights'); load or receive weights first")
 
     def _generate_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-                        generator: torch.Generator | None, version: int) -> list[SampleOutput]:
+                        generator: torch.Generator | None, version: int, budgets: Sequence[int]) -> list[SampleOutput]:
         chunk = prepare_chunk(prompts, sampling, device=self.device, pad_token_id=self.pad_token_id,
-                              eos_token_ids=self.eos_token_ids, max_context=self._max_context)
+                              eos_token_ids=self.eos_token_ids, max_context=self._max_context, budgets=budgets)
         hooks = self._hooks()
         if self.decode_mode == "dynamic":
             from transformers import DynamicCache

@@ -235,7 +235,8 @@ class SGLangEngine(Engine):
 
     # ---- generation --------------------------------------------------------------------------------
 
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                           budgets: Sequence[int]) -> list[SampleOutput]:
         if self._released:
             raise EngineUnavailable(f"SGLang memory is released ({', '.join(sorted(self._released))}); "
                                     "call ResumeMemory first")
@@ -243,16 +244,17 @@ class SGLangEngine(Engine):
             raise EngineUnavailable("SGLang's weights came back empty from ResumeMemory (its servers run without "
                                     "--enable-weights-cpu-backup): sync weights before generating")
         start = self._version
-        chunks = [prompts[i:i + self.max_batch_size] for i in range(0, len(prompts), self.max_batch_size)]
-        futures = [self._pool.submit(self._generate_chunk, self.servers[k % len(self.servers)], chunk, sampling,
-                                     start) for k, chunk in enumerate(chunks)]
+        starts = range(0, len(prompts), self.max_batch_size)
+        futures = [self._pool.submit(self._generate_chunk, self.servers[k % len(self.servers)],
+                                     prompts[i:i + self.max_batch_size], sampling, start,
+                                     budgets[i:i + self.max_batch_size]) for k, i in enumerate(starts)]
         out = [sample for f in futures for sample in f.result()]
         self._generated += len(out)
         return out
 
     def _generate_chunk(self, server: Server, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-                        start: int) -> list[SampleOutput]:
-        body = generate_body(prompts, sampling, max_context=self._max_context)
+                        start: int, budgets: Sequence[int]) -> list[SampleOutput]:
+        body = generate_body(prompts, sampling, max_context=self._max_context, budgets=budgets)
         try:
             answer = server.client.post("/generate", body, timeout_s=self._request_timeout_s)
         except SGLangAborted:   # a pause(abort) reached the call while it waited: as aborted samples (retried)

@@ -161,21 +161,23 @@ def sampling_params(options: SamplingSpec) -> dict[str, Any]:
     return params
 
 
-def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec, *,
-                  max_context: int | None = None) -> dict[str, Any]:
+def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec, *, max_context: int | None = None,
+                  budgets: Sequence[int] | None = None) -> dict[str, Any]:
     """A batch request: input_ids as a list of lists (even for one prompt, so the answer is always a list).
 
-    SGLang refuses the whole request (400) when one prompt's length + max_new_tokens exceeds the context, where the
-    native engine stops that sample at the context: prompts that would are sent with their own sampling params,
-    max_new_tokens cut to what the context leaves (the prompts are validated shorter than the context). SGLang's
-    scheduler then ends such a sample 2 tokens before the context (its max_req_len is the context - 1)."""
+    `budgets`: each prompt's own max_new_tokens (a data row's cap), sent as per-prompt sampling params. SGLang refuses
+    the whole request (400) when one prompt's length + max_new_tokens exceeds the context, where the native engine
+    stops that sample at the context: prompts that would are sent with their own sampling params, max_new_tokens cut
+    to what the context leaves (the prompts are validated shorter than the context). SGLang's scheduler then ends
+    such a sample 2 tokens before the context (its max_req_len is the context - 1)."""
     params = sampling_params(options)
     body: dict[str, Any] = {"input_ids": [[int(t) for t in p] for p in prompts], "sampling_params": params,
                             "return_logprob": True, "stream": False}
-    if max_context is not None and any(len(p) + options.max_new_tokens > max_context for p in prompts):
-        body["sampling_params"] = [{**params, "max_new_tokens": max(1, min(options.max_new_tokens,
-                                                                           max_context - len(p)))}
-                                   for p in prompts]
+    caps = list(budgets) if budgets is not None else [options.max_new_tokens] * len(prompts)
+    if max_context is not None:
+        caps = [max(1, min(c, max_context - len(p))) for c, p in zip(caps, prompts, strict=True)]
+    if any(c != options.max_new_tokens for c in caps):
+        body["sampling_params"] = [{**params, "max_new_tokens": c} for c in caps]
     return body
 
 
