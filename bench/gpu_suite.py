@@ -4,6 +4,8 @@
         [--only handoff ipc_copy checksums train_step engine engine_compile tests offload trainer_tests run]
     python bench/gpu_suite.py --only peer_trl        # Tandem vs TRL (bench/peer_trl.py), a call of its own
     python bench/gpu_suite.py --only sglang_smoke sglang_bench sglang_run   # SGLang 0.5.17, a call of its own
+    python bench/gpu_suite.py --only inflight_a ... then inflight_b, inflight_c, inflight_report   # issue 33, one
+        call each (or inflight_a inflight_b in one call when it has the time; the report reads what is found)
 
 On the device machine every command starts with `source bench/gpu_env.sh` (add `sglang` for SGLang stages), which
 installs the wheels the call carries: `.whl` for these stages, `.whl .whl_trl` for peer_trl, `.whl/core .sglang`
@@ -80,11 +82,21 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
         "sglang_smoke": ([PY, "bench/sglang_smoke.py"], 100, {}),
         "sglang_bench": ([PY, "bench/bench_sglang.py"], 200, {}),
         "sglang_run": ([PY, "bench/sglang_run.py", "--steps", "10", "--out", str(out / "sglang_run")], 240, {}),
+        # issue 33: long-tailed lengths (16..2048) at the q05 shape, sync / one step off / in flight side by side
+        # (bench/gpu_inflight.py); three runs' worth of stages, each within one call, then the table of all found
+        **{f"inflight_{part}": ([PY, "bench/gpu_inflight.py", "--steps", "4" if quick else "8", "--out",
+                                 str(out / "inflight"), "--only", *variants], 560, {})
+           for part, variants in INFLIGHT_PARTS.items()},
+        "inflight_report": ([PY, "bench/gpu_inflight.py", "--report", "--out", str(out / "inflight")], 30, {}),
     }
 
 
+INFLIGHT_PARTS = {"a": ["sync", "one_step_off"], "b": ["inflight_keep"], "c": ["stream_keep", "stream_recompute"]}
+
+
 # left out unless --only names them
-OPT_IN = {"train_step", "real_size", "peer_trl", "sglang_smoke", "sglang_bench", "sglang_run"}
+OPT_IN = {"train_step", "real_size", "peer_trl", "sglang_smoke", "sglang_bench", "sglang_run", "inflight_a",
+          "inflight_b", "inflight_c", "inflight_report"}
 SGLANG_STAGES = ("sglang_smoke", "sglang_bench", "sglang_run")
 SGLANG_START_S = 240   # launching both servers, until healthy (kernel JIT and CUDA-graph capture included)
 

@@ -373,3 +373,17 @@ def test_release_and_resume_memory_on_cpu(model_dirs: tuple[Path, Path]):
     assert [o.token_ids for o in after] == [o.token_ids for o in before]
     with pytest.raises(ValueError, match="unknown memory tag"):
         engine.release_memory(["gpu_magic"])
+
+
+def test_the_engines_busy_time_counts_forward_passes_not_idle_time(engine: NativeEngine):
+    from services.rollout.engines.gate import DecodeGate
+
+    gate = DecodeGate(engine="test")
+    with gate.computing():
+        time.sleep(0.05)
+    busy = gate.busy_s
+    time.sleep(0.05)
+    assert 0.04 < busy < 1.0 and gate.busy_s == busy      # idle: no growth
+    before = engine.get_state().busy_s
+    engine.generate(PROMPTS, SamplingSpec(max_new_tokens=4, seed=1))
+    assert engine.get_state().busy_s > before

@@ -448,6 +448,10 @@ class TandemConfig(Section):
                              f"algorithm.advantage_estimator: {self.algorithm.advantage_estimator} (its baseline is "
                              "the other samples of the prompt); sample 2 or more per prompt, or use reinforce_pp")
         validate_streaming(self)
+        if self.rollout.inflight_update != "off" and self.rollout.engine == "sglang" and self.algorithm.keep_old_actor:
+            raise ValueError("algorithm.keep_old_actor scores each token under the snapshot of the version that "
+                             "sampled it, and with rollout.inflight_update SGLang 0.5.x does not report which tokens "
+                             "an update reached; use decoupled PPO (use_tis with tis_mode: mask) or rollout log-probs")
         if self.rollout.inflight_update != "off" and self.loop.mode == "sync":
             raise ValueError(f"rollout.inflight_update: {self.rollout.inflight_update} needs loop.mode async or "
                              "fully_async (in sync mode no generation runs while the weights are synced)")

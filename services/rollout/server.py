@@ -110,7 +110,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                                         paused=e.paused, memory_released=bool(e.released_memory),
                                         generated_samples=e.generated_samples, device=e.device, producer=s.producer,
                                         in_flight=e.in_flight, gpu_memory_reserved_bytes=cuda_reserved_bytes(),
-                                        gpu_memory_freed_bytes=e.memory_freed_bytes)
+                                        gpu_memory_freed_bytes=e.memory_freed_bytes, engine_busy_s=e.busy_s)
 
 
 def generate_calls(config: TandemConfig) -> int:

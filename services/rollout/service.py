@@ -149,6 +149,7 @@ class RolloutService:
         self.config = config
         self.replica = replica
         self.producer = f"rollout-{replica}"
+        self._started = time.monotonic()
         self.default_reward = resolve_reward(config.rollout.reward)   # a bad spec fails the start
         self.environment = resolve_environment(config.rollout.environment) if config.rollout.environment else None
         started = time.monotonic()
@@ -446,6 +447,8 @@ class RolloutService:
         return ServiceState(engine=self.engine.get_state(), producer=self.producer)
 
     def close(self) -> None:
+        busy, up = self.engine.get_state().busy_s, time.monotonic() - self._started
+        log.info("engine busy %.1f s of %.1f s since start (%.0f%%)", busy, up, 100 * busy / up if up > 0 else 0.0)
         if self._receiver is not None and hasattr(self._receiver, "close"):
             self._receiver.close()
         self.writer.close()

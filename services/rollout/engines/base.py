@@ -74,6 +74,7 @@ class EngineState:
     generated_samples: int
     max_context_length: int
     memory_freed_bytes: int = 0   # GPU memory the last release_memory gave back (0 where not measured)
+    busy_s: float = 0.0           # wall seconds the engine computed since it started (gate.py's busy_s)
 
 
 class Engine(ABC):
@@ -176,7 +177,7 @@ class Engine(ABC):
                            weight_version=self._version, paused=gate.paused, pause_mode=gate.pause_mode,
                            released_memory=tuple(sorted(self._released)), in_flight=gate.admitted,
                            generated_samples=self._generated, max_context_length=self._max_context,
-                           memory_freed_bytes=self._freed_bytes)
+                           memory_freed_bytes=self._freed_bytes, busy_s=gate.busy_s)
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Releases what the engine holds; the object is unusable afterwards."""

@@ -110,6 +110,7 @@ class ServerInfo:
     enable_memory_saver: bool
     weight_version: str
     weights_cpu_backup: bool = False   # --enable-weights-cpu-backup: weights survive a release
+    radix_cache_off: bool = False      # --disable-radix-cache: no prefix cache (retract then recomputes)
 
 
 # Server settings that change what SGLang reports or samples, refused with the reason (their /server_info keys).
@@ -119,6 +120,18 @@ REFUSED_SERVER_SETTINGS = {
     "enable_deterministic_inference": "--enable-deterministic-inference samples with one seed (42) for every request "
                                       "that carries none, so every sample of a GRPO group would be the same",
 }
+
+
+def inflight_refusal(inflight_update: str, *, radix_cache_off: bool, where: str) -> str | None:
+    """rollout.inflight_update with SGLang 0.5.x, whose pause modes do it: keep is /pause_generation in_place (the
+    parked requests keep their KV cache); recompute is retract, which recomputes only without the radix cache: a
+    retracted request waits in the queue, so the adapter's /flush_cache fails, and on continue it finds the KV of
+    its own tokens, computed by the old weights, in the prefix cache. One line, or None."""
+    if inflight_update == "recompute" and not radix_cache_off:
+        return (f"rollout.inflight_update: recompute needs SGLang without its radix cache ({where} has it on): a "
+                "request retracted for the update would reuse its own old-weights KV from the prefix cache; start "
+                "SGLang with --disable-radix-cache, or use inflight_update: keep")
+    return None
 
 
 def parse_server_info(info: Any, *, url: str) -> ServerInfo:
@@ -138,7 +151,8 @@ def parse_server_info(info: Any, *, url: str) -> ServerInfo:
                       tp_size=int(info.get("tp_size") or 1),
                       enable_memory_saver=bool(info.get("enable_memory_saver", False)),
                       weight_version=str(info.get("weight_version") or ""),
-                      weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)))
+                      weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)),
+                      radix_cache_off=bool(info.get("disable_radix_cache", False)))
 
 
 def parse_weight_version(value: Any) -> int | None:
