@@ -1,21 +1,23 @@
 """What `tandem run` checks before any service starts.
 
 A run that would fail on its inputs fails here, in about a second, with one line naming the config key (or the
-file and line of a bad prompt: empty, or too long for the context), instead of after every service has loaded its
-model. Problems that do not stop a run (text the tokenizer
-cannot encode) are returned as warnings.
+file and line / row of a bad prompt: empty, too long for the context with the chat template applied, or one the
+template fails on), instead of after every service has loaded its model. Problems that do not stop a run (text the
+tokenizer cannot encode, a label key no row has) are returned as warnings.
 """
 
 from __future__ import annotations
 
 import difflib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.contracts import runfacts
 from services.contracts.config import ConfigError, TandemConfig
 from services.coordinator.data import DataSource, PromptRecord, load_prompts
+from services.coordinator.datafiles import data_file
 
 log = logging.getLogger("tandem.preflight")
 
@@ -35,26 +37,68 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
     from services.rollout.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
-    prompt_ids = {key: encode_prompts(tokenizer, rows) for key, rows in records.items()}
-    check_prompt_lengths(config, records, prompt_ids)
-    return unencodable_text(config, records, prompt_ids, tokenizer)
+    prompts = model_prompts(config, records, tokenizer)
+    check_prompt_lengths(config, records, prompts)
+    return unencodable_text(config, records, prompts, tokenizer) + missing_labels(config, records)
 
 
-def encode_prompts(tokenizer: Any, rows: list[PromptRecord]) -> list[list[int]]:
-    """Every prompt as the rollout service encodes it, ENCODE_BATCH at a time (a fast tokenizer does 100k short
-    prompts in about a second)."""
-    from services.rollout.tokenizer import prompt_token_ids
+@dataclass(frozen=True)
+class ModelPrompts:
+    """A data file's prompts as the model reads them (the chat template applied)."""
 
-    out: list[list[int]] = []
-    for start in range(0, len(rows), ENCODE_BATCH):
-        out += prompt_token_ids(tokenizer, [r.text for r in rows[start:start + ENCODE_BATCH]])
+    texts: list[str]
+    ids: list[list[int]]
+
+
+def model_prompts(config: TandemConfig, records: dict[str, list[PromptRecord]],
+                  tokenizer: Any) -> dict[str, ModelPrompts]:
+    """Every prompt of every data file through the rollout's own path; ConfigError naming the file and line / row
+    of a prompt the chat template fails on."""
+    from services.rollout.chat import ChatTemplate, ChatTemplateError
+
+    try:
+        chat = ChatTemplate.from_config(tokenizer, config)
+        out = {}
+        for key, rows in records.items():
+            try:
+                out[key] = encode_prompts(tokenizer, chat, rows)
+            except ChatTemplateError as exc:
+                if exc.index is None:
+                    raise
+                path = getattr(config.data, key.split(".")[1])
+                raise ConfigError(f"{key}: {data_file(path).where(rows[exc.index].line)}: {exc}") from None
+    except ChatTemplateError as exc:
+        raise ConfigError(str(exc)) from None
     return out
 
 
+def encode_prompts(tokenizer: Any, chat: Any, rows: list[PromptRecord]) -> ModelPrompts:
+    """Every prompt as the rollout service renders and encodes it, ENCODE_BATCH at a time (a fast tokenizer does
+    100k short prompts in about a second; the chat template renders ~50k conversations a second).
+    ChatTemplateError.index: the row of `rows` the template failed on."""
+    from services.rollout.chat import ChatTemplateError
+    from services.rollout.tokenizer import model_inputs
+
+    texts: list[str] = []
+    ids: list[list[int]] = []
+    for start in range(0, len(rows), ENCODE_BATCH):
+        try:
+            batch_texts, batch_ids = model_inputs(tokenizer, chat, rows[start:start + ENCODE_BATCH])
+        except ChatTemplateError as exc:
+            raise ChatTemplateError(str(exc), index=None if exc.index is None else start + exc.index) from None
+        texts += batch_texts
+        ids += batch_ids
+    return ModelPrompts(texts=texts, ids=ids)
+
+
+def _empty(row: PromptRecord) -> bool:
+    return not any(m.content.strip() for m in row.messages) if row.messages else not row.text.strip()
+
+
 def check_prompt_lengths(config: TandemConfig, records: dict[str, list[PromptRecord]],
-                         prompt_ids: dict[str, list[list[int]]]) -> None:
-    """ConfigError naming file:line of the first prompt that is empty or leaves no room for max_new_tokens in the
-    context (runfacts.context_length), with the limits and how many more lines are like it."""
+                         prompts: dict[str, ModelPrompts]) -> None:
+    """ConfigError naming file:line (or file: row) of the first prompt that is empty or leaves no room for
+    max_new_tokens in the context (runfacts.context_length), with the limits and how many more are like it."""
     context = runfacts.context_length(configured=config.rollout.max_context_length,
                                       model_positions=runfacts.model_positions(config.model.path))
     context_from = ("rollout.max_context_length" if config.rollout.max_context_length and
@@ -63,26 +107,28 @@ def check_prompt_lengths(config: TandemConfig, records: dict[str, list[PromptRec
         sampling, sampling_key = ((config.rollout.eval_sampling, "rollout.eval_sampling")
                                   if key == "data.eval_path" else (config.rollout.sampling, "rollout.sampling"))
         limit = context - sampling.max_new_tokens
-        bad = [(row, len(ids)) for row, ids in zip(rows, prompt_ids[key], strict=True)
-               if not row.text.strip() or len(ids) > limit]
+        bad = [(row, len(ids)) for row, ids in zip(rows, prompts[key].ids, strict=True)
+               if len(ids) > limit or _empty(row)]
         if not bad:
             continue
         first, tokens = bad[0]
-        if not first.text.strip():
+        templated = " with the chat template applied" if first.messages else ""
+        if _empty(first):
             problem = "the prompt is empty"
         else:
-            problem = (f"the prompt has {tokens} tokens, more than the {limit} a prompt may have (a context of "
-                       f"{context} tokens, from {context_from}, minus {sampling_key}.max_new_tokens "
+            problem = (f"the prompt has {tokens} tokens{templated}, more than the {limit} a prompt may have (a context "
+                       f"of {context} tokens, from {context_from}, minus {sampling_key}.max_new_tokens "
                        f"{sampling.max_new_tokens})")
-        path = getattr(config.data, key.split(".")[1])
-        raise ConfigError(f"{key}: {path}:{first.line}: {problem}{_others([row.line for row, _ in bad[1:]])}")
+        file = data_file(getattr(config.data, key.split(".")[1]))
+        raise ConfigError(f"{key}: {file.where(first.line)}: {problem}"
+                          f"{_others([row.line for row, _ in bad[1:]], unit=file.unit)}")
 
 
-def _others(lines: list[int]) -> str:
+def _others(lines: list[int], *, unit: str) -> str:
     if not lines:
         return ""
     shown = ", ".join(str(n) for n in lines[:SHOWN_LINES]) + (", …" if len(lines) > SHOWN_LINES else "")
-    return f"; {len(lines)} more line{'s' if len(lines) > 1 else ''} empty or too long (line {shown})"
+    return f"; {len(lines)} more {unit}{'s' if len(lines) > 1 else ''} empty or too long ({unit} {shown})"
 
 
 def check_engine(config: TandemConfig) -> None:
@@ -186,8 +232,8 @@ def _near_miss(path: Path) -> str:
 
 def _load(key: str, path: str, config: TandemConfig) -> list[PromptRecord]:
     try:
-        return load_prompts(path, prompt_key=config.data.prompt_key, label_key=config.data.label_key)
-    except (OSError, ValueError) as exc:   # missing, unreadable, not JSONL, empty, or no prompt key
+        return load_prompts(path, config.data)
+    except (OSError, ValueError) as exc:   # missing, unreadable, of no known format, empty, or a bad row
         raise ConfigError(f"{key}: {exc}") from None
 
 
@@ -212,7 +258,7 @@ def _check_environment(spec: str | None) -> None:
 
 
 def unencodable_text(config: TandemConfig, records: dict[str, list[PromptRecord]],
-                     prompt_ids: dict[str, list[list[int]]], tokenizer: Any) -> list[str]:
+                     prompts: dict[str, ModelPrompts], tokenizer: Any) -> list[str]:
     """One warning per data file whose prompts or labels hold text the tokenizer maps to its unknown token:
     the model can never read (or, for labels, write) it, which looks like a run that does not learn."""
     unk = tokenizer.unk_token_id
@@ -223,7 +269,7 @@ def unencodable_text(config: TandemConfig, records: dict[str, list[PromptRecord]
         rows = all_rows[:MAX_TOKENIZER_CHECKS]
         labels = [r.label for r in rows]
         for field, texts, encoded in (
-                ("prompt", [r.text for r in rows], prompt_ids[key][:MAX_TOKENIZER_CHECKS]),
+                ("prompt", prompts[key].texts[:MAX_TOKENIZER_CHECKS], prompts[key].ids[:MAX_TOKENIZER_CHECKS]),
                 ("label", labels, tokenizer(labels, add_special_tokens=False)["input_ids"])):
             bad = [i for i, ids in enumerate(encoded) if unk in ids]
             if bad:
@@ -231,3 +277,9 @@ def unencodable_text(config: TandemConfig, records: dict[str, list[PromptRecord]
                                 f"{config.model.tokenizer_path or config.model.path} cannot encode (it becomes "
                                 f"{tokenizer.unk_token}); the first: {texts[bad[0]]!r}")
     return warnings
+
+
+def missing_labels(config: TandemConfig, records: dict[str, list[PromptRecord]]) -> list[str]:
+    """A warning per data file where no row has data.label_key: a typo there gives every reward an empty label."""
+    return [f"{key}: every label is empty (no row has a value at data.label_key {config.data.label_key!r})"
+            for key, rows in records.items() if not any(r.label for r in rows)]

@@ -6,7 +6,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from services.contracts.chat import ChatMessage
+from services.rollout.chat import ChatTemplate, ChatTemplateError
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -23,37 +26,92 @@ def load_tokenizer(path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def prompt_token_ids(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """Prompt texts as the engine gets them (with the tokenizer's BOS): the rollout service and preflight both. A
-    fast tokenizer's Rust backend directly: the Python wrapper around it costs 4x as much per prompt."""
+class PromptLike(Protocol):
+    """A prompt as the data file gives it (PromptRecord) or a request carries it (PromptInput)."""
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def messages(self) -> Sequence[ChatMessage]: ...
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str], *, special_tokens: bool) -> list[list[int]]:
+    """Token ids of texts, with the tokenizer's special tokens (its BOS) or without. A fast tokenizer's Rust backend
+    directly: the Python wrapper around it costs 4x as much per prompt."""
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     if backend is not None:
-        return [encoding.ids for encoding in backend.encode_batch(list(texts), add_special_tokens=True)]
+        return [encoding.ids for encoding in backend.encode_batch(list(texts), add_special_tokens=special_tokens)]
     # verbose=False: no "longer than the maximum" warning per prompt; the engine and preflight check the context
-    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=True, verbose=False)["input_ids"]]
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=special_tokens, verbose=False)["input_ids"]]
+
+
+def prompt_token_ids(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Text prompts as the engine gets them (with the tokenizer's BOS)."""
+    return encode_texts(tokenizer, texts, special_tokens=True)
+
+
+def model_inputs(tokenizer: Any, chat: ChatTemplate,
+                 prompts: Sequence[PromptLike]) -> tuple[list[str], list[list[int]]]:
+    """Each prompt as the model reads it, as text and token ids; the rollout service and preflight both. A text prompt
+    is encoded with the tokenizer's special tokens; a chat is rendered with the template and encoded without them
+    (chat.py says why). ChatTemplateError.index names the prompt a template failed on."""
+    chats = [i for i, p in enumerate(prompts) if p.messages]
+    texts = [p.text for p in prompts]
+    try:
+        rendered = chat.render([prompts[i].messages for i in chats])
+    except ChatTemplateError as exc:
+        raise ChatTemplateError(str(exc), index=None if exc.index is None else chats[exc.index]) from None
+    for i, text in zip(chats, rendered, strict=True):
+        texts[i] = text
+    ids: list[list[int]] = [[] for _ in prompts]
+    plain = [i for i, p in enumerate(prompts) if not p.messages]
+    for group, special in ((plain, True), (chats, False)):
+        for i, encoded in zip(group, encode_texts(tokenizer, [texts[i] for i in group], special_tokens=special),
+                              strict=True):
+            ids[i] = encoded
+    return texts, ids
 
 
 class Texts:
     """A tokenizer shared by a service's gRPC threads: a fast tokenizer reconfigures its Rust backend on every
     call, so concurrent calls would collide ("Already borrowed"); they are serialised here."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, chat: ChatTemplate):
         self.tokenizer = tokenizer
+        self.chat = chat
         self._lock = threading.Lock()
 
     @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """A prompt as the engine gets it (with the tokenizer's BOS)."""
+    @property
+    def observation_role(self) -> str:
+        return self.chat.observation_role
+
+    def model_inputs(self, prompts: Sequence[PromptLike]) -> tuple[list[str], list[list[int]]]:
         with self._lock:
-            return prompt_token_ids(self.tokenizer, [text])[0]
+            return model_inputs(self.tokenizer, self.chat, prompts)
 
     def encode_text(self, text: str) -> list[int]:
         """Text inside a sequence (an observation): no special tokens."""
         with self._lock:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return encode_texts(self.tokenizer, [text], special_tokens=False)[0]
+
+    def chat_prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """A chat rendered as a prompt (a multi-turn episode's, with its reset observation as the last message)."""
+        with self._lock:
+            [text] = self.chat.render([messages])
+            return encode_texts(self.tokenizer, [text], special_tokens=False)[0]
+
+    def observation_ids(self, message: ChatMessage, *, turn: Sequence[int], turn_ended: bool) -> list[int]:
+        """An observation after the policy turn `turn` as a message of the chat (ChatTemplate.observation_text);
+        `turn_ended`: the turn's last token ended it (EOS or a stop token) rather than a length limit."""
+        with self._lock:
+            end = self.tokenizer.decode(list(turn[-1:]), skip_special_tokens=False) if turn_ended else ""
+            text = self.chat.observation_text(message, turn_end=end)
+            return encode_texts(self.tokenizer, [text], special_tokens=False)[0]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         with self._lock:
