@@ -12,7 +12,6 @@ from services.coordinator.state import GeneratedBatch, RunState
 from services.coordinator.stepmetrics import prefixed, weighted_mean
 from services.coordinator.sync import WeightSyncError, compare_checksums
 
-
 DATA = DataConfig(train_path="unused")
 
 

@@ -5,6 +5,7 @@ under a second, with no download."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -50,8 +51,34 @@ def build_chatml_tokenizer(out_dir: Path, *, vocab_size: int = 400, lines: int =
     tok.train_from_iterator(_corpus(lines), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=END_OF_TEXT,
                                    additional_special_tokens=[IM_START, IM_END])
-    if chat_template is not None:
-        fast.chat_template = chat_template
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))
+    if chat_template is not None:   # where Qwen2.5's directories keep it (transformers 5 would write a .jinja file)
+        config_file = out_dir / "tokenizer_config.json"
+        config = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**config, "chat_template": chat_template}, indent=2))
+    return out_dir
+
+
+def build_chatml_model(out_dir: Path, *, seed: int = 0) -> Path:
+    """A random-init two-layer Llama over the ChatML tokenizer (vocabulary ~400), EOS ids <|im_end|> and
+    <|endoftext|> as Qwen2.5-Instruct's generation_config has them: a real model for the native engine in tests."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer_dir = build_chatml_tokenizer(out_dir)
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    size = len(vocab["model"]["vocab"]) + sum(1 for t in vocab["added_tokens"] if t["content"] not in
+                                              vocab["model"]["vocab"])
+    ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
+    config = LlamaConfig(vocab_size=size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=None, eos_token_id=ids[IM_END], pad_token_id=ids[END_OF_TEXT],
+                         tie_word_embeddings=False, dtype="float32")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.update(bos_token_id=None, eos_token_id=[ids[IM_END], ids[END_OF_TEXT]],
+                                   pad_token_id=ids[END_OF_TEXT])
+    model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
