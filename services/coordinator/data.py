@@ -112,9 +112,11 @@ class _RowReader:
             if config.chat_template_file is None and config.system_prompt is None:
                 return value, ()
             return "", self._with_system((ChatMessage("user", value),))
+        if value is None:   # a table's column holds every key; this row has no value there
+            raise ValueError(f"{where}: the prompt ({config.prompt_key}) is null")
         if not isinstance(value, list | tuple):
-            raise ValueError(f"{where}: the prompt ({config.prompt_key}) is a {type(value).__name__}; expected text "
-                             "or a list of chat messages {role, content}")
+            raise ValueError(f"{where}: the prompt ({config.prompt_key}) is {type(value).__name__} {value!r:.60}; "
+                             "expected text or a list of chat messages {role, content}")
         if config.chat_template == "none":
             raise ValueError(f"{where}: the prompt is a list of chat messages, and data.chat_template is none; set it "
                              "to auto (the tokenizer's template) or a template file")
