@@ -92,7 +92,7 @@ def test_a_missing_template_or_one_that_fails_is_named_in_one_line(example_model
         "{{ m['content'] }}{% endfor %}")
     chat = ChatTemplate.from_config(load_tokenizer(chatml), config(str(chatml), chat_template=str(
         tmp_path / "strict.jinja")))
-    with pytest.raises(ChatTemplateError, match="strict.jinja .* failed: .*no tool role") as caught:
+    with pytest.raises(ChatTemplateError, match=r"strict\.jinja .* failed: .*no tool role") as caught:
         chat.render([QUESTION, QUESTION, (ChatMessage("tool", "42"),)])
     assert caught.value.index == 2
 

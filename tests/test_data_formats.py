@@ -145,7 +145,7 @@ def test_a_file_of_no_known_format_is_named_in_one_line(tmp_path):
     parquet = write(tmp_path, "parquet", ROWS)
     misnamed = tmp_path / "misnamed.jsonl"
     misnamed.write_bytes(parquet.read_bytes())
-    with pytest.raises(ValueError, match="misnamed.jsonl is a parquet file .* name it .parquet"):
+    with pytest.raises(ValueError, match=r"misnamed\.jsonl is a parquet file .* name it \.parquet"):
         load_prompts(str(misnamed), data())
     (tmp_path / "folder").mkdir()
     with pytest.raises(ValueError, match="folder is a directory but not a saved Hugging Face dataset"):
@@ -168,7 +168,7 @@ def test_a_dataset_dict_asks_for_one_split_and_a_missing_datasets_package_says_w
 
 
 def test_chat_keys_are_checked_and_a_template_path_is_relative_to_the_yaml(tmp_path):
-    with pytest.raises(ConfigError, match="data.system_prompt needs a chat template, and data.chat_template is none"):
+    with pytest.raises(ConfigError, match=r"data\.system_prompt needs a chat template, and data\.chat_template is"):
         config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t", "chat_template": "none",
                                                            "system_prompt": "Be brief."}})
     (tmp_path / "run.yaml").write_text("model: {path: m}\ndata: {train_path: t.parquet, chat_template: "

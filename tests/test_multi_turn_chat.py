@@ -122,7 +122,7 @@ def test_a_reset_observation_is_a_turn_of_the_prompt_and_token_ids_stay_as_they_
     rendered = texts.chat.render([(QUESTION, ChatMessage("user", "Tools: add"))])[0]
     assert list(episode.prompt_ids) == encode_texts(texts.tokenizer, [rendered], special_tokens=False)[0]
     assert list(episode.prompt_ids) != prompt_ids
-    assert list(episode.output.token_ids) == ids_of(texts, "5", "<|im_end|>") + [7, 8, 9] + ids_of(texts, "6")
+    assert list(episode.output.token_ids) == [*ids_of(texts, "5", "<|im_end|>"), 7, 8, 9, *ids_of(texts, "6")]
 
 
 def test_an_observation_role_the_template_refuses_names_the_episode(texts, tmp_path: Path):
