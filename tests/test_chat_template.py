@@ -152,3 +152,33 @@ def test_preflight_checks_every_chat_row_with_the_template_applied(chatml, tmp_p
     with pytest.raises(ConfigError, match=r"data.chat_template is auto, and the tokenizer at .*plain has no chat "
                                           "template"):
         preflight.model_prompts(run, preflight.check_data(run), load_tokenizer(no_template))
+
+
+def test_preflight_encodes_only_the_prompts_a_length_bound_cannot_clear(chatml, monkeypatch):
+    """Byte length bounds the token count: rows far within the limit need no encoding (most of preflight's time),
+    rows near it are counted exactly, and a bound that fails on the always-encoded sample falls back to encoding
+    every row."""
+    from tokenizers import normalizers
+
+    from services.rollout import tokenizer as tokenizer_module
+
+    tokenizer = load_tokenizer(chatml)
+    texts = [f"Ava has {i} apples." for i in range(preflight.BOUND_SAMPLE + 500)] + ["apples " * 40, "Åva hås äpples."]
+    n = len(texts)
+    measured = preflight.measure_prompts(tokenizer, texts, [True] * n, limit=100, exact=preflight.BOUND_SAMPLE)
+    exact = encode_texts(tokenizer, texts, special_tokens=False)
+    assert set(measured.ids) == {*range(preflight.BOUND_SAMPLE), n - 2}   # the 280-byte row may exceed 100 tokens
+    assert all(measured.ids[i] == exact[i] for i in measured.ids)
+    assert all(measured.lengths[i] >= len(exact[i]) for i in range(n))
+    assert measured.lengths[n - 2] == len(exact[n - 2])
+
+    tokenizer.backend_tokenizer.normalizer = normalizers.NFC()   # Qwen2.5's: bytes still bound ASCII text
+    measured = preflight.measure_prompts(tokenizer, texts, [True] * n, limit=100, exact=preflight.BOUND_SAMPLE)
+    assert set(measured.ids) == {*range(preflight.BOUND_SAMPLE), n - 2, n - 1}   # the non-ASCII row is encoded
+    tokenizer.backend_tokenizer.normalizer = normalizers.Replace(" ", "__")   # one the bound does not know
+    assert len(preflight.measure_prompts(tokenizer, texts, [True] * n, limit=100, exact=10).ids) == n
+
+    monkeypatch.setattr(tokenizer_module, "length_bounds", lambda tok, texts, chats: [1] * len(texts))
+    tokenizer.backend_tokenizer.normalizer = None
+    wrong = preflight.measure_prompts(tokenizer, texts, [True] * n, limit=100, exact=10)
+    assert len(wrong.ids) == n and wrong.lengths == [len(ids) for ids in exact]

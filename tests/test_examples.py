@@ -34,7 +34,7 @@ def test_an_example_config_passes_the_checks_that_need_no_model(path, tmp_path_f
     if limit is not None:   # every preset shares the tiny model's tokenizer
         tokenizer = load_tokenizer(init_model(tmp_path_factory.mktemp("tok") / "tiny", preset="tiny", seed=0))
         prompts = preflight.model_prompts(config, records, tokenizer)
-        longest = max(len(ids) for encoded in prompts.values() for ids in encoded.ids)
+        longest = max(length for encoded in prompts.values() for length in encoded.lengths)
         assert longest + config.rollout.sampling.max_new_tokens <= limit, (longest, limit)
 
 

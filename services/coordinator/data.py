@@ -59,6 +59,7 @@ class PromptBatch:
 
 
 _MISSING = object()
+_to_json = json.JSONEncoder(default=str).encode   # one encoder for every row (json.dumps builds one per call)
 
 
 def load_prompts(path: str, config: DataConfig, *, limit: int | None = None) -> list[PromptRecord]:
@@ -101,8 +102,7 @@ class _RowReader:
             raise ValueError(f"{where}: expected an object with key {key!r}{keys}")
         text, messages = self._prompt(prompt, where)
         skip = (key, self.config.label_key)
-        metadata = {k: v if isinstance(v, str) else json.dumps(v, default=str) for k, v in row.items()
-                    if k not in skip}
+        metadata = {k: v if isinstance(v, str) else _to_json(v) for k, v in row.items() if k not in skip}
         return PromptRecord(text=text, label=_label(lookup(row, self.config.label_key)), metadata=metadata,
                             line=position, messages=messages)
 
@@ -135,6 +135,10 @@ def _messages(value: list[Any] | tuple[Any, ...], where: str) -> tuple[ChatMessa
         raise ValueError(f"{where}: the prompt is an empty list of chat messages")
     out = []
     for i, message in enumerate(value):
+        if isinstance(message, dict) and len(message) == 2 and isinstance(role := message.get("role"), str) and \
+                isinstance(content := message.get("content"), str):
+            out.append(ChatMessage(role=role, content=content))   # the usual message, checked at the least cost
+            continue
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or \
                 not isinstance(message.get("content"), str):
             raise ValueError(f"{where}: message {i} of the prompt is not {{role, content}} text: {message!r:.120}")
@@ -150,7 +154,7 @@ def _label(value: Any) -> str:
     if value is _MISSING or value is None:
         return ""
     if isinstance(value, list | dict):   # verl writes ground_truth lists at times: kept as JSON, not a repr
-        return json.dumps(value, default=str)
+        return _to_json(value)
     return str(value)
 
 

@@ -23,6 +23,7 @@ log = logging.getLogger("tandem.preflight")
 
 MAX_TOKENIZER_CHECKS = 20000   # prompts and labels looked at for unknown tokens (every prompt's length is checked)
 ENCODE_BATCH = 8192            # prompts the tokenizer encodes in one call
+BOUND_SAMPLE = 1000            # prompts always encoded, checking the length bound (measure_prompts)
 SHOWN_LINES = 5                # line numbers named besides the first offending one
 
 
@@ -43,52 +44,96 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
 
 
 @dataclass(frozen=True)
+class PromptLimit:
+    tokens: int        # the most a prompt of this data file may have
+    why: str           # where that number comes from, for the message
+
+
+def prompt_limit(config: TandemConfig, key: str) -> PromptLimit:
+    """The context (runfacts.context_length) minus the max_new_tokens of the data file's sampling."""
+    context = runfacts.context_length(configured=config.rollout.max_context_length,
+                                      model_positions=runfacts.model_positions(config.model.path))
+    context_from = ("rollout.max_context_length" if config.rollout.max_context_length and
+                    context == config.rollout.max_context_length else "the model's max_position_embeddings")
+    sampling, sampling_key = ((config.rollout.eval_sampling, "rollout.eval_sampling")
+                              if key == "data.eval_path" else (config.rollout.sampling, "rollout.sampling"))
+    return PromptLimit(tokens=context - sampling.max_new_tokens,
+                       why=f"a context of {context} tokens, from {context_from}, minus {sampling_key}.max_new_tokens "
+                           f"{sampling.max_new_tokens}")
+
+
+@dataclass(frozen=True)
 class ModelPrompts:
-    """A data file's prompts as the model reads them (the chat template applied)."""
+    """A data file's prompts as the model reads them (the chat template applied), and how many tokens each has."""
 
     texts: list[str]
-    ids: list[list[int]]
+    lengths: list[int]            # exact for the encoded rows; for the others a bound within the limit
+    ids: dict[int, list[int]]     # the encoded rows: the first ones, and every one a bound does not show fits
 
 
 def model_prompts(config: TandemConfig, records: dict[str, list[PromptRecord]],
                   tokenizer: Any) -> dict[str, ModelPrompts]:
-    """Every prompt of every data file through the rollout's own path; ConfigError naming the file and line / row
-    of a prompt the chat template fails on."""
+    """Every prompt of every data file through the rollout's own path (rendered, then encoded where its length is
+    not known to fit: measure_prompts); ConfigError naming the file and line / row of a prompt the chat template
+    fails on."""
     from services.rollout.chat import ChatTemplate, ChatTemplateError
 
+    # the unknown-token scan reads the first MAX_TOKENIZER_CHECKS prompts' ids; else a sample checks the bound
+    exact = MAX_TOKENIZER_CHECKS if tokenizer.unk_token_id is not None else BOUND_SAMPLE
     try:
         chat = ChatTemplate.from_config(tokenizer, config)
         out = {}
         for key, rows in records.items():
             try:
-                out[key] = encode_prompts(tokenizer, chat, rows)
+                texts = render_prompts(chat, rows)
             except ChatTemplateError as exc:
                 if exc.index is None:
                     raise
                 path = getattr(config.data, key.split(".")[1])
                 raise ConfigError(f"{key}: {data_file(path).where(rows[exc.index].line)}: {exc}") from None
+            out[key] = measure_prompts(tokenizer, texts, [bool(r.messages) for r in rows],
+                                       limit=prompt_limit(config, key).tokens, exact=exact)
     except ChatTemplateError as exc:
         raise ConfigError(str(exc)) from None
     return out
 
 
-def encode_prompts(tokenizer: Any, chat: Any, rows: list[PromptRecord]) -> ModelPrompts:
-    """Every prompt as the rollout service renders and encodes it, ENCODE_BATCH at a time (a fast tokenizer does
-    100k short prompts in about a second; the chat template renders ~50k conversations a second).
+def render_prompts(chat: Any, rows: list[PromptRecord]) -> list[str]:
+    """Every prompt's text as the rollout renders it, ENCODE_BATCH at a time (~50k chats a second).
     ChatTemplateError.index: the row of `rows` the template failed on."""
     from services.rollout.chat import ChatTemplateError
-    from services.rollout.tokenizer import model_inputs
+    from services.rollout.tokenizer import prompt_texts
 
     texts: list[str] = []
-    ids: list[list[int]] = []
     for start in range(0, len(rows), ENCODE_BATCH):
         try:
-            batch_texts, batch_ids = model_inputs(tokenizer, chat, rows[start:start + ENCODE_BATCH])
+            texts += prompt_texts(chat, rows[start:start + ENCODE_BATCH])
         except ChatTemplateError as exc:
             raise ChatTemplateError(str(exc), index=None if exc.index is None else start + exc.index) from None
-        texts += batch_texts
-        ids += batch_ids
-    return ModelPrompts(texts=texts, ids=ids)
+    return texts
+
+
+def measure_prompts(tokenizer: Any, texts: list[str], chats: list[bool], *, limit: int, exact: int) -> ModelPrompts:
+    """Token counts of every prompt, encoding (ENCODE_BATCH at a time, as the rollout does) only the first `exact`
+    prompts and those whose length bound (tokenizer.length_bounds) exceeds `limit`: the others fit for certain.
+    Encoding is ~100 µs a prompt, nearly all of preflight's time on a 100k-row file. Should an encoded prompt
+    exceed its bound (a tokenizer the bound does not know), every prompt is encoded."""
+    from services.rollout.tokenizer import encode_prompt_texts, length_bounds
+
+    bounds = length_bounds(tokenizer, texts, chats)
+    ids: dict[int, list[int]] = {}
+
+    def encode(rows: list[int]) -> None:
+        for start in range(0, len(rows), ENCODE_BATCH):
+            chunk = rows[start:start + ENCODE_BATCH]
+            ids.update(zip(chunk, encode_prompt_texts(tokenizer, [texts[i] for i in chunk], [chats[i] for i in chunk]),
+                           strict=True))
+
+    encode(sorted(set(range(min(exact, len(texts)))) | {i for i, b in enumerate(bounds) if b is None or b > limit}))
+    if any(len(row) > bound for i, row in ids.items() if (bound := bounds[i]) is not None):
+        encode([i for i in range(len(texts)) if i not in ids])
+    lengths = [len(ids[i]) if bound is None or i in ids else bound for i, bound in enumerate(bounds)]
+    return ModelPrompts(texts=texts, lengths=lengths, ids=ids)
 
 
 def _empty(row: PromptRecord) -> bool:
@@ -99,16 +144,10 @@ def check_prompt_lengths(config: TandemConfig, records: dict[str, list[PromptRec
                          prompts: dict[str, ModelPrompts]) -> None:
     """ConfigError naming file:line (or file: row) of the first prompt that is empty or leaves no room for
     max_new_tokens in the context (runfacts.context_length), with the limits and how many more are like it."""
-    context = runfacts.context_length(configured=config.rollout.max_context_length,
-                                      model_positions=runfacts.model_positions(config.model.path))
-    context_from = ("rollout.max_context_length" if config.rollout.max_context_length and
-                    context == config.rollout.max_context_length else "the model's max_position_embeddings")
     for key, rows in records.items():
-        sampling, sampling_key = ((config.rollout.eval_sampling, "rollout.eval_sampling")
-                                  if key == "data.eval_path" else (config.rollout.sampling, "rollout.sampling"))
-        limit = context - sampling.max_new_tokens
-        bad = [(row, len(ids)) for row, ids in zip(rows, prompts[key].ids, strict=True)
-               if len(ids) > limit or _empty(row)]
+        limit = prompt_limit(config, key)
+        bad = [(row, length) for row, length in zip(rows, prompts[key].lengths, strict=True)
+               if length > limit.tokens or _empty(row)]
         if not bad:
             continue
         first, tokens = bad[0]
@@ -116,9 +155,8 @@ def check_prompt_lengths(config: TandemConfig, records: dict[str, list[PromptRec
         if _empty(first):
             problem = "the prompt is empty"
         else:
-            problem = (f"the prompt has {tokens} tokens{templated}, more than the {limit} a prompt may have (a context "
-                       f"of {context} tokens, from {context_from}, minus {sampling_key}.max_new_tokens "
-                       f"{sampling.max_new_tokens})")
+            problem = (f"the prompt has {tokens} tokens{templated}, more than the {limit.tokens} a prompt may have "
+                       f"({limit.why})")
         file = data_file(getattr(config.data, key.split(".")[1]))
         raise ConfigError(f"{key}: {file.where(first.line)}: {problem}"
                           f"{_others([row.line for row, _ in bad[1:]], unit=file.unit)}")
@@ -269,7 +307,8 @@ def unencodable_text(config: TandemConfig, records: dict[str, list[PromptRecord]
         rows = all_rows[:MAX_TOKENIZER_CHECKS]
         labels = [r.label for r in rows]
         for field, texts, encoded in (
-                ("prompt", prompts[key].texts[:MAX_TOKENIZER_CHECKS], prompts[key].ids[:MAX_TOKENIZER_CHECKS]),
+                ("prompt", prompts[key].texts[:MAX_TOKENIZER_CHECKS],
+                 [prompts[key].ids[i] for i in range(len(rows))]),
                 ("label", labels, tokenizer(labels, add_special_tokens=False)["input_ids"])):
             bad = [i for i, ids in enumerate(encoded) if unk in ids]
             if bad:
