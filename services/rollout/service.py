@@ -349,26 +349,9 @@ class RolloutService:
     # ---- prompts and text --------------------------------------------------------------------------
 
     def model_inputs(self, prompts: Sequence[PromptInput]) -> ModelInputs:
-        """Token ids as given; a chat rendered with the chat template; text with the tokenizer's special tokens. The
-        text a reward sees: the prompt's text, a chat's rendering, or the given ids decoded."""
-        for i, p in enumerate(prompts):
-            if not (p.token_ids or p.messages or p.text):
-                raise ValueError(f"prompt {i} (group_id {p.group_id}) is empty: give text, messages or token_ids")
-        to_encode = [i for i, p in enumerate(prompts) if not p.token_ids]
-        try:
-            texts, ids = self.texts.model_inputs([prompts[i] for i in to_encode])
-        except ChatTemplateError as exc:
-            which = f"prompt {to_encode[exc.index]}: " if exc.index is not None else ""
-            raise ValueError(f"{which}{exc}") from None
-        out_ids = [[int(x) for x in p.token_ids] for p in prompts]
-        out_texts = [p.text for p in prompts]
-        for i, text, encoded in zip(to_encode, texts, ids, strict=True):
-            out_ids[i], out_texts[i] = encoded, text
-        for i, p in enumerate(prompts):
-            if p.token_ids and not p.text:
-                out_texts[i] = self.texts.decode(p.token_ids)
-        self.engine.validate_prompts(out_ids)
-        return ModelInputs(ids=out_ids, texts=out_texts)
+        inputs = model_inputs(self.texts, prompts)
+        self.engine.validate_prompts(inputs.ids)
+        return inputs
 
     # ---- Evaluate ----------------------------------------------------------------------------------
 
@@ -467,6 +450,25 @@ class RolloutService:
             self._receiver.close()
         self.writer.close()
         self.engine.close()
+
+
+def model_inputs(texts: Texts, prompts: Sequence[PromptInput]) -> ModelInputs:
+    """Token ids as given; a chat rendered with the chat template; text with the tokenizer's special tokens. The
+    text a reward sees: the prompt's text, a chat's rendering, or the given ids decoded."""
+    for i, p in enumerate(prompts):
+        if not (p.token_ids or p.messages or p.text):
+            raise ValueError(f"prompt {i} (group_id {p.group_id}) is empty: give text, messages or token_ids")
+    to_encode = [i for i, p in enumerate(prompts) if not p.token_ids]
+    try:
+        encoded_texts, encoded_ids = texts.model_inputs([prompts[i] for i in to_encode])
+    except ChatTemplateError as exc:
+        which = f"prompt {to_encode[exc.index]}: " if exc.index is not None else ""
+        raise ValueError(f"{which}{exc}") from None
+    ids = [[int(x) for x in p.token_ids] for p in prompts]
+    shown = [p.text or (texts.decode(p.token_ids) if p.token_ids else "") for p in prompts]
+    for i, text, encoded in zip(to_encode, encoded_texts, encoded_ids, strict=True):
+        ids[i], shown[i] = encoded, text
+    return ModelInputs(ids=ids, texts=shown)
 
 
 def _refuse_aborted(outputs: Sequence[SampleOutput], rollout_id: int) -> None:
