@@ -18,39 +18,28 @@ from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
 from services.rollout.chat import ChatTemplate
 from services.rollout.engines.base import FINISH_LENGTH, FINISH_STOP, Engine, SampleOutput
-from services.rollout.engines.gate import PauseGate
 from services.rollout.environments import Action, EnvironmentFailure, EnvironmentPlugin, EpisodeSample, StepResult
 from services.rollout.multi_turn import MultiTurnRollout
 from services.rollout.tokenizer import Texts, encode_texts, load_tokenizer
 from tests.helpers.chatml_tokenizer import build_chatml_tokenizer
+from tests.helpers.scripted_engine import GenerateOnlyEngine
 
 QUESTION = ChatMessage("user", "Ava has 3 apples and buys 2 more. How many?")
 SAMPLING = SamplingSpec(temperature=1.0, max_new_tokens=16, seed=5)
 
 
-class ScriptedFakeEngine(Engine):
+class ScriptedFakeEngine(GenerateOnlyEngine):
     """Call t returns turns[t] (token ids, finish reason) for every prompt; records every context it was given."""
 
-    name = "scripted"
-    model_path = device_label = "scripted"   # type: ignore[assignment]
-
     def __init__(self, turns: list[tuple[list[int], str]]):
-        self._version, self._max_context, self._gate = 0, 4096, PauseGate(engine="scripted")
-        self._released, self._generated = set(), 0
-        self.turns, self.calls = turns, []
+        super().__init__(max_context=4096)
+        self.turns: list[tuple[list[int], str]] = turns
+        self.calls: list[list[list[int]]] = []
 
     def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
         ids, finish = self.turns[len(self.calls)]
         self.calls.append([list(p) for p in prompts])
         return [SampleOutput(tuple(ids), tuple([-0.5] * len(ids)), finish, 0) for _ in prompts]
-
-    def update_weights_from_tensors(self, named_tensors, *, version=None): raise NotImplementedError
-    def update_weights_from_disk(self, path, *, version): raise NotImplementedError
-    def receive_weights(self, plan, *, rank_offset, receiver): raise NotImplementedError
-    def pause(self, mode="drain", *, timeout_s=None): raise NotImplementedError
-    def resume(self): raise NotImplementedError
-    def release_memory(self, tags=()): raise NotImplementedError
-    def resume_memory(self, tags=()): raise NotImplementedError
 
 
 class Observes:

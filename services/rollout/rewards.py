@@ -90,17 +90,7 @@ def exact_match(prompt: str, response: str, label: str, metadata: dict[str, str]
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
-def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (nested braces allowed), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 1, start + len("\\boxed{")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j].strip()
-    return None
+extract_boxed = math_rewards.last_boxed   # the content of the last \\boxed{...} (nested braces allowed), or None
 
 
 def parse_number(text: str) -> float | None:
