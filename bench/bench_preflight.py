@@ -7,7 +7,9 @@ verl-shaped parquet file of chat prompts (`prompt` a message list, label at `rew
 `extra_info`), rendered with a ChatML template and encoded by a byte-level BPE tokenizer (--chat-model; default:
 the small one tests/helpers/chatml_tokenizer.py builds). Times each stage of what `tandem run` does before any
 service starts: reading the file (load_prompts), rendering and tokenising every prompt as the rollout does
-(model_prompts, in batches), the length check, and the unknown-token scan. The tokenizers' loads are timed once.
+(model_prompts, in batches; prompts a byte-length bound shows to fit are not encoded), the length check, and the
+unknown-token scan; and, for comparison, encoding every prompt exactly (`exact s`, what the encode stage would cost
+without the bound). The tokenizers' loads are timed once.
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ def write_chat_parquet(path: Path, n: int) -> Path:
     return path
 
 
-def time_stages(config: TandemConfig, tokenizer: object) -> list[float]:
+def time_stages(config: TandemConfig, tokenizer: object) -> tuple[list[float], float, int]:
+    """Seconds of each stage, seconds to encode every prompt exactly, and how many prompts the check encoded."""
+    from services.rollout.tokenizer import encode_prompt_texts
+
     times = []
     t = time.perf_counter()
     records = preflight.check_data(config)
@@ -61,7 +66,12 @@ def time_stages(config: TandemConfig, tokenizer: object) -> list[float]:
     t = time.perf_counter()
     preflight.unencodable_text(config, records, prompts, tokenizer)
     times.append(time.perf_counter() - t)
-    return times
+    rows, texts = records["data.train_path"], prompts["data.train_path"].texts
+    t = time.perf_counter()
+    for start in range(0, len(texts), preflight.ENCODE_BATCH):
+        encode_prompt_texts(tokenizer, texts[start:start + preflight.ENCODE_BATCH],
+                            [bool(r.messages) for r in rows[start:start + preflight.ENCODE_BATCH]])
+    return times, time.perf_counter() - t, len(prompts["data.train_path"].ids)
 
 
 def main() -> None:
@@ -81,7 +91,8 @@ def main() -> None:
             t = time.perf_counter()
             tokenizers[name] = load_tokenizer(path)
             print(f"tokenizer load ({name}): {time.perf_counter() - t:.2f}s ({path}, {len(tokenizers[name])} tokens)")
-        print(f"{'rows':>8} {'file':<14} {'read s':>8} {'encode s':>9} {'check s':>8} {'unk s':>7} {'total s':>8}")
+        print(f"{'rows':>8} {'file':<14} {'read s':>8} {'encode s':>9} {'check s':>8} {'unk s':>7} {'total s':>8} "
+              f"{'encoded':>8} {'exact s':>8}")
         for n in args.lines:
             files = (("text jsonl", write_jsonl(Path(tmp) / f"tasks_{n}.jsonl", n), args.model, []),
                      ("chat parquet", write_chat_parquet(Path(tmp) / f"chat_{n}.parquet", n), chat_model,
@@ -90,9 +101,9 @@ def main() -> None:
                 config = load_config(REPO / "examples" / "digit_max.yaml",
                                      [f"data.train_path={path}", "data.eval_path=null", f"model.path={model}",
                                       "rollout.max_context_length=256", *extra])
-                times = time_stages(config, tokenizers[name.split()[0]])
+                times, exact, encoded = time_stages(config, tokenizers[name.split()[0]])
                 print(f"{n:>8} {name:<14} {times[0]:>8.2f} {times[1]:>9.2f} {times[2]:>8.2f} {times[3]:>7.2f} "
-                      f"{sum(times):>8.2f}")
+                      f"{sum(times):>8.2f} {encoded:>8} {exact:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -178,3 +178,16 @@ def test_chat_keys_are_checked_and_a_template_path_is_relative_to_the_yaml(tmp_p
     assert config.data.chat_template_kwargs == {"enable_thinking": False}
     for mode in ("auto", "none"):
         assert load_config(str(tmp_path / "run.yaml"), [f"data.chat_template={mode}"]).data.chat_template == mode
+
+
+def test_a_chat_prompt_crosses_grpc_as_messages(tmp_path):
+    """The coordinator sends a record as tandem.v1.Prompt; the rollout server reads it back unchanged."""
+    from services.contracts.gen.tandem.v1 import common_pb2
+    from services.rollout.server import prompt_from_proto
+
+    [record] = load_prompts(str(write(tmp_path, "jsonl", ROWS[:1])), data(system_prompt="Be brief."))
+    wire = common_pb2.Prompt.FromString(record.to_proto(group_id=7).SerializeToString())
+    prompt = prompt_from_proto(wire)
+    assert (prompt.text, prompt.label, prompt.group_id, prompt.metadata) == ("", "5", 7, {"level": "1"})
+    assert prompt.messages == record.messages == (ChatMessage("system", "Be brief."), ChatMessage(
+        "user", "Ava has 3 apples and buys 2 more. How many?"))
