@@ -87,6 +87,8 @@ def test_a_missing_template_or_one_that_fails_is_named_in_one_line(example_model
     with pytest.raises(ChatTemplateError, match=r"data.chat_template is auto, and the tokenizer at .* has no chat "
                                                 "template; set data.chat_template to a Jinja template file"):
         ChatTemplate.from_config(tiny, config(str(example_model))).render([QUESTION])
+    with pytest.raises(ChatTemplateError, match=r"data.chat_template is tokenizer, and the tokenizer at "):
+        ChatTemplate.from_config(tiny, config(str(example_model), chat_template="tokenizer")).render([QUESTION])
     (tmp_path / "strict.jinja").write_text(
         "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
         "{{ m['content'] }}{% endfor %}")

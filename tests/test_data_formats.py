@@ -100,8 +100,9 @@ def test_system_prompt_goes_before_chats_without_one_and_turns_text_into_a_chat(
     assert c.messages == (ChatMessage("system", "Be brief."), ChatMessage("user", "7 - 2 =")) and c.text == ""
     [_, _, plain] = load_prompts(str(path), data())   # auto: a text prompt stays text
     assert (plain.text, plain.messages) == ("7 - 2 =", ())
-    [_, _, templated] = load_prompts(str(path), data(chat_template=str(tmp_path / "t.jinja")))
-    assert templated.messages == (ChatMessage("user", "7 - 2 ="),)   # a template file applies to every prompt
+    for every_prompt in (str(tmp_path / "t.jinja"), "tokenizer"):   # a template file, or the tokenizer's, for all
+        [_, _, templated] = load_prompts(str(path), data(chat_template=every_prompt))
+        assert templated.messages == (ChatMessage("user", "7 - 2 ="),) and templated.text == ""
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
@@ -176,7 +177,7 @@ def test_chat_keys_are_checked_and_a_template_path_is_relative_to_the_yaml(tmp_p
     config = load_config(str(tmp_path / "run.yaml"), [])
     assert config.data.chat_template == str(tmp_path / "templates" / "chatml.jinja")
     assert config.data.chat_template_kwargs == {"enable_thinking": False}
-    for mode in ("auto", "none"):
+    for mode in ("auto", "tokenizer", "none"):
         assert load_config(str(tmp_path / "run.yaml"), [f"data.chat_template={mode}"]).data.chat_template == mode
 
 

@@ -33,7 +33,7 @@ class ModelConfig(Section):
         "model (default tiny); nothing is ever built without that flag")
 
 
-CHAT_TEMPLATE_MODES = ("auto", "none")
+CHAT_TEMPLATE_MODES = ("auto", "tokenizer", "none")
 
 
 class DataConfig(Section):
@@ -47,8 +47,9 @@ class DataConfig(Section):
     label_key: str = Field(default="label", description="the reference answer's key, dotted paths allowed "
                            "(reward_model.ground_truth, as verl writes it)")
     chat_template: str = Field(default="auto", description="auto: message-list prompts get the tokenizer's chat "
-                               "template; none: no template (message lists are refused); or a Jinja template file, "
-                               "applied to every prompt (a string prompt becomes one user message)")
+                               "template, text prompts are used as they are; tokenizer: the tokenizer's template "
+                               "for every prompt (a text prompt becomes one user message); none: no template "
+                               "(message lists are refused); or a Jinja template file, applied to every prompt")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra variables for the "
                                                  "template, e.g. {enable_thinking: false}")
     system_prompt: str | None = Field(default=None, description="a system message put before every chat that has "
@@ -64,13 +65,18 @@ class DataConfig(Section):
             raise ValueError("data.system_prompt needs a chat template, and data.chat_template is none (use auto or "
                              "a template file, or put the system text into the prompts)")
         if not self.chat_template.strip():
-            raise ValueError("data.chat_template: empty; use auto, none or a Jinja template file")
+            raise ValueError("data.chat_template: empty; use auto, tokenizer, none or a Jinja template file")
         return self
 
     @property
     def chat_template_file(self) -> str | None:
-        """The template file data.chat_template names, or None for auto / none."""
+        """The template file data.chat_template names, or None for auto / tokenizer / none."""
         return None if self.chat_template in CHAT_TEMPLATE_MODES else self.chat_template
+
+    @property
+    def text_prompts_are_chats(self) -> bool:
+        """A text prompt becomes one user message: the template is asked for every prompt, or a system prompt given."""
+        return self.chat_template not in ("auto", "none") or self.system_prompt is not None
 
 
 class SamplingConfig(Section):

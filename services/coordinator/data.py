@@ -109,7 +109,7 @@ class _RowReader:
     def _prompt(self, value: Any, where: str) -> tuple[str, tuple[ChatMessage, ...]]:
         config = self.config
         if isinstance(value, str):
-            if config.chat_template_file is None and config.system_prompt is None:
+            if not config.text_prompts_are_chats:
                 return value, ()
             return "", self._with_system((ChatMessage("user", value),))
         if value is None:   # a table's column holds every key; this row has no value there

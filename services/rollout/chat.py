@@ -44,6 +44,7 @@ class ChatTemplate:
     template: str | None = None           # data.chat_template's file text; None = the tokenizer's own
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     observation_role: str = "user"
+    mode: str = "auto"                    # data.chat_template, for messages
 
     @classmethod
     def from_config(cls, tokenizer: Any, config: TandemConfig) -> ChatTemplate:
@@ -53,7 +54,7 @@ class ChatTemplate:
         if file is None:
             where = config.model.tokenizer_path or config.model.path
             return cls(tokenizer, source=f"the chat template of the tokenizer at {where}", kwargs=kwargs,
-                       observation_role=role)
+                       observation_role=role, mode=data.chat_template)
         try:
             text = Path(file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -103,7 +104,7 @@ class ChatTemplate:
     def _apply(self, conversations: list[list[dict[str, str]]]) -> list[str]:
         if not self.available:
             tokenizer = self.source.removeprefix("the chat template of ")
-            raise ChatTemplateError(f"data.chat_template is auto, and {tokenizer} has no chat template; set "
+            raise ChatTemplateError(f"data.chat_template is {self.mode}, and {tokenizer} has no chat template; set "
                                     "data.chat_template to a Jinja template file, or give text prompts")
         out = self.tokenizer.apply_chat_template(conversations, chat_template=self.template, tokenize=False,
                                                  add_generation_prompt=True, **self.kwargs)
