@@ -172,6 +172,9 @@ def test_chat_keys_are_checked_and_a_template_path_is_relative_to_the_yaml(tmp_p
     with pytest.raises(ConfigError, match=r"data\.system_prompt needs a chat template, and data\.chat_template is"):
         config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t", "chat_template": "none",
                                                            "system_prompt": "Be brief."}})
+    with pytest.raises(ConfigError, match=r"data\.chat_template_kwargs: add_generation_prompt is set by Tandem"):
+        config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t", "chat_template_kwargs": {
+            "add_generation_prompt": False, "enable_thinking": False}}})
     (tmp_path / "run.yaml").write_text("model: {path: m}\ndata: {train_path: t.parquet, chat_template: "
                                        "templates/chatml.jinja, chat_template_kwargs: {enable_thinking: false}}\n")
     config = load_config(str(tmp_path / "run.yaml"), [])

@@ -34,6 +34,10 @@ class ModelConfig(Section):
 
 
 CHAT_TEMPLATE_MODES = ("auto", "tokenizer", "none")
+# apply_chat_template's own arguments: Tandem sets them (a chat is rendered to text, ending in the generation prompt)
+_RESERVED_TEMPLATE_KWARGS = ("conversation", "chat_template", "add_generation_prompt", "continue_final_message",
+                             "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                             "return_assistant_tokens_mask", "tokenizer_kwargs")
 
 
 class DataConfig(Section):
@@ -66,6 +70,11 @@ class DataConfig(Section):
                              "a template file, or put the system text into the prompts)")
         if not self.chat_template.strip():
             raise ValueError("data.chat_template: empty; use auto, tokenizer, none or a Jinja template file")
+        reserved = [k for k in self.chat_template_kwargs if k in _RESERVED_TEMPLATE_KWARGS]
+        if reserved:
+            raise ValueError(f"data.chat_template_kwargs: {', '.join(reserved)} is set by Tandem (a chat is rendered "
+                             "to text ending in the assistant's generation prompt); give only the template's own "
+                             "variables")
         return self
 
     @property
