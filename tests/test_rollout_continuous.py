@@ -164,6 +164,19 @@ def test_each_prompt_may_cap_its_own_new_tokens(model_dirs):  # type: ignore[no-
     assert [len(o.token_ids) for o in outs] == [3, 9, 1, 9]
 
 
+def test_a_call_the_engine_cannot_serve_leaves_nothing_behind(model_dirs):  # type: ignore[no-untyped-def]
+    from services.rollout.engines.base import EngineUnavailable
+
+    engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True)
+    opts = SamplingSpec(max_new_tokens=3, ignore_eos=True, seed=1)
+    engine.release_memory(("kv_cache",))
+    with pytest.raises(EngineUnavailable, match="memory is released"):
+        engine.generate(SHORT, opts)
+    engine.resume_memory(("kv_cache",))
+    assert engine._batcher is not None and not engine._batcher._queue   # its samples are not generated for nobody
+    assert [len(o.token_ids) for o in engine.generate(SHORT[:2], opts)] == [3, 3]
+
+
 def test_continuous_batching_needs_the_dynamic_decode_path(model_dirs):  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="continuous batching runs on the dynamic decode path, not decode='static'"):
         NativeEngine(model_dirs[0], device="cpu", continuous_batching=True, decode="static")

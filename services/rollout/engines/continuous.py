@@ -38,7 +38,7 @@ def distribution(s: SamplingSpec) -> tuple[Any, ...]:
     return s.temperature, s.top_p, s.top_k, tuple(sorted(s.stop_token_ids)), s.ignore_eos
 
 
-@dataclass
+@dataclass(eq=False)
 class Ticket:
     """One generate call's samples: queued until they join the batch, their outputs filled as they finish."""
 
@@ -152,10 +152,19 @@ class ContinuousBatcher:
             try:
                 with computing():
                     self.run(until=ticket.done)
+            except BaseException as exc:   # e.g. the engine cannot serve (memory released): not for anyone else
+                self._withdraw(ticket, exc)
+                raise
             finally:
                 with self._turns:
                     self._stepping = False
                     self._turns.notify_all()
+
+    def _withdraw(self, ticket: Ticket, exc: BaseException) -> None:
+        """The ticket's waiting samples leave the queue (its samples in the batch go on: their rows finish)."""
+        with self._queue_lock:
+            self._queue = deque(t for t in self._queue if t is not ticket)
+        ticket.error = ticket.error or exc
 
     def run(self, until: Callable[[], bool]) -> None:
         """Steps the batch until `until()`; call it holding the engine's compute lock."""
