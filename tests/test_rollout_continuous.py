@@ -10,22 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_rollout_engine import LOGPROB_ATOL
+from test_rollout_engine import PROMPTS as SHORT
 
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.native import NativeEngine
 from services.rollout.engines.sampling import sampling_log_probs
-from services.rollout.model_init import init_model
-
-torch.set_num_threads(1)
-
-LOGPROB_ATOL = 1e-4
-SHORT = [[1, 7, 11, 18], [1, 3, 18], [1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 18], [1, 9, 9, 18]]
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return init_model(root / "a", preset="tiny", seed=0), init_model(root / "b", preset="tiny", seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -146,6 +146,14 @@ def test_sglang_contract_two_servers_one_group_and_session_probing(tmp_path: Pat
         new.stop()
 
 
+def start_long_request(pool: ThreadPoolExecutor, engine: SGLangEngine, server: ContractServer):  # type: ignore[no-untyped-def]
+    """A 40-token request, once the server generates it (slowly, with token_delay_s set)."""
+    running = pool.submit(engine.generate, [[1]], SamplingSpec(max_new_tokens=40, ignore_eos=True))
+    while server.state()["running"] == 0:
+        time.sleep(0.02)
+    return running
+
+
 @pytest.mark.parametrize("inflight", ["keep", "recompute"])
 def test_sglang_contract_an_in_flight_update_reaches_the_later_tokens(tmp_path: Path, inflight: str):
     """rollout.inflight_update with SGLang: the coordinator pauses in_place (keep) or retract (recompute), the weights
@@ -164,9 +172,7 @@ def test_sglang_contract_an_in_flight_update_reaches_the_later_tokens(tmp_path: 
     server.configure(token_delay_s=0.02)
     try:
         with ThreadPoolExecutor(2) as pool:
-            running = pool.submit(engine.generate, [[1]], SamplingSpec(max_new_tokens=40, ignore_eos=True))
-            while server.state()["running"] == 0:
-                time.sleep(0.02)
+            running = start_long_request(pool, engine, server)
             time.sleep(0.1)
             sync(pub, engine, version=5, pause=sync_pause_mode(inflight))
             (sample,) = running.result(timeout=30)
@@ -195,9 +201,7 @@ def test_sglang_contract_in_place_keeps_the_kv_cache(tmp_path: Path):
     server.configure(token_delay_s=0.02)
     try:
         with ThreadPoolExecutor(2) as pool:
-            running = pool.submit(engine.generate, [[1]], SamplingSpec(max_new_tokens=40, ignore_eos=True))
-            while server.state()["running"] == 0:
-                time.sleep(0.02)
+            running = start_long_request(pool, engine, server)
             tensors = make_tensors(SPECS, seed=5)
             plan = pub.prepare(SPECS, 5, engine.engine_ranks, False)
             engine.pause("in_place", timeout_s=10)
