@@ -150,18 +150,25 @@ def buffer_leftovers(run_dir: Path) -> tuple[int, int]:
 
 
 def assert_every_sample_trained_once(run_dir: Path, num_rollout: int) -> dict:
-    """The run's books balance: every rollout id was trained by exactly one optimizer step of the surviving
-    lineage, trained + dropped-as-stale = generated, the trainer's own counter agrees, nothing is left in
-    the buffer. Returns the coordinator state."""
+    """The run's books balance (`assert_books_balance`), read from its checkpoints and its Redis data."""
     trainer, state = final_checkpoint_state(run_dir)
+    assert_books_balance(trainer, state, num_rollout=num_rollout, leftovers=buffer_leftovers(run_dir))
+    return state
+
+
+def assert_books_balance(trainer: dict, state: dict, *, num_rollout: int, leftovers: tuple[int, int],
+                         batch_samples: int = BATCH_SAMPLES) -> None:
+    """Every rollout id was trained by exactly one optimizer step of the surviving lineage, trained +
+    dropped-as-stale = generated, the trainer's own counter agrees, nothing is left in the buffer. `trainer`
+    and `state`: the newest checkpoint's tandem_state.json and the coordinator RunState in it; `leftovers`:
+    (entries in the stream, entries pending in the actor group)."""
     assert state["next_rollout_id"] == num_rollout
-    assert state["samples_generated"] == num_rollout * BATCH_SAMPLES
+    assert state["samples_generated"] == num_rollout * batch_samples
     assert state["samples_trained"] + state["samples_dropped_stale"] == state["samples_generated"]
     assert trainer["step"] == num_rollout, trainer["step"]          # one optimizer step per rollout id
     assert trainer["samples_trained"] == state["samples_trained"]
     assert sorted(set(r for _e, r in trainer["trained_entries"])) == list(range(num_rollout))
-    assert buffer_leftovers(run_dir) == (0, 0)
-    return state
+    assert leftovers == (0, 0), leftovers
 
 
 class Services:
