@@ -49,7 +49,8 @@ CONTAINER_UID = 1000          # the image's `tandem` user owns what the services
 def _run(cmd: list[str], *, timeout: float = 600, check: bool = True, **kw) -> subprocess.CompletedProcess[str]:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, **kw)
     if check:
-        assert out.returncode == 0, f"{' '.join(cmd)} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        said = f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        assert out.returncode == 0, f"{' '.join(cmd)} exited {out.returncode}:\n{said}"
     return out
 
 
@@ -80,7 +81,7 @@ class Stack:
         self.run_dir = root / "runs" / "digit_max"
         env = {"TANDEM_IMAGE": IMAGE, "TANDEM_CONFIG": root / "run.yaml", "TANDEM_MODELS": root / "models",
                "TANDEM_CHECKPOINTS": root / "checkpoints", "TANDEM_RUNS": root / "runs", "TANDEM_RUN": "digit_max",
-               "COORDINATOR_PORT": CTL_ADDR.rsplit(":", 1)[1]}
+               "COORDINATOR_PORT": CTL_ADDR.rsplit(":", 1)[1], "TANDEM_MEMLOCK": memlock_limit()}
         (root / "test.env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
         self.base = ["docker", "compose", "-p", PROJECT, "--project-directory", str(DEPLOY), "--env-file",
                      str(root / "test.env"), "-f", str(DEPLOY / "docker-compose.yml"),
@@ -106,8 +107,8 @@ class Stack:
         return [r["rollout_id"] for r in self.metrics() if "train/loss" in r]
 
     def wait_trained(self, count: int, timeout_s: float = 600) -> None:
-        wait_for(lambda: len(self.trained()) >= count, what=f"{count} trained steps\n{self.logs('coordinator')[-3000:]}",
-                 timeout_s=timeout_s, every_s=0.5)
+        wait_for(lambda: len(self.trained()) >= count, timeout_s=timeout_s, every_s=0.5,
+                 what=f"{count} trained steps\n{self.logs('coordinator')[-3000:]}")
 
     def checkpoints(self) -> list[Path]:
         root = self.root / "checkpoints" / "actor"
@@ -120,6 +121,14 @@ class Stack:
         if cli("EXISTS", stream) == "0":
             return 0, 0
         return int(cli("XLEN", stream)), int(cli("XPENDING", stream, "actor").splitlines()[0])
+
+
+def memlock_limit() -> int:
+    """Unlimited where this host allows it, else its hard limit: a container may not raise it (this sandbox)."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    return -1 if hard == resource.RLIM_INFINITY else hard
 
 
 def ctl(action: str) -> subprocess.CompletedProcess[str]:

@@ -73,7 +73,7 @@ def wiring(config: Path, *, run_dir: Path, checkpoint_dir: Path, layout: Layout,
            transport: str, tracing: str, auth_token: str) -> list[str]:
     """The compose file's x-wiring with this job's hosts and directories."""
     rollout = ", ".join(f"{{host: {node}, port: {port}}}" for node, port in layout.rollout)
-    sets = [f"services.bind_host=0.0.0.0", f"services.coordinator.host={layout.head}",
+    sets = ["services.bind_host=0.0.0.0", f"services.coordinator.host={layout.head}",
             f"services.coordinator.port={COORDINATOR_PORT}", f"services.trainer.host={layout.trainer[0]}",
             f"services.trainer.port={TRAINER_PORT}", f"services.rollout=[{rollout}]",
             f"services.auth_token={auth_token}", f"redis.url=redis://{layout.head}:{REDIS_PORT}/0",
@@ -132,9 +132,10 @@ def wait_redis(host: str, timeout_s: float) -> None:
         try:
             redis.Redis(host=host, port=REDIS_PORT, socket_timeout=2).ping()
             return
-        except redis.RedisError:
+        except redis.RedisError as exc:
             if time.monotonic() > deadline:
-                raise SystemExit(f"tandem slurm: redis on {host}:{REDIS_PORT} did not answer in {timeout_s:g} s")
+                raise SystemExit(f"tandem slurm: redis on {host}:{REDIS_PORT} did not answer in {timeout_s:g} s: "
+                                 f"{exc}") from None
             time.sleep(0.5)
 
 
