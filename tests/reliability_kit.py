@@ -137,10 +137,14 @@ def buffer_leftovers(run_dir: Path) -> tuple[int, int]:
     """(entries in the stream, entries pending in the actor group) in the run's Redis data, read back by a
     fresh redis-server from the run's AOF after the run ended."""
     cfg = resolved_config(run_dir)
-    with EmbeddedRedis(run_dir / "redis", appendonly=True, password=cfg["redis"]["password"],
-                       log_path=str(run_dir / "redis-inspect.log")) as server:
-        client = connect(f"redis://{server.host}:{server.port}/0", password=cfg["redis"]["password"])
-        stream = stream_key(cfg["redis"]["stream_prefix"], cfg["run_name"])
+    return aof_leftovers(run_dir / "redis", stream=stream_key(cfg["redis"]["stream_prefix"], cfg["run_name"]),
+                         password=cfg["redis"]["password"], log_path=run_dir / "redis-inspect.log")
+
+
+def aof_leftovers(data_dir: Path, *, stream: str, password: str | None, log_path: Path) -> tuple[int, int]:
+    """(entries in `stream`, entries pending in its actor group) of the AOF in `data_dir`."""
+    with EmbeddedRedis(data_dir, appendonly=True, password=password, log_path=str(log_path)) as server:
+        client = connect(f"redis://{server.host}:{server.port}/0", password=password)
         try:
             if not client.exists(stream):
                 return 0, 0

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from reliability_kit import assert_books_balance, wait_for
+from reliability_kit import aof_leftovers, assert_books_balance, wait_for
 from tandem_runs import EXAMPLE
 
-from services.buffer.stream import connect, stream_key
-from services.launcher.redis_server import EmbeddedRedis
+from services.buffer.stream import stream_key
 from services.rpc.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,12 +190,5 @@ def _tail(path: Path) -> str:
 
 def _leftovers(workdir: Path) -> tuple[int, int]:
     """(stream length, pending in the actor group) from the job's Redis AOF, read by a fresh redis-server."""
-    with EmbeddedRedis(workdir / "redis", appendonly=True, log_path=str(workdir / "redis-inspect.log")) as server:
-        client = connect(f"redis://{server.host}:{server.port}/0")
-        stream = stream_key("tandem", "digit_max")
-        try:
-            if not client.exists(stream):
-                return 0, 0
-            return int(client.xlen(stream)), int(client.xpending(stream, "actor")["pending"])
-        finally:
-            client.close()
+    return aof_leftovers(workdir / "redis", stream=stream_key("tandem", "digit_max"), password=None,
+                         log_path=workdir / "redis-inspect.log")
