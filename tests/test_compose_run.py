@@ -190,8 +190,8 @@ def test_compose_stack_learns_survives_a_trainer_kill_and_resumes_after_down_up(
                  every_s=1)
         assert len(stack.trained()) >= before_down
 
-        waited = stack("wait", "coordinator", timeout=1200)
-        assert waited.stdout.strip().splitlines()[-1] == "0", (waited.stdout, stack.logs("coordinator")[-3000:])
+        waited = stack("wait", "coordinator", timeout=1200).stdout.strip().splitlines()[-1]   # its exit code
+        assert waited.split()[-1] == "0", (waited, stack.logs("coordinator")[-3000:])
 
         trainer = json.loads((stack.checkpoints()[-1] / "tandem_state.json").read_text())
         state = json.loads(trainer["extra_state"]["coordinator"])
