@@ -192,3 +192,5 @@ def test_slurm_layout_across_nodes():
     # Fewer nodes than asked: round-robin again, one port more per replica already on a node.
     small = slurm.Layout.of(["a", "b"], trainer_nodes=1, rollout_nodes=3)
     assert small.rollout == (("b", 50061), ("a", 50061), ("b", 50062))
+    with pytest.raises(ValueError, match="--rollout-nodes 0 must be 1 or more"):
+        slurm.Layout.of(["a"], trainer_nodes=1, rollout_nodes=0)

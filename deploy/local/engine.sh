@@ -77,7 +77,7 @@ COPY host-ca.crt /etc/ssl/host-ca.crt
 ENV PIP_CERT=/etc/ssl/host-ca.crt SSL_CERT_FILE=/etc/ssl/host-ca.crt REQUESTS_CA_BUNDLE=/etc/ssl/host-ca.crt \
     LANG=C.UTF-8
 DOCKERFILE
-    DOCKER_BUILDKIT=0 docker build -q -t "$BASE_IMAGE" "$work/ctx" > /dev/null
+    DOCKER_BUILDKIT=0 docker build -q -t "$BASE_IMAGE" "$work/ctx" > /dev/null 2>&1 || fail "could not build $BASE_IMAGE"
     say "built $BASE_IMAGE"
 fi
 echo "engine: docker"

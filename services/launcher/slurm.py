@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.contracts.config import ConfigError
 from services.contracts.config_loading import load_config
 from services.contracts.exits import ExitCode
 
@@ -47,6 +48,8 @@ class Layout:
     def of(cls, nodes: list[str], *, trainer_nodes: int, rollout_nodes: int) -> Layout:
         if not nodes:
             raise ValueError("no nodes: SLURM_JOB_NODELIST is empty")
+        if trainer_nodes < 1 or rollout_nodes < 1:
+            raise ValueError(f"--trainer-nodes {trainer_nodes} and --rollout-nodes {rollout_nodes} must be 1 or more")
         trainer = tuple(nodes[i % len(nodes)] for i in range(trainer_nodes))
         rollout: list[tuple[str, int]] = []
         for i in range(rollout_nodes):
@@ -120,7 +123,10 @@ def job_nodes() -> list[str]:
     nodelist = os.environ.get("SLURM_JOB_NODELIST")
     if not nodelist:
         raise SystemExit("tandem slurm: SLURM_JOB_NODELIST is not set: run this inside a Slurm job (sbatch)")
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+    if out.returncode != 0:
+        said = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"tandem slurm: `scontrol show hostnames {nodelist}` failed: {said}")
     return out.stdout.split()
 
 
@@ -200,7 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    try:
+        return run(build_parser().parse_args(argv))
+    except (ValueError, ConfigError) as exc:     # a bad layout or run config: one line, not a traceback
+        print(f"tandem slurm: {exc}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
 
 
 if __name__ == "__main__":
