@@ -160,8 +160,10 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     procs = [srun(steps.redis, log_dir=log_dir)]
     coordinator: subprocess.Popen | None = None
+    stopped: list[int] = []
 
-    def stop(sig: int, _frame: object) -> None:   # scancel / the time limit: the coordinator saves, then the rest
+    def stop(sig: int, _frame: object) -> None:   # scancel, requeue, time limit: the coordinator saves, then the rest
+        stopped.append(sig)
         if coordinator is not None:
             coordinator.send_signal(signal.SIGTERM)
 
@@ -181,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
     print(f"tandem slurm: the coordinator exited with {code}", flush=True)
-    if code not in (ExitCode.OK, ExitCode.BAD_INPUT, ExitCode.PERMANENT) and restarts < args.max_requeues:
+    # Stopped by Slurm (scancel, its own requeue, the time limit): Slurm decides what comes next.
+    if not stopped and code not in (ExitCode.OK, ExitCode.BAD_INPUT, ExitCode.PERMANENT) \
+            and restarts < args.max_requeues:
         job = os.environ["SLURM_JOB_ID"]
         print(f"tandem slurm: requeueing job {job} ({restarts + 1} of --max-requeues {args.max_requeues}); "
               "it resumes from the last checkpoint", flush=True)
