@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_train_step import SHAPES
 
-from services.weights import layout
+from services.weights import checksums
 
 
 def model_tensors(preset: str, device: torch.device) -> list[torch.Tensor]:
@@ -40,11 +40,11 @@ def model_tensors(preset: str, device: torch.device) -> list[torch.Tensor]:
 
 
 def per_tensor(tensors: list[torch.Tensor]) -> list[str]:
-    return layout._hex_pairs([layout._word_sums(layout._words(t)) for t in tensors])
+    return checksums._hex_pairs([checksums._word_sums(checksums._words(t)) for t in tensors])
 
 
 def packed(tensors: list[torch.Tensor]) -> list[str]:
-    return layout.tensor_checksums(tensors)
+    return checksums.tensor_checksums(tensors)
 
 
 def timed(fn: Callable[[list[torch.Tensor]], list[str]], tensors: list[torch.Tensor], repeats: int) -> float:

@@ -76,7 +76,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                        context: Any) -> rollout_pb2.ReceiveWeightsResponse:
         r = self.service.receive_weights(request.plan, request.rank_offset)
         return rollout_pb2.ReceiveWeightsResponse(version=r.version, checksums=r.checksums,
-                                                  bytes_received=r.bytes_received, time_s=r.time_s)
+                                                  bytes_received=r.bytes_received, time_s=r.time_s,
+                                                  bucket_checksums=r.bucket_checksums, checksum_s=r.checksum_s)
 
     @map_errors
     def Pause(self, request: rollout_pb2.PauseRequest, context: Any) -> common_pb2.Ack:

@@ -61,7 +61,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @map_errors
     def PrepareWeightSync(self, request, context):
         return self.service.prepare_weight_sync(version=request.version, transport=request.transport,
-                                                engine_world_size=request.engine_world_size, verify=request.verify)
+                                                engine_world_size=request.engine_world_size, verify=request.verify,
+                                                verify_by_bucket=request.verify_by_bucket)
 
     @map_errors
     def PublishWeights(self, request, context):
