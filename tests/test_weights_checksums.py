@@ -66,7 +66,8 @@ def test_bucket_checksums_equal_the_definition_for_separate_tensors_and_for_one_
     _flat, views = flat_views(layout, "cpu")                                          # a native engine's FlatParams
     for name, view in views.items():
         view.copy_(tensors[name])
-    assert bucket_checksums(layout, views) == expected                                # summed where they lie
+    assert bucket_checksums(layout, views) == expected                                # at the buckets' starts
+    assert bucket_checksums(layout, dict(views)) == expected                          # found to lie back to back
     assert named_bucket_checksums(layout, ((s.name, tensors[s.name]) for s in SPECS), where="test") == expected
 
 
@@ -126,14 +127,15 @@ def test_changes_that_cancel_in_both_word_sums_still_change_the_block_sum():
 
 
 def test_buckets_of_many_tensors_that_lie_back_to_back_issue_as_many_ops_as_of_a_few():
-    """A FlatParams bucket is summed where it lies: the ops grow with the buckets, not the tensors."""
+    """Tensors found to lie back to back are summed where they lie: the ops grow with the buckets, not the
+    tensors."""
     from torch.profiler import ProfilerActivity, profile
 
     def ops(count: int) -> int:
         layout = plan_layout([TensorSpec(f"t{i}", "float32", (64,)) for i in range(count)], bucket_bytes=1 << 20)
         _flat, views = flat_views(layout, "cpu")
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            bucket_checksums(layout, views)
+            bucket_checksums(layout, dict(views))   # a plain mapping: the tensors are looked at
         return sum(e.name in {"aten::sum", "aten::cat", "aten::mul", "aten::add_"} for e in prof.events())
 
     assert ops(200) == ops(2)

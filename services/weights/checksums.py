@@ -32,6 +32,7 @@ import torch
 
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights.layout import Bucket, Layout
+from services.weights.transports.cuda_ipc import FlatParams, bucket_starts
 
 # ---- per tensor -------------------------------------------------------------------------------------------
 
@@ -268,10 +269,14 @@ class BucketSums:
         return self._rows, self._cols
 
     def add(self, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> None:
-        if not bucket.nbytes:
-            return
-        rows, cols = self._buffers(tensors[0].device)
-        words, last = _as_words(_bucket_bytes(bucket, tensors).to(rows.device))
+        """The bucket's tensors, in slot order."""
+        if bucket.nbytes:
+            self.add_bytes(bucket, _bucket_bytes(bucket, tensors))
+
+    def add_bytes(self, bucket: Bucket, data: torch.Tensor) -> None:
+        """The bucket's bytes, as one uint8 tensor."""
+        rows, cols = self._buffers(data.device)
+        words, last = _as_words(data.to(rows.device))
         full = words.numel() // BLOCK_WORDS
         blocks = words[:full * BLOCK_WORDS].view(full, BLOCK_WORDS)
         torch.sum(blocks, 1, dtype=torch.int64, out=rows[bucket.index, :full])
@@ -295,8 +300,14 @@ class BucketSums:
 
 
 def bucket_checksums(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """One checksum per bucket of `layout` over `tensors` (name -> tensor: an engine's params), in bucket order."""
+    """One checksum per bucket of `layout` over `tensors` (name -> tensor: an engine's params), in bucket order. A
+    FlatParams of this layout (a native engine's) holds each bucket at a known place: no look at its tensors."""
     sums = BucketSums(layout)
+    if isinstance(tensors, FlatParams) and tensors.layout_key == layout.key:
+        for bucket, start in zip(layout.buckets, bucket_starts(layout)[0], strict=True):
+            if bucket.nbytes:
+                sums.add_bytes(bucket, tensors.flat[start:start + bucket.nbytes])
+        return sums.hex()
     for bucket in layout.buckets:
         sums.add(bucket, [tensors[slot.name] for slot in bucket.tensors])
     return sums.hex()
