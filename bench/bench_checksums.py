@@ -4,12 +4,13 @@ were computed until 2026-12-05), in packs (prefix sums over concatenated words, 
 
     python bench/bench_checksums.py [--device cuda] [--presets q05 q15] [--repeats 5] [--bucket-mb 64] [--sync-ms 19.5]
 
-Per bucket is measured twice: over a native engine's FlatParams (each bucket summed where it lies; a trainer whose
+Per bucket is measured over a native engine's FlatParams (each bucket summed where it lies; a trainer whose
 weights are views of one flat buffer in spec order is the same) and over separate tensors (each bucket concatenated
-once first). A verified sync computes its checksums once on the trainer (its prepare) and once on each engine after
-the copy, so "share of a sync" is 2 x ms / --sync-ms (the q05 cuda_ipc sync measured inside a run,
-bench/RESULTS.md). The tensors are the bf16 parameters of a Qwen2 body (bench_train_step's shapes), random values,
-on --device.
+once first); on a CUDA device with Triton that is the one-pass kernel (services/weights/bucket_kernel.py), and the
+torch path (block and column sums, two passes) is measured beside it. A verified sync computes its checksums once
+on the trainer (its prepare) and once on each engine after the copy, so "share of a sync" is 2 x ms / --sync-ms (the
+q05 cuda_ipc sync measured inside a run, bench/RESULTS.md). The tensors are the bf16 parameters of a Qwen2 body
+(bench_train_step's shapes), random values, on --device.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_train_step import SHAPES
 
-from services.weights import checksums
+from services.weights import bucket_kernel, checksums
 from services.weights.layout import Layout, plan_layout, specs_from_tensors
 from services.weights.transports.cuda_ipc import flat_views
 
@@ -57,6 +58,16 @@ def per_bucket(tensors: dict[str, torch.Tensor], layout: Layout) -> list[str]:
     return checksums.bucket_checksums(layout, tensors)
 
 
+def per_bucket_torch(tensors: dict[str, torch.Tensor], layout: Layout) -> list[str]:
+    """The torch path (block and column sums) where the one-pass kernel would run."""
+    usable = bucket_kernel.usable
+    bucket_kernel.usable = lambda words: False
+    try:
+        return checksums.bucket_checksums(layout, tensors)
+    finally:
+        bucket_kernel.usable = usable
+
+
 def timed(fn: Callable[[dict[str, torch.Tensor], Layout], list[str]], tensors: dict[str, torch.Tensor],
           layout: Layout, repeats: int) -> float:
     fn(tensors, layout)   # warm-up
@@ -82,6 +93,10 @@ def measure(preset: str, device: torch.device, *, bucket_mb: float, repeats: int
     row["packed"] = timed(packed, tensors, layout, repeats)
     row["bucket_flat"] = timed(per_bucket, flat, layout, repeats)
     row["bucket_separate"] = timed(per_bucket, tensors, layout, repeats)
+    kernel = bucket_kernel.usable(next(iter(flat.values())).reshape(-1)[:1].view(torch.uint8))
+    if kernel:   # the one-pass kernel ran above: the torch path beside it
+        assert per_bucket_torch(flat, layout) == per_bucket(flat, layout)
+    row["bucket_torch"] = timed(per_bucket_torch, flat, layout, repeats) if kernel else None
     return row
 
 
@@ -98,11 +113,13 @@ def main() -> int:
     print(f"\n# bench_checksums {datetime.date.today()} device={args.device} bucket_mb={args.bucket_mb:g} "
           f"(medians of {args.repeats})\n")
     print("| preset | tensors | buckets | GB | per tensor ms | packed ms | per bucket, flat ms | per bucket, "
-          f"separate ms | per bucket (flat) share of a sync ({args.sync_ms:g} ms, both sides) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "separate ms | per bucket, flat, torch path ms | per bucket (flat) share of a sync "
+          f"({args.sync_ms:g} ms, both sides) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        torch_path = "– (the same: no kernel here)" if r["bucket_torch"] is None else f"{r['bucket_torch']:.2f}"
         print(f"| {r['preset']} | {r['tensors']} | {r['buckets']} | {r['gb']:.3f} | {r['per_tensor']:.2f} | "
-              f"{r['packed']:.2f} | {r['bucket_flat']:.2f} | {r['bucket_separate']:.2f} | "
+              f"{r['packed']:.2f} | {r['bucket_flat']:.2f} | {r['bucket_separate']:.2f} | {torch_path} | "
               f"{2 * r['bucket_flat'] / args.sync_ms * 100:.1f}% |")
     return 0
 

@@ -3,6 +3,13 @@ view of a bucket where its tensors lie back to back against a concatenation, and
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -147,3 +154,32 @@ def test_a_mismatch_names_the_bucket_its_dtype_size_and_tensors():
     assert describe_bucket(bucket) == (f"bucket {bucket.index} (bfloat16, {bucket.nbytes / 2**20:.1f} MiB: embed, "
                                        "odd, w and 1 more)")
     assert BucketSums(plan_layout([], bucket_bytes=1)).hex() == []
+
+
+# The one-pass kernel (bucket_kernel, Triton) against the torch path, on CPU through Triton's interpreter; where
+# triton is not installed (CI's CPU wheel) this skips, and tests/test_weights_checksums_gpu.py runs it on a GPU.
+KERNEL_VS_TORCH = textwrap.dedent("""
+    import sys, torch
+    from services.weights import bucket_kernel, checksums
+    from services.weights.layout import TensorSpec, plan_layout
+    gen = torch.Generator().manual_seed(5)
+    for block in (4, 1024):
+        checksums.BLOCK_WORDS = block
+        for count in (1, 3, 4, 5, 33, 1023, 1024, 1025, 8 * 1024 + 7, 20000):
+            layout = plan_layout([TensorSpec("x", "int16", (2 * count + 1,))], bucket_bytes=1 << 30)   # + a half word
+            tensors = {"x": torch.randint(-2**15, 2**15 - 1, (2 * count + 1,), dtype=torch.int16, generator=gen)}
+            bucket_kernel.usable = lambda words: False
+            torch_path = checksums.bucket_checksums(layout, tensors)
+            bucket_kernel.usable = lambda words: True
+            kernel = checksums.bucket_checksums(layout, tensors)
+            if kernel != torch_path:
+                sys.exit(f"block {block}, {count} words: kernel {kernel} != torch {torch_path}")
+    print("equal")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (its interpreter)")
+def test_the_one_pass_kernel_computes_the_torch_paths_sums_in_tritons_interpreter():
+    done = subprocess.run([sys.executable, "-c", KERNEL_VS_TORCH], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and done.stdout == "equal\n", done.stderr[-3000:]

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import torch
 
 from services.contracts.gen.tandem.v1 import common_pb2
+from services.weights import bucket_kernel
 from services.weights.layout import Bucket, Layout
 from services.weights.transports.cuda_ipc import FlatParams, bucket_starts
 
@@ -203,12 +204,6 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
 # ---- per bucket -------------------------------------------------------------------------------------------
 
 BLOCK_WORDS = 1024   # words per block of a bucket's two-level sums
-_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB   # splitmix64
-
-
-def _int64(value: int) -> int:
-    """A uint64 constant as the int64 with the same bits (torch's integer scalars are signed)."""
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
@@ -218,10 +213,18 @@ def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
 
 def _mix(index: torch.Tensor) -> torch.Tensor:
     """splitmix64 of each index: a block weight no linear pattern of blocks cancels."""
-    z = index + _int64(_GOLDEN)
-    z = (z ^ _shr(z, 30)) * _int64(_MIX1)
-    z = (z ^ _shr(z, 27)) * _int64(_MIX2)
-    return z ^ _shr(z, 31)
+    s1, s2, s3 = bucket_kernel.SHIFTS
+    z = index + bucket_kernel.GOLDEN
+    z = (z ^ _shr(z, s1)) * bucket_kernel.MIX1
+    z = (z ^ _shr(z, s2)) * bucket_kernel.MIX2
+    return z ^ _shr(z, s3)
+
+
+def _last_word_sums(last: torch.Tensor, *, index: int) -> torch.Tensor:
+    """What the zero-padded last word (`last`, one int32) at word `index` adds to the three sums."""
+    w = last.to(torch.int64).reshape(())
+    block = torch.tensor(index // BLOCK_WORDS, dtype=torch.int64, device=last.device)
+    return torch.stack([w, w * (index + 1), w * _mix(block)])
 
 
 def _bucket_bytes(bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -253,20 +256,23 @@ def _as_words(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class BucketSums:
-    """The checksums of a layout's buckets: each bucket's block and column sums as it comes (`add`, a few launches
-    and no host sync), all three sums of every bucket at the end together (`hex`, one host sync)."""
+    """The checksums of a layout's buckets, no host sync until `hex` (one for all). On a CUDA device with Triton each
+    bucket is one pass of `bucket_kernel` (its three sums, read once); elsewhere its block and column sums (torch
+    reductions, two passes), whose three sums are worked out for every bucket together at the end."""
 
     def __init__(self, layout: Layout):
         self._rows_per_bucket = max((-(-b.nbytes // 4) // BLOCK_WORDS + 1 for b in layout.buckets), default=1)
         self._count = len(layout.buckets)
         self._rows: torch.Tensor | None = None   # [buckets, rows]: block sums (the last block may be partial)
         self._cols: torch.Tensor | None = None   # [buckets, BLOCK_WORDS]: column sums over the blocks
+        self._direct: torch.Tensor | None = None   # [buckets, 3]: the sums of buckets the kernel summed
 
-    def _buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rows is None or self._cols is None:
+    def _buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._rows is None or self._cols is None or self._direct is None:
             self._rows = torch.zeros(self._count, self._rows_per_bucket, dtype=torch.int64, device=device)
             self._cols = torch.zeros(self._count, BLOCK_WORDS, dtype=torch.int64, device=device)
-        return self._rows, self._cols
+            self._direct = torch.zeros(self._count, 3, dtype=torch.int64, device=device)
+        return self._rows, self._cols, self._direct
 
     def add(self, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> None:
         """The bucket's tensors, in slot order."""
@@ -275,8 +281,13 @@ class BucketSums:
 
     def add_bytes(self, bucket: Bucket, data: torch.Tensor) -> None:
         """The bucket's bytes, as one uint8 tensor."""
-        rows, cols = self._buffers(data.device)
+        rows, cols, direct = self._buffers(data.device)
         words, last = _as_words(data.to(rows.device))
+        if bucket_kernel.usable(words):
+            bucket_kernel.word_sums(words, block_words=BLOCK_WORDS, out=direct[bucket.index])
+            if last.numel():
+                direct[bucket.index] += _last_word_sums(last, index=words.numel())
+            return
         full = words.numel() // BLOCK_WORDS
         blocks = words[:full * BLOCK_WORDS].view(full, BLOCK_WORDS)
         torch.sum(blocks, 1, dtype=torch.int64, out=rows[bucket.index, :full])
@@ -288,14 +299,14 @@ class BucketSums:
             cols[bucket.index, :tail.numel()] += tail
 
     def hex(self) -> list[str]:
-        rows, cols = self._buffers(torch.device("cpu"))
+        rows, cols, direct = self._buffers(torch.device("cpu"))
         device = rows.device
         block = torch.arange(rows.shape[1], dtype=torch.int64, device=device)
         column = torch.arange(1, BLOCK_WORDS + 1, dtype=torch.int64, device=device)
         s0 = rows.sum(1)
         s1 = (rows * (block * BLOCK_WORDS)).sum(1) + (cols * column).sum(1)   # word i = b*BLOCK_WORDS + c weighs i+1
         s2 = (rows * _mix(block)).sum(1)
-        triples = torch.stack([s0, s1, s2], dim=1).cpu().tolist()
+        triples = (torch.stack([s0, s1, s2], dim=1) + direct).cpu().tolist()
         return [f"{a & _U64:016x}{b & _U64:016x}{c & _U64:016x}" for a, b, c in triples]
 
 
