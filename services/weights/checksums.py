@@ -6,7 +6,8 @@ Two granularities, the same copy check:
 - **per bucket** (`bucket_checksums`, `named_bucket_checksums`; what the coordinator's syncs use): one checksum of
   each bucket's bytes, the plan's layout. Where a bucket's tensors lie back to back in memory (a native engine's
   FlatParams, a trainer whose weights are views of one flat buffer) it is summed where it lies; else its tensors are
-  concatenated once. Each bucket costs a handful of launches that read its bytes twice (block sums and column sums),
+  concatenated once. On a CUDA device with Triton a bucket is one kernel that reads each byte once
+  (`bucket_kernel`); elsewhere torch's block and column sums read it twice. Either way a few launches per bucket,
   whatever its tensor count.
 - **per tensor** (`tensor_checksums`, `named_checksums`): one checksum of each tensor. A sync whose bucket checksums
   differ is sent again with these (the coordinator's recheck), which names the tensors that differ.
