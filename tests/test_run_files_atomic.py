@@ -16,7 +16,7 @@ from services.coordinator.plot import read_metrics
 REPO = Path(__file__).resolve().parents[1]
 PORT = 41234
 METRIC_KEYS = 1000   # a row of ~30 KB: its append spans many pages, so a reader can catch it half-way
-REWRITES = 200
+REWRITES = 100
 
 WRITER = textwrap.dedent("""
     import sys
