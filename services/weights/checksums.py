@@ -34,7 +34,6 @@ import torch
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights import bucket_kernel
 from services.weights.layout import Bucket, Layout
-from services.weights.transports.cuda_ipc import FlatParams, bucket_starts
 
 # ---- per tensor -------------------------------------------------------------------------------------------
 
@@ -314,6 +313,8 @@ class BucketSums:
 def bucket_checksums(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """One checksum per bucket of `layout` over `tensors` (name -> tensor: an engine's params), in bucket order. A
     FlatParams of this layout (a native engine's) holds each bucket at a known place: no look at its tensors."""
+    from services.weights.transports.cuda_ipc import FlatParams, bucket_starts  # the package loads no transport
+
     sums = BucketSums(layout)
     if isinstance(tensors, FlatParams) and tensors.layout_key == layout.key:
         for bucket, start in zip(layout.buckets, bucket_starts(layout)[0], strict=True):
