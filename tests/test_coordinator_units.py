@@ -4,12 +4,15 @@ import json
 
 import pytest
 
+from services.contracts.config import DataConfig
 from services.coordinator.control import Control
 from services.coordinator.data import DataCursor, DataSource, PromptRecord, load_prompts
 from services.coordinator.pool import split_evenly
 from services.coordinator.state import GeneratedBatch, RunState
 from services.coordinator.stepmetrics import prefixed, weighted_mean
 from services.coordinator.sync import WeightSyncError, compare_checksums
+
+DATA = DataConfig(train_path="unused")
 
 
 def _records(n):
@@ -52,12 +55,12 @@ def test_load_prompts_reports_bad_lines(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "1 2 =", "label": "3", "level": 2}\n\nnot json\n')
     with pytest.raises(ValueError, match=r"d.jsonl:3: not valid JSON"):
-        load_prompts(str(path), prompt_key="prompt", label_key="label")
+        load_prompts(str(path), DATA)
     path.write_text('{"prompt": "1 2 =", "label": "3", "level": 2}\n')
-    [rec] = load_prompts(str(path), prompt_key="prompt", label_key="label")
+    [rec] = load_prompts(str(path), DATA)
     assert rec == PromptRecord(text="1 2 =", label="3", metadata={"level": "2"})
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_prompts(str(tmp_path / "missing.jsonl"), prompt_key="prompt", label_key="label")
+        load_prompts(str(tmp_path / "missing.jsonl"), DATA)
 
 
 def test_run_state_round_trips_through_json():

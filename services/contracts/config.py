@@ -33,15 +33,59 @@ class ModelConfig(Section):
         "model (default tiny); nothing is ever built without that flag")
 
 
+CHAT_TEMPLATE_MODES = ("auto", "tokenizer", "none")
+# apply_chat_template's own arguments: Tandem sets them (a chat is rendered to text, ending in the generation prompt)
+_RESERVED_TEMPLATE_KWARGS = ("conversation", "chat_template", "add_generation_prompt", "continue_final_message",
+                             "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                             "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
 class DataConfig(Section):
-    train_path: str = Field(description="JSONL file, one prompt per line")
+    """Where prompts come from and how they become the model's input (docs/own-task.md)."""
+
+    train_path: str = Field(description="JSONL file (.jsonl), parquet file (.parquet) or a directory written by "
+                            "`datasets.Dataset.save_to_disk`; one prompt per line / row")
     eval_path: str | None = None
-    prompt_key: str = "prompt"
-    label_key: str = "label"
+    prompt_key: str = Field(default="prompt", description="the prompt's key: a string, or a list of chat messages "
+                            "({role, content}); a dotted path (extra_info.question) reaches into nested objects")
+    label_key: str = Field(default="label", description="the reference answer's key, dotted paths allowed "
+                           "(reward_model.ground_truth, as verl writes it)")
+    chat_template: str = Field(default="auto", description="auto: message-list prompts get the tokenizer's chat "
+                               "template, text prompts are used as they are; tokenizer: the tokenizer's template "
+                               "for every prompt (a text prompt becomes one user message); none: no template "
+                               "(message lists are refused); or a Jinja template file, applied to every prompt")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra variables for the "
+                                                 "template, e.g. {enable_thinking: false}")
+    system_prompt: str | None = Field(default=None, description="a system message put before every chat that has "
+                                      "none of its own (a string prompt then becomes one user message)")
     shuffle: bool = True
     seed: int = 0
     num_epochs: int = Field(default=1, ge=1)
     eval_max_prompts: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _chat_keys(self) -> DataConfig:
+        if self.chat_template == "none" and self.system_prompt is not None:
+            raise ValueError("data.system_prompt needs a chat template, and data.chat_template is none (use auto or "
+                             "a template file, or put the system text into the prompts)")
+        if not self.chat_template.strip():
+            raise ValueError("data.chat_template: empty; use auto, tokenizer, none or a Jinja template file")
+        reserved = [k for k in self.chat_template_kwargs if k in _RESERVED_TEMPLATE_KWARGS]
+        if reserved:
+            raise ValueError(f"data.chat_template_kwargs: {', '.join(reserved)} is set by Tandem (a chat is rendered "
+                             "to text ending in the assistant's generation prompt); give only the template's own "
+                             "variables")
+        return self
+
+    @property
+    def chat_template_file(self) -> str | None:
+        """The template file data.chat_template names, or None for auto / tokenizer / none."""
+        return None if self.chat_template in CHAT_TEMPLATE_MODES else self.chat_template
+
+    @property
+    def text_prompts_are_chats(self) -> bool:
+        """A text prompt becomes one user message: the template is asked for every prompt, or a system prompt given."""
+        return self.chat_template not in ("auto", "none") or self.system_prompt is not None
 
 
 class SamplingConfig(Section):
@@ -118,6 +162,9 @@ class RolloutConfig(Section):
         default="env", description="environment: an episode's reward is the sum of its step rewards (env), or that "
         "plus rollout.reward's score of the whole response, observations included (env_plus_reward)")
     environment_timeout_s: float = Field(default=60.0, gt=0, description="one reset or step call of an environment")
+    observation_role: str = Field(default="user", min_length=1, description="environment: the chat role a text "
+                                  "observation takes when the episode's prompt is a chat (tool where the template "
+                                  "has one); an observation {role, content} names its own")
 
     @model_validator(mode="after")
     def _environment_keys(self) -> RolloutConfig:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from services.contracts.chat import ChatMessage
 from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 def prompt_from_proto(p: common_pb2.Prompt) -> PromptInput:
     return PromptInput(text=p.text, token_ids=tuple(p.token_ids), label=p.label, group_id=p.group_id,
-                       metadata=dict(p.metadata))
+                       metadata=dict(p.metadata),
+                       messages=tuple(ChatMessage(role=m.role, content=m.content) for m in p.messages))
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):

@@ -23,10 +23,12 @@ import torch
 
 from services.buffer.stream import stream_key
 from services.contracts import runfacts
+from services.contracts.chat import ChatMessage, messages_json
 from services.contracts.config import OverlongPenaltyConfig, TandemConfig
 from services.contracts.dapo import informative_groups, overlong_penalty
 from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import build_batch
+from services.rollout.chat import ChatTemplate, ChatTemplateError
 from services.rollout.engines.base import (
     FINISH_ABORT,
     Engine,
@@ -54,13 +56,27 @@ class CallerGone(TimeoutError):
 
 @dataclass(frozen=True)
 class PromptInput:
-    """A prompt as the coordinator sends it: token ids, or text to tokenize (with the tokenizer's BOS)."""
+    """A prompt as the coordinator sends it: token ids, a chat (rendered with the chat template), or text to
+    tokenize (with the tokenizer's BOS), in that order."""
 
     text: str = ""
     token_ids: tuple[int, ...] = ()
     label: str = ""
     group_id: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
+    messages: tuple[ChatMessage, ...] = ()
+
+    def reward_metadata(self) -> dict[str, str]:
+        """What the reward function gets as metadata: the row's other fields, and a chat's messages as JSON."""
+        return {**self.metadata, "messages": messages_json(self.messages)} if self.messages else dict(self.metadata)
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """Prompts as the model reads them: token ids, and text (a chat's as the template rendered it)."""
+
+    ids: list[list[int]]
+    texts: list[str]
 
 
 @dataclass(frozen=True)
@@ -159,8 +175,9 @@ class RolloutService:
         device = torch.device("cuda") if self.engine.name == "sglang" else getattr(self.engine, "device", None)
         if isinstance(device, torch.device):
             limit_cpu_threads(config.rollout.cpu_threads, device)
-        self.texts = Texts(tokenizer if tokenizer is not None else load_tokenizer(
-            config.model.tokenizer_path or config.model.path))
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
+            config.model.tokenizer_path or config.model.path)
+        self.texts = Texts(tokenizer, ChatTemplate.from_config(tokenizer, config))
         self.stream = stream_key(config.redis.stream_prefix, config.run_name)
         self.groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
         self.writer = BatchWriter(config, producer=self.producer, groups=self.groups, client=redis_client)
@@ -221,11 +238,11 @@ class RolloutService:
             sampling = SamplingSpec.from_config(ro.sampling)
         sampling = sampling.with_seed(mix_seed(sampling.seed, rollout_id))
         reward_fn = self._reward_fn(reward)
-        prompt_ids = self.encode_prompts(prompts)
+        inputs = self.model_inputs(prompts)
         version = self.engine.weight_version
         with tracing.span("rl.sample", parent=trace_context or None, rollout_id=rollout_id, weight_version=version,
                           prompts=len(prompts), samples=len(prompts) * n, replica=self.replica) as sp:
-            scored = self._sample_and_score(prompts=prompts, prompt_ids=prompt_ids, n=n, sampling=sampling,
+            scored = self._sample_and_score(prompts=prompts, inputs=inputs, n=n, sampling=sampling,
                                             reward_fn=reward_fn, rollout_id=rollout_id, span_=sp)
             rewards, shaping = shaped_rewards(scored, ro.overlong_penalty, max_new_tokens=sampling.max_new_tokens)
             batch = build_batch(
@@ -257,13 +274,13 @@ class RolloutService:
             informative_groups=len(informative_groups(batch.rewards, batch.group_ids,
                                                       min_std=ro.dynamic_sampling.min_std)))
 
-    def _sample_and_score(self, *, prompts: Sequence[PromptInput], prompt_ids: list[list[int]], n: int,
+    def _sample_and_score(self, *, prompts: Sequence[PromptInput], inputs: ModelInputs, n: int,
                           sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int,
                           span_: Any) -> _Scored:
         if self.environment is not None:
-            return self._play_and_score(prompts=prompts, prompt_ids=prompt_ids, n=n, sampling=sampling,
+            return self._play_and_score(prompts=prompts, inputs=inputs, n=n, sampling=sampling,
                                         reward_fn=reward_fn, rollout_id=rollout_id, span_=span_)
-        expanded = [ids for ids in prompt_ids for _ in range(n)]
+        expanded = [ids for ids in inputs.ids for _ in range(n)]
         t = time.monotonic()
         try:
             outputs = self.engine.generate(expanded, sampling, wait_timeout_s=self.config.loop.step_timeout_s)
@@ -274,30 +291,28 @@ class RolloutService:
         tokens = sum(len(o.token_ids) for o in outputs)
         tracing.set_attributes(span_, tokens=tokens)
         responses = [self.texts.decode(o.token_ids) for o in outputs]
-        texts = [self.prompt_text(p, ids) for p, ids in zip(prompts, prompt_ids, strict=True)]
         t = time.monotonic()
         with tracing.span("rl.reward", rollout_id=rollout_id, weight_version=outputs[0].weight_version,
                           tokens=tokens, reward=reward_fn.spec, samples=len(outputs)):
-            rewards = reward_fn.score(prompts=[s for s in texts for _ in range(n)], responses=responses,
+            rewards = reward_fn.score(prompts=[s for s in inputs.texts for _ in range(n)], responses=responses,
                                       labels=[p.label for p in prompts for _ in range(n)],
-                                      metadatas=[dict(p.metadata) for p in prompts for _ in range(n)],
+                                      metadatas=[p.reward_metadata() for p in prompts for _ in range(n)],
                                       timeout_s=runfacts.reward_timeout_s(self.config))
         return _Scored(prompt_ids=expanded, outputs=outputs, rewards=rewards, responses=responses,
                        generate_s=generate_s, reward_s=time.monotonic() - t)
 
-    def _play_and_score(self, *, prompts: Sequence[PromptInput], prompt_ids: list[list[int]], n: int,
+    def _play_and_score(self, *, prompts: Sequence[PromptInput], inputs: ModelInputs, n: int,
                         sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int, span_: Any) -> _Scored:
         """Multi-turn episodes (services.rollout.multi_turn): n per prompt, scored by the environment."""
         ro = self.config.rollout
         assert self.environment is not None
-        texts = [self.prompt_text(p, ids) for p, ids in zip(prompts, prompt_ids, strict=True)]
-        samples = [EpisodeSample(prompt=text, prompt_ids=tuple(ids), label=p.label, metadata=dict(p.metadata),
-                                 group_id=p.group_id, sample_index=j)
-                   for p, ids, text in zip(prompts, prompt_ids, texts, strict=True) for j in range(n)]
+        samples = [EpisodeSample(prompt=text, prompt_ids=tuple(ids), label=p.label, metadata=p.reward_metadata(),
+                                 group_id=p.group_id, sample_index=j, messages=p.messages)
+                   for p, ids, text in zip(prompts, inputs.ids, inputs.texts, strict=True) for j in range(n)]
         rollout = MultiTurnRollout(engine=self.engine, plugin=self.environment, encode=self.texts.encode_text,
                                    decode=self.texts.decode, max_turns=ro.max_turns,
                                    step_timeout_s=ro.environment_timeout_s, vocab_size=self.texts.vocab_size,
-                                   wait_timeout_s=self.config.loop.step_timeout_s)
+                                   wait_timeout_s=self.config.loop.step_timeout_s, chat=self.texts)
         try:
             played = rollout.run(samples, sampling)
         except EngineUnavailable as exc:
@@ -335,20 +350,10 @@ class RolloutService:
 
     # ---- prompts and text --------------------------------------------------------------------------
 
-    def encode_prompts(self, prompts: Sequence[PromptInput]) -> list[list[int]]:
-        out = []
-        for i, p in enumerate(prompts):
-            if p.token_ids:
-                out.append([int(x) for x in p.token_ids])
-            elif p.text:
-                out.append(self.texts.encode_prompt(p.text))
-            else:
-                raise ValueError(f"prompt {i} (group_id {p.group_id}) is empty: give text or token_ids")
-        self.engine.validate_prompts(out)
-        return out
-
-    def prompt_text(self, prompt: PromptInput, ids: Sequence[int]) -> str:
-        return prompt.text or self.texts.decode(ids)
+    def model_inputs(self, prompts: Sequence[PromptInput]) -> ModelInputs:
+        inputs = model_inputs(self.texts, prompts)
+        self.engine.validate_prompts(inputs.ids)
+        return inputs
 
     # ---- Evaluate ----------------------------------------------------------------------------------
 
@@ -369,10 +374,10 @@ class RolloutService:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
         sampling = sampling or SamplingSpec.from_config(self.config.rollout.eval_sampling)
         reward_fn = self._reward_fn(reward)
-        prompt_ids = self.encode_prompts(prompts)
+        inputs = self.model_inputs(prompts)
         with tracing.span("rl.eval.generate", eval_name=name, weight_version=self.engine.weight_version,
                           prompts=len(prompts), replica=self.replica) as sp:
-            scored = self._sample_and_score(prompts=prompts, prompt_ids=prompt_ids, n=n, sampling=sampling,
+            scored = self._sample_and_score(prompts=prompts, inputs=inputs, n=n, sampling=sampling,
                                             reward_fn=reward_fn, rollout_id=-1, span_=sp)
         metrics = eval_metrics(scored.outputs, scored.rewards, n=n, prefix=name, pass_threshold=pass_threshold)
         metrics.update({f"{name}/{key}": value for key, value in scored.metrics.items()})
@@ -449,6 +454,25 @@ class RolloutService:
             self._receiver.close()
         self.writer.close()
         self.engine.close()
+
+
+def model_inputs(texts: Texts, prompts: Sequence[PromptInput]) -> ModelInputs:
+    """Token ids as given; a chat rendered with the chat template; text with the tokenizer's special tokens. The
+    text a reward sees: the prompt's text, a chat's rendering, or the given ids decoded."""
+    for i, p in enumerate(prompts):
+        if not (p.token_ids or p.messages or p.text):
+            raise ValueError(f"prompt {i} (group_id {p.group_id}) is empty: give text, messages or token_ids")
+    to_encode = [i for i, p in enumerate(prompts) if not p.token_ids]
+    try:
+        encoded_texts, encoded_ids = texts.model_inputs([prompts[i] for i in to_encode])
+    except ChatTemplateError as exc:
+        which = f"prompt {to_encode[exc.index]}: " if exc.index is not None else ""
+        raise ValueError(f"{which}{exc}") from None
+    ids = [[int(x) for x in p.token_ids] for p in prompts]
+    shown = [p.text or (texts.decode(p.token_ids) if p.token_ids else "") for p in prompts]
+    for i, text, encoded in zip(to_encode, encoded_texts, encoded_ids, strict=True):
+        ids[i], shown[i] = encoded, text
+    return ModelInputs(ids=ids, texts=shown)
 
 
 def _refuse_aborted(outputs: Sequence[SampleOutput], rollout_id: int) -> None:

@@ -86,8 +86,16 @@ class RolloutBatch(_message.Message):
     logprob_space: LogProbSpace
     def __init__(self, rollout_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., tokens: _Optional[_Union[TensorData, _Mapping]] = ..., prompt_lengths: _Optional[_Union[TensorData, _Mapping]] = ..., response_lengths: _Optional[_Union[TensorData, _Mapping]] = ..., loss_mask: _Optional[_Union[TensorData, _Mapping]] = ..., rollout_log_probs: _Optional[_Union[TensorData, _Mapping]] = ..., rewards: _Optional[_Union[TensorData, _Mapping]] = ..., group_ids: _Optional[_Union[TensorData, _Mapping]] = ..., sample_versions: _Optional[_Union[TensorData, _Mapping]] = ..., finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ns: _Optional[int] = ..., producer: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., sampling_temperature: _Optional[_Union[TensorData, _Mapping]] = ..., sampling_top_p: _Optional[_Union[TensorData, _Mapping]] = ..., sampling_top_k: _Optional[_Union[TensorData, _Mapping]] = ..., logprob_space: _Optional[_Union[LogProbSpace, str]] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
 class Prompt(_message.Message):
-    __slots__ = ("text", "token_ids", "label", "group_id", "metadata")
+    __slots__ = ("text", "token_ids", "label", "group_id", "metadata", "messages")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,12 +108,14 @@ class Prompt(_message.Message):
     LABEL_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     label: str
     group_id: int
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., label: _Optional[str] = ..., group_id: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., label: _Optional[str] = ..., group_id: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed", "ignore_eos")
