@@ -14,6 +14,7 @@ from services.trainer.batching import (
     build_micro_batch,
     merge_batches,
     pack_samples,
+    pinned_copy,
     shard_samples,
     stale_samples,
     token_lag_fractions,
@@ -54,6 +55,19 @@ def test_micro_batch_positions_predict_response_tokens():
     assert mb.targets.tolist() == [8, 9, 10, 12, 13]
     assert mb.token_index.tolist() == [0, 1, 2, 4, 5]
     assert mb.num_tokens == 8
+
+
+def test_only_host_tensors_bound_for_a_gpu_are_pinned():
+    """bench_train_step's torch_bf16 on CUDA moved a batch already on cuda:0 to "cuda" again, and pinned a GPU
+    tensor ("cannot pin 'torch.cuda.LongTensor'"). A meta tensor stands in for one already on an accelerator."""
+    host, elsewhere = torch.zeros(2), torch.zeros(2, device="meta")
+    assert pinned_copy(host, torch.device("cuda"))
+    assert not pinned_copy(elsewhere, torch.device("cuda"))
+    assert not pinned_copy(elsewhere, torch.device("cuda", 0))
+    assert not pinned_copy(host, torch.device("cpu"))
+    mb = build_micro_batch(_batch(), [0, 2])
+    moved = mb.to(torch.device("meta"))   # no pinning on the way, and a second move is the batch itself
+    assert moved.input_ids.device.type == "meta" and moved.to(torch.device("meta")) is moved
 
 
 def test_pack_respects_padded_token_budget():

@@ -382,7 +382,9 @@ class WeightsConfig(Section):
     transport: Literal["gloo", "nccl", "cuda_ipc", "disk"] = "gloo"
     bucket_mb: float = Field(default=64.0, gt=0, description="weight_bucket_mb: size of flattened buckets")
     timeout_s: float = Field(default=120.0, gt=0, description="deadline of one transfer")
-    check_weight_update_equal: bool = False
+    check_weight_update_equal: bool = Field(default=False, description="every engine checks each synced bucket "
+                                            "against the trainer's checksum; a bucket that differs is sent again "
+                                            "and checked tensor by tensor, naming the tensors")
     disk_dir: str | None = Field(default=None, description="defaults to RUN_DIR/weights")
     master_addr: str = "127.0.0.1"
     trainer_id: str | None = Field(default=None, description="id the actor trainer announces in its plans; rollout "

@@ -108,6 +108,8 @@ class ReceiveResult:
     checksums: dict[str, str]
     bytes_received: int
     time_s: float
+    bucket_checksums: tuple[str, ...] = ()
+    checksum_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -421,7 +423,9 @@ class RolloutService:
                 raise FailedPrecondition(str(exc)) from exc
         return ReceiveResult(version=self.engine.weight_version, checksums=dict(getattr(stats, "checksums", {}) or {}),
                              bytes_received=int(getattr(stats, "bytes", 0)),
-                             time_s=float(getattr(stats, "seconds", time.monotonic() - start)))
+                             time_s=float(getattr(stats, "seconds", time.monotonic() - start)),
+                             bucket_checksums=tuple(getattr(stats, "bucket_checksums", ()) or ()),
+                             checksum_s=float(getattr(stats, "checksum_seconds", 0.0)))
 
     def _weight_receiver(self) -> Any:
         if self._receiver is None:

@@ -223,14 +223,20 @@ class MicroBatch:
         until the device has finished the work queued before them (a pageable copy would)."""
         if self.input_ids.device == device:
             return self
-        pin = device.type == "cuda"
 
         def move(x: torch.Tensor) -> torch.Tensor:
+            pin = pinned_copy(x, device)
             return (x.pin_memory() if pin else x).to(device, non_blocking=pin)
 
         return MicroBatch(input_ids=move(self.input_ids), attention_mask=move(self.attention_mask),
                           rows=move(self.rows), positions=move(self.positions), targets=move(self.targets),
                           token_index=move(self.token_index), num_tokens=self.num_tokens)
+
+
+def pinned_copy(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether moving `tensor` to `device` goes through pinned host memory: a host tensor bound for a GPU. A tensor
+    already on a GPU cannot be pinned (a batch moved to "cuda:0" and asked for "cuda" again is one)."""
+    return device.type == "cuda" and tensor.device.type == "cpu"
 
 
 def build_micro_batch(batch: TrainBatch, sample_ids: list[int]) -> MicroBatch:

@@ -176,23 +176,25 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("index", "dtype", "nbytes", "tensors", "ipc", "sglang_payloads")
+    __slots__ = ("index", "dtype", "nbytes", "tensors", "ipc", "sglang_payloads", "checksum")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     IPC_FIELD_NUMBER: _ClassVar[int]
     SGLANG_PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     index: int
     dtype: str
     nbytes: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     ipc: CudaIpcHandle
     sglang_payloads: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, index: _Optional[int] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., sglang_payloads: _Optional[_Iterable[str]] = ...) -> None: ...
+    checksum: str
+    def __init__(self, index: _Optional[int] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., sglang_payloads: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class WeightSyncPlan(_message.Message):
-    __slots__ = ("version", "transport", "buckets", "group_name", "master_addr", "master_port", "world_size", "disk_path", "timeout_s", "verify", "total_bytes", "trainer_id", "buffers_freed_after", "sglang_load_format")
+    __slots__ = ("version", "transport", "buckets", "group_name", "master_addr", "master_port", "world_size", "disk_path", "timeout_s", "verify", "total_bytes", "trainer_id", "buffers_freed_after", "sglang_load_format", "verify_by_bucket", "checksum_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +209,8 @@ class WeightSyncPlan(_message.Message):
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FREED_AFTER_FIELD_NUMBER: _ClassVar[int]
     SGLANG_LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_BY_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     transport: str
     buckets: _containers.RepeatedCompositeFieldContainer[WeightBucket]
@@ -221,7 +225,9 @@ class WeightSyncPlan(_message.Message):
     trainer_id: str
     buffers_freed_after: bool
     sglang_load_format: str
-    def __init__(self, version: _Optional[int] = ..., transport: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., group_name: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., disk_path: _Optional[str] = ..., timeout_s: _Optional[float] = ..., verify: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., trainer_id: _Optional[str] = ..., buffers_freed_after: _Optional[bool] = ..., sglang_load_format: _Optional[str] = ...) -> None: ...
+    verify_by_bucket: bool
+    checksum_s: float
+    def __init__(self, version: _Optional[int] = ..., transport: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., group_name: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., disk_path: _Optional[str] = ..., timeout_s: _Optional[float] = ..., verify: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., trainer_id: _Optional[str] = ..., buffers_freed_after: _Optional[bool] = ..., sglang_load_format: _Optional[str] = ..., verify_by_bucket: _Optional[bool] = ..., checksum_s: _Optional[float] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()

@@ -123,7 +123,7 @@ class ReceiveWeightsRequest(_message.Message):
     def __init__(self, plan: _Optional[_Union[_common_pb2.WeightSyncPlan, _Mapping]] = ..., rank_offset: _Optional[int] = ...) -> None: ...
 
 class ReceiveWeightsResponse(_message.Message):
-    __slots__ = ("version", "checksums", "bytes_received", "time_s")
+    __slots__ = ("version", "checksums", "bytes_received", "time_s", "bucket_checksums", "checksum_s")
     class ChecksumsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -135,11 +135,15 @@ class ReceiveWeightsResponse(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     TIME_S_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     checksums: _containers.ScalarMap[str, str]
     bytes_received: int
     time_s: float
-    def __init__(self, version: _Optional[int] = ..., checksums: _Optional[_Mapping[str, str]] = ..., bytes_received: _Optional[int] = ..., time_s: _Optional[float] = ...) -> None: ...
+    bucket_checksums: _containers.RepeatedScalarFieldContainer[str]
+    checksum_s: float
+    def __init__(self, version: _Optional[int] = ..., checksums: _Optional[_Mapping[str, str]] = ..., bytes_received: _Optional[int] = ..., time_s: _Optional[float] = ..., bucket_checksums: _Optional[_Iterable[str]] = ..., checksum_s: _Optional[float] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ("mode",)
