@@ -36,7 +36,7 @@ from services.coordinator.data import DataSource, PromptRecord
 from services.coordinator.loop import Coordinator
 from services.coordinator.pool import RolloutPool
 from services.launcher.redis_server import EmbeddedRedis
-from services.telemetry.trackers import make_trackers
+from services.telemetry.tracker_registry import make_trackers
 
 PROMPTS, SAMPLES_PER_PROMPT = 64, 8
 

@@ -103,14 +103,14 @@ def trainer_weights(model: Path) -> list[tuple[str, Any]]:
 def sync_once(engine: SGLangEngine, publisher: Any, named: list[tuple[str, Any]], *, version: int,
               timeout_s: float) -> dict[str, float]:
     """One sync as the coordinator runs it: prepare, pause (drain), engine and trainer concurrently, resume."""
-    from services.weights import specs_from_tensors
+    from services.weights import WeightReceiver, specs_from_tensors
 
     start = time.perf_counter()
     plan = publisher.prepare(specs_from_tensors(named), version, engine.engine_ranks)
     engine.pause("drain", timeout_s=timeout_s)
     try:
         with ThreadPoolExecutor(1) as pool:
-            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=None)
+            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=WeightReceiver())
             try:
                 sent = publisher.publish(plan, named)
             except BaseException:

@@ -87,7 +87,7 @@ def _preflight(args: argparse.Namespace, config: TandemConfig, run_dir: Path) ->
     """Bad inputs fail here, before any service starts (ConfigError: one line, exit 2); a run that already
     finished says so and exits 0. None: go on."""
     from services.launcher.preflight import already_finished, check_run_inputs
-    from services.telemetry.trackers import check_tracker_packages
+    from services.telemetry.tracker_registry import check_tracker_packages
 
     check_tracker_packages(config.tracing.trackers)
     if args.command == "coordinator":   # it checks its data itself (exit 3); the model may be in another container

@@ -14,7 +14,7 @@ from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb
 from services.coordinator.errors import ServiceCallError
 from services.coordinator.pool import RolloutPool
 from services.coordinator.retry import TRAIN_RETRY, TRANSIENT_CODES, RetryPolicy, generate_retry
-from services.coordinator.sync import WeightSync, WeightSyncError, rank_offsets
+from services.coordinator.sync import WeightSync, WeightSyncFailed, rank_offsets
 
 UNAVAILABLE, INVALID = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT
 
@@ -247,7 +247,7 @@ def test_a_sync_prepares_the_engines_then_the_trainer_transfers_verifies_and_res
 def test_a_bucket_that_differs_is_sent_again_per_tensor_and_the_error_names_the_tensor_and_replica():
     log = CallLog()
     sync = _sync(log, [FakeReplica("r0", log, buckets=["XX"], checksums={"w": "XX"})])
-    with pytest.raises(WeightSyncError, match=r"check_weight_update_equal failed on r0: 1 tensors differ \(w\)"):
+    with pytest.raises(WeightSyncFailed, match=r"check_weight_update_equal failed on r0: 1 tensors differ \(w\)"):
         sync.run(version=1)
     assert [e for e in log if e[0] == "trainer.prepare"] == [("trainer.prepare", 1, 1, True, True),
                                                                ("trainer.prepare", 1, 1, True, False)]
@@ -267,7 +267,7 @@ def test_an_engine_that_answers_data_loss_is_rechecked_per_tensor_and_a_clean_re
 def test_a_transfer_failing_otherwise_is_not_rechecked():
     log = CallLog()
     sync = _sync(log, [FakeReplica("r0", log, fail_receive=[UNAVAILABLE])])
-    with pytest.raises(WeightSyncError, match=r"weight transfer of version 3 over gloo failed: .*UNAVAILABLE"):
+    with pytest.raises(WeightSyncFailed, match=r"weight transfer of version 3 over gloo failed: .*UNAVAILABLE"):
         sync.run(version=3)
     assert [e[0] for e in log].count("trainer.prepare") == 1
 
@@ -275,7 +275,8 @@ def test_a_transfer_failing_otherwise_is_not_rechecked():
 def test_a_sync_failing_in_prepare_says_so_and_resumes_the_engines():
     log = CallLog()
     sync = _sync(log, [FakeReplica("r0", log, fail_prepare=True)])
-    with pytest.raises(WeightSyncError, match="weight sync to version 1 failed in phase prepare: r0 PrepareWeightSync"):
+    with pytest.raises(WeightSyncFailed,
+                       match="weight sync to version 1 failed in phase prepare: r0 PrepareWeightSync"):
         sync.run(version=1)
     assert log == [("r0.prepare", 1), ("r0.resume",)]
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from services.telemetry.prometheus import PrometheusTracker, metric_name, render
-from services.telemetry.trackers import JsonlTracker, make_trackers
+from services.telemetry.tracker_registry import make_trackers
+from services.telemetry.trackers import JsonlTracker
 
 
 def scrape(port: int, path: str = "/metrics") -> tuple[str, str]:

@@ -155,7 +155,7 @@ def test_each_prompt_may_cap_its_own_new_tokens(model_dirs):  # type: ignore[no-
 
 
 def test_a_call_the_engine_cannot_serve_leaves_nothing_behind(model_dirs):  # type: ignore[no-untyped-def]
-    from services.rollout.engines.base import EngineUnavailable
+    from services.rollout.engines.errors import EngineUnavailable
 
     engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True)
     opts = SamplingSpec(max_new_tokens=3, ignore_eos=True, seed=1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.base import EngineUnavailable
+from services.rollout.engines.errors import EngineUnavailable
 from services.rollout.engines.native import NativeEngine
 from services.rollout.engines.sampling import sampling_log_probs
 

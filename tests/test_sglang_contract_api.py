@@ -22,7 +22,7 @@ import torch
 from helpers.sglang_contract_server import ContractServer
 
 from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.base import EngineUnavailable
+from services.rollout.engines.errors import EngineUnavailable
 from services.rollout.engines.sglang import SGLangEngine
 from services.rollout.engines.sglang_http import (
     SGLangClient,

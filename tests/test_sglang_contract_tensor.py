@@ -28,7 +28,7 @@ from services.contracts.config import WeightsConfig
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.sglang import SGLangEngine
 from services.rollout.engines.sglang_http import SGLangClient, SGLangUnavailable, is_loopback
-from services.rollout.engines.sglang_tensor import TensorSync
+from services.rollout.engines.sglang_tensor_sync import TensorSync
 from services.weights import TensorSpec, WeightPublisher, WeightReceiver, WeightSyncError
 from services.weights.peer import make_tensors
 from services.weights.transports.sglang_tensor import (
@@ -58,7 +58,7 @@ def sync(pub: WeightPublisher, engine: SGLangEngine, *, version: int):
     engine.pause("drain", timeout_s=10)
     try:
         with ThreadPoolExecutor(1) as pool:
-            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=None)
+            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=WeightReceiver())
             try:
                 pub.publish(plan, ((s.name, tensors[s.name]) for s in SPECS))
             except BaseException:
@@ -148,17 +148,17 @@ def test_sglang_contract_tensor_plans_are_checked_before_anything_reaches_sglang
         plan = pub.prepare(SPECS, 1, 1)
         with pytest.raises(ValueError, match=r"1 tensor\(s\) of another shape: model.layers.0.mlp.up_proj.weight "
                                              r"\[48, 32\] \(checkpoint \[48, 31\]\)"):
-            engine.receive_weights(plan, rank_offset=1, receiver=None)
+            engine.receive_weights(plan, rank_offset=1, receiver=WeightReceiver())
         good = write_checkpoint(tmp_path / "good", SPECS)   # as if the server had loaded this one
         engine.servers[0].info = dataclasses.replace(engine.servers[0].info, model_path=str(good))
         broken = pub.prepare(SPECS, 2, 1)
         broken.buckets[0].sglang_payloads[0] = "not base64!"
         with pytest.raises(ValueError, match="bucket 0's payload for engine rank 1 is not base64"):
-            engine.receive_weights(broken, rank_offset=1, receiver=None)
+            engine.receive_weights(broken, rank_offset=1, receiver=WeightReceiver())
         native = pub.prepare(SPECS, 3, 1)
         native.sglang_load_format = ""
         with pytest.raises(ValueError, match="prepared this cuda_ipc sync for native engines"):
-            engine.receive_weights(native, rank_offset=1, receiver=None)
+            engine.receive_weights(native, rank_offset=1, receiver=WeightReceiver())
         assert server.state()["tensor_updates"] == [] and server.proc.poll() is None
         # the other way round: a native engine's receiver refuses a plan made for SGLang
         with pytest.raises(ValueError, match="prepared this sync for SGLang engines"):

@@ -64,7 +64,8 @@ def sync(pub: WeightPublisher, engine: SGLangEngine, *, version: int, verify: bo
     engine.pause(pause, timeout_s=10)
     try:
         with ThreadPoolExecutor(1) as pool:
-            received = pool.submit(engine.receive_weights, plan, rank_offset=rank_offset, receiver=receiver)
+            received = pool.submit(engine.receive_weights, plan, rank_offset=rank_offset,
+                                   receiver=receiver or WeightReceiver())
             try:
                 sent = pub.publish(plan, ((s.name, tensors[s.name]) for s in SPECS))
             except BaseException:
@@ -206,7 +207,7 @@ def test_sglang_contract_in_place_keeps_the_kv_cache(tmp_path: Path):
             plan = pub.prepare(SPECS, 5, engine.engine_ranks, False)
             engine.pause("in_place", timeout_s=10)
             assert server.state()["parked"] == 1
-            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=None)
+            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=WeightReceiver())
             pub.publish(plan, ((s.name, tensors[s.name]) for s in SPECS))
             received.result(timeout=30)
             engine.resume()
@@ -258,7 +259,7 @@ def test_sglang_contract_a_server_that_stops_answering_mid_sync(tmp_path: Path):
         tensors = make_tensors(SPECS, seed=1)
         plan = pub.prepare(SPECS, 1, engine.engine_ranks, False)
         with ThreadPoolExecutor(1) as pool:   # the adapter's side alone: its HTTP deadline holds
-            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=None)
+            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=WeightReceiver())
             with pytest.raises(WeightSyncError):
                 pub.publish(plan, ((s.name, tensors[s.name]) for s in SPECS))
             with pytest.raises(WeightSyncError, match=r"update_weights_from_distributed: no answer within|gave up"):
@@ -284,7 +285,7 @@ def test_sglang_contract_refusals_reach_the_trainer(tmp_path: Path):
         plan = pub.prepare(SPECS, 3, 1, False)
         plan.transport = "cuda_ipc"   # a plan that names cuda_ipc but carries no SGLang payloads
         with pytest.raises(ValueError, match="prepared this cuda_ipc sync for native engines"):
-            engine.receive_weights(plan, rank_offset=1, receiver=None)
+            engine.receive_weights(plan, rank_offset=1, receiver=WeightReceiver())
         assert weight_calls(server) == []   # nothing reached SGLang
     finally:
         pub.close()

@@ -12,7 +12,7 @@ from services.contracts.config_loading import load_config, write_resolved_config
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
 from services.coordinator.clients import make_clients
 from services.coordinator.pool import RolloutPool
-from services.coordinator.sync import WeightSync, WeightSyncError
+from services.coordinator.sync import WeightSync, WeightSyncFailed
 from services.launcher.supervisor import resolve_for_local_run
 
 pytestmark = pytest.mark.slow
@@ -77,5 +77,5 @@ def test_sync_against_a_dead_engine_fails_within_the_deadline(services):
     procs[1].kill()
     procs[1].wait()
     sync = WeightSync(trainer=trainer, pool=pool, config=config.weights)
-    with pytest.raises(WeightSyncError, match="phase prepare"):
+    with pytest.raises(WeightSyncFailed, match="phase prepare"):
         sync.run(version=0)

@@ -10,8 +10,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from services.contracts import runfacts
-
 
 class ConfigError(ValueError):
     """A configuration problem, with a message naming the offending key."""
@@ -523,6 +521,12 @@ class TandemConfig(Section):
                              "Tandem's flat fused AdamW; use adamw_torch)")
         return self
 
+    @property
+    def streaming_groups_in_flight(self) -> int:
+        """loop.mode streaming: groups generating or done and waiting for a step (loop.groups_in_flight, by default
+        two steps' worth); each is one Generate call."""
+        return self.loop.groups_in_flight or 2 * self.rollout.rollout_batch_size
+
     def with_model_path(self, path: str) -> TandemConfig:
         return self.model_copy(update={"model": self.model.model_copy(update={"path": path})})
 
@@ -554,7 +558,7 @@ def validate_streaming(config: TandemConfig) -> None:
         if loop.groups_in_flight is not None:
             raise ValueError(f"loop.groups_in_flight applies to loop.mode: streaming, not {loop.mode}")
         return
-    in_flight = runfacts.groups_in_flight(config)
+    in_flight = config.streaming_groups_in_flight
     if in_flight < ro.rollout_batch_size:
         raise ValueError(f"loop.groups_in_flight ({in_flight}) must be at least rollout.rollout_batch_size "
                          f"({ro.rollout_batch_size}): a step trains that many groups")

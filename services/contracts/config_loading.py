@@ -13,9 +13,10 @@ from pydantic import BaseModel, ValidationError
 
 from services.contracts.config import CHAT_TEMPLATE_MODES, ConfigError, TandemConfig
 from services.contracts.files import PRIVATE_FILE_MODE, write_atomic
+from services.contracts.untyped import JsonObject, JsonValue
 
 
-def parse_override(item: str) -> tuple[list[str], Any]:
+def parse_override(item: str) -> tuple[list[str], JsonValue]:
     """`a.b=c` -> (["a", "b"], value parsed as YAML, so numbers, booleans and lists work)."""
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
@@ -39,7 +40,7 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{where}{problem}" + (f" ({context})" if context else "")
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str], *, base_dir: Path | None = None) -> dict[str, Any]:
+def apply_overrides(data: JsonObject, overrides: list[str], *, base_dir: Path | None = None) -> JsonObject:
     """`--set` values; a relative file path among them is relative to base_dir (the shell's working directory)."""
     for item in overrides:
         path, value = parse_override(item)
@@ -100,7 +101,7 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
     return f"invalid configuration in {source}:\n" + "\n".join(lines)
 
 
-def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+def resolve_paths(data: JsonObject, base_dir: Path) -> JsonObject:
     """Relative file paths in the YAML are relative to the YAML file's directory; so is the file of a
     `path/to/file.py:name` plug-in (reward, environment)."""
     for section, key in (*_PATH_KEYS, *_PLUGIN_KEYS):
@@ -131,7 +132,7 @@ def _resolve_reward_file(spec: str, base_dir: Path) -> str:
     return f"{(base_dir / target).resolve()}:{attr}"
 
 
-def config_from_dict(data: dict[str, Any], source: str = "config") -> TandemConfig:
+def config_from_dict(data: JsonObject, source: str = "config") -> TandemConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"invalid configuration in {source}: the top level must be a mapping of sections")
     # An empty `section:` in YAML is null: treat it as a section left at its defaults.

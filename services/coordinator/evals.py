@@ -10,8 +10,9 @@ from services.contracts.config import RolloutConfig
 from services.contracts.sampling import SamplingSpec
 from services.coordinator.api import RolloutPoolApi
 from services.coordinator.data import PromptRecord
+from services.telemetry.events import EventLog
 from services.telemetry.tracing import span
-from services.telemetry.trackers import EventLog, Tracker
+from services.telemetry.trackers import Tracker
 
 
 class Evaluator:

@@ -45,9 +45,10 @@ from services.coordinator.startup import keep_reusable, restore, wait_for_servic
 from services.coordinator.state import GeneratedBatch, RunState
 from services.coordinator.stepmetrics import generation_metrics, prefixed
 from services.coordinator.streaming import GroupStream
+from services.telemetry.events import EventLog
 from services.telemetry.startup import process_age_s
 from services.telemetry.tracing import StepSpans, annotate, inject_context, span
-from services.telemetry.trackers import EventLog, Tracker
+from services.telemetry.trackers import Tracker
 
 log = logging.getLogger(__name__)
 

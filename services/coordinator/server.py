@@ -14,7 +14,6 @@ from pathlib import Path
 import grpc
 
 from services.buffer.stream import RolloutBuffer, connect, stream_key
-from services.contracts import runfacts
 from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
 from services.contracts.failure import clear_failure, write_failure
@@ -30,7 +29,7 @@ from services.coordinator.sync import WeightSync
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.shutdown import StopSignals, exit_now
 from services.telemetry.tracing import TRACEBACK_TO_FILE, setup_logging, setup_tracing, shutdown_tracing
-from services.telemetry.trackers import make_trackers
+from services.telemetry.tracker_registry import make_trackers
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinat
         buffer=buffer, trackers=trackers, eval_prompts=functools.partial(load_eval_prompts, config.data),
         # fully_async keeps one generation per replica in flight, plus the one the trainer waits for; streaming
         # one Generate per group in flight
-        generations=ThreadPoolExecutor(max_workers=runfacts.groups_in_flight(config) if config.loop.mode == "streaming"
+        generations=ThreadPoolExecutor(max_workers=config.streaming_groups_in_flight if config.loop.mode == "streaming"
                                        else pool.size + 1, thread_name_prefix="generate"),
         evals=ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval"))
     return coordinator, buffer
@@ -183,8 +182,3 @@ def _failed(exc: Exception, *, run_dir: Path, kept: str, starting: bool = False)
     print(record.render(command="tandem coordinator", run_dir=run_dir), file=sys.stderr, flush=True)
     return record.exit_code
 
-
-if __name__ == "__main__":
-    from services.cli import main as cli_main
-
-    sys.exit(cli_main(["coordinator", *sys.argv[1:]]))

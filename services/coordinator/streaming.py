@@ -22,7 +22,6 @@ from collections import deque
 from concurrent.futures import Executor
 from dataclasses import replace
 
-from services.contracts import runfacts
 from services.contracts.config import TandemConfig
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2
 from services.contracts.sampling import SamplingSpec
@@ -39,7 +38,7 @@ class GroupStream:
         self.pool, self.data, self.executor, self.clock = pool, data, executor, clock
         self.n_samples = config.rollout.n_samples_per_prompt
         self.batch_size = config.rollout.rollout_batch_size
-        self.limit = runfacts.groups_in_flight(config)
+        self.limit = config.streaming_groups_in_flight
         self.sampling = SamplingSpec.from_config(config.rollout.sampling).to_proto()
         self._cv = threading.Condition()
         self._drawn: deque[StreamGroup] = deque()      # not sent yet

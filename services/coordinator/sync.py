@@ -29,7 +29,7 @@ from services.telemetry.tracing import span
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ChecksumMismatch", "SyncPhase", "SyncResult", "WeightSync", "WeightSyncError", "compare_bucket_checksums",
+__all__ = ["ChecksumMismatch", "SyncPhase", "SyncResult", "WeightSync", "WeightSyncFailed", "compare_bucket_checksums",
            "compare_checksums"]
 
 
@@ -41,11 +41,12 @@ class SyncPhase(Enum):
     DONE = "done"
 
 
-class WeightSyncError(RuntimeError):
-    pass
+class WeightSyncFailed(RuntimeError):
+    """A weight sync the coordinator ran failed; the message names the phase, the version and the replicas. (The
+    services' own transfer errors are services.weights.WeightSyncError; they reach here as failed calls.)"""
 
 
-class ChecksumMismatch(WeightSyncError):
+class ChecksumMismatch(WeightSyncFailed):
     """What an engine holds differs from the trainer's checksums."""
 
 
@@ -123,12 +124,12 @@ class WeightSync:
                 times["verify"] = time.monotonic() - t
                 if verify:   # the trainer's and the slowest engine's, inside "plan" and "receive"
                     times["checksum"] = plan.checksum_s + max(r.checksum_s for r in received)
-            except WeightSyncError:
+            except WeightSyncFailed:
                 self._resume_quietly()
                 raise
             except Exception as exc:
                 self._resume_quietly()
-                raise WeightSyncError(f"weight sync to version {version} failed in phase {self.phase.value}: "
+                raise WeightSyncFailed(f"weight sync to version {version} failed in phase {self.phase.value}: "
                                       f"{exc}") from exc
             self.pool.weights_synced(version)   # every replica holds `version`, restarted ones included
             self.phase = SyncPhase.RESUME
@@ -169,7 +170,7 @@ class WeightSync:
                 errors.append(exc)
         if errors:
             # the bytes arrived, and what arrived differs: DATA_LOSS from each engine that failed
-            kind = ChecksumMismatch if all(e.code == grpc.StatusCode.DATA_LOSS for e in errors) else WeightSyncError
+            kind = ChecksumMismatch if all(e.code == grpc.StatusCode.DATA_LOSS for e in errors) else WeightSyncFailed
             raise kind(f"weight transfer of version {plan.version} over {plan.transport} failed: "
                        + "; ".join(map(str, errors)))
         return publish.result(), [f.result() for f in receive]

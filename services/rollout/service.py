@@ -16,10 +16,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from services.buffer.stream import stream_key
 from services.contracts import runfacts
@@ -33,9 +32,9 @@ from services.rollout.engines.base import (
     FINISH_ABORT,
     Engine,
     EngineState,
-    EngineUnavailable,
     SampleOutput,
 )
+from services.rollout.engines.errors import EngineUnavailable
 from services.rollout.environments import EpisodeSample, resolve_environment
 from services.rollout.multi_turn import MultiTurnRollout, episode_metrics
 from services.rollout.rewards import RewardFunction, resolve_reward
@@ -44,6 +43,14 @@ from services.rollout.writer import BatchWriter
 from services.rpc.grpc_util import FailedPrecondition
 from services.telemetry import tracing
 from services.tensors.devices import cuda_peak_metrics, limit_cpu_threads
+
+if TYPE_CHECKING:
+    import redis
+    from opentelemetry import trace
+    from transformers import PreTrainedTokenizerBase
+
+    from services.contracts.gen.tandem.v1 import common_pb2
+    from services.weights.api import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +170,7 @@ def mix_seed(seed: int | None, rollout_id: int) -> int | None:
 
 class RolloutService:
     def __init__(self, config: TandemConfig, *, replica: int = 0, engine: Engine | None = None,
-                 tokenizer: Any = None, redis_client: Any = None):
+                 tokenizer: PreTrainedTokenizerBase | None = None, redis_client: redis.Redis | None = None):
         self.config = config
         self.replica = replica
         self.producer = f"rollout-{replica}"
@@ -173,17 +180,15 @@ class RolloutService:
         started = time.monotonic()
         self.engine = engine if engine is not None else build_engine(config)
         log.info("startup: %s engine ready in %.2fs", self.engine.name, time.monotonic() - started)
-        # SGLang computes in its own processes on the GPU: this one only prepares requests and scores rewards
-        device = torch.device("cuda") if self.engine.name == "sglang" else getattr(self.engine, "device", None)
-        if isinstance(device, torch.device):
-            limit_cpu_threads(config.rollout.cpu_threads, device)
+        if self.engine.compute_device is not None:
+            limit_cpu_threads(config.rollout.cpu_threads, self.engine.compute_device)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             config.model.tokenizer_path or config.model.path)
         self.texts = Texts(tokenizer, ChatTemplate.from_config(tokenizer, config))
         self.stream = stream_key(config.redis.stream_prefix, config.run_name)
         self.groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
         self.writer = BatchWriter(config, producer=self.producer, groups=self.groups, client=redis_client)
-        self._receiver: Any = None
+        self._receiver: WeightReceiver | None = None   # made on the first weight sync
         self._lock = threading.Lock()
         self._recent: OrderedDict[tuple[Any, ...], Future[GenerateResult]] = OrderedDict()
 
@@ -279,7 +284,7 @@ class RolloutService:
 
     def _sample_and_score(self, *, prompts: Sequence[PromptInput], inputs: ModelInputs, n: int,
                           sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int,
-                          span_: Any) -> _Scored:
+                          span_: trace.Span) -> _Scored:
         if self.environment is not None:
             return self._play_and_score(prompts=prompts, inputs=inputs, n=n, sampling=sampling,
                                         reward_fn=reward_fn, rollout_id=rollout_id, span_=span_)
@@ -308,7 +313,8 @@ class RolloutService:
                        generate_s=generate_s, reward_s=time.monotonic() - t)
 
     def _play_and_score(self, *, prompts: Sequence[PromptInput], inputs: ModelInputs, n: int,
-                        sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int, span_: Any) -> _Scored:
+                        sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int,
+                        span_: trace.Span) -> _Scored:
         """Multi-turn episodes (services.rollout.multi_turn): n per prompt, scored by the environment."""
         ro = self.config.rollout
         assert self.environment is not None
@@ -398,9 +404,8 @@ class RolloutService:
         log.info("paused (%s) for weight update to version %d", pause_mode or "drain", version)
         return True, self.engine.engine_ranks
 
-    def receive_weights(self, plan: Any, rank_offset: int) -> ReceiveResult:
+    def receive_weights(self, plan: common_pb2.WeightSyncPlan, rank_offset: int) -> ReceiveResult:
         """Takes part in the transfer the trainer announced in `plan`, in place into the engine's weights."""
-        start = time.monotonic()
         if rank_offset < 0:
             raise ValueError(f"ReceiveWeights: rank_offset must be >= 0, got {rank_offset}")
         accepted = self.config.weights.trainer_id
@@ -421,18 +426,14 @@ class RolloutService:
                 stats = self.engine.receive_weights(plan, rank_offset=rank_offset, receiver=self._weight_receiver())
             except EngineUnavailable as exc:
                 raise FailedPrecondition(str(exc)) from exc
-        return ReceiveResult(version=self.engine.weight_version, checksums=dict(getattr(stats, "checksums", {}) or {}),
-                             bytes_received=int(getattr(stats, "bytes", 0)),
-                             time_s=float(getattr(stats, "seconds", time.monotonic() - start)),
-                             bucket_checksums=tuple(getattr(stats, "bucket_checksums", ()) or ()),
-                             checksum_s=float(getattr(stats, "checksum_seconds", 0.0)))
+        return ReceiveResult(version=self.engine.weight_version, checksums=dict(stats.checksums),
+                             bytes_received=stats.bytes, time_s=stats.seconds,
+                             bucket_checksums=stats.bucket_checksums, checksum_s=stats.checksum_seconds)
 
-    def _weight_receiver(self) -> Any:
+    def _weight_receiver(self) -> WeightReceiver:
         if self._receiver is None:
-            try:
-                from services.weights import WeightReceiver
-            except ImportError as exc:
-                raise NotImplementedError(f"weight receiving needs services.weights: {exc}") from exc
+            from services.weights import WeightReceiver
+
             self._receiver = WeightReceiver(accepted_trainer_id=self.config.weights.trainer_id,
                                             timeout_s=self.config.weights.timeout_s,
                                             refuse_timeout_s=self.config.services.timeouts.probe_s)
@@ -458,7 +459,7 @@ class RolloutService:
     def close(self) -> None:
         busy, up = self.engine.get_state().busy_s, time.monotonic() - self._started
         log.info("engine busy %.1f s of %.1f s since start (%.0f%%)", busy, up, 100 * busy / up if up > 0 else 0.0)
-        if self._receiver is not None and hasattr(self._receiver, "close"):
+        if self._receiver is not None:
             self._receiver.close()
         self.writer.close()
         self.engine.close()

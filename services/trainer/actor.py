@@ -146,10 +146,6 @@ def reward_kl_penalty(*, backend: DeepSpeedBackend, mbs: list[MicroBatch], sampl
     return algo.kl_coef * all_reduce_sum(kl).cpu()
 
 
-_SUMS = ("loss", "pg_loss", "pg_clipfrac", "kl", "entropy", "ppo_ratio_mean", "tis_weight_mean",
-         "rollout_logprob_abs_diff", "old_actor_fallback_frac", "tis_masked_frac")
-
-
 @dataclass(frozen=True)
 class TokenInputs:
     """The step's per-token tensors, moved to the device once per step; a micro-batch indexes them with its
@@ -233,10 +229,12 @@ def _ppo_micro_loss(*, backend: DeepSpeedBackend, mb: MicroBatch, inputs: TokenI
         loss_tok = loss_tok - algo.entropy_coef * t.entropy
     w, tw = inputs.weights.at(mb)
 
-    def metrics() -> list[torch.Tensor]:
+    def metrics() -> dict[str, torch.Tensor]:
         fallback = torch.zeros_like(tw) if inputs.old is None else inputs.old.fallback[mb.token_index]
-        return [(w * t.pg).sum(), *((tw * x).sum() for x in (t.clipped, t.kl, t.entropy, t.ratio, t.tis,
-                                                             t.mismatch, fallback, (t.tis == 0).float()))]
+        per_token = {"pg_clipfrac": t.clipped, "kl": t.kl, "entropy": t.entropy, "ppo_ratio_mean": t.ratio,
+                     "tis_weight_mean": t.tis, "rollout_logprob_abs_diff": t.mismatch,
+                     "old_actor_fallback_frac": fallback, "tis_masked_frac": (t.tis == 0).float()}
+        return {"pg_loss": (w * t.pg).sum(), **{name: (tw * x).sum() for name, x in per_token.items()}}
 
     return MicroBatchLoss(loss=(w * loss_tok).sum(), anchor=anchor, metrics=metrics)
 
@@ -257,7 +255,7 @@ def actor_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmC
     inputs = TokenInputs(sampling=sampling, advantages=compute_advantages(batch, algo, kl_penalty).to(device),
                          rollout_log_probs=batch.rollout_log_probs.to(device), loss_mask=batch.loss_mask.to(device),
                          weights=TokenWeights.of(batch, algo.loss_aggregation, device), ref_log_probs=ref_lp, old=old)
-    totals, step = optimizer_update(backend, mbs, sums=_SUMS, micro_loss=lambda mb: _ppo_micro_loss(
+    totals, step = optimizer_update(backend, mbs, micro_loss=lambda mb: _ppo_micro_loss(
         backend=backend, mb=mb, inputs=inputs, algo=algo))
     for key, used in (("kl", ref_lp is not None), ("tis_weight_mean", algo.use_tis),
                       ("old_actor_fallback_frac", old is not None),

@@ -29,7 +29,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from services.contracts import checkpoints
 from services.contracts.checkpoints import COMPLETE, is_complete, list_checkpoints
 from services.contracts.config import TandemConfig
 from services.contracts.files import fsync_dir, write_json_atomic
+from services.contracts.untyped import JsonObject
 from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.commands import Load, Save
 from services.trainer.dist import DistInfo, barrier
@@ -122,7 +123,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
-def mark_complete(directory: Path, info: dict[str, Any]) -> None:
+def mark_complete(directory: Path, info: JsonObject) -> None:
     write_json_atomic(directory / COMPLETE, info)
 
 
@@ -159,11 +160,11 @@ def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state() -> JsonObject:
     version, state, gauss = random.getstate()
     np_state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True))
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
-    out: dict[str, Any] = {
+    out: JsonObject = {
         "python": [version, list(state), gauss],
         "numpy": [np_name, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
         "torch": _b64(torch.get_rng_state()),
@@ -173,7 +174,7 @@ def rng_state() -> dict[str, Any]:
     return out
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: JsonObject) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
@@ -224,7 +225,7 @@ class Checkpointer:
         """A complete checkpoint of this step is there already (a retried Save)."""
         return is_complete(directory) and checkpoints.read_json(directory / COMPLETE)["step"] == step
 
-    def find(self, path: str = "") -> tuple[Path, dict[str, Any]] | None:
+    def find(self, path: str = "") -> tuple[Path, JsonObject] | None:
         """The checkpoint a Load of `path` reads and its state (None: nothing to load); refuses one of another
         role, or ZeRO shards of another world size."""
         default_root = checkpoints.checkpoint_root(base=self.base, role=self.role)
@@ -249,7 +250,7 @@ class Checkpointer:
                                      f"shards cannot be loaded by {self.dist.world_size}")
         return directory, state
 
-    def client_state(self, extra_state: dict[str, str], *, checkpoint_rollout_id: int) -> dict[str, Any]:
+    def client_state(self, extra_state: dict[str, str], *, checkpoint_rollout_id: int) -> JsonObject:
         """The ledger's `rollout_id` is the last rollout this trainer trained; `checkpoint_rollout_id` the one the
         Save named (they differ for the actor during critic-only steps)."""
         return {"format": 1, "role": self.role, **self.ledger.state_dict(),
@@ -257,7 +258,7 @@ class Checkpointer:
                 "zero_stage": self.config.trainer.zero_stage, "lora": describe_lora(self.config.trainer.lora),
                 "extra_state": dict(extra_state)}
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: JsonObject) -> None:
         """After every rank read the checkpoint: the ledger it holds; a prepared weight sync is void."""
         self.ledger.load_state_dict(state)
         self.weights.forget_plan()

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
 
 from google.protobuf import json_format
 
 from services.contracts.gen.tandem.v1 import trainer_pb2
+from services.contracts.untyped import JsonObject
 
 MAX_RECORDED_RESULTS = 1024        # replayable Train responses kept (and checkpointed)
 MAX_RECORDED_ENTRIES = 100_000     # trained entry ids remembered to refuse a second delivery
@@ -66,12 +66,12 @@ class TrainLedger:
 
     # ---- checkpoint state (the keys of tandem_state.json) ----------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> JsonObject:
         return {"step": self.step, "rollout_id": self.last_rollout_id, "weight_version": self.weight_version,
                 "samples_trained": self.samples_trained, "trained_entries": list(self.trained_entries.items()),
                 "results": {str(k): json_format.MessageToDict(v) for k, v in self.results.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: JsonObject) -> None:
         self.step, self.last_rollout_id = int(state["step"]), int(state["rollout_id"])
         self.weight_version, self.samples_trained = int(state["weight_version"]), int(state["samples_trained"])
         self.trained_entries = OrderedDict((e, int(r)) for e, r in state["trained_entries"])

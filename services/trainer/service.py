@@ -1,7 +1,7 @@
 """TrainerService: the trainer's behaviour as a plain Python object (the gRPC servicer is a thin adapter).
 
 Rank 0 owns the public methods: it validates, decides, and runs each step on every rank as a typed command
-(`commands.RankCommands`: relayed to the other ranks, executed in lockstep). Ranks > 0 run `serve_worker()`.
+(`ranks.RankCommands`: relayed to the other ranks, executed in lockstep). Ranks > 0 run `serve_worker()`.
 With one rank the relay is a no-op, so 1 and N ranks share one code path. The parts:
 
     ledger.TrainLedger          exactly-once bookkeeping: recorded Train results, trained entries (checkpointed)
@@ -34,6 +34,7 @@ from services.trainer.dist import CommandRelay, init_process_group
 from services.trainer.ledger import TrainLedger
 from services.trainer.old_actor import OldActor, snapshots_to_keep
 from services.trainer.publishing import WeightPublishing
+from services.trainer.ranks import RankCommands, RankParts
 from services.trainer.training import ModelLimits, RolloutSource, TrainStep, check_train_request
 from services.weights import TensorSpec
 
@@ -69,9 +70,9 @@ class TrainerService:
                                         old_actor=self.old_actor)
         self.checkpoints = Checkpointer(config, role=role, run_dir=self.run_dir, dist=self.dist, backend=self.backend,
                                         ledger=self.ledger, old_actor=self.old_actor, weights=self.weights)
-        parts = commands.RankParts(backend=self.backend, step=self.train_step, checkpoints=self.checkpoints,
-                                   weights=self.weights)
-        self.ranks = commands.RankCommands(CommandRelay(rank=self.rank, world_size=self.dist.world_size), parts)
+        parts = RankParts(memory=self.backend, step=self.train_step, checkpoints=self.checkpoints,
+                          weights=self.weights)
+        self.ranks = RankCommands(CommandRelay(rank=self.rank, world_size=self.dist.world_size), parts)
         self._lock = threading.Lock()
         # A trainer (re)started where checkpoints exist must Load before it trains: otherwise a coordinator
         # that outlived the old process would continue its run on the initial weights.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +33,9 @@ from services.trainer.critic import (
 from services.trainer.ledger import TrainLedger
 from services.trainer.old_actor import OldActor
 from services.trainer.selection import Selection, select_samples, truncated_samples
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def check_train_request(config: TandemConfig, *, role: str, rollout_id: int, num_entry_ids: int, num_batches: int,
@@ -62,7 +65,7 @@ class ModelLimits:
     max_positions: int | None
 
     @classmethod
-    def of(cls, model_config: Any) -> ModelLimits:
+    def of(cls, model_config: PretrainedConfig) -> ModelLimits:
         return cls(vocab_size=int(model_config.vocab_size),
                    max_positions=getattr(model_config, "max_position_embeddings", None))
 
