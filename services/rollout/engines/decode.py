@@ -4,7 +4,8 @@
   batch (and its KV cache) once a quarter of them are done, so short answers do not pay for long ones.
 - `decode_static`: fixed-shape decode through static_decode.py's runners (a preallocated KV cache, CUDA graphs
   or torch.compile); every row steps until the whole batch is done and the host looks every `_SYNC_EVERY` tokens.
-Both call `boundary()` between tokens (the engine's DecodeGate: True = abort now, or it parks the call there).
+Both call `boundary()` between tokens (the engine's DecodeGate: True = abort now, or it parks the call there), and
+end rows at stop strings when the request has some (stop_strings.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SampleOutput
 from services.rollout.engines.sampling import sample_next
 from services.rollout.engines.static_decode import RunnerCache
+from services.rollout.engines.stop_strings import StopStrings
 
 _REASONS = (None, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)   # codes 0..3 in the loop's reason tensor
 _STOP, _LENGTH, _ABORT = 1, 2, 3
@@ -85,7 +87,7 @@ def prepare_chunk(prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *, d
 
 
 def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator | None, *, cache: Any,
-                   forward: Forward, boundary: Callable[[], bool]) -> Decoded:
+                   forward: Forward, boundary: Callable[[], bool], stops: StopStrings | None = None) -> Decoded:
     dev, n, steps, budget, stop_ids, mask = c.input_ids.device, c.n, c.steps, c.budget, c.stop_ids, c.mask
     out = Decoded.empty(n, steps, dev)
     rows = torch.arange(n, device=dev)      # original index of each row still in the batch
@@ -102,6 +104,10 @@ def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator 
         hit_len = ~done & ~hit_stop & (lengths_now >= budget[rows])
         out.reason[rows] = torch.where(hit_stop, _STOP, torch.where(hit_len, _LENGTH, out.reason[rows]))
         done = done | hit_stop | hit_len
+        if stops is not None:
+            ended = _end_at_stop_strings(stops, out, step, step + 1)
+            if ended is not None:
+                done = done | ended[rows]
         n_done = int(done.sum())                  # the loop's one host sync per token
         if n_done == done.numel():
             break
@@ -119,8 +125,9 @@ def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator 
 
 
 def decode_static(c: Chunk, sampling: SamplingSpec, generator: torch.Generator | None, *, runners: RunnerCache,
-                  boundary: Callable[[], bool]) -> Decoded:
-    """Finished rows keep computing but their tokens are not counted; no host sync except every _SYNC_EVERY."""
+                  boundary: Callable[[], bool], stops: StopStrings | None = None) -> Decoded:
+    """Finished rows keep computing but their tokens are not counted; no host sync except every _SYNC_EVERY (stop
+    strings are scanned there too, over the tokens since the last scan: a row is cut back to its match)."""
     n, steps = c.n, c.steps
     runner = runners.get(n, c.width + steps)
     ids, mask, positions = c.input_ids, c.mask, c.positions
@@ -131,6 +138,7 @@ def decode_static(c: Chunk, sampling: SamplingSpec, generator: torch.Generator |
     next_pos = c.positions[:, -1] + 1
     out = Decoded.empty(n, steps, c.input_ids.device)
     done = torch.zeros(n, dtype=torch.bool, device=c.input_ids.device)
+    scanned = 0                                   # stop strings: positions before this are scanned
     for step in range(steps):
         tokens, lps = runners.sample(logits, sampling, generator)
         tokens, lps = tokens[:n], lps[:n]
@@ -140,11 +148,37 @@ def decode_static(c: Chunk, sampling: SamplingSpec, generator: torch.Generator |
         hit_len = ~done & ~hit_stop & (out.lengths >= c.budget)
         out.reason = torch.where(hit_stop, _STOP, torch.where(hit_len, _LENGTH, out.reason))
         done = done | hit_stop | hit_len
-        if step == steps - 1 or (step % _SYNC_EVERY == _SYNC_EVERY - 1 and bool(done.all())):
+        at_sync = step == steps - 1 or step % _SYNC_EVERY == _SYNC_EVERY - 1
+        if stops is not None and at_sync:
+            done, scanned = _scan_stops(stops, out, done, scanned, step + 1)
+        if step == steps - 1 or (at_sync and bool(done.all())):
             break
         if boundary():
+            if stops is not None:
+                done, scanned = _scan_stops(stops, out, done, scanned, step + 1)
             out.reason = torch.where(done, out.reason, _ABORT)
             break
         logits = runner.step(tokens, next_pos, c.width + step)
         next_pos = next_pos + 1
     return out
+
+
+def _end_at_stop_strings(stops: StopStrings, out: Decoded, start: int, end: int) -> torch.Tensor | None:
+    """Rows whose text completes a stop string at a position in [start, end) end there (length, reason stop; the
+    tokens after it are dropped). Returns the rows it ended (bool [n]), or None."""
+    first = stops.scan(out.tokens, out.lengths, start, end)
+    if not first:
+        return None
+    dev = out.lengths.device
+    rows = torch.tensor(list(first), dtype=torch.long, device=dev)
+    out.lengths[rows] = torch.tensor([p + 1 for p in first.values()], dtype=out.lengths.dtype, device=dev)
+    out.reason[rows] = _STOP
+    ended = torch.zeros_like(out.lengths, dtype=torch.bool)
+    ended[rows] = True
+    return ended
+
+
+def _scan_stops(stops: StopStrings, out: Decoded, done: torch.Tensor, start: int,
+                end: int) -> tuple[torch.Tensor, int]:
+    ended = _end_at_stop_strings(stops, out, start, end)
+    return (done if ended is None else done | ended), end

@@ -37,6 +37,7 @@ from services.rollout.engines.decode import decode_dynamic, decode_static, prepa
 from services.rollout.engines.gate import DecodeGate, check_pause_mode
 from services.rollout.engines.sampling import make_generator
 from services.rollout.engines.static_decode import RunnerCache, supported
+from services.rollout.engines.stop_strings import Detokenizer, StopStringTables
 from services.tensors import fused
 
 if TYPE_CHECKING:
@@ -63,7 +64,9 @@ class NativeEngine(Engine):
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "float32",
                  attn_implementation: str = "sdpa", max_batch_size: int = 512,
                  max_context_length: int | None = None, eos_token_ids: Sequence[int] | None = None,
-                 decode: str = "auto", fused_kernels: str = "off"):
+                 decode: str = "auto", fused_kernels: str = "off", detokenizer: Detokenizer | None = None):
+        """`eos_token_ids`: the ids that end a sample (default: the model's config and generation config);
+        `detokenizer`: the run's tokenizer, needed by requests with stop strings (stop_strings.py)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -89,6 +92,8 @@ class NativeEngine(Engine):
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(self.model)
         self.pad_token_id = _pad_id(self.model, self.eos_token_ids)
+        self._stop_tables = StopStringTables(detokenizer, vocab_size=self.vocab_size, device=self.device) \
+            if detokenizer is not None else None
         self._gate: DecodeGate = DecodeGate(engine="rollout engine")
         self._version = 0
         self._generated = 0
@@ -150,6 +155,9 @@ class NativeEngine(Engine):
 
     def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
         self._check_servable()
+        if sampling.stop and self._stop_tables is None:
+            raise ValueError("sampling.stop: this native engine was built without the tokenizer (detokenizer=), "
+                             "which stop strings are matched with")
         version = self._version
         generator = make_generator(sampling.seed, self.device)
         out: list[SampleOutput] = []
@@ -172,17 +180,19 @@ class NativeEngine(Engine):
                         generator: torch.Generator | None, version: int) -> list[SampleOutput]:
         chunk = prepare_chunk(prompts, sampling, device=self.device, pad_token_id=self.pad_token_id,
                               eos_token_ids=self.eos_token_ids, max_context=self._max_context)
+        stops = self._stop_tables.for_request(sampling.stop) if sampling.stop and self._stop_tables else None
         if self.decode_mode == "dynamic":
             from transformers import DynamicCache
 
             decoded = decode_dynamic(chunk, sampling, generator, cache=DynamicCache(config=self.model.config),
-                                     forward=self._forward, boundary=self._gate.boundary)
+                                     forward=self._forward, boundary=self._gate.boundary, stops=stops)
         else:
             if self._runners is None:
                 self._runners = RunnerCache(self.model, graphs=self.decode_mode in ("graph", "compile"),
                                             compile=self.decode_mode == "compile")
             # the runners are passed on: a weight update while parked may drop self._runners
-            decoded = decode_static(chunk, sampling, generator, runners=self._runners, boundary=self._gate.boundary)
+            decoded = decode_static(chunk, sampling, generator, runners=self._runners, boundary=self._gate.boundary,
+                                    stops=stops)
         return decoded.samples(version)
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
