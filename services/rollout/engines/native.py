@@ -116,6 +116,9 @@ class NativeEngine(Engine):
         if decode == "auto":
             if self.device.type == "cuda" and why is None:
                 return "graph"
+            if self.device.type == "cuda":
+                log.info("native engine: decoding with the dynamic cache, without CUDA graphs: the static decode "
+                         "path does not support %s", why)
             return "dynamic"
         if decode in ("static", "graph", "compile") and why is not None:
             raise ValueError(f"decode={decode!r}: the static decode path does not support {why}")
