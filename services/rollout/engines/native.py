@@ -4,7 +4,7 @@ Runs anywhere torch runs (CPU in CI, one GPU for real work). Prompts are left-pa
 Two decode paths (`decode=`):
 - "dynamic": the model's own forward with a Hugging Face DynamicCache; finished rows are dropped from the
   batch (and its KV cache) as they finish, so short answers do not pay for long ones. The CPU default.
-- "graph" (the CUDA default for Llama/Qwen2) / "compile" / "static": a preallocated KV cache of a fixed
+- "graph" (the CUDA default for Llama/Qwen2/Qwen3) / "compile" / "static": a preallocated KV cache of a fixed
   (batch, length) bucket and, for "graph", a CUDA-graph-captured decode step (static_decode.py); "compile"
   captures the torch.compile'd step instead (fewer, fused kernels; its first call per bucket compiles);
   sampling stays on the device and the loop checks for finished rows every few tokens. The loops are in decode.py.

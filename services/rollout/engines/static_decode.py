@@ -18,9 +18,10 @@ fixed-shape buffers:
 
 Only plain decoder stacks are supported (`supported()`): Llama (llama3 rope scaling included: the model's own
 rotary module computes the frequencies), Qwen2 and Qwen3 (its per-head q/k RMSNorm) with full attention. Everything
-else keeps the engine's dynamic-cache path, and asking for the static path names what it lacks. A runner captures raw device pointers of the parameters, so
-it holds references to the tensors it was captured with; the engine drops its runners whenever parameter
-storage moves (flattening, weight release) and in-place weight updates keep them valid.
+else keeps the engine's dynamic-cache path, and asking for the static path names what it lacks. A runner captures
+raw device pointers of the parameters, so it holds references to the tensors it was captured with; the engine drops
+its runners whenever parameter storage moves (flattening, weight release) and in-place weight updates keep them
+valid.
 """
 
 from __future__ import annotations
