@@ -247,6 +247,8 @@ def test_real_preset_arguments_are_checked(tmp_path: Path):
         check_init_args(preset="qwen2.5-0.5b", layers=0)
     with pytest.raises(ModelInitError, match="unknown preset 'qwen9'"):
         check_init_args(preset="qwen9")
+    config = build_config(preset="q05", arch="qwen2", vocab_size=len(VOCAB), bos=1, eos=2, pad=0, layers=3)
+    assert (config.num_hidden_layers, len(config.layer_types), config.max_window_layers) == (3, 3, 3)
     assert main(["init-model", str(tmp_path / "m"), "--preset", "tiny", "--body", "tiny"]) == 2
     assert not (tmp_path / "m").exists()
 

@@ -12,6 +12,7 @@ newlines included) under `PreTrainedTokenizerFast` and under the class `AutoToke
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections.abc import Iterator
@@ -82,6 +83,12 @@ def corpus(seed: int = 0, docs: int = CORPUS_DOCS) -> Iterator[str]:
 
 def train_merges(family: Family, *, seed: int = 0) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """The learned byte-level vocabulary (token -> id, the 256 byte symbols included) and its merges."""
+    vocab, merges = _trained(family, seed)
+    return dict(vocab), list(merges)
+
+
+@functools.lru_cache(maxsize=4)   # the same training again in one process (tests, a bench) is free
+def _trained(family: Family, seed: int) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
     from tokenizers import Tokenizer, models, trainers
 
     tok = Tokenizer(models.BPE())
@@ -90,7 +97,7 @@ def train_merges(family: Family, *, seed: int = 0) -> tuple[dict[str, int], list
                                   initial_alphabet=_byte_alphabet())
     tok.train_from_iterator(corpus(seed), trainer=trainer)
     model = json.loads(tok.to_str())["model"]
-    return dict(model["vocab"]), [tuple(m) for m in model["merges"]]
+    return tuple(model["vocab"].items()), tuple((a, b) for a, b in model["merges"])
 
 
 def build_tokenizer(family: Family, *, model_max_length: int, seed: int = 0) -> Any:

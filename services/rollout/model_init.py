@@ -77,8 +77,8 @@ def build_tokenizer(*, model_max_length: int):
         model_max_length=model_max_length, clean_up_tokenization_spaces=False, padding_side="left")
 
 
-def build_config(*, preset: str, arch: str, vocab_size: int, bos: int, eos: int, pad: int):
-    """The config of a toy preset (PRESETS) over a vocabulary of `vocab_size`."""
+def build_config(*, preset: str, arch: str, vocab_size: int, bos: int, eos: int, pad: int, layers: int | None = None):
+    """The config of a toy preset (PRESETS) over a vocabulary of `vocab_size` (with `layers` layers if given)."""
     from transformers import LlamaConfig, Qwen2Config
 
     if preset not in PRESETS:
@@ -86,9 +86,14 @@ def build_config(*, preset: str, arch: str, vocab_size: int, bos: int, eos: int,
     if arch not in ARCHS:
         raise ModelInitError(f"init-model: unknown arch {arch!r} (choose from {', '.join(ARCHS)})")
     cls = LlamaConfig if arch == "llama" else Qwen2Config
+    shape = dict(PRESETS[preset])
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+        if "max_window_layers" in shape:
+            shape["max_window_layers"] = layers
     # Untied embeddings: every parameter has exactly one name, which keeps weight sync simple.
     return cls(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
-               tie_word_embeddings=False, rms_norm_eps=1e-6, dtype="float32", **PRESETS[preset])
+               tie_word_embeddings=False, rms_norm_eps=1e-6, dtype="float32", **shape)
 
 
 def build_family_config(preset: str, *, body: str | None = None, layers: int | None = None, dtype: str = "bfloat16"):
@@ -226,11 +231,7 @@ def _config_and_tokenizer(spec: InitSpec, *, seed: int) -> tuple[Any, Any, Any]:
     if fam is None:
         tokenizer = build_tokenizer(model_max_length=int(PRESETS[spec.preset]["max_position_embeddings"]))
         config = build_config(preset=spec.preset, arch=spec.arch, vocab_size=len(VOCAB), bos=tokenizer.bos_token_id,
-                              eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
-        if spec.layers is not None:
-            config.num_hidden_layers = spec.layers
-            if hasattr(config, "max_window_layers"):
-                config.max_window_layers = spec.layers
+                              eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id, layers=spec.layers)
         return config, tokenizer, lambda tok, path: tok.save_pretrained(path)
     from services.rollout import bpe_tokenizer
 
