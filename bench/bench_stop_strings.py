@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.contracts.sampling import SamplingSpec
+from services.rollout.chat import ChatTemplate
 from services.rollout.engines.native import NativeEngine
 from services.rollout.engines.stop_strings import StopStringTables
 from services.rollout.model_init import init_model
@@ -33,6 +34,13 @@ from services.rollout.tokenizer import Texts, load_tokenizer
 
 CASES = {"####": ("####",), "newlines": ("\n\n\n",)}
 LABELS = {"####": "####", "newlines": "\\n\\n\\n"}
+
+
+def texts_of(path: Path) -> Texts:
+    """The run's tokenizer as the rollout service holds it (its own chat template)."""
+    tokenizer = load_tokenizer(path)
+    return Texts(tokenizer, ChatTemplate(tokenizer, source=f"the chat template of the tokenizer at {path}"))
+
 
 
 def scan_table(texts: Texts, vocab: int, device: torch.device, batches: list[int], steps: int = 100) -> None:
@@ -104,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         path = init_model(Path(tmp) / "m", preset=args.preset, body=None if args.body == "full" else args.body)
-        texts = Texts(load_tokenizer(path))
+        texts = texts_of(path)
         vocab = NativeEngine(path, device=args.device, dtype=args.dtype).vocab_size
         scan_table(texts, vocab, torch.device(args.device), args.scan_batch)
         generate_table(path, texts, args)

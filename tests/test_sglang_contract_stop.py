@@ -17,6 +17,7 @@ from helpers.sglang_contract_server import ContractServer
 
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
+from services.rollout.chat import ChatTemplate
 from services.rollout.engines.sglang import SGLangEngine
 from services.rollout.engines.sglang_protocol import parse_server_info
 from services.rollout.service import build_engine
@@ -25,6 +26,12 @@ from services.rollout.tokenizer import Texts, load_tokenizer
 pytestmark = pytest.mark.timeout(120)
 
 BACKTICK, LETTER_U = 63, 83           # '`' then 'a', 'b', ...; 'u' then 'v', 'w', ...
+
+def texts_of(path: Path) -> Texts:
+    """The run's tokenizer as the rollout service holds it (its own chat template)."""
+    tokenizer = load_tokenizer(path)
+    return Texts(tokenizer, ChatTemplate(tokenizer, source=f"the chat template of the tokenizer at {path}"))
+
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +58,7 @@ def server(tokenizer_dir: Path):
 def engine(server: ContractServer, tokenizer_dir: Path):
     config = config_from_dict({"model": {"path": str(tokenizer_dir)}, "data": {"train_path": "x.jsonl"},
                                "rollout": {"engine": "sglang", "sglang": {"urls": [server.url]}}})
-    e = build_engine(config, Texts(load_tokenizer(tokenizer_dir)))
+    e = build_engine(config, texts_of(tokenizer_dir))
     yield e
     e.close()
 
@@ -61,7 +68,7 @@ def last_body(server: ContractServer) -> dict:
 
 
 def test_sglang_contract_stop_strings(server: ContractServer, engine: SGLangEngine, tokenizer_dir: Path):
-    texts = Texts(load_tokenizer(tokenizer_dir))
+    texts = texts_of(tokenizer_dir)
     assert len(texts.tokenizer.encode("cde", add_special_tokens=False)) == 3   # SGLang's tail holds 3 + 1 tokens
     out = engine.generate([[BACKTICK], [LETTER_U]], SamplingSpec(max_new_tokens=10, stop=("cde", "never")))
     assert texts.decode(out[0].token_ids) == "abcde" and out[0].finish_reason == "stop"   # "e" completes it, kept

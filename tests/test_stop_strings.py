@@ -17,6 +17,7 @@ import torch
 
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
+from services.rollout.chat import ChatTemplate
 from services.rollout.engines.base import SampleOutput
 from services.rollout.engines.native import NativeEngine
 from services.rollout.engines.stop_strings import StopStringTables
@@ -28,18 +29,24 @@ torch.set_num_threads(1)
 
 PROMPTS = [[1, 7, 11, 18], [1, 3, 18], [1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 18], [1, 9, 9, 18]]
 
+def texts_of(path: Path) -> Texts:
+    """The run's tokenizer as the rollout service holds it (its own chat template)."""
+    tokenizer = load_tokenizer(path)
+    return Texts(tokenizer, ChatTemplate(tokenizer, source=f"the chat template of the tokenizer at {path}"))
+
+
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Texts]:
     path = init_model(tmp_path_factory.mktemp("toy") / "tiny", preset="tiny", seed=2)
-    return path, Texts(load_tokenizer(path))
+    return path, texts_of(path)
 
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Texts]:
     """Qwen2.5-0.5B's vocabulary and byte-level BPE tokenizer over a tiny body: tokens of several characters."""
     path = init_model(tmp_path_factory.mktemp("qwen") / "q", preset="qwen2.5-0.5b", body="tiny", seed=1)
-    return path, Texts(load_tokenizer(path))
+    return path, texts_of(path)
 
 
 def first_completion(texts: Texts, tokens: tuple[int, ...], stop: str) -> int | None:
@@ -120,7 +127,7 @@ def test_every_end_of_generation_id_ends_a_sample(toy: tuple[Path, Texts], qwen:
     (copy / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [gen["eos_token_id"], emitted]}))
     config = config_from_dict({"model": {"path": str(copy)}, "data": {"train_path": "x.jsonl"},
                                "rollout": {"device": "cpu"}})
-    engine = build_engine(config, Texts(load_tokenizer(copy)))
+    engine = build_engine(config, texts_of(copy))
     assert emitted in engine.eos_token_ids and texts.tokenizer.eos_token_id in engine.eos_token_ids
     first = free.token_ids.index(emitted)
     out = engine.generate(PROMPTS[:1], replace(greedy, ignore_eos=False))[0]
