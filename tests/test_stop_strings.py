@@ -84,7 +84,7 @@ def test_stop_string_ending_inside_a_token_keeps_that_token(qwen: tuple[Path, Te
     path, texts = qwen
     engine = NativeEngine(path, device="cpu", detokenizer=texts)
     opts = SamplingSpec(temperature=1.0, max_new_tokens=10, seed=11, ignore_eos=True)
-    prompt = [texts.encode_prompt("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")]
+    prompt = [texts.encode_text("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")]
     free = engine.generate(prompt, opts)[0]
     pieces = [texts.decode_raw([[t]])[0] for t in free.token_ids]
     k = next(i for i in range(1, len(pieces)) if len(pieces[i]) >= 3)
