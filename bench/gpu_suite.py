@@ -2,8 +2,11 @@
 
     python bench/gpu_suite.py [--out DIR] [--quick]
         [--only handoff ipc_copy checksums train_step engine engine_compile tests offload trainer_tests run]
+    python bench/gpu_suite.py --only checksums_run   # check_weight_update_equal's share of a sync in runs
     python bench/gpu_suite.py --only peer_trl        # Tandem vs TRL (bench/peer_trl.py), a call of its own
     python bench/gpu_suite.py --only sglang_smoke sglang_bench sglang_run   # SGLang 0.5.17, a call of its own
+    python bench/gpu_suite.py --only inflight_a ... then inflight_b, inflight_c, inflight_report   # issue 33, one
+        call each (or inflight_a inflight_b in one call when it has the time; the report reads what is found)
 
 On the device machine every command starts with `source bench/gpu_env.sh` (add `sglang` for SGLang stages), which
 installs the wheels the call carries: `.whl` for these stages, `.whl .whl_trl` for peer_trl, `.whl/core .sglang`
@@ -46,8 +49,8 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
         "handoff": ([PY, "bench/bench_weights.py", "--handoff", "--repeats", "10", "--bucket-mb", "64"], 100, {}),
         # the copy itself: from another process's IPC allocation next to a same-process D2D, by copy method
         "ipc_copy": ([PY, "bench/bench_ipc_copy.py", "--repeats", "20"], 60, {}),
-        # check_weight_update_equal's cost: checksums one tensor at a time next to packs, q05 and its narrow twin
-        "checksums": ([PY, "bench/bench_checksums.py", "--presets", "q05", "q05_narrow", "q15"], 60, {}),
+        # check_weight_update_equal's cost: checksums one tensor at a time, in packs and per bucket (issue 32)
+        "checksums": ([PY, "bench/bench_checksums.py", "--presets", "q05", "q05_narrow", "q15"], 90, {}),
         # one actor step in process at q05 (issue 24): DeepSpeed ZeRO-1 next to ZeRO-0's flat AdamW, plain torch
         # (TRL's recipe) and the model's bare forward+backward, with host ops and kernel launches per step
         "train_step": ([PY, "bench/bench_train_step.py", "--presets", "q05", "--lengths", "1", "128", "--steps", "3",
@@ -71,6 +74,12 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
                        f"--only async sync_offload --out {out / 'real_size_q05'} && {PY} bench/gpu_run.py "
                        f"--config examples/qwen15_gpu.yaml --steps 10 --only async --out {out / 'real_size_q15'}"],
                       540, {}),
+        # the same in runs (issue 32): every sync verified by bucket next to none, q05 and q15; the table's row
+        # "median checksums / weight sync" is the goal's figure (<= 5%). A call of its own.
+        "checksums_run": (["bash", "-c", f"{PY} bench/gpu_run.py --config examples/qwen05_gpu.yaml --steps 12 "
+                           f"--only async_verified async_unverified --out {out / 'checksums_q05'} && {PY} "
+                           f"bench/gpu_run.py --config examples/qwen15_gpu.yaml --steps 10 --only async_verified "
+                           f"--out {out / 'checksums_q15'}"], 540, {}),
         # Tandem async/sync vs TRL's GRPOTrainer (needs .whl_trl carried; TRL is skipped in one line without it).
         # It keeps to its own --budget-s (520 s), so it only runs when named: a call of its own.
         "peer_trl": ([PY, "bench/peer_trl.py", "--out", str(out / "peer_trl")], 560, {}),
@@ -80,11 +89,21 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
         "sglang_smoke": ([PY, "bench/sglang_smoke.py"], 100, {}),
         "sglang_bench": ([PY, "bench/bench_sglang.py"], 200, {}),
         "sglang_run": ([PY, "bench/sglang_run.py", "--steps", "10", "--out", str(out / "sglang_run")], 240, {}),
+        # issue 33: long-tailed lengths (16..2048) at the q05 shape, sync / one step off / in flight side by side
+        # (bench/gpu_inflight.py); three runs' worth of stages, each within one call, then the table of all found
+        **{f"inflight_{part}": ([PY, "bench/gpu_inflight.py", "--steps", "4" if quick else "8", "--out",
+                                 str(out / "inflight"), "--only", *variants], 560, {})
+           for part, variants in INFLIGHT_PARTS.items()},
+        "inflight_report": ([PY, "bench/gpu_inflight.py", "--report", "--out", str(out / "inflight")], 30, {}),
     }
 
 
+INFLIGHT_PARTS = {"a": ["sync", "one_step_off"], "b": ["inflight_keep"], "c": ["stream_keep", "stream_recompute"]}
+
+
 # left out unless --only names them
-OPT_IN = {"train_step", "real_size", "peer_trl", "sglang_smoke", "sglang_bench", "sglang_run"}
+OPT_IN = {"train_step", "real_size", "checksums_run", "peer_trl", "sglang_smoke", "sglang_bench", "sglang_run",
+          "inflight_a", "inflight_b", "inflight_c", "inflight_report"}
 SGLANG_STAGES = ("sglang_smoke", "sglang_bench", "sglang_run")
 SGLANG_START_S = 240   # launching both servers, until healthy (kernel JIT and CUDA-graph capture included)
 

@@ -25,6 +25,8 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from services.contracts.files import read_json_rows
+
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
@@ -602,7 +604,7 @@ def run_like_compose(tmp_path: Path, overrides: tuple[str, ...], env: dict[str, 
 
         def trained() -> list[int]:
             path = run_dir / "metrics.jsonl"
-            rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+            rows = read_json_rows(path) if path.exists() else []   # the run may be appending a row as we read
             return [r["rollout_id"] for r in rows if "train/loss" in r]
 
         deadline = time.monotonic() + 300

@@ -38,7 +38,8 @@ class ScriptedFakeEngine(GenerateOnlyEngine):
         self.calls: list[tuple[list[list[int]], SamplingSpec]] = []
         self.abort_on_call = abort_on_call
 
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                           budgets: Sequence[int]) -> list[SampleOutput]:
         self.calls.append(([list(p) for p in prompts], sampling))
         if self.abort_on_call == len(self.calls) - 1:
             return [SampleOutput((), (), FINISH_ABORT, self._version) for _ in prompts]
@@ -95,6 +96,8 @@ def test_a_three_turn_episode_has_exact_tokens_mask_and_log_probs_with_a_scripte
     assert [lp for lp, m in zip(e.output.log_probs, e.loss_mask, strict=True) if not m] == [0.0] * 4
     assert (e.reward, e.turns, e.end, e.output.finish_reason) == (1.75, 3, "done", "stop")
     assert e.output.weight_version == 3                           # the oldest version that generated a turn
+    # turn t was sampled by version 3 + t; an observation token carries the version of the policy token before it
+    assert e.output.token_versions == (3, 3, 3, 3, 4, 4, 4, 4, 5, 5)
     # each generation continues the conversation: prompt + reset observation + every turn and observation so far
     assert [c[0] for c in engine.calls] == [[[1, 4, 5, 6, 2]], [[1, 4, 5, 6, 2, 10, 20, 7, 8]],
                                             [[1, 4, 5, 6, 2, 10, 20, 7, 8, 11, 21, 9, 3]]]

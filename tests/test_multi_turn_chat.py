@@ -36,7 +36,8 @@ class ScriptedFakeEngine(GenerateOnlyEngine):
         self.turns: list[tuple[list[int], str]] = turns
         self.calls: list[list[list[int]]] = []
 
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                           budgets: Sequence[int]) -> list[SampleOutput]:
         ids, finish = self.turns[len(self.calls)]
         self.calls.append([list(p) for p in prompts])
         return [SampleOutput(tuple(ids), tuple([-0.5] * len(ids)), finish, 0) for _ in prompts]

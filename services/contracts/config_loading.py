@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from services.contracts.config import CHAT_TEMPLATE_MODES, ConfigError, TandemConfig
+from services.contracts.files import PRIVATE_FILE_MODE, write_atomic
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -162,7 +163,7 @@ def dump_config(config: TandemConfig) -> str:
 
 
 def write_resolved_config(config: TandemConfig, run_dir: Path) -> Path:
+    """RUN_DIR/config.yaml, which services, `tandem ctl` and restarts read: replaced atomically, and readable by its
+    owner only (it may hold the token and passwords)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = run_dir / "config.yaml"
-    out.write_text(dump_config(config))
-    return out
+    return write_atomic(run_dir / "config.yaml", dump_config(config), mode=PRIVATE_FILE_MODE)

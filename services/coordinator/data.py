@@ -18,6 +18,7 @@ import numpy as np
 from services.contracts.chat import ChatMessage
 from services.contracts.config import DataConfig
 from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.sampling import prompt_max_new_tokens
 from services.coordinator.datafiles import DataFile, data_file, read_rows
 
 
@@ -103,6 +104,7 @@ class _RowReader:
         text, messages = self._prompt(prompt, where)
         skip = (key, self.config.label_key)
         metadata = {k: v if isinstance(v, str) else _to_json(v) for k, v in row.items() if k not in skip}
+        prompt_max_new_tokens(metadata, where=where)   # a bad response budget is named with its line
         return PromptRecord(text=text, label=_label(lookup(row, self.config.label_key)), metadata=metadata,
                             line=position, messages=messages)
 
@@ -189,6 +191,10 @@ class DataSource:
         if not self.shuffle:
             return np.arange(len(self.records))
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.records))
+
+    def record_at(self, epoch: int, offset: int) -> PromptRecord:
+        """The prompt at `offset` of epoch `epoch`'s order (a group drawn before a restart, generated again)."""
+        return self.records[int(self._order(epoch)[offset])]
 
     def next_batch(self) -> PromptBatch:
         cur = self.cursor

@@ -178,6 +178,7 @@ def check_engine(config: TandemConfig) -> None:
 
     from services.rollout.engines.sglang_http import is_loopback
     from services.rollout.engines.sglang_launch import launch_problems
+    from services.rollout.engines.sglang_protocol import inflight_refusal
 
     problems = []
     if config.weights.check_weight_update_equal:
@@ -192,6 +193,11 @@ def check_engine(config: TandemConfig) -> None:
         if config.trainer.device == "cpu":
             problems.append("weights.transport: cuda_ipc needs the trainer on a GPU (trainer.device is cpu)")
     problems += launch_problems(tuple(config.rollout.sglang.launch_args), dict(os.environ))
+    if not config.rollout.sglang.urls:   # servers the user runs are checked when the engine connects
+        launch = config.rollout.sglang.launch_args
+        refusal = inflight_refusal(config.rollout.inflight_update, radix_cache_off="--disable-radix-cache" in launch,
+                                   where="the SGLang server rollout.sglang.launch_args start")
+        problems += [refusal] if refusal else []
     if problems:
         raise ConfigError("\n".join(problems))
 

@@ -99,18 +99,23 @@ class _Running:
     context: list[int]
     prompt_len: int
     chat: bool = False        # the prompt is a chat: observations are rendered as its turns
-    versions: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)        # each turn's version when it started
     tokens: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)  # an observation token: the policy token's before it
     reward: float = 0.0
     end: str | None = None
 
-    def add(self, ids: Sequence[int], log_probs: Sequence[float] | None) -> None:
+    def add(self, ids: Sequence[int], log_probs: Sequence[float] | None,
+            token_versions: Sequence[int] | None = None) -> None:
+        """A turn (its log-probs and token versions), or an observation (None, None)."""
         self.context += ids
         self.tokens += ids
         self.mask += [1 if log_probs is not None else 0] * len(ids)
         self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(ids)
+        before = self.token_versions[-1] if self.token_versions else min(self.versions, default=0)
+        self.token_versions += list(token_versions) if token_versions is not None else [before] * len(ids)
 
     def finish(self, *, version: int) -> Episode:
         assert self.end is not None, "every episode ends by the last round"
@@ -118,7 +123,8 @@ class _Running:
         return Episode(prompt_ids=tuple(self.context[:self.prompt_len]), loss_mask=tuple(self.mask),
                        output=SampleOutput(token_ids=tuple(self.tokens), log_probs=tuple(self.log_probs),
                                            finish_reason=_WIRE_FINISH[end],
-                                           weight_version=min(self.versions, default=version)),
+                                           weight_version=min(self.token_versions or self.versions, default=version),
+                                           token_versions=tuple(self.token_versions)),
                        reward=self.reward, turns=len(self.versions), end=end)
 
 
@@ -157,8 +163,8 @@ class MultiTurnRollout:
                     episodes[i].end = END_ABORT
                 break
             for i, out in zip(live, outputs, strict=True):
-                episodes[i].add(out.token_ids, out.log_probs)
                 episodes[i].versions.append(out.weight_version)
+                episodes[i].add(out.token_ids, out.log_probs, out.versions)
             actions = [Action(text=self.decode(out.token_ids), token_ids=tuple(out.token_ids),
                               finish_reason=out.finish_reason, turn=turn) for out in outputs]
             with clock.timing("environment"):

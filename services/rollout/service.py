@@ -26,7 +26,7 @@ from services.contracts import runfacts
 from services.contracts.chat import ChatMessage, messages_json
 from services.contracts.config import OverlongPenaltyConfig, TandemConfig
 from services.contracts.dapo import informative_groups, overlong_penalty
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling import SamplingSpec, prompt_max_new_tokens
 from services.contracts.wire import build_batch
 from services.rollout.chat import ChatTemplate, ChatTemplateError
 from services.rollout.engines.base import (
@@ -108,6 +108,8 @@ class ReceiveResult:
     checksums: dict[str, str]
     bytes_received: int
     time_s: float
+    bucket_checksums: tuple[str, ...] = ()
+    checksum_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,8 @@ def build_engine(config: TandemConfig, texts: Texts | None = None) -> Engine:
         return NativeEngine(config.model.path, device=ro.device, dtype=config.model.dtype,
                             attn_implementation=config.model.attn_implementation, max_batch_size=ro.max_batch_size,
                             max_context_length=ro.max_context_length, fused_kernels=config.model.fused_kernels,
-                            eos_token_ids=eos or None, detokenizer=texts)
+                            continuous_batching=ro.continuous_batching, eos_token_ids=eos or None,
+                            detokenizer=texts)
     if ro.engine == "sglang":
         from services.rollout.engines.sglang import SGLangEngine
 
@@ -169,6 +172,7 @@ class RolloutService:
         self.config = config
         self.replica = replica
         self.producer = f"rollout-{replica}"
+        self._started = time.monotonic()
         self.default_reward = resolve_reward(config.rollout.reward)   # a bad spec fails the start
         self.environment = resolve_environment(config.rollout.environment) if config.rollout.environment else None
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
@@ -255,6 +259,7 @@ class RolloutService:
                 group_ids=[p.group_id for p in prompts for _ in range(n)],
                 finish_reasons=[o.finish_reason for o in scored.outputs], sampling=sampling,
                 sample_versions=[o.weight_version for o in scored.outputs], loss_masks=scored.loss_masks,
+                token_versions=[list(o.versions) for o in scored.outputs],
                 labels=[p.label for p in prompts for _ in range(n)],
                 metadata={"reward": reward_fn.spec, "engine": self.engine.name, "n_samples_per_prompt": str(n),
                           "temperature": str(sampling.temperature), **self._environment_metadata()},
@@ -284,9 +289,12 @@ class RolloutService:
             return self._play_and_score(prompts=prompts, inputs=inputs, n=n, sampling=sampling,
                                         reward_fn=reward_fn, rollout_id=rollout_id, span_=span_)
         expanded = [ids for ids in inputs.ids for _ in range(n)]
+        caps = [prompt_max_new_tokens(dict(p.metadata), where=f"prompt of group {p.group_id}") for p in prompts]
         t = time.monotonic()
         try:
-            outputs = self.engine.generate(expanded, sampling, wait_timeout_s=self.config.loop.step_timeout_s)
+            outputs = self.engine.generate(expanded, sampling, wait_timeout_s=self.config.loop.step_timeout_s,
+                                           max_new_tokens=None if all(c is None for c in caps) else
+                                           [c or sampling.max_new_tokens for c in caps for _ in range(n)])
         except EngineUnavailable as exc:
             raise FailedPrecondition(str(exc)) from exc
         generate_s = time.monotonic() - t
@@ -420,7 +428,9 @@ class RolloutService:
                 raise FailedPrecondition(str(exc)) from exc
         return ReceiveResult(version=self.engine.weight_version, checksums=dict(getattr(stats, "checksums", {}) or {}),
                              bytes_received=int(getattr(stats, "bytes", 0)),
-                             time_s=float(getattr(stats, "seconds", time.monotonic() - start)))
+                             time_s=float(getattr(stats, "seconds", time.monotonic() - start)),
+                             bucket_checksums=tuple(getattr(stats, "bucket_checksums", ()) or ()),
+                             checksum_s=float(getattr(stats, "checksum_seconds", 0.0)))
 
     def _weight_receiver(self) -> Any:
         if self._receiver is None:
@@ -451,6 +461,8 @@ class RolloutService:
         return ServiceState(engine=self.engine.get_state(), producer=self.producer)
 
     def close(self) -> None:
+        busy, up = self.engine.get_state().busy_s, time.monotonic() - self._started
+        log.info("engine busy %.1f s of %.1f s since start (%.0f%%)", busy, up, 100 * busy / up if up > 0 else 0.0)
         if self._receiver is not None and hasattr(self._receiver, "close"):
             self._receiver.close()
         self.writer.close()
@@ -515,7 +527,20 @@ def batch_metrics(outputs: Sequence[SampleOutput], rewards: Sequence[float], *, 
         # GRPO gets no signal from a group whose rewards are all equal.
         "zero_std_group_frac": float((groups.std(axis=1) == 0).mean()),
         "tokens_per_s": float(lengths.sum() / generate_s) if generate_s > 0 else 0.0,
+        **version_metrics(outputs),
     }
+
+
+def version_metrics(outputs: Sequence[SampleOutput]) -> dict[str, float]:
+    """How far weight updates reached into the samples (rollout.inflight_update): the spread of token versions
+    within a sample (newest - oldest), and the fraction of tokens sampled by a newer version than their sample's
+    first token."""
+    spreads = [max(o.versions) - min(o.versions) for o in outputs if o.token_ids]
+    newer = sum(sum(v > o.weight_version for v in o.versions) for o in outputs)
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {"version_spread_mean": float(np.mean(spreads)) if spreads else 0.0,
+            "version_spread_max": float(max(spreads, default=0)),
+            "inflight_token_frac": newer / tokens if tokens else 0.0}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -111,6 +111,7 @@ class ServerInfo:
     weight_version: str
     weights_cpu_backup: bool = False   # --enable-weights-cpu-backup: weights survive a release
     skip_tokenizer_init: bool = False  # --skip-tokenizer-init: no tokenizer, so no stop strings
+    radix_cache_off: bool = False      # --disable-radix-cache: no prefix cache (retract then recomputes)
 
 
 # Server settings that change what SGLang reports or samples, refused with the reason (their /server_info keys).
@@ -120,6 +121,18 @@ REFUSED_SERVER_SETTINGS = {
     "enable_deterministic_inference": "--enable-deterministic-inference samples with one seed (42) for every request "
                                       "that carries none, so every sample of a GRPO group would be the same",
 }
+
+
+def inflight_refusal(inflight_update: str, *, radix_cache_off: bool, where: str) -> str | None:
+    """rollout.inflight_update with SGLang 0.5.x, whose pause modes do it: keep is /pause_generation in_place (the
+    parked requests keep their KV cache); recompute is retract, which recomputes only without the radix cache: a
+    retracted request waits in the queue, so the adapter's /flush_cache fails, and on continue it finds the KV of
+    its own tokens, computed by the old weights, in the prefix cache. One line, or None."""
+    if inflight_update == "recompute" and not radix_cache_off:
+        return (f"rollout.inflight_update: recompute needs SGLang without its radix cache ({where} has it on): a "
+                "request retracted for the update would reuse its own old-weights KV from the prefix cache; start "
+                "SGLang with --disable-radix-cache, or use inflight_update: keep")
+    return None
 
 
 def parse_server_info(info: Any, *, url: str) -> ServerInfo:
@@ -140,7 +153,8 @@ def parse_server_info(info: Any, *, url: str) -> ServerInfo:
                       enable_memory_saver=bool(info.get("enable_memory_saver", False)),
                       weight_version=str(info.get("weight_version") or ""),
                       weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)),
-                      skip_tokenizer_init=bool(info.get("skip_tokenizer_init", False)))
+                      skip_tokenizer_init=bool(info.get("skip_tokenizer_init", False)),
+                      radix_cache_off=bool(info.get("disable_radix_cache", False)))
 
 
 def parse_weight_version(value: Any) -> int | None:
@@ -171,20 +185,22 @@ def sampling_params(options: SamplingSpec, *, eos_token_ids: Sequence[int] = ())
 
 
 def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec, *, max_context: int | None = None,
-                  eos_token_ids: Sequence[int] = ()) -> dict[str, Any]:
+                  budgets: Sequence[int] | None = None, eos_token_ids: Sequence[int] = ()) -> dict[str, Any]:
     """A batch request: input_ids as a list of lists (even for one prompt, so the answer is always a list).
 
-    SGLang refuses the whole request (400) when one prompt's length + max_new_tokens exceeds the context, where the
-    native engine stops that sample at the context: prompts that would are sent with their own sampling params,
-    max_new_tokens cut to what the context leaves (the prompts are validated shorter than the context). SGLang's
-    scheduler then ends such a sample 2 tokens before the context (its max_req_len is the context - 1)."""
+    `budgets`: each prompt's own max_new_tokens (a data row's cap), sent as per-prompt sampling params. SGLang refuses
+    the whole request (400) when one prompt's length + max_new_tokens exceeds the context, where the native engine
+    stops that sample at the context: prompts that would are sent with their own sampling params, max_new_tokens cut
+    to what the context leaves (the prompts are validated shorter than the context). SGLang's scheduler then ends
+    such a sample 2 tokens before the context (its max_req_len is the context - 1)."""
     params = sampling_params(options, eos_token_ids=eos_token_ids)
     body: dict[str, Any] = {"input_ids": [[int(t) for t in p] for p in prompts], "sampling_params": params,
                             "return_logprob": True, "stream": False}
-    if max_context is not None and any(len(p) + options.max_new_tokens > max_context for p in prompts):
-        body["sampling_params"] = [{**params, "max_new_tokens": max(1, min(options.max_new_tokens,
-                                                                           max_context - len(p)))}
-                                   for p in prompts]
+    caps = list(budgets) if budgets is not None else [options.max_new_tokens] * len(prompts)
+    if max_context is not None:
+        caps = [max(1, min(c, max_context - len(p))) for c, p in zip(caps, prompts, strict=True)]
+    if any(c != options.max_new_tokens for c in caps):
+        body["sampling_params"] = [{**params, "max_new_tokens": c} for c in caps]
     return body
 
 

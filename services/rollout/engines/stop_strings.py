@@ -48,23 +48,41 @@ class StopStrings:
         """Generated positions [start, end) of every row of `tokens` [n, steps] (those before the row's length), in
         order: {row: the position of the token that completes a stop string first}. One host sync when no row's
         token there is a candidate."""
-        window_tokens = tokens[:, start:end]
         positions = torch.arange(start, end, device=tokens.device)
-        cand = self.candidates[window_tokens] & (positions[None, :] < lengths[:, None])
+        cand = self.candidates[tokens[:, start:end]] & (positions[None, :] < lengths[:, None])
         if not bool(cand.any()):
             return {}
-        hits = cand.nonzero().tolist()                        # (row, offset), row-major: positions ascending
-        hit_rows = sorted({row for row, _ in hits})
-        index = torch.tensor(hit_rows, dtype=torch.long, device=tokens.device)
-        lo = max(0, start + 1 - self.window)
-        fetched = dict(zip(hit_rows, tokens[index, lo:end].cpu().tolist(), strict=True))
-        windows = [fetched[row][max(lo, start + offset + 1 - self.window) - lo:start + offset + 1 - lo]
-                   for row, offset in hits]
+        hits = [(row, start + offset) for row, offset in cand.nonzero().tolist()]   # row-major: positions ascending
         first: dict[int, int] = {}
-        for (row, offset), text in zip(hits, self.detokenizer.decode_raw(windows), strict=True):
-            if row not in first and any(s in text for s in self.stop):
-                first[row] = start + offset
+        for row, p in self._completing(tokens, hits):
+            first.setdefault(row, p)
         return first
+
+    def completed(self, tokens: torch.Tensor, lengths: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """Rows (bool [n]) among `live` whose last token (at lengths - 1, rows at their own positions: continuous
+        batching) completes a stop string."""
+        last = (lengths - 1).clamp(min=0)
+        cand = live & (lengths > 0) & self.candidates[tokens.gather(1, last.unsqueeze(-1)).squeeze(-1)]
+        ended = torch.zeros_like(live)
+        if not bool(cand.any()):
+            return ended
+        rows = cand.nonzero().flatten().tolist()
+        hits = list(zip(rows, last[rows].tolist(), strict=True))
+        matched = [row for row, _ in self._completing(tokens, hits)]
+        if matched:
+            ended[torch.tensor(matched, dtype=torch.long, device=ended.device)] = True
+        return ended
+
+    def _completing(self, tokens: torch.Tensor, hits: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The (row, position) of `hits` whose text, the last `window` tokens up to that position, holds a string."""
+        hit_rows = sorted({row for row, _ in hits})
+        lo = max(0, min(p for _, p in hits) + 1 - self.window)
+        hi = max(p for _, p in hits) + 1
+        index = torch.tensor(hit_rows, dtype=torch.long, device=tokens.device)
+        fetched = dict(zip(hit_rows, tokens[index, lo:hi].cpu().tolist(), strict=True))
+        windows = [fetched[row][max(lo, p + 1 - self.window) - lo:p + 1 - lo] for row, p in hits]
+        texts = self.detokenizer.decode_raw(windows)
+        return [hit for hit, text in zip(hits, texts, strict=True) if any(s in text for s in self.stop)]
 
 
 class StopStringTables:
