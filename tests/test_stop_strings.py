@@ -65,12 +65,13 @@ def assert_cut(texts: Texts, free: SampleOutput, got: SampleOutput, stop: str) -
     return p
 
 
-@pytest.mark.parametrize("decode", ["dynamic", "static"])
+@pytest.mark.parametrize("decode", ["dynamic", "static", "continuous"])
 def test_stop_string_ends_the_sample_at_the_completing_token(toy: tuple[Path, Texts], decode: str):
     path, texts = toy
-    engine = NativeEngine(path, device="cpu", decode=decode, detokenizer=texts)
+    kind = {"continuous_batching": True} if decode == "continuous" else {"decode": decode}
+    engine = NativeEngine(path, device="cpu", detokenizer=texts, max_batch_size=8, **kind)
     # greedy rows do not depend on each other; the static path also samples every row every step
-    opts = SamplingSpec(temperature=0.0 if decode == "dynamic" else 1.0, max_new_tokens=12, seed=5, ignore_eos=True)
+    opts = SamplingSpec(temperature=1.0 if decode == "static" else 0.0, max_new_tokens=12, seed=5, ignore_eos=True)
     free = engine.generate(PROMPTS * 2, opts)
     # two tokens' text ("a b") that the most samples hold: several rows end, each at its own token
     pairs = {texts.decode_raw([f.token_ids[i:i + 2]])[0] for f in free for i in range(1, 10)}
