@@ -172,28 +172,28 @@ def shard_samples(seq_lengths: list[int], *, world_size: int, rank: int) -> list
 
 def pack_rows(sample_ids: list[int], seq_lengths: list[int], *, token_budget: int) -> list[list[list[int]]]:
     """Micro-batches of rows of samples: a micro-batch's width is its longest sample, each row holds samples whose
-    lengths sum to at most the width (first fit, longest first), and rows x width stays within `token_budget`; a
-    sample longer than the budget gets a micro-batch of its own."""
+    lengths sum to at most the width, and rows x width stays within `token_budget` (first fit, longest first: a
+    sample goes to the first row with room, else a new row of the first micro-batch with budget left, else a new
+    micro-batch); a sample longer than the budget gets a micro-batch of its own."""
     groups: list[list[list[int]]] = []
-    rows: list[list[int]] = []
-    room: list[int] = []
-    width = 0
+    rooms: list[list[int]] = []   # per micro-batch, per row: the columns left
+    widths: list[int] = []
     for i in sorted(sample_ids, key=lambda i: (-seq_lengths[i], i)):
         n = seq_lengths[i]
-        fit = next((r for r, left in enumerate(room) if left >= n), None)
-        if fit is None and rows and width * (len(rows) + 1) > token_budget:
-            groups.append(rows)
-            rows, room = [], []
-        if not rows:
-            width = n
-        if fit is None or not room:
-            rows.append([i])
-            room.append(width - n)
-        else:
-            rows[fit].append(i)
-            room[fit] -= n
-    if rows:
-        groups.append(rows)
+        spot = next(((g, r) for g, room in enumerate(rooms) if max(room) >= n
+                     for r, left in enumerate(room) if left >= n), None)
+        if spot is not None:
+            g, r = spot
+            groups[g][r].append(i)
+            rooms[g][r] -= n
+            continue
+        g = next((g for g, w in enumerate(widths) if w * (len(groups[g]) + 1) <= token_budget), len(groups))
+        if g == len(groups):
+            groups.append([])
+            rooms.append([])
+            widths.append(n)
+        groups[g].append([i])
+        rooms[g].append(widths[g] - n)
     return groups
 
 
