@@ -463,20 +463,21 @@ def main() -> int:
 
 def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace, *, params_note: str) -> None:
     print(f"\n# bench_train_step {params_note} (medians of {args.steps} steps after 2 warm-ups)\n")
-    print("| preset | L | variant | tokens | step s | plan s | forward+loss s | backward s | optimizer s | "
+    print("| preset | L | variant | tokens | step s | tokens/s | plan s | forward+loss s | backward s | optimizer s | "
           "loss+host s | host ops | launches | peak GiB | held before GiB | MFU | vs ds_z1_bf16 |")
     # (peak GiB: on a CPU the process's peak RSS)
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {(r["preset"], r["L"]): r["step_s"] for r in rows if r["variant"] == "ds_z1_bf16"}
     fmt: Callable[[float], str] = lambda x: "–" if x != x else f"{x:.3f}"   # noqa: E731
     for r in rows:
         ref = base.get((r["preset"], r["L"]))
         ratio = f"{ref / r['step_s']:.2f}x" if ref else "–"
         print(f"| {r['preset']} | {r['L']} | {r['variant']} | {r['tokens']} | {fmt(r['step_s'])} | "
-              f"{fmt(r.get('plan', float('nan')))} | {fmt(r.get('forward', float('nan')))} | "
-              f"{fmt(r.get('backward', float('nan')))} | {fmt(r.get('optimizer', float('nan')))} | "
+              f"{r['tokens'] / r['step_s']:,.0f} | {fmt(r.get('plan', float('nan')))} | "
+              f"{fmt(r.get('forward', float('nan')))} | {fmt(r.get('backward', float('nan')))} | "
+              f"{fmt(r.get('optimizer', float('nan')))} | "
               f"{fmt(r.get('other', float('nan')))} | {_count(r.get('host_ops'))} | {_count(r.get('launches'))} | "
-              f"{r['peak_gib']:.1f} | {r.get('held_gib', 0.0):.1f} | {r['mfu'] * 100:.1f}% | {ratio} |")
+              f"{r['peak_gib']:.2f} | {r.get('held_gib', 0.0):.1f} | {r['mfu'] * 100:.1f}% | {ratio} |")
 
 
 def _count(value: float | None) -> str:

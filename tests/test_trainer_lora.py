@@ -207,7 +207,9 @@ def test_kl_reference_is_the_model_with_adapters_off(harness, tiny_model_dir, ze
     from services.trainer.scoring import TokenSampling
     from services.trainer.update import lockstep_micro_batches
 
-    h = harness(trainer={"zero_stage": zero_stage, "lora": LORA}, algorithm={"kl_coef": 0.1})
+    # the output head adapted too: its LoRA path is scored as extra columns (a ZeRO-3 leaf, gathered whole)
+    lora = {**LORA, "target_modules": ["all-linear", "lm_head"]}
+    h = harness(trainer={"zero_stage": zero_stage, "lora": lora}, algorithm={"kl_coef": 0.1})
     ref = h.service.train_step.ref_model
     assert isinstance(ref, AdapterOffReference) and not list(ref.parameters())   # no second copy
     first, second = (r.metrics for r in _train(h, 2, tiny_model_dir))
