@@ -132,8 +132,9 @@ def truncation(scaled: torch.Tensor, rows: RowSampling) -> Truncation:
 
 
 def scaled_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
-    """[R, V] logits -> float32 logits / T per row (a new tensor)."""
-    return logits.float() / rows.temperature.unsqueeze(-1)
+    """[R, V] logits -> float32 logits / T per row (a new tensor; the division by the float32 temperatures computes
+    in float32, one pass over bf16 logits)."""
+    return logits / rows.temperature.unsqueeze(-1)
 
 
 def sampling_log_probs(logits: torch.Tensor, sampling: SamplingSpec) -> torch.Tensor:

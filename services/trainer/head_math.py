@@ -1,0 +1,173 @@
+"""The per-chunk math of the chunked scoring head (head_scoring.py): scores and d scores / d logits of a chunk of
+tokens, from their hidden states and the head's weight, never holding more than a chunk's logits.
+
+Two layouts of a chunk:
+- vocabulary blocks (no row truncates): [rows x block] logits at a time, the log-sum-exp and the entropy
+  accumulated online across blocks (a running maximum m, s = sum exp(a - m), q = sum exp(a - m) (a - m));
+- whole rows (some row truncates by top-k / top-p, whose support needs its row sorted): fewer rows at a time, the
+  same number of logits. The backward recomputes the same row sets with the same matrix shapes as the forward, so
+  the support it rebuilds from (threshold, ties) is the forward's bit for bit.
+
+With a = logits / T, p_t = softmax(a), p_s the truncated renormalised distribution on the support S, lp_s = log p_s
+and H = -sum p_s lp_s:  d lp_t[y] / da = e_y - p_t;  d lp_s[y] / da = e_y - p_s (0 where y lies outside S or the
+floor clamps it);  d H / da = -p_s (lp_s + H) on S, 0 outside;  d / dlogits = (d / da) / T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.tensors.sampling import NEG_INF, RowSampling, Truncation, scaled_logits, truncation
+
+# A token outside a row's top-k / nucleus has log-prob -inf; scored log-probs are floored here instead, so a
+# ratio of two of them is 1 (not NaN) and its gradient 0 (no gradient passes below the floor).
+LOG_PROB_FLOOR = -1.0e4
+BEHAVIOUR_ROW, ENTROPY_ROW, TEMPERED_ROW = 0, 1, 2   # the rows of the [3, N] scores
+LSE_T, LSE_S, ENTROPY, PASSES = 0, 1, 2, 3           # the rows of the [4, N] statistics the backward reads
+
+
+@dataclass(frozen=True)
+class ChunkTask:
+    """One chunk of a score request: its rows' hidden states and distributions, and what to compute."""
+
+    hidden: torch.Tensor          # [C, H]
+    targets: torch.Tensor         # [C]
+    rows: RowSampling
+    tempered_space: torch.Tensor  # bool [C]
+    entropy: bool
+    entropy_grad: bool
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """The chunk's incoming gradients, as coefficients of e_y, p_t and p_s, and the entropy's (module docstring)."""
+
+    at_target: torch.Tensor   # times e_y
+    coef_t: torch.Tensor      # times -p_t
+    coef_s: torch.Tensor      # times -p_s
+    entropy: torch.Tensor     # times -p_s (lp_s + H)
+
+    @classmethod
+    def of(cls, grad: torch.Tensor, stats: torch.Tensor, tempered_space: torch.Tensor) -> Upstream:
+        g_b, g_h, g_t = (grad[i].float() for i in (BEHAVIOUR_ROW, ENTROPY_ROW, TEMPERED_ROW))
+        passes, zero = stats[PASSES] > 0, torch.zeros_like(g_b)
+        return cls(at_target=g_t + torch.where(tempered_space | passes, g_b, zero),
+                   coef_t=g_t + torch.where(tempered_space, g_b, zero),
+                   coef_s=torch.where(~tempered_space & passes, g_b, zero), entropy=g_h)
+
+
+def _scores(task: ChunkTask, target: torch.Tensor, in_support: torch.Tensor, top: torch.Tensor, sum_t: torch.Tensor,
+            sum_s: torch.Tensor, entropy: torch.Tensor | None, out: torch.Tensor, stats: torch.Tensor) -> None:
+    """Writes the chunk's [3, C] scores and [4, C] statistics from its per-row sums (`target`: a[y] - top, the
+    sums of exp(a - top) over the vocabulary and over the support), rounding as log_softmax does."""
+    log_t, log_s = sum_t.log(), sum_s.log()
+    tempered = target - log_t
+    sampled = torch.where(in_support, target - log_s, torch.full_like(target, NEG_INF))
+    passes = sampled >= LOG_PROB_FLOOR   # the clamp passes a gradient here only
+    out[BEHAVIOUR_ROW] = torch.where(task.tempered_space, tempered, sampled.clamp(min=LOG_PROB_FLOOR))
+    out[TEMPERED_ROW] = tempered
+    stats[LSE_T], stats[LSE_S], stats[PASSES] = top + log_t, top + log_s, passes.float()
+    if entropy is not None:
+        out[ENTROPY_ROW] = stats[ENTROPY] = entropy
+
+
+def forward_rows(task: ChunkTask, weight: torch.Tensor, out: torch.Tensor,
+                 stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole rows: scores and statistics; returns the support as (threshold, ties) per row."""
+    scaled = scaled_logits(task.hidden @ weight.t(), task.rows)
+    cut = truncation(scaled, task.rows)
+    keep = cut.keep(scaled)
+    targets = task.targets.unsqueeze(-1)
+    top = scaled.amax(dim=-1)   # always in the support
+    shifted = scaled.sub_(top.unsqueeze(-1))
+    target, in_support = shifted.gather(-1, targets).squeeze(-1), keep.gather(-1, targets).squeeze(-1)
+    weights = shifted.exp()
+    sum_t = weights.sum(dim=-1)
+    weights.masked_fill_(~keep, 0.0)
+    sum_s = weights.sum(dim=-1)
+    entropy = sum_s.log() - torch.linalg.vecdot(weights, shifted) / sum_s if task.entropy else None
+    _scores(task, target, in_support, top, sum_t, sum_s, entropy, out, stats)
+    return cut.threshold, cut.ties
+
+
+def forward_blocks(task: ChunkTask, weight: torch.Tensor, block: int, out: torch.Tensor,
+                   stats: torch.Tensor) -> None:
+    """No truncation: scores and statistics over vocabulary blocks, accumulated online."""
+    n, vocab = task.hidden.shape[0], weight.shape[0]
+    top = torch.full((n,), NEG_INF, device=task.hidden.device)
+    total, moment = torch.zeros_like(top), torch.zeros_like(top)   # s and q (module docstring)
+    target = torch.zeros_like(top)
+    for start in range(0, vocab, block):
+        scaled = scaled_logits(task.hidden @ weight[start:start + block].t(), task.rows)
+        inside = (task.targets >= start) & (task.targets < start + scaled.shape[1])
+        picked = scaled.gather(-1, (task.targets - start).clamp(0, scaled.shape[1] - 1).unsqueeze(-1)).squeeze(-1)
+        target = torch.where(inside, picked, target)
+        new_top = torch.maximum(top, scaled.amax(dim=-1))
+        step = new_top - top   # inf on the first block, where the sums are still 0
+        decay = torch.exp(-step)
+        moment = torch.where(total > 0, decay * (moment - step * total), moment)
+        total = total * decay
+        shifted = scaled.sub_(new_top.unsqueeze(-1))
+        weights = shifted.exp()
+        total += weights.sum(dim=-1)
+        if task.entropy:
+            moment += torch.linalg.vecdot(weights, shifted)
+        top = new_top
+    entropy = total.log() - moment / total if task.entropy else None
+    _scores(task, target - top, torch.ones_like(target, dtype=torch.bool), top, total, total, entropy, out, stats)
+
+
+def _grad(scaled: torch.Tensor, keep: torch.Tensor | None, stats: torch.Tensor, up: Upstream,
+          with_entropy: bool) -> torch.Tensor:
+    """-(coef_t p_t + p_s (coef_s + g_H (lp_s + H))) over [C, cols] scaled logits (consumed), without e_y."""
+    lse_t, lse_s, entropy = (stats[i].unsqueeze(-1) for i in (LSE_T, LSE_S, ENTROPY))
+    if keep is None:   # p_s = p_t: the tables are computed in place over the scaled logits
+        coef = (up.coef_t + up.coef_s).unsqueeze(-1)
+        if not with_entropy:
+            return scaled.sub_(lse_t).exp_().mul_(-coef)
+        lp = scaled.sub_(lse_t)
+        g = lp.exp()
+        return g.mul_(lp.add_(entropy).mul_(up.entropy.unsqueeze(-1)).add_(coef)).neg_()
+    lp_s = scaled.sub(lse_s)
+    g = lp_s.exp().masked_fill_(~keep, 0.0)   # p_s
+    if with_entropy:
+        g.mul_(lp_s.add_(entropy).mul_(up.entropy.unsqueeze(-1)).add_(up.coef_s.unsqueeze(-1))).neg_()
+    else:
+        g.mul_(-up.coef_s.unsqueeze(-1))
+    del lp_s
+    return g.sub_(scaled.sub_(lse_t).exp_().mul_(up.coef_t.unsqueeze(-1)))   # p_t, in place over the logits
+
+
+def _finish(g: torch.Tensor, task: ChunkTask, up: Upstream, start: int) -> torch.Tensor:
+    """Adds e_y for targets in columns [start, start + cols), divides by T: d loss / d logits."""
+    inside = (task.targets >= start) & (task.targets < start + g.shape[1])
+    columns = (task.targets - start).clamp(0, g.shape[1] - 1).unsqueeze(-1)
+    g.scatter_add_(-1, columns, torch.where(inside, up.at_target, torch.zeros_like(up.at_target)).unsqueeze(-1))
+    return g.div_(task.rows.temperature.unsqueeze(-1))
+
+
+def grad_rows(task: ChunkTask, weight: torch.Tensor, stats: torch.Tensor, up: Upstream,
+              cut: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Whole rows, the forward's row set: d loss / d logits [C, V] in the weight's dtype."""
+    scaled = scaled_logits(task.hidden @ weight.t(), task.rows)
+    keep = Truncation(threshold=cut[0], ties=cut[1], cuts_ties=task.rows.uses_top_p).keep(scaled)
+    g = _grad(scaled, keep, stats, up, task.entropy and task.entropy_grad)
+    return _finish(g, task, up, 0).to(weight.dtype)
+
+
+def grad_blocks(task: ChunkTask, weight: torch.Tensor, stats: torch.Tensor, up: Upstream, block: int,
+                grad_weight: torch.Tensor | None) -> torch.Tensor:
+    """No truncation, by vocabulary blocks: adds each block's G^T h to `grad_weight` (float32) and returns
+    d loss / d hidden [C, H] (float32)."""
+    grad_hidden = torch.zeros(task.hidden.shape, dtype=torch.float32, device=task.hidden.device)
+    for start in range(0, weight.shape[0], block):
+        part = weight[start:start + block]
+        scaled = scaled_logits(task.hidden @ part.t(), task.rows)
+        g = _finish(_grad(scaled, None, stats, up, task.entropy and task.entropy_grad), task, up, start)
+        g = g.to(weight.dtype)
+        grad_hidden += (g @ part).float()
+        if grad_weight is not None:
+            grad_weight[start:start + block] += (g.t() @ task.hidden).float()
+    return grad_hidden
