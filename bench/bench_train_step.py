@@ -250,9 +250,8 @@ class OldPathScores:
 
         mb = mb.to(self.inner.device)
         logits = self.inner.engine(**model_inputs(mb), use_cache=False).logits   # no score request: the plain head
-        scores = reference_scores(logits[mb.rows, mb.positions], mb.targets, sampling, tempered=tempered)
-        if not entropy_grad:
-            scores = torch.stack([scores[0], scores[1].detach(), scores[2]])
+        scores = reference_scores(logits[mb.rows, mb.positions], mb.targets, sampling, tempered=tempered,
+                                  entropy_grad=entropy_grad)
         return scores, logits
 
 
@@ -304,7 +303,8 @@ def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: li
         torch.cuda.reset_peak_memory_stats(device)
         held = torch.cuda.memory_allocated(device) / 2**30
     if variant["kind"] == "floor":
-        return run_floor(model_dir=model_dir, device=device, batches=batches, steps=steps, budget=budget)
+        return run_floor(model_dir=model_dir, device=device, batches=batches, steps=steps, budget=budget,
+                         chunk_tokens=chunk_tokens)
     backend = build_backend(variant, model_dir, device, tmp, chunk_tokens)
     algo = algo_config()
     rows: list[dict[str, float]] = []
@@ -342,23 +342,32 @@ def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: li
 
 
 def run_floor(*, model_dir: Path, device: torch.device, batches: list[Any], steps: int,
-              budget: int) -> dict[str, float]:
-    """The model's forward + backward on the step's micro-batches, bf16 params, nothing else."""
+              budget: int, chunk_tokens: int) -> dict[str, float]:
+    """The model's forward + backward on the step's micro-batches, bf16 params, nothing else (the chunked head's
+    tempered log-probs of the response tokens as the loss)."""
     from transformers import AutoModelForCausalLM
 
+    from services.trainer.backend import model_inputs
     from services.trainer.batching import plan_micro_batches
+    from services.trainer.head_scoring import TEMPERED_ROW, install, scores_of, scoring
+    from services.trainer.scoring import TokenSampling, score_request
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.to(device).train()
+    install(model)
     times = []
     for i in range(steps + 2):
-        mbs = [mb.to(device) for mb in plan_micro_batches(batches[i % len(batches)], world_size=1, rank=0,
-                                                          token_budget=budget)]
+        batch = batches[i % len(batches)]
+        sampling = TokenSampling.of(batch).to(device)
+        mbs = [mb.to(device) for mb in plan_micro_batches(batch, world_size=1, rank=0, token_budget=budget)]
         timer = Timer(device)
         with timer.phase("fwd_bwd"):
             for mb in mbs:
-                out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-                out.logits[mb.rows, mb.positions].float().logsumexp(-1).mean().backward()
+                request = score_request(mb, sampling.at(mb.token_index), vocab=model.config.vocab_size,
+                                        chunk_tokens=chunk_tokens, tempered=True)
+                with scoring(request):
+                    scores = scores_of(model(**model_inputs(mb), use_cache=False), request)
+                scores[TEMPERED_ROW].mean().backward()
         model.zero_grad(set_to_none=True)
         if i >= 2:
             times.append(timer.seconds["fwd_bwd"])

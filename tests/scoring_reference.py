@@ -59,13 +59,20 @@ def entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
 
 
 def reference_scores(logits: torch.Tensor, targets: torch.Tensor, sampling: TokenSampling, *,
-                     tempered: bool = False) -> torch.Tensor:
-    """[N, V] logits -> [3, N] (behaviour, entropy, tempered), as the actor and the frozen passes scored them."""
-    temp = tempered_token_log_probs(logits, targets, sampling.temperature)
+                     tempered: bool = False, entropy_grad: bool = True) -> torch.Tensor:
+    """[N, V] logits -> [3, N] (behaviour, entropy, tempered), as the actor and the frozen passes scored them: the
+    KL's reference pass (`tempered`) from logits / T alone; the actor's from the sampling table, and from logits / T
+    again only where some distribution truncates (else the table is the tempered distribution); the entropy from
+    the table detached unless `entropy_grad` (the entropy is in the loss)."""
+    if tempered:
+        temp = tempered_token_log_probs(logits, targets, sampling.temperature)
+        return torch.stack([temp, torch.zeros_like(temp), temp])
     table = sampling_log_prob_table(logits, sampling)
-    sampled = table.gather(-1, targets.unsqueeze(-1)).squeeze(-1).clamp(min=LOG_PROB_FLOOR)
-    behaviour = temp if tempered else torch.where(sampling.tempered.to(logits.device), temp, sampled)
-    return torch.stack([behaviour, entropy_from_log_probs(table), temp])
+    at_target = table.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    truncates = any(s.temperature != 0 and (s.top_p < 1.0 or 0 < s.top_k < logits.shape[-1]) for s in sampling.specs)
+    temp = tempered_token_log_probs(logits, targets, sampling.temperature) if truncates else at_target
+    behaviour = torch.where(sampling.tempered.to(logits.device), temp, at_target.clamp(min=LOG_PROB_FLOOR))
+    return torch.stack([behaviour, entropy_from_log_probs(table if entropy_grad else table.detach()), temp])
 
 
 def chunked_scores_of_logits(logits: torch.Tensor, targets: torch.Tensor, sampling: TokenSampling, *,
