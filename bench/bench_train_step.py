@@ -314,19 +314,19 @@ def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: li
         batch = batches[i % len(batches)]
         with timer.phase("plan"):
             lockstep_micro_batches(backend, batch, token_budget=budget)   # what actor_step does first, timed alone
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         prof = _profiler(device) if (profile_to is not None and i == steps + 1) else contextlib.nullcontext()
         with prof as p:
             actor_step(backend=timed, batch=batch, algo=algo, ref_model=None, old_actor=None, token_budget=budget)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-        step_s = time.perf_counter() - started
+        step_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         if p is not None and profile_to is not None:
             profile_to.write_text(_profile_table(p))
         if i >= 2:
             parts = {k: timer.seconds.get(k, 0.0) for k in ("plan", "forward", "backward", "optimizer")}
             other = step_s - parts["forward"] - parts["backward"] - parts["optimizer"]
-            rows.append({"step_s": step_s, **parts, "other": other})
+            rows.append({"step_s": step_s, "cpu_s": cpu_s, **parts, "other": other})
     out = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in rows[0]}
     out.update(count_step_ops(functools.partial(actor_step, backend=backend, batch=batches[0], algo=algo,
                                                 ref_model=None, old_actor=None, token_budget=budget), device))
@@ -472,17 +472,19 @@ def main() -> int:
 
 def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace, *, params_note: str) -> None:
     print(f"\n# bench_train_step {params_note} (medians of {args.steps} steps after 2 warm-ups)\n")
-    print("| preset | L | variant | tokens | step s | tokens/s | plan s | forward+loss s | backward s | optimizer s | "
-          "loss+host s | host ops | launches | peak GiB | held before GiB | MFU | vs ds_z1_bf16 |")
-    # (peak GiB: on a CPU the process's peak RSS)
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| preset | L | variant | tokens | step s | tokens/s | host CPU s | plan s | forward+loss s | backward s | "
+          "optimizer s | loss+host s | host ops | launches | peak GiB | held before GiB | MFU | vs ds_z1_bf16 |")
+    # (host CPU s: the process's CPU time in the step, all threads: on a shared CPU box, the load-independent
+    # figure; peak GiB: on a CPU the process's peak RSS)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {(r["preset"], r["L"]): r["step_s"] for r in rows if r["variant"] == "ds_z1_bf16"}
     fmt: Callable[[float], str] = lambda x: "–" if x != x else f"{x:.3f}"   # noqa: E731
     for r in rows:
         ref = base.get((r["preset"], r["L"]))
         ratio = f"{ref / r['step_s']:.2f}x" if ref else "–"
         print(f"| {r['preset']} | {r['L']} | {r['variant']} | {r['tokens']} | {fmt(r['step_s'])} | "
-              f"{r['tokens'] / r['step_s']:,.0f} | {fmt(r.get('plan', float('nan')))} | "
+              f"{r['tokens'] / r['step_s']:,.0f} | {fmt(r.get('cpu_s', float('nan')))} | "
+              f"{fmt(r.get('plan', float('nan')))} | "
               f"{fmt(r.get('forward', float('nan')))} | {fmt(r.get('backward', float('nan')))} | "
               f"{fmt(r.get('optimizer', float('nan')))} | "
               f"{fmt(r.get('other', float('nan')))} | {_count(r.get('host_ops'))} | {_count(r.get('launches'))} | "

@@ -194,9 +194,10 @@ class TrainerConfig(Section):
     pack_sequences: bool = Field(default=False, description="pack several samples into one row of a micro-batch "
                                  "(position ids restart per sample, attention stays within it): no padding tokens "
                                  "when lengths differ; rows stay as wide as the longest sample (docs/algorithms.md)")
-    scoring_chunk_tokens: int = Field(default=1024, ge=1, description="response tokens whose [tokens x vocabulary] "
-                                      "logits are built at once when scoring (forward and backward): bounds that "
-                                      "memory, about 3 x chunk x vocab x 4 bytes, whatever the micro-batch")
+    scoring_chunk_tokens: int = Field(default=1024, ge=1, description="response tokens scored at once, over 8,192 "
+                                      "vocabulary columns at a time (whole rows where top-k / top-p truncate, as "
+                                      "many as make as many logits): bounds the scoring's memory to a few float32 "
+                                      "[chunk x 8,192] tables whatever the micro-batch (docs/algorithms.md)")
     checkpoint_dir: str | None = Field(default=None, description="defaults to RUN_DIR/checkpoints")
     keep_last_checkpoints: int = Field(default=3, ge=1)
     export_hf_on_save: bool = True
