@@ -206,6 +206,7 @@ class TorchBackend:
         install(self.module)
         self.engine = self.module
         self.vocab_size, self.chunk_tokens, self.pack_sequences = self.module.config.vocab_size, chunk_tokens, False
+        self.compiled_scoring = False
         self.parameters = sum(p.numel() for p in self.module.parameters())
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
                                            weight_decay=0.0, fused=device.type == "cuda")

@@ -100,7 +100,8 @@ def frozen_pass(model: torch.nn.Module, backend: DeepSpeedBackend, num_tokens: i
     vocabulary and scoring chunk), full-batch vector on the device. `sampling` is on the device."""
     return per_token_pass(num_tokens, mbs, lambda mb: frozen_log_probs(
         model, mb, backend.device, sampling=sampling.at(mb.token_index), tempered=tempered,
-        vocab=backend.vocab_size, chunk_tokens=backend.chunk_tokens), device=backend.device)
+        vocab=backend.vocab_size, chunk_tokens=backend.chunk_tokens, compiled=backend.compiled_scoring),
+        device=backend.device)
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,7 @@ class DeepSpeedBackend:
         self.parameters = sum(p.numel() for p in model.parameters())   # before ZeRO-3 partitions them
         self.vocab_size = int(_hf_part(model).config.vocab_size)
         self.chunk_tokens, self.pack_sequences = t.scoring_chunk_tokens, t.pack_sequences
+        self.compiled_scoring = fused_kernels   # the head's block math compiled where the fused kernels run
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer: torch.optim.Optimizer | None = None
         self.flat: FlatAdamW | None = None
@@ -263,7 +264,8 @@ class DeepSpeedBackend:
         device), the same tensor as the forward's anchor for an empty micro-batch's backward)."""
         mb = mb.to(self.device)
         request = score_request(mb, sampling, vocab=self.vocab_size, chunk_tokens=self.chunk_tokens,
-                                tempered=tempered, entropy=entropy, entropy_grad=entropy_grad)
+                                tempered=tempered, entropy=entropy, entropy_grad=entropy_grad,
+                                compiled=self.compiled_scoring)
         with head_scoring.scoring(request):
             out = self.engine(**model_inputs(mb), use_cache=False)
         scores = head_scoring.scores_of(out, request)
@@ -395,11 +397,12 @@ def model_inputs(mb: MicroBatch) -> dict[str, torch.Tensor | None]:
 
 @torch.no_grad()
 def frozen_log_probs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, *, sampling: TokenSampling,
-                     tempered: bool, vocab: int, chunk_tokens: int) -> torch.Tensor:
+                     tempered: bool, vocab: int, chunk_tokens: int, compiled: bool = False) -> torch.Tensor:
     """Log-probs of a micro-batch's response tokens under a frozen model, on `device`: in each token's behaviour
     space, or (`tempered`, the KL's reference) of logits / T."""
     mb = mb.to(device)
-    request = score_request(mb, sampling, vocab=vocab, chunk_tokens=chunk_tokens, tempered=tempered)
+    request = score_request(mb, sampling, vocab=vocab, chunk_tokens=chunk_tokens, tempered=tempered,
+                            compiled=compiled)
     with head_scoring.scoring(request):
         out = model(**model_inputs(mb), use_cache=False)
     return head_scoring.scores_of(out, request)[TEMPERED_ROW if tempered else BEHAVIOUR_ROW]

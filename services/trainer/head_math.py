@@ -15,7 +15,9 @@ floor clamps it);  d H / da = -p_s (lp_s + H) on S, 0 outside;  d / dlogits = (d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -92,44 +94,60 @@ def forward_rows(task: ChunkTask, weight: torch.Tensor, out: torch.Tensor,
     return cut.threshold, cut.ties
 
 
-def forward_blocks(task: ChunkTask, weight: torch.Tensor, block: int, out: torch.Tensor,
-                   stats: torch.Tensor) -> None:
+def block_stats(logits: torch.Tensor, temperature: torch.Tensor, columns: torch.Tensor, inside: torch.Tensor,
+                moments: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One vocabulary block of [C, cols] logits: its row maximum m of a = logits / T, sum exp(a - m),
+    sum exp(a - m) (a - m) (when `moments`), and a[y] where the target lies in the block (0 elsewhere).
+    Pure tensor math: on a GPU torch.compile fuses it into a pass or two over the block (`compiled`)."""
+    scaled = logits / temperature.unsqueeze(-1)
+    top = scaled.amax(dim=-1)
+    picked = torch.where(inside, scaled.gather(-1, columns.unsqueeze(-1)).squeeze(-1), torch.zeros_like(top))
+    shifted = scaled.sub_(top.unsqueeze(-1))
+    weights = shifted.exp()
+    moment = torch.linalg.vecdot(weights, shifted) if moments else torch.zeros_like(top)
+    return top, weights.sum(dim=-1), moment, picked
+
+
+def _merge(acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+           block: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Online log-sum-exp and moment: (m, s, q) of two column sets, each relative to its own maximum."""
+    (top_a, sum_a, mom_a), (top_b, sum_b, mom_b) = acc, block
+    top = torch.maximum(top_a, top_b)
+    scale_a, scale_b = torch.exp(top_a - top), torch.exp(top_b - top)   # 0 for an empty accumulator (m = -inf)
+    shift_a = torch.where(sum_a > 0, (top - top_a) * sum_a, torch.zeros_like(sum_a))
+    return (top, sum_a * scale_a + sum_b * scale_b,
+            scale_a * (mom_a - shift_a) + scale_b * (mom_b - (top - top_b) * sum_b))
+
+
+def forward_blocks(task: ChunkTask, weight: torch.Tensor, block: int, out: torch.Tensor, stats: torch.Tensor,
+                   compiled: bool = False) -> None:
     """No truncation: scores and statistics over vocabulary blocks, accumulated online."""
     n, vocab = task.hidden.shape[0], weight.shape[0]
-    top = torch.full((n,), NEG_INF, device=task.hidden.device)
-    total, moment = torch.zeros_like(top), torch.zeros_like(top)   # s and q (module docstring)
-    target = torch.zeros_like(top)
+    stats_of = _compiled("block_stats") if compiled else block_stats
+    acc = (torch.full((n,), NEG_INF, device=task.hidden.device), torch.zeros(n, device=task.hidden.device),
+           torch.zeros(n, device=task.hidden.device))
+    target = torch.zeros(n, device=task.hidden.device)
     for start in range(0, vocab, block):
-        scaled = scaled_logits(task.hidden @ weight[start:start + block].t(), task.rows)
-        inside = (task.targets >= start) & (task.targets < start + scaled.shape[1])
-        picked = scaled.gather(-1, (task.targets - start).clamp(0, scaled.shape[1] - 1).unsqueeze(-1)).squeeze(-1)
-        target = torch.where(inside, picked, target)
-        new_top = torch.maximum(top, scaled.amax(dim=-1))
-        step = new_top - top   # inf on the first block, where the sums are still 0
-        decay = torch.exp(-step)
-        moment = torch.where(total > 0, decay * (moment - step * total), moment)
-        total = total * decay
-        shifted = scaled.sub_(new_top.unsqueeze(-1))
-        weights = shifted.exp()
-        total += weights.sum(dim=-1)
-        if task.entropy:
-            moment += torch.linalg.vecdot(weights, shifted)
-        top = new_top
+        logits = task.hidden @ weight[start:start + block].t()
+        columns, inside = _columns(task.targets, start, logits.shape[1])
+        top, total, moment, picked = stats_of(logits, task.rows.temperature, columns, inside, task.entropy)
+        target = target + picked
+        acc = _merge(acc, (top, total, moment))
+    top, total, moment = acc
     entropy = total.log() - moment / total if task.entropy else None
     _scores(task, target - top, torch.ones_like(target, dtype=torch.bool), top, total, total, entropy, out, stats)
 
 
-def _grad(scaled: torch.Tensor, keep: torch.Tensor | None, stats: torch.Tensor, up: Upstream,
+def _columns(targets: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each target's column in the block [start, start + width) (clamped) and whether it lies there."""
+    inside = (targets >= start) & (targets < start + width)
+    return (targets - start).clamp(0, width - 1), inside
+
+
+def _grad(scaled: torch.Tensor, keep: torch.Tensor, stats: torch.Tensor, up: Upstream,
           with_entropy: bool) -> torch.Tensor:
-    """-(coef_t p_t + p_s (coef_s + g_H (lp_s + H))) over [C, cols] scaled logits (consumed), without e_y."""
+    """-(coef_t p_t + p_s (coef_s + g_H (lp_s + H))) over whole rows' scaled logits (consumed), without e_y."""
     lse_t, lse_s, entropy = (stats[i].unsqueeze(-1) for i in (LSE_T, LSE_S, ENTROPY))
-    if keep is None:   # p_s = p_t: the tables are computed in place over the scaled logits
-        coef = (up.coef_t + up.coef_s).unsqueeze(-1)
-        if not with_entropy:
-            return scaled.sub_(lse_t).exp_().mul_(-coef)
-        lp = scaled.sub_(lse_t)
-        g = lp.exp()
-        return g.mul_(lp.add_(entropy).mul_(up.entropy.unsqueeze(-1)).add_(coef)).neg_()
     lp_s = scaled.sub(lse_s)
     g = lp_s.exp().masked_fill_(~keep, 0.0)   # p_s
     if with_entropy:
@@ -140,12 +158,25 @@ def _grad(scaled: torch.Tensor, keep: torch.Tensor | None, stats: torch.Tensor, 
     return g.sub_(scaled.sub_(lse_t).exp_().mul_(up.coef_t.unsqueeze(-1)))   # p_t, in place over the logits
 
 
-def _finish(g: torch.Tensor, task: ChunkTask, up: Upstream, start: int) -> torch.Tensor:
-    """Adds e_y for targets in columns [start, start + cols), divides by T: d loss / d logits."""
-    inside = (task.targets >= start) & (task.targets < start + g.shape[1])
-    columns = (task.targets - start).clamp(0, g.shape[1] - 1).unsqueeze(-1)
-    g.scatter_add_(-1, columns, torch.where(inside, up.at_target, torch.zeros_like(up.at_target)).unsqueeze(-1))
-    return g.div_(task.rows.temperature.unsqueeze(-1))
+def _finish(g: torch.Tensor, columns: torch.Tensor, inside: torch.Tensor, at_target: torch.Tensor,
+            temperature: torch.Tensor) -> torch.Tensor:
+    """Adds e_y for the targets inside these columns, divides by T: d loss / d logits."""
+    g.scatter_add_(-1, columns.unsqueeze(-1), torch.where(inside, at_target, torch.zeros_like(at_target)).unsqueeze(-1))
+    return g.div_(temperature.unsqueeze(-1))
+
+
+def block_grad(logits: torch.Tensor, temperature: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+               coef: torch.Tensor, entropy_coef: torch.Tensor, columns: torch.Tensor, inside: torch.Tensor,
+               at_target: torch.Tensor, with_entropy: bool) -> torch.Tensor:
+    """d loss / d logits of one untruncated block, in the logits' dtype: -p (coef + g_H (lp + H)) + e_y, over T.
+    Pure tensor math, compiled on a GPU like `block_stats`."""
+    lp = logits / temperature.unsqueeze(-1) - lse.unsqueeze(-1)
+    g = lp.exp()
+    inner = coef.unsqueeze(-1)
+    if with_entropy:
+        inner = lp.add_(entropy.unsqueeze(-1)).mul_(entropy_coef.unsqueeze(-1)).add_(inner)
+    g.mul_(inner).neg_()
+    return _finish(g, columns, inside, at_target, temperature).to(logits.dtype)
 
 
 def grad_rows(task: ChunkTask, weight: torch.Tensor, stats: torch.Tensor, up: Upstream,
@@ -154,20 +185,36 @@ def grad_rows(task: ChunkTask, weight: torch.Tensor, stats: torch.Tensor, up: Up
     scaled = scaled_logits(task.hidden @ weight.t(), task.rows)
     keep = Truncation(threshold=cut[0], ties=cut[1], cuts_ties=task.rows.uses_top_p).keep(scaled)
     g = _grad(scaled, keep, stats, up, task.entropy and task.entropy_grad)
-    return _finish(g, task, up, 0).to(weight.dtype)
+    columns, inside = _columns(task.targets, 0, g.shape[1])
+    return _finish(g, columns, inside, up.at_target, task.rows.temperature).to(weight.dtype)
 
 
 def grad_blocks(task: ChunkTask, weight: torch.Tensor, stats: torch.Tensor, up: Upstream, block: int,
-                grad_weight: torch.Tensor | None) -> torch.Tensor:
+                grad_weight: torch.Tensor | None, compiled: bool = False) -> torch.Tensor:
     """No truncation, by vocabulary blocks: adds each block's G^T h to `grad_weight` (float32) and returns
     d loss / d hidden [C, H] (float32)."""
+    grad_of = _compiled("block_grad") if compiled else block_grad
     grad_hidden = torch.zeros(task.hidden.shape, dtype=torch.float32, device=task.hidden.device)
+    coef = up.coef_t + up.coef_s   # p_s = p_t without truncation
     for start in range(0, weight.shape[0], block):
         part = weight[start:start + block]
-        scaled = scaled_logits(task.hidden @ part.t(), task.rows)
-        g = _finish(_grad(scaled, None, stats, up, task.entropy and task.entropy_grad), task, up, start)
-        g = g.to(weight.dtype)
+        logits = task.hidden @ part.t()
+        columns, inside = _columns(task.targets, start, logits.shape[1])
+        g = grad_of(logits, task.rows.temperature, stats[LSE_T], stats[ENTROPY], coef, up.entropy, columns,
+                    inside, up.at_target, task.entropy and task.entropy_grad).to(weight.dtype)
         grad_hidden += (g @ part).float()
         if grad_weight is not None:
             grad_weight[start:start + block] += (g.t() @ task.hidden).float()
     return grad_hidden
+
+
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+
+def _compiled(name: str) -> Callable[..., Any]:
+    """torch.compile of block_stats / block_grad (dynamic shapes: chunks and blocks at the ends are shorter),
+    made once per process."""
+    if name not in _COMPILED:
+        plain: Callable[..., Any] = block_stats if name == "block_stats" else block_grad
+        _COMPILED[name] = torch.compile(plain, dynamic=True)
+    return _COMPILED[name]

@@ -64,6 +64,7 @@ class ScoreRequest:
     sampling_space: bool = True  # host: some token's behaviour log-prob is in the sampling space
     entropy: bool = True         # compute the entropy (else its row is 0)
     entropy_grad: bool = False   # the entropy is in the loss (its backward pass is skipped otherwise)
+    compiled: bool = False       # untruncated blocks through torch.compile (fused passes; on a GPU)
 
     @property
     def needs_support(self) -> bool:
@@ -182,7 +183,7 @@ class ChunkedScores(torch.autograd.Function):
             if support:
                 cuts.append(forward_rows(task, weight, out[:, part], stats[:, part]))
             else:
-                forward_blocks(task, weight, request.vocab_block, out[:, part], stats[:, part])
+                forward_blocks(task, weight, request.vocab_block, out[:, part], stats[:, part], request.compiled)
         thresholds = torch.cat([c[0] for c in cuts]) if cuts else torch.empty(0, device=hidden.device)
         ties = torch.cat([c[1] for c in cuts]) if cuts else torch.empty(0, device=hidden.device, dtype=torch.long)
         ctx.request, ctx.step, ctx.autocast = request, step, _autocast_state(hidden.device)
@@ -211,7 +212,8 @@ class ChunkedScores(torch.autograd.Function):
                     if grad_w is not None:
                         grad_w += (g.t() @ task.hidden).float()
                 else:
-                    chunk_grad = grad_blocks(task, weight, stats[:, part], up, request.vocab_block, grad_w)
+                    chunk_grad = grad_blocks(task, weight, stats[:, part], up, request.vocab_block, grad_w,
+                                             request.compiled)
             if grad_h is not None:
                 grad_h[part] = chunk_grad.to(hidden.dtype)
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None

@@ -93,12 +93,13 @@ class TokenSampling:
 
 
 def score_request(mb: MicroBatch, sampling: TokenSampling, *, vocab: int, chunk_tokens: int, tempered: bool = False,
-                  entropy: bool = False, entropy_grad: bool = False) -> ScoreRequest:
+                  entropy: bool = False, entropy_grad: bool = False, compiled: bool = False) -> ScoreRequest:
     """What to score for micro-batch `mb` (on the device; `sampling` = its tokens' sampling, on the device too):
     each token's log-prob in its behaviour space, or (`tempered`: the KL to the reference) of logits / T for every
-    token; the entropy of the sampling distribution when asked (`entropy_grad`: it is in the loss)."""
+    token; the entropy of the sampling distribution when asked (`entropy_grad`: it is in the loss); `compiled`:
+    the untruncated blocks' math through torch.compile (on a GPU)."""
     space = torch.ones_like(sampling.tempered) if tempered else sampling.tempered
     return ScoreRequest(rows=mb.rows, positions=mb.positions, targets=mb.targets, sampling=sampling.rows(vocab),
                         tempered_space=space, chunk_tokens=chunk_tokens,
                         sampling_space=not tempered and sampling.space != TEMPERED, entropy=entropy,
-                        entropy_grad=entropy and entropy_grad)
+                        entropy_grad=entropy and entropy_grad, compiled=compiled)
