@@ -93,6 +93,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z0_fp32_packed": {"kind": "ds", "zero_stage": 0, "precision": "fp32", "pack_sequences": True},
     "ds_z0_bf16_old": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "scoring": "old"},
     "ds_z0_bf16_ac": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "activation_checkpointing": True},
+    "ds_z0_bf16_packed": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "pack_sequences": True},
     "ds_z0_bf16pure_old": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "scoring": "old"},
     "ds_z0_bf16pure_ac": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "activation_checkpointing": True},
     "ds_z2_bf16": {"kind": "ds", "zero_stage": 2, "precision": "bf16"},

@@ -4,7 +4,8 @@
         [--only handoff ipc_copy checksums train_step engine engine_compile tests offload trainer_tests run]
     python bench/gpu_suite.py --only peer_trl        # Tandem vs TRL (bench/peer_trl.py), a call of its own
     python bench/gpu_suite.py --only sglang_smoke sglang_bench sglang_run   # SGLang 0.5.17, a call of its own
-    python bench/gpu_suite.py --only vocab_q05 prime_rl_shape   # the real vocabulary (issue 31), a call of its own
+    python bench/gpu_suite.py --only vocab_q05 prime_rl_shape sampling   # the real vocabulary (issue 31), one call
+    python bench/gpu_suite.py --only pack_ac tests trainer_tests         # packing / checkpointing, the GPU tests
     python bench/gpu_suite.py --only vocab_q15                  # the 1.5B shape, a call of its own
     python bench/gpu_suite.py --only peer_trl_vocab             # Tandem vs TRL at 151,936 tokens (carry .whl_trl)
 
@@ -57,6 +58,8 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
                         "--variants", "ds_z1_bf16", "ds_z0_bf16", "ds_z0_bf16pure_nocheck", "torch_bf16",
                         "hf_fwd_bwd", "--out", str(out / "train_step")], 240, {}),
         "engine": ([*engine, "--decode", "dynamic", "graph"], 55, {}),
+        # the sampling step at 151,936 tokens: whole-vocabulary sort (before issue 31) vs top-k prefilter (now)
+        "sampling": ([PY, "bench/bench_sampling.py", "--batch", "64", "256"], 90, {}),
         "engine_compile": ([*engine, "--decode", "compile"], 95, {}),   # its first call compiles (inductor)
         "tests": ([*pytest, "--noconftest", "-o", "timeout=80", *tests], 150, {}),
         # Offload/Onload of a DeepSpeed bf16 trainer: DeepSpeed as is next to start-up objects frozen
@@ -88,6 +91,11 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
         "prime_rl_shape": ([PY, "bench/bench_train_step.py", "--presets", "qwen3-0.6b", "--lengths", "16384",
                             "--samples", "1", "--steps", "3", "--variants", "ds_z0_bf16pure_ac", "ds_z0_bf16_ac",
                             "ds_z0_bf16pure", "--out", str(out / "prime_rl_shape")], 300, {}),
+        # packed rows and activation checkpointing at mixed response lengths (uniform in [128, 1,024]): their cost
+        # and saving on the GPU (sdpa masks per sample in packed rows), next to the padded plan
+        "pack_ac": ([PY, "bench/bench_train_step.py", "--presets", "qwen2.5-0.5b", "--lengths", "1024", "--samples",
+                     "512", "--steps", "1", "--mixed-lengths", "--variants", "ds_z0_bf16", "ds_z0_bf16_packed",
+                     "ds_z0_bf16_ac", "--out", str(out / "pack_ac")], 400, {}),
         # bench/peer_trl.py's real-vocabulary case: Qwen2.5-0.5B's shape with init-model's BPE tokenizer (its preset
         # comes with issue 30), L = 256; goal >= 3x TRL end to end. Needs .whl_trl; a call of its own
         "peer_trl_vocab": ([PY, "bench/peer_trl.py", "--cases", "qwen2.5-0.5b_L256", "--out",
@@ -106,7 +114,7 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
 
 # left out unless --only names them
 OPT_IN = {"train_step", "real_size", "peer_trl", "sglang_smoke", "sglang_bench", "sglang_run", "vocab_q05",
-          "vocab_q15", "prime_rl_shape", "peer_trl_vocab"}
+          "vocab_q15", "prime_rl_shape", "pack_ac", "peer_trl_vocab", "sampling"}
 SGLANG_STAGES = ("sglang_smoke", "sglang_bench", "sglang_run")
 SGLANG_START_S = 240   # launching both servers, until healthy (kernel JIT and CUDA-graph capture included)
 

@@ -93,9 +93,9 @@ def test_trainer_scores_each_row_under_its_own_distribution():
 
 
 def test_truncation_with_ties_keeps_the_references_support():
-    """Logits on a coarse grid (bf16's rounding, only more so) tie often: top-k keeps every tie with the k-th; top-p
-    keeps the lowest-index ties it needs (the reference's stable order); with top-k set, the nucleus is found among
-    the top k alone."""
+    """Logits on a coarse grid (bf16's rounding, only more so) tie often: top-k keeps every tie with the k-th, top-p
+    every tie with its last kept logit; with top-k set, the nucleus is found among the top k alone (ties with the
+    k-th beyond them included)."""
     logits = torch.round(random_logits(64, seed=9)) / 2
     ordered = logits.sort(dim=-1, descending=True).values
     assert int((ordered[:, 4] == ordered[:, 5]).sum()) > 10   # ties at the 5th value: the case under test

@@ -8,13 +8,15 @@ log-probs; the trainer recomputes the same log-probs with the parameters each sa
 (`RolloutBatch.sampling_*`), so a PPO ratio of an on-policy sample is 1. The trainer's chunked scoring
 (services/trainer/head_scoring.py) calls the same `truncation` on each chunk of rows, one (T, top-k, top-p) per row.
 
-A row's truncation is kept as two numbers (`Truncation`): the smallest kept value and how many entries equal to it
-are kept (the lowest indices first). Top-k keeps every entry tied with the k-th (as HF); top-p keeps the smallest
-set of most likely entries whose mass reaches top_p, so on a tie at its edge it keeps only as many as it needs. The
-pair rebuilds the support exactly without sorting again (the trainer's backward recomputes it per chunk).
+A row's truncation is one number (`Truncation`): the smallest kept value; the support is every entry at or above
+it. Top-k keeps every entry tied with the k-th (as HF); top-p keeps the smallest set of most likely entries whose
+mass reaches top_p, and every entry tied with the last of them (as top-k does with the k-th: no arbitrary choice
+among equal logits, which bf16 logits often have). The number rebuilds the support exactly without sorting again
+(the trainer's backward recomputes it per chunk).
 
-When every row that uses top-p also uses top-k, the nucleus is sought among the top-k entries only (a `topk` of
-max k values instead of a sort over the whole vocabulary: bench/bench_sampling.py measures both at 151,936).
+When every row that uses top-p also uses top-k, the nucleus is sought among the top-k entries only (the `topk` that
+found the k-th value, instead of a sort over the whole vocabulary: bench/bench_sampling.py measures both at
+151,936).
 
 Greedy (temperature 0) has a point-mass distribution whose log-probs are all 0, which is useless to a trainer;
 for greedy, log-probs are those of the unscaled model distribution (temperature 1, no truncation), which is
@@ -80,55 +82,46 @@ class RowSampling:
 
 @dataclass(frozen=True)
 class Truncation:
-    """Per row: the support is every entry above `threshold`, and the first `ties` entries (by index) equal to it."""
+    """Per row: the support is every entry at or above `threshold` (-inf keeps everything)."""
 
-    threshold: torch.Tensor   # float32 [R]; -inf keeps everything
-    ties: torch.Tensor        # int64 [R]
-    cuts_ties: bool = True    # host: some row may keep only part of its ties (top-p); else every tie is kept
+    threshold: torch.Tensor   # float32 [R]
 
     def keep(self, scaled: torch.Tensor) -> torch.Tensor:
         """bool [R, V]: the support, from the scaled logits it was found on."""
-        thr = self.threshold.unsqueeze(-1)
-        if not self.cuts_ties:
-            return scaled >= thr
-        tied = scaled == thr
-        rank = torch.cumsum(tied, dim=-1, dtype=torch.int32)   # 1-based among the row's ties, by index
-        return (scaled > thr) | (tied & (rank <= self.ties.unsqueeze(-1)))
+        return scaled >= self.threshold.unsqueeze(-1)
 
     def apply(self, scaled: torch.Tensor) -> torch.Tensor:
         """The scaled logits with -inf outside the support."""
-        return scaled.masked_fill(~self.keep(scaled), NEG_INF)
+        return scaled.masked_fill(scaled < self.threshold.unsqueeze(-1), NEG_INF)
 
 
 def truncation(scaled: torch.Tensor, rows: RowSampling) -> Truncation:
     """The support of each row of [R, V] float32 scaled logits (logits / T) under its top-k, then top-p."""
-    n, vocab = scaled.shape
-    everything = torch.full((n,), vocab, dtype=torch.long, device=scaled.device)
+    n = scaled.shape[0]
     kth = torch.full((n,), NEG_INF, dtype=torch.float32, device=scaled.device)
+    window = scaled[:, :0]
     if rows.max_top_k > 0:
-        top = torch.topk(scaled, rows.max_top_k, dim=-1).values
-        picked = top.gather(-1, (rows.top_k.clamp(min=1, max=rows.max_top_k) - 1).unsqueeze(-1)).squeeze(-1)
+        window = torch.topk(scaled, rows.max_top_k, dim=-1).values   # sorted, largest first
+        picked = window.gather(-1, (rows.top_k.clamp(min=1, max=rows.max_top_k) - 1).unsqueeze(-1)).squeeze(-1)
         kth = torch.where(rows.top_k > 0, picked, kth)
     if not rows.uses_top_p:
-        return Truncation(threshold=kth, ties=everything, cuts_ties=False)
-    in_top_k = scaled.masked_fill(scaled < kth.unsqueeze(-1), NEG_INF) if rows.max_top_k > 0 else scaled
-    if rows.top_p_within_top_k:
-        ordered = torch.topk(in_top_k, rows.max_top_k, dim=-1).values
+        return Truncation(kth)
+    edge = kth.unsqueeze(-1)
+    if rows.top_p_within_top_k:   # each row's top-k set, largest first, is in the window (but ties beyond it)
+        ordered = window.masked_fill(window < edge, NEG_INF)
+        beyond = ((scaled == edge).sum(dim=-1) - (ordered == edge).sum(dim=-1)).float()
+        log_norm = torch.logsumexp(ordered, dim=-1)
+        log_norm = torch.where(beyond > 0, torch.logaddexp(log_norm, kth + beyond.clamp(min=1).log()), log_norm)
+        probs = torch.exp(ordered - log_norm.unsqueeze(-1))
     else:
-        ordered = torch.sort(in_top_k, dim=-1, descending=True).values
-    # probabilities over the whole top-k set (ties with the k-th beyond the prefix included), in descending order
-    probs = torch.exp(ordered - torch.logsumexp(in_top_k, dim=-1, keepdim=True))
+        ordered = torch.sort(scaled.masked_fill(scaled < edge, NEG_INF) if rows.max_top_k else scaled, dim=-1,
+                             descending=True).values
+        probs = torch.softmax(ordered, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
     kept = (mass_before < rows.top_p.unsqueeze(-1)) & (ordered > NEG_INF)
     kept[:, 0] = True
-    count = kept.sum(dim=-1)
-    threshold = ordered.gather(-1, (count - 1).unsqueeze(-1)).squeeze(-1)
-    ties = count - (scaled > threshold.unsqueeze(-1)).sum(dim=-1)
-    if rows.top_p_within_top_k:   # the whole prefix kept and mass left: the k-th's ties beyond it are kept too
-        spill = (count == ordered.shape[-1]) & (mass_before[:, -1] + probs[:, -1] < rows.top_p)
-        ties = torch.where(spill, everything, ties)
-    uses_p = rows.top_p < 1.0
-    return Truncation(threshold=torch.where(uses_p, threshold, kth), ties=torch.where(uses_p, ties, everything))
+    threshold = ordered.gather(-1, (kept.sum(dim=-1) - 1).unsqueeze(-1)).squeeze(-1)
+    return Truncation(torch.where(rows.top_p < 1.0, threshold, kth))
 
 
 def scaled_logits(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:

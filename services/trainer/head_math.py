@@ -6,7 +6,7 @@ Two layouts of a chunk:
   accumulated online across blocks (a running maximum m, s = sum exp(a - m), q = sum exp(a - m) (a - m));
 - whole rows (some row truncates by top-k / top-p, whose support needs its row sorted): fewer rows at a time, the
   same number of logits. The backward recomputes the same row sets with the same matrix shapes as the forward, so
-  the support it rebuilds from (threshold, ties) is the forward's bit for bit.
+  the support it rebuilds from its threshold is the forward's bit for bit.
 
 With a = logits / T, p_t = softmax(a), p_s the truncated renormalised distribution on the support S, lp_s = log p_s
 and H = -sum p_s lp_s:  d lp_t[y] / da = e_y - p_t;  d lp_s[y] / da = e_y - p_s (0 where y lies outside S or the
@@ -75,9 +75,8 @@ def _scores(task: ChunkTask, target: torch.Tensor, in_support: torch.Tensor, top
         out[ENTROPY_ROW] = stats[ENTROPY] = entropy
 
 
-def forward_rows(task: ChunkTask, weight: torch.Tensor, out: torch.Tensor,
-                 stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whole rows: scores and statistics; returns the support as (threshold, ties) per row."""
+def forward_rows(task: ChunkTask, weight: torch.Tensor, out: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """Whole rows: scores and statistics; returns each row's support threshold."""
     scaled = scaled_logits(task.hidden @ weight.t(), task.rows)
     cut = truncation(scaled, task.rows)
     keep = cut.keep(scaled)
@@ -91,7 +90,7 @@ def forward_rows(task: ChunkTask, weight: torch.Tensor, out: torch.Tensor,
     sum_s = weights.sum(dim=-1)
     entropy = sum_s.log() - torch.linalg.vecdot(weights, shifted) / sum_s if task.entropy else None
     _scores(task, target, in_support, top, sum_t, sum_s, entropy, out, stats)
-    return cut.threshold, cut.ties
+    return cut.threshold
 
 
 def block_stats(logits: torch.Tensor, temperature: torch.Tensor, columns: torch.Tensor, inside: torch.Tensor,
@@ -180,10 +179,10 @@ def block_grad(logits: torch.Tensor, temperature: torch.Tensor, lse: torch.Tenso
 
 
 def grad_rows(task: ChunkTask, weight: torch.Tensor, stats: torch.Tensor, up: Upstream,
-              cut: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+              threshold: torch.Tensor) -> torch.Tensor:
     """Whole rows, the forward's row set: d loss / d logits [C, V] in the weight's dtype."""
     scaled = scaled_logits(task.hidden @ weight.t(), task.rows)
-    keep = Truncation(threshold=cut[0], ties=cut[1], cuts_ties=task.rows.uses_top_p).keep(scaled)
+    keep = Truncation(threshold).keep(scaled)
     g = _grad(scaled, keep, stats, up, task.entropy and task.entropy_grad)
     columns, inside = _columns(task.targets, 0, g.shape[1])
     return _finish(g, columns, inside, up.at_target, task.rows.temperature).to(weight.dtype)

@@ -184,16 +184,15 @@ class ChunkedScores(torch.autograd.Function):
                 cuts.append(forward_rows(task, weight, out[:, part], stats[:, part]))
             else:
                 forward_blocks(task, weight, request.vocab_block, out[:, part], stats[:, part], request.compiled)
-        thresholds = torch.cat([c[0] for c in cuts]) if cuts else torch.empty(0, device=hidden.device)
-        ties = torch.cat([c[1] for c in cuts]) if cuts else torch.empty(0, device=hidden.device, dtype=torch.long)
+        thresholds = torch.cat(cuts) if cuts else torch.empty(0, device=hidden.device)
         ctx.request, ctx.step, ctx.autocast = request, step, _autocast_state(hidden.device)
-        ctx.save_for_backward(hidden, weight, stats, thresholds, ties)
+        ctx.save_for_backward(hidden, weight, stats, thresholds)
         ctx.set_materialize_grads(False)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        hidden, weight, stats, thresholds, ties = ctx.saved_tensors
+        hidden, weight, stats, thresholds = ctx.saved_tensors
         request: ScoreRequest = ctx.request
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad is None or not (want_h or want_w):
@@ -207,7 +206,7 @@ class ChunkedScores(torch.autograd.Function):
             up = Upstream.of(grad[:, part], stats[:, part], task.tempered_space)
             with torch.autocast(device_type, dtype=dtype, enabled=enabled):   # the forward's logits, bit for bit
                 if request.needs_support:
-                    g = grad_rows(task, weight, stats[:, part], up, (thresholds[part], ties[part]))
+                    g = grad_rows(task, weight, stats[:, part], up, thresholds[part])
                     chunk_grad = g @ weight
                     if grad_w is not None:
                         grad_w += (g.t() @ task.hidden).float()
