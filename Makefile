@@ -6,7 +6,7 @@ DEMO_CONFIG ?= examples/digit_max.yaml
 # Test modules go to two workers whole (--dist loadscope), so module-scoped services start once.
 PYTEST_ARGS ?= -n 2 --dist loadscope
 
-.PHONY: setup demo test lint protos bench clean
+.PHONY: setup demo test lint protos bench clean image image-cpu compose-test slurm-test
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,22 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The container image (deploy/Dockerfile) with docker, else podman: CUDA base by default; image-cpu on Debian
+# bookworm with the CPU torch wheel. IMAGE_ARGS: more build flags (--build-arg SGLANG=1 ...).
+image:
+	deploy/build-image.sh $(IMAGE) -- $(IMAGE_ARGS)
+
+image-cpu: setup
+	PYTHON=$(BIN)/python deploy/build-image.sh --cpu $(IMAGE) -- $(IMAGE_ARGS)
+
+# Opt-in runs under real schedulers, not part of `make test` (each installs what it needs, as root, or skips):
+# the compose stack in containers (tests/test_compose_run.py) and a job on a one-node Slurm (tests/test_slurm_run.py).
+compose-test: setup
+	TANDEM_COMPOSE_TEST=1 $(BIN)/python -m pytest -q -s -p no:xdist tests/test_compose_run.py --durations=0
+
+slurm-test: setup
+	TANDEM_SLURM_TEST=1 $(BIN)/python -m pytest -q -s -p no:xdist tests/test_slurm_run.py --durations=0
 
 # The gates CI runs before the tests (.ci/run); .pre-commit-config.yaml runs the same on every commit.
 lint: setup

@@ -1,12 +1,16 @@
-"""What `weights.check_weight_update_equal` costs: the checksums of a model's weights, one tensor at a time (how
-they were computed until 2026-12-05) next to packs (prefix sums over concatenated words, services/weights/layout.py),
-both with one host sync at the end.
+"""What `weights.check_weight_update_equal` costs: the checksums of a model's weights one tensor at a time (how they
+were computed until 2026-12-05), in packs (prefix sums over concatenated words, until issue 32), and per bucket
+(services/weights/checksums.py, what a verified sync computes now), side by side, each ending in one host sync.
 
-    python bench/bench_checksums.py [--device cuda] [--presets q05 q05_narrow] [--repeats 5] [--sync-ms 19.5]
+    python bench/bench_checksums.py [--device cuda] [--presets q05 q15] [--repeats 5] [--bucket-mb 64] [--sync-ms 19.5]
 
-A verified sync computes them once on the trainer (its prepare) and once on each engine after the copy, so
-"share of a sync" is 2 x ms / --sync-ms (the q05 cuda_ipc sync measured inside a run, bench/RESULTS.md).
-The tensors are the bf16 parameters of a Qwen2 body (bench_train_step's shapes), random values, on --device.
+Per bucket is measured over a native engine's FlatParams (each bucket summed where it lies; a trainer whose
+weights are views of one flat buffer in spec order is the same) and over separate tensors (each bucket concatenated
+once first); on a CUDA device with Triton that is the one-pass kernel (services/weights/bucket_kernel.py), and the
+torch path (block and column sums, two passes) is measured beside it. A verified sync computes its checksums once
+on the trainer (its prepare) and once on each engine after the copy, so "share of a sync" is 2 x ms / --sync-ms (the
+q05 cuda_ipc sync measured inside a run, bench/RESULTS.md). The tensors are the bf16 parameters of a Qwen2 body
+(bench_train_step's shapes), random values, on --device.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,36 +30,74 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_train_step import SHAPES
 
-from services.weights import layout
+from services.weights import bucket_kernel, checksums
+from services.weights.layout import Layout, plan_layout, specs_from_tensors
+from services.weights.transports.cuda_ipc import flat_views
 
 
-def model_tensors(preset: str, device: torch.device) -> list[torch.Tensor]:
+def model_tensors(preset: str, device: torch.device) -> dict[str, torch.Tensor]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(vocab_size=22, tie_word_embeddings=False, **SHAPES[preset])
     with torch.device("meta"):
-        shapes = [p.shape for p in Qwen2ForCausalLM(cfg).parameters()]
+        shapes = [(name, p.shape) for name, p in Qwen2ForCausalLM(cfg).named_parameters()]
     gen = torch.Generator(device=device).manual_seed(0)
-    return [torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
-            for shape in shapes]
+    return {name: torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+            for name, shape in shapes}
 
 
-def per_tensor(tensors: list[torch.Tensor]) -> list[str]:
-    return layout._hex_pairs([layout._word_sums(layout._words(t)) for t in tensors])
+def per_tensor(tensors: dict[str, torch.Tensor], _layout: Layout) -> list[str]:
+    return checksums._hex_pairs([checksums._word_sums(checksums._words(t)) for t in tensors.values()])
 
 
-def packed(tensors: list[torch.Tensor]) -> list[str]:
-    return layout.tensor_checksums(tensors)
+def packed(tensors: dict[str, torch.Tensor], _layout: Layout) -> list[str]:
+    return checksums.tensor_checksums(list(tensors.values()))
 
 
-def timed(fn: Callable[[list[torch.Tensor]], list[str]], tensors: list[torch.Tensor], repeats: int) -> float:
-    fn(tensors)   # warm-up
+def per_bucket(tensors: dict[str, torch.Tensor], layout: Layout) -> list[str]:
+    return checksums.bucket_checksums(layout, tensors)
+
+
+def per_bucket_torch(tensors: dict[str, torch.Tensor], layout: Layout) -> list[str]:
+    """The torch path (block and column sums) where the one-pass kernel would run."""
+    usable = bucket_kernel.usable
+    bucket_kernel.usable = lambda words: False
+    try:
+        return checksums.bucket_checksums(layout, tensors)
+    finally:
+        bucket_kernel.usable = usable
+
+
+def timed(fn: Callable[[dict[str, torch.Tensor], Layout], list[str]], tensors: dict[str, torch.Tensor],
+          layout: Layout, repeats: int) -> float:
+    fn(tensors, layout)   # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn(tensors)   # ends in a host sync: the hex needs the sums
+        fn(tensors, layout)   # ends in a host sync: the hex needs the sums
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def measure(preset: str, device: torch.device, *, bucket_mb: float, repeats: int) -> dict[str, Any]:
+    tensors = model_tensors(preset, device)
+    layout = plan_layout(specs_from_tensors(tensors.items()), bucket_bytes=int(bucket_mb * 2**20))
+    _flat, flat = flat_views(layout, device)   # a FlatParams, as a native engine holds its weights
+    for name, view in flat.items():
+        view.copy_(tensors[name])
+    assert per_tensor(tensors, layout) == packed(tensors, layout)               # the same checksums
+    assert per_bucket(flat, layout) == per_bucket(tensors, layout)              # wherever the bytes lie
+    row = {"preset": preset, "tensors": len(tensors), "buckets": len(layout.buckets),
+           "gb": layout.total_bytes / 1e9}
+    row["per_tensor"] = timed(per_tensor, tensors, layout, repeats)
+    row["packed"] = timed(packed, tensors, layout, repeats)
+    row["bucket_flat"] = timed(per_bucket, flat, layout, repeats)
+    row["bucket_separate"] = timed(per_bucket, tensors, layout, repeats)
+    kernel = bucket_kernel.usable(next(iter(flat.values())).reshape(-1)[:1].view(torch.uint8))
+    if kernel:   # the one-pass kernel ran above: the torch path beside it
+        assert per_bucket_torch(flat, layout) == per_bucket(flat, layout)
+    row["bucket_torch"] = timed(per_bucket_torch, flat, layout, repeats) if kernel else None
+    return row
 
 
 def main() -> int:
@@ -62,23 +105,22 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--presets", nargs="+", default=["q05", "q05_narrow"], choices=sorted(SHAPES))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=float, default=64.0, help="weights.bucket_mb (the default)")
     parser.add_argument("--sync-ms", type=float, default=19.5, help="a sync without checksums, for the share")
     args = parser.parse_args()
     device = torch.device(args.device)
-    rows = []
-    for preset in args.presets:
-        tensors = model_tensors(preset, device)
-        assert per_tensor(tensors) == packed(tensors)   # the same checksums
-        old, new = timed(per_tensor, tensors, args.repeats), timed(packed, tensors, args.repeats)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        rows.append((preset, len(tensors), nbytes / 1e9, old, new))
-    print(f"\n# bench_checksums {datetime.date.today()} device={args.device} (medians of {args.repeats})\n")
-    print("| preset | tensors | GB | per tensor ms | packed ms | speed-up | packed share of a sync "
+    rows = [measure(p, device, bucket_mb=args.bucket_mb, repeats=args.repeats) for p in args.presets]
+    print(f"\n# bench_checksums {datetime.date.today()} device={args.device} bucket_mb={args.bucket_mb:g} "
+          f"(medians of {args.repeats})\n")
+    print("| preset | tensors | buckets | GB | per tensor ms | packed ms | per bucket, flat ms | per bucket, "
+          "separate ms | per bucket, flat, torch path ms | per bucket (flat) share of a sync "
           f"({args.sync_ms:g} ms, both sides) |")
-    print("|---|---|---|---|---|---|---|")
-    for preset, count, gb, old, new in rows:
-        print(f"| {preset} | {count} | {gb:.3f} | {old:.2f} | {new:.2f} | {old / new:.1f}x | "
-              f"{2 * new / args.sync_ms * 100:.0f}% |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        torch_path = "– (the same: no kernel here)" if r["bucket_torch"] is None else f"{r['bucket_torch']:.2f}"
+        print(f"| {r['preset']} | {r['tensors']} | {r['buckets']} | {r['gb']:.3f} | {r['per_tensor']:.2f} | "
+              f"{r['packed']:.2f} | {r['bucket_flat']:.2f} | {r['bucket_separate']:.2f} | {torch_path} | "
+              f"{2 * r['bucket_flat'] / args.sync_ms * 100:.1f}% |")
     return 0
 
 

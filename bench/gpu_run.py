@@ -6,6 +6,8 @@ Runs a GPU example (examples/digit_max_gpu.yaml unless --config) three ways:
   async         one step off-policy: generation of step i+1 overlaps training of step i
   sync_offload  sync mode, trainer offloaded after each step and the engine's memory released while it trains
   async_t07_topp  async, sampled at temperature 0.7 with top-p 0.9 (the trainer scores that distribution)
+and, when named, async with weights.check_weight_update_equal on and off (async_verified, async_unverified: the
+checksums' share of the sync, perf/sync_checksum_s / perf/weight_sync_time_s, is a row of the table)
 and prints, per run, the eval reward before and after, the median per-step time breakdown, the overlap ratio
 step / max(generate, train) (1.0 is perfect overlap in async; sync is their sum), tokens/s, the trainer's dense
 TFLOP/s, each side's peak GPU memory and (sync_offload) the GPU memory each side holds while the other works.
@@ -15,7 +17,6 @@ Run dirs go under --work; gpu_run.md and each run's metrics.jsonl are copied to 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -25,13 +26,21 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from services.contracts.files import read_json_rows  # noqa: E402 - after the path is set
+
 CONFIG = REPO / "examples" / "digit_max_gpu.yaml"
 RUNS = {
     "async": [],
     "sync_offload": ["loop.mode=sync", "loop.offload_train=true", "loop.offload_rollout=true"],
     # sampled at T=0.7 with top-p: the trainer must score that distribution (log-prob gap ~0, ratio 1)
     "async_t07_topp": ["rollout.sampling.temperature=0.7", "rollout.sampling.top_p=0.9"],
+    # every sync verified by bucket checksums (issue 32: perf/sync_checksum_s <= 5% of the sync)
+    "async_verified": ["weights.check_weight_update_equal=true"],
+    "async_unverified": ["weights.check_weight_update_equal=false"],
 }
+DEFAULT_RUNS = ("async", "sync_offload", "async_t07_topp")   # the verification pair only when named
 SCORING = [   # how closely the trainer's log-probs match the rollout's (bf16 on both sides)
     ("train/rollout_logprob_abs_diff", "trainer vs rollout log-prob |diff|", "{:.4f}"),
     ("train/ppo_ratio_mean", "PPO ratio mean", "{:.4f}"),
@@ -43,6 +52,7 @@ BREAKDOWN = [   # (metric, label): the parts of a step, as the coordinator measu
     ("perf/generate_time_s", "generate"),
     ("perf/train_time_s", "train"),
     ("perf/weight_sync_time_s", "weight sync"),
+    ("perf/sync_checksum_s", "of the sync: checksums (trainer + slowest engine)"),
     ("perf/rollout_release_s", "engine release"),
     ("perf/rollout_resume_s", "engine resume"),
     ("perf/trainer_offload_s", "trainer offload"),
@@ -70,7 +80,7 @@ def run_one(name: str, overrides: list[str], *, steps: int, work: Path, config: 
     if proc.returncode != 0:
         logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
         raise SystemExit(f"{name}: tandem run exited {proc.returncode}\n{proc.stderr[-3000:]}\n{logs}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_json_rows(run_dir / "metrics.jsonl")
     return {"name": name, "wall_s": wall, "steps": [r for r in rows if "perf/step_time_s" in r],
             "evals": [r for r in rows if "eval/reward_mean" in r], "run_dir": run_dir}
 
@@ -105,6 +115,7 @@ def report(results: list[dict]) -> str:
         [f"{median(r['steps'], 'perf/train_tflops') or 0:.1f}" for r in results])
     row("median weight sync GB/s", [f"{median(r['steps'], 'perf/weight_sync_gbps') or 0:.1f}" for r in results])
     row("verified tensors per sync", [f"{median(r['steps'], 'weights/verified_tensors') or 0:.0f}" for r in results])
+    row("median checksums / weight sync (same step)", [_checksum_share(r["steps"]) for r in results])
     for key, label, fmt in SCORING:
         cells = [median(r["steps"], key) for r in results]
         row(f"median {label}", ["–" if c is None else fmt.format(c) for c in cells])
@@ -118,6 +129,12 @@ def _eval(result: dict, index: int) -> str:
     return f"{result['evals'][index]['eval/reward_mean']:.3f}" if result["evals"] else "– (no evals)"
 
 
+def _checksum_share(steps: list[dict]) -> str:
+    shares = [s["perf/sync_checksum_s"] / s["perf/weight_sync_time_s"] for s in steps[2:]
+              if s.get("perf/sync_checksum_s") is not None and s.get("perf/weight_sync_time_s")]
+    return f"{100 * statistics.median(shares):.1f}%" if shares else "–"
+
+
 def _overlap(steps: list[dict]) -> str:
     ratios = [s["perf/step_time_s"] / max(s["perf/generate_time_s"], s["perf/train_time_s"]) for s in steps[2:]
               if s.get("perf/generate_time_s") and s.get("perf/train_time_s")]
@@ -129,7 +146,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "runs" / "gpu_run")))
     parser.add_argument("--work", type=Path, default=Path("/tmp/tandem-gpu-run"), help="where the run dirs go")
-    parser.add_argument("--only", choices=list(RUNS), nargs="*", default=list(RUNS))
+    parser.add_argument("--only", choices=list(RUNS), nargs="*", default=list(DEFAULT_RUNS))
     parser.add_argument("--config", type=Path, default=CONFIG, help="the example to run (its own data and model)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,11 @@
 
     python bench/gpu_suite.py [--out DIR] [--quick]
         [--only handoff ipc_copy checksums train_step engine engine_compile tests offload trainer_tests run]
+    python bench/gpu_suite.py --only checksums_run   # check_weight_update_equal's share of a sync in runs
     python bench/gpu_suite.py --only peer_trl        # Tandem vs TRL (bench/peer_trl.py), a call of its own
     python bench/gpu_suite.py --only sglang_smoke sglang_bench sglang_run   # SGLang 0.5.17, a call of its own
+    python bench/gpu_suite.py --only inflight_a ... then inflight_b, inflight_c, inflight_report   # issue 33, one
+        call each (or inflight_a inflight_b in one call when it has the time; the report reads what is found)
     python bench/gpu_suite.py --only vocab_q05 prime_rl_shape sampling   # the real vocabulary (issue 31), one call
     python bench/gpu_suite.py --only pack_ac tests trainer_tests         # packing / checkpointing, the GPU tests
     python bench/gpu_suite.py --only vocab_q15                  # the 1.5B shape, a call of its own
@@ -50,8 +53,8 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
         "handoff": ([PY, "bench/bench_weights.py", "--handoff", "--repeats", "10", "--bucket-mb", "64"], 100, {}),
         # the copy itself: from another process's IPC allocation next to a same-process D2D, by copy method
         "ipc_copy": ([PY, "bench/bench_ipc_copy.py", "--repeats", "20"], 60, {}),
-        # check_weight_update_equal's cost: checksums one tensor at a time next to packs, q05 and its narrow twin
-        "checksums": ([PY, "bench/bench_checksums.py", "--presets", "q05", "q05_narrow", "q15"], 60, {}),
+        # check_weight_update_equal's cost: checksums one tensor at a time, in packs and per bucket (issue 32)
+        "checksums": ([PY, "bench/bench_checksums.py", "--presets", "q05", "q05_narrow", "q15"], 90, {}),
         # one actor step in process at q05 (issue 24): DeepSpeed ZeRO-1 next to ZeRO-0's flat AdamW, plain torch
         # (TRL's recipe) and the model's bare forward+backward, with host ops and kernel launches per step
         "train_step": ([PY, "bench/bench_train_step.py", "--presets", "q05", "--lengths", "1", "128", "--steps", "3",
@@ -77,6 +80,12 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
                        f"--only async sync_offload --out {out / 'real_size_q05'} && {PY} bench/gpu_run.py "
                        f"--config examples/qwen15_gpu.yaml --steps 10 --only async --out {out / 'real_size_q15'}"],
                       540, {}),
+        # the same in runs (issue 32): every sync verified by bucket next to none, q05 and q15; the table's row
+        # "median checksums / weight sync" is the goal's figure (<= 5%). A call of its own.
+        "checksums_run": (["bash", "-c", f"{PY} bench/gpu_run.py --config examples/qwen05_gpu.yaml --steps 12 "
+                           f"--only async_verified async_unverified --out {out / 'checksums_q05'} && {PY} "
+                           f"bench/gpu_run.py --config examples/qwen15_gpu.yaml --steps 10 --only async_verified "
+                           f"--out {out / 'checksums_q15'}"], 540, {}),
         # issue 31, the real vocabulary (151,936, tied embeddings; bench/real_shapes.py), 64 x 8 samples: the
         # chunked scoring head against the old path (full logits, whole-vocabulary tables), and TRL's precision.
         # Goals: peak memory <= 0.5x TRL's, MFU >= 40% at 1.5B L = 1,024 (the old path may run out of memory).
@@ -109,12 +118,22 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
         "sglang_smoke": ([PY, "bench/sglang_smoke.py"], 100, {}),
         "sglang_bench": ([PY, "bench/bench_sglang.py"], 200, {}),
         "sglang_run": ([PY, "bench/sglang_run.py", "--steps", "10", "--out", str(out / "sglang_run")], 240, {}),
+        # issue 33: long-tailed lengths (16..2048) at the q05 shape, sync / one step off / in flight side by side
+        # (bench/gpu_inflight.py); three runs' worth of stages, each within one call, then the table of all found
+        **{f"inflight_{part}": ([PY, "bench/gpu_inflight.py", "--steps", "4" if quick else "8", "--out",
+                                 str(out / "inflight"), "--only", *variants], 560, {})
+           for part, variants in INFLIGHT_PARTS.items()},
+        "inflight_report": ([PY, "bench/gpu_inflight.py", "--report", "--out", str(out / "inflight")], 30, {}),
     }
 
 
+INFLIGHT_PARTS = {"a": ["sync", "one_step_off"], "b": ["inflight_keep"], "c": ["stream_keep", "stream_recompute"]}
+
+
 # left out unless --only names them
-OPT_IN = {"train_step", "real_size", "peer_trl", "sglang_smoke", "sglang_bench", "sglang_run", "vocab_q05",
-          "vocab_q15", "prime_rl_shape", "pack_ac", "peer_trl_vocab", "sampling"}
+OPT_IN = {"train_step", "real_size", "checksums_run", "peer_trl", "sglang_smoke", "sglang_bench", "sglang_run",
+          "inflight_a", "inflight_b", "inflight_c", "inflight_report", "vocab_q05", "vocab_q15", "prime_rl_shape",
+          "pack_ac", "peer_trl_vocab", "sampling"}
 SGLANG_STAGES = ("sglang_smoke", "sglang_bench", "sglang_run")
 SGLANG_START_S = 240   # launching both servers, until healthy (kernel JIT and CUDA-graph capture included)
 

@@ -86,3 +86,12 @@ def stream(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def free_port() -> int:
     return _free_port()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two tiny random-init models (different seeds): an engine's weights, and other weights to update it with."""
+    from services.rollout.model_init import init_model
+
+    root = tmp_path_factory.mktemp("models")
+    return init_model(root / "a", preset="tiny", seed=0), init_model(root / "b", preset="tiny", seed=1)

@@ -137,10 +137,14 @@ def buffer_leftovers(run_dir: Path) -> tuple[int, int]:
     """(entries in the stream, entries pending in the actor group) in the run's Redis data, read back by a
     fresh redis-server from the run's AOF after the run ended."""
     cfg = resolved_config(run_dir)
-    with EmbeddedRedis(run_dir / "redis", appendonly=True, password=cfg["redis"]["password"],
-                       log_path=str(run_dir / "redis-inspect.log")) as server:
-        client = connect(f"redis://{server.host}:{server.port}/0", password=cfg["redis"]["password"])
-        stream = stream_key(cfg["redis"]["stream_prefix"], cfg["run_name"])
+    return aof_leftovers(run_dir / "redis", stream=stream_key(cfg["redis"]["stream_prefix"], cfg["run_name"]),
+                         password=cfg["redis"]["password"], log_path=run_dir / "redis-inspect.log")
+
+
+def aof_leftovers(data_dir: Path, *, stream: str, password: str | None, log_path: Path) -> tuple[int, int]:
+    """(entries in `stream`, entries pending in its actor group) of the AOF in `data_dir`."""
+    with EmbeddedRedis(data_dir, appendonly=True, password=password, log_path=str(log_path)) as server:
+        client = connect(f"redis://{server.host}:{server.port}/0", password=password)
         try:
             if not client.exists(stream):
                 return 0, 0
@@ -150,18 +154,25 @@ def buffer_leftovers(run_dir: Path) -> tuple[int, int]:
 
 
 def assert_every_sample_trained_once(run_dir: Path, num_rollout: int) -> dict:
-    """The run's books balance: every rollout id was trained by exactly one optimizer step of the surviving
-    lineage, trained + dropped-as-stale = generated, the trainer's own counter agrees, nothing is left in
-    the buffer. Returns the coordinator state."""
+    """The run's books balance (`assert_books_balance`), read from its checkpoints and its Redis data."""
     trainer, state = final_checkpoint_state(run_dir)
+    assert_books_balance(trainer, state, num_rollout=num_rollout, leftovers=buffer_leftovers(run_dir))
+    return state
+
+
+def assert_books_balance(trainer: dict, state: dict, *, num_rollout: int, leftovers: tuple[int, int],
+                         batch_samples: int = BATCH_SAMPLES) -> None:
+    """Every rollout id was trained by exactly one optimizer step of the surviving lineage, trained +
+    dropped-as-stale = generated, the trainer's own counter agrees, nothing is left in the buffer. `trainer`
+    and `state`: the newest checkpoint's tandem_state.json and the coordinator RunState in it; `leftovers`:
+    (entries in the stream, entries pending in the actor group)."""
     assert state["next_rollout_id"] == num_rollout
-    assert state["samples_generated"] == num_rollout * BATCH_SAMPLES
+    assert state["samples_generated"] == num_rollout * batch_samples
     assert state["samples_trained"] + state["samples_dropped_stale"] == state["samples_generated"]
     assert trainer["step"] == num_rollout, trainer["step"]          # one optimizer step per rollout id
     assert trainer["samples_trained"] == state["samples_trained"]
     assert sorted(set(r for _e, r in trainer["trained_entries"])) == list(range(num_rollout))
-    assert buffer_leftovers(run_dir) == (0, 0)
-    return state
+    assert leftovers == (0, 0), leftovers
 
 
 class Services:

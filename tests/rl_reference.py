@@ -4,7 +4,8 @@ plain Python loops over a few tokens, never by calling Tandem's own functions.
 Sources: Hugging Face's TopK/TopP logits warpers (the sampling distribution), verl's
 `compute_gae_advantage_return` (GAE skipping masked tokens), `masked_whiten`, `compute_policy_loss`
 (clip, asymmetric clip, dual clip) and `kl_penalty` (k1 / "mse" k2 / low_var_kl k3 without its clamp),
-miles' truncated importance sampling (exp(old - rollout) capped), and GRPO's group normalisation.
+miles' truncated importance sampling (exp(old - rollout) capped), AReaL's decoupled PPO (the behaviour weight
+exp(prox - behav), masked above its cap), and GRPO's group normalisation.
 Added for the estimators of issue 25: RLOO as Ahmadian et al. 2024 and TRL's RLOOTrainer define it, REINFORCE++'s
 discounted returns (Hu et al. 2025; slime/miles' get_reinforce_plus_plus_returns, OpenRLHF's cumulative returns,
 verl's compute_reinforce_plus_plus_outcome_advantage, each peer's treatment of masked tokens selectable),
@@ -79,6 +80,17 @@ def ppo_loss(*, log_prob: float, old_log_prob: float, advantage: float, eps_low:
 
 def tis_weight(*, old_log_prob: float, rollout_log_prob: float, clip: float) -> float:
     return min(math.exp(old_log_prob - rollout_log_prob), clip)
+
+
+def decoupled_ppo_loss(*, log_prob: float, prox_log_prob: float, behav_log_prob: float, advantage: float,
+                       eps_low: float, eps_high: float, dual_clip_c: float | None, cap: float) -> float:
+    """AReaL's decoupled PPO (Fu et al. 2025, "AReaL", arXiv 2505.24298; areal's ppo_actor_loss_fn): the
+    clipped surrogate against the proximal policy, times the behaviour weight exp(prox - behav), which is 0 where it
+    exceeds the cap (the token is masked out)."""
+    loss, _, _ = ppo_loss(log_prob=log_prob, old_log_prob=prox_log_prob, advantage=advantage, eps_low=eps_low,
+                          eps_high=eps_high, dual_clip_c=dual_clip_c)
+    weight = math.exp(prox_log_prob - behav_log_prob)
+    return loss * weight if weight <= cap else 0.0
 
 
 def grpo_advantages(rewards: list[float], groups: list[int], *, normalize_std: bool, eps: float = 1e-6) -> list[float]:

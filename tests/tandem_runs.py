@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import yaml
 
+from services.contracts.files import read_json_rows
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2_grpc
 from services.rpc.grpc_util import open_channel
 
@@ -72,7 +73,7 @@ def ctl(target: str, action: str, *, timeout_s: float = 60.0) -> dict:
 
 def metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_json_rows(path) if path.exists() else []   # the run may be appending a row as we read
 
 
 def checkpoints(run_dir: Path, role: str = "actor") -> list[Path]:

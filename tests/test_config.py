@@ -175,7 +175,7 @@ def test_override_creates_missing_sections():
     ({"trainer": {"num_ranks": "two"}}, "trainer.num_ranks", "valid integer"),
     ({"loop": {"offload_train": "sometimes"}}, "loop.offload_train", "valid boolean"),
     ({"rollout": {"sampling": {"stop_token_ids": 5}}}, "rollout.sampling.stop_token_ids", "valid tuple"),
-    ({"loop": {"mode": "asynch"}}, "loop.mode", "'async', 'sync' or 'fully_async' (got 'asynch')"),
+    ({"loop": {"mode": "asynch"}}, "loop.mode", "'async', 'sync', 'fully_async' or 'streaming' (got 'asynch')"),
     ({"trainer": "fast"}, "trainer", "valid dictionary"),
     ({"trainer": {"lr": 0}}, "trainer.lr", "greater than 0 (got 0)"),
     ({"rollout": {"sampling": {"top_p": 1.5}}}, "rollout.sampling.top_p", "less than or equal to 1"),
@@ -228,6 +228,7 @@ def test_a_critic_is_no_off_policy_correction():
 @pytest.mark.parametrize("algorithm, words", [
     ({"use_tis": True}, "use_tis: true needs use_rollout_logprobs: false"),
     ({"keep_old_actor": True}, "keep_old_actor: true needs use_rollout_logprobs: false"),
+    ({"tis_mode": "mask"}, "tis_mode: mask applies to TIS's weights: it needs use_tis: true"),
     ({"whiten_advantages": True}, "whiten_advantages applies to advantage_estimator: gae"),
     ({"advantage_estimator": "reinforce_pp", "whiten_advantages": True},
      "whiten_advantages applies to advantage_estimator: gae (advantage_estimator reinforce_pp normalises by itself"),
@@ -308,3 +309,37 @@ def test_offload_rollout_outside_sync_mode_is_refused(mode):
     [line] = problem_lines(error_of(config_from_dict, minimal(loop={"mode": mode, "offload_rollout": True})))
     assert line.startswith(f"loop.offload_rollout needs loop.mode: sync (in {mode} mode")
     assert config_from_dict(minimal(loop={"mode": "sync", "offload_rollout": True})).loop.offload_rollout
+
+
+@pytest.mark.parametrize("inflight", ["keep", "recompute"])
+def test_inflight_update_needs_generation_that_overlaps_the_sync(inflight):
+    [line] = problem_lines(error_of(config_from_dict, minimal(loop={"mode": "sync"},
+                                                              rollout={"inflight_update": inflight})))
+    assert line.startswith(f"rollout.inflight_update: {inflight} needs loop.mode async or fully_async")
+    assert config_from_dict(minimal(loop={"mode": "fully_async"},
+                                    rollout={"inflight_update": inflight})).rollout.inflight_update == inflight
+
+
+@pytest.mark.parametrize("sections, words", [
+    ({"loop": {"mode": "streaming"}},
+     "loop.mode: streaming writes one buffer entry per group: redis.max_buffered_batches (4) must be at least "
+     "loop.groups_in_flight (64, 2 × rollout.rollout_batch_size)"),
+    ({"loop": {"mode": "streaming", "groups_in_flight": 8}, "redis": {"max_buffered_batches": 64}},
+     "loop.groups_in_flight (8) must be at least rollout.rollout_batch_size (32)"),
+    ({"loop": {"mode": "async", "groups_in_flight": 64}},
+     "loop.groups_in_flight applies to loop.mode: streaming, not async"),
+    ({"rollout": {"engine": "sglang", "continuous_batching": True}},
+     "rollout.continuous_batching is the native engine's (rollout.engine sglang batches continuously by itself)"),
+    ({"loop": {"mode": "streaming", "groups_in_flight": 32}, "redis": {"max_buffered_batches": 32},
+      "rollout": {"dynamic_sampling": {"enabled": True}}},
+     "rollout.dynamic_sampling.enabled needs loop.mode async or sync (in streaming several generations"),
+])
+def test_streaming_keys_that_cannot_work_are_refused(sections, words):
+    [line] = problem_lines(error_of(config_from_dict, minimal(**sections)))
+    assert words in line
+
+
+def test_a_streaming_config_with_room_for_its_groups_loads():
+    config = config_from_dict(minimal(loop={"mode": "streaming"}, redis={"max_buffered_batches": 64},
+                                      rollout={"continuous_batching": True, "inflight_update": "keep"}))
+    assert (config.loop.mode, config.rollout.continuous_batching) == ("streaming", True)

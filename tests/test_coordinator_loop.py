@@ -8,8 +8,9 @@ sequence the loop must produce. The pure decisions of policy.py have a one-line 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from services.coordinator.api import GenerationResult, SyncResult
 from services.coordinator.data import DataCursor, DataSource, PromptRecord
 from services.coordinator.errors import ServiceCallError
 from services.coordinator.loop import Coordinator
-from services.coordinator.state import GeneratedBatch, RunState
+from services.coordinator.state import GeneratedBatch, RunState, StreamGroup
 from services.telemetry.trackers import Tracker
 
 RECORDS = [PromptRecord(text=f"p{i}", label=str(i)) for i in range(8)]   # 4 batches of 2 per epoch
@@ -46,6 +47,27 @@ class InlineExecutor(Executor):
         except Exception as exc:  # noqa: BLE001 - handed to whoever waits, as a thread pool does
             fut.set_exception(exc)
         return fut
+
+
+class LazyFuture(Future):
+    """A generation that runs when the loop first waits for it: until then it is "still generating"."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        super().__init__()
+        self.fn = fn
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            try:
+                self.set_result(self.fn())
+            except Exception as exc:  # noqa: BLE001 - handed to whoever waits, as a thread pool does
+                self.set_exception(exc)
+        return super().result(timeout)
+
+
+class LazyExecutor(Executor):
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        return LazyFuture(lambda: fn(*args, **kwargs))
 
 
 class FakeClock:
@@ -137,6 +159,15 @@ class FakePool:
                                              informative_groups=self.informative.get(first, len(prompts)))
         return GenerationResult(rollout_id=rollout_id, entry_ids=(reply.entry_id,), responses=(reply,), seconds=0.0)
 
+    def generate_one(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+        """loop.mode streaming: one group; its entry is `g<group>-a` (`-b` when the group is generated again)."""
+        group = request.prompts[0].group_id
+        assert request.rollout_id == group and len(request.prompts) == 1
+        self.log("pool.generate_one", group, request.prompts[0].text)
+        k = self.calls[group] = self.calls.get(group, -1) + 1
+        return rollout_pb2.GenerateResponse(entry_id=f"g{group}-{'ab'[k]}", num_groups=1,
+                                            num_samples=request.n_samples_per_prompt, metrics={"reward_mean": 0.25})
+
     def evaluate(self, prompts: list, *, n_samples: int, sampling: Any) -> dict[str, float]:
         self.log("pool.evaluate", len(prompts))
         return {"eval/reward_mean": 0.5}
@@ -213,7 +244,8 @@ class Run:
     def __init__(self, config: TandemConfig, *, checkpoint: RunState | None = None, pool_size: int = 1,
                  failures: dict[int, list[grpc.StatusCode]] | None = None, buffer: bool = False,
                  gone: frozenset[str] = frozenset(), on_train: Callable[[Coordinator, int], None] | None = None,
-                 informative: dict[int, int] | None = None, answers: dict[int, tuple[int, int]] | None = None):
+                 informative: dict[int, int] | None = None, answers: dict[int, tuple[int, int]] | None = None,
+                 generations: Executor | None = None):
         self.log = CallLog()
         self.trainer = FakeTrainer("trainer", self.log, checkpoint=checkpoint, failures=failures, answers=answers,
                                    on_train=lambda rid: on_train(self.coordinator, rid) if on_train else None)
@@ -225,7 +257,7 @@ class Run:
             data=DataSource(RECORDS, batch_size=config.rollout.rollout_batch_size, shuffle=False, seed=0,
                             num_epochs=config.data.num_epochs),
             buffer=FakeBuffer(self.log, gone=gone) if buffer else None, trackers=[self.tracker],
-            eval_prompts=lambda: RECORDS[:3], generations=InlineExecutor(), evals=InlineExecutor(),
+            eval_prompts=lambda: RECORDS[:3], generations=generations or InlineExecutor(), evals=InlineExecutor(),
             clock=FakeClock(self.log))
 
     def run(self) -> CallLog:
@@ -268,6 +300,83 @@ def test_sync_generates_each_batch_after_the_weights_of_the_previous_step_arrive
                          gen(0, 0), ("trainer.train", 0), ("sync", 1), gen(1, 2), step(0),
                          ("trainer.train", 1), ("sync", 2), gen(2, 4), step(1),
                          ("trainer.train", 2), ("sync", 3), ("trainer.save", 2), step(2)]
+
+
+@pytest.mark.parametrize("inflight", ["off", "keep", "recompute"])
+def test_in_flight_updates_sync_without_waiting_for_the_next_batchs_generation(inflight):
+    """Generations finish only when the loop waits for them: without rollout.inflight_update the sync waits for the
+    next batch's generation; with it the sync lands while that generation runs (between two of its decode steps)."""
+    run = Run(make_config(loop={"mode": "async"}, rollout={"inflight_update": inflight}), generations=LazyExecutor())
+    if inflight == "off":
+        middle = [("trainer.train", 0), gen(1, 2), ("sync", 1), step(0), ("trainer.train", 1), gen(2, 4), ("sync", 2)]
+    else:   # each generation finishes when its own step waits for it, after the sync that landed in it
+        middle = [("trainer.train", 0), ("sync", 1), step(0), gen(1, 2), ("trainer.train", 1), ("sync", 2), step(1),
+                  gen(2, 4)]
+    assert run.run() == [*FRESH_START, gen(0, 0), *middle, *([step(1)] if inflight == "off" else []),
+                         ("trainer.train", 2), ("sync", 3), ("trainer.save", 2), step(2)]
+
+
+STREAMING = {"loop": {"mode": "streaming", "groups_in_flight": 4, "num_rollout": 3, "save_interval": 1},
+             "redis": {"max_buffered_batches": 4}}
+
+
+def one(group: int) -> tuple:
+    return ("pool.generate_one", group, f"p{group}")
+
+
+def test_streaming_sends_each_group_alone_trains_them_as_they_finish_and_checkpoints_the_rest():
+    """Up to 4 groups out (groups_in_flight), at most a step's 2 done and waiting (this executor finishes a Generate
+    when it is sent, so no more are sent then); each step trains the first 2 done, and the room they leave is
+    filled at once; a checkpoint records every group drawn and not trained; nothing is drawn past the last step."""
+    run = Run(make_config(**STREAMING))
+    assert run.run() == [*FRESH_START, one(0), one(1), one(2), one(3), ("trainer.train", 0), ("sync", 1),
+                         ("trainer.save", 0), step(0), one(4), one(5), ("trainer.train", 1), ("sync", 2),
+                         ("trainer.save", 1), step(1), ("trainer.train", 2), ("sync", 3), ("trainer.save", 2), step(2)]
+    assert [list(r.entry_ids) for r in run.trainer.requests] == [["g0-a", "g1-a"], ["g2-a", "g3-a"],
+                                                                 ["g4-a", "g5-a"]]
+    assert [r.max_staleness for r in run.trainer.requests] == [1, 1, 1]
+    first, second, final = run.trainer.saved
+    assert [(g.group_id, g.entry_id, g.epoch, g.offset) for g in first.groups] == [(2, "g2-a", 0, 2),
+                                                                                   (3, "g3-a", 0, 3)]
+    assert first.cursor == DataCursor(0, 4, 4) and [g.group_id for g in second.groups] == [4, 5]
+    assert final.groups == () and final.samples_generated == final.samples_trained == 3 * SAMPLES_PER_STEP
+
+
+def test_a_streaming_step_trains_the_groups_that_finished_first_not_the_ones_sent_first():
+    """Generates run on threads; group 0 takes longest, so the first step trains two of the others and group 0
+    waits for a later step. Every group is trained exactly once."""
+    slow = threading.Event()
+
+    class SlowFirstPool(FakePool):
+        def generate_one(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+            if request.prompts[0].group_id == 0:
+                slow.wait(10)   # until the first step has trained
+            return super().generate_one(request)
+
+    run = Run(make_config(**STREAMING), generations=ThreadPoolExecutor(max_workers=4),
+              on_train=lambda _c, rid: slow.set() if rid == 0 else None)
+    run.coordinator.pool = run.coordinator.stream.pool = SlowFirstPool(run.log)   # type: ignore[union-attr]
+    run.run()
+    steps = [list(r.entry_ids) for r in run.trainer.requests]
+    assert "g0-a" not in steps[0] and sorted(e for s in steps for e in s) == [f"g{g}-a" for g in range(6)]
+
+
+def test_a_streaming_resume_reuses_buffered_groups_and_generates_the_others_again():
+    """The checkpoint holds 4 groups drawn and not trained: g2 done and still buffered (reused), g3 done but trained
+    after the checkpoint (its entry is gone: generated again), g4 still generating and g5 not sent (generated, from
+    their recorded place in the data order). Entries nobody recorded are deleted."""
+    groups = (StreamGroup(2, 0, 2, "g2-a", weight_version=1), StreamGroup(3, 0, 3, "g3-a"), StreamGroup(4, 0, 4),
+              StreamGroup(5, 0, 5))
+    saved = RunState(next_rollout_id=1, weight_version=1, cursor=DataCursor(0, 6, 6), groups=groups,
+                     samples_generated=4, samples_trained=4)
+    run = Run(make_config(**STREAMING), checkpoint=saved, buffer=True, gone=frozenset({"g3-a"}))
+    assert run.run() == [("trainer.wait_healthy",), ("pool.wait_healthy",), ("trainer.load",),
+                         ("buffer.missing", ("g2-a", "g3-a")), ("buffer.discard_except", ("g2-a",)),
+                         ("tracker.rewind", 1), ("sync", 1), one(3), one(4), one(5),
+                         ("trainer.train", 1), ("sync", 2), ("trainer.save", 1), step(1),
+                         ("trainer.train", 2), ("sync", 3), ("trainer.save", 2), step(2)]
+    assert [list(r.entry_ids) for r in run.trainer.requests] == [["g2-a", "g3-a"], ["g4-a", "g5-a"]]   # g3-a: anew
+    assert run.trainer.saved[-1].samples_generated == 4 + 2 * SAMPLES_PER_STEP
 
 
 def test_fully_async_keeps_a_generation_per_replica_in_flight_and_checkpoints_them():
@@ -493,6 +602,11 @@ def test_a_resume_reuses_every_round_of_a_recorded_generation_or_generates_its_r
 
 def test_overlaps():
     assert [policy.overlaps(m) for m in ("async", "sync", "fully_async")] == [True, False, False]
+
+
+def test_sync_pause_mode_and_waiting_follow_inflight_update():
+    assert [policy.sync_pause_mode(m) for m in ("off", "keep", "recompute")] == ["drain", "in_place", "retract"]
+    assert [policy.waits_for_generation_before_sync(m) for m in ("off", "keep")] == [True, False]
 
 
 def test_sync_due():

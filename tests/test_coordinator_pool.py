@@ -41,11 +41,15 @@ class FakeReplica:
 
     def __init__(self, name: str, log: CallLog, *, fail: list[grpc.StatusCode] | None = None, version: int = 0,
                  reward: float = 0.0, ranks: int = 1, checksums: dict[str, str] | None = None,
-                 fail_prepare: bool = False):
+                 fail_prepare: bool = False, buckets: list[str] | None = None,
+                 fail_receive: list[grpc.StatusCode] | None = None):
+        """`checksums`/`buckets`: what it answers a verified receive per tensor / per bucket; `fail_receive`:
+        status codes its next receives raise (an engine that found a bucket different answers DATA_LOSS)."""
         self.name, self.log = name, log
         self.fail = list(fail or [])
         self.version = version          # the weight version it generates with and reports
         self.reward, self.ranks, self.checksums, self.fail_prepare = reward, ranks, checksums or {}, fail_prepare
+        self.buckets, self.fail_receive = buckets or [], list(fail_receive or [])
 
     def _raise(self, call: str, code: grpc.StatusCode) -> None:
         raise ServiceCallError(f"{self.name} {call} failed: {code.name}: test", code=code)
@@ -73,7 +77,12 @@ class FakeReplica:
 
     def receive_weights(self, request: rollout_pb2.ReceiveWeightsRequest) -> rollout_pb2.ReceiveWeightsResponse:
         self.log(f"{self.name}.receive", request.plan.version, request.rank_offset)
-        return rollout_pb2.ReceiveWeightsResponse(version=request.plan.version, checksums=self.checksums)
+        if self.fail_receive:
+            self._raise(f"ReceiveWeights(v{request.plan.version})", self.fail_receive.pop(0))
+        by_bucket = request.plan.verify_by_bucket
+        return rollout_pb2.ReceiveWeightsResponse(version=request.plan.version, checksum_s=0.5,
+                                                  checksums={} if by_bucket else self.checksums,
+                                                  bucket_checksums=self.buckets if by_bucket else [])
 
     def resume(self) -> None:
         self.log(f"{self.name}.resume")
@@ -194,15 +203,20 @@ def test_retry_call_pauses_between_attempts_and_returns_the_answer():
 
 
 class FakeTrainer:
-    """Fake of the trainer's weight-sync calls: a plan of one tensor whose checksum is `c1`."""
+    """Fake of the trainer's weight-sync calls: a plan of one bucket (checksum `b1`) of one tensor (`c1`); it
+    announces the bucket's checksum or the tensor's, as asked."""
 
     def __init__(self, log: CallLog):
         self.log, self.name = log, "trainer"
 
     def prepare_weight_sync(self, request: trainer_pb2.PrepareWeightSyncRequest) -> common_pb2.WeightSyncPlan:
-        self.log("trainer.prepare", request.version, request.engine_world_size, request.verify)
-        plan = common_pb2.WeightSyncPlan(version=request.version, transport="gloo", total_bytes=2000)
-        plan.buckets.add().tensors.add(name="w", checksum="c1")
+        self.log("trainer.prepare", request.version, request.engine_world_size, request.verify,
+                 request.verify_by_bucket)
+        by_bucket = request.verify and request.verify_by_bucket
+        plan = common_pb2.WeightSyncPlan(version=request.version, transport="gloo", total_bytes=2000,
+                                         verify=request.verify, verify_by_bucket=by_bucket, checksum_s=0.25)
+        bucket = plan.buckets.add(checksum="b1" if by_bucket else "")
+        bucket.tensors.add(name="w", checksum="" if by_bucket else "c1")
         return plan
 
     def publish_weights(self, version: int) -> trainer_pb2.PublishWeightsResponse:
@@ -217,23 +231,45 @@ def _sync(log: CallLog, replicas: list[FakeReplica], *, verify: bool = True) -> 
 
 def test_a_sync_prepares_the_engines_then_the_trainer_transfers_verifies_and_resumes():
     log = CallLog()
-    sync = _sync(log, [FakeReplica("r0", log, ranks=2, checksums={"w": "c1"})])
+    sync = _sync(log, [FakeReplica("r0", log, ranks=2, buckets=["b1"])])
     result = sync.run(version=4)
     assert (result.version, result.bytes, result.verified_tensors) == (4, 2000, 1)
-    assert log[:2] == [("r0.prepare", 4), ("trainer.prepare", 4, 2, True)]
+    assert log[:2] == [("r0.prepare", 4), ("trainer.prepare", 4, 2, True, True)]   # verified by bucket
     assert sorted(log[2:4]) == [("r0.receive", 4, 1), ("trainer.publish", 4)]   # concurrent
     assert log[4:] == [("r0.resume",)]
-    # every phase is timed; publish and receive are the services' own accounts
-    assert set(result.phase_seconds) == {"pause", "plan", "transfer", "publish", "receive", "verify", "resume"}
+    # every phase is timed; publish and receive are the services' own accounts, and so are the checksums
+    assert set(result.phase_seconds) == {"pause", "plan", "transfer", "publish", "receive", "verify", "resume",
+                                         "checksum"}
     assert result.phase_seconds["publish"] == 0.25
+    assert result.phase_seconds["checksum"] == 0.25 + 0.5   # the trainer's and the slowest engine's
 
 
-def test_a_sync_whose_checksums_differ_names_the_replica_and_still_resumes_the_engines():
+def test_a_bucket_that_differs_is_sent_again_per_tensor_and_the_error_names_the_tensor_and_replica():
     log = CallLog()
-    sync = _sync(log, [FakeReplica("r0", log, checksums={"w": "XX"})])
+    sync = _sync(log, [FakeReplica("r0", log, buckets=["XX"], checksums={"w": "XX"})])
     with pytest.raises(WeightSyncError, match=r"check_weight_update_equal failed on r0: 1 tensors differ \(w\)"):
         sync.run(version=1)
-    assert log[-1] == ("r0.resume",)
+    assert [e for e in log if e[0] == "trainer.prepare"] == [("trainer.prepare", 1, 1, True, True),
+                                                               ("trainer.prepare", 1, 1, True, False)]
+    assert log.count(("r0.resume",)) == 2 and log[-1] == ("r0.resume",)   # resumed after each attempt
+
+
+def test_an_engine_that_answers_data_loss_is_rechecked_per_tensor_and_a_clean_resend_passes():
+    log = CallLog()
+    sync = _sync(log, [FakeReplica("r0", log, buckets=["b1"], checksums={"w": "c1"},
+                                   fail_receive=[grpc.StatusCode.DATA_LOSS])])
+    result = sync.run(version=2)   # the mismatch did not repeat: the sync succeeded
+    assert result.verified_tensors == 1
+    assert [e for e in log if e[0] == "trainer.prepare"] == [("trainer.prepare", 2, 1, True, True),
+                                                               ("trainer.prepare", 2, 1, True, False)]
+
+
+def test_a_transfer_failing_otherwise_is_not_rechecked():
+    log = CallLog()
+    sync = _sync(log, [FakeReplica("r0", log, fail_receive=[UNAVAILABLE])])
+    with pytest.raises(WeightSyncError, match=r"weight transfer of version 3 over gloo failed: .*UNAVAILABLE"):
+        sync.run(version=3)
+    assert [e[0] for e in log].count("trainer.prepare") == 1
 
 
 def test_a_sync_failing_in_prepare_says_so_and_resumes_the_engines():

@@ -4,12 +4,15 @@ import json
 
 import pytest
 
+from services.contracts.config import DataConfig
 from services.coordinator.control import Control
 from services.coordinator.data import DataCursor, DataSource, PromptRecord, load_prompts
 from services.coordinator.pool import split_evenly
-from services.coordinator.state import GeneratedBatch, RunState
+from services.coordinator.state import GeneratedBatch, RunState, StreamGroup
 from services.coordinator.stepmetrics import prefixed, weighted_mean
 from services.coordinator.sync import WeightSyncError, compare_checksums
+
+DATA = DataConfig(train_path="unused")
 
 
 def _records(n):
@@ -52,19 +55,32 @@ def test_load_prompts_reports_bad_lines(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "1 2 =", "label": "3", "level": 2}\n\nnot json\n')
     with pytest.raises(ValueError, match=r"d.jsonl:3: not valid JSON"):
-        load_prompts(str(path), prompt_key="prompt", label_key="label")
+        load_prompts(str(path), DATA)
     path.write_text('{"prompt": "1 2 =", "label": "3", "level": 2}\n')
-    [rec] = load_prompts(str(path), prompt_key="prompt", label_key="label")
+    [rec] = load_prompts(str(path), DATA)
     assert rec == PromptRecord(text="1 2 =", label="3", metadata={"level": "2"})
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_prompts(str(tmp_path / "missing.jsonl"), prompt_key="prompt", label_key="label")
+        load_prompts(str(tmp_path / "missing.jsonl"), DATA)
+    path.write_text('{"prompt": "1 2 =", "max_new_tokens": 12}\n{"prompt": "3 4 =", "max_new_tokens": "many"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: max_new_tokens must be a whole number >= 1, got 'many'"):
+        load_prompts(str(path), DATA)
+
+
+def test_a_streaming_group_is_found_again_by_its_place_in_the_data_order():
+    source = DataSource(_records(12), batch_size=4, shuffle=True, seed=7, num_epochs=3)
+    batches = [source.next_batch() for _ in range(5)]   # the fourth and fifth are of epoch 1
+    last = batches[-1]
+    first = last.cursor_after.offset - len(last.prompts)
+    assert [source.record_at(last.cursor_after.epoch, first + k) for k in range(4)] == list(last.prompts)
 
 
 def test_run_state_round_trips_through_json():
     state = RunState(next_rollout_id=5, weight_version=4, cursor=DataCursor(epoch=1, offset=8, consumed=40),
                      pending=(GeneratedBatch(rollout_id=5, entry_ids=("1-0", "2-0"), cursor_before=DataCursor(1, 8, 40),
                                              cursor_after=DataCursor(1, 16, 48)),),
-                     samples_generated=320, samples_trained=300, samples_dropped_stale=20, history=("a", "b"))
+                     samples_generated=320, samples_trained=300, samples_dropped_stale=20, history=("a", "b"),
+                     groups=(StreamGroup(group_id=40, epoch=1, offset=8, entry_id="3-0", weight_version=4),
+                             StreamGroup(group_id=41, epoch=1, offset=9)))
     assert RunState.from_json(state.to_json()) == state
 
 

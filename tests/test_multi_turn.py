@@ -13,7 +13,6 @@ import pytest
 
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import FINISH_ABORT, FINISH_STOP, Engine, SampleOutput
-from services.rollout.engines.gate import PauseGate
 from services.rollout.environments import (
     Action,
     EnvironmentFailure,
@@ -25,25 +24,22 @@ from services.rollout.environments import (
     resolve_environment,
 )
 from services.rollout.multi_turn import MultiTurnRollout, episode_metrics, turn_sampling
+from tests.helpers.scripted_engine import GenerateOnlyEngine
 
 SAMPLING = SamplingSpec(temperature=1.0, max_new_tokens=2, seed=5)
 
 
-class ScriptedFakeEngine(Engine):
+class ScriptedFakeEngine(GenerateOnlyEngine):
     """Turn t of every episode is the tokens [10 + t, 20 + t] with log-probs [-0.1 (t+1), -0.2 (t+1)], where t is
     the number of earlier calls that episode was in (read off its context: each earlier turn left a 10 + t token)."""
 
-    name = "scripted"
-
     def __init__(self, *, max_context: int = 64, abort_on_call: int | None = None, version: int = 3):
-        self._version, self._max_context, self._gate = version, max_context, PauseGate(engine="scripted")
-        self._released, self._generated = set(), 0
+        super().__init__(max_context=max_context, version=version)
         self.calls: list[tuple[list[list[int]], SamplingSpec]] = []
         self.abort_on_call = abort_on_call
 
-    model_path = device_label = "scripted"   # type: ignore[assignment]
-
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                           budgets: Sequence[int]) -> list[SampleOutput]:
         self.calls.append(([list(p) for p in prompts], sampling))
         if self.abort_on_call == len(self.calls) - 1:
             return [SampleOutput((), (), FINISH_ABORT, self._version) for _ in prompts]
@@ -54,14 +50,6 @@ class ScriptedFakeEngine(Engine):
             ids = (10 + t, 20 + t)[:room]
             out.append(SampleOutput(ids, (-0.1 * (t + 1), -0.2 * (t + 1))[:room], FINISH_STOP, self._version + t))
         return out
-
-    def update_weights_from_tensors(self, named_tensors, *, version=None): raise NotImplementedError
-    def update_weights_from_disk(self, path, *, version): raise NotImplementedError
-    def receive_weights(self, plan, *, rank_offset, receiver): raise NotImplementedError
-    def pause(self, mode="drain", *, timeout_s=None): raise NotImplementedError
-    def resume(self): raise NotImplementedError
-    def release_memory(self, tags=()): raise NotImplementedError
-    def resume_memory(self, tags=()): raise NotImplementedError
 
 
 def encode(text: str) -> list[int]:
@@ -108,6 +96,8 @@ def test_a_three_turn_episode_has_exact_tokens_mask_and_log_probs_with_a_scripte
     assert [lp for lp, m in zip(e.output.log_probs, e.loss_mask, strict=True) if not m] == [0.0] * 4
     assert (e.reward, e.turns, e.end, e.output.finish_reason) == (1.75, 3, "done", "stop")
     assert e.output.weight_version == 3                           # the oldest version that generated a turn
+    # turn t was sampled by version 3 + t; an observation token carries the version of the policy token before it
+    assert e.output.token_versions == (3, 3, 3, 3, 4, 4, 4, 4, 5, 5)
     # each generation continues the conversation: prompt + reset observation + every turn and observation so far
     assert [c[0] for c in engine.calls] == [[[1, 4, 5, 6, 2]], [[1, 4, 5, 6, 2, 10, 20, 7, 8]],
                                             [[1, 4, 5, 6, 2, 10, 20, 7, 8, 11, 21, 9, 3]]]

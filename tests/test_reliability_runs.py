@@ -6,7 +6,10 @@ id trained by exactly one optimizer step, trained + dropped-as-stale = generated
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -23,7 +26,7 @@ from reliability_kit import (
     wait_for,
     wait_running,
 )
-from tandem_runs import metrics, start_run, stop_run, supervisor_log
+from tandem_runs import REPO, metrics, start_run, stop_run, supervisor_log
 
 from services.buffer.stream import connect
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2_grpc
@@ -158,3 +161,52 @@ def _generating(stub) -> bool:  # type: ignore[no-untyped-def]
         return stub.GetState(common_pb2.Empty(), timeout=2).in_flight > 0
     except grpc.RpcError:
         return False
+
+
+def long_tailed_digit_max(out) -> list[str]:  # type: ignore[no-untyped-def]
+    """digit_max ("a b =", answer max(a, b)) with each row's response forced to its own lognormal length in 4..120
+    tokens (examples/digit_max_long/generate_data.py --lengths); the reward reads the first digit only."""
+    subprocess.run([sys.executable, str(REPO / "examples/digit_max_long/generate_data.py"), "--digits", "2",
+                    "--train", "2048", "--eval", "128", "--lengths", "4", "120", "--out", str(out)], check=True,
+                   capture_output=True)
+    return [f"data.train_path={out / 'train.jsonl'}", f"data.eval_path={out / 'eval.jsonl'}",
+            f"rollout.reward={REPO / 'examples/digit_max_long/reward.py'}:reward",
+            "rollout.sampling.max_new_tokens=120", "rollout.sampling.ignore_eos=true"]
+
+
+def test_inflight_streaming_learns_long_tailed_digit_max_and_a_coordinator_kill_9_trains_every_group_once(tmp_path):
+    """Issue 33 end to end, one run for two things. Generation never waits: groups stream (loop.mode streaming), the
+    native engine batches them continuously, and weight syncs land between two decode steps (inflight_update keep);
+    the trainer corrects per token with decoupled PPO. On long-tailed lengths the policy learns (greedy eval ~0.1 ->
+    0.85-0.9 in 40 steps in the runs tried). The coordinator is killed -9 mid-run: the restarted one resumes from the
+    last checkpoint, reusing the groups it recorded as done and generating again the ones that were not, and the
+    books balance: every rollout id trained once, trained + dropped as stale = generated, nothing left in Redis."""
+    run_dir, n = tmp_path / "run", 40
+    proc = start_run(run_dir, f"loop.num_rollout={n}", "loop.eval_interval=40", "loop.save_interval=5",
+                     "services.max_restarts=1", "loop.mode=streaming", "loop.max_staleness=3",
+                     "redis.max_buffered_batches=64", "rollout.continuous_batching=true", "rollout.max_batch_size=128",
+                     "rollout.inflight_update=keep", "algorithm.use_rollout_logprobs=false", "algorithm.use_tis=true",
+                     "algorithm.tis_mode=mask", "algorithm.loss_aggregation=seq_mean_token_mean",
+                     "redis.appendfsync=always", f"redis.password={PASSWORD}",
+                     *long_tailed_digit_max(tmp_path / "data"))
+    try:
+        wait_running(run_dir, rollout_id=12)   # the checkpoint of rollout 9 is written
+        os.kill(service_pid(proc.pid, "coordinator"), signal.SIGKILL)
+        assert proc.wait(timeout=400) == 0, supervisor_log(run_dir)
+    finally:
+        stop_run(proc)
+    assert "coordinator exited with -9; restarting it" in supervisor_log(run_dir)
+    coordinator_log = _log(run_dir, "coordinator")
+    assert "resumed from" in coordinator_log, coordinator_log[-3000:]
+    assert re.search(r"resuming \d+ groups: \d+ buffered entries reused, \d+ generated again", coordinator_log)
+    assert_every_sample_trained_once(run_dir, n)
+    rows = metrics(run_dir)
+    steps = [r for r in rows if "perf/step_time_s" in r]
+    evals = [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r]
+    assert [r["rollout_id"] for r in steps] == list(range(n)) and len(evals) == 2
+    assert evals[0] < 0.3 and evals[1] > 0.6, evals
+    # syncs landed mid-generation: tokens of newer versions than their sample's first, trained by their own lag (how
+    # many steps see one depends on the machine's speed: 10-24 of 40 on a quiet box, 2 under a loaded suite)
+    assert any(r["rollout/inflight_token_frac"] > 0 for r in steps)
+    assert max(r["rollout/version_spread_mean"] for r in steps) > 0
+    assert any(r.get("train/token_lag_frac_0", 0) > 0 and r.get("train/token_lag_frac_1", 0) > 0 for r in steps)

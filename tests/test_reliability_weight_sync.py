@@ -1,7 +1,8 @@
 """A weight transfer between a real trainer process and a real rollout process (gloo) whose peer is killed
 (kill -9) mid-sync — after the engine joined the transfer and while it waits for the trainer's bytes. The
 survivor fails within weights.timeout_s with an error naming the phase, the version and the peer; a
-restarted peer is re-synced by the next WeightSync.run, checksums verified tensor by tensor."""
+restarted peer is re-synced by the next WeightSync.run, checksums verified tensor by tensor. After those failed syncs,
+both services still stop within services.timeouts.shutdown_s of a SIGTERM, on a busy machine."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import grpc
 import pytest
 import torch.distributed as dist
 from reliability_kit import Services, wait_for
+from stopping import stop_under_load
 
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
 from services.coordinator.sync import WeightSync
@@ -83,3 +85,16 @@ def test_trainer_killed_mid_sync_engine_fails_in_time_and_a_restarted_trainer_re
     s.rollout.stub.Resume(common_pb2.Empty(), timeout=10)   # as WeightSync does after a failure
     s.restart("trainer")
     assert sync.run(version=4).verified_tensors > 0                        # same engine, new trainer and group
+
+
+def test_after_failed_syncs_both_services_stop_within_budget_when_another_thread_takes_the_sigterm(services):
+    """Every core busy, and the SIGTERM taken by a thread other than the main one (as the kernel does when another
+    thread is starting a thread): each service still logs its stop and exits 0 within shutdown_s."""
+    s = services
+    budget_s = s.config.services.timeouts.shutdown_s
+    for name in ("rollout", "trainer"):
+        took_s = stop_under_load(s.procs[name], budget_s=budget_s)
+        assert s.procs[name].returncode == 0, (name, s.procs[name].returncode)
+        log = (s.run_dir / f"{name}.log").read_text(errors="replace")
+        assert "stopping (SIGTERM)" in log, (name, log[-2000:])
+        print(f"{name} stopped in {took_s:.2f}s of its {budget_s:g}s budget")

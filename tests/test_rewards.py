@@ -40,6 +40,58 @@ def test_numeric_match(response: str, label: str, expected: float):
     assert score("numeric_match", [response], [label]) == [expected]
 
 
+MATH_CASES = [
+    ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "72", 1.0),   # GSM8K's marker
+    ("#### 72 clips, and 5 left over", "72", 1.0),             # the number right after ####, not the last one
+    ("So the answer is \\boxed{72}. Check: 70 + 2", "72", 1.0),  # the last boxed wins over the last number
+    ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),                   # a LaTeX fraction, compared numerically
+    ("The answer is 3/4.", "\\frac{3}{4}", 1.0),
+    ("The answer is: $1,000.", "1000", 1.0),                   # "answer is", currency and thousands separator
+    ("Answer: -7 apples. 9 are left.", "-7", 1.0),              # "Answer:" beats the last number
+    ("She has 3 then 5", "5", 1.0),                            # the final number
+    ("She has 5 then 3", "5", 0.0),
+    ("It is 72.0", "#### 72", 1.0),                            # a GSM8K solution as label; 72.0 == 72
+    ("It is 0.3333333", "1/3", 1.0),                           # decimals: within a relative 1e-6
+    ("It is 0.33", "1/3", 0.0),
+    ("\\boxed{72 \\text{ clips}}", "72", 1.0),                 # units in the box are decoration
+    ("\\boxed{18\\%}", "18", 1.0),
+    ("I think 12", '["12", "twelve"]', 1.0),                   # verl's ground_truth lists: any answer counts
+    ("I think 13", '["12", "twelve"]', 0.0),
+    ("\\boxed{x+1}", "x+1", 1.0),                              # not a number: compared as text
+    ("no number here", "3", 0.0),
+    ("7", "", 0.0),
+]
+
+
+@pytest.mark.parametrize("response,label,expected", MATH_CASES)
+def test_math_answer_reads_boxed_hashes_answer_is_and_the_final_number(response: str, label: str, expected: float):
+    assert score("math_answer", [response], [label]) == [expected]
+
+
+def test_math_verify_agrees_on_the_numeric_cases_and_checks_symbols_on_a_worker_thread():
+    """The math-verify package (installed by the dev extra), run as rollout services run rewards: under a deadline,
+    on a worker thread, where its own signal-based timeouts could not work."""
+    reward = resolve_reward("math_verify")
+    # math-verify reads the last expression of a response, not the number after "####"
+    numeric = [c for c in MATH_CASES if c[1] and c[0] != "#### 72 clips, and 5 left over"]
+    got = reward.score(prompts=[""] * len(numeric), responses=[c[0] for c in numeric],
+                       labels=[c[1] for c in numeric], metadatas=[{}] * len(numeric), timeout_s=60)
+    assert got == [c[2] for c in numeric]
+    symbolic = reward.score(prompts=[""] * 2, responses=["\\boxed{\\frac{2}{4}}", "$x^2 + 2x + 1$"],
+                            labels=["0.5", "(x+1)^2"], metadatas=[{}] * 2, timeout_s=60)
+    assert symbolic == [1.0, 1.0]
+
+
+def test_math_verify_without_its_package_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(RewardSpecError, match=r"reward math_verify needs the math-verify package: pip install "
+                                              r"'tandem-rl\[math\]'"):
+        rewards.resolve_reward.__wrapped__("math_verify")
+
+
 def test_extract_boxed_handles_nested_braces():
     assert rewards.extract_boxed("a \\boxed{x} b \\boxed{{1}+{2}} c") == "{1}+{2}"
     assert rewards.extract_boxed("\\boxed{unclosed") is None

@@ -122,6 +122,49 @@ def test_ppo_loss_matches_the_reference_on_random_tokens():
                                                                                          rel=1e-5, abs=1e-6)
 
 
+def _token_micro_batch(n: int, lengths: list[int]) -> MicroBatch:
+    """A micro-batch of len(lengths) sequences of n tokens in all."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    positions = torch.cat([torch.arange(k) for k in lengths])
+    return MicroBatch(input_ids=torch.zeros(len(lengths), max(lengths) + 1, dtype=torch.long),
+                      attention_mask=torch.ones(len(lengths), max(lengths) + 1, dtype=torch.long), rows=rows,
+                      positions=positions, targets=torch.zeros(n, dtype=torch.long), token_index=torch.arange(n),
+                      num_tokens=n + len(lengths))
+
+
+@pytest.mark.parametrize("dual_clip_c", [None, 3.0])
+def test_decoupled_ppo_matches_areal_with_each_tokens_own_behaviour_log_prob(dual_clip_c):
+    """tis_mode: mask is AReaL's decoupled PPO: the surrogate clipped against the proximal policy (the trainer's
+    policy before the step), times exp(prox - behav) with behav each token's own rollout log-prob, 0 above the cap.
+    Random tokens of 8 samples whose later tokens were sampled after a mid-generation sync: their behaviour log-probs
+    come from another policy (far off for some, so some weights pass the cap)."""
+    gen = torch.Generator().manual_seed(11)
+    lengths = [25] * 8
+    n = sum(lengths)
+    mb = _token_micro_batch(n, lengths)
+    logp, prox = -torch.rand(n, generator=gen) * 3, -torch.rand(n, generator=gen) * 3
+    after_sync = (torch.arange(n) % 25) >= 10
+    behav = torch.where(after_sync, prox - torch.randn(n, generator=gen), prox + 0.05 * torch.randn(n, generator=gen))
+    adv = torch.randn(n, generator=gen)
+    inputs = TokenInputs(sampling=TokenSampling.per_row(torch.ones(8), torch.ones(8), torch.zeros(8),
+                                                        lengths=torch.tensor(lengths)),
+                         advantages=adv, rollout_log_probs=behav, loss_mask=torch.ones(n),
+                         weights=TokenWeights(loss=torch.ones(n) / n, mean=torch.ones(n) / n), ref_log_probs=None,
+                         old=None)
+    algo = AlgorithmConfig(use_rollout_logprobs=False, use_tis=True, tis_mode="mask", tis_clip=2.0, eps_clip=0.2,
+                           eps_clip_high=0.28, dual_clip_c=dual_clip_c)
+    pg, _, ratio, tis = policy_loss_terms(logp=logp, behaviour=prox, rollout_lp=behav, mb=mb, inputs=inputs, algo=algo)
+    expected = [ref.decoupled_ppo_loss(log_prob=a, prox_log_prob=b, behav_log_prob=c, advantage=d, eps_low=0.2,
+                                       eps_high=0.28, dual_clip_c=dual_clip_c, cap=2.0)
+                for a, b, c, d in zip(logp.tolist(), prox.tolist(), behav.tolist(), adv.tolist(), strict=True)]
+    assert pg.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert ratio.tolist() == pytest.approx((logp - prox).exp().tolist(), rel=1e-5)   # against prox, not behav
+    masked = (tis == 0)
+    assert masked[after_sync].any() and not masked[~after_sync].any()   # only far-off in-flight tokens pass the cap
+    truncated = tis_weights(old_log_probs=prox, rollout_log_probs=behav, clip=2.0)   # miles' TIS keeps them at 2
+    assert truncated[masked].tolist() == [2.0] * int(masked.sum())
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_estimators_match_the_reference(estimator):
     gen = torch.Generator().manual_seed(4)

@@ -15,7 +15,6 @@ from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import EngineUnavailable
 from services.rollout.engines.native import NativeEngine
 from services.rollout.engines.sampling import sampling_log_probs
-from services.rollout.model_init import init_model
 
 torch.set_num_threads(1)
 
@@ -24,12 +23,6 @@ torch.set_num_threads(1)
 LOGPROB_ATOL = 1e-4
 
 PROMPTS = [[1, 7, 11, 18], [1, 3, 18], [1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 18], [1, 9, 9, 18]]
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return init_model(root / "a", preset="tiny", seed=0), init_model(root / "b", preset="tiny", seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +147,18 @@ def test_unseeded_sampling_differs_between_processes(tmp_path):
     assert len(runs) == 2
 
 
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_each_prompt_may_cap_its_own_new_tokens(model_dirs: tuple[Path, Path], decode: str):
+    """A data row's max_new_tokens: caps below sampling.max_new_tokens stop each sample at its own length (the
+    long-tailed lengths of issue 33's tasks), in one batch."""
+    engine = NativeEngine(model_dirs[0], device="cpu", decode=decode)
+    opts = SamplingSpec(max_new_tokens=9, ignore_eos=True, seed=4)
+    outs = engine.generate(PROMPTS, opts, max_new_tokens=[3, 20, 1, 9])
+    assert [len(o.token_ids) for o in outs] == [3, 9, 1, 9] and {o.finish_reason for o in outs} == {"length"}
+    with pytest.raises(ValueError, match="max_new_tokens: expected 4 caps >= 1"):
+        engine.generate(PROMPTS, opts, max_new_tokens=[3, 0, 1, 9])
+
+
 def test_bad_prompts(engine: NativeEngine):
     opts = SamplingSpec(max_new_tokens=4)
     ctx = engine.max_context_length
@@ -209,8 +214,13 @@ def test_in_place_weight_loads(model_dirs: tuple[Path, Path]):
 
 def _start(engine: NativeEngine, opts: SamplingSpec, n: int = 128,
            wait_running: bool = True) -> tuple[threading.Thread, list]:
+    return _start_prompts(engine, [[1, 5, 18]] * n, opts, wait_running=wait_running)
+
+
+def _start_prompts(engine: NativeEngine, prompts: list[list[int]], opts: SamplingSpec, *,
+                   wait_running: bool = True) -> tuple[threading.Thread, list]:
     result: list = []
-    thread = threading.Thread(target=lambda: result.append(engine.generate([[1, 5, 18]] * n, opts)))
+    thread = threading.Thread(target=lambda: result.append(engine.generate(prompts, opts)))
     thread.start()
     deadline = time.monotonic() + 10
     while wait_running and engine.get_state().in_flight == 0 and time.monotonic() < deadline:
@@ -258,6 +268,80 @@ def test_pause_in_place_parks_and_continues_after_a_weight_update(engine: Native
     outs = result[0]
     assert all(o.finish_reason == "length" and len(o.token_ids) == 120 for o in outs)
     assert outs[0].weight_version == engine.weight_version - 1    # the version generation started with
+    # every token carries the version that sampled it: the old one up to where the call was parked, then the new
+    old, new = engine.weight_version - 1, engine.weight_version
+    switch = outs[0].token_versions.index(new)
+    assert 0 < switch < 120
+    assert all(o.token_versions == (old,) * switch + (new,) * (120 - switch) for o in outs)
+
+
+def _teacher_forced_logits(model, prompt: list[int], response: tuple[int, ...]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([prompt + list(response)])).logits[0, len(prompt) - 1:-1]
+
+
+def _update_while_parked(engine: NativeEngine, mode: str, state: dict[str, torch.Tensor], *, version: int,
+                         while_parked=None) -> list:  # type: ignore[no-untyped-def]
+    """Greedy generation of PROMPTS x 8 with a weight update that lands between two decode steps."""
+    thread, result = _start_prompts(engine, PROMPTS * 8, SamplingSpec(temperature=0.0, max_new_tokens=80,
+                                                                      ignore_eos=True))
+    engine.pause(mode, timeout_s=30)
+    if while_parked is not None:
+        while_parked()
+    engine.update_weights_from_tensors(state.items(), version=version)
+    engine.resume()
+    thread.join(30)
+    return result[0]
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_a_weight_update_lands_between_two_decode_steps(model_dirs: tuple[Path, Path], decode: str, mode: str):
+    """rollout.inflight_update: the tokens before the update are model A's greedy choices, the ones after are sampled
+    by model B and say so (token_versions). retract (recompute) refills the KV cache under B, so the rest is exactly
+    B's continuation of the prompt and the tokens so far (B's teacher-forced argmax and log-probs); in_place (keep)
+    goes on with A's KV cache, so B's log-probs of the later tokens differ from a fresh B forward."""
+    from transformers import AutoModelForCausalLM
+
+    engine = NativeEngine(model_dirs[0], device="cpu", decode=decode)
+    a = AutoModelForCausalLM.from_pretrained(model_dirs[0]).eval()
+    b = AutoModelForCausalLM.from_pretrained(model_dirs[1]).eval()
+    outs = _update_while_parked(engine, mode, {k: v.clone() for k, v in b.state_dict().items()}, version=1)
+    stale_kv = []
+    for prompt, o in zip(PROMPTS * 8, outs, strict=True):
+        switch = o.token_versions.index(1)
+        assert 0 < switch < 80 and o.token_versions == (0,) * switch + (1,) * (80 - switch)
+        before, after = _teacher_forced_logits(a, prompt, o.token_ids), _teacher_forced_logits(b, prompt, o.token_ids)
+        lp_a, lp_b = before.log_softmax(-1), after.log_softmax(-1)
+        tokens = torch.tensor(o.token_ids)
+        assert before[:switch].argmax(-1).tolist() == list(o.token_ids[:switch])
+        assert torch.allclose(lp_a[:switch].gather(-1, tokens[:switch, None]).squeeze(-1),
+                              torch.tensor(o.log_probs[:switch]), atol=LOGPROB_ATOL)
+        fresh = lp_b[switch:].gather(-1, tokens[switch:, None]).squeeze(-1)
+        gap = float((fresh - torch.tensor(o.log_probs[switch:])).abs().max())
+        if mode == "retract":
+            assert after[switch:].argmax(-1).tolist() == list(o.token_ids[switch:]) and gap < LOGPROB_ATOL
+        stale_kv.append(gap)
+    if mode == "in_place":
+        assert max(stale_kv) > 1e-2    # the KV of the tokens before the update is A's
+
+
+def test_a_runner_whose_parameters_moved_while_parked_refills_its_cache(model_dirs: tuple[Path, Path]):
+    """decode="static" (CUDA graphs capture parameter addresses): a first cuda_ipc sync re-points the parameters
+    into flat buffers while a call is parked in place; the call then needs a new runner, whose cache it refills."""
+    from transformers import AutoModelForCausalLM
+
+    from services.weights.layout import plan_layout, specs_from_tensors
+
+    engine = NativeEngine(model_dirs[0], device="cpu", decode="static")
+    b = AutoModelForCausalLM.from_pretrained(model_dirs[1]).eval()
+    layout = plan_layout(specs_from_tensors(engine.model.named_parameters()), bucket_bytes=16 * 1024)
+    outs = _update_while_parked(engine, "in_place", {k: v.clone() for k, v in b.state_dict().items()}, version=1,
+                                while_parked=lambda: engine.flatten_parameters(layout))
+    for prompt, o in zip(PROMPTS * 8, outs, strict=True):
+        switch = o.token_versions.index(1)
+        after = _teacher_forced_logits(b, prompt, o.token_ids)
+        assert after[switch:].argmax(-1).tolist() == list(o.token_ids[switch:])   # B's own continuation
 
 
 def test_release_and_resume_memory_on_cpu(model_dirs: tuple[Path, Path]):
@@ -282,3 +366,17 @@ def test_release_and_resume_memory_on_cpu(model_dirs: tuple[Path, Path]):
     assert [o.token_ids for o in after] == [o.token_ids for o in before]
     with pytest.raises(ValueError, match="unknown memory tag"):
         engine.release_memory(["gpu_magic"])
+
+
+def test_the_engines_busy_time_counts_forward_passes_not_idle_time(engine: NativeEngine):
+    from services.rollout.engines.gate import DecodeGate
+
+    gate = DecodeGate(engine="test")
+    with gate.computing():
+        time.sleep(0.05)
+    busy = gate.busy_s
+    time.sleep(0.05)
+    assert 0.04 < busy < 1.0 and gate.busy_s == busy      # idle: no growth
+    before = engine.get_state().busy_s
+    engine.generate(PROMPTS, SamplingSpec(max_new_tokens=4, seed=1))
+    assert engine.get_state().busy_s > before

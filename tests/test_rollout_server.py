@@ -4,7 +4,6 @@ keeps serving, traces cross into the Redis entry, and start-up failures exit non
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 import yaml
 
 from services.buffer.stream import RolloutBuffer, connect
+from services.contracts.files import read_json_rows
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.rollout.model_init import init_model
 from services.rollout.tokenizer import load_tokenizer
@@ -182,7 +182,7 @@ def test_traces_link_sample_and_reward_spans(server):
     deadline = time.monotonic() + 10
     spans: list[dict] = []
     while time.monotonic() < deadline:
-        spans = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        spans = read_json_rows(path) if path.exists() else []   # the server may be appending a span as we read
         if any(s["name"] == "rl.sample" and s["attributes"].get("rl.rollout_id") == 77 for s in spans):
             break
         time.sleep(0.1)

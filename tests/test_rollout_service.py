@@ -11,9 +11,10 @@ import torch
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
+from services.rollout.engines.base import SampleOutput
 from services.rollout.model_init import init_model
 from services.rollout.rewards import RewardSpecError, digit_task
-from services.rollout.service import PromptInput, RolloutService, pass_at_k
+from services.rollout.service import PromptInput, RolloutService, pass_at_k, version_metrics
 
 torch.set_num_threads(1)
 
@@ -52,7 +53,7 @@ def test_generate_writes_one_decodable_batch(service: RolloutService, redis_serv
     assert (entry.rollout_id, entry.policy_version, batch.num_samples) == (5, 0, 12)
     assert batch.group_ids.tolist() == [100] * 4 + [101] * 4 + [102] * 4
     assert list(batch.labels) == [p.label for p in ps for _ in range(4)]
-    assert batch.sample_versions.tolist() == [0] * 12
+    assert batch.sample_versions.tolist() == [0] * 12 and batch.versions.tolist() == [0] * batch.num_response_tokens
     # the distribution the samples were drawn from travels with them (the trainer scores them under it)
     assert (batch.sampling_temperature.tolist(), batch.sampling_top_p.tolist(), batch.sampling_top_k.tolist()) == \
         ([1.0] * 12, [1.0] * 12, [0] * 12)
@@ -72,6 +73,28 @@ def test_generate_writes_one_decodable_batch(service: RolloutService, redis_serv
     assert m["response_len_mean"] == pytest.approx(batch.num_response_tokens / 12)
     assert m["finish_stop_frac"] + m["finish_length_frac"] == pytest.approx(1.0)
     assert 0.0 <= m["zero_std_group_frac"] <= 1.0 and m["tokens_per_s"] > 0
+    assert (m["version_spread_mean"], m["version_spread_max"], m["inflight_token_frac"]) == (0.0, 0.0, 0.0)
+
+
+def test_a_prompts_own_max_new_tokens_caps_its_samples(service: RolloutService, redis_server, stream: str):
+    ps = [PromptInput(text="1 2 =", label="2", group_id=300, metadata={"max_new_tokens": "1"}),
+          PromptInput(text="3 4 =", label="4", group_id=301)]
+    opts = SamplingSpec(max_new_tokens=5, ignore_eos=True, seed=3)
+    result = service.generate(rollout_id=30, prompts=ps, sampling=opts, stream=stream)
+    lengths = consume(redis_server.url, stream, result.entry_id).batch.response_lengths.tolist()
+    assert lengths == [1] * 4 + [5] * 4
+    bad = [PromptInput(text="1 2 =", group_id=302, metadata={"max_new_tokens": "0"})]
+    with pytest.raises(ValueError, match="prompt of group 302: max_new_tokens must be a whole number >= 1, got '0'"):
+        service.generate(rollout_id=31, prompts=bad, stream=stream)
+
+
+def test_version_metrics_measure_how_far_updates_reached_into_samples():
+    outs = [SampleOutput(token_ids=(1, 2, 3, 4), log_probs=(0.0,) * 4, finish_reason="stop", weight_version=2,
+                         token_versions=(2, 2, 3, 4)),
+            SampleOutput(token_ids=(5, 6), log_probs=(0.0,) * 2, finish_reason="stop", weight_version=3),
+            SampleOutput(token_ids=(), log_probs=(), finish_reason="length", weight_version=3)]
+    assert version_metrics(outs) == {"version_spread_mean": 1.0, "version_spread_max": 2.0,
+                                     "inflight_token_frac": 2 / 6}
 
 
 def test_token_id_prompts_and_request_overrides(service: RolloutService, redis_server, stream: str):

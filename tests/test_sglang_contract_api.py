@@ -123,6 +123,10 @@ def test_sglang_contract_generate_maps_tokens_log_probs_and_finish_reasons(serve
     # the chunks are sent concurrently: they may arrive in any order
     assert sorted(len(b["input_ids"]) for b in requests_to(server, "/generate")[before:]) == [1, 2, 2]
     chunked.close()
+    # a data row's own max_new_tokens: per-prompt sampling params
+    capped = engine.generate([[1], [3]], SamplingSpec(max_new_tokens=3, ignore_eos=True), max_new_tokens=[1, 9])
+    assert [len(o.token_ids) for o in capped] == [1, 3]
+    assert [p["max_new_tokens"] for p in requests_to(server, "/generate")[-1]["sampling_params"]] == [1, 3]
 
 
 def test_sglang_contract_error_answers_are_clear(server: ContractServer, engine: SGLangEngine):

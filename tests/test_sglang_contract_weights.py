@@ -21,6 +21,7 @@ from helpers.sglang_contract_server import ContractServer, blake2b_hex
 
 from services.contracts.config import WeightsConfig
 from services.contracts.sampling import SamplingSpec
+from services.coordinator.policy import sync_pause_mode
 from services.rollout.engines.sglang import SGLangEngine
 from services.weights import (
     TensorSpec,
@@ -56,11 +57,11 @@ def publisher(tmp_path: Path, *, transport: str = "gloo", timeout_s: float = 20.
 
 
 def sync(pub: WeightPublisher, engine: SGLangEngine, *, version: int, verify: bool = False,
-         receiver: WeightReceiver | None = None, rank_offset: int = 1):
+         receiver: WeightReceiver | None = None, rank_offset: int = 1, pause: str = "drain"):
     """One sync as the coordinator runs it: pause, engine RPC and trainer publish concurrently, resume."""
     tensors = make_tensors(SPECS, seed=version)
     plan = pub.prepare(SPECS, version, engine.engine_ranks, verify)
-    engine.pause("drain", timeout_s=10)
+    engine.pause(pause, timeout_s=10)
     try:
         with ThreadPoolExecutor(1) as pool:
             received = pool.submit(engine.receive_weights, plan, rank_offset=rank_offset, receiver=receiver)
@@ -145,6 +146,52 @@ def test_sglang_contract_two_servers_one_group_and_session_probing(tmp_path: Pat
         new.stop()
 
 
+def start_long_request(pool: ThreadPoolExecutor, engine: SGLangEngine, server: ContractServer):  # type: ignore[no-untyped-def]
+    """A 40-token request, once the server generates it (slowly, with token_delay_s set)."""
+    running = pool.submit(engine.generate, [[1]], SamplingSpec(max_new_tokens=40, ignore_eos=True))
+    while server.state()["running"] == 0:
+        time.sleep(0.02)
+    return running
+
+
+@pytest.mark.parametrize("inflight", ["keep", "recompute"])
+def test_sglang_contract_an_in_flight_update_reaches_the_later_tokens(tmp_path: Path, inflight: str):
+    """rollout.inflight_update with SGLang: the coordinator pauses in_place (keep) or retract (recompute), the weights
+    land while the request is parked, and it goes on: its later tokens are the new weights' (their log-probs, each
+    token's behaviour log-prob, say so), while SGLang reports no per-token version, so the sample keeps the version
+    it began with. recompute needs the radix cache off (else retract would reuse the old weights' KV): refused."""
+    with pytest.raises(ValueError, match=r"rollout\.inflight_update: recompute needs SGLang without its radix cache"):
+        plain = ContractServer("--profile", "0.5.17")
+        try:
+            SGLangEngine([plain.url], startup_timeout_s=20, inflight_update="recompute")
+        finally:
+            plain.stop()
+    server = ContractServer("--profile", "0.5.17", "--server-arg", "disable_radix_cache=true")
+    engine = SGLangEngine([server.url], startup_timeout_s=20, inflight_update=inflight)
+    pub = publisher(tmp_path)
+    server.configure(token_delay_s=0.02)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            running = start_long_request(pool, engine, server)
+            time.sleep(0.1)
+            sync(pub, engine, version=5, pause=sync_pause_mode(inflight))
+            (sample,) = running.result(timeout=30)
+        tokens = [(2 + i) % 22 for i in range(40)]
+        old = [-(0.25 + 0.01 * t) for t in tokens]
+        new = [-(0.25 + 0.01 * t + 0.5) for t in tokens]
+        switch = next(i for i, (a, b) in enumerate(zip(sample.log_probs, old, strict=True)) if abs(a - b) > 1e-6)
+        assert 0 < switch < 40 and list(sample.token_ids) == tokens
+        assert list(sample.log_probs) == pytest.approx(old[:switch] + new[switch:])
+        assert sample.weight_version == 0 and sample.versions == (0,) * 40   # no per-token version from SGLang
+        assert [e["body"] for e in server.log() if e["path"] == "/pause_generation"] == \
+            [{"mode": sync_pause_mode(inflight)}]
+    finally:
+        server.configure(token_delay_s=0.0)
+        pub.close()
+        engine.close()
+        server.stop()
+
+
 def test_sglang_contract_in_place_keeps_the_kv_cache(tmp_path: Path):
     """A request parked by pause(in_place) keeps its KV cache: no update may ask for a flush (the contract server,
     like SGLang's scheduler, fails an update whose flush finds requests in the running batch)."""
@@ -154,9 +201,7 @@ def test_sglang_contract_in_place_keeps_the_kv_cache(tmp_path: Path):
     server.configure(token_delay_s=0.02)
     try:
         with ThreadPoolExecutor(2) as pool:
-            running = pool.submit(engine.generate, [[1]], SamplingSpec(max_new_tokens=40, ignore_eos=True))
-            while server.state()["running"] == 0:
-                time.sleep(0.02)
+            running = start_long_request(pool, engine, server)
             tensors = make_tensors(SPECS, seed=5)
             plan = pub.prepare(SPECS, 5, engine.engine_ranks, False)
             engine.pause("in_place", timeout_s=10)

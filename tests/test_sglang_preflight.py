@@ -43,6 +43,22 @@ def test_the_sglang_example_passes_and_each_refusal_is_one_line(monkeypatch: pyt
     check_engine(load_config(EXAMPLE, ["rollout.engine=native", "weights.check_weight_update_equal=true"]))
 
 
+def test_in_flight_updates_with_sglang_need_what_its_pause_modes_can_do():
+    """keep (pause in_place) works with any SGLang 0.5.x; recompute (retract) only without the radix cache; and
+    keep_old_actor cannot tell in-flight tokens (SGLang reports no per-token version)."""
+    inflight = ["loop.mode=async"]
+    check_engine(load_config(EXAMPLE, [*inflight, "rollout.inflight_update=keep"]))
+    with pytest.raises(ConfigError) as info:
+        check_engine(load_config(EXAMPLE, [*inflight, "rollout.inflight_update=recompute"]))
+    assert str(info.value).count("\n") == 0
+    assert str(info.value).startswith("rollout.inflight_update: recompute needs SGLang without its radix cache")
+    check_engine(load_config(EXAMPLE, [*inflight, "rollout.inflight_update=recompute",
+                                       "rollout.sglang.launch_args=[--disable-radix-cache]"]))
+    with pytest.raises(ConfigError, match=r"algorithm\.keep_old_actor scores each token under the snapshot"):
+        load_config(EXAMPLE, [*inflight, "rollout.inflight_update=keep", "algorithm.use_rollout_logprobs=false",
+                              "algorithm.keep_old_actor=true"])
+
+
 def test_tandem_run_stops_in_seconds_not_after_sglang_started(tmp_path: Path):
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "services.cli", "run", str(EXAMPLE), "--run-dir", str(tmp_path / "r"),

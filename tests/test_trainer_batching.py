@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,8 +15,10 @@ from services.trainer.batching import (
     merge_batches,
     pack_rows,
     pack_samples,
+    pinned_copy,
     shard_samples,
     stale_samples,
+    token_lag_fractions,
 )
 
 
@@ -22,11 +26,11 @@ def _batch():
     return merge_batches([
         build_batch(rollout_id=0, policy_version=0, prompts=[[1, 5], [1, 6, 7]], responses=[[8, 9, 10], [11]],
                     log_probs=[[-0.1, -0.2, -0.3], [-0.4]], rewards=[1.0, 0.0], group_ids=[0, 0],
-                    finish_reasons=["stop", "length"], sample_versions=[3, 1],
+                    finish_reasons=["stop", "length"], sample_versions=[3, 1], token_versions=[[3, 4, 4], [1]],
                     sampling=SamplingSpec(temperature=0.7, top_p=0.9)),
         build_batch(rollout_id=1, policy_version=0, prompts=[[1]], responses=[[12, 13]], log_probs=[[-0.5, -0.6]],
                     rewards=[0.5], group_ids=[1], finish_reasons=["stop"], sample_versions=[2],
-                    sampling=SamplingSpec(temperature=0.0)),
+                    sampling=SamplingSpec(temperature=0.0)),   # no token_versions: each token its sample's
     ])
 
 
@@ -39,6 +43,7 @@ def test_merge_and_select_keep_per_token_arrays_aligned():
     assert picked.response_lengths.tolist() == [2, 3] and picked.rewards.tolist() == [0.5, 1.0]
     assert picked.sampling_temperature.tolist() == pytest.approx([0.0, 0.7])
     assert picked.sampling_top_p.tolist() == pytest.approx([1.0, 0.9]) and picked.sampling_top_k.tolist() == [0, 0]
+    assert batch.versions.tolist() == [3, 4, 4, 1, 2, 2] and picked.versions.tolist() == [2, 2, 3, 4, 4]
 
 
 def test_micro_batch_positions_predict_response_tokens():
@@ -51,6 +56,19 @@ def test_micro_batch_positions_predict_response_tokens():
     assert mb.targets.tolist() == [8, 9, 10, 12, 13]
     assert mb.token_index.tolist() == [0, 1, 2, 4, 5]
     assert mb.num_tokens == 8
+
+
+def test_only_host_tensors_bound_for_a_gpu_are_pinned():
+    """bench_train_step's torch_bf16 on CUDA moved a batch already on cuda:0 to "cuda" again, and pinned a GPU
+    tensor ("cannot pin 'torch.cuda.LongTensor'"). A meta tensor stands in for one already on an accelerator."""
+    host, elsewhere = torch.zeros(2), torch.zeros(2, device="meta")
+    assert pinned_copy(host, torch.device("cuda"))
+    assert not pinned_copy(elsewhere, torch.device("cuda"))
+    assert not pinned_copy(elsewhere, torch.device("cuda", 0))
+    assert not pinned_copy(host, torch.device("cpu"))
+    mb = build_micro_batch(_batch(), [0, 2])
+    moved = mb.to(torch.device("meta"))   # no pinning on the way, and a second move is the batch itself
+    assert moved.input_ids.device.type == "meta" and moved.to(torch.device("meta")) is moved
 
 
 def test_pack_respects_padded_token_budget():
@@ -92,11 +110,19 @@ def test_shards_are_disjoint_balanced_and_cover_everything():
     assert shard_samples(lengths, world_size=1, rank=0) == list(range(7))
 
 
-def test_stale_samples():
-    batch = _batch()
+def test_stale_samples_go_by_their_oldest_token():
+    batch = _batch()   # sample 0's tokens: versions 3, 4, 4 (a sync landed mid-generation)
     assert stale_samples(batch, weight_version=3, max_staleness=1) == [1]
     assert stale_samples(batch, weight_version=3, max_staleness=0) == [1, 2]
+    assert stale_samples(batch, weight_version=4, max_staleness=0) == [0, 1, 2]
     assert stale_samples(batch, weight_version=3, max_staleness=-1) == []
+
+
+def test_token_lag_fractions_count_trainable_tokens_by_their_own_version():
+    batch = _batch()   # token versions 3 4 4 | 1 | 2 2; the last token masked out
+    batch = dataclasses.replace(batch, loss_mask=torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0]))
+    assert token_lag_fractions(batch, weight_version=4) == {
+        "token_lag_frac_0": 2 / 5, "token_lag_frac_1": 1 / 5, "token_lag_frac_2": 1 / 5, "token_lag_frac_3": 1 / 5}
 
 
 def test_merge_rejects_inconsistent_batches():

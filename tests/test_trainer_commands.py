@@ -43,7 +43,7 @@ def _over_the_relay(header: dict, payloads: list[bytes]) -> tuple[dict, list[byt
     Save(directory="/ckpt/actor/rollout_00000003", rollout_id=3, export_hf=True, extra_state={"coordinator": "{}"}),
     Save(directory="/ckpt/critic/rollout_00000000", rollout_id=0, export_hf=False),
     Load(directory="/ckpt/actor/rollout_00000003"),
-    WeightChecksums(), PublishWeights(version=12), Offload(), Onload(), Shutdown(),
+    WeightChecksums(), WeightChecksums(by_bucket=True), PublishWeights(version=12), Offload(), Onload(), Shutdown(),
 ], ids=lambda c: type(c).__name__)
 def test_every_command_round_trips(command):
     header, payloads = encode(command)
@@ -68,7 +68,8 @@ def test_train_round_trips_its_batch_exactly(values):
 def test_the_header_format_is_the_relays():
     """The header every rank of a running trainer already speaks (a rolling change would split ranks)."""
     assert encode(PublishWeights(version=2))[0] == {"cmd": "weights", "mode": "publish", "version": 2}
-    assert encode(WeightChecksums())[0] == {"cmd": "weights", "mode": "checksums"}
+    assert encode(WeightChecksums())[0] == {"cmd": "weights", "mode": "checksums", "by_bucket": False}
+    assert encode(WeightChecksums(by_bucket=True))[0] == {"cmd": "weights", "mode": "checksums", "by_bucket": True}
     assert encode(Load(directory="/d"))[0] == {"cmd": "load", "dir": "/d"}
     header, payloads = encode(_train(False))
     assert header["cmd"] == "train" and header["fields"][:3] == ["tokens", "prompt_lengths", "response_lengths"]

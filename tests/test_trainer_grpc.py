@@ -89,16 +89,17 @@ def _producer(config: TandemConfig) -> RolloutBuffer:
                          groups=("actor",), max_buffered_batches=64)
 
 
-def _sync_to_engine(stub, model_dir: Path, *, version: int) -> dict[str, torch.Tensor]:
+def _sync_to_engine(stub, model_dir: Path, *, version: int, by_bucket: bool = False) -> dict[str, torch.Tensor]:
     """PrepareWeightSync + PublishWeights over gRPC into a fresh HF model: gloo transport, the receiving
-    engine rank in this process. Returns the received params."""
+    engine rank in this process, verified per tensor or (by_bucket) per bucket. Returns the received params."""
     from transformers import AutoModelForCausalLM
 
     from services.weights import WeightReceiver
 
     params = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters())
     plan = stub.PrepareWeightSync(trainer_pb2.PrepareWeightSyncRequest(version=version, engine_world_size=1,
-                                                                       verify=True), timeout=60)
+                                                                       verify=True, verify_by_bucket=by_bucket),
+                                  timeout=60)
     receiver = WeightReceiver()
     got: dict = {}
     thread = threading.Thread(target=lambda: got.update(stats=receiver.receive(plan, 1, params)))
@@ -106,7 +107,10 @@ def _sync_to_engine(stub, model_dir: Path, *, version: int) -> dict[str, torch.T
     stub.PublishWeights(trainer_pb2.PublishWeightsRequest(version=version), timeout=60)
     thread.join(60)
     receiver.close()
-    assert got["stats"].checksums == {m.name: m.checksum for b in plan.buckets for m in b.tensors}
+    if by_bucket:   # the engine compared every bucket with the trainer's and answers its own
+        assert got["stats"].bucket_checksums == tuple(b.checksum for b in plan.buckets) and plan.checksum_s > 0
+    else:
+        assert got["stats"].checksums == {m.name: m.checksum for b in plan.buckets for m in b.tensors}
     return {n: p.detach() for n, p in params.items()}
 
 
@@ -133,7 +137,7 @@ def test_two_ranks_zero3_under_torchrun_over_grpc_match_one_rank(tiny_model_dir,
                                                              max_staleness=-1), timeout=120)
             for key in ("loss", "pg_loss", "grad_norm", "entropy", "ppo_ratio_mean", "pg_clipfrac", "tokens"):
                 assert got.metrics[key] == pytest.approx(expected[i].metrics[key], rel=1e-4, abs=1e-6), key
-        weights = _sync_to_engine(server.stub, tiny_model_dir, version=1)
+        weights = _sync_to_engine(server.stub, tiny_model_dir, version=1, by_bucket=True)   # relayed to rank 1
         assert weights.keys() == expected_weights.keys()
         # Adam's normalisation magnifies float-order differences on near-zero gradients: bound them in
         # absolute terms, well below what training moved (lr 3e-3 x 3 steps)

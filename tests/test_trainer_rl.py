@@ -114,6 +114,37 @@ def test_step_metrics_match_the_reference_after_an_update(harness, peaked_model_
     assert got == pytest.approx([pg, ratio, clipfrac, kl, entropy, mismatch, pg + 0.05 * kl], rel=2e-4, abs=2e-6)
 
 
+def test_decoupled_ppo_step_weighs_each_token_by_its_own_behaviour_log_prob(harness, peaked_model_dir):  # noqa: F811
+    """A real DeepSpeed step with tis_mode: mask (AReaL's decoupled PPO): the second half of every sample was
+    sampled after a mid-generation sync by a far-off policy (its rollout log-probs moved by N(0, 1.5)), so some of
+    those tokens pass the cap and leave the loss. The metrics are the reference's from each token's own log-prob."""
+    h = harness(model_dir=peaked_model_dir, algorithm={"use_rollout_logprobs": False, "use_tis": True,
+                                                       "tis_mode": "mask", "tis_clip": 2.0})
+    dist = SamplingSpec(temperature=0.7, top_p=0.9)
+    batch = make_batch(rollout_id=0, seed=6, groups=4, model_dir=peaked_model_dir, sampling=dist)
+    offsets = np.concatenate([np.arange(k) for k in batch.response_lengths])
+    late = offsets >= np.repeat(batch.response_lengths // 2, batch.response_lengths)
+    shift = np.random.default_rng(7).normal(0.0, 1.5, batch.num_response_tokens).astype(np.float32)
+    batch = dataclasses.replace(batch, rollout_log_probs=np.where(late, batch.rollout_log_probs + shift,
+                                                                  batch.rollout_log_probs).astype(np.float32),
+                                token_versions=np.where(late, 1, 0).astype(np.int64))
+    m = h.service.train(rollout_id=0, entry_ids=[h.put(batch)]).metrics
+    prox = reference_tables(peaked_model_dir, batch)   # the policy the step starts from
+    adv = np.repeat(ref.grpo_advantages(batch.rewards.tolist(), batch.group_ids.tolist(), normalize_std=True),
+                    batch.response_lengths)
+    rows = []
+    for i, tok in enumerate(targets(batch)):
+        lp, behav = prox[i][tok], float(batch.rollout_log_probs[i])
+        loss = ref.decoupled_ppo_loss(log_prob=lp, prox_log_prob=lp, behav_log_prob=behav, advantage=float(adv[i]),
+                                      eps_low=0.2, eps_high=0.2, dual_clip_c=None, cap=2.0)
+        weight = math.exp(lp - behav)
+        rows.append((loss, weight if weight <= 2.0 else 0.0, float(weight > 2.0)))
+    pg, weight, masked = np.mean(rows, axis=0)
+    assert 0 < masked < 0.5 and all(r[2] == 0 for r, is_late in zip(rows, late, strict=True) if not is_late)
+    assert [m["pg_loss"], m["tis_weight_mean"], m["tis_masked_frac"]] == pytest.approx([pg, weight, masked],
+                                                                                      rel=2e-4, abs=2e-6)
+
+
 def test_critic_gae_skips_masked_tokens(harness, tiny_model_dir):  # noqa: F811
     gae = {"advantage_estimator": "gae", "gamma": 0.9, "lambd": 0.8}
     critic = harness(role="critic", run_name="ppo-mask", algorithm=gae)
@@ -160,12 +191,20 @@ def test_keep_old_actor_scores_samples_under_the_version_that_generated_them(har
     second = h.service.train(rollout_id=1, entry_ids=[h.put(generated_by_v0[1])]).metrics
     assert second["rollout_logprob_abs_diff"] < 1e-5 and second["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
     assert abs(second["ppo_ratio_mean"] - 1.0) > 1e-4 and second["old_actor_fallback_frac"] == 0.0
+    # Per token: a sync landed mid-sample. Each sample's first token is v0's, whose snapshot reproduces its rollout
+    # log-prob; the later ones claim version 5, which has no snapshot: exactly those fall back to the current policy.
+    mixed = make_batch(rollout_id=2, seed=3, model_dir=peaked_model_dir, sampling=dist, sample_versions=[0] * 12)
+    firsts = np.zeros(mixed.num_response_tokens, dtype=bool)
+    firsts[np.cumsum(mixed.response_lengths) - mixed.response_lengths] = True
+    mixed = dataclasses.replace(mixed, token_versions=np.where(firsts, 0, 5).astype(np.int64))
+    third = h.service.train(rollout_id=2, entry_ids=[h.put(mixed)]).metrics
+    assert third["old_actor_fallback_frac"] == pytest.approx(1 - 12 / mixed.num_response_tokens, abs=1e-6)
     publish(h, 2)
     assert sorted(h.service.old_actor.snapshots) == [1, 2]   # one step off keeps two versions
-    unknown = make_batch(rollout_id=2, seed=5, model_dir=peaked_model_dir, sampling=dist, sample_versions=[0] * 12)
-    third = h.service.train(rollout_id=2, entry_ids=[h.put(unknown)]).metrics
-    assert third["old_actor_fallback_frac"] == 1.0 and math.isfinite(third["loss"])   # v0 is gone: current policy
-    h.service.save(rollout_id=2)
+    unknown = make_batch(rollout_id=3, seed=5, model_dir=peaked_model_dir, sampling=dist, sample_versions=[0] * 12)
+    fourth = h.service.train(rollout_id=3, entry_ids=[h.put(unknown)]).metrics
+    assert fourth["old_actor_fallback_frac"] == 1.0 and math.isfinite(fourth["loss"])   # v0 is gone: current policy
+    h.service.save(rollout_id=3)
     assert h.service.load().loaded and not h.service.old_actor.snapshots   # a Load rolls back: snapshots dropped
 
 

@@ -90,6 +90,36 @@ def test_disk_detects_tampered_files_when_verifying(tmp_path: Path):
         WeightReceiver().receive(plan, 1, _zeros())
 
 
+def test_a_bucket_verified_sync_checks_each_bucket_and_names_a_tampered_one(tmp_path: Path):
+    """Verifying by bucket, as the coordinator's syncs do: the trainer announces a checksum per bucket, the engine
+    sums each bucket once and compares; a flipped bit names the bucket, its dtype and its tensors."""
+    from services.weights import WeightChecksumMismatch
+    from services.weights.checksums import named_bucket_checksums
+    from services.weights.layout import layout_from_plan
+
+    publisher = _publisher(tmp_path)
+    plan = publisher.prepare(SPECS, 3, 1, True, verify_by_bucket=True)
+    tensors = make_tensors(SPECS, seed=3)
+    sums = named_bucket_checksums(layout_from_plan(plan), ((s.name, tensors[s.name]) for s in SPECS), where="t")
+    announced = type(plan)()   # the trainer service annotates the copy it answers with
+    announced.CopyFrom(plan)
+    for wb, digest in zip(announced.buckets, sums, strict=True):
+        wb.checksum = digest
+    sent = publisher.publish(plan, [(s.name, tensors[s.name]) for s in SPECS])
+    params = _zeros()
+    got = WeightReceiver().receive(announced, 1, params)
+    assert got.bucket_checksums == tuple(sums) and got.checksums == sent.checksums == {}
+    assert all(bits_equal(params[n], t) for n, t in tensors.items())
+    path = tmp_path / "weights" / "v3" / "bucket-00000.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01                                   # one bit of the bucket's last tensor
+    path.write_bytes(bytes(data))
+    first = plan.buckets[0]
+    with pytest.raises(WeightChecksumMismatch, match=rf"1 of {len(sums)} bucket\(s\) differ from the trainer's "
+                       rf"checksums: bucket 0 \({first.dtype}, .* MiB: {first.tensors[0].name}"):
+        WeightReceiver().receive(announced, 1, _zeros())
+
+
 def test_receiver_compares_checksums_announced_in_the_plan(tmp_path: Path):
     """The trainer service fills TensorMeta.checksum of the plan it announces; receivers check against it."""
     publisher = _publisher(tmp_path)

@@ -21,6 +21,8 @@ from services.weights import (
     WeightSyncRefused,
     WeightSyncTimeout,
 )
+from services.weights.checksums import named_bucket_checksums
+from services.weights.layout import layout_from_plan
 from services.weights.peer import Peer, make_tensors, plan_from_text, plan_to_text, specs_to_json
 
 pytestmark = pytest.mark.timeout(90)
@@ -47,10 +49,16 @@ def _stream(tensors: dict[str, torch.Tensor], specs=SPECS):
 
 
 def _sync(publisher: WeightPublisher, peer: Peer, *, version: int, verify: bool, rank: int = 1,
-          peer_specs=SPECS, world: int = 1):
-    plan = publisher.prepare(SPECS, version, world, verify)
-    peer.send(op="receive", plan=plan_to_text(plan), rank=rank, specs=specs_to_json(peer_specs), seed=version)
-    return plan, publisher.publish(plan, _stream(make_tensors(SPECS, seed=version))), peer.reply(timeout_s=60)
+          peer_specs=SPECS, world: int = 1, by_bucket: bool = False):
+    plan = publisher.prepare(SPECS, version, world, verify, verify_by_bucket=by_bucket)
+    announced = type(plan)()
+    announced.CopyFrom(plan)
+    if by_bucket:   # what the trainer service announces: its checksum of each bucket of the plan
+        sums = named_bucket_checksums(layout_from_plan(plan), _stream(make_tensors(SPECS, seed=version)), where="t")
+        for wb, digest in zip(announced.buckets, sums, strict=True):
+            wb.checksum = digest
+    peer.send(op="receive", plan=plan_to_text(announced), rank=rank, specs=specs_to_json(peer_specs), seed=version)
+    return announced, publisher.publish(plan, _stream(make_tensors(SPECS, seed=version))), peer.reply(timeout_s=60)
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +71,16 @@ def peer():
 def test_gloo_syncs_are_bit_identical_and_reuse_the_group(tmp_path: Path, peer: Peer):
     publisher = _publisher(tmp_path)
     plans, first_staging = [], None
-    for version, verify in ((1, True), (2, False), (3, True)):
-        plan, sent, got = _sync(publisher, peer, version=version, verify=verify)
+    for version, verify, by_bucket in ((1, True, False), (2, False, False), (3, True, False), (4, True, True)):
+        plan, sent, got = _sync(publisher, peer, version=version, verify=verify, by_bucket=by_bucket)
         plans.append(plan)
         assert got["ok"], got
         assert got["unequal"] == []                       # torch.equal and byte equality, every tensor
         assert got["stats"]["bytes"] == sent.bytes == plan.total_bytes
-        if verify:
+        if by_bucket:   # the engine checked each bucket against the plan's and answers its own
+            assert got["stats"]["bucket_checksums"] == [b.checksum for b in plan.buckets]
+            assert sent.checksums == got["stats"]["checksums"] == {}   # no tensor was summed on its own
+        elif verify:
             assert got["stats"]["checksums"] == sent.checksums and len(sent.checksums) == len(SPECS)
         else:
             assert sent.checksums == got["stats"]["checksums"] == {}

@@ -125,15 +125,15 @@ def test_checksum_is_bit_exact():
 
 
 def test_checksums_of_many_tensors_match_one_at_a_time_and_span_chunks(monkeypatch):
-    from services.weights import layout
+    from services.weights import checksums
 
-    monkeypatch.setattr(layout, "_CHECKSUM_CHUNK_WORDS", 7)   # several chunks per tensor
+    monkeypatch.setattr(checksums, "_CHECKSUM_CHUNK_WORDS", 7)   # several chunks per tensor
     tensors = [torch.randn(5, 11), torch.randn(3).to(torch.bfloat16), torch.randint(0, 9, (13,))]
-    many = layout.tensor_checksums(tensors)
+    many = checksums.tensor_checksums(tensors)
     assert many == [tensor_checksum(t) for t in tensors]
-    assert layout.named_checksums(zip("abc", tensors, strict=True)) == dict(zip("abc", many, strict=True))
-    monkeypatch.setattr(layout, "_CHECKSUM_CHUNK_WORDS", 1 << 24)
-    assert layout.tensor_checksums(tensors) == many                          # chunking does not change it
+    assert checksums.named_checksums(zip("abc", tensors, strict=True)) == dict(zip("abc", many, strict=True))
+    monkeypatch.setattr(checksums, "_CHECKSUM_CHUNK_WORDS", 1 << 24)
+    assert checksums.tensor_checksums(tensors) == many                          # chunking does not change it
 
 
 def _reference_checksum(tensor: torch.Tensor) -> str:
@@ -149,7 +149,7 @@ def _reference_checksum(tensor: torch.Tensor) -> str:
 def test_packed_checksums_equal_the_definition_for_every_tensor_and_pack_size(monkeypatch):
     """Packs (prefix sums over concatenated tensors) against the definition, for tensors that fill, straddle and
     exceed a pack, empty ones, odd byte counts and views at offsets that are not word-aligned."""
-    from services.weights import layout
+    from services.weights import checksums
 
     gen = torch.Generator().manual_seed(3)
     base = torch.randn(101, generator=gen).to(torch.bfloat16)
@@ -158,23 +158,23 @@ def test_packed_checksums_equal_the_definition_for_every_tensor_and_pack_size(mo
                base[8:40], torch.full((6,), float("nan")), torch.tensor(-0.0)]
     expected = [_reference_checksum(t) for t in tensors]
     for chunk in (1, 4, 7, 40, 1 << 24):
-        monkeypatch.setattr(layout, "_CHECKSUM_CHUNK_WORDS", chunk)
-        assert layout.tensor_checksums(tensors) == expected, chunk
-        assert layout.named_checksums(zip(map(str, range(len(tensors))), tensors, strict=True)) == \
+        monkeypatch.setattr(checksums, "_CHECKSUM_CHUNK_WORDS", chunk)
+        assert checksums.tensor_checksums(tensors) == expected, chunk
+        assert checksums.named_checksums(zip(map(str, range(len(tensors))), tensors, strict=True)) == \
             dict(zip(map(str, range(len(tensors))), expected, strict=True))
-    assert layout.tensor_checksums([torch.empty(0), torch.empty(0, 3)]) == [_reference_checksum(torch.empty(0))] * 2
+    assert checksums.tensor_checksums([torch.empty(0), torch.empty(0, 3)]) == [_reference_checksum(torch.empty(0))] * 2
 
 
 def test_checksums_of_many_tensors_issue_as_many_ops_as_of_a_few():
     """The ops do not grow with the tensor count (a sync of 291 tensors verified in ~2.3k launches before)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from services.weights import layout
+    from services.weights import checksums
 
     def ops(count: int) -> int:
         tensors = [torch.randn(64) for _ in range(count)]
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            layout.tensor_checksums(tensors)
+            checksums.tensor_checksums(tensors)
         work = {"aten::cat", "aten::cumsum", "aten::mul", "aten::_to_copy", "aten::index", "aten::where", "aten::sum"}
         return sum(e.name in work for e in prof.events())
 

@@ -83,10 +83,41 @@ def test_payload_is_standard_protobuf():
         sampling_top_k=array_to_proto(np.full(2, 5, np.int32)),
         finish_reasons=[common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH],
         metadata={"task": "copy", "seed": "1"}, created_unix_ns=batch.created_unix_ns, producer="rollout-0",
-        labels=["4", "2"])
+        labels=["4", "2"], token_version_runs=array_to_proto(np.array([[0, 3], [2, 2]], np.int64)))
     assert parsed == reference
     out = decode_batch(reference.SerializeToString())
     assert out.tokens.tolist() == batch.tokens.tolist() and out.labels == ("4", "2")
+
+
+def test_token_versions_round_trip_and_a_batch_without_them_gives_each_token_its_samples_version():
+    """A sync that landed mid-generation: sample 1's last two tokens were sampled by version 3. An older producer
+    sends no token_versions: every token then has its sample's version."""
+    batch = sample_batch(token_versions=[[3, 3], [2, 2, 3, 3]])
+    out = decode_batch(encode_batch(batch))
+    assert out.versions.tolist() == [3, 3, 2, 2, 3, 3] and out.sample_versions.tolist() == [3, 2]
+    sent = common_pb2.RolloutBatch.FromString(encode_batch(batch))
+    assert array_from_proto(sent.token_version_runs).tolist() == [[0, 3], [2, 2], [4, 3]]   # run-length coded
+    sent.ClearField("token_version_runs")
+    assert decode_batch(sent.SerializeToString()).versions.tolist() == [3, 3, 2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("runs", [[[1, 3]], [[0, 3], [0, 2]], [[0, 3], [6, 2]], [[0, 3, 1]], []])
+def test_malformed_version_runs_are_refused(runs):
+    payload = reencoded(encode_batch(sample_batch()), lambda m: m.token_version_runs.CopyFrom(
+        array_to_proto(np.array(runs, np.int64).reshape(-1, 2) if runs and len(runs[0]) == 2
+                       else np.array(runs, np.int64))))
+    with pytest.raises(WireError, match="token_version_runs"):
+        decode_batch(payload)
+
+
+@pytest.mark.parametrize("sample_versions, token_versions, message", [
+    ([3, 2], [[3, 3], [3, 3, 3, 3]], "sample 1 has version 2 but its oldest token was sampled by version 3"),
+    ([3, 2], [[4, 4], [2, 2, 2, 2]], "sample 0 has version 3 but its oldest token was sampled by version 4"),
+    ([3, 2], [[3], [2, 2, 2, 2]], "token_versions has 5 entries, expected 6"),
+])
+def test_token_versions_that_disagree_with_the_sample_versions_are_refused(sample_versions, token_versions, message):
+    with pytest.raises(WireError, match=message):
+        encode_batch(sample_batch(sample_versions=sample_versions, token_versions=token_versions))
 
 
 def test_wider_input_dtypes_are_cast_to_the_wire_dtypes():

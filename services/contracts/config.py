@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.contracts import runfacts
+
 
 class ConfigError(ValueError):
     """A configuration problem, with a message naming the offending key."""
@@ -33,15 +35,59 @@ class ModelConfig(Section):
         "model (default tiny); nothing is ever built without that flag")
 
 
+CHAT_TEMPLATE_MODES = ("auto", "tokenizer", "none")
+# apply_chat_template's own arguments: Tandem sets them (a chat is rendered to text, ending in the generation prompt)
+_RESERVED_TEMPLATE_KWARGS = ("conversation", "chat_template", "add_generation_prompt", "continue_final_message",
+                             "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                             "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
 class DataConfig(Section):
-    train_path: str = Field(description="JSONL file, one prompt per line")
+    """Where prompts come from and how they become the model's input (docs/own-task.md)."""
+
+    train_path: str = Field(description="JSONL file (.jsonl), parquet file (.parquet) or a directory written by "
+                            "`datasets.Dataset.save_to_disk`; one prompt per line / row")
     eval_path: str | None = None
-    prompt_key: str = "prompt"
-    label_key: str = "label"
+    prompt_key: str = Field(default="prompt", description="the prompt's key: a string, or a list of chat messages "
+                            "({role, content}); a dotted path (extra_info.question) reaches into nested objects")
+    label_key: str = Field(default="label", description="the reference answer's key, dotted paths allowed "
+                           "(reward_model.ground_truth, as verl writes it)")
+    chat_template: str = Field(default="auto", description="auto: message-list prompts get the tokenizer's chat "
+                               "template, text prompts are used as they are; tokenizer: the tokenizer's template "
+                               "for every prompt (a text prompt becomes one user message); none: no template "
+                               "(message lists are refused); or a Jinja template file, applied to every prompt")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra variables for the "
+                                                 "template, e.g. {enable_thinking: false}")
+    system_prompt: str | None = Field(default=None, description="a system message put before every chat that has "
+                                      "none of its own (a string prompt then becomes one user message)")
     shuffle: bool = True
     seed: int = 0
     num_epochs: int = Field(default=1, ge=1)
     eval_max_prompts: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _chat_keys(self) -> DataConfig:
+        if self.chat_template == "none" and self.system_prompt is not None:
+            raise ValueError("data.system_prompt needs a chat template, and data.chat_template is none (use auto or "
+                             "a template file, or put the system text into the prompts)")
+        if not self.chat_template.strip():
+            raise ValueError("data.chat_template: empty; use auto, tokenizer, none or a Jinja template file")
+        reserved = [k for k in self.chat_template_kwargs if k in _RESERVED_TEMPLATE_KWARGS]
+        if reserved:
+            raise ValueError(f"data.chat_template_kwargs: {', '.join(reserved)} is set by Tandem (a chat is rendered "
+                             "to text ending in the assistant's generation prompt); give only the template's own "
+                             "variables")
+        return self
+
+    @property
+    def chat_template_file(self) -> str | None:
+        """The template file data.chat_template names, or None for auto / tokenizer / none."""
+        return None if self.chat_template in CHAT_TEMPLATE_MODES else self.chat_template
+
+    @property
+    def text_prompts_are_chats(self) -> bool:
+        """A text prompt becomes one user message: the template is asked for every prompt, or a system prompt given."""
+        return self.chat_template not in ("auto", "none") or self.system_prompt is not None
 
 
 class SamplingConfig(Section):
@@ -104,6 +150,13 @@ class RolloutConfig(Section):
                                            "one call of a batched function) must return within this, else the run "
                                            "fails naming the function and the sample (not retried); defaults to "
                                            "half of loop.step_timeout_s")
+    continuous_batching: bool = Field(
+        default=False, description="native engine: the samples of concurrent calls decode as one batch, and a "
+        "finished sample's row goes to a waiting one (the dynamic decode path); pair with loop.mode: streaming")
+    inflight_update: Literal["off", "keep", "recompute"] = Field(
+        default="off", description="a weight sync lands between two decode steps of running samples instead of "
+        "waiting for them: keep = they go on with the KV cache of the old weights, recompute = their KV cache is "
+        "recomputed under the new weights first; off = the sync waits for running generation (drain)")
     max_batch_size: int = Field(default=512, ge=1, description="sequences decoded together by the engine")
     max_context_length: int | None = Field(default=None, ge=1, description="defaults to the model's")
     max_request_samples: int = Field(default=65536, ge=1, description="most samples (prompts × n) one Generate or "
@@ -118,6 +171,9 @@ class RolloutConfig(Section):
         default="env", description="environment: an episode's reward is the sum of its step rewards (env), or that "
         "plus rollout.reward's score of the whole response, observations included (env_plus_reward)")
     environment_timeout_s: float = Field(default=60.0, gt=0, description="one reset or step call of an environment")
+    observation_role: str = Field(default="user", min_length=1, description="environment: the chat role a text "
+                                  "observation takes when the episode's prompt is a chat (tool where the template "
+                                  "has one); an observation {role, content} names its own")
 
     @model_validator(mode="after")
     def _environment_keys(self) -> RolloutConfig:
@@ -244,6 +300,9 @@ class AlgorithmConfig(Section):
     use_tis: bool = Field(default=False, description="truncated importance sampling: weights pi_old / pi_rollout "
                           "(capped at tis_clip) on the loss; needs use_rollout_logprobs: false")
     tis_clip: float = Field(default=2.0, gt=0)
+    tis_mode: Literal["truncate", "mask"] = Field(
+        default="truncate", description="use_tis: what a weight above tis_clip becomes: truncate = tis_clip (miles' "
+        "TIS); mask = 0, the token drops out of the loss (AReaL's decoupled PPO with its behaviour-weight cap)")
     keep_old_actor: bool = Field(default=False, description="keep snapshots of the weights sent to the rollout "
                                  "engines, and score each sample under the version that generated it (the ratio's "
                                  "denominator); needs use_rollout_logprobs: false")
@@ -282,6 +341,8 @@ class AlgorithmConfig(Section):
         if self.use_rollout_logprobs and self.keep_old_actor:
             raise ValueError("keep_old_actor: true needs use_rollout_logprobs: false (the old actor "
                              "computes the ratio's denominator, which use_rollout_logprobs takes from the rollout)")
+        if self.tis_mode != "truncate" and not self.use_tis:
+            raise ValueError(f"tis_mode: {self.tis_mode} applies to TIS's weights: it needs use_tis: true")
         return self
 
     @model_validator(mode="after")
@@ -307,7 +368,11 @@ class AlgorithmConfig(Section):
 
 
 class LoopConfig(Section):
-    mode: Literal["async", "sync", "fully_async"] = "async"
+    mode: Literal["async", "sync", "fully_async", "streaming"] = Field(
+        default="async", description="async: the next step generates while this one trains (one step off-policy); "
+        "sync: generate, train, sync; fully_async: one generation per replica always in flight; streaming: every "
+        "prompt is its own Generate, groups stream to the buffer as they finish and a step trains the first "
+        "rollout_batch_size done (docs/architecture.md)")
     num_rollout: int | None = Field(default=None, ge=1, description="defaults to dataset size × epochs / batch")
     save_interval: int | None = Field(default=None, ge=1)
     save_trigger_sentinel: str | None = Field(default=None, description="a file whose appearance triggers a save")
@@ -319,7 +384,10 @@ class LoopConfig(Section):
     offload_rollout: bool = Field(default=False, description="sync mode, trainer and engines sharing GPUs: the "
                                   "engines release KV cache, CUDA graphs and weights while the trainer trains, and "
                                   "take them back around the weight sync (weights first, then the KV cache)")
-    max_staleness: int = Field(default=1, ge=0, description="fully_async: step − sample version bound")
+    max_staleness: int = Field(default=1, ge=0, description="fully_async, streaming: step − sample version bound "
+                               "(a sample's version is its oldest token's)")
+    groups_in_flight: int | None = Field(default=None, ge=1, description="streaming: groups generating or done and "
+                                         "waiting for a step, over all replicas (default 2 × rollout_batch_size)")
     stale_policy: Literal["drop"] = "drop"
     step_timeout_s: float = Field(default=600.0, gt=0)
     startup_timeout_s: float = Field(default=300.0, gt=0)
@@ -330,7 +398,9 @@ class WeightsConfig(Section):
     transport: Literal["gloo", "nccl", "cuda_ipc", "disk"] = "gloo"
     bucket_mb: float = Field(default=64.0, gt=0, description="weight_bucket_mb: size of flattened buckets")
     timeout_s: float = Field(default=120.0, gt=0, description="deadline of one transfer")
-    check_weight_update_equal: bool = False
+    check_weight_update_equal: bool = Field(default=False, description="every engine checks each synced bucket "
+                                            "against the trainer's checksum; a bucket that differs is sent again "
+                                            "and checked tensor by tensor, naming the tensors")
     disk_dir: str | None = Field(default=None, description="defaults to RUN_DIR/weights")
     master_addr: str = "127.0.0.1"
     trainer_id: str | None = Field(default=None, description="id the actor trainer announces in its plans; rollout "
@@ -442,6 +512,14 @@ class TandemConfig(Section):
             raise ValueError(f"rollout.n_samples_per_prompt: 1 gives every sample advantage 0 with "
                              f"algorithm.advantage_estimator: {self.algorithm.advantage_estimator} (its baseline is "
                              "the other samples of the prompt); sample 2 or more per prompt, or use reinforce_pp")
+        validate_streaming(self)
+        if self.rollout.inflight_update != "off" and self.rollout.engine == "sglang" and self.algorithm.keep_old_actor:
+            raise ValueError("algorithm.keep_old_actor scores each token under the snapshot of the version that "
+                             "sampled it, and with rollout.inflight_update SGLang 0.5.x does not report which tokens "
+                             "an update reached; use decoupled PPO (use_tis with tis_mode: mask) or rollout log-probs")
+        if self.rollout.inflight_update != "off" and self.loop.mode == "sync":
+            raise ValueError(f"rollout.inflight_update: {self.rollout.inflight_update} needs loop.mode async or "
+                             "fully_async (in sync mode no generation runs while the weights are synced)")
         if self.loop.offload_rollout and self.loop.mode != "sync":
             raise ValueError(f"loop.offload_rollout needs loop.mode: sync (in {self.loop.mode} mode the engines "
                              "generate the next batch while the trainer trains)")
@@ -481,6 +559,27 @@ def validate_async_off_policy_correction(config: TandemConfig) -> None:
         "algorithm.keep_old_actor: true, or use loop.mode: sync")
 
 
+def validate_streaming(config: TandemConfig) -> None:
+    """Streaming writes one buffer entry per group, so the buffer must hold every group in flight; continuous
+    batching is the native engine's (SGLang batches continuously by itself)."""
+    ro, loop = config.rollout, config.loop
+    if ro.continuous_batching and ro.engine != "native":
+        raise ValueError(f"rollout.continuous_batching is the native engine's (rollout.engine {ro.engine} batches "
+                         "continuously by itself)")
+    if loop.mode != "streaming":
+        if loop.groups_in_flight is not None:
+            raise ValueError(f"loop.groups_in_flight applies to loop.mode: streaming, not {loop.mode}")
+        return
+    in_flight = runfacts.groups_in_flight(config)
+    if in_flight < ro.rollout_batch_size:
+        raise ValueError(f"loop.groups_in_flight ({in_flight}) must be at least rollout.rollout_batch_size "
+                         f"({ro.rollout_batch_size}): a step trains that many groups")
+    if config.redis.max_buffered_batches < in_flight:
+        raise ValueError(f"loop.mode: streaming writes one buffer entry per group: redis.max_buffered_batches "
+                         f"({config.redis.max_buffered_batches}) must be at least loop.groups_in_flight ({in_flight}"
+                         f"{'' if loop.groups_in_flight else ', 2 × rollout.rollout_batch_size'})")
+
+
 def validate_dapo_options(config: TandemConfig) -> None:
     """Dynamic sampling needs a group baseline, contiguous prompt ranges per step, and one step's entries within the
     buffer; the overlong buffer lies inside the response budget."""
@@ -497,9 +596,9 @@ def validate_dapo_options(config: TandemConfig) -> None:
                              "so such groups still train (reinforce_pp_baseline has a group baseline)")
         if ro.n_samples_per_prompt < 2:
             raise ValueError(f"{where} needs rollout.n_samples_per_prompt >= 2 (a group of one is always uniform)")
-        if config.loop.mode == "fully_async":
-            raise ValueError(f"{where} needs loop.mode async or sync (in fully_async several generations draw "
-                             "prompts at once, so a step's prompts would not be one range of the data cursor)")
+        if config.loop.mode in ("fully_async", "streaming"):
+            raise ValueError(f"{where} needs loop.mode async or sync (in {config.loop.mode} several generations "
+                             "draw prompts at once, so a step's prompts would not be one range of the data cursor)")
         entries = ro.dynamic_sampling.max_rounds * min(len(config.services.rollout), ro.rollout_batch_size)
         if entries > config.redis.max_buffered_batches:
             raise ValueError(f"rollout.dynamic_sampling.max_rounds {ro.dynamic_sampling.max_rounds} x "

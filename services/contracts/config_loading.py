@@ -11,7 +11,8 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from services.contracts.config import ConfigError, TandemConfig
+from services.contracts.config import CHAT_TEMPLATE_MODES, ConfigError, TandemConfig
+from services.contracts.files import PRIVATE_FILE_MODE, write_atomic
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -109,12 +110,14 @@ def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
             continue
         if (section, key) in _PLUGIN_KEYS:
             node[key] = _resolve_reward_file(value, base_dir)
-        elif not os.path.isabs(value):
+        elif not os.path.isabs(value) and value not in _KEYWORDS.get((section, key), ()):
             node[key] = str((base_dir / value).resolve())
     return data
 
 
+_KEYWORDS = {("data", "chat_template"): CHAT_TEMPLATE_MODES}   # values of a path key that are not paths
 _PATH_KEYS = (("model", "path"), ("model", "tokenizer_path"), ("data", "train_path"), ("data", "eval_path"),
+              ("data", "chat_template"),
               ("loop", "save_trigger_sentinel"), ("trainer", "checkpoint_dir"), ("weights", "disk_dir"))
 _PLUGIN_KEYS = (("rollout", "reward"), ("rollout", "environment"))
 
@@ -160,7 +163,7 @@ def dump_config(config: TandemConfig) -> str:
 
 
 def write_resolved_config(config: TandemConfig, run_dir: Path) -> Path:
+    """RUN_DIR/config.yaml, which services, `tandem ctl` and restarts read: replaced atomically, and readable by its
+    owner only (it may hold the token and passwords)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = run_dir / "config.yaml"
-    out.write_text(dump_config(config))
-    return out
+    return write_atomic(run_dir / "config.yaml", dump_config(config), mode=PRIVATE_FILE_MODE)

@@ -10,11 +10,11 @@ traceback stays in the service's log file (RUN_DIR/logs/<service>.log), never on
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from services.contracts.exits import ExitCode
+from services.contracts.files import write_atomic
 
 FAILURE_FILE = "failure.json"
 
@@ -83,12 +83,8 @@ class FailureRecord:
 
 def write_failure(run_dir: Path, record: FailureRecord) -> Path:
     """Atomically: a reader never sees half a record."""
-    path = run_dir / FAILURE_FILE
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{FAILURE_FILE}.tmp")
-    tmp.write_text(record.to_json())
-    os.replace(tmp, path)
-    return path
+    return write_atomic(run_dir / FAILURE_FILE, record.to_json())
 
 
 def read_failure(run_dir: Path) -> FailureRecord | None:

@@ -70,3 +70,22 @@ class SamplingSpec:
                    top_k=int(msg.top_k), max_new_tokens=int(msg.max_new_tokens) or default.max_new_tokens,
                    stop_token_ids=tuple(msg.stop_token_ids) or default.stop_token_ids, seed=int(msg.seed) or None,
                    ignore_eos=bool(msg.ignore_eos))
+
+
+# A data row may carry its own response budget: a JSONL key beside the prompt and the label, which the coordinator
+# hands on in the prompt's metadata; it caps sampling.max_new_tokens for that prompt's samples.
+PROMPT_MAX_NEW_TOKENS = "max_new_tokens"
+
+
+def prompt_max_new_tokens(metadata: dict[str, str], *, where: str) -> int | None:
+    """A prompt's own max_new_tokens (None when it has none); ValueError naming `where` when it is no count >= 1."""
+    raw = metadata.get(PROMPT_MAX_NEW_TOKENS)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{where}: {PROMPT_MAX_NEW_TOKENS} must be a whole number >= 1, got {raw!r}")
+    return value

@@ -65,12 +65,13 @@ def array_from_proto(tensor: common_pb2.TensorData, *, what: str = "tensor") -> 
 _WIRE_DTYPES = {"tokens": "int32", "prompt_lengths": "int32", "response_lengths": "int32", "loss_mask": "uint8",
                 "rollout_log_probs": "float32", "rewards": "float32", "group_ids": "int64",
                 "sample_versions": "int64", "sampling_temperature": "float32", "sampling_top_p": "float32",
-                "sampling_top_k": "int32"}
+                "sampling_top_k": "int32", "token_versions": "int64"}
 _FIELD_KINDS = {"tokens": "iu", "prompt_lengths": "iu", "response_lengths": "iu", "loss_mask": "iub",
                 "rollout_log_probs": "f", "rewards": "fiu", "group_ids": "iu", "sample_versions": "iu",
-                "sampling_temperature": "fiu", "sampling_top_p": "fiu", "sampling_top_k": "iu"}
+                "sampling_temperature": "fiu", "sampling_top_p": "fiu", "sampling_top_k": "iu", "token_versions": "iu"}
 _PER_SAMPLE = ("response_lengths", "rewards", "group_ids", "sample_versions", "sampling_temperature",
                "sampling_top_p", "sampling_top_k")
+_PER_TOKEN = ("loss_mask", "rollout_log_probs", "token_versions")
 
 
 def payload_checksum(payload: bytes | memoryview) -> str:
@@ -87,10 +88,10 @@ class RolloutBatchData:
     prompt_lengths: np.ndarray       # int32 [n]
     response_lengths: np.ndarray     # int32 [n]
     loss_mask: np.ndarray            # uint8 [sum(response_lengths)]
-    rollout_log_probs: np.ndarray    # float32 [sum(response_lengths)]
+    rollout_log_probs: np.ndarray    # float32 [sum(response_lengths)]: each token's behaviour log-prob
     rewards: np.ndarray              # float32 [n]
     group_ids: np.ndarray            # int64 [n]
-    sample_versions: np.ndarray      # int64 [n]
+    sample_versions: np.ndarray      # int64 [n]: the version of the sample's oldest token
     # The distribution each sample was drawn from (services.tensors.sampling): the trainer scores it under it.
     sampling_temperature: np.ndarray  # float32 [n], 0 = greedy
     sampling_top_p: np.ndarray        # float32 [n], 1 = off
@@ -101,6 +102,23 @@ class RolloutBatchData:
     producer: str = ""
     created_unix_ns: int = 0
     logprob_space: str = "sampling"  # what rollout_log_probs are of: "sampling" | "tempered" (LOGPROB_SPACES)
+    # int64 [sum(response_lengths)]: the weight version that sampled each token. None (a batch built without it,
+    # or an older producer's): every token has its sample's version.
+    token_versions: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_versions is None:
+            lengths = np.asarray(self.response_lengths)
+            versions = np.asarray(self.sample_versions)
+            filled = np.repeat(versions, lengths) if lengths.shape == versions.shape and (lengths >= 0).all() \
+                else np.zeros(0, dtype=np.int64)   # inconsistent lengths: validate() names the problem
+            object.__setattr__(self, "token_versions", filled.astype(np.int64, copy=False))
+
+    @property
+    def versions(self) -> np.ndarray:
+        """token_versions, never None (the type checker's view of __post_init__)."""
+        assert self.token_versions is not None
+        return self.token_versions
 
     @property
     def num_samples(self) -> int:
@@ -169,7 +187,7 @@ def _check_token_counts(batch: RolloutBatchData) -> None:
     if batch.tokens.ndim != 1 or batch.tokens.shape[0] != total:
         raise WireError(f"batch {batch.rollout_id}: {batch.tokens.shape[0]} tokens, lengths sum to {total}")
     n_resp = int(batch.response_lengths.sum())
-    for name in ("loss_mask", "rollout_log_probs"):
+    for name in _PER_TOKEN:
         arr = getattr(batch, name)
         if arr.ndim != 1 or arr.shape[0] != n_resp:
             raise WireError(f"batch {batch.rollout_id}: {name} has {arr.shape[0]} entries, "
@@ -193,9 +211,24 @@ def _check_sampling(batch: RolloutBatchData) -> None:
         raise WireError(f"batch {batch.rollout_id}: sampling_top_k must be >= 0 (0 = off)")
 
 
+def _check_versions(batch: RolloutBatchData) -> None:
+    """A sample's version is the one of its oldest token (the stale rule drops a sample by it)."""
+    lengths = batch.response_lengths.astype(np.int64)
+    has_tokens = lengths > 0
+    if not has_tokens.any():
+        return
+    starts = np.cumsum(lengths) - lengths
+    oldest = np.minimum.reduceat(batch.versions, starts[has_tokens])
+    differ = np.flatnonzero(oldest != batch.sample_versions[has_tokens])
+    if differ.size:
+        i = int(np.flatnonzero(has_tokens)[differ[0]])
+        raise WireError(f"batch {batch.rollout_id}: sample {i} has version {int(batch.sample_versions[i])} but its "
+                        f"oldest token was sampled by version {int(oldest[differ[0]])} (token_versions)")
+
+
 _BATCH_CHECKS: tuple[Callable[[RolloutBatchData], None], ...] = (
     _check_dtypes, _check_per_sample_shapes, _check_per_sample_strings, _check_token_counts, _check_finite,
-    _check_sampling)
+    _check_sampling, _check_versions)
 
 
 def _varint(value: int) -> bytes:
@@ -223,7 +256,26 @@ def _tensor_field(field_number: int, array: np.ndarray, dtype: str) -> list[byte
 
 
 _TENSOR_FIELDS = tuple((common_pb2.RolloutBatch.DESCRIPTOR.fields_by_name[name].number, name, dtype)
-                       for name, dtype in _WIRE_DTYPES.items())
+                       for name, dtype in _WIRE_DTYPES.items() if name != "token_versions")   # sent run-length coded
+_RUNS_FIELD = common_pb2.RolloutBatch.DESCRIPTOR.fields_by_name["token_version_runs"].number
+
+
+def version_runs(versions: np.ndarray) -> np.ndarray:
+    """int64 [runs, 2]: (first token, version) of every run of equal versions (the wire's token_version_runs)."""
+    starts = np.flatnonzero(np.diff(versions, prepend=versions[:1] - 1)) if versions.size else np.zeros(0, np.int64)
+    return np.stack([starts, versions[starts]], axis=1).astype(np.int64) if versions.size else \
+        np.zeros((0, 2), np.int64)
+
+
+def versions_from_runs(runs: np.ndarray, num_tokens: int, *, what: str) -> np.ndarray:
+    """The per-token versions of `runs` (version_runs' inverse); WireError when they do not cover num_tokens."""
+    if runs.ndim != 2 or runs.shape[1] != 2:
+        raise WireError(f"{what}: shape {runs.shape}, expected (runs, 2)")
+    starts = runs[:, 0]
+    if (num_tokens == 0) != (starts.size == 0) or (starts.size and (starts[0] != 0 or starts[-1] >= num_tokens)) \
+            or (np.diff(starts) <= 0).any():
+        raise WireError(f"{what}: runs must start at token 0, strictly increase and stay below {num_tokens} tokens")
+    return np.repeat(runs[:, 1], np.diff(starts, append=num_tokens))
 
 
 def encode_batch(batch: RolloutBatchData) -> bytes:
@@ -242,6 +294,7 @@ def encode_batch(batch: RolloutBatchData) -> bytes:
     parts: list[bytes | memoryview] = [head]
     for number, name, dtype in _TENSOR_FIELDS:
         parts += _tensor_field(number, getattr(batch, name), dtype)
+    parts += _tensor_field(_RUNS_FIELD, version_runs(batch.versions.astype(np.int64, copy=False)), "int64")
     parts.append(common_pb2.RolloutBatch(num_samples=batch.num_samples).SerializeToString())
     return b"".join(parts)
 
@@ -271,15 +324,18 @@ def decode_batch(payload: bytes) -> RolloutBatchData:
             raise WireError(f"{what}: dtype {tensor.dtype!r}, expected {_WIRE_DTYPES[name]!r}")
         return array_from_proto(tensor, what=what)
 
+    tokens = arr("tokens")   # read first: a message that is no batch at all fails on its first field
+    response_lengths = arr("response_lengths")
     batch = RolloutBatchData(
-        rollout_id=msg.rollout_id, policy_version=msg.policy_version, tokens=arr("tokens"),
-        prompt_lengths=arr("prompt_lengths"), response_lengths=arr("response_lengths"),
+        rollout_id=msg.rollout_id, policy_version=msg.policy_version, tokens=tokens,
+        prompt_lengths=arr("prompt_lengths"), response_lengths=response_lengths,
         loss_mask=arr("loss_mask"), rollout_log_probs=arr("rollout_log_probs"), rewards=arr("rewards"),
         group_ids=arr("group_ids"), sample_versions=arr("sample_versions"),
         sampling_temperature=arr("sampling_temperature"), sampling_top_p=arr("sampling_top_p"),
         sampling_top_k=arr("sampling_top_k"), finish_reasons=reasons,
         labels=tuple(msg.labels), metadata=dict(msg.metadata), producer=msg.producer,
-        created_unix_ns=msg.created_unix_ns, logprob_space=space)
+        created_unix_ns=msg.created_unix_ns, logprob_space=space,
+        token_versions=_token_versions(msg, num_tokens=int(response_lengths.sum())))
     if msg.num_samples == 0 and batch.num_samples > 0:
         raise WireError(f"batch {msg.rollout_id}: num_samples (the last field) is missing: truncated payload")
     if msg.num_samples != batch.num_samples:
@@ -287,6 +343,16 @@ def decode_batch(payload: bytes) -> RolloutBatchData:
                         f"{batch.num_samples}")
     batch.validate()
     return batch
+
+
+def _token_versions(msg: common_pb2.RolloutBatch, *, num_tokens: int) -> np.ndarray | None:
+    """The per-token versions of the message's runs; None when it has none (an older producer)."""
+    if not msg.HasField("token_version_runs"):
+        return None
+    what = f"batch {msg.rollout_id} token_version_runs"
+    if msg.token_version_runs.dtype != "int64":
+        raise WireError(f"{what}: dtype {msg.token_version_runs.dtype!r}, expected 'int64'")
+    return versions_from_runs(array_from_proto(msg.token_version_runs, what=what), num_tokens, what=what)
 
 
 def sampling_arrays(n: int, sampling: SamplingSpec) -> dict[str, np.ndarray]:
@@ -301,9 +367,10 @@ def build_batch(*, rollout_id: int, policy_version: int, prompts: list[list[int]
                 finish_reasons: list[str], sampling: SamplingSpec, sample_versions: list[int] | None = None,
                 loss_masks: list[list[int]] | None = None, labels: list[str] | None = None,
                 metadata: dict[str, str] | None = None, producer: str = "",
-                logprob_space: str = "sampling") -> RolloutBatchData:
+                logprob_space: str = "sampling", token_versions: list[list[int]] | None = None) -> RolloutBatchData:
     """Builds a batch from per-sample lists (what an engine naturally produces); `sampling` is the distribution
-    every sample was drawn from, `logprob_space` what the engine's log-probs are of."""
+    every sample was drawn from, `logprob_space` what the engine's log-probs are of, `token_versions` the version
+    that sampled each response token (None: each token its sample's version)."""
     n = len(prompts)
     if not (len(responses) == len(log_probs) == len(rewards) == len(group_ids) == len(finish_reasons) == n):
         raise WireError("build_batch: per-sample lists differ in length")
@@ -320,4 +387,6 @@ def build_batch(*, rollout_id: int, policy_version: int, prompts: list[list[int]
                                    dtype=np.int64),
         **sampling_arrays(n, sampling), finish_reasons=tuple(finish_reasons), labels=tuple(labels or ()),
         metadata=dict(metadata or {}), producer=producer, created_unix_ns=time.time_ns(),
-        logprob_space=logprob_space)
+        logprob_space=logprob_space,
+        token_versions=None if token_versions is None else np.fromiter((v for vs in token_versions for v in vs),
+                                                                        dtype=np.int64))

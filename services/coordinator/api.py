@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
-from services.coordinator.data import DataCursor, PromptBatch
+from services.coordinator.data import DataCursor, PromptBatch, PromptRecord
 
 
 class Clock(Protocol):
@@ -101,6 +101,9 @@ class RolloutPoolApi(Protocol):
     def wait_healthy(self, timeout_s: float) -> None: ...
     def generate(self, *, rollout_id: int, prompts: list[common_pb2.Prompt], n_samples: int,
                  sampling: common_pb2.SamplingParams, trace_context: dict[str, str]) -> GenerationResult: ...
+    def generate_one(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+        """One Generate on the least busy replica (retried on the next one as `generate`'s shares are)."""
+        ...
     def evaluate(self, prompts: list[common_pb2.Prompt], *, n_samples: int,
                  sampling: common_pb2.SamplingParams) -> dict[str, float]: ...
     def release_memory(self) -> None: ...
@@ -135,6 +138,7 @@ class PromptSource(Protocol):
     @property
     def size(self) -> int: ...
     def next_batch(self) -> PromptBatch: ...
+    def record_at(self, epoch: int, offset: int) -> PromptRecord: ...
 
 
 class BufferApi(Protocol):

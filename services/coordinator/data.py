@@ -1,26 +1,40 @@
-"""The coordinator's data source: prompts from a JSONL file, shuffled per epoch, with a resumable cursor.
+"""The coordinator's data source: prompts from a task file, shuffled per epoch, with a resumable cursor.
 
 Rollout services keep no cursor; the coordinator hands them the prompts of each step, so the cursor
 saved with a checkpoint fully determines which prompts come next after a resume.
+
+A prompt is text (sent as it is, tokenized with the tokenizer's special tokens) or a chat: a list of
+{role, content} messages that the rollout renders with the chat template (docs/own-task.md).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from services.contracts.chat import ChatMessage
 from services.contracts.config import DataConfig
+from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.sampling import prompt_max_new_tokens
+from services.coordinator.datafiles import DataFile, data_file, read_rows
 
 
 @dataclass(frozen=True)
 class PromptRecord:
-    text: str
+    text: str                 # a text prompt ("" for a chat)
     label: str
     metadata: dict[str, str] = field(default_factory=dict)
-    line: int = field(default=0, compare=False)   # its line in the data file (1-based; 0 = not from a file)
+    # its line (JSONL, 1-based) or row (parquet, HF dataset; 0-based) in the data file; 0 = not from a file
+    line: int = field(default=0, compare=False)
+    messages: tuple[ChatMessage, ...] = ()   # a chat prompt, the system prompt included
+
+    def to_proto(self, group_id: int) -> common_pb2.Prompt:
+        return common_pb2.Prompt(text=self.text, label=self.label, group_id=group_id, metadata=self.metadata,
+                                 messages=[common_pb2.ChatMessage(role=m.role, content=m.content)
+                                           for m in self.messages])
 
 
 @dataclass(frozen=True)
@@ -45,46 +59,110 @@ class PromptBatch:
     cursor_after: DataCursor
 
 
-def load_prompts(path: str, *, prompt_key: str, label_key: str, limit: int | None = None) -> list[PromptRecord]:
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist")
+_MISSING = object()
+_to_json = json.JSONEncoder(default=str).encode   # one encoder for every row (json.dumps builds one per call)
+
+
+def load_prompts(path: str, config: DataConfig, *, limit: int | None = None) -> list[PromptRecord]:
+    """Every row of the file at `path` as a PromptRecord (data.prompt_key, label_key, chat_template, system_prompt
+    of `config`); ValueError naming the file and line / row of the first bad one."""
+    file = data_file(path)
+    reader = _RowReader(config, file)
     records = []
-    with file.open("rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            line = _decode_line(raw, path=path, line_no=line_no)
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_no}: not valid JSON: {exc}") from None
-            if not isinstance(row, dict) or prompt_key not in row:
-                raise ValueError(f"{path}:{line_no}: expected an object with key {prompt_key!r}")
-            meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in row.items()
-                    if k not in (prompt_key, label_key)}
-            records.append(PromptRecord(text=str(row[prompt_key]), label=str(row.get(label_key, "")), metadata=meta,
-                                        line=line_no))
-            if limit is not None and len(records) >= limit:
-                break
+    for position, row in read_rows(file):
+        records.append(reader.record(row, position))
+        if limit is not None and len(records) >= limit:
+            break
     if not records:
         raise ValueError(f"data file {path} holds no prompts")
     return records
 
 
-def _decode_line(raw: bytes, *, path: str, line_no: int) -> str:
-    """UTF-8, whatever the locale; a bad byte is named with its file, line and column."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
-                         "task files must be UTF-8 JSON lines") from None
+def lookup(row: dict[str, Any], key: str) -> Any:
+    """row[key], else the dotted path through nested objects (reward_model.ground_truth); _MISSING if absent."""
+    if key in row:
+        return row[key]
+    node: Any = row
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+@dataclass(frozen=True)
+class _RowReader:
+    config: DataConfig
+    file: DataFile
+
+    def record(self, row: Any, position: int) -> PromptRecord:
+        where, key = self.file.where(position), self.config.prompt_key
+        prompt = lookup(row, key) if isinstance(row, dict) else _MISSING
+        if prompt is _MISSING:
+            keys = f" (its keys: {', '.join(map(str, row))})" if isinstance(row, dict) else ""
+            raise ValueError(f"{where}: expected an object with key {key!r}{keys}")
+        text, messages = self._prompt(prompt, where)
+        skip = (key, self.config.label_key)
+        metadata = {k: v if isinstance(v, str) else _to_json(v) for k, v in row.items() if k not in skip}
+        prompt_max_new_tokens(metadata, where=where)   # a bad response budget is named with its line
+        return PromptRecord(text=text, label=_label(lookup(row, self.config.label_key)), metadata=metadata,
+                            line=position, messages=messages)
+
+    def _prompt(self, value: Any, where: str) -> tuple[str, tuple[ChatMessage, ...]]:
+        config = self.config
+        if isinstance(value, str):
+            if not config.text_prompts_are_chats:
+                return value, ()
+            return "", self._with_system((ChatMessage("user", value),))
+        if value is None:   # a table's column holds every key; this row has no value there
+            raise ValueError(f"{where}: the prompt ({config.prompt_key}) is null")
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{where}: the prompt ({config.prompt_key}) is {type(value).__name__} {value!r:.60}; "
+                             "expected text or a list of chat messages {role, content}")
+        if config.chat_template == "none":
+            raise ValueError(f"{where}: the prompt is a list of chat messages, and data.chat_template is none; set it "
+                             "to auto (the tokenizer's template) or a template file")
+        return "", self._with_system(_messages(value, where))
+
+    def _with_system(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
+        """data.system_prompt goes first, unless the chat has a system message of its own (the row's wins)."""
+        system = self.config.system_prompt
+        if system is None or messages[0].role == "system":
+            return messages
+        return (ChatMessage("system", system), *messages)
+
+
+def _messages(value: list[Any] | tuple[Any, ...], where: str) -> tuple[ChatMessage, ...]:
+    if not value:
+        raise ValueError(f"{where}: the prompt is an empty list of chat messages")
+    out = []
+    for i, message in enumerate(value):
+        if isinstance(message, dict) and len(message) == 2 and isinstance(role := message.get("role"), str) and \
+                isinstance(content := message.get("content"), str):
+            out.append(ChatMessage(role=role, content=content))   # the usual message, checked at the least cost
+            continue
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or \
+                not isinstance(message.get("content"), str):
+            raise ValueError(f"{where}: message {i} of the prompt is not {{role, content}} text: {message!r:.120}")
+        extra = sorted(k for k, v in message.items() if k not in ("role", "content") and v is not None)
+        if extra:
+            raise ValueError(f"{where}: message {i} of the prompt has {', '.join(extra)}; a prompt's messages are "
+                             "role and content text")
+        out.append(ChatMessage(role=message["role"], content=message["content"]))
+    return tuple(out)
+
+
+def _label(value: Any) -> str:
+    if value is _MISSING or value is None:
+        return ""
+    if isinstance(value, list | dict):   # verl writes ground_truth lists at times: kept as JSON, not a repr
+        return _to_json(value)
+    return str(value)
 
 
 def load_eval_prompts(config: DataConfig) -> list[PromptRecord]:
     """The eval set: data.eval_path (else the training set), at most data.eval_max_prompts of it."""
-    return load_prompts(config.eval_path or config.train_path, prompt_key=config.prompt_key,
-                        label_key=config.label_key, limit=config.eval_max_prompts)
+    return load_prompts(config.eval_path or config.train_path, config, limit=config.eval_max_prompts)
 
 
 class DataSource:
@@ -101,7 +179,7 @@ class DataSource:
 
     @classmethod
     def from_config(cls, config: DataConfig, *, batch_size: int) -> DataSource:
-        records = load_prompts(config.train_path, prompt_key=config.prompt_key, label_key=config.label_key)
+        records = load_prompts(config.train_path, config)
         return cls(records, batch_size=batch_size, shuffle=config.shuffle, seed=config.seed,
                    num_epochs=config.num_epochs)
 
@@ -113,6 +191,10 @@ class DataSource:
         if not self.shuffle:
             return np.arange(len(self.records))
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.records))
+
+    def record_at(self, epoch: int, offset: int) -> PromptRecord:
+        """The prompt at `offset` of epoch `epoch`'s order (a group drawn before a restart, generated again)."""
+        return self.records[int(self._order(epoch)[offset])]
 
     def next_batch(self) -> PromptBatch:
         cur = self.cursor

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 from services.contracts.config import RolloutConfig
-from services.contracts.gen.tandem.v1 import common_pb2
 from services.contracts.sampling import SamplingSpec
 from services.coordinator.api import RolloutPoolApi
 from services.coordinator.data import PromptRecord
@@ -30,8 +29,7 @@ class Evaluator:
         self._lock = threading.Lock()
 
     def evaluate(self) -> dict[str, float]:
-        protos = [common_pb2.Prompt(text=p.text, label=p.label, group_id=i, metadata=p.metadata)
-                  for i, p in enumerate(self.prompts())]
+        protos = [p.to_proto(i) for i, p in enumerate(self.prompts())]
         with span("rl.eval", weight_version=self.weight_version(), prompts=len(protos)):
             return self.pool.evaluate(protos, n_samples=self.rollout.eval_n_samples_per_prompt,
                                       sampling=SamplingSpec.from_config(self.rollout.eval_sampling).to_proto())

@@ -53,8 +53,7 @@ class Generator:
 
     def _generate(self, batch: PromptBatch, *, rollout_id: int, sampling: common_pb2.SamplingParams,
                   trace_context: dict[str, str]) -> GenerationResult:
-        prompts = [common_pb2.Prompt(text=p.text, label=p.label, group_id=g, metadata=p.metadata)
-                   for p, g in zip(batch.prompts, batch.group_ids, strict=True)]
+        prompts = [p.to_proto(g) for p, g in zip(batch.prompts, batch.group_ids, strict=True)]
         result = self.pool.generate(rollout_id=rollout_id, prompts=prompts, sampling=sampling,
                                     n_samples=self.config.rollout.n_samples_per_prompt, trace_context=trace_context)
         return replace(result, cursor_after=batch.cursor_after, epoch_end=batch.epoch_end)

@@ -4,7 +4,8 @@
     for rollout_id in range(start, num_rollout):
         batch = the generation in flight for rollout_id;  start generating rollout_id + 1
         train (PPO: critic first, then the actor once past num_critic_only_steps)
-        every update_weights_interval steps: wait for generation, then sync weights;  save when due
+        every update_weights_interval steps: wait for generation (unless rollout.inflight_update: then the sync lands
+        between two of its decode steps), then sync weights;  save when due
         eval when due (asynchronously), drained at the end
 
 Its decisions are pure functions (policy.py); memory moves (memory.py), evals (evals.py) and the start-up's pieces
@@ -43,6 +44,7 @@ from services.coordinator.retry import TRAIN_RETRY, RetryPolicy
 from services.coordinator.startup import keep_reusable, restore, wait_for_services
 from services.coordinator.state import GeneratedBatch, RunState
 from services.coordinator.stepmetrics import generation_metrics, prefixed
+from services.coordinator.streaming import GroupStream
 from services.telemetry.startup import process_age_s
 from services.telemetry.tracing import StepSpans, annotate, inject_context, span
 from services.telemetry.trackers import EventLog, Tracker
@@ -60,6 +62,7 @@ class Coordinator:
                  train_retry: RetryPolicy = TRAIN_RETRY):
         self.config = config
         self.loop_cfg = config.loop
+        self.inflight_update = config.rollout.inflight_update
         self.run_dir = run_dir
         self.trainer = trainer
         self.critic = critic
@@ -82,6 +85,8 @@ class Coordinator:
         self.step_spans = StepSpans()   # one trace per rollout id, opened when its generation starts
         self.generator = Generator(config=config, pool=pool, data=data, executor=generations, spans=self.step_spans,
                                    clock=self.clock)
+        self.stream = GroupStream(config=config, pool=pool, data=data, executor=generations, clock=self.clock) \
+            if config.loop.mode == "streaming" else None
         self.last_metrics: dict[str, float] = {}
         self.last_checkpoint = ""
         self.last_saved_rollout = -1
@@ -101,10 +106,13 @@ class Coordinator:
             if not finished:
                 self._start_id = self.state.next_rollout_id
                 self.status = "running"
-                if self.loop_cfg.mode == "fully_async":
-                    self._run_fully_async()
-                else:
-                    self._run_one_step_off()
+                match self.loop_cfg.mode:
+                    case "fully_async":
+                        self._run_fully_async()
+                    case "streaming":
+                        self._run_streaming()
+                    case _:
+                        self._run_one_step_off()
                 self._finish()
             self.status = "finished"
         except Exception as exc:
@@ -133,8 +141,8 @@ class Coordinator:
                 metrics = self._train_step(rollout_id, current)
                 metrics["perf/rollout_wait_s"] = wait_s
                 if policy.sync_due(rollout_id, interval=self.loop_cfg.update_weights_interval, mode=self.loop_cfg.mode):
-                    if upcoming is not None:
-                        upcoming.result()   # never swap weights under a running generation
+                    if upcoming is not None and policy.waits_for_generation_before_sync(self.inflight_update):
+                        upcoming.result()   # else the sync lands between two of its decode steps
                     metrics.update(self._sync_weights())
                 self.memory.offload_trainer(metrics)   # after the sync, which needs the weights
                 if not overlap and more:
@@ -166,6 +174,28 @@ class Coordinator:
             if self._should_exit(rollout_id):
                 break
 
+    def _run_streaming(self) -> None:
+        """Groups generate continuously (streaming.py); each step trains the first rollout_batch_size done, samples
+        older than max_staleness dropped by the trainer."""
+        stream = self.stream
+        assert stream is not None
+        stream.needed = (self.num_rollout - self.state.next_rollout_id) * self.config.rollout.rollout_batch_size
+        for rollout_id in range(self.state.next_rollout_id, self.num_rollout):
+            if not self.control.wait_while_paused(self.status_setter):
+                break
+            stream.fill()
+            with self.step_spans.step(rollout_id):
+                step_start = self.clock.monotonic()
+                gen = stream.take(rollout_id)
+                metrics = self._train_step(rollout_id, gen, max_staleness=self.loop_cfg.max_staleness)
+                metrics["perf/rollout_wait_s"] = gen.seconds
+                if policy.sync_due(rollout_id, interval=self.loop_cfg.update_weights_interval, mode=self.loop_cfg.mode):
+                    metrics.update(self._sync_weights())
+                self.memory.offload_trainer(metrics)
+                self._after_step(rollout_id, metrics, step_start=step_start, in_flight=[])
+            if self._should_exit(rollout_id):
+                break
+
     def status_setter(self, status: str) -> None:
         self.status = status
         self.events.emit("state", message=status)
@@ -183,6 +213,8 @@ class Coordinator:
         self.data.cursor = self.state.cursor
         if self.buffer is not None:
             self.state = keep_reusable(self.state, self.buffer)
+        if self.stream is not None:
+            self.stream.restore(self.state.groups)
         done = self.state.next_rollout_id
         if runfacts.is_finished(next_rollout_id=done, num_rollout=self.num_rollout):
             message = runfacts.finished_message(done=done, num_rollout=self.num_rollout,
@@ -323,9 +355,13 @@ class Coordinator:
     def _save(self, rollout_id: int, *, in_flight: list[InFlight], final: bool) -> None:
         """A checkpoint of the step, with the generations in flight (waited for, so a resume reuses their entries);
         the run's final one always carries a Hugging Face export in its hf/ directory."""
-        pending = tuple(_recorded(g, weight_version=self.state.weight_version) for g in in_flight)
-        cursor = pending[0].cursor_before if pending else self.data.cursor
-        state = replace(self.state, next_rollout_id=rollout_id + 1, cursor=cursor, pending=pending)
+        if self.stream is not None:   # the groups drawn and not trained (the final save waits for those generating)
+            state = replace(self.state, next_rollout_id=rollout_id + 1, cursor=self.data.cursor,
+                            groups=self.stream.outstanding(wait=final))
+        else:
+            pending = tuple(_recorded(g, weight_version=self.state.weight_version) for g in in_flight)
+            cursor = pending[0].cursor_before if pending else self.data.cursor
+            state = replace(self.state, next_rollout_id=rollout_id + 1, cursor=cursor, pending=pending)
         with span("rl.save", rollout_id=rollout_id):
             request = trainer_pb2.SaveRequest(rollout_id=rollout_id,
                                               export_hf=final or self.config.trainer.export_hf_on_save,

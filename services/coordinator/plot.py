@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from services.contracts.files import read_json_rows
+
 PANELS = (
     ("reward", ("rollout/reward_mean", "eval/reward_mean")),
     ("response length (tokens)", ("rollout/response_len_mean", "eval/response_len_mean")),
@@ -34,7 +36,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_json_rows(path)   # a row being appended as we read is not one yet
     if not rows:
         raise ValueError(f"{path} holds no metrics yet")
     return rows

@@ -14,6 +14,17 @@ def sync_due(rollout_id: int, *, interval: int, mode: str) -> bool:
     return mode == "sync" or (rollout_id + 1) % interval == 0
 
 
+def sync_pause_mode(inflight_update: str) -> str:
+    """How a weight sync pauses the engines: drain waits for running generation; with rollout.inflight_update the
+    sync lands between two decode steps (in_place keeps the KV cache, retract has it recomputed)."""
+    return {"off": "drain", "keep": "in_place", "recompute": "retract"}[inflight_update]
+
+
+def waits_for_generation_before_sync(inflight_update: str) -> bool:
+    """async mode: the next batch's generation must finish before a sync, unless the sync lands in flight."""
+    return inflight_update == "off"
+
+
 def should_exit(rollout_id: int, *, start_id: int, stop_requested: bool, exit_after: int | None) -> bool:
     """A Stop, or loop.debug_exit_after_rollout steps done since this process started."""
     return stop_requested or (exit_after is not None and rollout_id + 1 - start_id >= exit_after)

@@ -46,6 +46,7 @@ class RolloutPool:
         self.clock = clock or SystemClock()
         self.expected_version: int | None = None   # weight version of the last successful sync
         self._suspect: set[int] = set()   # replicas that failed since the last sync
+        self._busy = [0] * len(self.replicas)   # generate_one calls in flight per replica
         self._lock = threading.Lock()
         self.executor = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.replicas)), thread_name_prefix="rollout")
 
@@ -108,6 +109,17 @@ class RolloutPool:
         responses = tuple(f.result() for f in futures)
         return GenerationResult(rollout_id=rollout_id, entry_ids=tuple(r.entry_id for r in responses),
                                 responses=responses, seconds=self.clock.monotonic() - start)
+
+    def generate_one(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+        """One Generate (loop.mode streaming: one group) on the replica with the fewest of these in flight."""
+        with self._lock:
+            first = min(range(self.size), key=lambda i: (self._busy[i], i))
+            self._busy[first] += 1
+        try:
+            return self._generate_share(first=first, request=request)
+        finally:
+            with self._lock:
+                self._busy[first] -= 1
 
     def _generate_share(self, *, first: int, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
         errors: list[str] = []

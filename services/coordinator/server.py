@@ -5,17 +5,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import signal
 import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import FrameType
 
 import grpc
 
 from services.buffer.stream import RolloutBuffer, connect, stream_key
+from services.contracts import runfacts
 from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
 from services.contracts.failure import clear_failure, write_failure
@@ -24,10 +23,12 @@ from services.coordinator.clients import make_clients
 from services.coordinator.data import DataSource, load_eval_prompts
 from services.coordinator.errors import failure_record
 from services.coordinator.loop import Coordinator
+from services.coordinator.policy import sync_pause_mode
 from services.coordinator.pool import RolloutPool
 from services.coordinator.retry import generate_retry
 from services.coordinator.sync import WeightSync
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
+from services.rpc.shutdown import StopSignals, exit_now
 from services.telemetry.tracing import TRACEBACK_TO_FILE, setup_logging, setup_tracing, shutdown_tracing
 from services.telemetry.trackers import make_trackers
 
@@ -117,14 +118,17 @@ def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinat
                                stream_key(config.redis.stream_prefix, config.run_name), groups=groups)
     pool = RolloutPool(replicas, retry=generate_retry(config.loop.max_retries),
                        discard=buffer.delete if buffer is not None else None)
-    sync = WeightSync(trainer=trainer, pool=pool, config=config.weights, trainer_offloads=config.loop.offload_train)
+    sync = WeightSync(trainer=trainer, pool=pool, config=config.weights, trainer_offloads=config.loop.offload_train,
+                      pause_mode=sync_pause_mode(config.rollout.inflight_update))
     trackers = make_trackers(config.tracing.trackers, run_dir=run_dir, run_name=config.run_name,
                              wandb_project=config.tracing.wandb_project, prometheus_port=config.tracing.prometheus_port)
     coordinator = Coordinator(
         config=config, run_dir=run_dir, trainer=trainer, critic=critic, pool=pool, sync=sync, data=data,
         buffer=buffer, trackers=trackers, eval_prompts=functools.partial(load_eval_prompts, config.data),
-        # fully_async keeps one generation per replica in flight, plus the one the trainer waits for
-        generations=ThreadPoolExecutor(max_workers=pool.size + 1, thread_name_prefix="generate"),
+        # fully_async keeps one generation per replica in flight, plus the one the trainer waits for; streaming
+        # one Generate per group in flight
+        generations=ThreadPoolExecutor(max_workers=runfacts.groups_in_flight(config) if config.loop.mode == "streaming"
+                                       else pool.size + 1, thread_name_prefix="generate"),
         evals=ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval"))
     return coordinator, buffer
 
@@ -145,27 +149,28 @@ def main(config: TandemConfig, *, run_dir: Path) -> int:
                                         max_workers=CONTROL_WORKERS + s.max_watch_streams, auth_token=s.auth_token,
                                         tls_cert=s.tls_cert, tls_key=s.tls_key))
     print(f"TANDEM_READY coordinator {server.port}", flush=True)
-    stop_once = threading.Event()
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        if stop_once.is_set():
-            raise KeyboardInterrupt
-        stop_once.set()
-        log.info("signal %d: stopping after the current step", signum)
-        coordinator.control.stop()
+    def on_signal(signum: int, count: int) -> None:
+        if count == 1:
+            log.info("signal %d: stopping after the current step (again to terminate)", signum)
+            coordinator.control.stop()   # thread-safe: a paused loop wakes up to stop
+        else:
+            log.warning("signal %d again: terminating now", signum)
+            exit_now(ExitCode.INTERRUPTED)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    StopSignals(on_signal=on_signal)   # heard whichever thread the kernel hands the signal to
     code: int = ExitCode.OK
     try:
         coordinator.run()
     except Exception as exc:  # noqa: BLE001 - every failure becomes the record and its exit code
         code = _failed(exc, run_dir=run_dir, kept=coordinator.last_checkpoint)
-    finally:
-        for tracker in coordinator.trackers:
-            tracker.close()
-        server.stop(grace_s=s.timeouts.control_s)   # control calls still running get their deadline to finish
-        shutdown_tracing()
+    for tracker in coordinator.trackers:
+        tracker.close()
+    server.stop(grace_s=s.timeouts.control_s)   # control calls still running get their deadline to finish
+    shutdown_tracing()
+    # A generation or eval thread may still wait on its call's deadline (a failed run): exiting the interpreter
+    # would join it.
+    exit_now(code)
     return code
 
 

@@ -42,13 +42,18 @@ def restore(trainer: TrainerApi, critic: TrainerApi | None) -> Restored:
 
 
 def keep_reusable(state: RunState, buffer: BufferApi) -> RunState:
-    """Recorded generations whose entries are all still buffered are reused; the buffer's other entries (generated
-    after the checkpoint, or the remains of a generation trained since) are deleted."""
+    """Recorded generations whose entries are all still buffered are reused, and so are streaming groups whose entry
+    is (the others are generated again); the buffer's other entries (generated after the checkpoint, or the remains
+    of a generation trained since) are deleted."""
     reusable = tuple(p for p in state.pending if _still_buffered(p, buffer))
-    dropped = buffer.discard_except([e for p in reusable for e in p.entry_ids])
+    done = [g.entry_id for g in state.groups if g.entry_id]
+    gone = set(buffer.missing(done)) if done else set()
+    groups = tuple(replace(g, entry_id="") if g.entry_id in gone else g for g in state.groups)
+    dropped = buffer.discard_except([e for p in reusable for e in p.entry_ids] + [g.entry_id for g in groups
+                                                                                 if g.entry_id])
     if dropped:
         log.info("discarded %d buffer entries generated after the last checkpoint", dropped)
-    return replace(state, pending=reusable)
+    return replace(state, pending=reusable, groups=groups)
 
 
 def _still_buffered(gen: GeneratedBatch, buffer: BufferApi) -> bool:

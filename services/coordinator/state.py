@@ -32,11 +32,33 @@ class GeneratedBatch:
 
 
 @dataclass(frozen=True)
+class StreamGroup:
+    """loop.mode streaming: a prompt drawn for generation and not trained yet, and where it stands in the data order
+    (so a resume generates it again). `entry_id` is its buffer entry once its samples are done, "" before."""
+
+    group_id: int
+    epoch: int
+    offset: int
+    entry_id: str = ""
+    weight_version: int = 0   # the version its generation started with (once done)
+
+    def to_dict(self) -> dict:
+        return {"group_id": self.group_id, "epoch": self.epoch, "offset": self.offset, "entry_id": self.entry_id,
+                "weight_version": self.weight_version}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StreamGroup:
+        return cls(group_id=int(d["group_id"]), epoch=int(d["epoch"]), offset=int(d["offset"]),
+                   entry_id=str(d.get("entry_id", "")), weight_version=int(d.get("weight_version", 0)))
+
+
+@dataclass(frozen=True)
 class RunState:
     next_rollout_id: int = 0
     weight_version: int = 0
     cursor: DataCursor = field(default_factory=DataCursor)   # data cursor before generating next_rollout_id
     pending: tuple[GeneratedBatch, ...] = ()        # generated, not yet trained, in rollout order
+    groups: tuple[StreamGroup, ...] = ()            # streaming: drawn, not yet trained (cursor is after them)
     samples_generated: int = 0
     samples_trained: int = 0
     samples_dropped_stale: int = 0
@@ -66,6 +88,7 @@ class RunState:
     def to_json(self) -> str:
         return json.dumps({"next_rollout_id": self.next_rollout_id, "weight_version": self.weight_version,
                            "cursor": self.cursor.to_dict(), "pending": [p.to_dict() for p in self.pending],
+                           "groups": [g.to_dict() for g in self.groups],
                            "samples_generated": self.samples_generated, "samples_trained": self.samples_trained,
                            "samples_dropped_stale": self.samples_dropped_stale,
                            "samples_critic_only": self.samples_critic_only,
@@ -78,6 +101,7 @@ class RunState:
         return cls(next_rollout_id=int(d["next_rollout_id"]), weight_version=int(d["weight_version"]),
                    cursor=DataCursor.from_dict(d["cursor"]),
                    pending=tuple(GeneratedBatch.from_dict(p) for p in d.get("pending", [])),
+                   groups=tuple(StreamGroup.from_dict(g) for g in d.get("groups", [])),
                    samples_generated=int(d.get("samples_generated", 0)),
                    samples_trained=int(d.get("samples_trained", 0)),
                    samples_dropped_stale=int(d.get("samples_dropped_stale", 0)),

@@ -3,6 +3,11 @@
 The coordinator only sequences control messages; the bytes go trainer → engines over the transport
 (process group, CUDA IPC or disk). Whatever fails, the engines are resumed so a failed sync never
 leaves generation paused, and the error names the phase and the version.
+
+With weights.check_weight_update_equal the trainer announces one checksum per bucket and every engine checks
+what it received against them (services/weights/checksums.py). A bucket that differs is named by the engine
+(DATA_LOSS) or by the comparison here; the sync is then sent again with per-tensor checksums, the slower path only
+on a mismatch, which names the tensors that differ or shows the difference did not repeat.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum
 from itertools import accumulate
 
+import grpc
+
 from services.contracts.config import WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
 from services.coordinator.api import SyncResult, TrainerApi
@@ -22,7 +29,8 @@ from services.telemetry.tracing import span
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SyncPhase", "SyncResult", "WeightSync", "WeightSyncError", "compare_checksums"]
+__all__ = ["ChecksumMismatch", "SyncPhase", "SyncResult", "WeightSync", "WeightSyncError", "compare_bucket_checksums",
+           "compare_checksums"]
 
 
 class SyncPhase(Enum):
@@ -37,14 +45,25 @@ class WeightSyncError(RuntimeError):
     pass
 
 
+class ChecksumMismatch(WeightSyncError):
+    """What an engine holds differs from the trainer's checksums."""
+
+
 def compare_checksums(expected: dict[str, str], received: dict[str, str], *, replica: str) -> None:
     missing = sorted(set(expected) - set(received))
     differ = sorted(n for n in expected if n in received and received[n] != expected[n])
     if missing or differ:
-        raise WeightSyncError(
+        raise ChecksumMismatch(
             f"check_weight_update_equal failed on {replica}: {len(differ)} tensors differ "
             f"({', '.join(differ[:5])}{'…' if len(differ) > 5 else ''}), {len(missing)} missing "
             f"({', '.join(missing[:5])})")
+
+
+def compare_bucket_checksums(expected: list[str], received: list[str], *, replica: str) -> None:
+    differ = [i for i, digest in enumerate(expected) if i >= len(received) or received[i] != digest]
+    if differ:
+        raise ChecksumMismatch(f"check_weight_update_equal failed on {replica}: {len(differ)} of {len(expected)} "
+                               f"bucket(s) differ (bucket {', '.join(map(str, differ[:5]))})")
 
 
 def rank_offsets(ranks: list[int]) -> list[int]:
@@ -65,6 +84,17 @@ class WeightSync:
 
     def run(self, *, version: int, verify: bool | None = None) -> SyncResult:
         verify = self.config.check_weight_update_equal if verify is None else verify
+        try:
+            return self._attempt(version=version, verify=verify, by_bucket=verify)
+        except ChecksumMismatch as exc:
+            log.warning("weight sync v%d: %s; sending it again with per-tensor checksums to name the tensors",
+                        version, exc)
+            result = self._attempt(version=version, verify=True, by_bucket=False)   # raises naming the tensors
+            log.warning("weight sync v%d: sent again, every tensor matches the trainer's checksums: the bucket "
+                        "mismatch did not repeat", version)
+            return result
+
+    def _attempt(self, *, version: int, verify: bool, by_bucket: bool) -> SyncResult:
         times: dict[str, float] = {}
         start = time.monotonic()
         with span("rl.sync", weight_version=version, transport=self.config.transport) as s:
@@ -75,7 +105,8 @@ class WeightSync:
                 ranks = [max(1, p.engine_ranks) for p in prepared]
                 times["pause"] = time.monotonic() - t
                 plan = self.trainer.prepare_weight_sync(trainer_pb2.PrepareWeightSyncRequest(
-                    version=version, transport=self.config.transport, engine_world_size=sum(ranks), verify=verify))
+                    version=version, transport=self.config.transport, engine_world_size=sum(ranks), verify=verify,
+                    verify_by_bucket=by_bucket))
                 plan.buffers_freed_after = self.trainer_offloads
                 times["plan"] = time.monotonic() - t - times["pause"]   # the trainer's checksums, when verifying
 
@@ -88,13 +119,10 @@ class WeightSync:
 
                 self.phase = SyncPhase.VERIFY
                 t = time.monotonic()
-                checked = 0
-                if verify:
-                    expected = {m.name: m.checksum for b in plan.buckets for m in b.tensors}
-                    for replica, reply in zip(self.pool.replicas, received, strict=True):
-                        compare_checksums(expected, dict(reply.checksums), replica=replica.name)
-                    checked = len(expected)
+                checked = self._verify(plan, received) if verify else 0
                 times["verify"] = time.monotonic() - t
+                if verify:   # the trainer's and the slowest engine's, inside "plan" and "receive"
+                    times["checksum"] = plan.checksum_s + max(r.checksum_s for r in received)
             except WeightSyncError:
                 self._resume_quietly()
                 raise
@@ -114,6 +142,18 @@ class WeightSync:
             s.set_attribute("rl.gbps", result.gbps)
             return result
 
+    def _verify(self, plan: common_pb2.WeightSyncPlan, received: list[rollout_pb2.ReceiveWeightsResponse]) -> int:
+        """Every engine's checksums against the trainer's (the engines compared them too); the tensors checked."""
+        if plan.verify_by_bucket:
+            expected_buckets = [b.checksum for b in plan.buckets]
+            for replica, reply in zip(self.pool.replicas, received, strict=True):
+                compare_bucket_checksums(expected_buckets, list(reply.bucket_checksums), replica=replica.name)
+            return sum(len(b.tensors) for b in plan.buckets)
+        expected = {m.name: m.checksum for b in plan.buckets for m in b.tensors}
+        for replica, reply in zip(self.pool.replicas, received, strict=True):
+            compare_checksums(expected, dict(reply.checksums), replica=replica.name)
+        return len(expected)
+
     def _transfer(self, *, plan: common_pb2.WeightSyncPlan, ranks: list[int],
                   ) -> tuple[trainer_pb2.PublishWeightsResponse, list[rollout_pb2.ReceiveWeightsResponse]]:
         # Engines first (they join the group and block), then the trainer broadcasts in the announced order.
@@ -121,15 +161,17 @@ class WeightSync:
                    for r, o in zip(self.pool.replicas, rank_offsets(ranks), strict=True)]
         publish = self.executor.submit(self.trainer.publish_weights, plan.version)
         waits: list[Future] = [publish, *receive]
-        errors = []
+        errors: list[ServiceCallError] = []
         for fut in waits:
             try:
                 fut.result()
             except ServiceCallError as exc:
-                errors.append(str(exc))
+                errors.append(exc)
         if errors:
-            raise WeightSyncError(f"weight transfer of version {plan.version} over {plan.transport} failed: "
-                                  + "; ".join(errors))
+            # the bytes arrived, and what arrived differs: DATA_LOSS from each engine that failed
+            kind = ChecksumMismatch if all(e.code == grpc.StatusCode.DATA_LOSS for e in errors) else WeightSyncError
+            raise kind(f"weight transfer of version {plan.version} over {plan.transport} failed: "
+                       + "; ".join(map(str, errors)))
         return publish.result(), [f.result() for f in receive]
 
     def _resume_quietly(self) -> None:

@@ -1,26 +1,29 @@
 """What `tandem run` checks before any service starts.
 
 A run that would fail on its inputs fails here, in about a second, with one line naming the config key (or the
-file and line of a bad prompt: empty, or too long for the context), instead of after every service has loaded its
-model. Problems that do not stop a run (text the tokenizer
-cannot encode) are returned as warnings.
+file and line / row of a bad prompt: empty, too long for the context with the chat template applied, or one the
+template fails on), instead of after every service has loaded its model. Problems that do not stop a run (text the
+tokenizer cannot encode, a label key no row has) are returned as warnings.
 """
 
 from __future__ import annotations
 
 import difflib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.contracts import runfacts
 from services.contracts.config import ConfigError, TandemConfig
 from services.coordinator.data import DataSource, PromptRecord, load_prompts
+from services.coordinator.datafiles import data_file
 
 log = logging.getLogger("tandem.preflight")
 
 MAX_TOKENIZER_CHECKS = 20000   # prompts and labels looked at for unknown tokens (every prompt's length is checked)
 ENCODE_BATCH = 8192            # prompts the tokenizer encodes in one call
+BOUND_SAMPLE = 1000            # prompts always encoded, checking the length bound (measure_prompts)
 SHOWN_LINES = 5                # line numbers named besides the first offending one
 
 
@@ -35,54 +38,135 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
     from services.rollout.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
-    prompt_ids = {key: encode_prompts(tokenizer, rows) for key, rows in records.items()}
-    check_prompt_lengths(config, records, prompt_ids)
-    return unencodable_text(config, records, prompt_ids, tokenizer)
+    prompts = model_prompts(config, records, tokenizer)
+    check_prompt_lengths(config, records, prompts)
+    return unencodable_text(config, records, prompts, tokenizer) + missing_labels(config, records)
 
 
-def encode_prompts(tokenizer: Any, rows: list[PromptRecord]) -> list[list[int]]:
-    """Every prompt as the rollout service encodes it, ENCODE_BATCH at a time (a fast tokenizer does 100k short
-    prompts in about a second)."""
-    from services.rollout.tokenizer import prompt_token_ids
-
-    out: list[list[int]] = []
-    for start in range(0, len(rows), ENCODE_BATCH):
-        out += prompt_token_ids(tokenizer, [r.text for r in rows[start:start + ENCODE_BATCH]])
-    return out
+@dataclass(frozen=True)
+class PromptLimit:
+    tokens: int        # the most a prompt of this data file may have
+    why: str           # where that number comes from, for the message
 
 
-def check_prompt_lengths(config: TandemConfig, records: dict[str, list[PromptRecord]],
-                         prompt_ids: dict[str, list[list[int]]]) -> None:
-    """ConfigError naming file:line of the first prompt that is empty or leaves no room for max_new_tokens in the
-    context (runfacts.context_length), with the limits and how many more lines are like it."""
+def prompt_limit(config: TandemConfig, key: str) -> PromptLimit:
+    """The context (runfacts.context_length) minus the max_new_tokens of the data file's sampling."""
     context = runfacts.context_length(configured=config.rollout.max_context_length,
                                       model_positions=runfacts.model_positions(config.model.path))
     context_from = ("rollout.max_context_length" if config.rollout.max_context_length and
                     context == config.rollout.max_context_length else "the model's max_position_embeddings")
+    sampling, sampling_key = ((config.rollout.eval_sampling, "rollout.eval_sampling")
+                              if key == "data.eval_path" else (config.rollout.sampling, "rollout.sampling"))
+    return PromptLimit(tokens=context - sampling.max_new_tokens,
+                       why=f"a context of {context} tokens, from {context_from}, minus {sampling_key}.max_new_tokens "
+                           f"{sampling.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class ModelPrompts:
+    """A data file's prompts as the model reads them (the chat template applied), and how many tokens each has."""
+
+    texts: list[str]
+    lengths: list[int]            # exact for the encoded rows; for the others a bound within the limit
+    ids: dict[int, list[int]]     # the encoded rows: the first ones, and every one a bound does not show fits
+
+
+def model_prompts(config: TandemConfig, records: dict[str, list[PromptRecord]],
+                  tokenizer: Any) -> dict[str, ModelPrompts]:
+    """Every prompt of every data file through the rollout's own path (rendered, then encoded where its length is
+    not known to fit: measure_prompts); ConfigError naming the file and line / row of a prompt the chat template
+    fails on."""
+    from services.rollout.chat import ChatTemplate, ChatTemplateError
+
+    # the unknown-token scan reads the first MAX_TOKENIZER_CHECKS prompts' ids; else a sample checks the bound
+    exact = MAX_TOKENIZER_CHECKS if tokenizer.unk_token_id is not None else BOUND_SAMPLE
+    try:
+        chat = ChatTemplate.from_config(tokenizer, config)
+        out = {}
+        for key, rows in records.items():
+            try:
+                texts = render_prompts(chat, rows)
+            except ChatTemplateError as exc:
+                if exc.index is None:
+                    raise
+                path = getattr(config.data, key.split(".")[1])
+                raise ConfigError(f"{key}: {data_file(path).where(rows[exc.index].line)}: {exc}") from None
+            out[key] = measure_prompts(tokenizer, texts, [bool(r.messages) for r in rows],
+                                       limit=prompt_limit(config, key).tokens, exact=exact)
+    except ChatTemplateError as exc:
+        raise ConfigError(str(exc)) from None
+    return out
+
+
+def render_prompts(chat: Any, rows: list[PromptRecord]) -> list[str]:
+    """Every prompt's text as the rollout renders it, ENCODE_BATCH at a time (~50k chats a second).
+    ChatTemplateError.index: the row of `rows` the template failed on."""
+    from services.rollout.chat import ChatTemplateError
+    from services.rollout.tokenizer import prompt_texts
+
+    texts: list[str] = []
+    for start in range(0, len(rows), ENCODE_BATCH):
+        try:
+            texts += prompt_texts(chat, rows[start:start + ENCODE_BATCH])
+        except ChatTemplateError as exc:
+            raise ChatTemplateError(str(exc), index=None if exc.index is None else start + exc.index) from None
+    return texts
+
+
+def measure_prompts(tokenizer: Any, texts: list[str], chats: list[bool], *, limit: int, exact: int) -> ModelPrompts:
+    """Token counts of every prompt, encoding (ENCODE_BATCH at a time, as the rollout does) only the first `exact`
+    prompts and those whose length bound (tokenizer.length_bounds) exceeds `limit`: the others fit for certain.
+    Encoding is ~100 µs a prompt, nearly all of preflight's time on a 100k-row file. Should an encoded prompt
+    exceed its bound (a tokenizer the bound does not know), every prompt is encoded."""
+    from services.rollout.tokenizer import encode_prompt_texts, length_bounds
+
+    bounds = length_bounds(tokenizer, texts, chats)
+    ids: dict[int, list[int]] = {}
+
+    def encode(rows: list[int]) -> None:
+        for start in range(0, len(rows), ENCODE_BATCH):
+            chunk = rows[start:start + ENCODE_BATCH]
+            ids.update(zip(chunk, encode_prompt_texts(tokenizer, [texts[i] for i in chunk], [chats[i] for i in chunk]),
+                           strict=True))
+
+    encode(sorted(set(range(min(exact, len(texts)))) | {i for i, b in enumerate(bounds) if b is None or b > limit}))
+    if any(len(row) > bound for i, row in ids.items() if (bound := bounds[i]) is not None):
+        encode([i for i in range(len(texts)) if i not in ids])
+    lengths = [len(ids[i]) if bound is None or i in ids else bound for i, bound in enumerate(bounds)]
+    return ModelPrompts(texts=texts, lengths=lengths, ids=ids)
+
+
+def _empty(row: PromptRecord) -> bool:
+    return not any(m.content.strip() for m in row.messages) if row.messages else not row.text.strip()
+
+
+def check_prompt_lengths(config: TandemConfig, records: dict[str, list[PromptRecord]],
+                         prompts: dict[str, ModelPrompts]) -> None:
+    """ConfigError naming file:line (or file: row) of the first prompt that is empty or leaves no room for
+    max_new_tokens in the context (runfacts.context_length), with the limits and how many more are like it."""
     for key, rows in records.items():
-        sampling, sampling_key = ((config.rollout.eval_sampling, "rollout.eval_sampling")
-                                  if key == "data.eval_path" else (config.rollout.sampling, "rollout.sampling"))
-        limit = context - sampling.max_new_tokens
-        bad = [(row, len(ids)) for row, ids in zip(rows, prompt_ids[key], strict=True)
-               if not row.text.strip() or len(ids) > limit]
+        limit = prompt_limit(config, key)
+        bad = [(row, length) for row, length in zip(rows, prompts[key].lengths, strict=True)
+               if length > limit.tokens or _empty(row)]
         if not bad:
             continue
         first, tokens = bad[0]
-        if not first.text.strip():
+        templated = " with the chat template applied" if first.messages else ""
+        if _empty(first):
             problem = "the prompt is empty"
         else:
-            problem = (f"the prompt has {tokens} tokens, more than the {limit} a prompt may have (a context of "
-                       f"{context} tokens, from {context_from}, minus {sampling_key}.max_new_tokens "
-                       f"{sampling.max_new_tokens})")
-        path = getattr(config.data, key.split(".")[1])
-        raise ConfigError(f"{key}: {path}:{first.line}: {problem}{_others([row.line for row, _ in bad[1:]])}")
+            problem = (f"the prompt has {tokens} tokens{templated}, more than the {limit.tokens} a prompt may have "
+                       f"({limit.why})")
+        file = data_file(getattr(config.data, key.split(".")[1]))
+        raise ConfigError(f"{key}: {file.where(first.line)}: {problem}"
+                          f"{_others([row.line for row, _ in bad[1:]], unit=file.unit)}")
 
 
-def _others(lines: list[int]) -> str:
+def _others(lines: list[int], *, unit: str) -> str:
     if not lines:
         return ""
     shown = ", ".join(str(n) for n in lines[:SHOWN_LINES]) + (", …" if len(lines) > SHOWN_LINES else "")
-    return f"; {len(lines)} more line{'s' if len(lines) > 1 else ''} empty or too long (line {shown})"
+    return f"; {len(lines)} more {unit}{'s' if len(lines) > 1 else ''} empty or too long ({unit} {shown})"
 
 
 def check_engine(config: TandemConfig) -> None:
@@ -94,6 +178,7 @@ def check_engine(config: TandemConfig) -> None:
 
     from services.rollout.engines.sglang_http import is_loopback
     from services.rollout.engines.sglang_launch import launch_problems
+    from services.rollout.engines.sglang_protocol import inflight_refusal
 
     problems = []
     if config.weights.check_weight_update_equal:
@@ -108,6 +193,11 @@ def check_engine(config: TandemConfig) -> None:
         if config.trainer.device == "cpu":
             problems.append("weights.transport: cuda_ipc needs the trainer on a GPU (trainer.device is cpu)")
     problems += launch_problems(tuple(config.rollout.sglang.launch_args), dict(os.environ))
+    if not config.rollout.sglang.urls:   # servers the user runs are checked when the engine connects
+        launch = config.rollout.sglang.launch_args
+        refusal = inflight_refusal(config.rollout.inflight_update, radix_cache_off="--disable-radix-cache" in launch,
+                                   where="the SGLang server rollout.sglang.launch_args start")
+        problems += [refusal] if refusal else []
     if problems:
         raise ConfigError("\n".join(problems))
 
@@ -186,8 +276,8 @@ def _near_miss(path: Path) -> str:
 
 def _load(key: str, path: str, config: TandemConfig) -> list[PromptRecord]:
     try:
-        return load_prompts(path, prompt_key=config.data.prompt_key, label_key=config.data.label_key)
-    except (OSError, ValueError) as exc:   # missing, unreadable, not JSONL, empty, or no prompt key
+        return load_prompts(path, config.data)
+    except (OSError, ValueError) as exc:   # missing, unreadable, of no known format, empty, or a bad row
         raise ConfigError(f"{key}: {exc}") from None
 
 
@@ -212,7 +302,7 @@ def _check_environment(spec: str | None) -> None:
 
 
 def unencodable_text(config: TandemConfig, records: dict[str, list[PromptRecord]],
-                     prompt_ids: dict[str, list[list[int]]], tokenizer: Any) -> list[str]:
+                     prompts: dict[str, ModelPrompts], tokenizer: Any) -> list[str]:
     """One warning per data file whose prompts or labels hold text the tokenizer maps to its unknown token:
     the model can never read (or, for labels, write) it, which looks like a run that does not learn."""
     unk = tokenizer.unk_token_id
@@ -223,7 +313,8 @@ def unencodable_text(config: TandemConfig, records: dict[str, list[PromptRecord]
         rows = all_rows[:MAX_TOKENIZER_CHECKS]
         labels = [r.label for r in rows]
         for field, texts, encoded in (
-                ("prompt", [r.text for r in rows], prompt_ids[key][:MAX_TOKENIZER_CHECKS]),
+                ("prompt", prompts[key].texts[:MAX_TOKENIZER_CHECKS],
+                 [prompts[key].ids[i] for i in range(len(rows))]),
                 ("label", labels, tokenizer(labels, add_special_tokens=False)["input_ids"])):
             bad = [i for i, ids in enumerate(encoded) if unk in ids]
             if bad:
@@ -231,3 +322,9 @@ def unencodable_text(config: TandemConfig, records: dict[str, list[PromptRecord]
                                 f"{config.model.tokenizer_path or config.model.path} cannot encode (it becomes "
                                 f"{tokenizer.unk_token}); the first: {texts[bad[0]]!r}")
     return warnings
+
+
+def missing_labels(config: TandemConfig, records: dict[str, list[PromptRecord]]) -> list[str]:
+    """A warning per data file where no row has data.label_key: a typo there gives every reward an empty label."""
+    return [f"{key}: every label is empty (no row has a value at data.label_key {config.data.label_key!r})"
+            for key, rows in records.items() if not any(r.label for r in rows)]

@@ -21,7 +21,6 @@ A failed run ends in one block, its last lines (services/contracts/failure.py): 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -39,6 +38,7 @@ from services.contracts.config import TandemConfig
 from services.contracts.config_loading import config_from_dict, write_resolved_config
 from services.contracts.exits import ExitCode
 from services.contracts.failure import FailureRecord, clear_failure, read_failure
+from services.contracts.files import write_json_atomic
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.contracts.runfacts import RUN_MARKER
 from services.launcher.procs import dies_with_parent
@@ -210,7 +210,7 @@ class LocalRun:
                                        password=self.config.redis.password).start(self.config.loop.startup_timeout_s)
             redis_url = f"redis://{self.redis.host}:{self.redis.port}/0"   # the password travels as redis.password
         self.config = resolve_for_local_run(self.config, redis_url=redis_url)
-        write_resolved_config(self.config, self.run_dir).chmod(0o600)   # it may hold the token and passwords
+        write_resolved_config(self.config, self.run_dir)   # owner-only: it may hold the token and passwords
         s = self.config.services
         write_run_marker(self.run_dir, coordinator=s.coordinator.target)
         log.info("coordinator control API: %s (from another shell: tandem ctl --run-dir %s status)",
@@ -428,5 +428,4 @@ def _say_where_it_is(config: TandemConfig, *, run_dir: Path) -> None:
 
 
 def write_run_marker(run_dir: Path, *, coordinator: str) -> None:
-    (run_dir / RUN_MARKER).write_text(json.dumps({"pid": os.getpid(), "coordinator": coordinator,
-                                                  "started": time.time()}))
+    write_json_atomic(run_dir / RUN_MARKER, {"pid": os.getpid(), "coordinator": coordinator, "started": time.time()})

@@ -10,13 +10,17 @@ what counts):
 - `step(action: Action) -> (observation, reward, done)`: the policy's turn (`action.text`, `action.token_ids`);
   the observation is appended after it with loss_mask 0; `reward` is added to the episode's reward.
 
-An observation is text (tokenized without special tokens) or a sequence of token ids. Either method may be
-`async def`: the calls of a round then run concurrently, each within `rollout.environment_timeout_s`. A sync
-method runs inline, one episode after another (a thread per call cost more than a cheap step itself: ~1 ms
-against ~10 µs on the CI machine), so a step that waits on I/O should be `async def` (or hand its blocking
-work to `asyncio.to_thread`). A method that raises fails the request naming the episode (`EnvironmentFailure`,
-not retried), unless it raised ConnectionError or TimeoutError, or timed out (`EnvironmentUnavailable`,
-retried like any transient failure).
+An observation is text, a message `{"role": ..., "content": ...}`, or a sequence of token ids (used as they are).
+When the episode's prompt is a chat, text and messages are rendered with the chat template as a turn of the
+conversation (text takes the role rollout.observation_role), closing the policy's turn and opening the next one
+(services/rollout/chat.py); otherwise text (a message's content) is tokenized without special tokens.
+
+Either method may be `async def`: the calls of a round then run concurrently, each within
+`rollout.environment_timeout_s`. A sync method runs inline, one episode after another (a thread per call cost more
+than a cheap step itself: ~1 ms against ~10 µs on the CI machine), so a step that waits on I/O should be
+`async def` (or hand its blocking work to `asyncio.to_thread`). A method that raises fails the request naming
+the episode (`EnvironmentFailure`, not retried), unless it raised ConnectionError or TimeoutError, or timed out
+(`EnvironmentUnavailable`, retried like any transient failure).
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from services.contracts.chat import ChatMessage
 from services.rollout.rewards import load_attribute
 from services.rpc.grpc_util import Unavailable
 
-Observation = str | Sequence[int]
+Observation = str | Sequence[int] | Mapping[str, str]
 
 
 class EnvironmentSpecError(ValueError):
@@ -59,6 +64,7 @@ class EpisodeSample:
     metadata: Mapping[str, str]
     group_id: int
     sample_index: int          # 0..n-1 within the group
+    messages: tuple[ChatMessage, ...] = ()   # the prompt as a chat (empty for a text prompt)
 
 
 @dataclass(frozen=True)
@@ -159,13 +165,28 @@ def as_step_result(raw: Any, *, spec: str, episode: int) -> StepResult:
     return StepResult(observation=observation, reward=float(reward), done=bool(done))
 
 
+def observation_message(observation: Any, *, role: str, spec: str, episode: int) -> ChatMessage | None:
+    """Text or a {role, content} message as a chat message (None for token ids or nothing)."""
+    if isinstance(observation, str):
+        return ChatMessage(role=role, content=observation) if observation else None
+    if isinstance(observation, Mapping):
+        named, content = observation.get("role"), observation.get("content")
+        if not isinstance(named, str) or not named or not isinstance(content, str):
+            raise EnvironmentFailure(f"environment {spec}: the observation of episode {episode} is a mapping without "
+                                     f"text 'role' and 'content': {dict(observation)!r:.200}")
+        return ChatMessage(role=named, content=content)
+    return None
+
+
 def observation_ids(observation: Any, *, encode: Callable[[str], list[int]], vocab_size: int | None, spec: str,
                     episode: int) -> list[int]:
-    """An observation as token ids: text is encoded, ids are checked against the vocabulary."""
-    if observation is None:
+    """An observation as token ids without a chat template: text (a message's content) is encoded, ids are checked
+    against the vocabulary."""
+    message = observation_message(observation, role="", spec=spec, episode=episode)
+    if message is not None:
+        return encode(message.content) if message.content else []
+    if observation is None or isinstance(observation, str):
         return []
-    if isinstance(observation, str):
-        return encode(observation) if observation else []
     where = f"environment {spec}: the observation of episode {episode}"
     if isinstance(observation, bytes) or not isinstance(observation, Sequence):
         raise EnvironmentFailure(f"{where} is a {type(observation).__name__}; expected text or a list of token ids")

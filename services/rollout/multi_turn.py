@@ -8,6 +8,10 @@ its last response token is a policy token). Round by round keeps the engine's ba
 on a worker thread, so an async environment's own tasks keep running meanwhile; a slow async step delays its
 round, not each episode in turn.
 
+When the prompt is a chat, each observation is a turn of the conversation, rendered with the chat template: the
+end of the policy's turn, the observation's message, the next assistant header (services/rollout/chat.py). Only
+those tokens are encoded; the context grows by appending ids, so what the engine generated is never re-encoded.
+
 One episode becomes one sample: response = turns and observations in order, loss_mask 1 on policy tokens and 0
 on observation tokens, rollout log-probs the engine's on policy tokens and 0.0 on observation tokens (the
 trainer weighs masked tokens 0 in every loss and metric), reward = the sum of the step rewards.
@@ -21,17 +25,21 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from services.contracts.chat import ChatMessage
 from services.contracts.sampling import SamplingSpec
+from services.rollout.chat import ChatTemplateError
 from services.rollout.engines.base import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, SampleOutput
 from services.rollout.environments import (
     Action,
+    EnvironmentFailure,
     EnvironmentPlugin,
     EpisodeSample,
     as_step_result,
     call_environment,
     observation_ids,
+    observation_message,
 )
 
 # How an episode ended. On the wire: done -> stop; max_turns and context -> length (it was cut); abort -> abort.
@@ -74,23 +82,40 @@ class _Clock:
             self.seconds[part] += time.monotonic() - start
 
 
+class ChatTurns(Protocol):
+    """Renders a chat episode's prompt and observations (services.rollout.tokenizer.Texts)."""
+
+    @property
+    def observation_role(self) -> str: ...
+
+    def chat_prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]: ...
+
+    def observation_ids(self, message: ChatMessage, *, turn: Sequence[int], turn_ended: bool) -> list[int]: ...
+
+
 @dataclass
 class _Running:
     env: Any
     context: list[int]
     prompt_len: int
-    versions: list[int] = field(default_factory=list)
+    chat: bool = False        # the prompt is a chat: observations are rendered as its turns
+    versions: list[int] = field(default_factory=list)        # each turn's version when it started
     tokens: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)  # an observation token: the policy token's before it
     reward: float = 0.0
     end: str | None = None
 
-    def add(self, ids: Sequence[int], log_probs: Sequence[float] | None) -> None:
+    def add(self, ids: Sequence[int], log_probs: Sequence[float] | None,
+            token_versions: Sequence[int] | None = None) -> None:
+        """A turn (its log-probs and token versions), or an observation (None, None)."""
         self.context += ids
         self.tokens += ids
         self.mask += [1 if log_probs is not None else 0] * len(ids)
         self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(ids)
+        before = self.token_versions[-1] if self.token_versions else min(self.versions, default=0)
+        self.token_versions += list(token_versions) if token_versions is not None else [before] * len(ids)
 
     def finish(self, *, version: int) -> Episode:
         assert self.end is not None, "every episode ends by the last round"
@@ -98,7 +123,8 @@ class _Running:
         return Episode(prompt_ids=tuple(self.context[:self.prompt_len]), loss_mask=tuple(self.mask),
                        output=SampleOutput(token_ids=tuple(self.tokens), log_probs=tuple(self.log_probs),
                                            finish_reason=_WIRE_FINISH[end],
-                                           weight_version=min(self.versions, default=version)),
+                                           weight_version=min(self.token_versions or self.versions, default=version),
+                                           token_versions=tuple(self.token_versions)),
                        reward=self.reward, turns=len(self.versions), end=end)
 
 
@@ -115,6 +141,7 @@ class MultiTurnRollout:
     step_timeout_s: float
     vocab_size: int | None = None
     wait_timeout_s: float | None = None
+    chat: ChatTurns | None = None   # renders observations of episodes whose prompt is a chat
 
     def run(self, samples: Sequence[EpisodeSample], sampling: SamplingSpec) -> EpisodeBatch:
         """One episode per sample, in order."""
@@ -136,15 +163,15 @@ class MultiTurnRollout:
                     episodes[i].end = END_ABORT
                 break
             for i, out in zip(live, outputs, strict=True):
-                episodes[i].add(out.token_ids, out.log_probs)
                 episodes[i].versions.append(out.weight_version)
+                episodes[i].add(out.token_ids, out.log_probs, out.versions)
             actions = [Action(text=self.decode(out.token_ids), token_ids=tuple(out.token_ids),
                               finish_reason=out.finish_reason, turn=turn) for out in outputs]
             with clock.timing("environment"):
                 results = await asyncio.gather(*(self._step(episodes[i], i, a)
                                                  for i, a in zip(live, actions, strict=True)))
-            for i, (observation, reward, done) in zip(live, results, strict=True):
-                self._advance(episodes[i], i, observation=observation, reward=reward, done=done, turn=turn)
+            for i, action, (observation, reward, done) in zip(live, actions, results, strict=True):
+                self._advance(episodes[i], i, observation=observation, reward=reward, done=done, action=action)
         version = self.engine.weight_version
         return EpisodeBatch(episodes=[e.finish(version=version) for e in episodes], engine_s=clock.seconds["engine"],
                             environment_s=clock.seconds["environment"])
@@ -156,8 +183,9 @@ class MultiTurnRollout:
             for i, (env, s) in enumerate(zip(envs, samples, strict=True))))
         episodes = []
         for i, (env, s, obs) in enumerate(zip(envs, samples, observations, strict=True)):
-            context = [*s.prompt_ids, *self._ids(obs, i)]
-            running = _Running(env=env, context=context, prompt_len=len(context))
+            chat = bool(s.messages) and self.chat is not None
+            context = self._reset_prompt(s, obs, i) if chat else [*s.prompt_ids, *self._ids(obs, i)]
+            running = _Running(env=env, context=context, prompt_len=len(context), chat=chat)
             if len(context) >= self.engine.max_context_length:
                 running.end = END_CONTEXT   # the reset observation filled the context: no turn fits
             episodes.append(running)
@@ -169,15 +197,15 @@ class MultiTurnRollout:
         return as_step_result(raw, spec=self.plugin.spec, episode=index)
 
     def _advance(self, episode: _Running, index: int, *, observation: Any, reward: float, done: bool,
-                 turn: int) -> None:
+                 action: Action) -> None:
         episode.reward += reward
         if done:
             episode.end = END_DONE
             return
-        if turn + 1 >= self.max_turns:
+        if action.turn + 1 >= self.max_turns:
             episode.end = END_MAX_TURNS
             return
-        ids = self._ids(observation, index)
+        ids = self._turn_ids(observation, index, action) if episode.chat else self._ids(observation, index)
         if len(episode.context) + len(ids) >= self.engine.max_context_length:
             episode.end = END_CONTEXT   # the observation would leave no room for the next turn
             return
@@ -186,6 +214,38 @@ class MultiTurnRollout:
     def _ids(self, observation: Any, index: int) -> list[int]:
         return observation_ids(observation, encode=self.encode, vocab_size=self.vocab_size, spec=self.plugin.spec,
                                episode=index)
+
+    def _reset_prompt(self, sample: EpisodeSample, observation: Any, index: int) -> list[int]:
+        """A chat's prompt: as the request encoded it, or re-rendered with the reset observation as its last message
+        (nothing is generated yet, so nothing is re-encoded)."""
+        assert self.chat is not None
+        message = self._message(observation, index)
+        if message is None:
+            return [*sample.prompt_ids, *self._ids(observation, index)]   # token ids (or nothing) as they are
+        with self._template_errors(index):
+            return self.chat.chat_prompt_ids([*sample.messages, message])
+
+    def _turn_ids(self, observation: Any, index: int, action: Action) -> list[int]:
+        assert self.chat is not None
+        message = self._message(observation, index)
+        if message is None:
+            return self._ids(observation, index)
+        with self._template_errors(index):
+            return self.chat.observation_ids(message, turn=action.token_ids,
+                                             turn_ended=action.finish_reason == FINISH_STOP)
+
+    def _message(self, observation: Any, index: int) -> ChatMessage | None:
+        assert self.chat is not None
+        return observation_message(observation, role=self.chat.observation_role, spec=self.plugin.spec,
+                                   episode=index)
+
+    @contextlib.contextmanager
+    def _template_errors(self, index: int) -> Iterator[None]:
+        try:
+            yield
+        except ChatTemplateError as exc:
+            raise EnvironmentFailure(f"environment {self.plugin.spec}: the observation of episode {index}: "
+                                     f"{exc}") from None
 
 
 def turn_sampling(sampling: SamplingSpec, turn: int) -> SamplingSpec:

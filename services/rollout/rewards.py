@@ -1,6 +1,7 @@
 """Reward functions: built-ins and a plug-in point.
 
-`rollout.reward` is a built-in name (`exact_match`, `numeric_match`, `digit_task`) or `module:function`
+`rollout.reward` is a built-in name (`exact_match`, `numeric_match`, `math_answer`, `math_verify`, `digit_task`;
+services/rollout/math_rewards.py has the math ones) or `module:function`
 (`my_pkg.rewards:score`) or `path/to/file.py:function` (a relative path is tried against the working
 directory, then the repository root). A function is either
 
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.rollout import math_rewards
 from services.rpc.grpc_util import Unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -88,17 +90,7 @@ def exact_match(prompt: str, response: str, label: str, metadata: dict[str, str]
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
-def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (nested braces allowed), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 1, start + len("\\boxed{")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j].strip()
-    return None
+extract_boxed = math_rewards.last_boxed   # the content of the last \\boxed{...} (nested braces allowed), or None
 
 
 def parse_number(text: str) -> float | None:
@@ -145,7 +137,10 @@ def digit_task(prompt: str, response: str, label: str, metadata: dict[str, str])
 
 
 BUILTIN_REWARDS: dict[str, Callable[..., float]] = {
-    "exact_match": exact_match, "numeric_match": numeric_match, "digit_task": digit_task}
+    "exact_match": exact_match, "numeric_match": numeric_match, "digit_task": digit_task,
+    "math_answer": math_rewards.math_answer, "math_verify": math_rewards.math_verify}
+# built-ins that need an optional package: (module, what to install)
+_BUILTIN_NEEDS = {"math_verify": ("math_verify", "pip install 'tandem-rl[math]'")}
 
 
 # ---- resolution ---------------------------------------------------------------------------------
@@ -351,6 +346,9 @@ def resolve_reward(spec: str) -> RewardFunction:
     if not spec:
         raise RewardSpecError("reward: empty name; use a built-in "
                               f"({', '.join(BUILTIN_REWARDS)}) or module:function")
+    if spec in _BUILTIN_NEEDS and importlib.util.find_spec(_BUILTIN_NEEDS[spec][0]) is None:
+        raise RewardSpecError(f"reward {spec} needs the {_BUILTIN_NEEDS[spec][0].replace('_', '-')} package: "
+                              f"{_BUILTIN_NEEDS[spec][1]}")
     fn = BUILTIN_REWARDS.get(spec) or _load_callable(spec)
     return _describe(spec, fn)
 

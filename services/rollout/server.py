@@ -11,20 +11,19 @@ and exit code 2.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
+from services.contracts import runfacts
+from services.contracts.chat import ChatMessage
 from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.contracts.sampling import SamplingSpec
 from services.rollout.service import PromptInput, RolloutService
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
-from services.rpc.shutdown import arm_exit_watchdog
+from services.rpc.shutdown import StopSignals, begin_stop, exit_now
 from services.telemetry import tracing
 from services.telemetry.startup import process_age_s
 from services.tensors.devices import cuda_reserved_bytes
@@ -35,7 +34,8 @@ log = logging.getLogger(__name__)
 
 def prompt_from_proto(p: common_pb2.Prompt) -> PromptInput:
     return PromptInput(text=p.text, token_ids=tuple(p.token_ids), label=p.label, group_id=p.group_id,
-                       metadata=dict(p.metadata))
+                       metadata=dict(p.metadata),
+                       messages=tuple(ChatMessage(role=m.role, content=m.content) for m in p.messages))
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -79,7 +79,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                        context: Any) -> rollout_pb2.ReceiveWeightsResponse:
         r = self.service.receive_weights(request.plan, request.rank_offset)
         return rollout_pb2.ReceiveWeightsResponse(version=r.version, checksums=r.checksums,
-                                                  bytes_received=r.bytes_received, time_s=r.time_s)
+                                                  bytes_received=r.bytes_received, time_s=r.time_s,
+                                                  bucket_checksums=r.bucket_checksums, checksum_s=r.checksum_s)
 
     @map_errors
     def Pause(self, request: rollout_pb2.PauseRequest, context: Any) -> common_pb2.Ack:
@@ -109,7 +110,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                                         paused=e.paused, memory_released=bool(e.released_memory),
                                         generated_samples=e.generated_samples, device=e.device, producer=s.producer,
                                         in_flight=e.in_flight, gpu_memory_reserved_bytes=cuda_reserved_bytes(),
-                                        gpu_memory_freed_bytes=e.memory_freed_bytes)
+                                        gpu_memory_freed_bytes=e.memory_freed_bytes, engine_busy_s=e.busy_s)
+
+
+def generate_calls(config: TandemConfig) -> int:
+    """Generate calls one replica may hold at once beyond the usual: loop.mode streaming sends one per group (all of
+    them to one replica, at worst)."""
+    return runfacts.groups_in_flight(config) if config.loop.mode == "streaming" else 0
 
 
 def startup_problem(config: TandemConfig, replica: int) -> str | None:
@@ -157,20 +164,18 @@ def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
     server = start_server(
         [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(service), "tandem.v1.Rollout")],
         ServerOptions(bind_host=svc.bind_host, port=svc.rollout[replica].port, max_message_mb=svc.max_message_mb,
-                      auth_token=svc.auth_token, tls_cert=svc.tls_cert, tls_key=svc.tls_key))
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+                      auth_token=svc.auth_token, tls_cert=svc.tls_cert, tls_key=svc.tls_key,
+                      max_workers=ServerOptions.max_workers + generate_calls(config)))
+    stop = StopSignals()
     log.info("%s ready %.1fs after its process started", name, process_age_s())
     log.info("%s serving on %s:%d (engine %s, model %s, device %s)", name, svc.bind_host, server.port,
              service.engine.name, config.model.path, service.get_state().engine.device)
     print(f"TANDEM_READY rollout {server.port}", flush=True)
-    stop.wait()
-    log.info("%s stopping", name)
+    signum = stop.wait()
+    begin_stop(name=name, signum=signum, shutdown_s=svc.timeouts.shutdown_s, code=ExitCode.OK)
     # calls in flight get a third of the graceful-stop budget; closing the engine gets the rest
-    deadline = time.monotonic() + svc.timeouts.shutdown_s
     server.stop(grace_s=svc.timeouts.shutdown_s / 3)
     service.close()
     tracing.shutdown_tracing()
-    arm_exit_watchdog(ExitCode.OK, name=name, after_s=max(1.0, deadline - time.monotonic()))
+    exit_now(ExitCode.OK)
     return ExitCode.OK

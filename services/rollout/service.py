@@ -23,10 +23,12 @@ import torch
 
 from services.buffer.stream import stream_key
 from services.contracts import runfacts
+from services.contracts.chat import ChatMessage, messages_json
 from services.contracts.config import OverlongPenaltyConfig, TandemConfig
 from services.contracts.dapo import informative_groups, overlong_penalty
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling import SamplingSpec, prompt_max_new_tokens
 from services.contracts.wire import build_batch
+from services.rollout.chat import ChatTemplate, ChatTemplateError
 from services.rollout.engines.base import (
     FINISH_ABORT,
     Engine,
@@ -54,13 +56,27 @@ class CallerGone(TimeoutError):
 
 @dataclass(frozen=True)
 class PromptInput:
-    """A prompt as the coordinator sends it: token ids, or text to tokenize (with the tokenizer's BOS)."""
+    """A prompt as the coordinator sends it: token ids, a chat (rendered with the chat template), or text to
+    tokenize (with the tokenizer's BOS), in that order."""
 
     text: str = ""
     token_ids: tuple[int, ...] = ()
     label: str = ""
     group_id: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
+    messages: tuple[ChatMessage, ...] = ()
+
+    def reward_metadata(self) -> dict[str, str]:
+        """What the reward function gets as metadata: the row's other fields, and a chat's messages as JSON."""
+        return {**self.metadata, "messages": messages_json(self.messages)} if self.messages else dict(self.metadata)
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """Prompts as the model reads them: token ids, and text (a chat's as the template rendered it)."""
+
+    ids: list[list[int]]
+    texts: list[str]
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,8 @@ class ReceiveResult:
     checksums: dict[str, str]
     bytes_received: int
     time_s: float
+    bucket_checksums: tuple[str, ...] = ()
+    checksum_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -119,7 +137,8 @@ def build_engine(config: TandemConfig) -> Engine:
 
         return NativeEngine(config.model.path, device=ro.device, dtype=config.model.dtype,
                             attn_implementation=config.model.attn_implementation, max_batch_size=ro.max_batch_size,
-                            max_context_length=ro.max_context_length, fused_kernels=config.model.fused_kernels)
+                            max_context_length=ro.max_context_length, fused_kernels=config.model.fused_kernels,
+                            continuous_batching=ro.continuous_batching)
     if ro.engine == "sglang":
         from services.rollout.engines.sglang import SGLangEngine
 
@@ -148,6 +167,7 @@ class RolloutService:
         self.config = config
         self.replica = replica
         self.producer = f"rollout-{replica}"
+        self._started = time.monotonic()
         self.default_reward = resolve_reward(config.rollout.reward)   # a bad spec fails the start
         self.environment = resolve_environment(config.rollout.environment) if config.rollout.environment else None
         started = time.monotonic()
@@ -157,8 +177,9 @@ class RolloutService:
         device = torch.device("cuda") if self.engine.name == "sglang" else getattr(self.engine, "device", None)
         if isinstance(device, torch.device):
             limit_cpu_threads(config.rollout.cpu_threads, device)
-        self.texts = Texts(tokenizer if tokenizer is not None else load_tokenizer(
-            config.model.tokenizer_path or config.model.path))
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
+            config.model.tokenizer_path or config.model.path)
+        self.texts = Texts(tokenizer, ChatTemplate.from_config(tokenizer, config))
         self.stream = stream_key(config.redis.stream_prefix, config.run_name)
         self.groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
         self.writer = BatchWriter(config, producer=self.producer, groups=self.groups, client=redis_client)
@@ -219,11 +240,11 @@ class RolloutService:
             sampling = SamplingSpec.from_config(ro.sampling)
         sampling = sampling.with_seed(mix_seed(sampling.seed, rollout_id))
         reward_fn = self._reward_fn(reward)
-        prompt_ids = self.encode_prompts(prompts)
+        inputs = self.model_inputs(prompts)
         version = self.engine.weight_version
         with tracing.span("rl.sample", parent=trace_context or None, rollout_id=rollout_id, weight_version=version,
                           prompts=len(prompts), samples=len(prompts) * n, replica=self.replica) as sp:
-            scored = self._sample_and_score(prompts=prompts, prompt_ids=prompt_ids, n=n, sampling=sampling,
+            scored = self._sample_and_score(prompts=prompts, inputs=inputs, n=n, sampling=sampling,
                                             reward_fn=reward_fn, rollout_id=rollout_id, span_=sp)
             rewards, shaping = shaped_rewards(scored, ro.overlong_penalty, max_new_tokens=sampling.max_new_tokens)
             batch = build_batch(
@@ -233,6 +254,7 @@ class RolloutService:
                 group_ids=[p.group_id for p in prompts for _ in range(n)],
                 finish_reasons=[o.finish_reason for o in scored.outputs], sampling=sampling,
                 sample_versions=[o.weight_version for o in scored.outputs], loss_masks=scored.loss_masks,
+                token_versions=[list(o.versions) for o in scored.outputs],
                 labels=[p.label for p in prompts for _ in range(n)],
                 metadata={"reward": reward_fn.spec, "engine": self.engine.name, "n_samples_per_prompt": str(n),
                           "temperature": str(sampling.temperature), **self._environment_metadata()},
@@ -255,16 +277,19 @@ class RolloutService:
             informative_groups=len(informative_groups(batch.rewards, batch.group_ids,
                                                       min_std=ro.dynamic_sampling.min_std)))
 
-    def _sample_and_score(self, *, prompts: Sequence[PromptInput], prompt_ids: list[list[int]], n: int,
+    def _sample_and_score(self, *, prompts: Sequence[PromptInput], inputs: ModelInputs, n: int,
                           sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int,
                           span_: Any) -> _Scored:
         if self.environment is not None:
-            return self._play_and_score(prompts=prompts, prompt_ids=prompt_ids, n=n, sampling=sampling,
+            return self._play_and_score(prompts=prompts, inputs=inputs, n=n, sampling=sampling,
                                         reward_fn=reward_fn, rollout_id=rollout_id, span_=span_)
-        expanded = [ids for ids in prompt_ids for _ in range(n)]
+        expanded = [ids for ids in inputs.ids for _ in range(n)]
+        caps = [prompt_max_new_tokens(dict(p.metadata), where=f"prompt of group {p.group_id}") for p in prompts]
         t = time.monotonic()
         try:
-            outputs = self.engine.generate(expanded, sampling, wait_timeout_s=self.config.loop.step_timeout_s)
+            outputs = self.engine.generate(expanded, sampling, wait_timeout_s=self.config.loop.step_timeout_s,
+                                           max_new_tokens=None if all(c is None for c in caps) else
+                                           [c or sampling.max_new_tokens for c in caps for _ in range(n)])
         except EngineUnavailable as exc:
             raise FailedPrecondition(str(exc)) from exc
         generate_s = time.monotonic() - t
@@ -272,30 +297,28 @@ class RolloutService:
         tokens = sum(len(o.token_ids) for o in outputs)
         tracing.set_attributes(span_, tokens=tokens)
         responses = [self.texts.decode(o.token_ids) for o in outputs]
-        texts = [self.prompt_text(p, ids) for p, ids in zip(prompts, prompt_ids, strict=True)]
         t = time.monotonic()
         with tracing.span("rl.reward", rollout_id=rollout_id, weight_version=outputs[0].weight_version,
                           tokens=tokens, reward=reward_fn.spec, samples=len(outputs)):
-            rewards = reward_fn.score(prompts=[s for s in texts for _ in range(n)], responses=responses,
+            rewards = reward_fn.score(prompts=[s for s in inputs.texts for _ in range(n)], responses=responses,
                                       labels=[p.label for p in prompts for _ in range(n)],
-                                      metadatas=[dict(p.metadata) for p in prompts for _ in range(n)],
+                                      metadatas=[p.reward_metadata() for p in prompts for _ in range(n)],
                                       timeout_s=runfacts.reward_timeout_s(self.config))
         return _Scored(prompt_ids=expanded, outputs=outputs, rewards=rewards, responses=responses,
                        generate_s=generate_s, reward_s=time.monotonic() - t)
 
-    def _play_and_score(self, *, prompts: Sequence[PromptInput], prompt_ids: list[list[int]], n: int,
+    def _play_and_score(self, *, prompts: Sequence[PromptInput], inputs: ModelInputs, n: int,
                         sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int, span_: Any) -> _Scored:
         """Multi-turn episodes (services.rollout.multi_turn): n per prompt, scored by the environment."""
         ro = self.config.rollout
         assert self.environment is not None
-        texts = [self.prompt_text(p, ids) for p, ids in zip(prompts, prompt_ids, strict=True)]
-        samples = [EpisodeSample(prompt=text, prompt_ids=tuple(ids), label=p.label, metadata=dict(p.metadata),
-                                 group_id=p.group_id, sample_index=j)
-                   for p, ids, text in zip(prompts, prompt_ids, texts, strict=True) for j in range(n)]
+        samples = [EpisodeSample(prompt=text, prompt_ids=tuple(ids), label=p.label, metadata=p.reward_metadata(),
+                                 group_id=p.group_id, sample_index=j, messages=p.messages)
+                   for p, ids, text in zip(prompts, inputs.ids, inputs.texts, strict=True) for j in range(n)]
         rollout = MultiTurnRollout(engine=self.engine, plugin=self.environment, encode=self.texts.encode_text,
                                    decode=self.texts.decode, max_turns=ro.max_turns,
                                    step_timeout_s=ro.environment_timeout_s, vocab_size=self.texts.vocab_size,
-                                   wait_timeout_s=self.config.loop.step_timeout_s)
+                                   wait_timeout_s=self.config.loop.step_timeout_s, chat=self.texts)
         try:
             played = rollout.run(samples, sampling)
         except EngineUnavailable as exc:
@@ -333,20 +356,10 @@ class RolloutService:
 
     # ---- prompts and text --------------------------------------------------------------------------
 
-    def encode_prompts(self, prompts: Sequence[PromptInput]) -> list[list[int]]:
-        out = []
-        for i, p in enumerate(prompts):
-            if p.token_ids:
-                out.append([int(x) for x in p.token_ids])
-            elif p.text:
-                out.append(self.texts.encode_prompt(p.text))
-            else:
-                raise ValueError(f"prompt {i} (group_id {p.group_id}) is empty: give text or token_ids")
-        self.engine.validate_prompts(out)
-        return out
-
-    def prompt_text(self, prompt: PromptInput, ids: Sequence[int]) -> str:
-        return prompt.text or self.texts.decode(ids)
+    def model_inputs(self, prompts: Sequence[PromptInput]) -> ModelInputs:
+        inputs = model_inputs(self.texts, prompts)
+        self.engine.validate_prompts(inputs.ids)
+        return inputs
 
     # ---- Evaluate ----------------------------------------------------------------------------------
 
@@ -367,10 +380,10 @@ class RolloutService:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
         sampling = sampling or SamplingSpec.from_config(self.config.rollout.eval_sampling)
         reward_fn = self._reward_fn(reward)
-        prompt_ids = self.encode_prompts(prompts)
+        inputs = self.model_inputs(prompts)
         with tracing.span("rl.eval.generate", eval_name=name, weight_version=self.engine.weight_version,
                           prompts=len(prompts), replica=self.replica) as sp:
-            scored = self._sample_and_score(prompts=prompts, prompt_ids=prompt_ids, n=n, sampling=sampling,
+            scored = self._sample_and_score(prompts=prompts, inputs=inputs, n=n, sampling=sampling,
                                             reward_fn=reward_fn, rollout_id=-1, span_=sp)
         metrics = eval_metrics(scored.outputs, scored.rewards, n=n, prefix=name, pass_threshold=pass_threshold)
         metrics.update({f"{name}/{key}": value for key, value in scored.metrics.items()})
@@ -410,7 +423,9 @@ class RolloutService:
                 raise FailedPrecondition(str(exc)) from exc
         return ReceiveResult(version=self.engine.weight_version, checksums=dict(getattr(stats, "checksums", {}) or {}),
                              bytes_received=int(getattr(stats, "bytes", 0)),
-                             time_s=float(getattr(stats, "seconds", time.monotonic() - start)))
+                             time_s=float(getattr(stats, "seconds", time.monotonic() - start)),
+                             bucket_checksums=tuple(getattr(stats, "bucket_checksums", ()) or ()),
+                             checksum_s=float(getattr(stats, "checksum_seconds", 0.0)))
 
     def _weight_receiver(self) -> Any:
         if self._receiver is None:
@@ -441,10 +456,31 @@ class RolloutService:
         return ServiceState(engine=self.engine.get_state(), producer=self.producer)
 
     def close(self) -> None:
+        busy, up = self.engine.get_state().busy_s, time.monotonic() - self._started
+        log.info("engine busy %.1f s of %.1f s since start (%.0f%%)", busy, up, 100 * busy / up if up > 0 else 0.0)
         if self._receiver is not None and hasattr(self._receiver, "close"):
             self._receiver.close()
         self.writer.close()
         self.engine.close()
+
+
+def model_inputs(texts: Texts, prompts: Sequence[PromptInput]) -> ModelInputs:
+    """Token ids as given; a chat rendered with the chat template; text with the tokenizer's special tokens. The
+    text a reward sees: the prompt's text, a chat's rendering, or the given ids decoded."""
+    for i, p in enumerate(prompts):
+        if not (p.token_ids or p.messages or p.text):
+            raise ValueError(f"prompt {i} (group_id {p.group_id}) is empty: give text, messages or token_ids")
+    to_encode = [i for i, p in enumerate(prompts) if not p.token_ids]
+    try:
+        encoded_texts, encoded_ids = texts.model_inputs([prompts[i] for i in to_encode])
+    except ChatTemplateError as exc:
+        which = f"prompt {to_encode[exc.index]}: " if exc.index is not None else ""
+        raise ValueError(f"{which}{exc}") from None
+    ids = [[int(x) for x in p.token_ids] for p in prompts]
+    shown = [p.text or (texts.decode(p.token_ids) if p.token_ids else "") for p in prompts]
+    for i, text, encoded in zip(to_encode, encoded_texts, encoded_ids, strict=True):
+        ids[i], shown[i] = encoded, text
+    return ModelInputs(ids=ids, texts=shown)
 
 
 def _refuse_aborted(outputs: Sequence[SampleOutput], rollout_id: int) -> None:
@@ -486,7 +522,20 @@ def batch_metrics(outputs: Sequence[SampleOutput], rewards: Sequence[float], *, 
         # GRPO gets no signal from a group whose rewards are all equal.
         "zero_std_group_frac": float((groups.std(axis=1) == 0).mean()),
         "tokens_per_s": float(lengths.sum() / generate_s) if generate_s > 0 else 0.0,
+        **version_metrics(outputs),
     }
+
+
+def version_metrics(outputs: Sequence[SampleOutput]) -> dict[str, float]:
+    """How far weight updates reached into the samples (rollout.inflight_update): the spread of token versions
+    within a sample (newest - oldest), and the fraction of tokens sampled by a newer version than their sample's
+    first token."""
+    spreads = [max(o.versions) - min(o.versions) for o in outputs if o.token_ids]
+    newer = sum(sum(v > o.weight_version for v in o.versions) for o in outputs)
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {"version_spread_mean": float(np.mean(spreads)) if spreads else 0.0,
+            "version_spread_max": float(max(spreads, default=0)),
+            "inflight_token_frac": newer / tokens if tokens else 0.0}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

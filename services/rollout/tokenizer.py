@@ -3,10 +3,14 @@ no engine), so checking a data file before the run does not pay for importing th
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from services.contracts.chat import ChatMessage
+from services.rollout.chat import ChatTemplate, ChatTemplateError
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -23,37 +27,126 @@ def load_tokenizer(path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def prompt_token_ids(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """Prompt texts as the engine gets them (with the tokenizer's BOS): the rollout service and preflight both. A
-    fast tokenizer's Rust backend directly: the Python wrapper around it costs 4x as much per prompt."""
+class PromptLike(Protocol):
+    """A prompt as the data file gives it (PromptRecord) or a request carries it (PromptInput)."""
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def messages(self) -> Sequence[ChatMessage]: ...
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str], *, special_tokens: bool) -> list[list[int]]:
+    """Token ids of texts, with the tokenizer's special tokens (its BOS) or without. A fast tokenizer's Rust backend
+    directly: the Python wrapper around it costs 4x as much per prompt."""
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     if backend is not None:
-        return [encoding.ids for encoding in backend.encode_batch(list(texts), add_special_tokens=True)]
+        return [encoding.ids for encoding in backend.encode_batch(list(texts), add_special_tokens=special_tokens)]
     # verbose=False: no "longer than the maximum" warning per prompt; the engine and preflight check the context
-    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=True, verbose=False)["input_ids"]]
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=special_tokens, verbose=False)["input_ids"]]
+
+
+def prompt_token_ids(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Text prompts as the engine gets them (with the tokenizer's BOS)."""
+    return encode_texts(tokenizer, texts, special_tokens=True)
+
+
+def prompt_texts(chat: ChatTemplate, prompts: Sequence[PromptLike]) -> list[str]:
+    """Each prompt as the model reads it: its text, or a chat rendered with the template. ChatTemplateError.index
+    names the prompt a template failed on."""
+    chats = [i for i, p in enumerate(prompts) if p.messages]
+    texts = [p.text for p in prompts]
+    try:
+        rendered = chat.render([prompts[i].messages for i in chats])
+    except ChatTemplateError as exc:
+        raise ChatTemplateError(str(exc), index=None if exc.index is None else chats[exc.index]) from None
+    for i, text in zip(chats, rendered, strict=True):
+        texts[i] = text
+    return texts
+
+
+def encode_prompt_texts(tokenizer: Any, texts: Sequence[str], chats: Sequence[bool]) -> list[list[int]]:
+    """Token ids of prompt texts: a text prompt's with the tokenizer's special tokens, a rendered chat's without
+    them (chat.py says why)."""
+    ids: list[list[int]] = [[] for _ in texts]
+    for special in (True, False):
+        group = [i for i, chat in enumerate(chats) if chat != special]
+        for i, encoded in zip(group, encode_texts(tokenizer, [texts[i] for i in group], special_tokens=special),
+                              strict=True):
+            ids[i] = encoded
+    return ids
+
+
+def model_inputs(tokenizer: Any, chat: ChatTemplate,
+                 prompts: Sequence[PromptLike]) -> tuple[list[str], list[list[int]]]:
+    """Each prompt as the model reads it, as text and token ids; the rollout service and preflight both."""
+    texts = prompt_texts(chat, prompts)
+    return texts, encode_prompt_texts(tokenizer, texts, [bool(p.messages) for p in prompts])
+
+
+# Normalizers that leave ASCII text as it is (so its bytes bound the token count; length_bounds)
+_ASCII_PRESERVING = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Strip", "StripAccents", "BertNormalizer"}
+
+
+def length_bounds(tokenizer: Any, texts: Sequence[str], chats: Sequence[bool]) -> list[int | None]:
+    """An upper bound of each prompt's token count, where one is cheap to know (None where not): a token covers at
+    least one byte of the normalized text, so its UTF-8 length bounds the count, plus a prefix space or `▁` a
+    pre-tokenizer may add and the special tokens a text prompt gets. Known where the tokenizer has no normalizer,
+    or one that leaves ASCII text as it is and the text is ASCII. Counting bytes costs ~0.1 µs a prompt; encoding
+    one, ~100 µs."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None:
+        return [None] * len(texts)
+    normalizer = json.loads(backend.normalizer.__getstate__()) if backend.normalizer is not None else None
+    kinds = {n.get("type") for n in normalizer.get("normalizers", [normalizer])} if normalizer else set()
+    ascii_only = bool(kinds)
+    if kinds - _ASCII_PRESERVING:
+        return [None] * len(texts)
+    specials = len(encode_texts(tokenizer, [""], special_tokens=True)[0])
+    return [None if ascii_only and not text.isascii() else len(text.encode()) + 4 + (0 if chat else specials)
+            for text, chat in zip(texts, chats, strict=True)]
 
 
 class Texts:
     """A tokenizer shared by a service's gRPC threads: a fast tokenizer reconfigures its Rust backend on every
     call, so concurrent calls would collide ("Already borrowed"); they are serialised here."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, chat: ChatTemplate):
         self.tokenizer = tokenizer
+        self.chat = chat
         self._lock = threading.Lock()
 
     @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """A prompt as the engine gets it (with the tokenizer's BOS)."""
+    @property
+    def observation_role(self) -> str:
+        return self.chat.observation_role
+
+    def model_inputs(self, prompts: Sequence[PromptLike]) -> tuple[list[str], list[list[int]]]:
         with self._lock:
-            return prompt_token_ids(self.tokenizer, [text])[0]
+            return model_inputs(self.tokenizer, self.chat, prompts)
 
     def encode_text(self, text: str) -> list[int]:
         """Text inside a sequence (an observation): no special tokens."""
         with self._lock:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return encode_texts(self.tokenizer, [text], special_tokens=False)[0]
+
+    def chat_prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """A chat rendered as a prompt (a multi-turn episode's, with its reset observation as the last message)."""
+        with self._lock:
+            [text] = self.chat.render([messages])
+            return encode_texts(self.tokenizer, [text], special_tokens=False)[0]
+
+    def observation_ids(self, message: ChatMessage, *, turn: Sequence[int], turn_ended: bool) -> list[int]:
+        """An observation after the policy turn `turn` as a message of the chat (ChatTemplate.observation_text);
+        `turn_ended`: the turn's last token ended it (EOS or a stop token) rather than a length limit."""
+        with self._lock:
+            end = self.tokenizer.decode(list(turn[-1:]), skip_special_tokens=False) if turn_ended else ""
+            text = self.chat.observation_text(message, turn_end=end)
+            return encode_texts(self.tokenizer, [text], special_tokens=False)[0]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         with self._lock:

@@ -37,6 +37,10 @@ class FailedPrecondition(RuntimeError):
     """The call is valid but the service is not in a state to honour it (maps to FAILED_PRECONDITION)."""
 
 
+class DataLoss(RuntimeError):
+    """What arrived differs from what was sent, e.g. weights whose checksums differ (maps to DATA_LOSS)."""
+
+
 class Unavailable(RuntimeError):
     """A dependency (Redis, a peer) is not reachable right now (maps to UNAVAILABLE)."""
 
@@ -64,6 +68,8 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.UNIMPLEMENTED
     if isinstance(exc, Unavailable | ConnectionError):   # before FailedPrecondition: a lost weight-sync peer
         return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, DataLoss):   # before FailedPrecondition: weights that arrived different (a WeightSyncError)
+        return grpc.StatusCode.DATA_LOSS
     if isinstance(exc, FailedPrecondition):   # a weight sync this machine cannot serve too (WeightSyncError)
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, ValueError | TypeError | OverflowError):

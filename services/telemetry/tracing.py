@@ -25,6 +25,8 @@ from typing import Any, cast
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
+from services.contracts.files import write_all
+
 ATTRIBUTE_PREFIX = "rl."
 _state: dict[str, Any] = {"configured": False, "exporter": "none"}
 # Before a provider is installed this is OTel's proxy tracer, which follows the provider set later.
@@ -56,9 +58,7 @@ class JsonLinesSpanExporter:
         with self._lock:
             if self._fd is None:
                 return SpanExportResult.FAILURE
-            view = memoryview(data)
-            while view:   # a regular file takes it in one go; the loop only guards a short write
-                view = view[os.write(self._fd, view):]
+            write_all(self._fd, data)
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:

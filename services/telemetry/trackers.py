@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -14,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from services.contracts.config import ConfigError
+from services.contracts.files import append_line, write_atomic
 from services.contracts.gen.tandem.v1 import coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -41,9 +41,9 @@ class JsonlTracker(Tracker):
         self._lock = threading.Lock()   # the eval thread logs too
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        line = json.dumps({"rollout_id": step, "time": time.time(), **metrics}) + "\n"
-        with self._lock, self.path.open("a") as f:
-            f.write(line)
+        line = json.dumps({"rollout_id": step, "time": time.time(), **metrics})
+        with self._lock:
+            append_line(self.path, line)
 
     def rewind(self, *, next_step: int) -> None:
         """Keeps the rows of steps before next_step (all of them go when the run starts over from 0, the
@@ -62,9 +62,7 @@ class JsonlTracker(Tracker):
             else:
                 dropped += line.strip() != ""
         if dropped:
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, "".join(kept))
             log.info("%s: dropped %d rows of steps from %d on (they are trained again)", self.path, dropped, next_step)
 
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import uuid
 from pathlib import Path
 from typing import Any
 
 from services.contracts.config import ConfigError
+from services.contracts.files import write_json_atomic
 from services.telemetry.trackers import Tracker, check_tracker_packages
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,4 @@ class WandbTracker(Tracker):
 
     def _save_state(self) -> None:
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_name(f".{STATE_FILE}.tmp")
-        tmp.write_text(json.dumps({"id": self.run_id, "last_step": self._last}))
-        os.replace(tmp, self.state_path)
+        write_json_atomic(self.state_path, {"id": self.run_id, "last_step": self._last})

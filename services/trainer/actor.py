@@ -106,7 +106,7 @@ def frozen_pass(model: torch.nn.Module, backend: DeepSpeedBackend, num_tokens: i
 
 @dataclass(frozen=True)
 class BehaviourLogProbs:
-    """The old actor's log-probs of each token's sample version (NaN: the current policy is that version) and
+    """The old actor's log-probs of each token's version (NaN: the current policy is that version) and
     1.0 where no snapshot of the version was left (a restart): those use the current policy too. On the device."""
 
     log_probs: torch.Tensor   # float32 [T]
@@ -116,10 +116,10 @@ class BehaviourLogProbs:
 def old_actor_log_probs(*, old_actor: OldActor, backend: DeepSpeedBackend, batch: TrainBatch,
                         mbs: list[MicroBatch], sampling: TokenSampling) -> BehaviourLogProbs:
     n_tok, device = batch.num_response_tokens, backend.device
-    versions = per_token(batch.sample_versions, batch.response_lengths).to(device)
+    versions = batch.versions.to(device)   # each token's own: a sync may have landed mid-sample
     out = torch.full((n_tok,), float("nan"), device=device)
     fallback = torch.zeros(n_tok, device=device)
-    for version in sorted(set(batch.sample_versions.tolist())):
+    for version in sorted(set(batch.versions.tolist())):
         chosen = versions == version
         snapshot = old_actor.get(version)
         if snapshot is None:
@@ -142,7 +142,7 @@ def reward_kl_penalty(*, backend: DeepSpeedBackend, mbs: list[MicroBatch], sampl
 
 
 _SUMS = ("loss", "pg_loss", "pg_clipfrac", "kl", "entropy", "ppo_ratio_mean", "tis_weight_mean",
-         "rollout_logprob_abs_diff", "old_actor_fallback_frac")
+         "rollout_logprob_abs_diff", "old_actor_fallback_frac", "tis_masked_frac")
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ def policy_loss_terms(*, logp: torch.Tensor, behaviour: torch.Tensor, rollout_lp
         pg, clipped, ratio = ppo_policy_loss(log_probs=logp, old_log_probs=old_lp, advantages=advantages, cfg=clip)
     if not algo.use_tis:
         return pg, clipped, ratio, torch.ones_like(pg)
-    tis = tis_weights(old_log_probs=behaviour, rollout_log_probs=rollout_lp, clip=algo.tis_clip)
+    tis = tis_weights(old_log_probs=behaviour, rollout_log_probs=rollout_lp, clip=algo.tis_clip, mode=algo.tis_mode)
     return pg * tis, clipped, ratio, tis
 
 
@@ -229,7 +229,7 @@ def _ppo_micro_loss(*, backend: DeepSpeedBackend, mb: MicroBatch, inputs: TokenI
     def metrics() -> list[torch.Tensor]:
         fallback = torch.zeros_like(tw) if inputs.old is None else inputs.old.fallback[mb.token_index]
         return [(w * t.pg).sum(), *((tw * x).sum() for x in (t.clipped, t.kl, t.entropy, t.ratio, t.tis,
-                                                             t.mismatch, fallback))]
+                                                             t.mismatch, fallback, (t.tis == 0).float()))]
 
     return MicroBatchLoss(loss=(w * loss_tok).sum(), anchor=anchor, metrics=metrics)
 
@@ -253,7 +253,8 @@ def actor_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmC
     totals, step = optimizer_update(backend, mbs, sums=_SUMS, micro_loss=lambda mb: _ppo_micro_loss(
         backend=backend, mb=mb, inputs=inputs, algo=algo))
     for key, used in (("kl", ref_lp is not None), ("tis_weight_mean", algo.use_tis),
-                      ("old_actor_fallback_frac", old is not None)):
+                      ("old_actor_fallback_frac", old is not None),
+                      ("tis_masked_frac", algo.use_tis and algo.tis_mode == "mask")):
         if not used:
             totals.pop(key)
     advantage_mean = float((inputs.advantages * inputs.weights.mean).sum())

@@ -38,10 +38,22 @@ class TrainBatch:
     # e.g. SGLang), else of the sampling one (the native engine): the trainer scores each in its own space
     logprob_tempered: torch.Tensor | None = None
     values: torch.Tensor | None = None   # float32 [T], the critic's values (PPO actor)
+    # int64 [T]: the weight version that sampled each response token (a sync may land mid-generation); None when
+    # built without it (tests, benches): every token has its sample's version
+    token_versions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.logprob_tempered is None:   # built without it (tests, benches): the sampling space
             object.__setattr__(self, "logprob_tempered", torch.zeros(self.num_samples, dtype=torch.bool))
+        if self.token_versions is None:
+            object.__setattr__(self, "token_versions",
+                               torch.repeat_interleave(self.sample_versions, self.response_lengths))
+
+    @property
+    def versions(self) -> torch.Tensor:
+        """token_versions, never None."""
+        assert self.token_versions is not None
+        return self.token_versions
 
     @property
     def tempered(self) -> torch.Tensor:
@@ -78,7 +90,7 @@ class TrainBatch:
             group_ids=self.group_ids[idx], sample_versions=self.sample_versions[idx],
             sampling_temperature=self.sampling_temperature[idx], sampling_top_p=self.sampling_top_p[idx],
             sampling_top_k=self.sampling_top_k[idx], logprob_tempered=self.tempered[idx],
-            values=None if self.values is None else self.values[rsp_idx])
+            values=None if self.values is None else self.values[rsp_idx], token_versions=self.versions[rsp_idx])
 
     def mask_samples(self, samples: list[int]) -> TrainBatch:
         """The batch with every response token of `samples` at loss_mask 0 (out of the loss, still in the batch)."""
@@ -126,7 +138,8 @@ def merge_batches(batches: list[RolloutBatchData]) -> TrainBatch:
                       sampling_top_p=cat("sampling_top_p", torch.float32),
                       sampling_top_k=cat("sampling_top_k", torch.long),
                       logprob_tempered=torch.cat([torch.full((b.num_samples,), b.logprob_space == "tempered")
-                                                  for b in batches]))
+                                                  for b in batches]),
+                      token_versions=torch.from_numpy(np.concatenate([b.versions for b in batches])).to(torch.long))
 
 
 def check_trainable(batch: TrainBatch, *, vocab_size: int, max_positions: int | None,
@@ -151,11 +164,23 @@ def check_trainable(batch: TrainBatch, *, vocab_size: int, max_positions: int | 
 
 
 def stale_samples(batch: TrainBatch, *, weight_version: int, max_staleness: int) -> list[int]:
-    """Indices of samples generated more than `max_staleness` versions before `weight_version`."""
+    """Indices of samples whose oldest token was sampled more than `max_staleness` versions before `weight_version`
+    (a sample's version is its oldest token's: the wire checks it)."""
     if max_staleness < 0:
         return []
     stale = (weight_version - batch.sample_versions) > max_staleness
     return torch.nonzero(stale).flatten().tolist()
+
+
+def token_lag_fractions(batch: TrainBatch, *, weight_version: int) -> dict[str, float]:
+    """`token_lag_frac_<k>`: the fraction of the batch's trainable tokens sampled k versions before
+    `weight_version` (the policy the step starts from)."""
+    trainable = batch.loss_mask > 0
+    lags = (weight_version - batch.versions)[trainable]
+    if not lags.numel():
+        return {}
+    values, counts = torch.unique(lags, return_counts=True)
+    return {f"token_lag_frac_{int(v)}": float(c) / lags.numel() for v, c in zip(values, counts, strict=True)}
 
 
 def shard_samples(seq_lengths: list[int], *, world_size: int, rank: int) -> list[int]:
@@ -231,15 +256,21 @@ class MicroBatch:
         until the device has finished the work queued before them (a pageable copy would)."""
         if self.input_ids.device == device:
             return self
-        pin = device.type == "cuda"
 
         def move(x: torch.Tensor) -> torch.Tensor:
+            pin = pinned_copy(x, device)
             return (x.pin_memory() if pin else x).to(device, non_blocking=pin)
 
         return MicroBatch(input_ids=move(self.input_ids), attention_mask=move(self.attention_mask),
                           rows=move(self.rows), positions=move(self.positions), targets=move(self.targets),
                           token_index=move(self.token_index), num_tokens=self.num_tokens,
                           position_ids=None if self.position_ids is None else move(self.position_ids))
+
+
+def pinned_copy(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether moving `tensor` to `device` goes through pinned host memory: a host tensor bound for a GPU. A tensor
+    already on a GPU cannot be pinned (a batch moved to "cuda:0" and asked for "cuda" again is one)."""
+    return device.type == "cuda" and tensor.device.type == "cpu"
 
 
 def build_micro_batch(batch: TrainBatch, sample_ids: list[int] | list[list[int]]) -> MicroBatch:

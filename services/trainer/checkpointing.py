@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import errno
-import json
 import logging
 import os
 import random
@@ -38,6 +37,7 @@ import torch
 from services.contracts import checkpoints
 from services.contracts.checkpoints import COMPLETE, is_complete, list_checkpoints
 from services.contracts.config import TandemConfig
+from services.contracts.files import fsync_dir, write_json_atomic
 from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.commands import Load, Save
 from services.trainer.dist import DistInfo, barrier
@@ -81,15 +81,7 @@ def publish(staging: Path, directory: Path) -> None:
         os.replace(directory, previous)
     os.replace(staging, directory)
     shutil.rmtree(previous, ignore_errors=True)
-    _fsync_dir(directory.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(directory.parent)
 
 
 def out_of_space(exc: BaseException, path: Path, *, probe_bytes: int = 1 << 20) -> bool:
@@ -128,15 +120,6 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         seen.add(id(current))
         yield current
         current = current.__cause__ or current.__context__
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def mark_complete(directory: Path, info: dict[str, Any]) -> None:

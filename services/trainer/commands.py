@@ -54,7 +54,10 @@ class Load:
 
 @dataclass(frozen=True)
 class WeightChecksums:
-    """The checksum of every exported tensor (a collective under ZeRO-3; rank 0 gets them)."""
+    """The checksums of the exported weights, per tensor or (by_bucket) per bucket of the prepared plan (a
+    collective under ZeRO-3; rank 0 gets them)."""
+
+    by_bucket: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,8 +126,8 @@ def encode(command: Command) -> tuple[dict[str, Any], list[bytes]]:
                     "export_hf": command.export_hf, "extra_state": dict(command.extra_state)}, []
         case Load(directory=directory):
             return {_KIND: "load", "dir": directory}, []
-        case WeightChecksums():
-            return {_KIND: "weights", "mode": "checksums"}, []
+        case WeightChecksums(by_bucket=by_bucket):
+            return {_KIND: "weights", "mode": "checksums", "by_bucket": by_bucket}, []
         case PublishWeights(version=version):
             return {_KIND: "weights", "mode": "publish", "version": version}, []
         case Offload():
@@ -198,7 +201,7 @@ def _decode_save(header: dict[str, Any]) -> Save:
 def _decode_weights(header: dict[str, Any]) -> WeightChecksums | PublishWeights:
     match header.get("mode"):
         case "checksums":
-            return WeightChecksums()
+            return WeightChecksums(by_bucket=_field(header, "by_bucket", bool))
         case "publish":
             return PublishWeights(version=_field(header, "version", int))
     raise CommandError(f"relayed command 'weights': unknown mode {header.get('mode')!r}")
@@ -226,8 +229,8 @@ def execute(command: Command, parts: RankParts) -> Any:
             return parts.checkpoints.write(command)
         case Load():
             return parts.checkpoints.read(command)
-        case WeightChecksums():
-            return parts.weights.checksums()
+        case WeightChecksums(by_bucket=by_bucket):
+            return parts.weights.checksums(by_bucket=by_bucket)
         case PublishWeights(version=version):
             return parts.weights.publish(version)
         case Offload():

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from services.contracts.config import ConfigError, LoraConfig
+from services.contracts.files import write_atomic
 from services.trainer.weight_export import ExportedTensor, LowRankUpdate
 
 if TYPE_CHECKING:
@@ -172,7 +173,7 @@ def save_adapter(module: torch.nn.Module, out: Path, state: dict[str, torch.Tens
     config_file = out / "adapter_config.json"   # the base model is model.path, whatever peft recorded
     data = json.loads(config_file.read_text())
     data["base_model_name_or_path"] = base_path
-    config_file.write_text(json.dumps(data, indent=2, sort_keys=True))
+    write_atomic(config_file, json.dumps(data, indent=2, sort_keys=True))
 
 
 def describe(lora: LoraConfig | None) -> dict[str, Any] | None:

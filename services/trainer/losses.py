@@ -113,9 +113,21 @@ def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator:
     raise ValueError(f"algorithm.kl_estimator: unknown estimator {estimator!r} (choose from {KL_ESTIMATORS})")
 
 
-def tis_weights(*, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip: float) -> torch.Tensor:
-    """Truncated importance weights pi_trainer / pi_rollout, capped at `clip`, with no gradient."""
-    return torch.exp((old_log_probs - rollout_log_probs).clamp(max=MAX_LOG_RATIO)).clamp(max=clip).detach()
+TIS_MODES = ("truncate", "mask")
+
+
+def tis_weights(*, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip: float,
+                mode: str = "truncate") -> torch.Tensor:
+    """Importance weights pi_old / pi_rollout (the behaviour policy's own log-probs), with no gradient. Above `clip`:
+    `truncate` caps them at clip (miles' TIS); `mask` makes them 0 (AReaL's decoupled PPO: the behaviour weight
+    exp(prox - behav) with its cap, where the token leaves the loss)."""
+    weights = torch.exp((old_log_probs - rollout_log_probs).clamp(max=MAX_LOG_RATIO)).detach()
+    match mode:
+        case "truncate":
+            return weights.clamp(max=clip)
+        case "mask":
+            return torch.where(weights <= clip, weights, torch.zeros_like(weights))
+    raise ValueError(f"algorithm.tis_mode: unknown mode {mode!r} (choose from {TIS_MODES})")
 
 
 def clipped_value_loss(*, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

@@ -2,7 +2,7 @@
 
 Every PublishWeights snapshots the policy's weights (the version the engines now serve) on every rank, in host
 memory, keyed by that version. A Train then computes each sample's "old" log-probs (the PPO ratio's
-denominator, and TIS's numerator) with the snapshot of the sample's version (`sample_versions`), loaded into
+denominator, and TIS's numerator) with the snapshot of each token's version (`token_versions`), loaded into
 a frozen copy of the model. Compared with rollout log-probs, the ratio is then free of the engine's numerics
 (kernels, dtype, KV cache): TIS corrects that part separately.
 
@@ -38,8 +38,8 @@ class Snapshot:
 
 
 def snapshots_to_keep(config: TandemConfig) -> int:
-    """One step off needs the version before the last; fully_async up to max_staleness versions back."""
-    if config.loop.mode == "fully_async":
+    """One step off needs the version before the last; fully_async and streaming up to max_staleness versions back."""
+    if config.loop.mode in ("fully_async", "streaming"):
         return max(2, config.loop.max_staleness + 1)
     return 2
 

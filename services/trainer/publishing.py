@@ -20,7 +20,8 @@ from services.trainer.backend import TORCH_DTYPES, DeepSpeedBackend
 from services.trainer.old_actor import OldActor
 from services.trainer.weight_export import iter_named_weights, weight_specs
 from services.weights import SyncStats, TensorSpec, WeightPublisher
-from services.weights.layout import named_checksums
+from services.weights.checksums import named_bucket_checksums, named_checksums
+from services.weights.layout import layout_from_plan
 
 MAX_ENGINE_RANKS = 4096            # a weight-sync group larger than this is a malformed request
 
@@ -67,22 +68,28 @@ class WeightPublishing:
         if not 1 <= engine_world_size <= MAX_ENGINE_RANKS:
             raise ValueError(f"engine_world_size must be in 1..{MAX_ENGINE_RANKS}, got {engine_world_size}")
 
-    def prepare(self, *, version: int, transport: str, engine_world_size: int,
-                verify: bool) -> common_pb2.WeightSyncPlan:
+    def prepare(self, *, version: int, transport: str, engine_world_size: int, verify: bool,
+                verify_by_bucket: bool = False) -> common_pb2.WeightSyncPlan:
         """The plan the publish will follow (kept), as a copy the caller may annotate for the engines."""
         plan = self._publisher(transport or self.config.weights.transport).prepare(
-            self.specs(), version=version, engine_world_size=engine_world_size, verify=verify)
+            self.specs(), version=version, engine_world_size=engine_world_size, verify=verify,
+            verify_by_bucket=verify_by_bucket)
         self._plan = plan
         announced = common_pb2.WeightSyncPlan()
         announced.CopyFrom(plan)
         return announced
 
     @staticmethod
-    def add_checksums(plan: common_pb2.WeightSyncPlan, sums: dict[str, str]) -> None:
-        """What the coordinator compares the receivers' checksums with."""
-        for bucket in plan.buckets:
+    def add_checksums(plan: common_pb2.WeightSyncPlan, sums: dict[str, str] | list[str], *, seconds: float) -> None:
+        """What the engines and the coordinator compare the receivers' checksums with: per bucket (a list, in bucket
+        order) or per tensor (name -> checksum); `seconds`, what computing them took."""
+        for index, bucket in enumerate(plan.buckets):
+            if isinstance(sums, list):
+                bucket.checksum = sums[index]
+                continue
             for meta in bucket.tensors:
                 meta.checksum = sums[meta.name]
+        plan.checksum_s = seconds
 
     def check_prepared(self, version: int) -> None:
         if self._plan is None or self._plan.version != version:
@@ -93,11 +100,18 @@ class WeightPublishing:
 
     # ---- every rank ---------------------------------------------------------------------------------
 
-    def checksums(self) -> dict[str, str] | None:
-        """The WeightChecksums command: rank 0 gets them."""
+    def checksums(self, *, by_bucket: bool = False) -> dict[str, str] | list[str] | None:
+        """The WeightChecksums command: rank 0 gets them, per tensor (name -> checksum) or per bucket of the plan
+        it prepared (in bucket order)."""
         named = self.iter_named_weights()
         try:
-            return named_checksums(named) if self.rank == 0 else None
+            if self.rank != 0:
+                return None
+            if not by_bucket:
+                return named_checksums(named)
+            if self._plan is None:
+                raise FailedPrecondition("checksums by bucket need PrepareWeightSync's plan")
+            return named_bucket_checksums(layout_from_plan(self._plan), named, where="checksums (trainer)")
         finally:
             _drain(named)
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from services.contracts.config import TandemConfig
 from services.contracts.dapo import selected_samples
-from services.trainer.batching import TrainBatch, stale_samples
+from services.trainer.batching import TrainBatch, stale_samples, token_lag_fractions
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ def select_samples(batch: TrainBatch, *, truncated: np.ndarray, config: TandemCo
         filtered += batch.num_samples
         batch = batch.select([])
     metrics["samples_filtered"] = float(filtered)
+    metrics.update(token_lag_fractions(batch, weight_version=weight_version))
     return Selection(batch=batch, dropped_stale=len(stale), filtered=filtered, metrics=metrics)
 
 

@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import dump_config
 from services.contracts.exits import ExitCode
+from services.contracts.files import PRIVATE_FILE_MODE, write_atomic
 from services.contracts.gen.tandem.v1 import trainer_pb2, trainer_pb2_grpc
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.ports import free_port
-from services.rpc.shutdown import arm_exit_watchdog
+from services.rpc.shutdown import StopSignals, begin_stop, exit_now
 from services.telemetry.startup import process_age_s
 from services.telemetry.tracing import setup_logging, setup_tracing, shutdown_tracing
 
@@ -60,7 +61,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @map_errors
     def PrepareWeightSync(self, request, context):
         return self.service.prepare_weight_sync(version=request.version, transport=request.transport,
-                                                engine_world_size=request.engine_world_size, verify=request.verify)
+                                                engine_world_size=request.engine_world_size, verify=request.verify,
+                                                verify_by_bucket=request.verify_by_bucket)
 
     @map_errors
     def PublishWeights(self, request, context):
@@ -83,7 +85,7 @@ def launch_ranks(config: TandemConfig, *, run_dir: Path, role: str) -> int:
     """Re-runs `tandem trainer` under torchrun with trainer.num_ranks local ranks; forwards SIGTERM/SIGINT."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / f"trainer-{role}.config.yaml"
-    config_file.write_text(dump_config(config))
+    write_atomic(config_file, dump_config(config), mode=PRIVATE_FILE_MODE)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(config.trainer.num_ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "services.cli", "trainer", str(config_file), "--run-dir", str(run_dir), "--role", role]
@@ -138,18 +140,15 @@ def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
     log.info("%s ready %.1fs after its process started", name, process_age_s())
     log.info("%s (%d ranks, ZeRO %d) serving on %s:%d", name, service.dist.world_size,
              config.trainer.zero_stage, s.bind_host, server.port)
+    stop = StopSignals()
     print(f"TANDEM_READY {name} {server.port}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda _s, _f: stop.set())
-    stop.wait()
-    log.info("%s stopping", name)
+    signum = stop.wait()
     # One shutdown budget: half for in-flight calls, the rest for the ranks, so the process exits before a
     # supervisor waiting services.timeouts.shutdown_s kills it.
-    deadline = time.monotonic() + s.timeouts.shutdown_s
+    deadline = begin_stop(name=name, signum=signum, shutdown_s=s.timeouts.shutdown_s, code=ExitCode.OK)
     server.stop(grace_s=s.timeouts.shutdown_s / 2)
     _close_quietly(service, timeout_s=max(0.0, deadline - time.monotonic()))
     shutdown_tracing()   # flushes a batching (otlp) exporter
-    arm_exit_watchdog(ExitCode.OK, name=name, after_s=max(1.0, deadline - time.monotonic()))
+    exit_now(ExitCode.OK)
     return ExitCode.OK
 

@@ -223,14 +223,17 @@ class TrainerService:
     # ---- weights ----------------------------------------------------------------------------------
 
     def prepare_weight_sync(self, *, version: int, transport: str = "", engine_world_size: int = 1,
-                            verify: bool = False) -> common_pb2.WeightSyncPlan:
+                            verify: bool = False, verify_by_bucket: bool = False) -> common_pb2.WeightSyncPlan:
         self.weights.check_request(engine_world_size=engine_world_size)
         with self._lock:
             self._ensure_onloaded()
             announced = self.weights.prepare(version=version, transport=transport,
-                                             engine_world_size=engine_world_size, verify=verify)
+                                             engine_world_size=engine_world_size, verify=verify,
+                                             verify_by_bucket=verify_by_bucket)
             if verify:
-                self.weights.add_checksums(announced, self.ranks.run(commands.WeightChecksums()))
+                start = time.monotonic()
+                sums = self.ranks.run(commands.WeightChecksums(by_bucket=announced.verify_by_bucket))
+                self.weights.add_checksums(announced, sums, seconds=time.monotonic() - start)
             return announced
 
     def publish_weights(self, *, version: int) -> trainer_pb2.PublishWeightsResponse:

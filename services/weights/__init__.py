@@ -14,11 +14,13 @@ from services.weights.base import (
                                           ReceiverTransport,
                                           SenderTransport,
                                           SyncStats,
+                                          WeightChecksumMismatch,
                                           WeightSyncError,
                                           WeightSyncPeerLost,
                                           WeightSyncRefused,
                                           WeightSyncTimeout,
 )
+from services.weights.checksums import tensor_checksum
 from services.weights.layout import (
                                           Layout,
                                           TensorSpec,
@@ -26,7 +28,6 @@ from services.weights.layout import (
                                           layout_from_plan,
                                           plan_layout,
                                           specs_from_tensors,
-                                          tensor_checksum,
 )
 from services.weights.registry import TRANSPORTS, transport_names
 
@@ -39,6 +40,7 @@ __all__ = [
                                           "SenderTransport",
                                           "SyncStats",
                                           "TensorSpec",
+                                          "WeightChecksumMismatch",
                                           "WeightPublisher",
                                           "WeightReceiver",
                                           "WeightSyncError",

@@ -20,21 +20,27 @@ from services.weights.base import (
     ReceiverTransport,
     SenderTransport,
     SyncStats,
+    WeightChecksumMismatch,
     WeightSyncError,
     WeightSyncRefused,
 )
+from services.weights.checksums import (
+    PendingChecksums,
+    announced_bucket_checksums,
+    announced_checksums,
+    bucket_checksums,
+    describe_bucket,
+    tensor_checksums,
+)
 from services.weights.layout import (
     Layout,
-    PendingChecksums,
     Slot,
     TensorSpec,
-    announced_checksums,
     check_params,
     iter_validated,
     layout_from_plan,
     layout_to_buckets,
     plan_layout,
-    tensor_checksums,
 )
 from services.weights.registry import transport as registered_transport
 
@@ -67,7 +73,9 @@ class WeightPublisher:
         return self._transport.name
 
     def prepare(self, specs: Sequence[TensorSpec], version: int, engine_world_size: int,
-                verify: bool = False) -> common_pb2.WeightSyncPlan:
+                verify: bool = False, verify_by_bucket: bool = False) -> common_pb2.WeightSyncPlan:
+        """`verify`: the engines check what they received against checksums the caller announces in the plan (per
+        tensor, TensorMeta.checksum; with `verify_by_bucket` per bucket, WeightBucket.checksum)."""
         if engine_world_size < 1:
             raise ValueError(f"engine_world_size must be at least 1, got {engine_world_size}")
         if version < 0:
@@ -76,7 +84,7 @@ class WeightPublisher:
         plan = common_pb2.WeightSyncPlan(
             version=version, transport=self._transport.name, buckets=layout_to_buckets(layout),
             timeout_s=self._config.timeout_s, verify=verify, total_bytes=layout.total_bytes,
-            trainer_id=self._trainer_id)
+            trainer_id=self._trainer_id, verify_by_bucket=verify and verify_by_bucket)
         with self._lock:
             self._transport.prepare(plan=plan, layout=layout, engine_world_size=engine_world_size)
             self._prepared = (plan.SerializeToString(deterministic=True), layout)
@@ -110,13 +118,15 @@ class WeightPublisher:
     def _validated(*, plan: common_pb2.WeightSyncPlan, layout: Layout,
                    named_tensors: Iterable[tuple[str, torch.Tensor]],
                    checksums: PendingChecksums) -> Iterator[tuple[Slot, torch.Tensor]]:
-        """The tensors checked against the plan; with plan.verify their checksums go to `checksums`: those the plan
-        announces (the trainer computed them from these weights in prepare, in one batch) as announced, others
-        summed as they pass, with no host sync between the transport's copies."""
+        """The tensors checked against the plan; verifying per tensor their checksums go to `checksums`: those the
+        plan announces (the trainer computed them from these weights in prepare, in one batch) as announced, others
+        summed as they pass, with no host sync between the transport's copies. Verifying by bucket, the plan's
+        bucket checksums are all there is."""
         where = f"{plan.transport} weight sync v{plan.version} (trainer)"
-        announced = announced_checksums(plan) if plan.verify else {}
+        per_tensor = plan.verify and not plan.verify_by_bucket
+        announced = announced_checksums(plan) if per_tensor else {}
         for slot, tensor in iter_validated(layout, named_tensors, where=where):
-            if plan.verify:
+            if per_tensor:
                 if slot.name in announced:
                     checksums.set_known(slot.name, announced[slot.name])
                 else:
@@ -178,13 +188,32 @@ class WeightReceiver:
                 received = transport.receive(plan=plan, layout=layout, rank=rank_offset, params=params,
                                              deadline=deadline)
             elapsed = time.monotonic() - started
-            checksums = dict(zip((s.name for s in layout.order), tensor_checksums(
-                [params[s.name] for s in layout.order]), strict=True)) if plan.verify else {}
-            # the trainer's checksums, where known: announced in the plan's TensorMeta, or carried by the transport
-            theirs = announced_checksums(plan)
-            self._compare(where=where, mine=checksums, theirs={**theirs, **received.sender_checksums})
+            t = time.monotonic()
+            checksums, buckets = self._verify(where=where, plan=plan, layout=layout, params=params,
+                                              sender_checksums=received.sender_checksums)
             return SyncStats(version=plan.version, bytes=layout.total_bytes, seconds=elapsed - received.waited_s,
-                             checksums=checksums, transport=plan.transport, wait_seconds=received.waited_s)
+                             checksums=checksums, transport=plan.transport, wait_seconds=received.waited_s,
+                             bucket_checksums=buckets, checksum_seconds=time.monotonic() - t if plan.verify else 0.0)
+
+    def _verify(self, *, where: str, plan: common_pb2.WeightSyncPlan, layout: Layout,
+                params: Mapping[str, torch.Tensor], sender_checksums: Mapping[str, str],
+                ) -> tuple[dict[str, str], tuple[str, ...]]:
+        """With plan.verify: the checksums of what `params` now hold, per tensor or per bucket as the plan says,
+        compared with the trainer's where known (the plan, or the transport: a disk manifest)."""
+        if not plan.verify:
+            return {}, ()
+        if plan.verify_by_bucket:
+            buckets = tuple(bucket_checksums(layout, params))
+            theirs = announced_bucket_checksums(plan)
+            bad = [b for b, mine in zip(layout.buckets, buckets, strict=True) if theirs[b.index] not in ("", mine)]
+            if bad:
+                raise WeightChecksumMismatch(f"{where}: {len(bad)} of {len(buckets)} bucket(s) differ from the "
+                                             f"trainer's checksums: {'; '.join(describe_bucket(b) for b in bad[:5])}")
+            return {}, buckets
+        checksums = dict(zip((s.name for s in layout.order), tensor_checksums(
+            [params[s.name] for s in layout.order]), strict=True))
+        self._compare(where=where, mine=checksums, theirs={**announced_checksums(plan), **sender_checksums})
+        return checksums, ()
 
     def _refusal(self, deadline: Deadline) -> Deadline:
         return Deadline(min(deadline.remaining(), self._refuse_timeout_s))
@@ -210,7 +239,7 @@ class WeightReceiver:
             return
         bad = [name for name, digest in mine.items() if theirs.get(name) != digest]
         if bad:
-            raise WeightSyncError(f"{where}: {len(bad)} tensor(s) differ from the trainer's checksums: "
+            raise WeightChecksumMismatch(f"{where}: {len(bad)} tensor(s) differ from the trainer's checksums: "
                                   f"{', '.join(bad[:_MAX_LISTED])}")
 
     def release(self) -> None:

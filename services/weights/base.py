@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.rpc.grpc_util import FailedPrecondition
+from services.rpc.grpc_util import DataLoss, FailedPrecondition
 from services.weights.layout import Layout, Slot
 
 
@@ -32,6 +32,11 @@ class WeightSyncPeerLost(WeightSyncError, ConnectionError):
     """A peer closed its connection mid-transfer, e.g. it crashed (gRPC: UNAVAILABLE)."""
 
 
+class WeightChecksumMismatch(WeightSyncError, DataLoss):
+    """What an engine received differs from the trainer's checksums (gRPC: DATA_LOSS); the message names the
+    buckets or the tensors."""
+
+
 class WeightSyncRefused(WeightSyncError):
     """The other side refused this sync (mismatched params, foreign trainer) (gRPC: FAILED_PRECONDITION)."""
 
@@ -39,7 +44,8 @@ class WeightSyncRefused(WeightSyncError):
 @dataclass(frozen=True)
 class SyncStats:
     """One side's view of one sync. `seconds` is the transfer (after the peers met), `wait_seconds` the
-    rendezvous before it; `checksums` (name -> tensor_checksum) only when the plan asked for verification."""
+    rendezvous before it; when the plan asked for verification `checksums` (name -> tensor_checksum) or, verifying
+    by bucket, `bucket_checksums` (in bucket order), and `checksum_seconds` what computing them took."""
 
     version: int
     bytes: int
@@ -47,6 +53,8 @@ class SyncStats:
     checksums: dict[str, str] = field(default_factory=dict)
     transport: str = ""
     wait_seconds: float = 0.0
+    bucket_checksums: tuple[str, ...] = ()
+    checksum_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:

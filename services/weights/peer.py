@@ -78,7 +78,8 @@ def plan_from_text(text: str) -> common_pb2.WeightSyncPlan:
 
 def stats_to_json(stats: Any) -> dict[str, Any]:
     return {"version": stats.version, "bytes": stats.bytes, "seconds": stats.seconds, "checksums": stats.checksums,
-            "transport": stats.transport, "wait_seconds": stats.wait_seconds}
+            "transport": stats.transport, "wait_seconds": stats.wait_seconds,
+            "bucket_checksums": list(stats.bucket_checksums)}
 
 
 class _Worker:

@@ -10,9 +10,7 @@ Serves a minimal Coordinator (GetStatus, WatchEvents; Eval/Pause/Resume/Stop/Sav
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 
 from services.buffer.stream import EntryNotFoundError
 from services.contracts.gen.tandem.v1 import (
@@ -23,6 +21,7 @@ from services.contracts.gen.tandem.v1 import (
     rollout_pb2_grpc,
 )
 from services.rpc.grpc_util import FailedPrecondition, ServerOptions, map_errors, start_server
+from services.rpc.shutdown import StopSignals
 
 
 class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
@@ -84,8 +83,7 @@ def main() -> int:
         (rollout_pb2_grpc.add_RolloutServicer_to_server, Rollout(),
          rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name),
     ], options)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = StopSignals()   # as the services wait for their stop
     print(f"TANDEM_READY test-server {server.port}", flush=True)
     stop.wait()
     server.stop(grace_s=1.0)

@@ -5,7 +5,9 @@
 Listens on 127.0.0.1 (a free port unless --port) and prints `SGLANG_CONTRACT_READY <port>`. It is a real HTTP server
 in its own process that implements the request and answer shapes of the SGLang versions the adapter supports; it
 imports nothing from Tandem, so a mistake in the adapter's shapes is not mirrored here. Generation is a fixed
-deterministic rule (no model): token i of a sample is (last prompt token + 1 + i) mod vocab.
+deterministic rule (no model): token i of a sample is (last prompt token + 1 + i) mod vocab, and its log-prob
+-(0.25 + 0.01 token + 0.1 v) under the weights of version v that computed it (so a weight update that lands while a
+request is parked by retract / in_place shows in the later tokens' log-probs, as a real model's would).
 
 Recorded from (versions as read; see services/rollout/engines/sglang_protocol.py for the adapter's side):
 - the SGLang 0.5.17 wheel, read whole (/work/notes/sglang_0517.md; a real 0.5.17 server ran on an H200, see
@@ -267,6 +269,7 @@ class Server(WeightRoutes):
         # a request the tokenizer manager let through may still end 2 tokens short of the context
         budget = max(0, min(p["max_new_tokens"], self.context - 1 - len(prompt) - 1))
         tokens: list[int] = []
+        log_probs: list[float] = []   # of the weights that computed each token: an update may land while parked
         finish: dict[str, Any] = {"type": "length", "length": budget}
         for i in range(budget):
             if self._boundary():   # a running request's abort (a waiting one's says "Abort in waiting queue")
@@ -274,6 +277,7 @@ class Server(WeightRoutes):
                 break
             token = (prompt[-1] + 1 + i) % self.vocab
             tokens.append(token)
+            log_probs.append(-(0.25 + 0.01 * token + 0.1 * self.version_number()))
             if token in stops:
                 finish = {"type": "stop", "matched": token}
                 break
@@ -283,9 +287,13 @@ class Server(WeightRoutes):
                                 "e2e_latency": 0.0}
         if logprob:   # logprob_start_len -1 starts at the input's end: no input log-probs
             meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [[-(0.25 + 0.01 * t), t, None] for t in tokens]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(log_probs, tokens, strict=True)]
             meta["output_token_logprobs_length"] = len(tokens)
         return {"text": " ".join(str(t) for t in tokens), "output_ids": tokens, "meta_info": meta}
+
+    def version_number(self) -> int:
+        """The weight version as a number ("default" and other non-numbers: 0)."""
+        return int(self.weight_version) if self.weight_version.isdigit() else 0
 
     def _boundary(self) -> bool:
         """Between tokens: True = aborted; retract / in_place park the request until continue_generation."""

@@ -38,12 +38,19 @@ class EngineUnavailable(RuntimeError):
 class SampleOutput:
     """One generated sample. `log_probs[i]` is the log-probability of `token_ids[i]` in the engine's
     `logprob_space`: the distribution it was drawn from (services.rollout.engines.sampling.sampling_log_probs) for
-    the native engine, the tempered one for SGLang."""
+    the native engine, the tempered one for SGLang; under the weights of `token_versions[i]`, so it is the token's
+    behaviour log-prob even when a weight update landed mid-generation (rollout.inflight_update)."""
 
     token_ids: tuple[int, ...]
     log_probs: tuple[float, ...]
     finish_reason: str            # "stop" | "length" | "abort"
     weight_version: int           # engine weight version when this sample's generation started
+    token_versions: tuple[int, ...] = ()   # the version that sampled each token; () = all weight_version
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The version of each token (token_versions, or weight_version for every token)."""
+        return self.token_versions or (self.weight_version,) * len(self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,7 @@ class EngineState:
     generated_samples: int
     max_context_length: int
     memory_freed_bytes: int = 0   # GPU memory the last release_memory gave back (0 where not measured)
+    busy_s: float = 0.0           # wall seconds the engine computed since it started (gate.py's busy_s)
 
 
 class Engine(ABC):
@@ -116,17 +124,22 @@ class Engine(ABC):
                                  f"{self.max_context_length}, leaving no room to generate")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *,
+                 max_new_tokens: Sequence[int] | None = None,
                  wait_timeout_s: float | None = None) -> list[SampleOutput]:
-        """One output per prompt, in order. While paused, waits up to `wait_timeout_s` for a resume."""
+        """One output per prompt, in order. `max_new_tokens`: each prompt's own cap, below sampling.max_new_tokens
+        (a data row's max_new_tokens). While paused, waits up to `wait_timeout_s` for a resume."""
         self.validate_prompts(prompts)
         if not prompts:
             return []
+        budgets = prompt_budgets(len(prompts), sampling, max_new_tokens)
         with self._gate.admit(wait_timeout_s):
-            return self._generate_admitted(prompts, sampling)
+            return self._generate_admitted(prompts, sampling, budgets)
 
     @abstractmethod
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
-        """`generate` once the gate let the call in; `prompts` are validated and not empty."""
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                           budgets: Sequence[int]) -> list[SampleOutput]:
+        """`generate` once the gate let the call in; `prompts` are validated and not empty, `budgets` the new tokens
+        each may produce at most (the context may stop it earlier)."""
 
     @abstractmethod
     def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
@@ -164,10 +177,19 @@ class Engine(ABC):
                            weight_version=self._version, paused=gate.paused, pause_mode=gate.pause_mode,
                            released_memory=tuple(sorted(self._released)), in_flight=gate.admitted,
                            generated_samples=self._generated, max_context_length=self._max_context,
-                           memory_freed_bytes=self._freed_bytes)
+                           memory_freed_bytes=self._freed_bytes, busy_s=gate.busy_s)
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Releases what the engine holds; the object is unusable afterwards."""
+
+
+def prompt_budgets(n: int, sampling: SamplingSpec, caps: Sequence[int] | None) -> list[int]:
+    """The new tokens each of n prompts may produce: sampling.max_new_tokens, or its own cap when lower."""
+    if caps is None:
+        return [sampling.max_new_tokens] * n
+    if len(caps) != n or any(c < 1 for c in caps):
+        raise ValueError(f"max_new_tokens: expected {n} caps >= 1, got {list(caps)[:8]}")
+    return [min(sampling.max_new_tokens, int(c)) for c in caps]
 
 
 def normalize_memory_tags(tags: Sequence[str]) -> tuple[str, ...]:

@@ -8,17 +8,20 @@ Two decode paths (`decode=`):
   (batch, length) bucket and, for "graph", a CUDA-graph-captured decode step (static_decode.py); "compile"
   captures the torch.compile'd step instead (fewer, fused kernels; its first call per bucket compiles);
   sampling stays on the device and the loop checks for finished rows every few tokens. The loops are in decode.py.
-Calls are served one at a time; a `DecodeGate` (gate.py) implements pause/resume and keeps weight loads from
-overlapping a forward pass. For cuda_ipc weight syncs the parameters are re-pointed once into flat buffers
+Calls are served one at a time, or with `continuous_batching` (dynamic path) as one shared batch whose rows pass
+from finished samples to waiting ones (continuous.py); a `DecodeGate` (gate.py) implements pause/resume (a weight
+update may land between two decode steps: rollout.inflight_update) and keeps weight loads from overlapping a forward
+pass. For cuda_ipc weight syncs the parameters are re-pointed once into flat buffers
 laid out like the trainer's buckets (`flatten_parameters`), so each later sync is one copy per bucket.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +29,7 @@ import torch
 
 from services.contracts import runfacts
 from services.contracts.sampling import SamplingSpec
+from services.rollout.engines import kv_rows
 from services.rollout.engines.base import (
     Engine,
     EngineUnavailable,
@@ -33,7 +37,8 @@ from services.rollout.engines.base import (
     WeightLoadStats,
     normalize_memory_tags,
 )
-from services.rollout.engines.decode import decode_dynamic, decode_static, prepare_chunk
+from services.rollout.engines.continuous import ContinuousBatcher
+from services.rollout.engines.decode import Hooks, decode_dynamic, decode_static, prepare_chunk
 from services.rollout.engines.gate import DecodeGate, check_pause_mode
 from services.rollout.engines.sampling import make_generator
 from services.rollout.engines.static_decode import RunnerCache, supported
@@ -63,7 +68,7 @@ class NativeEngine(Engine):
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "float32",
                  attn_implementation: str = "sdpa", max_batch_size: int = 512,
                  max_context_length: int | None = None, eos_token_ids: Sequence[int] | None = None,
-                 decode: str = "auto", fused_kernels: str = "off"):
+                 decode: str = "auto", fused_kernels: str = "off", continuous_batching: bool = False):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -89,7 +94,7 @@ class NativeEngine(Engine):
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(self.model)
         self.pad_token_id = _pad_id(self.model, self.eos_token_ids)
-        self._gate: DecodeGate = DecodeGate(engine="rollout engine")
+        self._gate: DecodeGate = DecodeGate(engine="rollout engine", shared=continuous_batching)
         self._version = 0
         self._generated = 0
         self._released: set[str] = set()
@@ -98,11 +103,29 @@ class NativeEngine(Engine):
         # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns); 5.1x knows only the old.
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
             else "past_key_values"
-        self.decode_mode = self._resolve_decode(decode)
+        self.decode_mode = self._resolve_decode("dynamic" if continuous_batching and decode == "auto" else decode)
+        if continuous_batching and self.decode_mode != "dynamic":
+            raise ValueError(f"continuous batching runs on the dynamic decode path, not decode={decode!r}")
+        self._batcher = self._continuous_batcher() if continuous_batching else None
         self._runners: RunnerCache | None = None       # static/graph decode: caches (and graphs) by bucket
         # after flatten_parameters: (layout key, FlatParams of every parameter, or None when some slot of the
         # layout is not one of ours: then a receive plans its copies per tensor)
         self._flat: tuple[Any, Any] | None = None
+
+    def _continuous_batcher(self) -> ContinuousBatcher:
+        from transformers import DynamicCache
+
+        probe = DynamicCache(config=self.model.config)
+        why = kv_rows.check_supported(probe) if probe.layers else None
+        if why:
+            raise ValueError(f"continuous batching does not support this model: {why}")
+        return ContinuousBatcher(forward=self._forward, new_cache=lambda: DynamicCache(config=self.model.config),
+                                 hooks=self._hooks(), device=self.device, max_rows=self.max_batch_size,
+                                 pad_token_id=self.pad_token_id, eos_token_ids=self.eos_token_ids,
+                                 max_context=self._max_context)
+
+    def _hooks(self) -> Hooks:
+        return Hooks(boundary=self._gate.boundary, version=lambda: self._version)
 
     def _resolve_decode(self, decode: str) -> str:
         if decode not in DECODE_MODES:
@@ -148,17 +171,36 @@ class NativeEngine(Engine):
             if bad:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {self.vocab_size})")
 
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                           budgets: Sequence[int]) -> list[SampleOutput]:
         self._check_servable()
+        if self._batcher is not None:
+            return self._generate_shared(prompts, sampling, budgets)
         version = self._version
         generator = make_generator(sampling.seed, self.device)
         out: list[SampleOutput] = []
         with torch.inference_mode():
             for start in range(0, len(prompts), self.max_batch_size):
-                chunk = prompts[start:start + self.max_batch_size]
-                out += self._generate_chunk(chunk, sampling, generator, version)
+                end = start + self.max_batch_size
+                out += self._generate_chunk(prompts[start:end], sampling, generator, version, budgets[start:end])
         self._generated += len(out)
         return out
+
+    def _generate_shared(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                         budgets: Sequence[int]) -> list[SampleOutput]:
+        """Continuous batching: the samples join the shared batch; this call steps it in its turns until they are
+        done (continuous.py)."""
+        assert self._batcher is not None
+        ticket = self._batcher.submit(prompts, sampling, budgets=budgets, version=self._version)
+        out = self._batcher.serve(ticket, self._computing)
+        self._generated += len(out)
+        return out
+
+    @contextlib.contextmanager
+    def _computing(self) -> Iterator[None]:
+        with self._gate.computing(), torch.inference_mode():
+            self._check_servable()
+            yield
 
     def _check_servable(self) -> None:
         if self._released:
@@ -169,20 +211,21 @@ class NativeEngine(Engine):
                                     "release_memory('weights'); load or receive weights first")
 
     def _generate_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-                        generator: torch.Generator | None, version: int) -> list[SampleOutput]:
+                        generator: torch.Generator | None, version: int, budgets: Sequence[int]) -> list[SampleOutput]:
         chunk = prepare_chunk(prompts, sampling, device=self.device, pad_token_id=self.pad_token_id,
-                              eos_token_ids=self.eos_token_ids, max_context=self._max_context)
+                              eos_token_ids=self.eos_token_ids, max_context=self._max_context, budgets=budgets)
+        hooks = self._hooks()
         if self.decode_mode == "dynamic":
             from transformers import DynamicCache
 
-            decoded = decode_dynamic(chunk, sampling, generator, cache=DynamicCache(config=self.model.config),
-                                     forward=self._forward, boundary=self._gate.boundary)
+            decoded = decode_dynamic(chunk, sampling, generator, forward=self._forward, hooks=hooks,
+                                     new_cache=lambda: DynamicCache(config=self.model.config))
         else:
             if self._runners is None:
                 self._runners = RunnerCache(self.model, graphs=self.decode_mode in ("graph", "compile"),
                                             compile=self.decode_mode == "compile")
             # the runners are passed on: a weight update while parked may drop self._runners
-            decoded = decode_static(chunk, sampling, generator, runners=self._runners, boundary=self._gate.boundary)
+            decoded = decode_static(chunk, sampling, generator, runners=self._runners, hooks=hooks)
         return decoded.samples(version)
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,

@@ -75,6 +75,7 @@ from services.rollout.engines.sglang_protocol import (
     answer_version,
     disk_update_body,
     generate_body,
+    inflight_refusal,
     memory_body,
     parse_server_info,
     parse_weight_version,
@@ -152,7 +153,7 @@ class SGLangEngine(Engine):
                  weight_load_format: str = _SGLANG.weight_load_format,
                  startup_timeout_s: float = _SGLANG.startup_timeout_s, api_key: str | None = None,
                  launched: LaunchedServer | None = None, timeouts: TimeoutsConfig = _TIMEOUTS,
-                 weights_timeout_s: float = _WEIGHTS.timeout_s):
+                 weights_timeout_s: float = _WEIGHTS.timeout_s, inflight_update: str = "off"):
         """`timeouts`: services.timeouts (control_s for pause/continue/flush/server_info, probe_s for best-effort
         cleanup calls); `weights_timeout_s` bounds a sync whose plan names no deadline (weights.timeout_s)."""
         if not urls:
@@ -166,6 +167,10 @@ class SGLangEngine(Engine):
         self._control_s = timeouts.control_s
         self._weights_timeout_s = weights_timeout_s
         self.servers = [connect_server(u, api_key=api_key, deadline=deadline, control_s=self._control_s) for u in urls]
+        refusals = [inflight_refusal(inflight_update, radix_cache_off=s.info.radix_cache_off,
+                                     where=f"SGLang at {s.url}") for s in self.servers]
+        if any(refusals):
+            raise ValueError(next(r for r in refusals if r))
         self.max_batch_size = max_batch_size
         self._pause_mode = pause_mode
         self._sglang_mode = ""                   # the mode SGLang was last paused with ("" = running)
@@ -213,7 +218,7 @@ class SGLangEngine(Engine):
                        pause_mode=sg.pause_mode, request_timeout_s=sg.request_timeout_s,
                        weight_load_format=sg.weight_load_format, startup_timeout_s=sg.startup_timeout_s,
                        api_key=sg.api_key, launched=launched, timeouts=config.services.timeouts,
-                       weights_timeout_s=config.weights.timeout_s)
+                       weights_timeout_s=config.weights.timeout_s, inflight_update=ro.inflight_update)
         except BaseException:
             if launched is not None:
                 launched.stop()
@@ -235,7 +240,8 @@ class SGLangEngine(Engine):
 
     # ---- generation --------------------------------------------------------------------------------
 
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec) -> list[SampleOutput]:
+    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
+                           budgets: Sequence[int]) -> list[SampleOutput]:
         if self._released:
             raise EngineUnavailable(f"SGLang memory is released ({', '.join(sorted(self._released))}); "
                                     "call ResumeMemory first")
@@ -243,16 +249,17 @@ class SGLangEngine(Engine):
             raise EngineUnavailable("SGLang's weights came back empty from ResumeMemory (its servers run without "
                                     "--enable-weights-cpu-backup): sync weights before generating")
         start = self._version
-        chunks = [prompts[i:i + self.max_batch_size] for i in range(0, len(prompts), self.max_batch_size)]
-        futures = [self._pool.submit(self._generate_chunk, self.servers[k % len(self.servers)], chunk, sampling,
-                                     start) for k, chunk in enumerate(chunks)]
+        starts = range(0, len(prompts), self.max_batch_size)
+        futures = [self._pool.submit(self._generate_chunk, self.servers[k % len(self.servers)],
+                                     prompts[i:i + self.max_batch_size], sampling, start,
+                                     budgets[i:i + self.max_batch_size]) for k, i in enumerate(starts)]
         out = [sample for f in futures for sample in f.result()]
         self._generated += len(out)
         return out
 
     def _generate_chunk(self, server: Server, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-                        start: int) -> list[SampleOutput]:
-        body = generate_body(prompts, sampling, max_context=self._max_context)
+                        start: int, budgets: Sequence[int]) -> list[SampleOutput]:
+        body = generate_body(prompts, sampling, max_context=self._max_context, budgets=budgets)
         try:
             answer = server.client.post("/generate", body, timeout_s=self._request_timeout_s)
         except SGLangAborted:   # a pause(abort) reached the call while it waited: as aborted samples (retried)

@@ -126,7 +126,7 @@ class LaunchedServer:
     """A server process this rollout service started and owns (stopped with the engine)."""
 
     def __init__(self, spec: LaunchSpec, *, log_path: Path | None = None, timeouts: TimeoutsConfig = _TIMEOUTS):
-        """`timeouts`: control_s bounds each probe of the server, shutdown_s its graceful stop."""
+        """`timeouts`: control_s bounds each probe of the server, a third of shutdown_s its graceful stop."""
         problems = launch_problems(spec.extra_args, dict(os.environ))
         if problems:
             raise ValueError("; ".join(problems))
@@ -161,7 +161,8 @@ class LaunchedServer:
                            f"(rollout.sglang.startup_timeout_s; {JIT_NOTE}); last answer: {last}")
 
     def stop(self, *, grace_s: float | None = None) -> None:
-        grace_s = self._timeouts.shutdown_s if grace_s is None else grace_s
+        # a third of shutdown_s: the rollout service stopping it has that budget for its whole stop
+        grace_s = self._timeouts.shutdown_s / 3 if grace_s is None else grace_s
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, 15)

@@ -110,6 +110,7 @@ class ServerInfo:
     enable_memory_saver: bool
     weight_version: str
     weights_cpu_backup: bool = False   # --enable-weights-cpu-backup: weights survive a release
+    radix_cache_off: bool = False      # --disable-radix-cache: no prefix cache (retract then recomputes)
 
 
 # Server settings that change what SGLang reports or samples, refused with the reason (their /server_info keys).
@@ -119,6 +120,18 @@ REFUSED_SERVER_SETTINGS = {
     "enable_deterministic_inference": "--enable-deterministic-inference samples with one seed (42) for every request "
                                       "that carries none, so every sample of a GRPO group would be the same",
 }
+
+
+def inflight_refusal(inflight_update: str, *, radix_cache_off: bool, where: str) -> str | None:
+    """rollout.inflight_update with SGLang 0.5.x, whose pause modes do it: keep is /pause_generation in_place (the
+    parked requests keep their KV cache); recompute is retract, which recomputes only without the radix cache: a
+    retracted request waits in the queue, so the adapter's /flush_cache fails, and on continue it finds the KV of
+    its own tokens, computed by the old weights, in the prefix cache. One line, or None."""
+    if inflight_update == "recompute" and not radix_cache_off:
+        return (f"rollout.inflight_update: recompute needs SGLang without its radix cache ({where} has it on): a "
+                "request retracted for the update would reuse its own old-weights KV from the prefix cache; start "
+                "SGLang with --disable-radix-cache, or use inflight_update: keep")
+    return None
 
 
 def parse_server_info(info: Any, *, url: str) -> ServerInfo:
@@ -138,7 +151,8 @@ def parse_server_info(info: Any, *, url: str) -> ServerInfo:
                       tp_size=int(info.get("tp_size") or 1),
                       enable_memory_saver=bool(info.get("enable_memory_saver", False)),
                       weight_version=str(info.get("weight_version") or ""),
-                      weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)))
+                      weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)),
+                      radix_cache_off=bool(info.get("disable_radix_cache", False)))
 
 
 def parse_weight_version(value: Any) -> int | None:
@@ -161,21 +175,23 @@ def sampling_params(options: SamplingSpec) -> dict[str, Any]:
     return params
 
 
-def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec, *,
-                  max_context: int | None = None) -> dict[str, Any]:
+def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec, *, max_context: int | None = None,
+                  budgets: Sequence[int] | None = None) -> dict[str, Any]:
     """A batch request: input_ids as a list of lists (even for one prompt, so the answer is always a list).
 
-    SGLang refuses the whole request (400) when one prompt's length + max_new_tokens exceeds the context, where the
-    native engine stops that sample at the context: prompts that would are sent with their own sampling params,
-    max_new_tokens cut to what the context leaves (the prompts are validated shorter than the context). SGLang's
-    scheduler then ends such a sample 2 tokens before the context (its max_req_len is the context - 1)."""
+    `budgets`: each prompt's own max_new_tokens (a data row's cap), sent as per-prompt sampling params. SGLang refuses
+    the whole request (400) when one prompt's length + max_new_tokens exceeds the context, where the native engine
+    stops that sample at the context: prompts that would are sent with their own sampling params, max_new_tokens cut
+    to what the context leaves (the prompts are validated shorter than the context). SGLang's scheduler then ends
+    such a sample 2 tokens before the context (its max_req_len is the context - 1)."""
     params = sampling_params(options)
     body: dict[str, Any] = {"input_ids": [[int(t) for t in p] for p in prompts], "sampling_params": params,
                             "return_logprob": True, "stream": False}
-    if max_context is not None and any(len(p) + options.max_new_tokens > max_context for p in prompts):
-        body["sampling_params"] = [{**params, "max_new_tokens": max(1, min(options.max_new_tokens,
-                                                                           max_context - len(p)))}
-                                   for p in prompts]
+    caps = list(budgets) if budgets is not None else [options.max_new_tokens] * len(prompts)
+    if max_context is not None:
+        caps = [max(1, min(c, max_context - len(p))) for c, p in zip(caps, prompts, strict=True)]
+    if any(c != options.max_new_tokens for c in caps):
+        body["sampling_params"] = [{**params, "max_new_tokens": c} for c in caps]
     return body
 
 

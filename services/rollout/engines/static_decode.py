@@ -229,6 +229,11 @@ class Runner:
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.decoder.prefill(self.kv, ids, positions, mask)
 
+    def current(self) -> bool:
+        """The model's parameters still live where this runner captured them (not re-pointed since)."""
+        return all(p.data_ptr() == q.data_ptr() for p, q in zip(self.decoder.model.parameters(), self._params,
+                                                                strict=True))
+
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
         """Rows beyond tokens.shape[0] (batch padding) keep their previous inputs; returns [batch, vocab]."""
         n = tokens.shape[0]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"8\n\nTensorData\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xcd\x06\n\x0cRolloutBatch\x12\x12\n\nrollout_id\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\x12%\n\x06tokens\x18\x04 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12-\n\x0eprompt_lengths\x18\x05 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12/\n\x10response_lengths\x18\x06 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12(\n\tloss_mask\x18\x07 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12\x30\n\x11rollout_log_probs\x18\x08 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12&\n\x07rewards\x18\t \x01(\x0b\x32\x15.tandem.v1.TensorData\x12(\n\tgroup_ids\x18\n \x01(\x0b\x32\x15.tandem.v1.TensorData\x12.\n\x0fsample_versions\x18\x0b \x01(\x0b\x32\x15.tandem.v1.TensorData\x12/\n\x0e\x66inish_reasons\x18\x0c \x03(\x0e\x32\x17.tandem.v1.FinishReason\x12\x37\n\x08metadata\x18\r \x03(\x0b\x32%.tandem.v1.RolloutBatch.MetadataEntry\x12\x17\n\x0f\x63reated_unix_ns\x18\x0e \x01(\x03\x12\x10\n\x08producer\x18\x0f \x01(\t\x12\x0e\n\x06labels\x18\x10 \x03(\t\x12\x33\n\x14sampling_temperature\x18\x11 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12-\n\x0esampling_top_p\x18\x12 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12-\n\x0esampling_top_k\x18\x13 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12.\n\rlogprob_space\x18\x14 \x01(\x0e\x32\x17.tandem.v1.LogProbSpace\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xae\x01\n\x06Prompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05label\x18\x03 \x01(\t\x12\x10\n\x08group_id\x18\x04 \x01(\x03\x12\x31\n\x08metadata\x18\x05 \x03(\x0b\x32\x1f.tandem.v1.Prompt.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x95\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\"p\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\t\"\xe9\x01\n\rCudaIpcHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"\xa4\x01\n\x0cWeightBucket\x12\r\n\x05index\x18\x01 \x01(\x05\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12&\n\x07tensors\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TensorMeta\x12%\n\x03ipc\x18\x05 \x01(\x0b\x32\x18.tandem.v1.CudaIpcHandle\x12\x17\n\x0fsglang_payloads\x18\x06 \x03(\t\"\xc8\x02\n\x0eWeightSyncPlan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\ttransport\x18\x02 \x01(\t\x12(\n\x07\x62uckets\x18\x03 \x03(\x0b\x32\x17.tandem.v1.WeightBucket\x12\x12\n\ngroup_name\x18\x04 \x01(\t\x12\x13\n\x0bmaster_addr\x18\x05 \x01(\t\x12\x13\n\x0bmaster_port\x18\x06 \x01(\x05\x12\x12\n\nworld_size\x18\x07 \x01(\x05\x12\x11\n\tdisk_path\x18\x08 \x01(\t\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\x0e\n\x06verify\x18\n \x01(\x08\x12\x13\n\x0btotal_bytes\x18\x0b \x01(\x03\x12\x12\n\ntrainer_id\x18\x0c \x01(\t\x12\x1b\n\x13\x62uffers_freed_after\x18\r \x01(\x08\x12\x1a\n\x12sglang_load_format\x18\x0e \x01(\t\"\x07\n\x05\x45mpty\"\"\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*F\n\x0cLogProbSpace\x12\x1a\n\x16LOGPROB_SPACE_SAMPLING\x10\x00\x12\x1a\n\x16LOGPROB_SPACE_TEMPERED\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"8\n\nTensorData\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x80\x07\n\x0cRolloutBatch\x12\x12\n\nrollout_id\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x05\x12%\n\x06tokens\x18\x04 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12-\n\x0eprompt_lengths\x18\x05 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12/\n\x10response_lengths\x18\x06 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12(\n\tloss_mask\x18\x07 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12\x30\n\x11rollout_log_probs\x18\x08 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12&\n\x07rewards\x18\t \x01(\x0b\x32\x15.tandem.v1.TensorData\x12(\n\tgroup_ids\x18\n \x01(\x0b\x32\x15.tandem.v1.TensorData\x12.\n\x0fsample_versions\x18\x0b \x01(\x0b\x32\x15.tandem.v1.TensorData\x12/\n\x0e\x66inish_reasons\x18\x0c \x03(\x0e\x32\x17.tandem.v1.FinishReason\x12\x37\n\x08metadata\x18\r \x03(\x0b\x32%.tandem.v1.RolloutBatch.MetadataEntry\x12\x17\n\x0f\x63reated_unix_ns\x18\x0e \x01(\x03\x12\x10\n\x08producer\x18\x0f \x01(\t\x12\x0e\n\x06labels\x18\x10 \x03(\t\x12\x33\n\x14sampling_temperature\x18\x11 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12-\n\x0esampling_top_p\x18\x12 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12-\n\x0esampling_top_k\x18\x13 \x01(\x0b\x32\x15.tandem.v1.TensorData\x12.\n\rlogprob_space\x18\x14 \x01(\x0e\x32\x17.tandem.v1.LogProbSpace\x12\x31\n\x12token_version_runs\x18\x15 \x01(\x0b\x32\x15.tandem.v1.TensorData\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd8\x01\n\x06Prompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05label\x18\x03 \x01(\t\x12\x10\n\x08group_id\x18\x04 \x01(\x03\x12\x31\n\x08metadata\x18\x05 \x03(\x0b\x32\x1f.tandem.v1.Prompt.MetadataEntry\x12(\n\x08messages\x18\x06 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x95\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\"p\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\t\"\xe9\x01\n\rCudaIpcHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"\xb6\x01\n\x0cWeightBucket\x12\r\n\x05index\x18\x01 \x01(\x05\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12&\n\x07tensors\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TensorMeta\x12%\n\x03ipc\x18\x05 \x01(\x0b\x32\x18.tandem.v1.CudaIpcHandle\x12\x17\n\x0fsglang_payloads\x18\x06 \x03(\t\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\t\"\xf6\x02\n\x0eWeightSyncPlan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\ttransport\x18\x02 \x01(\t\x12(\n\x07\x62uckets\x18\x03 \x03(\x0b\x32\x17.tandem.v1.WeightBucket\x12\x12\n\ngroup_name\x18\x04 \x01(\t\x12\x13\n\x0bmaster_addr\x18\x05 \x01(\t\x12\x13\n\x0bmaster_port\x18\x06 \x01(\x05\x12\x12\n\nworld_size\x18\x07 \x01(\x05\x12\x11\n\tdisk_path\x18\x08 \x01(\t\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\x0e\n\x06verify\x18\n \x01(\x08\x12\x13\n\x0btotal_bytes\x18\x0b \x01(\x03\x12\x12\n\ntrainer_id\x18\x0c \x01(\t\x12\x1b\n\x13\x62uffers_freed_after\x18\r \x01(\x08\x12\x1a\n\x12sglang_load_format\x18\x0e \x01(\t\x12\x18\n\x10verify_by_bucket\x18\x0f \x01(\x08\x12\x12\n\nchecksum_s\x18\x10 \x01(\x01\"\x07\n\x05\x45mpty\"\"\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*F\n\x0cLogProbSpace\x12\x1a\n\x16LOGPROB_SPACE_SAMPLING\x10\x00\x12\x1a\n\x16LOGPROB_SPACE_TEMPERED\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,32 +35,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUTBATCH_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_PROMPT_METADATAENTRY']._loaded_options = None
   _globals['_PROMPT_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2165
-  _globals['_FINISHREASON']._serialized_end=2285
-  _globals['_LOGPROBSPACE']._serialized_start=2287
-  _globals['_LOGPROBSPACE']._serialized_end=2357
+  _globals['_FINISHREASON']._serialized_start=2368
+  _globals['_FINISHREASON']._serialized_end=2488
+  _globals['_LOGPROBSPACE']._serialized_start=2490
+  _globals['_LOGPROBSPACE']._serialized_end=2560
   _globals['_TENSORDATA']._serialized_start=37
   _globals['_TENSORDATA']._serialized_end=93
   _globals['_ROLLOUTBATCH']._serialized_start=96
-  _globals['_ROLLOUTBATCH']._serialized_end=941
-  _globals['_ROLLOUTBATCH_METADATAENTRY']._serialized_start=894
-  _globals['_ROLLOUTBATCH_METADATAENTRY']._serialized_end=941
-  _globals['_PROMPT']._serialized_start=944
-  _globals['_PROMPT']._serialized_end=1118
-  _globals['_PROMPT_METADATAENTRY']._serialized_start=894
-  _globals['_PROMPT_METADATAENTRY']._serialized_end=941
-  _globals['_SAMPLINGPARAMS']._serialized_start=1121
-  _globals['_SAMPLINGPARAMS']._serialized_end=1270
-  _globals['_TENSORMETA']._serialized_start=1272
-  _globals['_TENSORMETA']._serialized_end=1384
-  _globals['_CUDAIPCHANDLE']._serialized_start=1387
-  _globals['_CUDAIPCHANDLE']._serialized_end=1620
-  _globals['_WEIGHTBUCKET']._serialized_start=1623
-  _globals['_WEIGHTBUCKET']._serialized_end=1787
-  _globals['_WEIGHTSYNCPLAN']._serialized_start=1790
-  _globals['_WEIGHTSYNCPLAN']._serialized_end=2118
-  _globals['_EMPTY']._serialized_start=2120
-  _globals['_EMPTY']._serialized_end=2127
-  _globals['_ACK']._serialized_start=2129
-  _globals['_ACK']._serialized_end=2163
+  _globals['_ROLLOUTBATCH']._serialized_end=992
+  _globals['_ROLLOUTBATCH_METADATAENTRY']._serialized_start=945
+  _globals['_ROLLOUTBATCH_METADATAENTRY']._serialized_end=992
+  _globals['_CHATMESSAGE']._serialized_start=994
+  _globals['_CHATMESSAGE']._serialized_end=1038
+  _globals['_PROMPT']._serialized_start=1041
+  _globals['_PROMPT']._serialized_end=1257
+  _globals['_PROMPT_METADATAENTRY']._serialized_start=945
+  _globals['_PROMPT_METADATAENTRY']._serialized_end=992
+  _globals['_SAMPLINGPARAMS']._serialized_start=1260
+  _globals['_SAMPLINGPARAMS']._serialized_end=1409
+  _globals['_TENSORMETA']._serialized_start=1411
+  _globals['_TENSORMETA']._serialized_end=1523
+  _globals['_CUDAIPCHANDLE']._serialized_start=1526
+  _globals['_CUDAIPCHANDLE']._serialized_end=1759
+  _globals['_WEIGHTBUCKET']._serialized_start=1762
+  _globals['_WEIGHTBUCKET']._serialized_end=1944
+  _globals['_WEIGHTSYNCPLAN']._serialized_start=1947
+  _globals['_WEIGHTSYNCPLAN']._serialized_end=2321
+  _globals['_EMPTY']._serialized_start=2323
+  _globals['_EMPTY']._serialized_end=2330
+  _globals['_ACK']._serialized_start=2332
+  _globals['_ACK']._serialized_end=2366
 # @@protoc_insertion_point(module_scope)

@@ -36,7 +36,7 @@ class TensorData(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RolloutBatch(_message.Message):
-    __slots__ = ("rollout_id", "policy_version", "num_samples", "tokens", "prompt_lengths", "response_lengths", "loss_mask", "rollout_log_probs", "rewards", "group_ids", "sample_versions", "finish_reasons", "metadata", "created_unix_ns", "producer", "labels", "sampling_temperature", "sampling_top_p", "sampling_top_k", "logprob_space")
+    __slots__ = ("rollout_id", "policy_version", "num_samples", "tokens", "prompt_lengths", "response_lengths", "loss_mask", "rollout_log_probs", "rewards", "group_ids", "sample_versions", "finish_reasons", "metadata", "created_unix_ns", "producer", "labels", "sampling_temperature", "sampling_top_p", "sampling_top_k", "logprob_space", "token_version_runs")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class RolloutBatch(_message.Message):
     SAMPLING_TOP_P_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_TOP_K_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_SPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_VERSION_RUNS_FIELD_NUMBER: _ClassVar[int]
     rollout_id: int
     policy_version: int
     num_samples: int
@@ -84,10 +85,19 @@ class RolloutBatch(_message.Message):
     sampling_top_p: TensorData
     sampling_top_k: TensorData
     logprob_space: LogProbSpace
-    def __init__(self, rollout_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., tokens: _Optional[_Union[TensorData, _Mapping]] = ..., prompt_lengths: _Optional[_Union[TensorData, _Mapping]] = ..., response_lengths: _Optional[_Union[TensorData, _Mapping]] = ..., loss_mask: _Optional[_Union[TensorData, _Mapping]] = ..., rollout_log_probs: _Optional[_Union[TensorData, _Mapping]] = ..., rewards: _Optional[_Union[TensorData, _Mapping]] = ..., group_ids: _Optional[_Union[TensorData, _Mapping]] = ..., sample_versions: _Optional[_Union[TensorData, _Mapping]] = ..., finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ns: _Optional[int] = ..., producer: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., sampling_temperature: _Optional[_Union[TensorData, _Mapping]] = ..., sampling_top_p: _Optional[_Union[TensorData, _Mapping]] = ..., sampling_top_k: _Optional[_Union[TensorData, _Mapping]] = ..., logprob_space: _Optional[_Union[LogProbSpace, str]] = ...) -> None: ...
+    token_version_runs: TensorData
+    def __init__(self, rollout_id: _Optional[int] = ..., policy_version: _Optional[int] = ..., num_samples: _Optional[int] = ..., tokens: _Optional[_Union[TensorData, _Mapping]] = ..., prompt_lengths: _Optional[_Union[TensorData, _Mapping]] = ..., response_lengths: _Optional[_Union[TensorData, _Mapping]] = ..., loss_mask: _Optional[_Union[TensorData, _Mapping]] = ..., rollout_log_probs: _Optional[_Union[TensorData, _Mapping]] = ..., rewards: _Optional[_Union[TensorData, _Mapping]] = ..., group_ids: _Optional[_Union[TensorData, _Mapping]] = ..., sample_versions: _Optional[_Union[TensorData, _Mapping]] = ..., finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ns: _Optional[int] = ..., producer: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., sampling_temperature: _Optional[_Union[TensorData, _Mapping]] = ..., sampling_top_p: _Optional[_Union[TensorData, _Mapping]] = ..., sampling_top_k: _Optional[_Union[TensorData, _Mapping]] = ..., logprob_space: _Optional[_Union[LogProbSpace, str]] = ..., token_version_runs: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("text", "token_ids", "label", "group_id", "metadata")
+    __slots__ = ("text", "token_ids", "label", "group_id", "metadata", "messages")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,12 +110,14 @@ class Prompt(_message.Message):
     LABEL_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     label: str
     group_id: int
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., label: _Optional[str] = ..., group_id: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., label: _Optional[str] = ..., group_id: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed", "ignore_eos")
@@ -164,23 +176,25 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class WeightBucket(_message.Message):
-    __slots__ = ("index", "dtype", "nbytes", "tensors", "ipc", "sglang_payloads")
+    __slots__ = ("index", "dtype", "nbytes", "tensors", "ipc", "sglang_payloads", "checksum")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     IPC_FIELD_NUMBER: _ClassVar[int]
     SGLANG_PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     index: int
     dtype: str
     nbytes: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     ipc: CudaIpcHandle
     sglang_payloads: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, index: _Optional[int] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., sglang_payloads: _Optional[_Iterable[str]] = ...) -> None: ...
+    checksum: str
+    def __init__(self, index: _Optional[int] = ..., dtype: _Optional[str] = ..., nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., sglang_payloads: _Optional[_Iterable[str]] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class WeightSyncPlan(_message.Message):
-    __slots__ = ("version", "transport", "buckets", "group_name", "master_addr", "master_port", "world_size", "disk_path", "timeout_s", "verify", "total_bytes", "trainer_id", "buffers_freed_after", "sglang_load_format")
+    __slots__ = ("version", "transport", "buckets", "group_name", "master_addr", "master_port", "world_size", "disk_path", "timeout_s", "verify", "total_bytes", "trainer_id", "buffers_freed_after", "sglang_load_format", "verify_by_bucket", "checksum_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +209,8 @@ class WeightSyncPlan(_message.Message):
     TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FREED_AFTER_FIELD_NUMBER: _ClassVar[int]
     SGLANG_LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_BY_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     transport: str
     buckets: _containers.RepeatedCompositeFieldContainer[WeightBucket]
@@ -209,7 +225,9 @@ class WeightSyncPlan(_message.Message):
     trainer_id: str
     buffers_freed_after: bool
     sglang_load_format: str
-    def __init__(self, version: _Optional[int] = ..., transport: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., group_name: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., disk_path: _Optional[str] = ..., timeout_s: _Optional[float] = ..., verify: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., trainer_id: _Optional[str] = ..., buffers_freed_after: _Optional[bool] = ..., sglang_load_format: _Optional[str] = ...) -> None: ...
+    verify_by_bucket: bool
+    checksum_s: float
+    def __init__(self, version: _Optional[int] = ..., transport: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[WeightBucket, _Mapping]]] = ..., group_name: _Optional[str] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., disk_path: _Optional[str] = ..., timeout_s: _Optional[float] = ..., verify: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., trainer_id: _Optional[str] = ..., buffers_freed_after: _Optional[bool] = ..., sglang_load_format: _Optional[str] = ..., verify_by_bucket: _Optional[bool] = ..., checksum_s: _Optional[float] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()

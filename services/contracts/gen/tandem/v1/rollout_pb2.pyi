@@ -123,7 +123,7 @@ class ReceiveWeightsRequest(_message.Message):
     def __init__(self, plan: _Optional[_Union[_common_pb2.WeightSyncPlan, _Mapping]] = ..., rank_offset: _Optional[int] = ...) -> None: ...
 
 class ReceiveWeightsResponse(_message.Message):
-    __slots__ = ("version", "checksums", "bytes_received", "time_s")
+    __slots__ = ("version", "checksums", "bytes_received", "time_s", "bucket_checksums", "checksum_s")
     class ChecksumsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -135,11 +135,15 @@ class ReceiveWeightsResponse(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     TIME_S_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     checksums: _containers.ScalarMap[str, str]
     bytes_received: int
     time_s: float
-    def __init__(self, version: _Optional[int] = ..., checksums: _Optional[_Mapping[str, str]] = ..., bytes_received: _Optional[int] = ..., time_s: _Optional[float] = ...) -> None: ...
+    bucket_checksums: _containers.RepeatedScalarFieldContainer[str]
+    checksum_s: float
+    def __init__(self, version: _Optional[int] = ..., checksums: _Optional[_Mapping[str, str]] = ..., bytes_received: _Optional[int] = ..., time_s: _Optional[float] = ..., bucket_checksums: _Optional[_Iterable[str]] = ..., checksum_s: _Optional[float] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ("mode",)
@@ -154,7 +158,7 @@ class MemoryRequest(_message.Message):
     def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RolloutState(_message.Message):
-    __slots__ = ("engine", "model_path", "weight_version", "paused", "memory_released", "generated_samples", "device", "producer", "in_flight", "gpu_memory_reserved_bytes", "gpu_memory_freed_bytes")
+    __slots__ = ("engine", "model_path", "weight_version", "paused", "memory_released", "generated_samples", "device", "producer", "in_flight", "gpu_memory_reserved_bytes", "gpu_memory_freed_bytes", "engine_busy_s")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +170,7 @@ class RolloutState(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     engine: str
     model_path: str
     weight_version: int
@@ -177,4 +182,5 @@ class RolloutState(_message.Message):
     in_flight: int
     gpu_memory_reserved_bytes: int
     gpu_memory_freed_bytes: int
-    def __init__(self, engine: _Optional[str] = ..., model_path: _Optional[str] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., memory_released: _Optional[bool] = ..., generated_samples: _Optional[int] = ..., device: _Optional[str] = ..., producer: _Optional[str] = ..., in_flight: _Optional[int] = ..., gpu_memory_reserved_bytes: _Optional[int] = ..., gpu_memory_freed_bytes: _Optional[int] = ...) -> None: ...
+    engine_busy_s: float
+    def __init__(self, engine: _Optional[str] = ..., model_path: _Optional[str] = ..., weight_version: _Optional[int] = ..., paused: _Optional[bool] = ..., memory_released: _Optional[bool] = ..., generated_samples: _Optional[int] = ..., device: _Optional[str] = ..., producer: _Optional[str] = ..., in_flight: _Optional[int] = ..., gpu_memory_reserved_bytes: _Optional[int] = ..., gpu_memory_freed_bytes: _Optional[int] = ..., engine_busy_s: _Optional[float] = ...) -> None: ...

@@ -120,16 +120,18 @@ class LoadResponse(_message.Message):
     def __init__(self, loaded: _Optional[bool] = ..., path: _Optional[str] = ..., rollout_id: _Optional[int] = ..., step: _Optional[int] = ..., weight_version: _Optional[int] = ..., extra_state: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class PrepareWeightSyncRequest(_message.Message):
-    __slots__ = ("version", "transport", "engine_world_size", "verify")
+    __slots__ = ("version", "transport", "engine_world_size", "verify", "verify_by_bucket")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_BY_BUCKET_FIELD_NUMBER: _ClassVar[int]
     version: int
     transport: str
     engine_world_size: int
     verify: bool
-    def __init__(self, version: _Optional[int] = ..., transport: _Optional[str] = ..., engine_world_size: _Optional[int] = ..., verify: _Optional[bool] = ...) -> None: ...
+    verify_by_bucket: bool
+    def __init__(self, version: _Optional[int] = ..., transport: _Optional[str] = ..., engine_world_size: _Optional[int] = ..., verify: _Optional[bool] = ..., verify_by_bucket: _Optional[bool] = ...) -> None: ...
 
 class PublishWeightsRequest(_message.Message):
     __slots__ = ("version",)
