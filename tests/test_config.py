@@ -187,6 +187,7 @@ def test_override_creates_missing_sections():
     ({"services": {"coordinator": {"port": 70000}}}, "services.coordinator.port", "less than or equal to 65535"),
     ({"redis": {"chunk_mb": 1024}}, "redis.chunk_mb", "less than or equal to 256"),
     ({"trainer": {"zero_stage": 4}}, "trainer.zero_stage", "Input should be 0, 1, 2 or 3"),
+    ({"trainer": {"gradient_checkpointing": True}}, "trainer", "renamed activation_checkpointing"),
     ({"services": {"rollout": []}}, "services.rollout", "must list at least one rollout address"),
     ({"services": {"tls_cert": "/c.pem"}}, "services", "tls_cert and services.tls_key must be given together"),
 ])

@@ -284,16 +284,32 @@ class TrainerConfig(Section):
     grad_clip: float = Field(default=1.0, gt=0)
     micro_batch_tokens: int = Field(default=16384, ge=1, description="token budget of one micro-batch (rows x "
                                     "longest row); larger is faster until activations fill the GPU")
+    pack_sequences: bool = Field(default=False, description="pack several samples into one row of a micro-batch "
+                                 "(position ids restart per sample, attention stays within it): no padding tokens "
+                                 "when lengths differ; rows stay as wide as the longest sample (docs/algorithms.md)")
+    scoring_chunk_tokens: int = Field(default=1024, ge=1, description="response tokens scored at once, over 8,192 "
+                                      "vocabulary columns at a time (whole rows where top-k / top-p truncate, as "
+                                      "many as make as many logits): bounds the scoring's memory to a few float32 "
+                                      "[chunk x 8,192] tables whatever the micro-batch (docs/algorithms.md)")
     checkpoint_dir: str | None = Field(default=None, description="defaults to RUN_DIR/checkpoints")
     keep_last_checkpoints: int = Field(default=3, ge=1)
     export_hf_on_save: bool = True
     critic_lr: float | None = Field(default=None, gt=0, description="defaults to lr")
     seed: int = 0
-    gradient_checkpointing: bool = False
+    activation_checkpointing: bool = Field(default=False, description="recompute each decoder layer's activations "
+                                           "in the backward instead of keeping them (transformers' checkpointing, "
+                                           "non-reentrant): less memory for long sequences, ~1/3 more compute")
     cpu_threads: int | None = Field(default=None, ge=1, description="torch's intra-op CPU threads in the trainer "
                                     "(null: 4 on a GPU, torch's default on the CPU)")
     lora: LoraConfig | None = Field(default=None, description="LoRA adapters instead of full fine-tuning "
                                     "(null = full fine-tuning)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "gradient_checkpointing" in data:
+            raise ValueError("gradient_checkpointing was renamed activation_checkpointing (transformers' name)")
+        return data
 
 
 class AlgorithmConfig(Section):
