@@ -23,7 +23,7 @@ tokens, 8 samples per group) with Tandem's own loss code (`services.trainer.acto
 - `*_ac`: trainer.activation_checkpointing; `*_packed`: trainer.pack_sequences (several samples per row).
 
 Presets: Qwen2 bodies over `--vocab` (22 by default, Tandem's toy vocabulary), or a real model's exact shape
-(bench/real_shapes.py: qwen2.5-0.5b, qwen2.5-1.5b, qwen3-0.6b; 151,936-token vocabulary, tied embeddings).
+(bench/real_shapes.py: init-model's qwen2.5-0.5b, qwen2.5-1.5b, qwen3-0.6b, llama3.2-1b; real vocabularies, tied).
 `--mixed-lengths` draws each response's length uniformly from [L/8, L] (padding to remove) instead of exactly L.
 
 Columns: step seconds (median of `--steps` after 2 warm-ups), its parts (micro-batch planning on the host,
@@ -57,7 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # scoring_reference: the old path
 
-from real_shapes import REAL_SHAPES, build_real_model_dir
+from real_shapes import REAL_SHAPES, build_real_model_dir, real_vocab
 
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
@@ -451,7 +451,7 @@ def main() -> int:
             model_dir = make_model_dir(tmp, preset, args.vocab)
             params = num_params(model_dir)
             for length in args.lengths:
-                vocab = REAL_SHAPES[preset][1]["vocab_size"] if preset in REAL_SHAPES else args.vocab
+                vocab = real_vocab(preset) if preset in REAL_SHAPES else args.vocab
                 batches = [make_rollout(samples=args.samples, response_len=length, vocab=vocab, seed=s,
                                         mixed=args.mixed_lengths) for s in range(3)]
                 tokens = batches[0].num_tokens
