@@ -2,6 +2,9 @@
 
     python bench/bench_train_step.py [--device cuda] [--presets q05] [--lengths 1 128] [--samples 512]
                                      [--variants ds_z1_bf16 ...] [--steps 4] [--profile [VARIANT ...]] [--out DIR]
+                                     [--vocab V] [--chunk-tokens C] [--mixed-lengths]
+    python bench/bench_train_step.py --presets qwen2.5-0.5b --lengths 256 \
+        --variants ds_z0_bf16 ds_z0_bf16_old          # the real vocabulary: chunked scoring against the old path
 
 Every variant trains the same synthetic GRPO batches (digit_max-like prompts of 4-8 tokens, responses of exactly L
 tokens, 8 samples per group) with Tandem's own loss code (`services.trainer.actor.actor_step`), in this process:
@@ -15,12 +18,20 @@ tokens, 8 samples per group) with Tandem's own loss code (`services.trainer.acto
 - `*_loraR`: the DeepSpeed backend with trainer.lora rank R on every linear layer: trainer memory (peak GiB) and
   step time against full fine-tuning at the same shapes. Their MFU column counts 6 x all params like the others,
   although LoRA computes no gradient of the frozen weights (about 4 x params of work): compare step seconds.
+- `*_old`: scoring as before issue 31, through the model's full [rows x width x vocab] logits and whole-vocabulary
+  tables (tests/scoring_reference.py), next to the chunked head (services/trainer/head_scoring.py) of the others;
+- `*_ac`: trainer.activation_checkpointing; `*_packed`: trainer.pack_sequences (several samples per row).
+
+Presets: Qwen2 bodies over `--vocab` (22 by default, Tandem's toy vocabulary), or a real model's exact shape
+(bench/real_shapes.py: init-model's qwen2.5-0.5b, qwen2.5-1.5b, qwen3-0.6b, llama3.2-1b; real vocabularies, tied).
+`--mixed-lengths` draws each response's length uniformly from [L/8, L] (padding to remove) instead of exactly L.
 
 Columns: step seconds (median of `--steps` after 2 warm-ups), its parts (micro-batch planning on the host,
 forward+loss, backward, optimizer step; CUDA-synchronised), the host work of one more step under torch.profiler
 (aten ops that are not views, and on a GPU the kernel launches), peak GPU memory (and what was still allocated
-when the variant started, which that peak includes), and MFU = 6 x params x tokens /
-(step s x 790e12). `--profile` writes a torch.profiler summary per variant (top ops by device and host time) to
+when the variant started, which that peak includes; on a CPU the process's peak RSS so far, exact for the first
+variant of a process: run one variant per process to compare), and MFU = 6 x params x tokens / (step s x 790e12).
+`--profile` writes a torch.profiler summary per variant (top ops by device and host time) to
 DIR/profile_<variant>_<preset>_L<L>.txt.
 """
 
@@ -44,6 +55,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # scoring_reference: the old path
+
+from real_shapes import REAL_SHAPES, build_real_model_dir, real_vocab
 
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
@@ -73,6 +87,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z0_bf16pure_nocheck": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure",
                                "skip_nonfinite_steps": False},
     "ds_z0_fp32": {"kind": "ds", "zero_stage": 0, "precision": "fp32"},
+    # issue 31: scoring through full logits (the old path), activation checkpointing, packed rows
+    "ds_z0_fp32_old": {"kind": "ds", "zero_stage": 0, "precision": "fp32", "scoring": "old"},
+    "ds_z0_fp32_ac": {"kind": "ds", "zero_stage": 0, "precision": "fp32", "activation_checkpointing": True},
+    "ds_z0_fp32_packed": {"kind": "ds", "zero_stage": 0, "precision": "fp32", "pack_sequences": True},
+    "ds_z0_bf16_old": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "scoring": "old"},
+    "ds_z0_bf16_ac": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "activation_checkpointing": True},
+    "ds_z0_bf16_packed": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "pack_sequences": True},
+    "ds_z0_bf16pure_old": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "scoring": "old"},
+    "ds_z0_bf16pure_ac": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "activation_checkpointing": True},
     "ds_z2_bf16": {"kind": "ds", "zero_stage": 2, "precision": "bf16"},
     "ds_z1_bf16_32k": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "micro_batch_tokens": 32768},
     "ds_z1_bf16_nocheck": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "skip_nonfinite_steps": False},
@@ -94,6 +117,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
 def make_model_dir(root: Path, preset: str, vocab: int) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    if preset in REAL_SHAPES:
+        return build_real_model_dir(preset, root / preset)
     out = root / f"{preset}-v{vocab}"
     if (out / "config.json").is_file():
         return out
@@ -104,14 +129,17 @@ def make_model_dir(root: Path, preset: str, vocab: int) -> Path:
     return out
 
 
-def make_rollout(*, samples: int, response_len: int, vocab: int, seed: int):
+def make_rollout(*, samples: int, response_len: int, vocab: int, seed: int, mixed: bool = False):
+    """`samples` responses of `response_len` tokens (mixed: uniform in [response_len / 8, response_len])."""
     from services.trainer.batching import merge_batches
 
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(4, vocab, size=int(rng.integers(4, 9))).tolist() for _ in range(samples)]
-    responses = [rng.integers(4, vocab, size=response_len).tolist() for _ in range(samples)]
+    lengths = rng.integers(max(1, response_len // 8), response_len + 1, size=samples) if mixed \
+        else np.full(samples, response_len)
+    responses = [rng.integers(4, vocab, size=int(n)).tolist() for n in lengths]
     batch = build_batch(rollout_id=seed, policy_version=0, prompts=prompts, responses=responses,
-                        log_probs=[(-rng.random(response_len) * 3).tolist() for _ in range(samples)],
+                        log_probs=[(-rng.random(len(r)) * 3).tolist() for r in responses],
                         rewards=rng.integers(0, 2, size=samples).astype(float).tolist(),
                         group_ids=[i // 8 for i in range(samples)], finish_reasons=["length"] * samples,
                         sampling=SamplingSpec())
@@ -147,9 +175,9 @@ class TimedBackend:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def logits(self, mb: Any) -> Any:
+    def scores(self, mb: Any, sampling: Any, **kwargs: Any) -> Any:
         with self.timer.phase("forward"):
-            return self.inner.logits(mb)
+            return self.inner.scores(mb, sampling, **kwargs)
 
     def backward(self, loss: torch.Tensor, *, last: bool) -> None:
         with self.timer.phase("backward"):
@@ -164,7 +192,7 @@ class TorchBackend:
     """The DeepSpeedBackend's training surface over a plain torch model and optimizer (one rank)."""
 
     def __init__(self, model_dir: Path, device: torch.device, *, param_dtype: torch.dtype, autocast: bool,
-                 lr: float = 1e-3):
+                 chunk_tokens: int, lr: float = 1e-3):
         from transformers import AutoModelForCausalLM
 
         from services.trainer.backend import StepResult
@@ -172,8 +200,14 @@ class TorchBackend:
 
         self._step_result = StepResult
         self.dist_info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+        from services.trainer.head_scoring import install
+
         self.module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=param_dtype, attn_implementation="sdpa")
         self.module.to(device).train()
+        install(self.module)
+        self.engine = self.module
+        self.vocab_size, self.chunk_tokens, self.pack_sequences = self.module.config.vocab_size, chunk_tokens, False
+        self.compiled_scoring = False
         self.parameters = sum(p.numel() for p in self.module.parameters())
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
                                            weight_decay=0.0, fused=device.type == "cuda")
@@ -184,11 +218,11 @@ class TorchBackend:
     def device(self) -> torch.device:
         return self.dist_info.device
 
-    def logits(self, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        mb = mb.to(self.device)
+    def scores(self, mb: Any, sampling: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        from services.trainer.backend import DeepSpeedBackend
+
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self.module(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-        return out.logits[mb.rows, mb.positions], out.logits
+            return DeepSpeedBackend.scores(self, mb, sampling, **kwargs)   # type: ignore[arg-type]
 
     def backward(self, loss: torch.Tensor, *, last: bool) -> None:
         loss.backward()
@@ -201,9 +235,39 @@ class TorchBackend:
         return self._step_result(grad_norm=float(norm), lr=self.optimizer.param_groups[0]["lr"])
 
 
-def build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path) -> Any:
+class OldPathScores:
+    """Scoring as before issue 31, around a backend: the model's full logits, then whole-vocabulary tables."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def scores(self, mb: Any, sampling: Any, *, tempered: bool = False, entropy: bool = False,
+               entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        from scoring_reference import reference_scores
+
+        from services.trainer.backend import model_inputs
+
+        mb = mb.to(self.inner.device)
+        logits = self.inner.engine(**model_inputs(mb), use_cache=False).logits   # no score request: the plain head
+        scores = reference_scores(logits[mb.rows, mb.positions], mb.targets, sampling, tempered=tempered,
+                                  entropy_grad=entropy_grad)
+        return scores, logits
+
+
+def build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path,
+                  chunk_tokens: int) -> Any:
+    backend = _build_backend(variant, model_dir, device, tmp, chunk_tokens)
+    return OldPathScores(backend) if variant.get("scoring") == "old" else backend
+
+
+def _build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path,
+                   chunk_tokens: int) -> Any:
     if variant["kind"] == "torch":
-        backend = TorchBackend(model_dir, device, param_dtype=variant["param_dtype"], autocast=variant["autocast"])
+        backend = TorchBackend(model_dir, device, param_dtype=variant["param_dtype"], autocast=variant["autocast"],
+                               chunk_tokens=chunk_tokens)
         if variant.get("fused"):
             from services.tensors import fused
 
@@ -218,7 +282,9 @@ def build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device
         "trainer": {"device": device.type, "zero_stage": variant["zero_stage"], "precision": variant["precision"],
                     "lr": 1e-3, "micro_batch_tokens": variant.get("micro_batch_tokens", DEFAULT_BUDGET),
                     "skip_nonfinite_steps": variant.get("skip_nonfinite_steps", True),
-                    "lora": variant.get("lora")}})
+                    "lora": variant.get("lora"), "scoring_chunk_tokens": chunk_tokens,
+                    "activation_checkpointing": variant.get("activation_checkpointing", False),
+                    "pack_sequences": variant.get("pack_sequences", False)}})
     dist_info = init_process_group(device=device.type, timeout_s=config.services.timeouts.process_group_s)
     return DeepSpeedBackend(config=config, role="actor", dist_info=dist_info)
 
@@ -229,7 +295,7 @@ def algo_config() -> Any:
 
 
 def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: list[Any], steps: int, tmp: Path,
-                profile_to: Path | None) -> dict[str, float]:
+                profile_to: Path | None, chunk_tokens: int) -> dict[str, float]:
     from services.trainer.actor import actor_step, lockstep_micro_batches
 
     variant = VARIANTS[name]
@@ -239,8 +305,9 @@ def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: li
         torch.cuda.reset_peak_memory_stats(device)
         held = torch.cuda.memory_allocated(device) / 2**30
     if variant["kind"] == "floor":
-        return run_floor(model_dir=model_dir, device=device, batches=batches, steps=steps, budget=budget)
-    backend = build_backend(variant, model_dir, device, tmp)
+        return run_floor(model_dir=model_dir, device=device, batches=batches, steps=steps, budget=budget,
+                         chunk_tokens=chunk_tokens)
+    backend = build_backend(variant, model_dir, device, tmp, chunk_tokens)
     algo = algo_config()
     rows: list[dict[str, float]] = []
     for i in range(steps + 2):
@@ -249,23 +316,23 @@ def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: li
         batch = batches[i % len(batches)]
         with timer.phase("plan"):
             lockstep_micro_batches(backend, batch, token_budget=budget)   # what actor_step does first, timed alone
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         prof = _profiler(device) if (profile_to is not None and i == steps + 1) else contextlib.nullcontext()
         with prof as p:
             actor_step(backend=timed, batch=batch, algo=algo, ref_model=None, old_actor=None, token_budget=budget)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-        step_s = time.perf_counter() - started
+        step_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         if p is not None and profile_to is not None:
             profile_to.write_text(_profile_table(p))
         if i >= 2:
             parts = {k: timer.seconds.get(k, 0.0) for k in ("plan", "forward", "backward", "optimizer")}
             other = step_s - parts["forward"] - parts["backward"] - parts["optimizer"]
-            rows.append({"step_s": step_s, **parts, "other": other})
+            rows.append({"step_s": step_s, "cpu_s": cpu_s, **parts, "other": other})
     out = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in rows[0]}
     out.update(count_step_ops(functools.partial(actor_step, backend=backend, batch=batches[0], algo=algo,
                                                 ref_model=None, old_actor=None, token_budget=budget), device))
-    out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else max_rss_gib()
     out["held_gib"] = held
     if hasattr(backend, "close"):
         backend.close()   # DeepSpeed's engine lets go of its buffers
@@ -277,29 +344,45 @@ def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: li
 
 
 def run_floor(*, model_dir: Path, device: torch.device, batches: list[Any], steps: int,
-              budget: int) -> dict[str, float]:
-    """The model's forward + backward on the step's micro-batches, bf16 params, nothing else."""
+              budget: int, chunk_tokens: int) -> dict[str, float]:
+    """The model's forward + backward on the step's micro-batches, bf16 params, nothing else (the chunked head's
+    tempered log-probs of the response tokens as the loss)."""
     from transformers import AutoModelForCausalLM
 
+    from services.trainer.backend import model_inputs
     from services.trainer.batching import plan_micro_batches
+    from services.trainer.head_scoring import TEMPERED_ROW, install, scores_of, scoring
+    from services.trainer.scoring import TokenSampling, score_request
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.to(device).train()
+    install(model)
     times = []
     for i in range(steps + 2):
-        mbs = [mb.to(device) for mb in plan_micro_batches(batches[i % len(batches)], world_size=1, rank=0,
-                                                          token_budget=budget)]
+        batch = batches[i % len(batches)]
+        sampling = TokenSampling.of(batch).to(device)
+        mbs = [mb.to(device) for mb in plan_micro_batches(batch, world_size=1, rank=0, token_budget=budget)]
         timer = Timer(device)
         with timer.phase("fwd_bwd"):
             for mb in mbs:
-                out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-                out.logits[mb.rows, mb.positions].float().logsumexp(-1).mean().backward()
+                request = score_request(mb, sampling.at(mb.token_index), vocab=model.config.vocab_size,
+                                        chunk_tokens=chunk_tokens, tempered=True)
+                with scoring(request):
+                    scores = scores_of(model(**model_inputs(mb), use_cache=False), request)
+                scores[TEMPERED_ROW].mean().backward()
         model.zero_grad(set_to_none=True)
         if i >= 2:
             times.append(timer.seconds["fwd_bwd"])
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     del model
     return {"step_s": statistics.median(times), "forward": float("nan"), "peak_gib": peak}
+
+
+def max_rss_gib() -> float:
+    """The process's peak resident memory so far (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 VIEW_OPS = frozenset({"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::detach",
@@ -346,10 +429,12 @@ def num_params(model_dir: Path) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--presets", nargs="+", default=["q05"], choices=sorted(SHAPES))
+    parser.add_argument("--presets", nargs="+", default=["q05"], choices=[*sorted(SHAPES), *REAL_SHAPES])
     parser.add_argument("--lengths", nargs="+", type=int, default=[1, 128])
     parser.add_argument("--samples", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=22)
+    parser.add_argument("--vocab", type=int, default=22, help="vocabulary of the Qwen2-body presets")
+    parser.add_argument("--chunk-tokens", type=int, default=1024, help="trainer.scoring_chunk_tokens")
+    parser.add_argument("--mixed-lengths", action="store_true", help="response lengths uniform in [L/8, L]")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--profile", nargs="*", default=None, metavar="VARIANT",
@@ -366,40 +451,46 @@ def main() -> int:
             model_dir = make_model_dir(tmp, preset, args.vocab)
             params = num_params(model_dir)
             for length in args.lengths:
-                batches = [make_rollout(samples=args.samples, response_len=length, vocab=args.vocab, seed=s)
-                           for s in range(3)]
+                vocab = real_vocab(preset) if preset in REAL_SHAPES else args.vocab
+                batches = [make_rollout(samples=args.samples, response_len=length, vocab=vocab, seed=s,
+                                        mixed=args.mixed_lengths) for s in range(3)]
                 tokens = batches[0].num_tokens
                 for name in args.variants:
                     wanted = args.profile is not None and (not args.profile or name in args.profile)
                     prof = out / f"profile_{name}_{preset}_L{length}.txt" if wanted else None
                     try:
                         r = run_variant(name, model_dir=model_dir, device=device, batches=batches, steps=args.steps,
-                                        tmp=tmp, profile_to=prof)
+                                        tmp=tmp, profile_to=prof, chunk_tokens=args.chunk_tokens)
                     except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
                         print(f"[{name} {preset} L={length}] failed: {type(exc).__name__}: {exc}", flush=True)
                         continue
                     mfu = 6 * params * tokens / (r["step_s"] * PEAK_FLOPS)
                     rows.append({"preset": preset, "L": length, "variant": name, "tokens": tokens, "mfu": mfu, **r})
                     print(f"[{name} {preset} L={length}] {r}", flush=True)
-    _print_table(rows, args, params_note=f"{datetime.date.today()} device={args.device} samples={args.samples}")
+    _print_table(rows, args, params_note=f"{datetime.date.today()} device={args.device} samples={args.samples} "
+                 f"chunk={args.chunk_tokens}{' mixed lengths' if args.mixed_lengths else ''}")
     return 0
 
 
 def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace, *, params_note: str) -> None:
     print(f"\n# bench_train_step {params_note} (medians of {args.steps} steps after 2 warm-ups)\n")
-    print("| preset | L | variant | tokens | step s | plan s | forward+loss s | backward s | optimizer s | "
-          "loss+host s | host ops | launches | peak GiB | held before GiB | MFU | vs ds_z1_bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| preset | L | variant | tokens | step s | tokens/s | host CPU s | plan s | forward+loss s | backward s | "
+          "optimizer s | loss+host s | host ops | launches | peak GiB | held before GiB | MFU | vs ds_z1_bf16 |")
+    # (host CPU s: the process's CPU time in the step, all threads: on a shared CPU box, the load-independent
+    # figure; peak GiB: on a CPU the process's peak RSS)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {(r["preset"], r["L"]): r["step_s"] for r in rows if r["variant"] == "ds_z1_bf16"}
     fmt: Callable[[float], str] = lambda x: "–" if x != x else f"{x:.3f}"   # noqa: E731
     for r in rows:
         ref = base.get((r["preset"], r["L"]))
         ratio = f"{ref / r['step_s']:.2f}x" if ref else "–"
         print(f"| {r['preset']} | {r['L']} | {r['variant']} | {r['tokens']} | {fmt(r['step_s'])} | "
-              f"{fmt(r.get('plan', float('nan')))} | {fmt(r.get('forward', float('nan')))} | "
-              f"{fmt(r.get('backward', float('nan')))} | {fmt(r.get('optimizer', float('nan')))} | "
+              f"{r['tokens'] / r['step_s']:,.0f} | {fmt(r.get('cpu_s', float('nan')))} | "
+              f"{fmt(r.get('plan', float('nan')))} | "
+              f"{fmt(r.get('forward', float('nan')))} | {fmt(r.get('backward', float('nan')))} | "
+              f"{fmt(r.get('optimizer', float('nan')))} | "
               f"{fmt(r.get('other', float('nan')))} | {_count(r.get('host_ops'))} | {_count(r.get('launches'))} | "
-              f"{r['peak_gib']:.1f} | {r.get('held_gib', 0.0):.1f} | {r['mfu'] * 100:.1f}% | {ratio} |")
+              f"{r['peak_gib']:.2f} | {r.get('held_gib', 0.0):.1f} | {r['mfu'] * 100:.1f}% | {ratio} |")
 
 
 def _count(value: float | None) -> str:

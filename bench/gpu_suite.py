@@ -7,6 +7,10 @@
     python bench/gpu_suite.py --only sglang_smoke sglang_bench sglang_run   # SGLang 0.5.17, a call of its own
     python bench/gpu_suite.py --only inflight_a ... then inflight_b, inflight_c, inflight_report   # issue 33, one
         call each (or inflight_a inflight_b in one call when it has the time; the report reads what is found)
+    python bench/gpu_suite.py --only vocab_q05 prime_rl_shape sampling   # the real vocabulary (issue 31), one call
+    python bench/gpu_suite.py --only pack_ac tests trainer_tests         # packing / checkpointing, the GPU tests
+    python bench/gpu_suite.py --only vocab_q15                  # the 1.5B shape, a call of its own
+    python bench/gpu_suite.py --only peer_trl_vocab             # Tandem vs TRL at 151,936 tokens (carry .whl_trl)
 
 On the device machine every command starts with `source bench/gpu_env.sh` (add `sglang` for SGLang stages), which
 installs the wheels the call carries: `.whl` for these stages, `.whl .whl_trl` for peer_trl, `.whl/core .sglang`
@@ -57,6 +61,8 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
                         "--variants", "ds_z1_bf16", "ds_z0_bf16", "ds_z0_bf16pure_nocheck", "torch_bf16",
                         "hf_fwd_bwd", "--out", str(out / "train_step")], 240, {}),
         "engine": ([*engine, "--decode", "dynamic", "graph"], 55, {}),
+        # the sampling step at 151,936 tokens: whole-vocabulary sort (before issue 31) vs top-k prefilter (now)
+        "sampling": ([PY, "bench/bench_sampling.py", "--batch", "64", "256"], 90, {}),
         "engine_compile": ([*engine, "--decode", "compile"], 95, {}),   # its first call compiles (inductor)
         "tests": ([*pytest, "--noconftest", "-o", "timeout=80", *tests], 150, {}),
         # Offload/Onload of a DeepSpeed bf16 trainer: DeepSpeed as is next to start-up objects frozen
@@ -80,6 +86,29 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
                            f"--only async_verified async_unverified --out {out / 'checksums_q05'} && {PY} "
                            f"bench/gpu_run.py --config examples/qwen15_gpu.yaml --steps 10 --only async_verified "
                            f"--out {out / 'checksums_q15'}"], 540, {}),
+        # issue 31, the real vocabulary (151,936, tied embeddings; bench/real_shapes.py), 64 x 8 samples: the
+        # chunked scoring head against the old path (full logits, whole-vocabulary tables), and TRL's precision.
+        # Goals: peak memory <= 0.5x TRL's, MFU >= 40% at 1.5B L = 1,024 (the old path may run out of memory).
+        "vocab_q05": ([PY, "bench/bench_train_step.py", "--presets", "qwen2.5-0.5b", "--lengths", "256", "1024",
+                       "--samples", "512", "--steps", "1", "--variants", "ds_z0_bf16", "ds_z0_bf16_old",
+                       "ds_z0_bf16pure", "--out", str(out / "vocab_q05")], 540, {}),
+        "vocab_q15": ([PY, "bench/bench_train_step.py", "--presets", "qwen2.5-1.5b", "--lengths", "1024", "256",
+                       "--samples", "512", "--steps", "1", "--variants", "ds_z0_bf16", "ds_z0_bf16pure",
+                       "ds_z0_bf16_ac", "ds_z0_bf16_old", "--out", str(out / "vocab_q15")], 560, {}),
+        # prime-rl's published trainer figure (benchmarks/results/BENCHMARKS.md): Qwen3-0.6B, one 16,384-token
+        # sequence, one H100: 11.9k tokens/s, 11.1% MFU, 12.5 GiB peak. Goal: >= 2x the tokens/s within that peak
+        "prime_rl_shape": ([PY, "bench/bench_train_step.py", "--presets", "qwen3-0.6b", "--lengths", "16384",
+                            "--samples", "1", "--steps", "3", "--variants", "ds_z0_bf16pure_ac", "ds_z0_bf16_ac",
+                            "ds_z0_bf16pure", "--out", str(out / "prime_rl_shape")], 300, {}),
+        # packed rows and activation checkpointing at mixed response lengths (uniform in [128, 1,024]): their cost
+        # and saving on the GPU (sdpa masks per sample in packed rows), next to the padded plan
+        "pack_ac": ([PY, "bench/bench_train_step.py", "--presets", "qwen2.5-0.5b", "--lengths", "1024", "--samples",
+                     "512", "--steps", "1", "--mixed-lengths", "--variants", "ds_z0_bf16", "ds_z0_bf16_packed",
+                     "ds_z0_bf16_ac", "--out", str(out / "pack_ac")], 400, {}),
+        # bench/peer_trl.py's real-vocabulary case: Qwen2.5-0.5B's shape with init-model's BPE tokenizer (its preset
+        # comes with issue 30), L = 256; goal >= 3x TRL end to end. Needs .whl_trl; a call of its own
+        "peer_trl_vocab": ([PY, "bench/peer_trl.py", "--cases", "qwen2.5-0.5b_L256", "--out",
+                            str(out / "peer_trl_vocab")], 560, {}),
         # Tandem async/sync vs TRL's GRPOTrainer (needs .whl_trl carried; TRL is skipped in one line without it).
         # It keeps to its own --budget-s (520 s), so it only runs when named: a call of its own.
         "peer_trl": ([PY, "bench/peer_trl.py", "--out", str(out / "peer_trl")], 560, {}),
@@ -103,7 +132,8 @@ INFLIGHT_PARTS = {"a": ["sync", "one_step_off"], "b": ["inflight_keep"], "c": ["
 
 # left out unless --only names them
 OPT_IN = {"train_step", "real_size", "checksums_run", "peer_trl", "sglang_smoke", "sglang_bench", "sglang_run",
-          "inflight_a", "inflight_b", "inflight_c", "inflight_report"}
+          "inflight_a", "inflight_b", "inflight_c", "inflight_report", "vocab_q05", "vocab_q15", "prime_rl_shape",
+          "pack_ac", "peer_trl_vocab", "sampling"}
 SGLANG_STAGES = ("sglang_smoke", "sglang_bench", "sglang_run")
 SGLANG_START_S = 240   # launching both servers, until healthy (kernel JIT and CUDA-graph capture included)
 

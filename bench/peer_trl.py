@@ -2,6 +2,10 @@
 
     python bench/peer_trl.py [--cases small_L1 small_L128 q05_L1 q05_L128] [--out DIR]
     python bench/peer_trl.py --device cpu --cases tiny_L1 --steps 2          # CPU smoke test
+    python bench/peer_trl.py --cases qwen2.5-0.5b_L256                       # the real vocabulary (issue 31)
+
+A case is PRESET_L<tokens> with any `tandem init-model` preset: qwen2.5-0.5b_L256 is Qwen2.5-0.5B's exact shape
+(151,936-token vocabulary, tied embeddings) and its BPE tokenizer, once init-model has that preset (issue 30).
 
 The same setup on both sides: one model directory per preset from `tandem init-model` (built at the start of the
 call), examples/digit_max/train.jsonl with the `digit_task` reward (imported, not re-implemented), 64 prompts x 8
@@ -79,7 +83,7 @@ class Case:
 def parse_case(text: str) -> Case:
     from services.rollout.model_init import PRESETS
 
-    match = re.fullmatch(r"([a-z0-9]+)_L(\d+)", text)
+    match = re.fullmatch(r"([a-z0-9.\-]+)_L(\d+)", text)   # qwen2.5-0.5b_L256: a real-vocabulary preset
     if not match or match[1] not in PRESETS or int(match[2]) < 1:
         raise argparse.ArgumentTypeError(f"case {text!r}: expected PRESET_L<tokens> with a preset of "
                                          f"{', '.join(PRESETS)}, e.g. q05_L128")

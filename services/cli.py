@@ -9,7 +9,8 @@ from pathlib import Path
 from services.contracts.config import ConfigError, TandemConfig, TimeoutsConfig
 from services.contracts.config_loading import load_config
 from services.contracts.exits import ExitCode
-from services.rollout.model_init import ARCHS, PRESETS
+from services.rollout.model_families import BODIES
+from services.rollout.model_init import ARCHS, DTYPES, preset_names
 from services.rpc.grpc_util import PortInUse
 
 
@@ -64,9 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("init-model", help="build a random-init HF model and tokenizer locally (no download)")
     p.add_argument("out_dir", type=Path)
-    p.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    p.add_argument("--preset", choices=preset_names(), default="tiny",
+                   help="tiny, small, q05, q15: toy bodies over a 22-token vocabulary; qwen2.5-0.5b, qwen2.5-1.5b, "
+                        "qwen3-0.6b, llama3.2-1b: those models' exact shapes, vocabularies and special tokens, with a "
+                        "byte-level BPE tokenizer trained here")
     p.add_argument("--arch", choices=list(ARCHS), default=None,
-                   help="default: the preset's (qwen2 for q05/q15, else llama)")
+                   help="toy presets: default the preset's (qwen2 for q05/q15, else llama)")
+    p.add_argument("--body", choices=list(BODIES), default=None,
+                   help="a real model's preset over a small body: its vocabulary, tokenizer, special ids, rope, tying "
+                        "and head size, with 2 layers of width 64 (CPU tests and demos)")
+    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="weights as saved: default bfloat16 for a real model's full body, else float32")
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("plot", help="reward / throughput curves of a run as PNG")
@@ -117,10 +127,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "init-model":
-        from services.rollout.model_init import init_model, parameter_count, preset_arch
+        from services.rollout.model_init import check_init_args, init_model, parameter_count
 
-        path = init_model(args.out_dir, preset=args.preset, arch=args.arch, seed=args.seed)
-        print(f"wrote random-init {args.preset} {preset_arch(args.preset, args.arch)} model and tokenizer to {path} "
+        spec = check_init_args(preset=args.preset, arch=args.arch, body=args.body, layers=args.layers,
+                               dtype=args.dtype)
+        path = init_model(args.out_dir, preset=args.preset, arch=args.arch, seed=args.seed, body=args.body,
+                          layers=args.layers, dtype=args.dtype)
+        body = f" ({spec.body} body)" if spec.body else ""
+        print(f"wrote random-init {args.preset}{body} {spec.arch} model ({spec.dtype}) and tokenizer to {path} "
               f"({parameter_count(path) / 1e9:.3f}B parameters)")
         return ExitCode.OK
     if args.command == "ctl":

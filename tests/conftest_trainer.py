@@ -4,7 +4,8 @@
   `peaked_model_dir` the same with 20x larger init weights, so its next-token distributions are peaked (a
   temperature or nucleus then changes log-probs a lot).
 - `harness`: makes in-process trainers (`TrainerHarness`) on the session's redis-server, closed afterwards.
-- `trainer_config(...)`: a TandemConfig for one trainer, Redis at the given URL, its own stream.
+- `trainer_config(...)`: a TandemConfig for one trainer, Redis at the given URL, its own stream; the scoring head
+  works in 5-token chunks, so every trainer test crosses chunk boundaries.
 - `DEVICE`: the trainer device of these tests, cpu unless TANDEM_TEST_TRAINER_DEVICE says otherwise.
 - `make_batch(...)`: a deterministic rollout batch of `groups` prompts x `group_size` samples, optionally
   with the log-probs the tiny model itself assigns under the batch's sampling distribution (computed by the
@@ -66,7 +67,8 @@ def trainer_config(*, model_dir: Path, run_dir: Path, redis_url: str | None, tra
         "run_name": run_name or f"t{uuid.uuid4().hex[:8]}",
         "model": {"path": str(model_dir), "attn_implementation": "eager"},
         "data": {"train_path": str(run_dir / "unused.jsonl")},
-        "trainer": {"device": DEVICE, "lr": 1e-2, "micro_batch_tokens": 64, "export_hf_on_save": False,
+        "trainer": {"device": DEVICE, "lr": 1e-2, "micro_batch_tokens": 64, "scoring_chunk_tokens": 5,
+                    "export_hf_on_save": False,
                     **(trainer or {})},
         "algorithm": {"use_rollout_logprobs": True, **(algorithm or {})},
         "rollout": rollout or {},

@@ -29,7 +29,8 @@ def log_softmax(xs: list[float]) -> list[float]:
 
 
 def sampling_log_probs(logits: list[float], *, temperature: float, top_p: float, top_k: int) -> list[float]:
-    """One row: logits / T, keep the top k, then the smallest most-likely set reaching top_p, renormalise.
+    """One row: logits / T, keep the top k, then the smallest most-likely set reaching top_p (and every logit tied
+    with its last), renormalise.
     Greedy (T = 0) reports the untruncated temperature-1 log-probs."""
     if temperature == 0:
         return log_softmax(logits)
@@ -46,7 +47,8 @@ def sampling_log_probs(logits: list[float], *, temperature: float, top_p: float,
                 break
             keep.add(i)
             mass += probs[i]
-        x = [v if i in keep else NEG_INF for i, v in enumerate(x)]
+        edge = min(x[i] for i in keep)   # ties with the last kept logit are kept too, as top-k keeps the k-th's
+        x = [v if v >= edge else NEG_INF for v in x]
     return log_softmax(x)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from scoring_reference import chunked_scores_of_logits
 
 from services.contracts.config import AlgorithmConfig
 from services.contracts.gen.tandem.v1 import common_pb2
@@ -50,7 +51,8 @@ def _terms(logits: torch.Tensor, targets: torch.Tensor, rollout_lp: torch.Tensor
     inputs = TokenInputs(sampling=sampling, advantages=ones, rollout_log_probs=rollout_lp, loss_mask=ones,
                          weights=TokenWeights(loss=ones / n_tok, mean=ones / n_tok), ref_log_probs=None, old=None)
     algo = AlgorithmConfig(use_rollout_logprobs=True)
-    return sampling, token_terms(logits=logits, mb=mb, inputs=inputs, algo=algo)
+    return sampling, token_terms(scores=chunked_scores_of_logits(logits, targets, sampling), mb=mb, inputs=inputs,
+                                 algo=algo)
 
 
 def test_a_tempered_batch_at_t07_top_p09_is_on_policy_with_ratio_one():

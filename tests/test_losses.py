@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from scoring_reference import chunked_scores_of_logits
 
 from services.trainer.losses import (
     PolicyLossConfig,
@@ -13,7 +14,7 @@ from services.trainer.losses import (
     ppo_policy_loss,
     tis_weights,
 )
-from services.trainer.scoring import entropy_from_log_probs, tempered_token_log_probs
+from services.trainer.scoring import TokenSampling
 
 
 def _ratios_to_logps(ratios):
@@ -110,10 +111,10 @@ def test_tis_weights_truncate_and_detach():
 
 def test_entropy_and_token_log_probs():
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [1.0, 1e-30, 1e-30]]))
-    ent = entropy_from_log_probs(torch.log_softmax(logits, dim=-1))
+    untruncated = TokenSampling.per_row(torch.ones(2), torch.ones(2), torch.zeros(2, dtype=torch.long))
+    lp, ent, tempered = chunked_scores_of_logits(logits, torch.tensor([1, 0]), untruncated)
     assert ent.tolist() == pytest.approx([-(0.5 * math.log(0.5) + 0.5 * math.log(0.25)), 0.0], abs=1e-6)
-    lp = tempered_token_log_probs(logits, torch.tensor([1, 0]), torch.ones(2))
-    assert lp.tolist() == pytest.approx([math.log(0.25), 0.0], abs=1e-6)
+    assert lp.tolist() == pytest.approx([math.log(0.25), 0.0], abs=1e-6) and torch.equal(lp, tempered)
 
 
 def test_clipped_value_loss():

@@ -11,6 +11,7 @@ import random
 import pytest
 import rl_reference as ref
 import torch
+from scoring_reference import chunked_scores_of_logits
 
 from services.contracts.config import AlgorithmConfig
 from services.contracts.sampling import SamplingSpec
@@ -36,14 +37,7 @@ from services.trainer.losses import (
     ppo_policy_loss,
     tis_weights,
 )
-from services.trainer.scoring import (
-    LOG_PROB_FLOOR,
-    TokenSampling,
-    entropy_from_log_probs,
-    gather_targets,
-    sampling_log_prob_table,
-    tempered_token_log_probs,
-)
+from services.trainer.scoring import LOG_PROB_FLOOR, TokenSampling
 from services.trainer.update import TokenWeights
 
 VOCAB = 24
@@ -79,24 +73,38 @@ def mixed_sampling(rows: int, seed: int) -> tuple[TokenSampling, list[SamplingSp
 
 
 def test_trainer_scores_each_row_under_its_own_distribution():
+    """The chunked scoring head (7-token chunks) on mixed rows: each row's log-prob, entropy and tempered log-prob
+    are the reference's."""
     logits = random_logits(40, seed=2).requires_grad_()
     sampling, chosen = mixed_sampling(40, seed=2)
-    table = sampling_log_prob_table(logits, sampling)
     targets = torch.tensor([random.Random(i).randrange(VOCAB) for i in range(40)])
-    tempered = tempered_token_log_probs(logits, targets, sampling.temperature)
-    entropy = entropy_from_log_probs(table)
+    scored, entropy, tempered = chunked_scores_of_logits(logits, targets, sampling)
     for i, (row, d) in enumerate(zip(logits.tolist(), chosen, strict=True)):
         expected = ref.sampling_log_probs(row, temperature=d.temperature, top_p=d.top_p, top_k=d.top_k)
-        assert_same_log_probs(table[i].tolist(), expected)
+        assert scored[i].item() == pytest.approx(max(expected[targets[i]], LOG_PROB_FLOOR), abs=1e-5)
         assert entropy[i].item() == pytest.approx(ref.entropy(expected), abs=1e-5)
         untruncated = ref.sampling_log_probs(row, temperature=d.temperature, top_p=1.0, top_k=0)
         assert tempered[i].item() == pytest.approx(untruncated[targets[i]], abs=1e-5)
-    scored = gather_targets(table, targets)
-    assert scored.min() >= LOG_PROB_FLOOR   # a token outside the nucleus is floored, not -inf
+    assert scored.min() == LOG_PROB_FLOOR   # a token outside the nucleus is floored, not -inf
     (scored.sum() + entropy.sum() + tempered.sum()).backward()
     assert torch.isfinite(logits.grad).all()   # truncated entries pass no NaN gradient
-    assert sampling.truncates(VOCAB) and not TokenSampling.per_row(
-        torch.tensor([0.0, 0.5]), torch.tensor([0.5, 1.0]), torch.tensor([3, 0])).truncates(VOCAB)
+    assert sampling.rows(VOCAB).truncates and not TokenSampling.per_row(
+        torch.tensor([0.0, 0.5]), torch.tensor([0.5, 1.0]), torch.tensor([3, 0])).rows(VOCAB).truncates
+
+
+def test_truncation_with_ties_keeps_the_references_support():
+    """Logits on a coarse grid (bf16's rounding, only more so) tie often: top-k keeps every tie with the k-th, top-p
+    every tie with its last kept logit; with top-k set, the nucleus is found among the top k alone (ties with the
+    k-th beyond them included)."""
+    logits = torch.round(random_logits(64, seed=9)) / 2
+    ordered = logits.sort(dim=-1, descending=True).values
+    assert int((ordered[:, 4] == ordered[:, 5]).sum()) > 10   # ties at the 5th value: the case under test
+    for dist in (SamplingSpec(temperature=1.0, top_k=5), SamplingSpec(temperature=1.0, top_p=0.5),
+                 SamplingSpec(temperature=1.0, top_p=0.7, top_k=8), SamplingSpec(temperature=1.0, top_p=0.99, top_k=3)):
+        ours = sampling_log_probs(logits, dist)
+        for row, out in zip(logits.tolist(), ours.tolist(), strict=True):
+            assert_same_log_probs(out, ref.sampling_log_probs(row, temperature=1.0, top_p=dist.top_p,
+                                                              top_k=dist.top_k))
 
 
 def test_ppo_loss_matches_the_reference_on_random_tokens():

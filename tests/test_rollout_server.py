@@ -120,6 +120,9 @@ def test_evaluate(server):
     (rollout_pb2.GenerateRequest(rollout_id=1, prompts=[prompt("1 2 =", "2", 0)],
                                  sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.5)),
      grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    (rollout_pb2.GenerateRequest(rollout_id=1, prompts=[prompt("1 2 =", "2", 0)],
+                                 sampling=common_pb2.SamplingParams(temperature=1.0, stop=["=", ""])),
+     grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop [1] is empty"),
     (rollout_pb2.GenerateRequest(rollout_id=1, prompts=[prompt("1 2 =", "2", 0), prompt("3 7 =", "7", 1)],
                                  reward="tests/helpers/bad_rewards.py:raises_on_seven"),
      grpc.StatusCode.INVALID_ARGUMENT, "bad_rewards.py:raises_on_seven raised ZeroDivisionError on sample 4"),
@@ -130,8 +133,8 @@ def test_evaluate(server):
     (rollout_pb2.EvaluateRequest(name="e"), grpc.StatusCode.INVALID_ARGUMENT, "no prompts given"),
     (rollout_pb2.MemoryRequest(tags=["gpu_magic"]), grpc.StatusCode.INVALID_ARGUMENT, "unknown memory tag"),
     (rollout_pb2.PauseRequest(mode="sideways"), grpc.StatusCode.INVALID_ARGUMENT, "unknown pause mode"),
-], ids=["empty", "too-long", "bad-reward", "bad-sampling", "reward-raises", "reward-text", "eval-empty", "bad-tag",
-        "bad-pause"])
+], ids=["empty", "too-long", "bad-reward", "bad-sampling", "empty-stop-string", "reward-raises", "reward-text",
+        "eval-empty", "bad-tag", "bad-pause"])
 def test_bad_input_gives_a_clear_status_and_the_server_keeps_serving(server, request_, code, fragment: str):
     stub = server["stub"]
     method = {rollout_pb2.GenerateRequest: stub.Generate, rollout_pb2.EvaluateRequest: stub.Evaluate,

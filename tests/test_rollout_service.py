@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,28 @@ def test_token_id_prompts_and_request_overrides(service: RolloutService, redis_s
     assert batch.tokens[:len(ids)].tolist() == ids
     first, second = batch.sample_slices()
     assert batch.tokens[first[1]].tolist() == batch.tokens[second[1]].tolist()     # greedy: identical
+
+
+def test_stop_strings_reach_the_batch(service: RolloutService, redis_server, stream: str):
+    """A request's stop string ends the sample at the token that completes it; the batch holds the tokens and
+    log-probs as generated up to there, every one of them trained on, and finish reason stop."""
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    prompt = [PromptInput(text="3 1 =", label="3", group_id=40)]
+
+    def one(rollout_id: int, sampling: SamplingSpec):
+        result = service.generate(rollout_id=rollout_id, prompts=prompt, n_samples_per_prompt=1, sampling=sampling,
+                                  stream=stream)
+        batch = consume(redis_server.url, stream, result.entry_id).batch
+        return batch, batch.tokens[batch.sample_slices()[0][1]].tolist()
+
+    free, response = one(20, greedy)
+    stop = service.texts.decode_raw([response[2:4]])[0]
+    cut = next(p for p in range(len(response)) if stop in service.texts.decode_raw([response[:p + 1]])[0])
+    batch, tokens = one(21, replace(greedy, stop=(stop,)))
+    assert tokens == response[:cut + 1] and batch.finish_reasons == ("stop",) and cut < 7
+    assert batch.loss_mask.tolist() == [1] * (cut + 1)
+    assert batch.rollout_log_probs.tolist() == pytest.approx(free.rollout_log_probs[:cut + 1].tolist(), abs=1e-5)
+    assert service.texts.decode_raw([tokens])[0].endswith(stop)     # one-character tokens: nothing after it
 
 
 def test_seeded_steps_differ_but_replay_exactly(service: RolloutService, redis_server, stream: str):

@@ -4,6 +4,7 @@ forward, greedy tokens of the dynamic path, stops at EOS and stop tokens, and re
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -25,15 +26,14 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return init_model(tmp_path_factory.mktemp("m") / request.param, preset="tiny", arch=request.param, seed=0)
 
 
-def test_static_decode_logits_match_full_forward(model_dir: Path):
-    engine = NativeEngine(model_dir, device="cpu", decode="static")
-    model = engine.model
-    prompt, extra = PROMPTS[2], [5, 6, 7]
+def assert_static_matches_forward(model, prompt: list[int], extra: list[int], *, offset: int = 0) -> None:
+    """Prefill + decode through StaticDecoder give the logits of the model's own forward, for a row and a copy of it
+    left-padded by 3 (rotary positions start at `offset`)."""
     decoder = StaticDecoder(model)
     kv = decoder.new_cache(2, 32)
     ids = torch.tensor([prompt, [0] * 3 + prompt[3:]])            # row 1 left-padded by 3
     mask = torch.tensor([[1] * len(prompt), [0] * 3 + [1] * (len(prompt) - 3)])
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0) + offset
     with torch.no_grad():
         got = [decoder.prefill(kv, ids, positions, mask)]
         pos = positions[:, -1] + 1
@@ -41,9 +41,59 @@ def test_static_decode_logits_match_full_forward(model_dir: Path):
             got.append(decoder.decode(kv, torch.tensor([tok, tok]), pos, torch.tensor([len(prompt) + i])))
             pos = pos + 1
         for row, seq in enumerate([prompt, prompt[3:]]):
-            ref = model(torch.tensor([seq + extra])).logits[0, len(seq) - 1:]
+            full = torch.tensor([seq + extra])
+            ref = model(full, position_ids=torch.arange(full.shape[1])[None] + offset).logits[0, len(seq) - 1:]
             worst = max(float((g[row] - r).abs().max()) for g, r in zip(got, ref, strict=True))
             assert worst < 1e-4, (row, worst)
+
+
+def test_static_decode_logits_match_full_forward(model_dir: Path):
+    engine = NativeEngine(model_dir, device="cpu", decode="static")
+    assert_static_matches_forward(engine.model, PROMPTS[2], [5, 6, 7])
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "qwen3-0.6b", "llama3.2-1b"])
+def test_static_decode_runs_the_real_architectures(preset: str):
+    """The real presets over a tiny body (their vocabulary, rope and its scaling, Qwen3's q/k norms, tying, head
+    size): the static path is chosen for them and its logits match the model's forward, far into the context too,
+    where Llama-3's rope scaling changes the low frequencies."""
+    from transformers import AutoModelForCausalLM
+
+    from services.rollout.engines.static_decode import supported
+    from services.rollout.model_init import build_family_config
+
+    config = build_family_config(preset, body="tiny", dtype="float32")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert supported(model) is None
+    if preset == "llama3.2-1b":
+        rotary, head_dim = model.model.rotary_emb, config.head_dim
+        plain = 1.0 / (500_000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        assert torch.allclose(rotary.inv_freq[:8], plain[:8])            # high frequencies kept
+        assert torch.allclose(rotary.inv_freq[-4:], plain[-4:] / 32.0)   # low ones divided by the factor
+    prompt = [151_000 % config.vocab_size, 17, 2048, 99_999, 5, 6, 7, 8]
+    for offset in (0, 20_000):
+        assert_static_matches_forward(model, prompt, [42, 4242, 1], offset=offset)
+
+
+def test_static_decode_refuses_other_architectures_by_name():
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
+    from services.rollout.engines.static_decode import supported
+
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    cases = [
+        (GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2),
+         "model type 'gpt2' (static decode knows llama, qwen2, qwen3)"),
+        (Qwen2Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=1), "sliding-window layers"),
+        (LlamaConfig(**small, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10_000.0}),
+         "rope type 'dynamic' (its frequencies follow the sequence length)"),
+    ]
+    for config, why in cases:
+        model = AutoModelForCausalLM.from_config(config)
+        assert supported(model) == why
+        with pytest.raises(ValueError, match=re.escape(f"static decode does not support {why}")):
+            StaticDecoder(model)
 
 
 @pytest.mark.parametrize("opts", [SamplingSpec(temperature=0.8, top_p=0.9, max_new_tokens=10, seed=3),

@@ -13,6 +13,7 @@ from services.trainer.backend import lr_lambda
 from services.trainer.batching import (
     build_micro_batch,
     merge_batches,
+    pack_rows,
     pack_samples,
     pinned_copy,
     shard_samples,
@@ -77,6 +78,27 @@ def test_pack_respects_padded_token_budget():
     for g in groups:
         assert len(g) == 1 or max(lengths[i] for i in g) * len(g) <= 20
     assert [5] in groups   # longer than the budget: alone
+
+
+def test_packed_rows_fill_the_width_of_the_longest_sample_within_the_budget():
+    lengths = [10, 3, 7, 2, 2, 30, 6, 4]
+    groups = pack_rows(list(range(8)), lengths, token_budget=20)
+    assert sorted(i for g in groups for row in g for i in row) == list(range(8))
+    assert groups[0] == [[5]]   # longer than the budget: alone
+    for g in groups[1:]:
+        width = max(lengths[row[0]] for row in g)
+        assert all(sum(lengths[i] for i in row) <= width for row in g) and len(g) * width <= 20
+    assert groups[1:] == [[[0], [2, 1]], [[6], [7, 3], [4]]]   # 3 fills the first row with room, 4 a new row
+
+
+def test_a_packed_micro_batch_restarts_positions_per_sample():
+    mb = build_micro_batch(_batch(), [[0, 2], [1]])
+    assert mb.input_ids.tolist() == [[1, 5, 8, 9, 10, 1, 12, 13], [1, 6, 7, 11, 0, 0, 0, 0]]
+    assert mb.position_ids is not None   # the padding is a block of its own, from 0
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 3]]
+    assert mb.positions.tolist() == [1, 2, 3, 5, 6, 2] and mb.rows.tolist() == [0, 0, 0, 0, 0, 1]
+    assert mb.targets.tolist() == [8, 9, 10, 12, 13, 11] and mb.token_index.tolist() == [0, 1, 2, 4, 5, 3]
+    assert mb.num_tokens == 12 and build_micro_batch(_batch(), [0, 2]).position_ids is None
 
 
 def test_shards_are_disjoint_balanced_and_cover_everything():

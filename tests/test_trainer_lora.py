@@ -84,10 +84,10 @@ def test_lora_config_and_targets_are_validated(tiny_model_dir):  # noqa: F811
         check_lora(ppo)
 
 
-@pytest.mark.parametrize("zero_stage,gradient_checkpointing", [(0, False), (1, False), (2, True), (3, False)])
+@pytest.mark.parametrize("zero_stage,checkpointing", [(0, False), (1, False), (2, True), (3, True)])
 def test_only_adapters_are_trained_and_hold_optimizer_state(harness, tiny_model_dir, zero_stage,  # noqa: F811
-                                                            gradient_checkpointing):
-    h = harness(trainer={"zero_stage": zero_stage, "lora": LORA, "gradient_checkpointing": gradient_checkpointing},
+                                                            checkpointing):
+    h = harness(trainer={"zero_stage": zero_stage, "lora": LORA, "activation_checkpointing": checkpointing},
                 algorithm={"eps_clip": 10.0})
     engine = h.service.backend.engine
     trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
@@ -207,7 +207,9 @@ def test_kl_reference_is_the_model_with_adapters_off(harness, tiny_model_dir, ze
     from services.trainer.scoring import TokenSampling
     from services.trainer.update import lockstep_micro_batches
 
-    h = harness(trainer={"zero_stage": zero_stage, "lora": LORA}, algorithm={"kl_coef": 0.1})
+    # the output head adapted too: its LoRA path is scored as extra columns (a ZeRO-3 leaf, gathered whole)
+    lora = {**LORA, "target_modules": ["all-linear", "lm_head"]}
+    h = harness(trainer={"zero_stage": zero_stage, "lora": lora}, algorithm={"kl_coef": 0.1})
     ref = h.service.train_step.ref_model
     assert isinstance(ref, AdapterOffReference) and not list(ref.parameters())   # no second copy
     first, second = (r.metrics for r in _train(h, 2, tiny_model_dir))
@@ -220,8 +222,8 @@ def test_kl_reference_is_the_model_with_adapters_off(harness, tiny_model_dir, ze
     mbs = lockstep_micro_batches(backend, batch, token_budget=64)
     sampling = TokenSampling.of(batch)
     frozen = load_frozen_causal_lm(h.config, backend.device)
-    expected = frozen_pass(frozen, batch.num_response_tokens, mbs, backend.device, sampling, tempered=True)
-    got = frozen_pass(ref, batch.num_response_tokens, mbs, backend.device, sampling, tempered=True)
+    expected = frozen_pass(frozen, backend, batch.num_response_tokens, mbs, sampling, tempered=True)
+    got = frozen_pass(ref, backend, batch.num_response_tokens, mbs, sampling, tempered=True)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     before = dict(h.service.iter_named_weights())
     _train(h, 1, tiny_model_dir, first=2)

@@ -17,6 +17,7 @@ from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData
 from services.trainer.actor import actor_step
 from services.trainer.batching import merge_batches
+from services.trainer.head_scoring import output_head
 
 pytestmark = pytest.mark.timeout(240)
 ALGO = {"use_rollout_logprobs": False, "use_tis": True, "kl_coef": 0.1, "entropy_coef": 0.05,
@@ -45,8 +46,10 @@ def with_observations(batch: RolloutBatchData, *, seed: int, observation_log_pro
 
 
 class GradientSpy:
-    """The trainer's real backend, recording d loss / d logits of each micro-batch's response tokens during the real
-    backward (a hook on the logits it hands the loss); everything else passes straight through."""
+    """The trainer's real backend, recording d loss / d hidden state at each micro-batch's response tokens during the
+    real backward (a hook on the output head's input: the chunked head builds no logits tensor to hook; a hidden
+    state feeds only its own position's logits, so its gradient is 0 exactly where theirs is); everything else
+    passes straight through."""
 
     def __init__(self, backend) -> None:  # type: ignore[no-untyped-def]
         self.backend, self.grads = backend, []
@@ -54,17 +57,26 @@ class GradientSpy:
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self.backend, name)
 
-    def logits(self, mb):  # type: ignore[no-untyped-def]
-        logits, anchor = self.backend.logits(mb)
-        if mb.token_index.numel():
-            index = mb.token_index.cpu()
-            logits.register_hook(lambda grad: self.grads.append((index, grad.detach().cpu())))
-        return logits, anchor
+    def scores(self, mb, sampling, **kwargs):  # type: ignore[no-untyped-def]
+        dmb = mb.to(self.backend.device)
+
+        def spy(module, inputs, output):  # type: ignore[no-untyped-def]
+            if dmb.token_index.numel() and inputs[0].requires_grad:
+                index = dmb.token_index.cpu()
+                inputs[0].register_hook(lambda grad: self.grads.append(
+                    (index, grad[dmb.rows, dmb.positions].detach().cpu())))
+
+        hook = output_head(self.backend.module).register_forward_hook(spy)
+        try:
+            return self.backend.scores(mb, sampling, **kwargs)
+        finally:
+            hook.remove()
 
 
-def logit_gradients(h, batch: RolloutBatchData, *, trainable_everywhere: bool = False) -> list[tuple]:
+def hidden_gradients(h, batch: RolloutBatchData, *, trainable_everywhere: bool = False) -> list[tuple]:
     """One real actor step (actor_step) on `batch`: per micro-batch, (the batch's loss mask at its tokens,
-    d loss / d logits at its tokens [N, V]); with `trainable_everywhere` the step sees loss_mask 1 on every token."""
+    d loss / d hidden state at its tokens [N, H]); with `trainable_everywhere` the step sees loss_mask 1 on every
+    token."""
     train = merge_batches([batch])
     stepped = dataclasses.replace(train, loss_mask=torch.ones_like(train.loss_mask)) if trainable_everywhere else train
     spy = GradientSpy(h.service.backend)
@@ -78,7 +90,7 @@ def test_observation_tokens_pass_no_gradient_through_any_loss_term(harness, peak
     h = harness(model_dir=peaked_model_dir, algorithm=ALGO)
     batch = with_observations(make_batch(seed=3, groups=4, model_dir=peaked_model_dir, sampling=NUCLEUS), seed=4)
     observed_rows, policy_live = 0, []
-    for mask, grad in logit_gradients(h, batch):
+    for mask, grad in hidden_gradients(h, batch):
         observed = mask == 0
         assert torch.equal(grad[observed], torch.zeros_like(grad[observed]))   # exactly 0, not just small
         observed_rows += int(observed.sum())
@@ -88,7 +100,7 @@ def test_observation_tokens_pass_no_gradient_through_any_loss_term(harness, peak
     # the mask is what stops it: the same tokens, trainable, do get gradients (the KL and entropy terms reach them
     # even where the floored log-prob passes none)
     observed_live = [(grad.abs().sum(dim=-1) > 0)[mask == 0]
-                     for mask, grad in logit_gradients(h, batch, trainable_everywhere=True)]
+                     for mask, grad in hidden_gradients(h, batch, trainable_everywhere=True)]
     assert torch.cat(observed_live).float().mean() > 0.5
 
 

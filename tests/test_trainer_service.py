@@ -35,7 +35,9 @@ def _one_thread():
 @pytest.mark.parametrize("zero_stage,precision", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"),
                                                   (1, "bf16_pure"), (0, "fp32"), (0, "bf16"), (0, "bf16_pure")])
 def test_loss_decreases_on_fixed_batch(harness, tiny_model_dir, zero_stage, precision):  # noqa: F811
-    h = harness(trainer={"zero_stage": zero_stage, "lr": 1e-3, "precision": precision},
+    h = harness(trainer={"zero_stage": zero_stage, "lr": 1e-3, "precision": precision,
+                         # ZeRO-3 gathers each layer's weights again for the recomputation
+                         "activation_checkpointing": zero_stage == 3},
                 algorithm={"eps_clip": 10.0})
     batch = make_batch(model_dir=tiny_model_dir)
     losses = []
@@ -79,23 +81,28 @@ def test_save_then_fresh_engine_load_reproduces_next_step(harness, tiny_model_di
 
 
 def test_micro_batch_split_does_not_change_the_update(harness, tiny_model_dir):  # noqa: F811
-    batch = make_batch(groups=4, model_dir=tiny_model_dir)
+    """~One sample per micro-batch, the whole batch in one, and packed rows (several samples per row) with
+    activation checkpointing and one-token scoring chunks: the same update."""
+    batch = make_batch(groups=4, model_dir=tiny_model_dir, sampling=SamplingSpec(temperature=0.8, top_p=0.9))
     results = []
-    for budget in (16, 4096):   # ~one sample per micro-batch vs the whole batch in one
-        h = harness(run_name=f"budget{budget}", trainer={"micro_batch_tokens": budget})
+    for name, trainer in (("budget16", {"micro_batch_tokens": 16}), ("budget4096", {"micro_batch_tokens": 4096}),
+                          ("packed", {"micro_batch_tokens": 48, "pack_sequences": True, "scoring_chunk_tokens": 1,
+                                      "activation_checkpointing": True})):
+        h = harness(run_name=name, trainer=trainer)
         reply = h.service.train(rollout_id=0, entry_ids=[h.put(batch)])
         results.append((reply.metrics, dict(h.service.iter_named_weights())))
         h.close()
-    (m_small, w_small), (m_big, w_big) = results
-    for key in ("loss", "grad_norm", "entropy"):
-        assert m_small[key] == pytest.approx(m_big[key], rel=1e-5), key
-    # Adam's first step moves every weight by about lr (1e-2) whatever the gradient's size, so
-    # near-zero gradients turn float-order noise into small absolute differences (seen on an H200: up to
-    # 1.3e-4 in 1 of 8192 elements, from cuBLAS' shape-dependent reduction order; a tenth of lr still
-    # catches a micro-batch that is dropped or counted twice)
-    atol = 5e-5 if DEVICE == "cpu" else 1e-3
-    for name in w_small:
-        torch.testing.assert_close(w_small[name], w_big[name], rtol=1e-4, atol=atol)
+    (m_small, w_small), *others = results
+    for m_big, w_big in others:
+        for key in ("loss", "grad_norm", "entropy"):
+            assert m_small[key] == pytest.approx(m_big[key], rel=1e-5), key
+        # Adam's first step moves every weight by about lr (1e-2) whatever the gradient's size, so
+        # near-zero gradients turn float-order noise into small absolute differences (seen on an H200: up to
+        # 1.3e-4 in 1 of 8192 elements, from cuBLAS' shape-dependent reduction order; a tenth of lr still
+        # catches a micro-batch that is dropped or counted twice)
+        atol = 5e-5 if DEVICE == "cpu" else 1e-3
+        for name in w_small:
+            torch.testing.assert_close(w_small[name], w_big[name], rtol=1e-4, atol=atol)
 
 
 def test_half_written_checkpoint_is_ignored_and_retention_keeps_last(harness, tmp_path):  # noqa: F811

@@ -242,3 +242,14 @@ def test_obvious_garbage_has_a_clear_message():
 def test_finish_reason_names_match_the_proto_enum():
     assert {common_pb2.FinishReason.Name(v) for v in FINISH_REASONS.values()} == \
         {f"FINISH_REASON_{k.upper()}" for k in FINISH_REASONS}
+
+
+def test_sampling_spec_round_trips_through_the_proto():
+    spec = SamplingSpec(temperature=0.75, top_p=0.5, top_k=5, max_new_tokens=9, stop_token_ids=(3, 4), seed=8,
+                        stop=("####", "</answer>"))
+    default = SamplingSpec(stop=("\n\n",))
+    assert SamplingSpec.from_proto(common_pb2.SamplingParams.FromString(spec.to_proto().SerializeToString()),
+                                   default=default) == spec
+    assert SamplingSpec.from_proto(common_pb2.SamplingParams(temperature=1.0), default=default).stop == ("\n\n",)
+    with pytest.raises(ValueError, match=r"sampling\.stop names a string twice"):
+        SamplingSpec.from_proto(common_pb2.SamplingParams(stop=["a", "a"]), default=default)

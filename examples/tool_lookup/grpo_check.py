@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     cfg = load_config(args.config)
     if not Path(cfg.model.path).exists():
-        init_model(cfg.model.path, preset=cfg.model.init_preset or "tiny", seed=args.seed)
+        init_model(cfg.model.path, preset=cfg.model.init_preset or "tiny", body=cfg.model.init_body, seed=args.seed)
     from transformers import AutoModelForCausalLM
 
     engine = NativeEngine(cfg.model.path, device="cpu")

@@ -28,9 +28,20 @@ class ModelConfig(Section):
     fused_kernels: Literal["auto", "on", "off"] = Field(
         default="auto", description="fused Triton RMSNorm and SwiGLU in the trained model (forward and backward), the "
         "frozen ones and the native engine's; auto = on a CUDA device with Triton and bf16 weights")
-    init_preset: Literal["tiny", "small", "q05", "q15"] | None = Field(
+    init_preset: Literal["tiny", "small", "q05", "q15", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b",
+                         "llama3.2-1b"] | None = Field(
         default=None, description="the random-init preset `tandem run --init-model` builds when model.path holds no "
-        "model (default tiny); nothing is ever built without that flag")
+        "model (default tiny; `tandem init-model --help` describes them); nothing is ever built without that flag")
+    init_body: Literal["tiny"] | None = Field(
+        default=None, description="with a real model's init_preset: build it over a tiny body (its vocabulary, "
+        "tokenizer, special ids, rope and tying; 2 layers of width 64)")
+
+    @model_validator(mode="after")
+    def _body_needs_a_real_preset(self) -> ModelConfig:
+        if self.init_body is not None and self.init_preset in (None, "tiny", "small", "q05", "q15"):
+            raise ValueError(f"model.init_body applies to a real model's init_preset (qwen2.5-0.5b, qwen2.5-1.5b, "
+                             f"qwen3-0.6b, llama3.2-1b), not to {self.init_preset or 'the default tiny'}")
+        return self
 
 
 CHAT_TEMPLATE_MODES = ("auto", "tokenizer", "none")
@@ -88,14 +99,40 @@ class DataConfig(Section):
         return self.chat_template not in ("auto", "none") or self.system_prompt is not None
 
 
+MAX_STOP_STRINGS = 16   # the check runs per running sequence and step; more strings is likely a mistake
+
+
+def stop_strings_problem(stop: tuple[str, ...]) -> str | None:
+    """What is wrong with a list of stop strings (the config and the wire check the same), or None."""
+    if len(stop) > MAX_STOP_STRINGS:
+        return f"holds {len(stop)} strings; at most {MAX_STOP_STRINGS}"
+    for i, text in enumerate(stop):
+        if not isinstance(text, str) or not text:
+            return f"[{i}] is empty: an empty stop string would end every sample at its first token"
+    if len(set(stop)) != len(stop):
+        return f"names a string twice: {list(stop)}"
+    return None
+
+
 class SamplingConfig(Section):
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, description="0 = off")
     max_new_tokens: int = Field(default=16, ge=1)
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = Field(default=(), description="stop strings: a sample ends at the token whose text "
+                                  "completes one; that token is kept (the response holds the string) and the finish "
+                                  "reason is stop")
     seed: int = 0
     ignore_eos: bool = Field(default=False, description="keep generating past EOS (benchmarks that force a length)")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        problem = stop_strings_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 class SGLangConfig(Section):
@@ -245,16 +282,32 @@ class TrainerConfig(Section):
     grad_clip: float = Field(default=1.0, gt=0)
     micro_batch_tokens: int = Field(default=16384, ge=1, description="token budget of one micro-batch (rows x "
                                     "longest row); larger is faster until activations fill the GPU")
+    pack_sequences: bool = Field(default=False, description="pack several samples into one row of a micro-batch "
+                                 "(position ids restart per sample, attention stays within it): no padding tokens "
+                                 "when lengths differ; rows stay as wide as the longest sample (docs/algorithms.md)")
+    scoring_chunk_tokens: int = Field(default=1024, ge=1, description="response tokens scored at once, over 8,192 "
+                                      "vocabulary columns at a time (whole rows where top-k / top-p truncate, as "
+                                      "many as make as many logits): bounds the scoring's memory to a few float32 "
+                                      "[chunk x 8,192] tables whatever the micro-batch (docs/algorithms.md)")
     checkpoint_dir: str | None = Field(default=None, description="defaults to RUN_DIR/checkpoints")
     keep_last_checkpoints: int = Field(default=3, ge=1)
     export_hf_on_save: bool = True
     critic_lr: float | None = Field(default=None, gt=0, description="defaults to lr")
     seed: int = 0
-    gradient_checkpointing: bool = False
+    activation_checkpointing: bool = Field(default=False, description="recompute each decoder layer's activations "
+                                           "in the backward instead of keeping them (transformers' checkpointing, "
+                                           "non-reentrant): less memory for long sequences, ~1/3 more compute")
     cpu_threads: int | None = Field(default=None, ge=1, description="torch's intra-op CPU threads in the trainer "
                                     "(null: 4 on a GPU, torch's default on the CPU)")
     lora: LoraConfig | None = Field(default=None, description="LoRA adapters instead of full fine-tuning "
                                     "(null = full fine-tuning)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "gradient_checkpointing" in data:
+            raise ValueError("gradient_checkpointing was renamed activation_checkpointing (transformers' name)")
+        return data
 
 
 class AlgorithmConfig(Section):

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from services.contracts.config import stop_strings_problem
 from services.contracts.gen.tandem.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -23,6 +24,8 @@ class SamplingSpec:
     """temperature 0 = greedy; top_p 1 and top_k 0 = off; seed None = nondeterministic.
 
     Stop tokens end a sample like EOS does and are kept as its last token (the policy must learn to emit them).
+    Stop strings end a sample at the token whose text completes one: that token is kept whole, even when the string
+    ends inside it, so the response holds the stop string (docs/own-task.md, "Stop strings").
     `ignore_eos` keeps going past EOS (benchmarks that force a response length)."""
 
     temperature: float = 1.0
@@ -32,6 +35,7 @@ class SamplingSpec:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -44,6 +48,9 @@ class SamplingSpec:
             raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"sampling.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
+        problem = stop_strings_problem(self.stop)
+        if problem:
+            raise ValueError(f"sampling.stop {problem}")
 
     @property
     def greedy(self) -> bool:
@@ -55,21 +62,22 @@ class SamplingSpec:
     @classmethod
     def from_config(cls, cfg: SamplingConfig) -> SamplingSpec:
         return cls(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                   stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed or None, ignore_eos=cfg.ignore_eos)
+                   stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed or None, ignore_eos=cfg.ignore_eos,
+                   stop=tuple(cfg.stop))
 
     def to_proto(self) -> common_pb2.SamplingParams:
         return common_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                          max_new_tokens=self.max_new_tokens, stop_token_ids=list(self.stop_token_ids),
-                                         seed=self.seed or 0, ignore_eos=self.ignore_eos)
+                                         seed=self.seed or 0, ignore_eos=self.ignore_eos, stop=list(self.stop))
 
     @classmethod
     def from_proto(cls, msg: common_pb2.SamplingParams, *, default: SamplingSpec) -> SamplingSpec:
-        """Proto zeros mean: temperature 0 = greedy, top_p 0 = off, top_k 0 = off, max_new_tokens 0 and no stop
-        tokens = the default's, seed 0 = nondeterministic. Out-of-range values raise ValueError."""
+        """Proto zeros mean: temperature 0 = greedy, top_p 0 = off, top_k 0 = off, max_new_tokens 0, no stop
+        tokens and no stop strings = the default's, seed 0 = nondeterministic. Out-of-range values raise ValueError."""
         return cls(temperature=float(msg.temperature), top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
                    top_k=int(msg.top_k), max_new_tokens=int(msg.max_new_tokens) or default.max_new_tokens,
                    stop_token_ids=tuple(msg.stop_token_ids) or default.stop_token_ids, seed=int(msg.seed) or None,
-                   ignore_eos=bool(msg.ignore_eos))
+                   ignore_eos=bool(msg.ignore_eos), stop=tuple(msg.stop) or default.stop)
 
 
 # A data row may carry its own response budget: a JSONL key beside the prompt and the label, which the coordinator

@@ -18,3 +18,6 @@ RedisReply: TypeAlias = Any
 # A Hugging Face causal LM of a family a decoder knows (llama, qwen2): torch.nn.Module types the submodules it reaches
 # by name (model.layers[i].self_attn, lm_head) as Tensor | Module, so they are only known once the family is checked.
 HFCausalLM: TypeAlias = Any
+# The context a torch.autograd.Function's forward and backward share: torch types it Any, and each Function keeps
+# its own fields on it.
+AutogradContext: TypeAlias = Any

@@ -235,9 +235,10 @@ def check_model(config: TandemConfig, *, init_model: bool) -> None:
                           "--init-model to `tandem run`")
     from services.rollout.model_init import init_model as build
 
-    preset = config.model.init_preset or "tiny"
-    log.warning("--init-model: building a random-init %s model at %s", preset, path)
-    build(path, preset=preset)
+    preset, body = config.model.init_preset or "tiny", config.model.init_body
+    log.warning("--init-model: building a random-init %s model%s at %s", preset, f" ({body} body)" if body else "",
+                path)
+    build(path, preset=preset, body=body)
 
 
 def check_lora(config: TandemConfig) -> None:

@@ -38,7 +38,7 @@ from services.rollout.engines.errors import EngineUnavailable
 from services.rollout.environments import EpisodeSample, resolve_environment
 from services.rollout.multi_turn import MultiTurnRollout, episode_metrics
 from services.rollout.rewards import RewardFunction, resolve_reward
-from services.rollout.tokenizer import Texts, load_tokenizer
+from services.rollout.tokenizer import Texts, end_of_generation_ids, load_tokenizer
 from services.rollout.writer import BatchWriter
 from services.rpc.grpc_util import FailedPrecondition
 from services.telemetry import tracing
@@ -137,19 +137,24 @@ class _Scored:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def build_engine(config: TandemConfig) -> Engine:
+def build_engine(config: TandemConfig, texts: Texts | None = None) -> Engine:
+    """The configured engine; it ends samples on every id of `end_of_generation_ids` (generation config, config and
+    the tokenizer of `texts`), and the native one matches stop strings with `texts` (SGLang with its own copy of the
+    tokenizer)."""
     ro = config.rollout
+    eos = end_of_generation_ids(config.model.path, texts.tokenizer if texts is not None else None)
     if ro.engine == "native":
         from services.rollout.engines.native import NativeEngine
 
         return NativeEngine(config.model.path, device=ro.device, dtype=config.model.dtype,
                             attn_implementation=config.model.attn_implementation, max_batch_size=ro.max_batch_size,
                             max_context_length=ro.max_context_length, fused_kernels=config.model.fused_kernels,
-                            continuous_batching=ro.continuous_batching)
+                            continuous_batching=ro.continuous_batching, eos_token_ids=eos or None,
+                            detokenizer=texts)
     if ro.engine == "sglang":
         from services.rollout.engines.sglang import SGLangEngine
 
-        return SGLangEngine.from_config(config)
+        return SGLangEngine.from_config(config, eos_token_ids=eos)
     raise NotImplementedError(f"rollout.engine: {ro.engine} is not available; use rollout.engine: native or sglang")
 
 
@@ -177,14 +182,14 @@ class RolloutService:
         self._started = time.monotonic()
         self.default_reward = resolve_reward(config.rollout.reward)   # a bad spec fails the start
         self.environment = resolve_environment(config.rollout.environment) if config.rollout.environment else None
-        started = time.monotonic()
-        self.engine = engine if engine is not None else build_engine(config)
-        log.info("startup: %s engine ready in %.2fs", self.engine.name, time.monotonic() - started)
-        if self.engine.compute_device is not None:
-            limit_cpu_threads(config.rollout.cpu_threads, self.engine.compute_device)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             config.model.tokenizer_path or config.model.path)
         self.texts = Texts(tokenizer, ChatTemplate.from_config(tokenizer, config))
+        started = time.monotonic()
+        self.engine = engine if engine is not None else build_engine(config, self.texts)
+        log.info("startup: %s engine ready in %.2fs", self.engine.name, time.monotonic() - started)
+        if self.engine.compute_device is not None:
+            limit_cpu_threads(config.rollout.cpu_threads, self.engine.compute_device)
         self.stream = stream_key(config.redis.stream_prefix, config.run_name)
         self.groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
         self.writer = BatchWriter(config, producer=self.producer, groups=self.groups, client=redis_client)

@@ -30,6 +30,27 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def end_of_generation_ids(model_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
+    """Every id that ends a sample: generation_config.json's eos_token_id (an id or a list: Qwen2.5-Instruct ends on
+    <|im_end|> and <|endoftext|>, Llama-3.2-Instruct on three ids), config.json's, and the tokenizer's eos. Files the
+    directory lacks (a tokenizer-only directory, a model that lives on the SGLang host) add nothing."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        try:
+            value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{path} is not a readable JSON object: {exc}") from None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    return tuple(sorted(ids))
+
+
 class PromptLike(Protocol):
     """A prompt as the data file gives it (PromptRecord) or a request carries it (PromptInput)."""
 
@@ -161,3 +182,13 @@ class Texts:
         if not isinstance(text, str):   # transformers types decode's answer as str | list[str]: one sequence, one str
             raise TypeError(f"the tokenizer decoded one sequence into {type(text).__name__}")
         return text
+
+    def decode_raw(self, sequences: Sequence[Sequence[int]]) -> list[str]:
+        """Each sequence as text with its special tokens (what stop strings are matched against, as SGLang does)."""
+        seqs = [list(s) for s in sequences]
+        backend = getattr(self.tokenizer, "backend_tokenizer", None) if getattr(self.tokenizer, "is_fast", False) \
+            else None
+        with self._lock:
+            if backend is not None:
+                return list(backend.decode_batch(seqs, skip_special_tokens=False))
+            return [self._decode(s, skip_special_tokens=False) for s in seqs]

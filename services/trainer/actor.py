@@ -32,6 +32,7 @@ from services.trainer.advantages import (
 from services.trainer.backend import DeepSpeedBackend, frozen_log_probs
 from services.trainer.batching import MicroBatch, TrainBatch
 from services.trainer.dist import all_reduce_sum
+from services.trainer.head_scoring import BEHAVIOUR_ROW, ENTROPY_ROW, TEMPERED_ROW
 from services.trainer.losses import (
     PolicyLossConfig,
     Sequences,
@@ -41,15 +42,7 @@ from services.trainer.losses import (
     tis_weights,
 )
 from services.trainer.old_actor import OldActor
-from services.trainer.scoring import (
-    TEMPERED,
-    TokenSampling,
-    behaviour_log_probs,
-    entropy_from_log_probs,
-    sampling_log_prob_table,
-    score_tokens,
-    tempered_token_log_probs,
-)
+from services.trainer.scoring import TokenSampling
 from services.trainer.update import (
     MicroBatchLoss,
     TokenWeights,
@@ -101,12 +94,14 @@ def _sample_rewards(batch: TrainBatch, kl_penalty: torch.Tensor | None) -> torch
     return batch.rewards - per_sample_sum(kl_penalty * batch.loss_mask, batch.response_lengths)
 
 
-def frozen_pass(model: torch.nn.Module, num_tokens: int, mbs: list[MicroBatch], device: torch.device,
+def frozen_pass(model: torch.nn.Module, backend: DeepSpeedBackend, num_tokens: int, mbs: list[MicroBatch],
                 sampling: TokenSampling, *, tempered: bool) -> torch.Tensor:
-    """Log-probs of this rank's response tokens under a frozen model (reference, old actor), full-batch vector on
-    the device. `sampling` is on the device."""
+    """Log-probs of this rank's response tokens under a frozen model (reference, old actor; the trained model's
+    vocabulary and scoring chunk), full-batch vector on the device. `sampling` is on the device."""
     return per_token_pass(num_tokens, mbs, lambda mb: frozen_log_probs(
-        model, mb, device, sampling=sampling.at(mb.token_index), tempered=tempered), device=device)
+        model, mb, backend.device, sampling=sampling.at(mb.token_index), tempered=tempered,
+        vocab=backend.vocab_size, chunk_tokens=backend.chunk_tokens, compiled=backend.compiled_scoring),
+        device=backend.device)
 
 
 @dataclass(frozen=True)
@@ -130,7 +125,7 @@ def old_actor_log_probs(*, old_actor: OldActor, backend: DeepSpeedBackend, batch
         if snapshot is None:
             fallback[chosen] = 1.0
         elif snapshot.optimizer_step != backend.global_steps:   # else nothing was trained since: current = old
-            lp = frozen_pass(old_actor.module_for(snapshot), n_tok, mbs, device, sampling, tempered=False)
+            lp = frozen_pass(old_actor.module_for(snapshot), backend, n_tok, mbs, sampling, tempered=False)
             out[chosen] = lp[chosen]
     return BehaviourLogProbs(log_probs=out, fallback=fallback)
 
@@ -140,8 +135,8 @@ def reward_kl_penalty(*, backend: DeepSpeedBackend, mbs: list[MicroBatch], sampl
     """kl_coef x per-token KL of the policy before the update to the reference (both tempered), full batch, on the
     host (it shapes the rewards)."""
     n_tok, device = len(ref_lp), backend.device
-    policy = per_token_pass(n_tok, mbs, lambda mb: score_tokens(
-        backend.logits(mb)[0], mb.targets, sampling.at(mb.token_index), tempered=True), device=device)
+    policy = per_token_pass(n_tok, mbs, lambda mb: backend.scores(
+        mb, sampling.at(mb.token_index), tempered=True)[0][TEMPERED_ROW], device=device)
     kl = kl_estimate(policy, ref_lp, algo.kl_estimator) * owned_tokens(n_tok, mbs, device)
     return algo.kl_coef * all_reduce_sum(kl).cpu()
 
@@ -193,13 +188,12 @@ def policy_loss_terms(*, logp: torch.Tensor, behaviour: torch.Tensor, rollout_lp
     return pg * tis, clipped, ratio, tis
 
 
-def token_terms(*, logits: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, algo: AlgorithmConfig) -> TokenTerms:
-    """`mb` is on the device."""
-    idx, targets = mb.token_index, mb.targets
-    tok = inputs.sampling.at(idx)
-    table = sampling_log_prob_table(logits, tok)
-    logp = behaviour_log_probs(logits, targets, tok, table=table)   # in the space the rollout reported
-    entropy = entropy_from_log_probs(table if algo.entropy_coef > 0 else table.detach())
+def token_terms(*, scores: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, algo: AlgorithmConfig) -> TokenTerms:
+    """`scores`: the micro-batch's [3, N] (head_scoring: behaviour log-prob in the space the rollout reported,
+    entropy of the sampling distribution, tempered log-prob); `mb` is on the device."""
+    idx = mb.token_index
+    logp = scores[BEHAVIOUR_ROW]
+    entropy = scores[ENTROPY_ROW] if algo.entropy_coef > 0 else scores[ENTROPY_ROW].detach()
     rollout_lp = inputs.rollout_log_probs[idx]
     # The trainer's view of the behaviour policy: the old actor, or the current policy before this step's
     # single update (exact without keep_old_actor in sync mode).
@@ -211,17 +205,16 @@ def token_terms(*, logits: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, al
                                                 inputs=inputs, algo=algo)
     kl = torch.zeros_like(pg)
     if inputs.ref_log_probs is not None:
-        tempered = logp if tok.space == TEMPERED or not tok.truncates(logits.shape[-1]) \
-            else tempered_token_log_probs(logits, targets, tok.temperature)
-        kl = kl_estimate(tempered, inputs.ref_log_probs[idx], algo.kl_estimator)
+        kl = kl_estimate(scores[TEMPERED_ROW], inputs.ref_log_probs[idx], algo.kl_estimator)
     return TokenTerms(pg=pg, clipped=clipped, ratio=ratio, tis=tis, kl=kl, entropy=entropy,
                       mismatch=(behaviour - rollout_lp).abs().clamp(max=20.0))
 
 
 def _ppo_micro_loss(*, backend: DeepSpeedBackend, mb: MicroBatch, inputs: TokenInputs,
                     algo: AlgorithmConfig) -> MicroBatchLoss:
-    logits, anchor = backend.logits(mb)
-    t = token_terms(logits=logits, mb=mb, inputs=inputs, algo=algo)
+    scores, anchor = backend.scores(mb, inputs.sampling.at(mb.token_index), entropy=True,
+                                    entropy_grad=algo.entropy_coef > 0)
+    t = token_terms(scores=scores, mb=mb, inputs=inputs, algo=algo)
     loss_tok = t.pg
     if inputs.ref_log_probs is not None and algo.kl_mode == "loss":
         loss_tok = loss_tok + algo.kl_coef * t.kl
@@ -246,7 +239,7 @@ def actor_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmC
     mbs = lockstep_micro_batches(backend, batch, token_budget=token_budget)
     sampling = TokenSampling.of(batch).to(device)
     n_tok = batch.num_response_tokens
-    ref_lp = None if ref_model is None else frozen_pass(ref_model, n_tok, mbs, device, sampling, tempered=True)
+    ref_lp = None if ref_model is None else frozen_pass(ref_model, backend, n_tok, mbs, sampling, tempered=True)
     kl_penalty = None
     if ref_lp is not None and algo.kl_mode == "reward":
         kl_penalty = reward_kl_penalty(backend=backend, mbs=mbs, sampling=sampling, ref_lp=ref_lp, algo=algo)

@@ -21,10 +21,12 @@ import torch
 from services.contracts.config import LORA_ZERO3_OFFLOAD, TandemConfig
 from services.contracts.untyped import JsonObject
 from services.tensors import fused
+from services.trainer import head_scoring
 from services.trainer.batching import MicroBatch
 from services.trainer.dist import DistInfo
 from services.trainer.flat_adamw import FlatAdamW
-from services.trainer.scoring import TokenSampling, score_tokens
+from services.trainer.head_scoring import BEHAVIOUR_ROW, TEMPERED_ROW
+from services.trainer.scoring import TokenSampling, score_request
 from services.trainer.weight_export import ExportedTensor, plain_tensors
 
 if TYPE_CHECKING:
@@ -121,8 +123,10 @@ class ValueModel(torch.nn.Module):
         model = cls(backbone, backbone.config.hidden_size)
         return model.to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
 
@@ -142,17 +146,32 @@ def build_model(config: TandemConfig, *, role: str) -> torch.nn.Module:
         model: torch.nn.Module = ValueModel.from_pretrained(config.model.path, dtype=dtype, attn=attn)
     else:
         model = load_causal_lm(config.model.path, dtype=dtype, attn=attn)
-    if t.gradient_checkpointing:
-        _hf_part(model).gradient_checkpointing_enable()
+    if t.activation_checkpointing:
+        enable_activation_checkpointing(_hf_part(model))
     if t.lora is None:
-        return model
+        return model if isinstance(model, ValueModel) else _scoring(model)
     from services.trainer import lora
 
     what = f"the {role}'s model at {config.model.path}"
     if isinstance(model, ValueModel):
         model.backbone = lora.wrap(model.backbone, t.lora, what=what)
         return model
-    return lora.wrap(model, t.lora, what=what)
+    return _scoring(lora.wrap(model, t.lora, what=what))
+
+
+def _scoring(model: torch.nn.Module) -> torch.nn.Module:
+    head_scoring.install(model)   # the output head answers score requests (chunked, no [tokens x vocab] table)
+    return model
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Each decoder layer's activations are recomputed in the backward instead of kept (transformers' own
+    checkpointing, non-reentrant: it works under DeepSpeed ZeRO 0-3 and with LoRA's frozen inputs)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)   # transformers >= 5.25's name
+    if callable(enable):
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 @dataclass(frozen=True)
@@ -181,6 +200,9 @@ class DeepSpeedBackend:
         schedule = lr_lambda(schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total, lr=lr,
                              min_lr=t.min_lr)
         self.parameters = sum(p.numel() for p in model.parameters())   # before ZeRO-3 partitions them
+        self.vocab_size = int(_hf_part(model).config.vocab_size)
+        self.chunk_tokens, self.pack_sequences = t.scoring_chunk_tokens, t.pack_sequences
+        self.compiled_scoring = fused_kernels   # the head's block math compiled where the fused kernels run
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer: torch.optim.Optimizer | None = None
         self.flat: FlatAdamW | None = None
@@ -237,16 +259,23 @@ class DeepSpeedBackend:
 
     # ---- forward ----------------------------------------------------------------------------------
 
-    def logits(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits at the micro-batch's response positions [N, V], full logits for graph anchoring)."""
+    def scores(self, mb: MicroBatch, sampling: TokenSampling, *, tempered: bool = False, entropy: bool = False,
+               entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the [3, N] scores of the micro-batch's response tokens (head_scoring; `sampling` = theirs, on the
+        device), the same tensor as the forward's anchor for an empty micro-batch's backward)."""
         mb = mb.to(self.device)
-        out = self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-        return out.logits[mb.rows, mb.positions], out.logits
+        request = score_request(mb, sampling, vocab=self.vocab_size, chunk_tokens=self.chunk_tokens,
+                                tempered=tempered, entropy=entropy, entropy_grad=entropy_grad,
+                                compiled=self.compiled_scoring)
+        with head_scoring.scoring(request):
+            out = self.engine(**model_inputs(mb), use_cache=False)
+        scores = head_scoring.scores_of(out, request)
+        return scores, scores
 
     def values(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Critic: (values at the response positions [N], all values)."""
         mb = mb.to(self.device)
-        values = self.engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+        values = self.engine(**model_inputs(mb))
         return values[mb.rows, mb.positions], values
 
     # ---- update -----------------------------------------------------------------------------------
@@ -350,7 +379,7 @@ def load_frozen_causal_lm(config: TandemConfig, device: torch.device) -> torch.n
     """A frozen copy of the policy from model.path in the trainer's dtype: the reference model of the KL term
     (the initial weights), and the old actor's container (keep_old_actor loads snapshots into it)."""
     model = load_causal_lm(config.model.path, dtype=param_dtype(config), attn=config.model.attn_implementation)
-    model = model.to(device)
+    model = _scoring(model.to(device))
     if use_fused_kernels(config, device):
         fused.patch_model(model)
     model.eval()
@@ -359,10 +388,22 @@ def load_frozen_causal_lm(config: TandemConfig, device: torch.device) -> torch.n
     return model
 
 
+def model_inputs(mb: MicroBatch) -> dict[str, torch.Tensor | None]:
+    """A micro-batch as the model's forward takes it: padded rows under their attention mask, or packed rows
+    (several samples per row) by their position ids, from which transformers masks attention per sample."""
+    if mb.position_ids is None:
+        return {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask}
+    return {"input_ids": mb.input_ids, "position_ids": mb.position_ids, "attention_mask": None}
+
+
 @torch.no_grad()
 def frozen_log_probs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, *, sampling: TokenSampling,
-                     tempered: bool) -> torch.Tensor:
-    """Log-probs of a micro-batch's response tokens under a frozen model (see scoring.score_tokens), on `device`."""
+                     tempered: bool, vocab: int, chunk_tokens: int, compiled: bool = False) -> torch.Tensor:
+    """Log-probs of a micro-batch's response tokens under a frozen model, on `device`: in each token's behaviour
+    space, or (`tempered`, the KL's reference) of logits / T."""
     mb = mb.to(device)
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-    return score_tokens(logits[mb.rows, mb.positions], mb.targets, sampling, tempered=tempered)
+    request = score_request(mb, sampling, vocab=vocab, chunk_tokens=chunk_tokens, tempered=tempered,
+                            compiled=compiled)
+    with head_scoring.scoring(request):
+        out = model(**model_inputs(mb), use_cache=False)
+    return head_scoring.scores_of(out, request)[TEMPERED_ROW if tempered else BEHAVIOUR_ROW]

@@ -4,6 +4,11 @@ A `TrainBatch` is the concatenation of the step's rollout batches (same flat lay
 Every rank holds the whole batch, so global quantities (advantages, aggregation weights) are computed
 identically everywhere; each rank then trains on its shard, split into micro-batches under a token budget.
 Per-token tensors of a micro-batch are addressed by `token_index` into the batch's flat response arrays.
+
+A micro-batch is rows x width tokens, width = its longest sample. Padded (the default), each row holds one sample
+and shorter ones are padded to the width. Packed (`trainer.pack_sequences`), a row holds as many samples as fit
+its width (first fit, longest first), each with position ids from 0, and no attention attribute: transformers then
+masks attention within each sample (block-diagonal; flash_attention_2 runs it as variable-length sequences).
 """
 
 from __future__ import annotations
@@ -190,6 +195,33 @@ def shard_samples(seq_lengths: list[int], *, world_size: int, rank: int) -> list
     return sorted(mine)
 
 
+def pack_rows(sample_ids: list[int], seq_lengths: list[int], *, token_budget: int) -> list[list[list[int]]]:
+    """Micro-batches of rows of samples: a micro-batch's width is its longest sample, each row holds samples whose
+    lengths sum to at most the width, and rows x width stays within `token_budget` (first fit, longest first: a
+    sample goes to the first row with room, else a new row of the first micro-batch with budget left, else a new
+    micro-batch); a sample longer than the budget gets a micro-batch of its own."""
+    groups: list[list[list[int]]] = []
+    rooms: list[list[int]] = []   # per micro-batch, per row: the columns left
+    widths: list[int] = []
+    for i in sorted(sample_ids, key=lambda i: (-seq_lengths[i], i)):
+        n = seq_lengths[i]
+        spot = next(((g, r) for g, room in enumerate(rooms) if max(room) >= n
+                     for r, left in enumerate(room) if left >= n), None)
+        if spot is not None:
+            g, r = spot
+            groups[g][r].append(i)
+            rooms[g][r] -= n
+            continue
+        g = next((g for g, w in enumerate(widths) if w * (len(groups[g]) + 1) <= token_budget), len(groups))
+        if g == len(groups):
+            groups.append([])
+            rooms.append([])
+            widths.append(n)
+        groups[g].append([i])
+        rooms[g].append(widths[g] - n)
+    return groups
+
+
 def pack_samples(sample_ids: list[int], seq_lengths: list[int], *, token_budget: int) -> list[list[int]]:
     """Groups samples so that rows x longest row stays within `token_budget` (padded cost); a sample
     longer than the budget gets a micro-batch of its own."""
@@ -217,6 +249,7 @@ class MicroBatch:
     targets: torch.Tensor         # [N] the token id
     token_index: torch.Tensor     # [N] index into the batch's flat response-token arrays
     num_tokens: int               # real (unpadded) tokens
+    position_ids: torch.Tensor | None = None   # [B, L]: packed rows (restarting per sample); None: padded rows
 
     def to(self, device: torch.device) -> MicroBatch:
         """On `device`, token_index included. Host tensors are pinned first, so the copies do not stall the host
@@ -230,7 +263,8 @@ class MicroBatch:
 
         return MicroBatch(input_ids=move(self.input_ids), attention_mask=move(self.attention_mask),
                           rows=move(self.rows), positions=move(self.positions), targets=move(self.targets),
-                          token_index=move(self.token_index), num_tokens=self.num_tokens)
+                          token_index=move(self.token_index), num_tokens=self.num_tokens,
+                          position_ids=None if self.position_ids is None else move(self.position_ids))
 
 
 def pinned_copy(tensor: torch.Tensor, device: torch.device) -> bool:
@@ -239,25 +273,43 @@ def pinned_copy(tensor: torch.Tensor, device: torch.device) -> bool:
     return device.type == "cuda" and tensor.device.type == "cpu"
 
 
-def build_micro_batch(batch: TrainBatch, sample_ids: list[int]) -> MicroBatch:
-    ids = torch.tensor(sample_ids, dtype=torch.long)
+def build_micro_batch(batch: TrainBatch, sample_ids: list[int] | list[list[int]]) -> MicroBatch:
+    """One sample per row (a list of sample ids), or packed rows (a list of rows, each a list of sample ids)."""
+    packed = bool(sample_ids) and isinstance(sample_ids[0], list)
+    layout: list[list[int]] = [list(r) for r in sample_ids] if packed else [[i] for i in sample_ids]  # type: ignore
+    flat = [i for row in layout for i in row]
+    ids = torch.tensor(flat, dtype=torch.long)
     prompts, resps = batch.prompt_lengths[ids], batch.response_lengths[ids]
     seqs = prompts + resps
-    width = int(seqs.max())
+    row_of_sample = torch.tensor([r for r, row in enumerate(layout) for _ in row], dtype=torch.long)
+    # each sample's first column in its row: after the samples before it in the same row
+    lengths, starts, width = iter(seqs.tolist()), [], 0
+    for row in layout:
+        column = 0
+        for _ in row:
+            starts.append(column)
+            column += next(lengths)
+        width = max(width, column)
+    row_start = torch.tensor(starts, dtype=torch.long)
     tok_start = _starts(batch.prompt_lengths + batch.response_lengths)[ids]
     resp_start = _starts(batch.response_lengths)[ids]
     # (row, column) of every real token, then of every response token's predicting position
-    row_of_tok = torch.repeat_interleave(torch.arange(len(sample_ids)), seqs)
-    col_of_tok = torch.arange(int(seqs.sum())) - torch.repeat_interleave(_starts(seqs), seqs)
-    input_ids = torch.zeros(len(sample_ids), width, dtype=torch.long)
-    attention = torch.zeros(len(sample_ids), width, dtype=torch.long)
+    row_of_tok = torch.repeat_interleave(row_of_sample, seqs)
+    in_sample = torch.arange(int(seqs.sum())) - torch.repeat_interleave(_starts(seqs), seqs)
+    col_of_tok = in_sample + torch.repeat_interleave(row_start, seqs)
+    input_ids = torch.zeros(len(layout), width, dtype=torch.long)
+    attention = torch.zeros(len(layout), width, dtype=torch.long)
     input_ids[row_of_tok, col_of_tok] = batch.tokens[_ranges(tok_start, seqs)]
     attention[row_of_tok, col_of_tok] = 1
-    rows = torch.repeat_interleave(torch.arange(len(sample_ids)), resps)
-    positions = _ranges(prompts - 1, resps)
+    rows = torch.repeat_interleave(row_of_sample, resps)
+    positions = _ranges(row_start + prompts - 1, resps)
+    position_ids = None
+    if packed:   # positions from 0 in each sample; a row's padding is a block of its own (0, 1, ...)
+        position_ids = torch.arange(width).repeat(len(layout), 1) - attention.sum(dim=1, keepdim=True)
+        position_ids[row_of_tok, col_of_tok] = in_sample
     return MicroBatch(input_ids=input_ids, attention_mask=attention, rows=rows, positions=positions,
                       targets=input_ids[rows, positions + 1], token_index=_ranges(resp_start, resps),
-                      num_tokens=int(seqs.sum()))
+                      num_tokens=int(seqs.sum()), position_ids=position_ids)
 
 
 def dummy_micro_batch() -> MicroBatch:
@@ -267,8 +319,11 @@ def dummy_micro_batch() -> MicroBatch:
                       rows=empty, positions=empty, targets=empty, token_index=empty, num_tokens=0)
 
 
-def plan_micro_batches(batch: TrainBatch, *, world_size: int, rank: int, token_budget: int) -> list[MicroBatch]:
-    """This rank's micro-batches (not yet padded to the other ranks' count)."""
+def plan_micro_batches(batch: TrainBatch, *, world_size: int, rank: int, token_budget: int,
+                       pack: bool = False) -> list[MicroBatch]:
+    """This rank's micro-batches (not yet padded to the other ranks' count); `pack`: several samples per row."""
     seq = (batch.prompt_lengths + batch.response_lengths).tolist()
     mine = shard_samples(seq, world_size=world_size, rank=rank)
-    return [build_micro_batch(batch, g) for g in pack_samples(mine, seq, token_budget=token_budget)]
+    groups: list[list[int]] | list[list[list[int]]] = \
+        pack_rows(mine, seq, token_budget=token_budget) if pack else pack_samples(mine, seq, token_budget=token_budget)
+    return [build_micro_batch(batch, g) for g in groups]

@@ -1,39 +1,40 @@
-"""Log-probs of sampled tokens under the distribution each was drawn from, from teacher-forced logits.
+"""Log-probs of sampled tokens under the distribution each was drawn from, scored from the model's last hidden
+states chunk by chunk (services/trainer/head_scoring.py: no [tokens x vocab] table outlives a chunk).
 
 Each sample carries its sampling parameters (temperature, top-p, top-k; `RolloutBatch.sampling_*`), so a batch
 may mix distributions (eval-style greedy samples next to T=0.7 ones, two replicas with different settings).
-Two views are needed:
+Two views are needed, and one forward gives both per token (`TokenScores` rows of the head's [3, N] output):
 
-- the sampling distribution (`sampling_log_prob_table`, the shared `services.tensors.sampling` definition,
-  truncation included): the entropy, and the PPO ratio, TIS and the log-prob mismatch of samples whose engine
-  reports that distribution (the native engine), so an on-policy ratio is exactly 1;
-- the tempered distribution (`tempered_token_log_probs`, logits / T without truncation): the KL to the reference
-  model (truncated, it would be infinite wherever the trained policy picks a token outside the reference's
-  nucleus; tempered it is finite, and 0 while the policy equals the reference), and the ratio, TIS and mismatch of
-  samples whose engine reports the tempered distribution (SGLang 0.5.x: `RolloutBatch.logprob_space` TEMPERED).
+- the sampling distribution (the shared `services.tensors.sampling` definition, truncation included): the
+  entropy, and the PPO ratio, TIS and the log-prob mismatch of samples whose engine reports that distribution
+  (the native engine), so an on-policy ratio is exactly 1;
+- the tempered distribution (logits / T without truncation): the KL to the reference model (truncated, it would
+  be infinite wherever the trained policy picks a token outside the reference's nucleus; tempered it is finite,
+  and 0 while the policy equals the reference), and the ratio, TIS and mismatch of samples whose engine reports
+  the tempered distribution (SGLang 0.5.x: `RolloutBatch.logprob_space` TEMPERED).
 
 "The trainer scores what the engine reports": each token's behaviour space is its batch's stamp
 (`TrainBatch.logprob_tempered`), so the ratio compares like with like whichever engine sampled (docs/algorithms.md).
+A token outside its row's support has log-prob -inf in the sampling space; it is floored at LOG_PROB_FLOOR.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from services.contracts.sampling import SamplingSpec
-from services.tensors.sampling import sampling_log_probs
+from services.tensors.sampling import RowSampling
 from services.trainer.advantages import per_token
-from services.trainer.batching import TrainBatch
+from services.trainer.batching import MicroBatch, TrainBatch
+from services.trainer.head_scoring import LOG_PROB_FLOOR, ScoreRequest
+
+__all__ = ["LOG_PROB_FLOOR", "MIXED", "SAMPLING", "TEMPERED", "TokenSampling", "score_request"]
 
 # A batch's behaviour log-prob space (TokenSampling.space): every token's, or a mix.
 SAMPLING, TEMPERED, MIXED = "sampling", "tempered", "mixed"
-
-
-def _truncates(spec: SamplingSpec, vocab: int) -> bool:
-    return spec.temperature != 0 and (spec.top_p < 1.0 or 0 < spec.top_k < vocab)
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,11 @@ class TokenSampling:
 
     specs: tuple[SamplingSpec, ...]   # the batch's distinct distributions
     group: torch.Tensor               # int64 [N]: each token's index into `specs`
-    temperature: torch.Tensor         # float32 [N] (the tempered log-probs of the KL term)
-    tempered: torch.Tensor | None = None   # bool [N]: the token's behaviour space is the tempered one
-    space: str = SAMPLING                  # the batch's: SAMPLING, TEMPERED (every token) or MIXED (host side)
+    temperature: torch.Tensor         # float32 [N]
+    top_p: torch.Tensor               # float32 [N]
+    top_k: torch.Tensor               # int64 [N]
+    tempered: torch.Tensor            # bool [N]: the token's behaviour space is the tempered one
+    space: str = SAMPLING             # the batch's: SAMPLING, TEMPERED (every token) or MIXED (host side)
 
     @classmethod
     def of(cls, batch: TrainBatch) -> TokenSampling:
@@ -65,16 +68,18 @@ class TokenSampling:
         sample_group = torch.tensor([index.setdefault((t, p, int(k)), len(index)) for t, p, k in keys],
                                     dtype=torch.long)
         specs = tuple(SamplingSpec(temperature=t, top_p=p, top_k=k) for t, p, k in index)
-        temps = temperature.to(torch.float32)
-        tempered = torch.zeros(len(temps), dtype=torch.bool) if tempered is None else tempered.to(torch.bool)
-        space = TEMPERED if bool(tempered.all()) else MIXED if bool(tempered.any()) else SAMPLING
+        columns = [sample_group, temperature.to(torch.float32), top_p.to(torch.float32), top_k.to(torch.long),
+                   torch.zeros(len(temperature), dtype=torch.bool) if tempered is None else tempered.to(torch.bool)]
+        space = TEMPERED if bool(columns[4].all()) else MIXED if bool(columns[4].any()) else SAMPLING
         if lengths is not None:
-            sample_group, temps, tempered = (per_token(x, lengths) for x in (sample_group, temps, tempered))
-        return cls(specs=specs, group=sample_group, temperature=temps, tempered=tempered, space=space)
+            columns = [per_token(x, lengths) for x in columns]
+        group, temps, ps, ks, tempered_space = columns
+        return cls(specs=specs, group=group, temperature=temps, top_p=ps, top_k=ks, tempered=tempered_space,
+                   space=space)
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TokenSampling:
         return TokenSampling(specs=self.specs, group=fn(self.group), temperature=fn(self.temperature),
-                             tempered=None if self.tempered is None else fn(self.tempered), space=self.space)
+                             top_p=fn(self.top_p), top_k=fn(self.top_k), tempered=fn(self.tempered), space=self.space)
 
     def at(self, index: torch.Tensor) -> TokenSampling:
         return self._map(lambda x: x[index])
@@ -82,81 +87,19 @@ class TokenSampling:
     def to(self, device: torch.device) -> TokenSampling:
         return self._map(lambda x: x.to(device))
 
-    def present(self) -> list[tuple[int, SamplingSpec]]:
-        """The distributions these tokens use (one device sync when the batch mixes several)."""
-        if len(self.specs) == 1:
-            return [(0, self.specs[0])]
-        return [(i, self.specs[i]) for i in torch.unique(self.group).tolist()]
-
-    def truncates(self, vocab: int) -> bool:
-        """Whether top-k or top-p removes tokens anywhere (then sampling and tempered log-probs differ)."""
-        return any(_truncates(spec, vocab) for _, spec in self.present())
-
-    def groups(self) -> Iterator[tuple[SamplingSpec, torch.Tensor | None]]:
-        """(distribution, its rows; None = every row) for each distribution these tokens use, in a fixed order."""
-        present = self.present()
-        if len(present) == 1:
-            yield present[0][1], None
-            return
-        for i, spec in present:
-            yield spec, torch.nonzero(self.group == i).flatten()
+    def rows(self, vocab: int) -> RowSampling:
+        """These tokens' distributions as the scoring head takes them (device work only, no host copy)."""
+        return RowSampling.of_rows(self.temperature, self.top_k, self.top_p, specs=self.specs, vocab=vocab)
 
 
-def sampling_log_prob_table(logits: torch.Tensor, sampling: TokenSampling) -> torch.Tensor:
-    """[N, V] logits -> [N, V] float32 log-probs of each row's sampling distribution (-inf where truncated)."""
-    groups = list(sampling.groups())
-    if groups[0][1] is None:
-        return sampling_log_probs(logits, groups[0][0])
-    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    for dist, rows in groups:
-        assert rows is not None
-        rows = rows.to(logits.device)
-        out[rows] = sampling_log_probs(logits[rows], dist)
-    return out
-
-
-def tempered_token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits / T)[target] per row, no truncation (T = 0, greedy, counts as 1)."""
-    t = torch.where(temperature == 0, torch.ones_like(temperature), temperature).to(logits.device)
-    x = logits.float() / t.unsqueeze(-1)
-    return x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
-
-
-# A token outside a row's top-k / nucleus has log-prob -inf; scored log-probs are floored here instead, so a
-# ratio of two of them is 1 (not NaN) and its gradient 0 (clamp passes none below the floor).
-LOG_PROB_FLOOR = -1.0e4
-
-
-def gather_targets(table: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return table.gather(-1, targets.unsqueeze(-1)).squeeze(-1).clamp(min=LOG_PROB_FLOOR)
-
-
-def behaviour_log_probs(logits: torch.Tensor, targets: torch.Tensor, sampling: TokenSampling, *,
-                        table: torch.Tensor | None = None) -> torch.Tensor:
-    """Log-probs of `targets` in each row's behaviour space: its sampling distribution (`table`, the rows'
-    sampling_log_prob_table, when the caller has it) or, for rows of tempered-space batches, logits / T untruncated.
-    Decided on the host from `sampling.space`: one batch of one engine (the usual case) computes one of the two."""
-    if sampling.space == TEMPERED:
-        return tempered_token_log_probs(logits, targets, sampling.temperature)
-    sampled = gather_targets(table if table is not None else sampling_log_prob_table(logits, sampling), targets)
-    if sampling.space == SAMPLING:
-        return sampled
-    assert sampling.tempered is not None
-    tempered = tempered_token_log_probs(logits, targets, sampling.temperature)
-    return torch.where(sampling.tempered.to(logits.device), tempered, sampled)
-
-
-def score_tokens(logits: torch.Tensor, targets: torch.Tensor, sampling: TokenSampling, *,
-                 tempered: bool) -> torch.Tensor:
-    """Log-probs of `targets` in each row's behaviour space (behaviour_log_probs), or (tempered, the KL to the
-    reference) of logits / T untruncated for every row."""
-    if tempered:
-        return tempered_token_log_probs(logits, targets, sampling.temperature)
-    return behaviour_log_probs(logits, targets, sampling)
-
-
-def entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
-    """Entropy per row of a [N, V] log-prob table; truncated (-inf) entries count 0 (and pass no NaN gradient)."""
-    finite = torch.isfinite(log_probs)
-    safe = log_probs.masked_fill(~finite, 0.0)
-    return -(safe.exp().masked_fill(~finite, 0.0) * safe).sum(dim=-1)
+def score_request(mb: MicroBatch, sampling: TokenSampling, *, vocab: int, chunk_tokens: int, tempered: bool = False,
+                  entropy: bool = False, entropy_grad: bool = False, compiled: bool = False) -> ScoreRequest:
+    """What to score for micro-batch `mb` (on the device; `sampling` = its tokens' sampling, on the device too):
+    each token's log-prob in its behaviour space, or (`tempered`: the KL to the reference) of logits / T for every
+    token; the entropy of the sampling distribution when asked (`entropy_grad`: it is in the loss); `compiled`:
+    the untruncated blocks' math through torch.compile (on a GPU)."""
+    space = torch.ones_like(sampling.tempered) if tempered else sampling.tempered
+    return ScoreRequest(rows=mb.rows, positions=mb.positions, targets=mb.targets, sampling=sampling.rows(vocab),
+                        tempered_space=space, chunk_tokens=chunk_tokens,
+                        sampling_space=not tempered and sampling.space != TEMPERED, entropy=entropy,
+                        entropy_grad=entropy and entropy_grad, compiled=compiled)

@@ -24,7 +24,8 @@ from services.trainer.losses import aggregation_weights
 def lockstep_micro_batches(backend: DeepSpeedBackend, batch: TrainBatch, *, token_budget: int) -> list[MicroBatch]:
     """This rank's micro-batches, padded with empty ones to the largest count over ranks."""
     info = backend.dist_info
-    mbs = plan_micro_batches(batch, world_size=info.world_size, rank=info.rank, token_budget=token_budget)
+    mbs = plan_micro_batches(batch, world_size=info.world_size, rank=info.rank, token_budget=token_budget,
+                             pack=backend.pack_sequences)
     count = all_reduce_max_int(len(mbs), info.device)
     return mbs + [dummy_micro_batch() for _ in range(count - len(mbs))]
 

@@ -21,6 +21,11 @@ Recorded from (versions as read; see services/rollout/engines/sglang_protocol.py
   "message", "type": "Bad Request", "param", "code": 400}` for request validation), 404 `{"detail": "Not Found"}`;
 - python/sglang/srt/managers/io_struct.py (0.5.x): the request fields and defaults of every route served;
 - python/sglang/srt/sampling/sampling_params.py: accepted sampling keys and SamplingParams.verify()'s messages;
+  normalize()'s stop_str_max_len (tokens of the longest stop string);
+- python/sglang/srt/managers/schedule_batch.py (0.5.x Req.check_finished): a stop string is searched in the decoded
+  tail of stop_str_max_len + 1 output tokens (special tokens kept) after each token; the token that completes it
+  ends the request and stays in output_ids / output_token_logprobs, finish_reason {"type": "stop", "matched":
+  "<the string>"}; detokenizer_manager.trim_matched_stop cuts `text` before the string (with --tokenizer DIR only);
 - python/sglang/srt/utils (init_custom_process_group) and model_runner.update_weights_from_distributed (0.5.x): the
   group join and the per-tensor / flattened_bucket receive (sglang_contract_weights.py);
 - 0.5.23's begin/end_weight_update session rule: /work/shared/FACTS.md (checked in the 0.5.23 wheel).
@@ -101,6 +106,11 @@ class Server(WeightRoutes):
         self.extra_args = dict(args.server_arg)
         self.pg_timeout = datetime.timedelta(seconds=args.pg_timeout_s)
         self.model_path = args.model_path
+        self.tokenizer = None   # SGLang's tokenizer manager loads it with AutoTokenizer; needed for stop strings
+        if args.tokenizer:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         self.device = torch.device(args.device)   # where received tensors live (SGLang: the model's GPU)
         self.cv = threading.Condition()
         self.paused: str | None = None        # pause_generation mode, None = generating
@@ -214,7 +224,35 @@ class Server(WeightRoutes):
             raise error_response(f"top_k must be -1 (disable) or at least 1, got {p['top_k']}.")
         if p["max_new_tokens"] is not None and p["max_new_tokens"] < 0:
             raise error_response(f"max_new_tokens must be at least 0, got {p['max_new_tokens']}.")
+        return self._stop_strings(p)
+
+    def _stop_strings(self, p: dict[str, Any]) -> dict[str, Any]:
+        """SamplingParams.normalize: `stop` as a list, and stop_str_max_len = the most tokens one encodes to."""
+        stops = p.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else list(stops)
+        if stops and self.tokenizer is None:   # a deviation: this server has a tokenizer only with --tokenizer
+            raise error_response("the contract server matches stop strings only when started with --tokenizer")
+        p["stop_strs"] = stops
+        p["stop_str_max_len"] = max((len(self.tokenizer.encode(s, add_special_tokens=False)) for s in stops),
+                                    default=0)
         return p
+
+    def _matched_stop(self, tokens: list[int], p: dict[str, Any]) -> str | None:
+        """Req.check_finished: the tail of stop_str_max_len + 1 tokens, decoded with its special tokens."""
+        if not p["stop_strs"]:
+            return None
+        tail = self.tokenizer.decode(tokens[-(p["stop_str_max_len"] + 1):])
+        return next((s for s in p["stop_strs"] if s in tail), None)
+
+    def _text(self, tokens: list[int], finish: dict[str, Any], p: dict[str, Any]) -> str:
+        """The detokenizer's text: special tokens skipped, cut before a matched stop string (no_stop_trim off)."""
+        if self.tokenizer is None:
+            return " ".join(str(t) for t in tokens)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        matched = finish.get("matched")
+        if isinstance(matched, str) and matched in text and not p.get("no_stop_trim"):
+            text = text[:text.find(matched)]
+        return text
 
     def _validate_lengths(self, prompt: list[int], max_new_tokens: int | None) -> None:
         """TokenizerManager._validate_one_request (validate_total_tokens, no auto-truncation)."""
@@ -281,6 +319,10 @@ class Server(WeightRoutes):
             if token in stops:
                 finish = {"type": "stop", "matched": token}
                 break
+            matched = self._matched_stop(tokens, p)
+            if matched is not None:                # FINISH_MATCHED_STR: the completing token stays in output_ids
+                finish = {"type": "stop", "matched": matched}
+                break
         meta: dict[str, Any] = {"id": f"rid-{self.next_rid}", "finish_reason": finish, "prompt_tokens": len(prompt),
                                 "weight_version": self.weight_version, "num_retractions": 0,
                                 "completion_tokens": len(tokens), "cached_tokens": 0, "reasoning_tokens": 0,
@@ -289,7 +331,7 @@ class Server(WeightRoutes):
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(log_probs, tokens, strict=True)]
             meta["output_token_logprobs_length"] = len(tokens)
-        return {"text": " ".join(str(t) for t in tokens), "output_ids": tokens, "meta_info": meta}
+        return {"text": self._text(tokens, finish, p), "output_ids": tokens, "meta_info": meta}
 
     def version_number(self) -> int:
         """The weight version as a number ("default" and other non-numbers: 0)."""
@@ -504,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eos", type=int, default=2)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--model-path", default="/models/contract-tiny")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer directory: stop strings and text as SGLang")
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true")
     parser.add_argument("--server-arg", action="append", default=[], type=lambda kv: (kv.split("=", 1)[0],

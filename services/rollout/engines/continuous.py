@@ -7,10 +7,11 @@ own samples are done, then lets go; the other calls wait for their samples (and 
 for their turn to step, so no thread of its own is needed. Waiting samples join when at least `max_rows // 8` rows
 are free (or the batch is empty): they are prefilled as one left-padded chunk and their KV rows appended
 (kv_rows.join). Finished rows leave when a quarter of the batch is done or rows are wanted. A call's samples join
-only a batch of their own distribution (temperature, top-p, top-k, stop tokens, EOS handling), in the order the calls
-came; the batch's random stream is seeded by the call that started it, so a seeded call is reproducible when it runs
-alone. Between two steps the engine's hooks may park the batch for a weight update (rollout.inflight_update) exactly
-as decode.py's loops do, and every token carries its step's version.
+only a batch of their own distribution (temperature, top-p, top-k, stop tokens and strings, EOS handling), in the
+order the calls came; the batch's random stream is seeded by the call that started it, so a seeded call is
+reproducible when it runs alone. Between two steps the engine's hooks may park the batch for a weight update
+(rollout.inflight_update) exactly as decode.py's loops do, and every token carries its step's version. A row whose new
+token completes a stop string ends at that token (stop_strings.py), like one that draws a stop token.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ from services.rollout.engines.base import FINISH_ABORT, FINISH_LENGTH, SampleOut
 from services.rollout.engines.decode import ABORT, LENGTH, REASONS, STOP, Forward, Hooks, prepare_chunk
 from services.rollout.engines.gate import Step
 from services.rollout.engines.sampling import make_generator, sample_next
+from services.rollout.engines.stop_strings import StopStrings, StopStringTables
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
 
-def distribution(s: SamplingSpec) -> tuple[float, float, int, tuple[int, ...], bool]:
+def distribution(s: SamplingSpec) -> tuple[float, float, int, tuple[int, ...], bool, tuple[str, ...]]:
     """What samples decoded in one batch must share."""
-    return s.temperature, s.top_p, s.top_k, tuple(sorted(s.stop_token_ids)), s.ignore_eos
+    return s.temperature, s.top_p, s.top_k, tuple(sorted(s.stop_token_ids)), s.ignore_eos, s.stop
 
 
 @dataclass(eq=False)
@@ -118,7 +120,8 @@ class _Rows:
 
 class ContinuousBatcher:
     def __init__(self, *, forward: Forward, new_cache: Callable[[], DynamicCache], hooks: Hooks, device: torch.device,
-                 max_rows: int, pad_token_id: int, eos_token_ids: Sequence[int], max_context: int):
+                 max_rows: int, pad_token_id: int, eos_token_ids: Sequence[int], max_context: int,
+                 stop_tables: StopStringTables | None = None):
         self.forward, self.new_cache, self.hooks, self.device = forward, new_cache, hooks, device
         self.max_rows, self.pad_token_id, self.eos_token_ids = max_rows, pad_token_id, tuple(eos_token_ids)
         self.max_context = max_context
@@ -133,6 +136,8 @@ class ContinuousBatcher:
         self._step_versions: list[int] = []       # the weight version of each batch step's logits
         self._version = 0                          # the version of the pending logits
         self._stop_ids = torch.zeros(0, dtype=torch.long, device=device)
+        self.stop_tables = stop_tables
+        self._stops: StopStrings | None = None     # the batch's stop strings
         self.peak_rows = 0                         # most rows decoded together so far
 
     def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *, budgets: Sequence[int],
@@ -194,6 +199,8 @@ class ContinuousBatcher:
         rows.log_probs.scatter_(1, at, torch.where(live, lps, rows.log_probs.gather(1, at).squeeze(-1)).unsqueeze(-1))
         rows.length += live.long()
         hit_stop = live & torch.isin(tokens, self._stop_ids)
+        if self._stops is not None:             # the row's new token completes a stop string: kept, the row ends
+            hit_stop = hit_stop | self._stops.completed(rows.tokens, rows.length, live & ~hit_stop)
         hit_len = live & ~hit_stop & (rows.length >= rows.budget)
         rows.reason = torch.where(hit_stop, STOP, torch.where(hit_len, LENGTH, rows.reason))
         rows.done = rows.done | hit_stop | hit_len
@@ -269,6 +276,7 @@ class ContinuousBatcher:
         self._stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos
                                                                                else set(self.eos_token_ids))),
                                       dtype=torch.long, device=self.device)
+        self._stops = self.stop_tables.for_request(sampling.stop) if sampling.stop and self.stop_tables else None
 
     def _prefill(self, picked: list[tuple[Ticket, int]]) -> _Rows:
         prompts = [t.prompts[i] for t, i in picked]

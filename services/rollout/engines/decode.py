@@ -8,7 +8,8 @@ Both call `hooks.boundary()` between tokens (the engine's DecodeGate: it may par
 lands, rollout.inflight_update) and read `hooks.version()` before each forward pass, so every token is stamped with the
 weight version whose logits it was sampled from. After a park by in_place (Step.KEPT) the loop goes on with the KV
 cache of the old weights; after retract (Step.REFILL) it first recomputes the KV of the prompt and the tokens so far
-under the new weights (one prefill), so the rest of the sample is exactly the new policy's continuation.
+under the new weights (one prefill), so the rest of the sample is exactly the new policy's continuation. Both end rows
+at stop strings when the request has some (stop_strings.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from services.rollout.engines.base import FINISH_ABORT, FINISH_LENGTH, FINISH_ST
 from services.rollout.engines.gate import Step
 from services.rollout.engines.sampling import sample_next
 from services.rollout.engines.static_decode import Runner, RunnerCache
+from services.rollout.engines.stop_strings import StopStrings
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -111,7 +113,8 @@ def prepare_chunk(prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *, d
 
 
 def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator | None, *,
-                   new_cache: Callable[[], DynamicCache], forward: Forward, hooks: Hooks) -> Decoded:
+                   new_cache: Callable[[], DynamicCache], forward: Forward, hooks: Hooks,
+                   stops: StopStrings | None = None) -> Decoded:
     dev, n, steps, budget, stop_ids, mask = c.input_ids.device, c.n, c.steps, c.budget, c.stop_ids, c.mask
     out = Decoded.empty(n, steps, dev)
     rows = torch.arange(n, device=dev)      # original index of each row still in the batch
@@ -131,6 +134,10 @@ def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator 
         hit_len = ~done & ~hit_stop & (lengths_now >= budget[rows])
         out.reason[rows] = torch.where(hit_stop, STOP, torch.where(hit_len, LENGTH, out.reason[rows]))
         done = done | hit_stop | hit_len
+        if stops is not None:
+            ended = _end_at_stop_strings(stops, out, step, step + 1)
+            if ended is not None:
+                done = done | ended[rows]
         n_done = int(done.sum())                  # the loop's one host sync per token
         if n_done == done.numel():
             break
@@ -155,8 +162,9 @@ def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator 
 
 
 def decode_static(c: Chunk, sampling: SamplingSpec, generator: torch.Generator | None, *, runners: RunnerCache,
-                  hooks: Hooks) -> Decoded:
-    """Finished rows keep computing but their tokens are not counted; no host sync except every _SYNC_EVERY."""
+                  hooks: Hooks, stops: StopStrings | None = None) -> Decoded:
+    """Finished rows keep computing but their tokens are not counted; no host sync except every _SYNC_EVERY (stop
+    strings are scanned there too, over the tokens since the last scan: a row is cut back to its match)."""
     n, steps = c.n, c.steps
     runner = runners.get(n, c.width + steps)
     version = hooks.version()
@@ -164,6 +172,7 @@ def decode_static(c: Chunk, sampling: SamplingSpec, generator: torch.Generator |
     next_pos = c.positions[:, -1] + 1
     out = Decoded.empty(n, steps, c.input_ids.device)
     done = torch.zeros(n, dtype=torch.bool, device=c.input_ids.device)
+    scanned = 0                                   # stop strings: positions before this are scanned
     for step in range(steps):
         out.step_versions.append(version)
         tokens, lps = runners.sample(logits, sampling, generator)
@@ -174,10 +183,15 @@ def decode_static(c: Chunk, sampling: SamplingSpec, generator: torch.Generator |
         hit_len = ~done & ~hit_stop & (out.lengths >= c.budget)
         out.reason = torch.where(hit_stop, STOP, torch.where(hit_len, LENGTH, out.reason))
         done = done | hit_stop | hit_len
-        if step == steps - 1 or (step % _SYNC_EVERY == _SYNC_EVERY - 1 and bool(done.all())):
+        at_sync = step == steps - 1 or step % _SYNC_EVERY == _SYNC_EVERY - 1
+        if stops is not None and at_sync:
+            done, scanned = _scan_stops(stops, out, done, scanned, step + 1)
+        if step == steps - 1 or (at_sync and bool(done.all())):
             break
         after = hooks.boundary()
         if after is Step.ABORT:
+            if stops is not None:
+                done, scanned = _scan_stops(stops, out, done, scanned, step + 1)
             out.reason = torch.where(done, out.reason, ABORT)
             break
         if after is not Step.GO and not runner.current():   # parameters moved while parked (a first cuda_ipc sync)
@@ -201,3 +215,24 @@ def _prefill(runner: Runner, ids: torch.Tensor, mask: torch.Tensor) -> torch.Ten
         pad = runner.batch - ids.shape[0]
         ids, mask, positions = (torch.cat([t, t[:1].expand(pad, -1)]) for t in (ids, mask, positions))
     return runner.prefill(ids, positions, mask)
+
+
+def _end_at_stop_strings(stops: StopStrings, out: Decoded, start: int, end: int) -> torch.Tensor | None:
+    """Rows whose text completes a stop string at a position in [start, end) end there (length, reason stop; the
+    tokens after it are dropped). Returns the rows it ended (bool [n]), or None."""
+    first = stops.scan(out.tokens, out.lengths, start, end)
+    if not first:
+        return None
+    dev = out.lengths.device
+    rows = torch.tensor(list(first), dtype=torch.long, device=dev)
+    out.lengths[rows] = torch.tensor([p + 1 for p in first.values()], dtype=out.lengths.dtype, device=dev)
+    out.reason[rows] = STOP
+    ended = torch.zeros_like(out.lengths, dtype=torch.bool)
+    ended[rows] = True
+    return ended
+
+
+def _scan_stops(stops: StopStrings, out: Decoded, done: torch.Tensor, start: int,
+                end: int) -> tuple[torch.Tensor, int]:
+    ended = _end_at_stop_strings(stops, out, start, end)
+    return (done if ended is None else done | ended), end

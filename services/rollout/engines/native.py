@@ -4,7 +4,7 @@ Runs anywhere torch runs (CPU in CI, one GPU for real work). Prompts are left-pa
 Two decode paths (`decode=`):
 - "dynamic": the model's own forward with a Hugging Face DynamicCache; finished rows are dropped from the
   batch (and its KV cache) as they finish, so short answers do not pay for long ones. The CPU default.
-- "graph" (the CUDA default for Llama/Qwen2) / "compile" / "static": a preallocated KV cache of a fixed
+- "graph" (the CUDA default for Llama/Qwen2/Qwen3) / "compile" / "static": a preallocated KV cache of a fixed
   (batch, length) bucket and, for "graph", a CUDA-graph-captured decode step (static_decode.py); "compile"
   captures the torch.compile'd step instead (fewer, fused kernels; its first call per bucket compiles);
   sampling stays on the device and the loop checks for finished rows every few tokens. The loops are in decode.py.
@@ -42,6 +42,7 @@ from services.rollout.engines.errors import EngineUnavailable
 from services.rollout.engines.gate import DecodeGate, check_pause_mode
 from services.rollout.engines.sampling import make_generator
 from services.rollout.engines.static_decode import RunnerCache, supported
+from services.rollout.engines.stop_strings import Detokenizer, StopStringTables
 from services.tensors import fused
 
 if TYPE_CHECKING:
@@ -71,7 +72,10 @@ class NativeEngine(Engine):
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "float32",
                  attn_implementation: str = "sdpa", max_batch_size: int = 512,
                  max_context_length: int | None = None, eos_token_ids: Sequence[int] | None = None,
-                 decode: str = "auto", fused_kernels: str = "off", continuous_batching: bool = False):
+                 decode: str = "auto", fused_kernels: str = "off", continuous_batching: bool = False,
+                 detokenizer: Detokenizer | None = None):
+        """`eos_token_ids`: the ids that end a sample (default: the model's config and generation config);
+        `detokenizer`: the run's tokenizer, needed by requests with stop strings (stop_strings.py)."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -97,6 +101,8 @@ class NativeEngine(Engine):
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(self.model)
         self.pad_token_id = _pad_id(self.model, self.eos_token_ids)
+        self._stop_tables = StopStringTables(detokenizer, vocab_size=self.vocab_size, device=self.device) \
+            if detokenizer is not None else None
         self._gate: DecodeGate = DecodeGate(engine="rollout engine", shared=continuous_batching)
         self._version = 0
         self._generated = 0
@@ -125,7 +131,7 @@ class NativeEngine(Engine):
         return ContinuousBatcher(forward=self._forward, new_cache=lambda: DynamicCache(config=self.model.config),
                                  hooks=self._hooks(), device=self.device, max_rows=self.max_batch_size,
                                  pad_token_id=self.pad_token_id, eos_token_ids=self.eos_token_ids,
-                                 max_context=self._max_context)
+                                 max_context=self._max_context, stop_tables=self._stop_tables)
 
     def _hooks(self) -> Hooks:
         return Hooks(boundary=self._gate.boundary, version=lambda: self._version)
@@ -137,6 +143,9 @@ class NativeEngine(Engine):
         if decode == "auto":
             if self.device.type == "cuda" and why is None:
                 return "graph"
+            if self.device.type == "cuda":
+                log.info("native engine: decoding with the dynamic cache, without CUDA graphs: the static decode "
+                         "path does not support %s", why)
             return "dynamic"
         if decode in ("static", "graph", "compile") and why is not None:
             raise ValueError(f"decode={decode!r}: the static decode path does not support {why}")
@@ -177,6 +186,9 @@ class NativeEngine(Engine):
     def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
                            budgets: Sequence[int]) -> list[SampleOutput]:
         self._check_servable()
+        if sampling.stop and self._stop_tables is None:
+            raise ValueError("sampling.stop: this native engine was built without the tokenizer (detokenizer=), "
+                             "which stop strings are matched with")
         if self._batcher is not None:
             return self._generate_shared(prompts, sampling, budgets)
         version = self._version
@@ -217,18 +229,19 @@ class NativeEngine(Engine):
                         generator: torch.Generator | None, version: int, budgets: Sequence[int]) -> list[SampleOutput]:
         chunk = prepare_chunk(prompts, sampling, device=self.device, pad_token_id=self.pad_token_id,
                               eos_token_ids=self.eos_token_ids, max_context=self._max_context, budgets=budgets)
+        stops = self._stop_tables.for_request(sampling.stop) if sampling.stop and self._stop_tables else None
         hooks = self._hooks()
         if self.decode_mode == "dynamic":
             from transformers import DynamicCache
 
             decoded = decode_dynamic(chunk, sampling, generator, forward=self._forward, hooks=hooks,
-                                     new_cache=lambda: DynamicCache(config=self.model.config))
+                                     new_cache=lambda: DynamicCache(config=self.model.config), stops=stops)
         else:
             if self._runners is None:
                 self._runners = RunnerCache(self.model, graphs=self.decode_mode in ("graph", "compile"),
                                             compile=self.decode_mode == "compile")
             # the runners are passed on: a weight update while parked may drop self._runners
-            decoded = decode_static(chunk, sampling, generator, runners=self._runners, hooks=hooks)
+            decoded = decode_static(chunk, sampling, generator, runners=self._runners, hooks=hooks, stops=stops)
         return decoded.samples(version)
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,

@@ -109,9 +109,11 @@ class SGLangEngine(Engine):
                  weight_load_format: str = _SGLANG.weight_load_format,
                  startup_timeout_s: float = _SGLANG.startup_timeout_s, api_key: str | None = None,
                  launched: LaunchedServer | None = None, timeouts: TimeoutsConfig = _TIMEOUTS,
-                 weights_timeout_s: float = _WEIGHTS.timeout_s, inflight_update: str = "off"):
+                 weights_timeout_s: float = _WEIGHTS.timeout_s, inflight_update: str = "off",
+                 eos_token_ids: Sequence[int] = ()):
         """`timeouts`: services.timeouts (control_s for pause/continue/flush/server_info, probe_s for best-effort
-        cleanup calls); `weights_timeout_s` bounds a sync whose plan names no deadline (weights.timeout_s)."""
+        cleanup calls); `weights_timeout_s` bounds a sync whose plan names no deadline (weights.timeout_s);
+        `eos_token_ids`: the model's end-of-generation ids, sent with each request (sglang_protocol.sampling_params)."""
         if not urls:
             raise ValueError("the sglang engine needs at least one server URL")
         if pause_mode not in SGLANG_PAUSE_MODES:
@@ -119,6 +121,7 @@ class SGLangEngine(Engine):
         if weight_load_format not in LOAD_FORMATS:
             raise ValueError(f"rollout.sglang.weight_load_format must be one of {', '.join(LOAD_FORMATS)}")
         self._launched = launched
+        self._eos_token_ids = tuple(eos_token_ids)
         deadline = time.monotonic() + startup_timeout_s
         self._control_s = timeouts.control_s
         self._weights_timeout_s = weights_timeout_s
@@ -154,7 +157,7 @@ class SGLangEngine(Engine):
                                   flush=self._flush_after_sync, probe_s=timeouts.probe_s)
 
     @classmethod
-    def from_config(cls, config: TandemConfig) -> SGLangEngine:
+    def from_config(cls, config: TandemConfig, *, eos_token_ids: Sequence[int] = ()) -> SGLangEngine:
         """rollout.sglang.urls, or a server launched here when none are given."""
         from services.rollout.engines.sglang_launch import LaunchSpec, launch_args
         from services.rpc.ports import free_port
@@ -174,7 +177,8 @@ class SGLangEngine(Engine):
                        pause_mode=sg.pause_mode, request_timeout_s=sg.request_timeout_s,
                        weight_load_format=sg.weight_load_format, startup_timeout_s=sg.startup_timeout_s,
                        api_key=sg.api_key, launched=launched, timeouts=config.services.timeouts,
-                       weights_timeout_s=config.weights.timeout_s, inflight_update=ro.inflight_update)
+                       weights_timeout_s=config.weights.timeout_s, inflight_update=ro.inflight_update,
+                       eos_token_ids=eos_token_ids)
         except BaseException:
             if launched is not None:
                 launched.stop()
@@ -204,6 +208,10 @@ class SGLangEngine(Engine):
         if self._weights_empty:
             raise EngineUnavailable("SGLang's weights came back empty from ResumeMemory (its servers run without "
                                     "--enable-weights-cpu-backup): sync weights before generating")
+        blind = [s.url for s in self.servers if s.info.skip_tokenizer_init]
+        if sampling.stop and blind:
+            raise ValueError(f"sampling.stop: SGLang at {blind[0]} runs with --skip-tokenizer-init, so it cannot "
+                             "match stop strings; restart it with its tokenizer or drop the stop strings")
         start = self._version
         starts = range(0, len(prompts), self.max_batch_size)
         futures = [self._pool.submit(self._generate_chunk, self.servers[k % len(self.servers)],
@@ -215,7 +223,8 @@ class SGLangEngine(Engine):
 
     def _generate_chunk(self, server: Server, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
                         start: int, budgets: Sequence[int]) -> list[SampleOutput]:
-        body = generate_body(prompts, sampling, max_context=self._max_context, budgets=budgets)
+        body = generate_body(prompts, sampling, max_context=self._max_context, budgets=budgets,
+                             eos_token_ids=self._eos_token_ids)
         try:
             answer = server.client.post("/generate", body, timeout_s=self._request_timeout_s)
         except SGLangAborted:   # a pause(abort) reached the call while it waited: as aborted samples (retried)

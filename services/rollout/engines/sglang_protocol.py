@@ -110,6 +110,7 @@ class ServerInfo:
     enable_memory_saver: bool
     weight_version: str
     weights_cpu_backup: bool = False   # --enable-weights-cpu-backup: weights survive a release
+    skip_tokenizer_init: bool = False  # --skip-tokenizer-init: no tokenizer, so no stop strings
     radix_cache_off: bool = False      # --disable-radix-cache: no prefix cache (retract then recomputes)
 
 
@@ -152,6 +153,7 @@ def parse_server_info(info: JsonValue, *, url: str) -> ServerInfo:
                       enable_memory_saver=bool(info.get("enable_memory_saver", False)),
                       weight_version=str(info.get("weight_version") or ""),
                       weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)),
+                      skip_tokenizer_init=bool(info.get("skip_tokenizer_init", False)),
                       radix_cache_off=bool(info.get("disable_radix_cache", False)))
 
 
@@ -164,19 +166,26 @@ def parse_weight_version(value: JsonValue) -> int | None:
 # ---- requests -------------------------------------------------------------------------------------
 
 
-def sampling_params(options: SamplingSpec) -> JsonObject:
+def sampling_params(options: SamplingSpec, *, eos_token_ids: Sequence[int] = ()) -> JsonObject:
+    """`eos_token_ids` (the model's, generation_config.json's included) are sent as stop_token_ids unless ignore_eos:
+    SGLang versions differ in which of them they stop on by themselves. Stop strings go as `stop`: SGLang ends a
+    sample at the token that completes one and keeps it in output_ids (its `text` is cut before the string, which
+    the adapter does not read)."""
     params: JsonObject = {"temperature": options.temperature, "top_p": options.top_p,
                               "top_k": options.top_k if options.top_k > 0 else -1,
                               "max_new_tokens": options.max_new_tokens, "ignore_eos": options.ignore_eos}
-    if options.stop_token_ids:
-        params["stop_token_ids"] = list(options.stop_token_ids)
+    stop_ids = sorted(set(options.stop_token_ids) | (set() if options.ignore_eos else set(eos_token_ids)))
+    if stop_ids:
+        params["stop_token_ids"] = stop_ids
+    if options.stop:
+        params["stop"] = list(options.stop)
     if options.seed is not None:
         params["sampling_seed"] = int(options.seed)
     return params
 
 
 def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec, *, max_context: int | None = None,
-                  budgets: Sequence[int] | None = None) -> JsonObject:
+                  budgets: Sequence[int] | None = None, eos_token_ids: Sequence[int] = ()) -> JsonObject:
     """A batch request: input_ids as a list of lists (even for one prompt, so the answer is always a list).
 
     `budgets`: each prompt's own max_new_tokens (a data row's cap), sent as per-prompt sampling params. SGLang refuses
@@ -184,7 +193,7 @@ def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec, *, ma
     stops that sample at the context: prompts that would are sent with their own sampling params, max_new_tokens cut
     to what the context leaves (the prompts are validated shorter than the context). SGLang's scheduler then ends
     such a sample 2 tokens before the context (its max_req_len is the context - 1)."""
-    params = sampling_params(options)
+    params = sampling_params(options, eos_token_ids=eos_token_ids)
     body: JsonObject = {"input_ids": [[int(t) for t in p] for p in prompts], "sampling_params": params,
                             "return_logprob": True, "stream": False}
     caps = list(budgets) if budgets is not None else [options.max_new_tokens] * len(prompts)

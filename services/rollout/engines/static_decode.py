@@ -16,10 +16,12 @@ fixed-shape buffers:
   tokens and positions into the graph's inputs and replays it. On CPU (or with graphs off) it calls `decode` eagerly,
   which is what the CPU tests check against the model's own forward.
 
-Only plain decoder stacks are supported (`supported()`): Llama and Qwen2 with full attention. Everything
-else keeps the engine's dynamic-cache path. A runner captures raw device pointers of the parameters, so
-it holds references to the tensors it was captured with; the engine drops its runners whenever parameter
-storage moves (flattening, weight release) and in-place weight updates keep them valid.
+Only plain decoder stacks are supported (`supported()`): Llama (llama3 rope scaling included: the model's own
+rotary module computes the frequencies), Qwen2 and Qwen3 (its per-head q/k RMSNorm) with full attention. Everything
+else keeps the engine's dynamic-cache path, and asking for the static path names what it lacks. A runner captures
+raw device pointers of the parameters, so it holds references to the tensors it was captured with; the engine drops
+its runners whenever parameter storage moves (flattening, weight release) and in-place weight updates keep them
+valid.
 """
 
 from __future__ import annotations
@@ -40,24 +42,31 @@ from services.tensors.sampling import sampling_log_probs
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_TYPES = ("llama", "qwen2")
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
+QK_NORM_TYPES = ("qwen3",)          # RMSNorm over each head's query and key before rotary
+# Rotary types whose frequencies the model recomputes from the sequence length at run time (a static step cannot)
+DYNAMIC_ROPE = ("dynamic", "longrope")
 
 
 def supported(model: HFCausalLM) -> str | None:
-    """None when `model` can use the static path, else why not."""
+    """None when `model` can use the static path, else why not (one line naming what it does not support)."""
     cfg = model.config
     if cfg.model_type not in SUPPORTED_TYPES:
         return f"model type {cfg.model_type!r} (static decode knows {', '.join(SUPPORTED_TYPES)})"
     if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
         return "sliding-window layers"
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope in DYNAMIC_ROPE:
+        return f"rope type {rope!r} (its frequencies follow the sequence length)"
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "an unexpected module structure"
     attn = inner.layers[0].self_attn
     if not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
         return "an unexpected attention module"
-    if any(hasattr(attn, a) for a in ("q_norm", "k_norm")):
-        return "q/k norms"
+    has_qk_norm = all(hasattr(attn, a) for a in ("q_norm", "k_norm"))
+    if has_qk_norm != (cfg.model_type in QK_NORM_TYPES):
+        return f"{cfg.model_type} attention {'with' if has_qk_norm else 'without'} q/k norms"
     return None
 
 
@@ -139,6 +148,7 @@ class StaticDecoder:
         self.head_dim = int(attn.head_dim)
         self.scaling = float(attn.scaling)
         self.groups = self.heads // self.kv_heads
+        self.qk_norm = cfg.model_type in QK_NORM_TYPES
 
     def new_cache(self, batch: int, length: int) -> StaticKV:
         p = self.inner.embed_tokens.weight
@@ -147,8 +157,11 @@ class StaticDecoder:
 
     def _qkv(self, attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         b, t, _ = x.shape
-        q = attn.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = attn.q_proj(x).view(b, t, self.heads, self.head_dim)
+        k = attn.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        if self.qk_norm:                                   # Qwen3: per-head RMSNorm before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = attn.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
