@@ -137,7 +137,7 @@ def coordinator_seconds(args: argparse.Namespace, batch: RolloutBatchData, redis
     coordinator = Coordinator(
         config=config, run_dir=run_dir, trainer=trainer, critic=None, pool=pool, sync=InstantSync(),  # type: ignore[arg-type]
         data=DataSource(records, batch_size=PROMPTS, shuffle=False, seed=0, num_epochs=1),
-        buffer=producer, trackers=make_trackers(("jsonl",), run_dir=run_dir, run_name="bench", wandb_project=None),
+        buffer=producer, trackers=make_trackers((), run_dir=run_dir, run_name="bench"),
         eval_prompts=lambda: [], generations=ThreadPoolExecutor(2), evals=ThreadPoolExecutor(1))
     original_log = coordinator.trackers[0].log
     coordinator.trackers[0].log = lambda step, metrics: (original_log(step, metrics),  # type: ignore[method-assign]

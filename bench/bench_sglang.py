@@ -123,11 +123,11 @@ def sync_once(engine: SGLangEngine, publisher: Any, named: list[tuple[str, Any]]
 
 
 def publisher_for(transport: str, load_format: str, *, work: Path, timeout_s: float, bucket_mb: float) -> Any:
-    from services.contracts.config import WeightsConfig
+    from services.contracts.config import weights_config
     from services.weights import WeightPublisher
 
-    config = WeightsConfig(transport=transport, bucket_mb=bucket_mb, timeout_s=timeout_s,
-                           disk_dir=str(work / "weights"))
+    disk = {"disk_dir": str(work / "weights")} if transport == "disk" else {}
+    config = weights_config(transport=transport, bucket_mb=bucket_mb, timeout_s=timeout_s, **disk)
     return WeightPublisher(config=config, run_dir=work, trainer_id="bench",
                            sglang_load_format=load_format)
 

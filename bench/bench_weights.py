@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import CudaIpcWeights, weights_config
 from services.weights import TensorSpec, WeightPublisher, torch_compat
 from services.weights.peer import Peer, make_tensors, plan_to_text, specs_to_json
 
@@ -53,7 +53,7 @@ def model_specs(total_mb: float) -> list[TensorSpec]:
 
 def bench_transport(*, transport: str, bucket_mb: float, specs: list[TensorSpec], repeats: int, peer: Peer,
                     run_dir: Path, device: str = "cpu") -> dict[str, float]:
-    config = WeightsConfig(transport=transport, bucket_mb=bucket_mb, timeout_s=120)
+    config = weights_config(transport=transport, bucket_mb=bucket_mb, timeout_s=120)
     publisher = WeightPublisher(config=config, run_dir=run_dir, trainer_id="bench")
     tensors = {name: t.to(device) for name, t in make_tensors(specs, seed=0).items()}
     recv_s, send_s, wall_s = [], [], []
@@ -180,7 +180,7 @@ def handoff_main(args: argparse.Namespace) -> int:
     specs = qwen2_05b_specs()
     nbytes = sum(s.nbytes for s in specs)
     d2d, d2d_wall = d2d_copy_s(nbytes, repeats=max(args.repeats, 10))
-    config = WeightsConfig(transport="cuda_ipc", bucket_mb=args.bucket_mb[-1], timeout_s=120)
+    config = CudaIpcWeights(bucket_mb=args.bucket_mb[-1], timeout_s=120)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         publisher = WeightPublisher(config=config, run_dir=Path(tmp), trainer_id="bench")

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import ProcessGroupWeights
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
 from services.coordinator.errors import ServiceCallError
 from services.coordinator.pool import RolloutPool
@@ -226,7 +226,7 @@ class FakeTrainer:
 
 def _sync(log: CallLog, replicas: list[FakeReplica], *, verify: bool = True) -> WeightSync:
     return WeightSync(trainer=FakeTrainer(log), pool=_pool(log, replicas),
-                      config=WeightsConfig(check_weight_update_equal=verify))
+                      config=ProcessGroupWeights(check_weight_update_equal=verify))
 
 
 def test_a_sync_prepares_the_engines_then_the_trainer_transfers_verifies_and_resumes():

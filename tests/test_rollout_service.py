@@ -220,14 +220,14 @@ def test_receive_weights_through_the_weight_receiver(service: RolloutService, tm
     weights = pytest.importorskip("services.weights")
     from transformers import AutoModelForCausalLM
 
-    from services.contracts.config import WeightsConfig
+    from services.contracts.config import DiskWeights
 
     other = init_model(tmp_path / "other", preset="tiny", seed=5)
     policy = AutoModelForCausalLM.from_pretrained(other).eval()
     named = [(n, p.detach()) for n, p in policy.named_parameters()]
     receiver_side = RolloutService(service.config, replica=1)
     ptrs = {n: p.data_ptr() for n, p in receiver_side.engine.model.named_parameters()}
-    publisher = weights.WeightPublisher(config=WeightsConfig(transport="disk", disk_dir=str(tmp_path / "w")),
+    publisher = weights.WeightPublisher(config=DiskWeights(disk_dir=str(tmp_path / "w")),
                                         run_dir=tmp_path, trainer_id="actor-0")
     plan = publisher.prepare(weights.specs_from_tensors(named), version=7, engine_world_size=1, verify=True)
     publisher.publish(plan, named)

@@ -13,7 +13,7 @@ import redis
 import torch.distributed as dist
 
 from services.buffer.stream import connect, redacted
-from services.contracts.config import ServicesConfig, TandemConfig, WeightsConfig
+from services.contracts.config import ProcessGroupWeights, ServicesConfig, TandemConfig
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.launcher.redis_server import EmbeddedRedis
 from services.rpc.ports import free_port
@@ -87,7 +87,7 @@ def test_every_listening_default_is_loopback():
     s = ServicesConfig()
     assert s.bind_host == "127.0.0.1"
     assert {a.host for a in (s.coordinator, s.trainer, s.critic, *s.rollout)} == {"127.0.0.1"}
-    assert WeightsConfig().master_addr == "127.0.0.1"          # the weight-sync store the trainer listens on
+    assert ProcessGroupWeights().master_addr == "127.0.0.1"          # the weight-sync store the trainer listens on
     assert EmbeddedRedis("unused").host == "127.0.0.1"
     assert s.auth_token is None and s.tls_cert is None         # opt-in, see test_security_run.py
 

@@ -24,7 +24,7 @@ import torch
 from helpers.sglang_contract_server import ContractServer
 from helpers.sglang_contract_weights import CRASH_EXIT, inspect_pickle, payload_problem
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import CudaIpcWeights
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.sglang import SGLangEngine
 from services.rollout.engines.sglang_http import SGLangClient, SGLangUnavailable, is_loopback
@@ -47,7 +47,7 @@ SPECS = ([TensorSpec("model.embed_tokens.weight", "bfloat16", (64, 32))]
 
 
 def publisher(tmp_path: Path, load_format: str) -> WeightPublisher:
-    config = WeightsConfig(transport="cuda_ipc", bucket_mb=0.004, timeout_s=20.0)
+    config = CudaIpcWeights(bucket_mb=0.004, timeout_s=20.0)
     sender = SGLangTensorSender(config=config, trainer_id="actor-0", load_format=load_format, device="cpu")
     return WeightPublisher(transport=sender, config=config, run_dir=tmp_path, trainer_id="actor-0")
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers.sglang_contract_server import ContractServer, blake2b_hex
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import weights_config
 from services.contracts.sampling import SamplingSpec
 from services.coordinator.policy import sync_pause_mode
 from services.rollout.engines.sglang import SGLangEngine
@@ -52,7 +52,8 @@ def loopback_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def publisher(tmp_path: Path, *, transport: str = "gloo", timeout_s: float = 20.0) -> WeightPublisher:
-    config = WeightsConfig(transport=transport, bucket_mb=0.0625, timeout_s=timeout_s, disk_dir=str(tmp_path / "w"))
+    disk = {"disk_dir": str(tmp_path / "w")} if transport == "disk" else {}
+    config = weights_config(transport=transport, bucket_mb=0.0625, timeout_s=timeout_s, **disk)
     return WeightPublisher(config=config, run_dir=tmp_path, trainer_id="actor-0")
 
 

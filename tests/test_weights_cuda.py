@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import weights_config
 from services.weights import TensorSpec, WeightPublisher, WeightSyncRefused, WeightSyncTimeout
 from services.weights.peer import Peer, make_tensors, plan_to_text, specs_to_json
 
@@ -27,7 +27,7 @@ SPECS = ([TensorSpec("embed", "bfloat16", (4096, 512))]
 
 
 def _publisher(tmp_path: Path, transport: str, *, timeout_s: float = 30.0) -> WeightPublisher:
-    config = WeightsConfig(transport=transport, bucket_mb=1.0, timeout_s=timeout_s)
+    config = weights_config(transport=transport, bucket_mb=1.0, timeout_s=timeout_s)
     return WeightPublisher(config=config, run_dir=tmp_path, trainer_id="actor-0")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import ProcessGroupWeights
 from services.weights import (
     TensorSpec,
     WeightPublisher,
@@ -38,7 +38,7 @@ SPECS = ([TensorSpec("embed", "bfloat16", (512, 512))]
 
 
 def _publisher(tmp_path: Path, *, timeout_s: float = 20.0, trainer_id: str = "actor-0") -> WeightPublisher:
-    config = WeightsConfig(transport="gloo", bucket_mb=0.0625, timeout_s=timeout_s)
+    config = ProcessGroupWeights(transport="gloo", bucket_mb=0.0625, timeout_s=timeout_s)
     return WeightPublisher(config=config, run_dir=tmp_path, trainer_id=trainer_id)
 
 

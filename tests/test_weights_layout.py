@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import DiskWeights
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights import (
     TensorSpec,
@@ -195,7 +195,7 @@ def test_check_params_lists_every_mismatch():
 
 
 def _disk_publisher(tmp_path: Path, timeout_s: float = 2.0) -> WeightPublisher:
-    return WeightPublisher(config=WeightsConfig(transport="disk", bucket_mb=0.01, timeout_s=timeout_s),
+    return WeightPublisher(config=DiskWeights(bucket_mb=0.01, timeout_s=timeout_s),
                            run_dir=tmp_path, trainer_id="actor-0")
 
 

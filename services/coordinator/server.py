@@ -119,8 +119,7 @@ def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinat
                        discard=buffer.delete if buffer is not None else None)
     sync = WeightSync(trainer=trainer, pool=pool, config=config.weights, trainer_offloads=config.loop.offload_train,
                       pause_mode=sync_pause_mode(config.rollout.inflight_update))
-    trackers = make_trackers(config.tracing.trackers, run_dir=run_dir, run_name=config.run_name,
-                             wandb_project=config.tracing.wandb_project, prometheus_port=config.tracing.prometheus_port)
+    trackers = make_trackers(config.tracing.trackers, run_dir=run_dir, run_name=config.run_name)
     coordinator = Coordinator(
         config=config, run_dir=run_dir, trainer=trainer, critic=critic, pool=pool, sync=sync, data=data,
         buffer=buffer, trackers=trackers, eval_prompts=functools.partial(load_eval_prompts, config.data),

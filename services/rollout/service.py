@@ -35,6 +35,7 @@ from services.rollout.engines.base import (
     SampleOutput,
 )
 from services.rollout.engines.errors import EngineUnavailable
+from services.rollout.engines.registry import engine_kind
 from services.rollout.environments import EpisodeSample, resolve_environment
 from services.rollout.multi_turn import MultiTurnRollout, episode_metrics
 from services.rollout.rewards import RewardFunction, resolve_reward
@@ -141,21 +142,8 @@ def build_engine(config: TandemConfig, texts: Texts | None = None) -> Engine:
     """The configured engine; it ends samples on every id of `end_of_generation_ids` (generation config, config and
     the tokenizer of `texts`), and the native one matches stop strings with `texts` (SGLang with its own copy of the
     tokenizer)."""
-    ro = config.rollout
     eos = end_of_generation_ids(config.model.path, texts.tokenizer if texts is not None else None)
-    if ro.engine == "native":
-        from services.rollout.engines.native import NativeEngine
-
-        return NativeEngine(config.model.path, device=ro.device, dtype=config.model.dtype,
-                            attn_implementation=config.model.attn_implementation, max_batch_size=ro.max_batch_size,
-                            max_context_length=ro.max_context_length, fused_kernels=config.model.fused_kernels,
-                            continuous_batching=ro.continuous_batching, eos_token_ids=eos or None,
-                            detokenizer=texts)
-    if ro.engine == "sglang":
-        from services.rollout.engines.sglang import SGLangEngine
-
-        return SGLangEngine.from_config(config, eos_token_ids=eos)
-    raise NotImplementedError(f"rollout.engine: {ro.engine} is not available; use rollout.engine: native or sglang")
+    return engine_kind(config.rollout.engine).build(config, eos, texts)
 
 
 def check_request_size(what: str, prompts: int, n: int | None, default: int, *, limit: int) -> None:

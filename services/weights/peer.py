@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import weights_config
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.contracts.untyped import JsonObject, JsonValue
 from services.weights import torch_compat
@@ -125,7 +125,7 @@ class _Worker:
 
     def prepare(self, cmd: JsonObject) -> JsonObject:
         if self.publisher is None:
-            config = WeightsConfig(transport=cmd["transport"], bucket_mb=cmd["bucket_mb"], timeout_s=cmd["timeout_s"])
+            config = weights_config(transport=cmd["transport"], bucket_mb=cmd["bucket_mb"], timeout_s=cmd["timeout_s"])
             self.publisher = WeightPublisher(config=config, run_dir=Path(cmd.get("run_dir", ".")),
                                              trainer_id=cmd.get("trainer_id", "peer"))
         self.specs = specs_from_json(cmd["specs"])

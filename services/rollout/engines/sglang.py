@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.contracts.config import SGLangConfig, TimeoutsConfig, WeightsConfig
+from services.contracts.config import ProcessGroupWeights, SGLangConfig, SGLangRolloutConfig, TimeoutsConfig
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import (
     FINISH_ABORT,
@@ -96,7 +96,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Defaults of an engine built without a config (tests, benchmarks); from_config passes the run's.
-_SGLANG, _TIMEOUTS, _WEIGHTS = SGLangConfig(), TimeoutsConfig(), WeightsConfig()
+_SGLANG, _TIMEOUTS, _WEIGHTS = SGLangConfig(), TimeoutsConfig(), ProcessGroupWeights()
 _MANIFEST_POLL_S = 0.02   # disk sync: between looks for the trainer's manifest
 
 
@@ -162,7 +162,10 @@ class SGLangEngine(Engine):
         from services.rollout.engines.sglang_launch import LaunchSpec, launch_args
         from services.rpc.ports import free_port
 
-        ro, sg = config.rollout, config.rollout.sglang
+        ro = config.rollout
+        if not isinstance(ro, SGLangRolloutConfig):
+            raise ValueError(f"the SGLang engine needs rollout.engine sglang, not {ro.engine}")
+        sg = ro.sglang
         launched = None
         urls = list(sg.urls)
         if not urls:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import CudaIpcWeights
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights.base import Deadline, SenderTransport, SyncContext, WeightSyncError
 from services.weights.layout import Bucket, Layout, Slot
@@ -107,7 +107,7 @@ class SGLangTensorSender(SenderTransport):
 
     name = "cuda_ipc"
 
-    def __init__(self, *, config: WeightsConfig, trainer_id: str, load_format: str, device: str | None = None):
+    def __init__(self, *, config: CudaIpcWeights, trainer_id: str, load_format: str, device: str | None = None):
         """`device`: where the bucket buffers live, default the current CUDA device. Tests on machines without CUDA
         pass "cpu": torch then serialises shared-memory handles where it would write CUDA IPC handles."""
         if load_format not in LOAD_FORMATS:
