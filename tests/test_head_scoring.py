@@ -204,7 +204,7 @@ def test_bf16_weights_and_autocast_score_like_the_old_path():
 
 
 PEAK_SCRIPT = textwrap.dedent("""
-    import json, resource, sys
+    import json, sys
     import torch
     sys.path.insert(0, sys.argv[1])
     from scoring_reference import reference_scores
@@ -234,8 +234,10 @@ PEAK_SCRIPT = textwrap.dedent("""
         scores.sum().backward()
         weight.grad = None
 
-    def peak_mib():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    def peak_mib():   # VmHWM: this process's own high-water mark. ru_maxrss would start at the RSS of the parent
+        # that spawned it (Linux carries it across exec), so under a big pytest worker every figure read the same
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
 
     out = {}
     for path in ("chunked", "old"):   # the chunked head first: the high-water mark only rises

@@ -209,4 +209,5 @@ def test_inflight_streaming_learns_long_tailed_digit_max_and_a_coordinator_kill_
     # many steps see one depends on the machine's speed: 10-24 of 40 on a quiet box, 2 under a loaded suite)
     assert any(r["rollout/inflight_token_frac"] > 0 for r in steps)
     assert max(r["rollout/version_spread_mean"] for r in steps) > 0
-    assert any(r.get("train/token_lag_frac_0", 0) > 0 and r.get("train/token_lag_frac_1", 0) > 0 for r in steps)
+    # which lags a step mixes depends on the machine's speed too (lags 0 and 1 on a quiet box, 1-3 on a loaded one)
+    assert any(sum(v > 0 for k, v in r.items() if k.startswith("train/token_lag_frac_")) >= 2 for r in steps)
