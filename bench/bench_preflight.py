@@ -23,6 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))   # helpers.chatml_tokenizer
 
 from services.contracts.config import TandemConfig  # noqa: E402
 from services.contracts.config_loading import load_config  # noqa: E402
@@ -83,7 +84,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         chat_model = args.chat_model
         if chat_model is None:
-            from tests.helpers.chatml_tokenizer import build_chatml_tokenizer
+            from helpers.chatml_tokenizer import build_chatml_tokenizer
 
             chat_model = str(build_chatml_tokenizer(Path(tmp) / "chatml"))
         tokenizers = {}

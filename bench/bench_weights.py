@@ -98,9 +98,9 @@ def bench_raw_gloo(*, nbytes: int, repeats: int, peer: Peer) -> dict[str, float]
 
 
 def qwen2_05b_specs() -> list[TensorSpec]:
+    from bench_native_engine import QWEN2_05B  # a sibling script (its directory is on sys.path)
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from bench.bench_native_engine import QWEN2_05B
     from services.weights.layout import specs_from_tensors
 
     with torch.device("meta"):

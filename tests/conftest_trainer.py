@@ -142,7 +142,7 @@ def _within_support(model_dir: Path, prompt: list[int], response: list[int],
 
 
 @pytest.fixture
-def harness(tiny_model_dir, tmp_path, redis_server):  # type: ignore[no-untyped-def]
+def harness(tiny_model_dir, tmp_path, redis_server):
     made = []
 
     def make(*, role: str = "actor", run_dir=None, model_dir=None, **sections) -> TrainerHarness:
@@ -162,10 +162,12 @@ class TrainerHarness:
 
     def __init__(self, config: TandemConfig, *, run_dir: Path, role: str = "actor"):
         from services.buffer.stream import RolloutBuffer, connect, stream_key
+        from services.trainer.builder import build_trainer
         from services.trainer.service import TrainerService
 
         self.config = config
-        self.service = TrainerService(config, run_dir=run_dir, role=role)
+        self.trainer = build_trainer(config, run_dir=run_dir, role=role)   # the concrete parts: the model, ...
+        self.service = TrainerService(self.trainer.parts())
         groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
         self.client = connect(config.redis.url)
         self.stream = stream_key(config.redis.stream_prefix, config.run_name)

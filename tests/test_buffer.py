@@ -55,6 +55,7 @@ def start_consumer(url: str, stream: str, *, consumer: str, count: int, group: s
     proc = subprocess.Popen([PYTHON, str(HELPERS_DIR / "buffer_consumer.py"), url, stream, "--group", group,
                              "--groups", groups, "--consumer", consumer, "--count", str(count)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
     line = proc.stdout.readline()
     if not line:
         proc.kill()
@@ -65,6 +66,7 @@ def start_consumer(url: str, stream: str, *, consumer: str, count: int, group: s
 def kill9(proc: subprocess.Popen) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=10) == -signal.SIGKILL
+    assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()
     proc.stderr.close()
 

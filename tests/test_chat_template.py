@@ -12,6 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import recording_reward
+from helpers.chatml_tokenizer import CHATML_TEMPLATE, build_chatml_model, build_chatml_tokenizer
 
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.chat import ChatMessage
@@ -22,8 +24,6 @@ from services.launcher import preflight
 from services.rollout.chat import ChatTemplate, ChatTemplateError
 from services.rollout.service import PromptInput, RolloutService
 from services.rollout.tokenizer import encode_texts, load_tokenizer, model_inputs
-from tests.helpers import recording_reward
-from tests.helpers.chatml_tokenizer import CHATML_TEMPLATE, build_chatml_model, build_chatml_tokenizer
 
 torch.set_num_threads(1)
 QUESTION = (ChatMessage("user", "Ava has 3 apples and buys 2 more. How many apples does Ava have now?"),)
@@ -107,7 +107,7 @@ def test_a_rollout_service_generates_from_chat_prompts_with_the_template_and_the
     svc = RolloutService(config_from_dict({
         "run_name": "chat-test", "model": {"path": str(model)},
         "data": {"train_path": "unused.parquet", "system_prompt": "Answer with a number."},
-        "rollout": {"device": "cpu", "n_samples_per_prompt": 2, "reward": "tests.helpers.recording_reward:record",
+        "rollout": {"device": "cpu", "n_samples_per_prompt": 2, "reward": "helpers.recording_reward:record",
                     "sampling": {"temperature": 1.0, "max_new_tokens": 4, "seed": 1}},
         "redis": {"url": redis_server.url}}), replica=0)
     try:

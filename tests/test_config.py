@@ -363,4 +363,5 @@ def test_streaming_keys_that_cannot_work_are_refused(sections, words):
 def test_a_streaming_config_with_room_for_its_groups_loads():
     config = config_from_dict(minimal(loop={"mode": "streaming"}, redis={"max_buffered_batches": 64},
                                       rollout={"continuous_batching": True, "inflight_update": "keep"}))
+    assert config.rollout.engine == "native"
     assert (config.loop.mode, config.rollout.continuous_batching) == ("streaming", True)

@@ -181,12 +181,12 @@ def test_the_trainer_drops_uniform_and_surplus_groups_masks_truncated_samples_an
     relayed: list[commands.Train] = []
     run = h.service.ranks.run
 
-    def spy(command):  # type: ignore[no-untyped-def]
+    def spy(command):
         if isinstance(command, commands.Train):
             relayed.append(command)
         return run(command)
 
-    h.service.ranks.run = spy   # type: ignore[method-assign]
+    h.service.ranks.run = spy
     # Two rounds of one step: groups 10 and 14 informative (kept), 15 informative but surplus (the target is 2),
     # 11, 12 and 13 uniform (13: four rewards of 0.7). Sample 1 (in 10) stopped at max_new_tokens, so did sample 8
     # of the second entry (in 15, dropped anyway).

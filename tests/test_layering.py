@@ -153,3 +153,41 @@ def test_the_any_check_sees_every_kind_of_signature(tmp_path):
                       "class _Hidden:\n"
                       "    def m(self, a: Any) -> None: ...\n")
     assert public_signatures_naming_any(module) == ["f(rest)", "g(->)", "C.m(k)"]
+
+
+# Where the tandem.v1 protobufs may be built and read: the gRPC edges, and the modules whose job is a wire format.
+PROTOBUF_EDGES = ("server.py", "clients.py")
+PROTOBUF_CODECS = {
+    "services/contracts/protogen.py": "generates the stubs",
+    "services/contracts/wire.py": "the rollout batch as a Redis entry holds it",
+    "services/contracts/sampling.py": "SamplingSpec to and from SamplingParams, validated once",
+    "services/contracts/weight_plan.py": "names the weight-sync plan every process passes on (WeightSyncPlan)",
+    "services/trainer/commands.py": "a relayed Train command's tensors as TensorData bytes",
+    "services/trainer/critic.py": "the critic's values for the actor, as TensorData in Redis",
+    "services/coordinator/ctl.py": "`tandem ctl`: a client of the coordinator's control API",
+    "services/coordinator/watch.py": "`tandem ctl watch`: the events a WatchEvents stream sends",
+    "services/launcher/progress.py": "`tandem run`'s progress view: a WatchEvents stream",
+    "services/launcher/supervisor.py": "`tandem run` asks the coordinator's GetStatus",
+}
+PROTOBUF_PACKAGES = {
+    "rpc": "gRPC itself: health checks, status codes",
+    "weights": "the weight-sync plan and the transports' handshakes are protobuf on the wire between processes",
+}
+
+
+def test_protobufs_are_built_and_read_only_at_the_grpc_edges_and_in_wire_codecs():
+    """Services, the coordinator's loop and their parts trade frozen dataclasses (contracts/trainer_calls.py,
+    contracts/rollout_calls.py); a message of tandem.v1 appears only where it crosses a process boundary."""
+    wrong = []
+    for path in source_modules().values():
+        where = path.relative_to(ROOT).as_posix()
+        if path.name in PROTOBUF_EDGES or where in PROTOBUF_CODECS or path.relative_to(SERVICES).parts[0] in \
+                PROTOBUF_PACKAGES:
+            continue
+        if any(name.startswith("services.contracts.gen.") for name in imported_names(path)):
+            wrong.append(where)
+    assert not wrong, f"modules building or reading protobufs outside the edges: {wrong}"
+
+
+def test_every_listed_protobuf_codec_exists():
+    assert all((ROOT / path).is_file() for path in PROTOBUF_CODECS)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from helpers.scripted_engine import GenerateOnlyEngine
 
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import FINISH_ABORT, FINISH_STOP, Engine, SampleOutput
@@ -24,7 +25,6 @@ from services.rollout.environments import (
     resolve_environment,
 )
 from services.rollout.multi_turn import MultiTurnRollout, episode_metrics, turn_sampling
-from tests.helpers.scripted_engine import GenerateOnlyEngine
 
 SAMPLING = SamplingSpec(temperature=1.0, max_new_tokens=2, seed=5)
 

@@ -115,6 +115,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Observed:
             watch = subprocess.Popen([sys.executable, "-m", "services.cli", "ctl", "--addr", target, "watch"],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                                      env={**os.environ, "COLUMNS": "200"})
+            assert watch.stdout is not None
             first = watch.stdout.readline()   # the history comes first: the watcher is connected
             stub.Resume(common_pb2.Empty(), timeout=10)
             wait_status(target, lambda s: s.rollout_id > paused_at, what="a step after resuming")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.contracts.sampling import SamplingSpec
+from services.contracts.untyped import HFCausalLM
 from services.rollout.engines.native import NativeEngine
 from services.rollout.engines.sampling import sampling_log_probs
 from services.rollout.model_init import init_model
@@ -71,7 +72,8 @@ def test_greedy_matches_hf_generate_on_gpu(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
     engine = NativeEngine(model_dir, device="cuda")
-    hf = AutoModelForCausalLM.from_pretrained(model_dir).cuda().eval()
+    hf: HFCausalLM = AutoModelForCausalLM.from_pretrained(model_dir)
+    hf = hf.cuda().eval()
     outs = engine.generate(PROMPTS, SamplingSpec(temperature=0.0, max_new_tokens=16))
     for prompt, o in zip(PROMPTS, outs, strict=True):
         ref = hf.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=16)

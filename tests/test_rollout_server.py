@@ -53,6 +53,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, redis_serv
     log = open(tmp / "stderr.log", "w")  # noqa: SIM115
     proc = start_rollout(write_config(tmp / "c.yaml", model=model_dir, redis_url=redis_server.url), tmp / "run",
                          stderr=log)
+    assert proc.stdout is not None
     line = proc.stdout.readline()        # the server prints TANDEM_READY once its port is bound
     if not line.startswith("TANDEM_READY rollout "):
         proc.kill()

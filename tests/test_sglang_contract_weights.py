@@ -148,7 +148,7 @@ def test_sglang_contract_two_servers_one_group_and_session_probing(tmp_path: Pat
         new.stop()
 
 
-def start_long_request(pool: ThreadPoolExecutor, engine: SGLangEngine, server: ContractServer):  # type: ignore[no-untyped-def]
+def start_long_request(pool: ThreadPoolExecutor, engine: SGLangEngine, server: ContractServer):
     """A 40-token request, once the server generates it (slowly, with token_delay_s set)."""
     running = pool.submit(engine.generate, [[1]], SamplingSpec(max_new_tokens=40, ignore_eos=True))
     while server.state()["running"] == 0:

@@ -100,7 +100,8 @@ def test_specs_reject_duplicates_and_unknown_dtypes():
         plan_layout([TensorSpec("a", "float32", (1,)), TensorSpec("a", "float32", (1,))], bucket_bytes=KB)
     with pytest.raises(ValueError, match="unsupported weight dtype"):
         TensorSpec("a", "complex64", (1,))
-    assert TensorSpec("a", "torch.bfloat16", [2, 3]) == TensorSpec("a", "bfloat16", (2, 3))
+    as_json = [2, 3]   # a shape as JSON gives it: a list
+    assert TensorSpec("a", "torch.bfloat16", as_json) == TensorSpec("a", "bfloat16", (2, 3))  # type: ignore[arg-type]
 
 
 def test_checksum_is_bit_exact():

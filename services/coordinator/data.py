@@ -16,7 +16,7 @@ import numpy as np
 
 from services.contracts.chat import ChatMessage
 from services.contracts.config import DataConfig
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.rollout_calls import PromptInput
 from services.contracts.sampling import prompt_max_new_tokens
 from services.contracts.untyped import JsonObject, JsonValue
 from services.coordinator.datafiles import DataFile, data_file, read_rows
@@ -31,10 +31,10 @@ class PromptRecord:
     line: int = field(default=0, compare=False)
     messages: tuple[ChatMessage, ...] = ()   # a chat prompt, the system prompt included
 
-    def to_proto(self, group_id: int) -> common_pb2.Prompt:
-        return common_pb2.Prompt(text=self.text, label=self.label, group_id=group_id, metadata=self.metadata,
-                                 messages=[common_pb2.ChatMessage(role=m.role, content=m.content)
-                                           for m in self.messages])
+    def to_input(self, group_id: int) -> PromptInput:
+        """The prompt as a Generate or an Evaluate sends it, as group `group_id`."""
+        return PromptInput(text=self.text, label=self.label, group_id=group_id, metadata=dict(self.metadata),
+                           messages=self.messages)
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def WatchEvents(self, request, context):
         with self.streams.take(context):   # released when the stream ends or the caller goes away
-            yield from self.c.events.watch(include_history=request.include_history, is_active=context.is_active)
+            for e in self.c.events.watch(include_history=request.include_history, is_active=context.is_active):
+                yield coordinator_pb2.StepEvent(kind=e.kind, rollout_id=e.rollout_id, message=e.message,
+                                                unix_time=e.unix_time, metrics=e.metrics)
 
 
 def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinator, RolloutBuffer | None]:

@@ -22,9 +22,9 @@ import numpy as np
 
 from services.buffer.stream import stream_key
 from services.contracts import runfacts
-from services.contracts.chat import ChatMessage, messages_json
 from services.contracts.config import OverlongPenaltyConfig, TandemConfig
 from services.contracts.dapo import informative_groups, overlong_penalty
+from services.contracts.rollout_calls import EvaluateResult, GenerateResult, PromptInput, ReceiveResult
 from services.contracts.sampling import SamplingSpec, prompt_max_new_tokens
 from services.contracts.wire import build_batch
 from services.rollout.chat import ChatTemplate, ChatTemplateError
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from opentelemetry import trace
     from transformers import PreTrainedTokenizerBase
 
-    from services.contracts.gen.tandem.v1 import common_pb2
+    from services.contracts.weight_plan import WeightSyncPlan
     from services.weights.api import WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -63,61 +63,11 @@ class CallerGone(TimeoutError):
 
 
 @dataclass(frozen=True)
-class PromptInput:
-    """A prompt as the coordinator sends it: token ids, a chat (rendered with the chat template), or text to
-    tokenize (with the tokenizer's BOS), in that order."""
-
-    text: str = ""
-    token_ids: tuple[int, ...] = ()
-    label: str = ""
-    group_id: int = 0
-    metadata: dict[str, str] = field(default_factory=dict)
-    messages: tuple[ChatMessage, ...] = ()
-
-    def reward_metadata(self) -> dict[str, str]:
-        """What the reward function gets as metadata: the row's other fields, and a chat's messages as JSON."""
-        return {**self.metadata, "messages": messages_json(self.messages)} if self.messages else dict(self.metadata)
-
-
-@dataclass(frozen=True)
 class ModelInputs:
     """Prompts as the model reads them: token ids, and text (a chat's as the template rendered it)."""
 
     ids: list[list[int]]
     texts: list[str]
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    entry_id: str
-    num_samples: int
-    num_prompt_tokens: int
-    num_response_tokens: int
-    weight_version: int
-    generate_time_s: float
-    reward_time_s: float
-    put_time_s: float
-    metrics: dict[str, float]
-    producer: str
-    num_groups: int = 0
-    informative_groups: int = 0    # groups whose rewards are not all equal (what dynamic sampling counts)
-
-
-@dataclass(frozen=True)
-class EvaluateResult:
-    metrics: dict[str, float]
-    weight_version: int
-    time_s: float
-
-
-@dataclass(frozen=True)
-class ReceiveResult:
-    version: int
-    checksums: dict[str, str]
-    bytes_received: int
-    time_s: float
-    bucket_checksums: tuple[str, ...] = ()
-    checksum_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -397,7 +347,7 @@ class RolloutService:
         log.info("paused (%s) for weight update to version %d", pause_mode or "drain", version)
         return True, self.engine.engine_ranks
 
-    def receive_weights(self, plan: common_pb2.WeightSyncPlan, rank_offset: int) -> ReceiveResult:
+    def receive_weights(self, plan: WeightSyncPlan, rank_offset: int) -> ReceiveResult:
         """Takes part in the transfer the trainer announced in `plan`, in place into the engine's weights."""
         if rank_offset < 0:
             raise ValueError(f"ReceiveWeights: rank_offset must be >= 0, got {rank_offset}")

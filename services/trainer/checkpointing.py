@@ -28,6 +28,7 @@ import shutil
 import time
 import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -187,6 +188,23 @@ def set_rng_state(state: JsonObject) -> None:
 # ---- the trainer's Save and Load ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class FoundCheckpoint:
+    """A checkpoint a Load reads: its directory and its state (tandem_state.json)."""
+
+    directory: Path
+    state: JsonObject
+
+    @property
+    def rollout_id(self) -> int:
+        """The rollout the Save named."""
+        return int(self.state["checkpoint_rollout_id"])
+
+    @property
+    def extra_state(self) -> dict[str, str]:
+        return dict(self.state.get("extra_state", {}))
+
+
 class Checkpointer:
     """One role's checkpoints. Rank 0 decides where (`save_dir`, `find`) and restores the ledger; every rank
     writes and reads its own part (`write`, `read`: the Save and Load commands)."""
@@ -225,7 +243,7 @@ class Checkpointer:
         """A complete checkpoint of this step is there already (a retried Save)."""
         return is_complete(directory) and checkpoints.read_json(directory / COMPLETE)["step"] == step
 
-    def find(self, path: str = "") -> tuple[Path, JsonObject] | None:
+    def find(self, path: str = "") -> FoundCheckpoint | None:
         """The checkpoint a Load of `path` reads and its state (None: nothing to load); refuses one of another
         role, or ZeRO shards of another world size."""
         default_root = checkpoints.checkpoint_root(base=self.base, role=self.role)
@@ -248,7 +266,7 @@ class Checkpointer:
         if state["world_size"] != self.dist.world_size and self.config.trainer.zero_stage > 0:
             raise FailedPrecondition(f"checkpoint {directory} was saved by {state['world_size']} ranks; ZeRO "
                                      f"shards cannot be loaded by {self.dist.world_size}")
-        return directory, state
+        return FoundCheckpoint(directory=directory, state=state)
 
     def client_state(self, extra_state: dict[str, str], *, checkpoint_rollout_id: int) -> JsonObject:
         """The ledger's `rollout_id` is the last rollout this trainer trained; `checkpoint_rollout_id` the one the
@@ -258,9 +276,9 @@ class Checkpointer:
                 "zero_stage": self.config.trainer.zero_stage, "lora": describe_lora(self.config.trainer.lora),
                 "extra_state": dict(extra_state)}
 
-    def restore(self, state: JsonObject) -> None:
+    def restore(self, found: FoundCheckpoint) -> None:
         """After every rank read the checkpoint: the ledger it holds; a prepared weight sync is void."""
-        self.ledger.load_state_dict(state)
+        self.ledger.load_state_dict(found.state)
         self.weights.forget_plan()
 
     # ---- every rank ---------------------------------------------------------------------------------

@@ -91,19 +91,13 @@ class RolloutSource:
                                          claim_idle_ms=cfg.claim_idle_ms)
         return self._buffer
 
-    def read(self, entry_ids: list[str], num_batches: int) -> tuple[list[BufferEntry], list[str]]:
-        """(entries to train, named entries skipped as already trained)."""
+    def read(self, entry_ids: list[str], num_batches: int) -> list[BufferEntry]:
+        """The named entries (none trained before: the service filtered them), else the next `num_batches`."""
         if not entry_ids:
             if num_batches <= 0:
                 raise ValueError("empty batch: Train needs entry_ids or num_batches > 0")
-            return self._take_batches(num_batches), []
-        if len(set(entry_ids)) != len(entry_ids):
-            raise ValueError(f"entry_ids name an entry more than once: {entry_ids}")
-        fresh, skipped = self.ledger.split(entry_ids)
-        if not fresh:
-            raise FailedPrecondition(f"entries {skipped} were already trained (rollout "
-                                     f"{self.ledger.rollouts_of(skipped)}); nothing new to train")
-        return self.buffer.read(fresh, timeout_s=self.config.redis.get_timeout_s), skipped
+            return self._take_batches(num_batches)
+        return self.buffer.read(entry_ids, timeout_s=self.config.redis.get_timeout_s)
 
     def _take_batches(self, count: int) -> list[BufferEntry]:
         timeout_s = self.config.redis.get_timeout_s

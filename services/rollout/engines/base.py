@@ -19,7 +19,7 @@ from services.contracts.sampling import SamplingSpec
 if TYPE_CHECKING:
     import torch
 
-    from services.contracts.gen.tandem.v1 import common_pb2
+    from services.contracts.weight_plan import WeightSyncPlan
     from services.rollout.engines.gate import PauseGate
     from services.weights.api import WeightReceiver
     from services.weights.base import SyncStats
@@ -155,7 +155,7 @@ class Engine(ABC):
         """Loads every *.safetensors file in `path` (a model directory or a weight dump)."""
 
     @abstractmethod
-    def receive_weights(self, plan: common_pb2.WeightSyncPlan, *, rank_offset: int,
+    def receive_weights(self, plan: WeightSyncPlan, *, rank_offset: int,
                         receiver: WeightReceiver) -> SyncStats:
         """Takes part in a transfer announced by the trainer (process group, CUDA IPC or disk) through
         `receiver`; serves `plan.version` afterwards."""

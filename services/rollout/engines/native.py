@@ -46,7 +46,7 @@ from services.rollout.engines.stop_strings import Detokenizer, StopStringTables
 from services.tensors import fused
 
 if TYPE_CHECKING:
-    from services.contracts.gen.tandem.v1 import common_pb2
+    from services.contracts.weight_plan import WeightSyncPlan
     from services.weights.api import WeightReceiver
     from services.weights.base import SyncStats
     from services.weights.layout import Layout
@@ -297,7 +297,7 @@ class NativeEngine(Engine):
     def compute_device(self) -> torch.device:
         return self.device
 
-    def receive_weights(self, plan: common_pb2.WeightSyncPlan, *, rank_offset: int,
+    def receive_weights(self, plan: WeightSyncPlan, *, rank_offset: int,
                         receiver: WeightReceiver) -> SyncStats:
         with self._gate.exclusive():
             self._check_weights_resident()

@@ -90,7 +90,7 @@ if TYPE_CHECKING:
     import torch
 
     from services.contracts.config import TandemConfig
-    from services.contracts.gen.tandem.v1 import common_pb2
+    from services.contracts.weight_plan import WeightSyncPlan
     from services.weights.api import WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -322,7 +322,7 @@ class SGLangEngine(Engine):
 
         return torch.device("cuda")
 
-    def receive_weights(self, plan: common_pb2.WeightSyncPlan, *, rank_offset: int,
+    def receive_weights(self, plan: WeightSyncPlan, *, rank_offset: int,
                         receiver: WeightReceiver) -> SyncStats:
         """Takes part in the trainer's transfer for every server of this engine. SGLang receives into its own
         weights; of `receiver` only `accepted_trainer_id` is used."""
@@ -353,7 +353,7 @@ class SGLangEngine(Engine):
         return SyncStats(version=self._version, bytes=int(plan.total_bytes), seconds=time.monotonic() - started,
                          transport=plan.transport)
 
-    def _receive_disk(self, plan: common_pb2.WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> None:
+    def _receive_disk(self, plan: WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> None:
         path = await_disk_manifest(plan, deadline=deadline, ctx=ctx)
         self._load_disk(str(path), version=plan.version, timeout_s=max(0.1, deadline.remaining()))
 
@@ -412,9 +412,9 @@ class SGLangEngine(Engine):
             self._launched.stop()
 
 
-def plan_refusal(plan: common_pb2.WeightSyncPlan, rank_offset: int, *, engine_ranks: int,
+def plan_refusal(plan: WeightSyncPlan, rank_offset: int, *, engine_ranks: int,
                  accepted_trainer_id: str | None, weights_released: bool,
-                 tensor_refusal: Callable[[common_pb2.WeightSyncPlan, int], str | None] | None,
+                 tensor_refusal: Callable[[WeightSyncPlan, int], str | None] | None,
                  ) -> tuple[type[Exception], str] | None:
     """Why this engine will not take part in `plan` (the exception to raise and the reason), or None."""
     if accepted_trainer_id and plan.trainer_id != accepted_trainer_id:
@@ -438,7 +438,7 @@ def plan_refusal(plan: common_pb2.WeightSyncPlan, rank_offset: int, *, engine_ra
     return None
 
 
-def await_disk_manifest(plan: common_pb2.WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> Path:
+def await_disk_manifest(plan: WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> Path:
     """The disk transport's directory once the trainer's manifest of this plan is there (it is written last)."""
     path = Path(plan.disk_path)
     manifest = path / "manifest.json"

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import WeightSyncPlan
 from services.rollout.engines.sglang_http import SGLangError, SGLangNotFound, wait_for_all
 from services.rollout.engines.sglang_protocol import BadAnswer, distributed_update_body, init_group_body
 from services.rollout.engines.sglang_server import Server
@@ -36,7 +36,7 @@ class DistributedSync:
         self._load_format = load_format
         self._probe_s = probe_s
 
-    def receive(self, plan: common_pb2.WeightSyncPlan, *, rank_offset: int, deadline: Deadline,
+    def receive(self, plan: WeightSyncPlan, *, rank_offset: int, deadline: Deadline,
                 ctx: SyncContext) -> None:
         """Takes part in `plan` for every server (the steps in the module docstring); the first server's failure is
         raised once all have answered."""
@@ -63,7 +63,7 @@ class DistributedSync:
                    for server, (offset, ranks) in zip(self.servers, offsets, strict=True)]
         wait_for_all(futures)
 
-    def _update_server(self, server: Server, plan: common_pb2.WeightSyncPlan, *, offset: int, ranks: list[int],
+    def _update_server(self, server: Server, plan: WeightSyncPlan, *, offset: int, ranks: list[int],
                        generation: int, buckets: list[list[Any]], deadline: Deadline, ctx: SyncContext) -> None:
         key = (plan.master_addr, plan.master_port, plan.group_name, plan.world_size, offset)
         name = group_name_for(plan.group_name, generation)
