@@ -154,7 +154,7 @@ class Timer:
     """Seconds per named phase, CUDA-synchronised around each phase (so phases don't bleed into each other)."""
 
     def __init__(self, device: torch.device):
-        self.device, self.seconds = device, {}
+        self.device, self.seconds = device, dict[str, float]()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -206,9 +206,9 @@ class TorchBackend:
         self.dist_info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
         from services.trainer.head_scoring import install
 
-        self.module: HFCausalLM = AutoModelForCausalLM.from_pretrained(model_dir, dtype=param_dtype,
-                                                                       attn_implementation="sdpa")
-        self.module.to(device).train()
+        loaded: HFCausalLM = AutoModelForCausalLM.from_pretrained(model_dir, dtype=param_dtype,
+                                                                  attn_implementation="sdpa")
+        self.module = loaded.to(device).train()
         install(self.module)
         self.engine = self.module
         self.vocab_size, self.chunk_tokens, self.pack_sequences = self.module.config.vocab_size, chunk_tokens, False

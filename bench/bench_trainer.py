@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -95,13 +96,13 @@ def bench_one(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, prec
 
 
 def bench_offload(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, precision: str, device: str,
-                  cycles: int = 5) -> list[dict[str, float]]:
+                  cycles: int = 5) -> list[dict[str, Any]]:
     import gc
 
     service, built, producer = start_trainer(model_dir=model_dir, run_dir=run_dir, redis_url=redis_url,
                                              name="offload",
                                              trainer={"device": device, "zero_stage": zero, "precision": precision})
-    rows = []
+    rows: list[dict[str, Any]] = []
     try:
         batch = make_batch(rollout_id=0, samples=16, response_len=16, vocab=built.limits.vocab_size, seed=0)
         service.train(rollout_id=0, entry_ids=[producer.put(batch)])   # optimizer states exist from here

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.contracts.config import CudaIpcWeights, weights_config
 from services.weights import TensorSpec, WeightPublisher, torch_compat
 from services.weights.peer import Peer, make_tensors, plan_to_text, specs_to_json
+from services.weights.transports.cuda_ipc import CudaIpcSender
 
 
 def model_specs(total_mb: float) -> list[TensorSpec]:
@@ -169,8 +170,10 @@ def handoff_row(*, publisher: WeightPublisher, peer: Peer, specs: list[TensorSpe
              for k in ("map_s", "plan_s", "launch_s", "sync_s", "done_post_s")}
     parts["after_go_s"] = statistics.median(t.get("launch_s", 0.0) + t.get("sync_s", 0.0) + t.get("done_post_s", 0.0)
                                             for t in timings)
+    sender = publisher._transport
+    assert isinstance(sender, CudaIpcSender)
     return {"recv_s": statistics.median(recv_s), "wall_s": statistics.median(wall_s), "copies": copies, **parts,
-            "send_copies": publisher._transport.last_copies, "buckets": len(plan.buckets), "identical": identical}
+            "send_copies": sender.last_copies, "buckets": len(plan.buckets), "identical": identical}
 
 
 def handoff_main(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import grpc
 import yaml
@@ -91,7 +92,7 @@ def freeze_mid_train(trainer_pid: int, cfg: dict, *, timeout_s: float = 120.0) -
                 os.kill(trainer_pid, signal.SIGSTOP)
                 rows = client.xpending_range(stream, "actor", min="-", max="+", count=100)
                 if rows:
-                    return [r["message_id"].decode() for r in rows]
+                    return [cast(bytes, r["message_id"]).decode() for r in rows]   # a binary client's
                 os.kill(trainer_pid, signal.SIGCONT)   # the step finished in between: catch the next one
             time.sleep(0.005)
     finally:

@@ -53,7 +53,8 @@ def test_auto_renders_the_tokenizers_template_and_encodes_it_without_special_tok
     texts, ids = model_inputs(tokenizer, chat, prompts)
     assert texts == [RENDERED, "3 + 2 ="]
     assert ids[0] == tokenizer(RENDERED, add_special_tokens=False)["input_ids"]
-    im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    im_start, im_end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>"))
+    assert isinstance(im_start, int) and isinstance(im_end, int)
     assert ids[0][0] == im_start and ids[0].count(im_start) == 3 and ids[0].count(im_end) == 2   # whole tokens
     assert ids[1] == tokenizer("3 + 2 =")["input_ids"]
 

@@ -366,7 +366,8 @@ def test_a_streaming_step_trains_the_groups_that_finished_first_not_the_ones_sen
 
     run = Run(make_config(**STREAMING), generations=ThreadPoolExecutor(max_workers=4),
               on_train=lambda _c, rid: slow.set() if rid == 0 else None)
-    run.coordinator.pool = run.coordinator.stream.pool = SlowFirstPool(run.log)   # type: ignore[union-attr]
+    assert run.coordinator.stream is not None
+    run.coordinator.pool = run.coordinator.stream.pool = SlowFirstPool(run.log)
     run.run()
     steps = [list(r.entry_ids) for r in run.trainer.requests]
     assert "g0-a" not in steps[0] and sorted(e for s in steps for e in s) == [f"g{g}-a" for g in range(6)]

@@ -21,7 +21,7 @@ def _records(n):
 
 def test_epochs_cover_every_prompt_once_and_shuffle_differs_per_epoch():
     source = DataSource(_records(10), batch_size=5, shuffle=True, seed=3, num_epochs=2)
-    epochs: list[list[int]] = [[], []]
+    epochs: list[list[str]] = [[], []]
     ends = []
     for i in range(4):
         batch = source.next_batch()

@@ -70,7 +70,9 @@ def test_every_format_gives_the_same_chat_prompts_labels_and_metadata(tmp_path, 
 def test_a_verl_prepared_parquet_file_works_unchanged(tmp_path):
     path = write(tmp_path, "parquet", [VERL_ROW, {**VERL_ROW, "reward_model": {"style": "rule", "ground_truth": "18"}}])
     first, second = load_prompts(str(path), data(label_key="reward_model.ground_truth"))
-    assert first.messages == (ChatMessage("user", VERL_ROW["prompt"][0]["content"]),) and first.text == ""
+    question = ("Natalia sold 48 clips in April and half as many in May. How many in all? Let's think step by step "
+                "and output the final answer after \"####\".")
+    assert first.messages == (ChatMessage("user", question),) and first.text == ""
     assert (first.label, second.label) == ("72", "18")
     numbers = write(tmp_path, "parquet", [{**VERL_ROW, "reward_model": {"ground_truth": 72}}], name="numbers")
     assert load_prompts(str(numbers), data(label_key="reward_model.ground_truth"))[0].label == "72"

@@ -7,6 +7,7 @@ dynamic sampling in tests/test_run_e2e.py."""
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from conftest_trainer import harness, tiny_model_dir  # noqa: F401
 
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts import dapo
-from services.contracts.config import ConfigError
+from services.contracts.config import ConfigError, TandemConfig
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData, build_batch
@@ -85,8 +86,8 @@ def test_overlong_penalty_matches_the_paper():
 # ---- config ---------------------------------------------------------------------------------------------------
 
 
-def config(**sections: dict) -> object:
-    data = {"model": {"path": "m"}, "data": {"train_path": "d.jsonl"},
+def config(**sections: dict[str, Any]) -> TandemConfig:
+    data: dict[str, dict[str, Any]] = {"model": {"path": "m"}, "data": {"train_path": "d.jsonl"},
             "rollout": {"dynamic_sampling": {"enabled": True}}}
     for name, values in sections.items():
         data[name] = {**data.get(name, {}), **values}

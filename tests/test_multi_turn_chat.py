@@ -79,7 +79,9 @@ def play(texts: Texts, engine: Engine, env, *, max_turns: int = 4):
 
 
 def ids_of(texts: Texts, *tokens: str) -> list[int]:
-    return [texts.tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    ids = texts.tokenizer.convert_tokens_to_ids(list(tokens))
+    assert isinstance(ids, list)
+    return ids
 
 
 def test_observations_are_chat_turns_and_earlier_turns_keep_the_exact_tokens_that_were_generated(texts):

@@ -19,6 +19,7 @@ from services.contracts.config import PrometheusTrackerConfig, TensorBoardTracke
 from services.telemetry.prometheus import PrometheusTracker, metric_name, render
 from services.telemetry.tracker_registry import make_trackers
 from services.telemetry.trackers import JsonlTracker
+from services.telemetry.wandb_tracker import WandbTracker
 
 
 def scrape(port: int, path: str = "/metrics") -> tuple[str, str]:
@@ -115,7 +116,9 @@ def _wandb_attempt(run_dir: Path, *, next_step: int, steps: range, eval_after: d
             tracker.log(step, {"rollout/reward_mean": step / 10})
             if eval_after and step in eval_after:
                 tracker.log(eval_after[step], {"eval/reward_mean": 0.5})
-    run_id = trackers[1].run_id   # type: ignore[attr-defined]
+    wandb_tracker = trackers[1]
+    assert isinstance(wandb_tracker, WandbTracker)
+    run_id = wandb_tracker.run_id
     for tracker in trackers:
         tracker.close()
     return run_id

@@ -94,6 +94,7 @@ def test_generate_lands_a_decodable_batch_in_redis(server, redis_server, model_d
     for i, (p_sl, r_sl, _) in enumerate(batch.sample_slices()):
         assert tok.decode(batch.tokens[p_sl].tolist(), skip_special_tokens=True) == prompts[i // 4].text
         response = tok.decode(batch.tokens[r_sl].tolist(), skip_special_tokens=True)
+        assert isinstance(response, str)
         assert batch.rewards[i] == float(response.split() == [prompts[i // 4].label])
     assert reply.metrics["reward_mean"] == pytest.approx(float(batch.rewards.mean()))
     assert entry.trace_context.get("traceparent")       # the rl.sample span, for the trainer to link to

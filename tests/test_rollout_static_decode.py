@@ -107,7 +107,7 @@ def test_static_engine_log_probs_greedy_and_stops(model_dir: Path, opts: Samplin
     prompts = PROMPTS * 2
     outs = static.generate(prompts, opts)
     assert outs == static.generate(prompts, opts)                  # seeded: same samples, cache reused
-    assert len(static._runners) == 1
+    assert static._runners is not None and len(static._runners) == 1
     with torch.no_grad():
         for prompt, o in zip(prompts, outs, strict=True):
             ids = torch.tensor([prompt + list(o.token_ids)])

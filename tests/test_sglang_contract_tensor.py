@@ -132,8 +132,8 @@ def test_sglang_contract_tensor_payloads_pass_the_allow_list_cpu_buffers():
         globals_, strings = inspect_pickle(base64.b64decode(payload))
         assert "a.weight" in strings and all(m.startswith(("torch", "builtins", "types", "multiprocessing",
                                                              "collections", "copyreg")) for m, _ in globals_)
-    assert "Blocked unsafe class loading (os.system)" in payload_problem(
-        base64.b64encode(b"\x80\x04cos\nsystem\n.").decode())
+    problem = payload_problem(base64.b64encode(b"\x80\x04cos\nsystem\n.").decode())
+    assert problem is not None and "Blocked unsafe class loading (os.system)" in problem
     with pytest.raises(WeightSyncError, match="sends CUDA tensors only"):
         _reduce_cuda_tensor_by_uuid(buffer)
 
@@ -166,6 +166,7 @@ def test_sglang_contract_tensor_plans_are_checked_before_anything_reaches_sglang
         remote = SimpleNamespace(url="http://10.1.2.3:30000", info=SimpleNamespace(tp_size=1, model_path=""))
         reason = TensorSync([remote], handshake=None, pool=None, flush=None, probe_s=1.0).refusal(  # type: ignore
             pub.prepare(SPECS, 5, 1), 1)
+        assert reason is not None
         assert "needs SGLang on the trainer's host, and http://10.1.2.3:30000 is not a loopback" in reason
         assert is_loopback("http://localhost:1") and is_loopback("http://[::1]:2") and not is_loopback("http://h:3")
     finally:

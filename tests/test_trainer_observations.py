@@ -52,7 +52,7 @@ class GradientSpy:
     passes straight through."""
 
     def __init__(self, backend) -> None:
-        self.backend, self.grads = backend, []
+        self.backend, self.grads = backend, list[tuple[torch.Tensor, torch.Tensor]]()   # (token index, grad)
 
     def __getattr__(self, name: str):
         return getattr(self.backend, name)

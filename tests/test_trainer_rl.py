@@ -38,9 +38,9 @@ def reference_tables(model_dir: Path, batch: RolloutBatchData, *, tempered: bool
     prompts, responses = prompts_and_responses(batch)
     tables = []
     for i, rows in enumerate(model_logits(model_dir, prompts, responses)):
-        params = dict(temperature=float(batch.sampling_temperature[i]), top_p=1.0 if tempered else
-                      float(batch.sampling_top_p[i]), top_k=0 if tempered else int(batch.sampling_top_k[i]))
-        tables += [ref.sampling_log_probs(row, **params) for row in rows]
+        temperature = float(batch.sampling_temperature[i])
+        top_p, top_k = (1.0, 0) if tempered else (float(batch.sampling_top_p[i]), int(batch.sampling_top_k[i]))
+        tables += [ref.sampling_log_probs(row, temperature=temperature, top_p=top_p, top_k=top_k) for row in rows]
     return tables
 
 

@@ -146,6 +146,7 @@ def test_batch_delivered_twice_is_trained_once(harness):  # noqa: F811
 def _raw_payload(*, rewards: list[float], response_lengths: list[int]) -> bytes:
     """A batch encoded without the producer-side validation (what a buggy producer could write)."""
     n = len(rewards)
+    sampling = sampling_arrays(n, SamplingSpec())
     msg = common_pb2.RolloutBatch(
         rollout_id=0, num_samples=n, tokens=array_to_proto(np.arange(4, 4 + 4 * n, dtype=np.int32) % 30),
         prompt_lengths=array_to_proto(np.full(n, 2, np.int32)),
@@ -154,7 +155,9 @@ def _raw_payload(*, rewards: list[float], response_lengths: list[int]) -> bytes:
         rollout_log_probs=array_to_proto(np.full(2 * n, -1.0, np.float32)),
         rewards=array_to_proto(np.asarray(rewards, np.float32)), group_ids=array_to_proto(np.zeros(n, np.int64)),
         sample_versions=array_to_proto(np.zeros(n, np.int64)),
-        **{name: array_to_proto(a) for name, a in sampling_arrays(n, SamplingSpec()).items()},
+        sampling_temperature=array_to_proto(sampling["sampling_temperature"]),
+        sampling_top_p=array_to_proto(sampling["sampling_top_p"]),
+        sampling_top_k=array_to_proto(sampling["sampling_top_k"]),
         finish_reasons=[common_pb2.FINISH_REASON_STOP] * n)
     return msg.SerializeToString()
 

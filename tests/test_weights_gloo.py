@@ -24,6 +24,7 @@ from services.weights import (
 from services.weights.checksums import named_bucket_checksums
 from services.weights.layout import layout_from_plan
 from services.weights.peer import Peer, make_tensors, plan_from_text, plan_to_text, specs_to_json
+from services.weights.transports.pg import ProcessGroupSender
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -84,7 +85,9 @@ def test_gloo_syncs_are_bit_identical_and_reuse_the_group(tmp_path: Path, peer: 
             assert got["stats"]["checksums"] == sent.checksums and len(sent.checksums) == len(SPECS)
         else:
             assert sent.checksums == got["stats"]["checksums"] == {}
-        staging = publisher._transport._staging
+        sender = publisher._transport
+        assert isinstance(sender, ProcessGroupSender)
+        staging = sender._staging
         assert staging is not None and (version == 1 or staging is first_staging)   # allocated once per layout
         first_staging = staging
     assert len({(p.group_name, p.master_port) for p in plans}) == 1   # one group, built once, reused

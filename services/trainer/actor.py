@@ -29,7 +29,7 @@ from services.trainer.advantages import (
     token_rewards,
     whiten,
 )
-from services.trainer.backend import DeepSpeedBackend, frozen_log_probs
+from services.trainer.backend import frozen_log_probs
 from services.trainer.batching import MicroBatch, TrainBatch
 from services.trainer.dist import all_reduce_sum
 from services.trainer.head_scoring import BEHAVIOUR_ROW, ENTROPY_ROW, TEMPERED_ROW
@@ -46,6 +46,7 @@ from services.trainer.scoring import TokenSampling
 from services.trainer.update import (
     MicroBatchLoss,
     TokenWeights,
+    UpdateBackend,
     lockstep_micro_batches,
     optimizer_update,
     per_token_pass,
@@ -94,7 +95,7 @@ def _sample_rewards(batch: TrainBatch, kl_penalty: torch.Tensor | None) -> torch
     return batch.rewards - per_sample_sum(kl_penalty * batch.loss_mask, batch.response_lengths)
 
 
-def frozen_pass(model: torch.nn.Module, backend: DeepSpeedBackend, num_tokens: int, mbs: list[MicroBatch],
+def frozen_pass(model: torch.nn.Module, backend: UpdateBackend, num_tokens: int, mbs: list[MicroBatch],
                 sampling: TokenSampling, *, tempered: bool) -> torch.Tensor:
     """Log-probs of this rank's response tokens under a frozen model (reference, old actor; the trained model's
     vocabulary and scoring chunk), full-batch vector on the device. `sampling` is on the device."""
@@ -113,7 +114,7 @@ class BehaviourLogProbs:
     fallback: torch.Tensor    # float32 [T]
 
 
-def old_actor_log_probs(*, old_actor: OldActor, backend: DeepSpeedBackend, batch: TrainBatch,
+def old_actor_log_probs(*, old_actor: OldActor, backend: UpdateBackend, batch: TrainBatch,
                         mbs: list[MicroBatch], sampling: TokenSampling) -> BehaviourLogProbs:
     n_tok, device = batch.num_response_tokens, backend.device
     versions = batch.versions.to(device)   # each token's own: a sync may have landed mid-sample
@@ -130,7 +131,7 @@ def old_actor_log_probs(*, old_actor: OldActor, backend: DeepSpeedBackend, batch
     return BehaviourLogProbs(log_probs=out, fallback=fallback)
 
 
-def reward_kl_penalty(*, backend: DeepSpeedBackend, mbs: list[MicroBatch], sampling: TokenSampling,
+def reward_kl_penalty(*, backend: UpdateBackend, mbs: list[MicroBatch], sampling: TokenSampling,
                       ref_lp: torch.Tensor, algo: AlgorithmConfig) -> torch.Tensor:
     """kl_coef x per-token KL of the policy before the update to the reference (both tempered), full batch, on the
     host (it shapes the rewards)."""
@@ -210,7 +211,7 @@ def token_terms(*, scores: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, al
                       mismatch=(behaviour - rollout_lp).abs().clamp(max=20.0))
 
 
-def _ppo_micro_loss(*, backend: DeepSpeedBackend, mb: MicroBatch, inputs: TokenInputs,
+def _ppo_micro_loss(*, backend: UpdateBackend, mb: MicroBatch, inputs: TokenInputs,
                     algo: AlgorithmConfig) -> MicroBatchLoss:
     scores, anchor = backend.scores(mb, inputs.sampling.at(mb.token_index), entropy=True,
                                     entropy_grad=algo.entropy_coef > 0)
@@ -232,7 +233,7 @@ def _ppo_micro_loss(*, backend: DeepSpeedBackend, mb: MicroBatch, inputs: TokenI
     return MicroBatchLoss(loss=(w * loss_tok).sum(), anchor=anchor, metrics=metrics)
 
 
-def actor_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmConfig,
+def actor_step(*, backend: UpdateBackend, batch: TrainBatch, algo: AlgorithmConfig,
                ref_model: torch.nn.Module | None, old_actor: OldActor | None, token_budget: int) -> dict[str, float]:
     start = time.monotonic()
     device = backend.device

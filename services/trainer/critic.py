@@ -25,7 +25,6 @@ from services.contracts.wire import array_from_proto, array_to_proto
 from services.rpc.grpc_util import FailedPrecondition
 from services.trainer import update
 from services.trainer.advantages import gae, token_rewards
-from services.trainer.backend import DeepSpeedBackend
 from services.trainer.batching import MicroBatch, TrainBatch
 from services.trainer.dist import all_reduce_sum
 from services.trainer.losses import clipped_value_loss
@@ -84,7 +83,7 @@ def values_for_batch(handoff: ValueHandoff, *, entry_ids: list[str], batch: Trai
     return torch.from_numpy(handoff.values.astype(np.float32))
 
 
-def critic_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmConfig,
+def critic_step(*, backend: update.UpdateBackend, batch: TrainBatch, algo: AlgorithmConfig,
                 token_budget: int) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Returns (metrics, (values before the update, advantages, returns)) for the full batch."""
     start = time.monotonic()

@@ -11,17 +11,40 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from services.tensors.devices import cuda_peak_metrics
-from services.trainer.backend import DeepSpeedBackend, StepResult
+from services.trainer.backend import StepResult
 from services.trainer.batching import MicroBatch, TrainBatch, dummy_micro_batch, plan_micro_batches
-from services.trainer.dist import all_reduce_max_int, all_reduce_sum
+from services.trainer.dist import DistInfo, all_reduce_max_int, all_reduce_sum
 from services.trainer.losses import aggregation_weights
+from services.trainer.scoring import TokenSampling
 
 
-def lockstep_micro_batches(backend: DeepSpeedBackend, batch: TrainBatch, *, token_budget: int) -> list[MicroBatch]:
+class UpdateBackend(Protocol):
+    """What an update asks of the model's engine (backend.UpdateBackend; a benchmark's plain torch model)."""
+
+    dist_info: DistInfo
+    parameters: int            # the model's parameter count
+    vocab_size: int
+    chunk_tokens: int          # the scoring head's tokens per chunk
+    pack_sequences: bool
+    compiled_scoring: bool
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def global_steps(self) -> int: ...
+    def scores(self, mb: MicroBatch, sampling: TokenSampling, *, tempered: bool = False, entropy: bool = False,
+               entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def values(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None: ...
+    def step(self) -> StepResult: ...
+
+
+def lockstep_micro_batches(backend: UpdateBackend, batch: TrainBatch, *, token_budget: int) -> list[MicroBatch]:
     """This rank's micro-batches, padded with empty ones to the largest count over ranks."""
     info = backend.dist_info
     mbs = plan_micro_batches(batch, world_size=info.world_size, rank=info.rank, token_budget=token_budget,
@@ -70,7 +93,7 @@ class MicroBatchLoss:
     metrics: Callable[[], Mapping[str, torch.Tensor]]   # its metric sums by name, computed without grad
 
 
-def optimizer_update(backend: DeepSpeedBackend, mbs: list[MicroBatch], *,
+def optimizer_update(backend: UpdateBackend, mbs: list[MicroBatch], *,
                      micro_loss: Callable[[MicroBatch], MicroBatchLoss]) -> tuple[dict[str, float], StepResult]:
     """Backward of every micro-batch's loss, one optimizer step; ({"loss": loss, name: metric, ...}, the step),
     summed over micro-batches and ranks. `micro_loss` gets each micro-batch on the device; the per-token tensors it
