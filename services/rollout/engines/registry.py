@@ -40,9 +40,9 @@ def _native(config: TandemConfig, eos_token_ids: Sequence[int], detokenizer: Det
 
 def _sglang(config: TandemConfig, eos_token_ids: Sequence[int], detokenizer: Detokenizer | None) -> Engine:
     """SGLang matches stop strings with its own copy of the tokenizer."""
-    from services.rollout.engines.sglang import SGLangEngine
+    from services.rollout.engines.sglang import engine_from_config
 
-    return SGLangEngine.from_config(config, eos_token_ids=eos_token_ids)
+    return engine_from_config(config, eos_token_ids=eos_token_ids)
 
 
 ENGINES: Mapping[str, EngineKind] = MappingProxyType({e.name: e for e in (

@@ -156,37 +156,6 @@ class SGLangEngine(Engine):
         self._tensor = TensorSync(self.servers, handshake=self._handshake, pool=self._weight_pool,
                                   flush=self._flush_after_sync, probe_s=timeouts.probe_s)
 
-    @classmethod
-    def from_config(cls, config: TandemConfig, *, eos_token_ids: Sequence[int] = ()) -> SGLangEngine:
-        """rollout.sglang.urls, or a server launched here when none are given."""
-        from services.rollout.engines.sglang_launch import LaunchSpec, launch_args
-        from services.rpc.ports import free_port
-
-        ro = config.rollout
-        if not isinstance(ro, SGLangRolloutConfig):
-            raise ValueError(f"the SGLang engine needs rollout.engine sglang, not {ro.engine}")
-        sg = ro.sglang
-        launched = None
-        urls = list(sg.urls)
-        if not urls:
-            spec = LaunchSpec(model_path=config.model.path, port=free_port(), api_key=sg.api_key,
-                              extra_args=launch_args(config))
-            launched = LaunchedServer(spec, timeouts=config.services.timeouts)
-            urls = [spec.url]
-        try:
-            if launched is not None:
-                launched.wait_healthy(timeout_s=sg.startup_timeout_s)
-            return cls(urls, max_batch_size=ro.max_batch_size, max_context_length=ro.max_context_length,
-                       pause_mode=sg.pause_mode, request_timeout_s=sg.request_timeout_s,
-                       weight_load_format=sg.weight_load_format, startup_timeout_s=sg.startup_timeout_s,
-                       api_key=sg.api_key, launched=launched, timeouts=config.services.timeouts,
-                       weights_timeout_s=config.weights.timeout_s, inflight_update=ro.inflight_update,
-                       eos_token_ids=eos_token_ids)
-        except BaseException:
-            if launched is not None:
-                launched.stop()
-            raise
-
     # ---- properties --------------------------------------------------------------------------------
 
     @property
@@ -410,6 +379,37 @@ class SGLangEngine(Engine):
         self._weight_pool.shutdown(wait=False, cancel_futures=True)
         if self._launched is not None:
             self._launched.stop()
+
+
+def engine_from_config(config: TandemConfig, *, eos_token_ids: Sequence[int] = ()) -> SGLangEngine:
+    """rollout.sglang.urls, or a server launched here when none are given."""
+    from services.rollout.engines.sglang_launch import LaunchSpec, launch_args
+    from services.rpc.ports import free_port
+
+    ro = config.rollout
+    if not isinstance(ro, SGLangRolloutConfig):
+        raise ValueError(f"the SGLang engine needs rollout.engine sglang, not {ro.engine}")
+    sg = ro.sglang
+    launched = None
+    urls = list(sg.urls)
+    if not urls:
+        spec = LaunchSpec(model_path=config.model.path, port=free_port(), api_key=sg.api_key,
+                          extra_args=launch_args(config))
+        launched = LaunchedServer(spec, timeouts=config.services.timeouts)
+        urls = [spec.url]
+    try:
+        if launched is not None:
+            launched.wait_healthy(timeout_s=sg.startup_timeout_s)
+        return SGLangEngine(urls, max_batch_size=ro.max_batch_size, max_context_length=ro.max_context_length,
+                            pause_mode=sg.pause_mode, request_timeout_s=sg.request_timeout_s,
+                            weight_load_format=sg.weight_load_format, startup_timeout_s=sg.startup_timeout_s,
+                            api_key=sg.api_key, launched=launched, timeouts=config.services.timeouts,
+                            weights_timeout_s=config.weights.timeout_s, inflight_update=ro.inflight_update,
+                            eos_token_ids=eos_token_ids)
+    except BaseException:
+        if launched is not None:
+            launched.stop()
+        raise
 
 
 def plan_refusal(plan: WeightSyncPlan, rank_offset: int, *, engine_ranks: int,
