@@ -15,9 +15,10 @@ from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import SampleOutput
 from services.rollout.engines.native import NativeEngine
+from services.rollout.metrics import pass_at_k, version_metrics
 from services.rollout.model_init import init_model
 from services.rollout.rewards import RewardSpecError, digit_task
-from services.rollout.service import PromptInput, RolloutService, pass_at_k, version_metrics
+from services.rollout.service import PromptInput, RolloutService
 
 torch.set_num_threads(1)
 
