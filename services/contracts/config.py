@@ -1,9 +1,10 @@
 """Typed run configuration: one YAML file, validated before anything starts.
 
 Every service reads the same `TandemConfig`; each takes the sections it needs. Unknown keys are
-errors (a typo must not silently fall back to a default), and every error names its key. The sections with variants
-live in their own modules (rollout_config.py by engine, weights_config.py by transport, tracing_config.py with its
-trackers by type); a key of another variant than the chosen one is refused by name.
+errors (a typo must not silently fall back to a default), and every error names its key. The larger sections live in
+their own modules (trainer_config.py, algorithm_config.py), and so do those with variants (rollout_config.py by
+engine, weights_config.py by transport, tracing_config.py with its trackers by type); a key of another variant than
+the chosen one is refused by name.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from services.contracts.algorithm_config import AlgorithmConfig
 from services.contracts.config_base import ConfigError, Section, with_default_variant
 from services.contracts.rollout_config import (
     DynamicSamplingConfig,
@@ -31,6 +33,7 @@ from services.contracts.tracing_config import (
     TrackerConfig,
     WandbTrackerConfig,
 )
+from services.contracts.trainer_config import LORA_ZERO3_OFFLOAD, LoraConfig, TrainerConfig
 from services.contracts.untyped import JsonValue
 from services.contracts.weights_config import (
     CudaIpcWeights,
@@ -42,11 +45,14 @@ from services.contracts.weights_config import (
 )
 
 __all__ = [  # the sections of other modules, named here too: a TandemConfig's parts are found in one place
+    "LORA_ZERO3_OFFLOAD",
+    "AlgorithmConfig",
     "ConfigError",
     "CudaIpcWeights",
     "DiskWeights",
     "DynamicSamplingConfig",
     "JsonlTrackerConfig",
+    "LoraConfig",
     "NativeRolloutConfig",
     "OverlongPenaltyConfig",
     "ProcessGroupWeights",
@@ -60,6 +66,7 @@ __all__ = [  # the sections of other modules, named here too: a TandemConfig's p
     "TensorBoardTrackerConfig",
     "TracingConfig",
     "TrackerConfig",
+    "TrainerConfig",
     "WandbTrackerConfig",
     "WeightsConfig",
     "for_transport",
@@ -183,253 +190,6 @@ class DataConfig(Section):
     def text_prompts_are_chats(self) -> bool:
         """A text prompt becomes one user message: the template is asked for every prompt, or a system prompt given."""
         return self.chat_template not in ("auto", "none") or self.system_prompt is not None
-
-
-# DeepSpeed 0.19's ZeRO-3 offload_states maps every module parameter, frozen ones included, onto the flat buffer of
-# the trainable ones' partitions, which does not hold the frozen ones.
-LORA_ZERO3_OFFLOAD = (
-    "offloading the trainer (Offload, loop.offload_train) with trainer.lora needs trainer.zero_stage "
-    "1 or 2: DeepSpeed's ZeRO-3 offload_states cannot move a model with frozen parameters"
-)
-
-
-class LoraConfig(Section):
-    """LoRA adapters (peft) on the trainer's model: only they are trained and have optimizer state; weight sync and
-    the HF export send the merged weights under the base model's names (docs/algorithms.md, LoRA)."""
-
-    rank: int = Field(ge=1, description="r: the adapters' inner dimension")
-    alpha: int | None = Field(
-        default=None, ge=1, description="lora_alpha; the update is scaled by alpha / rank (default 2 × rank: scale 2)"
-    )
-    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input (train mode only)")
-    target_modules: tuple[str, ...] = Field(
-        default=("all-linear",),
-        min_length=1,
-        description="names of the linear layers to adapt (the last part "
-        "of a module path, e.g. q_proj, v_proj); all-linear = every linear layer but the output head (add lm_head "
-        "to adapt it too)",
-    )
-
-    @property
-    def lora_alpha(self) -> int:
-        return self.alpha if self.alpha is not None else 2 * self.rank
-
-    @field_validator("target_modules")
-    @classmethod
-    def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        bad = [name for name in value if not name.strip() or name != name.strip()]
-        if bad:
-            raise ValueError(f"names a module by an empty or padded string: {bad}")
-        if len(set(value)) != len(value):
-            raise ValueError(f"names a module more than once: {list(value)}")
-        return value
-
-
-class TrainerConfig(Section):
-    device: str = "auto"
-    num_ranks: int = Field(default=1, ge=1, description="data-parallel ranks `tandem run` launches")
-    zero_stage: Literal[0, 1, 2, 3] = Field(
-        default=0,
-        description="0: nothing partitioned, every rank holds all weights, gradients and optimizer "
-        "states, and steps with Tandem's flat AdamW (one buffer per dtype, a step of a few kernels: the fastest on "
-        "one GPU); 1-3: DeepSpeed ZeRO partitions optimizer states, then gradients, then weights over ranks",
-    )
-    precision: Literal["fp32", "bf16", "bf16_pure"] = Field(
-        default="fp32",
-        description="bf16: bf16 weights with fp32 master weights, gradients and Adam states (use on "
-        "a GPU); bf16_pure: all in bf16 as TRL trains (less memory, small updates can round away)",
-    )
-    skip_nonfinite_steps: bool = Field(
-        default=True,
-        description="skip an optimizer step whose gradients hold "
-        "inf/NaN: at ZeRO 1-3 with bf16 DeepSpeed's check_grad_overflow (one pass "
-        "over the gradients); at ZeRO 0 any precision, from the clip's norm (free)",
-    )
-    optimizer: Literal["adamw_torch", "adamw_deepspeed"] = Field(
-        default="adamw_torch",
-        description="adamw_torch: torch's fused AdamW; adamw_deepspeed: DeepSpeed's own (ZeRO 1-3)",
-    )
-    lr: float = Field(default=1e-3, gt=0)
-    min_lr: float = Field(default=0.0, ge=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = Field(default=0, ge=0)
-    total_steps: int | None = Field(default=None, ge=1, description="schedule length; defaults to num_rollout")
-    grad_clip: float = Field(default=1.0, gt=0)
-    micro_batch_tokens: int = Field(
-        default=16384,
-        ge=1,
-        description="token budget of one micro-batch (rows x "
-        "longest row); larger is faster until activations fill the GPU",
-    )
-    pack_sequences: bool = Field(
-        default=False,
-        description="pack several samples into one row of a micro-batch "
-        "(position ids restart per sample, attention stays within it): no padding tokens "
-        "when lengths differ; rows stay as wide as the longest sample (docs/algorithms.md)",
-    )
-    scoring_chunk_tokens: int = Field(
-        default=1024,
-        ge=1,
-        description="response tokens scored at once, over 8,192 "
-        "vocabulary columns at a time (whole rows where top-k / top-p truncate, as "
-        "many as make as many logits): bounds the scoring's memory to a few float32 "
-        "[chunk x 8,192] tables whatever the micro-batch (docs/algorithms.md)",
-    )
-    checkpoint_dir: str | None = Field(default=None, description="defaults to RUN_DIR/checkpoints")
-    keep_last_checkpoints: int = Field(default=3, ge=1)
-    export_hf_on_save: bool = True
-    critic_lr: float | None = Field(default=None, gt=0, description="defaults to lr")
-    seed: int = 0
-    activation_checkpointing: bool = Field(
-        default=False,
-        description="recompute each decoder layer's activations "
-        "in the backward instead of keeping them (transformers' checkpointing, "
-        "non-reentrant): less memory for long sequences, ~1/3 more compute",
-    )
-    cpu_threads: int | None = Field(
-        default=None,
-        ge=1,
-        description="torch's intra-op CPU threads in the trainer (null: 4 on a GPU, torch's default on the CPU)",
-    )
-    lora: LoraConfig | None = Field(
-        default=None, description="LoRA adapters instead of full fine-tuning (null = full fine-tuning)"
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "gradient_checkpointing" in data:
-            raise ValueError("gradient_checkpointing was renamed activation_checkpointing (transformers' name)")
-        return data
-
-
-class AlgorithmConfig(Section):
-    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = Field(
-        default="grpo",
-        description="grpo (group-normalised), rloo (leave-one-out baseline), reinforce_pp (discounted "
-        "returns whitened over the batch), reinforce_pp_baseline (group mean baseline, then whitened over the batch), "
-        "gae (PPO with a critic); docs/algorithms.md",
-    )
-    normalize_advantage_std: bool = Field(default=True, description="grpo: divide by the group's std (False = Dr.GRPO)")
-    policy_loss: Literal["ppo", "gspo"] = Field(
-        default="ppo",
-        description="ppo: per-token ratio, clipped per token; "
-        "gspo: the sequence's geometric-mean ratio, clipped per sequence",
-    )
-    eps_clip: float = Field(default=0.2, gt=0)
-    eps_clip_high: float | None = Field(default=None, gt=0, description="asymmetric upper clip (DAPO)")
-    dual_clip_c: float | None = Field(default=None, gt=1.0)
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
-        default="token_mean",
-        description="default token_mean; with policy_loss: gspo left unset it is "
-        "seq_mean_token_mean, the GSPO paper's objective",
-    )
-    kl_coef: float = Field(default=0.0, ge=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_mode: Literal["loss", "reward"] = "loss"
-    entropy_coef: float = Field(default=0.0, ge=0)
-    use_rollout_logprobs: bool = Field(
-        default=True,
-        description="ratio denominator: rollout log-probs (True) "
-        "or log-probs the trainer computes (False: the current policy before the "
-        "update, or the old actor with keep_old_actor)",
-    )
-    use_tis: bool = Field(
-        default=False,
-        description="truncated importance sampling: weights pi_old / pi_rollout "
-        "(capped at tis_clip) on the loss; needs use_rollout_logprobs: false",
-    )
-    tis_clip: float = Field(default=2.0, gt=0)
-    tis_mode: Literal["truncate", "mask"] = Field(
-        default="truncate",
-        description="use_tis: what a weight above tis_clip becomes: truncate = tis_clip (miles' "
-        "TIS); mask = 0, the token drops out of the loss (AReaL's decoupled PPO with its behaviour-weight cap)",
-    )
-    keep_old_actor: bool = Field(
-        default=False,
-        description="keep snapshots of the weights sent to the rollout "
-        "engines, and score each sample under the version that generated it (the ratio's "
-        "denominator); needs use_rollout_logprobs: false",
-    )
-    gamma: float = Field(default=1.0, ge=0, le=1, description="discount per action: gae, reinforce_pp")
-    lambd: float = Field(default=1.0, ge=0, le=1, description="GAE's lambda: gae")
-    whiten_advantages: bool = Field(
-        default=False,
-        description="gae: normalise advantages to mean 0, std 1 over "
-        "the batch's trainable tokens (verl's masked_whiten)",
-    )
-    value_clip: float = Field(default=0.2, gt=0)
-    num_critic_only_steps: int = Field(default=0, ge=0)
-    overlong_filter: bool = Field(
-        default=False,
-        description="DAPO's overlong filtering: samples that reached "
-        "max_new_tokens without stopping get loss_mask 0 in the actor's loss (they still "
-        "count in their group's baseline and in the books)",
-    )
-
-    @property
-    def uses_critic(self) -> bool:
-        return self.advantage_estimator == "gae"
-
-    @property
-    def compares_within_groups(self) -> bool:
-        """The estimator's baseline is the other samples of the same prompt."""
-        return self.advantage_estimator in ("grpo", "rloo", "reinforce_pp_baseline")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _gspo_aggregates_per_sequence(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("policy_loss") == "gspo" and "loss_aggregation" not in data:
-            return {**data, "loss_aggregation": "seq_mean_token_mean"}
-        return data
-
-    @model_validator(mode="after")
-    def _consistent_corrections(self) -> AlgorithmConfig:
-        if self.use_rollout_logprobs and self.use_tis:
-            raise ValueError(
-                "use_tis: true needs use_rollout_logprobs: false (with rollout log-probs "
-                "as the ratio's denominator the ratio already is the importance weight; TIS on top "
-                "would apply it twice)"
-            )
-        if self.use_rollout_logprobs and self.keep_old_actor:
-            raise ValueError(
-                "keep_old_actor: true needs use_rollout_logprobs: false (the old actor "
-                "computes the ratio's denominator, which use_rollout_logprobs takes from the rollout)"
-            )
-        if self.tis_mode != "truncate" and not self.use_tis:
-            raise ValueError(f"tis_mode: {self.tis_mode} applies to TIS's weights: it needs use_tis: true")
-        return self
-
-    @model_validator(mode="after")
-    def _keys_the_estimator_uses(self) -> AlgorithmConfig:
-        """A key the chosen estimator ignores, set away from its default, is a mistake: refuse it."""
-        est = self.advantage_estimator
-        if self.whiten_advantages and est != "gae":
-            raise ValueError(
-                f"whiten_advantages applies to advantage_estimator: gae (advantage_estimator {est} "
-                "normalises by itself: grpo per group, reinforce_pp and reinforce_pp_baseline over the "
-                "batch, rloo not at all)"
-            )
-        if not self.normalize_advantage_std and est != "grpo":
-            raise ValueError(
-                "normalize_advantage_std: false (Dr.GRPO) applies to advantage_estimator: grpo; "
-                f"advantage_estimator {est} divides by no group std"
-            )
-        if self.gamma != 1.0 and est not in ("gae", "reinforce_pp"):
-            raise ValueError(
-                f"gamma applies to advantage_estimator: gae or reinforce_pp (per-token returns); "
-                f"advantage_estimator {est} gives each sample one advantage"
-            )
-        if self.lambd != 1.0 and est != "gae":
-            raise ValueError(f"lambd is GAE's lambda: it needs advantage_estimator: gae, not {est}")
-        if self.num_critic_only_steps and not self.uses_critic:
-            raise ValueError(
-                f"num_critic_only_steps needs a critic: advantage_estimator: gae (advantage_estimator "
-                f"{est} trains none)"
-            )
-        return self
 
 
 class LoopConfig(Section):
