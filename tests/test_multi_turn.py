@@ -14,6 +14,7 @@ from helpers.scripted_engine import GenerateOnlyEngine
 
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import FINISH_ABORT, FINISH_STOP, Engine, SampleOutput
+from services.rollout.environment_registry import resolve_environment
 from services.rollout.environments import (
     Action,
     EnvironmentFailure,
@@ -22,7 +23,6 @@ from services.rollout.environments import (
     EnvironmentUnavailable,
     EpisodeSample,
     StepResult,
-    resolve_environment,
 )
 from services.rollout.multi_turn import MultiTurnRollout, episode_metrics, turn_sampling
 
@@ -101,7 +101,7 @@ def test_a_three_turn_episode_has_exact_tokens_mask_and_log_probs_with_a_scripte
         envs.append(ThreeTurns())
         return envs[-1]
 
-    played = rollout(engine, make).run([sample()], SAMPLING)
+    played = rollout(engine, make, max_turns=3).run([sample()], SAMPLING)
     (e,) = played.episodes
     assert e.prompt_ids == (1, 4, 5, 6, 2)  # the reset observation is prompt, not response
     assert e.output.token_ids == (10, 20, 7, 8, 11, 21, 9, 3, 12, 22)
@@ -122,9 +122,9 @@ def test_a_three_turn_episode_has_exact_tokens_mask_and_log_probs_with_a_scripte
     (env,) = envs
     assert env.sample == sample()
     assert env.actions == [
-        Action(text="t10 t20", token_ids=(10, 20), finish_reason="stop", turn=0),
-        Action(text="t11 t21", token_ids=(11, 21), finish_reason="stop", turn=1),
-        Action(text="t12 t22", token_ids=(12, 22), finish_reason="stop", turn=2),
+        Action(text="t10 t20", token_ids=(10, 20), finish_reason="stop", turn=0, last_turn=False),
+        Action(text="t11 t21", token_ids=(11, 21), finish_reason="stop", turn=1, last_turn=False),
+        Action(text="t12 t22", token_ids=(12, 22), finish_reason="stop", turn=2, last_turn=True),
     ]
 
 
@@ -308,7 +308,7 @@ def test_environment_specs_resolve_like_rewards_and_bad_ones_are_clear(tmp_path:
     assert vars(plugin.make())["turns"] == 0 and plugin.make() is not plugin.make()  # one instance per episode
     assert resolve_environment("examples/tool_lookup/env.py:LookupEnvironment").spec.endswith("LookupEnvironment")
     for spec, fragment in [
-        ("no_colon", "not of the form module:Class"),
+        ("no_colon", "is not a built-in \\(math_feedback\\) and not of the form module:Class"),
         (f"{path}:Half", "leaves abstract methods unimplemented \\(step\\)"),
         (f"{path}:NoStep", "NoStep has no step method"),
         (f"{path}:NOT_CALLABLE", "is a int, not a class or factory"),

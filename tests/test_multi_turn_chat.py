@@ -20,7 +20,9 @@ from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
 from services.rollout.chat import ChatTemplate
 from services.rollout.engines.base import FINISH_LENGTH, FINISH_STOP, Engine, SampleOutput
+from services.rollout.environment_registry import resolve_environment
 from services.rollout.environments import Action, EnvironmentFailure, EnvironmentPlugin, EpisodeSample, StepResult
+from services.rollout.math_feedback import FEEDBACK
 from services.rollout.multi_turn import MultiTurnRollout
 from services.rollout.tokenizer import Texts, encode_texts, load_tokenizer
 
@@ -165,3 +167,21 @@ def test_an_observation_role_the_template_refuses_names_the_episode(texts, tmp_p
         r"'tool' message: .*bad role tool",
     ):
         play(strict, engine, Observes(None, [{"role": "tool", "content": "ok"}]))
+
+
+def test_math_feedback_after_a_wrong_answer_is_a_user_turn_of_the_chat_and_a_right_answer_then_scores_1(texts):
+    """The built-in environment (tests/test_math_feedback.py has its rules) played through the rollout: its
+    feedback is rendered by the chat template as the user's turn, masked from the loss."""
+    wrong = [*texts.encode_text("#### 6"), *ids_of(texts, "<|im_end|>")]
+    right = [*texts.encode_text("#### 5"), *ids_of(texts, "<|im_end|>")]
+    engine = ScriptedFakeEngine([(wrong, FINISH_STOP), (right, FINISH_STOP)])
+    prompt_ids, episode = play(texts, engine, resolve_environment("math_feedback").make())
+    feedback = encode_texts(
+        texts.tokenizer,
+        [f"\n<|im_start|>user\n{FEEDBACK}<|im_end|>\n<|im_start|>assistant\n"],
+        special_tokens=False,
+    )[0]
+    assert engine.calls == [[prompt_ids], [prompt_ids + wrong + feedback]]
+    assert list(episode.output.token_ids) == wrong + feedback + right
+    assert list(episode.loss_mask) == [1] * len(wrong) + [0] * len(feedback) + [1] * len(right)
+    assert (episode.reward, episode.turns, episode.end) == (1.0, 2, "done")

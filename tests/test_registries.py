@@ -1,11 +1,12 @@
-"""The plug-in tables besides the weight transports' (test_weights_registry.py): the engines, the metric trackers
-and the CLI's commands. Each is one explicit table whose keys are what the config (or the launcher) names, and
-importing it loads none of its plug-ins' modules."""
+"""The plug-in tables besides the weight transports' (test_weights_registry.py): the engines, the metric trackers,
+the CLI's commands and the built-in environments. Each is one explicit table whose keys are what the config (or the
+launcher) names, and importing it loads none of its plug-ins' modules."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import typing
@@ -13,7 +14,10 @@ from pathlib import Path
 
 from services.cli import COMMANDS, build_parser
 from services.contracts.config import PrometheusTrackerConfig, RolloutConfig, TrackerConfig
+from services.contracts.rollout_config import RolloutSettings
 from services.rollout.engines.registry import ENGINES, engine_kind
+from services.rollout.environment_registry import BUILTIN_ENVIRONMENTS, resolve_environment
+from services.rollout.environments import Environment, EnvironmentSpecError
 from services.telemetry.prometheus import PrometheusTracker
 from services.telemetry.tracker_registry import TRACKERS, RunTarget
 from services.telemetry.trackers import JsonlTracker
@@ -24,10 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 _PROBE = """
 import json, sys
 import services.cli, services.rollout.engines.registry, services.telemetry.tracker_registry
+import services.rollout.environment_registry
 plug_ins = ("services.rollout.engines.native", "services.rollout.engines.sglang", "services.telemetry.wandb_tracker",
             "services.telemetry.prometheus", "services.telemetry.tensorboard_tracker", "services.trainer.server",
             "services.rollout.server", "services.coordinator.server", "services.launcher.supervisor",
-            "services.coordinator.ctl", "services.coordinator.plot")
+            "services.coordinator.ctl", "services.coordinator.plot", "services.rollout.math_feedback")
 print(json.dumps(sorted(m for m in plug_ins if m in sys.modules)))
 """
 
@@ -71,6 +76,30 @@ def test_the_command_table_is_the_parser_and_holds_what_the_launcher_starts():
     launched = (ROOT / "services" / "launcher" / "supervisor.py").read_text()
     for service in ("coordinator", "trainer", "rollout"):  # `tandem <service> CONFIG ...`, started by the supervisor
         assert f'"{service}"' in launched and service in COMMANDS
+
+
+def test_the_environment_table_is_what_the_config_and_the_docs_name_and_each_entry_resolves_by_name():
+    """rollout.environment is a free string (a spec is a path): the table is the one list of names, which the
+    resolver and its error read, and the config's description and docs/own-task.md must name the same ones."""
+    names = sorted(BUILTIN_ENVIRONMENTS)
+    assert all(entry.name == name for name, entry in BUILTIN_ENVIRONMENTS.items())
+    described = RolloutSettings.model_fields["environment"].description
+    listed = re.search(r"a built-in \(([^)]*)\)", described or "")
+    assert listed is not None and listed.group(1).split(", ") == names
+    section = (ROOT / "docs" / "own-task.md").read_text().split("### Built-in environments")[1].split("\n#")[0]
+    assert re.findall(r"^- `(\w+)`", section, flags=re.MULTILINE) == names
+    for name in names:
+        plugin = resolve_environment(f" {name} ")
+        assert plugin.spec == name and isinstance(plugin.make(), Environment)
+    try:
+        resolve_environment("math")
+    except EnvironmentSpecError as exc:
+        assert str(exc) == (
+            f"environment 'math' is not a built-in ({', '.join(names)}) and not of the form module:Class or "
+            "path/to/file.py:Class"
+        )
+    else:
+        raise AssertionError("no error")
 
 
 def test_importing_the_tables_loads_no_plug_in():

@@ -14,6 +14,8 @@ from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config import ConfigError
 from services.contracts.config_loading import config_from_dict, load_config
 from services.contracts.sampling import SamplingSpec
+from services.rollout.math_feedback import FEEDBACK
+from services.rollout.math_rewards import math_answer
 from services.rollout.service import PromptInput, RolloutService
 
 torch.set_num_threads(1)
@@ -144,6 +146,40 @@ def test_env_plus_reward_adds_the_reward_function_and_env_alone_refuses_a_reques
         assert batch.metadata["episode_reward"] == "env_plus_reward"
     finally:
         both.close()
+
+
+def test_the_built_in_math_feedback_plays_answer_feedback_answer_with_the_feedback_masked(
+    example_model, redis_server, stream
+):
+    """rollout.environment: math_feedback by name. Each one-token turn is an answer checked with math_answer; a
+    wrong one with turns left is followed by the feedback (loss_mask 0, log-prob 0), a right one ends the episode
+    with reward 1, and the third wrong one ends it as done (stop, not a cut) with reward 0."""
+    svc = make_service(example_model, redis_server.url, environment="math_feedback")
+    try:
+        prompts = [
+            PromptInput(text=f"{a} + {b} =", label=str(a + b), group_id=i)
+            for i, (a, b) in enumerate((a, b) for a in range(1, 5) for b in range(1, 5))
+        ]
+        result = svc.generate(rollout_id=0, prompts=prompts, stream=stream)
+        batch = read_batch(redis_server.url, stream, result.entry_id)
+        feedback = svc.texts.encode_text(f"\n\n{FEEDBACK}\n\n")
+        turns = []
+        for i, (_, r_sl, t_sl) in enumerate(batch.sample_slices()):
+            response, label = batch.tokens[r_sl].tolist(), prompts[i // 4].label
+            answers = response[:: 1 + len(feedback)]  # answer, feedback, answer, ...: one token each answer
+            scores = [math_answer(svc.texts.decode([a]), label) for a in answers]
+            assert scores[:-1] == [0.0] * (len(answers) - 1) and (scores[-1] == 1.0 or len(answers) == 3)
+            assert response == [*(t for a in answers[:-1] for t in (a, *feedback)), answers[-1]]
+            mask = batch.loss_mask[t_sl].tolist()
+            assert mask == [*(m for _ in answers[:-1] for m in (1, *[0] * len(feedback))), 1]
+            assert all(lp == 0.0 for lp, m in zip(batch.rollout_log_probs[t_sl].tolist(), mask, strict=True) if not m)
+            assert (float(batch.rewards[i]), batch.finish_reasons[i]) == (scores[-1], "stop")
+            turns.append((len(answers), scores[-1]))
+        # the seeded untrained policy: some right at once, some right after feedback, some wrong three times
+        assert {(1, 1.0), (3, 0.0)} <= set(turns) and any(n > 1 and r == 1.0 for n, r in turns)
+        assert batch.metadata["environment"] == "math_feedback" and result.metrics["env_end_done_frac"] == 1.0
+    finally:
+        svc.close()
 
 
 def test_environment_keys_are_checked_and_plug_in_paths_resolve_against_the_yaml(tmp_path):

@@ -135,7 +135,7 @@ class RolloutSettings(Section):
     overlong_penalty: OverlongPenaltyConfig = OverlongPenaltyConfig()
     environment: str | None = Field(
         default=None,
-        description="multi-turn environment, `module:Class` or "
+        description="multi-turn environment: a built-in (math_feedback), `module:Class` or "
         "`file.py:Class` (docs/own-task.md); unset = one turn per sample",
     )
     max_turns: int = Field(default=4, ge=1, description="environment: most policy turns (generations) per episode")

@@ -334,7 +334,8 @@ def _check_reward(spec: str) -> None:
 def _check_environment(spec: str | None) -> None:
     if not spec:
         return
-    from services.rollout.environments import EnvironmentSpecError, resolve_environment
+    from services.rollout.environment_registry import resolve_environment
+    from services.rollout.environments import EnvironmentSpecError
 
     try:
         resolve_environment(spec)

@@ -1,14 +1,16 @@
 """Multi-turn environments: the plug-in point beside the reward function.
 
-`rollout.environment` names a class (or any factory callable) as `module:Class` or `path/to/file.py:Class`,
-resolved like `rollout.reward`. The rollout makes one instance per episode (`factory()`, no arguments), so an
-instance keeps that episode's state. The contract (`Environment`; subclassing it is optional, the methods are
-what counts):
+`rollout.environment` names a built-in environment or a class (or any factory callable) as `module:Class` or
+`path/to/file.py:Class`, resolved like `rollout.reward` (services/rollout/environment_registry.py). The rollout
+makes one instance per episode (`factory()`, no arguments), so an instance keeps that episode's state. The contract
+(`Environment`; subclassing it is optional, the methods are what counts):
 
 - `reset(sample: EpisodeSample) -> observation`: the episode starts; the observation (may be empty) is
   appended to the prompt, so it is context, never trained on.
 - `step(action: Action) -> (observation, reward, done)`: the policy's turn (`action.text`, `action.token_ids`);
-  the observation is appended after it with loss_mask 0; `reward` is added to the episode's reward.
+  the observation is appended after it with loss_mask 0; `reward` is added to the episode's reward. After the
+  turn that is `action.last_turn` (rollout.max_turns) the episode ends whatever `done` says: an environment that
+  returns done there ends it as done (finish reason stop) rather than cut (length).
 
 An observation is text, a message `{"role": ..., "content": ...}`, or a sequence of token ids (used as they are).
 When the episode's prompt is a chat, text and messages are rendered with the chat template as a turn of the
@@ -26,7 +28,6 @@ the episode (`EnvironmentFailure`, not retried), unless it raised ConnectionErro
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import math
 import numbers
@@ -36,14 +37,13 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from services.contracts.chat import ChatMessage
-from services.rollout.rewards import load_attribute
 from services.rpc.grpc_util import Unavailable
 
 Observation = str | Sequence[int] | Mapping[str, str]
 
 
 class EnvironmentSpecError(ValueError):
-    """`rollout.environment` does not name a usable environment class or factory."""
+    """`rollout.environment` does not name a built-in or a usable environment class or factory."""
 
 
 class EnvironmentFailure(ValueError):
@@ -75,6 +75,7 @@ class Action:
     token_ids: tuple[int, ...]
     finish_reason: str  # the engine's: stop (EOS or a stop token) or length (max_new_tokens or the context)
     turn: int  # 0-based
+    last_turn: bool  # rollout.max_turns is reached: no turn follows, whatever step returns
 
 
 class StepResult(NamedTuple):
@@ -112,34 +113,6 @@ class EnvironmentPlugin:
                 f"environment {self.spec}: constructing it raised {type(exc).__name__}: {exc}"
             ) from exc
         return env
-
-
-@functools.lru_cache(maxsize=16)
-def resolve_environment(spec: str) -> EnvironmentPlugin:
-    """`module:Class` or `file.py:Class` -> EnvironmentPlugin (EnvironmentSpecError naming the problem if not)."""
-    spec = spec.strip()
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr:
-        raise EnvironmentSpecError(f"environment {spec!r} is not of the form module:Class or path/to/file.py:Class")
-    factory = load_attribute(spec, kind="environment", error=EnvironmentSpecError)
-    if not callable(factory):
-        raise EnvironmentSpecError(
-            f"environment {spec!r}: {attr} is a {type(factory).__name__}, not a class or factory"
-        )
-    if isinstance(factory, type):
-        missing = [m for m in ("reset", "step") if not callable(getattr(factory, m, None))]
-        if missing:
-            raise EnvironmentSpecError(
-                f"environment {spec!r}: {factory.__name__} has no {' or '.join(missing)} "
-                "method (see services.rollout.environments.Environment)"
-            )
-        if inspect.isabstract(factory):
-            abstract = sorted(getattr(factory, "__abstractmethods__", ()))
-            raise EnvironmentSpecError(
-                f"environment {spec!r}: {factory.__name__} leaves abstract methods "
-                f"unimplemented ({', '.join(abstract)})"
-            )
-    return EnvironmentPlugin(spec=spec, factory=factory)
 
 
 async def call_environment(

@@ -188,6 +188,7 @@ class MultiTurnRollout:
                     token_ids=tuple(out.token_ids),
                     finish_reason=out.finish_reason,
                     turn=turn,
+                    last_turn=turn + 1 >= self.max_turns,
                 )
                 for out in outputs
             ]

@@ -36,7 +36,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -378,20 +378,31 @@ def resolve_reward(spec: str) -> RewardFunction:
         raise RewardSpecError(
             f"reward {spec} needs the {_BUILTIN_NEEDS[spec][0].replace('_', '-')} package: {_BUILTIN_NEEDS[spec][1]}"
         )
-    fn = BUILTIN_REWARDS.get(spec) or _load_callable(spec)
+    fn = BUILTIN_REWARDS.get(spec) or load_callable(
+        spec,
+        kind="reward",
+        error=RewardSpecError,
+        builtins=BUILTIN_REWARDS,
+        attr_name="function",
+        callable_as="a function",
+    )
     return _describe(spec, fn)
 
 
-def _load_callable(spec: str) -> Callable[..., Any]:
+def load_callable(
+    spec: str, *, kind: str, error: type[ValueError], builtins: Iterable[str], attr_name: str, callable_as: str
+) -> Callable[..., object]:
+    """A plug-in that is no built-in: the callable `module:attr` or `path/to/file.py:attr` names (`error`, naming
+    `kind`, the built-ins and the forms, when the spec is neither)."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        raise RewardSpecError(
-            f"reward {spec!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}) "
-            "and not of the form module:function or path/to/file.py:function"
+        raise error(
+            f"{kind} {spec!r} is not a built-in ({', '.join(builtins)}) "
+            f"and not of the form module:{attr_name} or path/to/file.py:{attr_name}"
         )
-    fn = load_attribute(spec, kind="reward", error=RewardSpecError)
+    fn = load_attribute(spec, kind=kind, error=error)
     if not callable(fn):
-        raise RewardSpecError(f"reward {spec!r}: {attr} is a {type(fn).__name__}, not a function")
+        raise error(f"{kind} {spec!r}: {attr} is a {type(fn).__name__}, not {callable_as}")
     return fn
 
 

@@ -183,7 +183,8 @@ def startup_problem(config: TandemConfig, replica: int) -> str | None:
     except RewardSpecError as exc:
         return f"rollout.reward: {exc}"
     if config.rollout.environment:
-        from services.rollout.environments import EnvironmentSpecError, resolve_environment
+        from services.rollout.environment_registry import resolve_environment
+        from services.rollout.environments import EnvironmentSpecError
 
         try:
             resolve_environment(config.rollout.environment)

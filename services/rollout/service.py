@@ -33,7 +33,8 @@ from services.rollout.engines.base import (
 )
 from services.rollout.engines.errors import EngineUnavailable
 from services.rollout.engines.registry import engine_kind
-from services.rollout.environments import EpisodeSample, resolve_environment
+from services.rollout.environment_registry import resolve_environment
+from services.rollout.environments import EpisodeSample
 from services.rollout.metrics import batch_metrics, eval_metrics, shaped_rewards
 from services.rollout.multi_turn import MultiTurnRollout, episode_metrics
 from services.rollout.rewards import RewardFunction, resolve_reward
