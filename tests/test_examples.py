@@ -11,6 +11,8 @@ import pytest
 
 from services.contracts.config_loading import load_config
 from services.launcher import preflight
+from services.rollout import bpe_tokenizer
+from services.rollout.model_families import MODEL_PRESETS
 from services.rollout.model_init import init_model
 from services.rollout.rewards import resolve_reward
 from services.rollout.tokenizer import load_tokenizer
@@ -19,7 +21,7 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yam
 
 
 def test_the_examples_are_found():
-    assert {p.name for p in EXAMPLES} >= {"digit_max.yaml", "digit_max_gpu.yaml", "qwen05_gpu.yaml",
+    assert {p.name for p in EXAMPLES} >= {"digit_max.yaml", "digit_max_gpu.yaml", "math_chat.yaml", "qwen05_gpu.yaml",
                                           "qwen15_gpu.yaml", "tool_lookup.yaml"}
 
 
@@ -31,11 +33,19 @@ def test_an_example_config_passes_the_checks_that_need_no_model(path, tmp_path_f
     resolve_reward(config.rollout.reward)
     preflight._check_environment(config.rollout.environment)
     limit = config.rollout.max_context_length
-    if limit is not None:   # every preset shares the tiny model's tokenizer
-        tokenizer = load_tokenizer(init_model(tmp_path_factory.mktemp("tok") / "tiny", preset="tiny", seed=0))
+    if limit is not None:   # the tokenizer --init-model would build, without its model
+        tokenizer = preset_tokenizer(config.model.init_preset or "tiny", tmp_path_factory)
         prompts = preflight.model_prompts(config, records, tokenizer)
         longest = max(length for encoded in prompts.values() for length in encoded.lengths)
         assert longest + config.rollout.sampling.max_new_tokens <= limit, (longest, limit)
+
+
+def preset_tokenizer(preset: str, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A real model's preset: its local BPE tokenizer (trained in about a second); a toy preset: the word-level one
+    they all share."""
+    if preset in MODEL_PRESETS:
+        return bpe_tokenizer.build_tokenizer(MODEL_PRESETS[preset].family, model_max_length=4096)
+    return load_tokenizer(init_model(tmp_path_factory.mktemp("tok") / "tiny", preset="tiny", seed=0))
 
 
 def test_the_long_digit_reward_reads_only_the_first_digit_of_a_forced_length_response():

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=HERE)
     parser.add_argument("--train", type=int, default=2048)
     parser.add_argument("--eval", type=int, default=128)
-    parser.add_argument("--max-number", type=int, default=20, help="the largest number a problem starts from")
+    parser.add_argument("--max-number", type=int, default=3, help="the largest number a problem starts from")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.max_number < 2:
