@@ -20,6 +20,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,13 +31,39 @@ from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import config_from_dict
 from services.contracts.gen.tandem.v1 import rollout_pb2, trainer_pb2
+from services.contracts.rollout_calls import (
+    EvaluateRequest,
+    EvaluateResult,
+    GenerateRequest,
+    GenerateResult,
+    PrepareResult,
+    ReceiveRequest,
+    ReceiveResult,
+    RolloutStatus,
+)
+from services.contracts.trainer_calls import (
+    LoadResult,
+    SaveRequest,
+    SaveResult,
+    TrainerStatus,
+    TrainRequest,
+    TrainResult,
+)
 from services.contracts.wire import RolloutBatchData, encode_batch
 from services.coordinator.api import SyncResult
+from services.coordinator.clients import (
+    generate_request_proto,
+    generate_result_of,
+    save_request_proto,
+    train_request_proto,
+    train_result_of,
+)
 from services.coordinator.data import DataSource, PromptRecord
 from services.coordinator.loop import Coordinator
 from services.coordinator.pool import RolloutPool
 from services.launcher.redis_server import EmbeddedRedis
-from services.telemetry.trackers import make_trackers
+from services.telemetry.tracker_registry import make_trackers
+from services.telemetry.trackers import Tracker
 
 PROMPTS, SAMPLES_PER_PROMPT = 64, 8
 
@@ -61,8 +88,8 @@ class Replica:
     def __init__(self, buffer: RolloutBuffer, batch: RolloutBatchData, timed: Timed):
         self.buffer, self.batch, self.timed = buffer, batch, timed
 
-    def generate(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
-        self.timed.seen("GenerateRequest (coordinator -> rollout)", request)
+    def generate(self, request: GenerateRequest) -> GenerateResult:
+        self.timed.seen("GenerateRequest (coordinator -> rollout)", generate_request_proto(request))
         start = time.perf_counter()
         entry = self.buffer.put(self.batch)
         self.timed.put[request.rollout_id] = time.perf_counter() - start
@@ -70,10 +97,37 @@ class Replica:
                                              num_groups=PROMPTS, informative_groups=PROMPTS,
                                              metrics={"reward_mean": 0.5, "response_len_mean": 1536.0})
         self.timed.seen("GenerateResponse (rollout -> coordinator)", reply)
-        return reply
+        return generate_result_of(reply)
 
     def wait_healthy(self, timeout_s: float) -> None:
         pass
+
+    def probe(self) -> RolloutStatus:
+        return RolloutStatus(weight_version=0)
+
+    get_state = probe
+
+    def close(self) -> None:
+        pass
+
+    # what this run never asks of a replica (no evals, instant syncs, no memory moves)
+    def evaluate(self, request: EvaluateRequest) -> EvaluateResult:
+        raise NotImplementedError
+
+    def prepare_weight_sync(self, *, version: int, pause_mode: str) -> PrepareResult:
+        raise NotImplementedError
+
+    def receive_weights(self, request: ReceiveRequest) -> ReceiveResult:
+        raise NotImplementedError
+
+    def resume(self) -> None:
+        raise NotImplementedError
+
+    def release_memory(self, tags: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        raise NotImplementedError
 
 
 class Trainer:
@@ -84,8 +138,8 @@ class Trainer:
     def __init__(self, buffer: RolloutBuffer, timed: Timed):
         self.buffer, self.timed, self.step = buffer, timed, 0
 
-    def train(self, request: trainer_pb2.TrainRequest) -> trainer_pb2.TrainResponse:
-        self.timed.seen("TrainRequest (coordinator -> trainer)", request)
+    def train(self, request: TrainRequest) -> TrainResult:
+        self.timed.seen("TrainRequest (coordinator -> trainer)", train_request_proto(request))
         start = time.perf_counter()
         entries = self.buffer.read(list(request.entry_ids), timeout_s=30)
         samples = sum(e.batch.num_samples for e in entries)
@@ -95,17 +149,36 @@ class Trainer:
         reply = trainer_pb2.TrainResponse(rollout_id=request.rollout_id, step=self.step, samples_trained=samples,
                                           metrics={f"train/m{i}": 0.1 * i for i in range(40)})
         self.timed.seen("TrainResponse (trainer -> coordinator)", reply)
-        return reply
+        return train_result_of(reply)
 
     def wait_healthy(self, timeout_s: float) -> None:
         pass
 
-    def load(self) -> trainer_pb2.LoadResponse:
-        return trainer_pb2.LoadResponse(loaded=False)
+    def load(self) -> LoadResult:
+        return LoadResult(loaded=False)
 
-    def save(self, request: trainer_pb2.SaveRequest) -> trainer_pb2.SaveResponse:
-        self.timed.seen("SaveRequest (coordinator -> trainer)", request)
-        return trainer_pb2.SaveResponse(path="/unused")
+    def save(self, request: SaveRequest) -> SaveResult:
+        self.timed.seen("SaveRequest (coordinator -> trainer)", save_request_proto(request))
+        return SaveResult(path="/unused", hf_path="", step=self.step, time_s=0.0)
+
+    # what this run never asks of a trainer (loop.offload_train is off)
+    def offload(self) -> None:
+        raise NotImplementedError
+
+    onload = offload
+
+    def get_state(self) -> TrainerStatus:
+        raise NotImplementedError
+
+
+class StepEnds(Tracker):
+    """When each step's metrics were logged (after its train, sync and save)."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.ends.append(time.perf_counter())
 
 
 class InstantSync:
@@ -133,16 +206,14 @@ def coordinator_seconds(args: argparse.Namespace, batch: RolloutBatchData, redis
     records = [PromptRecord(text=f"{i} {words}", label=str(i)) for i in range(PROMPTS * (args.steps + 1))]
     pool = RolloutPool([Replica(producer, batch, timed)])
     trainer = Trainer(consumer, timed)
-    ends: list[float] = []
+    steps = StepEnds()
     coordinator = Coordinator(
-        config=config, run_dir=run_dir, trainer=trainer, critic=None, pool=pool, sync=InstantSync(),  # type: ignore[arg-type]
+        config=config, run_dir=run_dir, trainer=trainer, critic=None, pool=pool, sync=InstantSync(),
         data=DataSource(records, batch_size=PROMPTS, shuffle=False, seed=0, num_epochs=1),
-        buffer=producer, trackers=make_trackers(("jsonl",), run_dir=run_dir, run_name="bench", wandb_project=None),
+        buffer=producer, trackers=[*make_trackers((), run_dir=run_dir, run_name="bench"), steps],
         eval_prompts=lambda: [], generations=ThreadPoolExecutor(2), evals=ThreadPoolExecutor(1))
-    original_log = coordinator.trackers[0].log
-    coordinator.trackers[0].log = lambda step, metrics: (original_log(step, metrics),  # type: ignore[method-assign]
-                                                         ends.append(time.perf_counter()))
     coordinator.run()
+    ends = steps.ends
     own = [(ends[i] - ends[i - 1]) - timed.put[i] - timed.read[i] for i in range(1, len(ends))]
     return own, timed
 

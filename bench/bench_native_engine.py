@@ -19,17 +19,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.contracts.sampling import SamplingSpec
+from services.contracts.untyped import HFCausalLM
 from services.rollout.engines.native import NativeEngine, resolve_device
 from services.rollout.model_init import PRESETS, init_model
 
 # A Qwen2-0.5B-shaped config (494M parameters), built locally: the size FACTS.md measured HF generate at.
-QWEN2_05B = dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+QWEN2_05B: dict[str, Any] = dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
                  tie_word_embeddings=True, bos_token_id=151_643, eos_token_id=151_645, pad_token_id=151_643)
 
@@ -84,7 +86,8 @@ def bench_model(model_dir: Path, args: argparse.Namespace) -> list[tuple]:
 
     device = resolve_device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    hf: HFCausalLM = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    hf = hf.to(device).eval()
     engines = [NativeEngine(model_dir, device=str(device), dtype=args.dtype, max_batch_size=max(args.batch),
                             decode=mode, fused_kernels=args.fused_kernels) for mode in args.decode]
     vocab = engines[0].vocab_size

@@ -20,13 +20,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))   # helpers.chatml_tokenizer
 
 from services.contracts.config import TandemConfig  # noqa: E402
 from services.contracts.config_loading import load_config  # noqa: E402
 from services.launcher import preflight  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 from services.rollout.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -49,7 +54,7 @@ def write_chat_parquet(path: Path, n: int) -> Path:
     return path
 
 
-def time_stages(config: TandemConfig, tokenizer: object) -> tuple[list[float], float, int]:
+def time_stages(config: TandemConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[float], float, int]:
     """Seconds of each stage, seconds to encode every prompt exactly, and how many prompts the check encoded."""
     from services.rollout.tokenizer import encode_prompt_texts
 
@@ -83,7 +88,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         chat_model = args.chat_model
         if chat_model is None:
-            from tests.helpers.chatml_tokenizer import build_chatml_tokenizer
+            from helpers.chatml_tokenizer import build_chatml_tokenizer
 
             chat_model = str(build_chatml_tokenizer(Path(tmp) / "chatml"))
         tokenizers = {}
@@ -94,7 +99,8 @@ def main() -> None:
         print(f"{'rows':>8} {'file':<14} {'read s':>8} {'encode s':>9} {'check s':>8} {'unk s':>7} {'total s':>8} "
               f"{'encoded':>8} {'exact s':>8}")
         for n in args.lines:
-            files = (("text jsonl", write_jsonl(Path(tmp) / f"tasks_{n}.jsonl", n), args.model, []),
+            files: tuple[tuple[str, Path, str, list[str]], ...] = (
+                     ("text jsonl", write_jsonl(Path(tmp) / f"tasks_{n}.jsonl", n), args.model, []),
                      ("chat parquet", write_chat_parquet(Path(tmp) / f"chat_{n}.parquet", n), chat_model,
                       ["data.label_key=reward_model.ground_truth"]))
             for name, path, model, extra in files:

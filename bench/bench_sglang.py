@@ -103,14 +103,14 @@ def trainer_weights(model: Path) -> list[tuple[str, Any]]:
 def sync_once(engine: SGLangEngine, publisher: Any, named: list[tuple[str, Any]], *, version: int,
               timeout_s: float) -> dict[str, float]:
     """One sync as the coordinator runs it: prepare, pause (drain), engine and trainer concurrently, resume."""
-    from services.weights import specs_from_tensors
+    from services.weights import WeightReceiver, specs_from_tensors
 
     start = time.perf_counter()
     plan = publisher.prepare(specs_from_tensors(named), version, engine.engine_ranks)
     engine.pause("drain", timeout_s=timeout_s)
     try:
         with ThreadPoolExecutor(1) as pool:
-            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=None)
+            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=WeightReceiver())
             try:
                 sent = publisher.publish(plan, named)
             except BaseException:
@@ -123,11 +123,11 @@ def sync_once(engine: SGLangEngine, publisher: Any, named: list[tuple[str, Any]]
 
 
 def publisher_for(transport: str, load_format: str, *, work: Path, timeout_s: float, bucket_mb: float) -> Any:
-    from services.contracts.config import WeightsConfig
+    from services.contracts.config import weights_config
     from services.weights import WeightPublisher
 
-    config = WeightsConfig(transport=transport, bucket_mb=bucket_mb, timeout_s=timeout_s,
-                           disk_dir=str(work / "weights"))
+    disk = {"disk_dir": str(work / "weights")} if transport == "disk" else {}
+    config = weights_config(transport=transport, bucket_mb=bucket_mb, timeout_s=timeout_s, **disk)
     return WeightPublisher(config=config, run_dir=work, trainer_id="bench",
                            sglang_load_format=load_format)
 

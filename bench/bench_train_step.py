@@ -61,11 +61,13 @@ from real_shapes import REAL_SHAPES, build_real_model_dir, real_vocab
 
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
+from services.contracts.untyped import HFCausalLM
 from services.contracts.wire import build_batch
 
 DEFAULT_BUDGET = 16384   # trainer.micro_batch_tokens' default
 PEAK_FLOPS = 790e12   # H200 dense bf16, as measured for this workplace (FACTS.md)
-SHAPES = {   # Qwen2 bodies over Tandem's 22-token vocabulary (services/rollout/model_init.py VOCAB)
+# Qwen2 bodies over Tandem's 22-token vocabulary (services/rollout/model_init.py VOCAB)
+SHAPES: dict[str, dict[str, Any]] = {
     "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=8,
                   num_key_value_heads=4),
     "q05": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -122,10 +124,12 @@ def make_model_dir(root: Path, preset: str, vocab: int) -> Path:
     out = root / f"{preset}-v{vocab}"
     if (out / "config.json").is_file():
         return out
+    body: dict[str, Any] = {"rope_theta": 1e6, "rms_norm_eps": 1e-6, **SHAPES[preset]}   # Qwen2's, as its config.json
     cfg = Qwen2Config(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=0, rope_theta=1e6, rms_norm_eps=1e-6, **SHAPES[preset])
+                      eos_token_id=2, pad_token_id=0, **body)
     torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    model: HFCausalLM = Qwen2ForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(out)
     return out
 
 
@@ -150,7 +154,7 @@ class Timer:
     """Seconds per named phase, CUDA-synchronised around each phase (so phases don't bleed into each other)."""
 
     def __init__(self, device: torch.device):
-        self.device, self.seconds = device, {}
+        self.device, self.seconds = device, dict[str, float]()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -202,8 +206,9 @@ class TorchBackend:
         self.dist_info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
         from services.trainer.head_scoring import install
 
-        self.module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=param_dtype, attn_implementation="sdpa")
-        self.module.to(device).train()
+        loaded: HFCausalLM = AutoModelForCausalLM.from_pretrained(model_dir, dtype=param_dtype,
+                                                                  attn_implementation="sdpa")
+        self.module = loaded.to(device).train()
         install(self.module)
         self.engine = self.module
         self.vocab_size, self.chunk_tokens, self.pack_sequences = self.module.config.vocab_size, chunk_tokens, False
@@ -354,7 +359,8 @@ def run_floor(*, model_dir: Path, device: torch.device, batches: list[Any], step
     from services.trainer.head_scoring import TEMPERED_ROW, install, scores_of, scoring
     from services.trainer.scoring import TokenSampling, score_request
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model: HFCausalLM = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                             attn_implementation="sdpa")
     model.to(device).train()
     install(model)
     times = []

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +39,8 @@ from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import build_batch
 from services.launcher.redis_server import EmbeddedRedis
 from services.rollout.model_init import init_model
+from services.trainer.builder import DeepSpeedTrainer, build_trainer
+from services.trainer.service import TrainerService
 
 
 def make_batch(*, rollout_id: int, samples: int, response_len: int, vocab: int, seed: int):
@@ -51,28 +54,28 @@ def make_batch(*, rollout_id: int, samples: int, response_len: int, vocab: int, 
                        sampling=SamplingSpec())
 
 
-def start_trainer(*, model_dir: Path, run_dir: Path, redis_url: str, name: str, trainer: dict):
-    """A one-rank TrainerService on its own stream, and a producer that feeds it: (service, producer)."""
-    from services.trainer.service import TrainerService
+def start_trainer(*, model_dir: Path, run_dir: Path, redis_url: str, name: str,
+                  trainer: dict) -> tuple[TrainerService, DeepSpeedTrainer, RolloutBuffer]:
+    """A one-rank TrainerService on its own stream, its parts, and a producer that feeds it."""
 
     config = config_from_dict({
         "run_name": f"bench-{name}-{time.monotonic_ns()}", "model": {"path": str(model_dir)},
         "data": {"train_path": str(run_dir / "unused.jsonl")}, "trainer": {"lr": 1e-4, **trainer},
         "redis": {"url": redis_url, "max_buffered_batches": 64}})
-    service = TrainerService(config, run_dir=run_dir)
+    built = build_trainer(config, run_dir=run_dir)
     producer = RolloutBuffer(connect(redis_url), stream_key(config.redis.stream_prefix, config.run_name),
                              groups=("actor",), max_buffered_batches=64)
-    return service, producer
+    return TrainerService(built.parts()), built, producer
 
 
 def bench_one(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, precision: str, device: str,
               samples: int, response_len: int, steps: int, token_budget: int) -> dict[str, float]:
-    service, producer = start_trainer(model_dir=model_dir, run_dir=run_dir, redis_url=redis_url,
-                                      name=f"z{zero}-{precision}",
-                                      trainer={"device": device, "zero_stage": zero, "precision": precision,
-                                               "micro_batch_tokens": token_budget})
-    vocab = service.vocab_size
-    response_len = min(response_len, (service.max_positions or 1 << 30) - 16)   # prompts are up to 16 tokens
+    service, built, producer = start_trainer(model_dir=model_dir, run_dir=run_dir, redis_url=redis_url,
+                                             name=f"z{zero}-{precision}",
+                                             trainer={"device": device, "zero_stage": zero, "precision": precision,
+                                                      "micro_batch_tokens": token_budget})
+    vocab = built.limits.vocab_size
+    response_len = min(response_len, (built.limits.max_positions or 1 << 30) - 16)   # prompts are up to 16 tokens
     wall, train, tokens = [], [], 0
     try:
         for step in range(steps + 1):
@@ -93,14 +96,15 @@ def bench_one(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, prec
 
 
 def bench_offload(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, precision: str, device: str,
-                  cycles: int = 5) -> list[dict[str, float]]:
+                  cycles: int = 5) -> list[dict[str, Any]]:
     import gc
 
-    service, producer = start_trainer(model_dir=model_dir, run_dir=run_dir, redis_url=redis_url, name="offload",
-                                      trainer={"device": device, "zero_stage": zero, "precision": precision})
-    rows = []
+    service, built, producer = start_trainer(model_dir=model_dir, run_dir=run_dir, redis_url=redis_url,
+                                             name="offload",
+                                             trainer={"device": device, "zero_stage": zero, "precision": precision})
+    rows: list[dict[str, Any]] = []
     try:
-        batch = make_batch(rollout_id=0, samples=16, response_len=16, vocab=service.vocab_size, seed=0)
+        batch = make_batch(rollout_id=0, samples=16, response_len=16, vocab=built.limits.vocab_size, seed=0)
         service.train(rollout_id=0, entry_ids=[producer.put(batch)])   # optimizer states exist from here
         for frozen in (False, True):
             if not frozen:
@@ -111,10 +115,10 @@ def bench_offload(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, 
             off, on = [], []
             for _ in range(cycles):
                 t = time.perf_counter()
-                service.backend.offload()
+                built.backend.offload()
                 off.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                service.backend.onload()
+                built.backend.onload()
                 on.append(time.perf_counter() - t)
             mode = "start-up objects frozen" if frozen else "DeepSpeed as is"
             rows.append({"mode": mode,

@@ -35,9 +35,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import CudaIpcWeights, weights_config
 from services.weights import TensorSpec, WeightPublisher, torch_compat
 from services.weights.peer import Peer, make_tensors, plan_to_text, specs_to_json
+from services.weights.transports.cuda_ipc import CudaIpcSender
 
 
 def model_specs(total_mb: float) -> list[TensorSpec]:
@@ -53,7 +54,7 @@ def model_specs(total_mb: float) -> list[TensorSpec]:
 
 def bench_transport(*, transport: str, bucket_mb: float, specs: list[TensorSpec], repeats: int, peer: Peer,
                     run_dir: Path, device: str = "cpu") -> dict[str, float]:
-    config = WeightsConfig(transport=transport, bucket_mb=bucket_mb, timeout_s=120)
+    config = weights_config(transport=transport, bucket_mb=bucket_mb, timeout_s=120)
     publisher = WeightPublisher(config=config, run_dir=run_dir, trainer_id="bench")
     tensors = {name: t.to(device) for name, t in make_tensors(specs, seed=0).items()}
     recv_s, send_s, wall_s = [], [], []
@@ -98,9 +99,9 @@ def bench_raw_gloo(*, nbytes: int, repeats: int, peer: Peer) -> dict[str, float]
 
 
 def qwen2_05b_specs() -> list[TensorSpec]:
+    from bench_native_engine import QWEN2_05B  # a sibling script (its directory is on sys.path)
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from bench.bench_native_engine import QWEN2_05B
     from services.weights.layout import specs_from_tensors
 
     with torch.device("meta"):
@@ -169,8 +170,10 @@ def handoff_row(*, publisher: WeightPublisher, peer: Peer, specs: list[TensorSpe
              for k in ("map_s", "plan_s", "launch_s", "sync_s", "done_post_s")}
     parts["after_go_s"] = statistics.median(t.get("launch_s", 0.0) + t.get("sync_s", 0.0) + t.get("done_post_s", 0.0)
                                             for t in timings)
+    sender = publisher._transport
+    assert isinstance(sender, CudaIpcSender)
     return {"recv_s": statistics.median(recv_s), "wall_s": statistics.median(wall_s), "copies": copies, **parts,
-            "send_copies": publisher._transport.last_copies, "buckets": len(plan.buckets), "identical": identical}
+            "send_copies": sender.last_copies, "buckets": len(plan.buckets), "identical": identical}
 
 
 def handoff_main(args: argparse.Namespace) -> int:
@@ -180,7 +183,7 @@ def handoff_main(args: argparse.Namespace) -> int:
     specs = qwen2_05b_specs()
     nbytes = sum(s.nbytes for s in specs)
     d2d, d2d_wall = d2d_copy_s(nbytes, repeats=max(args.repeats, 10))
-    config = WeightsConfig(transport="cuda_ipc", bucket_mb=args.bucket_mb[-1], timeout_s=120)
+    config = CudaIpcWeights(bucket_mb=args.bucket_mb[-1], timeout_s=120)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         publisher = WeightPublisher(config=config, run_dir=Path(tmp), trainer_id="bench")

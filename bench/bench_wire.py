@@ -11,11 +11,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
 from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData, decode_batch, encode_batch, payload_checksum, sampling_arrays
+
+T = TypeVar("T")
 
 
 def make_batch(total_tokens: int, samples: int) -> RolloutBatchData:
@@ -35,8 +39,9 @@ def make_batch(total_tokens: int, samples: int) -> RolloutBatchData:
         labels=tuple(str(i % 10) for i in range(samples)), producer="bench")
 
 
-def timed(fn, repeat: int) -> tuple[float, object]:
-    times, out = [], None
+def timed(fn: Callable[[], T], repeat: int) -> tuple[float, T]:
+    times: list[float] = []
+    out = fn()   # a warm-up, and `out` is of the function's type before the timed calls
     for _ in range(repeat):
         t0 = time.perf_counter()
         out = fn()

@@ -109,8 +109,8 @@ def report(results: list[dict]) -> str:
         row(f"median {label} ms", ["–" if c is None else f"{1000 * c:.1f}" for c in cells])
     row("overlap: step / max(generate, train)", [_overlap(r["steps"]) for r in results])
     row("median tokens/s (prompt + response, trained)",
-        [f"{median(r['steps'], 'train/tokens') / median(r['steps'], 'perf/step_time_s'):.0f}"
-         if median(r["steps"], "train/tokens") else "–" for r in results])
+        [f"{tokens / step_s:.0f}" if (tokens := median(r["steps"], "train/tokens")) and
+         (step_s := median(r["steps"], "perf/step_time_s")) else "–" for r in results])
     row("median trainer TFLOP/s (6 x params x tokens / train s)",
         [f"{median(r['steps'], 'perf/train_tflops') or 0:.1f}" for r in results])
     row("median weight sync GB/s", [f"{median(r['steps'], 'perf/weight_sync_gbps') or 0:.1f}" for r in results])

@@ -463,8 +463,8 @@ def report(cases: list[Case], results: dict[tuple[str, str], dict], params: dict
         some = next((x for x in (a, s, trl) if x and x["status"] == "ok"), None)
         tokens = (f"{med(some['records'], 'prompt_tokens'):.0f} + {med(some['records'], 'response_tokens'):.0f}"
                   if some else "-")
-        lengths = [fmt(med(x["records"], "response_tokens") / BATCH if x and x["status"] == "ok"
-                       and med(x["records"], "response_tokens") is not None else None, ".1f") for x in (trl, a, s)]
+        lengths = [fmt(n / BATCH if x and x["status"] == "ok" and
+                       (n := med(x["records"], "response_tokens")) is not None else None, ".1f") for x in (trl, a, s)]
         firsts = [fmt(x["first_step_s"] if x else None, ".1f") for x in (trl, a, s)]
         mfus = [f"{100 * m:.1f}%" if (m := mfu(x, params[c.preset], peak)) is not None else "-" for x in (trl, a, s)]
         rates = " / ".join(fmt(t, ",.0f") for t in tps)

@@ -38,6 +38,7 @@ from bench_sglang import (
 from sglang_servers import load
 
 from services.contracts.sampling import SamplingSpec
+from services.contracts.untyped import HFCausalLM
 from services.rollout.engines.sglang import SGLangEngine
 from services.rollout.engines.sglang_http import SGLangClient, SGLangError
 
@@ -150,7 +151,8 @@ def logprob_check(url: str, model: Path) -> None:
         prompts = [[4 + (i * 7 + j) % 18 for j in range(6)] for i in range(64)]
         outs = engine.generate(prompts, spec)
         engine.close()
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()  # type: ignore[call-arg]
+        loaded: HFCausalLM = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+        hf = loaded.cuda().eval()
         tempered, truncated = [], []
         with torch.inference_mode():
             for prompt, out in zip(prompts, outs, strict=True):

@@ -100,8 +100,9 @@ def model_log_probs(model_dir: Path, prompts: list[list[int]], responses: list[l
                     sampling: SamplingSpec = DEFAULT_SAMPLING) -> list[list[float]]:
     """The log-prob of each response token under the tiny model's sampling distribution (reference formula)."""
     rows = model_logits(model_dir, prompts, responses)
-    params = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-    return [[rl_reference.sampling_log_probs(row, **params)[t] for row, t in zip(sample, r, strict=True)]
+    s = sampling
+    return [[rl_reference.sampling_log_probs(row, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)[t]
+             for row, t in zip(sample, r, strict=True)]
             for sample, r in zip(rows, responses, strict=True)]
 
 
@@ -142,7 +143,7 @@ def _within_support(model_dir: Path, prompt: list[int], response: list[int],
 
 
 @pytest.fixture
-def harness(tiny_model_dir, tmp_path, redis_server):  # type: ignore[no-untyped-def]
+def harness(tiny_model_dir, tmp_path, redis_server):
     made = []
 
     def make(*, role: str = "actor", run_dir=None, model_dir=None, **sections) -> TrainerHarness:
@@ -162,11 +163,15 @@ class TrainerHarness:
 
     def __init__(self, config: TandemConfig, *, run_dir: Path, role: str = "actor"):
         from services.buffer.stream import RolloutBuffer, connect, stream_key
+        from services.trainer.builder import build_trainer
         from services.trainer.service import TrainerService
 
         self.config = config
-        self.service = TrainerService(config, run_dir=run_dir, role=role)
+        self.trainer = build_trainer(config, run_dir=run_dir, role=role)   # the concrete parts: the model, ...
+        self.service = TrainerService(self.trainer.parts())
+        self.closed = False
         groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
+        assert config.redis.url is not None, "a trainer harness needs the session's redis-server"
         self.client = connect(config.redis.url)
         self.stream = stream_key(config.redis.stream_prefix, config.run_name)
         self.producer = RolloutBuffer(self.client, self.stream, groups=groups, max_buffered_batches=64)
@@ -178,7 +183,7 @@ class TrainerHarness:
         return int(self.client.xpending(self.stream, group)["pending"])
 
     def close(self) -> None:
-        if self.service is not None:
+        if not self.closed:
             self.service.close()
             self.client.close()
-            self.service = None
+            self.closed = True

@@ -13,6 +13,9 @@ import grpc
 from google.protobuf import descriptor, message, message_factory
 
 FD = descriptor.FieldDescriptor
+# A field's descriptor: google.protobuf's stubs type the python and the upb implementations apart, and fields
+# iterate as either, so the helpers take what they are given.
+Field = Any
 # A proper answer to bad input; OK is fine too (the input happened to be valid). Never UNKNOWN or INTERNAL,
 # and never a dead server. UNAUTHENTICATED/PERMISSION_DENIED answer requests from a caller who is not allowed.
 ACCEPTABLE = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
@@ -27,7 +30,7 @@ _FLOATS = (-1.0, float("nan"), float("inf"), -1e308)
 _STRINGS = ("\x00", "../../../../../../etc/passwd", "x" * 100_000, "\u202e💥" * 500)
 
 
-def _extremes(field: FD) -> tuple[Any, ...]:
+def _extremes(field: Field) -> tuple[Any, ...]:
     if field.type in _INTS:
         return _INTS[field.type]
     if field.type in (FD.TYPE_DOUBLE, FD.TYPE_FLOAT):
@@ -43,11 +46,11 @@ def _extremes(field: FD) -> tuple[Any, ...]:
     return ()
 
 
-def _is_map(field: FD) -> bool:
+def _is_map(field: Field) -> bool:
     return field.type == FD.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
 
 
-def _set(msg: message.Message, field: FD, value: Any) -> None:
+def _set(msg: message.Message, field: Field, value: Any) -> None:
     if field.is_repeated:
         getattr(msg, field.name).append(value)
     else:
@@ -56,7 +59,8 @@ def _set(msg: message.Message, field: FD, value: Any) -> None:
 
 def extreme_variants(base: message.Message, *, depth: int = 0) -> Iterator[tuple[str, message.Message]]:
     """`base` with one field (or one field of a nested message) set to an extreme, one variant at a time."""
-    for field in base.DESCRIPTOR.fields:
+    fields: list[Field] = list(base.DESCRIPTOR.fields)
+    for field in fields:
         if _is_map(field):
             if field.message_type.fields_by_name["value"].type != FD.TYPE_STRING:
                 continue

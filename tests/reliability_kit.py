@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import grpc
 import yaml
@@ -68,7 +69,7 @@ def _argv(pid: int) -> list[bytes]:
         return []
 
 
-def wait_for(predicate, *, what: str, timeout_s: float = 120.0, every_s: float = 0.05):  # type: ignore[no-untyped-def]
+def wait_for(predicate, *, what: str, timeout_s: float = 120.0, every_s: float = 0.05):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
@@ -91,7 +92,7 @@ def freeze_mid_train(trainer_pid: int, cfg: dict, *, timeout_s: float = 120.0) -
                 os.kill(trainer_pid, signal.SIGSTOP)
                 rows = client.xpending_range(stream, "actor", min="-", max="+", count=100)
                 if rows:
-                    return [r["message_id"].decode() for r in rows]
+                    return [cast(bytes, r["message_id"]).decode() for r in rows]   # a binary client's
                 os.kill(trainer_pid, signal.SIGCONT)   # the step finished in between: catch the next one
             time.sleep(0.005)
     finally:
@@ -99,7 +100,7 @@ def freeze_mid_train(trainer_pid: int, cfg: dict, *, timeout_s: float = 120.0) -
     raise TimeoutError("the trainer was never caught holding unacknowledged entries")
 
 
-def wait_running(run_dir: Path, *, rollout_id: int, timeout_s: float = 180.0):  # type: ignore[no-untyped-def]
+def wait_running(run_dir: Path, *, rollout_id: int, timeout_s: float = 180.0):
     """The coordinator's status once it is running at `rollout_id` or later. The channel retries connecting
     every 0.2 s: these runs last seconds, longer than gRPC's default reconnect backoff grows to."""
     cfg = resolved_config_when_written(run_dir, timeout_s)
@@ -110,7 +111,7 @@ def wait_running(run_dir: Path, *, rollout_id: int, timeout_s: float = 180.0):  
     with grpc.insecure_channel(target, options=options) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
 
-        def status():  # type: ignore[no-untyped-def]
+        def status():
             try:
                 got = stub.GetStatus(common_pb2.Empty(), timeout=2)
             except grpc.RpcError:

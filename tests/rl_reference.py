@@ -41,7 +41,7 @@ def sampling_log_probs(logits: list[float], *, temperature: float, top_p: float,
     if top_p < 1.0:
         probs = [math.exp(v) if v != NEG_INF else 0.0 for v in log_softmax(x)]
         order = sorted(range(len(x)), key=lambda i: -probs[i])
-        mass, keep = 0.0, set()
+        mass, keep = 0.0, set[int]()
         for i in order:
             if keep and mass >= top_p:
                 break

@@ -48,7 +48,7 @@ def coordinator_target(run_dir: Path, *, timeout_s: float = 120.0) -> str:
     raise TimeoutError(f"{path} did not appear; supervisor log:\n{supervisor_log(run_dir)}")
 
 
-def wait_status(target: str, predicate, *, timeout_s: float = 120.0, what: str = "status"):  # type: ignore[no-untyped-def]
+def wait_status(target: str, predicate, *, timeout_s: float = 120.0, what: str = "status"):
     deadline = time.monotonic() + timeout_s
     last = None
     with open_channel(target) as channel:

@@ -55,6 +55,7 @@ def start_consumer(url: str, stream: str, *, consumer: str, count: int, group: s
     proc = subprocess.Popen([PYTHON, str(HELPERS_DIR / "buffer_consumer.py"), url, stream, "--group", group,
                              "--groups", groups, "--consumer", consumer, "--count", str(count)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
     line = proc.stdout.readline()
     if not line:
         proc.kill()
@@ -65,6 +66,7 @@ def start_consumer(url: str, stream: str, *, consumer: str, count: int, group: s
 def kill9(proc: subprocess.Popen) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=10) == -signal.SIGKILL
+    assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()
     proc.stderr.close()
 
@@ -330,12 +332,11 @@ def test_100mb_batch_round_trips_bit_identical_through_chunks(redis_client, stre
 def test_corrupted_entries_are_dead_lettered_and_the_consumer_carries_on(redis_client, stream):
     producer = buffer(redis_client, stream, max_buffered_batches=20, chunk_bytes=1024)
     consumer = buffer(redis_client, stream, group="actor", chunk_bytes=1024)
-    big = dict(n=16, resp_len=20)                          # > 1024 bytes: stored as chunks
     good0 = producer.put(make_batch(0), timeout_s=5)
-    flipped = producer.put(make_batch(1, **big), timeout_s=5)
+    flipped = producer.put(make_batch(1, n=16, resp_len=20), timeout_s=5)   # > 1024 bytes: stored as chunks
     good1 = producer.put(make_batch(2), timeout_s=5)
     garbage = producer.put_payload(b"\xff" * 64, rollout_id=3, policy_version=0, timeout_s=5)
-    holed = producer.put(make_batch(4, **big), timeout_s=5)
+    holed = producer.put(make_batch(4, n=16, resp_len=20), timeout_s=5)
     good2 = producer.put(make_batch(5), timeout_s=5)
 
     fields = dict(redis_client.xrange(stream, flipped, flipped))[flipped.encode()]
@@ -457,7 +458,7 @@ def test_a_retried_xadd_does_not_add_the_batch_twice(redis_client, stream):
     retry of an XADD that did land returns the first entry id instead of a duplicate batch."""
     producer = buffer(redis_client, stream, max_buffered_batches=1)
     keys = [stream, f"{stream}:put:retry-test"]
-    args = [1, "rollout_id", 0, "payload", b"x"]
+    args: list[int | str | bytes] = [1, "rollout_id", 0, "payload", b"x"]
     first = producer._producer._bounded_xadd(keys=keys, args=args)
     assert producer._producer._bounded_xadd(keys=keys, args=args) == first      # also when the buffer is now full
     assert redis_client.xlen(stream) == 1

@@ -9,7 +9,7 @@ from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import build_batch
 
 
-def _batch(rollout_id):  # type: ignore[no-untyped-def]
+def _batch(rollout_id):
     return build_batch(rollout_id=rollout_id, policy_version=0, prompts=[[1, 2]] * 2, responses=[[3]] * 2,
                        log_probs=[[-0.5]] * 2, rewards=[1.0, 0.0], group_ids=[0, 0], finish_reasons=["stop"] * 2,
                        sampling=SamplingSpec())

@@ -12,6 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import recording_reward
+from helpers.chatml_tokenizer import CHATML_TEMPLATE, build_chatml_model, build_chatml_tokenizer
 
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.chat import ChatMessage
@@ -22,8 +24,6 @@ from services.launcher import preflight
 from services.rollout.chat import ChatTemplate, ChatTemplateError
 from services.rollout.service import PromptInput, RolloutService
 from services.rollout.tokenizer import encode_texts, load_tokenizer, model_inputs
-from tests.helpers import recording_reward
-from tests.helpers.chatml_tokenizer import CHATML_TEMPLATE, build_chatml_model, build_chatml_tokenizer
 
 torch.set_num_threads(1)
 QUESTION = (ChatMessage("user", "Ava has 3 apples and buys 2 more. How many apples does Ava have now?"),)
@@ -53,7 +53,8 @@ def test_auto_renders_the_tokenizers_template_and_encodes_it_without_special_tok
     texts, ids = model_inputs(tokenizer, chat, prompts)
     assert texts == [RENDERED, "3 + 2 ="]
     assert ids[0] == tokenizer(RENDERED, add_special_tokens=False)["input_ids"]
-    im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    im_start, im_end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>"))
+    assert isinstance(im_start, int) and isinstance(im_end, int)
     assert ids[0][0] == im_start and ids[0].count(im_start) == 3 and ids[0].count(im_end) == 2   # whole tokens
     assert ids[1] == tokenizer("3 + 2 =")["input_ids"]
 
@@ -107,7 +108,7 @@ def test_a_rollout_service_generates_from_chat_prompts_with_the_template_and_the
     svc = RolloutService(config_from_dict({
         "run_name": "chat-test", "model": {"path": str(model)},
         "data": {"train_path": "unused.parquet", "system_prompt": "Answer with a number."},
-        "rollout": {"device": "cpu", "n_samples_per_prompt": 2, "reward": "tests.helpers.recording_reward:record",
+        "rollout": {"device": "cpu", "n_samples_per_prompt": 2, "reward": "helpers.recording_reward:record",
                     "sampling": {"temperature": 1.0, "max_new_tokens": 4, "seed": 1}},
         "redis": {"url": redis_server.url}}), replica=0)
     try:

@@ -148,7 +148,7 @@ def test_overrides_parse_numbers_booleans_lists_and_nested_sections(tmp_path):
     assert cfg.loop.offload_train is True and cfg.weights.check_weight_update_equal is True
     assert cfg.rollout.sampling.stop_token_ids == (1, 2, 3) and cfg.trainer.betas == (0.8, 0.9)
     assert [a.target for a in cfg.services.rollout] == ["127.0.0.1:6000", "127.0.0.1:6001", "10.0.0.2:6002"]
-    assert cfg.tracing.trackers == ("jsonl", "tensorboard")
+    assert cfg.tracing.tracker_names() == ("jsonl", "tensorboard")
     assert cfg.trainer.total_steps is None and cfg.run_name == "2024"
     assert cfg.data.prompt_key == "question=text" and cfg.redis.max_buffered_batches == 5
     assert cfg.rollout.sampling.temperature == 0.8     # siblings of an overridden key are kept
@@ -190,6 +190,24 @@ def test_override_creates_missing_sections():
     ({"trainer": {"gradient_checkpointing": True}}, "trainer", "renamed activation_checkpointing"),
     ({"services": {"rollout": []}}, "services.rollout", "must list at least one rollout address"),
     ({"services": {"tls_cert": "/c.pem"}}, "services", "tls_cert and services.tls_key must be given together"),
+    # a key of another variant than the chosen one is refused by name (the variant key chooses: engine, transport, type)
+    ({"rollout": {"engine": "sglang", "continuous_batching": True}}, "rollout.continuous_batching",
+     "a key of rollout.engine native, not sglang"),
+    ({"rollout": {"sglang": {"urls": []}}}, "rollout.sglang", "a key of rollout.engine sglang, not native"),
+    ({"weights": {"disk_dir": "/w"}}, "weights.disk_dir", "a key of weights.transport disk, not gloo"),
+    ({"weights": {"transport": "nccl", "disk_dir": "/w"}}, "weights.disk_dir",
+     "a key of weights.transport disk, not nccl"),
+    ({"weights": {"transport": "nccl", "bucket_mbb": 3}}, "weights.bucket_mbb", "did you mean 'bucket_mb'?"),
+    ({"weights": {"transport": "rdma"}}, "weights.transport",
+     "Input should be 'gloo', 'nccl', 'cuda_ipc' or 'disk' (got 'rdma')"),
+    ({"rollout": {"engine": "vllm"}}, "rollout.engine", "Input should be 'native' or 'sglang' (got 'vllm')"),
+    ({"tracing": {"trackers": ["jsonl", "wandbb"]}}, "tracing.trackers.1.type",
+     "Input should be 'jsonl', 'tensorboard', 'wandb' or 'prometheus' (got 'wandbb')"),
+    ({"tracing": {"trackers": [{"project": "p"}]}}, "tracing.trackers.0.type", "required key is missing"),
+    ({"tracing": {"trackers": [{"type": "prometheus", "project": "p"}]}}, "tracing.trackers.0.project",
+     "a key of tracing.trackers.0.type wandb, not prometheus"),
+    ({"tracing": {"wandb_project": "p"}}, "tracing",
+     "wandb_project is now a key of its tracker: trackers: [jsonl, {type: wandb, project: NAME}]"),
 ])
 def test_each_mistake_gives_one_message_naming_the_key(sections, key, words):
     message = error_of(config_from_dict, minimal(**sections), "run.yaml")
@@ -333,8 +351,6 @@ def test_inflight_update_needs_generation_that_overlaps_the_sync(inflight):
      "loop.groups_in_flight (8) must be at least rollout.rollout_batch_size (32)"),
     ({"loop": {"mode": "async", "groups_in_flight": 64}},
      "loop.groups_in_flight applies to loop.mode: streaming, not async"),
-    ({"rollout": {"engine": "sglang", "continuous_batching": True}},
-     "rollout.continuous_batching is the native engine's (rollout.engine sglang batches continuously by itself)"),
     ({"loop": {"mode": "streaming", "groups_in_flight": 32}, "redis": {"max_buffered_batches": 32},
       "rollout": {"dynamic_sampling": {"enabled": True}}},
      "rollout.dynamic_sampling.enabled needs loop.mode async or sync (in streaming several generations"),
@@ -347,4 +363,5 @@ def test_streaming_keys_that_cannot_work_are_refused(sections, words):
 def test_a_streaming_config_with_room_for_its_groups_loads():
     config = config_from_dict(minimal(loop={"mode": "streaming"}, redis={"max_buffered_batches": 64},
                                       rollout={"continuous_batching": True, "inflight_update": "keep"}))
+    assert config.rollout.engine == "native"
     assert (config.loop.mode, config.rollout.continuous_batching) == ("streaming", True)

@@ -19,7 +19,15 @@ import pytest
 
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import config_from_dict
-from services.contracts.gen.tandem.v1 import rollout_pb2, trainer_pb2
+from services.contracts.rollout_calls import GenerateRequest, GenerateResult
+from services.contracts.trainer_calls import (
+    LoadResult,
+    SaveRequest,
+    SaveResult,
+    TrainerStatus,
+    TrainRequest,
+    TrainResult,
+)
 from services.coordinator import policy
 from services.coordinator.api import GenerationResult, SyncResult
 from services.coordinator.data import DataCursor, DataSource, PromptRecord
@@ -92,21 +100,21 @@ class FakeTrainer:
         self.failures = failures or {}
         self.on_train = on_train
         self.answers = answers or {}   # rollout id -> (samples trained, samples filtered); else SAMPLES_PER_STEP, 0
-        self.requests: list[trainer_pb2.TrainRequest] = []
+        self.requests: list[TrainRequest] = []
         self.saved: list[RunState] = []
         self.step = 0
 
     def wait_healthy(self, timeout_s: float) -> None:
         self.log(f"{self.name}.wait_healthy")
 
-    def load(self) -> trainer_pb2.LoadResponse:
+    def load(self) -> LoadResult:
         self.log(f"{self.name}.load")
         if self.checkpoint is None:
-            return trainer_pb2.LoadResponse(loaded=False)
-        return trainer_pb2.LoadResponse(loaded=True, path=f"/ckpt/{self.name}/rollout_1",
-                                        extra_state={"coordinator": self.checkpoint.to_json()})
+            return LoadResult(loaded=False)
+        return LoadResult(loaded=True, path=f"/ckpt/{self.name}/rollout_1",
+                          extra_state={"coordinator": self.checkpoint.to_json()})
 
-    def train(self, request: trainer_pb2.TrainRequest) -> trainer_pb2.TrainResponse:
+    def train(self, request: TrainRequest) -> TrainResult:
         self.log(f"{self.name}.train", request.rollout_id)
         self.requests.append(request)
         if self.on_train is not None:
@@ -117,13 +125,15 @@ class FakeTrainer:
             raise ServiceCallError(f"{self.name} Train({request.rollout_id}) failed: {code.name}", code=code)
         self.step += 1
         trained, filtered = self.answers.get(request.rollout_id, (SAMPLES_PER_STEP, 0))
-        return trainer_pb2.TrainResponse(rollout_id=request.rollout_id, step=self.step, metrics={"loss": 0.5},
-                                         samples_trained=trained, samples_filtered=filtered)
+        return TrainResult(rollout_id=request.rollout_id, step=self.step, metrics={"loss": 0.5},
+                           entry_ids=request.entry_ids, samples_trained=trained, samples_dropped_stale=0,
+                           samples_filtered=filtered, time_s=0.0)
 
-    def save(self, request: trainer_pb2.SaveRequest) -> trainer_pb2.SaveResponse:
+    def save(self, request: SaveRequest) -> SaveResult:
         self.log(f"{self.name}.save", request.rollout_id)
         self.saved.append(RunState.from_json(request.extra_state["coordinator"]))
-        return trainer_pb2.SaveResponse(path=f"/ckpt/{self.name}/rollout_{request.rollout_id}")
+        return SaveResult(path=f"/ckpt/{self.name}/rollout_{request.rollout_id}", hf_path="", step=self.step,
+                          time_s=0.0)
 
     def offload(self) -> None:
         self.log(f"{self.name}.offload")
@@ -131,9 +141,11 @@ class FakeTrainer:
     def onload(self) -> None:
         self.log(f"{self.name}.onload")
 
-    def get_state(self) -> trainer_pb2.TrainerState:
+    def get_state(self) -> TrainerStatus:
         self.log(f"{self.name}.get_state")
-        return trainer_pb2.TrainerState(gpu_memory_reserved_bytes=2**30)
+        return TrainerStatus(role="actor", step=self.step, last_rollout_id=-1, weight_version=0, world_size=1,
+                             zero_stage=0, offloaded=False, device="cpu", samples_trained=0,
+                             gpu_memory_reserved_bytes=2**30)
 
 
 class FakePool:
@@ -153,20 +165,19 @@ class FakePool:
         first = prompts[0].group_id
         self.log("pool.generate", rollout_id, first)   # the first group id names the prompts
         k = self.calls[rollout_id] = self.calls.get(rollout_id, -1) + 1
-        reply = rollout_pb2.GenerateResponse(entry_id=f"{rollout_id}-{'abcdefgh'[k]}",
-                                             num_samples=len(prompts) * n_samples, metrics={"reward_mean": 0.25},
-                                             num_groups=len(prompts),
-                                             informative_groups=self.informative.get(first, len(prompts)))
+        reply = GenerateResult(entry_id=f"{rollout_id}-{'abcdefgh'[k]}", num_samples=len(prompts) * n_samples,
+                               metrics={"reward_mean": 0.25}, num_groups=len(prompts),
+                               informative_groups=self.informative.get(first, len(prompts)))
         return GenerationResult(rollout_id=rollout_id, entry_ids=(reply.entry_id,), responses=(reply,), seconds=0.0)
 
-    def generate_one(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+    def generate_one(self, request: GenerateRequest) -> GenerateResult:
         """loop.mode streaming: one group; its entry is `g<group>-a` (`-b` when the group is generated again)."""
         group = request.prompts[0].group_id
         assert request.rollout_id == group and len(request.prompts) == 1
         self.log("pool.generate_one", group, request.prompts[0].text)
         k = self.calls[group] = self.calls.get(group, -1) + 1
-        return rollout_pb2.GenerateResponse(entry_id=f"g{group}-{'ab'[k]}", num_groups=1,
-                                            num_samples=request.n_samples_per_prompt, metrics={"reward_mean": 0.25})
+        return GenerateResult(entry_id=f"g{group}-{'ab'[k]}", num_groups=1, num_samples=request.n_samples_per_prompt,
+                              metrics={"reward_mean": 0.25})
 
     def evaluate(self, prompts: list, *, n_samples: int, sampling: Any) -> dict[str, float]:
         self.log("pool.evaluate", len(prompts))
@@ -316,7 +327,7 @@ def test_in_flight_updates_sync_without_waiting_for_the_next_batchs_generation(i
                          ("trainer.train", 2), ("sync", 3), ("trainer.save", 2), step(2)]
 
 
-STREAMING = {"loop": {"mode": "streaming", "groups_in_flight": 4, "num_rollout": 3, "save_interval": 1},
+STREAMING: dict[str, Any] = {"loop": {"mode": "streaming", "groups_in_flight": 4, "num_rollout": 3, "save_interval": 1},
              "redis": {"max_buffered_batches": 4}}
 
 
@@ -348,14 +359,15 @@ def test_a_streaming_step_trains_the_groups_that_finished_first_not_the_ones_sen
     slow = threading.Event()
 
     class SlowFirstPool(FakePool):
-        def generate_one(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+        def generate_one(self, request: GenerateRequest) -> GenerateResult:
             if request.prompts[0].group_id == 0:
                 slow.wait(10)   # until the first step has trained
             return super().generate_one(request)
 
     run = Run(make_config(**STREAMING), generations=ThreadPoolExecutor(max_workers=4),
               on_train=lambda _c, rid: slow.set() if rid == 0 else None)
-    run.coordinator.pool = run.coordinator.stream.pool = SlowFirstPool(run.log)   # type: ignore[union-attr]
+    assert run.coordinator.stream is not None
+    run.coordinator.pool = run.coordinator.stream.pool = SlowFirstPool(run.log)
     run.run()
     steps = [list(r.entry_ids) for r in run.trainer.requests]
     assert "g0-a" not in steps[0] and sorted(e for s in steps for e in s) == [f"g{g}-a" for g in range(6)]
@@ -416,7 +428,7 @@ def test_resume_reuses_buffered_generations_and_regenerates_those_trained_since(
                          gen(3, 6), ("trainer.train", 2), ("sync", 4), step(2),
                          gen(4, 8), ("trainer.train", 3), ("sync", 5), step(3),
                          ("trainer.train", 4), ("sync", 6), ("trainer.save", 4), step(4)]
-    assert run.trainer.requests[0].entry_ids == ["2-a"]
+    assert run.trainer.requests[0].entry_ids == ("2-a",)
     assert run.tracker.rows[(2, "step")]["rollout/reused_from_checkpoint"] == 1.0
     assert run.trainer.saved[-1].samples_generated == 8 + 3 * SAMPLES_PER_STEP
 

@@ -4,17 +4,31 @@ tests/test_weight_sync_services.py and tests/test_reliability_*.py run the same 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 import pytest
 
-from services.contracts.config import WeightsConfig
-from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
+from services.contracts.config import ProcessGroupWeights
+from services.contracts.rollout_calls import (
+    EvaluateRequest,
+    EvaluateResult,
+    GenerateRequest,
+    GenerateResult,
+    PrepareResult,
+    PromptInput,
+    ReceiveRequest,
+    ReceiveResult,
+    RolloutStatus,
+)
+from services.contracts.sampling import SamplingSpec
+from services.contracts.trainer_calls import PublishResult, WeightSyncRequest
+from services.contracts.weight_plan import WeightSyncPlan
 from services.coordinator.errors import ServiceCallError
 from services.coordinator.pool import RolloutPool
 from services.coordinator.retry import TRAIN_RETRY, TRANSIENT_CODES, RetryPolicy, generate_retry
-from services.coordinator.sync import WeightSync, WeightSyncError, rank_offsets
+from services.coordinator.sync import WeightSync, WeightSyncFailed, rank_offsets
 
 UNAVAILABLE, INVALID = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT
 
@@ -54,52 +68,68 @@ class FakeReplica:
     def _raise(self, call: str, code: grpc.StatusCode) -> None:
         raise ServiceCallError(f"{self.name} {call} failed: {code.name}: test", code=code)
 
-    def generate(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+    def generate(self, request: GenerateRequest) -> GenerateResult:
         self.log(f"{self.name}.generate", request.rollout_id)
         if self.fail:
             self._raise(f"Generate({request.rollout_id})", self.fail.pop(0))
-        return rollout_pb2.GenerateResponse(entry_id=f"{self.name}-{request.rollout_id}", weight_version=self.version,
-                                            num_samples=len(request.prompts) * request.n_samples_per_prompt)
+        return GenerateResult(entry_id=f"{self.name}-{request.rollout_id}", weight_version=self.version,
+                              num_samples=len(request.prompts) * request.n_samples_per_prompt)
 
-    def probe(self) -> rollout_pb2.RolloutState:
+    def probe(self) -> RolloutStatus:
         self.log(f"{self.name}.probe")
-        return rollout_pb2.RolloutState(weight_version=self.version)
+        return RolloutStatus(weight_version=self.version)
 
-    def evaluate(self, request: rollout_pb2.EvaluateRequest) -> rollout_pb2.EvaluateResponse:
+    def evaluate(self, request: EvaluateRequest) -> EvaluateResult:
         self.log(f"{self.name}.evaluate", len(request.prompts))
-        return rollout_pb2.EvaluateResponse(metrics={"eval/reward_mean": self.reward})
+        return EvaluateResult(metrics={"eval/reward_mean": self.reward})
 
-    def prepare_weight_sync(self, request: rollout_pb2.PrepareReceiveRequest) -> rollout_pb2.PrepareReceiveResponse:
-        self.log(f"{self.name}.prepare", request.version)
+    def prepare_weight_sync(self, *, version: int, pause_mode: str) -> PrepareResult:
+        self.log(f"{self.name}.prepare", version)
         if self.fail_prepare:
-            self._raise(f"PrepareWeightSync(v{request.version})", UNAVAILABLE)
-        return rollout_pb2.PrepareReceiveResponse(ready=True, engine_ranks=self.ranks)
+            self._raise(f"PrepareWeightSync(v{version})", UNAVAILABLE)
+        return PrepareResult(ready=True, engine_ranks=self.ranks)
 
-    def receive_weights(self, request: rollout_pb2.ReceiveWeightsRequest) -> rollout_pb2.ReceiveWeightsResponse:
+    def receive_weights(self, request: ReceiveRequest) -> ReceiveResult:
         self.log(f"{self.name}.receive", request.plan.version, request.rank_offset)
         if self.fail_receive:
             self._raise(f"ReceiveWeights(v{request.plan.version})", self.fail_receive.pop(0))
         by_bucket = request.plan.verify_by_bucket
-        return rollout_pb2.ReceiveWeightsResponse(version=request.plan.version, checksum_s=0.5,
-                                                  checksums={} if by_bucket else self.checksums,
-                                                  bucket_checksums=self.buckets if by_bucket else [])
+        return ReceiveResult(version=request.plan.version, checksum_s=0.5,
+                             checksums={} if by_bucket else self.checksums,
+                             bucket_checksums=tuple(self.buckets) if by_bucket else ())
 
     def resume(self) -> None:
         self.log(f"{self.name}.resume")
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        self.log(f"{self.name}.wait_healthy")
+
+    def release_memory(self, tags: Sequence[str]) -> None:
+        self.log(f"{self.name}.release_memory", tuple(tags))
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        self.log(f"{self.name}.resume_memory", tuple(tags))
+
+    def get_state(self) -> RolloutStatus:
+        self.log(f"{self.name}.get_state")
+        return RolloutStatus(weight_version=self.version)
 
     def close(self) -> None:
         self.log(f"{self.name}.close")
 
 
 def _pool(log: CallLog, replicas: list[FakeReplica], *, max_retries: int = 2) -> RolloutPool:
-    return RolloutPool(replicas, retry=generate_retry(max_retries), clock=FakeClock(log),
-                       discard=lambda ids: log("discard", tuple(ids)) or len(ids))
+    def discard(ids: list[str]) -> int:
+        log("discard", tuple(ids))
+        return len(ids)
+
+    return RolloutPool(replicas, retry=generate_retry(max_retries), clock=FakeClock(log), discard=discard)
 
 
 def _generate(pool: RolloutPool, rollout_id: int) -> tuple[str, ...]:
     """One prompt: one share, so every call of a generation is made in order, on one thread."""
-    return pool.generate(rollout_id=rollout_id, prompts=[common_pb2.Prompt(text="1 2 =", label="2")], n_samples=2,
-                         sampling=common_pb2.SamplingParams(), trace_context={}).entry_ids
+    return pool.generate(rollout_id=rollout_id, prompts=[PromptInput(text="1 2 =", label="2")], n_samples=2,
+                         sampling=SamplingSpec(), trace_context={}).entry_ids
 
 
 # ---- the pool: retries of a share ----------------------------------------------------------------------
@@ -155,8 +185,8 @@ def test_a_reply_generated_with_weights_older_than_the_synced_ones_is_discarded_
 def test_evaluate_splits_the_prompts_and_weights_each_replica_by_its_share():
     log = CallLog()
     pool = _pool(log, [FakeReplica("r0", log, reward=1.0), FakeReplica("r1", log, reward=0.0)])
-    prompts = [common_pb2.Prompt(text=str(i)) for i in range(3)]
-    assert pool.evaluate(prompts, n_samples=1, sampling=common_pb2.SamplingParams()) == {"eval/reward_mean": 2 / 3}
+    prompts = [PromptInput(text=str(i)) for i in range(3)]
+    assert pool.evaluate(prompts, n_samples=1, sampling=SamplingSpec()) == {"eval/reward_mean": 2 / 3}
     assert sorted(log) == [("r0.evaluate", 2), ("r1.evaluate", 1)]
 
 
@@ -186,7 +216,9 @@ def test_retry_needs_an_attempt():
 
 
 def test_retry_call_pauses_between_attempts_and_returns_the_answer():
-    log, answers = CallLog(), [ServiceCallError("x", code=UNAVAILABLE), ServiceCallError("y", code=UNAVAILABLE), 7]
+    log = CallLog()
+    failed = [ServiceCallError(x, code=UNAVAILABLE) for x in "xy"]
+    answers: list[ServiceCallError | int] = [*failed, 7]
 
     def call() -> int:
         answer = answers.pop(0)
@@ -209,24 +241,24 @@ class FakeTrainer:
     def __init__(self, log: CallLog):
         self.log, self.name = log, "trainer"
 
-    def prepare_weight_sync(self, request: trainer_pb2.PrepareWeightSyncRequest) -> common_pb2.WeightSyncPlan:
+    def prepare_weight_sync(self, request: WeightSyncRequest) -> WeightSyncPlan:
         self.log("trainer.prepare", request.version, request.engine_world_size, request.verify,
                  request.verify_by_bucket)
         by_bucket = request.verify and request.verify_by_bucket
-        plan = common_pb2.WeightSyncPlan(version=request.version, transport="gloo", total_bytes=2000,
+        plan = WeightSyncPlan(version=request.version, transport="gloo", total_bytes=2000,
                                          verify=request.verify, verify_by_bucket=by_bucket, checksum_s=0.25)
         bucket = plan.buckets.add(checksum="b1" if by_bucket else "")
         bucket.tensors.add(name="w", checksum="" if by_bucket else "c1")
         return plan
 
-    def publish_weights(self, version: int) -> trainer_pb2.PublishWeightsResponse:
+    def publish_weights(self, version: int) -> PublishResult:
         self.log("trainer.publish", version)
-        return trainer_pb2.PublishWeightsResponse(version=version, time_s=0.25)
+        return PublishResult(version=version, bytes_sent=2000, time_s=0.25)
 
 
 def _sync(log: CallLog, replicas: list[FakeReplica], *, verify: bool = True) -> WeightSync:
     return WeightSync(trainer=FakeTrainer(log), pool=_pool(log, replicas),
-                      config=WeightsConfig(check_weight_update_equal=verify))
+                      config=ProcessGroupWeights(check_weight_update_equal=verify))
 
 
 def test_a_sync_prepares_the_engines_then_the_trainer_transfers_verifies_and_resumes():
@@ -247,7 +279,7 @@ def test_a_sync_prepares_the_engines_then_the_trainer_transfers_verifies_and_res
 def test_a_bucket_that_differs_is_sent_again_per_tensor_and_the_error_names_the_tensor_and_replica():
     log = CallLog()
     sync = _sync(log, [FakeReplica("r0", log, buckets=["XX"], checksums={"w": "XX"})])
-    with pytest.raises(WeightSyncError, match=r"check_weight_update_equal failed on r0: 1 tensors differ \(w\)"):
+    with pytest.raises(WeightSyncFailed, match=r"check_weight_update_equal failed on r0: 1 tensors differ \(w\)"):
         sync.run(version=1)
     assert [e for e in log if e[0] == "trainer.prepare"] == [("trainer.prepare", 1, 1, True, True),
                                                                ("trainer.prepare", 1, 1, True, False)]
@@ -267,7 +299,7 @@ def test_an_engine_that_answers_data_loss_is_rechecked_per_tensor_and_a_clean_re
 def test_a_transfer_failing_otherwise_is_not_rechecked():
     log = CallLog()
     sync = _sync(log, [FakeReplica("r0", log, fail_receive=[UNAVAILABLE])])
-    with pytest.raises(WeightSyncError, match=r"weight transfer of version 3 over gloo failed: .*UNAVAILABLE"):
+    with pytest.raises(WeightSyncFailed, match=r"weight transfer of version 3 over gloo failed: .*UNAVAILABLE"):
         sync.run(version=3)
     assert [e[0] for e in log].count("trainer.prepare") == 1
 
@@ -275,7 +307,8 @@ def test_a_transfer_failing_otherwise_is_not_rechecked():
 def test_a_sync_failing_in_prepare_says_so_and_resumes_the_engines():
     log = CallLog()
     sync = _sync(log, [FakeReplica("r0", log, fail_prepare=True)])
-    with pytest.raises(WeightSyncError, match="weight sync to version 1 failed in phase prepare: r0 PrepareWeightSync"):
+    with pytest.raises(WeightSyncFailed,
+                       match="weight sync to version 1 failed in phase prepare: r0 PrepareWeightSync"):
         sync.run(version=1)
     assert log == [("r0.prepare", 1), ("r0.resume",)]
 

@@ -10,7 +10,7 @@ from services.coordinator.data import DataCursor, DataSource, PromptRecord, load
 from services.coordinator.pool import split_evenly
 from services.coordinator.state import GeneratedBatch, RunState, StreamGroup
 from services.coordinator.stepmetrics import prefixed, weighted_mean
-from services.coordinator.sync import WeightSyncError, compare_checksums
+from services.coordinator.sync import WeightSyncFailed, compare_checksums
 
 DATA = DataConfig(train_path="unused")
 
@@ -21,7 +21,7 @@ def _records(n):
 
 def test_epochs_cover_every_prompt_once_and_shuffle_differs_per_epoch():
     source = DataSource(_records(10), batch_size=5, shuffle=True, seed=3, num_epochs=2)
-    epochs = [[], []]
+    epochs: list[list[str]] = [[], []]
     ends = []
     for i in range(4):
         batch = source.next_batch()
@@ -86,7 +86,7 @@ def test_run_state_round_trips_through_json():
 
 def test_checksum_comparison_names_the_differing_tensors():
     compare_checksums({"a": "1", "b": "2"}, {"a": "1", "b": "2"}, replica="r0")
-    with pytest.raises(WeightSyncError, match=r"r0: 1 tensors differ \(b\), 1 missing \(c\)"):
+    with pytest.raises(WeightSyncFailed, match=r"r0: 1 tensors differ \(b\), 1 missing \(c\)"):
         compare_checksums({"a": "1", "b": "2", "c": "3"}, {"a": "1", "b": "X"}, replica="r0")
 
 

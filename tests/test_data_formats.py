@@ -70,7 +70,9 @@ def test_every_format_gives_the_same_chat_prompts_labels_and_metadata(tmp_path, 
 def test_a_verl_prepared_parquet_file_works_unchanged(tmp_path):
     path = write(tmp_path, "parquet", [VERL_ROW, {**VERL_ROW, "reward_model": {"style": "rule", "ground_truth": "18"}}])
     first, second = load_prompts(str(path), data(label_key="reward_model.ground_truth"))
-    assert first.messages == (ChatMessage("user", VERL_ROW["prompt"][0]["content"]),) and first.text == ""
+    question = ("Natalia sold 48 clips in April and half as many in May. How many in all? Let's think step by step "
+                "and output the final answer after \"####\".")
+    assert first.messages == (ChatMessage("user", question),) and first.text == ""
     assert (first.label, second.label) == ("72", "18")
     numbers = write(tmp_path, "parquet", [{**VERL_ROW, "reward_model": {"ground_truth": 72}}], name="numbers")
     assert load_prompts(str(numbers), data(label_key="reward_model.ground_truth"))[0].label == "72"
@@ -187,10 +189,11 @@ def test_chat_keys_are_checked_and_a_template_path_is_relative_to_the_yaml(tmp_p
 def test_a_chat_prompt_crosses_grpc_as_messages(tmp_path):
     """The coordinator sends a record as tandem.v1.Prompt; the rollout server reads it back unchanged."""
     from services.contracts.gen.tandem.v1 import common_pb2
+    from services.coordinator.clients import prompt_proto
     from services.rollout.server import prompt_from_proto
 
     [record] = load_prompts(str(write(tmp_path, "jsonl", ROWS[:1])), data(system_prompt="Be brief."))
-    wire = common_pb2.Prompt.FromString(record.to_proto(group_id=7).SerializeToString())
+    wire = common_pb2.Prompt.FromString(prompt_proto(record.to_input(group_id=7)).SerializeToString())
     prompt = prompt_from_proto(wire)
     assert (prompt.text, prompt.label, prompt.group_id, prompt.metadata) == ("", "5", 7, {"level": "1"})
     assert prompt.messages == record.messages == (ChatMessage("system", "Be brief."), ChatMessage(

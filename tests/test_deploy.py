@@ -102,8 +102,8 @@ def published(service: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(host ip, host port, container port) of every `ports:` entry (the file uses IP:HOST:CONTAINER)."""
     out = []
     for entry in service.get("ports", []):
-        parts = str(entry).split(":")
-        out.append(tuple([""] * (3 - len(parts)) + parts))     # no IP given: every interface
+        ip, host, container = [""] * (3 - len(str(entry).split(":"))) + str(entry).split(":")   # no IP: every one
+        out.append((ip, host, container))
     return out
 
 
@@ -164,6 +164,7 @@ def run_client(tmp_path: Path, *args: str, env: dict[str, str] | None = None, en
         env_file = tmp_path / "empty.env"
         env_file.write_text("")
     files = [a for f in (file, *overrides) if f for a in ("-f", str(f))]    # none: COMPOSE_FILE of the env file
+    assert CLIENT is not None, "no compose client"
     return subprocess.run([*CLIENT, *files, "--project-directory", str(DEPLOY), "--env-file", str(env_file),
                            *args], capture_output=True, text=True, timeout=120, cwd=DEPLOY,    # as users run it
                           env={"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), **(env or {})})
@@ -365,7 +366,7 @@ def test_dockerfile_stages_arguments_and_copies():
     steps = dockerfile_instructions(DOCKERFILE.read_text())
     froms = [rest.split() for ins, rest in steps if ins == "FROM"]
     assert [f[-1] for f in froms] == ["build", "runtime"] and all(f[0] == "${BASE_IMAGE}" for f in froms)
-    args = dict(rest.split("=", 1) if "=" in rest else (rest, "") for ins, rest in steps if ins == "ARG")
+    args = dict(rest.partition("=")[::2] for ins, rest in steps if ins == "ARG")
     assert args["BASE_IMAGE"].startswith("nvidia/cuda:"), "the CUDA base stays the default"
     assert args["TORCH"] == "torch" and "TORCH_INDEX_URL" in args
     build_args = load_compose()["services"]["trainer"]["build"]["args"]
@@ -454,10 +455,10 @@ def runtime_env(local_path: str) -> dict[str, str]:
     """The image's runtime ENV (the Dockerfile's last stage), PATH's /opt/venv/bin being this venv."""
     steps = dockerfile_instructions(DOCKERFILE.read_text())
     last_from = max(i for i, (ins, _) in enumerate(steps) if ins == "FROM")
-    env = {}
+    env: dict[str, str] = {}
     for ins, rest in steps[last_from:]:
         if ins == "ENV":
-            env.update(item.split("=", 1) for item in rest.split())
+            env.update(item.partition("=")[::2] for item in rest.split())
     env["PATH"] = env["PATH"].replace("/opt/venv/bin", local_path).replace("$PATH", os.environ["PATH"])
     return env
 
@@ -580,11 +581,13 @@ def run_like_compose(tmp_path: Path, overrides: tuple[str, ...], env: dict[str, 
     services = run.services
     try:
         redis_port = urlparse(run.map.text(wiring(services["trainer"])["redis.url"])).port
+        assert redis_port is not None
         # appendonly=False: the compose command's own --appendonly (given last) is what turns AOF on.
         redis = EmbeddedRedis(tmp_path / "volumes" / "redis-data", port=redis_port, appendonly=False,
                               extra_args=tuple(services["redis"]["command"][1:]))
         run.stand_ins["redis"] = redis.start()
         otlp = urlparse(run.map.text(services["trainer"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]))
+        assert otlp.port is not None
         collector = run.stand_ins["jaeger"] = OtlpCollector(otlp.port)
         run.wait_healthy("redis")
 
@@ -644,7 +647,7 @@ def test_services_on_two_gpus_pinned_as_compose_pins_them(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices: compose puts the trainer and the rollout service on different GPUs")
     services = load_compose(GPU_ENV, gpu=True)["services"]
-    pins = {name: {"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids(services[name]))} for name in ("trainer", "rollout")}
+    pins = {name: {"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids(services[name]) or [])} for name in ("trainer", "rollout")}
     pins["coordinator"] = {"CUDA_VISIBLE_DEVICES": ""}
     run_like_compose(tmp_path, ("loop.num_rollout=100000", "loop.eval_interval=null"), env=pins, compose_env=GPU_ENV,
                      gpu=True)

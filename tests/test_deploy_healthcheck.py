@@ -34,6 +34,7 @@ def health_server():
 def test_serving_tandem_service_passes_and_a_stopped_one_fails():
     proc = subprocess.Popen([PYTHON, str(HELPERS_DIR / "grpc_server.py")], stdout=subprocess.PIPE, text=True,
                             cwd=REPO_ROOT)
+    assert proc.stdout is not None
     try:
         line = proc.stdout.readline()
         assert line.startswith("TANDEM_READY test-server "), line

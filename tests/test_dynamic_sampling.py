@@ -7,6 +7,7 @@ dynamic sampling in tests/test_run_e2e.py."""
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from conftest_trainer import harness, tiny_model_dir  # noqa: F401
 
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts import dapo
-from services.contracts.config import ConfigError
+from services.contracts.config import ConfigError, TandemConfig
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData, build_batch
@@ -85,8 +86,8 @@ def test_overlong_penalty_matches_the_paper():
 # ---- config ---------------------------------------------------------------------------------------------------
 
 
-def config(**sections: dict) -> object:
-    data = {"model": {"path": "m"}, "data": {"train_path": "d.jsonl"},
+def config(**sections: dict[str, Any]) -> TandemConfig:
+    data: dict[str, dict[str, Any]] = {"model": {"path": "m"}, "data": {"train_path": "d.jsonl"},
             "rollout": {"dynamic_sampling": {"enabled": True}}}
     for name, values in sections.items():
         data[name] = {**data.get(name, {}), **values}
@@ -181,12 +182,12 @@ def test_the_trainer_drops_uniform_and_surplus_groups_masks_truncated_samples_an
     relayed: list[commands.Train] = []
     run = h.service.ranks.run
 
-    def spy(command):  # type: ignore[no-untyped-def]
+    def spy(command):
         if isinstance(command, commands.Train):
             relayed.append(command)
         return run(command)
 
-    h.service.ranks.run = spy   # type: ignore[method-assign]
+    h.service.ranks.run = spy
     # Two rounds of one step: groups 10 and 14 informative (kept), 15 informative but surplus (the target is 2),
     # 11, 12 and 13 uniform (13: four rewards of 0.7). Sample 1 (in 10) stopped at max_new_tokens, so did sample 8
     # of the second entry (in 15, dropped anyway).

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from transformers import PreTrainedTokenizerBase
 
 from services.contracts.config_loading import load_config
 from services.launcher import preflight
@@ -40,7 +41,7 @@ def test_an_example_config_passes_the_checks_that_need_no_model(path, tmp_path_f
         assert longest + config.rollout.sampling.max_new_tokens <= limit, (longest, limit)
 
 
-def preset_tokenizer(preset: str, tmp_path_factory):  # type: ignore[no-untyped-def]
+def preset_tokenizer(preset: str, tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
     """A real model's preset: its local BPE tokenizer (trained in about a second); a toy preset: the word-level one
     they all share."""
     if preset in MODEL_PRESETS:

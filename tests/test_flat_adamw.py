@@ -6,6 +6,7 @@ trainer_tests stage runs them on CUDA, where the fused kernel is CUDA's)."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -14,10 +15,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from services.trainer.flat_adamw import FlatAdamW
 
-HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+HP: dict[str, Any] = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def make_model(layers: int = 3, width: int = 16, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def make_model(layers: int = 3, width: int = 16, dtype: torch.dtype = torch.float32) -> torch.nn.Sequential:
     torch.manual_seed(0)
     mods: list[torch.nn.Module] = []
     for _ in range(layers):
@@ -46,6 +47,7 @@ def reference_step(model: torch.nn.Module, masters: list[torch.Tensor], opt: tor
     for x in mbs:
         (model(x).float().pow(2).mean() * scale).backward()
         for s, p in zip(sums, params, strict=True):
+            assert p.grad is not None
             s += p.grad.float()
             p.grad = None
     for m, s in zip(masters, sums, strict=True):
@@ -157,6 +159,8 @@ def test_a_module_moved_after_flattening_is_caught():
     model = make_model()
     opt = FlatAdamW(model.named_parameters(), precision="fp32", max_grad_norm=1.0, skip_nonfinite=True, **HP)
     opt.check_bound()
-    model[0].weight.data = model[0].weight.data.clone()
+    first = model[0]
+    assert isinstance(first, torch.nn.Linear)
+    first.weight.data = first.weight.data.clone()
     with pytest.raises(RuntimeError, match=r"0\.weight is no longer a view"):
         opt.check_bound()

@@ -53,7 +53,7 @@ BASES = {   # plausible requests the extreme values are set on, one field at a t
 RESET = {"Pause": "Resume", "PrepareWeightSync": "Resume", "ReleaseMemory": "ResumeMemory", "Offload": "Onload"}
 
 
-def _base(service: str, method: str):  # type: ignore[no-untyped-def]
+def _base(service: str, method: str):
     return BASES.get(f"{method}/{service}", BASES.get(method))
 
 
@@ -82,7 +82,7 @@ def _assert_serving(channel: grpc.Channel) -> None:
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _assert_oversized_refused(target: str, service_descriptor) -> None:  # type: ignore[no-untyped-def]
+def _assert_oversized_refused(target: str, service_descriptor) -> None:
     method = service_descriptor.methods[0]
     big = b"x" * ((LIMIT_MB + 1) << 20)   # refused on its size, before anyone parses it
     with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:

@@ -40,6 +40,7 @@ class Server:
 def start(*args: str) -> Server:
     proc = subprocess.Popen([PYTHON, str(HELPERS_DIR / "grpc_server.py"), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
     line = proc.stdout.readline()
     if not line.startswith("TANDEM_READY test-server "):
         proc.kill()
@@ -51,6 +52,7 @@ def stop(server: Server) -> int:
     if server.proc.poll() is None:
         server.proc.send_signal(signal.SIGTERM)
     code = server.proc.wait(timeout=20)
+    assert server.proc.stdout is not None and server.proc.stderr is not None
     server.proc.stdout.close()
     server.proc.stderr.close()
     return code

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -25,6 +26,9 @@ from services.trainer.backend import model_inputs
 from services.trainer.batching import MicroBatch, build_micro_batch, merge_batches, pack_rows
 from services.trainer.head_scoring import ChunkedScores, install, scores_of, scoring
 from services.trainer.scoring import TokenSampling, score_request
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 SETTINGS = [SamplingSpec(temperature=0.7, top_p=0.9), SamplingSpec(temperature=1.3, top_k=6),
             SamplingSpec(temperature=0.7, top_p=0.6, top_k=10), SamplingSpec(temperature=0.0, top_p=0.5),
@@ -82,13 +86,13 @@ def test_scores_and_gradients_match_the_old_path(settings, tempered, entropy_gra
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
-def tiny_causal_lm(*, tied: bool, attn: str, vocab: int = 96) -> torch.nn.Module:
+def tiny_causal_lm(*, tied: bool, attn: str, vocab: int = 96) -> LlamaForCausalLM:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                      attn_implementation=attn)
+                      tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg._attn_implementation = attn   # what the attn_implementation argument sets (its stub does not list it)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).train()
 
@@ -204,7 +208,7 @@ def test_bf16_weights_and_autocast_score_like_the_old_path():
 
 
 PEAK_SCRIPT = textwrap.dedent("""
-    import json, resource, sys
+    import json, sys
     import torch
     sys.path.insert(0, sys.argv[1])
     from scoring_reference import reference_scores
@@ -234,8 +238,10 @@ PEAK_SCRIPT = textwrap.dedent("""
         scores.sum().backward()
         weight.grad = None
 
-    def peak_mib():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    def peak_mib():   # VmHWM: this process's own high-water mark. ru_maxrss would start at the RSS of the parent
+        # that spawned it (Linux carries it across exec), so under a big pytest worker every figure read the same
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
 
     out = {}
     for path in ("chunked", "old"):   # the chunked head first: the high-water mark only rises

@@ -9,6 +9,8 @@ formula on the same logits, so an on-policy step must give ratio 1 and mismatch 
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import pytest
 import torch
@@ -90,10 +92,10 @@ def test_a_step_mixing_engines_scores_each_sample_in_its_own_space():
 
 
 def _batch(space: str | None, *, rollout_id: int = 0, n: int = 2):
-    kw = {} if space is None else {"logprob_space": space}
     return build_batch(rollout_id=rollout_id, policy_version=0, prompts=[[1, 2]] * n, responses=[[3, 4, 5]] * n,
                        log_probs=[[-0.1, -0.2, -0.3]] * n, rewards=[1.0] * n, group_ids=[7] * n,
-                       finish_reasons=["length"] * n, sampling=SamplingSpec(temperature=T, top_p=TOP_P), **kw)
+                       finish_reasons=["length"] * n, sampling=SamplingSpec(temperature=T, top_p=TOP_P),
+                       logprob_space=space or "sampling")
 
 
 def test_the_wire_carries_the_space_and_a_batch_without_it_is_sampling():
@@ -106,7 +108,7 @@ def test_the_wire_carries_the_space_and_a_batch_without_it_is_sampling():
     assert decode_batch(old.SerializeToString()).logprob_space == "sampling"
     newer = common_pb2.RolloutBatch()
     newer.ParseFromString(encode_batch(_batch("tempered")))
-    newer.logprob_space = 7   # an enum value this version does not know
+    newer.logprob_space = cast(common_pb2.LogProbSpace, 7)   # a value this version does not know
     with pytest.raises(WireError, match="unknown logprob_space 7"):
         decode_batch(newer.SerializeToString())
     with pytest.raises(WireError, match="unknown logprob_space 'raw'"):

@@ -60,7 +60,7 @@ def test_ppo_gradient_zero_when_clipped():
                                  cfg=PolicyLossConfig(eps_clip=0.2))
     loss.sum().backward()
     # d(-r)/d logp = -r inside the clip range, 0 once clipped
-    assert logp.grad.tolist() == pytest.approx([0.0, -1.1], rel=1e-6)
+    assert logp.grad is not None and logp.grad.tolist() == pytest.approx([0.0, -1.1], rel=1e-6)
 
 
 def test_aggregation_weights_modes():

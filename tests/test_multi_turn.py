@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from helpers.scripted_engine import GenerateOnlyEngine
 
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import FINISH_ABORT, FINISH_STOP, Engine, SampleOutput
@@ -24,7 +25,6 @@ from services.rollout.environments import (
     resolve_environment,
 )
 from services.rollout.multi_turn import MultiTurnRollout, episode_metrics, turn_sampling
-from tests.helpers.scripted_engine import GenerateOnlyEngine
 
 SAMPLING = SamplingSpec(temperature=1.0, max_new_tokens=2, seed=5)
 
@@ -86,8 +86,13 @@ class ThreeTurns:
 
 
 def test_a_three_turn_episode_has_exact_tokens_mask_and_log_probs_with_a_scripted_fake_engine():
-    engine, envs = ScriptedFakeEngine(), []
-    played = rollout(engine, lambda: envs.append(ThreeTurns()) or envs[-1]).run([sample()], SAMPLING)
+    engine, envs = ScriptedFakeEngine(), list[ThreeTurns]()
+
+    def make() -> ThreeTurns:
+        envs.append(ThreeTurns())
+        return envs[-1]
+
+    played = rollout(engine, make).run([sample()], SAMPLING)
     (e,) = played.episodes
     assert e.prompt_ids == (1, 4, 5, 6, 2)                        # the reset observation is prompt, not response
     assert e.output.token_ids == (10, 20, 7, 8, 11, 21, 9, 3, 12, 22)
@@ -197,7 +202,7 @@ def test_an_aborted_generation_ends_every_live_episode_and_generates_no_more():
 def test_turn_seeds_differ_and_turn_zero_samples_like_a_single_turn_request():
     assert turn_sampling(SAMPLING, 0) == SAMPLING
     seeds = {turn_sampling(SAMPLING, t).seed for t in range(8)}
-    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
+    assert len(seeds) == 8 and all(s is not None and 0 <= s < 2**63 for s in seeds)
     unseeded = SamplingSpec(seed=None)
     assert turn_sampling(unseeded, 3) == unseeded
 
@@ -283,7 +288,7 @@ def test_environment_specs_resolve_like_rewards_and_bad_ones_are_clear(tmp_path:
     path = tmp_path / "envs.py"
     path.write_text(ENV_FILE)
     plugin = resolve_environment(f"{path}:Counter")
-    assert plugin.make().turns == 0 and plugin.make() is not plugin.make()   # one instance per episode
+    assert vars(plugin.make())["turns"] == 0 and plugin.make() is not plugin.make()   # one instance per episode
     assert resolve_environment("examples/tool_lookup/env.py:LookupEnvironment").spec.endswith("LookupEnvironment")
     for spec, fragment in [
         ("no_colon", "not of the form module:Class"),

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from helpers.chatml_tokenizer import build_chatml_tokenizer
+from helpers.scripted_engine import GenerateOnlyEngine
 
 from services.contracts.chat import ChatMessage
 from services.contracts.config_loading import config_from_dict
@@ -21,8 +23,6 @@ from services.rollout.engines.base import FINISH_LENGTH, FINISH_STOP, Engine, Sa
 from services.rollout.environments import Action, EnvironmentFailure, EnvironmentPlugin, EpisodeSample, StepResult
 from services.rollout.multi_turn import MultiTurnRollout
 from services.rollout.tokenizer import Texts, encode_texts, load_tokenizer
-from tests.helpers.chatml_tokenizer import build_chatml_tokenizer
-from tests.helpers.scripted_engine import GenerateOnlyEngine
 
 QUESTION = ChatMessage("user", "Ava has 3 apples and buys 2 more. How many?")
 SAMPLING = SamplingSpec(temperature=1.0, max_new_tokens=16, seed=5)
@@ -79,7 +79,9 @@ def play(texts: Texts, engine: Engine, env, *, max_turns: int = 4):
 
 
 def ids_of(texts: Texts, *tokens: str) -> list[int]:
-    return [texts.tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    ids = texts.tokenizer.convert_tokens_to_ids(list(tokens))
+    assert isinstance(ids, list)
+    return ids
 
 
 def test_observations_are_chat_turns_and_earlier_turns_keep_the_exact_tokens_that_were_generated(texts):

@@ -96,7 +96,8 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Observed:
     run_dir = tmp_path_factory.mktemp("observed") / "run"
     port = free_port()
     proc = start_run(run_dir, "loop.num_rollout=100000", f"loop.eval_interval={EVAL_INTERVAL}",
-                     f"loop.save_interval={SAVE_INTERVAL}", "tracing.exporter=file", f"tracing.prometheus_port={port}",
+                     f"loop.save_interval={SAVE_INTERVAL}", "tracing.exporter=file",
+                     f"tracing.trackers=[jsonl, {{type: prometheus, port: {port}}}]",
                      "algorithm.kl_coef=0.001")
     watch = None
     try:
@@ -114,6 +115,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Observed:
             watch = subprocess.Popen([sys.executable, "-m", "services.cli", "ctl", "--addr", target, "watch"],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                                      env={**os.environ, "COLUMNS": "200"})
+            assert watch.stdout is not None
             first = watch.stdout.readline()   # the history comes first: the watcher is connected
             stub.Resume(common_pb2.Empty(), timeout=10)
             wait_status(target, lambda s: s.rollout_id > paused_at, what="a step after resuming")

@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from services.contracts.config import PrometheusTrackerConfig, TensorBoardTrackerConfig, WandbTrackerConfig
 from services.telemetry.prometheus import PrometheusTracker, metric_name, render
-from services.telemetry.trackers import JsonlTracker, make_trackers
+from services.telemetry.tracker_registry import make_trackers
+from services.telemetry.trackers import JsonlTracker
+from services.telemetry.wandb_tracker import WandbTracker
 
 
 def scrape(port: int, path: str = "/metrics") -> tuple[str, str]:
@@ -27,7 +30,7 @@ def scrape(port: int, path: str = "/metrics") -> tuple[str, str]:
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
 def test_tensorboard_tracker_without_the_package_says_what_to_do(tmp_path: Path):
     with pytest.raises(ValueError) as err:
-        make_trackers(("jsonl", "tensorboard"), run_dir=tmp_path, run_name="r", wandb_project=None)
+        make_trackers([TensorBoardTrackerConfig()], run_dir=tmp_path, run_name="r")
     assert str(err.value) == ("tracing.trackers: tensorboard needs the `tensorboard` package, which is not installed "
                               "(pip install tensorboard), or drop tensorboard from tracing.trackers")
 
@@ -52,7 +55,7 @@ def test_prometheus_names_and_text_format():
 
 
 def test_prometheus_endpoint_serves_the_latest_values_over_http(tmp_path: Path):
-    trackers = make_trackers(("jsonl",), run_dir=tmp_path, run_name="demo", wandb_project=None, prometheus_port=0)
+    trackers = make_trackers([PrometheusTrackerConfig(port=0)], run_dir=tmp_path, run_name="demo")
     [prom] = [t for t in trackers if isinstance(t, PrometheusTracker)]
     try:
         assert prom.host == "127.0.0.1" and prom.port > 0
@@ -81,8 +84,8 @@ def test_prometheus_port_in_use_is_a_clear_error(tmp_path: Path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(ValueError, match=f"tracing.prometheus_port: cannot listen on 127.0.0.1:{port}"):
-            make_trackers(("jsonl",), run_dir=tmp_path, run_name="r", wandb_project=None, prometheus_port=port)
+        with pytest.raises(ValueError, match=f"tracing.trackers: prometheus cannot listen on 127.0.0.1:{port}"):
+            make_trackers([PrometheusTrackerConfig(port=port)], run_dir=tmp_path, run_name="r")
 
 
 # ---- Weights & Biases, offline (WANDB_MODE=offline: no network, no login) ----------------------------------------
@@ -105,7 +108,7 @@ def _wandb_attempt(run_dir: Path, *, next_step: int, steps: range, eval_after: d
     start = int(time.time())   # wandb names a run's directory by the second it started: one attempt per second
     while int(time.time()) == start:
         time.sleep(0.05)
-    trackers = make_trackers(("jsonl", "wandb"), run_dir=run_dir, run_name="demo", wandb_project="tandem-test")
+    trackers = make_trackers([WandbTrackerConfig(project="tandem-test")], run_dir=run_dir, run_name="demo")
     for tracker in trackers:
         tracker.rewind(next_step=next_step)
     for step in steps:
@@ -113,7 +116,9 @@ def _wandb_attempt(run_dir: Path, *, next_step: int, steps: range, eval_after: d
             tracker.log(step, {"rollout/reward_mean": step / 10})
             if eval_after and step in eval_after:
                 tracker.log(eval_after[step], {"eval/reward_mean": 0.5})
-    run_id = trackers[1].run_id   # type: ignore[attr-defined]
+    wandb_tracker = trackers[1]
+    assert isinstance(wandb_tracker, WandbTracker)
+    run_id = wandb_tracker.run_id
     for tracker in trackers:
         tracker.close()
     return run_id

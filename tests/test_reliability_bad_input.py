@@ -21,7 +21,7 @@ from services.rpc.ports import free_port
 pytestmark = [pytest.mark.reliability]
 
 
-def _coordinator(tmp_path, *overrides: str) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
+def _coordinator(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
     """`tandem coordinator` alone; the trainer and rollout it names are never reached."""
     ports = (f"services.trainer.port={free_port()}", f"services.rollout=[{{port: {free_port()}}}]")
     args = [sys.executable, "-m", "services.cli", "coordinator", str(EXAMPLE), "--run-dir", str(tmp_path / "run")]

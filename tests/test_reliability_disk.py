@@ -62,7 +62,9 @@ def test_a_full_disk_during_save_names_the_path_and_keeps_the_last_good_checkpoi
         assert f"no space left on {ckpt / 'actor'}: checkpoint rollout_00000001 was not written" in details
         assert f"the last good checkpoint {good.path} is kept" in details
         assert "inline_container" not in details
-        freed = int(re.search(r"\((\d+) bytes free after removing its partial files\)", details).group(1))
+        found = re.search(r"\((\d+) bytes free after removing its partial files\)", details)
+        assert found is not None, details
+        freed = int(found.group(1))
         assert freed >= 256 << 10   # the partial checkpoint's space was given back at once
         assert sorted(p.name for p in (seen / "actor").iterdir()) == ["rollout_00000000"]   # partial files gone
 

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.reliability, pytest.mark.timeout(60)]
 GROUPS = ("actor", "critic")
 
 
-def _handle(client, stream: str, **kw) -> RolloutBuffer:  # type: ignore[no-untyped-def]
+def _handle(client, stream: str, **kw) -> RolloutBuffer:
     return RolloutBuffer(client, stream, groups=GROUPS, max_buffered_batches=6, inline_max_bytes=4096,
                          chunk_bytes=4096, **kw)
 

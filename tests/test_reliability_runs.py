@@ -42,7 +42,7 @@ COMMON = ("loop.eval_interval=null", "trainer.micro_batch_tokens=48", "loop.step
           "weights.timeout_s=30", "redis.appendfsync=always", f"redis.password={PASSWORD}")
 
 
-def _log(run_dir, name: str) -> str:  # type: ignore[no-untyped-def]
+def _log(run_dir, name: str) -> str:
     return (run_dir / "logs" / f"{name}.log").read_text(errors="replace")
 
 
@@ -140,7 +140,7 @@ def test_rollout_kill_9_mid_generation_the_other_replica_finishes_the_step(tmp_p
     assert _log(run_dir, "rollout-1").count("TANDEM_READY rollout") == kills + 1   # each restarted one served
 
 
-def _kill_replica_1_until_a_generate_fails(proc, run_dir) -> int:  # type: ignore[no-untyped-def]
+def _kill_replica_1_until_a_generate_fails(proc, run_dir) -> int:
     """kill -9 of rollout-1 once it reports a request in flight. On a loaded machine the request can finish
     between that report and the kill; then the restarted replica is killed again (at most 3 times)."""
     for kills in range(1, 4):
@@ -156,14 +156,14 @@ def _kill_replica_1_until_a_generate_fails(proc, run_dir) -> int:  # type: ignor
     raise AssertionError("no kill -9 of rollout-1 landed while it generated")
 
 
-def _generating(stub) -> bool:  # type: ignore[no-untyped-def]
+def _generating(stub) -> bool:
     try:
         return stub.GetState(common_pb2.Empty(), timeout=2).in_flight > 0
     except grpc.RpcError:
         return False
 
 
-def long_tailed_digit_max(out) -> list[str]:  # type: ignore[no-untyped-def]
+def long_tailed_digit_max(out) -> list[str]:
     """digit_max ("a b =", answer max(a, b)) with each row's response forced to its own lognormal length in 4..120
     tokens (examples/digit_max_long/generate_data.py --lengths); the reward reads the first digit only."""
     subprocess.run([sys.executable, str(REPO / "examples/digit_max_long/generate_data.py"), "--digits", "2",
@@ -209,4 +209,5 @@ def test_inflight_streaming_learns_long_tailed_digit_max_and_a_coordinator_kill_
     # many steps see one depends on the machine's speed: 10-24 of 40 on a quiet box, 2 under a loaded suite)
     assert any(r["rollout/inflight_token_frac"] > 0 for r in steps)
     assert max(r["rollout/version_spread_mean"] for r in steps) > 0
-    assert any(r.get("train/token_lag_frac_0", 0) > 0 and r.get("train/token_lag_frac_1", 0) > 0 for r in steps)
+    # which lags a step mixes depends on the machine's speed too (lags 0 and 1 on a quiet box, 1-3 on a loaded one)
+    assert any(sum(v > 0 for k, v in r.items() if k.startswith("train/token_lag_frac_")) >= 2 for r in steps)

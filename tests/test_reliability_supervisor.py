@@ -82,7 +82,7 @@ def test_idle_watch_streams_beyond_the_limit_are_refused_and_never_starve_the_co
     assert "could not reach the coordinator" not in log and checkpoints(run_dir)   # the graceful stop saved
 
 
-def _open_streams(stub, n: int) -> tuple[list, list[grpc.RpcError]]:  # type: ignore[no-untyped-def]
+def _open_streams(stub, n: int) -> tuple[list, list[grpc.RpcError]]:
     """Opens n WatchEvents streams with history: an accepted stream sends its first event at once."""
     accepted, refused = [], []
     for _ in range(n):

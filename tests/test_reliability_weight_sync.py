@@ -33,7 +33,7 @@ def services(tmp_path_factory, redis_server):
     s.close()
 
 
-def _start_transfer(s: Services, version: int):  # type: ignore[no-untyped-def]
+def _start_transfer(s: Services, version: int):
     """Phase prepare by hand, then the engine's ReceiveWeights; returns (plan, its future) once the engine
     has joined (posted `ready` in the trainer's store) and waits for the trainer's go."""
     s.rollout.stub.PrepareWeightSync(rollout_pb2.PrepareReceiveRequest(version=version), timeout=10)
@@ -47,7 +47,7 @@ def _start_transfer(s: Services, version: int):  # type: ignore[no-untyped-def]
     return plan, receive
 
 
-def _error(fn) -> grpc.RpcError:  # type: ignore[no-untyped-def]
+def _error(fn) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         fn()
     return info.value

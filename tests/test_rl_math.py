@@ -87,7 +87,7 @@ def test_trainer_scores_each_row_under_its_own_distribution():
         assert tempered[i].item() == pytest.approx(untruncated[targets[i]], abs=1e-5)
     assert scored.min() == LOG_PROB_FLOOR   # a token outside the nucleus is floored, not -inf
     (scored.sum() + entropy.sum() + tempered.sum()).backward()
-    assert torch.isfinite(logits.grad).all()   # truncated entries pass no NaN gradient
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()   # truncated entries pass no NaN gradient
     assert sampling.rows(VOCAB).truncates and not TokenSampling.per_row(
         torch.tensor([0.0, 0.5]), torch.tensor([0.5, 1.0]), torch.tensor([3, 0])).rows(VOCAB).truncates
 

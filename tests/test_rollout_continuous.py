@@ -19,18 +19,18 @@ from services.rollout.engines.sampling import sampling_log_probs
 
 
 @pytest.fixture(scope="module")
-def hf(model_dirs: tuple[Path, Path]):  # type: ignore[no-untyped-def]
+def hf(model_dirs: tuple[Path, Path]):
     from transformers import AutoModelForCausalLM
 
     return [AutoModelForCausalLM.from_pretrained(d).eval() for d in model_dirs]
 
 
-def teacher_forced(model, prompt: list[int], response: tuple[int, ...]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def teacher_forced(model, prompt: list[int], response: tuple[int, ...]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([prompt + list(response)])).logits[0, len(prompt) - 1:-1]
 
 
-def assert_model_output(model, prompt: list[int], out, opts: SamplingSpec, *, start: int = 0,  # type: ignore[no-untyped-def]
+def assert_model_output(model, prompt: list[int], out, opts: SamplingSpec, *, start: int = 0,
                         end: int | None = None) -> None:
     """Tokens start..end of `out` are `model`'s: its greedy choices (at T = 0) and its log-probs."""
     logits = teacher_forced(model, prompt, out.token_ids)[start:end]
@@ -41,7 +41,7 @@ def assert_model_output(model, prompt: list[int], out, opts: SamplingSpec, *, st
         assert logits.argmax(-1).tolist() == tokens.tolist()
 
 
-def in_thread(engine: NativeEngine, prompts: list[list[int]], opts: SamplingSpec, finished: list[str], name: str):  # type: ignore[no-untyped-def]
+def in_thread(engine: NativeEngine, prompts: list[list[int]], opts: SamplingSpec, finished: list[str], name: str):
     result: list = []
 
     def work() -> None:
@@ -59,7 +59,7 @@ def wait_in_flight(engine: NativeEngine, calls: int) -> None:
         time.sleep(0.001)
 
 
-def test_rows_of_finished_samples_go_to_waiting_ones_and_a_short_call_returns_first(model_dirs, hf):  # type: ignore[no-untyped-def]
+def test_rows_of_finished_samples_go_to_waiting_ones_and_a_short_call_returns_first(model_dirs, hf):
     """8 rows: a call of 4 long samples starts, then a call of 12 short ones; the short ones pass through the other
     4 rows in waves while the long ones run, so the short call returns first. Every sample (prompts of different
     lengths joined at different steps) is the model's own greedy continuation."""
@@ -82,7 +82,7 @@ def test_rows_of_finished_samples_go_to_waiting_ones_and_a_short_call_returns_fi
         assert_model_output(hf[0], prompt, out, short_opts)
 
 
-def test_sampled_tokens_carry_the_log_probs_of_their_distribution_and_other_distributions_wait(model_dirs, hf):  # type: ignore[no-untyped-def]
+def test_sampled_tokens_carry_the_log_probs_of_their_distribution_and_other_distributions_wait(model_dirs, hf):
     """A call sampling at T = 0.8 / top-p 0.9 shares the batch with calls of its distribution; a greedy call waits
     until that batch is done and then decodes on its own."""
     engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True, max_batch_size=16)
@@ -102,7 +102,7 @@ def test_sampled_tokens_carry_the_log_probs_of_their_distribution_and_other_dist
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
-def test_a_weight_update_lands_in_the_shared_batch(model_dirs, hf, mode: str):  # type: ignore[no-untyped-def]
+def test_a_weight_update_lands_in_the_shared_batch(model_dirs, hf, mode: str):
     """rollout.inflight_update with continuous batching: the update lands between two steps of the shared batch;
     each token carries the version that sampled it, and after retract every row's rest is model B's continuation."""
     from safetensors.torch import load_file
@@ -131,7 +131,7 @@ def test_a_weight_update_lands_in_the_shared_batch(model_dirs, hf, mode: str):  
     assert switched >= 4   # the first call's samples, at least, were running when the update landed
 
 
-def test_abort_ends_the_batch_and_the_waiting_samples_then_generation_goes_on(model_dirs):  # type: ignore[no-untyped-def]
+def test_abort_ends_the_batch_and_the_waiting_samples_then_generation_goes_on(model_dirs):
     engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True, max_batch_size=4)
     opts = SamplingSpec(temperature=1.0, max_new_tokens=100, ignore_eos=True, seed=1)
     finished: list[str] = []
@@ -148,14 +148,14 @@ def test_abort_ends_the_batch_and_the_waiting_samples_then_generation_goes_on(mo
     assert [len(o.token_ids) for o in again] == [5] * 4 and all(o.finish_reason == "length" for o in again)
 
 
-def test_each_prompt_may_cap_its_own_new_tokens(model_dirs):  # type: ignore[no-untyped-def]
+def test_each_prompt_may_cap_its_own_new_tokens(model_dirs):
     engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True, max_batch_size=2)
     outs = engine.generate(SHORT, SamplingSpec(max_new_tokens=9, ignore_eos=True, seed=4), max_new_tokens=[3, 20, 1, 9])
     assert [len(o.token_ids) for o in outs] == [3, 9, 1, 9]
 
 
-def test_a_call_the_engine_cannot_serve_leaves_nothing_behind(model_dirs):  # type: ignore[no-untyped-def]
-    from services.rollout.engines.base import EngineUnavailable
+def test_a_call_the_engine_cannot_serve_leaves_nothing_behind(model_dirs):
+    from services.rollout.engines.errors import EngineUnavailable
 
     engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True)
     opts = SamplingSpec(max_new_tokens=3, ignore_eos=True, seed=1)
@@ -167,6 +167,6 @@ def test_a_call_the_engine_cannot_serve_leaves_nothing_behind(model_dirs):  # ty
     assert [len(o.token_ids) for o in engine.generate(SHORT[:2], opts)] == [3, 3]
 
 
-def test_continuous_batching_needs_the_dynamic_decode_path(model_dirs):  # type: ignore[no-untyped-def]
+def test_continuous_batching_needs_the_dynamic_decode_path(model_dirs):
     with pytest.raises(ValueError, match="continuous batching runs on the dynamic decode path, not decode='static'"):
         NativeEngine(model_dirs[0], device="cpu", continuous_batching=True, decode="static")

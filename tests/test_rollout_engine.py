@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.base import EngineUnavailable
+from services.rollout.engines.errors import EngineUnavailable
 from services.rollout.engines.native import NativeEngine
 from services.rollout.engines.sampling import sampling_log_probs
 
@@ -281,7 +281,7 @@ def _teacher_forced_logits(model, prompt: list[int], response: tuple[int, ...]) 
 
 
 def _update_while_parked(engine: NativeEngine, mode: str, state: dict[str, torch.Tensor], *, version: int,
-                         while_parked=None) -> list:  # type: ignore[no-untyped-def]
+                         while_parked=None) -> list:
     """Greedy generation of PROMPTS x 8 with a weight update that lands between two decode steps."""
     thread, result = _start_prompts(engine, PROMPTS * 8, SamplingSpec(temperature=0.0, max_new_tokens=80,
                                                                       ignore_eos=True))

@@ -4,6 +4,7 @@ native engine on the tiny model, batches written to a real redis-server and deco
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ def make_service(model: Path, redis_url: str, **rollout) -> RolloutService:
 
 
 @pytest.fixture(scope="module")
-def service(example_model: Path, redis_server) -> RolloutService:
+def service(example_model: Path, redis_server) -> Iterator[RolloutService]:
     svc = make_service(example_model, redis_server.url)
     yield svc
     svc.close()

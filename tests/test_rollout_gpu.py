@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from services.contracts.sampling import SamplingSpec
+from services.contracts.untyped import HFCausalLM
 from services.rollout.engines.native import NativeEngine
 from services.rollout.engines.sampling import sampling_log_probs
 from services.rollout.model_init import init_model
+from services.weights.transports.cuda_ipc import CudaIpcReceiver
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -71,7 +73,8 @@ def test_greedy_matches_hf_generate_on_gpu(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
     engine = NativeEngine(model_dir, device="cuda")
-    hf = AutoModelForCausalLM.from_pretrained(model_dir).cuda().eval()
+    hf: HFCausalLM = AutoModelForCausalLM.from_pretrained(model_dir)
+    hf = hf.cuda().eval()
     outs = engine.generate(PROMPTS, SamplingSpec(temperature=0.0, max_new_tokens=16))
     for prompt, o in zip(PROMPTS, outs, strict=True):
         ref = hf.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=16)
@@ -126,7 +129,8 @@ def test_cuda_ipc_into_engine_flattens_once_and_is_bit_identical(model_dir: Path
             assert trainer.reply(timeout_s=120)["ok"]
             expected, params = make_tensors(specs, seed=version), engine.named_parameters()
             assert all(bits_equal(params[s.name].cpu(), expected[s.name]) for s in specs)
-            assert receiver._transports["cuda_ipc"].last_copies == 1   # FlatParams: every bucket in one copy
+            cuda_ipc = receiver._transports["cuda_ipc"]
+            assert isinstance(cuda_ipc, CudaIpcReceiver) and cuda_ipc.last_copies == 1   # FlatParams: one copy a bucket
         assert len({p.untyped_storage().data_ptr() for p in engine.model.parameters()}) == 1
         assert engine.weight_version == 2
         outs = engine.generate(PROMPTS, greedy)                  # graphs recaptured on the flat params

@@ -53,6 +53,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, redis_serv
     log = open(tmp / "stderr.log", "w")  # noqa: SIM115
     proc = start_rollout(write_config(tmp / "c.yaml", model=model_dir, redis_url=redis_server.url), tmp / "run",
                          stderr=log)
+    assert proc.stdout is not None
     line = proc.stdout.readline()        # the server prints TANDEM_READY once its port is bound
     if not line.startswith("TANDEM_READY rollout "):
         proc.kill()
@@ -93,6 +94,7 @@ def test_generate_lands_a_decodable_batch_in_redis(server, redis_server, model_d
     for i, (p_sl, r_sl, _) in enumerate(batch.sample_slices()):
         assert tok.decode(batch.tokens[p_sl].tolist(), skip_special_tokens=True) == prompts[i // 4].text
         response = tok.decode(batch.tokens[r_sl].tolist(), skip_special_tokens=True)
+        assert isinstance(response, str)
         assert batch.rewards[i] == float(response.split() == [prompts[i // 4].label])
     assert reply.metrics["reward_mean"] == pytest.approx(float(batch.rewards.mean()))
     assert entry.trace_context.get("traceparent")       # the rl.sample span, for the trainer to link to

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import SampleOutput
+from services.rollout.engines.native import NativeEngine
 from services.rollout.model_init import init_model
 from services.rollout.rewards import RewardSpecError, digit_task
 from services.rollout.service import PromptInput, RolloutService, pass_at_k, version_metrics
@@ -21,7 +23,7 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory, redis_server) -> RolloutService:
+def service(tmp_path_factory: pytest.TempPathFactory, redis_server) -> Iterator[RolloutService]:
     model = init_model(tmp_path_factory.mktemp("m") / "tiny", preset="tiny", seed=0)
     config = config_from_dict({
         "run_name": "svc-test", "model": {"path": str(model)}, "data": {"train_path": "unused.jsonl"},
@@ -201,6 +203,7 @@ def test_pass_at_k_estimator():
 
 def test_state_pause_and_weight_version(service: RolloutService, redis_server, stream: str):
     engine = service.engine
+    assert isinstance(engine, NativeEngine)
     service.prepare_weight_sync(version=1, pause_mode="drain")
     assert service.get_state().engine.paused
     params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
@@ -220,14 +223,15 @@ def test_receive_weights_through_the_weight_receiver(service: RolloutService, tm
     weights = pytest.importorskip("services.weights")
     from transformers import AutoModelForCausalLM
 
-    from services.contracts.config import WeightsConfig
+    from services.contracts.config import DiskWeights
 
     other = init_model(tmp_path / "other", preset="tiny", seed=5)
     policy = AutoModelForCausalLM.from_pretrained(other).eval()
     named = [(n, p.detach()) for n, p in policy.named_parameters()]
     receiver_side = RolloutService(service.config, replica=1)
+    assert isinstance(receiver_side.engine, NativeEngine)
     ptrs = {n: p.data_ptr() for n, p in receiver_side.engine.model.named_parameters()}
-    publisher = weights.WeightPublisher(config=WeightsConfig(transport="disk", disk_dir=str(tmp_path / "w")),
+    publisher = weights.WeightPublisher(config=DiskWeights(disk_dir=str(tmp_path / "w")),
                                         run_dir=tmp_path, trainer_id="actor-0")
     plan = publisher.prepare(weights.specs_from_tensors(named), version=7, engine_world_size=1, verify=True)
     publisher.publish(plan, named)
@@ -235,7 +239,7 @@ def test_receive_weights_through_the_weight_receiver(service: RolloutService, tm
     assert result.version == 7 and receiver_side.get_state().engine.weight_version == 7
     assert result.bytes_received == plan.total_bytes
     assert result.checksums == {n: weights.tensor_checksum(t) for n, t in named}
-    assert {n: p.data_ptr() for n, p in receiver_side.engine.model.named_parameters()} == ptrs
+    assert {n: p.data_ptr() for n, p in receiver_side.engine.model.named_parameters()} == ptrs   # in place
     ids = receiver_side.texts.tokenizer("3 8 =")["input_ids"]
     out = receiver_side.engine.generate([ids], SamplingSpec(temperature=0.0, max_new_tokens=4))[0]
     ref = policy.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=4)[0, len(ids):].tolist()

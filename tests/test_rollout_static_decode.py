@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -81,7 +82,8 @@ def test_static_decode_refuses_other_architectures_by_name():
 
     from services.rollout.engines.static_decode import supported
 
-    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    small: dict[str, Any] = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2)
     cases = [
         (GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2),
          "model type 'gpt2' (static decode knows llama, qwen2, qwen3)"),
@@ -105,7 +107,7 @@ def test_static_engine_log_probs_greedy_and_stops(model_dir: Path, opts: Samplin
     prompts = PROMPTS * 2
     outs = static.generate(prompts, opts)
     assert outs == static.generate(prompts, opts)                  # seeded: same samples, cache reused
-    assert len(static._runners) == 1
+    assert static._runners is not None and len(static._runners) == 1
     with torch.no_grad():
         for prompt, o in zip(prompts, outs, strict=True):
             ids = torch.tensor([prompt + list(o.token_ids)])

@@ -65,7 +65,7 @@ def test_policy_learns_math_chat_in_async_mode(tmp_path):
     assert buffer_leftovers(run_dir) == (0, 0)
 
 
-def learning_curve(run_dir) -> tuple[list[dict], list[dict]]:  # type: ignore[no-untyped-def]
+def learning_curve(run_dir) -> tuple[list[dict], list[dict]]:
     rows = metrics(run_dir)
     return [r for r in rows if "eval/reward_mean" in r], [r for r in rows if "rollout/reward_mean" in r]
 
@@ -226,12 +226,12 @@ def test_a_dead_service_fails_the_run_and_leaves_no_orphans(tmp_path):
     _wait(lambda: not any(alive(p) for p in kids), what="all children gone", timeout_s=30)
 
 
-def _coordinator_state(checkpoint):  # type: ignore[no-untyped-def]
+def _coordinator_state(checkpoint):
     state = json.loads((checkpoint / "tandem_state.json").read_text())
     return json.loads(state["extra_state"]["coordinator"])
 
 
-def _wait(predicate, *, what: str, timeout_s: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+def _wait(predicate, *, what: str, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():

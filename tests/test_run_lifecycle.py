@@ -33,7 +33,7 @@ def step_ids(run_dir: Path) -> list[int]:
     return [r["rollout_id"] for r in metrics(run_dir) if "perf/step_time_s" in r]
 
 
-def _wait(predicate, *, what: str, timeout_s: float = 120.0) -> None:  # type: ignore[no-untyped-def]
+def _wait(predicate, *, what: str, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:

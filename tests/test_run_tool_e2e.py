@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 TOOL_EXAMPLE = REPO / "examples" / "tool_lookup.yaml"
 
 
-def best_no_tool_reward(path) -> float:  # type: ignore[no-untyped-def]
+def best_no_tool_reward(path) -> float:
     """The most any policy that never calls the tool can score on these prompts, even one told the answers in
     hindsight and even were guesses scored (the environment scores them 0): per key, always the digit that is most
     often the answer for that key here. The tables are random per line, so the prompt says nothing more."""

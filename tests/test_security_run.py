@@ -90,7 +90,7 @@ def _ctl(target: str, action: str, *extra: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=REPO, timeout=90)
 
 
-def _refused(fn) -> grpc.RpcError:  # type: ignore[no-untyped-def]
+def _refused(fn) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         fn()
     return info.value

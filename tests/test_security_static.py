@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 import torch.distributed as dist
 
 from services.buffer.stream import connect, redacted
-from services.contracts.config import ServicesConfig, TandemConfig, WeightsConfig
+from services.contracts.config import ProcessGroupWeights, ServicesConfig, TandemConfig
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.launcher.redis_server import EmbeddedRedis
 from services.rpc.ports import free_port
@@ -87,7 +88,7 @@ def test_every_listening_default_is_loopback():
     s = ServicesConfig()
     assert s.bind_host == "127.0.0.1"
     assert {a.host for a in (s.coordinator, s.trainer, s.critic, *s.rollout)} == {"127.0.0.1"}
-    assert WeightsConfig().master_addr == "127.0.0.1"          # the weight-sync store the trainer listens on
+    assert ProcessGroupWeights().master_addr == "127.0.0.1"          # the weight-sync store the trainer listens on
     assert EmbeddedRedis("unused").host == "127.0.0.1"
     assert s.auth_token is None and s.tls_cert is None         # opt-in, see test_security_run.py
 
@@ -101,7 +102,7 @@ def test_redis_password_and_rediss_urls_reach_redis_py(tmp_path):
                                                                                     "required")
     config = TandemConfig.model_validate({"model": {"path": "m"}, "data": {"train_path": "d"},
                                           "redis": {"url": "rediss://h:1/0", "password": "p"}})
-    assert config.redis.url.startswith("rediss://") and config.redis.password == "p"
+    assert config.redis.url is not None and config.redis.url.startswith("rediss://") and config.redis.password == "p"
     assert redacted("redis://:s3cret@h:1/0") == "redis://***@h:1/0"
     with EmbeddedRedis(tmp_path / "r", appendonly=False, password="s3cret") as server:
         with pytest.raises(redis.exceptions.AuthenticationError):
@@ -119,7 +120,7 @@ def test_weight_plans_of_another_trainer_are_refused_before_any_transfer(transpo
     plan = common_pb2.WeightSyncPlan(version=3, transport=transport, trainer_id="intruder/actor", timeout_s=5,
                                      master_addr="127.0.0.1", master_port=store.port, world_size=2,
                                      group_name="g")
-    params = {}
+    params: dict[str, torch.Tensor] = {}
     with pytest.raises(WeightSyncRefused, match="'intruder/actor' is not the accepted trainer 'run/actor'"):
         WeightReceiver(accepted_trainer_id="run/actor").receive(plan, 1, params)
     posted = dist.PrefixStore("g/ctl", store).get("v3/abort/1").decode()

@@ -22,7 +22,7 @@ import torch
 from helpers.sglang_contract_server import ContractServer
 
 from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.base import EngineUnavailable
+from services.rollout.engines.errors import EngineUnavailable
 from services.rollout.engines.sglang import SGLangEngine
 from services.rollout.engines.sglang_http import (
     SGLangClient,
@@ -170,7 +170,11 @@ def test_sglang_contract_a_hung_server_fails_at_the_deadline(server: ContractSer
         assert time.monotonic() - start < 3
     finally:
         server.configure(hang=[])
+        # the hung pause still lands once released: resume only after it did, or a loaded machine can deliver it
+        # after the resume and leave the module's server paused for the next test
+        _wait_for(lambda: requests_to(server, "/pause_generation") and server.state()["paused"] is not None)
         impatient.resume()
+        _wait_for(lambda: server.state()["paused"] is None)
         impatient.close()
 
 

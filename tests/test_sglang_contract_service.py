@@ -13,7 +13,7 @@ import torch
 from helpers.sglang_contract_server import ContractServer
 
 from services.buffer.stream import RolloutBuffer, connect
-from services.contracts.config import WeightsConfig
+from services.contracts.config import ProcessGroupWeights
 from services.contracts.config_loading import config_from_dict
 from services.rollout.engines.sglang import SGLangEngine
 from services.rollout.model_init import init_model
@@ -54,7 +54,7 @@ def test_sglang_contract_service_writes_the_native_batch_format(tmp_path: Path, 
         from transformers import AutoModelForCausalLM
 
         named = [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(model).named_parameters()]
-        pub = WeightPublisher(config=WeightsConfig(transport="gloo", timeout_s=20), run_dir=tmp_path, trainer_id="a")
+        pub = WeightPublisher(config=ProcessGroupWeights(timeout_s=20), run_dir=tmp_path, trainer_id="a")
         plan = pub.prepare(specs_from_tensors(named), version=3, engine_world_size=1)
         assert service.prepare_weight_sync(version=3) == (True, 1)
         with ThreadPoolExecutor(1) as pool:

@@ -24,11 +24,11 @@ import torch
 from helpers.sglang_contract_server import ContractServer
 from helpers.sglang_contract_weights import CRASH_EXIT, inspect_pickle, payload_problem
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import CudaIpcWeights
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.sglang import SGLangEngine
 from services.rollout.engines.sglang_http import SGLangClient, SGLangUnavailable, is_loopback
-from services.rollout.engines.sglang_tensor import TensorSync
+from services.rollout.engines.sglang_tensor_sync import TensorSync
 from services.weights import TensorSpec, WeightPublisher, WeightReceiver, WeightSyncError
 from services.weights.peer import make_tensors
 from services.weights.transports.sglang_tensor import (
@@ -47,7 +47,7 @@ SPECS = ([TensorSpec("model.embed_tokens.weight", "bfloat16", (64, 32))]
 
 
 def publisher(tmp_path: Path, load_format: str) -> WeightPublisher:
-    config = WeightsConfig(transport="cuda_ipc", bucket_mb=0.004, timeout_s=20.0)
+    config = CudaIpcWeights(bucket_mb=0.004, timeout_s=20.0)
     sender = SGLangTensorSender(config=config, trainer_id="actor-0", load_format=load_format, device="cpu")
     return WeightPublisher(transport=sender, config=config, run_dir=tmp_path, trainer_id="actor-0")
 
@@ -58,7 +58,7 @@ def sync(pub: WeightPublisher, engine: SGLangEngine, *, version: int):
     engine.pause("drain", timeout_s=10)
     try:
         with ThreadPoolExecutor(1) as pool:
-            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=None)
+            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=WeightReceiver())
             try:
                 pub.publish(plan, ((s.name, tensors[s.name]) for s in SPECS))
             except BaseException:
@@ -132,8 +132,8 @@ def test_sglang_contract_tensor_payloads_pass_the_allow_list_cpu_buffers():
         globals_, strings = inspect_pickle(base64.b64decode(payload))
         assert "a.weight" in strings and all(m.startswith(("torch", "builtins", "types", "multiprocessing",
                                                              "collections", "copyreg")) for m, _ in globals_)
-    assert "Blocked unsafe class loading (os.system)" in payload_problem(
-        base64.b64encode(b"\x80\x04cos\nsystem\n.").decode())
+    problem = payload_problem(base64.b64encode(b"\x80\x04cos\nsystem\n.").decode())
+    assert problem is not None and "Blocked unsafe class loading (os.system)" in problem
     with pytest.raises(WeightSyncError, match="sends CUDA tensors only"):
         _reduce_cuda_tensor_by_uuid(buffer)
 
@@ -148,17 +148,17 @@ def test_sglang_contract_tensor_plans_are_checked_before_anything_reaches_sglang
         plan = pub.prepare(SPECS, 1, 1)
         with pytest.raises(ValueError, match=r"1 tensor\(s\) of another shape: model.layers.0.mlp.up_proj.weight "
                                              r"\[48, 32\] \(checkpoint \[48, 31\]\)"):
-            engine.receive_weights(plan, rank_offset=1, receiver=None)
+            engine.receive_weights(plan, rank_offset=1, receiver=WeightReceiver())
         good = write_checkpoint(tmp_path / "good", SPECS)   # as if the server had loaded this one
         engine.servers[0].info = dataclasses.replace(engine.servers[0].info, model_path=str(good))
         broken = pub.prepare(SPECS, 2, 1)
         broken.buckets[0].sglang_payloads[0] = "not base64!"
         with pytest.raises(ValueError, match="bucket 0's payload for engine rank 1 is not base64"):
-            engine.receive_weights(broken, rank_offset=1, receiver=None)
+            engine.receive_weights(broken, rank_offset=1, receiver=WeightReceiver())
         native = pub.prepare(SPECS, 3, 1)
         native.sglang_load_format = ""
         with pytest.raises(ValueError, match="prepared this cuda_ipc sync for native engines"):
-            engine.receive_weights(native, rank_offset=1, receiver=None)
+            engine.receive_weights(native, rank_offset=1, receiver=WeightReceiver())
         assert server.state()["tensor_updates"] == [] and server.proc.poll() is None
         # the other way round: a native engine's receiver refuses a plan made for SGLang
         with pytest.raises(ValueError, match="prepared this sync for SGLang engines"):
@@ -166,6 +166,7 @@ def test_sglang_contract_tensor_plans_are_checked_before_anything_reaches_sglang
         remote = SimpleNamespace(url="http://10.1.2.3:30000", info=SimpleNamespace(tp_size=1, model_path=""))
         reason = TensorSync([remote], handshake=None, pool=None, flush=None, probe_s=1.0).refusal(  # type: ignore
             pub.prepare(SPECS, 5, 1), 1)
+        assert reason is not None
         assert "needs SGLang on the trainer's host, and http://10.1.2.3:30000 is not a loopback" in reason
         assert is_loopback("http://localhost:1") and is_loopback("http://[::1]:2") and not is_loopback("http://h:3")
     finally:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers.sglang_contract_server import ContractServer, blake2b_hex
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import weights_config
 from services.contracts.sampling import SamplingSpec
 from services.coordinator.policy import sync_pause_mode
 from services.rollout.engines.sglang import SGLangEngine
@@ -52,7 +52,8 @@ def loopback_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def publisher(tmp_path: Path, *, transport: str = "gloo", timeout_s: float = 20.0) -> WeightPublisher:
-    config = WeightsConfig(transport=transport, bucket_mb=0.0625, timeout_s=timeout_s, disk_dir=str(tmp_path / "w"))
+    disk = {"disk_dir": str(tmp_path / "w")} if transport == "disk" else {}
+    config = weights_config(transport=transport, bucket_mb=0.0625, timeout_s=timeout_s, **disk)
     return WeightPublisher(config=config, run_dir=tmp_path, trainer_id="actor-0")
 
 
@@ -64,7 +65,8 @@ def sync(pub: WeightPublisher, engine: SGLangEngine, *, version: int, verify: bo
     engine.pause(pause, timeout_s=10)
     try:
         with ThreadPoolExecutor(1) as pool:
-            received = pool.submit(engine.receive_weights, plan, rank_offset=rank_offset, receiver=receiver)
+            received = pool.submit(engine.receive_weights, plan, rank_offset=rank_offset,
+                                   receiver=receiver or WeightReceiver())
             try:
                 sent = pub.publish(plan, ((s.name, tensors[s.name]) for s in SPECS))
             except BaseException:
@@ -146,7 +148,7 @@ def test_sglang_contract_two_servers_one_group_and_session_probing(tmp_path: Pat
         new.stop()
 
 
-def start_long_request(pool: ThreadPoolExecutor, engine: SGLangEngine, server: ContractServer):  # type: ignore[no-untyped-def]
+def start_long_request(pool: ThreadPoolExecutor, engine: SGLangEngine, server: ContractServer):
     """A 40-token request, once the server generates it (slowly, with token_delay_s set)."""
     running = pool.submit(engine.generate, [[1]], SamplingSpec(max_new_tokens=40, ignore_eos=True))
     while server.state()["running"] == 0:
@@ -206,7 +208,7 @@ def test_sglang_contract_in_place_keeps_the_kv_cache(tmp_path: Path):
             plan = pub.prepare(SPECS, 5, engine.engine_ranks, False)
             engine.pause("in_place", timeout_s=10)
             assert server.state()["parked"] == 1
-            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=None)
+            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=WeightReceiver())
             pub.publish(plan, ((s.name, tensors[s.name]) for s in SPECS))
             received.result(timeout=30)
             engine.resume()
@@ -258,7 +260,7 @@ def test_sglang_contract_a_server_that_stops_answering_mid_sync(tmp_path: Path):
         tensors = make_tensors(SPECS, seed=1)
         plan = pub.prepare(SPECS, 1, engine.engine_ranks, False)
         with ThreadPoolExecutor(1) as pool:   # the adapter's side alone: its HTTP deadline holds
-            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=None)
+            received = pool.submit(engine.receive_weights, plan, rank_offset=1, receiver=WeightReceiver())
             with pytest.raises(WeightSyncError):
                 pub.publish(plan, ((s.name, tensors[s.name]) for s in SPECS))
             with pytest.raises(WeightSyncError, match=r"update_weights_from_distributed: no answer within|gave up"):
@@ -284,7 +286,7 @@ def test_sglang_contract_refusals_reach_the_trainer(tmp_path: Path):
         plan = pub.prepare(SPECS, 3, 1, False)
         plan.transport = "cuda_ipc"   # a plan that names cuda_ipc but carries no SGLang payloads
         with pytest.raises(ValueError, match="prepared this cuda_ipc sync for native engines"):
-            engine.receive_weights(plan, rank_offset=1, receiver=None)
+            engine.receive_weights(plan, rank_offset=1, receiver=WeightReceiver())
         assert weight_calls(server) == []   # nothing reached SGLang
     finally:
         pub.close()

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from services.contracts.config import ConfigError
 from services.contracts.config_loading import load_config
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "digit_max_sglang_gpu.yaml"
 
 
-def test_the_sglang_example_passes_and_each_refusal_is_one_line(monkeypatch: pytest.MonkeyPatch):
+def test_the_sglang_example_passes_and_each_refusal_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)
     check_engine(load_config(EXAMPLE))
     cases = {
@@ -40,7 +41,10 @@ def test_the_sglang_example_passes_and_each_refusal_is_one_line(monkeypatch: pyt
     with pytest.raises(ConfigError) as info:   # several problems: one line each
         check_engine(load_config(EXAMPLE, ["weights.check_weight_update_equal=true", "trainer.device=cpu"]))
     assert len(str(info.value).splitlines()) == 3
-    check_engine(load_config(EXAMPLE, ["rollout.engine=native", "weights.check_weight_update_equal=true"]))
+    native = yaml.safe_load(EXAMPLE.read_text())
+    native["rollout"] = {**{k: v for k, v in native["rollout"].items() if k != "sglang"}, "engine": "native"}
+    (tmp_path / "native.yaml").write_text(yaml.safe_dump(native))   # rollout.sglang is not a key of engine native
+    check_engine(load_config(tmp_path / "native.yaml", ["weights.check_weight_update_equal=true"]))
 
 
 def test_in_flight_updates_with_sglang_need_what_its_pause_modes_can_do():

@@ -129,6 +129,7 @@ def test_every_end_of_generation_id_ends_a_sample(toy: tuple[Path, Texts], qwen:
     config = config_from_dict({"model": {"path": str(copy)}, "data": {"train_path": "x.jsonl"},
                                "rollout": {"device": "cpu"}})
     engine = build_engine(config, texts_of(copy))
+    assert isinstance(engine, NativeEngine)
     assert emitted in engine.eos_token_ids and texts.tokenizer.eos_token_id in engine.eos_token_ids
     first = free.token_ids.index(emitted)
     out = engine.generate(PROMPTS[:1], replace(greedy, ignore_eos=False))[0]

@@ -116,6 +116,7 @@ def test_file_lines_stay_whole_with_several_writer_processes(tmp_path: Path):
     """
     procs = [subprocess.Popen([sys.executable, "-"], stdin=subprocess.PIPE, cwd=REPO, text=True) for _ in range(4)]
     for p in procs:
+        assert p.stdin is not None
         p.stdin.write(textwrap.dedent(script))
         p.stdin.close()
     assert all(p.wait(timeout=120) == 0 for p in procs)

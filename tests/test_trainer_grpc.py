@@ -85,6 +85,7 @@ def _config(model_dir: Path, run_dir: Path, redis_url: str, *, run_name: str, po
 
 
 def _producer(config: TandemConfig) -> RolloutBuffer:
+    assert config.redis.url is not None
     return RolloutBuffer(connect(config.redis.url), stream_key(config.redis.stream_prefix, config.run_name),
                          groups=("actor",), max_buffered_batches=64)
 

@@ -39,19 +39,19 @@ def _base_model(model_dir: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def _trained_logits(h) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _trained_logits(h) -> torch.Tensor:
     """The trainer's own model (adapters on) on INPUTS."""
     with torch.no_grad():
-        return h.service.backend.engine(input_ids=INPUTS, attention_mask=torch.ones_like(INPUTS)).logits.float()
+        return h.trainer.backend.engine(input_ids=INPUTS, attention_mask=torch.ones_like(INPUTS)).logits.float()
 
 
-def _train(h, steps: int, model_dir: Path, *, first: int = 0) -> list:  # type: ignore[no-untyped-def]
+def _train(h, steps: int, model_dir: Path, *, first: int = 0) -> list:
     return [h.service.train(rollout_id=i, entry_ids=[h.put(make_batch(rollout_id=i, seed=i, model_dir=model_dir))])
             for i in range(first, first + steps)]
 
 
 def test_lora_config_and_targets_are_validated(tiny_model_dir):  # noqa: F811
-    def config(lora):  # type: ignore[no-untyped-def]
+    def config(lora):
         return config_from_dict({"model": {"path": str(tiny_model_dir)}, "data": {"train_path": "t"},
                                  "trainer": {"lora": lora}}, source="test")
 
@@ -89,7 +89,7 @@ def test_only_adapters_are_trained_and_hold_optimizer_state(harness, tiny_model_
                                                             checkpointing):
     h = harness(trainer={"zero_stage": zero_stage, "lora": LORA, "activation_checkpointing": checkpointing},
                 algorithm={"eps_clip": 10.0})
-    engine = h.service.backend.engine
+    engine = h.trainer.backend.engine
     trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), sorted(trainable)[:4]
     adapted = {n.split(".lora_")[0] for n in trainable}
@@ -160,10 +160,10 @@ def test_synced_and_exported_weights_are_the_merged_model(harness, tiny_model_di
         torch.testing.assert_close(engine_model(input_ids=INPUTS).logits, trained, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(base(input_ids=INPUTS).logits, trained, atol=1e-4)   # it trained
     # the old actor's snapshot of v1 is the merged model too, and its frozen copy takes it
-    snapshot = h.service.old_actor.get(1)
+    snapshot = h.trainer.old_actor.get(1)
     assert snapshot is not None and list(snapshot.weights) == list(expected)
     with torch.no_grad():
-        old = h.service.old_actor.module_for(snapshot)(input_ids=INPUTS).logits
+        old = h.trainer.old_actor.module_for(snapshot)(input_ids=INPUTS).logits
     torch.testing.assert_close(old, trained, rtol=1e-5, atol=1e-5)
 
 
@@ -210,14 +210,14 @@ def test_kl_reference_is_the_model_with_adapters_off(harness, tiny_model_dir, ze
     # the output head adapted too: its LoRA path is scored as extra columns (a ZeRO-3 leaf, gathered whole)
     lora = {**LORA, "target_modules": ["all-linear", "lm_head"]}
     h = harness(trainer={"zero_stage": zero_stage, "lora": lora}, algorithm={"kl_coef": 0.1})
-    ref = h.service.train_step.ref_model
+    ref = h.trainer.step.ref_model
     assert isinstance(ref, AdapterOffReference) and not list(ref.parameters())   # no second copy
     first, second = (r.metrics for r in _train(h, 2, tiny_model_dir))
     assert first["kl"] == pytest.approx(0.0, abs=1e-7)   # B = 0: the policy is the reference
     assert second["kl"] > 1e-6
-    assert all(p.requires_grad for n, p in h.service.backend.module.named_parameters() if "lora_" in n)
+    assert all(p.requires_grad for n, p in h.trainer.backend.module.named_parameters() if "lora_" in n)
     # after training, the view still scores like a fresh copy of the base model
-    backend = h.service.backend
+    backend = h.trainer.backend
     batch = merge_batches([make_batch(seed=7, model_dir=tiny_model_dir)])
     mbs = lockstep_micro_batches(backend, batch, token_budget=64)
     sampling = TokenSampling.of(batch)
@@ -237,7 +237,7 @@ def test_critic_with_lora_trains_adapters_and_value_head(harness, tiny_model_dir
     gae = {"advantage_estimator": "gae"}
     critic = harness(role="critic", run_name="lora-ppo", algorithm=gae, trainer={"lora": LORA})
     actor = harness(run_name="lora-ppo", algorithm=gae, trainer={"lora": LORA})
-    module = critic.service.backend.module
+    module = critic.trainer.backend.module
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     assert {"value_head.weight", "value_head.bias"} <= trainable
     assert all(n.startswith("value_head.") or "lora_" in n for n in trainable)
@@ -252,7 +252,7 @@ def test_critic_with_lora_trains_adapters_and_value_head(harness, tiny_model_dir
     backbone = AutoModel.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         hidden = backbone(input_ids=INPUTS).last_hidden_state
-        expected = critic.service.backend.engine(input_ids=INPUTS, attention_mask=torch.ones_like(INPUTS))
+        expected = critic.trainer.backend.engine(input_ids=INPUTS, attention_mask=torch.ones_like(INPUTS))
         head = module.value_head
         torch.testing.assert_close(head(hidden).squeeze(-1).float(), expected, rtol=1e-5, atol=1e-5)
 
@@ -261,15 +261,15 @@ def test_lora_offload_moves_the_frozen_base_too_and_training_goes_on(harness, ti
     h = harness(trainer={"zero_stage": 2, "lora": LORA})
     _train(h, 1, tiny_model_dir)
     before = {n: t.detach().cpu().clone() for n, t in h.service.iter_named_weights()}
-    on_gpu = h.service.dist.device.type == "cuda"
+    on_gpu = h.trainer.dist.device.type == "cuda"
     resident = torch.cuda.memory_allocated() if on_gpu else 0
-    assert h.service.offload().ok
-    frozen = [p for p in h.service.backend.module.parameters() if not p.requires_grad]
+    assert h.service.offload().endswith("moved to host memory")
+    frozen = [p for p in h.trainer.backend.module.parameters() if not p.requires_grad]
     assert frozen and all(p.device.type == "cpu" for p in frozen)
     if on_gpu:   # DeepSpeed's offload moves the adapters' states; the base weights leave the device as well
         assert resident - torch.cuda.memory_allocated() >= sum(p.numel() * p.element_size() for p in frozen)
-    assert h.service.onload().ok
-    assert all(p.device == h.service.dist.device for p in h.service.backend.module.parameters())
+    assert h.service.onload().startswith("states reloaded to")
+    assert all(p.device == h.trainer.dist.device for p in h.trainer.backend.module.parameters())
     after = {n: t.detach().cpu() for n, t in h.service.iter_named_weights()}
     assert all(torch.equal(before[n], after[n]) for n in before)
     h.service.offload()

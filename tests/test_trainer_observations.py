@@ -51,16 +51,16 @@ class GradientSpy:
     state feeds only its own position's logits, so its gradient is 0 exactly where theirs is); everything else
     passes straight through."""
 
-    def __init__(self, backend) -> None:  # type: ignore[no-untyped-def]
-        self.backend, self.grads = backend, []
+    def __init__(self, backend) -> None:
+        self.backend, self.grads = backend, list[tuple[torch.Tensor, torch.Tensor]]()   # (token index, grad)
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str):
         return getattr(self.backend, name)
 
-    def scores(self, mb, sampling, **kwargs):  # type: ignore[no-untyped-def]
+    def scores(self, mb, sampling, **kwargs):
         dmb = mb.to(self.backend.device)
 
-        def spy(module, inputs, output):  # type: ignore[no-untyped-def]
+        def spy(module, inputs, output):
             if dmb.token_index.numel() and inputs[0].requires_grad:
                 index = dmb.token_index.cpu()
                 inputs[0].register_hook(lambda grad: self.grads.append(
@@ -79,8 +79,8 @@ def hidden_gradients(h, batch: RolloutBatchData, *, trainable_everywhere: bool =
     token."""
     train = merge_batches([batch])
     stepped = dataclasses.replace(train, loss_mask=torch.ones_like(train.loss_mask)) if trainable_everywhere else train
-    spy = GradientSpy(h.service.backend)
-    actor_step(backend=spy, batch=stepped, algo=h.config.algorithm, ref_model=h.service.train_step.ref_model,
+    spy = GradientSpy(h.trainer.backend)
+    actor_step(backend=spy, batch=stepped, algo=h.config.algorithm, ref_model=h.trainer.step.ref_model,
                old_actor=None, token_budget=h.config.trainer.micro_batch_tokens)
     assert spy.grads
     return [(train.loss_mask[index], grad) for index, grad in spy.grads]
@@ -119,7 +119,7 @@ def test_observation_log_probs_change_neither_the_metrics_nor_the_update(harness
     for name, batch in (("zero", base), ("garbage", garbage)):
         h = harness(model_dir=peaked_model_dir, algorithm=ALGO, run_name=f"obs-{name}-{sampling.top_p}")
         metrics = dict(h.service.train(rollout_id=0, entry_ids=[h.put(batch)]).metrics)
-        weights = {k: v.detach().clone() for k, v in h.service.backend.module.state_dict().items()}
+        weights = {k: v.detach().clone() for k, v in h.trainer.backend.module.state_dict().items()}
         runs.append(({k: v for k, v in metrics.items() if not k.startswith("perf/")}, weights))   # timings
     (m0, w0), (m1, w1) = runs
     assert m0 == m1

@@ -38,9 +38,9 @@ def reference_tables(model_dir: Path, batch: RolloutBatchData, *, tempered: bool
     prompts, responses = prompts_and_responses(batch)
     tables = []
     for i, rows in enumerate(model_logits(model_dir, prompts, responses)):
-        params = dict(temperature=float(batch.sampling_temperature[i]), top_p=1.0 if tempered else
-                      float(batch.sampling_top_p[i]), top_k=0 if tempered else int(batch.sampling_top_k[i]))
-        tables += [ref.sampling_log_probs(row, **params) for row in rows]
+        temperature = float(batch.sampling_temperature[i])
+        top_p, top_k = (1.0, 0) if tempered else (float(batch.sampling_top_p[i]), int(batch.sampling_top_k[i]))
+        tables += [ref.sampling_log_probs(row, temperature=temperature, top_p=top_p, top_k=top_k) for row in rows]
     return tables
 
 
@@ -200,12 +200,12 @@ def test_keep_old_actor_scores_samples_under_the_version_that_generated_them(har
     third = h.service.train(rollout_id=2, entry_ids=[h.put(mixed)]).metrics
     assert third["old_actor_fallback_frac"] == pytest.approx(1 - 12 / mixed.num_response_tokens, abs=1e-6)
     publish(h, 2)
-    assert sorted(h.service.old_actor.snapshots) == [1, 2]   # one step off keeps two versions
+    assert sorted(h.trainer.old_actor.snapshots) == [1, 2]   # one step off keeps two versions
     unknown = make_batch(rollout_id=3, seed=5, model_dir=peaked_model_dir, sampling=dist, sample_versions=[0] * 12)
     fourth = h.service.train(rollout_id=3, entry_ids=[h.put(unknown)]).metrics
     assert fourth["old_actor_fallback_frac"] == 1.0 and math.isfinite(fourth["loss"])   # v0 is gone: current policy
     h.service.save(rollout_id=3)
-    assert h.service.load().loaded and not h.service.old_actor.snapshots   # a Load rolls back: snapshots dropped
+    assert h.service.load().loaded and not h.trainer.old_actor.snapshots   # a Load rolls back: snapshots dropped
 
 
 def noisy_masked_batch(model_dir: Path, *, seed: int, dist: SamplingSpec, noise: float) -> RolloutBatchData:

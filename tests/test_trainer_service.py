@@ -48,11 +48,11 @@ def test_loss_decreases_on_fixed_batch(harness, tiny_model_dir, zero_stage, prec
         assert math.isfinite(reply.metrics["grad_norm"]) and reply.metrics["grad_norm"] > 0
     assert all(b < a for a, b in itertools.pairwise(losses)), losses
     # ratio starts at exactly 1: rollout log-probs are the model's own
-    first = h.service.results[0].metrics
+    first = h.service.ledger.results[0].metrics
     assert first["ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-5 if precision == "fp32" else 2e-2)
     assert first["tokens"] == batch.tokens.shape[0] and first["response_tokens"] == batch.num_response_tokens
     assert h.pending() == 0   # every entry acknowledged after its step
-    optimizer = h.service.backend.engine.optimizer   # ZeRO 1-3: DeepSpeed's wrapper around torch's AdamW
+    optimizer = h.trainer.backend.engine.optimizer   # ZeRO 1-3: DeepSpeed's wrapper around torch's AdamW
     states = [s for s in getattr(optimizer, "optimizer", optimizer).state.values() if "exp_avg" in s]
     master = torch.bfloat16 if precision == "bf16_pure" else torch.float32   # bf16 keeps fp32 masters and states
     assert states and all(s["exp_avg"].dtype == master and s["exp_avg_sq"].dtype == master for s in states)
@@ -78,6 +78,9 @@ def test_save_then_fresh_engine_load_reproduces_next_step(harness, tiny_model_di
     for key in ("loss", "pg_loss", "grad_norm", "lr", "entropy", "ppo_ratio_mean"):
         assert again.metrics[key] == expected.metrics[key], key
     assert again.step == expected.step == 3
+
+
+OFFLOADED = "parameters, gradients and optimizer states moved to host memory"   # what Offload answers
 
 
 def test_micro_batch_split_does_not_change_the_update(harness, tiny_model_dir):  # noqa: F811
@@ -137,12 +140,13 @@ def test_batch_delivered_twice_is_trained_once(harness):  # noqa: F811
         h.service.train(rollout_id=1, entry_ids=[first_id])
     mixed = h.service.train(rollout_id=1, entry_ids=[first_id, second_id])
     assert list(mixed.entry_ids) == [second_id] and mixed.metrics["entries_skipped_duplicate"] == 1
-    assert h.service.step == 2 and h.pending() == 0
+    assert h.service.ledger.step == 2 and h.pending() == 0
 
 
 def _raw_payload(*, rewards: list[float], response_lengths: list[int]) -> bytes:
     """A batch encoded without the producer-side validation (what a buggy producer could write)."""
     n = len(rewards)
+    sampling = sampling_arrays(n, SamplingSpec())
     msg = common_pb2.RolloutBatch(
         rollout_id=0, num_samples=n, tokens=array_to_proto(np.arange(4, 4 + 4 * n, dtype=np.int32) % 30),
         prompt_lengths=array_to_proto(np.full(n, 2, np.int32)),
@@ -151,7 +155,9 @@ def _raw_payload(*, rewards: list[float], response_lengths: list[int]) -> bytes:
         rollout_log_probs=array_to_proto(np.full(2 * n, -1.0, np.float32)),
         rewards=array_to_proto(np.asarray(rewards, np.float32)), group_ids=array_to_proto(np.zeros(n, np.int64)),
         sample_versions=array_to_proto(np.zeros(n, np.int64)),
-        **{name: array_to_proto(a) for name, a in sampling_arrays(n, SamplingSpec()).items()},
+        sampling_temperature=array_to_proto(sampling["sampling_temperature"]),
+        sampling_top_p=array_to_proto(sampling["sampling_top_p"]),
+        sampling_top_k=array_to_proto(sampling["sampling_top_k"]),
         finish_reasons=[common_pb2.FINISH_REASON_STOP] * n)
     return msg.SerializeToString()
 
@@ -180,7 +186,7 @@ def test_bad_input_gives_clear_errors_and_takes_no_step(harness):  # noqa: F811
                                loss_masks=[[0, 0]], sampling=SamplingSpec()))
     with pytest.raises(ValueError, match="no trainable tokens"):
         h.service.train(rollout_id=0, entry_ids=[masked])
-    assert h.service.step == 0 and h.service.backend.global_steps == 0 and not h.service.results
+    assert h.service.ledger.step == 0 and h.trainer.backend.global_steps == 0 and not h.service.ledger.results
     assert h.pending() == 2   # the two valid-but-untrainable entries stay pending: nothing was acked
     good = h.service.train(rollout_id=0, entry_ids=[h.put(make_batch())])
     assert good.step == 1
@@ -188,7 +194,7 @@ def test_bad_input_gives_clear_errors_and_takes_no_step(harness):  # noqa: F811
 
 def test_stale_samples_are_dropped_and_counted(harness):  # noqa: F811
     h = harness()
-    h.service.weight_version = 3   # what PublishWeights(v3) leaves behind
+    h.service.ledger.weight_version = 3   # what PublishWeights(v3) leaves behind
     batch = make_batch(groups=2, group_size=2, sample_versions=[0, 1, 2, 3])
     reply = h.service.train(rollout_id=0, entry_ids=[h.put(batch)], max_staleness=1)
     assert reply.samples_dropped_stale == 2 and reply.samples_trained == 2 and reply.step == 1
@@ -248,10 +254,10 @@ def test_offload_onload_keeps_training(harness, zero_stage):  # noqa: F811
     batch = make_batch()
     h.service.train(rollout_id=0, entry_ids=[h.put(batch)])
     before = {n: t.detach().cpu().clone() for n, t in h.service.iter_named_weights()}
-    on_gpu = h.service.dist.device.type == "cuda"
+    on_gpu = h.trainer.dist.device.type == "cuda"
     resident = torch.cuda.memory_allocated() if on_gpu else 0
     reserved = h.service.get_state().gpu_memory_reserved_bytes
-    assert h.service.offload().ok and h.service.get_state().offloaded
+    assert h.service.offload() == OFFLOADED and h.service.get_state().offloaded
     if on_gpu:   # parameters, fp32 master copies and both Adam moments left the device
         param_bytes = sum(math.prod(s.shape) * 4 for s in h.service.weight_specs())
         assert resident - torch.cuda.memory_allocated() >= 4 * param_bytes
@@ -259,7 +265,7 @@ def test_offload_onload_keeps_training(harness, zero_stage):  # noqa: F811
         assert h.service.get_state().gpu_memory_reserved_bytes < reserved
     else:
         assert reserved == 0 and h.service.get_state().gpu_memory_reserved_bytes == 0
-    assert h.service.onload().ok and not h.service.get_state().offloaded
+    assert h.service.onload().startswith("states reloaded to") and not h.service.get_state().offloaded
     after = {n: t.detach().cpu() for n, t in h.service.iter_named_weights()}
     assert all(torch.equal(before[n], after[n]) for n in before)
     h.service.offload()
@@ -277,7 +283,7 @@ def test_offload_cycles_train_exactly_like_no_offload(harness, zero_stage):  # n
         batch = make_batch(rollout_id=rollout_id, seed=rollout_id)
         plain.service.train(rollout_id=rollout_id, entry_ids=[plain.put(batch)])
         cycled.service.train(rollout_id=rollout_id, entry_ids=[cycled.put(batch)])
-        assert cycled.service.offload().ok and cycled.service.onload().ok
+        assert cycled.service.offload() == OFFLOADED and cycled.service.onload().startswith("states reloaded to")
     expected = {n: t.detach().cpu().clone() for n, t in plain.service.iter_named_weights()}
     got = {n: t.detach().cpu() for n, t in cycled.service.iter_named_weights()}
     assert expected.keys() == got.keys() and all(torch.equal(expected[n], got[n]) for n in expected)

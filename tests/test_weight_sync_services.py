@@ -9,10 +9,11 @@ from tandem_runs import EXAMPLE, REPO
 
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config_loading import load_config, write_resolved_config
-from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
+from services.contracts.rollout_calls import GenerateRequest, GenerateResult, PromptInput
+from services.contracts.trainer_calls import TrainRequest
 from services.coordinator.clients import make_clients
 from services.coordinator.pool import RolloutPool
-from services.coordinator.sync import WeightSync, WeightSyncError
+from services.coordinator.sync import WeightSync, WeightSyncFailed
 from services.launcher.supervisor import resolve_for_local_run
 
 pytestmark = pytest.mark.slow
@@ -42,10 +43,10 @@ def services(tmp_path, redis_server):
         p.wait(timeout=30)
 
 
-def _generate(pool, *, rollout_id, stream):  # type: ignore[no-untyped-def]
-    prompts = [common_pb2.Prompt(text="3 5 =", label="5", group_id=i) for i in range(4)]
-    return pool.replicas[0].generate(rollout_pb2.GenerateRequest(
-        rollout_id=rollout_id, prompts=prompts, n_samples_per_prompt=2, stream=stream))
+def _generate(pool: RolloutPool, *, rollout_id: int, stream: str) -> GenerateResult:
+    prompts = tuple(PromptInput(text="3 5 =", label="5", group_id=i) for i in range(4))
+    return pool.replicas[0].generate(GenerateRequest(rollout_id=rollout_id, prompts=prompts, n_samples_per_prompt=2,
+                                                     stream=stream))
 
 
 def test_trained_weights_arrive_bit_identical_and_samples_carry_the_version(services, redis_server):
@@ -56,7 +57,7 @@ def test_trained_weights_arrive_bit_identical_and_samples_carry_the_version(serv
 
     # train one step on a real batch so the weights really change, then sync version 1 and check every tensor
     reply = _generate(pool, rollout_id=0, stream="")
-    trained = trainer.train(trainer_pb2.TrainRequest(rollout_id=0, entry_ids=[reply.entry_id]))
+    trained = trainer.train(TrainRequest(rollout_id=0, entry_ids=(reply.entry_id,)))
     assert trained.samples_trained == 8
     second = sync.run(version=1)
     assert second.verified_tensors == first.verified_tensors  # every tensor's checksum matched the trainer's
@@ -77,5 +78,5 @@ def test_sync_against_a_dead_engine_fails_within_the_deadline(services):
     procs[1].kill()
     procs[1].wait()
     sync = WeightSync(trainer=trainer, pool=pool, config=config.weights)
-    with pytest.raises(WeightSyncError, match="phase prepare"):
+    with pytest.raises(WeightSyncFailed, match="phase prepare"):
         sync.run(version=0)

@@ -87,7 +87,7 @@ def test_a_bucket_at_an_odd_offset_of_a_flat_buffer_is_summed_from_a_copy(block)
     assert bucket_checksums(layout, views) == bucket_checksums(layout, {n: v.clone() for n, v in views.items()})
 
 
-def _changed(layout: Layout, tensors: dict[str, torch.Tensor], edit) -> list[str]:  # type: ignore[no-untyped-def]
+def _changed(layout: Layout, tensors: dict[str, torch.Tensor], edit) -> list[str]:
     _flat, views = flat_views(layout, "cpu")
     for name, view in views.items():
         view.copy_(tensors[name])
@@ -101,18 +101,18 @@ def test_a_flipped_bit_swapped_words_and_a_tensor_at_the_wrong_offset_change_onl
     clean = bucket_checksums(layout, tensors)
     bf16 = next(b.index for b in layout.buckets if b.dtype == torch.bfloat16)
 
-    def flip(views):  # type: ignore[no-untyped-def]
+    def flip(views):
         views["w"].view(torch.int16)[3, 4] ^= 1                      # one low mantissa bit
 
-    def swap(views):  # type: ignore[no-untyped-def]
+    def swap(views):
         words = views["embed"].view(-1).view(torch.int32)
         words[[2, 150]] = words[[150, 2]]                            # two words trade places, far apart
 
-    def swap_near(views):  # type: ignore[no-untyped-def]
+    def swap_near(views):
         words = views["embed"].view(-1).view(torch.int32)
         words[[0, 1]] = words[[1, 0]]                                # neighbours, inside one block
 
-    def shift(views):  # type: ignore[no-untyped-def]
+    def shift(views):
         w = views["w"].reshape(-1)
         w[2:] = tensors["w"].reshape(-1)[:-2].clone()                # w written one word later than planned
 

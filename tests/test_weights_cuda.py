@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import weights_config
 from services.weights import TensorSpec, WeightPublisher, WeightSyncRefused, WeightSyncTimeout
 from services.weights.peer import Peer, make_tensors, plan_to_text, specs_to_json
+from services.weights.transports.cuda_ipc import CudaIpcSender
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -27,7 +28,7 @@ SPECS = ([TensorSpec("embed", "bfloat16", (4096, 512))]
 
 
 def _publisher(tmp_path: Path, transport: str, *, timeout_s: float = 30.0) -> WeightPublisher:
-    config = WeightsConfig(transport=transport, bucket_mb=1.0, timeout_s=timeout_s)
+    config = weights_config(transport=transport, bucket_mb=1.0, timeout_s=timeout_s)
     return WeightPublisher(config=config, run_dir=tmp_path, trainer_id="actor-0")
 
 
@@ -52,7 +53,9 @@ def test_ipc_cuda_round_trip_reuses_buffers(tmp_path: Path):
             assert got["ok"] and got["unequal"] == [], got
             assert got["stats"]["checksums"] == sent.checksums and len(sent.checksums) == len(SPECS)
             assert all(b.ipc.handle and b.ipc.storage_size_bytes == b.nbytes for b in plan.buckets)
-            pointers.add(publisher._transport._shared.flat.data_ptr())
+            sender = publisher._transport
+            assert isinstance(sender, CudaIpcSender) and sender._shared is not None
+            pointers.add(sender._shared.flat.data_ptr())
         assert len(pointers) == 1                       # exported once, reused while the layout holds
     finally:
         peer.close()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import DiskWeights
 from services.weights import TensorSpec, WeightPublisher, WeightReceiver, WeightSyncError, WeightSyncTimeout
 from services.weights.peer import bits_equal, make_tensors
 
@@ -20,7 +20,7 @@ SPECS = [TensorSpec("embed", "bfloat16", (256, 64)), TensorSpec("norm", "float32
 
 
 def _publisher(tmp_path: Path, *, timeout_s: float = 5.0) -> WeightPublisher:
-    config = WeightsConfig(transport="disk", bucket_mb=0.04, timeout_s=timeout_s)
+    config = DiskWeights(bucket_mb=0.04, timeout_s=timeout_s)
     return WeightPublisher(config=config, run_dir=tmp_path, trainer_id="actor-0")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import ProcessGroupWeights
 from services.weights import (
     TensorSpec,
     WeightPublisher,
@@ -24,6 +24,7 @@ from services.weights import (
 from services.weights.checksums import named_bucket_checksums
 from services.weights.layout import layout_from_plan
 from services.weights.peer import Peer, make_tensors, plan_from_text, plan_to_text, specs_to_json
+from services.weights.transports.pg import ProcessGroupSender
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -38,7 +39,7 @@ SPECS = ([TensorSpec("embed", "bfloat16", (512, 512))]
 
 
 def _publisher(tmp_path: Path, *, timeout_s: float = 20.0, trainer_id: str = "actor-0") -> WeightPublisher:
-    config = WeightsConfig(transport="gloo", bucket_mb=0.0625, timeout_s=timeout_s)
+    config = ProcessGroupWeights(transport="gloo", bucket_mb=0.0625, timeout_s=timeout_s)
     return WeightPublisher(config=config, run_dir=tmp_path, trainer_id=trainer_id)
 
 
@@ -84,7 +85,9 @@ def test_gloo_syncs_are_bit_identical_and_reuse_the_group(tmp_path: Path, peer: 
             assert got["stats"]["checksums"] == sent.checksums and len(sent.checksums) == len(SPECS)
         else:
             assert sent.checksums == got["stats"]["checksums"] == {}
-        staging = publisher._transport._staging
+        sender = publisher._transport
+        assert isinstance(sender, ProcessGroupSender)
+        staging = sender._staging
         assert staging is not None and (version == 1 or staging is first_staging)   # allocated once per layout
         first_staging = staging
     assert len({(p.group_name, p.master_port) for p in plans}) == 1   # one group, built once, reused

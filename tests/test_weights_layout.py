@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import DiskWeights
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights import (
     TensorSpec,
@@ -100,7 +100,8 @@ def test_specs_reject_duplicates_and_unknown_dtypes():
         plan_layout([TensorSpec("a", "float32", (1,)), TensorSpec("a", "float32", (1,))], bucket_bytes=KB)
     with pytest.raises(ValueError, match="unsupported weight dtype"):
         TensorSpec("a", "complex64", (1,))
-    assert TensorSpec("a", "torch.bfloat16", [2, 3]) == TensorSpec("a", "bfloat16", (2, 3))
+    as_json = [2, 3]   # a shape as JSON gives it: a list
+    assert TensorSpec("a", "torch.bfloat16", as_json) == TensorSpec("a", "bfloat16", (2, 3))  # type: ignore[arg-type]
 
 
 def test_checksum_is_bit_exact():
@@ -195,7 +196,7 @@ def test_check_params_lists_every_mismatch():
 
 
 def _disk_publisher(tmp_path: Path, timeout_s: float = 2.0) -> WeightPublisher:
-    return WeightPublisher(config=WeightsConfig(transport="disk", bucket_mb=0.01, timeout_s=timeout_s),
+    return WeightPublisher(config=DiskWeights(bucket_mb=0.01, timeout_s=timeout_s),
                            run_dir=tmp_path, trainer_id="actor-0")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,8 +23,9 @@ from services.contracts.wire import (
 )
 
 
-def sample_batch(**overrides) -> RolloutBatchData:
-    kw = dict(rollout_id=7, policy_version=3, prompts=[[1, 2, 3], [4, 5]], responses=[[6, 7], [8, 9, 10, 11]],
+def sample_batch(**overrides: Any) -> RolloutBatchData:
+    kw: dict[str, Any] = dict(
+              rollout_id=7, policy_version=3, prompts=[[1, 2, 3], [4, 5]], responses=[[6, 7], [8, 9, 10, 11]],
               log_probs=[[-0.5, -1.25], [-0.1, -0.2, -0.3, -2.0]], rewards=[1.0, 0.0], group_ids=[70, 70],
               finish_reasons=["stop", "length"], sample_versions=[3, 2], loss_masks=[[1, 1], [1, 0, 1, 1]],
               labels=["4", "2"], metadata={"task": "copy", "seed": "1"}, producer="rollout-0",

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest_trainer import TrainerHarness, make_batch, trainer_config
 
+from services.trainer.builder import build_trainer
 from services.trainer.service import TrainerService
 
 KEYS = ("loss", "pg_loss", "grad_norm", "entropy", "ppo_ratio_mean", "pg_clipfrac", "tokens")
@@ -60,7 +61,7 @@ def main() -> int:
             out[stage] = train_stage(harness, batches(args.model_dir, args.steps))
             harness.close()   # relays shutdown: the other ranks leave serve_worker
         else:
-            service = TrainerService(config, run_dir=args.run_dir)
+            service = TrainerService(build_trainer(config, run_dir=args.run_dir).parts())
             service.serve_worker()
             service.close()
     if out:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import redis
 
+from services.contracts.untyped import RedisReply
 from services.contracts.wire import RolloutBatchData, WireError, decode_batch, payload_checksum
 
 
@@ -55,11 +56,11 @@ def as_str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def rows(response: Any) -> Rows:
+def rows(response: RedisReply) -> Rows:
     return cast(Rows, response or [])
 
 
-def messages(response: Any) -> Rows:
+def messages(response: RedisReply) -> Rows:
     """The (id, fields) pairs of an XREADGROUP answer over one stream."""
     return [m for _stream, msgs in response or [] for m in msgs]
 

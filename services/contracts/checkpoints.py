@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from services.contracts.untyped import JsonValue
 
 if TYPE_CHECKING:
     from services.contracts.config import TandemConfig
@@ -35,7 +37,7 @@ def checkpoint_dir(root: Path, rollout_id: int) -> Path:
     return root / f"rollout_{rollout_id:08d}"
 
 
-def read_json(path: Path) -> Any:
+def read_json(path: Path) -> JsonValue:
     with open(path) as f:
         return json.load(f)
 

@@ -1,25 +1,71 @@
 """Typed run configuration: one YAML file, validated before anything starts.
 
 Every service reads the same `TandemConfig`; each takes the sections it needs. Unknown keys are
-errors (a typo must not silently fall back to a default), and every error names its key.
+errors (a typo must not silently fall back to a default), and every error names its key. The sections with variants
+live in their own modules (rollout_config.py by engine, weights_config.py by transport, tracing_config.py with its
+trackers by type); a key of another variant than the chosen one is refused by name.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from services.contracts import runfacts
+from services.contracts.config_base import ConfigError, Section, with_default_variant
+from services.contracts.rollout_config import (
+    DynamicSamplingConfig,
+    NativeRolloutConfig,
+    OverlongPenaltyConfig,
+    RolloutConfig,
+    SamplingConfig,
+    SGLangConfig,
+    SGLangRolloutConfig,
+    stop_strings_problem,
+)
+from services.contracts.tracing_config import (
+    JsonlTrackerConfig,
+    PrometheusTrackerConfig,
+    TensorBoardTrackerConfig,
+    TracingConfig,
+    TrackerConfig,
+    WandbTrackerConfig,
+)
+from services.contracts.untyped import JsonValue
+from services.contracts.weights_config import (
+    CudaIpcWeights,
+    DiskWeights,
+    ProcessGroupWeights,
+    WeightsConfig,
+    for_transport,
+    weights_config,
+)
 
-
-class ConfigError(ValueError):
-    """A configuration problem, with a message naming the offending key."""
-
-
-class Section(BaseModel):
-    # coerce_numbers_to_str: `--set run_name=2024` or `path: 7` mean the string, as YAML users expect.
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True)
+__all__ = [   # the sections of other modules, named here too: a TandemConfig's parts are found in one place
+    "ConfigError",
+    "CudaIpcWeights",
+    "DiskWeights",
+    "DynamicSamplingConfig",
+    "JsonlTrackerConfig",
+    "NativeRolloutConfig",
+    "OverlongPenaltyConfig",
+    "ProcessGroupWeights",
+    "PrometheusTrackerConfig",
+    "RolloutConfig",
+    "SGLangConfig",
+    "SGLangRolloutConfig",
+    "SamplingConfig",
+    "Section",
+    "TandemConfig",
+    "TensorBoardTrackerConfig",
+    "TracingConfig",
+    "TrackerConfig",
+    "WandbTrackerConfig",
+    "WeightsConfig",
+    "for_transport",
+    "stop_strings_problem",
+    "weights_config",
+]
 
 
 class ModelConfig(Section):
@@ -99,129 +145,6 @@ class DataConfig(Section):
     def text_prompts_are_chats(self) -> bool:
         """A text prompt becomes one user message: the template is asked for every prompt, or a system prompt given."""
         return self.chat_template not in ("auto", "none") or self.system_prompt is not None
-
-
-MAX_STOP_STRINGS = 16   # the check runs per running sequence and step; more strings is likely a mistake
-
-
-def stop_strings_problem(stop: tuple[str, ...]) -> str | None:
-    """What is wrong with a list of stop strings (the config and the wire check the same), or None."""
-    if len(stop) > MAX_STOP_STRINGS:
-        return f"holds {len(stop)} strings; at most {MAX_STOP_STRINGS}"
-    for i, text in enumerate(stop):
-        if not isinstance(text, str) or not text:
-            return f"[{i}] is empty: an empty stop string would end every sample at its first token"
-    if len(set(stop)) != len(stop):
-        return f"names a string twice: {list(stop)}"
-    return None
-
-
-class SamplingConfig(Section):
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, description="0 = off")
-    max_new_tokens: int = Field(default=16, ge=1)
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = Field(default=(), description="stop strings: a sample ends at the token whose text "
-                                  "completes one; that token is kept (the response holds the string) and the finish "
-                                  "reason is stop")
-    seed: int = 0
-    ignore_eos: bool = Field(default=False, description="keep generating past EOS (benchmarks that force a length)")
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        problem = stop_strings_problem(value)
-        if problem:
-            raise ValueError(problem)
-        return value
-
-
-class SGLangConfig(Section):
-    urls: tuple[str, ...] = Field(default=(), description="servers the user runs; empty = launch one")
-    launch_args: tuple[str, ...] = ()
-    pause_mode: Literal["abort", "retract", "in_place"] = "retract"
-    request_timeout_s: float = Field(default=600.0, gt=0)
-    weight_load_format: Literal["tensor", "flattened_bucket"] = Field(
-        default="tensor", description="how /update_weights_from_distributed receives a bucket: one broadcast per "
-        "tensor, or one per bucket (load_format flattened_bucket)")
-    startup_timeout_s: float = Field(default=900.0, gt=0, description="wait for /health_generate (launch or urls)")
-    api_key: str | None = Field(default=None, description="SGLang's --api-key (sent as a bearer token)")
-
-
-class DynamicSamplingConfig(Section):
-    """DAPO's dynamic sampling (docs/algorithms.md): groups whose rewards are all equal are filtered out, and more
-    prompts are generated until a step has rollout_batch_size informative groups."""
-
-    enabled: bool = False
-    max_rounds: int = Field(default=3, ge=1, description="generation rounds of one step at most, the first included "
-                            "(each draws the next rollout_batch_size prompts); at the cap the step trains on the "
-                            "informative groups there are (metric rollout/groups_short)")
-    min_std: float = Field(default=1e-6, ge=0, description="a group is informative when the population std of its "
-                           "rewards exceeds this")
-
-
-class OverlongPenaltyConfig(Section):
-    """DAPO's soft overlong punishment: a length penalty over the last `buffer_tokens` before max_new_tokens, added
-    to the reward by the rollout before the batch is written."""
-
-    enabled: bool = False
-    buffer_tokens: int = Field(default=1, ge=1, description="the penalty grows from 0 at max_new_tokens - "
-                               "buffer_tokens to -factor at max_new_tokens")
-    factor: float = Field(default=1.0, gt=0)
-
-
-class RolloutConfig(Section):
-    engine: Literal["native", "sglang"] = "native"
-    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
-    cpu_threads: int | None = Field(default=None, ge=1, description="torch's intra-op CPU threads in the rollout "
-                                    "service (null: 4 on a GPU, torch's default on the CPU)")
-    rollout_batch_size: int = Field(default=32, ge=1, description="prompts per rollout step")
-    n_samples_per_prompt: int = Field(default=8, ge=1)
-    sampling: SamplingConfig = SamplingConfig()
-    eval_sampling: SamplingConfig = SamplingConfig(temperature=0.0)
-    eval_n_samples_per_prompt: int = Field(default=1, ge=1)
-    reward: str = Field(default="exact_match",
-                        description="built-in name or `module:function` (sync or async, batched or per sample)")
-    reward_timeout_s: float | None = Field(default=None, gt=0, description="each reward call (one per sample, or the "
-                                           "one call of a batched function) must return within this, else the run "
-                                           "fails naming the function and the sample (not retried); defaults to "
-                                           "half of loop.step_timeout_s")
-    continuous_batching: bool = Field(
-        default=False, description="native engine: the samples of concurrent calls decode as one batch, and a "
-        "finished sample's row goes to a waiting one (the dynamic decode path); pair with loop.mode: streaming")
-    inflight_update: Literal["off", "keep", "recompute"] = Field(
-        default="off", description="a weight sync lands between two decode steps of running samples instead of "
-        "waiting for them: keep = they go on with the KV cache of the old weights, recompute = their KV cache is "
-        "recomputed under the new weights first; off = the sync waits for running generation (drain)")
-    max_batch_size: int = Field(default=512, ge=1, description="sequences decoded together by the engine")
-    max_context_length: int | None = Field(default=None, ge=1, description="defaults to the model's")
-    max_request_samples: int = Field(default=65536, ge=1, description="most samples (prompts × n) one Generate or "
-                                     "Evaluate call may ask for; larger requests are refused (INVALID_ARGUMENT)")
-    sglang: SGLangConfig = SGLangConfig()
-    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
-    overlong_penalty: OverlongPenaltyConfig = OverlongPenaltyConfig()
-    environment: str | None = Field(default=None, description="multi-turn environment, `module:Class` or "
-                                    "`file.py:Class` (docs/own-task.md); unset = one turn per sample")
-    max_turns: int = Field(default=4, ge=1, description="environment: most policy turns (generations) per episode")
-    episode_reward: Literal["env", "env_plus_reward"] = Field(
-        default="env", description="environment: an episode's reward is the sum of its step rewards (env), or that "
-        "plus rollout.reward's score of the whole response, observations included (env_plus_reward)")
-    environment_timeout_s: float = Field(default=60.0, gt=0, description="one reset or step call of an environment")
-    observation_role: str = Field(default="user", min_length=1, description="environment: the chat role a text "
-                                  "observation takes when the episode's prompt is a chat (tool where the template "
-                                  "has one); an observation {role, content} names its own")
-
-    @model_validator(mode="after")
-    def _environment_keys(self) -> RolloutConfig:
-        if self.environment is None and self.episode_reward != "env":
-            raise ValueError("rollout.episode_reward: env_plus_reward needs rollout.environment (without one, "
-                             "rollout.reward alone scores each sample)")
-        if self.environment is not None and self.overlong_penalty.enabled:
-            raise ValueError("rollout.overlong_penalty measures one generation against sampling.max_new_tokens; an "
-                             "episode of rollout.environment holds several turns and observations, so the two are "
-                             "refused together (algorithm.overlong_filter does apply: it masks episodes that were cut)")
-        return self
 
 
 # DeepSpeed 0.19's ZeRO-3 offload_states maps every module parameter, frozen ones included, onto the flat buffer of
@@ -431,20 +354,6 @@ class LoopConfig(Section):
     max_retries: int = Field(default=2, ge=0, description="retries of a failed Generate on another replica")
 
 
-class WeightsConfig(Section):
-    transport: Literal["gloo", "nccl", "cuda_ipc", "disk"] = "gloo"
-    bucket_mb: float = Field(default=64.0, gt=0, description="weight_bucket_mb: size of flattened buckets")
-    timeout_s: float = Field(default=120.0, gt=0, description="deadline of one transfer")
-    check_weight_update_equal: bool = Field(default=False, description="every engine checks each synced bucket "
-                                            "against the trainer's checksum; a bucket that differs is sent again "
-                                            "and checked tensor by tensor, naming the tensors")
-    disk_dir: str | None = Field(default=None, description="defaults to RUN_DIR/weights")
-    master_addr: str = "127.0.0.1"
-    trainer_id: str | None = Field(default=None, description="id the actor trainer announces in its plans; rollout "
-                                   "engines refuse plans (CUDA IPC handles included) of any other id. `tandem run` "
-                                   "sets <run_name>/actor; unset = engines accept any trainer")
-
-
 class RedisConfig(Section):
     url: str | None = Field(default=None, description="redis:// or rediss://; empty = embedded redis-server")
     password: str | None = None
@@ -457,15 +366,6 @@ class RedisConfig(Section):
     appendonly: bool = True
     appendfsync: Literal["always", "everysec", "no"] = Field(
         default="everysec", description="embedded redis-server: `always` loses no acknowledged write on a crash")
-
-
-class TracingConfig(Section):
-    exporter: Literal["none", "file", "console", "otlp"] = "none"
-    file_path: str | None = Field(default=None, description="defaults to RUN_DIR/traces.jsonl")
-    trackers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
-    wandb_project: str | None = None
-    prometheus_port: int | None = Field(default=None, ge=0, le=65535)
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
 class ServiceAddress(Section):
@@ -532,14 +432,24 @@ class TandemConfig(Section):
     run_name: str = "tandem"
     model: ModelConfig
     data: DataConfig
-    rollout: RolloutConfig = RolloutConfig()
+    rollout: RolloutConfig = NativeRolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     loop: LoopConfig = LoopConfig()
-    weights: WeightsConfig = WeightsConfig()
+    weights: WeightsConfig = ProcessGroupWeights()
     redis: RedisConfig = RedisConfig()
     tracing: TracingConfig = TracingConfig()
     services: ServicesConfig = ServicesConfig()
+
+    @field_validator("rollout", mode="before")
+    @classmethod
+    def _default_engine(cls, value: JsonValue) -> JsonValue:
+        return with_default_variant(value, key="engine", default="native")
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _default_transport(cls, value: JsonValue) -> JsonValue:
+        return with_default_variant(value, key="transport", default="gloo")
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> TandemConfig:
@@ -576,6 +486,12 @@ class TandemConfig(Section):
                              "Tandem's flat fused AdamW; use adamw_torch)")
         return self
 
+    @property
+    def streaming_groups_in_flight(self) -> int:
+        """loop.mode streaming: groups generating or done and waiting for a step (loop.groups_in_flight, by default
+        two steps' worth); each is one Generate call."""
+        return self.loop.groups_in_flight or 2 * self.rollout.rollout_batch_size
+
     def with_model_path(self, path: str) -> TandemConfig:
         return self.model_copy(update={"model": self.model.model_copy(update={"path": path})})
 
@@ -600,14 +516,11 @@ def validate_streaming(config: TandemConfig) -> None:
     """Streaming writes one buffer entry per group, so the buffer must hold every group in flight; continuous
     batching is the native engine's (SGLang batches continuously by itself)."""
     ro, loop = config.rollout, config.loop
-    if ro.continuous_batching and ro.engine != "native":
-        raise ValueError(f"rollout.continuous_batching is the native engine's (rollout.engine {ro.engine} batches "
-                         "continuously by itself)")
     if loop.mode != "streaming":
         if loop.groups_in_flight is not None:
             raise ValueError(f"loop.groups_in_flight applies to loop.mode: streaming, not {loop.mode}")
         return
-    in_flight = runfacts.groups_in_flight(config)
+    in_flight = config.streaming_groups_in_flight
     if in_flight < ro.rollout_batch_size:
         raise ValueError(f"loop.groups_in_flight ({in_flight}) must be at least rollout.rollout_batch_size "
                          f"({ro.rollout_batch_size}): a step trains that many groups")

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import difflib
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import Annotated, Any, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from services.contracts.config import CHAT_TEMPLATE_MODES, ConfigError, TandemConfig
 from services.contracts.files import PRIVATE_FILE_MODE, write_atomic
+from services.contracts.untyped import JsonObject, JsonValue
 
 
-def parse_override(item: str) -> tuple[list[str], Any]:
+def parse_override(item: str) -> tuple[list[str], JsonValue]:
     """`a.b=c` -> (["a", "b"], value parsed as YAML, so numbers, booleans and lists work)."""
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
@@ -39,7 +42,7 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{where}{problem}" + (f" ({context})" if context else "")
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str], *, base_dir: Path | None = None) -> dict[str, Any]:
+def apply_overrides(data: JsonObject, overrides: list[str], *, base_dir: Path | None = None) -> JsonObject:
     """`--set` values; a relative file path among them is relative to base_dir (the shell's working directory)."""
     for item in overrides:
         path, value = parse_override(item)
@@ -56,41 +59,99 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], *, base_dir: Pat
     return resolve_paths(data, base_dir) if base_dir is not None else data
 
 
-def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The Section class that holds the key at `loc` (following tuple-of-section indices)."""
+def _section_type(annotation: Any) -> Any:
+    """The Section class a field holds (also in tuple[ServiceAddress, ...] and X | None), or a tagged union of
+    them (its Annotated form); None for a plain value."""
+    if (isinstance(annotation, type) and issubclass(annotation, BaseModel)) or _variants(annotation):
+        return annotation
+    return next(filter(None, (_section_type(arg) for arg in get_args(annotation))), None)
+
+
+def _field_type(field: FieldInfo) -> Any:
+    """A field's type as written: pydantic keeps a tagged union's discriminator beside the annotation."""
+    return Annotated[field.annotation, field] if field.discriminator else field.annotation
+
+
+def _variants(annotation: Any) -> dict[str, type[BaseModel]]:
+    """A tagged union's variants by each value of its discriminator (rollout: {native: ..., sglang: ...}), else {}."""
+    if get_origin(annotation) is not Annotated:
+        return {}
+    union, *metadata = get_args(annotation)
+    key = next((getattr(m, "discriminator", None) for m in metadata if getattr(m, "discriminator", None)), None)
+    if not isinstance(key, str):
+        return {}
+    return {tag: model for model in get_args(union) for tag in get_args(model.model_fields[key].annotation)}
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where an error's loc points: the key as the user writes it (a variant's tag left out), the Section holding
+    the last part, and the variant chosen on the way (tag key, tag, the union's variants by tag)."""
+
+    key: str
+    model: type[BaseModel] | None
+    variant: tuple[str, str, dict[str, type[BaseModel]]] | None = None
+
+
+def _place(loc: tuple[Any, ...]) -> _Place:
     model: Any = TandemConfig
-    for part in loc:
+    shown: list[str] = []
+    variant = None
+    pending: dict[str, type[BaseModel]] = {}
+    for i, part in enumerate(loc):
+        if pending and part in pending:   # pydantic puts the chosen variant's tag in the loc
+            variant, model, pending = (_tag_key(model), str(part), pending), pending[part], {}
+            continue
+        shown.append(str(part))
         if isinstance(part, int):
             continue
         if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
-            return None
-        model = _section_type(model.model_fields[part].annotation)
-    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+            return _Place(key=".".join(shown + [str(p) for p in loc[i + 1:]]), model=None, variant=variant)
+        model = _section_type(_field_type(model.model_fields[part]))
+        pending = _variants(model)
+    return _Place(key=".".join(shown), model=model if isinstance(model, type) and issubclass(model, BaseModel)
+                  else None, variant=variant)
 
 
-def _section_type(annotation: Any) -> Any:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in get_args(annotation):          # tuple[ServiceAddress, ...], X | None
-        if isinstance(arg, type) and issubclass(arg, BaseModel):
-            return arg
-    return None
+def _tag_key(annotation: Any) -> str:
+    return next(m.discriminator for m in get_args(annotation)[1:] if getattr(m, "discriminator", None))
+
+
+def _unknown_key(place: _Place, name: str) -> str:
+    """An extra key: the variant it belongs to when it is another variant's, else the near miss or the known keys."""
+    known = sorted(place.model.model_fields) if place.model else []
+    if place.variant is not None:
+        tag_key, tag, variants = place.variant
+        owners = sorted({t for t, model in variants.items() if name in model.model_fields})
+        if owners:
+            return f"a key of {place.key}.{tag_key} {' or '.join(owners)}, not {tag}"
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else "known keys: " + ", ".join(known)
+    return f"unknown key ({hint})"
+
+
+QUOTE = "'"
+
+
+def _bad_tag(ctx: JsonObject) -> str:
+    """pydantic's tag error in the words of a Literal's: Input should be 'a', 'b' or 'c' (got 'x')."""
+    first, _, last = str(ctx["expected_tags"]).rpartition(", ")
+    return f"Input should be {first} or {last} (got {ctx['tag']!r})"
 
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:
     lines = []
     for err in exc.errors():
-        loc = tuple(err["loc"])
-        key = ".".join(str(p) for p in loc)
-        msg = err["msg"]
+        place = _place(tuple(err["loc"]))
+        key, msg = place.key, err["msg"]
         if err["type"] == "extra_forbidden":
-            parent = _model_at(loc[:-1])
-            known = sorted(parent.model_fields) if parent else []
-            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
-            msg = f"unknown key ({hint})"
+            msg = _unknown_key(_place(tuple(err["loc"])[:-1]), str(err["loc"][-1]))
         elif err["type"] == "missing":
-            msg = "required section is missing" if _model_at(loc) else "required key is missing"
+            msg = "required section is missing" if place.model else "required key is missing"
+        elif err["type"] in ("union_tag_invalid", "union_tag_not_found"):   # the variant key of a section
+            ctx = err.get("ctx", {})
+            key = f"{key}.{str(ctx.get('discriminator', '')).strip(QUOTE)}"
+            msg = _bad_tag(ctx) if err["type"] == "union_tag_invalid" else "required key is missing"
         elif err["type"] == "value_error":
             msg = msg.removeprefix("Value error, ")
         elif "input" in err:
@@ -100,7 +161,7 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
     return f"invalid configuration in {source}:\n" + "\n".join(lines)
 
 
-def resolve_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+def resolve_paths(data: JsonObject, base_dir: Path) -> JsonObject:
     """Relative file paths in the YAML are relative to the YAML file's directory; so is the file of a
     `path/to/file.py:name` plug-in (reward, environment)."""
     for section, key in (*_PATH_KEYS, *_PLUGIN_KEYS):
@@ -131,11 +192,11 @@ def _resolve_reward_file(spec: str, base_dir: Path) -> str:
     return f"{(base_dir / target).resolve()}:{attr}"
 
 
-def config_from_dict(data: dict[str, Any], source: str = "config") -> TandemConfig:
+def config_from_dict(data: JsonObject, source: str = "config") -> TandemConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"invalid configuration in {source}: the top level must be a mapping of sections")
     # An empty `section:` in YAML is null: treat it as a section left at its defaults.
-    data = {k: ({} if v is None and _section_type(TandemConfig.model_fields[k].annotation) else v)
+    data = {k: ({} if v is None and _section_type(_field_type(TandemConfig.model_fields[k])) else v)
             if k in TandemConfig.model_fields else v for k, v in data.items()}
     try:
         return TandemConfig.model_validate(data)

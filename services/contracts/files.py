@@ -21,7 +21,8 @@ import json
 import os
 import secrets
 from pathlib import Path
-from typing import Any
+
+from services.contracts.untyped import JsonObject, JsonValue
 
 _NEW_FILE_MODE = 0o666   # what open() asks for; the process umask applies, as with Path.write_text
 PRIVATE_FILE_MODE = 0o600   # a file that holds secrets (a token, passwords)
@@ -48,7 +49,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, mode: int =
     return path
 
 
-def write_json_atomic(path: str | os.PathLike[str], data: Any, *, mode: int = _NEW_FILE_MODE) -> Path:
+def write_json_atomic(path: str | os.PathLike[str], data: JsonValue, *, mode: int = _NEW_FILE_MODE) -> Path:
     return write_atomic(path, json.dumps(data), mode=mode)
 
 
@@ -78,7 +79,7 @@ def complete_lines(raw: bytes) -> list[str]:
     return raw[:end + 1].decode(errors="replace").splitlines() if end >= 0 else []
 
 
-def read_json_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+def read_json_rows(path: str | os.PathLike[str]) -> list[JsonObject]:
     """The JSON objects of an appended JSON-lines file, one per complete line; lines that are not a JSON object
     (torn by a crash before the run resumed) are skipped."""
     rows = []

@@ -24,12 +24,6 @@ def num_rollout(config: TandemConfig, *, dataset_size: int) -> int:
     return (dataset_size // config.rollout.rollout_batch_size) * config.data.num_epochs
 
 
-def groups_in_flight(config: TandemConfig) -> int:
-    """loop.mode streaming: groups generating or done and waiting for a step (loop.groups_in_flight, by default two
-    steps' worth); each is one Generate call."""
-    return config.loop.groups_in_flight or 2 * config.rollout.rollout_batch_size
-
-
 def is_finished(*, next_rollout_id: int, num_rollout: int) -> bool:
     return next_rollout_id >= num_rollout
 

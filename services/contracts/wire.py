@@ -12,6 +12,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -355,7 +356,15 @@ def _token_versions(msg: common_pb2.RolloutBatch, *, num_tokens: int) -> np.ndar
     return versions_from_runs(array_from_proto(msg.token_version_runs, what=what), num_tokens, what=what)
 
 
-def sampling_arrays(n: int, sampling: SamplingSpec) -> dict[str, np.ndarray]:
+class SamplingArrays(TypedDict):
+    """A batch's per-sample sampling fields (RolloutBatchData's sampling_*)."""
+
+    sampling_temperature: np.ndarray
+    sampling_top_p: np.ndarray
+    sampling_top_k: np.ndarray
+
+
+def sampling_arrays(n: int, sampling: SamplingSpec) -> SamplingArrays:
     """The per-sample sampling fields of n samples drawn from one distribution."""
     return {"sampling_temperature": np.full(n, sampling.temperature, dtype=np.float32),
             "sampling_top_p": np.full(n, sampling.top_p, dtype=np.float32),

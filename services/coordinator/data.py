@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from services.contracts.chat import ChatMessage
 from services.contracts.config import DataConfig
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.rollout_calls import PromptInput
 from services.contracts.sampling import prompt_max_new_tokens
+from services.contracts.untyped import JsonObject, JsonValue
 from services.coordinator.datafiles import DataFile, data_file, read_rows
 
 
@@ -31,10 +31,10 @@ class PromptRecord:
     line: int = field(default=0, compare=False)
     messages: tuple[ChatMessage, ...] = ()   # a chat prompt, the system prompt included
 
-    def to_proto(self, group_id: int) -> common_pb2.Prompt:
-        return common_pb2.Prompt(text=self.text, label=self.label, group_id=group_id, metadata=self.metadata,
-                                 messages=[common_pb2.ChatMessage(role=m.role, content=m.content)
-                                           for m in self.messages])
+    def to_input(self, group_id: int) -> PromptInput:
+        """The prompt as a Generate or an Evaluate sends it, as group `group_id`."""
+        return PromptInput(text=self.text, label=self.label, group_id=group_id, metadata=dict(self.metadata),
+                           messages=self.messages)
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,11 @@ def load_prompts(path: str, config: DataConfig, *, limit: int | None = None) -> 
     return records
 
 
-def lookup(row: dict[str, Any], key: str) -> Any:
+def lookup(row: JsonObject, key: str) -> JsonValue:
     """row[key], else the dotted path through nested objects (reward_model.ground_truth); _MISSING if absent."""
     if key in row:
         return row[key]
-    node: Any = row
+    node: JsonValue = row
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
             return _MISSING
@@ -95,7 +95,7 @@ class _RowReader:
     config: DataConfig
     file: DataFile
 
-    def record(self, row: Any, position: int) -> PromptRecord:
+    def record(self, row: JsonValue, position: int) -> PromptRecord:
         where, key = self.file.where(position), self.config.prompt_key
         prompt = lookup(row, key) if isinstance(row, dict) else _MISSING
         if prompt is _MISSING:
@@ -108,7 +108,7 @@ class _RowReader:
         return PromptRecord(text=text, label=_label(lookup(row, self.config.label_key)), metadata=metadata,
                             line=position, messages=messages)
 
-    def _prompt(self, value: Any, where: str) -> tuple[str, tuple[ChatMessage, ...]]:
+    def _prompt(self, value: JsonValue, where: str) -> tuple[str, tuple[ChatMessage, ...]]:
         config = self.config
         if isinstance(value, str):
             if not config.text_prompts_are_chats:
@@ -132,7 +132,7 @@ class _RowReader:
         return (ChatMessage("system", system), *messages)
 
 
-def _messages(value: list[Any] | tuple[Any, ...], where: str) -> tuple[ChatMessage, ...]:
+def _messages(value: list[JsonValue] | tuple[JsonValue, ...], where: str) -> tuple[ChatMessage, ...]:
     if not value:
         raise ValueError(f"{where}: the prompt is an empty list of chat messages")
     out = []
@@ -152,7 +152,7 @@ def _messages(value: list[Any] | tuple[Any, ...], where: str) -> tuple[ChatMessa
     return tuple(out)
 
 
-def _label(value: Any) -> str:
+def _label(value: JsonValue) -> str:
     if value is _MISSING or value is None:
         return ""
     if isinstance(value, list | dict):   # verl writes ground_truth lists at times: kept as JSON, not a repr

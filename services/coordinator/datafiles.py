@@ -9,7 +9,9 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
+
+from services.contracts.untyped import JsonValue
 
 Format = Literal["jsonl", "parquet", "hf_dataset"]
 JSONL: Format = "jsonl"
@@ -74,14 +76,14 @@ def _dataset_directory(path: Path) -> Format:
                      f"dataset_info.json); use {SUPPORTED}")
 
 
-def _json_field(path: Path, key: str) -> Any:
+def _json_field(path: Path, key: str) -> JsonValue:
     try:
         return json.loads(path.read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
 
 
-def read_rows(file: DataFile) -> Iterator[tuple[int, Any]]:
+def read_rows(file: DataFile) -> Iterator[tuple[int, JsonValue]]:
     """(position, row) for every row; a blank JSONL line is skipped. ValueError naming the line of bad JSON."""
     match file.format:
         case "jsonl":
@@ -92,7 +94,7 @@ def read_rows(file: DataFile) -> Iterator[tuple[int, Any]]:
             yield from _hf_dataset_rows(file.path)
 
 
-def _jsonl_rows(path: str) -> Iterator[tuple[int, Any]]:
+def _jsonl_rows(path: str) -> Iterator[tuple[int, JsonValue]]:
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
             line = _decode_line(raw, path=path, line_no=line_no)
@@ -113,7 +115,7 @@ def _decode_line(raw: bytes, *, path: str, line_no: int) -> str:
                          "task files must be UTF-8 JSON lines") from None
 
 
-def _parquet_rows(path: str) -> Iterator[tuple[int, Any]]:
+def _parquet_rows(path: str) -> Iterator[tuple[int, JsonValue]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -129,7 +131,7 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, Any]]:
         raise ValueError(f"{path}: not a readable parquet file: {exc}") from None
 
 
-def _hf_dataset_rows(path: str) -> Iterator[tuple[int, Any]]:
+def _hf_dataset_rows(path: str) -> Iterator[tuple[int, JsonValue]]:
     try:
         import datasets
     except ImportError:

@@ -10,8 +10,9 @@ from services.contracts.config import RolloutConfig
 from services.contracts.sampling import SamplingSpec
 from services.coordinator.api import RolloutPoolApi
 from services.coordinator.data import PromptRecord
+from services.telemetry.events import EventLog
 from services.telemetry.tracing import span
-from services.telemetry.trackers import EventLog, Tracker
+from services.telemetry.trackers import Tracker
 
 
 class Evaluator:
@@ -29,10 +30,10 @@ class Evaluator:
         self._lock = threading.Lock()
 
     def evaluate(self) -> dict[str, float]:
-        protos = [p.to_proto(i) for i, p in enumerate(self.prompts())]
-        with span("rl.eval", weight_version=self.weight_version(), prompts=len(protos)):
-            return self.pool.evaluate(protos, n_samples=self.rollout.eval_n_samples_per_prompt,
-                                      sampling=SamplingSpec.from_config(self.rollout.eval_sampling).to_proto())
+        prompts = [p.to_input(i) for i, p in enumerate(self.prompts())]
+        with span("rl.eval", weight_version=self.weight_version(), prompts=len(prompts)):
+            return self.pool.evaluate(prompts, n_samples=self.rollout.eval_n_samples_per_prompt,
+                                      sampling=SamplingSpec.from_config(self.rollout.eval_sampling))
 
     def record(self, rollout_id: int, metrics: dict[str, float]) -> dict[str, float]:
         metrics = {**metrics, "weights/version": float(self.weight_version())}

@@ -10,7 +10,6 @@ from dataclasses import replace
 from functools import partial
 
 from services.contracts.config import TandemConfig
-from services.contracts.gen.tandem.v1 import common_pb2
 from services.contracts.sampling import SamplingSpec
 from services.coordinator.api import Clock, GenerationResult, InFlight, PromptSource, RolloutPoolApi
 from services.coordinator.data import PromptBatch
@@ -41,7 +40,7 @@ class Generator:
         # The step's own trace starts here; the generation's thread inherits it, so Generate runs under rl.loop.
         with self.spans.started(rollout_id, weight_version=weight_version, mode=mode):
             generate = partial(self._generate, rollout_id=rollout_id, trace_context=inject_context(),
-                               sampling=SamplingSpec.from_config(self.config.rollout.sampling).to_proto())
+                               sampling=SamplingSpec.from_config(self.config.rollout.sampling))
             dynamic = self.config.rollout.dynamic_sampling
             if dynamic.enabled:   # further rounds draw prompts on the generation thread (dynamic.py says why)
                 future = self.executor.submit(run_rounds, rollout_id=rollout_id, first=batch, generate=generate,
@@ -51,9 +50,9 @@ class Generator:
                 future = self.executor.submit(generate, batch)
         return InFlight(rollout_id, future, cursor_before=before, cursor_after=batch.cursor_after)
 
-    def _generate(self, batch: PromptBatch, *, rollout_id: int, sampling: common_pb2.SamplingParams,
+    def _generate(self, batch: PromptBatch, *, rollout_id: int, sampling: SamplingSpec,
                   trace_context: dict[str, str]) -> GenerationResult:
-        prompts = [p.to_proto(g) for p, g in zip(batch.prompts, batch.group_ids, strict=True)]
+        prompts = [p.to_input(g) for p, g in zip(batch.prompts, batch.group_ids, strict=True)]
         result = self.pool.generate(rollout_id=rollout_id, prompts=prompts, sampling=sampling,
                                     n_samples=self.config.rollout.n_samples_per_prompt, trace_context=trace_context)
         return replace(result, cursor_after=batch.cursor_after, epoch_end=batch.epoch_end)

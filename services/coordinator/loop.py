@@ -22,7 +22,7 @@ from pathlib import Path
 
 from services.contracts import runfacts
 from services.contracts.config import TandemConfig
-from services.contracts.gen.tandem.v1 import trainer_pb2
+from services.contracts.trainer_calls import SaveRequest, TrainRequest, TrainResult
 from services.coordinator import policy
 from services.coordinator.api import (
     BufferApi,
@@ -45,9 +45,10 @@ from services.coordinator.startup import keep_reusable, restore, wait_for_servic
 from services.coordinator.state import GeneratedBatch, RunState
 from services.coordinator.stepmetrics import generation_metrics, prefixed
 from services.coordinator.streaming import GroupStream
+from services.telemetry.events import EventLog
 from services.telemetry.startup import process_age_s
 from services.telemetry.tracing import StepSpans, annotate, inject_context, span
-from services.telemetry.trackers import EventLog, Tracker
+from services.telemetry.trackers import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -268,10 +269,9 @@ class Coordinator:
                   entries=len(gen.entry_ids), staleness=metrics.get("rollout/staleness")):
             t = self.clock.monotonic()
 
-            def request(*, use_critic_values: bool) -> trainer_pb2.TrainRequest:
-                return trainer_pb2.TrainRequest(rollout_id=rollout_id, entry_ids=list(gen.entry_ids),
-                                                max_staleness=max_staleness, trace_context=inject_context(),
-                                                use_critic_values=use_critic_values)
+            def request(*, use_critic_values: bool) -> TrainRequest:
+                return TrainRequest(rollout_id=rollout_id, entry_ids=tuple(gen.entry_ids), max_staleness=max_staleness,
+                                    trace_context=inject_context(), use_critic_values=use_critic_values)
 
             if self.critic is not None:
                 metrics.update(prefixed("critic", self._train(self.critic, request(use_critic_values=False)).metrics))
@@ -295,7 +295,7 @@ class Coordinator:
             metrics["rollout/filtered_samples_total"] = float(self.state.samples_filtered)
         return metrics
 
-    def _train(self, client: TrainerApi, request: trainer_pb2.TrainRequest) -> trainer_pb2.TrainResponse:
+    def _train(self, client: TrainerApi, request: TrainRequest) -> TrainResult:
         return self.train_retry.call(lambda: client.train(request), clock=self.clock)
 
     def _skip_for_actor(self, gen: GenerationResult) -> None:
@@ -363,9 +363,8 @@ class Coordinator:
             cursor = pending[0].cursor_before if pending else self.data.cursor
             state = replace(self.state, next_rollout_id=rollout_id + 1, cursor=cursor, pending=pending)
         with span("rl.save", rollout_id=rollout_id):
-            request = trainer_pb2.SaveRequest(rollout_id=rollout_id,
-                                              export_hf=final or self.config.trainer.export_hf_on_save,
-                                              extra_state={"coordinator": state.to_json()})
+            request = SaveRequest(rollout_id=rollout_id, export_hf=final or self.config.trainer.export_hf_on_save,
+                                  extra_state={"coordinator": state.to_json()})
             if self.critic is not None:
                 self.critic.save(request)
             reply = self.trainer.save(request)

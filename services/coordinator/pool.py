@@ -9,7 +9,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2
+from services.contracts.rollout_calls import (
+    EvaluateRequest,
+    GenerateRequest,
+    GenerateResult,
+    PrepareResult,
+    PromptInput,
+)
+from services.contracts.sampling import SamplingSpec
 from services.coordinator.api import Clock, GenerationResult, RolloutApi, SystemClock
 from services.coordinator.errors import ServiceCallError
 from services.coordinator.retry import NO_RETRY, RetryPolicy
@@ -65,9 +72,8 @@ class RolloutPool:
         for replica in self.replicas:
             replica.wait_healthy(timeout_s)
 
-    def prepare_weight_sync(self, *, version: int, pause_mode: str) -> list[rollout_pb2.PrepareReceiveResponse]:
-        request = rollout_pb2.PrepareReceiveRequest(version=version, pause_mode=pause_mode)
-        return self.each(lambda r: r.prepare_weight_sync(request))
+    def prepare_weight_sync(self, *, version: int, pause_mode: str) -> list[PrepareResult]:
+        return self.each(lambda r: r.prepare_weight_sync(version=version, pause_mode=pause_mode))
 
     def resume(self) -> None:
         self.each(lambda r: r.resume())
@@ -83,12 +89,11 @@ class RolloutPool:
         states = self.each(lambda r: r.get_state())
         return sum(s.gpu_memory_reserved_bytes for s in states), sum(s.gpu_memory_freed_bytes for s in states)
 
-    def evaluate(self, prompts: list[common_pb2.Prompt], *, n_samples: int,
-                 sampling: common_pb2.SamplingParams) -> dict[str, float]:
+    def evaluate(self, prompts: list[PromptInput], *, n_samples: int, sampling: SamplingSpec) -> dict[str, float]:
         """Every replica evaluates a share of the prompts; their metrics are averaged, weighted by share."""
         shares = [prompts[i::self.size] for i in range(self.size)]
-        futures = [self.executor.submit(r.evaluate, rollout_pb2.EvaluateRequest(
-            name="eval", prompts=share, n_samples_per_prompt=n_samples, sampling=sampling))
+        futures = [self.executor.submit(r.evaluate, EvaluateRequest(
+            name="eval", prompts=tuple(share), n_samples_per_prompt=n_samples, sampling=sampling))
             for r, share in zip(self.replicas, shares, strict=True)]
         return weighted_mean([dict(f.result().metrics) for f in futures], [len(s) for s in shares])
 
@@ -99,18 +104,18 @@ class RolloutPool:
 
     # ---- generation -------------------------------------------------------------------------------------
 
-    def generate(self, *, rollout_id: int, prompts: list[common_pb2.Prompt], n_samples: int,
-                 sampling: common_pb2.SamplingParams, trace_context: dict[str, str]) -> GenerationResult:
+    def generate(self, *, rollout_id: int, prompts: list[PromptInput], n_samples: int, sampling: SamplingSpec,
+                 trace_context: dict[str, str]) -> GenerationResult:
         start = self.clock.monotonic()
         shares = split_evenly(len(prompts), self.size)
-        futures = [self.executor.submit(self._generate_share, first=i, request=rollout_pb2.GenerateRequest(
-            rollout_id=rollout_id, prompts=[prompts[j] for j in share], n_samples_per_prompt=n_samples,
+        futures = [self.executor.submit(self._generate_share, first=i, request=GenerateRequest(
+            rollout_id=rollout_id, prompts=tuple(prompts[j] for j in share), n_samples_per_prompt=n_samples,
             sampling=sampling, trace_context=trace_context)) for i, share in enumerate(shares)]
         responses = tuple(f.result() for f in futures)
         return GenerationResult(rollout_id=rollout_id, entry_ids=tuple(r.entry_id for r in responses),
                                 responses=responses, seconds=self.clock.monotonic() - start)
 
-    def generate_one(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+    def generate_one(self, request: GenerateRequest) -> GenerateResult:
         """One Generate (loop.mode streaming: one group) on the replica with the fewest of these in flight."""
         with self._lock:
             first = min(range(self.size), key=lambda i: (self._busy[i], i))
@@ -121,7 +126,7 @@ class RolloutPool:
             with self._lock:
                 self._busy[first] -= 1
 
-    def _generate_share(self, *, first: int, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+    def _generate_share(self, *, first: int, request: GenerateRequest) -> GenerateResult:
         errors: list[str] = []
         last: ServiceCallError | None = None
         expected = self.expected_version

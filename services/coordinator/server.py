@@ -14,7 +14,6 @@ from pathlib import Path
 import grpc
 
 from services.buffer.stream import RolloutBuffer, connect, stream_key
-from services.contracts import runfacts
 from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
 from services.contracts.failure import clear_failure, write_failure
@@ -30,7 +29,7 @@ from services.coordinator.sync import WeightSync
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.shutdown import StopSignals, exit_now
 from services.telemetry.tracing import TRACEBACK_TO_FILE, setup_logging, setup_tracing, shutdown_tracing
-from services.telemetry.trackers import make_trackers
+from services.telemetry.tracker_registry import make_trackers
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +102,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def WatchEvents(self, request, context):
         with self.streams.take(context):   # released when the stream ends or the caller goes away
-            yield from self.c.events.watch(include_history=request.include_history, is_active=context.is_active)
+            for e in self.c.events.watch(include_history=request.include_history, is_active=context.is_active):
+                yield coordinator_pb2.StepEvent(kind=e.kind, rollout_id=e.rollout_id, message=e.message,
+                                                unix_time=e.unix_time, metrics=e.metrics)
 
 
 def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinator, RolloutBuffer | None]:
@@ -120,14 +121,13 @@ def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinat
                        discard=buffer.delete if buffer is not None else None)
     sync = WeightSync(trainer=trainer, pool=pool, config=config.weights, trainer_offloads=config.loop.offload_train,
                       pause_mode=sync_pause_mode(config.rollout.inflight_update))
-    trackers = make_trackers(config.tracing.trackers, run_dir=run_dir, run_name=config.run_name,
-                             wandb_project=config.tracing.wandb_project, prometheus_port=config.tracing.prometheus_port)
+    trackers = make_trackers(config.tracing.trackers, run_dir=run_dir, run_name=config.run_name)
     coordinator = Coordinator(
         config=config, run_dir=run_dir, trainer=trainer, critic=critic, pool=pool, sync=sync, data=data,
         buffer=buffer, trackers=trackers, eval_prompts=functools.partial(load_eval_prompts, config.data),
         # fully_async keeps one generation per replica in flight, plus the one the trainer waits for; streaming
         # one Generate per group in flight
-        generations=ThreadPoolExecutor(max_workers=runfacts.groups_in_flight(config) if config.loop.mode == "streaming"
+        generations=ThreadPoolExecutor(max_workers=config.streaming_groups_in_flight if config.loop.mode == "streaming"
                                        else pool.size + 1, thread_name_prefix="generate"),
         evals=ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval"))
     return coordinator, buffer
@@ -183,8 +183,3 @@ def _failed(exc: Exception, *, run_dir: Path, kept: str, starting: bool = False)
     print(record.render(command="tandem coordinator", run_dir=run_dir), file=sys.stderr, flush=True)
     return record.exit_code
 
-
-if __name__ == "__main__":
-    from services.cli import main as cli_main
-
-    sys.exit(cli_main(["coordinator", *sys.argv[1:]]))

@@ -22,9 +22,8 @@ from collections import deque
 from concurrent.futures import Executor
 from dataclasses import replace
 
-from services.contracts import runfacts
 from services.contracts.config import TandemConfig
-from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2
+from services.contracts.rollout_calls import GenerateRequest, GenerateResult
 from services.contracts.sampling import SamplingSpec
 from services.coordinator.api import Clock, GenerationResult, PromptSource, RolloutPoolApi
 from services.coordinator.state import StreamGroup
@@ -39,12 +38,12 @@ class GroupStream:
         self.pool, self.data, self.executor, self.clock = pool, data, executor, clock
         self.n_samples = config.rollout.n_samples_per_prompt
         self.batch_size = config.rollout.rollout_batch_size
-        self.limit = runfacts.groups_in_flight(config)
-        self.sampling = SamplingSpec.from_config(config.rollout.sampling).to_proto()
+        self.limit = config.streaming_groups_in_flight
+        self.sampling = SamplingSpec.from_config(config.rollout.sampling)
         self._cv = threading.Condition()
         self._drawn: deque[StreamGroup] = deque()      # not sent yet
         self._running: dict[int, StreamGroup] = {}     # by group id
-        self._done: deque[tuple[StreamGroup, rollout_pb2.GenerateResponse]] = deque()   # in the order they finished
+        self._done: deque[tuple[StreamGroup, GenerateResult]] = deque()   # in the order they finished
         self._failure: BaseException | None = None
         self.needed = 0   # groups the rest of the run trains (set by the loop, counted down by take)
 
@@ -55,10 +54,7 @@ class GroupStream:
         generated again."""
         again = [g for g in groups if not g.entry_id]
         with self._cv:   # a reused group's counts: its samples (its tokens are in the entry, not read here)
-            self._done.extend((g, rollout_pb2.GenerateResponse(entry_id=g.entry_id, num_groups=1,
-                                                               num_samples=self.n_samples,
-                                                               weight_version=g.weight_version))
-                              for g in groups if g.entry_id)
+            self._done.extend((g, _reused(g, samples=self.n_samples)) for g in groups if g.entry_id)
             self._drawn.extend(again)
         if groups:
             log.info("resuming %d groups: %d buffered entries reused, %d generated again", len(groups),
@@ -98,11 +94,9 @@ class GroupStream:
 
     def _generate(self, group: StreamGroup, trace_context: dict[str, str]) -> None:
         record = self.data.record_at(group.epoch, group.offset)
-        request = rollout_pb2.GenerateRequest(
-            rollout_id=group.group_id, n_samples_per_prompt=self.n_samples, sampling=self.sampling,
-            trace_context=trace_context, prompts=[common_pb2.Prompt(text=record.text, label=record.label,
-                                                                    group_id=group.group_id,
-                                                                    metadata=record.metadata)])
+        request = GenerateRequest(rollout_id=group.group_id, n_samples_per_prompt=self.n_samples,
+                                  sampling=self.sampling, trace_context=trace_context,
+                                  prompts=(record.to_input(group.group_id),))
         try:
             reply = self.pool.generate_one(request)
         except BaseException as exc:  # noqa: BLE001 - handed to the step waiting for groups
@@ -120,7 +114,7 @@ class GroupStream:
     def take(self, rollout_id: int) -> GenerationResult:
         """The first rollout_batch_size groups done (waiting for them); more are sent as they leave room."""
         start = self.clock.monotonic()
-        taken: list[tuple[StreamGroup, rollout_pb2.GenerateResponse]] = []
+        taken: list[tuple[StreamGroup, GenerateResult]] = []
         while len(taken) < self.batch_size:
             with self._cv:
                 self._cv.wait_for(lambda: bool(self._done) or self._failure is not None)
@@ -133,3 +127,11 @@ class GroupStream:
         responses = tuple(reply for _, reply in taken)
         return GenerationResult(rollout_id=rollout_id, entry_ids=tuple(g.entry_id for g, _ in taken),
                                 responses=responses, seconds=self.clock.monotonic() - start)
+
+
+def _reused(group: StreamGroup, *, samples: int) -> GenerateResult:
+    """What a resume knows of a recorded group's entry: its sample count and version (its tokens are in the entry,
+    not read here)."""
+    return GenerateResult(entry_id=group.entry_id, num_samples=samples, num_prompt_tokens=0, num_response_tokens=0,
+                          weight_version=group.weight_version, generate_time_s=0.0, reward_time_s=0.0, put_time_s=0.0,
+                          metrics={}, producer="", num_groups=1)

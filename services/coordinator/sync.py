@@ -21,15 +21,17 @@ from itertools import accumulate
 import grpc
 
 from services.contracts.config import WeightsConfig
-from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb2
-from services.coordinator.api import SyncResult, TrainerApi
+from services.contracts.rollout_calls import ReceiveRequest, ReceiveResult
+from services.contracts.trainer_calls import PublishResult, WeightSyncRequest
+from services.contracts.weight_plan import WeightSyncPlan
+from services.coordinator.api import SyncResult, TrainerWeightsApi
 from services.coordinator.errors import ServiceCallError
 from services.coordinator.pool import RolloutPool
 from services.telemetry.tracing import span
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ChecksumMismatch", "SyncPhase", "SyncResult", "WeightSync", "WeightSyncError", "compare_bucket_checksums",
+__all__ = ["ChecksumMismatch", "SyncPhase", "SyncResult", "WeightSync", "WeightSyncFailed", "compare_bucket_checksums",
            "compare_checksums"]
 
 
@@ -41,11 +43,12 @@ class SyncPhase(Enum):
     DONE = "done"
 
 
-class WeightSyncError(RuntimeError):
-    pass
+class WeightSyncFailed(RuntimeError):
+    """A weight sync the coordinator ran failed; the message names the phase, the version and the replicas. (The
+    services' own transfer errors are services.weights.WeightSyncError; they reach here as failed calls.)"""
 
 
-class ChecksumMismatch(WeightSyncError):
+class ChecksumMismatch(WeightSyncFailed):
     """What an engine holds differs from the trainer's checksums."""
 
 
@@ -72,8 +75,8 @@ def rank_offsets(ranks: list[int]) -> list[int]:
 
 
 class WeightSync:
-    def __init__(self, *, trainer: TrainerApi, pool: RolloutPool, config: WeightsConfig, pause_mode: str = "drain",
-                 trainer_offloads: bool = False):
+    def __init__(self, *, trainer: TrainerWeightsApi, pool: RolloutPool, config: WeightsConfig,
+                 pause_mode: str = "drain", trainer_offloads: bool = False):
         self.trainer = trainer
         self.trainer_offloads = trainer_offloads   # the trainer frees its buffers after every sync
         self.pool = pool
@@ -104,7 +107,7 @@ class WeightSync:
                 prepared = self.pool.prepare_weight_sync(version=version, pause_mode=self.pause_mode)
                 ranks = [max(1, p.engine_ranks) for p in prepared]
                 times["pause"] = time.monotonic() - t
-                plan = self.trainer.prepare_weight_sync(trainer_pb2.PrepareWeightSyncRequest(
+                plan = self.trainer.prepare_weight_sync(WeightSyncRequest(
                     version=version, transport=self.config.transport, engine_world_size=sum(ranks), verify=verify,
                     verify_by_bucket=by_bucket))
                 plan.buffers_freed_after = self.trainer_offloads
@@ -123,12 +126,12 @@ class WeightSync:
                 times["verify"] = time.monotonic() - t
                 if verify:   # the trainer's and the slowest engine's, inside "plan" and "receive"
                     times["checksum"] = plan.checksum_s + max(r.checksum_s for r in received)
-            except WeightSyncError:
+            except WeightSyncFailed:
                 self._resume_quietly()
                 raise
             except Exception as exc:
                 self._resume_quietly()
-                raise WeightSyncError(f"weight sync to version {version} failed in phase {self.phase.value}: "
+                raise WeightSyncFailed(f"weight sync to version {version} failed in phase {self.phase.value}: "
                                       f"{exc}") from exc
             self.pool.weights_synced(version)   # every replica holds `version`, restarted ones included
             self.phase = SyncPhase.RESUME
@@ -142,7 +145,7 @@ class WeightSync:
             s.set_attribute("rl.gbps", result.gbps)
             return result
 
-    def _verify(self, plan: common_pb2.WeightSyncPlan, received: list[rollout_pb2.ReceiveWeightsResponse]) -> int:
+    def _verify(self, plan: WeightSyncPlan, received: list[ReceiveResult]) -> int:
         """Every engine's checksums against the trainer's (the engines compared them too); the tensors checked."""
         if plan.verify_by_bucket:
             expected_buckets = [b.checksum for b in plan.buckets]
@@ -154,10 +157,9 @@ class WeightSync:
             compare_checksums(expected, dict(reply.checksums), replica=replica.name)
         return len(expected)
 
-    def _transfer(self, *, plan: common_pb2.WeightSyncPlan, ranks: list[int],
-                  ) -> tuple[trainer_pb2.PublishWeightsResponse, list[rollout_pb2.ReceiveWeightsResponse]]:
+    def _transfer(self, *, plan: WeightSyncPlan, ranks: list[int]) -> tuple[PublishResult, list[ReceiveResult]]:
         # Engines first (they join the group and block), then the trainer broadcasts in the announced order.
-        receive = [self.executor.submit(r.receive_weights, rollout_pb2.ReceiveWeightsRequest(plan=plan, rank_offset=o))
+        receive = [self.executor.submit(r.receive_weights, ReceiveRequest(plan=plan, rank_offset=o))
                    for r, o in zip(self.pool.replicas, rank_offsets(ranks), strict=True)]
         publish = self.executor.submit(self.trainer.publish_weights, plan.version)
         waits: list[Future] = [publish, *receive]
@@ -169,7 +171,7 @@ class WeightSync:
                 errors.append(exc)
         if errors:
             # the bytes arrived, and what arrived differs: DATA_LOSS from each engine that failed
-            kind = ChecksumMismatch if all(e.code == grpc.StatusCode.DATA_LOSS for e in errors) else WeightSyncError
+            kind = ChecksumMismatch if all(e.code == grpc.StatusCode.DATA_LOSS for e in errors) else WeightSyncFailed
             raise kind(f"weight transfer of version {plan.version} over {plan.transport} failed: "
                        + "; ".join(map(str, errors)))
         return publish.result(), [f.result() for f in receive]

@@ -12,12 +12,17 @@ import difflib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from services.contracts import runfacts
 from services.contracts.config import ConfigError, TandemConfig
 from services.coordinator.data import DataSource, PromptRecord, load_prompts
 from services.coordinator.datafiles import data_file
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from services.rollout.chat import ChatTemplate
 
 log = logging.getLogger("tandem.preflight")
 
@@ -72,7 +77,7 @@ class ModelPrompts:
 
 
 def model_prompts(config: TandemConfig, records: dict[str, list[PromptRecord]],
-                  tokenizer: Any) -> dict[str, ModelPrompts]:
+                  tokenizer: PreTrainedTokenizerBase) -> dict[str, ModelPrompts]:
     """Every prompt of every data file through the rollout's own path (rendered, then encoded where its length is
     not known to fit: measure_prompts); ConfigError naming the file and line / row of a prompt the chat template
     fails on."""
@@ -98,7 +103,7 @@ def model_prompts(config: TandemConfig, records: dict[str, list[PromptRecord]],
     return out
 
 
-def render_prompts(chat: Any, rows: list[PromptRecord]) -> list[str]:
+def render_prompts(chat: ChatTemplate, rows: list[PromptRecord]) -> list[str]:
     """Every prompt's text as the rollout renders it, ENCODE_BATCH at a time (~50k chats a second).
     ChatTemplateError.index: the row of `rows` the template failed on."""
     from services.rollout.chat import ChatTemplateError
@@ -113,7 +118,8 @@ def render_prompts(chat: Any, rows: list[PromptRecord]) -> list[str]:
     return texts
 
 
-def measure_prompts(tokenizer: Any, texts: list[str], chats: list[bool], *, limit: int, exact: int) -> ModelPrompts:
+def measure_prompts(tokenizer: PreTrainedTokenizerBase, texts: list[str], chats: list[bool], *, limit: int,
+                    exact: int) -> ModelPrompts:
     """Token counts of every prompt, encoding (ENCODE_BATCH at a time, as the rollout does) only the first `exact`
     prompts and those whose length bound (tokenizer.length_bounds) exceeds `limit`: the others fit for certain.
     Encoding is ~100 µs a prompt, nearly all of preflight's time on a 100k-row file. Should an encoded prompt
@@ -303,7 +309,7 @@ def _check_environment(spec: str | None) -> None:
 
 
 def unencodable_text(config: TandemConfig, records: dict[str, list[PromptRecord]],
-                     prompts: dict[str, ModelPrompts], tokenizer: Any) -> list[str]:
+                     prompts: dict[str, ModelPrompts], tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """One warning per data file whose prompts or labels hold text the tokenizer maps to its unknown token:
     the model can never read (or, for labels, write) it, which looks like a run that does not learn."""
     unk = tokenizer.unk_token_id

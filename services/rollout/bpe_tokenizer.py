@@ -17,9 +17,12 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.rollout.model_families import Family
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 LEARNED_VOCAB = 4096     # merges stop earlier when the corpus has no more frequent pairs
 CORPUS_DOCS = 6000
@@ -100,7 +103,7 @@ def _trained(family: Family, seed: int) -> tuple[tuple[tuple[str, int], ...], tu
     return tuple(model["vocab"].items()), tuple((a, b) for a, b in model["merges"])
 
 
-def build_tokenizer(family: Family, *, model_max_length: int, seed: int = 0) -> Any:
+def build_tokenizer(family: Family, *, model_max_length: int, seed: int = 0) -> PreTrainedTokenizerFast:
     """A `PreTrainedTokenizerFast` whose vocabulary has the family's layout and exactly `family.vocab_size` tokens."""
     from tokenizers import AddedToken, Tokenizer, models
     from transformers import PreTrainedTokenizerFast
@@ -126,7 +129,7 @@ def build_tokenizer(family: Family, *, model_max_length: int, seed: int = 0) -> 
     return wrapped
 
 
-def save_tokenizer(tokenizer: Any, family: Family, out: Path) -> None:
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, family: Family, out: Path) -> None:
     """save_pretrained, then tokenizer_config.json as the real directories have it: the chat template inside and the
     class AutoTokenizer should build (Qwen2Tokenizer for Qwen)."""
     tokenizer.save_pretrained(out)

@@ -20,10 +20,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from services.contracts.chat import ChatMessage
 from services.contracts.config import TandemConfig
+from services.contracts.untyped import JsonValue
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _USER_PLACEHOLDER = "Tandem placeholder question"
 _TURN_PLACEHOLDER = "Tandem placeholder answer"
@@ -39,15 +43,15 @@ class ChatTemplateError(ValueError):
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    tokenizer: Any = field(repr=False)
+    tokenizer: PreTrainedTokenizerBase = field(repr=False)
     source: str                           # how messages name the template
     template: str | None = None           # data.chat_template's file text; None = the tokenizer's own
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    kwargs: Mapping[str, JsonValue] = field(default_factory=dict)   # data.chat_template_kwargs
     observation_role: str = "user"
     mode: str = "auto"                    # data.chat_template, for messages
 
     @classmethod
-    def from_config(cls, tokenizer: Any, config: TandemConfig) -> ChatTemplate:
+    def from_config(cls, tokenizer: PreTrainedTokenizerBase, config: TandemConfig) -> ChatTemplate:
         data = config.data
         file = data.chat_template_file
         kwargs, role = dict(data.chat_template_kwargs), config.rollout.observation_role

@@ -33,7 +33,7 @@ import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from services.contracts.chat import ChatMessage
 from services.rollout.rewards import load_attribute
@@ -83,6 +83,9 @@ class StepResult(NamedTuple):
     done: bool
 
 
+RawStep = StepResult | tuple[Observation, float, bool]   # what a step may return (as_step_result checks it)
+
+
 class Environment(ABC):
     """The plug-in contract; see the module docstring."""
 
@@ -90,7 +93,7 @@ class Environment(ABC):
     def reset(self, sample: EpisodeSample) -> Observation | Awaitable[Observation]: ...
 
     @abstractmethod
-    def step(self, action: Action) -> StepResult | tuple[Observation, float, bool] | Awaitable[Any]: ...
+    def step(self, action: Action) -> RawStep | Awaitable[RawStep]: ...
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,10 @@ class EnvironmentPlugin:
     """A resolved `rollout.environment`: `make()` builds one episode's environment."""
 
     spec: str
-    factory: Callable[[], Any] = field(repr=False)
+    factory: Callable[[], object] = field(repr=False)
 
-    def make(self) -> Any:
+    def make(self) -> object:
+        """A new environment: the user's object, checked where it is called (call_environment)."""
         try:
             env = self.factory()
         except Exception as exc:
@@ -132,7 +136,8 @@ def resolve_environment(spec: str) -> EnvironmentPlugin:
     return EnvironmentPlugin(spec=spec, factory=factory)
 
 
-async def call_environment(env: Any, method: str, arg: Any, *, spec: str, episode: int, timeout_s: float) -> Any:
+async def call_environment(env: object, method: str, arg: object, *, spec: str, episode: int,
+                           timeout_s: float) -> object:
     """`env.<method>(arg)`: a sync method inline, an awaitable it returns (an `async def`) within `timeout_s`."""
     fn = getattr(env, method, None)
     where = f"environment {spec}: {method} of episode {episode}"
@@ -150,7 +155,7 @@ async def call_environment(env: Any, method: str, arg: Any, *, spec: str, episod
         raise EnvironmentFailure(f"{where} raised {type(exc).__name__}: {exc}") from exc
 
 
-def as_step_result(raw: Any, *, spec: str, episode: int) -> StepResult:
+def as_step_result(raw: object, *, spec: str, episode: int) -> StepResult:
     """A step's return value checked: (observation, finite reward, bool done)."""
     where = f"environment {spec}: step of episode {episode}"
     if not isinstance(raw, tuple | list) or len(raw) != 3:
@@ -165,7 +170,7 @@ def as_step_result(raw: Any, *, spec: str, episode: int) -> StepResult:
     return StepResult(observation=observation, reward=float(reward), done=bool(done))
 
 
-def observation_message(observation: Any, *, role: str, spec: str, episode: int) -> ChatMessage | None:
+def observation_message(observation: object, *, role: str, spec: str, episode: int) -> ChatMessage | None:
     """Text or a {role, content} message as a chat message (None for token ids or nothing)."""
     if isinstance(observation, str):
         return ChatMessage(role=role, content=observation) if observation else None
@@ -178,7 +183,7 @@ def observation_message(observation: Any, *, role: str, spec: str, episode: int)
     return None
 
 
-def observation_ids(observation: Any, *, encode: Callable[[str], list[int]], vocab_size: int | None, spec: str,
+def observation_ids(observation: object, *, encode: Callable[[str], list[int]], vocab_size: int | None, spec: str,
                     episode: int) -> list[int]:
     """An observation as token ids without a chat template: text (a message's content) is encoded, ids are checked
     against the vocabulary."""

@@ -19,10 +19,13 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.contracts.config import ConfigError
 from services.rollout.model_families import BODIES, MODEL_PRESETS, Family
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 SYMBOLS = ("+", "-", "*", "/", "=", "(", ")", ",")
@@ -186,7 +189,7 @@ class InitSpec:
     def family(self) -> Family | None:
         return MODEL_PRESETS[self.preset].family if self.preset in MODEL_PRESETS else None
 
-    def generation_ids(self, config: Any) -> dict[str, Any]:
+    def generation_ids(self, config: PretrainedConfig) -> dict[str, int | list[int] | None]:
         """generation_config.json's token ids: every id that ends a generation (the real file's list)."""
         fam = self.family
         if fam is None:

@@ -20,7 +20,6 @@ trainer weighs masked tokens 0 in every loss and metric), reward = the sum of th
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,6 +40,7 @@ from services.rollout.environments import (
     observation_ids,
     observation_message,
 )
+from services.rollout.sync_bridge import run_coroutine
 
 # How an episode ended. On the wire: done -> stop; max_turns and context -> length (it was cut); abort -> abort.
 END_DONE, END_MAX_TURNS, END_CONTEXT, END_ABORT = "done", "max_turns", "context", "abort"
@@ -145,7 +145,7 @@ class MultiTurnRollout:
 
     def run(self, samples: Sequence[EpisodeSample], sampling: SamplingSpec) -> EpisodeBatch:
         """One episode per sample, in order."""
-        return _run_coroutine(self._run(samples, sampling))
+        return run_coroutine(self._run(samples, sampling))
 
     async def _run(self, samples: Sequence[EpisodeSample], sampling: SamplingSpec) -> EpisodeBatch:
         clock = _Clock()
@@ -265,13 +265,3 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     for end in (END_DONE, END_MAX_TURNS, END_CONTEXT):
         out[f"env_end_{end}_frac"] = sum(e.end == end for e in episodes) / n
     return out
-
-
-def _run_coroutine(coro: Any) -> Any:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    # Called from inside an event loop (an async caller): run on a fresh loop elsewhere.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()

@@ -25,7 +25,6 @@ cannot be interrupted: its call is left running on a daemon thread, which dies w
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import contextvars
 import functools
@@ -40,9 +39,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from services.rollout import math_rewards
+from services.rollout.sync_bridge import run_coroutine
 from services.rpc.grpc_util import Unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +73,10 @@ class RewardUnavailable(Unavailable):
     sandbox): transient, so the request fails with UNAVAILABLE and is retried."""
 
 
-def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
+RewardFn = TypeVar("RewardFn", bound=Callable[..., object])
+
+
+def batched(fn: RewardFn) -> RewardFn:
     """Marks a reward function as taking lists (one call per batch)."""
     fn.batched = True  # type: ignore[attr-defined]
     return fn
@@ -278,7 +281,7 @@ def _to_float(value: Any, *, spec: str, index: int) -> float:
 def _run_maybe_async(call: Callable[[], Any]) -> Any:
     result = call()
     if inspect.isawaitable(result):
-        return _run_async(_await(result))
+        return run_coroutine(_await(result))
     return result
 
 
@@ -289,7 +292,7 @@ async def _await(aw: Awaitable[Any]) -> Any:
 def _run_coroutines(calls: list[Callable[[], Any]]) -> list[Any]:
     async def gather() -> list[Any]:
         return list(await asyncio.gather(*(_await(c()) for c in calls)))
-    return _run_async(gather())
+    return run_coroutine(gather())
 
 
 BATCH = -1   # _Watch's key of a batched function's one call
@@ -329,16 +332,6 @@ class _Watch:
         return max(0.0, oldest[1] + timeout_s - time.monotonic())
 
 
-def _run_async(coro: Any) -> Any:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    # Called from inside an event loop (a notebook, an async caller): run on a fresh loop elsewhere.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
 @functools.lru_cache(maxsize=64)
 def resolve_reward(spec: str) -> RewardFunction:
     """Built-in name, `module:function` or `file.py:function` -> RewardFunction (RewardSpecError if not)."""
@@ -364,7 +357,7 @@ def _load_callable(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def load_attribute(spec: str, *, kind: str, error: type[ValueError]) -> Any:
+def load_attribute(spec: str, *, kind: str, error: type[ValueError]) -> object:
     """The object `module:attr` or `path/to/file.py:attr` names (a plug-in: a reward, an environment); `error`
     (a ValueError naming `kind` and `spec`) when it cannot be loaded. A file is imported once per process."""
     target, _, attr = spec.rpartition(":")

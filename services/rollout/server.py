@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
-from services.contracts import runfacts
+import grpc
+
 from services.contracts.chat import ChatMessage
 from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
@@ -44,7 +44,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.config = service.config
 
     @map_errors
-    def Generate(self, request: rollout_pb2.GenerateRequest, context: Any) -> rollout_pb2.GenerateResponse:
+    def Generate(self, request: rollout_pb2.GenerateRequest,
+                 context: grpc.ServicerContext) -> rollout_pb2.GenerateResponse:
         default = SamplingSpec.from_config(self.config.rollout.sampling)
         sampling = SamplingSpec.from_proto(request.sampling, default=default) if request.HasField("sampling") else None
         r = self.service.generate(
@@ -59,7 +60,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             metrics=r.metrics, producer=r.producer, num_groups=r.num_groups, informative_groups=r.informative_groups)
 
     @map_errors
-    def Evaluate(self, request: rollout_pb2.EvaluateRequest, context: Any) -> rollout_pb2.EvaluateResponse:
+    def Evaluate(self, request: rollout_pb2.EvaluateRequest,
+                 context: grpc.ServicerContext) -> rollout_pb2.EvaluateResponse:
         sampling = (SamplingSpec.from_proto(request.sampling,
                                            default=SamplingSpec.from_config(self.config.rollout.eval_sampling))
                     if request.HasField("sampling") else None)
@@ -70,40 +72,40 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @map_errors
     def PrepareWeightSync(self, request: rollout_pb2.PrepareReceiveRequest,
-                          context: Any) -> rollout_pb2.PrepareReceiveResponse:
+                          context: grpc.ServicerContext) -> rollout_pb2.PrepareReceiveResponse:
         ready, ranks = self.service.prepare_weight_sync(version=request.version, pause_mode=request.pause_mode)
         return rollout_pb2.PrepareReceiveResponse(ready=ready, engine_ranks=ranks)
 
     @map_errors
     def ReceiveWeights(self, request: rollout_pb2.ReceiveWeightsRequest,
-                       context: Any) -> rollout_pb2.ReceiveWeightsResponse:
+                       context: grpc.ServicerContext) -> rollout_pb2.ReceiveWeightsResponse:
         r = self.service.receive_weights(request.plan, request.rank_offset)
         return rollout_pb2.ReceiveWeightsResponse(version=r.version, checksums=r.checksums,
                                                   bytes_received=r.bytes_received, time_s=r.time_s,
                                                   bucket_checksums=r.bucket_checksums, checksum_s=r.checksum_s)
 
     @map_errors
-    def Pause(self, request: rollout_pb2.PauseRequest, context: Any) -> common_pb2.Ack:
+    def Pause(self, request: rollout_pb2.PauseRequest, context: grpc.ServicerContext) -> common_pb2.Ack:
         self.service.pause(request.mode or "drain")
         return common_pb2.Ack(ok=True, message=f"paused ({request.mode or 'drain'})")
 
     @map_errors
-    def Resume(self, request: common_pb2.Empty, context: Any) -> common_pb2.Ack:
+    def Resume(self, request: common_pb2.Empty, context: grpc.ServicerContext) -> common_pb2.Ack:
         self.service.resume()
         return common_pb2.Ack(ok=True, message="resumed")
 
     @map_errors
-    def ReleaseMemory(self, request: rollout_pb2.MemoryRequest, context: Any) -> common_pb2.Ack:
+    def ReleaseMemory(self, request: rollout_pb2.MemoryRequest, context: grpc.ServicerContext) -> common_pb2.Ack:
         self.service.release_memory(tuple(request.tags))
         return common_pb2.Ack(ok=True, message=f"released {', '.join(request.tags) or 'all'}")
 
     @map_errors
-    def ResumeMemory(self, request: rollout_pb2.MemoryRequest, context: Any) -> common_pb2.Ack:
+    def ResumeMemory(self, request: rollout_pb2.MemoryRequest, context: grpc.ServicerContext) -> common_pb2.Ack:
         self.service.resume_memory(tuple(request.tags))
         return common_pb2.Ack(ok=True, message=f"resumed {', '.join(request.tags) or 'all'}")
 
     @map_errors
-    def GetState(self, request: common_pb2.Empty, context: Any) -> rollout_pb2.RolloutState:
+    def GetState(self, request: common_pb2.Empty, context: grpc.ServicerContext) -> rollout_pb2.RolloutState:
         s = self.service.get_state()
         e = s.engine
         return rollout_pb2.RolloutState(engine=e.engine, model_path=e.model_path, weight_version=e.weight_version,
@@ -116,7 +118,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 def generate_calls(config: TandemConfig) -> int:
     """Generate calls one replica may hold at once beyond the usual: loop.mode streaming sends one per group (all of
     them to one replica, at worst)."""
-    return runfacts.groups_in_flight(config) if config.loop.mode == "streaming" else 0
+    return config.streaming_groups_in_flight if config.loop.mode == "streaming" else 0
 
 
 def startup_problem(config: TandemConfig, replica: int) -> str | None:

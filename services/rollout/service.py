@@ -16,16 +16,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from services.buffer.stream import stream_key
 from services.contracts import runfacts
-from services.contracts.chat import ChatMessage, messages_json
 from services.contracts.config import OverlongPenaltyConfig, TandemConfig
 from services.contracts.dapo import informative_groups, overlong_penalty
+from services.contracts.rollout_calls import EvaluateResult, GenerateResult, PromptInput, ReceiveResult
 from services.contracts.sampling import SamplingSpec, prompt_max_new_tokens
 from services.contracts.wire import build_batch
 from services.rollout.chat import ChatTemplate, ChatTemplateError
@@ -33,9 +32,10 @@ from services.rollout.engines.base import (
     FINISH_ABORT,
     Engine,
     EngineState,
-    EngineUnavailable,
     SampleOutput,
 )
+from services.rollout.engines.errors import EngineUnavailable
+from services.rollout.engines.registry import engine_kind
 from services.rollout.environments import EpisodeSample, resolve_environment
 from services.rollout.multi_turn import MultiTurnRollout, episode_metrics
 from services.rollout.rewards import RewardFunction, resolve_reward
@@ -44,6 +44,14 @@ from services.rollout.writer import BatchWriter
 from services.rpc.grpc_util import FailedPrecondition
 from services.telemetry import tracing
 from services.tensors.devices import cuda_peak_metrics, limit_cpu_threads
+
+if TYPE_CHECKING:
+    import redis
+    from opentelemetry import trace
+    from transformers import PreTrainedTokenizerBase
+
+    from services.contracts.weight_plan import WeightSyncPlan
+    from services.weights.api import WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -55,61 +63,11 @@ class CallerGone(TimeoutError):
 
 
 @dataclass(frozen=True)
-class PromptInput:
-    """A prompt as the coordinator sends it: token ids, a chat (rendered with the chat template), or text to
-    tokenize (with the tokenizer's BOS), in that order."""
-
-    text: str = ""
-    token_ids: tuple[int, ...] = ()
-    label: str = ""
-    group_id: int = 0
-    metadata: dict[str, str] = field(default_factory=dict)
-    messages: tuple[ChatMessage, ...] = ()
-
-    def reward_metadata(self) -> dict[str, str]:
-        """What the reward function gets as metadata: the row's other fields, and a chat's messages as JSON."""
-        return {**self.metadata, "messages": messages_json(self.messages)} if self.messages else dict(self.metadata)
-
-
-@dataclass(frozen=True)
 class ModelInputs:
     """Prompts as the model reads them: token ids, and text (a chat's as the template rendered it)."""
 
     ids: list[list[int]]
     texts: list[str]
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    entry_id: str
-    num_samples: int
-    num_prompt_tokens: int
-    num_response_tokens: int
-    weight_version: int
-    generate_time_s: float
-    reward_time_s: float
-    put_time_s: float
-    metrics: dict[str, float]
-    producer: str
-    num_groups: int = 0
-    informative_groups: int = 0    # groups whose rewards are not all equal (what dynamic sampling counts)
-
-
-@dataclass(frozen=True)
-class EvaluateResult:
-    metrics: dict[str, float]
-    weight_version: int
-    time_s: float
-
-
-@dataclass(frozen=True)
-class ReceiveResult:
-    version: int
-    checksums: dict[str, str]
-    bytes_received: int
-    time_s: float
-    bucket_checksums: tuple[str, ...] = ()
-    checksum_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -134,21 +92,8 @@ def build_engine(config: TandemConfig, texts: Texts | None = None) -> Engine:
     """The configured engine; it ends samples on every id of `end_of_generation_ids` (generation config, config and
     the tokenizer of `texts`), and the native one matches stop strings with `texts` (SGLang with its own copy of the
     tokenizer)."""
-    ro = config.rollout
     eos = end_of_generation_ids(config.model.path, texts.tokenizer if texts is not None else None)
-    if ro.engine == "native":
-        from services.rollout.engines.native import NativeEngine
-
-        return NativeEngine(config.model.path, device=ro.device, dtype=config.model.dtype,
-                            attn_implementation=config.model.attn_implementation, max_batch_size=ro.max_batch_size,
-                            max_context_length=ro.max_context_length, fused_kernels=config.model.fused_kernels,
-                            continuous_batching=ro.continuous_batching, eos_token_ids=eos or None,
-                            detokenizer=texts)
-    if ro.engine == "sglang":
-        from services.rollout.engines.sglang import SGLangEngine
-
-        return SGLangEngine.from_config(config, eos_token_ids=eos)
-    raise NotImplementedError(f"rollout.engine: {ro.engine} is not available; use rollout.engine: native or sglang")
+    return engine_kind(config.rollout.engine).build(config, eos, texts)
 
 
 def check_request_size(what: str, prompts: int, n: int | None, default: int, *, limit: int) -> None:
@@ -168,7 +113,7 @@ def mix_seed(seed: int | None, rollout_id: int) -> int | None:
 
 class RolloutService:
     def __init__(self, config: TandemConfig, *, replica: int = 0, engine: Engine | None = None,
-                 tokenizer: Any = None, redis_client: Any = None):
+                 tokenizer: PreTrainedTokenizerBase | None = None, redis_client: redis.Redis | None = None):
         self.config = config
         self.replica = replica
         self.producer = f"rollout-{replica}"
@@ -181,14 +126,12 @@ class RolloutService:
         started = time.monotonic()
         self.engine = engine if engine is not None else build_engine(config, self.texts)
         log.info("startup: %s engine ready in %.2fs", self.engine.name, time.monotonic() - started)
-        # SGLang computes in its own processes on the GPU: this one only prepares requests and scores rewards
-        device = torch.device("cuda") if self.engine.name == "sglang" else getattr(self.engine, "device", None)
-        if isinstance(device, torch.device):
-            limit_cpu_threads(config.rollout.cpu_threads, device)
+        if self.engine.compute_device is not None:
+            limit_cpu_threads(config.rollout.cpu_threads, self.engine.compute_device)
         self.stream = stream_key(config.redis.stream_prefix, config.run_name)
         self.groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
         self.writer = BatchWriter(config, producer=self.producer, groups=self.groups, client=redis_client)
-        self._receiver: Any = None
+        self._receiver: WeightReceiver | None = None   # made on the first weight sync
         self._lock = threading.Lock()
         self._recent: OrderedDict[tuple[Any, ...], Future[GenerateResult]] = OrderedDict()
 
@@ -284,7 +227,7 @@ class RolloutService:
 
     def _sample_and_score(self, *, prompts: Sequence[PromptInput], inputs: ModelInputs, n: int,
                           sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int,
-                          span_: Any) -> _Scored:
+                          span_: trace.Span) -> _Scored:
         if self.environment is not None:
             return self._play_and_score(prompts=prompts, inputs=inputs, n=n, sampling=sampling,
                                         reward_fn=reward_fn, rollout_id=rollout_id, span_=span_)
@@ -313,7 +256,8 @@ class RolloutService:
                        generate_s=generate_s, reward_s=time.monotonic() - t)
 
     def _play_and_score(self, *, prompts: Sequence[PromptInput], inputs: ModelInputs, n: int,
-                        sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int, span_: Any) -> _Scored:
+                        sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int,
+                        span_: trace.Span) -> _Scored:
         """Multi-turn episodes (services.rollout.multi_turn): n per prompt, scored by the environment."""
         ro = self.config.rollout
         assert self.environment is not None
@@ -403,9 +347,8 @@ class RolloutService:
         log.info("paused (%s) for weight update to version %d", pause_mode or "drain", version)
         return True, self.engine.engine_ranks
 
-    def receive_weights(self, plan: Any, rank_offset: int) -> ReceiveResult:
+    def receive_weights(self, plan: WeightSyncPlan, rank_offset: int) -> ReceiveResult:
         """Takes part in the transfer the trainer announced in `plan`, in place into the engine's weights."""
-        start = time.monotonic()
         if rank_offset < 0:
             raise ValueError(f"ReceiveWeights: rank_offset must be >= 0, got {rank_offset}")
         accepted = self.config.weights.trainer_id
@@ -426,18 +369,14 @@ class RolloutService:
                 stats = self.engine.receive_weights(plan, rank_offset=rank_offset, receiver=self._weight_receiver())
             except EngineUnavailable as exc:
                 raise FailedPrecondition(str(exc)) from exc
-        return ReceiveResult(version=self.engine.weight_version, checksums=dict(getattr(stats, "checksums", {}) or {}),
-                             bytes_received=int(getattr(stats, "bytes", 0)),
-                             time_s=float(getattr(stats, "seconds", time.monotonic() - start)),
-                             bucket_checksums=tuple(getattr(stats, "bucket_checksums", ()) or ()),
-                             checksum_s=float(getattr(stats, "checksum_seconds", 0.0)))
+        return ReceiveResult(version=self.engine.weight_version, checksums=dict(stats.checksums),
+                             bytes_received=stats.bytes, time_s=stats.seconds,
+                             bucket_checksums=stats.bucket_checksums, checksum_s=stats.checksum_seconds)
 
-    def _weight_receiver(self) -> Any:
+    def _weight_receiver(self) -> WeightReceiver:
         if self._receiver is None:
-            try:
-                from services.weights import WeightReceiver
-            except ImportError as exc:
-                raise NotImplementedError(f"weight receiving needs services.weights: {exc}") from exc
+            from services.weights import WeightReceiver
+
             self._receiver = WeightReceiver(accepted_trainer_id=self.config.weights.trainer_id,
                                             timeout_s=self.config.weights.timeout_s,
                                             refuse_timeout_s=self.config.services.timeouts.probe_s)
@@ -463,7 +402,7 @@ class RolloutService:
     def close(self) -> None:
         busy, up = self.engine.get_state().busy_s, time.monotonic() - self._started
         log.info("engine busy %.1f s of %.1f s since start (%.0f%%)", busy, up, 100 * busy / up if up > 0 else 0.0)
-        if self._receiver is not None and hasattr(self._receiver, "close"):
+        if self._receiver is not None:
             self._receiver.close()
         self.writer.close()
         self.engine.close()

@@ -7,13 +7,16 @@ import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from services.contracts.chat import ChatMessage
 from services.rollout.chat import ChatTemplate, ChatTemplateError
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def load_tokenizer(path: str | Path) -> Any:
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """PreTrainedTokenizerFast when the directory has a tokenizer.json: it decodes exactly what the file
     says (AutoTokenizer swaps in a ByteLevel decoder for `qwen2` directories under transformers 5.x)."""
     path = Path(path)
@@ -27,7 +30,7 @@ def load_tokenizer(path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def end_of_generation_ids(model_dir: str | Path, tokenizer: Any) -> tuple[int, ...]:
+def end_of_generation_ids(model_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None) -> tuple[int, ...]:
     """Every id that ends a sample: generation_config.json's eos_token_id (an id or a list: Qwen2.5-Instruct ends on
     <|im_end|> and <|endoftext|>, Llama-3.2-Instruct on three ids), config.json's, and the tokenizer's eos. Files the
     directory lacks (a tokenizer-only directory, a model that lives on the SGLang host) add nothing."""
@@ -58,7 +61,7 @@ class PromptLike(Protocol):
     def messages(self) -> Sequence[ChatMessage]: ...
 
 
-def encode_texts(tokenizer: Any, texts: Sequence[str], *, special_tokens: bool) -> list[list[int]]:
+def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, special_tokens: bool) -> list[list[int]]:
     """Token ids of texts, with the tokenizer's special tokens (its BOS) or without. A fast tokenizer's Rust backend
     directly: the Python wrapper around it costs 4x as much per prompt."""
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
@@ -68,7 +71,7 @@ def encode_texts(tokenizer: Any, texts: Sequence[str], *, special_tokens: bool) 
     return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=special_tokens, verbose=False)["input_ids"]]
 
 
-def prompt_token_ids(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
     """Text prompts as the engine gets them (with the tokenizer's BOS)."""
     return encode_texts(tokenizer, texts, special_tokens=True)
 
@@ -87,7 +90,8 @@ def prompt_texts(chat: ChatTemplate, prompts: Sequence[PromptLike]) -> list[str]
     return texts
 
 
-def encode_prompt_texts(tokenizer: Any, texts: Sequence[str], chats: Sequence[bool]) -> list[list[int]]:
+def encode_prompt_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str],
+                        chats: Sequence[bool]) -> list[list[int]]:
     """Token ids of prompt texts: a text prompt's with the tokenizer's special tokens, a rendered chat's without
     them (chat.py says why)."""
     ids: list[list[int]] = [[] for _ in texts]
@@ -99,7 +103,7 @@ def encode_prompt_texts(tokenizer: Any, texts: Sequence[str], chats: Sequence[bo
     return ids
 
 
-def model_inputs(tokenizer: Any, chat: ChatTemplate,
+def model_inputs(tokenizer: PreTrainedTokenizerBase, chat: ChatTemplate,
                  prompts: Sequence[PromptLike]) -> tuple[list[str], list[list[int]]]:
     """Each prompt as the model reads it, as text and token ids; the rollout service and preflight both."""
     texts = prompt_texts(chat, prompts)
@@ -110,7 +114,7 @@ def model_inputs(tokenizer: Any, chat: ChatTemplate,
 _ASCII_PRESERVING = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Strip", "StripAccents", "BertNormalizer"}
 
 
-def length_bounds(tokenizer: Any, texts: Sequence[str], chats: Sequence[bool]) -> list[int | None]:
+def length_bounds(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], chats: Sequence[bool]) -> list[int | None]:
     """An upper bound of each prompt's token count, where one is cheap to know (None where not): a token covers at
     least one byte of the normalized text, so its UTF-8 length bounds the count, plus a prefix space or `▁` a
     pre-tokenizer may add and the special tokens a text prompt gets. Known where the tokenizer has no normalizer,
@@ -133,7 +137,7 @@ class Texts:
     """A tokenizer shared by a service's gRPC threads: a fast tokenizer reconfigures its Rust backend on every
     call, so concurrent calls would collide ("Already borrowed"); they are serialised here."""
 
-    def __init__(self, tokenizer: Any, chat: ChatTemplate):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat: ChatTemplate):
         self.tokenizer = tokenizer
         self.chat = chat
         self._lock = threading.Lock()
@@ -165,13 +169,19 @@ class Texts:
         """An observation after the policy turn `turn` as a message of the chat (ChatTemplate.observation_text);
         `turn_ended`: the turn's last token ended it (EOS or a stop token) rather than a length limit."""
         with self._lock:
-            end = self.tokenizer.decode(list(turn[-1:]), skip_special_tokens=False) if turn_ended else ""
+            end = self._decode(turn[-1:], skip_special_tokens=False) if turn_ended else ""
             text = self.chat.observation_text(message, turn_end=end)
             return encode_texts(self.tokenizer, [text], special_tokens=False)[0]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         with self._lock:
-            return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+            return self._decode(token_ids, skip_special_tokens=True)
+
+    def _decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str:
+        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        if not isinstance(text, str):   # transformers types decode's answer as str | list[str]: one sequence, one str
+            raise TypeError(f"the tokenizer decoded one sequence into {type(text).__name__}")
+        return text
 
     def decode_raw(self, sequences: Sequence[Sequence[int]]) -> list[str]:
         """Each sequence as text with its special tokens (what stop strings are matched against, as SGLang does)."""
@@ -181,4 +191,4 @@ class Texts:
         with self._lock:
             if backend is not None:
                 return list(backend.decode_batch(seqs, skip_special_tokens=False))
-            return [self.tokenizer.decode(s, skip_special_tokens=False) for s in seqs]
+            return [self._decode(s, skip_special_tokens=False) for s in seqs]

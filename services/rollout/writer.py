@@ -4,21 +4,26 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 from services.buffer.stream import RolloutBuffer, connect, redacted
 from services.contracts.config import TandemConfig
+from services.contracts.wire import RolloutBatchData
 from services.rpc.grpc_util import FailedPrecondition, Unavailable
+
+if TYPE_CHECKING:
+    import redis
 
 
 class BatchWriter:
-    def __init__(self, config: TandemConfig, *, producer: str, groups: tuple[str, ...], client: Any = None):
+    def __init__(self, config: TandemConfig, *, producer: str, groups: tuple[str, ...],
+                 client: redis.Redis | None = None):
         self.config, self.producer, self.groups = config, producer, groups
         self._client = client
         self._buffers: dict[str, RolloutBuffer] = {}
         self._lock = threading.Lock()
 
-    def put(self, batch: Any, *, stream: str, trace_context: dict[str, str]) -> str:
+    def put(self, batch: RolloutBatchData, *, stream: str, trace_context: dict[str, str]) -> str:
         import redis
 
         try:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -103,7 +103,10 @@ def _details(text: str, limit: int = 1500) -> str:
     return text if len(text.encode()) <= limit else text.encode()[:limit].decode(errors="ignore") + " …"
 
 
-def map_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+ServicerMethod = TypeVar("ServicerMethod", bound=Callable[..., object])   # a servicer's RPC method
+
+
+def map_errors(method: ServicerMethod) -> ServicerMethod:
     """Decorator for servicer methods (unary or server-streaming generators): exceptions become a status
     with the exception's message."""
 
@@ -117,7 +120,7 @@ def map_errors(method: Callable[..., Any]) -> Callable[..., Any]:
             except Exception as exc:  # noqa: BLE001
                 _abort_with(method, exc, context)
 
-        return stream_wrapper
+        return cast(ServicerMethod, stream_wrapper)
 
     @functools.wraps(method)
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
@@ -128,7 +131,7 @@ def map_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:  # noqa: BLE001 - every failure must become a status, never a dead server
             _abort_with(method, exc, context)
 
-    return wrapper
+    return cast(ServicerMethod, wrapper)
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
@@ -264,7 +267,7 @@ class RunningServer:
         self.server.wait_for_termination()
 
 
-def start_server(register: Iterable[tuple[Callable[[Any, grpc.Server], None], Any, str]],
+def start_server(register: Iterable[tuple[Callable[[object, grpc.Server], None], object, str]],
                  options: ServerOptions) -> RunningServer:
     """`register` holds (add_XServicer_to_server, servicer, full service name) triples."""
     from services.telemetry.tracing import server_interceptors

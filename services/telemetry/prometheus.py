@@ -1,4 +1,4 @@
-"""An optional Prometheus endpoint on the coordinator (`tracing.prometheus_port`).
+"""An optional Prometheus endpoint on the coordinator (`tracing.trackers: [{type: prometheus, port: PORT}]`).
 
 A tiny HTTP server on 127.0.0.1 serves `GET /metrics` in the Prometheus text exposition format (0.0.4):
 the latest value of every metric the run has logged (the last step's, and the last eval's `eval/*`), each a
@@ -59,7 +59,7 @@ class PrometheusTracker(Tracker):
         try:
             self._server = ThreadingHTTPServer((host, port), self._handler_class())
         except OSError as exc:
-            raise ValueError(f"tracing.prometheus_port: cannot listen on {host}:{port}: {exc}") from exc
+            raise ValueError(f"tracing.trackers: prometheus cannot listen on {host}:{port}: {exc}") from exc
         self._server.daemon_threads = True
         self.host, self.port = host, int(self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, name="prometheus", daemon=True)

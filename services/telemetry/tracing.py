@@ -20,21 +20,28 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.util.types import AttributeValue
 
 from services.contracts.files import write_all
+
+if TYPE_CHECKING:
+    import grpc
+    from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+    from opentelemetry.sdk.trace.export import SpanExportResult
 
 ATTRIBUTE_PREFIX = "rl."
 _state: dict[str, Any] = {"configured": False, "exporter": "none"}
 # Before a provider is installed this is OTel's proxy tracer, which follows the provider set later.
 _tracer = trace.get_tracer("tandem")
 Carrier = Mapping[str, str]
+Attribute = AttributeValue | None   # a span attribute as callers pass it: None drops it
 
 
-def attributes(**values: Any) -> dict[str, Any]:
+def attributes(**values: Attribute) -> dict[str, AttributeValue]:
     """`rollout_id=3` -> `{"rl.rollout_id": 3}`; dotted names (`net.peer.ip`) and None values as they are/dropped."""
     return {(k if "." in k else ATTRIBUTE_PREFIX + k): v for k, v in values.items() if v is not None}
 
@@ -51,7 +58,7 @@ class JsonLinesSpanExporter:
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
 
-    def export(self, spans: Sequence[Any]) -> Any:
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         from opentelemetry.sdk.trace.export import SpanExportResult
 
         data = "".join(json.dumps(span_to_dict(s), default=str) + "\n" for s in spans).encode()
@@ -71,8 +78,10 @@ class JsonLinesSpanExporter:
         return True
 
 
-def span_to_dict(span: Any) -> dict[str, Any]:
+def span_to_dict(span: ReadableSpan) -> dict[str, object]:
     ctx = span.get_span_context()
+    if ctx is None:   # the SDK exports ended spans, which always have one
+        raise ValueError(f"span {span.name} has no span context")
     parent = span.parent
     resource = span.resource.attributes
     return {
@@ -110,7 +119,7 @@ def setup_tracing(service_name: str, *, exporter: str = "none", file_path: str |
     _install_log_correlation()
 
 
-def _span_processor(exporter: str, *, file_path: str | None) -> Any:
+def _span_processor(exporter: str, *, file_path: str | None) -> SpanProcessor:
     from opentelemetry.sdk.trace.export import (
         BatchSpanProcessor,
         ConsoleSpanExporter,
@@ -139,7 +148,7 @@ def _span_processor(exporter: str, *, file_path: str | None) -> Any:
     raise ValueError(f"tracing.exporter: unknown exporter {exporter!r} (none, file, console, otlp)")
 
 
-def server_interceptors() -> list[Any]:
+def server_interceptors() -> list[grpc.ServerInterceptor]:
     if not tracing_enabled():
         return []
     from opentelemetry.instrumentation.grpc import filters, server_interceptor
@@ -193,7 +202,7 @@ def _links(carriers: Carrier | Iterable[Carrier] | None) -> list[trace.Link]:
     return links
 
 
-def _parent_context(parent: Carrier | None) -> Any:
+def _parent_context(parent: Carrier | None) -> otel_context.Context | None:
     """The carrier names the trace to continue. When the current span (a gRPC server span) already belongs to
     that trace it is the closer parent, so the carrier only wins when it starts or switches a trace."""
     if not parent:
@@ -208,7 +217,7 @@ def _parent_context(parent: Carrier | None) -> Any:
 
 @contextmanager
 def span(name: str, *, parent: Carrier | None = None, links_from: Carrier | Iterable[Carrier] | None = None,
-         **attrs: Any) -> Iterator[Any]:
+         **attrs: Attribute) -> Iterator[trace.Span]:
     """A span made current for the block. `parent`: a carrier to continue a trace (gRPC request field);
     `links_from`: carriers to link to (Redis entries); keyword attributes land under `rl.`."""
     if _off():
@@ -219,7 +228,7 @@ def span(name: str, *, parent: Carrier | None = None, links_from: Carrier | Iter
         yield s
 
 
-def start_root_span(name: str, **attrs: Any) -> Any:
+def start_root_span(name: str, **attrs: Attribute) -> trace.Span:
     """A span that starts its own trace whatever is current, and is not made current (see `use_span`)."""
     if _off():
         return trace.INVALID_SPAN
@@ -227,7 +236,7 @@ def start_root_span(name: str, **attrs: Any) -> Any:
 
 
 @contextmanager
-def use_span(s: Any, *, end: bool = False) -> Iterator[Any]:
+def use_span(s: trace.Span, *, end: bool = False) -> Iterator[trace.Span]:
     """Makes `s` current for the block (records an exception on it); ends it afterwards when `end`."""
     if _off():
         yield s
@@ -236,12 +245,12 @@ def use_span(s: Any, *, end: bool = False) -> Iterator[Any]:
         yield current
 
 
-def set_attributes(s: Any, **attrs: Any) -> None:
+def set_attributes(s: trace.Span, **attrs: Attribute) -> None:
     if s.is_recording():
         s.set_attributes(attributes(**attrs))
 
 
-def annotate(**attrs: Any) -> None:
+def annotate(**attrs: Attribute) -> None:
     """Adds `rl.*` attributes to the current span."""
     set_attributes(trace.get_current_span(), **attrs)
 
@@ -254,7 +263,7 @@ def inject_context() -> dict[str, str]:
     return carrier
 
 
-def span_carrier(s: Any) -> dict[str, str]:
+def span_carrier(s: trace.Span) -> dict[str, str]:
     """`s`'s context as a carrier, without making it current."""
     carrier: dict[str, str] = {}
     if not _off():
@@ -269,24 +278,24 @@ class StepSpans:
 
     def __init__(self, name: str = "rl.loop"):
         self.name = name
-        self._open: dict[int, Any] = {}
-        self._last: tuple[int, Any] | None = None   # the step ended last, for work that follows it
+        self._open: dict[int, trace.Span] = {}
+        self._last: tuple[int, trace.Span] | None = None   # the step ended last, for work that follows it
         self._lock = threading.Lock()
 
-    def open(self, rollout_id: int, **attrs: Any) -> Any:
+    def open(self, rollout_id: int, **attrs: Attribute) -> trace.Span:
         s = start_root_span(self.name, rollout_id=rollout_id, **attrs)
         with self._lock:
             self._open[rollout_id] = s
         return s
 
     @contextmanager
-    def started(self, rollout_id: int, **attrs: Any) -> Iterator[Any]:
+    def started(self, rollout_id: int, **attrs: Attribute) -> Iterator[trace.Span]:
         """Opens the step's span and makes it current for the block (which starts the generation)."""
         with use_span(self.open(rollout_id, **attrs)) as s:
             yield s
 
     @contextmanager
-    def step(self, rollout_id: int, **attrs: Any) -> Iterator[Any]:
+    def step(self, rollout_id: int, **attrs: Attribute) -> Iterator[trace.Span]:
         """The step's span, current for the block and ended after it."""
         with self._lock:
             s = self._open.pop(rollout_id, None)
@@ -309,7 +318,7 @@ class StepSpans:
         with trace.use_span(last[1], record_exception=False, set_status_on_exception=False):   # it has ended
             yield
 
-    def close_all(self, **attrs: Any) -> None:
+    def close_all(self, **attrs: Attribute) -> None:
         with self._lock:
             spans, self._open = list(self._open.values()), {}
         for s in spans:

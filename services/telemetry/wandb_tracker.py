@@ -27,7 +27,7 @@ from typing import Any
 
 from services.contracts.config import ConfigError
 from services.contracts.files import write_json_atomic
-from services.telemetry.trackers import Tracker, check_tracker_packages
+from services.telemetry.trackers import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,6 @@ EVAL_STEP = "eval/rollout_id"      # the x-axis of eval rows
 
 class WandbTracker(Tracker):
     def __init__(self, *, project: str | None, run_name: str, run_dir: Path):
-        check_tracker_packages(("wandb",))
         self.project, self.run_name, self.run_dir = project or "tandem", run_name, run_dir
         self.state_path = run_dir / "wandb" / STATE_FILE
         self.run: Any = None

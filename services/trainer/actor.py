@@ -29,7 +29,7 @@ from services.trainer.advantages import (
     token_rewards,
     whiten,
 )
-from services.trainer.backend import DeepSpeedBackend, frozen_log_probs
+from services.trainer.backend import frozen_log_probs
 from services.trainer.batching import MicroBatch, TrainBatch
 from services.trainer.dist import all_reduce_sum
 from services.trainer.head_scoring import BEHAVIOUR_ROW, ENTROPY_ROW, TEMPERED_ROW
@@ -46,6 +46,7 @@ from services.trainer.scoring import TokenSampling
 from services.trainer.update import (
     MicroBatchLoss,
     TokenWeights,
+    UpdateBackend,
     lockstep_micro_batches,
     optimizer_update,
     per_token_pass,
@@ -94,7 +95,7 @@ def _sample_rewards(batch: TrainBatch, kl_penalty: torch.Tensor | None) -> torch
     return batch.rewards - per_sample_sum(kl_penalty * batch.loss_mask, batch.response_lengths)
 
 
-def frozen_pass(model: torch.nn.Module, backend: DeepSpeedBackend, num_tokens: int, mbs: list[MicroBatch],
+def frozen_pass(model: torch.nn.Module, backend: UpdateBackend, num_tokens: int, mbs: list[MicroBatch],
                 sampling: TokenSampling, *, tempered: bool) -> torch.Tensor:
     """Log-probs of this rank's response tokens under a frozen model (reference, old actor; the trained model's
     vocabulary and scoring chunk), full-batch vector on the device. `sampling` is on the device."""
@@ -113,7 +114,7 @@ class BehaviourLogProbs:
     fallback: torch.Tensor    # float32 [T]
 
 
-def old_actor_log_probs(*, old_actor: OldActor, backend: DeepSpeedBackend, batch: TrainBatch,
+def old_actor_log_probs(*, old_actor: OldActor, backend: UpdateBackend, batch: TrainBatch,
                         mbs: list[MicroBatch], sampling: TokenSampling) -> BehaviourLogProbs:
     n_tok, device = batch.num_response_tokens, backend.device
     versions = batch.versions.to(device)   # each token's own: a sync may have landed mid-sample
@@ -130,7 +131,7 @@ def old_actor_log_probs(*, old_actor: OldActor, backend: DeepSpeedBackend, batch
     return BehaviourLogProbs(log_probs=out, fallback=fallback)
 
 
-def reward_kl_penalty(*, backend: DeepSpeedBackend, mbs: list[MicroBatch], sampling: TokenSampling,
+def reward_kl_penalty(*, backend: UpdateBackend, mbs: list[MicroBatch], sampling: TokenSampling,
                       ref_lp: torch.Tensor, algo: AlgorithmConfig) -> torch.Tensor:
     """kl_coef x per-token KL of the policy before the update to the reference (both tempered), full batch, on the
     host (it shapes the rewards)."""
@@ -139,10 +140,6 @@ def reward_kl_penalty(*, backend: DeepSpeedBackend, mbs: list[MicroBatch], sampl
         mb, sampling.at(mb.token_index), tempered=True)[0][TEMPERED_ROW], device=device)
     kl = kl_estimate(policy, ref_lp, algo.kl_estimator) * owned_tokens(n_tok, mbs, device)
     return algo.kl_coef * all_reduce_sum(kl).cpu()
-
-
-_SUMS = ("loss", "pg_loss", "pg_clipfrac", "kl", "entropy", "ppo_ratio_mean", "tis_weight_mean",
-         "rollout_logprob_abs_diff", "old_actor_fallback_frac", "tis_masked_frac")
 
 
 @dataclass(frozen=True)
@@ -214,7 +211,7 @@ def token_terms(*, scores: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, al
                       mismatch=(behaviour - rollout_lp).abs().clamp(max=20.0))
 
 
-def _ppo_micro_loss(*, backend: DeepSpeedBackend, mb: MicroBatch, inputs: TokenInputs,
+def _ppo_micro_loss(*, backend: UpdateBackend, mb: MicroBatch, inputs: TokenInputs,
                     algo: AlgorithmConfig) -> MicroBatchLoss:
     scores, anchor = backend.scores(mb, inputs.sampling.at(mb.token_index), entropy=True,
                                     entropy_grad=algo.entropy_coef > 0)
@@ -226,15 +223,17 @@ def _ppo_micro_loss(*, backend: DeepSpeedBackend, mb: MicroBatch, inputs: TokenI
         loss_tok = loss_tok - algo.entropy_coef * t.entropy
     w, tw = inputs.weights.at(mb)
 
-    def metrics() -> list[torch.Tensor]:
+    def metrics() -> dict[str, torch.Tensor]:
         fallback = torch.zeros_like(tw) if inputs.old is None else inputs.old.fallback[mb.token_index]
-        return [(w * t.pg).sum(), *((tw * x).sum() for x in (t.clipped, t.kl, t.entropy, t.ratio, t.tis,
-                                                             t.mismatch, fallback, (t.tis == 0).float()))]
+        per_token = {"pg_clipfrac": t.clipped, "kl": t.kl, "entropy": t.entropy, "ppo_ratio_mean": t.ratio,
+                     "tis_weight_mean": t.tis, "rollout_logprob_abs_diff": t.mismatch,
+                     "old_actor_fallback_frac": fallback, "tis_masked_frac": (t.tis == 0).float()}
+        return {"pg_loss": (w * t.pg).sum(), **{name: (tw * x).sum() for name, x in per_token.items()}}
 
     return MicroBatchLoss(loss=(w * loss_tok).sum(), anchor=anchor, metrics=metrics)
 
 
-def actor_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmConfig,
+def actor_step(*, backend: UpdateBackend, batch: TrainBatch, algo: AlgorithmConfig,
                ref_model: torch.nn.Module | None, old_actor: OldActor | None, token_budget: int) -> dict[str, float]:
     start = time.monotonic()
     device = backend.device
@@ -250,7 +249,7 @@ def actor_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmC
     inputs = TokenInputs(sampling=sampling, advantages=compute_advantages(batch, algo, kl_penalty).to(device),
                          rollout_log_probs=batch.rollout_log_probs.to(device), loss_mask=batch.loss_mask.to(device),
                          weights=TokenWeights.of(batch, algo.loss_aggregation, device), ref_log_probs=ref_lp, old=old)
-    totals, step = optimizer_update(backend, mbs, sums=_SUMS, micro_loss=lambda mb: _ppo_micro_loss(
+    totals, step = optimizer_update(backend, mbs, micro_loss=lambda mb: _ppo_micro_loss(
         backend=backend, mb=mb, inputs=inputs, algo=algo))
     for key, used in (("kl", ref_lp is not None), ("tis_weight_mean", algo.use_tis),
                       ("old_actor_fallback_frac", old is not None),

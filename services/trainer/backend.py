@@ -14,11 +14,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from services.contracts.config import LORA_ZERO3_OFFLOAD, TandemConfig
+from services.contracts.untyped import JsonObject
 from services.tensors import fused
 from services.trainer import head_scoring
 from services.trainer.batching import MicroBatch
@@ -64,9 +65,9 @@ def lr_lambda(*, schedule: str, warmup_steps: int, total_steps: int | None, lr: 
     return factor
 
 
-def deepspeed_config(config: TandemConfig, *, world_size: int, lr: float) -> dict[str, Any]:
+def deepspeed_config(config: TandemConfig, *, world_size: int, lr: float) -> JsonObject:
     t = config.trainer
-    ds: dict[str, Any] = {
+    ds: JsonObject = {
         # One "sample" per micro-batch call; the real batch size is decided by the token budget.
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world_size,
         # ZeRO-0's FlatAdamW clips and handles bf16 itself (DeepSpeed's would do both per parameter tensor)
@@ -85,7 +86,7 @@ def deepspeed_config(config: TandemConfig, *, world_size: int, lr: float) -> dic
     return ds
 
 
-def bf16_config(config: TandemConfig) -> dict[str, Any]:
+def bf16_config(config: TandemConfig) -> JsonObject:
     """bf16: bf16 weights in the model, fp32 master weights, gradients and Adam states in the optimizer (the
     default: an update smaller than a bf16 ulp of its weight is kept, not rounded away). bf16_pure: all of them in
     bf16, as TRL trains (half the optimizer memory, no master copy to update; small updates can be lost)."""
@@ -294,7 +295,7 @@ class DeepSpeedBackend:
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: Path, *, client_state: dict[str, Any]) -> None:
+    def save_checkpoint(self, directory: Path, *, client_state: JsonObject) -> None:
         """Collective: every rank writes its shards under directory/ds. With LoRA the frozen base weights are left
         out (they are model.path's): the shards hold the adapters and their optimizer state."""
         self.engine.save_checkpoint(str(directory), tag="ds", client_state=client_state, save_latest=False,

@@ -28,8 +28,9 @@ import shutil
 import time
 import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ from services.contracts import checkpoints
 from services.contracts.checkpoints import COMPLETE, is_complete, list_checkpoints
 from services.contracts.config import TandemConfig
 from services.contracts.files import fsync_dir, write_json_atomic
+from services.contracts.untyped import JsonObject
 from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.commands import Load, Save
 from services.trainer.dist import DistInfo, barrier
@@ -122,7 +124,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
-def mark_complete(directory: Path, info: dict[str, Any]) -> None:
+def mark_complete(directory: Path, info: JsonObject) -> None:
     write_json_atomic(directory / COMPLETE, info)
 
 
@@ -159,11 +161,11 @@ def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state() -> JsonObject:
     version, state, gauss = random.getstate()
     np_state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True))
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
-    out: dict[str, Any] = {
+    out: JsonObject = {
         "python": [version, list(state), gauss],
         "numpy": [np_name, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
         "torch": _b64(torch.get_rng_state()),
@@ -173,7 +175,7 @@ def rng_state() -> dict[str, Any]:
     return out
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: JsonObject) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
@@ -184,6 +186,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---- the trainer's Save and Load ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FoundCheckpoint:
+    """A checkpoint a Load reads: its directory and its state (tandem_state.json)."""
+
+    directory: Path
+    state: JsonObject
+
+    @property
+    def rollout_id(self) -> int:
+        """The rollout the Save named."""
+        return int(self.state["checkpoint_rollout_id"])
+
+    @property
+    def extra_state(self) -> dict[str, str]:
+        return dict(self.state.get("extra_state", {}))
 
 
 class Checkpointer:
@@ -224,7 +243,7 @@ class Checkpointer:
         """A complete checkpoint of this step is there already (a retried Save)."""
         return is_complete(directory) and checkpoints.read_json(directory / COMPLETE)["step"] == step
 
-    def find(self, path: str = "") -> tuple[Path, dict[str, Any]] | None:
+    def find(self, path: str = "") -> FoundCheckpoint | None:
         """The checkpoint a Load of `path` reads and its state (None: nothing to load); refuses one of another
         role, or ZeRO shards of another world size."""
         default_root = checkpoints.checkpoint_root(base=self.base, role=self.role)
@@ -247,9 +266,9 @@ class Checkpointer:
         if state["world_size"] != self.dist.world_size and self.config.trainer.zero_stage > 0:
             raise FailedPrecondition(f"checkpoint {directory} was saved by {state['world_size']} ranks; ZeRO "
                                      f"shards cannot be loaded by {self.dist.world_size}")
-        return directory, state
+        return FoundCheckpoint(directory=directory, state=state)
 
-    def client_state(self, extra_state: dict[str, str], *, checkpoint_rollout_id: int) -> dict[str, Any]:
+    def client_state(self, extra_state: dict[str, str], *, checkpoint_rollout_id: int) -> JsonObject:
         """The ledger's `rollout_id` is the last rollout this trainer trained; `checkpoint_rollout_id` the one the
         Save named (they differ for the actor during critic-only steps)."""
         return {"format": 1, "role": self.role, **self.ledger.state_dict(),
@@ -257,9 +276,9 @@ class Checkpointer:
                 "zero_stage": self.config.trainer.zero_stage, "lora": describe_lora(self.config.trainer.lora),
                 "extra_state": dict(extra_state)}
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, found: FoundCheckpoint) -> None:
         """After every rank read the checkpoint: the ledger it holds; a prepared weight sync is void."""
-        self.ledger.load_state_dict(state)
+        self.ledger.load_state_dict(found.state)
         self.weights.forget_plan()
 
     # ---- every rank ---------------------------------------------------------------------------------

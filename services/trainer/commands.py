@@ -1,33 +1,19 @@
-"""The commands rank 0 relays to every trainer rank: one frozen dataclass each, their codec, their execution.
-
-Rank 0 validates a request, then `RankCommands.run(command)` relays the command (a JSON header and raw byte
-payloads over `dist.CommandRelay`; nothing is pickled) and executes it itself; ranks > 0 execute what arrives in
-`RankCommands.serve` until `Shutdown`. Every rank executes the decoded command, so all ranks see the same bytes.
+"""The commands rank 0 relays to every trainer rank: one frozen dataclass each, and their codec (a JSON header and
+raw byte payloads over `dist.CommandRelay`; nothing is pickled). ranks.py executes them.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
 
 import torch
 from google.protobuf.message import DecodeError
 
 from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.untyped import JsonObject, JsonValue
 from services.contracts.wire import WireError, array_from_proto, array_to_proto
 from services.trainer.batching import TrainBatch
-
-if TYPE_CHECKING:
-    from services.trainer.backend import DeepSpeedBackend
-    from services.trainer.checkpointing import Checkpointer
-    from services.trainer.dist import CommandRelay
-    from services.trainer.publishing import WeightPublishing
-    from services.trainer.training import TrainStep
-
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -115,7 +101,7 @@ def decode_batch(names: Sequence[str], payloads: Sequence[bytes]) -> TrainBatch:
         raise CommandError(f"train: {exc}") from None
 
 
-def encode(command: Command) -> tuple[dict[str, Any], list[bytes]]:
+def encode(command: Command) -> tuple[JsonObject, list[bytes]]:
     """(JSON-serialisable header, payloads) of a command."""
     match command:
         case Train(rollout_id=rollout_id, entry_ids=entry_ids, batch=batch):
@@ -139,7 +125,7 @@ def encode(command: Command) -> tuple[dict[str, Any], list[bytes]]:
     raise TypeError(f"not a trainer command: {command!r}")
 
 
-def _field(header: dict[str, Any], key: str, kind: type) -> Any:
+def _field(header: JsonObject, key: str, kind: type) -> JsonValue:
     if key not in header:
         raise CommandError(f"relayed command {header.get(_KIND)!r} lacks {key!r}")
     value = header[key]
@@ -149,14 +135,14 @@ def _field(header: dict[str, Any], key: str, kind: type) -> Any:
     return value
 
 
-def _strings(header: dict[str, Any], key: str) -> list[str]:
+def _strings(header: JsonObject, key: str) -> list[str]:
     values = _field(header, key, list)
     if not all(isinstance(v, str) for v in values):
         raise CommandError(f"relayed command {header.get(_KIND)!r}: {key!r} must hold strings")
     return values
 
 
-def decode(header: Any, payloads: Sequence[bytes] = ()) -> Command:
+def decode(header: JsonValue, payloads: Sequence[bytes] = ()) -> Command:
     """The command a header and its payloads encode; CommandError names what is wrong with a malformed one."""
     if not isinstance(header, dict):
         raise CommandError(f"a relayed command header must be a JSON object, got {type(header).__name__}")
@@ -181,7 +167,7 @@ def decode(header: Any, payloads: Sequence[bytes] = ()) -> Command:
     raise CommandError(f"relayed header {repr(header)[:200]} names no trainer command")
 
 
-def _decode_train(header: dict[str, Any], payloads: Sequence[bytes]) -> Train:
+def _decode_train(header: JsonObject, payloads: Sequence[bytes]) -> Train:
     try:
         batch = decode_batch(_strings(header, "fields"), payloads)
     except (WireError, DecodeError) as exc:
@@ -190,7 +176,7 @@ def _decode_train(header: dict[str, Any], payloads: Sequence[bytes]) -> Train:
                  batch=batch)
 
 
-def _decode_save(header: dict[str, Any]) -> Save:
+def _decode_save(header: JsonObject) -> Save:
     extra = _field(header, "extra_state", dict)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
         raise CommandError("relayed command 'save': 'extra_state' must map strings to strings")
@@ -198,73 +184,10 @@ def _decode_save(header: dict[str, Any]) -> Save:
                 export_hf=_field(header, "export_hf", bool), extra_state=dict(extra))
 
 
-def _decode_weights(header: dict[str, Any]) -> WeightChecksums | PublishWeights:
+def _decode_weights(header: JsonObject) -> WeightChecksums | PublishWeights:
     match header.get("mode"):
         case "checksums":
             return WeightChecksums(by_bucket=_field(header, "by_bucket", bool))
         case "publish":
             return PublishWeights(version=_field(header, "version", int))
     raise CommandError(f"relayed command 'weights': unknown mode {header.get('mode')!r}")
-
-
-# ---- execution ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankParts:
-    """What a rank executes commands with."""
-
-    backend: DeepSpeedBackend
-    step: TrainStep
-    checkpoints: Checkpointer
-    weights: WeightPublishing
-
-
-def execute(command: Command, parts: RankParts) -> Any:
-    """Runs a command on this rank; returns what rank 0 answers with (None where it answers nothing)."""
-    match command:
-        case Train():
-            return parts.step.run(command)
-        case Save():
-            return parts.checkpoints.write(command)
-        case Load():
-            return parts.checkpoints.read(command)
-        case WeightChecksums(by_bucket=by_bucket):
-            return parts.weights.checksums(by_bucket=by_bucket)
-        case PublishWeights(version=version):
-            return parts.weights.publish(version)
-        case Offload():
-            parts.weights.release()   # cuda_ipc buckets: the next sync allocates them again
-            return parts.backend.offload()
-        case Onload():
-            return parts.backend.onload()
-        case Shutdown():
-            return None
-    raise TypeError(f"not a trainer command: {command!r}")
-
-
-class RankCommands:
-    """Rank 0 relays a command and executes it; ranks > 0 execute relayed commands. One rank: no relay."""
-
-    def __init__(self, relay: CommandRelay, parts: RankParts):
-        self.relay, self.parts = relay, parts
-
-    def run(self, command: Command) -> Any:
-        """Rank 0: relay, then execute here too."""
-        header, payloads = encode(command)
-        self.relay.send(header, payloads)
-        return execute(decode(header, payloads), self.parts)
-
-    def serve(self) -> None:
-        """Ranks > 0: execute relayed commands until rank 0 says Shutdown."""
-        while not isinstance(command := decode(*self.relay.recv()), Shutdown):
-            execute(command, self.parts)
-
-    def shutdown(self) -> None:
-        """Rank 0: the other ranks leave `serve`."""
-        if self.relay.world_size == 1:
-            return
-        try:
-            self.relay.send(*encode(Shutdown()))
-        except RuntimeError as exc:   # a launcher stopping everything signals the other ranks too
-            log.info("other ranks already gone at shutdown: %s", str(exc).splitlines()[0][:200])

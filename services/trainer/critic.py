@@ -25,7 +25,6 @@ from services.contracts.wire import array_from_proto, array_to_proto
 from services.rpc.grpc_util import FailedPrecondition
 from services.trainer import update
 from services.trainer.advantages import gae, token_rewards
-from services.trainer.backend import DeepSpeedBackend
 from services.trainer.batching import MicroBatch, TrainBatch
 from services.trainer.dist import all_reduce_sum
 from services.trainer.losses import clipped_value_loss
@@ -84,10 +83,7 @@ def values_for_batch(handoff: ValueHandoff, *, entry_ids: list[str], batch: Trai
     return torch.from_numpy(handoff.values.astype(np.float32))
 
 
-_SUMS = ("loss", "value_clipfrac", "value_mean", "return_mean", "advantage_mean")
-
-
-def critic_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: AlgorithmConfig,
+def critic_step(*, backend: update.UpdateBackend, batch: TrainBatch, algo: AlgorithmConfig,
                 token_budget: int) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Returns (metrics, (values before the update, advantages, returns)) for the full batch."""
     start = time.monotonic()
@@ -107,9 +103,11 @@ def critic_step(*, backend: DeepSpeedBackend, batch: TrainBatch, algo: Algorithm
         v_loss, clipped = clipped_value_loss(values=values, old_values=old, returns=ret, clip=algo.value_clip)
         w, tw = weights.at(mb)
         return update.MicroBatchLoss(loss=(w * v_loss).sum(), anchor=anchor,
-                                     metrics=lambda: [(tw * x).sum() for x in (clipped, old, ret, adv)])
+                                     metrics=lambda: {"value_clipfrac": (tw * clipped).sum(),
+                                                      "value_mean": (tw * old).sum(), "return_mean": (tw * ret).sum(),
+                                                      "advantage_mean": (tw * adv).sum()})
 
-    totals, step = update.optimizer_update(backend, mbs, sums=_SUMS, micro_loss=value_loss)
+    totals, step = update.optimizer_update(backend, mbs, micro_loss=value_loss)
     metrics = {**totals, "value_loss": totals["loss"],
                **update.step_metrics(batch, step, start, parameters=backend.parameters)}
     return metrics, (old_values, advantages, returns)

@@ -13,10 +13,11 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from services.contracts.untyped import JsonObject, JsonValue
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class CommandRelay:
     def _broadcast(self, tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=0, group=self.group)
 
-    def send(self, header: dict[str, Any], payloads: Sequence[bytes] = ()) -> None:
+    def send(self, header: JsonObject, payloads: Sequence[bytes] = ()) -> None:
         if self.rank != 0:
             raise RuntimeError("only rank 0 relays commands")
         if self.world_size == 1:
@@ -102,7 +103,7 @@ class CommandRelay:
         data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
         self._broadcast(data)
 
-    def recv(self) -> tuple[Any, list[bytes]]:
+    def recv(self) -> tuple[JsonValue, list[bytes]]:
         count = torch.zeros(1, dtype=torch.int64)
         self._broadcast(count)
         sizes = torch.zeros(int(count.item()), dtype=torch.int64)

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import StateDict
 
 CLIP_EPS = 1e-6   # as DeepSpeed and torch clip: coef = max_norm / (norm + 1e-6)
+
+
+SlotEntry = list[str | list[int]]   # [name, shape] of one tensor of a flat buffer, as the optimizer's state holds it
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ class FlatGroup:
         self.grad, self.folded = None, 0
         self.rebind()
 
-    def layout(self) -> list[list[Any]]:
+    def layout(self) -> list[SlotEntry]:
         return [[s.name, list(s.shape)] for s in self.slots]
 
 
@@ -149,7 +152,7 @@ class FlatAdamW(torch.optim.AdamW):
             g.fold_grads()
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: None = None) -> None:  # type: ignore[override]  # refuses torch's closure form
         if closure is not None:
             raise ValueError("FlatAdamW.step takes no closure")
         if not all(g.folded for g in self.groups):
@@ -186,13 +189,13 @@ class FlatAdamW(torch.optim.AdamW):
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         out = super().state_dict()
         out["flat"] = {"layout": [g.layout() for g in self.groups],
                        "masters": [g.master if g.separate_master else None for g in self.groups]}
         return out
 
-    def load_state_dict(self, state_dict: dict[str, Any] | None) -> None:
+    def load_state_dict(self, state_dict: StateDict | None) -> None:
         state_dict = dict(state_dict or {})   # a ZeRO 1-3 checkpoint keeps None here (its state is in shards)
         flat = state_dict.pop("flat", None)
         if flat is None:
@@ -232,5 +235,5 @@ def _moved(tensor: torch.Tensor, device: torch.device, *, pin: bool) -> torch.Te
     return tensor.to(device)
 
 
-def _first_names(layout: list[list[list[Any]]]) -> list[str]:
-    return [slot[0] for group in layout for slot in group][:3]
+def _first_names(layout: list[list[SlotEntry]]) -> list[str]:
+    return [str(slot[0]) for group in layout for slot in group][:3]

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from services.contracts.untyped import AutogradContext
 from services.tensors.sampling import RowSampling
 from services.trainer.head_math import (
     BEHAVIOUR_ROW,
@@ -86,9 +87,9 @@ def scoring(request: ScoreRequest) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-def scores_of(output: Any, request: ScoreRequest) -> torch.Tensor:
+def scores_of(output: object, request: ScoreRequest) -> torch.Tensor:
     """The [3, N] scores a model's forward returned under `scoring(request)` (its `logits`)."""
-    scores = output.logits if hasattr(output, "logits") else output
+    scores = getattr(output, "logits", output)   # a ModelOutput, or the tensor itself
     if not isinstance(scores, torch.Tensor) or scores.shape != (3, request.targets.shape[0]):
         raise RuntimeError("the model's output head returned logits under a score request: it was not installed "
                            "(services.trainer.head_scoring.install)")
@@ -172,7 +173,8 @@ class ChunkedScores(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], request) -> float32 [3, N]: behaviour log-prob, entropy, tempered log-prob."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, request: ScoreRequest) -> torch.Tensor:
+    def forward(ctx: AutogradContext, hidden: torch.Tensor, weight: torch.Tensor,
+                request: ScoreRequest) -> torch.Tensor:
         n = hidden.shape[0]
         out = torch.zeros(3, n, dtype=torch.float32, device=hidden.device)
         stats = torch.zeros(4, n, dtype=torch.float32, device=hidden.device)   # what the backward reads
@@ -191,7 +193,8 @@ class ChunkedScores(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx: AutogradContext,
+                 grad: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         hidden, weight, stats, thresholds = ctx.saved_tensors
         request: ScoreRequest = ctx.request
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

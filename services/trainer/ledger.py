@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import replace
 
-from google.protobuf import json_format
-
-from services.contracts.gen.tandem.v1 import trainer_pb2
+from services.contracts.trainer_calls import TrainResult
+from services.contracts.untyped import JsonObject
 
 MAX_RECORDED_RESULTS = 1024        # replayable Train responses kept (and checkpointed)
 MAX_RECORDED_ENTRIES = 100_000     # trained entry ids remembered to refuse a second delivery
@@ -26,18 +25,15 @@ class TrainLedger:
         self.last_rollout_id = -1     # the newest rollout trained
         self.weight_version = 0       # the version the last PublishWeights sent
         self.samples_trained = 0
-        self.results: OrderedDict[int, trainer_pb2.TrainResponse] = OrderedDict()
+        self.results: OrderedDict[int, TrainResult] = OrderedDict()
         self.trained_entries: OrderedDict[str, int] = OrderedDict()   # entry id -> the rollout that trained it
 
     def is_recorded(self, rollout_id: int) -> bool:
         return rollout_id in self.results
 
-    def replay(self, rollout_id: int) -> trainer_pb2.TrainResponse:
-        """A copy of the recorded response, marked replayed."""
-        reply = trainer_pb2.TrainResponse()
-        reply.CopyFrom(self.results[rollout_id])
-        reply.replayed = True
-        return reply
+    def replay(self, rollout_id: int) -> TrainResult:
+        """The recorded result, marked replayed."""
+        return replace(self.results[rollout_id], replayed=True)
 
     def split(self, entry_ids: Iterable[str]) -> tuple[list[str], list[str]]:
         """(entries not trained yet, entries already trained), each in the given order."""
@@ -51,7 +47,7 @@ class TrainLedger:
         """The rollouts that trained these (known) entries, sorted, once each."""
         return sorted({self.trained_entries[e] for e in entry_ids})
 
-    def record(self, rollout_id: int, reply: trainer_pb2.TrainResponse) -> None:
+    def record(self, rollout_id: int, reply: TrainResult) -> None:
         """After the step: its response and entries, forgetting the oldest beyond the bounds."""
         self.results[rollout_id] = reply
         while len(self.results) > self.max_results:
@@ -66,14 +62,13 @@ class TrainLedger:
 
     # ---- checkpoint state (the keys of tandem_state.json) ----------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> JsonObject:
         return {"step": self.step, "rollout_id": self.last_rollout_id, "weight_version": self.weight_version,
                 "samples_trained": self.samples_trained, "trained_entries": list(self.trained_entries.items()),
-                "results": {str(k): json_format.MessageToDict(v) for k, v in self.results.items()}}
+                "results": {str(k): v.to_json() for k, v in self.results.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: JsonObject) -> None:
         self.step, self.last_rollout_id = int(state["step"]), int(state["rollout_id"])
         self.weight_version, self.samples_trained = int(state["weight_version"]), int(state["samples_trained"])
         self.trained_entries = OrderedDict((e, int(r)) for e, r in state["trained_entries"])
-        self.results = OrderedDict((int(k), json_format.ParseDict(v, trainer_pb2.TrainResponse()))
-                                   for k, v in state["results"].items())
+        self.results = OrderedDict((int(k), TrainResult.from_json(v)) for k, v in state["results"].items())

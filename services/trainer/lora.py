@@ -18,16 +18,18 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from services.contracts.config import ConfigError, LoraConfig
 from services.contracts.files import write_atomic
+from services.contracts.untyped import JsonObject
 from services.trainer.weight_export import ExportedTensor, LowRankUpdate
 
 if TYPE_CHECKING:
     from peft import PeftModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 
 ALL_LINEAR = "all-linear"
 ADAPTER = "default"   # peft's name of the one adapter
@@ -176,7 +178,7 @@ def save_adapter(module: torch.nn.Module, out: Path, state: dict[str, torch.Tens
     write_atomic(config_file, json.dumps(data, indent=2, sort_keys=True))
 
 
-def describe(lora: LoraConfig | None) -> dict[str, Any] | None:
+def describe(lora: LoraConfig | None) -> JsonObject | None:
     """What a checkpoint records of the LoRA setup (compared on Load: the shards only fit the same adapters)."""
     if lora is None:
         return None
@@ -191,7 +193,7 @@ class AdapterOffReference(torch.nn.Module):
         super().__init__()
         self._parts = (engine, peft_part(engine))   # a tuple, not submodules: this view owns no parameters
 
-    def forward(self, **inputs: Any) -> Any:
+    def forward(self, **inputs: torch.Tensor) -> CausalLMOutputWithPast:
         engine, peft_model = self._parts
         with torch.no_grad(), peft_model.disable_adapter():
             return engine(**inputs)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from services.contracts.config import TandemConfig
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import WeightSyncPlan
 from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.backend import TORCH_DTYPES, DeepSpeedBackend
 from services.trainer.old_actor import OldActor
@@ -33,7 +33,7 @@ class WeightPublishing:
         self.backend, self.old_actor = backend, old_actor
         self.export_dtype = TORCH_DTYPES[config.model.dtype]
         self._publishers: dict[str, WeightPublisher] = {}   # rank 0, made on first use of each transport
-        self._plan: common_pb2.WeightSyncPlan | None = None
+        self._plan: WeightSyncPlan | None = None
 
     @property
     def trainer_id(self) -> str:
@@ -69,18 +69,18 @@ class WeightPublishing:
             raise ValueError(f"engine_world_size must be in 1..{MAX_ENGINE_RANKS}, got {engine_world_size}")
 
     def prepare(self, *, version: int, transport: str, engine_world_size: int, verify: bool,
-                verify_by_bucket: bool = False) -> common_pb2.WeightSyncPlan:
+                verify_by_bucket: bool = False) -> WeightSyncPlan:
         """The plan the publish will follow (kept), as a copy the caller may annotate for the engines."""
         plan = self._publisher(transport or self.config.weights.transport).prepare(
             self.specs(), version=version, engine_world_size=engine_world_size, verify=verify,
             verify_by_bucket=verify_by_bucket)
         self._plan = plan
-        announced = common_pb2.WeightSyncPlan()
+        announced = WeightSyncPlan()
         announced.CopyFrom(plan)
         return announced
 
     @staticmethod
-    def add_checksums(plan: common_pb2.WeightSyncPlan, sums: dict[str, str] | list[str], *, seconds: float) -> None:
+    def add_checksums(plan: WeightSyncPlan, sums: dict[str, str] | list[str], *, seconds: float) -> None:
         """What the engines and the coordinator compare the receivers' checksums with: per bucket (a list, in bucket
         order) or per tensor (name -> checksum); `seconds`, what computing them took."""
         for index, bucket in enumerate(plan.buckets):

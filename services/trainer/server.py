@@ -17,11 +17,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import grpc
+
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import dump_config
 from services.contracts.exits import ExitCode
 from services.contracts.files import PRIVATE_FILE_MODE, write_atomic
-from services.contracts.gen.tandem.v1 import trainer_pb2, trainer_pb2_grpc
+from services.contracts.gen.tandem.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.ports import free_port
 from services.rpc.shutdown import StopSignals, begin_stop, exit_now
@@ -37,48 +39,63 @@ SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    """Thin adapter: protobuf in, TrainerService call, protobuf out; errors become status codes."""
+    """Thin adapter: protobuf in, TrainerService call with plain values, its dataclass out as protobuf; errors
+    become status codes."""
 
     def __init__(self, service: TrainerService):
         self.service = service
 
     @map_errors
-    def Train(self, request, context):
-        return self.service.train(rollout_id=request.rollout_id, entry_ids=list(request.entry_ids),
-                                  num_batches=request.num_batches, max_staleness=request.max_staleness,
-                                  use_critic_values=request.use_critic_values,
-                                  trace_context=dict(request.trace_context))
+    def Train(self, request: trainer_pb2.TrainRequest, context: grpc.ServicerContext) -> trainer_pb2.TrainResponse:
+        r = self.service.train(rollout_id=request.rollout_id, entry_ids=list(request.entry_ids),
+                               num_batches=request.num_batches, max_staleness=request.max_staleness,
+                               use_critic_values=request.use_critic_values, trace_context=dict(request.trace_context))
+        return trainer_pb2.TrainResponse(rollout_id=r.rollout_id, step=r.step, metrics=r.metrics,
+                                         entry_ids=r.entry_ids, replayed=r.replayed, samples_trained=r.samples_trained,
+                                         samples_dropped_stale=r.samples_dropped_stale,
+                                         samples_filtered=r.samples_filtered, time_s=r.time_s)
 
     @map_errors
-    def Save(self, request, context):
-        return self.service.save(rollout_id=request.rollout_id, path=request.path, export_hf=request.export_hf,
-                                 extra_state=dict(request.extra_state))
+    def Save(self, request: trainer_pb2.SaveRequest, context: grpc.ServicerContext) -> trainer_pb2.SaveResponse:
+        r = self.service.save(rollout_id=request.rollout_id, path=request.path, export_hf=request.export_hf,
+                              extra_state=dict(request.extra_state))
+        return trainer_pb2.SaveResponse(path=r.path, hf_path=r.hf_path, step=r.step, time_s=r.time_s)
 
     @map_errors
-    def Load(self, request, context):
-        return self.service.load(path=request.path)
+    def Load(self, request: trainer_pb2.LoadRequest, context: grpc.ServicerContext) -> trainer_pb2.LoadResponse:
+        r = self.service.load(path=request.path)
+        return trainer_pb2.LoadResponse(loaded=r.loaded, path=r.path, rollout_id=r.rollout_id, step=r.step,
+                                        weight_version=r.weight_version, extra_state=r.extra_state)
 
     @map_errors
-    def PrepareWeightSync(self, request, context):
+    def PrepareWeightSync(self, request: trainer_pb2.PrepareWeightSyncRequest,
+                          context: grpc.ServicerContext) -> common_pb2.WeightSyncPlan:
         return self.service.prepare_weight_sync(version=request.version, transport=request.transport,
                                                 engine_world_size=request.engine_world_size, verify=request.verify,
                                                 verify_by_bucket=request.verify_by_bucket)
 
     @map_errors
-    def PublishWeights(self, request, context):
-        return self.service.publish_weights(version=request.version)
+    def PublishWeights(self, request: trainer_pb2.PublishWeightsRequest,
+                       context: grpc.ServicerContext) -> trainer_pb2.PublishWeightsResponse:
+        r = self.service.publish_weights(version=request.version)
+        return trainer_pb2.PublishWeightsResponse(version=r.version, bytes_sent=r.bytes_sent, time_s=r.time_s)
 
     @map_errors
-    def Offload(self, request, context):
-        return self.service.offload()
+    def Offload(self, request: common_pb2.Empty, context: grpc.ServicerContext) -> common_pb2.Ack:
+        return common_pb2.Ack(ok=True, message=self.service.offload())
 
     @map_errors
-    def Onload(self, request, context):
-        return self.service.onload()
+    def Onload(self, request: common_pb2.Empty, context: grpc.ServicerContext) -> common_pb2.Ack:
+        return common_pb2.Ack(ok=True, message=self.service.onload())
 
     @map_errors
-    def GetState(self, request, context):
-        return self.service.get_state()
+    def GetState(self, request: common_pb2.Empty, context: grpc.ServicerContext) -> trainer_pb2.TrainerState:
+        s = self.service.get_state()
+        return trainer_pb2.TrainerState(role=s.role, step=s.step, last_rollout_id=s.last_rollout_id,
+                                        weight_version=s.weight_version, world_size=s.world_size,
+                                        zero_stage=s.zero_stage, offloaded=s.offloaded, device=s.device,
+                                        samples_trained=s.samples_trained,
+                                        gpu_memory_reserved_bytes=s.gpu_memory_reserved_bytes)
 
 
 def launch_ranks(config: TandemConfig, *, run_dir: Path, role: str) -> int:
@@ -124,10 +141,11 @@ def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
                   file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"))
     from transformers.utils import logging as hf_logging
 
+    from services.trainer.builder import build_trainer
     from services.trainer.service import TrainerService
 
     hf_logging.disable_progress_bar()
-    service = TrainerService(config, run_dir=run_dir, role=role)
+    service = TrainerService(build_trainer(config, run_dir=run_dir, role=role).parts())
     if service.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
         service.serve_worker()
@@ -138,7 +156,7 @@ def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
                           ServerOptions(bind_host=s.bind_host, port=address.port, max_message_mb=s.max_message_mb,
                                         auth_token=s.auth_token, tls_cert=s.tls_cert, tls_key=s.tls_key))
     log.info("%s ready %.1fs after its process started", name, process_age_s())
-    log.info("%s (%d ranks, ZeRO %d) serving on %s:%d", name, service.dist.world_size,
+    log.info("%s (%d ranks, ZeRO %d) serving on %s:%d", name, service.world.world_size,
              config.trainer.zero_stage, s.bind_host, server.port)
     stop = StopSignals()
     print(f"TANDEM_READY {name} {server.port}", flush=True)

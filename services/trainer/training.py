@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +33,9 @@ from services.trainer.critic import (
 from services.trainer.ledger import TrainLedger
 from services.trainer.old_actor import OldActor
 from services.trainer.selection import Selection, select_samples, truncated_samples
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def check_train_request(config: TandemConfig, *, role: str, rollout_id: int, num_entry_ids: int, num_batches: int,
@@ -62,7 +65,7 @@ class ModelLimits:
     max_positions: int | None
 
     @classmethod
-    def of(cls, model_config: Any) -> ModelLimits:
+    def of(cls, model_config: PretrainedConfig) -> ModelLimits:
         return cls(vocab_size=int(model_config.vocab_size),
                    max_positions=getattr(model_config, "max_position_embeddings", None))
 
@@ -88,19 +91,13 @@ class RolloutSource:
                                          claim_idle_ms=cfg.claim_idle_ms)
         return self._buffer
 
-    def read(self, entry_ids: list[str], num_batches: int) -> tuple[list[BufferEntry], list[str]]:
-        """(entries to train, named entries skipped as already trained)."""
+    def read(self, entry_ids: list[str], num_batches: int) -> list[BufferEntry]:
+        """The named entries (none trained before: the service filtered them), else the next `num_batches`."""
         if not entry_ids:
             if num_batches <= 0:
                 raise ValueError("empty batch: Train needs entry_ids or num_batches > 0")
-            return self._take_batches(num_batches), []
-        if len(set(entry_ids)) != len(entry_ids):
-            raise ValueError(f"entry_ids name an entry more than once: {entry_ids}")
-        fresh, skipped = self.ledger.split(entry_ids)
-        if not fresh:
-            raise FailedPrecondition(f"entries {skipped} were already trained (rollout "
-                                     f"{self.ledger.rollouts_of(skipped)}); nothing new to train")
-        return self.buffer.read(fresh, timeout_s=self.config.redis.get_timeout_s), skipped
+            return self._take_batches(num_batches)
+        return self.buffer.read(entry_ids, timeout_s=self.config.redis.get_timeout_s)
 
     def _take_batches(self, count: int) -> list[BufferEntry]:
         timeout_s = self.config.redis.get_timeout_s

@@ -9,19 +9,42 @@ added over ranks after the step.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from services.tensors.devices import cuda_peak_metrics
-from services.trainer.backend import DeepSpeedBackend, StepResult
+from services.trainer.backend import StepResult
 from services.trainer.batching import MicroBatch, TrainBatch, dummy_micro_batch, plan_micro_batches
-from services.trainer.dist import all_reduce_max_int, all_reduce_sum
+from services.trainer.dist import DistInfo, all_reduce_max_int, all_reduce_sum
 from services.trainer.losses import aggregation_weights
+from services.trainer.scoring import TokenSampling
 
 
-def lockstep_micro_batches(backend: DeepSpeedBackend, batch: TrainBatch, *, token_budget: int) -> list[MicroBatch]:
+class UpdateBackend(Protocol):
+    """What an update asks of the model's engine (backend.UpdateBackend; a benchmark's plain torch model)."""
+
+    dist_info: DistInfo
+    parameters: int            # the model's parameter count
+    vocab_size: int
+    chunk_tokens: int          # the scoring head's tokens per chunk
+    pack_sequences: bool
+    compiled_scoring: bool
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def global_steps(self) -> int: ...
+    def scores(self, mb: MicroBatch, sampling: TokenSampling, *, tempered: bool = False, entropy: bool = False,
+               entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def values(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None: ...
+    def step(self) -> StepResult: ...
+
+
+def lockstep_micro_batches(backend: UpdateBackend, batch: TrainBatch, *, token_budget: int) -> list[MicroBatch]:
     """This rank's micro-batches, padded with empty ones to the largest count over ranks."""
     info = backend.dist_info
     mbs = plan_micro_batches(batch, world_size=info.world_size, rank=info.rank, token_budget=token_budget,
@@ -67,24 +90,28 @@ class TokenWeights:
 class MicroBatchLoss:
     loss: torch.Tensor                               # this micro-batch's weighted loss
     anchor: torch.Tensor                             # the forward's full output (for an empty micro-batch)
-    metrics: Callable[[], Sequence[torch.Tensor]]    # its metric sums after the loss, computed without grad
+    metrics: Callable[[], Mapping[str, torch.Tensor]]   # its metric sums by name, computed without grad
 
 
-def optimizer_update(backend: DeepSpeedBackend, mbs: list[MicroBatch], *, sums: Sequence[str],
+def optimizer_update(backend: UpdateBackend, mbs: list[MicroBatch], *,
                      micro_loss: Callable[[MicroBatch], MicroBatchLoss]) -> tuple[dict[str, float], StepResult]:
-    """Backward of every micro-batch's loss, one optimizer step; ({sums[0]: loss, sums[i]: metric i}, the step),
+    """Backward of every micro-batch's loss, one optimizer step; ({"loss": loss, name: metric, ...}, the step),
     summed over micro-batches and ranks. `micro_loss` gets each micro-batch on the device; the per-token tensors it
     indexes should live there too, so that no host copy inside the loop stalls the queue."""
     device, world = backend.device, backend.dist_info.world_size
-    totals = torch.zeros(len(sums), dtype=torch.float64, device=device)
+    names: tuple[str, ...] = ()
+    totals = torch.zeros(0, dtype=torch.float64, device=device)
     for i, mb in enumerate(mbs):
         out = micro_loss(mb.to(device))
         loss = out.loss if mb.token_index.numel() else out.anchor.sum() * 0.0
         backend.backward(loss * world, last=i == len(mbs) - 1)
         with torch.no_grad():
-            totals += torch.stack([p.detach().double() for p in (loss, *out.metrics())])
+            named = {"loss": loss, **out.metrics()}
+            if i == 0:   # every rank sums the same names in the same order: its micro-losses are the same code
+                names, totals = tuple(named), torch.zeros(len(named), dtype=torch.float64, device=device)
+            totals += torch.stack([named[name].detach().double() for name in names])
     step = backend.step()
-    return dict(zip(sums, all_reduce_sum(totals).cpu().tolist(), strict=True)), step
+    return dict(zip(names, all_reduce_sum(totals).cpu().tolist(), strict=True)), step
 
 
 def step_metrics(batch: TrainBatch, step: StepResult, start: float, *, parameters: int) -> dict[str, float]:

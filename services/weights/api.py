@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from services.contracts.config import TimeoutsConfig, WeightsConfig
+from services.contracts.config import ProcessGroupWeights, TimeoutsConfig, WeightsConfig
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights.base import (
     Deadline,
@@ -45,7 +45,7 @@ from services.weights.layout import (
 from services.weights.registry import transport as registered_transport
 
 _MAX_LISTED = 20   # mismatches listed in one error message
-_WEIGHTS, _TIMEOUTS = WeightsConfig(), TimeoutsConfig()   # the defaults of a receiver built without a config
+_WEIGHTS, _TIMEOUTS = ProcessGroupWeights(), TimeoutsConfig()   # the defaults of a receiver built without a config
 
 
 class WeightPublisher:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import WeightSyncPlan
 from services.rpc.grpc_util import DataLoss, FailedPrecondition
 from services.weights.layout import Layout, Slot
 
@@ -109,10 +109,10 @@ class SenderTransport(ABC):
     name: str   # the registry key (services/weights/registry.py)
 
     @abstractmethod
-    def prepare(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, engine_world_size: int) -> None: ...
+    def prepare(self, *, plan: WeightSyncPlan, layout: Layout, engine_world_size: int) -> None: ...
 
     @abstractmethod
-    def publish(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
+    def publish(self, *, plan: WeightSyncPlan, layout: Layout,
                 tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline,
                 checksums: Mapping[str, str]) -> float:
         """`checksums` fills up (when plan.verify) as `tensors` is consumed, for transports that carry them."""
@@ -130,10 +130,10 @@ class ReceiverTransport(ABC):
     name: str   # the registry key (services/weights/registry.py)
 
     @abstractmethod
-    def receive(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, rank: int,
+    def receive(self, *, plan: WeightSyncPlan, layout: Layout, rank: int,
                 params: Mapping[str, torch.Tensor], deadline: Deadline) -> Received: ...
 
-    def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str,  # noqa: B027 - optional hook, a no-op unless overridden
+    def refuse(self, *, plan: WeightSyncPlan, rank: int, reason: str,  # noqa: B027 - optional hook, a no-op unless overridden
                deadline: Deadline) -> None:
         """Tell the trainer this receiver will not take part, so it fails now instead of at its deadline; best
         effort within `deadline` (short: the caller raises the real reason next)."""

@@ -27,10 +27,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import weights_config
 from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.untyped import JsonObject, JsonValue
 from services.weights import torch_compat
 from services.weights.api import WeightPublisher, WeightReceiver
+from services.weights.base import SyncStats
 from services.weights.layout import TensorSpec, layout_from_plan, tensor_bytes, torch_dtype
 
 # A test and benchmark harness, not a service (no config): how long the parent waits for the peer to start and
@@ -60,11 +62,11 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(tensor_bytes(a), tensor_bytes(b))
 
 
-def specs_to_json(specs: Sequence[TensorSpec]) -> list[list[Any]]:
+def specs_to_json(specs: Sequence[TensorSpec]) -> list[list[JsonValue]]:
     return [[s.name, s.dtype, list(s.shape)] for s in specs]
 
 
-def specs_from_json(items: Sequence[Sequence[Any]]) -> list[TensorSpec]:
+def specs_from_json(items: Sequence[Sequence[JsonValue]]) -> list[TensorSpec]:
     return [TensorSpec(name=name, dtype=dtype, shape=tuple(shape)) for name, dtype, shape in items]
 
 
@@ -76,7 +78,7 @@ def plan_from_text(text: str) -> common_pb2.WeightSyncPlan:
     return common_pb2.WeightSyncPlan.FromString(base64.b64decode(text))
 
 
-def stats_to_json(stats: Any) -> dict[str, Any]:
+def stats_to_json(stats: SyncStats) -> JsonObject:
     return {"version": stats.version, "bytes": stats.bytes, "seconds": stats.seconds, "checksums": stats.checksums,
             "transport": stats.transport, "wait_seconds": stats.wait_seconds,
             "bucket_checksums": list(stats.bucket_checksums)}
@@ -91,7 +93,7 @@ class _Worker:
         self.params: dict[str, torch.Tensor] = {}
         self.params_key: Any = None
 
-    def receive(self, cmd: dict[str, Any]) -> dict[str, Any]:
+    def receive(self, cmd: JsonObject) -> JsonObject:
         specs = specs_from_json(cmd["specs"])
         device = cmd.get("device", "cpu")
         plan = plan_from_text(cmd["plan"])
@@ -107,7 +109,7 @@ class _Worker:
                 self.params = {s.name: torch.zeros(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in specs}
             self.params_key = key
         stats = self.receiver.receive(plan, cmd.get("rank", 1), self.params)
-        reply: dict[str, Any] = {"stats": stats_to_json(stats)}
+        reply: JsonObject = {"stats": stats_to_json(stats)}
         transport: Any = self.receiver._transports.get(plan.transport)   # diagnostics of some transports
         if hasattr(transport, "last_copies"):
             reply["copies"] = transport.last_copies
@@ -121,9 +123,9 @@ class _Worker:
                                 if not (bits_equal(self.params[n].cpu(), t) and torch.equal(self.params[n].cpu(), t))]
         return reply
 
-    def prepare(self, cmd: dict[str, Any]) -> dict[str, Any]:
+    def prepare(self, cmd: JsonObject) -> JsonObject:
         if self.publisher is None:
-            config = WeightsConfig(transport=cmd["transport"], bucket_mb=cmd["bucket_mb"], timeout_s=cmd["timeout_s"])
+            config = weights_config(transport=cmd["transport"], bucket_mb=cmd["bucket_mb"], timeout_s=cmd["timeout_s"])
             self.publisher = WeightPublisher(config=config, run_dir=Path(cmd.get("run_dir", ".")),
                                              trainer_id=cmd.get("trainer_id", "peer"))
         self.specs = specs_from_json(cmd["specs"])
@@ -131,7 +133,7 @@ class _Worker:
                                            cmd.get("verify", False))
         return {"plan": plan_to_text(self.plan)}
 
-    def publish(self, cmd: dict[str, Any]) -> dict[str, Any]:
+    def publish(self, cmd: JsonObject) -> JsonObject:
         assert self.publisher is not None and self.plan is not None
         tensors = make_tensors(self.specs, seed=cmd["seed"])
         stall_after, exit_after = cmd.get("stall_after"), cmd.get("exit_after")
@@ -147,7 +149,7 @@ class _Worker:
         return {"stats": stats_to_json(self.publisher.publish(self.plan, stream()))}
 
     @staticmethod
-    def raw_recv(cmd: dict[str, Any]) -> dict[str, Any]:
+    def raw_recv(cmd: JsonObject) -> JsonObject:
         """The bare-gloo baseline: one buffer of `nbytes`, broadcast `repeats` times from rank 0."""
         timeout = datetime.timedelta(seconds=cmd["timeout_s"])
         store = dist.TCPStore(host_name=cmd["addr"], port=cmd["port"], is_master=False, timeout=timeout)
@@ -186,7 +188,7 @@ class Peer:
     def __init__(self, *, env: dict[str, str] | None = None):
         self.proc = subprocess.Popen([sys.executable, "-m", "services.weights.peer"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
-        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._replies: queue.Queue[JsonObject | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         hello = self.reply(timeout_s=_HARNESS_TIMEOUT_S)
         assert hello.get("ready"), hello
@@ -197,18 +199,18 @@ class Peer:
             self._replies.put(json.loads(line))
         self._replies.put(None)
 
-    def send(self, **cmd: Any) -> None:
+    def send(self, **cmd: JsonValue) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
 
-    def reply(self, *, timeout_s: float) -> dict[str, Any]:
+    def reply(self, *, timeout_s: float) -> JsonObject:
         item = self._replies.get(timeout=timeout_s)
         if item is None:
             raise RuntimeError(f"peer {self.proc.pid} exited with {self.proc.wait()}")
         return item
 
-    def call(self, *, reply_timeout_s: float = _HARNESS_TIMEOUT_S, **cmd: Any) -> dict[str, Any]:
+    def call(self, *, reply_timeout_s: float = _HARNESS_TIMEOUT_S, **cmd: JsonValue) -> JsonObject:
         self.send(**cmd)
         return self.reply(timeout_s=reply_timeout_s)
 

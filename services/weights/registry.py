@@ -18,13 +18,23 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import TypeVar
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import CudaIpcWeights, DiskWeights, ProcessGroupWeights, WeightsConfig, for_transport
 from services.weights.base import ReceiverTransport, SenderTransport
 
 SenderFactory = Callable[[WeightsConfig, Path, str], SenderTransport]  # (config, run_dir, trainer_id)
 SGLangSenderFactory = Callable[[WeightsConfig, str, str], SenderTransport]   # (config, trainer_id, load format)
 ReceiverFactory = Callable[[], ReceiverTransport]
+Own = TypeVar("Own", ProcessGroupWeights, CudaIpcWeights, DiskWeights)
+
+
+def _own(config: WeightsConfig, transport: str, section: type[Own]) -> Own:
+    """The run's weights section as `transport` reads it (a PrepareWeightSync may name another than configured)."""
+    own = for_transport(config, transport)
+    if not isinstance(own, section):
+        raise TypeError(f"weights.transport {transport} reads {section.__name__}, not {type(own).__name__}")
+    return own
 
 
 @dataclass(frozen=True)
@@ -38,7 +48,8 @@ class Transport:
 def _process_group_sender(backend: str) -> SenderFactory:
     def build(config: WeightsConfig, run_dir: Path, trainer_id: str) -> SenderTransport:
         from services.weights.transports.sglang import SGLangAwareSender
-        return SGLangAwareSender(backend=backend, config=config, trainer_id=trainer_id)
+        return SGLangAwareSender(backend=backend, config=_own(config, backend, ProcessGroupWeights),
+                                 trainer_id=trainer_id)
     return build
 
 
@@ -51,7 +62,7 @@ def _process_group_receiver(backend: str) -> ReceiverFactory:
 
 def _cuda_ipc_sender(config: WeightsConfig, run_dir: Path, trainer_id: str) -> SenderTransport:
     from services.weights.transports.cuda_ipc import CudaIpcSender
-    return CudaIpcSender(config=config, trainer_id=trainer_id)
+    return CudaIpcSender(config=_own(config, "cuda_ipc", CudaIpcWeights), trainer_id=trainer_id)
 
 
 def _cuda_ipc_receiver() -> ReceiverTransport:
@@ -61,12 +72,13 @@ def _cuda_ipc_receiver() -> ReceiverTransport:
 
 def _sglang_tensor_sender(config: WeightsConfig, trainer_id: str, load_format: str) -> SenderTransport:
     from services.weights.transports.sglang_tensor import SGLangTensorSender
-    return SGLangTensorSender(config=config, trainer_id=trainer_id, load_format=load_format)
+    return SGLangTensorSender(config=_own(config, "cuda_ipc", CudaIpcWeights), trainer_id=trainer_id,
+                              load_format=load_format)
 
 
 def _disk_sender(config: WeightsConfig, run_dir: Path, trainer_id: str) -> SenderTransport:
     from services.weights.transports.disk import DiskSender
-    return DiskSender(config=config, run_dir=run_dir, trainer_id=trainer_id)
+    return DiskSender(config=_own(config, "disk", DiskWeights), run_dir=run_dir, trainer_id=trainer_id)
 
 
 def _disk_receiver() -> ReceiverTransport:

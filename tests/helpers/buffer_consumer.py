@@ -11,6 +11,7 @@ import json
 import sys
 import time
 
+from services.buffer.entries import BufferEntry
 from services.buffer.stream import RolloutBuffer, connect
 
 
@@ -26,7 +27,7 @@ def main() -> int:
     args = parser.parse_args()
     buf = RolloutBuffer(connect(args.url), args.stream, groups=tuple(args.groups.split(",")), group=args.group,
                         consumer=args.consumer, claim_idle_ms=3_600_000)
-    got = []
+    got: list[BufferEntry] = []
     deadline = time.monotonic() + args.timeout
     while len(got) < args.count and time.monotonic() < deadline:
         got += buf.get(count=args.count - len(got), block_ms=500)

@@ -9,7 +9,7 @@ from services.rollout.engines.gate import PauseGate
 
 class GenerateOnlyEngine(Engine):
     name = "scripted"
-    model_path = device_label = "scripted"   # type: ignore[assignment]
+    model_path = device_label = "scripted"
 
     def __init__(self, *, max_context: int = 64, version: int = 0):
         self._version, self._max_context, self._gate = version, max_context, PauseGate(engine="scripted")

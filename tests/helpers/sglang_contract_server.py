@@ -233,13 +233,14 @@ class Server(WeightRoutes):
         if stops and self.tokenizer is None:   # a deviation: this server has a tokenizer only with --tokenizer
             raise error_response("the contract server matches stop strings only when started with --tokenizer")
         p["stop_strs"] = stops
-        p["stop_str_max_len"] = max((len(self.tokenizer.encode(s, add_special_tokens=False)) for s in stops),
-                                    default=0)
+        tokenizer = self.tokenizer
+        p["stop_str_max_len"] = max((len(tokenizer.encode(s, add_special_tokens=False)) for s in stops),
+                                    default=0) if tokenizer is not None else 0
         return p
 
     def _matched_stop(self, tokens: list[int], p: dict[str, Any]) -> str | None:
         """Req.check_finished: the tail of stop_str_max_len + 1 tokens, decoded with its special tokens."""
-        if not p["stop_strs"]:
+        if not p["stop_strs"] or self.tokenizer is None:
             return None
         tail = self.tokenizer.decode(tokens[-(p["stop_str_max_len"] + 1):])
         return next((s for s in p["stop_strs"] if s in tail), None)
@@ -249,6 +250,7 @@ class Server(WeightRoutes):
         if self.tokenizer is None:
             return " ".join(str(t) for t in tokens)
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert isinstance(text, str)   # one sequence
         matched = finish.get("matched")
         if isinstance(matched, str) and matched in text and not p.get("no_stop_trim"):
             text = text[:text.find(matched)]
@@ -491,7 +493,14 @@ class ContractServer:
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], stdout=subprocess.PIPE,
                                      text=True, env=env)
         lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stdout], daemon=True).start()
+        stdout = self.proc.stdout
+        assert stdout is not None
+
+        def read_lines() -> None:
+            for line in stdout:
+                lines.put(line)
+
+        threading.Thread(target=read_lines, daemon=True).start()
         try:
             line = lines.get(timeout=startup_timeout_s)
         except queue.Empty:

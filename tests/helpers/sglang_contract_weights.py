@@ -99,7 +99,14 @@ def init_custom_process_group(backend: str, init_method: str, timeout: datetime.
                               rank: int, group_name: str) -> dist.ProcessGroup:
     """SGLang's sglang.srt.utils.init_custom_process_group, the store-is-None path it takes from
     ModelRunner.init_weights_update_group(init_method=f"tcp://{master_address}:{master_port}")."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        GroupName,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
 
     backend = Backend(backend)
     rendezvous_iterator = rendezvous(init_method, rank, world_size, timeout=timeout)
@@ -110,7 +117,7 @@ def init_custom_process_group(backend: str, init_method: str, timeout: datetime.
     # version strings, which misreads torch >= 2.10; the release tuple is compared here.)
     release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     pg_options_param_name = "backend_options" if release >= (2, 6) else "pg_options"
-    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name,
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=GroupName(group_name),
                                       **{pg_options_param_name: None}, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
@@ -118,21 +125,22 @@ def init_custom_process_group(backend: str, init_method: str, timeout: datetime.
 
 def blake2b_hex(tensor: torch.Tensor) -> str:
     data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.blake2b(memoryview(data), digest_size=16).hexdigest()
+    return hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
 
 
 def inspect_pickle(data: bytes) -> tuple[list[tuple[str, str]], list[str]]:
     """(the globals a pickle names, as (module, name); the str values it holds), read op by op, nothing executed."""
     memo: dict[int, Any] = {}
     stack: list[Any] = []   # only what GLOBAL lookups need: the last pushed values (str or None)
-    names, strings = [], []
+    names: list[tuple[str, str]] = []
+    strings: list[str] = []
     for op, arg, _ in pickletools.genops(data):
         match op.name:
             case "SHORT_BINUNICODE" | "BINUNICODE" | "BINUNICODE8" | "UNICODE":
                 stack.append(arg)
-                strings.append(arg)
+                strings.append(str(arg))
             case "GLOBAL":
-                module, name = arg.split(" ", 1)
+                module, name = str(arg).split(" ", 1)
                 names.append((module, name))
                 stack.append(None)
             case "STACK_GLOBAL":
@@ -145,9 +153,9 @@ def inspect_pickle(data: bytes) -> tuple[list[tuple[str, str]], list[str]]:
             case "MEMOIZE":
                 memo[len(memo)] = stack[-1] if stack else None
             case "BINPUT" | "LONG_BINPUT" | "PUT":
-                memo[int(arg)] = stack[-1] if stack else None
+                memo[int(str(arg))] = stack[-1] if stack else None
             case "BINGET" | "LONG_BINGET" | "GET":
-                stack.append(memo.get(int(arg)))
+                stack.append(memo.get(int(str(arg))))
             case _:
                 stack.append(None)
     return names, strings

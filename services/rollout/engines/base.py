@@ -12,26 +12,23 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from services.contracts.sampling import SamplingSpec
 
 if TYPE_CHECKING:
     import torch
 
-    from services.contracts.gen.tandem.v1 import common_pb2
+    from services.contracts.weight_plan import WeightSyncPlan
     from services.rollout.engines.gate import PauseGate
+    from services.weights.api import WeightReceiver
+    from services.weights.base import SyncStats
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 # What an engine's reported log-probs are of (RolloutBatch.logprob_space; docs/algorithms.md): the distribution it
 # sampled from (truncated by top-k/top-p and renormalised), or log_softmax(logits / T) over the whole vocabulary.
 LOGPROB_SAMPLING, LOGPROB_TEMPERED = "sampling", "tempered"
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine cannot serve right now (paused too long, memory released, weights missing). The service
-    reports it as FAILED_PRECONDITION; engines import only torch, so they also run where gRPC is absent."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +107,12 @@ class Engine(ABC):
         return self._max_context
 
     @property
+    def compute_device(self) -> torch.device | None:
+        """The kind of device the engine's work runs on, which sets this process's CPU threads (None: not known,
+        as for a scripted test engine)."""
+        return None
+
+    @property
     def engine_ranks(self) -> int:
         """Ranks this engine contributes to a weight-sync process group (tensor-parallel size)."""
         return 1
@@ -152,9 +155,10 @@ class Engine(ABC):
         """Loads every *.safetensors file in `path` (a model directory or a weight dump)."""
 
     @abstractmethod
-    def receive_weights(self, plan: common_pb2.WeightSyncPlan, *, rank_offset: int, receiver: Any) -> Any:
+    def receive_weights(self, plan: WeightSyncPlan, *, rank_offset: int,
+                        receiver: WeightReceiver) -> SyncStats:
         """Takes part in a transfer announced by the trainer (process group, CUDA IPC or disk) through
-        `receiver` (services.weights.WeightReceiver); serves `plan.version` afterwards."""
+        `receiver`; serves `plan.version` afterwards."""
 
     @abstractmethod
     def pause(self, mode: str = "drain", *, timeout_s: float | None = None) -> None:

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +34,11 @@ from services.rollout.engines.gate import Step
 from services.rollout.engines.sampling import make_generator, sample_next
 from services.rollout.engines.stop_strings import StopStrings, StopStringTables
 
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
-def distribution(s: SamplingSpec) -> tuple[Any, ...]:
+
+def distribution(s: SamplingSpec) -> tuple[float, float, int, tuple[int, ...], bool, tuple[str, ...]]:
     """What samples decoded in one batch must share."""
     return s.temperature, s.top_p, s.top_k, tuple(sorted(s.stop_token_ids)), s.ignore_eos, s.stop
 
@@ -76,7 +79,7 @@ class Ticket:
 class _Rows:
     """The running batch, rows in cache order (device tensors, except the owners and prompts)."""
 
-    cache: Any
+    cache: DynamicCache
     mask: torch.Tensor          # [R, W] 1 = a real token in that KV column
     logits: torch.Tensor        # [R, vocab] of the next token to sample
     next_pos: torch.Tensor      # [R] rotary position of the token fed next
@@ -116,7 +119,7 @@ class _Rows:
 
 
 class ContinuousBatcher:
-    def __init__(self, *, forward: Forward, new_cache: Callable[[], Any], hooks: Hooks, device: torch.device,
+    def __init__(self, *, forward: Forward, new_cache: Callable[[], DynamicCache], hooks: Hooks, device: torch.device,
                  max_rows: int, pad_token_id: int, eos_token_ids: Sequence[int], max_context: int,
                  stop_tables: StopStringTables | None = None):
         self.forward, self.new_cache, self.hooks, self.device = forward, new_cache, hooks, device
@@ -145,7 +148,7 @@ class ContinuousBatcher:
             self._queue.append(ticket)
         return ticket
 
-    def serve(self, ticket: Ticket, computing: Callable[[], AbstractContextManager[Any]]) -> list[SampleOutput]:
+    def serve(self, ticket: Ticket, computing: Callable[[], AbstractContextManager[None]]) -> list[SampleOutput]:
         """The ticket's outputs. While no other call steps the batch this one does (inside `computing`, the engine's
         compute lock), until its own samples are done; meanwhile it waits for its samples or for its turn."""
         while True:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,11 +27,15 @@ from services.rollout.engines.sampling import sample_next
 from services.rollout.engines.static_decode import Runner, RunnerCache
 from services.rollout.engines.stop_strings import StopStrings
 
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
 REASONS = (None, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)   # codes 0..3 in the loop's reason tensor
 STOP, LENGTH, ABORT = 1, 2, 3
 _SYNC_EVERY = 8        # static path: tokens between host checks for "every row finished"
 
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]  # ids, mask, positions, cache
+# (ids, mask, positions, cache) -> logits
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "DynamicCache"], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ def prepare_chunk(prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *, d
 
 
 def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator | None, *,
-                   new_cache: Callable[[], Any], forward: Forward, hooks: Hooks,
+                   new_cache: Callable[[], DynamicCache], forward: Forward, hooks: Hooks,
                    stops: StopStrings | None = None) -> Decoded:
     dev, n, steps, budget, stop_ids, mask = c.input_ids.device, c.n, c.steps, c.budget, c.stop_ids, c.mask
     out = Decoded.empty(n, steps, dev)

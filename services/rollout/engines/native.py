@@ -32,13 +32,13 @@ from services.contracts.sampling import SamplingSpec
 from services.rollout.engines import kv_rows
 from services.rollout.engines.base import (
     Engine,
-    EngineUnavailable,
     SampleOutput,
     WeightLoadStats,
     normalize_memory_tags,
 )
 from services.rollout.engines.continuous import ContinuousBatcher
 from services.rollout.engines.decode import Hooks, decode_dynamic, decode_static, prepare_chunk
+from services.rollout.engines.errors import EngineUnavailable
 from services.rollout.engines.gate import DecodeGate, check_pause_mode
 from services.rollout.engines.sampling import make_generator
 from services.rollout.engines.static_decode import RunnerCache, supported
@@ -46,6 +46,9 @@ from services.rollout.engines.stop_strings import Detokenizer, StopStringTables
 from services.tensors import fused
 
 if TYPE_CHECKING:
+    from services.contracts.weight_plan import WeightSyncPlan
+    from services.weights.api import WeightReceiver
+    from services.weights.base import SyncStats
     from services.weights.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -290,7 +293,12 @@ class NativeEngine(Engine):
             state.update(load_file(str(f), device="cpu"))
         return self.load_state_dict(state, version=version)
 
-    def receive_weights(self, plan: Any, *, rank_offset: int, receiver: Any) -> Any:
+    @property
+    def compute_device(self) -> torch.device:
+        return self.device
+
+    def receive_weights(self, plan: WeightSyncPlan, *, rank_offset: int,
+                        receiver: WeightReceiver) -> SyncStats:
         with self._gate.exclusive():
             self._check_weights_resident()
             if plan.transport == "cuda_ipc" and self.device.type == "cuda":

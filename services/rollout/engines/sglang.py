@@ -21,7 +21,7 @@ are in sglang_protocol.py; docs/sglang.md says what ran against a real SGLang 0.
   keys are in services/weights/transports/sglang.py): ready and go over the trainer's store for the servers,
   /init_weights_update_group once per group, one /update_weights_from_distributed per plan bucket inside
   /begin_weight_update ... /end_weight_update where the server has them; cuda_ipc is /update_weights_from_tensor
-  with the buckets the trainer serialised (sglang_tensor.py, same host only); disk maps to
+  with the buckets the trainer serialised (sglang_tensor_sync.py, same host only); disk maps to
   /update_weights_from_disk on the version's directory; verification is refused with the reason (`_refusal`).
 - Memory: /release_memory_occupation and /resume_memory_occupation with tags; refused up front when a server
   was started without --enable-memory-saver (SGLang would answer success and free nothing), and when a server is
@@ -32,7 +32,6 @@ are in sglang_protocol.py; docs/sglang.md says what ran against a real SGLang 0.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
@@ -42,106 +41,63 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.contracts.config import SGLangConfig, TimeoutsConfig, WeightsConfig
+from services.contracts.config import ProcessGroupWeights, SGLangConfig, SGLangRolloutConfig, TimeoutsConfig
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.base import (
     FINISH_ABORT,
     LOGPROB_TEMPERED,
     Engine,
-    EngineUnavailable,
     SampleOutput,
     WeightLoadStats,
     normalize_memory_tags,
 )
+from services.rollout.engines.errors import EngineUnavailable
 from services.rollout.engines.gate import PauseGate, check_pause_mode
 from services.rollout.engines.gpu_memory import device_memory_used_bytes
 from services.rollout.engines.sglang_http import (
     SGLangAborted,
-    SGLangClient,
-    SGLangError,
-    SGLangNotFound,
     SGLangRequestError,
-    SGLangTimeout,
-    SGLangUnavailable,
     is_loopback,
 )
-from services.rollout.engines.sglang_launch import JIT_NOTE, LaunchedServer
+from services.rollout.engines.sglang_launch import LaunchedServer
 from services.rollout.engines.sglang_protocol import (
     LOAD_FORMATS,
     SGLANG_PAUSE_MODES,
-    ApiProfile,
     BadAnswer,
-    ServerInfo,
     answer_version,
     disk_update_body,
     generate_body,
     inflight_refusal,
     memory_body,
-    parse_server_info,
     parse_weight_version,
     pause_body,
-    profile_for,
     sample_from_answer,
 )
+from services.rollout.engines.sglang_server import Server, connect_server
 from services.rollout.engines.sglang_sync import DistributedSync
-from services.rollout.engines.sglang_tensor import TensorSync
-from services.weights.base import Deadline, SyncContext, WeightSyncError, WeightSyncRefused, WeightSyncTimeout
+from services.rollout.engines.sglang_tensor_sync import TensorSync
+from services.weights.base import (
+    Deadline,
+    SyncContext,
+    SyncStats,
+    WeightSyncError,
+    WeightSyncRefused,
+    WeightSyncTimeout,
+)
 from services.weights.transports.sglang import EngineHandshake
 
 if TYPE_CHECKING:
+    import torch
+
     from services.contracts.config import TandemConfig
+    from services.contracts.weight_plan import WeightSyncPlan
+    from services.weights.api import WeightReceiver
 
 log = logging.getLogger(__name__)
 
 # Defaults of an engine built without a config (tests, benchmarks); from_config passes the run's.
-_SGLANG, _TIMEOUTS, _WEIGHTS = SGLangConfig(), TimeoutsConfig(), WeightsConfig()
-_HEALTH_POLL_S = 0.5      # while a server starts: between /health_generate calls
+_SGLANG, _TIMEOUTS, _WEIGHTS = SGLangConfig(), TimeoutsConfig(), ProcessGroupWeights()
 _MANIFEST_POLL_S = 0.02   # disk sync: between looks for the trainer's manifest
-
-
-class Server:
-    """One SGLang server and what the adapter knows about it (mutated only under the engine's weights lock)."""
-
-    def __init__(self, *, client: SGLangClient, info: ServerInfo, profile: ApiProfile, max_model_len: int | None):
-        self.client, self.info, self.profile, self.max_model_len = client, info, profile, max_model_len
-        self.group: tuple | None = None          # (addr, port, plan group name, world, rank offset, generation)
-        self.group_name = ""                     # the name SGLang registered that group under
-        self.session: bool | None = None         # begin/end_weight_update present? None = not probed yet
-
-    @property
-    def url(self) -> str:
-        return self.client.url
-
-    def held(self, key: tuple) -> int | None:
-        return self.group[-1] if self.group is not None and self.group[:-1] == key else None
-
-
-def connect_server(url: str, *, api_key: str | None, deadline: float, control_s: float) -> Server:
-    """Waits for /health_generate, then reads the version (/server_info, or /get_server_info where the newer
-    route is missing) and the context length (/v1/models); each call within `control_s`."""
-    client = SGLangClient(url, api_key=api_key)
-    last: Exception | None = None
-    while True:
-        try:
-            client.get("/health_generate", timeout_s=max(0.1, min(control_s, deadline - time.monotonic())))
-            break
-        except (SGLangUnavailable, SGLangTimeout) as exc:   # starting (503), not up yet, or busy: wait
-            last = exc
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"SGLang at {url} was not healthy within rollout.sglang.startup_timeout_s ({JIT_NOTE}): "
-                               f"{last}")
-        time.sleep(_HEALTH_POLL_S)
-    try:
-        raw = client.get("/server_info", timeout_s=control_s).body
-    except SGLangNotFound:
-        raw = client.get("/get_server_info", timeout_s=control_s).body
-    info = parse_server_info(raw, url=client.url)
-    profile = profile_for(info.version, url=client.url)
-    max_len = None
-    with contextlib.suppress(SGLangError, TypeError, ValueError, KeyError, IndexError):
-        max_len = int(client.get("/v1/models", timeout_s=control_s).body["data"][0]["max_model_len"])
-    log.info("SGLang %s at %s (tp %d, model %s)", info.version, client.url, info.tp_size, info.model_path)
-    return Server(client=client, info=info, profile=profile, max_model_len=max_len)
 
 
 class SGLangEngine(Engine):
@@ -199,34 +155,6 @@ class SGLangEngine(Engine):
                                             flush=self._flush_after_sync)
         self._tensor = TensorSync(self.servers, handshake=self._handshake, pool=self._weight_pool,
                                   flush=self._flush_after_sync, probe_s=timeouts.probe_s)
-
-    @classmethod
-    def from_config(cls, config: TandemConfig, *, eos_token_ids: Sequence[int] = ()) -> SGLangEngine:
-        """rollout.sglang.urls, or a server launched here when none are given."""
-        from services.rollout.engines.sglang_launch import LaunchSpec, launch_args
-        from services.rpc.ports import free_port
-
-        ro, sg = config.rollout, config.rollout.sglang
-        launched = None
-        urls = list(sg.urls)
-        if not urls:
-            spec = LaunchSpec(model_path=config.model.path, port=free_port(), api_key=sg.api_key,
-                              extra_args=launch_args(config))
-            launched = LaunchedServer(spec, timeouts=config.services.timeouts)
-            urls = [spec.url]
-        try:
-            if launched is not None:
-                launched.wait_healthy(timeout_s=sg.startup_timeout_s)
-            return cls(urls, max_batch_size=ro.max_batch_size, max_context_length=ro.max_context_length,
-                       pause_mode=sg.pause_mode, request_timeout_s=sg.request_timeout_s,
-                       weight_load_format=sg.weight_load_format, startup_timeout_s=sg.startup_timeout_s,
-                       api_key=sg.api_key, launched=launched, timeouts=config.services.timeouts,
-                       weights_timeout_s=config.weights.timeout_s, inflight_update=ro.inflight_update,
-                       eos_token_ids=eos_token_ids)
-        except BaseException:
-            if launched is not None:
-                launched.stop()
-            raise
 
     # ---- properties --------------------------------------------------------------------------------
 
@@ -326,7 +254,7 @@ class SGLangEngine(Engine):
 
     # ---- weights -----------------------------------------------------------------------------------
 
-    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, Any]], *,
+    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                                     version: int | None = None) -> WeightLoadStats:
         raise NotImplementedError(
             "the sglang engine does not load tensors of the rollout process: SGLang's /update_weights_from_tensor "
@@ -356,16 +284,24 @@ class SGLangEngine(Engine):
         if "weights" in self._released:
             raise EngineUnavailable("SGLang's weights are released; call ResumeMemory before loading weights")
 
-    def receive_weights(self, plan: Any, *, rank_offset: int, receiver: Any) -> WeightLoadStats:
+    @property
+    def compute_device(self) -> torch.device:
+        """SGLang computes in its own processes on the GPU: this one only prepares requests and scores rewards."""
+        import torch
+
+        return torch.device("cuda")
+
+    def receive_weights(self, plan: WeightSyncPlan, *, rank_offset: int,
+                        receiver: WeightReceiver) -> SyncStats:
         """Takes part in the trainer's transfer for every server of this engine. SGLang receives into its own
-        weights; of `receiver` (a WeightReceiver) only `accepted_trainer_id` is used."""
+        weights; of `receiver` only `accepted_trainer_id` is used."""
         started = time.monotonic()
         deadline = Deadline(plan.timeout_s if plan.timeout_s > 0 else self._weights_timeout_s)
         ranks = list(range(rank_offset, rank_offset + self.engine_ranks))
         ctx = SyncContext(plan.transport, plan.version, f"SGLang engine rank(s) {ranks}",
                           f"trainer {plan.trainer_id or '?'} at {plan.master_addr}:{plan.master_port}", plan.timeout_s)
         refusal = plan_refusal(plan, rank_offset, engine_ranks=self.engine_ranks,
-                               accepted_trainer_id=getattr(receiver, "accepted_trainer_id", None),
+                               accepted_trainer_id=receiver.accepted_trainer_id,
                                weights_released="weights" in self._released,
                                tensor_refusal=self._tensor.refusal if plan.transport == "cuda_ipc" else None)
         if refusal is not None:
@@ -383,10 +319,10 @@ class SGLangEngine(Engine):
                     self._distributed.receive(plan, rank_offset=rank_offset, deadline=deadline, ctx=ctx)
             self._version = int(plan.version)
             self._weights_empty = False
-        return WeightLoadStats(version=self._version, tensors=sum(len(b.tensors) for b in plan.buckets),
-                               bytes=int(plan.total_bytes), seconds=time.monotonic() - started)
+        return SyncStats(version=self._version, bytes=int(plan.total_bytes), seconds=time.monotonic() - started,
+                         transport=plan.transport)
 
-    def _receive_disk(self, plan: Any, *, deadline: Deadline, ctx: SyncContext) -> None:
+    def _receive_disk(self, plan: WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> None:
         path = await_disk_manifest(plan, deadline=deadline, ctx=ctx)
         self._load_disk(str(path), version=plan.version, timeout_s=max(0.1, deadline.remaining()))
 
@@ -445,8 +381,40 @@ class SGLangEngine(Engine):
             self._launched.stop()
 
 
-def plan_refusal(plan: Any, rank_offset: int, *, engine_ranks: int, accepted_trainer_id: str | None,
-                 weights_released: bool, tensor_refusal: Callable[[Any, int], str | None] | None,
+def engine_from_config(config: TandemConfig, *, eos_token_ids: Sequence[int] = ()) -> SGLangEngine:
+    """rollout.sglang.urls, or a server launched here when none are given."""
+    from services.rollout.engines.sglang_launch import LaunchSpec, launch_args
+    from services.rpc.ports import free_port
+
+    ro = config.rollout
+    if not isinstance(ro, SGLangRolloutConfig):
+        raise ValueError(f"the SGLang engine needs rollout.engine sglang, not {ro.engine}")
+    sg = ro.sglang
+    launched = None
+    urls = list(sg.urls)
+    if not urls:
+        spec = LaunchSpec(model_path=config.model.path, port=free_port(), api_key=sg.api_key,
+                          extra_args=launch_args(config))
+        launched = LaunchedServer(spec, timeouts=config.services.timeouts)
+        urls = [spec.url]
+    try:
+        if launched is not None:
+            launched.wait_healthy(timeout_s=sg.startup_timeout_s)
+        return SGLangEngine(urls, max_batch_size=ro.max_batch_size, max_context_length=ro.max_context_length,
+                            pause_mode=sg.pause_mode, request_timeout_s=sg.request_timeout_s,
+                            weight_load_format=sg.weight_load_format, startup_timeout_s=sg.startup_timeout_s,
+                            api_key=sg.api_key, launched=launched, timeouts=config.services.timeouts,
+                            weights_timeout_s=config.weights.timeout_s, inflight_update=ro.inflight_update,
+                            eos_token_ids=eos_token_ids)
+    except BaseException:
+        if launched is not None:
+            launched.stop()
+        raise
+
+
+def plan_refusal(plan: WeightSyncPlan, rank_offset: int, *, engine_ranks: int,
+                 accepted_trainer_id: str | None, weights_released: bool,
+                 tensor_refusal: Callable[[WeightSyncPlan, int], str | None] | None,
                  ) -> tuple[type[Exception], str] | None:
     """Why this engine will not take part in `plan` (the exception to raise and the reason), or None."""
     if accepted_trainer_id and plan.trainer_id != accepted_trainer_id:
@@ -470,7 +438,7 @@ def plan_refusal(plan: Any, rank_offset: int, *, engine_ranks: int, accepted_tra
     return None
 
 
-def await_disk_manifest(plan: Any, *, deadline: Deadline, ctx: SyncContext) -> Path:
+def await_disk_manifest(plan: WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> Path:
     """The disk transport's directory once the trainer's manifest of this plan is there (it is written last)."""
     path = Path(plan.disk_path)
     manifest = path / "manifest.json"

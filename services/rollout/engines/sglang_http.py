@@ -26,10 +26,12 @@ import http.client
 import ipaddress
 import json
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
+
+from services.contracts.untyped import JsonValue
 
 _READ_CHUNK = 1 << 16
 ABORTED_STATUS = 499   # SGLang's RequestAbortedError (a client-closed-request code, not a 4xx of bad input)
@@ -66,11 +68,11 @@ class SGLangTimeout(SGLangError, TimeoutError):
 @dataclass(frozen=True)
 class Answer:
     status: int
-    body: Any          # parsed JSON, or None when the answer is not JSON
+    body: JsonValue          # parsed JSON, or None when the answer is not JSON
     text: str
 
 
-def error_reason(body: Any, text: str) -> str:
+def error_reason(body: JsonValue, text: str) -> str:
     """SGLang's own explanation from any of its error shapes (see the module docstring)."""
     if isinstance(body, dict):
         error = body.get("error")
@@ -120,10 +122,10 @@ class SGLangClient:
     def get(self, path: str, *, timeout_s: float) -> Answer:
         return self.request("GET", path, body=None, timeout_s=timeout_s)
 
-    def post(self, path: str, body: Any, *, timeout_s: float) -> Answer:
+    def post(self, path: str, body: JsonValue, *, timeout_s: float) -> Answer:
         return self.request("POST", path, body=body, timeout_s=timeout_s)
 
-    def request(self, method: str, path: str, *, body: Any, timeout_s: float) -> Answer:
+    def request(self, method: str, path: str, *, body: JsonValue, timeout_s: float) -> Answer:
         """One call; raises SGLang* errors for anything but a 2xx answer (or a 2xx saying success: false)."""
         deadline = time.monotonic() + timeout_s
         where = f"SGLang {method} {self.url}{path}"
@@ -150,7 +152,7 @@ class SGLangClient:
                 else SGLangUnavailable if status >= 500 else SGLangRequestError)
         raise kind(message, url=self.url, path=path, status=status, reason=reason)
 
-    def _exchange(self, method: str, path: str, *, body: Any, deadline: float) -> tuple[int, bytes]:
+    def _exchange(self, method: str, path: str, *, body: JsonValue, deadline: float) -> tuple[int, bytes]:
         left = _left(deadline)
         conn = (_HTTPS if self._https else _HTTP)(self._host, self._port, timeout=left)
         try:
@@ -198,7 +200,7 @@ def _left(deadline: float) -> float:
     return left
 
 
-def wait_for_all(futures: list[Future[Any]]) -> None:
+def wait_for_all(futures: Iterable[Future[None]]) -> None:
     """Waits for every server's call, then raises the first error: no server is left mid-update unobserved."""
     errors = []
     for f in futures:

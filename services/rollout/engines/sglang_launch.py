@@ -70,6 +70,8 @@ def launch_problems(args: tuple[str, ...], environ: dict[str, str]) -> list[str]
 
 def launch_args(config: TandemConfig) -> tuple[str, ...]:
     """rollout.sglang.launch_args, plus --enable-memory-saver when loop.offload_rollout asks for memory hand-back."""
+    if config.rollout.engine != "sglang":
+        return ()
     args = tuple(config.rollout.sglang.launch_args)
     if config.loop.offload_rollout and MEMORY_SAVER_FLAG not in args:
         args += (MEMORY_SAVER_FLAG,)

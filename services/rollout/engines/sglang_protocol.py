@@ -51,9 +51,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from services.contracts.sampling import SamplingSpec
+from services.contracts.untyped import JsonObject, JsonValue
 from services.rollout.engines.base import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SampleOutput
 
 MIN_VERSION = (0, 5, 15)
@@ -135,7 +135,7 @@ def inflight_refusal(inflight_update: str, *, radix_cache_off: bool, where: str)
     return None
 
 
-def parse_server_info(info: Any, *, url: str) -> ServerInfo:
+def parse_server_info(info: JsonValue, *, url: str) -> ServerInfo:
     """What the adapter needs from /server_info; refuses layouts whose weight-update ranks it cannot map."""
     if not isinstance(info, dict) or not isinstance(info.get("version"), str):
         raise UnsupportedSGLangVersion(f"SGLang at {url}: /server_info has no 'version' string; is this an SGLang "
@@ -157,7 +157,7 @@ def parse_server_info(info: Any, *, url: str) -> ServerInfo:
                       radix_cache_off=bool(info.get("disable_radix_cache", False)))
 
 
-def parse_weight_version(value: Any) -> int | None:
+def parse_weight_version(value: JsonValue) -> int | None:
     """SGLang's weight_version is a free string ("default" until the first update); Tandem writes integers."""
     text = str(value).strip() if value is not None else ""
     return int(text) if text.isdigit() else None
@@ -166,12 +166,12 @@ def parse_weight_version(value: Any) -> int | None:
 # ---- requests -------------------------------------------------------------------------------------
 
 
-def sampling_params(options: SamplingSpec, *, eos_token_ids: Sequence[int] = ()) -> dict[str, Any]:
+def sampling_params(options: SamplingSpec, *, eos_token_ids: Sequence[int] = ()) -> JsonObject:
     """`eos_token_ids` (the model's, generation_config.json's included) are sent as stop_token_ids unless ignore_eos:
     SGLang versions differ in which of them they stop on by themselves. Stop strings go as `stop`: SGLang ends a
     sample at the token that completes one and keeps it in output_ids (its `text` is cut before the string, which
     the adapter does not read)."""
-    params: dict[str, Any] = {"temperature": options.temperature, "top_p": options.top_p,
+    params: JsonObject = {"temperature": options.temperature, "top_p": options.top_p,
                               "top_k": options.top_k if options.top_k > 0 else -1,
                               "max_new_tokens": options.max_new_tokens, "ignore_eos": options.ignore_eos}
     stop_ids = sorted(set(options.stop_token_ids) | (set() if options.ignore_eos else set(eos_token_ids)))
@@ -185,7 +185,7 @@ def sampling_params(options: SamplingSpec, *, eos_token_ids: Sequence[int] = ())
 
 
 def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec, *, max_context: int | None = None,
-                  budgets: Sequence[int] | None = None, eos_token_ids: Sequence[int] = ()) -> dict[str, Any]:
+                  budgets: Sequence[int] | None = None, eos_token_ids: Sequence[int] = ()) -> JsonObject:
     """A batch request: input_ids as a list of lists (even for one prompt, so the answer is always a list).
 
     `budgets`: each prompt's own max_new_tokens (a data row's cap), sent as per-prompt sampling params. SGLang refuses
@@ -194,7 +194,7 @@ def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec, *, ma
     to what the context leaves (the prompts are validated shorter than the context). SGLang's scheduler then ends
     such a sample 2 tokens before the context (its max_req_len is the context - 1)."""
     params = sampling_params(options, eos_token_ids=eos_token_ids)
-    body: dict[str, Any] = {"input_ids": [[int(t) for t in p] for p in prompts], "sampling_params": params,
+    body: JsonObject = {"input_ids": [[int(t) for t in p] for p in prompts], "sampling_params": params,
                             "return_logprob": True, "stream": False}
     caps = list(budgets) if budgets is not None else [options.max_new_tokens] * len(prompts)
     if max_context is not None:
@@ -204,22 +204,22 @@ def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec, *, ma
     return body
 
 
-def pause_body(mode: str) -> dict[str, Any]:
+def pause_body(mode: str) -> JsonObject:
     if mode not in SGLANG_PAUSE_MODES:
         raise ValueError(f"SGLang pause mode must be one of {', '.join(SGLANG_PAUSE_MODES)}, got {mode!r}")
     return {"mode": mode}
 
 
 def init_group_body(*, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
-                    backend: str) -> dict[str, Any]:
+                    backend: str) -> JsonObject:
     return {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
             "world_size": int(world_size), "group_name": group_name, "backend": backend}
 
 
 def distributed_update_body(*, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-                            group_name: str, weight_version: str | None, load_format: str) -> dict[str, Any]:
+                            group_name: str, weight_version: str | None, load_format: str) -> JsonObject:
     """flush_cache is always false: SGLang asserts that a requested flush succeeds (module docstring)."""
-    body: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+    body: JsonObject = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
                             "group_name": group_name, "flush_cache": False, "abort_all_requests": False}
     if weight_version is not None:
         body["weight_version"] = weight_version
@@ -228,15 +228,15 @@ def distributed_update_body(*, names: Sequence[str], dtypes: Sequence[str], shap
     return body
 
 
-def disk_update_body(*, model_path: str, weight_version: str) -> dict[str, Any]:
+def disk_update_body(*, model_path: str, weight_version: str) -> JsonObject:
     return {"model_path": model_path, "weight_version": weight_version, "flush_cache": False,
             "abort_all_requests": False}
 
 
-def tensor_update_body(*, payloads: Sequence[str], load_format: str, weight_version: str | None) -> dict[str, Any]:
+def tensor_update_body(*, payloads: Sequence[str], load_format: str, weight_version: str | None) -> JsonObject:
     """/update_weights_from_tensor for one bucket: `payloads` holds one serialised bucket per TP rank of the server
     (SGLang's rank r reads entry r only), as the trainer wrote them; the adapter never decodes them."""
-    body: dict[str, Any] = {"serialized_named_tensors": list(payloads),
+    body: JsonObject = {"serialized_named_tensors": list(payloads),
                             "load_format": "flattened_bucket" if load_format == "flattened_bucket" else None,
                             "flush_cache": False, "abort_all_requests": False}
     if weight_version is not None:
@@ -244,7 +244,7 @@ def tensor_update_body(*, payloads: Sequence[str], load_format: str, weight_vers
     return body
 
 
-def memory_body(tags: Sequence[str]) -> dict[str, Any]:
+def memory_body(tags: Sequence[str]) -> JsonObject:
     return {"tags": list(tags) if tags else None}
 
 
@@ -255,7 +255,7 @@ class BadAnswer(RuntimeError):
     """An answer that does not have the recorded shape (a server of another version, or not SGLang)."""
 
 
-def _finish(meta: dict[str, Any], *, where: str) -> str:
+def _finish(meta: JsonObject, *, where: str) -> str:
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else reason
     mapping = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
@@ -264,7 +264,7 @@ def _finish(meta: dict[str, Any], *, where: str) -> str:
     return mapping[kind]
 
 
-def sample_from_answer(item: Any, *, version: int, where: str) -> SampleOutput:
+def sample_from_answer(item: JsonValue, *, version: int, where: str) -> SampleOutput:
     """One /generate answer item -> SampleOutput. Token ids and log-probs both come from
     meta_info.output_token_logprobs ([logprob, token_id, text] per generated token, the finishing stop token
     included); output_ids, when present, must agree. `version` is what the sample is stamped with."""
@@ -287,7 +287,7 @@ def sample_from_answer(item: Any, *, version: int, where: str) -> SampleOutput:
                         weight_version=version)
 
 
-def answer_version(items: Sequence[Any], *, fallback: int) -> int:
+def answer_version(items: Sequence[JsonValue], *, fallback: int) -> int:
     """The weight version SGLang reports on a batch (meta_info.weight_version); the lowest if they differ;
     `fallback` where it is absent or not an integer (e.g. "default" before any update)."""
     versions = [parse_weight_version(i.get("meta_info", {}).get("weight_version")) for i in items

@@ -12,16 +12,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from services.contracts.weight_plan import WeightSyncPlan
 from services.rollout.engines.sglang_http import SGLangError, SGLangNotFound, wait_for_all
 from services.rollout.engines.sglang_protocol import BadAnswer, distributed_update_body, init_group_body
+from services.rollout.engines.sglang_server import Server
 from services.weights.base import Deadline, SyncContext, WeightSyncError
 from services.weights.layout import dtype_name, layout_from_plan
 from services.weights.transports.sglang import EngineHandshake, group_name_for, ready_value, wire_tensors
-
-if TYPE_CHECKING:
-    from services.rollout.engines.sglang import Server
 
 
 class DistributedSync:
@@ -37,7 +36,8 @@ class DistributedSync:
         self._load_format = load_format
         self._probe_s = probe_s
 
-    def receive(self, plan: Any, *, rank_offset: int, deadline: Deadline, ctx: SyncContext) -> None:
+    def receive(self, plan: WeightSyncPlan, *, rank_offset: int, deadline: Deadline,
+                ctx: SyncContext) -> None:
         """Takes part in `plan` for every server (the steps in the module docstring); the first server's failure is
         raised once all have answered."""
         offsets: list[tuple[int, list[int]]] = []   # per server: its rank offset and its ranks
@@ -63,8 +63,8 @@ class DistributedSync:
                    for server, (offset, ranks) in zip(self.servers, offsets, strict=True)]
         wait_for_all(futures)
 
-    def _update_server(self, server: Server, plan: Any, *, offset: int, ranks: list[int], generation: int,
-                       buckets: list[list[Any]], deadline: Deadline, ctx: SyncContext) -> None:
+    def _update_server(self, server: Server, plan: WeightSyncPlan, *, offset: int, ranks: list[int],
+                       generation: int, buckets: list[list[Any]], deadline: Deadline, ctx: SyncContext) -> None:
         key = (plan.master_addr, plan.master_port, plan.group_name, plan.world_size, offset)
         name = group_name_for(plan.group_name, generation)
         session = False

@@ -27,12 +27,17 @@ valid.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from services.contracts.sampling import SamplingSpec
+from services.contracts.untyped import HFCausalLM
+
+if TYPE_CHECKING:
+    from torch.cuda.graphs import _POOL_HANDLE as GraphPool  # what torch.cuda.graph_pool_handle() returns
 from services.tensors.sampling import sampling_log_probs
 
 log = logging.getLogger(__name__)
@@ -43,7 +48,7 @@ QK_NORM_TYPES = ("qwen3",)          # RMSNorm over each head's query and key bef
 DYNAMIC_ROPE = ("dynamic", "longrope")
 
 
-def supported(model: Any) -> str | None:
+def supported(model: HFCausalLM) -> str | None:
     """None when `model` can use the static path, else why not (one line naming what it does not support)."""
     cfg = model.config
     if cfg.model_type not in SUPPORTED_TYPES:
@@ -130,7 +135,7 @@ class StaticKV:
 class StaticDecoder:
     """The model's modules, called in a fixed-shape order (see the module docstring)."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: HFCausalLM):
         why = supported(model)
         if why:
             raise ValueError(f"static decode does not support {why}")
@@ -209,7 +214,7 @@ class Runner:
     """One cache of a fixed (batch, length) and its decode step: a CUDA graph replay, or eager."""
 
     def __init__(self, decoder: StaticDecoder, *, batch: int, length: int, graph: bool,
-                 pool: Any = None, decode_fn: Any = None):
+                 pool: GraphPool | None = None, decode_fn: Callable[..., torch.Tensor] | None = None):
         self.decoder = decoder
         self.decode_fn = decode_fn or decoder.decode      # torch.compile'd decode in "compile" mode
         self.kv = decoder.new_cache(batch, length)
@@ -225,7 +230,7 @@ class Runner:
         if graph:
             self._capture(pool)
 
-    def _capture(self, pool: Any) -> None:
+    def _capture(self, pool: GraphPool | None) -> None:
         device = self.kv.valid.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -263,7 +268,7 @@ class Runner:
 class RunnerCache:
     """The engine's runners by (batch, length) bucket, least recently used dropped beyond `keep`."""
 
-    def __init__(self, model: Any, *, graphs: bool, compile: bool = False, keep: int = 2):
+    def __init__(self, model: HFCausalLM, *, graphs: bool, compile: bool = False, keep: int = 2):
         self.decoder = StaticDecoder(model)
         self.graphs = graphs
         self.keep = keep

@@ -44,7 +44,7 @@ from typing import TypeVar
 
 import torch
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import CudaIpcWeights
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights.base import (
     Deadline,
@@ -277,7 +277,7 @@ class _SharedBuckets:
 class CudaIpcSender(SenderTransport):
     name = "cuda_ipc"
 
-    def __init__(self, *, config: WeightsConfig, trainer_id: str):
+    def __init__(self, *, config: CudaIpcWeights, trainer_id: str):
         self._config = config
         self._trainer_id = trainer_id
         self._master = rendezvous.MasterStore(host=config.master_addr, timeout_s=config.timeout_s)

@@ -25,7 +25,7 @@ from typing import BinaryIO
 import torch
 from safetensors import safe_open
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import DiskWeights
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights.base import (
     Deadline,
@@ -96,7 +96,7 @@ def _install(tmp: Path, final: Path) -> None:
 class DiskSender(SenderTransport):
     name = "disk"
 
-    def __init__(self, *, config: WeightsConfig, run_dir: Path, trainer_id: str):
+    def __init__(self, *, config: DiskWeights, run_dir: Path, trainer_id: str):
         self._root = Path(config.disk_dir) if config.disk_dir else Path(run_dir) / "weights"
         self._trainer_id = trainer_id
         self._tag = re.sub(r"[^A-Za-z0-9_-]", "_", trainer_id)[:64] or "trainer"

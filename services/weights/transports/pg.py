@@ -35,7 +35,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import ProcessGroupWeights
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights import torch_compat
 from services.weights.base import (
@@ -172,7 +172,7 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ProcessGroupSender(SenderTransport):
-    def __init__(self, *, backend: str, config: WeightsConfig, trainer_id: str):
+    def __init__(self, *, backend: str, config: ProcessGroupWeights, trainer_id: str):
         self.name = backend
         self._backend = backend
         self._config = config

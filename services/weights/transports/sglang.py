@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import ProcessGroupWeights
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights import torch_compat
 from services.weights.base import (
@@ -193,7 +193,7 @@ class SGLangAwareSender(ProcessGroupSender):
     """pg.ProcessGroupSender, plus the SGLang protocol when the engine ranks' ready values say they are SGLang
     servers (publish is pg's; what follows every rank's ready is chosen here)."""
 
-    def __init__(self, *, backend: str, config: WeightsConfig, trainer_id: str):
+    def __init__(self, *, backend: str, config: ProcessGroupWeights, trainer_id: str):
         super().__init__(backend=backend, config=config, trainer_id=trainer_id)
         self._sglang: _SGLangGroup | None = None
         self._sglang_generation = -1

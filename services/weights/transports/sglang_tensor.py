@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
 
-from services.contracts.config import WeightsConfig
+from services.contracts.config import CudaIpcWeights
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights.base import Deadline, SenderTransport, SyncContext, WeightSyncError
 from services.weights.layout import Bucket, Layout, Slot
@@ -62,7 +62,7 @@ def _reduce_cuda_tensor_by_uuid(tensor: torch.Tensor) -> tuple[Any, tuple]:
     return rebuild, args
 
 
-def serialize_for_sglang(obj: Any, *, cuda_uuid: bool = True) -> str:
+def serialize_for_sglang(obj: object, *, cuda_uuid: bool = True) -> str:
     """What SGLang's `MultiprocessingSerializer.serialize(obj, output_str=True)` writes: base64 of a ForkingPickler
     dump. `cuda_uuid` names CUDA devices by UUID (a reducer of this pickler only); tests on CPU turn it off."""
     buf = io.BytesIO()
@@ -82,7 +82,11 @@ def wire_slots(bucket: Bucket) -> list[Slot]:
     return [s for s in bucket.tensors if s.nbytes > 0]
 
 
-def bucket_payload(bucket: Bucket, buffer: torch.Tensor, *, load_format: str) -> Any:
+# One bucket as SGLang's load path reads it: (name, tensor) pairs, or the flattened bucket with its metadata
+SGLangBucket = list[tuple[str, torch.Tensor]] | dict[str, object]
+
+
+def bucket_payload(bucket: Bucket, buffer: torch.Tensor, *, load_format: str) -> SGLangBucket:
     """The object SGLang's load path expects for one bucket held in `buffer` (uint8, the bucket's bytes)."""
     slots = wire_slots(bucket)
     match load_format:
@@ -103,7 +107,7 @@ class SGLangTensorSender(SenderTransport):
 
     name = "cuda_ipc"
 
-    def __init__(self, *, config: WeightsConfig, trainer_id: str, load_format: str, device: str | None = None):
+    def __init__(self, *, config: CudaIpcWeights, trainer_id: str, load_format: str, device: str | None = None):
         """`device`: where the bucket buffers live, default the current CUDA device. Tests on machines without CUDA
         pass "cpu": torch then serialises shared-memory handles where it would write CUDA IPC handles."""
         if load_format not in LOAD_FORMATS:

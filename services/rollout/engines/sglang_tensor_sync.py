@@ -29,17 +29,15 @@ import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
+from services.contracts.weight_plan import WeightSyncPlan
 from services.rollout.engines.sglang_http import SGLangError, is_loopback, wait_for_all
 from services.rollout.engines.sglang_protocol import BadAnswer, tensor_update_body
+from services.rollout.engines.sglang_server import Server
 from services.rollout.engines.sglang_sync import begin_session
 from services.weights.base import Deadline, SyncContext, WeightSyncError
 from services.weights.transports import rendezvous
 from services.weights.transports.sglang import EngineHandshake
-
-if TYPE_CHECKING:
-    from services.rollout.engines.sglang import Server
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +84,11 @@ def _checkpoint(directory: str) -> dict[str, tuple[int, ...]] | None:
         return None
 
 
-def plan_tensors(plan: Any) -> list[tuple[str, tuple[int, ...]]]:
+def plan_tensors(plan: WeightSyncPlan) -> list[tuple[str, tuple[int, ...]]]:
     return [(m.name, tuple(int(d) for d in m.shape)) for b in plan.buckets for m in b.tensors if m.nbytes > 0]
 
 
-def checkpoint_problems(plan: Any, model_path: str) -> list[str]:
+def checkpoint_problems(plan: WeightSyncPlan, model_path: str) -> list[str]:
     """Tensors of the plan whose name or shape the server's checkpoint does not have (nothing when unreadable)."""
     shapes = _checkpoint(model_path) if model_path else None
     if shapes is None:
@@ -126,7 +124,7 @@ class TensorSync:
             rank += server.info.tp_size
         return out
 
-    def refusal(self, plan: Any, rank_offset: int) -> str | None:
+    def refusal(self, plan: WeightSyncPlan, rank_offset: int) -> str | None:
         """Why this plan must not reach SGLang, or None; checked before anything is sent."""
         if not plan.sglang_load_format:
             return ("the trainer prepared this cuda_ipc sync for native engines (CUDA IPC handles, no SGLang "
@@ -155,14 +153,15 @@ class TensorSync:
                         f"its scheduler): " + "; ".join(problems))
         return None
 
-    def receive(self, plan: Any, *, rank_offset: int, deadline: Deadline, ctx: SyncContext) -> None:
+    def receive(self, plan: WeightSyncPlan, *, rank_offset: int, deadline: Deadline,
+                ctx: SyncContext) -> None:
         ctl = self._handshake.ctl(plan, deadline=deadline, ctx=ctx)
         rendezvous.await_go(ctl, version=plan.version, deadline=deadline, ctx=ctx)   # the buffers are filled
         futures = [self._pool.submit(self._update_server, server, plan, ranks=ranks, deadline=deadline, ctx=ctx)
                    for server, ranks in self._ranks(rank_offset)]
         wait_for_all(futures)
 
-    def _update_server(self, server: Server, plan: Any, *, ranks: list[int], deadline: Deadline,
+    def _update_server(self, server: Server, plan: WeightSyncPlan, *, ranks: list[int], deadline: Deadline,
                        ctx: SyncContext) -> None:
         buckets = [b for b in plan.buckets if b.sglang_payloads]
         session = False

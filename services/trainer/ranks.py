@@ -1,0 +1,131 @@
+"""Running a command on every trainer rank: rank 0 relays it and executes it itself, ranks > 0 execute what arrives.
+
+Rank 0 validates a request, then `RankCommands.run(command)` relays the command (commands.py's codec over
+`dist.CommandRelay`) and executes the decoded copy, so all ranks run the same bytes; ranks > 0 execute what arrives
+in `RankCommands.serve` until `Shutdown`. With one rank the relay is a no-op, so 1 and N ranks share one code path.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol, overload
+
+from services.trainer.commands import (
+    Command,
+    Load,
+    Offload,
+    Onload,
+    PublishWeights,
+    Save,
+    Shutdown,
+    Train,
+    WeightChecksums,
+    decode,
+    encode,
+)
+from services.trainer.dist import CommandRelay
+from services.weights.base import SyncStats
+
+log = logging.getLogger(__name__)
+
+# What WeightChecksums answers on rank 0: name -> checksum, or one checksum per bucket of the plan.
+Checksums = dict[str, str] | list[str]
+RankResult = dict[str, float] | Checksums | SyncStats | str | None
+_ANSWERED = (Train, WeightChecksums, PublishWeights, Offload, Onload)   # rank 0 gets a value back from these
+
+
+class StepRunner(Protocol):
+    def run(self, command: Train) -> dict[str, float]: ...
+
+
+class CheckpointFiles(Protocol):
+    def write(self, command: Save) -> None: ...
+    def read(self, command: Load) -> None: ...
+
+
+class WeightSender(Protocol):
+    def checksums(self, *, by_bucket: bool = False) -> Checksums | None: ...   # None on ranks > 0
+    def publish(self, version: int) -> SyncStats | None: ...   # None on ranks > 0
+    def release(self) -> None: ...
+
+
+class DeviceMemory(Protocol):
+    def offload(self) -> str: ...
+    def onload(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class RankParts:
+    """What a rank executes commands with."""
+
+    memory: DeviceMemory
+    step: StepRunner
+    checkpoints: CheckpointFiles
+    weights: WeightSender
+
+
+def execute(command: Command, parts: RankParts) -> RankResult:
+    """Runs a command on this rank; returns what rank 0 answers with (None where it answers nothing)."""
+    match command:
+        case Train():
+            return parts.step.run(command)
+        case Save():
+            parts.checkpoints.write(command)
+            return None
+        case Load():
+            parts.checkpoints.read(command)
+            return None
+        case WeightChecksums(by_bucket=by_bucket):
+            return parts.weights.checksums(by_bucket=by_bucket)
+        case PublishWeights(version=version):
+            return parts.weights.publish(version)
+        case Offload():
+            parts.weights.release()   # cuda_ipc buckets: the next sync allocates them again
+            return parts.memory.offload()
+        case Onload():
+            return parts.memory.onload()
+        case Shutdown():
+            return None
+    raise TypeError(f"not a trainer command: {command!r}")
+
+
+class RankCommands:
+    """Rank 0 relays a command and executes it; ranks > 0 execute relayed commands. One rank: no relay."""
+
+    def __init__(self, relay: CommandRelay, parts: RankParts):
+        self.relay, self.parts = relay, parts
+
+    @overload
+    def run(self, command: Train) -> dict[str, float]: ...
+    @overload
+    def run(self, command: WeightChecksums) -> Checksums: ...
+    @overload
+    def run(self, command: PublishWeights) -> SyncStats: ...
+    @overload
+    def run(self, command: Offload | Onload) -> str: ...
+    @overload
+    def run(self, command: Save | Load | Shutdown) -> None: ...
+
+    def run(self, command: Command) -> RankResult:
+        """Rank 0: relay, then execute here too; returns rank 0's answer."""
+        header, payloads = encode(command)
+        self.relay.send(header, payloads)
+        answer = execute(decode(header, payloads), self.parts)
+        if answer is None and isinstance(command, _ANSWERED):
+            raise RuntimeError(f"{type(command).__name__} gave rank {self.relay.rank} no answer: only rank 0 runs it")
+        return answer
+
+    def serve(self) -> None:
+        """Ranks > 0: execute relayed commands until rank 0 says Shutdown."""
+        while not isinstance(command := decode(*self.relay.recv()), Shutdown):
+            execute(command, self.parts)
+
+    def shutdown(self) -> None:
+        """Rank 0: the other ranks leave `serve`."""
+        if self.relay.world_size == 1:
+            return
+        try:
+            self.relay.send(*encode(Shutdown()))
+        except RuntimeError as exc:   # a launcher stopping everything signals the other ranks too
+            log.info("other ranks already gone at shutdown: %s", str(exc).splitlines()[0][:200])

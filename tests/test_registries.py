@@ -1,0 +1,80 @@
+"""The plug-in tables besides the weight transports' (test_weights_registry.py): the engines, the metric trackers
+and the CLI's commands. Each is one explicit table whose keys are what the config (or the launcher) names, and
+importing it loads none of its plug-ins' modules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+from services.cli import COMMANDS, build_parser
+from services.contracts.config import PrometheusTrackerConfig, RolloutConfig, TrackerConfig
+from services.rollout.engines.registry import ENGINES, engine_kind
+from services.telemetry.prometheus import PrometheusTracker
+from services.telemetry.tracker_registry import TRACKERS, RunTarget
+from services.telemetry.trackers import JsonlTracker
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What importing the tables loads of the modules their entries build from (printed as JSON).
+_PROBE = """
+import json, sys
+import services.cli, services.rollout.engines.registry, services.telemetry.tracker_registry
+plug_ins = ("services.rollout.engines.native", "services.rollout.engines.sglang", "services.telemetry.wandb_tracker",
+            "services.telemetry.prometheus", "services.telemetry.tensorboard_tracker", "services.trainer.server",
+            "services.rollout.server", "services.coordinator.server", "services.launcher.supervisor",
+            "services.coordinator.ctl", "services.coordinator.plot")
+print(json.dumps(sorted(m for m in plug_ins if m in sys.modules)))
+"""
+
+
+def literal_choices(union: object, *, key: str) -> set[str]:
+    """The values of `key` a config union of sections tagged by it allows (Annotated[A | B, discriminator])."""
+    sections = typing.get_args(typing.get_args(union)[0])
+    return {value for section in sections for value in typing.get_args(section.model_fields[key].annotation)}
+
+
+def test_the_engine_table_lists_exactly_the_engines_the_config_accepts():
+    assert set(ENGINES) == literal_choices(RolloutConfig, key="engine")
+    assert all(kind.name == name for name, kind in ENGINES.items())
+
+
+def test_an_unknown_engine_is_named_with_the_known_ones():
+    try:
+        engine_kind("vllm")
+    except ValueError as exc:
+        assert str(exc) == "unknown rollout engine 'vllm' (known: native, sglang)"
+    else:
+        raise AssertionError("no error")
+
+
+def test_the_tracker_table_lists_exactly_the_trackers_the_config_accepts(tmp_path):
+    assert set(TRACKERS) == literal_choices(TrackerConfig, key="type")
+    assert all(kind.name == name for name, kind in TRACKERS.items())
+    run = RunTarget(run_dir=tmp_path, run_name="r")
+    assert type(TRACKERS["jsonl"].build(PrometheusTrackerConfig(), run)) is JsonlTracker
+    prometheus = TRACKERS["prometheus"].build(PrometheusTrackerConfig(port=0), run)
+    try:
+        assert type(prometheus) is PrometheusTracker
+    finally:
+        prometheus.close()
+
+
+def test_the_command_table_is_the_parser_and_holds_what_the_launcher_starts():
+    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(subcommands.choices) == list(COMMANDS)
+    assert all(command.name == name for name, command in COMMANDS.items())
+    launched = (ROOT / "services" / "launcher" / "supervisor.py").read_text()
+    for service in ("coordinator", "trainer", "rollout"):   # `tandem <service> CONFIG ...`, started by the supervisor
+        assert f'"{service}"' in launched and service in COMMANDS
+
+
+def test_importing_the_tables_loads_no_plug_in():
+    done = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == []
