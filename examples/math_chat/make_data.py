@@ -1,11 +1,13 @@
 """Writes a grade-school word-problem dataset with numeric answers, as parquet with chat messages.
 
-    python examples/math_chat/make_data.py [--out DIR] [--train 2048] [--eval 128] [--max-number 20] [--seed 0]
+    python examples/math_chat/make_data.py [--out DIR] [--train 2048] [--eval 128] [--max-number 3] [--seed 0]
 
 Each row: `messages` (one user turn: the problem and "Give the final answer after ####."), `answer` (the number,
 as text), `solution` (the worked steps ending in `#### N`, as GSM8K writes them) and `kind`. Five kinds of
 problem (add, take away, groups of, share equally, two steps) over small numbers, drawn from a seeded generator:
-the same arguments write the same files. Point data.prompt_key at `messages` and data.label_key at `answer`, and
+the same arguments write the same files. The defaults write the committed train.parquet and eval.parquet of
+examples/math_chat.yaml; `--max-number 20` gives harder problems (a tiny model learns only the answers' spread of
+the easy ones: README.md). Point data.prompt_key at `messages` and data.label_key at `answer`, and
 score with rollout.reward: math_answer.
 """
 
