@@ -41,8 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_run import REPO, run_one
 
 CONFIG = REPO / "examples" / "qwen05_gpu.yaml"
-COMMON = ["rollout.sampling.max_new_tokens=2048", "rollout.max_context_length=2304", "loop.max_staleness=2",
-          "loop.eval_interval=null"]
+COMMON = [
+    "rollout.sampling.max_new_tokens=2048",
+    "rollout.max_context_length=2304",
+    "loop.max_staleness=2",
+    "loop.eval_interval=null",
+]
 STREAM = ["loop.mode=streaming", "rollout.continuous_batching=true", "redis.max_buffered_batches=128"]
 VARIANTS = {
     "sync": ["loop.mode=sync"],
@@ -56,8 +60,20 @@ BUSY = re.compile(r"engine busy ([\d.]+) s of ([\d.]+) s")
 
 def long_tailed_data(work: Path, *, lengths: list[int], digits: int) -> list[str]:
     out = work / "data"
-    subprocess.run([sys.executable, str(REPO / "examples/digit_max_long/generate_data.py"), "--lengths",
-                    *map(str, lengths), "--digits", str(digits), "--out", str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "examples/digit_max_long/generate_data.py"),
+            "--lengths",
+            *map(str, lengths),
+            "--digits",
+            str(digits),
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return [f"data.train_path={out / 'train.jsonl'}", f"data.eval_path={out / 'eval.jsonl'}"]
 
 
@@ -71,13 +87,19 @@ def summarize(name: str, result: dict) -> dict:
         samples += s.get("rollout/num_samples", 0.0)
         curve.append((samples, s["rollout/reward_mean"]))
     syncs = [s["perf/weight_sync_time_s"] for s in steps if "perf/weight_sync_time_s" in s]
-    return {"name": name, "steps": len(steps), "wall_s": result["wall_s"], "step_s": step_s, "tokens": tokens,
-            "tokens_per_s": tokens / step_s if step_s else 0.0,
-            "engine_busy_s": float(busy[-1][0]) if busy else None,
-            "sync_ms": 1000 * statistics.median(syncs) if syncs else None,
-            "stale_dropped": sum(s.get("rollout/stale_dropped", 0.0) for s in steps),
-            "inflight_token_frac": statistics.mean(s.get("rollout/inflight_token_frac", 0.0) for s in steps),
-            "curve": curve}
+    return {
+        "name": name,
+        "steps": len(steps),
+        "wall_s": result["wall_s"],
+        "step_s": step_s,
+        "tokens": tokens,
+        "tokens_per_s": tokens / step_s if step_s else 0.0,
+        "engine_busy_s": float(busy[-1][0]) if busy else None,
+        "sync_ms": 1000 * statistics.median(syncs) if syncs else None,
+        "stale_dropped": sum(s.get("rollout/stale_dropped", 0.0) for s in steps),
+        "inflight_token_frac": statistics.mean(s.get("rollout/inflight_token_frac", 0.0) for s in steps),
+        "curve": curve,
+    }
 
 
 def report(summaries: list[dict]) -> str:
@@ -92,15 +114,19 @@ def report(summaries: list[dict]) -> str:
     row("tokens/s (response tokens / summed step time)", [f"{s['tokens_per_s']:.0f}" for s in summaries])
     if base is not None:
         row("x one_step_off", [f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}" for s in summaries])
-    row("engine GPU-busy fraction (busy s / step s)",
-        ["–" if s["engine_busy_s"] is None else f"{s['engine_busy_s'] / s['step_s']:.2f}" for s in summaries])
+    row(
+        "engine GPU-busy fraction (busy s / step s)",
+        ["–" if s["engine_busy_s"] is None else f"{s['engine_busy_s'] / s['step_s']:.2f}" for s in summaries],
+    )
     row("median weight sync ms", ["–" if s["sync_ms"] is None else f"{s['sync_ms']:.0f}" for s in summaries])
     row("samples dropped as stale", [f"{s['stale_dropped']:.0f}" for s in summaries])
     row("mean in-flight token fraction", [f"{s['inflight_token_frac']:.3f}" for s in summaries])
     fewest = min(s["curve"][-1][0] for s in summaries)
     for part in (0.25, 0.5, 0.75, 1.0):
-        row(f"train reward at {part:.0%} of {fewest:.0f} samples",
-            [f"{_reward_at(s['curve'], part * fewest):.3f}" for s in summaries])
+        row(
+            f"train reward at {part:.0%} of {fewest:.0f} samples",
+            [f"{_reward_at(s['curve'], part * fewest):.3f}" for s in summaries],
+        )
     return "\n".join(lines)
 
 
@@ -119,16 +145,25 @@ def main() -> int:
     parser.add_argument("--report", action="store_true", help="print the table of every summary in --out")
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--lengths", type=int, nargs=2, default=[16, 2048])
-    parser.add_argument("--digits", type=int, default=126,
-                        help="prompt digits (126: 252 tokens with qwen05_gpu.yaml's BPE, 128 with the toy tokenizer)")
+    parser.add_argument(
+        "--digits",
+        type=int,
+        default=126,
+        help="prompt digits (126: 252 tokens with qwen05_gpu.yaml's BPE, 128 with the toy tokenizer)",
+    )
     parser.add_argument("--set", action="append", default=[], help="more overrides, after the bench's own")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report:
         data = long_tailed_data(args.work, lengths=args.lengths, digits=args.digits)
         for name in args.only:
-            result = run_one(name, [*COMMON, *data, *VARIANTS[name], *args.set], steps=args.steps, work=args.work,
-                             config=args.config.resolve())
+            result = run_one(
+                name,
+                [*COMMON, *data, *VARIANTS[name], *args.set],
+                steps=args.steps,
+                work=args.work,
+                config=args.config.resolve(),
+            )
             (args.out / f"inflight_{name}.json").write_text(json.dumps(summarize(name, result)))
             shutil.copy(result["run_dir"] / "metrics.jsonl", args.out / f"inflight_metrics_{name}.jsonl")
     found = {json.loads(p.read_text())["name"]: json.loads(p.read_text()) for p in args.out.glob("inflight_*.json")}

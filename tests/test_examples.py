@@ -22,8 +22,14 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yam
 
 
 def test_the_examples_are_found():
-    assert {p.name for p in EXAMPLES} >= {"digit_max.yaml", "digit_max_gpu.yaml", "math_chat.yaml", "qwen05_gpu.yaml",
-                                          "qwen15_gpu.yaml", "tool_lookup.yaml"}
+    assert {p.name for p in EXAMPLES} >= {
+        "digit_max.yaml",
+        "digit_max_gpu.yaml",
+        "math_chat.yaml",
+        "qwen05_gpu.yaml",
+        "qwen15_gpu.yaml",
+        "tool_lookup.yaml",
+    }
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -34,7 +40,7 @@ def test_an_example_config_passes_the_checks_that_need_no_model(path, tmp_path_f
     resolve_reward(config.rollout.reward)
     preflight._check_environment(config.rollout.environment)
     limit = config.rollout.max_context_length
-    if limit is not None:   # the tokenizer --init-model would build, without its model
+    if limit is not None:  # the tokenizer --init-model would build, without its model
         tokenizer = preset_tokenizer(config.model.init_preset or "tiny", tmp_path_factory)
         prompts = preflight.model_prompts(config, records, tokenizer)
         longest = max(length for encoded in prompts.values() for length in encoded.lengths)
@@ -51,12 +57,12 @@ def preset_tokenizer(preset: str, tmp_path_factory: pytest.TempPathFactory) -> P
 
 def test_the_long_digit_reward_reads_only_the_first_digit_of_a_forced_length_response():
     reward = resolve_reward(str(Path(__file__).resolve().parents[1] / "examples/digit_max_long/reward.py") + ":reward")
-    assert reward.score(prompts=["3 7 1 ="] * 3, responses=["7 9 9 </s> 1", "  7", "9 7"], labels=["7"] * 3,
-                        metadatas=[{}] * 3) == [1.0, 1.0, 0.0]
+    assert reward.score(
+        prompts=["3 7 1 ="] * 3, responses=["7 9 9 </s> 1", "  7", "9 7"], labels=["7"] * 3, metadatas=[{}] * 3
+    ) == [1.0, 1.0, 0.0]
 
 
-def test_the_math_chat_generator_writes_the_same_chat_parquet_every_time_and_math_answer_scores_its_solutions(
-        tmp_path):
+def test_the_math_chat_generator_writes_the_same_chat_parquet_every_time_and_math_answer_scores_its_solutions(tmp_path):
     import importlib.util
 
     from services.contracts.config import DataConfig
@@ -70,11 +76,14 @@ def test_the_math_chat_generator_writes_the_same_chat_parquet_every_time_and_mat
         assert make_data.main(["--out", str(tmp_path / out), "--train", "40", "--eval", "10"]) == 0
     for name in ("train.parquet", "eval.parquet"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
-    records = load_prompts(str(tmp_path / "a" / "train.parquet"), DataConfig(
-        train_path="unused", prompt_key="messages", label_key="answer"))
+    records = load_prompts(
+        str(tmp_path / "a" / "train.parquet"),
+        DataConfig(train_path="unused", prompt_key="messages", label_key="answer"),
+    )
     assert len(records) == 40 and all(len(r.messages) == 1 and r.messages[0].role == "user" for r in records)
     assert {r.metadata["kind"] for r in records} == set(make_data.KINDS)
     solutions = [r.metadata["solution"] for r in records]
-    scores = resolve_reward("math_answer").score(prompts=[""] * 40, responses=solutions,
-                                                 labels=[r.label for r in records], metadatas=[{}] * 40)
+    scores = resolve_reward("math_answer").score(
+        prompts=[""] * 40, responses=solutions, labels=[r.label for r in records], metadatas=[{}] * 40
+    )
     assert scores == [1.0] * 40

@@ -36,11 +36,22 @@ def test_policy_learns_math_chat_in_async_mode(tmp_path):
     the real-vocabulary path; the GSPO/RLOO run below still learns digit_max in async mode.) What the tiny body
     learns in these steps is the answers' distribution, not the arithmetic (examples/math_chat/README.md)."""
     model = tmp_path / "model"
-    subprocess.run([sys.executable, str(REPO / "examples" / "math_chat" / "warm_start.py"), "--out", str(model)],
-                   check=True, capture_output=True, cwd=REPO, timeout=300)
+    subprocess.run(
+        [sys.executable, str(REPO / "examples" / "math_chat" / "warm_start.py"), "--out", str(model)],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+        timeout=300,
+    )
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, f"model.path={model}", "loop.num_rollout=16", "loop.eval_interval=16",
-                     "data.eval_max_prompts=64", config=MATH_CHAT)
+    proc = start_run(
+        run_dir,
+        f"model.path={model}",
+        "loop.num_rollout=16",
+        "loop.eval_interval=16",
+        "data.eval_max_prompts=64",
+        config=MATH_CHAT,
+    )
     assert proc.wait(timeout=600) == 0, supervisor_log(run_dir)
     evals, steps = learning_curve(run_dir)
     assert [r["rollout_id"] for r in evals] == [-1, 15] and len(steps) == 16
@@ -54,10 +65,19 @@ def test_policy_learns_math_chat_in_async_mode(tmp_path):
     for r in (*steps, evals[-1]):
         prefix = "eval" if "eval/reward_mean" in r else "rollout"
         assert r[f"{prefix}/finish_stop_frac"] > 0.9 and r[f"{prefix}/response_len_mean"] < 4.5, r
-    assert {r["rollout/staleness"] for r in steps[1:]} == {1.0}   # one step off-policy
-    for key in ("perf/rollout_time_s", "perf/train_time_s", "perf/weight_sync_time_s", "perf/step_time_s",
-                "perf/weight_sync_gbps", "perf/tokens_per_s", "perf/train_tflops", "train/loss", "train/grad_norm",
-                "weights/version"):
+    assert {r["rollout/staleness"] for r in steps[1:]} == {1.0}  # one step off-policy
+    for key in (
+        "perf/rollout_time_s",
+        "perf/train_time_s",
+        "perf/weight_sync_time_s",
+        "perf/step_time_s",
+        "perf/weight_sync_gbps",
+        "perf/tokens_per_s",
+        "perf/train_tflops",
+        "train/loss",
+        "train/grad_norm",
+        "weights/version",
+    ):
         assert key in steps[-1], key
     state = _coordinator_state(checkpoints(run_dir)[-1])
     assert state["next_rollout_id"] == 16 and state["samples_generated"] == 16 * 8 * 8
@@ -76,9 +96,15 @@ def test_gspo_with_rloo_learns_digit_max_with_two_token_answers(tmp_path):
     and its length varies: with one token GSPO would be PPO. 50 steps: greedy eval 0.83-0.92 over the seeds tried
     (0.62-0.80 after 40; untrained 0.0); the one-token task learns faster but would not exercise the sequence ratio."""
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, "loop.num_rollout=50", "loop.eval_interval=25", "algorithm.policy_loss=gspo",
-                     "algorithm.advantage_estimator=rloo", "rollout.sampling.max_new_tokens=2",
-                     "rollout.eval_sampling.max_new_tokens=2")
+    proc = start_run(
+        run_dir,
+        "loop.num_rollout=50",
+        "loop.eval_interval=25",
+        "algorithm.policy_loss=gspo",
+        "algorithm.advantage_estimator=rloo",
+        "rollout.sampling.max_new_tokens=2",
+        "rollout.eval_sampling.max_new_tokens=2",
+    )
     assert proc.wait(timeout=600) == 0, supervisor_log(run_dir)
     evals, steps = learning_curve(run_dir)
     assert [r["rollout_id"] for r in evals] == [-1, 24, 49] and len(steps) == 50
@@ -95,9 +121,15 @@ def test_reinforce_pp_learns_at_temperature_0_7_with_top_p_scored_on_policy(tmp_
     two things: the advantages are REINFORCE++'s (rewards whitened over the whole batch, no group), whose mean over
     the batch's tokens is 0 on every step; it learned to 0.74-0.96 in 25 async steps at T=1 in the seeds tried."""
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, "loop.mode=sync", "loop.num_rollout=30", "loop.eval_interval=30",
-                     "rollout.sampling.temperature=0.7", "rollout.sampling.top_p=0.9",
-                     "algorithm.advantage_estimator=reinforce_pp")
+    proc = start_run(
+        run_dir,
+        "loop.mode=sync",
+        "loop.num_rollout=30",
+        "loop.eval_interval=30",
+        "rollout.sampling.temperature=0.7",
+        "rollout.sampling.top_p=0.9",
+        "algorithm.advantage_estimator=reinforce_pp",
+    )
     assert proc.wait(timeout=600) == 0, supervisor_log(run_dir)
     rows = metrics(run_dir)
     steps = [r for r in rows if "train/ppo_ratio_mean" in r]
@@ -106,11 +138,11 @@ def test_reinforce_pp_learns_at_temperature_0_7_with_top_p_scored_on_policy(tmp_
     for r in steps:
         assert r["train/ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-4), r
         assert r["train/pg_clipfrac"] == 0.0 and r["train/rollout_logprob_abs_diff"] < 1e-4, r
-        assert abs(r["train/advantage_mean"]) < 1e-4, r   # whitened over the batch's tokens
+        assert abs(r["train/advantage_mean"]) < 1e-4, r  # whitened over the batch's tokens
     first, last = (sum(r["rollout/reward_mean"] for r in part) / 5 for part in (steps[:5], steps[-5:]))
     assert last > first + 0.2, (first, last)
-    assert evals[0] < 0.3 and evals[-1] > 0.5, evals   # greedy eval: untrained ~0.05, trained ~0.85
-    state = _coordinator_state(checkpoints(run_dir)[-1])   # the final checkpoint: nothing lost in sync mode
+    assert evals[0] < 0.3 and evals[-1] > 0.5, evals  # greedy eval: untrained ~0.05, trained ~0.85
+    state = _coordinator_state(checkpoints(run_dir)[-1])  # the final checkpoint: nothing lost in sync mode
     assert state["next_rollout_id"] == 30
     assert state["samples_trained"] == state["samples_generated"] == 30 * 32 * 8
 
@@ -126,18 +158,23 @@ def test_dynamic_sampling_filters_uniform_groups_keeps_the_books_and_learns(tmp_
     steps = [r for r in rows if "rollout/dynamic_rounds" in r]
     evals = [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r]
     assert len(steps) == 20 and len(evals) == 2
-    assert all(r["rollout/filtered_group_frac"] > 0 for r in steps[:3]), steps[:3]   # ~60% uniform at first
+    assert all(r["rollout/filtered_group_frac"] > 0 for r in steps[:3]), steps[:3]  # ~60% uniform at first
     assert any(r["rollout/dynamic_rounds"] > 1 and r["rollout/extra_samples"] > 0 for r in steps)
     assert all(r["rollout/informative_groups"] >= 32 or r["rollout/groups_short"] > 0 for r in steps)
     trainer, state = final_checkpoint_state(run_dir)
     generated = sum(r["rollout/num_samples"] for r in steps)
-    assert state["samples_generated"] == generated > 20 * 32 * 8   # more than one round's worth
+    assert state["samples_generated"] == generated > 20 * 32 * 8  # more than one round's worth
     assert state["samples_filtered"] == sum(r["rollout/filtered_samples"] for r in steps) > 0
-    assert (state["samples_trained"] + state["samples_filtered"] + state["samples_dropped_stale"]
-            + state["samples_critic_only"] == generated)
+    assert (
+        state["samples_trained"]
+        + state["samples_filtered"]
+        + state["samples_dropped_stale"]
+        + state["samples_critic_only"]
+        == generated
+    )
     assert trainer["samples_trained"] == state["samples_trained"] <= 20 * 32 * 8
-    assert buffer_leftovers(run_dir) == (0, 0)   # every entry, filtered groups included, acknowledged and deleted
-    assert evals[0] < 0.3 and evals[-1] > 0.6, evals   # untrained ~0.05; trained ~0.95 here
+    assert buffer_leftovers(run_dir) == (0, 0)  # every entry, filtered groups included, acknowledged and deleted
+    assert evals[0] < 0.3 and evals[-1] > 0.6, evals  # untrained ~0.05; trained ~0.95 here
 
 
 def test_lora_policy_learns_digit_max(tmp_path):
@@ -145,8 +182,14 @@ def test_lora_policy_learns_digit_max(tmp_path):
     engines get the merged weights each step with nothing new on their side, so their greedy eval rises; the final
     checkpoint holds the adapter in peft's format beside the merged HF model."""
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, "loop.num_rollout=20", "loop.eval_interval=10", "trainer.lr=1e-2",
-                     "trainer.lora.rank=8", "trainer.lora.target_modules=[all-linear, lm_head]")
+    proc = start_run(
+        run_dir,
+        "loop.num_rollout=20",
+        "loop.eval_interval=10",
+        "trainer.lr=1e-2",
+        "trainer.lora.rank=8",
+        "trainer.lora.target_modules=[all-linear, lm_head]",
+    )
     assert proc.wait(timeout=600) == 0, supervisor_log(run_dir)
     rows = metrics(run_dir)
     evals = [r for r in rows if "eval/reward_mean" in r]
@@ -156,7 +199,7 @@ def test_lora_policy_learns_digit_max(tmp_path):
     untrained, trained = evals[0]["eval/reward_mean"], evals[-1]["eval/reward_mean"]
     assert untrained < 0.3 and trained > 0.5, evals
     first, last = (sum(r["rollout/reward_mean"] for r in part) / 5 for part in (steps[:5], steps[-5:]))
-    assert last > first + 0.2, (first, last)   # seen: ~0.05 -> 0.4-0.5
+    assert last > first + 0.2, (first, last)  # seen: ~0.05 -> 0.4-0.5
     hf = checkpoints(run_dir)[-1] / "hf"
     assert (hf / "model.safetensors").is_file() and (hf / "adapter" / "adapter_model.safetensors").is_file()
 
@@ -199,12 +242,12 @@ def test_control_api_save_eval_sentinel_stop_and_resume(tmp_path):
     log = (run_dir / "logs" / "coordinator.log").read_text()
     assert f"at rollout {stopped_at + 1}" in log
     assert f"initial weights pushed: version {saved['weight_version']} " in log
-    resumed = [r["rollout_id"] for r in metrics(run_dir) if "rollout/reward_mean" in r][len(done):]
+    resumed = [r["rollout_id"] for r in metrics(run_dir) if "rollout/reward_mean" in r][len(done) :]
     assert resumed == [stopped_at + 1, stopped_at + 2, stopped_at + 3]
     last = checkpoints(run_dir)[-1]
     assert last.name == f"rollout_{stopped_at + 3:08d}"
     after = _coordinator_state(last)
-    batch = 32   # rollout.rollout_batch_size of the example
+    batch = 32  # rollout.rollout_batch_size of the example
     assert after["cursor"]["consumed"] == saved["cursor"]["consumed"] + 3 * batch
     assert after["weight_version"] == saved["weight_version"] + 3
 
@@ -240,20 +283,34 @@ def _wait(predicate, *, what: str, timeout_s: float = 120.0) -> None:
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-@pytest.mark.parametrize("name, overrides", [
-    # (sync mode: test_reinforce_pp_learns_at_temperature_0_7_with_top_p_scored_on_policy runs it to completion)
-    # colocated-style: trainer and engine hand their memory to each other every step
-    ("sync_offload", ["loop.mode=sync", "loop.offload_train=true", "loop.offload_rollout=true",
-                      "tracing.exporter=file"]),
-    ("fully_async", ["loop.mode=fully_async", "loop.max_staleness=0"]),
-    # one run for two things: more critic-only steps than the buffer holds (the actor's share of those batches
-    # must not hold the bound), and two replicas taking verified weights from disk (the actor's only: the critic
-    # publishes none)
-    ("ppo_critic_two_replicas_disk_verified", [
-        "algorithm.advantage_estimator=gae", "algorithm.num_critic_only_steps=3", "algorithm.lambd=0.95",
-        "redis.max_buffered_batches=2", "redis.put_timeout_s=60",
-        "services.rollout=[{port: 0}, {port: 0}]", "weights.transport=disk", "weights.check_weight_update_equal=true"]),
-])
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        # (sync mode: test_reinforce_pp_learns_at_temperature_0_7_with_top_p_scored_on_policy runs it to completion)
+        # colocated-style: trainer and engine hand their memory to each other every step
+        (
+            "sync_offload",
+            ["loop.mode=sync", "loop.offload_train=true", "loop.offload_rollout=true", "tracing.exporter=file"],
+        ),
+        ("fully_async", ["loop.mode=fully_async", "loop.max_staleness=0"]),
+        # one run for two things: more critic-only steps than the buffer holds (the actor's share of those batches
+        # must not hold the bound), and two replicas taking verified weights from disk (the actor's only: the critic
+        # publishes none)
+        (
+            "ppo_critic_two_replicas_disk_verified",
+            [
+                "algorithm.advantage_estimator=gae",
+                "algorithm.num_critic_only_steps=3",
+                "algorithm.lambd=0.95",
+                "redis.max_buffered_batches=2",
+                "redis.put_timeout_s=60",
+                "services.rollout=[{port: 0}, {port: 0}]",
+                "weights.transport=disk",
+                "weights.check_weight_update_equal=true",
+            ],
+        ),
+    ],
+)
 def test_loop_modes_run_to_completion(tmp_path, name, overrides):
     run_dir = tmp_path / name
     proc = start_run(run_dir, "loop.num_rollout=6", "loop.save_interval=3", "loop.eval_interval=6", *overrides)
@@ -264,32 +321,40 @@ def test_loop_modes_run_to_completion(tmp_path, name, overrides):
     assert state["next_rollout_id"] == 6
     # nothing lost: every generated sample was trained or dropped as stale (and counted)
     assert state["samples_generated"] == 6 * 32 * 8
-    assert (state["samples_trained"] + state["samples_dropped_stale"] + state["samples_critic_only"]
-            == state["samples_generated"])
+    assert (
+        state["samples_trained"] + state["samples_dropped_stale"] + state["samples_critic_only"]
+        == state["samples_generated"]
+    )
     assert state["samples_critic_only"] == (3 * 32 * 8 if "ppo_critic" in name else 0)
     if name.startswith("sync"):
         assert {r["rollout/staleness"] for r in steps} == {0.0}
     if name == "sync_offload":
         assert all(r["perf/rollout_release_s"] > 0 for r in steps)
         evals = [r["eval/reward_mean"] for r in metrics(run_dir) if "eval/reward_mean" in r]
-        assert len(evals) == 2 and all(0.0 <= e <= 1.0 for e in evals)   # the engine evaluates after every resume
+        assert len(evals) == 2 and all(0.0 <= e <= 1.0 for e in evals)  # the engine evaluates after every resume
         assert all(r["perf/trainer_offload_s"] > 0 and r["memory/trainer_gpu_gb_offloaded"] >= 0 for r in steps)
         assert all(r["perf/trainer_onload_s"] > 0 for r in steps[1:]) and "perf/trainer_onload_s" not in steps[0]
         # one offload and one onload per step: the trainer stays offloaded from after the sync until the next
         # train (it once offloaded after train and onloaded again for the sync, so generation got nothing)
-        spans = sorted((json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()),
-                       key=lambda s: s["start_ns"])
-        order = [s["name"].removeprefix("rl.") for s in spans
-                 if (s["service"] == "tandem-coordinator"
-                     and s["name"] in ("rl.train", "rl.sync", "rl.offload", "rl.onload"))
-                 or (s["service"] == "tandem-rollout" and s["name"] == "rl.sample")]
+        spans = sorted(
+            (json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()),
+            key=lambda s: s["start_ns"],
+        )
+        order = [
+            s["name"].removeprefix("rl.")
+            for s in spans
+            if (
+                s["service"] == "tandem-coordinator" and s["name"] in ("rl.train", "rl.sync", "rl.offload", "rl.onload")
+            )
+            or (s["service"] == "tandem-rollout" and s["name"] == "rl.sample")
+        ]
         steady = ["sample", "onload", "train", "sync", "offload"]
         assert order == ["sync", "sample", "train", "sync", "offload", *steady * 5]
     if name == "fully_async":
         assert state["samples_dropped_stale"] > 0
         assert steps[-1]["rollout/stale_dropped_total"] == state["samples_dropped_stale"]
     if "ppo_critic" in name:
-        assert all("critic/value_loss" in r and "train/loss" not in r for r in steps[:3])   # critic-only warm-up
+        assert all("critic/value_loss" in r and "train/loss" not in r for r in steps[:3])  # critic-only warm-up
         assert "train/loss" in steps[-1]
         assert len(checkpoints(run_dir, "critic")) == 2
     if "two_replicas_disk_verified" in name:

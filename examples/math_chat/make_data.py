@@ -23,44 +23,64 @@ NAMES = ("Ava", "Ben", "Cleo", "Dan", "Eve", "Finn", "Gia", "Hugo")
 ITEMS = ("apples", "pencils", "marbles", "stickers", "books", "cookies", "shells", "cards")
 INSTRUCTION = "Give the final answer after ####."
 
-Problem = tuple[str, str, int]   # question, worked solution (without the #### line), answer
+Problem = tuple[str, str, int]  # question, worked solution (without the #### line), answer
 
 
 def _add(rng: random.Random, top: int, name: str, item: str) -> Problem:
     a, b = rng.randint(1, top), rng.randint(1, top)
-    return (f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?",
-            f"{a} + {b} = {a + b}", a + b)
+    return (
+        f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?",
+        f"{a} + {b} = {a + b}",
+        a + b,
+    )
 
 
 def _take_away(rng: random.Random, top: int, name: str, item: str) -> Problem:
     a = rng.randint(2, top)
     b = rng.randint(1, a - 1)
-    return (f"{name} had {a} {item} and gave {b} of them to a friend. How many {item} are left?",
-            f"{a} - {b} = {a - b}", a - b)
+    return (
+        f"{name} had {a} {item} and gave {b} of them to a friend. How many {item} are left?",
+        f"{a} - {b} = {a - b}",
+        a - b,
+    )
 
 
 def _groups(rng: random.Random, top: int, name: str, item: str) -> Problem:
     a, b = rng.randint(2, max(2, top // 2)), rng.randint(2, 9)
-    return (f"{name} buys {a} bags with {b} {item} in each bag. How many {item} is that in all?",
-            f"{a} * {b} = {a * b}", a * b)
+    return (
+        f"{name} buys {a} bags with {b} {item} in each bag. How many {item} is that in all?",
+        f"{a} * {b} = {a * b}",
+        a * b,
+    )
 
 
 def _share(rng: random.Random, top: int, name: str, item: str) -> Problem:
     each, friends = rng.randint(1, top), rng.randint(2, 6)
     total = each * friends
-    return (f"{name} shares {total} {item} equally among {friends} friends. How many {item} does each friend get?",
-            f"{total} / {friends} = {each}", each)
+    return (
+        f"{name} shares {total} {item} equally among {friends} friends. How many {item} does each friend get?",
+        f"{total} / {friends} = {each}",
+        each,
+    )
 
 
 def _two_steps(rng: random.Random, top: int, name: str, item: str) -> Problem:
     a, b = rng.randint(1, top), rng.randint(1, top)
     c = rng.randint(1, a + b - 1) if a + b > 1 else 0
-    return (f"{name} has {a} {item}, buys {b} more and then gives away {c}. How many {item} does {name} have left?",
-            f"{a} + {b} = {a + b}\n{a + b} - {c} = {a + b - c}", a + b - c)
+    return (
+        f"{name} has {a} {item}, buys {b} more and then gives away {c}. How many {item} does {name} have left?",
+        f"{a} + {b} = {a + b}\n{a + b} - {c} = {a + b - c}",
+        a + b - c,
+    )
 
 
 KINDS: dict[str, Callable[[random.Random, int, str, str], Problem]] = {
-    "add": _add, "take_away": _take_away, "groups": _groups, "share": _share, "two_steps": _two_steps}
+    "add": _add,
+    "take_away": _take_away,
+    "groups": _groups,
+    "share": _share,
+    "two_steps": _two_steps,
+}
 
 
 def make_rows(n: int, *, max_number: int, rng: random.Random) -> list[dict[str, object]]:
@@ -68,8 +88,14 @@ def make_rows(n: int, *, max_number: int, rng: random.Random) -> list[dict[str, 
     for i in range(n):
         kind = list(KINDS)[i % len(KINDS)]
         question, steps, answer = KINDS[kind](rng, max_number, rng.choice(NAMES), rng.choice(ITEMS))
-        rows.append({"messages": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
-                     "answer": str(answer), "solution": f"{steps}\n#### {answer}", "kind": kind})
+        rows.append(
+            {
+                "messages": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
+                "answer": str(answer),
+                "solution": f"{steps}\n#### {answer}",
+                "kind": kind,
+            }
+        )
     return rows
 
 

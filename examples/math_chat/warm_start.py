@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))   # the repository root, when run as a script from anywhere
+sys.path.insert(0, str(HERE.parents[1]))  # the repository root, when run as a script from anywhere
 sys.path.insert(0, str(HERE))
 
 import make_data  # noqa: E402 - the example's own generator, beside this file
 
 PRESET, BODY = "qwen2.5-0.5b", "tiny"
-ANSWER_RANGE = range(10)          # the random answers of the warm start: the format's digits, no skill
-STOP = "\n"                       # ends the answer line; the example's rollout.sampling.stop
+ANSWER_RANGE = range(10)  # the random answers of the warm start: the format's digits, no skill
+STOP = "\n"  # ends the answer line; the example's rollout.sampling.stop
 IGNORE = -100
 
 
@@ -54,7 +54,7 @@ def warm_start(out: Path, *, steps: int = 80, seed: int = 0, lr: float = 1e-2, b
         model_dir = init_model(tmp / "model", preset=PRESET, body=BODY, seed=seed)
         train_format(model_dir, steps=steps, seed=seed, lr=lr, batch=batch)
         if out.exists():
-            out.rmdir()   # empty, else init_model's own check would have been ours to repeat
+            out.rmdir()  # empty, else init_model's own check would have been ours to repeat
         model_dir.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -82,7 +82,7 @@ def train_format(model_dir: Path, *, steps: int, seed: int, lr: float, batch: in
     for _ in range(steps):
         ids, mask, targets = format_batch(tokenizer, chat, rng, batch)
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-        scored = targets != IGNORE   # the head only where an answer token is predicted: 151,936 columns are costly
+        scored = targets != IGNORE  # the head only where an answer token is predicted: 151,936 columns are costly
         loss = torch.nn.functional.cross_entropy(model.get_output_embeddings()(hidden[scored]), targets[scored])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -111,9 +111,9 @@ def format_batch(tokenizer: Any, chat: Any, rng: random.Random, batch: int) -> t
     mask = torch.zeros((batch, width), dtype=torch.long)
     targets = torch.full((batch, width), IGNORE, dtype=torch.long)
     for i, (p, a) in enumerate(zip(prompt_ids, answer_ids, strict=True)):
-        ids[i, :len(p) + len(a)] = torch.tensor(p + a)
-        mask[i, :len(p) + len(a)] = 1
-        targets[i, len(p) - 1:len(p) + len(a) - 1] = torch.tensor(a)
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, : len(p) + len(a)] = 1
+        targets[i, len(p) - 1 : len(p) + len(a) - 1] = torch.tensor(a)
     return ids, mask, targets
 
 
