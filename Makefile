@@ -42,6 +42,7 @@ slurm-test: setup
 
 # The gates CI runs before the tests (.ci/run); .pre-commit-config.yaml runs the same on every commit.
 lint: setup
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 

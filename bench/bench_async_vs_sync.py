@@ -23,10 +23,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_mode(mode: str, *, steps: int, overrides: list[str], base: Path) -> list[dict]:
     run_dir = base / mode
-    args = [sys.executable, "-m", "services.cli", "run", str(REPO / "examples" / "digit_max.yaml"), "--run-dir",
-            str(run_dir), "--no-progress", "--init-model", "--set", f"loop.mode={mode}",
-            "--set", f"loop.num_rollout={steps}",
-            "--set", "loop.eval_interval=null"]
+    args = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "run",
+        str(REPO / "examples" / "digit_max.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        "--init-model",
+        "--set",
+        f"loop.mode={mode}",
+        "--set",
+        f"loop.num_rollout={steps}",
+        "--set",
+        "loop.eval_interval=null",
+    ]
     for item in overrides:
         args += ["--set", item]
     subprocess.run(args, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -45,14 +58,18 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        results = {m: run_mode(m, steps=args.steps, overrides=args.overrides, base=Path(tmp))[args.warmup:]
-                   for m in ("sync", "async")}
+        results = {
+            m: run_mode(m, steps=args.steps, overrides=args.overrides, base=Path(tmp))[args.warmup :]
+            for m in ("sync", "async")
+        }
     sync, asyn = results["sync"], results["async"]
     rollout, train = mean(sync, "perf/rollout_time_s"), mean(sync, "perf/train_time_s")
     print(f"{'mode':<8}{'step s':>10}{'rollout s':>11}{'train s':>10}{'sync s':>9}")
     for name, rows in results.items():
-        print(f"{name:<8}{mean(rows, 'perf/step_time_s'):>10.4f}{mean(rows, 'perf/rollout_time_s'):>11.4f}"
-              f"{mean(rows, 'perf/train_time_s'):>10.4f}{mean(rows, 'perf/weight_sync_time_s'):>9.4f}")
+        print(
+            f"{name:<8}{mean(rows, 'perf/step_time_s'):>10.4f}{mean(rows, 'perf/rollout_time_s'):>11.4f}"
+            f"{mean(rows, 'perf/train_time_s'):>10.4f}{mean(rows, 'perf/weight_sync_time_s'):>9.4f}"
+        )
     measured = mean(asyn, "perf/step_time_s") / mean(sync, "perf/step_time_s")
     ideal = max(rollout, train) / (rollout + train)
     print(f"\nasync/sync step time: {measured:.3f}   ideal max(rollout, train)/(rollout + train): {ideal:.3f}")

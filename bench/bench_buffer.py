@@ -29,13 +29,20 @@ def make_batch(target_bytes: int, rollout_id: int) -> RolloutBatchData:
     resp_len = max(1, (target_bytes // samples - 4 * prompt_len) // 9)
     n_resp = samples * resp_len
     return RolloutBatchData(
-        rollout_id=rollout_id, policy_version=0,
+        rollout_id=rollout_id,
+        policy_version=0,
         tokens=rng.integers(0, 150_000, size=samples * (prompt_len + resp_len), dtype=np.int32),
-        prompt_lengths=np.full(samples, prompt_len, np.int32), response_lengths=np.full(samples, resp_len, np.int32),
-        loss_mask=np.ones(n_resp, np.uint8), rollout_log_probs=-rng.random(n_resp, dtype=np.float32),
-        rewards=rng.random(samples, dtype=np.float32), group_ids=np.arange(samples, dtype=np.int64) // 8,
-        sample_versions=np.zeros(samples, np.int64), **sampling_arrays(samples, SamplingSpec()),
-        finish_reasons=("stop",) * samples, producer="bench")
+        prompt_lengths=np.full(samples, prompt_len, np.int32),
+        response_lengths=np.full(samples, resp_len, np.int32),
+        loss_mask=np.ones(n_resp, np.uint8),
+        rollout_log_probs=-rng.random(n_resp, dtype=np.float32),
+        rewards=rng.random(samples, dtype=np.float32),
+        group_ids=np.arange(samples, dtype=np.int64) // 8,
+        sample_versions=np.zeros(samples, np.int64),
+        **sampling_arrays(samples, SamplingSpec()),
+        finish_reasons=("stop",) * samples,
+        producer="bench",
+    )
 
 
 def bench_size(client, size_mb: float, count: int, chunk_mb: float) -> dict[str, float]:
@@ -58,8 +65,14 @@ def bench_size(client, size_mb: float, count: int, chunk_mb: float) -> dict[str,
         got += len(entries)
     t_get = time.perf_counter() - t0
     assert consumer.backlog() == 0
-    return {"mb": nbytes / 1e6, "count": count, "put_s": t_put, "get_s": t_get, "redis_mb": used_mb,
-            "chunks": 0 if nbytes <= min(1 << 20, chunk) else -(-nbytes // chunk)}
+    return {
+        "mb": nbytes / 1e6,
+        "count": count,
+        "put_s": t_put,
+        "get_s": t_get,
+        "redis_mb": used_mb,
+        "chunks": 0 if nbytes <= min(1 << 20, chunk) else -(-nbytes // chunk),
+    }
 
 
 def main() -> None:
@@ -74,16 +87,22 @@ def main() -> None:
         client = connect(server.url, timeout_s=120)
         version = client.info("server")["redis_version"]
         rows = [bench_size(client, mb, n, args.chunk_mb) for mb, n in zip(args.sizes_mb, counts, strict=False)]
-    print(f"rollout buffer through redis-server {version} (AOF {'everysec' if args.aof else 'off'}), "
-          f"chunk {args.chunk_mb:g} MiB, one producer then one consumer, same host")
-    print(f"| {'batch MB':>8} | {'n':>3} | {'chunks':>6} | {'put MB/s':>8} | {'put/s':>7} | "
-          f"{'get+ack MB/s':>12} | {'get+ack/s':>9} | {'redis MB at peak':>16} |")
+    print(
+        f"rollout buffer through redis-server {version} (AOF {'everysec' if args.aof else 'off'}), "
+        f"chunk {args.chunk_mb:g} MiB, one producer then one consumer, same host"
+    )
+    print(
+        f"| {'batch MB':>8} | {'n':>3} | {'chunks':>6} | {'put MB/s':>8} | {'put/s':>7} | "
+        f"{'get+ack MB/s':>12} | {'get+ack/s':>9} | {'redis MB at peak':>16} |"
+    )
     print(f"|{'-' * 10}|{'-' * 5}|{'-' * 8}|{'-' * 10}|{'-' * 9}|{'-' * 14}|{'-' * 11}|{'-' * 18}|")
     for r in rows:
         total = r["mb"] * r["count"]
-        print(f"| {r['mb']:8.1f} | {r['count']:3d} | {r['chunks']:6d} | {total / r['put_s']:8.0f} | "
-              f"{r['count'] / r['put_s']:7.1f} | {total / r['get_s']:12.0f} | {r['count'] / r['get_s']:9.1f} | "
-              f"{r['redis_mb']:16.0f} |")
+        print(
+            f"| {r['mb']:8.1f} | {r['count']:3d} | {r['chunks']:6d} | {total / r['put_s']:8.0f} | "
+            f"{r['count'] / r['put_s']:7.1f} | {total / r['get_s']:12.0f} | {r['count'] / r['get_s']:9.1f} | "
+            f"{r['redis_mb']:16.0f} |"
+        )
 
 
 if __name__ == "__main__":

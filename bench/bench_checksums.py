@@ -42,8 +42,10 @@ def model_tensors(preset: str, device: torch.device) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
         shapes = [(name, p.shape) for name, p in Qwen2ForCausalLM(cfg).named_parameters()]
     gen = torch.Generator(device=device).manual_seed(0)
-    return {name: torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
-            for name, shape in shapes}
+    return {
+        name: torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16)
+        for name, shape in shapes
+    }
 
 
 def per_tensor(tensors: dict[str, torch.Tensor], _layout: Layout) -> list[str]:
@@ -68,13 +70,17 @@ def per_bucket_torch(tensors: dict[str, torch.Tensor], layout: Layout) -> list[s
         bucket_kernel.usable = usable
 
 
-def timed(fn: Callable[[dict[str, torch.Tensor], Layout], list[str]], tensors: dict[str, torch.Tensor],
-          layout: Layout, repeats: int) -> float:
-    fn(tensors, layout)   # warm-up
+def timed(
+    fn: Callable[[dict[str, torch.Tensor], Layout], list[str]],
+    tensors: dict[str, torch.Tensor],
+    layout: Layout,
+    repeats: int,
+) -> float:
+    fn(tensors, layout)  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn(tensors, layout)   # ends in a host sync: the hex needs the sums
+        fn(tensors, layout)  # ends in a host sync: the hex needs the sums
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
@@ -82,19 +88,18 @@ def timed(fn: Callable[[dict[str, torch.Tensor], Layout], list[str]], tensors: d
 def measure(preset: str, device: torch.device, *, bucket_mb: float, repeats: int) -> dict[str, Any]:
     tensors = model_tensors(preset, device)
     layout = plan_layout(specs_from_tensors(tensors.items()), bucket_bytes=int(bucket_mb * 2**20))
-    _flat, flat = flat_views(layout, device)   # a FlatParams, as a native engine holds its weights
+    _flat, flat = flat_views(layout, device)  # a FlatParams, as a native engine holds its weights
     for name, view in flat.items():
         view.copy_(tensors[name])
-    assert per_tensor(tensors, layout) == packed(tensors, layout)               # the same checksums
-    assert per_bucket(flat, layout) == per_bucket(tensors, layout)              # wherever the bytes lie
-    row = {"preset": preset, "tensors": len(tensors), "buckets": len(layout.buckets),
-           "gb": layout.total_bytes / 1e9}
+    assert per_tensor(tensors, layout) == packed(tensors, layout)  # the same checksums
+    assert per_bucket(flat, layout) == per_bucket(tensors, layout)  # wherever the bytes lie
+    row = {"preset": preset, "tensors": len(tensors), "buckets": len(layout.buckets), "gb": layout.total_bytes / 1e9}
     row["per_tensor"] = timed(per_tensor, tensors, layout, repeats)
     row["packed"] = timed(packed, tensors, layout, repeats)
     row["bucket_flat"] = timed(per_bucket, flat, layout, repeats)
     row["bucket_separate"] = timed(per_bucket, tensors, layout, repeats)
     kernel = bucket_kernel.usable(next(iter(flat.values())).reshape(-1)[:1].view(torch.uint8))
-    if kernel:   # the one-pass kernel ran above: the torch path beside it
+    if kernel:  # the one-pass kernel ran above: the torch path beside it
         assert per_bucket_torch(flat, layout) == per_bucket(flat, layout)
     row["bucket_torch"] = timed(per_bucket_torch, flat, layout, repeats) if kernel else None
     return row
@@ -110,17 +115,23 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device(args.device)
     rows = [measure(p, device, bucket_mb=args.bucket_mb, repeats=args.repeats) for p in args.presets]
-    print(f"\n# bench_checksums {datetime.date.today()} device={args.device} bucket_mb={args.bucket_mb:g} "
-          f"(medians of {args.repeats})\n")
-    print("| preset | tensors | buckets | GB | per tensor ms | packed ms | per bucket, flat ms | per bucket, "
-          "separate ms | per bucket, flat, torch path ms | per bucket (flat) share of a sync "
-          f"({args.sync_ms:g} ms, both sides) |")
+    print(
+        f"\n# bench_checksums {datetime.date.today()} device={args.device} bucket_mb={args.bucket_mb:g} "
+        f"(medians of {args.repeats})\n"
+    )
+    print(
+        "| preset | tensors | buckets | GB | per tensor ms | packed ms | per bucket, flat ms | per bucket, "
+        "separate ms | per bucket, flat, torch path ms | per bucket (flat) share of a sync "
+        f"({args.sync_ms:g} ms, both sides) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         torch_path = "– (the same: no kernel here)" if r["bucket_torch"] is None else f"{r['bucket_torch']:.2f}"
-        print(f"| {r['preset']} | {r['tensors']} | {r['buckets']} | {r['gb']:.3f} | {r['per_tensor']:.2f} | "
-              f"{r['packed']:.2f} | {r['bucket_flat']:.2f} | {r['bucket_separate']:.2f} | {torch_path} | "
-              f"{2 * r['bucket_flat'] / args.sync_ms * 100:.1f}% |")
+        print(
+            f"| {r['preset']} | {r['tensors']} | {r['buckets']} | {r['gb']:.3f} | {r['per_tensor']:.2f} | "
+            f"{r['packed']:.2f} | {r['bucket_flat']:.2f} | {r['bucket_separate']:.2f} | {torch_path} | "
+            f"{2 * r['bucket_flat'] / args.sync_ms * 100:.1f}% |"
+        )
     return 0
 
 

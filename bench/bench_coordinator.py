@@ -93,9 +93,13 @@ class Replica:
         start = time.perf_counter()
         entry = self.buffer.put(self.batch)
         self.timed.put[request.rollout_id] = time.perf_counter() - start
-        reply = rollout_pb2.GenerateResponse(entry_id=entry, num_samples=self.batch.num_samples,
-                                             num_groups=PROMPTS, informative_groups=PROMPTS,
-                                             metrics={"reward_mean": 0.5, "response_len_mean": 1536.0})
+        reply = rollout_pb2.GenerateResponse(
+            entry_id=entry,
+            num_samples=self.batch.num_samples,
+            num_groups=PROMPTS,
+            informative_groups=PROMPTS,
+            metrics={"reward_mean": 0.5, "response_len_mean": 1536.0},
+        )
         self.timed.seen("GenerateResponse (rollout -> coordinator)", reply)
         return generate_result_of(reply)
 
@@ -146,8 +150,12 @@ class Trainer:
         self.buffer.ack(list(request.entry_ids))
         self.timed.read[request.rollout_id] = time.perf_counter() - start
         self.step += 1
-        reply = trainer_pb2.TrainResponse(rollout_id=request.rollout_id, step=self.step, samples_trained=samples,
-                                          metrics={f"train/m{i}": 0.1 * i for i in range(40)})
+        reply = trainer_pb2.TrainResponse(
+            rollout_id=request.rollout_id,
+            step=self.step,
+            samples_trained=samples,
+            metrics={f"train/m{i}": 0.1 * i for i in range(40)},
+        )
         self.timed.seen("TrainResponse (trainer -> coordinator)", reply)
         return train_result_of(reply)
 
@@ -187,31 +195,46 @@ class InstantSync:
 
 
 def run_config(steps: int) -> TandemConfig:
-    return config_from_dict({
-        "run_name": "bench-coordinator", "model": {"path": "unused"}, "data": {"train_path": "unused"},
-        "rollout": {"rollout_batch_size": PROMPTS, "n_samples_per_prompt": SAMPLES_PER_PROMPT},
-        "loop": {"mode": "sync", "num_rollout": steps, "eval_interval": None, "save_interval": None},
-        "tracing": {"trackers": ["jsonl"]}})
+    return config_from_dict(
+        {
+            "run_name": "bench-coordinator",
+            "model": {"path": "unused"},
+            "data": {"train_path": "unused"},
+            "rollout": {"rollout_batch_size": PROMPTS, "n_samples_per_prompt": SAMPLES_PER_PROMPT},
+            "loop": {"mode": "sync", "num_rollout": steps, "eval_interval": None, "save_interval": None},
+            "tracing": {"trackers": ["jsonl"]},
+        }
+    )
 
 
-def coordinator_seconds(args: argparse.Namespace, batch: RolloutBatchData, redis_url: str,
-                        run_dir: Path) -> tuple[list[float], Timed]:
+def coordinator_seconds(
+    args: argparse.Namespace, batch: RolloutBatchData, redis_url: str, run_dir: Path
+) -> tuple[list[float], Timed]:
     """Per step: wall seconds minus the stand-ins' seconds (steps 2.. : the first pays the warm-up)."""
     config = run_config(args.steps)
     stream = "bench:coordinator:rollouts"
     timed = Timed()
     producer = RolloutBuffer(connect(redis_url), stream, groups=("actor",))
     consumer = RolloutBuffer(connect(redis_url), stream, groups=("actor",), group="actor", consumer="trainer")
-    words = " ".join(["seven"] * 512)   # ~512 tokens of prompt text
+    words = " ".join(["seven"] * 512)  # ~512 tokens of prompt text
     records = [PromptRecord(text=f"{i} {words}", label=str(i)) for i in range(PROMPTS * (args.steps + 1))]
     pool = RolloutPool([Replica(producer, batch, timed)])
     trainer = Trainer(consumer, timed)
     steps = StepEnds()
     coordinator = Coordinator(
-        config=config, run_dir=run_dir, trainer=trainer, critic=None, pool=pool, sync=InstantSync(),
+        config=config,
+        run_dir=run_dir,
+        trainer=trainer,
+        critic=None,
+        pool=pool,
+        sync=InstantSync(),
         data=DataSource(records, batch_size=PROMPTS, shuffle=False, seed=0, num_epochs=1),
-        buffer=producer, trackers=[*make_trackers((), run_dir=run_dir, run_name="bench"), steps],
-        eval_prompts=lambda: [], generations=ThreadPoolExecutor(2), evals=ThreadPoolExecutor(1))
+        buffer=producer,
+        trackers=[*make_trackers((), run_dir=run_dir, run_name="bench"), steps],
+        eval_prompts=lambda: [],
+        generations=ThreadPoolExecutor(2),
+        evals=ThreadPoolExecutor(1),
+    )
     coordinator.run()
     ends = steps.ends
     own = [(ends[i] - ends[i - 1]) - timed.put[i] - timed.read[i] for i in range(1, len(ends))]
@@ -234,8 +257,11 @@ def buffer_seconds(batch: RolloutBatchData, redis_url: str, repeat: int) -> dict
         put.append(t1 - t0)
         read.append(t2 - t1)
         ack.append(t3 - t2)
-    return {"put (encode + write)": statistics.median(put), "read (read + checksum + decode)": statistics.median(read),
-            "ack (+ delete)": statistics.median(ack)}
+    return {
+        "put (encode + write)": statistics.median(put),
+        "read (read + checksum + decode)": statistics.median(read),
+        "ack (+ delete)": statistics.median(ack),
+    }
 
 
 def main() -> None:
@@ -253,8 +279,10 @@ def main() -> None:
         buffer = buffer_seconds(batch, redis.url, args.repeat)
         own, timed = coordinator_seconds(args, batch, redis.url, Path(tmp) / "run")
     budget = 0.02 * args.step_s
-    print(f"batch: {args.tokens} tokens, {args.samples} samples, {wire_mb:.1f} MB on the wire; "
-          f"step assumed {args.step_s:.2f} s, so 2 % = {budget * 1e3:.0f} ms\n")
+    print(
+        f"batch: {args.tokens} tokens, {args.samples} samples, {wire_mb:.1f} MB on the wire; "
+        f"step assumed {args.step_s:.2f} s, so 2 % = {budget * 1e3:.0f} ms\n"
+    )
     print("| part | median ms | share of the step | goal ≤ 2 % |\n|---|---|---|---|")
     rows = {**{f"buffer {k}": v for k, v in buffer.items()}, "coordinator's own time per step": statistics.median(own)}
     for name, seconds in rows.items():

@@ -48,11 +48,19 @@ class Timing:
     load_s: float
     sync_s: float
     gen_s: float
-    cpu_s: float   # the process's CPU time over the run (all threads): steadier than wall time on a shared host
+    cpu_s: float  # the process's CPU time over the run (all threads): steadier than wall time on a shared host
 
 
-def run_once(engine: NativeEngine, prompts: list[list[int]], opts: SamplingSpec, *, pause_mode: str | None,
-             at_s: float, state: dict[str, torch.Tensor], version: int) -> Timing:
+def run_once(
+    engine: NativeEngine,
+    prompts: list[list[int]],
+    opts: SamplingSpec,
+    *,
+    pause_mode: str | None,
+    at_s: float,
+    state: dict[str, torch.Tensor],
+    version: int,
+) -> Timing:
     """One generate call; with pause_mode, a sync starts at_s seconds into it."""
     done: list[float] = []
 
@@ -94,10 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         a = init_model(Path(tmp) / "a", preset=args.preset, seed=0)
         b = init_model(Path(tmp) / "b", preset=args.preset, seed=1)
-        print(f"{args.preset}, {args.batch} rows x ({args.prompt_len} prompt + {args.new_tokens} new tokens), sync at "
-              f"{args.at:.0%} of the call, {torch.get_num_threads()} threads, median of {args.repeat}")
-        header = (f"{'decode':8} {'inflight_update':16} {'gen alone s':>11} {'pause s':>9} {'load s':>9} "
-                  f"{'sync s':>9} {'gen stall s':>11} {'extra cpu s':>11}")
+        print(
+            f"{args.preset}, {args.batch} rows x ({args.prompt_len} prompt + {args.new_tokens} new tokens), sync at "
+            f"{args.at:.0%} of the call, {torch.get_num_threads()} threads, median of {args.repeat}"
+        )
+        header = (
+            f"{'decode':8} {'inflight_update':16} {'gen alone s':>11} {'pause s':>9} {'load s':>9} "
+            f"{'sync s':>9} {'gen stall s':>11} {'extra cpu s':>11}"
+        )
         print(header)
         print("-" * len(header))
         for decode in args.decode:
@@ -113,25 +125,38 @@ def report(decode: str, a: Path, b: Path, args: argparse.Namespace) -> None:
     vocab = engine.vocab_size
     prompts = [[1, *((i * 7 + j) % (vocab - 4) + 3 for j in range(args.prompt_len - 1))] for i in range(args.batch)]
     opts = SamplingSpec(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=1)
-    engine.generate(prompts[:2], SamplingSpec(max_new_tokens=4, ignore_eos=True))   # warm-up
+    engine.generate(prompts[:2], SamplingSpec(max_new_tokens=4, ignore_eos=True))  # warm-up
     runs: dict[str, list[Timing]] = {name: [] for name in ("alone", *MODES)}
     version = 0
-    for _ in range(args.repeat):   # each repeat measures the call alone next to the modes (a shared host drifts)
+    for _ in range(args.repeat):  # each repeat measures the call alone next to the modes (a shared host drifts)
         runs["alone"].append(run_once(engine, prompts, opts, pause_mode=None, at_s=0, state={}, version=0))
         for name, pause_mode in MODES.items():
             version += 1
-            runs[name].append(run_once(engine, prompts, opts, pause_mode=pause_mode,
-                                       at_s=args.at * runs["alone"][-1].gen_s, state=states[version % 2],
-                                       version=version))
+            runs[name].append(
+                run_once(
+                    engine,
+                    prompts,
+                    opts,
+                    pause_mode=pause_mode,
+                    at_s=args.at * runs["alone"][-1].gen_s,
+                    state=states[version % 2],
+                    version=version,
+                )
+            )
     alone = statistics.median(r.gen_s for r in runs["alone"])
     for name in MODES:
-        pause_s, load_s, sync_s = (statistics.median(getattr(r, k) for r in runs[name]) for k in ("pause_s", "load_s",
-                                                                                                  "sync_s"))
-        stall_s, cpu_s = (statistics.median(getattr(r, k) - getattr(a, k) for r, a in zip(runs[name], runs["alone"],
-                                                                                         strict=True))
-                          for k in ("gen_s", "cpu_s"))
-        print(f"{decode:8} {name:16} {alone:11.3f} {pause_s:9.3f} {load_s:9.3f} {sync_s:9.3f} {stall_s:11.3f} "
-              f"{cpu_s:11.3f}")
+        pause_s, load_s, sync_s = (
+            statistics.median(getattr(r, k) for r in runs[name]) for k in ("pause_s", "load_s", "sync_s")
+        )
+        stall_s, cpu_s = (
+            statistics.median(getattr(r, k) - getattr(a, k) for r, a in zip(runs[name], runs["alone"], strict=True))
+            for k in ("gen_s", "cpu_s")
+        )
+        print(
+            f"{decode:8} {name:16} {alone:11.3f} {pause_s:9.3f} {load_s:9.3f} {sync_s:9.3f} {stall_s:11.3f} "
+            f"{cpu_s:11.3f}"
+        )
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -40,8 +40,11 @@ def _timed(fn, repeats: int) -> dict[str, float]:
         events.append(start.elapsed_time(end))
         launch.append((t1 - t0) * 1e3)
         wall.append((t2 - t0) * 1e3)
-    return {"events_ms": statistics.median(events), "launch_ms": statistics.median(launch),
-            "wall_ms": statistics.median(wall)}
+    return {
+        "events_ms": statistics.median(events),
+        "launch_ms": statistics.median(launch),
+        "wall_ms": statistics.median(wall),
+    }
 
 
 def _methods(src: torch.Tensor, dst: torch.Tensor) -> dict:
@@ -51,16 +54,21 @@ def _methods(src: torch.Tensor, dst: torch.Tensor) -> dict:
     def chunks() -> None:
         for i in range(8):
             hi = src.numel() if i == 7 else (i + 1) * step
-            dst[i * step: hi].copy_(src[i * step: hi])
-    return {"copy_": lambda: dst.copy_(src), "chunks x8": chunks,
-            "kernel": lambda: torch.bitwise_and(src64, -1, out=dst64)}
+            dst[i * step : hi].copy_(src[i * step : hi])
+
+    return {
+        "copy_": lambda: dst.copy_(src),
+        "chunks x8": chunks,
+        "kernel": lambda: torch.bitwise_and(src64, -1, out=dst64),
+    }
 
 
 def reader(args: argparse.Namespace) -> int:
     info = json.loads(args.reader)
     torch.cuda.set_device(0)
     storage = torch.UntypedStorage._new_shared_cuda(
-        0, bytes.fromhex(info["handle"]), info["size"], info["offset"], b"", 0, bytes.fromhex(info["event"]), False)
+        0, bytes.fromhex(info["handle"]), info["size"], info["offset"], b"", 0, bytes.fromhex(info["event"]), False
+    )
     mapped = torch.empty(0, dtype=torch.uint8, device="cuda:0").set_(storage, 0, (info["size"],), (1,))
     local = torch.empty_like(mapped).copy_(mapped)
     dst = torch.empty_like(mapped)
@@ -89,8 +97,12 @@ def main() -> int:
     torch.cuda.synchronize()
     _, handle, _size, offset, _, _, event, _ = src.untyped_storage()._share_cuda_()
     info = {"handle": handle.hex(), "size": nbytes, "offset": offset, "event": event.hex()}
-    out = subprocess.run([sys.executable, __file__, "--repeats", str(args.repeats), "--reader", json.dumps(info)],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, __file__, "--repeats", str(args.repeats), "--reader", json.dumps(info)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if out.returncode:
         print(out.stderr, file=sys.stderr)
         return out.returncode
@@ -101,8 +113,10 @@ def main() -> int:
     print(f"| {'source':26} | {'method':10} | events ms | GB/s  | vs local copy_ | launch ms | wall ms |")
     print(f"|{'-' * 28}|{'-' * 12}|-----------|-------|----------------|-----------|---------|")
     for r in rows:
-        print(f"| {r['source']:26} | {r['method']:10} | {r['events_ms']:9.3f} | {gbps(r['events_ms']):5.0f} | "
-              f"{r['events_ms'] / base:14.2f} | {r['launch_ms']:9.3f} | {r['wall_ms']:7.3f} |")
+        print(
+            f"| {r['source']:26} | {r['method']:10} | {r['events_ms']:9.3f} | {gbps(r['events_ms']):5.0f} | "
+            f"{r['events_ms'] / base:14.2f} | {r['launch_ms']:9.3f} | {r['wall_ms']:7.3f} |"
+        )
     return 0
 
 

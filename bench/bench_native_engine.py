@@ -31,9 +31,19 @@ from services.rollout.engines.native import NativeEngine, resolve_device
 from services.rollout.model_init import PRESETS, init_model
 
 # A Qwen2-0.5B-shaped config (494M parameters), built locally: the size FACTS.md measured HF generate at.
-QWEN2_05B: dict[str, Any] = dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
-                 tie_word_embeddings=True, bos_token_id=151_643, eos_token_id=151_645, pad_token_id=151_643)
+QWEN2_05B: dict[str, Any] = dict(
+    vocab_size=151_936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    bos_token_id=151_643,
+    eos_token_id=151_645,
+    pad_token_id=151_643,
+)
 
 
 def build_model_dir(preset: str, root: Path) -> Path:
@@ -73,8 +83,17 @@ def time_hf(model, prompts: list[list[int]], new_tokens: int, pad_id: int, seed:
     sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad_id,
+        )
     sync(device)
     assert out.shape[1] == ids.shape[1] + new_tokens
     return time.perf_counter() - start
@@ -88,10 +107,19 @@ def bench_model(model_dir: Path, args: argparse.Namespace) -> list[tuple]:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     hf: HFCausalLM = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     hf = hf.to(device).eval()
-    engines = [NativeEngine(model_dir, device=str(device), dtype=args.dtype, max_batch_size=max(args.batch),
-                            decode=mode, fused_kernels=args.fused_kernels) for mode in args.decode]
+    engines = [
+        NativeEngine(
+            model_dir,
+            device=str(device),
+            dtype=args.dtype,
+            max_batch_size=max(args.batch),
+            decode=mode,
+            fused_kernels=args.fused_kernels,
+        )
+        for mode in args.decode
+    ]
     vocab = engines[0].vocab_size
-    low = 4 if vocab > 8 else 0          # skip special tokens of the local tokenizer
+    low = 4 if vocab > 8 else 0  # skip special tokens of the local tokenizer
     pad = engines[0].pad_token_id
     rows = []
     for batch in args.batch:
@@ -99,17 +127,27 @@ def bench_model(model_dir: Path, args: argparse.Namespace) -> list[tuple]:
         prompts = torch.randint(low, vocab, (batch, args.prompt_len), generator=gen).tolist()
         for r in range(args.warmup):
             time_hf(hf, prompts, args.new_tokens, pad, seed=r)
-        plain = statistics.median(time_hf(hf, prompts, args.new_tokens, pad, seed=10 + r)
-                                  for r in range(args.repeats))
+        plain = statistics.median(time_hf(hf, prompts, args.new_tokens, pad, seed=10 + r) for r in range(args.repeats))
         tokens = batch * args.new_tokens
         for engine in engines:
-            first = time_native(engine, prompts, args.new_tokens, seed=0)     # cache allocation / capture / compile
+            first = time_native(engine, prompts, args.new_tokens, seed=0)  # cache allocation / capture / compile
             for r in range(args.warmup):
                 time_native(engine, prompts, args.new_tokens, seed=r + 1)
-            native = statistics.median(time_native(engine, prompts, args.new_tokens, seed=10 + r)
-                                       for r in range(args.repeats))
-            rows.append((model_dir.name, engine.decode_mode, batch, tokens, tokens / native, tokens / plain,
-                         plain / native, first))
+            native = statistics.median(
+                time_native(engine, prompts, args.new_tokens, seed=10 + r) for r in range(args.repeats)
+            )
+            rows.append(
+                (
+                    model_dir.name,
+                    engine.decode_mode,
+                    batch,
+                    tokens,
+                    tokens / native,
+                    tokens / plain,
+                    plain / native,
+                    first,
+                )
+            )
     return rows
 
 
@@ -119,17 +157,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=None, help="an existing model directory instead of presets")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--fused-kernels", default="off", choices=["auto", "on", "off"],
-                        help="model.fused_kernels for the native engine (Triton RMSNorm/SwiGLU in its decode)")
+    parser.add_argument(
+        "--fused-kernels",
+        default="off",
+        choices=["auto", "on", "off"],
+        help="model.fused_kernels for the native engine (Triton RMSNorm/SwiGLU in its decode)",
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--decode", nargs="+", default=["auto"],
-                        choices=["auto", "dynamic", "static", "graph", "compile"],
-                        help="native engine decode path(s), one row each (auto: graph on CUDA, dynamic on CPU)")
+    parser.add_argument(
+        "--decode",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "dynamic", "static", "graph", "compile"],
+        help="native engine decode path(s), one row each (auto: graph on CUDA, dynamic on CPU)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
@@ -139,14 +185,20 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_model(d, args)
     device = resolve_device(args.device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} threads"
-    print(f"\nnative engine vs HF generate — {where}, {args.dtype}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, median of {args.repeats}")
-    print(f"| {'model':<12} | decode  | {'batch':>5} | {'tokens':>7} | {'native tok/s':>12} | {'HF tok/s':>9} | "
-          f"{'native/HF':>9} | first call s |")
+    print(
+        f"\nnative engine vs HF generate — {where}, {args.dtype}, prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, median of {args.repeats}"
+    )
+    print(
+        f"| {'model':<12} | decode  | {'batch':>5} | {'tokens':>7} | {'native tok/s':>12} | {'HF tok/s':>9} | "
+        f"{'native/HF':>9} | first call s |"
+    )
     print("|--------------|---------|-------|---------|--------------|-----------|-----------|--------------|")
     for name, mode, batch, tokens, native, plain, ratio, first in rows:
-        print(f"| {name:<12} | {mode:<7} | {batch:>5} | {tokens:>7} | {native:>12,.0f} | {plain:>9,.0f} | "
-              f"{ratio:>9.2f} | {first:>12.2f} |")
+        print(
+            f"| {name:<12} | {mode:<7} | {batch:>5} | {tokens:>7} | {native:>12,.0f} | {plain:>9,.0f} | "
+            f"{ratio:>9.2f} | {first:>12.2f} |"
+        )
     return 0
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))   # helpers.chatml_tokenizer
+sys.path.insert(0, str(REPO / "tests"))  # helpers.chatml_tokenizer
 
 from services.contracts.config import TandemConfig  # noqa: E402
 from services.contracts.config_loading import load_config  # noqa: E402
@@ -36,8 +36,9 @@ from services.rollout.tokenizer import load_tokenizer  # noqa: E402
 
 
 def write_jsonl(path: Path, n: int) -> Path:
-    path.write_text("".join(json.dumps({"prompt": f"{i % 10} {i // 10 % 10} =", "label": str(i % 10)}) + "\n"
-                            for i in range(n)))
+    path.write_text(
+        "".join(json.dumps({"prompt": f"{i % 10} {i // 10 % 10} =", "label": str(i % 10)}) + "\n" for i in range(n))
+    )
     return path
 
 
@@ -45,11 +46,22 @@ def write_chat_parquet(path: Path, n: int) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"data_source": "gsm8k-like", "ability": "math",
-             "prompt": [{"role": "user", "content": f"Ava has {i % 97} apples and buys {i % 13} more. How many "
-                                                    "apples does Ava have now? Give the final answer after ####."}],
-             "reward_model": {"style": "rule", "ground_truth": str(i % 97 + i % 13)},
-             "extra_info": {"split": "train", "index": i}} for i in range(n)]
+    rows = [
+        {
+            "data_source": "gsm8k-like",
+            "ability": "math",
+            "prompt": [
+                {
+                    "role": "user",
+                    "content": f"Ava has {i % 97} apples and buys {i % 13} more. How many "
+                    "apples does Ava have now? Give the final answer after ####.",
+                }
+            ],
+            "reward_model": {"style": "rule", "ground_truth": str(i % 97 + i % 13)},
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i in range(n)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
 
@@ -74,8 +86,11 @@ def time_stages(config: TandemConfig, tokenizer: PreTrainedTokenizerBase) -> tup
     rows, texts = records["data.train_path"], prompts["data.train_path"].texts
     t = time.perf_counter()
     for start in range(0, len(texts), preflight.ENCODE_BATCH):
-        encode_prompt_texts(tokenizer, texts[start:start + preflight.ENCODE_BATCH],
-                            [bool(r.messages) for r in rows[start:start + preflight.ENCODE_BATCH]])
+        encode_prompt_texts(
+            tokenizer,
+            texts[start : start + preflight.ENCODE_BATCH],
+            [bool(r.messages) for r in rows[start : start + preflight.ENCODE_BATCH]],
+        )
     return times, time.perf_counter() - t, len(prompts["data.train_path"].ids)
 
 
@@ -96,20 +111,36 @@ def main() -> None:
             t = time.perf_counter()
             tokenizers[name] = load_tokenizer(path)
             print(f"tokenizer load ({name}): {time.perf_counter() - t:.2f}s ({path}, {len(tokenizers[name])} tokens)")
-        print(f"{'rows':>8} {'file':<14} {'read s':>8} {'encode s':>9} {'check s':>8} {'unk s':>7} {'total s':>8} "
-              f"{'encoded':>8} {'exact s':>8}")
+        print(
+            f"{'rows':>8} {'file':<14} {'read s':>8} {'encode s':>9} {'check s':>8} {'unk s':>7} {'total s':>8} "
+            f"{'encoded':>8} {'exact s':>8}"
+        )
         for n in args.lines:
             files: tuple[tuple[str, Path, str, list[str]], ...] = (
-                     ("text jsonl", write_jsonl(Path(tmp) / f"tasks_{n}.jsonl", n), args.model, []),
-                     ("chat parquet", write_chat_parquet(Path(tmp) / f"chat_{n}.parquet", n), chat_model,
-                      ["data.label_key=reward_model.ground_truth"]))
+                ("text jsonl", write_jsonl(Path(tmp) / f"tasks_{n}.jsonl", n), args.model, []),
+                (
+                    "chat parquet",
+                    write_chat_parquet(Path(tmp) / f"chat_{n}.parquet", n),
+                    chat_model,
+                    ["data.label_key=reward_model.ground_truth"],
+                ),
+            )
             for name, path, model, extra in files:
-                config = load_config(REPO / "examples" / "digit_max.yaml",
-                                     [f"data.train_path={path}", "data.eval_path=null", f"model.path={model}",
-                                      "rollout.max_context_length=256", *extra])
+                config = load_config(
+                    REPO / "examples" / "digit_max.yaml",
+                    [
+                        f"data.train_path={path}",
+                        "data.eval_path=null",
+                        f"model.path={model}",
+                        "rollout.max_context_length=256",
+                        *extra,
+                    ],
+                )
                 times, exact, encoded = time_stages(config, tokenizers[name.split()[0]])
-                print(f"{n:>8} {name:<14} {times[0]:>8.2f} {times[1]:>9.2f} {times[2]:>8.2f} {times[3]:>7.2f} "
-                      f"{sum(times):>8.2f} {encoded:>8} {exact:>8.2f}")
+                print(
+                    f"{n:>8} {name:<14} {times[0]:>8.2f} {times[1]:>9.2f} {times[2]:>8.2f} {times[3]:>7.2f} "
+                    f"{sum(times):>8.2f} {encoded:>8} {exact:>8.2f}"
+                )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # scoring_reference: the old functions
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # scoring_reference: the old functions
 
 from scoring_reference import table_log_probs
 
@@ -27,13 +27,16 @@ from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.sampling import sample_next
 from services.tensors.sampling import sampling_log_probs
 
-SPECS = {"T=1": SamplingSpec(temperature=1.0), "top_p=0.9": SamplingSpec(temperature=0.7, top_p=0.9),
-         "top_k=50": SamplingSpec(temperature=0.7, top_k=50),
-         "top_k=50,top_p=0.9": SamplingSpec(temperature=0.7, top_k=50, top_p=0.9)}
+SPECS = {
+    "T=1": SamplingSpec(temperature=1.0),
+    "top_p=0.9": SamplingSpec(temperature=0.7, top_p=0.9),
+    "top_k=50": SamplingSpec(temperature=0.7, top_k=50),
+    "top_k=50,top_p=0.9": SamplingSpec(temperature=0.7, top_k=50, top_p=0.9),
+}
 
 
 def timed_ms(fn, device: torch.device, repeats: int) -> float:
-    fn()   # warm-up
+    fn()  # warm-up
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -43,7 +46,7 @@ def timed_ms(fn, device: torch.device, repeats: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
-    return min(times)   # the least disturbed run: on a shared box the median carries the other sessions' load
+    return min(times)  # the least disturbed run: on a shared box the median carries the other sessions' load
 
 
 def main() -> int:
@@ -63,14 +66,17 @@ def main() -> int:
             before = timed_ms(lambda x=logits, s=spec: table_log_probs(x, s), device, args.repeats)
             now = timed_ms(lambda x=logits, s=spec: sampling_log_probs(x, s), device, args.repeats)
             draw = timed_ms(lambda x=logits, s=spec: sample_next(x, s, gen), device, args.repeats)
-            same = torch.equal(torch.isfinite(table_log_probs(logits, spec)),
-                               torch.isfinite(sampling_log_probs(logits, spec)))
+            same = torch.equal(
+                torch.isfinite(table_log_probs(logits, spec)), torch.isfinite(sampling_log_probs(logits, spec))
+            )
             rows.append((batch, name, before, now, draw, same))
             print(rows[-1], flush=True)
-    print(f"\n# bench_sampling {datetime.date.today()} device={args.device} vocab={args.vocab} "
-          f"(best of {args.repeats})\n")
-    print("| batch | sampling | log-probs before ms | log-probs now ms | before / now | sample_next ms | "
-          "same support |")
+    print(
+        f"\n# bench_sampling {datetime.date.today()} device={args.device} vocab={args.vocab} (best of {args.repeats})\n"
+    )
+    print(
+        "| batch | sampling | log-probs before ms | log-probs now ms | before / now | sample_next ms | same support |"
+    )
     print("|---|---|---|---|---|---|---|")
     for batch, name, before, now, draw, same in rows:
         print(f"| {batch} | {name} | {before:.1f} | {now:.1f} | {before / now:.2f}x | {draw:.1f} | {same} |")

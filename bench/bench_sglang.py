@@ -42,8 +42,8 @@ from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.sglang import SGLangEngine
 
 TRANSPORTS = (("disk", "tensor"), ("cuda_ipc", "tensor"), ("cuda_ipc", "flattened_bucket"), ("gloo", "tensor"))
-SCORED = [4 + (7 * i) % 18 for i in range(48)]   # a fixed sequence whose prefill log-probs fingerprint the weights
-FINGERPRINT_TOL = 1e-2   # the same weights and request give the same numbers; other weights differ by ~0.1-3
+SCORED = [4 + (7 * i) % 18 for i in range(48)]  # a fixed sequence whose prefill log-probs fingerprint the weights
+FINGERPRINT_TOL = 1e-2  # the same weights and request give the same numbers; other weights differ by ~0.1-3
 
 
 def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
@@ -100,8 +100,9 @@ def trainer_weights(model: Path) -> list[tuple[str, Any]]:
     return named
 
 
-def sync_once(engine: SGLangEngine, publisher: Any, named: list[tuple[str, Any]], *, version: int,
-              timeout_s: float) -> dict[str, float]:
+def sync_once(
+    engine: SGLangEngine, publisher: Any, named: list[tuple[str, Any]], *, version: int, timeout_s: float
+) -> dict[str, float]:
     """One sync as the coordinator runs it: prepare, pause (drain), engine and trainer concurrently, resume."""
     from services.weights import WeightReceiver, specs_from_tensors
 
@@ -128,8 +129,7 @@ def publisher_for(transport: str, load_format: str, *, work: Path, timeout_s: fl
 
     disk = {"disk_dir": str(work / "weights")} if transport == "disk" else {}
     config = weights_config(transport=transport, bucket_mb=bucket_mb, timeout_s=timeout_s, **disk)
-    return WeightPublisher(config=config, run_dir=work, trainer_id="bench",
-                           sglang_load_format=load_format)
+    return WeightPublisher(config=config, run_dir=work, trainer_id="bench", sglang_load_format=load_format)
 
 
 def weight_fingerprint(url: str) -> list[float]:
@@ -138,18 +138,23 @@ def weight_fingerprint(url: str) -> list[float]:
     bf16 near-ties, and which token wins can change with the kernels' reduction order."""
     from services.rollout.engines.sglang_http import SGLangClient
 
-    body = {"input_ids": SCORED, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-            "return_logprob": True, "logprob_start_len": 0}
+    body = {
+        "input_ids": SCORED,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
     meta = SGLangClient(url).post("/generate", body, timeout_s=60).body["meta_info"]
-    return [float(entry[0]) for entry in meta["input_token_logprobs"][1:]]   # the first token has none
+    return [float(entry[0]) for entry in meta["input_token_logprobs"][1:]]  # the first token has none
 
 
 def fingerprint_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-def bench_syncs(server: dict[str, Any], args: argparse.Namespace, *, transports: tuple,
-                version: int) -> tuple[list[dict[str, Any]], int]:
+def bench_syncs(
+    server: dict[str, Any], args: argparse.Namespace, *, transports: tuple, version: int
+) -> tuple[list[dict[str, Any]], int]:
     import torch
 
     named = trainer_weights(Path(server["model"]))
@@ -158,19 +163,26 @@ def bench_syncs(server: dict[str, Any], args: argparse.Namespace, *, transports:
         for transport, load_format in transports:
             engine = SGLangEngine([server["url"]], weight_load_format=load_format, request_timeout_s=args.timeout_s)
             before = weight_fingerprint(server["url"])
-            publisher = publisher_for(transport, load_format, work=Path(tmp), timeout_s=args.sync_timeout_s
-                                      if transport == "nccl" else args.timeout_s, bucket_mb=args.bucket_mb)
+            publisher = publisher_for(
+                transport,
+                load_format,
+                work=Path(tmp),
+                timeout_s=args.sync_timeout_s if transport == "nccl" else args.timeout_s,
+                bucket_mb=args.bucket_mb,
+            )
             row: dict[str, Any] = {"server": server["name"], "transport": transport, "format": load_format}
             try:
                 runs = []
-                for _ in range(args.sync_repeats + 1):   # the first: groups joined, buffers allocated
+                for _ in range(args.sync_repeats + 1):  # the first: groups joined, buffers allocated
                     version += 1
                     runs.append(sync_once(engine, publisher, named, version=version, timeout_s=args.timeout_s))
                 runs = runs[1:]
-                row.update(ms=1000 * statistics.median(r["seconds"] for r in runs),
-                           transfer_ms=1000 * statistics.median(r["transfer_s"] for r in runs),
-                           gb=runs[0]["bytes"] / 1e9,
-                           weights_diff=fingerprint_diff(weight_fingerprint(server["url"]), before))
+                row.update(
+                    ms=1000 * statistics.median(r["seconds"] for r in runs),
+                    transfer_ms=1000 * statistics.median(r["transfer_s"] for r in runs),
+                    gb=runs[0]["bytes"] / 1e9,
+                    weights_diff=fingerprint_diff(weight_fingerprint(server["url"]), before),
+                )
             except Exception as exc:  # noqa: BLE001 - a transport that fails is reported, the others still run
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             finally:
@@ -183,31 +195,40 @@ def bench_syncs(server: dict[str, Any], args: argparse.Namespace, *, transports:
     return rows, version
 
 
-def print_tables(startup: list[dict[str, Any]], gen: list[dict[str, Any]], syncs: list[dict[str, Any]],
-                 args: argparse.Namespace) -> None:
+def print_tables(
+    startup: list[dict[str, Any]], gen: list[dict[str, Any]], syncs: list[dict[str, Any]], args: argparse.Namespace
+) -> None:
     import torch
 
-    print(f"\nSGLang vs native — {torch.cuda.get_device_name()}, bf16, q05 (Qwen2-0.5B-shaped, random init), prompt "
-          f"{args.prompt_len}, {args.new_tokens} new tokens, EOS ignored, median of {args.repeats}")
+    print(
+        f"\nSGLang vs native — {torch.cuda.get_device_name()}, bf16, q05 (Qwen2-0.5B-shaped, random init), prompt "
+        f"{args.prompt_len}, {args.new_tokens} new tokens, EOS ignored, median of {args.repeats}"
+    )
     print("| batch | SGLang tok/s | native tok/s | SGLang / native | SGLang first call s | native first call s |")
     print("|---|---|---|---|---|---|")
     for r in gen:
-        print(f"| {r['batch']} | {r['sglang_tok_s']:,.0f} | {r['native_tok_s']:,.0f} | "
-              f"{r['sglang_tok_s'] / r['native_tok_s']:.2f} | {r['sglang_first_s']:.2f} | {r['native_first_s']:.2f} |")
+        print(
+            f"| {r['batch']} | {r['sglang_tok_s']:,.0f} | {r['native_tok_s']:,.0f} | "
+            f"{r['sglang_tok_s'] / r['native_tok_s']:.2f} | {r['sglang_first_s']:.2f} | {r['native_first_s']:.2f} |"
+        )
     print("\n| SGLang server | model | start-up s (launch to healthy) |")
     print("|---|---|---|")
     for s in startup:
         seconds = "not healthy" if s["startup_s"] is None else f"{s['startup_s']:.0f}"
         print(f"| {s['name']} | {s['preset']} | {seconds} |")
-    print(f"\n| server | transport | load format | GB | sync ms | transfer ms | weights after (max \\|Δ log-prob\\|) "
-          f"|  (median of {args.sync_repeats})")
+    print(
+        f"\n| server | transport | load format | GB | sync ms | transfer ms | weights after (max \\|Δ log-prob\\|) "
+        f"|  (median of {args.sync_repeats})"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in syncs:
         if "error" in r:
             print(f"| {r['server']} | {r['transport']} | {r['format']} | – | failed | {r['error'][:120]} | – |")
         else:
-            print(f"| {r['server']} | {r['transport']} | {r['format']} | {r['gb']:.3f} | {r['ms']:.1f} | "
-                  f"{r['transfer_ms']:.1f} | {same_text(r['weights_diff'])} |")
+            print(
+                f"| {r['server']} | {r['transport']} | {r['format']} | {r['gb']:.3f} | {r['ms']:.1f} | "
+                f"{r['transfer_ms']:.1f} | {same_text(r['weights_diff'])} |"
+            )
 
 
 def same_text(diff: float) -> str:
@@ -220,8 +241,13 @@ def servers_from(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     if args.url:
         out = {"q05": {"name": "q05", "preset": "?", "url": args.url, "model": str(args.model), "startup_s": None}}
         if args.small_url:
-            out["small"] = {"name": "small", "preset": "?", "url": args.small_url, "model": str(args.small_model),
-                            "startup_s": None}
+            out["small"] = {
+                "name": "small",
+                "preset": "?",
+                "url": args.small_url,
+                "model": str(args.small_model),
+                "startup_s": None,
+            }
         return out
     return {k: v for k, v in load().items() if v.get("startup_s") is not None}
 
@@ -241,14 +267,14 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--sync-timeout-s", type=float, default=20.0, help="the nccl attempt's deadline per sync")
     parser.add_argument("--no-nccl", action="store_true")
-    parser.add_argument("--nccl-only", action="store_true", help=argparse.SUPPRESS)   # the child of nccl_attempt
+    parser.add_argument("--nccl-only", action="store_true", help=argparse.SUPPRESS)  # the child of nccl_attempt
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "."))
     args = parser.parse_args()
     servers = servers_from(args)
     if args.nccl_only:
         rows, _ = bench_syncs(servers["q05"], args, transports=(("nccl", "tensor"),), version=10_000)
         print("NCCL_ROW " + json.dumps(rows[0]), flush=True)
-        os._exit(0)   # a refused NCCL communicator may leave threads that hold the exit
+        os._exit(0)  # a refused NCCL communicator may leave threads that hold the exit
     if importlib.util.find_spec("sglang") is None and not args.url:
         print("skipped: the sglang package is not importable (source bench/gpu_env.sh sglang); nothing was measured")
         return 0
@@ -267,12 +293,13 @@ def main() -> int:
         if name in servers:
             rows, version = bench_syncs(servers[name], args, transports=TRANSPORTS, version=version)
             syncs += rows
-    if not args.no_nccl:   # last: a refused NCCL communicator may leave the q05 server unusable
+    if not args.no_nccl:  # last: a refused NCCL communicator may leave the q05 server unusable
         syncs.append(nccl_attempt(args))
     print_tables(startup, gen, syncs, args)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_sglang.json").write_text(json.dumps({"startup": startup, "generate": gen, "syncs": syncs},
-                                                           indent=1))
+    (args.out / "bench_sglang.json").write_text(
+        json.dumps({"startup": startup, "generate": gen, "syncs": syncs}, indent=1)
+    )
     return 0
 
 
@@ -283,7 +310,7 @@ def nccl_attempt(args: argparse.Namespace) -> dict[str, Any]:
 
     cmd = [sys.executable, __file__, "--nccl-only", "--sync-repeats", "1", "--timeout-s", str(args.sync_timeout_s)]
     row: dict[str, Any] = {"server": "q05", "transport": "nccl", "format": "tensor"}
-    limit = args.sync_timeout_s * 2 + 30   # two syncs at most, plus start-up
+    limit = args.sync_timeout_s * 2 + 30  # two syncs at most, plus start-up
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired:

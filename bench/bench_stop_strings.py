@@ -42,7 +42,6 @@ def texts_of(path: Path) -> Texts:
     return Texts(tokenizer, ChatTemplate(tokenizer, source=f"the chat template of the tokenizer at {path}"))
 
 
-
 def scan_table(texts: Texts, vocab: int, device: torch.device, batches: list[int], steps: int = 100) -> None:
     tables = StopStringTables(texts, vocab_size=vocab, device=device)
     print(f"\nStopStrings.scan per decode step, {device}, random tokens, median of {steps} steps")
@@ -76,24 +75,30 @@ def timed(engine: NativeEngine, prompts: list[list[int]], opts: SamplingSpec) ->
 
 
 def generate_table(path: Path, texts: Texts, args: argparse.Namespace) -> None:
-    print(f"\nnative engine tokens/s with and without stop strings — {args.preset} ({args.body} body), {args.device}, "
-          f"{args.dtype}, {args.new_tokens} new tokens, median of {args.repeats}")
+    print(
+        f"\nnative engine tokens/s with and without stop strings — {args.preset} ({args.body} body), {args.device}, "
+        f"{args.dtype}, {args.new_tokens} new tokens, median of {args.repeats}"
+    )
     print("| decode  | batch | none | #### | ratio | \\n\\n\\n | ratio |")
     print("|---------|-------|------|------|-------|--------|-------|")
     for mode in args.decode:
-        engine = NativeEngine(path, device=args.device, dtype=args.dtype, decode=mode, detokenizer=texts,
-                              max_batch_size=max(args.batch))
+        engine = NativeEngine(
+            path, device=args.device, dtype=args.dtype, decode=mode, detokenizer=texts, max_batch_size=max(args.batch)
+        )
         for batch in args.batch:
             prompts = torch.randint(0, 150_000, (batch, 16), generator=torch.Generator().manual_seed(batch)).tolist()
             base = SamplingSpec(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True, seed=1)
-            for stop in ((), *CASES.values()):                 # warm-up; builds the candidate tables
+            for stop in ((), *CASES.values()):  # warm-up; builds the candidate tables
                 timed(engine, prompts, replace(base, stop=stop))
-            speed = {name: statistics.median(timed(engine, prompts, replace(base, stop=stop))
-                                             for _ in range(args.repeats))
-                     for name, stop in (("none", ()), *CASES.items())}
+            speed = {
+                name: statistics.median(timed(engine, prompts, replace(base, stop=stop)) for _ in range(args.repeats))
+                for name, stop in (("none", ()), *CASES.items())
+            }
             none, hashes, newlines = speed["none"], speed["####"], speed["newlines"]
-            print(f"| {mode:<7} | {batch:>5} | {none:,.0f} | {hashes:,.0f} | {hashes / none:.2f} | {newlines:,.0f} | "
-                  f"{newlines / none:.2f} |")
+            print(
+                f"| {mode:<7} | {batch:>5} | {none:,.0f} | {hashes:,.0f} | {hashes / none:.2f} | {newlines:,.0f} | "
+                f"{newlines / none:.2f} |"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,9 +41,23 @@ print((time.perf_counter() - t) / n)
 
 
 def run_once(exporter: str, *, steps: int, overrides: list[str], run_dir: Path) -> tuple[list[float], int]:
-    args = [sys.executable, "-m", "services.cli", "run", str(REPO / "examples" / "digit_max.yaml"), "--run-dir",
-            str(run_dir), "--no-progress", "--init-model", "--set", f"tracing.exporter={exporter}", "--set",
-            f"loop.num_rollout={steps}", "--set", "loop.eval_interval=null"]
+    args = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "run",
+        str(REPO / "examples" / "digit_max.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        "--init-model",
+        "--set",
+        f"tracing.exporter={exporter}",
+        "--set",
+        f"loop.num_rollout={steps}",
+        "--set",
+        "loop.eval_interval=null",
+    ]
     for item in overrides:
         args += ["--set", item]
     subprocess.run(args, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -54,8 +68,13 @@ def run_once(exporter: str, *, steps: int, overrides: list[str], run_dir: Path) 
 
 
 def span_cost(exporter: str, *, spans: int, path: Path) -> float:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(SPAN_LOOP), exporter, str(path), str(spans)],
-                         check=True, cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SPAN_LOOP), exporter, str(path), str(spans)],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     return float(out.stdout.strip())
 
 
@@ -68,27 +87,32 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
     steps: dict[str, list[float]] = {"none": [], "file": []}
-    per_run: dict[str, list[float]] = {"none": [], "file": []}   # each run's median: the noise between runs
+    per_run: dict[str, list[float]] = {"none": [], "file": []}  # each run's median: the noise between runs
     span_lines = 0
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
             for exporter in steps:
-                times, spans = run_once(exporter, steps=args.steps, overrides=args.overrides,
-                                        run_dir=Path(tmp) / f"{exporter}{i}")
-                steps[exporter] += times[args.warmup:]
-                per_run[exporter].append(statistics.median(times[args.warmup:]))
+                times, spans = run_once(
+                    exporter, steps=args.steps, overrides=args.overrides, run_dir=Path(tmp) / f"{exporter}{i}"
+                )
+                steps[exporter] += times[args.warmup :]
+                per_run[exporter].append(statistics.median(times[args.warmup :]))
                 span_lines += spans
         costs = {e: span_cost(e, spans=args.spans, path=Path(tmp) / f"bench-{e}.jsonl") for e in steps}
-    spans_per_step = span_lines / (args.repeats * args.steps)   # startup spans included: an upper bound
+    spans_per_step = span_lines / (args.repeats * args.steps)  # startup spans included: an upper bound
     median = {e: statistics.median(v) for e, v in steps.items()}
     print(f"{'exporter':<10}{'steps':>7}{'median step s':>15}{'runs min..max':>16}{'spans/step':>12}{'us/span':>10}")
     for e in steps:
         spread = f"{min(per_run[e]):.4f}..{max(per_run[e]):.4f}"
-        print(f"{e:<10}{len(steps[e]):>7}{median[e]:>15.4f}{spread:>16}{spans_per_step if e == 'file' else 0:>12.1f}"
-              f"{costs[e] * 1e6:>10.1f}")
+        print(
+            f"{e:<10}{len(steps[e]):>7}{median[e]:>15.4f}{spread:>16}{spans_per_step if e == 'file' else 0:>12.1f}"
+            f"{costs[e] * 1e6:>10.1f}"
+        )
     estimated = 1 + (costs["file"] - costs["none"]) * spans_per_step / median["none"]
-    print(f"\nmeasured step time file/none: {median['file'] / median['none']:.3f}   "
-          f"estimated from span cost: {estimated:.4f}")
+    print(
+        f"\nmeasured step time file/none: {median['file'] / median['none']:.3f}   "
+        f"estimated from span cost: {estimated:.4f}"
+    )
 
 
 if __name__ == "__main__":

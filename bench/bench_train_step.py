@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # scoring_reference: the old path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # scoring_reference: the old path
 
 from real_shapes import REAL_SHAPES, build_real_model_dir, real_vocab
 
@@ -64,20 +64,24 @@ from services.contracts.sampling import SamplingSpec
 from services.contracts.untyped import HFCausalLM
 from services.contracts.wire import build_batch
 
-DEFAULT_BUDGET = 16384   # trainer.micro_batch_tokens' default
-PEAK_FLOPS = 790e12   # H200 dense bf16, as measured for this workplace (FACTS.md)
+DEFAULT_BUDGET = 16384  # trainer.micro_batch_tokens' default
+PEAK_FLOPS = 790e12  # H200 dense bf16, as measured for this workplace (FACTS.md)
 # Qwen2 bodies over Tandem's 22-token vocabulary (services/rollout/model_init.py VOCAB)
 SHAPES: dict[str, dict[str, Any]] = {
-    "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=8,
-                  num_key_value_heads=4),
-    "q05": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                num_key_value_heads=2),
-    "q15": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                num_key_value_heads=2),
+    "small": dict(
+        hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4
+    ),
+    "q05": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+    ),
+    "q15": dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2
+    ),
     # q05's 24 layers and 291 tensors at a width a CPU steps through in milliseconds: the host work per tensor
     # (what made q05 L=1 launch-bound on the H200) without the FLOPs
-    "q05_narrow": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=4,
-                       num_key_value_heads=2),
+    "q05_narrow": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=4, num_key_value_heads=2
+    ),
 }
 VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z1_bf16": {"kind": "ds", "zero_stage": 1, "precision": "bf16"},
@@ -86,8 +90,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # ZeRO-0: Tandem's flat AdamW (services/trainer/flat_adamw.py) under the DeepSpeed engine
     "ds_z0_bf16": {"kind": "ds", "zero_stage": 0, "precision": "bf16"},
     "ds_z0_bf16pure": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure"},
-    "ds_z0_bf16pure_nocheck": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure",
-                               "skip_nonfinite_steps": False},
+    "ds_z0_bf16pure_nocheck": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "skip_nonfinite_steps": False},
     "ds_z0_fp32": {"kind": "ds", "zero_stage": 0, "precision": "fp32"},
     # issue 31: scoring through full logits (the old path), activation checkpointing, packed rows
     "ds_z0_fp32_old": {"kind": "ds", "zero_stage": 0, "precision": "fp32", "scoring": "old"},
@@ -124,9 +127,16 @@ def make_model_dir(root: Path, preset: str, vocab: int) -> Path:
     out = root / f"{preset}-v{vocab}"
     if (out / "config.json").is_file():
         return out
-    body: dict[str, Any] = {"rope_theta": 1e6, "rms_norm_eps": 1e-6, **SHAPES[preset]}   # Qwen2's, as its config.json
-    cfg = Qwen2Config(vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=0, **body)
+    body: dict[str, Any] = {"rope_theta": 1e6, "rms_norm_eps": 1e-6, **SHAPES[preset]}  # Qwen2's, as its config.json
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **body,
+    )
     torch.manual_seed(0)
     model: HFCausalLM = Qwen2ForCausalLM(cfg)
     model.to(torch.bfloat16).save_pretrained(out)
@@ -139,14 +149,23 @@ def make_rollout(*, samples: int, response_len: int, vocab: int, seed: int, mixe
 
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(4, vocab, size=int(rng.integers(4, 9))).tolist() for _ in range(samples)]
-    lengths = rng.integers(max(1, response_len // 8), response_len + 1, size=samples) if mixed \
+    lengths = (
+        rng.integers(max(1, response_len // 8), response_len + 1, size=samples)
+        if mixed
         else np.full(samples, response_len)
+    )
     responses = [rng.integers(4, vocab, size=int(n)).tolist() for n in lengths]
-    batch = build_batch(rollout_id=seed, policy_version=0, prompts=prompts, responses=responses,
-                        log_probs=[(-rng.random(len(r)) * 3).tolist() for r in responses],
-                        rewards=rng.integers(0, 2, size=samples).astype(float).tolist(),
-                        group_ids=[i // 8 for i in range(samples)], finish_reasons=["length"] * samples,
-                        sampling=SamplingSpec())
+    batch = build_batch(
+        rollout_id=seed,
+        policy_version=0,
+        prompts=prompts,
+        responses=responses,
+        log_probs=[(-rng.random(len(r)) * 3).tolist() for r in responses],
+        rewards=rng.integers(0, 2, size=samples).astype(float).tolist(),
+        group_ids=[i // 8 for i in range(samples)],
+        finish_reasons=["length"] * samples,
+        sampling=SamplingSpec(),
+    )
     return merge_batches([batch])
 
 
@@ -195,8 +214,16 @@ class TimedBackend:
 class TorchBackend:
     """The DeepSpeedBackend's training surface over a plain torch model and optimizer (one rank)."""
 
-    def __init__(self, model_dir: Path, device: torch.device, *, param_dtype: torch.dtype, autocast: bool,
-                 chunk_tokens: int, lr: float = 1e-3):
+    def __init__(
+        self,
+        model_dir: Path,
+        device: torch.device,
+        *,
+        param_dtype: torch.dtype,
+        autocast: bool,
+        chunk_tokens: int,
+        lr: float = 1e-3,
+    ):
         from transformers import AutoModelForCausalLM
 
         from services.trainer.backend import StepResult
@@ -206,16 +233,18 @@ class TorchBackend:
         self.dist_info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
         from services.trainer.head_scoring import install
 
-        loaded: HFCausalLM = AutoModelForCausalLM.from_pretrained(model_dir, dtype=param_dtype,
-                                                                  attn_implementation="sdpa")
+        loaded: HFCausalLM = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=param_dtype, attn_implementation="sdpa"
+        )
         self.module = loaded.to(device).train()
         install(self.module)
         self.engine = self.module
         self.vocab_size, self.chunk_tokens, self.pack_sequences = self.module.config.vocab_size, chunk_tokens, False
         self.compiled_scoring = False
         self.parameters = sum(p.numel() for p in self.module.parameters())
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
-                                           weight_decay=0.0, fused=device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(
+            self.module.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=device.type == "cuda"
+        )
         self.autocast = autocast
         self.global_steps = 0
 
@@ -227,7 +256,7 @@ class TorchBackend:
         from services.trainer.backend import DeepSpeedBackend
 
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return DeepSpeedBackend.scores(self, mb, sampling, **kwargs)   # type: ignore[arg-type]
+            return DeepSpeedBackend.scores(self, mb, sampling, **kwargs)  # type: ignore[arg-type]
 
     def backward(self, loss: torch.Tensor, *, last: bool) -> None:
         loss.backward()
@@ -249,30 +278,35 @@ class OldPathScores:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def scores(self, mb: Any, sampling: Any, *, tempered: bool = False, entropy: bool = False,
-               entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def scores(
+        self, mb: Any, sampling: Any, *, tempered: bool = False, entropy: bool = False, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from scoring_reference import reference_scores
 
         from services.trainer.backend import model_inputs
 
         mb = mb.to(self.inner.device)
-        logits = self.inner.engine(**model_inputs(mb), use_cache=False).logits   # no score request: the plain head
-        scores = reference_scores(logits[mb.rows, mb.positions], mb.targets, sampling, tempered=tempered,
-                                  entropy_grad=entropy_grad)
+        logits = self.inner.engine(**model_inputs(mb), use_cache=False).logits  # no score request: the plain head
+        scores = reference_scores(
+            logits[mb.rows, mb.positions], mb.targets, sampling, tempered=tempered, entropy_grad=entropy_grad
+        )
         return scores, logits
 
 
-def build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path,
-                  chunk_tokens: int) -> Any:
+def build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path, chunk_tokens: int) -> Any:
     backend = _build_backend(variant, model_dir, device, tmp, chunk_tokens)
     return OldPathScores(backend) if variant.get("scoring") == "old" else backend
 
 
-def _build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path,
-                   chunk_tokens: int) -> Any:
+def _build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path, chunk_tokens: int) -> Any:
     if variant["kind"] == "torch":
-        backend = TorchBackend(model_dir, device, param_dtype=variant["param_dtype"], autocast=variant["autocast"],
-                               chunk_tokens=chunk_tokens)
+        backend = TorchBackend(
+            model_dir,
+            device,
+            param_dtype=variant["param_dtype"],
+            autocast=variant["autocast"],
+            chunk_tokens=chunk_tokens,
+        )
         if variant.get("fused"):
             from services.tensors import fused
 
@@ -281,37 +315,65 @@ def _build_backend(variant: dict[str, Any], model_dir: Path, device: torch.devic
     from services.trainer.backend import DeepSpeedBackend
     from services.trainer.dist import init_process_group
 
-    config = config_from_dict({
-        "model": {"path": str(model_dir), "dtype": "bfloat16", "fused_kernels": variant.get("fused_kernels", "auto")},
-        "data": {"train_path": str(tmp / "unused.jsonl")},
-        "trainer": {"device": device.type, "zero_stage": variant["zero_stage"], "precision": variant["precision"],
-                    "lr": 1e-3, "micro_batch_tokens": variant.get("micro_batch_tokens", DEFAULT_BUDGET),
-                    "skip_nonfinite_steps": variant.get("skip_nonfinite_steps", True),
-                    "lora": variant.get("lora"), "scoring_chunk_tokens": chunk_tokens,
-                    "activation_checkpointing": variant.get("activation_checkpointing", False),
-                    "pack_sequences": variant.get("pack_sequences", False)}})
+    config = config_from_dict(
+        {
+            "model": {
+                "path": str(model_dir),
+                "dtype": "bfloat16",
+                "fused_kernels": variant.get("fused_kernels", "auto"),
+            },
+            "data": {"train_path": str(tmp / "unused.jsonl")},
+            "trainer": {
+                "device": device.type,
+                "zero_stage": variant["zero_stage"],
+                "precision": variant["precision"],
+                "lr": 1e-3,
+                "micro_batch_tokens": variant.get("micro_batch_tokens", DEFAULT_BUDGET),
+                "skip_nonfinite_steps": variant.get("skip_nonfinite_steps", True),
+                "lora": variant.get("lora"),
+                "scoring_chunk_tokens": chunk_tokens,
+                "activation_checkpointing": variant.get("activation_checkpointing", False),
+                "pack_sequences": variant.get("pack_sequences", False),
+            },
+        }
+    )
     dist_info = init_process_group(device=device.type, timeout_s=config.services.timeouts.process_group_s)
     return DeepSpeedBackend(config=config, role="actor", dist_info=dist_info)
 
 
 def algo_config() -> Any:
-    return config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t"},
-                             "algorithm": {"advantage_estimator": "grpo", "use_rollout_logprobs": True}}).algorithm
+    return config_from_dict(
+        {
+            "model": {"path": "m"},
+            "data": {"train_path": "t"},
+            "algorithm": {"advantage_estimator": "grpo", "use_rollout_logprobs": True},
+        }
+    ).algorithm
 
 
-def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: list[Any], steps: int, tmp: Path,
-                profile_to: Path | None, chunk_tokens: int) -> dict[str, float]:
+def run_variant(
+    name: str,
+    *,
+    model_dir: Path,
+    device: torch.device,
+    batches: list[Any],
+    steps: int,
+    tmp: Path,
+    profile_to: Path | None,
+    chunk_tokens: int,
+) -> dict[str, float]:
     from services.trainer.actor import actor_step, lockstep_micro_batches
 
     variant = VARIANTS[name]
     budget = variant.get("micro_batch_tokens", DEFAULT_BUDGET)
-    held = 0.0   # what earlier variants left allocated counts in this one's peak: shown beside it
+    held = 0.0  # what earlier variants left allocated counts in this one's peak: shown beside it
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         held = torch.cuda.memory_allocated(device) / 2**30
     if variant["kind"] == "floor":
-        return run_floor(model_dir=model_dir, device=device, batches=batches, steps=steps, budget=budget,
-                         chunk_tokens=chunk_tokens)
+        return run_floor(
+            model_dir=model_dir, device=device, batches=batches, steps=steps, budget=budget, chunk_tokens=chunk_tokens
+        )
     backend = build_backend(variant, model_dir, device, tmp, chunk_tokens)
     algo = algo_config()
     rows: list[dict[str, float]] = []
@@ -320,7 +382,7 @@ def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: li
         timed = TimedBackend(backend, timer)
         batch = batches[i % len(batches)]
         with timer.phase("plan"):
-            lockstep_micro_batches(backend, batch, token_budget=budget)   # what actor_step does first, timed alone
+            lockstep_micro_batches(backend, batch, token_budget=budget)  # what actor_step does first, timed alone
         started, cpu_started = time.perf_counter(), time.process_time()
         prof = _profiler(device) if (profile_to is not None and i == steps + 1) else contextlib.nullcontext()
         with prof as p:
@@ -335,12 +397,24 @@ def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: li
             other = step_s - parts["forward"] - parts["backward"] - parts["optimizer"]
             rows.append({"step_s": step_s, "cpu_s": cpu_s, **parts, "other": other})
     out = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in rows[0]}
-    out.update(count_step_ops(functools.partial(actor_step, backend=backend, batch=batches[0], algo=algo,
-                                                ref_model=None, old_actor=None, token_budget=budget), device))
+    out.update(
+        count_step_ops(
+            functools.partial(
+                actor_step,
+                backend=backend,
+                batch=batches[0],
+                algo=algo,
+                ref_model=None,
+                old_actor=None,
+                token_budget=budget,
+            ),
+            device,
+        )
+    )
     out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else max_rss_gib()
     out["held_gib"] = held
     if hasattr(backend, "close"):
-        backend.close()   # DeepSpeed's engine lets go of its buffers
+        backend.close()  # DeepSpeed's engine lets go of its buffers
     del backend
     gc.collect()
     if device.type == "cuda":
@@ -348,8 +422,9 @@ def run_variant(name: str, *, model_dir: Path, device: torch.device, batches: li
     return out
 
 
-def run_floor(*, model_dir: Path, device: torch.device, batches: list[Any], steps: int,
-              budget: int, chunk_tokens: int) -> dict[str, float]:
+def run_floor(
+    *, model_dir: Path, device: torch.device, batches: list[Any], steps: int, budget: int, chunk_tokens: int
+) -> dict[str, float]:
     """The model's forward + backward on the step's micro-batches, bf16 params, nothing else (the chunked head's
     tempered log-probs of the response tokens as the loss)."""
     from transformers import AutoModelForCausalLM
@@ -359,8 +434,9 @@ def run_floor(*, model_dir: Path, device: torch.device, batches: list[Any], step
     from services.trainer.head_scoring import TEMPERED_ROW, install, scores_of, scoring
     from services.trainer.scoring import TokenSampling, score_request
 
-    model: HFCausalLM = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
-                                                             attn_implementation="sdpa")
+    model: HFCausalLM = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
     model.to(device).train()
     install(model)
     times = []
@@ -371,8 +447,13 @@ def run_floor(*, model_dir: Path, device: torch.device, batches: list[Any], step
         timer = Timer(device)
         with timer.phase("fwd_bwd"):
             for mb in mbs:
-                request = score_request(mb, sampling.at(mb.token_index), vocab=model.config.vocab_size,
-                                        chunk_tokens=chunk_tokens, tempered=True)
+                request = score_request(
+                    mb,
+                    sampling.at(mb.token_index),
+                    vocab=model.config.vocab_size,
+                    chunk_tokens=chunk_tokens,
+                    tempered=True,
+                )
                 with scoring(request):
                     scores = scores_of(model(**model_inputs(mb), use_cache=False), request)
                 scores[TEMPERED_ROW].mean().backward()
@@ -391,9 +472,25 @@ def max_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-VIEW_OPS = frozenset({"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::detach",
-                      "aten::alias", "aten::narrow", "aten::slice", "aten::select", "aten::unsqueeze",
-                      "aten::squeeze", "aten::expand", "aten::t", "aten::transpose", "aten::permute"})
+VIEW_OPS = frozenset(
+    {
+        "aten::view",
+        "aten::reshape",
+        "aten::_reshape_alias",
+        "aten::as_strided",
+        "aten::detach",
+        "aten::alias",
+        "aten::narrow",
+        "aten::slice",
+        "aten::select",
+        "aten::unsqueeze",
+        "aten::squeeze",
+        "aten::expand",
+        "aten::t",
+        "aten::transpose",
+        "aten::permute",
+    }
+)
 LAUNCHES = frozenset({"cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"})
 
 
@@ -405,8 +502,10 @@ def count_step_ops(step: Callable[[], Any], device: torch.device) -> dict[str, f
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     names = [e.name for e in prof.events()]
-    return {"host_ops": float(sum(n.startswith("aten::") and n not in VIEW_OPS for n in names)),
-            "launches": float(sum(n in LAUNCHES for n in names)) if device.type == "cuda" else float("nan")}
+    return {
+        "host_ops": float(sum(n.startswith("aten::") and n not in VIEW_OPS for n in names)),
+        "launches": float(sum(n in LAUNCHES for n in names)) if device.type == "cuda" else float("nan"),
+    }
 
 
 def _profiler(device: torch.device) -> Any:
@@ -419,9 +518,12 @@ def _profiler(device: torch.device) -> Any:
 def _profile_table(p: Any) -> str:
     avg = p.key_averages()
     dev = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    return ("## by device time\n" + avg.table(sort_by=dev, row_limit=30, max_name_column_width=70) +
-            "\n## by host time (self)\n" + avg.table(sort_by="self_cpu_time_total", row_limit=30,
-                                                     max_name_column_width=70))
+    return (
+        "## by device time\n"
+        + avg.table(sort_by=dev, row_limit=30, max_name_column_width=70)
+        + "\n## by host time (self)\n"
+        + avg.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+    )
 
 
 def num_params(model_dir: Path) -> int:
@@ -443,8 +545,13 @@ def main() -> int:
     parser.add_argument("--mixed-lengths", action="store_true", help="response lengths uniform in [L/8, L]")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--profile", nargs="*", default=None, metavar="VARIANT",
-                        help="write torch.profiler tables for these variants (none given: all)")
+    parser.add_argument(
+        "--profile",
+        nargs="*",
+        default=None,
+        metavar="VARIANT",
+        help="write torch.profiler tables for these variants (none given: all)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -458,45 +565,65 @@ def main() -> int:
             params = num_params(model_dir)
             for length in args.lengths:
                 vocab = real_vocab(preset) if preset in REAL_SHAPES else args.vocab
-                batches = [make_rollout(samples=args.samples, response_len=length, vocab=vocab, seed=s,
-                                        mixed=args.mixed_lengths) for s in range(3)]
+                batches = [
+                    make_rollout(
+                        samples=args.samples, response_len=length, vocab=vocab, seed=s, mixed=args.mixed_lengths
+                    )
+                    for s in range(3)
+                ]
                 tokens = batches[0].num_tokens
                 for name in args.variants:
                     wanted = args.profile is not None and (not args.profile or name in args.profile)
                     prof = out / f"profile_{name}_{preset}_L{length}.txt" if wanted else None
                     try:
-                        r = run_variant(name, model_dir=model_dir, device=device, batches=batches, steps=args.steps,
-                                        tmp=tmp, profile_to=prof, chunk_tokens=args.chunk_tokens)
+                        r = run_variant(
+                            name,
+                            model_dir=model_dir,
+                            device=device,
+                            batches=batches,
+                            steps=args.steps,
+                            tmp=tmp,
+                            profile_to=prof,
+                            chunk_tokens=args.chunk_tokens,
+                        )
                     except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
                         print(f"[{name} {preset} L={length}] failed: {type(exc).__name__}: {exc}", flush=True)
                         continue
                     mfu = 6 * params * tokens / (r["step_s"] * PEAK_FLOPS)
                     rows.append({"preset": preset, "L": length, "variant": name, "tokens": tokens, "mfu": mfu, **r})
                     print(f"[{name} {preset} L={length}] {r}", flush=True)
-    _print_table(rows, args, params_note=f"{datetime.date.today()} device={args.device} samples={args.samples} "
-                 f"chunk={args.chunk_tokens}{' mixed lengths' if args.mixed_lengths else ''}")
+    _print_table(
+        rows,
+        args,
+        params_note=f"{datetime.date.today()} device={args.device} samples={args.samples} "
+        f"chunk={args.chunk_tokens}{' mixed lengths' if args.mixed_lengths else ''}",
+    )
     return 0
 
 
 def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace, *, params_note: str) -> None:
     print(f"\n# bench_train_step {params_note} (medians of {args.steps} steps after 2 warm-ups)\n")
-    print("| preset | L | variant | tokens | step s | tokens/s | host CPU s | plan s | forward+loss s | backward s | "
-          "optimizer s | loss+host s | host ops | launches | peak GiB | held before GiB | MFU | vs ds_z1_bf16 |")
+    print(
+        "| preset | L | variant | tokens | step s | tokens/s | host CPU s | plan s | forward+loss s | backward s | "
+        "optimizer s | loss+host s | host ops | launches | peak GiB | held before GiB | MFU | vs ds_z1_bf16 |"
+    )
     # (host CPU s: the process's CPU time in the step, all threads: on a shared CPU box, the load-independent
     # figure; peak GiB: on a CPU the process's peak RSS)
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {(r["preset"], r["L"]): r["step_s"] for r in rows if r["variant"] == "ds_z1_bf16"}
-    fmt: Callable[[float], str] = lambda x: "–" if x != x else f"{x:.3f}"   # noqa: E731
+    fmt: Callable[[float], str] = lambda x: "–" if x != x else f"{x:.3f}"  # noqa: E731
     for r in rows:
         ref = base.get((r["preset"], r["L"]))
         ratio = f"{ref / r['step_s']:.2f}x" if ref else "–"
-        print(f"| {r['preset']} | {r['L']} | {r['variant']} | {r['tokens']} | {fmt(r['step_s'])} | "
-              f"{r['tokens'] / r['step_s']:,.0f} | {fmt(r.get('cpu_s', float('nan')))} | "
-              f"{fmt(r.get('plan', float('nan')))} | "
-              f"{fmt(r.get('forward', float('nan')))} | {fmt(r.get('backward', float('nan')))} | "
-              f"{fmt(r.get('optimizer', float('nan')))} | "
-              f"{fmt(r.get('other', float('nan')))} | {_count(r.get('host_ops'))} | {_count(r.get('launches'))} | "
-              f"{r['peak_gib']:.2f} | {r.get('held_gib', 0.0):.1f} | {r['mfu'] * 100:.1f}% | {ratio} |")
+        print(
+            f"| {r['preset']} | {r['L']} | {r['variant']} | {r['tokens']} | {fmt(r['step_s'])} | "
+            f"{r['tokens'] / r['step_s']:,.0f} | {fmt(r.get('cpu_s', float('nan')))} | "
+            f"{fmt(r.get('plan', float('nan')))} | "
+            f"{fmt(r.get('forward', float('nan')))} | {fmt(r.get('backward', float('nan')))} | "
+            f"{fmt(r.get('optimizer', float('nan')))} | "
+            f"{fmt(r.get('other', float('nan')))} | {_count(r.get('host_ops'))} | {_count(r.get('launches'))} | "
+            f"{r['peak_gib']:.2f} | {r.get('held_gib', 0.0):.1f} | {r['mfu'] * 100:.1f}% | {ratio} |"
+        )
 
 
 def _count(value: float | None) -> str:

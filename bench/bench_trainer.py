@@ -47,35 +47,65 @@ def make_batch(*, rollout_id: int, samples: int, response_len: int, vocab: int, 
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(4, vocab, size=int(rng.integers(8, 17))).tolist() for _ in range(samples)]
     responses = [rng.integers(4, vocab, size=response_len).tolist() for _ in range(samples)]
-    return build_batch(rollout_id=rollout_id, policy_version=0, prompts=prompts, responses=responses,
-                       log_probs=[[-3.0] * response_len for _ in range(samples)],
-                       rewards=rng.integers(0, 2, size=samples).astype(float).tolist(),
-                       group_ids=[i // 8 for i in range(samples)], finish_reasons=["length"] * samples,
-                       sampling=SamplingSpec())
+    return build_batch(
+        rollout_id=rollout_id,
+        policy_version=0,
+        prompts=prompts,
+        responses=responses,
+        log_probs=[[-3.0] * response_len for _ in range(samples)],
+        rewards=rng.integers(0, 2, size=samples).astype(float).tolist(),
+        group_ids=[i // 8 for i in range(samples)],
+        finish_reasons=["length"] * samples,
+        sampling=SamplingSpec(),
+    )
 
 
-def start_trainer(*, model_dir: Path, run_dir: Path, redis_url: str, name: str,
-                  trainer: dict) -> tuple[TrainerService, DeepSpeedTrainer, RolloutBuffer]:
+def start_trainer(
+    *, model_dir: Path, run_dir: Path, redis_url: str, name: str, trainer: dict
+) -> tuple[TrainerService, DeepSpeedTrainer, RolloutBuffer]:
     """A one-rank TrainerService on its own stream, its parts, and a producer that feeds it."""
 
-    config = config_from_dict({
-        "run_name": f"bench-{name}-{time.monotonic_ns()}", "model": {"path": str(model_dir)},
-        "data": {"train_path": str(run_dir / "unused.jsonl")}, "trainer": {"lr": 1e-4, **trainer},
-        "redis": {"url": redis_url, "max_buffered_batches": 64}})
+    config = config_from_dict(
+        {
+            "run_name": f"bench-{name}-{time.monotonic_ns()}",
+            "model": {"path": str(model_dir)},
+            "data": {"train_path": str(run_dir / "unused.jsonl")},
+            "trainer": {"lr": 1e-4, **trainer},
+            "redis": {"url": redis_url, "max_buffered_batches": 64},
+        }
+    )
     built = build_trainer(config, run_dir=run_dir)
-    producer = RolloutBuffer(connect(redis_url), stream_key(config.redis.stream_prefix, config.run_name),
-                             groups=("actor",), max_buffered_batches=64)
+    producer = RolloutBuffer(
+        connect(redis_url),
+        stream_key(config.redis.stream_prefix, config.run_name),
+        groups=("actor",),
+        max_buffered_batches=64,
+    )
     return TrainerService(built.parts()), built, producer
 
 
-def bench_one(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, precision: str, device: str,
-              samples: int, response_len: int, steps: int, token_budget: int) -> dict[str, float]:
-    service, built, producer = start_trainer(model_dir=model_dir, run_dir=run_dir, redis_url=redis_url,
-                                             name=f"z{zero}-{precision}",
-                                             trainer={"device": device, "zero_stage": zero, "precision": precision,
-                                                      "micro_batch_tokens": token_budget})
+def bench_one(
+    *,
+    model_dir: Path,
+    run_dir: Path,
+    redis_url: str,
+    zero: int,
+    precision: str,
+    device: str,
+    samples: int,
+    response_len: int,
+    steps: int,
+    token_budget: int,
+) -> dict[str, float]:
+    service, built, producer = start_trainer(
+        model_dir=model_dir,
+        run_dir=run_dir,
+        redis_url=redis_url,
+        name=f"z{zero}-{precision}",
+        trainer={"device": device, "zero_stage": zero, "precision": precision, "micro_batch_tokens": token_budget},
+    )
     vocab = built.limits.vocab_size
-    response_len = min(response_len, (built.limits.max_positions or 1 << 30) - 16)   # prompts are up to 16 tokens
+    response_len = min(response_len, (built.limits.max_positions or 1 << 30) - 16)  # prompts are up to 16 tokens
     wall, train, tokens = [], [], 0
     try:
         for step in range(steps + 1):
@@ -83,32 +113,43 @@ def bench_one(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, prec
             entry = producer.put(batch)
             started = time.perf_counter()
             reply = service.train(rollout_id=step, entry_ids=[entry])
-            if step:   # the first step pays one-off costs (allocator, optimizer state)
+            if step:  # the first step pays one-off costs (allocator, optimizer state)
                 wall.append(time.perf_counter() - started)
                 train.append(reply.metrics["perf/train_update_s"])
                 tokens = int(reply.metrics["tokens"])
-        params = sum(math.prod(s.shape) for s in service.weight_specs())   # full shapes, also under ZeRO-3
+        params = sum(math.prod(s.shape) for s in service.weight_specs())  # full shapes, also under ZeRO-3
     finally:
         service.close()
     wall_s, train_s = statistics.median(wall), statistics.median(train)
-    return {"params": params, "tokens": tokens, "wall_s": wall_s, "train_s": train_s, "tok_s": tokens / wall_s,
-            "response_len": response_len}
+    return {
+        "params": params,
+        "tokens": tokens,
+        "wall_s": wall_s,
+        "train_s": train_s,
+        "tok_s": tokens / wall_s,
+        "response_len": response_len,
+    }
 
 
-def bench_offload(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, precision: str, device: str,
-                  cycles: int = 5) -> list[dict[str, Any]]:
+def bench_offload(
+    *, model_dir: Path, run_dir: Path, redis_url: str, zero: int, precision: str, device: str, cycles: int = 5
+) -> list[dict[str, Any]]:
     import gc
 
-    service, built, producer = start_trainer(model_dir=model_dir, run_dir=run_dir, redis_url=redis_url,
-                                             name="offload",
-                                             trainer={"device": device, "zero_stage": zero, "precision": precision})
+    service, built, producer = start_trainer(
+        model_dir=model_dir,
+        run_dir=run_dir,
+        redis_url=redis_url,
+        name="offload",
+        trainer={"device": device, "zero_stage": zero, "precision": precision},
+    )
     rows: list[dict[str, Any]] = []
     try:
         batch = make_batch(rollout_id=0, samples=16, response_len=16, vocab=built.limits.vocab_size, seed=0)
-        service.train(rollout_id=0, entry_ids=[producer.put(batch)])   # optimizer states exist from here
+        service.train(rollout_id=0, entry_ids=[producer.put(batch)])  # optimizer states exist from here
         for frozen in (False, True):
             if not frozen:
-                gc.unfreeze()   # the backend froze its start-up objects; measure the collections without that
+                gc.unfreeze()  # the backend froze its start-up objects; measure the collections without that
             else:
                 gc.collect()
                 gc.freeze()
@@ -121,13 +162,25 @@ def bench_offload(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, 
                 built.backend.onload()
                 on.append(time.perf_counter() - t)
             mode = "start-up objects frozen" if frozen else "DeepSpeed as is"
-            rows.append({"mode": mode,
-                         "first_s": off[0], "offload_s": statistics.median(off[1:]), "onload_s": statistics.median(on)})
+            rows.append(
+                {
+                    "mode": mode,
+                    "first_s": off[0],
+                    "offload_s": statistics.median(off[1:]),
+                    "onload_s": statistics.median(on),
+                }
+            )
         gc.unfreeze()
         t = time.perf_counter()
         gc.collect()
-        rows.append({"mode": "gc.collect(), nothing frozen", "first_s": time.perf_counter() - t,
-                     "offload_s": float("nan"), "onload_s": float("nan")})
+        rows.append(
+            {
+                "mode": "gc.collect(), nothing frozen",
+                "first_s": time.perf_counter() - t,
+                "offload_s": float("nan"),
+                "onload_s": float("nan"),
+            }
+        )
     finally:
         service.close()
     return rows
@@ -136,15 +189,25 @@ def bench_offload(*, model_dir: Path, run_dir: Path, redis_url: str, zero: int, 
 def offload_main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis", appendonly=False) as redis:
         model_dir = init_model(Path(tmp) / args.presets[0], preset=args.presets[0])
-        rows = bench_offload(model_dir=model_dir, run_dir=Path(tmp) / "run", redis_url=redis.url, zero=args.zero[0],
-                             precision=args.precision[0], device=args.device)
-    print(f"\n# bench_trainer --offload {datetime.date.today()} device={args.device} preset={args.presets[0]} "
-          f"ZeRO-{args.zero[0]} {args.precision[0]}; first offload, then medians of cycles 2-5\n")
+        rows = bench_offload(
+            model_dir=model_dir,
+            run_dir=Path(tmp) / "run",
+            redis_url=redis.url,
+            zero=args.zero[0],
+            precision=args.precision[0],
+            device=args.device,
+        )
+    print(
+        f"\n# bench_trainer --offload {datetime.date.today()} device={args.device} preset={args.presets[0]} "
+        f"ZeRO-{args.zero[0]} {args.precision[0]}; first offload, then medians of cycles 2-5\n"
+    )
     print(f"| {'offload path':30} | first offload ms | offload ms | onload ms |")
     print(f"|{'-' * 32}|------------------|------------|-----------|")
     for r in rows:
-        print(f"| {r['mode']:30} | {r['first_s'] * 1e3:16.1f} | {r['offload_s'] * 1e3:10.1f} | "
-              f"{r['onload_s'] * 1e3:9.1f} |")
+        print(
+            f"| {r['mode']:30} | {r['first_s'] * 1e3:16.1f} | {r['offload_s'] * 1e3:10.1f} | "
+            f"{r['onload_s'] * 1e3:9.1f} |"
+        )
     return 0
 
 
@@ -174,19 +237,33 @@ def main() -> int:
             model_dir = init_model(Path(tmp) / preset, preset=preset)
             for zero in args.zero:
                 for precision in args.precision:
-                    r = bench_one(model_dir=model_dir, run_dir=Path(tmp) / f"run-{preset}-{zero}-{precision}",
-                                  redis_url=redis.url, zero=zero, precision=precision, device=args.device,
-                                  samples=args.samples, response_len=args.response_len, steps=args.steps,
-                                  token_budget=args.token_budget)
+                    r = bench_one(
+                        model_dir=model_dir,
+                        run_dir=Path(tmp) / f"run-{preset}-{zero}-{precision}",
+                        redis_url=redis.url,
+                        zero=zero,
+                        precision=precision,
+                        device=args.device,
+                        samples=args.samples,
+                        response_len=args.response_len,
+                        steps=args.steps,
+                        token_budget=args.token_budget,
+                    )
                     rows.append((preset, zero, precision, r))
-    print(f"\n# bench_trainer {datetime.date.today()} device={args.device} threads={args.threads} "
-          f"samples={args.samples} response_len={args.response_len} token_budget={args.token_budget} "
-          f"steps={args.steps}")
-    print(f"{'model':<7}{'params':>11}{'ZeRO':>6}{'prec':>6}{'resp':>6}{'tok/step':>10}{'step s':>9}{'train s':>9}"
-          f"{'tok/s':>10}")
+    print(
+        f"\n# bench_trainer {datetime.date.today()} device={args.device} threads={args.threads} "
+        f"samples={args.samples} response_len={args.response_len} token_budget={args.token_budget} "
+        f"steps={args.steps}"
+    )
+    print(
+        f"{'model':<7}{'params':>11}{'ZeRO':>6}{'prec':>6}{'resp':>6}{'tok/step':>10}{'step s':>9}{'train s':>9}"
+        f"{'tok/s':>10}"
+    )
     for preset, zero, precision, r in rows:
-        print(f"{preset:<7}{r['params']:>11,}{zero:>6}{precision:>6}{r['response_len']:>6}{r['tokens']:>10}"
-              f"{r['wall_s']:>9.3f}{r['train_s']:>9.3f}{r['tok_s']:>10.0f}")
+        print(
+            f"{preset:<7}{r['params']:>11,}{zero:>6}{precision:>6}{r['response_len']:>6}{r['tokens']:>10}"
+            f"{r['wall_s']:>9.3f}{r['train_s']:>9.3f}{r['tok_s']:>10.0f}"
+        )
     return 0
 
 

@@ -52,16 +52,24 @@ def model_specs(total_mb: float) -> list[TensorSpec]:
     return specs
 
 
-def bench_transport(*, transport: str, bucket_mb: float, specs: list[TensorSpec], repeats: int, peer: Peer,
-                    run_dir: Path, device: str = "cpu") -> dict[str, float]:
+def bench_transport(
+    *,
+    transport: str,
+    bucket_mb: float,
+    specs: list[TensorSpec],
+    repeats: int,
+    peer: Peer,
+    run_dir: Path,
+    device: str = "cpu",
+) -> dict[str, float]:
     config = weights_config(transport=transport, bucket_mb=bucket_mb, timeout_s=120)
     publisher = WeightPublisher(config=config, run_dir=run_dir, trainer_id="bench")
     tensors = {name: t.to(device) for name, t in make_tensors(specs, seed=0).items()}
     recv_s, send_s, wall_s = [], [], []
-    for version in range(repeats + 1):             # the first sync builds the group and buffers: not timed
+    for version in range(repeats + 1):  # the first sync builds the group and buffers: not timed
         plan = publisher.prepare(specs, version, 1, False)
         peer.send(op="receive", plan=plan_to_text(plan), rank=1, specs=specs_to_json(specs), device=device)
-        time.sleep(0.2)                            # let the receiver get to its rendezvous first
+        time.sleep(0.2)  # let the receiver get to its rendezvous first
         started = time.perf_counter()
         sent = publisher.publish(plan, ((s.name, tensors[s.name]) for s in specs))
         got = peer.reply(timeout_s=300)
@@ -73,18 +81,30 @@ def bench_transport(*, transport: str, bucket_mb: float, specs: list[TensorSpec]
             wall_s.append(wall)
     publisher.close()
     nbytes = sum(s.nbytes for s in specs)
-    return {"bytes": nbytes, "send_s": statistics.median(send_s), "recv_s": statistics.median(recv_s),
-            "wall_s": statistics.median(wall_s), "buckets": len(plan.buckets)}
+    return {
+        "bytes": nbytes,
+        "send_s": statistics.median(send_s),
+        "recv_s": statistics.median(recv_s),
+        "wall_s": statistics.median(wall_s),
+        "buckets": len(plan.buckets),
+    }
 
 
 def bench_raw_gloo(*, nbytes: int, repeats: int, peer: Peer) -> dict[str, float]:
-    store = dist.TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    peer.send(op="raw_recv", addr="127.0.0.1", port=store.port, group="raw", nbytes=nbytes, repeats=repeats + 1,
-              timeout_s=60)
+    store = dist.TCPStore(
+        host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+    )
+    peer.send(
+        op="raw_recv", addr="127.0.0.1", port=store.port, group="raw", nbytes=nbytes, repeats=repeats + 1, timeout_s=60
+    )
     timeout = datetime.timedelta(seconds=60)
-    pg = torch_compat.gloo_group(dist.PrefixStore("raw", store), rank=0, world_size=2, timeout=timeout,
-                                 device=dist.ProcessGroupGloo.create_device(hostname="127.0.0.1"))
+    pg = torch_compat.gloo_group(
+        dist.PrefixStore("raw", store),
+        rank=0,
+        world_size=2,
+        timeout=timeout,
+        device=dist.ProcessGroupGloo.create_device(hostname="127.0.0.1"),
+    )
     buffer = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     times = []
     for i in range(repeats + 1):
@@ -94,8 +114,13 @@ def bench_raw_gloo(*, nbytes: int, repeats: int, peer: Peer) -> dict[str, float]
             times.append(time.perf_counter() - started)
     assert peer.reply(timeout_s=300)["ok"]
     pg.abort()
-    return {"bytes": nbytes, "send_s": statistics.median(times), "recv_s": float("nan"),
-            "wall_s": statistics.median(times), "buckets": 1}
+    return {
+        "bytes": nbytes,
+        "send_s": statistics.median(times),
+        "recv_s": float("nan"),
+        "wall_s": statistics.median(times),
+        "buckets": 1,
+    }
 
 
 def qwen2_05b_specs() -> list[TensorSpec]:
@@ -119,7 +144,7 @@ def gpu_tensors(specs: list[TensorSpec], *, flat: bool) -> dict[str, torch.Tenso
     buffer = torch.randn(sum(sizes), generator=gen, device="cuda").to(torch.bfloat16)
     views, at = {}, 0
     for spec, n in zip(specs, sizes, strict=False):
-        views[spec.name] = buffer[at: at + n].view(spec.shape)
+        views[spec.name] = buffer[at : at + n].view(spec.shape)
         at += n
     return views
 
@@ -145,15 +170,23 @@ def d2d_copy_s(nbytes: int, repeats: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(walls)
 
 
-def handoff_row(*, publisher: WeightPublisher, peer: Peer, specs: list[TensorSpec], tensors: dict[str, torch.Tensor],
-                flat_receiver: bool | str, repeats: int) -> dict[str, float]:
+def handoff_row(
+    *,
+    publisher: WeightPublisher,
+    peer: Peer,
+    specs: list[TensorSpec],
+    tensors: dict[str, torch.Tensor],
+    flat_receiver: bool | str,
+    repeats: int,
+) -> dict[str, float]:
     recv_s, wall_s, copies, identical, timings = [], [], 0, False, []
     for version in range(repeats + 1):
         verify = version == 0
         plan = publisher.prepare(specs, version, 1, verify)
-        peer.send(op="receive", plan=plan_to_text(plan), rank=1, specs=specs_to_json(specs), device="cuda",
-                  flat=flat_receiver)
-        time.sleep(0.05)                               # the receiver is waiting for "go" when publish starts
+        peer.send(
+            op="receive", plan=plan_to_text(plan), rank=1, specs=specs_to_json(specs), device="cuda", flat=flat_receiver
+        )
+        time.sleep(0.05)  # the receiver is waiting for "go" when publish starts
         started = time.perf_counter()
         sent = publisher.publish(plan, ((s.name, tensors[s.name]) for s in specs))
         got = peer.reply(timeout_s=300)
@@ -166,14 +199,24 @@ def handoff_row(*, publisher: WeightPublisher, peer: Peer, specs: list[TensorSpe
         wall_s.append(wall)
         copies = got.get("copies", 0)
         timings.append(got.get("timings", {}))
-    parts = {k: statistics.median(t.get(k, 0.0) for t in timings)
-             for k in ("map_s", "plan_s", "launch_s", "sync_s", "done_post_s")}
-    parts["after_go_s"] = statistics.median(t.get("launch_s", 0.0) + t.get("sync_s", 0.0) + t.get("done_post_s", 0.0)
-                                            for t in timings)
+    parts = {
+        k: statistics.median(t.get(k, 0.0) for t in timings)
+        for k in ("map_s", "plan_s", "launch_s", "sync_s", "done_post_s")
+    }
+    parts["after_go_s"] = statistics.median(
+        t.get("launch_s", 0.0) + t.get("sync_s", 0.0) + t.get("done_post_s", 0.0) for t in timings
+    )
     sender = publisher._transport
     assert isinstance(sender, CudaIpcSender)
-    return {"recv_s": statistics.median(recv_s), "wall_s": statistics.median(wall_s), "copies": copies, **parts,
-            "send_copies": sender.last_copies, "buckets": len(plan.buckets), "identical": identical}
+    return {
+        "recv_s": statistics.median(recv_s),
+        "wall_s": statistics.median(wall_s),
+        "copies": copies,
+        **parts,
+        "send_copies": sender.last_copies,
+        "buckets": len(plan.buckets),
+        "identical": identical,
+    }
 
 
 def handoff_main(args: argparse.Namespace) -> int:
@@ -193,44 +236,79 @@ def handoff_main(args: argparse.Namespace) -> int:
             # flat receiver: "recipe" = views of one buffer as a plain mapping (a copy per run of tensors),
             # True = FlatParams (whole bucket spans, NativeEngine's default after flatten_parameters)
             for name, flat_recv, kept in (
-                    ("separate -> separate params", False, False),
-                    ("separate -> flat params, recipe", "recipe", False),
-                    ("separate -> flat params, recipe, kept map", "recipe", True),
-                    ("separate -> FlatParams", True, False),
-                    ("separate -> FlatParams, kept map (default)", True, True)):
-                rows.append((name, handoff_row(publisher=publisher, peer=peers[kept], specs=specs, tensors=separate,
-                                               flat_receiver=flat_recv, repeats=args.repeats)))
+                ("separate -> separate params", False, False),
+                ("separate -> flat params, recipe", "recipe", False),
+                ("separate -> flat params, recipe, kept map", "recipe", True),
+                ("separate -> FlatParams", True, False),
+                ("separate -> FlatParams, kept map (default)", True, True),
+            ):
+                rows.append(
+                    (
+                        name,
+                        handoff_row(
+                            publisher=publisher,
+                            peer=peers[kept],
+                            specs=specs,
+                            tensors=separate,
+                            flat_receiver=flat_recv,
+                            repeats=args.repeats,
+                        ),
+                    )
+                )
             del separate
             flat = gpu_tensors(specs, flat=True)
-            rows.append(("flat -> FlatParams, kept map (default)", handoff_row(
-                publisher=publisher, peer=peers[True], specs=specs, tensors=flat, flat_receiver=True,
-                repeats=args.repeats)))
+            rows.append(
+                (
+                    "flat -> FlatParams, kept map (default)",
+                    handoff_row(
+                        publisher=publisher,
+                        peer=peers[True],
+                        specs=specs,
+                        tensors=flat,
+                        flat_receiver=True,
+                        repeats=args.repeats,
+                    ),
+                )
+            )
         finally:
             for peer in peers.values():
                 peer.close()
             publisher.close()
-    print(f"\nsame-GPU weight hand-off, cuda_ipc, Qwen2-0.5B-shaped bf16: {len(specs)} tensors, "
-          f"{nbytes / 2**20:.1f} MiB, bucket {args.bucket_mb[-1]:g} MB, {torch.cuda.get_device_name()}, "
-          f"median of {args.repeats}")
-    print(f"torch D2D copy of the same bytes (one copy_): {d2d * 1e3:.3f} ms by CUDA events = {nbytes / d2d / 1e9:.0f} "
-          f"GB/s; {d2d_wall * 1e3:.3f} ms host wall (launch + synchronize)\n")
-    print(f"| {'sender -> receiver':44} | buckets | send copies | recv copies | bit-identical | recv ms | "
-          f"recv / D2D | publish wall ms |")
-    print(f"|{'-' * 46}|---------|-------------|-------------|---------------|---------|------------|"
-          "-----------------|")
+    print(
+        f"\nsame-GPU weight hand-off, cuda_ipc, Qwen2-0.5B-shaped bf16: {len(specs)} tensors, "
+        f"{nbytes / 2**20:.1f} MiB, bucket {args.bucket_mb[-1]:g} MB, {torch.cuda.get_device_name()}, "
+        f"median of {args.repeats}"
+    )
+    print(
+        f"torch D2D copy of the same bytes (one copy_): {d2d * 1e3:.3f} ms by CUDA events = {nbytes / d2d / 1e9:.0f} "
+        f"GB/s; {d2d_wall * 1e3:.3f} ms host wall (launch + synchronize)\n"
+    )
+    print(
+        f"| {'sender -> receiver':44} | buckets | send copies | recv copies | bit-identical | recv ms | "
+        f"recv / D2D | publish wall ms |"
+    )
+    print(
+        f"|{'-' * 46}|---------|-------------|-------------|---------------|---------|------------|-----------------|"
+    )
     for name, r in rows:
-        print(f"| {name:44} | {r['buckets']:7} | {r['send_copies']:11} | {r['copies']:11} | "
-              f"{'yes' if r['identical'] else 'NO':13} | {r['recv_s'] * 1e3:7.3f} | {r['recv_s'] / d2d:10.2f} | "
-              f"{r['wall_s'] * 1e3:15.3f} |")
-    print(f"\nwhere the receiver's time went (ms, medians). Before go (the trainer is still filling its buckets): "
-          f"map the handles, plan the copies. After go: launch, sync, done post. 'after go' is the hand-off's "
-          f"critical path on the receiver\n\n| {'sender -> receiver':44} | map   | plan  | launch | sync  | "
-          f"done post | after go | after go / D2D wall |\n"
-          f"|{'-' * 46}|-------|-------|--------|-------|-----------|----------|---------------------|")
+        print(
+            f"| {name:44} | {r['buckets']:7} | {r['send_copies']:11} | {r['copies']:11} | "
+            f"{'yes' if r['identical'] else 'NO':13} | {r['recv_s'] * 1e3:7.3f} | {r['recv_s'] / d2d:10.2f} | "
+            f"{r['wall_s'] * 1e3:15.3f} |"
+        )
+    print(
+        f"\nwhere the receiver's time went (ms, medians). Before go (the trainer is still filling its buckets): "
+        f"map the handles, plan the copies. After go: launch, sync, done post. 'after go' is the hand-off's "
+        f"critical path on the receiver\n\n| {'sender -> receiver':44} | map   | plan  | launch | sync  | "
+        f"done post | after go | after go / D2D wall |\n"
+        f"|{'-' * 46}|-------|-------|--------|-------|-----------|----------|---------------------|"
+    )
     for name, r in rows:
-        print(f"| {name:44} | {r['map_s'] * 1e3:5.3f} | {r['plan_s'] * 1e3:5.3f} | {r['launch_s'] * 1e3:6.3f} | "
-              f"{r['sync_s'] * 1e3:5.3f} | {r['done_post_s'] * 1e3:9.3f} | {r['after_go_s'] * 1e3:8.3f} | "
-              f"{r['after_go_s'] / d2d_wall:19.2f} |")
+        print(
+            f"| {name:44} | {r['map_s'] * 1e3:5.3f} | {r['plan_s'] * 1e3:5.3f} | {r['launch_s'] * 1e3:6.3f} | "
+            f"{r['sync_s'] * 1e3:5.3f} | {r['done_post_s'] * 1e3:9.3f} | {r['after_go_s'] * 1e3:8.3f} | "
+            f"{r['after_go_s'] / d2d_wall:19.2f} |"
+        )
     return 0 if all(r["identical"] for _, r in rows) else 1
 
 
@@ -240,8 +318,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[4.0, 16.0, 64.0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
-    parser.add_argument("--rows", nargs="+", default=["gloo", "disk", "cuda"], choices=["gloo", "disk", "cuda"],
-                        help="which transports to run next to the raw broadcast (cuda: when CUDA is available)")
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        default=["gloo", "disk", "cuda"],
+        choices=["gloo", "disk", "cuda"],
+        help="which transports to run next to the raw broadcast (cuda: when CUDA is available)",
+    )
     parser.add_argument("--handoff", action="store_true", help="GPU: same-GPU cuda_ipc hand-off of a 0.5B model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -255,29 +338,69 @@ def main() -> int:
         rows.append(("raw ProcessGroupGloo, 1 buffer", "-", raw))
         with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
             for bucket_mb in args.bucket_mb if "gloo" in args.rows else ():
-                rows.append(("tandem gloo", f"{bucket_mb:g}", bench_transport(
-                    transport="gloo", bucket_mb=bucket_mb, specs=specs, repeats=args.repeats, peer=peer,
-                    run_dir=Path(tmp))))
+                rows.append(
+                    (
+                        "tandem gloo",
+                        f"{bucket_mb:g}",
+                        bench_transport(
+                            transport="gloo",
+                            bucket_mb=bucket_mb,
+                            specs=specs,
+                            repeats=args.repeats,
+                            peer=peer,
+                            run_dir=Path(tmp),
+                        ),
+                    )
+                )
             if "disk" in args.rows:
-                rows.append(("tandem disk (tmpdir)", f"{args.bucket_mb[-1]:g}", bench_transport(
-                    transport="disk", bucket_mb=args.bucket_mb[-1], specs=specs, repeats=args.repeats, peer=peer,
-                    run_dir=Path(tmp))))
+                rows.append(
+                    (
+                        "tandem disk (tmpdir)",
+                        f"{args.bucket_mb[-1]:g}",
+                        bench_transport(
+                            transport="disk",
+                            bucket_mb=args.bucket_mb[-1],
+                            specs=specs,
+                            repeats=args.repeats,
+                            peer=peer,
+                            run_dir=Path(tmp),
+                        ),
+                    )
+                )
             # both processes on GPU 0; params and tensors in device memory
             if "cuda" in args.rows and torch.cuda.is_available():
                 for transport in ("cuda_ipc", "gloo"):
-                    rows.append((f"tandem {transport} (cuda->cuda)", f"{args.bucket_mb[-1]:g}", bench_transport(
-                        transport=transport, bucket_mb=args.bucket_mb[-1], specs=specs, repeats=args.repeats,
-                        peer=peer, run_dir=Path(tmp), device="cuda")))
+                    rows.append(
+                        (
+                            f"tandem {transport} (cuda->cuda)",
+                            f"{args.bucket_mb[-1]:g}",
+                            bench_transport(
+                                transport=transport,
+                                bucket_mb=args.bucket_mb[-1],
+                                specs=specs,
+                                repeats=args.repeats,
+                                peer=peer,
+                                run_dir=Path(tmp),
+                                device="cuda",
+                            ),
+                        )
+                    )
     finally:
         peer.close()
-    print(f"\n{len(specs)} tensors, {raw['bytes'] / 2**20:.1f} MiB, median of {args.repeats}, "
-          f"torch threads {args.threads}\n")
-    print(f"{'path':32} {'bucket MB':>9} {'buckets':>7} {'send s':>8} {'recv s':>8} {'wall s':>8} {'GB/s':>7} "
-          f"{'vs raw':>7}")
+    print(
+        f"\n{len(specs)} tensors, {raw['bytes'] / 2**20:.1f} MiB, median of {args.repeats}, "
+        f"torch threads {args.threads}\n"
+    )
+    print(
+        f"{'path':32} {'bucket MB':>9} {'buckets':>7} {'send s':>8} {'recv s':>8} {'wall s':>8} {'GB/s':>7} "
+        f"{'vs raw':>7}"
+    )
     for name, bucket, row in rows:
         gbps = row["bytes"] / row["wall_s"] / 1e9
-        print(f"{name:32} {bucket:>9} {row['buckets']:>7} {row['send_s']:>8.3f} {row['recv_s']:>8.3f} "
-              f"{row['wall_s']:>8.3f} {gbps:>7.2f} {raw['wall_s'] / row['wall_s']:>7.2f}")
+        print(
+            f"{name:32} {bucket:>9} {row['buckets']:>7} {row['send_s']:>8.3f} {row['recv_s']:>8.3f} "
+            f"{row['wall_s']:>8.3f} {gbps:>7.2f} {raw['wall_s'] / row['wall_s']:>7.2f}"
+        )
     return 0
 
 

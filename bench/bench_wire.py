@@ -29,19 +29,26 @@ def make_batch(total_tokens: int, samples: int) -> RolloutBatchData:
     resp_len = per - prompt_len
     n_resp = samples * resp_len
     return RolloutBatchData(
-        rollout_id=1, policy_version=1,
+        rollout_id=1,
+        policy_version=1,
         tokens=rng.integers(0, 150_000, size=samples * per, dtype=np.int32),
-        prompt_lengths=np.full(samples, prompt_len, np.int32), response_lengths=np.full(samples, resp_len, np.int32),
-        loss_mask=np.ones(n_resp, np.uint8), rollout_log_probs=-rng.random(n_resp, dtype=np.float32),
-        rewards=rng.random(samples, dtype=np.float32), group_ids=np.arange(samples, dtype=np.int64) // 8,
-        sample_versions=np.ones(samples, np.int64), **sampling_arrays(samples, SamplingSpec()),
+        prompt_lengths=np.full(samples, prompt_len, np.int32),
+        response_lengths=np.full(samples, resp_len, np.int32),
+        loss_mask=np.ones(n_resp, np.uint8),
+        rollout_log_probs=-rng.random(n_resp, dtype=np.float32),
+        rewards=rng.random(samples, dtype=np.float32),
+        group_ids=np.arange(samples, dtype=np.int64) // 8,
+        sample_versions=np.ones(samples, np.int64),
+        **sampling_arrays(samples, SamplingSpec()),
         finish_reasons=("stop",) * samples,
-        labels=tuple(str(i % 10) for i in range(samples)), producer="bench")
+        labels=tuple(str(i % 10) for i in range(samples)),
+        producer="bench",
+    )
 
 
 def timed(fn: Callable[[], T], repeat: int) -> tuple[float, T]:
     times: list[float] = []
-    out = fn()   # a warm-up, and `out` is of the function's type before the timed calls
+    out = fn()  # a warm-up, and `out` is of the function's type before the timed calls
     for _ in range(repeat):
         t0 = time.perf_counter()
         out = fn()
@@ -69,8 +76,10 @@ def main() -> None:
     rows.append(("encode + decode", t))
     assert out.tokens.tobytes() == batch.tokens.tobytes()
 
-    print(f"wire format: {batch.tokens.shape[0]:,} tokens, {batch.num_samples} samples, "
-          f"{batch.num_response_tokens:,} response tokens, payload {mb:.1f} MB; median of {args.repeat}")
+    print(
+        f"wire format: {batch.tokens.shape[0]:,} tokens, {batch.num_samples} samples, "
+        f"{batch.num_response_tokens:,} response tokens, payload {mb:.1f} MB; median of {args.repeat}"
+    )
     print(f"| {'step':<30} | {'ms':>9} | {'MB/s':>9} |")
     print(f"|{'-' * 32}|{'-' * 11}|{'-' * 11}|")
     for name, seconds in rows:

@@ -40,13 +40,13 @@ RUNS = {
     "async_verified": ["weights.check_weight_update_equal=true"],
     "async_unverified": ["weights.check_weight_update_equal=false"],
 }
-DEFAULT_RUNS = ("async", "sync_offload", "async_t07_topp")   # the verification pair only when named
-SCORING = [   # how closely the trainer's log-probs match the rollout's (bf16 on both sides)
+DEFAULT_RUNS = ("async", "sync_offload", "async_t07_topp")  # the verification pair only when named
+SCORING = [  # how closely the trainer's log-probs match the rollout's (bf16 on both sides)
     ("train/rollout_logprob_abs_diff", "trainer vs rollout log-prob |diff|", "{:.4f}"),
     ("train/ppo_ratio_mean", "PPO ratio mean", "{:.4f}"),
     ("train/pg_clipfrac", "clip fraction", "{:.4f}"),
 ]
-BREAKDOWN = [   # (metric, label): the parts of a step, as the coordinator measured them
+BREAKDOWN = [  # (metric, label): the parts of a step, as the coordinator measured them
     ("perf/step_time_s", "step"),
     ("perf/rollout_wait_s", "wait for rollout"),
     ("perf/generate_time_s", "generate"),
@@ -72,8 +72,18 @@ def run_one(name: str, overrides: list[str], *, steps: int, work: Path, config: 
     run_dir = work / config.stem / name
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [a for o in [f"loop.num_rollout={steps}", *overrides] for a in ("--set", o)]
-    cmd = [sys.executable, "-m", "services.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress",
-           "--init-model", *sets]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "run",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        "--init-model",
+        *sets,
+    ]
     t = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     wall = time.monotonic() - t
@@ -81,12 +91,17 @@ def run_one(name: str, overrides: list[str], *, steps: int, work: Path, config: 
         logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*.log")))
         raise SystemExit(f"{name}: tandem run exited {proc.returncode}\n{proc.stderr[-3000:]}\n{logs}")
     rows = read_json_rows(run_dir / "metrics.jsonl")
-    return {"name": name, "wall_s": wall, "steps": [r for r in rows if "perf/step_time_s" in r],
-            "evals": [r for r in rows if "eval/reward_mean" in r], "run_dir": run_dir}
+    return {
+        "name": name,
+        "wall_s": wall,
+        "steps": [r for r in rows if "perf/step_time_s" in r],
+        "evals": [r for r in rows if "eval/reward_mean" in r],
+        "run_dir": run_dir,
+    }
 
 
 def median(rows: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rows[2:] if key in r]   # the first steps include CUDA-graph capture
+    values = [r[key] for r in rows[2:] if key in r]  # the first steps include CUDA-graph capture
     return statistics.median(values) if values else None
 
 
@@ -101,18 +116,31 @@ def report(results: list[dict]) -> str:
     row("wall s (start-up included)", [f"{r['wall_s']:.1f}" for r in results])
     row("eval reward, before training", [_eval(r, 0) for r in results])
     row("eval reward, after the last step", [_eval(r, -1) for r in results])
-    row("train reward, first 5 → last 5 steps",
-        [f"{statistics.mean(s['rollout/reward_mean'] for s in r['steps'][:5]):.3f} → "
-         f"{statistics.mean(s['rollout/reward_mean'] for s in r['steps'][-5:]):.3f}" for r in results])
+    row(
+        "train reward, first 5 → last 5 steps",
+        [
+            f"{statistics.mean(s['rollout/reward_mean'] for s in r['steps'][:5]):.3f} → "
+            f"{statistics.mean(s['rollout/reward_mean'] for s in r['steps'][-5:]):.3f}"
+            for r in results
+        ],
+    )
     for key, label in BREAKDOWN:
         cells = [median(r["steps"], key) for r in results]
         row(f"median {label} ms", ["–" if c is None else f"{1000 * c:.1f}" for c in cells])
     row("overlap: step / max(generate, train)", [_overlap(r["steps"]) for r in results])
-    row("median tokens/s (prompt + response, trained)",
-        [f"{tokens / step_s:.0f}" if (tokens := median(r["steps"], "train/tokens")) and
-         (step_s := median(r["steps"], "perf/step_time_s")) else "–" for r in results])
-    row("median trainer TFLOP/s (6 x params x tokens / train s)",
-        [f"{median(r['steps'], 'perf/train_tflops') or 0:.1f}" for r in results])
+    row(
+        "median tokens/s (prompt + response, trained)",
+        [
+            f"{tokens / step_s:.0f}"
+            if (tokens := median(r["steps"], "train/tokens")) and (step_s := median(r["steps"], "perf/step_time_s"))
+            else "–"
+            for r in results
+        ],
+    )
+    row(
+        "median trainer TFLOP/s (6 x params x tokens / train s)",
+        [f"{median(r['steps'], 'perf/train_tflops') or 0:.1f}" for r in results],
+    )
     row("median weight sync GB/s", [f"{median(r['steps'], 'perf/weight_sync_gbps') or 0:.1f}" for r in results])
     row("verified tensors per sync", [f"{median(r['steps'], 'weights/verified_tensors') or 0:.0f}" for r in results])
     row("median checksums / weight sync (same step)", [_checksum_share(r["steps"]) for r in results])
@@ -130,14 +158,20 @@ def _eval(result: dict, index: int) -> str:
 
 
 def _checksum_share(steps: list[dict]) -> str:
-    shares = [s["perf/sync_checksum_s"] / s["perf/weight_sync_time_s"] for s in steps[2:]
-              if s.get("perf/sync_checksum_s") is not None and s.get("perf/weight_sync_time_s")]
+    shares = [
+        s["perf/sync_checksum_s"] / s["perf/weight_sync_time_s"]
+        for s in steps[2:]
+        if s.get("perf/sync_checksum_s") is not None and s.get("perf/weight_sync_time_s")
+    ]
     return f"{100 * statistics.median(shares):.1f}%" if shares else "–"
 
 
 def _overlap(steps: list[dict]) -> str:
-    ratios = [s["perf/step_time_s"] / max(s["perf/generate_time_s"], s["perf/train_time_s"]) for s in steps[2:]
-              if s.get("perf/generate_time_s") and s.get("perf/train_time_s")]
+    ratios = [
+        s["perf/step_time_s"] / max(s["perf/generate_time_s"], s["perf/train_time_s"])
+        for s in steps[2:]
+        if s.get("perf/generate_time_s") and s.get("perf/train_time_s")
+    ]
     return f"{statistics.median(ratios):.2f}" if ratios else "–"
 
 
@@ -150,8 +184,9 @@ def main() -> int:
     parser.add_argument("--config", type=Path, default=CONFIG, help="the example to run (its own data and model)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [run_one(name, RUNS[name], steps=args.steps, work=args.work, config=args.config.resolve())
-               for name in args.only]
+    results = [
+        run_one(name, RUNS[name], steps=args.steps, work=args.work, config=args.config.resolve()) for name in args.only
+    ]
     table = report(results)
     print(table)
     (args.out / "gpu_run.md").write_text(table + "\n")

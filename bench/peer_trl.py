@@ -67,10 +67,10 @@ CONFIG = ROOT / "examples" / "digit_max_gpu.yaml"
 TRAIN = ROOT / "examples" / "digit_max" / "train.jsonl"
 PROMPTS, SAMPLES = 64, 8
 BATCH = PROMPTS * SAMPLES
-WINDOW = slice(2, 6)          # steps 3-6, 1-based
-TRAIN_PARTS = ("read", "prepare", "update", "call")   # the trainer's perf/train_<part>_s (services/trainer)
+WINDOW = slice(2, 6)  # steps 3-6, 1-based
+TRAIN_PARTS = ("read", "prepare", "update", "call")  # the trainer's perf/train_<part>_s (services/trainer)
 DEFAULT_CASES = ["small_L1", "small_L128", "q05_L1", "q05_L128"]
-MIN_RUN_S = {"trl": 30, "tandem_async": 55, "tandem_sync": 55}   # start-up + 6 steps, from issue 24: else skip
+MIN_RUN_S = {"trl": 30, "tandem_async": 55, "tandem_sync": 55}  # start-up + 6 steps, from issue 24: else skip
 
 
 @dataclass(frozen=True)
@@ -83,10 +83,11 @@ class Case:
 def parse_case(text: str) -> Case:
     from services.rollout.model_init import PRESETS
 
-    match = re.fullmatch(r"([a-z0-9.\-]+)_L(\d+)", text)   # qwen2.5-0.5b_L256: a real-vocabulary preset
+    match = re.fullmatch(r"([a-z0-9.\-]+)_L(\d+)", text)  # qwen2.5-0.5b_L256: a real-vocabulary preset
     if not match or match[1] not in PRESETS or int(match[2]) < 1:
-        raise argparse.ArgumentTypeError(f"case {text!r}: expected PRESET_L<tokens> with a preset of "
-                                         f"{', '.join(PRESETS)}, e.g. q05_L128")
+        raise argparse.ArgumentTypeError(
+            f"case {text!r}: expected PRESET_L<tokens> with a preset of {', '.join(PRESETS)}, e.g. q05_L128"
+        )
     return Case(text, match[1], int(match[2]))
 
 
@@ -95,8 +96,8 @@ def parse_case(text: str) -> Case:
 
 @dataclass(frozen=True)
 class Proc:
-    rc: int                   # 124: hit its time limit
-    launched: float           # time.time() at the start
+    rc: int  # 124: hit its time limit
+    launched: float  # time.time() at the start
     wall_s: float
     log: Path
 
@@ -107,8 +108,14 @@ def run_limited(cmd: list[str], *, log: Path, limit_s: float, done: Callable[[],
     then SIGKILL 10 s later; rc 124)."""
     launched, start = time.time(), time.monotonic()
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         while True:
             try:
                 rc = proc.wait(timeout=0.5)
@@ -183,10 +190,16 @@ def build_models(cases: list[Case], work: Path, budget: Budget, limit_s: float) 
         path = work / "models" / preset
         if not (path / "config.json").exists():
             shutil.rmtree(path, ignore_errors=True)
-            proc = run_limited([PY, "-m", "services.cli", "init-model", str(path), "--preset", preset],
-                               log=work / f"init_{preset}.log", limit_s=budget.limit(limit_s))
-            print(f"[init-model {preset}] rc={proc.rc} in {proc.wall_s:.0f}s: "
-                  f"{proc.log.read_text().strip().splitlines()[-1:]}", flush=True)
+            proc = run_limited(
+                [PY, "-m", "services.cli", "init-model", str(path), "--preset", preset],
+                log=work / f"init_{preset}.log",
+                limit_s=budget.limit(limit_s),
+            )
+            print(
+                f"[init-model {preset}] rc={proc.rc} in {proc.wall_s:.0f}s: "
+                f"{proc.log.read_text().strip().splitlines()[-1:]}",
+                flush=True,
+            )
             if proc.rc != 0:
                 raise SystemExit(f"tandem init-model {path} --preset {preset} failed (exit {proc.rc}): see {proc.log}")
         dirs[(preset, False)] = path
@@ -210,7 +223,7 @@ def without_eos(src: Path, dst: Path) -> Path:
         elif f.is_file():
             shutil.copy2(f, dst / f.name)
     left = (AutoConfig.from_pretrained(dst).eos_token_id, GenerationConfig.from_pretrained(dst).eos_token_id)
-    if left != (None, None):   # the native engine stops at these (engines/native.py `_eos_ids`)
+    if left != (None, None):  # the native engine stops at these (engines/native.py `_eos_ids`)
         raise SystemExit(f"{dst}: EOS ids {left} survived the copy; responses could end before L tokens")
     return dst
 
@@ -218,19 +231,35 @@ def without_eos(src: Path, dst: Path) -> Path:
 # ---- one side each -------------------------------------------------------------------------------
 
 
-def tandem_overrides(case: Case, *, model: Path, mode: str, steps: int, device: str,
-                     extra: tuple[str, ...] = ()) -> list[str]:
-    sets = [f"model.path={model}", f"loop.mode={mode}", f"loop.num_rollout={steps + 1}", "loop.eval_interval=null",
-            f"rollout.rollout_batch_size={PROMPTS}", f"rollout.n_samples_per_prompt={SAMPLES}",
-            f"rollout.sampling.max_new_tokens={case.length}", "rollout.sampling.temperature=1.0",
-            "trainer.lr=1e-3", "trainer.lr_schedule=constant", "trainer.export_hf_on_save=false",
-            "weights.check_weight_update_equal=false", f"trainer.device={device}", f"rollout.device={device}"]
+def tandem_overrides(
+    case: Case, *, model: Path, mode: str, steps: int, device: str, extra: tuple[str, ...] = ()
+) -> list[str]:
+    sets = [
+        f"model.path={model}",
+        f"loop.mode={mode}",
+        f"loop.num_rollout={steps + 1}",
+        "loop.eval_interval=null",
+        f"rollout.rollout_batch_size={PROMPTS}",
+        f"rollout.n_samples_per_prompt={SAMPLES}",
+        f"rollout.sampling.max_new_tokens={case.length}",
+        "rollout.sampling.temperature=1.0",
+        "trainer.lr=1e-3",
+        "trainer.lr_schedule=constant",
+        "trainer.export_hf_on_save=false",
+        "weights.check_weight_update_equal=false",
+        f"trainer.device={device}",
+        f"rollout.device={device}",
+    ]
     if device == "cuda":
         # TRL's precision and work: bf16 weights and Adam states, no per-step overflow check (Tandem's GPU examples
         # keep fp32 master weights, trainer.precision bf16: bench/bench_train_step.py measures the difference)
-        sets += ["weights.transport=cuda_ipc", "model.dtype=bfloat16", "trainer.precision=bf16_pure",
-                 "trainer.skip_nonfinite_steps=false"]
-    else:   # the CPU smoke test: gloo, fp32
+        sets += [
+            "weights.transport=cuda_ipc",
+            "model.dtype=bfloat16",
+            "trainer.precision=bf16_pure",
+            "trainer.skip_nonfinite_steps=false",
+        ]
+    else:  # the CPU smoke test: gloo, fp32
         sets += ["weights.transport=gloo", "model.dtype=float32", "trainer.precision=fp32"]
     return [a for s in (*sets, *extra) for a in ("--set", s)]
 
@@ -238,33 +267,74 @@ def tandem_overrides(case: Case, *, model: Path, mode: str, steps: int, device: 
 def run_tandem(case: Case, *, model: Path, mode: str, args: argparse.Namespace, budget: Budget) -> dict:
     run_dir = args.work / f"tandem_{case.name}_{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [PY, "-m", "services.cli", "run", str(CONFIG), "--run-dir", str(run_dir), "--no-progress",
-           *tandem_overrides(case, model=model, mode=mode, steps=args.steps, device=args.device,
-                             extra=tuple(args.tandem_set))]
+    cmd = [
+        PY,
+        "-m",
+        "services.cli",
+        "run",
+        str(CONFIG),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *tandem_overrides(
+            case, model=model, mode=mode, steps=args.steps, device=args.device, extra=tuple(args.tandem_set)
+        ),
+    ]
     metrics = run_dir / "metrics.jsonl"
-    proc = run_limited(cmd, log=args.work / f"tandem_{case.name}_{mode}.log", limit_s=budget.limit(args.tandem_limit_s),
-                       done=lambda: count_lines(metrics, '"perf/step_time_s"') >= args.steps)
+    proc = run_limited(
+        cmd,
+        log=args.work / f"tandem_{case.name}_{mode}.log",
+        limit_s=budget.limit(args.tandem_limit_s),
+        done=lambda: count_lines(metrics, '"perf/step_time_s"') >= args.steps,
+    )
     wait_gone(str(run_dir))
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
-    steps = [r for r in rows if "perf/step_time_s" in r][:args.steps]
-    records = [{"step": i + 1, "step_s": r["perf/step_time_s"], "gen_s": r.get("perf/generate_time_s"),
-                "train_s": r.get("perf/train_time_s"), "sync_s": r.get("perf/weight_sync_time_s"),
-                **{f"{part}_s": r.get(f"perf/train_{part}_s") for part in TRAIN_PARTS},
-                "prompt_tokens": r.get("rollout/prompt_tokens", 0.0),
-                "response_tokens": r.get("rollout/response_tokens", 0.0),
-                "finish_stop_frac": r.get("rollout/finish_stop_frac"), "reward": r.get("rollout/reward_mean"),
-                "wall": r["time"]} for i, r in enumerate(steps)]
+    steps = [r for r in rows if "perf/step_time_s" in r][: args.steps]
+    records = [
+        {
+            "step": i + 1,
+            "step_s": r["perf/step_time_s"],
+            "gen_s": r.get("perf/generate_time_s"),
+            "train_s": r.get("perf/train_time_s"),
+            "sync_s": r.get("perf/weight_sync_time_s"),
+            **{f"{part}_s": r.get(f"perf/train_{part}_s") for part in TRAIN_PARTS},
+            "prompt_tokens": r.get("rollout/prompt_tokens", 0.0),
+            "response_tokens": r.get("rollout/response_tokens", 0.0),
+            "finish_stop_frac": r.get("rollout/finish_stop_frac"),
+            "reward": r.get("rollout/reward_mean"),
+            "wall": r["time"],
+        }
+        for i, r in enumerate(steps)
+    ]
     return side_result(f"tandem_{mode}", case, proc, records)
 
 
 def run_trl(case: Case, *, model: Path, args: argparse.Namespace, budget: Budget) -> dict:
     steps_file = args.work / f"trl_{case.name}.jsonl"
     steps_file.unlink(missing_ok=True)
-    cmd = [PY, str(Path(__file__).resolve()), "trl-child", "--model", str(model), "--length", str(case.length),
-           "--steps", str(args.steps), "--device", args.device, "--steps-file", str(steps_file),
-           "--output-dir", str(args.work / f"trl_{case.name}")]
-    proc = run_limited(cmd, log=args.work / f"trl_{case.name}.log", limit_s=budget.limit(args.trl_limit_s),
-                       done=lambda: count_lines(steps_file, '"step_s"') >= args.steps)
+    cmd = [
+        PY,
+        str(Path(__file__).resolve()),
+        "trl-child",
+        "--model",
+        str(model),
+        "--length",
+        str(case.length),
+        "--steps",
+        str(args.steps),
+        "--device",
+        args.device,
+        "--steps-file",
+        str(steps_file),
+        "--output-dir",
+        str(args.work / f"trl_{case.name}"),
+    ]
+    proc = run_limited(
+        cmd,
+        log=args.work / f"trl_{case.name}.log",
+        limit_s=budget.limit(args.trl_limit_s),
+        done=lambda: count_lines(steps_file, '"step_s"') >= args.steps,
+    )
     records = [json.loads(x) for x in steps_file.read_text().splitlines() if x.strip()] if steps_file.exists() else []
     return side_result("trl", case, proc, records)
 
@@ -275,8 +345,15 @@ def side_result(side: str, case: Case, proc: Proc, records: list[dict]) -> dict:
     if status != "ok":
         print("  " + "\n  ".join(proc.log.read_text(errors="replace").splitlines()[-15:]), flush=True)
     first = records[0]["wall"] - proc.launched if records else None
-    return {"side": side, "case": case.name, "status": status, "wall_s": proc.wall_s, "first_step_s": first,
-            "records": records, "log": proc.log}
+    return {
+        "side": side,
+        "case": case.name,
+        "status": status,
+        "wall_s": proc.wall_s,
+        "first_step_s": first,
+        "records": records,
+        "log": proc.log,
+    }
 
 
 # ---- TRL, in its own process ---------------------------------------------------------------------
@@ -311,18 +388,39 @@ def trl_child(argv: list[str]) -> int:
     prompt_tokens = max(len(tokenizer(r["prompt"])["input_ids"]) for r in rows)
     micro = per_device_batch(prompt_tokens, args.length)
     config = GRPOConfig(
-        output_dir=str(args.output_dir), per_device_train_batch_size=micro, gradient_accumulation_steps=BATCH // micro,
-        generation_batch_size=BATCH, num_generations=SAMPLES, max_completion_length=args.length,
-        generation_kwargs={"min_new_tokens": args.length}, temperature=1.0, beta=0.0, loss_type="dapo",
-        learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, bf16=cuda, use_cpu=not cuda,
-        use_vllm=False, gradient_checkpointing=False, max_steps=args.steps, logging_steps=1, save_strategy="no",
-        report_to="none", seed=0, disable_tqdm=True)
+        output_dir=str(args.output_dir),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=BATCH // micro,
+        generation_batch_size=BATCH,
+        num_generations=SAMPLES,
+        max_completion_length=args.length,
+        generation_kwargs={"min_new_tokens": args.length},
+        temperature=1.0,
+        beta=0.0,
+        loss_type="dapo",
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        bf16=cuda,
+        use_cpu=not cuda,
+        use_vllm=False,
+        gradient_checkpointing=False,
+        max_steps=args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        disable_tqdm=True,
+    )
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if cuda else torch.float32)
-    trainer = timed_trainer_class()(model=model, reward_funcs=[digit_reward], args=config, train_dataset=dataset,
-                                    processing_class=tokenizer)
+    trainer = timed_trainer_class()(
+        model=model, reward_funcs=[digit_reward], args=config, train_dataset=dataset, processing_class=tokenizer
+    )
     trainer.add_callback(step_clock(trainer, args.steps_file, cuda=cuda))
-    print(f"trl-child: per-device batch {micro} x {BATCH // micro} accumulation, prompt <= {prompt_tokens} tokens",
-          flush=True)
+    print(
+        f"trl-child: per-device batch {micro} x {BATCH // micro} accumulation, prompt <= {prompt_tokens} tokens",
+        flush=True,
+    )
     trainer.train()
     return 0
 
@@ -377,9 +475,16 @@ def step_clock(trainer, path: Path, *, cuda: bool):
             _sync(cuda)
             now = time.perf_counter()
             step_s, gen_s = now - self.last, trainer.gen_s
-            record = {"step": state.global_step, "step_s": step_s, "gen_s": gen_s, "train_s": step_s - gen_s,
-                      "sync_s": None, "prompt_tokens": trainer.prompt_tokens,
-                      "response_tokens": trainer.response_tokens, "wall": time.time()}
+            record = {
+                "step": state.global_step,
+                "step_s": step_s,
+                "gen_s": gen_s,
+                "train_s": step_s - gen_s,
+                "sync_s": None,
+                "prompt_tokens": trainer.prompt_tokens,
+                "response_tokens": trainer.response_tokens,
+                "wall": time.time(),
+            }
             with path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             trainer.gen_s, trainer.prompt_tokens, trainer.response_tokens = 0.0, 0, 0
@@ -392,7 +497,7 @@ def step_clock(trainer, path: Path, *, cuda: bool):
 
 
 def med(records: list[dict], key: str) -> float | None:
-    window = records[WINDOW] or records[-1:]      # a smoke run of fewer steps: its last step
+    window = records[WINDOW] or records[-1:]  # a smoke run of fewer steps: its last step
     values = [r[key] for r in window if r.get(key) is not None]
     return statistics.median(values) if values else None
 
@@ -426,12 +531,16 @@ def mfu(res: dict | None, params: int, peak_tflops: float, seconds: str = "train
     return 6 * params * (prompt + response) / (train * peak_tflops * 1e12)
 
 
-def breakdown(cases: list[Case], results: dict[tuple[str, str], dict], params: dict[str, int],
-              peak: float) -> list[str]:
+def breakdown(
+    cases: list[Case], results: dict[tuple[str, str], dict], params: dict[str, int], peak: float
+) -> list[str]:
     """Where Tandem's train phase went: the coordinator's Train call, the trainer's own part of it (read from Redis,
     prepare, the update), and the update's MFU."""
-    rows = ["| case, mode | train phase s | on the trainer: read / prepare / update s | rest (gRPC, commit) s | "
-            "update MFU |", "|---|---|---|---|---|"]
+    rows = [
+        "| case, mode | train phase s | on the trainer: read / prepare / update s | rest (gRPC, commit) s | "
+        "update MFU |",
+        "|---|---|---|---|---|",
+    ]
     for c in cases:
         for mode in ("async", "sync"):
             res = results.get((f"tandem_{mode}", c.name))
@@ -440,37 +549,58 @@ def breakdown(cases: list[Case], results: dict[tuple[str, str], dict], params: d
             m = {k: med(res["records"], k) for k in ("train_s", *(f"{p}_s" for p in TRAIN_PARTS))}
             rest = m["train_s"] - m["call_s"] if m["train_s"] is not None and m["call_s"] is not None else None
             update_mfu = mfu(res, params[c.preset], peak, seconds="update_s")
-            rows.append(f"| {c.name}, {mode} | {fmt(m['train_s'])} | "
-                        f"{' / '.join(fmt(m[f'{p}_s']) for p in ('read', 'prepare', 'update'))} | {fmt(rest)} | "
-                        f"{fmt(None if update_mfu is None else 100 * update_mfu, '.1f')}% |")
+            rows.append(
+                f"| {c.name}, {mode} | {fmt(m['train_s'])} | "
+                f"{' / '.join(fmt(m[f'{p}_s']) for p in ('read', 'prepare', 'update'))} | {fmt(rest)} | "
+                f"{fmt(None if update_mfu is None else 100 * update_mfu, '.1f')}% |"
+            )
     return rows
 
 
 def report(cases: list[Case], results: dict[tuple[str, str], dict], params: dict[str, int], peak: float) -> str:
-    rows = ["| case | TRL step s (gen / train) | Tandem async step s (gen / train / sync) | "
-            "Tandem sync step s (gen / train / sync) | Tandem/TRL tokens/s, async | sync |",
-            "|---|---|---|---|---|---|"]
-    rows2 = ["| case | params | tokens/step (prompt + response) | response tokens/s TRL / async / sync | "
-             "mean response length TRL / async / sync | first trained step s TRL / async / sync | "
-             "train MFU TRL / async / sync |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| case | TRL step s (gen / train) | Tandem async step s (gen / train / sync) | "
+        "Tandem sync step s (gen / train / sync) | Tandem/TRL tokens/s, async | sync |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows2 = [
+        "| case | params | tokens/step (prompt + response) | response tokens/s TRL / async / sync | "
+        "mean response length TRL / async / sync | first trained step s TRL / async / sync | "
+        "train MFU TRL / async / sync |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for c in cases:
         trl, a, s = (results.get((side, c.name)) for side in ("trl", "tandem_async", "tandem_sync"))
         tps = [tokens_per_s(x) for x in (trl, a, s)]
         ratio = [fmt(t / tps[0] if t and tps[0] else None, ".2f") for t in tps[1:]]
         three = ("gen_s", "train_s", "sync_s")
-        rows.append(f"| {c.name} | {split_cell(trl, ('gen_s', 'train_s'))} | {split_cell(a, three)} | "
-                    f"{split_cell(s, three)} | **{ratio[0]}** | {ratio[1]} |")
+        rows.append(
+            f"| {c.name} | {split_cell(trl, ('gen_s', 'train_s'))} | {split_cell(a, three)} | "
+            f"{split_cell(s, three)} | **{ratio[0]}** | {ratio[1]} |"
+        )
         some = next((x for x in (a, s, trl) if x and x["status"] == "ok"), None)
-        tokens = (f"{med(some['records'], 'prompt_tokens'):.0f} + {med(some['records'], 'response_tokens'):.0f}"
-                  if some else "-")
-        lengths = [fmt(n / BATCH if x and x["status"] == "ok" and
-                       (n := med(x["records"], "response_tokens")) is not None else None, ".1f") for x in (trl, a, s)]
+        tokens = (
+            f"{med(some['records'], 'prompt_tokens'):.0f} + {med(some['records'], 'response_tokens'):.0f}"
+            if some
+            else "-"
+        )
+        lengths = [
+            fmt(
+                n / BATCH
+                if x and x["status"] == "ok" and (n := med(x["records"], "response_tokens")) is not None
+                else None,
+                ".1f",
+            )
+            for x in (trl, a, s)
+        ]
         firsts = [fmt(x["first_step_s"] if x else None, ".1f") for x in (trl, a, s)]
         mfus = [f"{100 * m:.1f}%" if (m := mfu(x, params[c.preset], peak)) is not None else "-" for x in (trl, a, s)]
         rates = " / ".join(fmt(t, ",.0f") for t in tps)
         size = f"{params[c.preset] / 1e9:.3f}B" if params[c.preset] >= 1e8 else f"{params[c.preset] / 1e6:.2f}M"
-        rows2.append(f"| {c.name} | {size} | {tokens} | {rates} | {' / '.join(lengths)} | "
-                     f"{' / '.join(firsts)} | {' / '.join(mfus)} |")
+        rows2.append(
+            f"| {c.name} | {size} | {tokens} | {rates} | {' / '.join(lengths)} | "
+            f"{' / '.join(firsts)} | {' / '.join(mfus)} |"
+        )
     return "\n".join([*rows, "", *rows2, "", *breakdown(cases, results, params, peak)])
 
 
@@ -481,9 +611,12 @@ def write_outputs(out: Path, work: Path, table: str, results: dict, header: str)
         for (side, case), res in results.items():
             for r in res["records"]:
                 f.write(json.dumps({"side": side, "case": case, **r}) + "\n")
-    with tarfile.open(out / "peer_trl_logs.tar.gz", "w:gz") as tar:   # every log, the services' included
-        for path in sorted(work.glob("*.log")) + sorted(work.glob("tandem_*/logs/*.log")) + \
-                sorted(work.glob("tandem_*/metrics.jsonl")):
+    with tarfile.open(out / "peer_trl_logs.tar.gz", "w:gz") as tar:  # every log, the services' included
+        for path in (
+            sorted(work.glob("*.log"))
+            + sorted(work.glob("tandem_*/logs/*.log"))
+            + sorted(work.glob("tandem_*/metrics.jsonl"))
+        ):
             tar.add(path, arcname=str(path.relative_to(work)))
         note = io.BytesIO(header.encode())
         info = tarfile.TarInfo("README.txt")
@@ -496,14 +629,24 @@ def write_outputs(out: Path, work: Path, table: str, results: dict, header: str)
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", nargs="+", type=parse_case, default=[parse_case(c) for c in DEFAULT_CASES],
-                   help=f"PRESET_L<response tokens> (default: {' '.join(DEFAULT_CASES)})")
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        type=parse_case,
+        default=[parse_case(c) for c in DEFAULT_CASES],
+        help=f"PRESET_L<response tokens> (default: {' '.join(DEFAULT_CASES)})",
+    )
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per run (medians over steps 3-6)")
     p.add_argument("--modes", nargs="+", choices=["async", "sync"], default=["async", "sync"])
     p.add_argument("--no-trl", action="store_true", help="the Tandem side only")
-    p.add_argument("--tandem-set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="more --set overrides for every Tandem run (e.g. model.fused_kernels=off)")
+    p.add_argument(
+        "--tandem-set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more --set overrides for every Tandem run (e.g. model.fused_kernels=off)",
+    )
     p.add_argument("--budget-s", type=float, default=520.0, help="the whole call, model init included")
     p.add_argument("--trl-limit-s", type=float, default=150.0)
     p.add_argument("--tandem-limit-s", type=float, default=150.0)
@@ -533,22 +676,33 @@ def main(argv: list[str] | None = None) -> int:
 
     models = build_models(args.cases, args.work, budget, args.init_limit_s)
     params = {c.preset: parameter_count(models[(c.preset, False)]) for c in args.cases}
-    plan = [(side, c) for c in args.cases for side in (("trl",) if not skip_trl else ()) +
-            (("tandem_async",) if "async" in args.modes else ())]
+    plan = [
+        (side, c)
+        for c in args.cases
+        for side in (("trl",) if not skip_trl else ()) + (("tandem_async",) if "async" in args.modes else ())
+    ]
     plan += [("tandem_sync", c) for c in args.cases if "sync" in args.modes]
     results: dict[tuple[str, str], dict] = {}
     for side, case in plan:
         left = budget.limit(float("inf"))
         if left < MIN_RUN_S[side]:
-            print(f"[{side} {case.name}] skipped: {left:.0f} s of --budget-s {args.budget_s:.0f} left, "
-                  f"a run needs ~{MIN_RUN_S[side]} s", flush=True)
+            print(
+                f"[{side} {case.name}] skipped: {left:.0f} s of --budget-s {args.budget_s:.0f} left, "
+                f"a run needs ~{MIN_RUN_S[side]} s",
+                flush=True,
+            )
             continue
         model = models[(case.preset, case.length > 1)]
-        results[(side, case.name)] = run_trl(case, model=model, args=args, budget=budget) if side == "trl" else \
-            run_tandem(case, model=model, mode=side.removeprefix("tandem_"), args=args, budget=budget)
-    header = (f"Tandem vs TRL GRPOTrainer — {time.strftime('%Y-%m-%d')}, device {device_name(args.device)}; "
-              f"{PROMPTS} prompts x {SAMPLES} samples per step, {window_text(args.steps)}; "
-              f"MFU at {args.peak_tflops:.0f} TFLOP/s. {skip_trl or ''}").strip()
+        results[(side, case.name)] = (
+            run_trl(case, model=model, args=args, budget=budget)
+            if side == "trl"
+            else run_tandem(case, model=model, mode=side.removeprefix("tandem_"), args=args, budget=budget)
+        )
+    header = (
+        f"Tandem vs TRL GRPOTrainer — {time.strftime('%Y-%m-%d')}, device {device_name(args.device)}; "
+        f"{PROMPTS} prompts x {SAMPLES} samples per step, {window_text(args.steps)}; "
+        f"MFU at {args.peak_tflops:.0f} TFLOP/s. {skip_trl or ''}"
+    ).strip()
     table = report(args.cases, results, params, args.peak_tflops)
     write_outputs(args.out, args.work, table, results, header)
     print(header + "\n\n" + table, flush=True)

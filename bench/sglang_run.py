@@ -47,10 +47,10 @@ def main() -> int:
         print(f"skipped: no healthy small-preset SGLang server (SGLANG_SERVERS): {server}")
         return 0
     shared = [f"model.path={server['model']}", f"rollout.sglang.urls=[{server['url']}]"]
-    runs = {"sync_t07": shared,
-            "sync_offload": [*shared, "loop.offload_train=true", "loop.offload_rollout=true"]}
-    results = [run_one(name, overrides, steps=args.steps, work=args.work, config=CONFIG)
-               for name, overrides in runs.items()]
+    runs = {"sync_t07": shared, "sync_offload": [*shared, "loop.offload_train=true", "loop.offload_rollout=true"]}
+    results = [
+        run_one(name, overrides, steps=args.steps, work=args.work, config=CONFIG) for name, overrides in runs.items()
+    ]
     table = report(results)
     print("SGLang 0.5.17 rollout engine (examples/digit_max_sglang_gpu.yaml), small preset, T=0.7 / top-p 0.9\n")
     print(table)
@@ -60,12 +60,15 @@ def main() -> int:
         shutil.copy(r["run_dir"] / "metrics.jsonl", args.out / f"metrics_{r['name']}.jsonl")
     steps = results[0]["steps"]
     diff, ratio = median(steps, "train/rollout_logprob_abs_diff"), median(steps, "train/ppo_ratio_mean")
-    worst = max((s["train/rollout_logprob_abs_diff"] for s in steps if "train/rollout_logprob_abs_diff" in s),
-                default=None)
+    worst = max(
+        (s["train/rollout_logprob_abs_diff"] for s in steps if "train/rollout_logprob_abs_diff" in s), default=None
+    )
     freed = median(results[1]["steps"], "memory/rollout_gpu_gb_freed")
     ok = diff is not None and ratio is not None and diff <= MAX_DIFF and abs(ratio - 1) <= RATIO_TOL
-    print(f"\n{'PASS' if ok else 'FAIL'} sync_t07: median |diff| {diff} (<= {MAX_DIFF}; worst step {worst}), "
-          f"median ratio {ratio} (1 +- {RATIO_TOL})")
+    print(
+        f"\n{'PASS' if ok else 'FAIL'} sync_t07: median |diff| {diff} (<= {MAX_DIFF}; worst step {worst}), "
+        f"median ratio {ratio} (1 +- {RATIO_TOL})"
+    )
     print(f"sync_offload: SGLang freed {freed} GiB (median per step) while the trainer trained")
     return 0 if ok else 1
 

@@ -34,13 +34,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COMMON = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--dtype", "bfloat16",
-          "--log-level", "info"]
-SERVERS = {   # name -> (preset, launch args)
-    "q05": ("q05", [*COMMON, "--mem-fraction-static", "0.3", "--context-length", "2048",
-                    "--cuda-graph-max-bs", "256"]),
-    "small": ("small", [*COMMON, "--mem-fraction-static", "0.12", "--cuda-graph-max-bs", "512",
-                        "--enable-memory-saver"]),
+COMMON = [
+    "--attention-backend",
+    "triton",
+    "--sampling-backend",
+    "pytorch",
+    "--dtype",
+    "bfloat16",
+    "--log-level",
+    "info",
+]
+SERVERS = {  # name -> (preset, launch args)
+    "q05": ("q05", [*COMMON, "--mem-fraction-static", "0.3", "--context-length", "2048", "--cuda-graph-max-bs", "256"]),
+    "small": (
+        "small",
+        [*COMMON, "--mem-fraction-static", "0.12", "--cuda-graph-max-bs", "512", "--enable-memory-saver"],
+    ),
 }
 POOL_READY = "Memory pool end"
 
@@ -53,7 +62,7 @@ class Launched:
     url: str
     log: str
     pid: int
-    startup_s: float | None = None   # launch to healthy; None = not healthy
+    startup_s: float | None = None  # launch to healthy; None = not healthy
     error: str = ""
 
 
@@ -102,13 +111,29 @@ def log_says(log: Path, text: str) -> bool:
 def launch(name: str, model: Path, log_dir: Path) -> tuple[Launched, subprocess.Popen]:
     port = free_port()
     log = log_dir / f"sglang_{name}.log"
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
-           "--port", str(port), *SERVERS[name][1]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *SERVERS[name][1],
+    ]
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_RETURN_ORIGINAL_LOGPROB"}
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,  # noqa: SIM115
-                            start_new_session=True)
-    return Launched(name=name, preset=SERVERS[name][0], model=str(model), url=f"http://127.0.0.1:{port}",
-                    log=str(log), pid=proc.pid), proc
+    proc = subprocess.Popen(
+        cmd,
+        stdout=open(log, "w"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    return Launched(
+        name=name, preset=SERVERS[name][0], model=str(model), url=f"http://127.0.0.1:{port}", log=str(log), pid=proc.pid
+    ), proc
 
 
 def _wait(pred: Callable[[], bool], proc: subprocess.Popen, deadline: float) -> bool:
@@ -136,15 +161,19 @@ def servers(work: Path, out: Path, *, timeout_s: float) -> Iterator[Path]:
             t = time.monotonic()
             info, proc = launch(name, models[name], out)
             started[name] = (info, proc, t)
-            if name != names[-1]:   # the next one profiles free memory only after this pool exists
-                _wait(functools.partial(log_says, Path(info.log), POOL_READY), proc,
-                      min(deadline, time.monotonic() + 120))
+            if name != names[-1]:  # the next one profiles free memory only after this pool exists
+                _wait(
+                    functools.partial(log_says, Path(info.log), POOL_READY), proc, min(deadline, time.monotonic() + 120)
+                )
         for info, proc, t in started.values():
             if _wait(functools.partial(healthy, info.url), proc, deadline):
                 info.startup_s = time.monotonic() - t
             else:
-                info.error = (f"exited with code {proc.returncode}" if proc.poll() is not None
-                              else f"not healthy within {timeout_s:g}s") + f"; see {info.log}"
+                info.error = (
+                    f"exited with code {proc.returncode}"
+                    if proc.poll() is not None
+                    else f"not healthy within {timeout_s:g}s"
+                ) + f"; see {info.log}"
             state = f"healthy after {info.startup_s:.0f} s" if info.startup_s else info.error
             print(f"[sglang_servers] {info.name}: {info.url} {state}", flush=True)
         path = out / "sglang_servers.json"

@@ -43,9 +43,20 @@ from services.rollout.engines.sglang import SGLangEngine
 from services.rollout.engines.sglang_http import SGLangClient, SGLangError
 
 RESULTS: list[tuple[str, bool, str]] = []
-META_FIELDS = {"id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", "input_token_logprobs",
-               "output_token_logprobs", "output_token_logprobs_length", "reasoning_tokens", "completion_tokens",
-               "cached_tokens", "e2e_latency"}   # what the contract server answers (0.5.17 profile)
+META_FIELDS = {
+    "id",
+    "finish_reason",
+    "prompt_tokens",
+    "weight_version",
+    "num_retractions",
+    "input_token_logprobs",
+    "output_token_logprobs",
+    "output_token_logprobs_length",
+    "reasoning_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "e2e_latency",
+}  # what the contract server answers (0.5.17 profile)
 
 
 def check(name: str, fn: Callable[[], tuple[bool, str]]) -> None:
@@ -73,33 +84,60 @@ def generation_checks(url: str) -> None:
         info = client.get("/server_info", timeout_s=10).body
         old = client.get("/get_server_info", timeout_s=10).status
         begin, _ = status_of(client, "/begin_weight_update", {})
-        return (info["version"].startswith("0.5.17") and old == 200 and begin == 404,
-                f"version {info['version']}, /get_server_info {old}, /begin_weight_update {begin}")
+        return (
+            info["version"].startswith("0.5.17") and old == 200 and begin == 404,
+            f"version {info['version']}, /get_server_info {old}, /begin_weight_update {begin}",
+        )
 
     def meta() -> tuple[bool, str]:
-        items = client.post("/generate", {"input_ids": [[5, 6, 7]], "sampling_params": {
-            "max_new_tokens": 4, "ignore_eos": True}, "return_logprob": True}, timeout_s=60).body
+        items = client.post(
+            "/generate",
+            {
+                "input_ids": [[5, 6, 7]],
+                "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+                "return_logprob": True,
+            },
+            timeout_s=60,
+        ).body
         keys = set(items[0]["meta_info"])
-        stop = client.post("/generate", {"input_ids": [[5, 6]], "sampling_params": {
-            "max_new_tokens": 4, "stop_token_ids": list(range(22))}, "return_logprob": True}, timeout_s=60).body
+        stop = client.post(
+            "/generate",
+            {
+                "input_ids": [[5, 6]],
+                "sampling_params": {"max_new_tokens": 4, "stop_token_ids": list(range(22))},
+                "return_logprob": True,
+            },
+            timeout_s=60,
+        ).body
         length, stopped = items[0]["meta_info"]["finish_reason"], stop[0]["meta_info"]["finish_reason"]
         entry = items[0]["meta_info"]["output_token_logprobs"][0]
-        ok = (keys >= META_FIELDS and length == {"type": "length", "length": 4} and stopped["type"] == "stop"
-              and isinstance(stopped["matched"], int) and len(entry) == 3 and entry[2] is None
-              and items[0]["meta_info"]["input_token_logprobs"] == [])
-        return ok, (f"missing {sorted(META_FIELDS - keys)}, extra {sorted(keys - META_FIELDS)}, finish {length} / "
-                    f"{stopped}, entry {entry}")
+        ok = (
+            keys >= META_FIELDS
+            and length == {"type": "length", "length": 4}
+            and stopped["type"] == "stop"
+            and isinstance(stopped["matched"], int)
+            and len(entry) == 3
+            and entry[2] is None
+            and items[0]["meta_info"]["input_token_logprobs"] == []
+        )
+        return ok, (
+            f"missing {sorted(META_FIELDS - keys)}, extra {sorted(keys - META_FIELDS)}, finish {length} / "
+            f"{stopped}, entry {entry}"
+        )
 
     def context() -> tuple[bool, str]:
         limit = SGLangEngine([url]).max_context_length
-        status, reason = status_of(client, "/generate", {"input_ids": [[5] * (limit - 8)], "sampling_params": {
-            "max_new_tokens": 9}})
+        status, reason = status_of(
+            client, "/generate", {"input_ids": [[5] * (limit - 8)], "sampling_params": {"max_new_tokens": 9}}
+        )
         engine = SGLangEngine([url])
         out = engine.generate([[5] * (limit - 8)], SamplingSpec(max_new_tokens=9, ignore_eos=True))
         engine.close()
         # the adapter asks for the 8 the context leaves; SGLang's scheduler clamps to context - 1 - prompt - 1
-        return (status == 400 and "Requested token count exceeds" in reason and len(out[0].token_ids) == 6,
-                f"context {limit}: raw {status} {reason[:90]!r}; adapter made {len(out[0].token_ids)} tokens")
+        return (
+            status == 400 and "Requested token count exceeds" in reason and len(out[0].token_ids) == 6,
+            f"context {limit}: raw {status} {reason[:90]!r}; adapter made {len(out[0].token_ids)} tokens",
+        )
 
     def unknown_key() -> tuple[bool, str]:
         status, reason = status_of(client, "/generate", {"input_ids": [[5]], "sampling_params": {"temprature": 1}})
@@ -108,8 +146,13 @@ def generation_checks(url: str) -> None:
     def aborted_wait() -> tuple[bool, str]:
         client.post("/pause_generation", {"mode": "retract"}, timeout_s=10)
         box: dict[str, Any] = {}
-        waiting = threading.Thread(target=lambda: box.update(r=status_of(client, "/generate", {
-            "input_ids": [[5]], "sampling_params": {"max_new_tokens": 2}}, timeout_s=60)))
+        waiting = threading.Thread(
+            target=lambda: box.update(
+                r=status_of(
+                    client, "/generate", {"input_ids": [[5]], "sampling_params": {"max_new_tokens": 2}}, timeout_s=60
+                )
+            )
+        )
         waiting.start()
         time.sleep(1.0)
         client.post("/pause_generation", {"mode": "abort"}, timeout_s=30)
@@ -120,9 +163,17 @@ def generation_checks(url: str) -> None:
 
     def busy_flush() -> tuple[bool, str]:
         box: dict[str, Any] = {}
-        long = SGLangEngine([url]).max_context_length - 8   # as long as the context allows
-        running = threading.Thread(target=lambda: box.update(r=status_of(client, "/generate", {
-            "input_ids": [[5]], "sampling_params": {"max_new_tokens": long, "ignore_eos": True}}, timeout_s=120)))
+        long = SGLangEngine([url]).max_context_length - 8  # as long as the context allows
+        running = threading.Thread(
+            target=lambda: box.update(
+                r=status_of(
+                    client,
+                    "/generate",
+                    {"input_ids": [[5]], "sampling_params": {"max_new_tokens": long, "ignore_eos": True}},
+                    timeout_s=120,
+                )
+            )
+        )
         running.start()
         time.sleep(1.0)
         status, reason = status_of(client, "/flush_cache", {})
@@ -132,9 +183,14 @@ def generation_checks(url: str) -> None:
         idle, _ = status_of(client, "/flush_cache", {})
         return status == 400 and idle == 200, f"busy {status} {reason.strip()!r}, idle {idle}"
 
-    for name, fn in (("version_and_routes", version), ("meta_info_and_finish_reasons", meta),
-                     ("context_limit_400_and_adapter_cut", context), ("unknown_sampling_key_500", unknown_key),
-                     ("aborted_wait_499", aborted_wait), ("flush_refused_while_busy", busy_flush)):
+    for name, fn in (
+        ("version_and_routes", version),
+        ("meta_info_and_finish_reasons", meta),
+        ("context_limit_400_and_adapter_cut", context),
+        ("unknown_sampling_key_500", unknown_key),
+        ("aborted_wait_499", aborted_wait),
+        ("flush_refused_while_busy", busy_flush),
+    ):
         check(name, fn)
 
 
@@ -157,8 +213,8 @@ def logprob_check(url: str, model: Path) -> None:
         with torch.inference_mode():
             for prompt, out in zip(prompts, outs, strict=True):
                 ids = torch.tensor([prompt + list(out.token_ids)], device="cuda")
-                logits = hf(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
-                target = ids[0, len(prompt):]
+                logits = hf(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+                target = ids[0, len(prompt) :]
                 reported = torch.tensor(out.log_probs, device="cuda")
                 t = torch.log_softmax(logits / 0.7, -1).gather(-1, target[:, None]).squeeze(-1)
                 s = sampling_log_probs(logits, spec).gather(-1, target[:, None]).squeeze(-1)
@@ -169,8 +225,10 @@ def logprob_check(url: str, model: Path) -> None:
         t_diff, s_diff = torch.cat(tempered).mean().item(), torch.cat(truncated).mean().item()
         # bf16 on both sides, SGLang's triton attention against HF's sdpa: a few 1e-3 (more at T < 1) is kernel noise;
         # the truncated distribution differs by -log(kept mass), ~0.05-0.1 at top-p 0.9
-        return (t_diff < 0.02 and s_diff > 3 * t_diff,
-                f"mean |reported - log_softmax(logits/T)| {t_diff:.4f}, |reported - truncated| {s_diff:.4f}")
+        return (
+            t_diff < 0.02 and s_diff > 3 * t_diff,
+            f"mean |reported - log_softmax(logits/T)| {t_diff:.4f}, |reported - truncated| {s_diff:.4f}",
+        )
 
     check("reported_logprobs_are_tempered_untruncated", run)
 
@@ -190,7 +248,7 @@ def tensor_update_checks(server: dict[str, Any]) -> None:
     def run() -> tuple[bool, str]:
         named = trainer_weights(Path(server["model"]))
         url = server["url"]
-        loaded = weight_fingerprint(url)   # the checkpoint the server started from: what every format must restore
+        loaded = weight_fingerprint(url)  # the checkpoint the server started from: what every format must restore
         details = []
         ok = True
         for load_format in ("tensor", "flattened_bucket"):
@@ -209,9 +267,11 @@ def tensor_update_checks(server: dict[str, Any]) -> None:
                 publisher.close()
                 engine.close()
             ok &= same <= FINGERPRINT_TOL and changed > FINGERPRINT_TOL and back <= FINGERPRINT_TOL
-            details.append(f"{load_format}: max |Δ log-prob| vs the checkpoint after the same weights {same:.4f}, "
-                           f"after a zeroed lm_head {changed:.4f}, after the originals {back:.4f}")
-        if not ok:   # leave the server as it started for the stages after this one
+            details.append(
+                f"{load_format}: max |Δ log-prob| vs the checkpoint after the same weights {same:.4f}, "
+                f"after a zeroed lm_head {changed:.4f}, after the originals {back:.4f}"
+            )
+        if not ok:  # leave the server as it started for the stages after this one
             restore = SGLangEngine([url])
             try:
                 sync_one(restore, named, transport="disk")
@@ -238,9 +298,11 @@ def memory_checks(server: dict[str, Any]) -> None:
         resume_s = time.perf_counter() - t
         diff = fingerprint_diff(weight_fingerprint(server["url"]), before)
         engine.close()
-        return (freed > 0.5 and diff <= FINGERPRINT_TOL,
-                f"freed {freed:.2f} GiB in {release_s:.2f} s; resume weights + tensor sync + caches {resume_s:.2f} s; "
-                f"max |Δ log-prob| after vs before {diff:.4f}")
+        return (
+            freed > 0.5 and diff <= FINGERPRINT_TOL,
+            f"freed {freed:.2f} GiB in {release_s:.2f} s; resume weights + tensor sync + caches {resume_s:.2f} s; "
+            f"max |Δ log-prob| after vs before {diff:.4f}",
+        )
 
     check(f"release_resume_memory_{server['name']}", run)
 

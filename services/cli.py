@@ -35,8 +35,14 @@ class Command:
 
 def _config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML run configuration")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set trainer.lr=3e-4 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set trainer.lr=3e-4 (repeatable)",
+    )
     p.add_argument("--run-dir", type=Path, default=None, help="run directory (default runs/<run_name>)")
 
 
@@ -54,9 +60,12 @@ def _check_trackers(config: TandemConfig) -> None:
 def _run_arguments(p: argparse.ArgumentParser) -> None:
     _config_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
-    p.add_argument("--init-model", action="store_true",
-                   help="when model.path holds no model, build a random-init one there (preset model.init_preset, "
-                        "default tiny); without this flag a missing model is an error")
+    p.add_argument(
+        "--init-model",
+        action="store_true",
+        help="when model.path holds no model, build a random-init one there (preset model.init_preset, "
+        "default tiny); without this flag a missing model is an error",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -74,15 +83,19 @@ def _run(args: argparse.Namespace) -> int:
         print(f"tandem: warning: {warning}", file=sys.stderr)
     from services.launcher.supervisor import run_local
 
-    return run_local(config, run_dir=run_dir, config_path=Path(args.config), overrides=args.overrides,
-                     progress=not args.no_progress)
+    return run_local(
+        config, run_dir=run_dir, config_path=Path(args.config), overrides=args.overrides, progress=not args.no_progress
+    )
 
 
 def _coordinator_arguments(p: argparse.ArgumentParser) -> None:
     _config_arguments(p)
-    p.add_argument("--start-gate", action="store_true",
-                   help="after loading its code, wait for a line 'go' on stdin before starting (`tandem run` starts "
-                        "the coordinator beside the other services this way and lets it go once they are healthy)")
+    p.add_argument(
+        "--start-gate",
+        action="store_true",
+        help="after loading its code, wait for a line 'go' on stdin before starting (`tandem run` starts "
+        "the coordinator beside the other services this way and lets it go once they are healthy)",
+    )
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -92,7 +105,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     config, run_dir = _config_and_run_dir(args)
     _check_trackers(config)
     if args.start_gate and sys.stdin.readline().strip() != "go":
-        return ExitCode.INTERRUPTED   # the supervisor gave up on this start (it stops this process too)
+        return ExitCode.INTERRUPTED  # the supervisor gave up on this start (it stops this process too)
     return coordinator_main(config, run_dir=run_dir)
 
 
@@ -127,16 +140,22 @@ def _ctl_arguments(p: argparse.ArgumentParser) -> None:
     from services.coordinator.ctl import ACTIONS, DEFAULT_ADDR
 
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.description = ("Control a running coordinator. Which one: --addr; else --run-dir (its config.yaml names it); "
-                     f"else the `tandem run` running under ./runs/; else {DEFAULT_ADDR}.")
+    p.description = (
+        "Control a running coordinator. Which one: --addr; else --run-dir (its config.yaml names it); "
+        f"else the `tandem run` running under ./runs/; else {DEFAULT_ADDR}."
+    )
     p.epilog = "actions:\n" + "\n".join(f"  {name:<8} {text}" for name, text in ACTIONS.items())
     p.add_argument("--addr", default=None, help="coordinator HOST:PORT")
     p.add_argument("--run-dir", type=Path, default=None, help="a run directory of `tandem run` (RUN_DIR/config.yaml)")
     p.add_argument("--token", default=None, help="bearer token (services.auth_token; default: from --run-dir)")
     p.add_argument("--tls-ca", default=None, help="CA certificate for TLS (default: from --run-dir)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds to wait for the reply (default: the run's services.timeouts.control_s, else "
-                        f"{TimeoutsConfig().control_s:g})")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the reply (default: the run's services.timeouts.control_s, else "
+        f"{TimeoutsConfig().control_s:g})",
+    )
     p.add_argument("action", choices=list(ACTIONS), metavar="ACTION", help=", ".join(ACTIONS))
 
 
@@ -149,18 +168,34 @@ def _ctl(args: argparse.Namespace) -> int:
 
 def _init_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", type=Path)
-    p.add_argument("--preset", choices=preset_names(), default="tiny",
-                   help="tiny, small, q05, q15: toy bodies over a 22-token vocabulary; qwen2.5-0.5b, qwen2.5-1.5b, "
-                        "qwen3-0.6b, llama3.2-1b: those models' exact shapes, vocabularies and special tokens, with a "
-                        "byte-level BPE tokenizer trained here")
-    p.add_argument("--arch", choices=list(ARCHS), default=None,
-                   help="toy presets: default the preset's (qwen2 for q05/q15, else llama)")
-    p.add_argument("--body", choices=list(BODIES), default=None,
-                   help="a real model's preset over a small body: its vocabulary, tokenizer, special ids, rope, tying "
-                        "and head size, with 2 layers of width 64 (CPU tests and demos)")
+    p.add_argument(
+        "--preset",
+        choices=preset_names(),
+        default="tiny",
+        help="tiny, small, q05, q15: toy bodies over a 22-token vocabulary; qwen2.5-0.5b, qwen2.5-1.5b, "
+        "qwen3-0.6b, llama3.2-1b: those models' exact shapes, vocabularies and special tokens, with a "
+        "byte-level BPE tokenizer trained here",
+    )
+    p.add_argument(
+        "--arch",
+        choices=list(ARCHS),
+        default=None,
+        help="toy presets: default the preset's (qwen2 for q05/q15, else llama)",
+    )
+    p.add_argument(
+        "--body",
+        choices=list(BODIES),
+        default=None,
+        help="a real model's preset over a small body: its vocabulary, tokenizer, special ids, rope, tying "
+        "and head size, with 2 layers of width 64 (CPU tests and demos)",
+    )
     p.add_argument("--layers", type=int, default=None, help="override the number of layers")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="weights as saved: default bfloat16 for a real model's full body, else float32")
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
+        help="weights as saved: default bfloat16 for a real model's full body, else float32",
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -168,11 +203,20 @@ def _init_model(args: argparse.Namespace) -> int:
     from services.rollout.model_init import check_init_args, init_model, parameter_count
 
     spec = check_init_args(preset=args.preset, arch=args.arch, body=args.body, layers=args.layers, dtype=args.dtype)
-    path = init_model(args.out_dir, preset=args.preset, arch=args.arch, seed=args.seed, body=args.body,
-                      layers=args.layers, dtype=args.dtype)
+    path = init_model(
+        args.out_dir,
+        preset=args.preset,
+        arch=args.arch,
+        seed=args.seed,
+        body=args.body,
+        layers=args.layers,
+        dtype=args.dtype,
+    )
     body = f" ({spec.body} body)" if spec.body else ""
-    print(f"wrote random-init {args.preset}{body} {spec.arch} model ({spec.dtype}) and tokenizer to {path} "
-          f"({parameter_count(path) / 1e9:.3f}B parameters)")
+    print(
+        f"wrote random-init {args.preset}{body} {spec.arch} model ({spec.dtype}) and tokenizer to {path} "
+        f"({parameter_count(path) / 1e9:.3f}B parameters)"
+    )
     return ExitCode.OK
 
 
@@ -186,7 +230,7 @@ def _plot(args: argparse.Namespace) -> int:
 
     try:
         paths = plot_run(args.run_dir, out=args.out)
-    except (FileNotFoundError, ValueError) as exc:   # not a run dir, or no step finished yet
+    except (FileNotFoundError, ValueError) as exc:  # not a run dir, or no step finished yet
         print(f"tandem plot: {exc}", file=sys.stderr)
         return ExitCode.FAILED
     for path in paths:
@@ -194,17 +238,30 @@ def _plot(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-COMMANDS: Mapping[str, Command] = MappingProxyType({c.name: c for c in (
-    Command("run", "run all services and an embedded redis-server locally", _run_arguments, _run),
-    Command("coordinator", "run the coordinator service alone", _coordinator_arguments, _coordinator),
-    Command("trainer", "run one trainer service (all ranks of it under torchrun/deepspeed)", _trainer_arguments,
-            _trainer),
-    Command("rollout", "run one rollout service replica", _rollout_arguments, _rollout),
-    Command("ctl", "control a running coordinator", _ctl_arguments, _ctl),
-    Command("init-model", "build a random-init HF model and tokenizer locally (no download)", _init_model_arguments,
-            _init_model),
-    Command("plot", "reward / throughput curves of a run as PNG", _plot_arguments, _plot),
-)})
+COMMANDS: Mapping[str, Command] = MappingProxyType(
+    {
+        c.name: c
+        for c in (
+            Command("run", "run all services and an embedded redis-server locally", _run_arguments, _run),
+            Command("coordinator", "run the coordinator service alone", _coordinator_arguments, _coordinator),
+            Command(
+                "trainer",
+                "run one trainer service (all ranks of it under torchrun/deepspeed)",
+                _trainer_arguments,
+                _trainer,
+            ),
+            Command("rollout", "run one rollout service replica", _rollout_arguments, _rollout),
+            Command("ctl", "control a running coordinator", _ctl_arguments, _ctl),
+            Command(
+                "init-model",
+                "build a random-init HF model and tokenizer locally (no download)",
+                _init_model_arguments,
+                _init_model,
+            ),
+            Command("plot", "reward / throughput curves of a run as PNG", _plot_arguments, _plot),
+        )
+    }
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    except PortInUse as exc:   # a service's fixed port (services.*.port) is taken
+    except PortInUse as exc:  # a service's fixed port (services.*.port) is taken
         print(f"tandem {args.command}: {exc}", file=sys.stderr, flush=True)
         return ExitCode.BAD_INPUT
     except KeyboardInterrupt:

@@ -33,16 +33,26 @@ from services.contracts.wire import RolloutBatchData, build_batch
 VOCAB = 32
 # CI runs on CPU; TANDEM_TEST_TRAINER_DEVICE=cuda runs the same tests on a GPU machine.
 DEVICE = os.environ.get("TANDEM_TEST_TRAINER_DEVICE", "cpu")
-DEFAULT_SAMPLING = SamplingSpec()   # temperature 1, no truncation
+DEFAULT_SAMPLING = SamplingSpec()  # temperature 1, no truncation
 
 
 def build_tiny_model(out_dir: Path, *, seed: int = 0, initializer_range: float = 0.02) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                      initializer_range=initializer_range)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=initializer_range,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(cfg)
@@ -60,16 +70,29 @@ def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("peaked_model") / "model", initializer_range=0.4)
 
 
-def trainer_config(*, model_dir: Path, run_dir: Path, redis_url: str | None, trainer: dict[str, Any] | None = None,
-                   algorithm: dict[str, Any] | None = None, run_name: str | None = None,
-                   loop: dict[str, Any] | None = None, rollout: dict[str, Any] | None = None) -> TandemConfig:
+def trainer_config(
+    *,
+    model_dir: Path,
+    run_dir: Path,
+    redis_url: str | None,
+    trainer: dict[str, Any] | None = None,
+    algorithm: dict[str, Any] | None = None,
+    run_name: str | None = None,
+    loop: dict[str, Any] | None = None,
+    rollout: dict[str, Any] | None = None,
+) -> TandemConfig:
     data = {
         "run_name": run_name or f"t{uuid.uuid4().hex[:8]}",
         "model": {"path": str(model_dir), "attn_implementation": "eager"},
         "data": {"train_path": str(run_dir / "unused.jsonl")},
-        "trainer": {"device": DEVICE, "lr": 1e-2, "micro_batch_tokens": 64, "scoring_chunk_tokens": 5,
-                    "export_hf_on_save": False,
-                    **(trainer or {})},
+        "trainer": {
+            "device": DEVICE,
+            "lr": 1e-2,
+            "micro_batch_tokens": 64,
+            "scoring_chunk_tokens": 5,
+            "export_hf_on_save": False,
+            **(trainer or {}),
+        },
         "algorithm": {"use_rollout_logprobs": True, **(algorithm or {})},
         "rollout": rollout or {},
         "loop": {"mode": "async", **(loop or {})},
@@ -96,39 +119,63 @@ def model_logits(model_dir: Path, prompts: list[list[int]], responses: list[list
     return out
 
 
-def model_log_probs(model_dir: Path, prompts: list[list[int]], responses: list[list[int]],
-                    sampling: SamplingSpec = DEFAULT_SAMPLING) -> list[list[float]]:
+def model_log_probs(
+    model_dir: Path, prompts: list[list[int]], responses: list[list[int]], sampling: SamplingSpec = DEFAULT_SAMPLING
+) -> list[list[float]]:
     """The log-prob of each response token under the tiny model's sampling distribution (reference formula)."""
     rows = model_logits(model_dir, prompts, responses)
     s = sampling
-    return [[rl_reference.sampling_log_probs(row, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)[t]
-             for row, t in zip(sample, r, strict=True)]
-            for sample, r in zip(rows, responses, strict=True)]
+    return [
+        [
+            rl_reference.sampling_log_probs(row, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)[t]
+            for row, t in zip(sample, r, strict=True)
+        ]
+        for sample, r in zip(rows, responses, strict=True)
+    ]
 
 
-def make_batch(*, rollout_id: int = 0, groups: int = 3, group_size: int = 4, seed: int = 0, version: int = 0,
-               model_dir: Path | None = None, sample_versions: list[int] | None = None,
-               sampling: SamplingSpec = DEFAULT_SAMPLING,
-               loss_masks: list[list[int]] | None = None) -> RolloutBatchData:
+def make_batch(
+    *,
+    rollout_id: int = 0,
+    groups: int = 3,
+    group_size: int = 4,
+    seed: int = 0,
+    version: int = 0,
+    model_dir: Path | None = None,
+    sample_versions: list[int] | None = None,
+    sampling: SamplingSpec = DEFAULT_SAMPLING,
+    loss_masks: list[list[int]] | None = None,
+) -> RolloutBatchData:
     rng = np.random.default_rng(seed)
     n = groups * group_size
-    prompts = [[1, *rng.integers(4, VOCAB, size=int(rng.integers(2, 5))).tolist()] for _ in range(groups)
-               for _ in range(group_size)]
+    prompts = [
+        [1, *rng.integers(4, VOCAB, size=int(rng.integers(2, 5))).tolist()]
+        for _ in range(groups)
+        for _ in range(group_size)
+    ]
     responses = [rng.integers(4, VOCAB, size=int(rng.integers(2, 7))).tolist() for _ in range(n)]
     rewards = rng.integers(0, 2, size=n).astype(float).tolist()
     if model_dir:
         responses = [_within_support(model_dir, p, r, sampling) for p, r in zip(prompts, responses, strict=True)]
-    log_probs = model_log_probs(model_dir, prompts, responses, sampling) if model_dir else \
-        [[-1.0] * len(r) for r in responses]
-    return build_batch(rollout_id=rollout_id, policy_version=version, prompts=prompts, responses=responses,
-                       log_probs=log_probs, rewards=rewards,
-                       group_ids=[rollout_id * 1000 + i // group_size for i in range(n)],
-                       finish_reasons=["stop"] * n, sampling=sampling, sample_versions=sample_versions,
-                       loss_masks=loss_masks)
+    log_probs = (
+        model_log_probs(model_dir, prompts, responses, sampling) if model_dir else [[-1.0] * len(r) for r in responses]
+    )
+    return build_batch(
+        rollout_id=rollout_id,
+        policy_version=version,
+        prompts=prompts,
+        responses=responses,
+        log_probs=log_probs,
+        rewards=rewards,
+        group_ids=[rollout_id * 1000 + i // group_size for i in range(n)],
+        finish_reasons=["stop"] * n,
+        sampling=sampling,
+        sample_versions=sample_versions,
+        loss_masks=loss_masks,
+    )
 
 
-def _within_support(model_dir: Path, prompt: list[int], response: list[int],
-                    sampling: SamplingSpec) -> list[int]:
+def _within_support(model_dir: Path, prompt: list[int], response: list[int], sampling: SamplingSpec) -> list[int]:
     """The response with every token the truncated distribution excludes replaced by its most likely token
     (a sampler can only have drawn tokens of its support)."""
     if sampling.top_p >= 1.0 and not 0 < sampling.top_k < VOCAB:
@@ -136,8 +183,9 @@ def _within_support(model_dir: Path, prompt: list[int], response: list[int],
     out: list[int] = []
     for token in response:
         row = model_logits(model_dir, [prompt], [[*out, token]])[0][-1]
-        lps = rl_reference.sampling_log_probs(row, temperature=sampling.temperature, top_p=sampling.top_p,
-                                              top_k=sampling.top_k)
+        lps = rl_reference.sampling_log_probs(
+            row, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k
+        )
         out.append(token if lps[token] != rl_reference.NEG_INF else max(range(VOCAB), key=lambda i: lps[i]))
     return out
 
@@ -147,9 +195,16 @@ def harness(tiny_model_dir, tmp_path, redis_server):
     made = []
 
     def make(*, role: str = "actor", run_dir=None, model_dir=None, **sections) -> TrainerHarness:
-        h = TrainerHarness(trainer_config(model_dir=model_dir or tiny_model_dir, run_dir=run_dir or tmp_path,
-                                          redis_url=redis_server.url, **sections),
-                           run_dir=run_dir or tmp_path, role=role)
+        h = TrainerHarness(
+            trainer_config(
+                model_dir=model_dir or tiny_model_dir,
+                run_dir=run_dir or tmp_path,
+                redis_url=redis_server.url,
+                **sections,
+            ),
+            run_dir=run_dir or tmp_path,
+            role=role,
+        )
         made.append(h)
         return h
 
@@ -167,7 +222,7 @@ class TrainerHarness:
         from services.trainer.service import TrainerService
 
         self.config = config
-        self.trainer = build_trainer(config, run_dir=run_dir, role=role)   # the concrete parts: the model, ...
+        self.trainer = build_trainer(config, run_dir=run_dir, role=role)  # the concrete parts: the model, ...
         self.service = TrainerService(self.trainer.parts())
         self.closed = False
         groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)

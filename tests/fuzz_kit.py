@@ -18,14 +18,28 @@ FD = descriptor.FieldDescriptor
 Field = Any
 # A proper answer to bad input; OK is fine too (the input happened to be valid). Never UNKNOWN or INTERNAL,
 # and never a dead server. UNAUTHENTICATED/PERMISSION_DENIED answer requests from a caller who is not allowed.
-ACCEPTABLE = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-              grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-              grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ALREADY_EXISTS,
-              grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED}
+ACCEPTABLE = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
+}
 
-_INTS = {FD.TYPE_INT32: (-1, -2**31, 2**31 - 1), FD.TYPE_SINT32: (-1, -2**31, 2**31 - 1),
-         FD.TYPE_INT64: (-1, -2**63, 2**63 - 1), FD.TYPE_SINT64: (-1, -2**63, 2**63 - 1),
-         FD.TYPE_UINT32: (2**32 - 1,), FD.TYPE_UINT64: (2**64 - 1,)}
+_INTS = {
+    FD.TYPE_INT32: (-1, -(2**31), 2**31 - 1),
+    FD.TYPE_SINT32: (-1, -(2**31), 2**31 - 1),
+    FD.TYPE_INT64: (-1, -(2**63), 2**63 - 1),
+    FD.TYPE_SINT64: (-1, -(2**63), 2**63 - 1),
+    FD.TYPE_UINT32: (2**32 - 1,),
+    FD.TYPE_UINT64: (2**64 - 1,),
+}
 _FLOATS = (-1.0, float("nan"), float("inf"), -1e308)
 _STRINGS = ("\x00", "../../../../../../etc/passwd", "x" * 100_000, "\u202e💥" * 500)
 
@@ -137,8 +151,9 @@ def random_inputs(base: message.Message, *, seed: int, count: int = 24) -> Itera
         yield f"truncated@{cut}", valid[:cut]
 
 
-def all_inputs(method: descriptor.MethodDescriptor, base: message.Message | None,
-               seed: int) -> Iterator[tuple[str, bytes]]:
+def all_inputs(
+    method: descriptor.MethodDescriptor, base: message.Message | None, seed: int
+) -> Iterator[tuple[str, bytes]]:
     cls = message_factory.GetMessageClass(method.input_type)
     base = base if base is not None else cls()
     yield "valid-base", base.SerializeToString()
@@ -157,14 +172,16 @@ def decodes(method: descriptor.MethodDescriptor, data: bytes) -> bool:
         return False
 
 
-def call_raw(channel: grpc.Channel, method: descriptor.MethodDescriptor, data: bytes, *,
-             timeout_s: float) -> tuple[grpc.StatusCode, str]:
+def call_raw(
+    channel: grpc.Channel, method: descriptor.MethodDescriptor, data: bytes, *, timeout_s: float
+) -> tuple[grpc.StatusCode, str]:
     """Sends raw request bytes; returns (status, details). A server stream is read to its end (or deadline)."""
     path = f"/{method.containing_service.full_name}/{method.name}"
     try:
-        if method.server_streaming:   # a few messages show it serves; a live stream never ends by itself
+        if method.server_streaming:  # a few messages show it serves; a live stream never ends by itself
             stream = channel.unary_stream(path, request_serializer=None, response_deserializer=None)(
-                data, timeout=timeout_s)
+                data, timeout=timeout_s
+            )
             for i, _ in enumerate(stream):
                 if i == 2:
                     stream.cancel()

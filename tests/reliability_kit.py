@@ -24,7 +24,7 @@ from services.coordinator.pool import RolloutPool
 from services.launcher.redis_server import EmbeddedRedis
 from services.launcher.supervisor import resolve_for_local_run
 
-BATCH_SAMPLES = 32 * 8   # rollout_batch_size × n_samples_per_prompt of examples/digit_max.yaml
+BATCH_SAMPLES = 32 * 8  # rollout_batch_size × n_samples_per_prompt of examples/digit_max.yaml
 
 
 def resolved_config(run_dir: Path) -> dict:
@@ -56,8 +56,11 @@ def redis_pid(supervisor_pid: int) -> int:
 
 
 def rollout_pid(supervisor_pid: int, replica: int) -> int:
-    found = [pid for pid in children_of(supervisor_pid)
-             if _argv(pid)[3:4] == [b"rollout"] and _argv(pid)[-1:] == [str(replica).encode()]]
+    found = [
+        pid
+        for pid in children_of(supervisor_pid)
+        if _argv(pid)[3:4] == [b"rollout"] and _argv(pid)[-1:] == [str(replica).encode()]
+    ]
     assert len(found) == 1, found
     return found[0]
 
@@ -92,8 +95,8 @@ def freeze_mid_train(trainer_pid: int, cfg: dict, *, timeout_s: float = 120.0) -
                 os.kill(trainer_pid, signal.SIGSTOP)
                 rows = client.xpending_range(stream, "actor", min="-", max="+", count=100)
                 if rows:
-                    return [cast(bytes, r["message_id"]).decode() for r in rows]   # a binary client's
-                os.kill(trainer_pid, signal.SIGCONT)   # the step finished in between: catch the next one
+                    return [cast(bytes, r["message_id"]).decode() for r in rows]  # a binary client's
+                os.kill(trainer_pid, signal.SIGCONT)  # the step finished in between: catch the next one
             time.sleep(0.005)
     finally:
         client.close()
@@ -106,8 +109,11 @@ def wait_running(run_dir: Path, *, rollout_id: int, timeout_s: float = 180.0):
     cfg = resolved_config_when_written(run_dir, timeout_s)
     s = cfg["services"]
     target = f"{s['coordinator']['host']}:{s['coordinator']['port']}"
-    options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-               ("grpc.max_reconnect_backoff_ms", 200)]
+    options = [
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 200),
+    ]
     with grpc.insecure_channel(target, options=options) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
 
@@ -123,8 +129,11 @@ def wait_running(run_dir: Path, *, rollout_id: int, timeout_s: float = 180.0):
 
 def resolved_config_when_written(run_dir: Path, timeout_s: float = 120.0) -> dict:
     path = run_dir / "config.yaml"
-    wait_for(lambda: path.exists() and resolved_config(run_dir)["services"]["coordinator"]["port"],
-             what=f"{path}", timeout_s=timeout_s)
+    wait_for(
+        lambda: path.exists() and resolved_config(run_dir)["services"]["coordinator"]["port"],
+        what=f"{path}",
+        timeout_s=timeout_s,
+    )
     return resolved_config(run_dir)
 
 
@@ -138,8 +147,12 @@ def buffer_leftovers(run_dir: Path) -> tuple[int, int]:
     """(entries in the stream, entries pending in the actor group) in the run's Redis data, read back by a
     fresh redis-server from the run's AOF after the run ended."""
     cfg = resolved_config(run_dir)
-    return aof_leftovers(run_dir / "redis", stream=stream_key(cfg["redis"]["stream_prefix"], cfg["run_name"]),
-                         password=cfg["redis"]["password"], log_path=run_dir / "redis-inspect.log")
+    return aof_leftovers(
+        run_dir / "redis",
+        stream=stream_key(cfg["redis"]["stream_prefix"], cfg["run_name"]),
+        password=cfg["redis"]["password"],
+        log_path=run_dir / "redis-inspect.log",
+    )
 
 
 def aof_leftovers(data_dir: Path, *, stream: str, password: str | None, log_path: Path) -> tuple[int, int]:
@@ -161,8 +174,9 @@ def assert_every_sample_trained_once(run_dir: Path, num_rollout: int) -> dict:
     return state
 
 
-def assert_books_balance(trainer: dict, state: dict, *, num_rollout: int, leftovers: tuple[int, int],
-                         batch_samples: int = BATCH_SAMPLES) -> None:
+def assert_books_balance(
+    trainer: dict, state: dict, *, num_rollout: int, leftovers: tuple[int, int], batch_samples: int = BATCH_SAMPLES
+) -> None:
     """Every rollout id was trained by exactly one optimizer step of the surviving lineage, trained +
     dropped-as-stale = generated, the trainer's own counter agrees, nothing is left in the buffer. `trainer`
     and `state`: the newest checkpoint's tandem_state.json and the coordinator RunState in it; `leftovers`:
@@ -170,7 +184,7 @@ def assert_books_balance(trainer: dict, state: dict, *, num_rollout: int, leftov
     assert state["next_rollout_id"] == num_rollout
     assert state["samples_generated"] == num_rollout * batch_samples
     assert state["samples_trained"] + state["samples_dropped_stale"] == state["samples_generated"]
-    assert trainer["step"] == num_rollout, trainer["step"]          # one optimizer step per rollout id
+    assert trainer["step"] == num_rollout, trainer["step"]  # one optimizer step per rollout id
     assert trainer["samples_trained"] == state["samples_trained"]
     assert sorted(set(r for _e, r in trainer["trained_entries"])) == list(range(num_rollout))
     assert leftovers == (0, 0), leftovers
@@ -183,7 +197,8 @@ class Services:
     def __init__(self, run_dir: Path, redis_url: str, overrides: list[str]):
         config = load_config(EXAMPLE, overrides)
         self.config = resolve_for_local_run(config, redis_url=redis_url).model_copy(
-            update={"run_name": f"sync-{run_dir.name}"})
+            update={"run_name": f"sync-{run_dir.name}"}
+        )
         self.run_dir = run_dir
         write_resolved_config(self.config, run_dir)
         self.procs = {"trainer": self._start("trainer", "--role", "actor"), "rollout": self._start("rollout")}
@@ -193,10 +208,22 @@ class Services:
         self.wait_healthy()
 
     def _start(self, service: str, *args: str) -> subprocess.Popen:
-        with open(self.run_dir / f"{service}.log", "ab") as log:   # the child keeps its own copy of the fd
-            return subprocess.Popen([sys.executable, "-m", "services.cli", service, str(self.run_dir / "config.yaml"),
-                                     "--run-dir", str(self.run_dir), *args], stdout=log, stderr=subprocess.STDOUT,
-                                    cwd=REPO)
+        with open(self.run_dir / f"{service}.log", "ab") as log:  # the child keeps its own copy of the fd
+            return subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "services.cli",
+                    service,
+                    str(self.run_dir / "config.yaml"),
+                    "--run-dir",
+                    str(self.run_dir),
+                    *args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+            )
 
     def wait_healthy(self) -> None:
         for client in (self.trainer, self.rollout):

@@ -47,7 +47,7 @@ def sampling_log_probs(logits: list[float], *, temperature: float, top_p: float,
                 break
             keep.add(i)
             mass += probs[i]
-        edge = min(x[i] for i in keep)   # ties with the last kept logit are kept too, as top-k keeps the k-th's
+        edge = min(x[i] for i in keep)  # ties with the last kept logit are kept too, as top-k keeps the k-th's
         x = [v if v >= edge else NEG_INF for v in x]
     return log_softmax(x)
 
@@ -61,12 +61,19 @@ def kl(log_prob: float, ref_log_prob: float, estimator: str) -> float:
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
-        return 0.5 * log_ratio ** 2
-    return math.exp(-log_ratio) - 1 + log_ratio   # k3: ref/pi - 1 - log(ref/pi)
+        return 0.5 * log_ratio**2
+    return math.exp(-log_ratio) - 1 + log_ratio  # k3: ref/pi - 1 - log(ref/pi)
 
 
-def ppo_loss(*, log_prob: float, old_log_prob: float, advantage: float, eps_low: float, eps_high: float,
-             dual_clip_c: float | None) -> tuple[float, float, float]:
+def ppo_loss(
+    *,
+    log_prob: float,
+    old_log_prob: float,
+    advantage: float,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None,
+) -> tuple[float, float, float]:
     """(loss, ratio, clipped 0/1) of one token, verl's compute_policy_loss."""
     ratio = math.exp(log_prob - old_log_prob)
     loss1 = -advantage * ratio
@@ -82,13 +89,28 @@ def tis_weight(*, old_log_prob: float, rollout_log_prob: float, clip: float) -> 
     return min(math.exp(old_log_prob - rollout_log_prob), clip)
 
 
-def decoupled_ppo_loss(*, log_prob: float, prox_log_prob: float, behav_log_prob: float, advantage: float,
-                       eps_low: float, eps_high: float, dual_clip_c: float | None, cap: float) -> float:
+def decoupled_ppo_loss(
+    *,
+    log_prob: float,
+    prox_log_prob: float,
+    behav_log_prob: float,
+    advantage: float,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None,
+    cap: float,
+) -> float:
     """AReaL's decoupled PPO (Fu et al. 2025, "AReaL", arXiv 2505.24298; areal's ppo_actor_loss_fn): the
     clipped surrogate against the proximal policy, times the behaviour weight exp(prox - behav), which is 0 where it
     exceeds the cap (the token is masked out)."""
-    loss, _, _ = ppo_loss(log_prob=log_prob, old_log_prob=prox_log_prob, advantage=advantage, eps_low=eps_low,
-                          eps_high=eps_high, dual_clip_c=dual_clip_c)
+    loss, _, _ = ppo_loss(
+        log_prob=log_prob,
+        old_log_prob=prox_log_prob,
+        advantage=advantage,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip_c=dual_clip_c,
+    )
     weight = math.exp(prox_log_prob - behav_log_prob)
     return loss * weight if weight <= cap else 0.0
 
@@ -106,8 +128,9 @@ def grpo_advantages(rewards: list[float], groups: list[int], *, normalize_std: b
     return out
 
 
-def gae_sequence(*, reward: float, values: list[float], mask: list[int], kl_penalty: list[float] | None,
-                 gamma: float, lambd: float) -> tuple[list[float], list[float]]:
+def gae_sequence(
+    *, reward: float, values: list[float], mask: list[int], kl_penalty: list[float] | None, gamma: float, lambd: float
+) -> tuple[list[float], list[float]]:
     """One sample: the reward on its last trainable token, -kl_penalty on trainable tokens; verl's loop where
     a masked token carries nextvalues / lastgaelam through unchanged. Returns (advantages (0 where masked),
     returns = advantages + values)."""
@@ -146,8 +169,9 @@ def rloo_advantages(rewards: list[float], groups: list[int], *, lone: str = "zer
     return out
 
 
-def reinforce_pp_returns(*, reward: float, mask: list[int], kl_penalty: list[float] | None, gamma: float,
-                         masked: str = "skip") -> list[float]:
+def reinforce_pp_returns(
+    *, reward: float, mask: list[int], kl_penalty: list[float] | None, gamma: float, masked: str = "skip"
+) -> list[float]:
     """One sample's REINFORCE++ returns G_t = r_t + gamma G_{t+1}; the reward on the last trainable token, minus
     kl_penalty on trainable tokens. How a masked (observation) token is treated:
     - "skip" (Tandem): it is no step: G passes through it undiscounted and its own entry is 0;
@@ -181,9 +205,17 @@ def whiten_biased(values: list[float], mask: list[int], eps: float = 1e-8) -> li
     return [(v - mean) / math.sqrt(max(var, eps)) if m else 0.0 for v, m in zip(values, mask, strict=True)]
 
 
-def gspo_sequence(*, log_probs: list[float], old_log_probs: list[float], advantage: float, mask: list[int],
-                  eps_low: float, eps_high: float, dual_clip_c: float | None,
-                  max_log_ratio: float = 20.0) -> tuple[float, float, float, list[float]]:
+def gspo_sequence(
+    *,
+    log_probs: list[float],
+    old_log_probs: list[float],
+    advantage: float,
+    mask: list[int],
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None,
+    max_log_ratio: float = 20.0,
+) -> tuple[float, float, float, list[float]]:
     """One sequence's GSPO objective L = max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high)) with
     s = exp(mean over trainable tokens of log pi - log pi_old) (log s capped at +-max_log_ratio, past which nothing
     moves it), bounded by -A c for A < 0 with dual clip (slime's compute_policy_loss applies it to GSPO too).
@@ -201,8 +233,9 @@ def gspo_sequence(*, log_probs: list[float], old_log_probs: list[float], advanta
     return loss, s, clipped, grads
 
 
-def tis_sequence_weight(*, old_log_probs: list[float], rollout_log_probs: list[float], mask: list[int],
-                        clip: float) -> float:
+def tis_sequence_weight(
+    *, old_log_probs: list[float], rollout_log_probs: list[float], mask: list[int], clip: float
+) -> float:
     """GSPO's TIS: the geometric mean of pi_old / pi_rollout over the sequence's trainable tokens, capped."""
     trainable = [t for t in range(len(mask)) if mask[t]]
     return min(math.exp(sum(old_log_probs[t] - rollout_log_probs[t] for t in trainable) / len(trainable)), clip)

@@ -58,8 +58,14 @@ def entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
     return -(safe.exp().masked_fill(~finite, 0.0) * safe).sum(dim=-1)
 
 
-def reference_scores(logits: torch.Tensor, targets: torch.Tensor, sampling: TokenSampling, *,
-                     tempered: bool = False, entropy_grad: bool = True) -> torch.Tensor:
+def reference_scores(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    sampling: TokenSampling,
+    *,
+    tempered: bool = False,
+    entropy_grad: bool = True,
+) -> torch.Tensor:
     """[N, V] logits -> [3, N] (behaviour, entropy, tempered), as the actor and the frozen passes scored them: the
     KL's reference pass (`tempered`) from logits / T alone; the actor's from the sampling table, and from logits / T
     again only where some distribution truncates (else the table is the tempered distribution); the entropy from
@@ -75,8 +81,15 @@ def reference_scores(logits: torch.Tensor, targets: torch.Tensor, sampling: Toke
     return torch.stack([behaviour, entropy_from_log_probs(table if entropy_grad else table.detach()), temp])
 
 
-def chunked_scores_of_logits(logits: torch.Tensor, targets: torch.Tensor, sampling: TokenSampling, *,
-                             chunk_tokens: int = 7, tempered: bool = False, entropy_grad: bool = True) -> torch.Tensor:
+def chunked_scores_of_logits(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    sampling: TokenSampling,
+    *,
+    chunk_tokens: int = 7,
+    tempered: bool = False,
+    entropy_grad: bool = True,
+) -> torch.Tensor:
     """The chunked head's [3, N] scores of given [N, V] logits: hidden = the logits, weight = the identity (so the
     head's logits are exactly these); differentiable in `logits`."""
     from services.trainer.batching import MicroBatch
@@ -85,9 +98,22 @@ def chunked_scores_of_logits(logits: torch.Tensor, targets: torch.Tensor, sampli
 
     n, vocab = logits.shape
     row = torch.zeros(1, n + 1, dtype=torch.long)
-    mb = MicroBatch(input_ids=row, attention_mask=torch.ones_like(row),
-                    rows=torch.zeros(n, dtype=torch.long), positions=torch.arange(n), targets=targets,
-                    token_index=torch.arange(n), num_tokens=n + 1)
-    request = score_request(mb, sampling, vocab=vocab, chunk_tokens=chunk_tokens, tempered=tempered,
-                            entropy=not tempered, entropy_grad=entropy_grad)
+    mb = MicroBatch(
+        input_ids=row,
+        attention_mask=torch.ones_like(row),
+        rows=torch.zeros(n, dtype=torch.long),
+        positions=torch.arange(n),
+        targets=targets,
+        token_index=torch.arange(n),
+        num_tokens=n + 1,
+    )
+    request = score_request(
+        mb,
+        sampling,
+        vocab=vocab,
+        chunk_tokens=chunk_tokens,
+        tempered=tempered,
+        entropy=not tempered,
+        entropy_grad=entropy_grad,
+    )
     return ChunkedScores.apply(logits, torch.eye(vocab, dtype=logits.dtype, device=logits.device), request)

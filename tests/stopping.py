@@ -50,6 +50,7 @@ def stop_under_load(proc: subprocess.Popen, *, budget_s: float) -> float:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            raise AssertionError(f"process {proc.pid} still ran {budget_s:g}s after its SIGTERM "
-                                 "(services.timeouts.shutdown_s)") from None
+            raise AssertionError(
+                f"process {proc.pid} still ran {budget_s:g}s after its SIGTERM (services.timeouts.shutdown_s)"
+            ) from None
         return time.monotonic() - start

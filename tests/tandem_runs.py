@@ -25,7 +25,7 @@ def start_run(run_dir: Path, *overrides: str, config: Path = EXAMPLE) -> subproc
     args = [sys.executable, "-m", "services.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"]
     for item in overrides:
         args += ["--set", item]
-    with open(run_dir.parent / f"{run_dir.name}-supervisor.log", "ab") as log:   # the child keeps its own fd
+    with open(run_dir.parent / f"{run_dir.name}-supervisor.log", "ab") as log:  # the child keeps its own fd
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
 
 
@@ -65,15 +65,20 @@ def wait_status(target: str, predicate, *, timeout_s: float = 120.0, what: str =
 
 
 def ctl(target: str, action: str, *, timeout_s: float = 60.0) -> dict:
-    out = subprocess.run([sys.executable, "-m", "services.cli", "ctl", "--addr", target, "--timeout", str(timeout_s),
-                          action], capture_output=True, text=True, cwd=REPO, timeout=timeout_s + 30)
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "ctl", "--addr", target, "--timeout", str(timeout_s), action],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout_s + 30,
+    )
     assert out.returncode == 0, f"tandem ctl {action} failed: {out.stderr}"
     return json.loads(out.stdout)
 
 
 def metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return read_json_rows(path) if path.exists() else []   # the run may be appending a row as we read
+    return read_json_rows(path) if path.exists() else []  # the run may be appending a row as we read
 
 
 def checkpoints(run_dir: Path, role: str = "actor") -> list[Path]:

@@ -51,8 +51,14 @@ def test_gae_matches_hand_computation():
     values = torch.tensor([0.5, 0.2, -0.1, 0.3])
     rewards = torch.tensor([0.0, 0.0, 1.0, 2.0])
     gamma, lambd = 0.9, 0.8
-    adv, ret = gae(rewards=rewards, values=values, response_lengths=torch.tensor([3, 1]), loss_mask=torch.ones(4),
-                   gamma=gamma, lambd=lambd)
+    adv, ret = gae(
+        rewards=rewards,
+        values=values,
+        response_lengths=torch.tensor([3, 1]),
+        loss_mask=torch.ones(4),
+        gamma=gamma,
+        lambd=lambd,
+    )
     d2 = 1.0 + 0.0 - (-0.1)
     d1 = 0.0 + gamma * (-0.1) - 0.2
     d0 = 0.0 + gamma * 0.2 - 0.5
@@ -66,8 +72,14 @@ def test_gae_matches_hand_computation():
 
 def test_gae_gamma_lambda_one_gives_reward_to_go_minus_value():
     values = torch.tensor([0.1, 0.2, 0.3])
-    adv, ret = gae(rewards=torch.tensor([0.0, 0.0, 1.0]), values=values, response_lengths=torch.tensor([3]),
-                   loss_mask=torch.ones(3), gamma=1.0, lambd=1.0)
+    adv, ret = gae(
+        rewards=torch.tensor([0.0, 0.0, 1.0]),
+        values=values,
+        response_lengths=torch.tensor([3]),
+        loss_mask=torch.ones(3),
+        gamma=1.0,
+        lambd=1.0,
+    )
     assert adv.tolist() == pytest.approx([0.9, 0.8, 0.7])
     assert ret.tolist() == pytest.approx([1.0, 1.0, 1.0])
 
@@ -76,8 +88,14 @@ def test_gae_masked_token_is_no_step():
     # tokens 0, 2 are actions, token 1 an observation: token 0 bootstraps from V_2 with one discount
     values = torch.tensor([0.5, 9.0, 0.2])
     gamma, lambd = 0.9, 0.8
-    adv, ret = gae(rewards=torch.tensor([0.0, 0.0, 1.0]), values=values, response_lengths=torch.tensor([3]),
-                   loss_mask=torch.tensor([1, 0, 1]), gamma=gamma, lambd=lambd)
+    adv, ret = gae(
+        rewards=torch.tensor([0.0, 0.0, 1.0]),
+        values=values,
+        response_lengths=torch.tensor([3]),
+        loss_mask=torch.tensor([1, 0, 1]),
+        gamma=gamma,
+        lambd=lambd,
+    )
     a2 = 1.0 - 0.2
     a0 = gamma * 0.2 - 0.5 + gamma * lambd * a2
     assert adv.tolist() == pytest.approx([a0, 0.0, a2], rel=1e-6)

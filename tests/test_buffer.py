@@ -18,21 +18,41 @@ from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData, build_batch, encode_batch, sampling_arrays
 from services.launcher.redis_server import EmbeddedRedis
 
-ARRAYS = ("tokens", "prompt_lengths", "response_lengths", "loss_mask", "rollout_log_probs", "rewards",
-          "group_ids", "sample_versions", "sampling_temperature", "sampling_top_p", "sampling_top_k")
+ARRAYS = (
+    "tokens",
+    "prompt_lengths",
+    "response_lengths",
+    "loss_mask",
+    "rollout_log_probs",
+    "rewards",
+    "group_ids",
+    "sample_versions",
+    "sampling_temperature",
+    "sampling_top_p",
+    "sampling_top_k",
+)
 
 
-def make_batch(rollout_id: int, *, n: int = 4, resp_len: int = 6, version: int = 0,
-               producer: str = "rollout-0") -> RolloutBatchData:
+def make_batch(
+    rollout_id: int, *, n: int = 4, resp_len: int = 6, version: int = 0, producer: str = "rollout-0"
+) -> RolloutBatchData:
     rng = np.random.default_rng(rollout_id)
     prompts = [rng.integers(0, 1000, size=3 + i % 3).tolist() for i in range(n)]
     responses = [rng.integers(0, 1000, size=resp_len).tolist() for _ in range(n)]
-    return build_batch(rollout_id=rollout_id, policy_version=version, prompts=prompts, responses=responses,
-                       log_probs=[(-rng.random(resp_len)).tolist() for _ in range(n)],
-                       rewards=rng.random(n).tolist(), group_ids=[rollout_id * 100 + i // 2 for i in range(n)],
-                       finish_reasons=["stop", "length"] * (n // 2) + ["stop"] * (n % 2),
-                       labels=[str(i) for i in range(n)], metadata={"k": "v"}, producer=producer,
-                       sampling=SamplingSpec(temperature=0.7, top_p=0.95))
+    return build_batch(
+        rollout_id=rollout_id,
+        policy_version=version,
+        prompts=prompts,
+        responses=responses,
+        log_probs=[(-rng.random(resp_len)).tolist() for _ in range(n)],
+        rewards=rng.random(n).tolist(),
+        group_ids=[rollout_id * 100 + i // 2 for i in range(n)],
+        finish_reasons=["stop", "length"] * (n // 2) + ["stop"] * (n % 2),
+        labels=[str(i) for i in range(n)],
+        metadata={"k": "v"},
+        producer=producer,
+        sampling=SamplingSpec(temperature=0.7, top_p=0.95),
+    )
 
 
 def assert_same_batch(a: RolloutBatchData, b: RolloutBatchData) -> None:
@@ -40,8 +60,14 @@ def assert_same_batch(a: RolloutBatchData, b: RolloutBatchData) -> None:
         x, y = getattr(a, name), getattr(b, name)
         assert x.shape == y.shape, name
         assert np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes(), name
-    assert (a.rollout_id, a.policy_version, a.finish_reasons, a.labels, a.metadata, a.producer) == \
-        (b.rollout_id, b.policy_version, b.finish_reasons, b.labels, b.metadata, b.producer)
+    assert (a.rollout_id, a.policy_version, a.finish_reasons, a.labels, a.metadata, a.producer) == (
+        b.rollout_id,
+        b.policy_version,
+        b.finish_reasons,
+        b.labels,
+        b.metadata,
+        b.producer,
+    )
 
 
 def buffer(client, stream, **kw) -> RolloutBuffer:
@@ -49,12 +75,29 @@ def buffer(client, stream, **kw) -> RolloutBuffer:
     return RolloutBuffer(client, stream, **kw)
 
 
-def start_consumer(url: str, stream: str, *, consumer: str, count: int, group: str = "actor",
-                   groups: str = "actor") -> tuple[subprocess.Popen, list[str]]:
+def start_consumer(
+    url: str, stream: str, *, consumer: str, count: int, group: str = "actor", groups: str = "actor"
+) -> tuple[subprocess.Popen, list[str]]:
     """A consumer process that gets `count` entries without acking; returns it (alive) and the ids it got."""
-    proc = subprocess.Popen([PYTHON, str(HELPERS_DIR / "buffer_consumer.py"), url, stream, "--group", group,
-                             "--groups", groups, "--consumer", consumer, "--count", str(count)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            PYTHON,
+            str(HELPERS_DIR / "buffer_consumer.py"),
+            url,
+            stream,
+            "--group",
+            group,
+            "--groups",
+            groups,
+            "--consumer",
+            consumer,
+            "--count",
+            str(count),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None and proc.stderr is not None
     line = proc.stdout.readline()
     if not line:
@@ -82,8 +125,10 @@ def wait_idle(client, stream: str, group: str, ids: list[str], idle_ms: int, tim
     """Waits (polling, no fixed sleep) until every id has been idle for at least idle_ms."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        idle = {r["message_id"].decode() for r in
-                client.xpending_range(stream, group, min="-", max="+", count=1000, idle=idle_ms)}
+        idle = {
+            r["message_id"].decode()
+            for r in client.xpending_range(stream, group, min="-", max="+", count=1000, idle=idle_ms)
+        }
         if set(ids) <= idle:
             return
         time.sleep(idle_ms / 4000)
@@ -105,14 +150,16 @@ def test_put_get_ack_in_order_without_redelivery(redis_client, stream):
     producer = buffer(redis_client, stream, max_buffered_batches=10)
     consumer = buffer(redis_client, stream, group="actor", consumer="actor-0")
     batches = [make_batch(i, version=i // 2) for i in range(5)]
-    ids = [producer.put(b, trace_context={"traceparent": f"00-{i + 1:032x}-{i + 1:016x}-01"}, timeout_s=5)
-           for i, b in enumerate(batches)]
+    ids = [
+        producer.put(b, trace_context={"traceparent": f"00-{i + 1:032x}-{i + 1:016x}-01"}, timeout_s=5)
+        for i, b in enumerate(batches)
+    ]
     assert ids == sorted(ids, key=lambda s: tuple(map(int, s.split("-"))))
     assert producer.backlog() == 5
 
     got = consumer.get(count=2, block_ms=0) + consumer.get(count=2, block_ms=0) + consumer.get(count=2, block_ms=0)
-    assert [e.entry_id for e in got] == ids          # in order, each once although none was acked
-    assert consumer.get(count=2, block_ms=0) == []   # unacked entries are not handed out again
+    assert [e.entry_id for e in got] == ids  # in order, each once although none was acked
+    assert consumer.get(count=2, block_ms=0) == []  # unacked entries are not handed out again
     for e, b in zip(got, batches, strict=True):
         assert_same_batch(e.batch, b)
         assert (e.rollout_id, e.policy_version, e.producer) == (b.rollout_id, b.policy_version, "rollout-0")
@@ -121,7 +168,7 @@ def test_put_get_ack_in_order_without_redelivery(redis_client, stream):
     assert consumer.pending() == 5
 
     assert consumer.ack(ids[:3]) == 3
-    assert consumer.ack(ids[:3]) == 0               # acking twice is harmless
+    assert consumer.ack(ids[:3]) == 0  # acking twice is harmless
     assert consumer.pending() == 2 and consumer.backlog() == 2
     assert consumer.ack(ids[3:]) == 2
     assert consumer.pending() == 0 and consumer.backlog() == 0
@@ -154,11 +201,11 @@ def test_put_times_out_while_buffer_is_full(redis_client, stream):
     consumer = buffer(redis_client, stream, group="actor", max_buffered_batches=2)
     producer.put(make_batch(0), timeout_s=5)
     producer.put(make_batch(1), timeout_s=5)
-    assert len(consumer.get(count=2, block_ms=0)) == 2     # delivered but not acked: still counts
+    assert len(consumer.get(count=2, block_ms=0)) == 2  # delivered but not acked: still counts
     with pytest.raises(BufferFullError, match=r"stayed full \(2 batches waiting, redis.max_buffered_batches\)") as err:
         producer.put(make_batch(2), timeout_s=0.2)
     assert isinstance(err.value, TimeoutError)
-    big = make_batch(3, n=64, resp_len=100)                 # chunked: its chunks must not be left behind
+    big = make_batch(3, n=64, resp_len=100)  # chunked: its chunks must not be left behind
     assert len(encode_batch(big)) > 4096
     with pytest.raises(BufferFullError):
         producer.put(big, timeout_s=0.2)
@@ -173,7 +220,7 @@ def test_put_unblocks_when_the_consumer_acks(redis_client, stream):
     result: dict[str, object] = {}
 
     def blocked_put() -> None:
-        try:   # its own handle: a handle is not thread-safe
+        try:  # its own handle: a handle is not thread-safe
             result["id"] = buffer(redis_client, stream, max_buffered_batches=2).put(make_batch(2), timeout_s=60)
         except Exception as exc:  # noqa: BLE001
             result["error"] = exc
@@ -183,7 +230,7 @@ def test_put_unblocks_when_the_consumer_acks(redis_client, stream):
     got = consumer.get(count=2, block_ms=0)
     assert [e.entry_id for e in got] == first
     thread.join(timeout=0.3)
-    assert thread.is_alive() and not result       # full: it cannot have finished, however slow the machine
+    assert thread.is_alive() and not result  # full: it cannot have finished, however slow the machine
     consumer.ack([first[0]])
     thread.join(timeout=30)
     assert not thread.is_alive()
@@ -207,7 +254,7 @@ def test_killed_consumer_entries_are_reclaimed_after_claim_idle_ms(redis_server,
     patient = buffer(redis_client, stream, group="actor", consumer="actor-patient", claim_idle_ms=3_600_000)
     assert [e.entry_id for e in patient.get(count=3, block_ms=0)] == [ids[2]]
     assert patient.stats.claimed == 0
-    assert patient.ack([ids[2]]) == 1     # (unacked, it too would be taken over once idle > claim_idle_ms)
+    assert patient.ack([ids[2]]) == 1  # (unacked, it too would be taken over once idle > claim_idle_ms)
 
     # With claim_idle_ms = 100 they are taken over once idle for that long (XAUTOCLAIM), in order.
     wait_idle(redis_client, stream, "actor", ids[:2], 100)
@@ -242,7 +289,7 @@ def test_pending_entries_survive_a_redis_kill9(fresh_redis: EmbeddedRedis, strea
     ids = [producer.put(make_batch(i), timeout_s=5) for i in range(2)]
     assert [e.entry_id for e in buffer(client, stream, group="actor", consumer="actor-0").get(block_ms=0)] == ids[:1]
     fresh_redis.kill()
-    fresh_redis.start()          # same port and data dir: the AOF is replayed
+    fresh_redis.start()  # same port and data dir: the AOF is replayed
     client = connect(fresh_redis.url)
     restarted = buffer(client, stream, group="actor", consumer="actor-0")
     assert [e.entry_id for e in restarted.get(count=2, block_ms=0)] == ids
@@ -262,7 +309,7 @@ def test_read_exact_ids_including_one_pending_at_a_dead_consumer(redis_server, r
 
     reader = buffer(redis_client, stream, group="actor", consumer="actor-0", claim_idle_ms=3_600_000)
     got = reader.read([ids[3], ids[0], ids[1]], timeout_s=10)
-    assert [e.entry_id for e in got] == [ids[3], ids[0], ids[1]]      # exactly these, in this order
+    assert [e.entry_id for e in got] == [ids[3], ids[0], ids[1]]  # exactly these, in this order
     assert [e.rollout_id for e in got] == [3, 0, 1]
     assert_same_batch(got[1].batch, make_batch(0))
     # ids[0] was taken over from the dead consumer at once (no claim_idle_ms wait).
@@ -292,14 +339,20 @@ def big_batch(target_bytes: int) -> RolloutBatchData:
     resp_len = (target_bytes // n - 4 * prompt_len) // 9
     total_resp = n * resp_len
     return RolloutBatchData(
-        rollout_id=42, policy_version=3,
+        rollout_id=42,
+        policy_version=3,
         tokens=rng.integers(0, 150_000, size=n * (prompt_len + resp_len), dtype=np.int32),
-        prompt_lengths=np.full(n, prompt_len, dtype=np.int32), response_lengths=np.full(n, resp_len, dtype=np.int32),
+        prompt_lengths=np.full(n, prompt_len, dtype=np.int32),
+        response_lengths=np.full(n, resp_len, dtype=np.int32),
         loss_mask=rng.integers(0, 2, size=total_resp, dtype=np.uint8),
         rollout_log_probs=-rng.random(total_resp, dtype=np.float32),
-        rewards=rng.random(n, dtype=np.float32), group_ids=np.arange(n, dtype=np.int64) // 8,
-        sample_versions=np.full(n, 3, dtype=np.int64), **sampling_arrays(n, SamplingSpec(temperature=0.7)),
-        finish_reasons=("length",) * n, producer="rollout-1")
+        rewards=rng.random(n, dtype=np.float32),
+        group_ids=np.arange(n, dtype=np.int64) // 8,
+        sample_versions=np.full(n, 3, dtype=np.int64),
+        **sampling_arrays(n, SamplingSpec(temperature=0.7)),
+        finish_reasons=("length",) * n,
+        producer="rollout-1",
+    )
 
 
 def test_100mb_batch_round_trips_bit_identical_through_chunks(redis_client, stream):
@@ -316,8 +369,8 @@ def test_100mb_batch_round_trips_bit_identical_through_chunks(redis_client, stre
     keys = chunk_keys(redis_client, stream)
     assert len(keys) == 3
     sizes = [redis_client.strlen(k) for k in keys]
-    assert sum(sizes) == payload_len and max(sizes) <= chunk < 512 << 20   # below proto-max-bulk-len
-    assert all(redis_client.ttl(k) == -1 for k in keys)                     # owned by the entry: no expiry
+    assert sum(sizes) == payload_len and max(sizes) <= chunk < 512 << 20  # below proto-max-bulk-len
+    assert all(redis_client.ttl(k) == -1 for k in keys)  # owned by the entry: no expiry
 
     [entry] = consumer.get(count=1, block_ms=0)
     assert entry.entry_id == entry_id and entry.nbytes == payload_len
@@ -333,7 +386,7 @@ def test_corrupted_entries_are_dead_lettered_and_the_consumer_carries_on(redis_c
     producer = buffer(redis_client, stream, max_buffered_batches=20, chunk_bytes=1024)
     consumer = buffer(redis_client, stream, group="actor", chunk_bytes=1024)
     good0 = producer.put(make_batch(0), timeout_s=5)
-    flipped = producer.put(make_batch(1, n=16, resp_len=20), timeout_s=5)   # > 1024 bytes: stored as chunks
+    flipped = producer.put(make_batch(1, n=16, resp_len=20), timeout_s=5)  # > 1024 bytes: stored as chunks
     good1 = producer.put(make_batch(2), timeout_s=5)
     garbage = producer.put_payload(b"\xff" * 64, rollout_id=3, policy_version=0, timeout_s=5)
     holed = producer.put(make_batch(4, n=16, resp_len=20), timeout_s=5)
@@ -342,12 +395,12 @@ def test_corrupted_entries_are_dead_lettered_and_the_consumer_carries_on(redis_c
     fields = dict(redis_client.xrange(stream, flipped, flipped))[flipped.encode()]
     key = fields[b"chunk_prefix"] + b":1"
     byte = redis_client.getrange(key, 10, 10)
-    redis_client.setrange(key, 10, bytes([byte[0] ^ 0x01]))   # one flipped bit
+    redis_client.setrange(key, 10, bytes([byte[0] ^ 0x01]))  # one flipped bit
     fields = dict(redis_client.xrange(stream, holed, holed))[holed.encode()]
     assert int(fields[b"chunks"]) >= 3
     redis_client.delete(fields[b"chunk_prefix"] + b":2")
 
-    got = consumer.get(count=3, block_ms=0)      # topped up past the bad ones
+    got = consumer.get(count=3, block_ms=0)  # topped up past the bad ones
     assert [e.entry_id for e in got] == [good0, good1, good2]
     assert [e.rollout_id for e in got] == [0, 2, 5]
 
@@ -357,10 +410,10 @@ def test_corrupted_entries_are_dead_lettered_and_the_consumer_carries_on(redis_c
     assert "not a valid protobuf message" in dead[garbage]
     assert "1 of" in dead[holed] and "chunks are missing" in dead[holed]
     assert {d.entry_id for d in consumer.stats.dead_lettered} == {flipped, garbage, holed}
-    assert consumer.backlog() == 3 and consumer.pending() == 3      # only the good ones are left, pending
+    assert consumer.backlog() == 3 and consumer.pending() == 3  # only the good ones are left, pending
     with pytest.raises(EntryNotFoundError, match="dead-lettered: checksum mismatch"):
         consumer.read([flipped])
-    other = buffer(redis_client, stream, group="actor", consumer="actor-1")   # learns the reason from Redis
+    other = buffer(redis_client, stream, group="actor", consumer="actor-1")  # learns the reason from Redis
     with pytest.raises(EntryNotFoundError, match=r"dead-lettered: .*chunks are missing"):
         other.read([holed])
     assert consumer.ack([good0, good1, good2]) == 3
@@ -374,7 +427,7 @@ def test_inline_entry_with_bad_checksum_is_dead_lettered(redis_client, stream):
     [(_, fields)] = redis_client.xrange(stream)
     payload = bytearray(fields[b"payload"])
     payload[-3] ^= 0x80
-    redis_client.xadd(stream, {**fields, b"payload": bytes(payload)})   # as a bit flip in transit would leave it
+    redis_client.xadd(stream, {**fields, b"payload": bytes(payload)})  # as a bit flip in transit would leave it
     good = producer.put(make_batch(1), timeout_s=5)
     got = consumer.get(count=5, block_ms=0)
     assert [e.entry_id for e in got] == [entry_id, good]
@@ -399,9 +452,9 @@ def test_two_groups_entry_deleted_only_after_both_ack(redis_client, stream):
     got = actor.get(count=2, block_ms=0)
     assert [e.entry_id for e in got] == [chunked, inline]
     assert actor.ack([chunked, inline]) == 2
-    assert actor.pending() == 0 and actor.backlog() == 2          # the critic has not seen them yet
+    assert actor.pending() == 0 and actor.backlog() == 2  # the critic has not seen them yet
     assert len(chunk_keys(redis_client, stream)) == n_chunks
-    with pytest.raises(BufferFullError):                          # still counts against the bound
+    with pytest.raises(BufferFullError):  # still counts against the bound
         producer.put(make_batch(2), timeout_s=0.2)
     with pytest.raises(EntryNotFoundError, match="already acknowledged by group actor"):
         actor.read([chunked])
@@ -410,17 +463,17 @@ def test_two_groups_entry_deleted_only_after_both_ack(redis_client, stream):
     assert [e.entry_id for e in got] == [chunked, inline]
     assert_same_batch(got[0].batch, make_batch(0, n=16, resp_len=20))
     assert critic.ack([chunked]) == 1
-    assert critic.backlog() == 1 and chunk_keys(redis_client, stream) == []   # deleted with its chunks
+    assert critic.backlog() == 1 and chunk_keys(redis_client, stream) == []  # deleted with its chunks
     assert critic.ack([inline]) == 1
     assert critic.backlog() == 0 and redis_client.exists(critic.acks_key) == 0
-    producer.put(make_batch(2), timeout_s=5)                       # room again
+    producer.put(make_batch(2), timeout_s=5)  # room again
 
 
 def test_trace_context_round_trips_as_w3c_carrier(redis_client, stream):
     from opentelemetry import propagate, trace
     from opentelemetry.sdk.trace import TracerProvider
 
-    tracer = TracerProvider().get_tracer("test")      # a local provider: the global one stays untouched
+    tracer = TracerProvider().get_tracer("test")  # a local provider: the global one stays untouched
     with tracer.start_as_current_span("rl.sample") as span:
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
@@ -428,7 +481,7 @@ def test_trace_context_round_trips_as_w3c_carrier(redis_client, stream):
     producer = buffer(redis_client, stream)
     consumer = buffer(redis_client, stream, group="actor")
     producer.put(make_batch(0), trace_context=carrier, timeout_s=5)
-    producer.put(make_batch(1), timeout_s=5)                      # no context: an empty carrier
+    producer.put(make_batch(1), timeout_s=5)  # no context: an empty carrier
     first, second = consumer.get(count=2, block_ms=0)
     assert first.trace_context == carrier and "traceparent" in carrier
     linked = trace.get_current_span(propagate.extract(first.trace_context)).get_span_context()
@@ -445,7 +498,7 @@ def test_discard_except_drops_other_entries_with_their_chunks(redis_client, stre
     producer = buffer(redis_client, stream, groups=groups, max_buffered_batches=10, chunk_bytes=1024)
     actor = buffer(redis_client, stream, groups=groups, group="actor")
     ids = [producer.put(make_batch(i, n=16, resp_len=20), timeout_s=5) for i in range(3)]
-    actor.get(count=3, block_ms=0)                                  # pending in one group
+    actor.get(count=3, block_ms=0)  # pending in one group
     assert producer.discard_except([ids[1]]) == 2
     assert [i.decode() for i, _ in redis_client.xrange(stream)] == [ids[1]]
     assert pending_by_consumer(redis_client, stream, "actor") == {"consumer-0": [ids[1]]}
@@ -460,5 +513,5 @@ def test_a_retried_xadd_does_not_add_the_batch_twice(redis_client, stream):
     keys = [stream, f"{stream}:put:retry-test"]
     args: list[int | str | bytes] = [1, "rollout_id", 0, "payload", b"x"]
     first = producer._producer._bounded_xadd(keys=keys, args=args)
-    assert producer._producer._bounded_xadd(keys=keys, args=args) == first      # also when the buffer is now full
+    assert producer._producer._bounded_xadd(keys=keys, args=args) == first  # also when the buffer is now full
     assert redis_client.xlen(stream) == 1

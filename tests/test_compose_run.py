@@ -46,7 +46,7 @@ IMAGE = "tandem-rl:cpu"
 NUM_ROLLOUT = 240
 SAVE_INTERVAL = 60
 CTL_ADDR = "127.0.0.1:50051"
-CONTAINER_UID = 1000          # the image's `tandem` user owns what the services write
+CONTAINER_UID = 1000  # the image's `tandem` user owns what the services write
 
 
 def _run(cmd: list[str], *, timeout: float = 600, check: bool = True, **kw) -> subprocess.CompletedProcess[str]:
@@ -82,13 +82,31 @@ class Stack:
             os.chown(root / name, CONTAINER_UID, CONTAINER_UID)
         (root / "run.yaml").write_text(yaml.safe_dump(config))
         self.run_dir = root / "runs" / "digit_max"
-        env = {"TANDEM_IMAGE": IMAGE, "TANDEM_CONFIG": root / "run.yaml", "TANDEM_MODELS": root / "models",
-               "TANDEM_CHECKPOINTS": root / "checkpoints", "TANDEM_RUNS": root / "runs", "TANDEM_RUN": "digit_max",
-               "COORDINATOR_PORT": CTL_ADDR.rsplit(":", 1)[1], "TANDEM_MEMLOCK": memlock_limit()}
+        env = {
+            "TANDEM_IMAGE": IMAGE,
+            "TANDEM_CONFIG": root / "run.yaml",
+            "TANDEM_MODELS": root / "models",
+            "TANDEM_CHECKPOINTS": root / "checkpoints",
+            "TANDEM_RUNS": root / "runs",
+            "TANDEM_RUN": "digit_max",
+            "COORDINATOR_PORT": CTL_ADDR.rsplit(":", 1)[1],
+            "TANDEM_MEMLOCK": memlock_limit(),
+        }
         (root / "test.env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
-        self.base = ["docker", "compose", "-p", PROJECT, "--project-directory", str(DEPLOY), "--env-file",
-                     str(root / "test.env"), "-f", str(DEPLOY / "docker-compose.yml"),
-                     "-f", str(DEPLOY / "docker-compose.local.yml")]
+        self.base = [
+            "docker",
+            "compose",
+            "-p",
+            PROJECT,
+            "--project-directory",
+            str(DEPLOY),
+            "--env-file",
+            str(root / "test.env"),
+            "-f",
+            str(DEPLOY / "docker-compose.yml"),
+            "-f",
+            str(DEPLOY / "docker-compose.local.yml"),
+        ]
 
     def __call__(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
         return _run([*self.base, *args], timeout=timeout, check=check)
@@ -110,8 +128,12 @@ class Stack:
         return [r["rollout_id"] for r in self.metrics() if "train/loss" in r]
 
     def wait_trained(self, count: int, timeout_s: float = 600) -> None:
-        wait_for(lambda: len(self.trained()) >= count, timeout_s=timeout_s, every_s=0.5,
-                 what=f"{count} trained steps\n{self.logs('coordinator')[-3000:]}")
+        wait_for(
+            lambda: len(self.trained()) >= count,
+            timeout_s=timeout_s,
+            every_s=0.5,
+            what=f"{count} trained steps\n{self.logs('coordinator')[-3000:]}",
+        )
 
     def checkpoints(self) -> list[Path]:
         root = self.root / "checkpoints" / "actor"
@@ -135,8 +157,9 @@ def memlock_limit() -> int:
 
 
 def ctl(action: str) -> subprocess.CompletedProcess[str]:
-    return _run([sys.executable, "-m", "services.cli", "ctl", "--addr", CTL_ADDR, "--timeout", "120", action],
-                timeout=180)
+    return _run(
+        [sys.executable, "-m", "services.cli", "ctl", "--addr", CTL_ADDR, "--timeout", "120", action], timeout=180
+    )
 
 
 def run_config() -> dict:
@@ -147,15 +170,17 @@ def run_config() -> dict:
 
 def test_compose_stack_learns_survives_a_trainer_kill_and_resumes_after_down_up(images):
     root = Path(tempfile.mkdtemp(prefix="tandem-compose-", dir="/var/tmp"))
-    root.chmod(0o755)                   # the containers' user reads the run config and writes the directories
+    root.chmod(0o755)  # the containers' user reads the run config and writes the directories
     stack = Stack(root, run_config())
     stack("down", "-v", "--remove-orphans", check=False)
     try:
         start = time.monotonic()
         stack("up", "-d", timeout=900)
         stack.wait_trained(1)
-        print(f"[compose-test] start-up to the first trained step: {time.monotonic() - start:.0f} s "
-              f"(`docker compose up -d` of redis, init, trainer, rollout, coordinator)")
+        print(
+            f"[compose-test] start-up to the first trained step: {time.monotonic() - start:.0f} s "
+            f"(`docker compose up -d` of redis, init, trainer, rollout, coordinator)"
+        )
 
         # The control API from the host, through the published 127.0.0.1 port. save_interval is far off: the
         # checkpoint that appears now is the one `ctl save` asked for.
@@ -172,25 +197,36 @@ def test_compose_stack_learns_survives_a_trainer_kill_and_resumes_after_down_up(
         stack.wait_trained(int(stack.checkpoints()[-1].name.removeprefix("rollout_")) + 4)
         killed_at = stack.trained()[-1]
         os.kill(int(stack.inspect("trainer", "{{.State.Pid}}")), signal.SIGKILL)
-        wait_for(lambda: int(stack.inspect("trainer", "{{.RestartCount}}")) >= 1, what="the trainer's restart",
-                 timeout_s=120, every_s=0.5)
-        wait_for(lambda: "resumed from" in stack.logs("coordinator"), what="the coordinator's resume",
-                 timeout_s=600, every_s=1)
+        wait_for(
+            lambda: int(stack.inspect("trainer", "{{.RestartCount}}")) >= 1,
+            what="the trainer's restart",
+            timeout_s=120,
+            every_s=0.5,
+        )
+        wait_for(
+            lambda: "resumed from" in stack.logs("coordinator"),
+            what="the coordinator's resume",
+            timeout_s=600,
+            every_s=1,
+        )
         assert int(stack.inspect("coordinator", "{{.RestartCount}}")) >= 1
         stack.wait_trained(len(stack.trained()) + 3)
-        print(f"[compose-test] trainer killed after step {killed_at}; resumed (coordinator restarts "
-              f"{stack.inspect('coordinator', '{{.RestartCount}}')})")
+        print(
+            f"[compose-test] trainer killed after step {killed_at}; resumed (coordinator restarts "
+            f"{stack.inspect('coordinator', '{{.RestartCount}}')})"
+        )
 
         # down (SIGTERM: the coordinator finishes its step and saves) then up: it resumes from the volumes.
         before_down = len(stack.trained())
         stack("down", timeout=300)
         assert stack.container("coordinator") == ""
         stack("up", "-d", timeout=900)
-        wait_for(lambda: "resumed from" in stack.logs("coordinator"), what="the resume after up", timeout_s=600,
-                 every_s=1)
+        wait_for(
+            lambda: "resumed from" in stack.logs("coordinator"), what="the resume after up", timeout_s=600, every_s=1
+        )
         assert len(stack.trained()) >= before_down
 
-        waited = stack("wait", "coordinator", timeout=1200).stdout.strip().splitlines()[-1]   # its exit code
+        waited = stack("wait", "coordinator", timeout=1200).stdout.strip().splitlines()[-1]  # its exit code
         assert waited.split()[-1] == "0", (waited, stack.logs("coordinator")[-3000:])
 
         trainer = json.loads((stack.checkpoints()[-1] / "tandem_state.json").read_text())
@@ -198,7 +234,7 @@ def test_compose_stack_learns_survives_a_trainer_kill_and_resumes_after_down_up(
         stream = stream_key(RedisConfig().stream_prefix, run_config()["run_name"])
         assert_books_balance(trainer, state, num_rollout=NUM_ROLLOUT, leftovers=stack.redis_leftovers(stream))
         evals = [r["eval/reward_mean"] for r in stack.metrics() if "eval/reward_mean" in r]
-        assert evals[-1] >= 0.8 and evals[-1] > evals[0] + 0.3, evals     # max(a, b) learned
+        assert evals[-1] >= 0.8 and evals[-1] > evals[0] + 0.3, evals  # max(a, b) learned
         print(f"[compose-test] eval reward {evals[0]:.2f} -> {evals[-1]:.2f}; books balance over {NUM_ROLLOUT} steps")
     finally:
         stack("down", "-v", "--remove-orphans", check=False)

@@ -53,15 +53,25 @@ class FakeClock:
 class FakeReplica:
     """Fake of one rollout service. `fail`: status codes its next Generate calls raise, in order."""
 
-    def __init__(self, name: str, log: CallLog, *, fail: list[grpc.StatusCode] | None = None, version: int = 0,
-                 reward: float = 0.0, ranks: int = 1, checksums: dict[str, str] | None = None,
-                 fail_prepare: bool = False, buckets: list[str] | None = None,
-                 fail_receive: list[grpc.StatusCode] | None = None):
+    def __init__(
+        self,
+        name: str,
+        log: CallLog,
+        *,
+        fail: list[grpc.StatusCode] | None = None,
+        version: int = 0,
+        reward: float = 0.0,
+        ranks: int = 1,
+        checksums: dict[str, str] | None = None,
+        fail_prepare: bool = False,
+        buckets: list[str] | None = None,
+        fail_receive: list[grpc.StatusCode] | None = None,
+    ):
         """`checksums`/`buckets`: what it answers a verified receive per tensor / per bucket; `fail_receive`:
         status codes its next receives raise (an engine that found a bucket different answers DATA_LOSS)."""
         self.name, self.log = name, log
         self.fail = list(fail or [])
-        self.version = version          # the weight version it generates with and reports
+        self.version = version  # the weight version it generates with and reports
         self.reward, self.ranks, self.checksums, self.fail_prepare = reward, ranks, checksums or {}, fail_prepare
         self.buckets, self.fail_receive = buckets or [], list(fail_receive or [])
 
@@ -72,8 +82,11 @@ class FakeReplica:
         self.log(f"{self.name}.generate", request.rollout_id)
         if self.fail:
             self._raise(f"Generate({request.rollout_id})", self.fail.pop(0))
-        return GenerateResult(entry_id=f"{self.name}-{request.rollout_id}", weight_version=self.version,
-                              num_samples=len(request.prompts) * request.n_samples_per_prompt)
+        return GenerateResult(
+            entry_id=f"{self.name}-{request.rollout_id}",
+            weight_version=self.version,
+            num_samples=len(request.prompts) * request.n_samples_per_prompt,
+        )
 
     def probe(self) -> RolloutStatus:
         self.log(f"{self.name}.probe")
@@ -94,9 +107,12 @@ class FakeReplica:
         if self.fail_receive:
             self._raise(f"ReceiveWeights(v{request.plan.version})", self.fail_receive.pop(0))
         by_bucket = request.plan.verify_by_bucket
-        return ReceiveResult(version=request.plan.version, checksum_s=0.5,
-                             checksums={} if by_bucket else self.checksums,
-                             bucket_checksums=tuple(self.buckets) if by_bucket else ())
+        return ReceiveResult(
+            version=request.plan.version,
+            checksum_s=0.5,
+            checksums={} if by_bucket else self.checksums,
+            bucket_checksums=tuple(self.buckets) if by_bucket else (),
+        )
 
     def resume(self) -> None:
         self.log(f"{self.name}.resume")
@@ -128,8 +144,13 @@ def _pool(log: CallLog, replicas: list[FakeReplica], *, max_retries: int = 2) ->
 
 def _generate(pool: RolloutPool, rollout_id: int) -> tuple[str, ...]:
     """One prompt: one share, so every call of a generation is made in order, on one thread."""
-    return pool.generate(rollout_id=rollout_id, prompts=[PromptInput(text="1 2 =", label="2")], n_samples=2,
-                         sampling=SamplingSpec(), trace_context={}).entry_ids
+    return pool.generate(
+        rollout_id=rollout_id,
+        prompts=[PromptInput(text="1 2 =", label="2")],
+        n_samples=2,
+        sampling=SamplingSpec(),
+        trace_context={},
+    ).entry_ids
 
 
 # ---- the pool: retries of a share ----------------------------------------------------------------------
@@ -152,8 +173,9 @@ def test_a_share_that_fails_invalid_argument_is_not_retried():
 
 def test_a_share_failing_on_every_attempt_names_each_failure():
     log = CallLog()
-    pool = _pool(log, [FakeReplica("r0", log, fail=[UNAVAILABLE]), FakeReplica("r1", log, fail=[UNAVAILABLE])],
-                 max_retries=1)
+    pool = _pool(
+        log, [FakeReplica("r0", log, fail=[UNAVAILABLE]), FakeReplica("r1", log, fail=[UNAVAILABLE])], max_retries=1
+    )
     with pytest.raises(ServiceCallError, match=r"r0 Generate\(0\) failed.*; r1 Generate\(0\) failed") as info:
         _generate(pool, 0)
     assert info.value.code == UNAVAILABLE and not info.value.permanent
@@ -166,12 +188,17 @@ def test_a_replica_that_failed_gets_no_share_until_it_holds_the_synced_weights()
     pool = _pool(log, [r0, r1])
     pool.weights_synced(3)
     assert [_generate(pool, 0), _generate(pool, 1)] == [("r1-0",), ("r1-1",)]
-    pool.weights_synced(4)   # the next sync reached every replica: no more suspicion
+    pool.weights_synced(4)  # the next sync reached every replica: no more suspicion
     r0.version = 4
     assert _generate(pool, 2) == ("r0-2",)
-    assert log == [("r0.generate", 0), ("sleep", 0.5), ("r1.generate", 0),
-                   ("r0.probe",), ("r1.generate", 1),   # r0 restarted with older weights: skipped
-                   ("r0.generate", 2)]
+    assert log == [
+        ("r0.generate", 0),
+        ("sleep", 0.5),
+        ("r1.generate", 0),
+        ("r0.probe",),
+        ("r1.generate", 1),  # r0 restarted with older weights: skipped
+        ("r0.generate", 2),
+    ]
 
 
 def test_a_reply_generated_with_weights_older_than_the_synced_ones_is_discarded_and_retried():
@@ -206,8 +233,9 @@ def test_retry_stops_after_its_attempts():
 
 
 def test_retry_stops_after_its_deadline():
-    assert not RetryPolicy(attempts=9, retryable=TRANSIENT_CODES, deadline_s=5).retries(UNAVAILABLE, failures=1,
-                                                                                        elapsed_s=5.0)
+    assert not RetryPolicy(attempts=9, retryable=TRANSIENT_CODES, deadline_s=5).retries(
+        UNAVAILABLE, failures=1, elapsed_s=5.0
+    )
 
 
 def test_retry_needs_an_attempt():
@@ -242,11 +270,18 @@ class FakeTrainer:
         self.log, self.name = log, "trainer"
 
     def prepare_weight_sync(self, request: WeightSyncRequest) -> WeightSyncPlan:
-        self.log("trainer.prepare", request.version, request.engine_world_size, request.verify,
-                 request.verify_by_bucket)
+        self.log(
+            "trainer.prepare", request.version, request.engine_world_size, request.verify, request.verify_by_bucket
+        )
         by_bucket = request.verify and request.verify_by_bucket
-        plan = WeightSyncPlan(version=request.version, transport="gloo", total_bytes=2000,
-                                         verify=request.verify, verify_by_bucket=by_bucket, checksum_s=0.25)
+        plan = WeightSyncPlan(
+            version=request.version,
+            transport="gloo",
+            total_bytes=2000,
+            verify=request.verify,
+            verify_by_bucket=by_bucket,
+            checksum_s=0.25,
+        )
         bucket = plan.buckets.add(checksum="b1" if by_bucket else "")
         bucket.tensors.add(name="w", checksum="" if by_bucket else "c1")
         return plan
@@ -257,8 +292,11 @@ class FakeTrainer:
 
 
 def _sync(log: CallLog, replicas: list[FakeReplica], *, verify: bool = True) -> WeightSync:
-    return WeightSync(trainer=FakeTrainer(log), pool=_pool(log, replicas),
-                      config=ProcessGroupWeights(check_weight_update_equal=verify))
+    return WeightSync(
+        trainer=FakeTrainer(log),
+        pool=_pool(log, replicas),
+        config=ProcessGroupWeights(check_weight_update_equal=verify),
+    )
 
 
 def test_a_sync_prepares_the_engines_then_the_trainer_transfers_verifies_and_resumes():
@@ -266,14 +304,22 @@ def test_a_sync_prepares_the_engines_then_the_trainer_transfers_verifies_and_res
     sync = _sync(log, [FakeReplica("r0", log, ranks=2, buckets=["b1"])])
     result = sync.run(version=4)
     assert (result.version, result.bytes, result.verified_tensors) == (4, 2000, 1)
-    assert log[:2] == [("r0.prepare", 4), ("trainer.prepare", 4, 2, True, True)]   # verified by bucket
-    assert sorted(log[2:4]) == [("r0.receive", 4, 1), ("trainer.publish", 4)]   # concurrent
+    assert log[:2] == [("r0.prepare", 4), ("trainer.prepare", 4, 2, True, True)]  # verified by bucket
+    assert sorted(log[2:4]) == [("r0.receive", 4, 1), ("trainer.publish", 4)]  # concurrent
     assert log[4:] == [("r0.resume",)]
     # every phase is timed; publish and receive are the services' own accounts, and so are the checksums
-    assert set(result.phase_seconds) == {"pause", "plan", "transfer", "publish", "receive", "verify", "resume",
-                                         "checksum"}
+    assert set(result.phase_seconds) == {
+        "pause",
+        "plan",
+        "transfer",
+        "publish",
+        "receive",
+        "verify",
+        "resume",
+        "checksum",
+    }
     assert result.phase_seconds["publish"] == 0.25
-    assert result.phase_seconds["checksum"] == 0.25 + 0.5   # the trainer's and the slowest engine's
+    assert result.phase_seconds["checksum"] == 0.25 + 0.5  # the trainer's and the slowest engine's
 
 
 def test_a_bucket_that_differs_is_sent_again_per_tensor_and_the_error_names_the_tensor_and_replica():
@@ -281,19 +327,24 @@ def test_a_bucket_that_differs_is_sent_again_per_tensor_and_the_error_names_the_
     sync = _sync(log, [FakeReplica("r0", log, buckets=["XX"], checksums={"w": "XX"})])
     with pytest.raises(WeightSyncFailed, match=r"check_weight_update_equal failed on r0: 1 tensors differ \(w\)"):
         sync.run(version=1)
-    assert [e for e in log if e[0] == "trainer.prepare"] == [("trainer.prepare", 1, 1, True, True),
-                                                               ("trainer.prepare", 1, 1, True, False)]
-    assert log.count(("r0.resume",)) == 2 and log[-1] == ("r0.resume",)   # resumed after each attempt
+    assert [e for e in log if e[0] == "trainer.prepare"] == [
+        ("trainer.prepare", 1, 1, True, True),
+        ("trainer.prepare", 1, 1, True, False),
+    ]
+    assert log.count(("r0.resume",)) == 2 and log[-1] == ("r0.resume",)  # resumed after each attempt
 
 
 def test_an_engine_that_answers_data_loss_is_rechecked_per_tensor_and_a_clean_resend_passes():
     log = CallLog()
-    sync = _sync(log, [FakeReplica("r0", log, buckets=["b1"], checksums={"w": "c1"},
-                                   fail_receive=[grpc.StatusCode.DATA_LOSS])])
-    result = sync.run(version=2)   # the mismatch did not repeat: the sync succeeded
+    sync = _sync(
+        log, [FakeReplica("r0", log, buckets=["b1"], checksums={"w": "c1"}, fail_receive=[grpc.StatusCode.DATA_LOSS])]
+    )
+    result = sync.run(version=2)  # the mismatch did not repeat: the sync succeeded
     assert result.verified_tensors == 1
-    assert [e for e in log if e[0] == "trainer.prepare"] == [("trainer.prepare", 2, 1, True, True),
-                                                               ("trainer.prepare", 2, 1, True, False)]
+    assert [e for e in log if e[0] == "trainer.prepare"] == [
+        ("trainer.prepare", 2, 1, True, True),
+        ("trainer.prepare", 2, 1, True, False),
+    ]
 
 
 def test_a_transfer_failing_otherwise_is_not_rechecked():
@@ -307,8 +358,9 @@ def test_a_transfer_failing_otherwise_is_not_rechecked():
 def test_a_sync_failing_in_prepare_says_so_and_resumes_the_engines():
     log = CallLog()
     sync = _sync(log, [FakeReplica("r0", log, fail_prepare=True)])
-    with pytest.raises(WeightSyncFailed,
-                       match="weight sync to version 1 failed in phase prepare: r0 PrepareWeightSync"):
+    with pytest.raises(
+        WeightSyncFailed, match="weight sync to version 1 failed in phase prepare: r0 PrepareWeightSync"
+    ):
         sync.run(version=1)
     assert log == [("r0.prepare", 1), ("r0.resume",)]
 

@@ -68,19 +68,34 @@ def test_load_prompts_reports_bad_lines(tmp_path):
 
 def test_a_streaming_group_is_found_again_by_its_place_in_the_data_order():
     source = DataSource(_records(12), batch_size=4, shuffle=True, seed=7, num_epochs=3)
-    batches = [source.next_batch() for _ in range(5)]   # the fourth and fifth are of epoch 1
+    batches = [source.next_batch() for _ in range(5)]  # the fourth and fifth are of epoch 1
     last = batches[-1]
     first = last.cursor_after.offset - len(last.prompts)
     assert [source.record_at(last.cursor_after.epoch, first + k) for k in range(4)] == list(last.prompts)
 
 
 def test_run_state_round_trips_through_json():
-    state = RunState(next_rollout_id=5, weight_version=4, cursor=DataCursor(epoch=1, offset=8, consumed=40),
-                     pending=(GeneratedBatch(rollout_id=5, entry_ids=("1-0", "2-0"), cursor_before=DataCursor(1, 8, 40),
-                                             cursor_after=DataCursor(1, 16, 48)),),
-                     samples_generated=320, samples_trained=300, samples_dropped_stale=20, history=("a", "b"),
-                     groups=(StreamGroup(group_id=40, epoch=1, offset=8, entry_id="3-0", weight_version=4),
-                             StreamGroup(group_id=41, epoch=1, offset=9)))
+    state = RunState(
+        next_rollout_id=5,
+        weight_version=4,
+        cursor=DataCursor(epoch=1, offset=8, consumed=40),
+        pending=(
+            GeneratedBatch(
+                rollout_id=5,
+                entry_ids=("1-0", "2-0"),
+                cursor_before=DataCursor(1, 8, 40),
+                cursor_after=DataCursor(1, 16, 48),
+            ),
+        ),
+        samples_generated=320,
+        samples_trained=300,
+        samples_dropped_stale=20,
+        history=("a", "b"),
+        groups=(
+            StreamGroup(group_id=40, epoch=1, offset=8, entry_id="3-0", weight_version=4),
+            StreamGroup(group_id=41, epoch=1, offset=9),
+        ),
+    )
     assert RunState.from_json(state.to_json()) == state
 
 
@@ -100,10 +115,12 @@ def test_metric_helpers():
 
 def test_run_state_of_a_checkpoint_written_before_samples_critic_only_still_loads():
     """Checkpoints of earlier runs carry the JSON as it was written then (no samples_critic_only, no weights_pushed)."""
-    text = ('{"next_rollout_id": 7, "weight_version": 6, "cursor": {"epoch": 1, "offset": 4, "consumed": 28}, '
-            '"pending": [{"rollout_id": 7, "entry_ids": ["1-0"], "cursor_before": {"epoch": 1, "offset": 4, '
-            '"consumed": 28}, "cursor_after": {"epoch": 1, "offset": 8, "consumed": 32}}], "samples_generated": 56, '
-            '"samples_trained": 50, "samples_dropped_stale": 6, "history": ["/c/rollout_00000006"]}')
+    text = (
+        '{"next_rollout_id": 7, "weight_version": 6, "cursor": {"epoch": 1, "offset": 4, "consumed": 28}, '
+        '"pending": [{"rollout_id": 7, "entry_ids": ["1-0"], "cursor_before": {"epoch": 1, "offset": 4, '
+        '"consumed": 28}, "cursor_after": {"epoch": 1, "offset": 8, "consumed": 32}}], "samples_generated": 56, '
+        '"samples_trained": 50, "samples_dropped_stale": 6, "history": ["/c/rollout_00000006"]}'
+    )
     state = RunState.from_json(text)
     assert (state.next_rollout_id, state.weight_version, state.samples_trained) == (7, 6, 50)
     assert state.samples_critic_only == 0 and state.weights_pushed

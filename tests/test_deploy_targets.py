@@ -20,7 +20,7 @@ from test_deploy import DEPLOY, argv, load_compose, wiring
 from services.launcher import slurm
 
 CHART = DEPLOY / "helm" / "tandem"
-KUBE_VERSION = "1.33.0"     # validated against this Kubernetes release's schemas (the chart needs >= 1.28)
+KUBE_VERSION = "1.33.0"  # validated against this Kubernetes release's schemas (the chart needs >= 1.28)
 RELEASE = "tandem"
 
 
@@ -28,12 +28,21 @@ def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """`helm template RELEASE CHART` with `values`: every rendered object."""
     helm = shutil.which("helm")
     if helm:
-        out = subprocess.run([helm, "template", RELEASE, str(CHART), "--values", "-"], input=json.dumps(values or {}),
-                             capture_output=True, text=True, timeout=60, check=True).stdout
+        out = subprocess.run(
+            [helm, "template", RELEASE, str(CHART), "--values", "-"],
+            input=json.dumps(values or {}),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         docs = list(yaml.safe_load_all(out))
     else:
-        helm_python = pytest.importorskip("helm_python", reason="no Helm: `pip install -e '.[dev]'` brings "
-                                          "helm-python-sdk (Linux x86-64), or put a helm binary on PATH")
+        helm_python = pytest.importorskip(
+            "helm_python",
+            reason="no Helm: `pip install -e '.[dev]'` brings "
+            "helm-python-sdk (Linux x86-64), or put a helm binary on PATH",
+        )
         rendered = helm_python.Chart.load(str(CHART)).render(values or {}, name=RELEASE, namespace="default")
         docs = [d for text in rendered.values() for d in yaml.safe_load_all(text)]
     return [d for d in docs if d]
@@ -50,29 +59,43 @@ def container(objects: list[dict[str, Any]], kind: str, component: str) -> dict[
 
 VALUE_SETS = {
     "defaults": {},
-    "multi-node": {"trainer": {"nodes": 4, "gpusPerNode": 8, "resources": {"requests": {"cpu": "32"}}},
-                   "rollout": {"replicas": 3}, "weights": {"transport": "nccl"}},
-    "external-redis-tls-cpu": {"redis": {"enabled": False, "externalUrl": "rediss://redis.example:6380/0"},
-                               "secrets": {"authToken": "t0k", "tls": {"cert": "C", "key": "K", "ca": "A"}},
-                               "trainer": {"gpusPerNode": 0}, "rollout": {"gpus": 0},
-                               "persistence": {"data": {"existingClaim": "my-data"}}},
+    "multi-node": {
+        "trainer": {"nodes": 4, "gpusPerNode": 8, "resources": {"requests": {"cpu": "32"}}},
+        "rollout": {"replicas": 3},
+        "weights": {"transport": "nccl"},
+    },
+    "external-redis-tls-cpu": {
+        "redis": {"enabled": False, "externalUrl": "rediss://redis.example:6380/0"},
+        "secrets": {"authToken": "t0k", "tls": {"cert": "C", "key": "K", "ca": "A"}},
+        "trainer": {"gpusPerNode": 0},
+        "rollout": {"gpus": 0},
+        "persistence": {"data": {"existingClaim": "my-data"}},
+    },
 }
 
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))
 def test_every_rendered_object_is_valid_kubernetes(name):
-    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="`pip install -e '.[dev]'` brings "
-                                              "kubernetes-validate")
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="`pip install -e '.[dev]'` brings kubernetes-validate"
+    )
     objects = render(VALUE_SETS[name])
     for obj in objects:
         try:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as exc:      # name the object, not just the schema path
+        except kubernetes_validate.ValidationError as exc:  # name the object, not just the schema path
             raise AssertionError(f"{obj['kind']}/{obj['metadata']['name']}: {exc}") from exc
     kinds = sorted({(o["kind"], o["metadata"]["name"]) for o in objects})
-    expected = {("Deployment", "tandem-coordinator"), ("StatefulSet", "tandem-trainer"),
-                ("StatefulSet", "tandem-rollout"), ("Service", "tandem-trainer"), ("ConfigMap", "tandem-config"),
-                ("Secret", "tandem-secrets"), ("PersistentVolumeClaim", "tandem-checkpoints"), ("Job", "tandem-init")}
+    expected = {
+        ("Deployment", "tandem-coordinator"),
+        ("StatefulSet", "tandem-trainer"),
+        ("StatefulSet", "tandem-rollout"),
+        ("Service", "tandem-trainer"),
+        ("ConfigMap", "tandem-config"),
+        ("Secret", "tandem-secrets"),
+        ("PersistentVolumeClaim", "tandem-checkpoints"),
+        ("Job", "tandem-init"),
+    }
     assert expected <= set(kinds), kinds
     assert (("StatefulSet", "tandem-redis") in kinds) == (name != "external-redis-tls-cpu")
 
@@ -82,17 +105,26 @@ def test_chart_layout_probes_gpus_secrets_and_exposure():
     kinds = by_kind(objects)
     trainer_set = kinds[("StatefulSet", "tandem-trainer")]["spec"]
     assert trainer_set["replicas"] == 4 and trainer_set["serviceName"] == "tandem-trainer"
-    assert kinds[("Service", "tandem-trainer")]["spec"]["clusterIP"] == "None"       # headless: rank DNS names
+    assert kinds[("Service", "tandem-trainer")]["spec"]["clusterIP"] == "None"  # headless: rank DNS names
     trainer = container(objects, "StatefulSet", "trainer")
-    assert trainer["command"][:8] == ["torchrun", "--nnodes", "4", "--node-rank", "$(POD_INDEX)", "--nproc-per-node",
-                                      "8", "--master-addr"]
+    assert trainer["command"][:8] == [
+        "torchrun",
+        "--nnodes",
+        "4",
+        "--node-rank",
+        "$(POD_INDEX)",
+        "--nproc-per-node",
+        "8",
+        "--master-addr",
+    ]
     assert trainer["resources"] == {"requests": {"cpu": "32"}, "limits": {"nvidia.com/gpu": 8}}
     assert trainer["startupProbe"]["failureThreshold"] * trainer["startupProbe"]["periodSeconds"] >= 45 * 60
     assert kinds[("StatefulSet", "tandem-rollout")]["spec"]["replicas"] == 3
-    rollout_hosts = yaml.safe_load(wiring({"command": container(objects, "StatefulSet", "rollout")["args"]})
-                                   ["services.rollout"])
+    rollout_hosts = yaml.safe_load(
+        wiring({"command": container(objects, "StatefulSet", "rollout")["args"]})["services.rollout"]
+    )
     assert rollout_hosts == [{"host": f"tandem-rollout-{i}.tandem-rollout", "port": 50061} for i in range(3)]
-    for obj in objects:                         # nothing leaves the cluster by default
+    for obj in objects:  # nothing leaves the cluster by default
         if obj["kind"] == "Service":
             assert obj["spec"].get("type", "ClusterIP") == "ClusterIP", obj["metadata"]["name"]
     redis = kinds[("StatefulSet", "tandem-redis")]["spec"]
@@ -106,15 +138,20 @@ def test_chart_layout_probes_gpus_secrets_and_exposure():
     assert secret == {"auth-token": "t0k", "tls.crt": "C", "tls.key": "K", "ca.crt": "A"}
     args = wiring({"command": container(tls, "Deployment", "coordinator")["args"]})
     assert args["services.tls_cert"] == "/tls/tls.crt" and args["redis.url"] == "rediss://redis.example:6380/0"
-    assert "resources" not in container(tls, "StatefulSet", "trainer") or \
-        "nvidia.com/gpu" not in container(tls, "StatefulSet", "trainer")["resources"].get("limits", {})
+    assert "resources" not in container(tls, "StatefulSet", "trainer") or "nvidia.com/gpu" not in container(
+        tls, "StatefulSet", "trainer"
+    )["resources"].get("limits", {})
 
 
 # ---- the same commands as compose ---------------------------------------------------------------------
 
 # Compose host names -> the chart's Service / pod DNS names (release "tandem", one trainer pod, one replica).
-CHART_HOSTS = {"coordinator": "tandem-coordinator", "trainer": "tandem-trainer-0.tandem-trainer",
-               "rollout": "tandem-rollout-0.tandem-rollout", "redis": "tandem-redis"}
+CHART_HOSTS = {
+    "coordinator": "tandem-coordinator",
+    "trainer": "tandem-trainer-0.tandem-trainer",
+    "rollout": "tandem-rollout-0.tandem-rollout",
+    "redis": "tandem-redis",
+}
 # The chart's per-pod and per-secret values, which compose spells as its own variables.
 CHART_ENV = {"TANDEM_AUTH_TOKEN": "$(TANDEM_AUTH_TOKEN)", "TANDEM_WEIGHTS": "nccl"}
 
@@ -136,11 +173,13 @@ def with_hosts(args: list[str], hosts: dict[str, str]) -> list[str]:
 def test_chart_runs_the_commands_compose_runs():
     objects = render()
     compose = load_compose(CHART_ENV)["services"]
-    chart = {"trainer": container(objects, "StatefulSet", "trainer"),
-             "rollout": container(objects, "StatefulSet", "rollout"),
-             "coordinator": container(objects, "Deployment", "coordinator")}
+    chart = {
+        "trainer": container(objects, "StatefulSet", "trainer"),
+        "rollout": container(objects, "StatefulSet", "rollout"),
+        "coordinator": container(objects, "Deployment", "coordinator"),
+    }
     for name, c in chart.items():
-        mine = [a.replace("$(POD_INDEX)", "0") for a in c["command"] + c["args"]]    # pod 0 = compose's replica 0
+        mine = [a.replace("$(POD_INDEX)", "0") for a in c["command"] + c["args"]]  # pod 0 = compose's replica 0
         assert mine == with_hosts(argv(compose[name]), CHART_HOSTS), name
         assert c["startupProbe"]["exec"]["command"] == compose[name]["healthcheck"]["test"][1:], name
         env = {e["name"]: e.get("value") for e in c["env"]}
@@ -154,8 +193,14 @@ def test_chart_runs_the_commands_compose_runs():
 
 
 def slurm_args(**kw: Any) -> argparse.Namespace:
-    return slurm.build_parser().parse_args([str(DEPLOY / "config" / "compose.yaml"), "--workdir", "/shared/w",
-                                            *[a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", str(v))]])
+    return slurm.build_parser().parse_args(
+        [
+            str(DEPLOY / "config" / "compose.yaml"),
+            "--workdir",
+            "/shared/w",
+            *[a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", str(v))],
+        ]
+    )
 
 
 def test_slurm_launcher_runs_the_commands_compose_runs():
@@ -163,27 +208,33 @@ def test_slurm_launcher_runs_the_commands_compose_runs():
     the job's shared directories for the volumes."""
     plan = slurm.plan(slurm_args(weights="gloo", tracing="none"), ["n0"], tandem="tandem", redis_server="redis-server")
     compose = load_compose()["services"]
-    paths = {"/config/run.yaml": str((DEPLOY / "config" / "compose.yaml").resolve()),
-             "/runs/digit_max": "/shared/w/runs/digit_max", "trainer.checkpoint_dir=/checkpoints":
-             "trainer.checkpoint_dir=/shared/w/checkpoints"}
+    paths = {
+        "/config/run.yaml": str((DEPLOY / "config" / "compose.yaml").resolve()),
+        "/runs/digit_max": "/shared/w/runs/digit_max",
+        "trainer.checkpoint_dir=/checkpoints": "trainer.checkpoint_dir=/shared/w/checkpoints",
+    }
     steps = {s.name: s for s in (*plan.services, plan.coordinator)}
     for name, step_name in (("trainer", "trainer"), ("rollout", "rollout-0"), ("coordinator", "coordinator")):
         expected = with_hosts(argv(compose[name]), dict.fromkeys(("coordinator", "trainer", "rollout", "redis"), "n0"))
         assert list(steps[step_name].argv) == [paths.get(a, a) for a in expected], name
         assert steps[step_name].nodes == ("n0",)
-    assert plan.redis.argv[1:1 + len(slurm.REDIS_ARGS)] == tuple(compose["redis"]["command"][1:])
+    assert plan.redis.argv[1 : 1 + len(slurm.REDIS_ARGS)] == tuple(compose["redis"]["command"][1:])
     ports = {k: int(v) for k, v in wiring(compose["coordinator"]).items() if k.endswith(".port")}
     assert ports == {"services.coordinator.port": slurm.COORDINATOR_PORT, "services.trainer.port": slurm.TRAINER_PORT}
 
 
 def test_slurm_layout_across_nodes():
     nodes = ["n0", "n1", "n2", "n3", "n4"]
-    plan = slurm.plan(slurm_args(trainer_nodes=2, rollout_nodes=3, gpus_per_node=8), nodes, tandem="tandem",
-                      redis_server="redis-server")
+    plan = slurm.plan(
+        slurm_args(trainer_nodes=2, rollout_nodes=3, gpus_per_node=8),
+        nodes,
+        tandem="tandem",
+        redis_server="redis-server",
+    )
     assert plan.redis.nodes == plan.coordinator.nodes == ("n0",)
     trainer = plan.services[0]
     assert trainer.nodes == ("n0", "n1") and "torch.distributed.run" in trainer.argv[2]
-    assert trainer.argv[4:8] == ("2", "8", "n0", str(slurm.RENDEZVOUS_PORT))        # nnodes, per node, master
+    assert trainer.argv[4:8] == ("2", "8", "n0", str(slurm.RENDEZVOUS_PORT))  # nnodes, per node, master
     assert [s.nodes for s in plan.services[1:]] == [("n2",), ("n3",), ("n4",)]
     set_ = wiring({"command": list(trainer.argv[8:])})
     assert set_["weights.master_addr"] == "n0" and set_["services.trainer.host"] == "n0"

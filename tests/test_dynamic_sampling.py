@@ -35,7 +35,7 @@ torch.set_num_threads(1)
 def reference_informative(rewards: list[float], group_ids: list[int], min_std: float) -> list[int]:
     groups: dict[int, list[float]] = {}
     for r, g in zip(rewards, group_ids, strict=True):
-        groups.setdefault(g, []).append(float(np.float32(r)))   # what the wire carries
+        groups.setdefault(g, []).append(float(np.float32(r)))  # what the wire carries
     return [g for g, rs in groups.items() if statistics.pstdev(rs) > min_std]
 
 
@@ -55,13 +55,14 @@ def test_informative_groups_match_the_reference_on_random_rewards():
         levels = rng.choice([0.0, 0.5, 0.7, 1.0], size=(n_groups, 1 + int(rng.integers(0, 2))))
         rewards = [float(rng.choice(levels[g])) for g in range(n_groups) for _ in range(size)]
         ids = [100 + g for g in range(n_groups) for _ in range(size)]
-        assert dapo.informative_groups(np.asarray(rewards, np.float32), np.asarray(ids), min_std=1e-6) == \
-            reference_informative(rewards, ids, 1e-6)
+        assert dapo.informative_groups(
+            np.asarray(rewards, np.float32), np.asarray(ids), min_std=1e-6
+        ) == reference_informative(rewards, ids, 1e-6)
 
 
 def test_float_noise_and_groups_of_one_are_uniform():
     sevens = np.full(7, 0.7, dtype=np.float32)
-    assert float(np.std(sevens)) > 0            # verl's `std > 0` on float32 scores keeps this group
+    assert float(np.std(sevens)) > 0  # verl's `std > 0` on float32 scores keeps this group
     assert dapo.informative_groups(sevens, np.zeros(7, np.int64), min_std=1e-6) == []
     assert dapo.informative_groups(np.asarray([1.0], np.float32), np.asarray([3]), min_std=1e-6) == []
 
@@ -87,24 +88,36 @@ def test_overlong_penalty_matches_the_paper():
 
 
 def config(**sections: dict[str, Any]) -> TandemConfig:
-    data: dict[str, dict[str, Any]] = {"model": {"path": "m"}, "data": {"train_path": "d.jsonl"},
-            "rollout": {"dynamic_sampling": {"enabled": True}}}
+    data: dict[str, dict[str, Any]] = {
+        "model": {"path": "m"},
+        "data": {"train_path": "d.jsonl"},
+        "rollout": {"dynamic_sampling": {"enabled": True}},
+    }
     for name, values in sections.items():
         data[name] = {**data.get(name, {}), **values}
     return config_from_dict(data)
 
 
-@pytest.mark.parametrize("sections, fragment", [
-    ({"loop": {"mode": "fully_async"}}, "needs loop.mode async or sync"),
-    ({"algorithm": {"advantage_estimator": "gae"}}, "the critic's values are the baseline"),
-    ({"algorithm": {"advantage_estimator": "reinforce_pp"}}, "reinforce_pp's baseline is the whole batch"),
-    ({"rollout": {"dynamic_sampling": {"enabled": True}, "n_samples_per_prompt": 1}}, "n_samples_per_prompt >= 2"),
-    ({"rollout": {"dynamic_sampling": {"enabled": True, "max_rounds": 3}},
-      "services": {"rollout": [{"port": 0}, {"port": 0}]}},
-     "3 x 2 rollout replica(s) = 6 buffer entries for one step, more than redis.max_buffered_batches (4)"),
-    ({"rollout": {"overlong_penalty": {"enabled": True, "buffer_tokens": 20}}},
-     "buffer_tokens (20) must not exceed rollout.sampling.max_new_tokens (16)"),
-])
+@pytest.mark.parametrize(
+    "sections, fragment",
+    [
+        ({"loop": {"mode": "fully_async"}}, "needs loop.mode async or sync"),
+        ({"algorithm": {"advantage_estimator": "gae"}}, "the critic's values are the baseline"),
+        ({"algorithm": {"advantage_estimator": "reinforce_pp"}}, "reinforce_pp's baseline is the whole batch"),
+        ({"rollout": {"dynamic_sampling": {"enabled": True}, "n_samples_per_prompt": 1}}, "n_samples_per_prompt >= 2"),
+        (
+            {
+                "rollout": {"dynamic_sampling": {"enabled": True, "max_rounds": 3}},
+                "services": {"rollout": [{"port": 0}, {"port": 0}]},
+            },
+            "3 x 2 rollout replica(s) = 6 buffer entries for one step, more than redis.max_buffered_batches (4)",
+        ),
+        (
+            {"rollout": {"overlong_penalty": {"enabled": True, "buffer_tokens": 20}}},
+            "buffer_tokens (20) must not exceed rollout.sampling.max_new_tokens (16)",
+        ),
+    ],
+)
 def test_config_refuses_what_dynamic_sampling_cannot_do(sections, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         config(**sections)
@@ -120,14 +133,24 @@ def test_dapo_options_are_off_by_default():
 
 
 def test_the_rollout_adds_the_overlong_penalty_before_writing_and_counts_informative_groups(
-        tmp_path, redis_server, stream):
+    tmp_path, redis_server, stream
+):
     model = init_model(tmp_path / "tiny", preset="tiny", seed=0)
-    cfg = config_from_dict({
-        "run_name": "dapo-rollout", "model": {"path": str(model)}, "data": {"train_path": "unused.jsonl"},
-        "rollout": {"device": "cpu", "n_samples_per_prompt": 4, "reward": "digit_task",
-                    "sampling": {"temperature": 1.0, "max_new_tokens": 3, "seed": 3},
-                    "overlong_penalty": {"enabled": True, "buffer_tokens": 2, "factor": 0.5}},
-        "redis": {"url": redis_server.url}})
+    cfg = config_from_dict(
+        {
+            "run_name": "dapo-rollout",
+            "model": {"path": str(model)},
+            "data": {"train_path": "unused.jsonl"},
+            "rollout": {
+                "device": "cpu",
+                "n_samples_per_prompt": 4,
+                "reward": "digit_task",
+                "sampling": {"temperature": 1.0, "max_new_tokens": 3, "seed": 3},
+                "overlong_penalty": {"enabled": True, "buffer_tokens": 2, "factor": 0.5},
+            },
+            "redis": {"url": redis_server.url},
+        }
+    )
     svc = RolloutService(cfg, replica=0)
     try:
         prompts = [PromptInput(text=f"{i} {9 - i} =", label=str(max(i, 9 - i)), group_id=i) for i in range(6)]
@@ -140,15 +163,17 @@ def test_the_rollout_adds_the_overlong_penalty_before_writing_and_counts_informa
             response = svc.texts.decode(batch.tokens[r_sl].tolist())
             task = digit_task(prompts[i // 4].text, response, prompts[i // 4].label, {})
             assert batch.rewards[i] == pytest.approx(
-                task + reference_penalty(lengths[i], l_max=3, l_cache=2, factor=0.5)), i
+                task + reference_penalty(lengths[i], l_max=3, l_cache=2, factor=0.5)
+            ), i
         assert result.num_groups == 6
-        assert result.informative_groups == len(reference_informative(batch.rewards.tolist(),
-                                                                      batch.group_ids.tolist(), 1e-6))
+        assert result.informative_groups == len(
+            reference_informative(batch.rewards.tolist(), batch.group_ids.tolist(), 1e-6)
+        )
         penalties = [reference_penalty(n, l_max=3, l_cache=2, factor=0.5) for n in lengths]
-        assert min(penalties) < 0   # some responses reached the buffer
+        assert min(penalties) < 0  # some responses reached the buffer
         assert result.metrics["overlong_penalty_mean"] == pytest.approx(float(np.mean(penalties)))
         assert result.metrics["reward_mean"] == pytest.approx(float(batch.rewards.mean()))
-        evaluated = svc.evaluate(prompts=prompts[:2], n_samples_per_prompt=1)   # evals score the task alone
+        evaluated = svc.evaluate(prompts=prompts[:2], n_samples_per_prompt=1)  # evals score the task alone
         assert 0.0 <= evaluated.metrics["eval/reward_mean"] <= 1.0
     finally:
         svc.close()
@@ -157,8 +182,13 @@ def test_the_rollout_adds_the_overlong_penalty_before_writing_and_counts_informa
 # ---- the trainer: selection in a real DeepSpeed step ------------------------------------------------------------
 
 
-def make_entry(rollout_id: int, groups: list[tuple[int, list[float]]], *, truncated: frozenset[int] = frozenset(),
-               all_truncated: bool = False) -> RolloutBatchData:
+def make_entry(
+    rollout_id: int,
+    groups: list[tuple[int, list[float]]],
+    *,
+    truncated: frozenset[int] = frozenset(),
+    all_truncated: bool = False,
+) -> RolloutBatchData:
     """Prompts and responses drawn from each group id's own seed, so a group has the same tokens in any batch."""
     prompts, responses, rewards, ids = [], [], [], []
     for gid, group_rewards in groups:
@@ -171,14 +201,24 @@ def make_entry(rollout_id: int, groups: list[tuple[int, list[float]]], *, trunca
             ids.append(gid)
     n = len(ids)
     reasons = ["length" if all_truncated or i in truncated else "stop" for i in range(n)]
-    return build_batch(rollout_id=rollout_id, policy_version=0, prompts=prompts, responses=responses,
-                       log_probs=[[-1.0] * len(r) for r in responses], rewards=rewards, group_ids=ids,
-                       finish_reasons=reasons, sampling=SamplingSpec(temperature=1.0))
+    return build_batch(
+        rollout_id=rollout_id,
+        policy_version=0,
+        prompts=prompts,
+        responses=responses,
+        log_probs=[[-1.0] * len(r) for r in responses],
+        rewards=rewards,
+        group_ids=ids,
+        finish_reasons=reasons,
+        sampling=SamplingSpec(temperature=1.0),
+    )
 
 
 def test_the_trainer_drops_uniform_and_surplus_groups_masks_truncated_samples_and_acks_every_entry(harness):  # noqa: F811
-    h = harness(rollout={"rollout_batch_size": 2, "n_samples_per_prompt": 4, "dynamic_sampling": {"enabled": True}},
-                algorithm={"overlong_filter": True})
+    h = harness(
+        rollout={"rollout_batch_size": 2, "n_samples_per_prompt": 4, "dynamic_sampling": {"enabled": True}},
+        algorithm={"overlong_filter": True},
+    )
     relayed: list[commands.Train] = []
     run = h.service.ranks.run
 
@@ -191,22 +231,20 @@ def test_the_trainer_drops_uniform_and_surplus_groups_masks_truncated_samples_an
     # Two rounds of one step: groups 10 and 14 informative (kept), 15 informative but surplus (the target is 2),
     # 11, 12 and 13 uniform (13: four rewards of 0.7). Sample 1 (in 10) stopped at max_new_tokens, so did sample 8
     # of the second entry (in 15, dropped anyway).
-    first = h.put(make_entry(0, [(10, [1, 0, 1, 0]), (11, [0, 0, 0, 0]), (12, [1, 1, 1, 1])],
-                             truncated=frozenset({1})))
-    second = h.put(make_entry(0, [(13, [0.7] * 4), (14, [1, 0, 0, 0]), (15, [0, 1, 1, 1])],
-                              truncated=frozenset({8})))
+    first = h.put(make_entry(0, [(10, [1, 0, 1, 0]), (11, [0, 0, 0, 0]), (12, [1, 1, 1, 1])], truncated=frozenset({1})))
+    second = h.put(make_entry(0, [(13, [0.7] * 4), (14, [1, 0, 0, 0]), (15, [0, 1, 1, 1])], truncated=frozenset({8})))
     reply = h.service.train(rollout_id=0, entry_ids=[first, second])
     assert (reply.step, reply.samples_trained, reply.samples_filtered, reply.samples_dropped_stale) == (1, 8, 16, 0)
-    assert {k: reply.metrics[k] for k in ("groups_uniform", "groups_surplus", "overlong_masked",
-                                          "samples_filtered")} == {
-        "groups_uniform": 3.0, "groups_surplus": 1.0, "overlong_masked": 1.0, "samples_filtered": 16.0}
+    assert {
+        k: reply.metrics[k] for k in ("groups_uniform", "groups_surplus", "overlong_masked", "samples_filtered")
+    } == {"groups_uniform": 3.0, "groups_surplus": 1.0, "overlong_masked": 1.0, "samples_filtered": 16.0}
     [step] = relayed
     batch = step.batch
     assert batch.group_ids.tolist() == [10] * 4 + [14] * 4
     assert batch.rewards.tolist() == [1, 0, 1, 0, 1, 0, 0, 0]
     lengths = batch.response_lengths.tolist()
     per_sample = [float(m.sum()) for m in torch.split(batch.loss_mask, lengths)]
-    assert per_sample == [lengths[0], 0.0, *map(float, lengths[2:])]   # the truncated sample: out of the loss
+    assert per_sample == [lengths[0], 0.0, *map(float, lengths[2:])]  # the truncated sample: out of the loss
     # the books: both entries acknowledged and gone, none pending; a retry replays; a second delivery is refused
     assert h.client.xlen(h.stream) == 0 and h.pending() == 0
     assert h.service.train(rollout_id=0, entry_ids=[first, second]).replayed
@@ -228,4 +266,3 @@ def test_without_dynamic_sampling_the_trainer_keeps_uniform_groups(harness):  # 
     reply = h.service.train(rollout_id=0, entry_ids=[h.put(make_entry(0, [(1, [0, 0, 0, 0]), (2, [1, 0, 1, 0])]))])
     assert (reply.step, reply.samples_trained, reply.samples_filtered) == (1, 8, 0)
     assert "groups_uniform" not in reply.metrics
-

@@ -23,7 +23,7 @@ def test_a_process_with_a_stuck_thread_exits_when_the_budget_is_spent_and_names_
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60)
     assert done.returncode == 7
     assert "trainer did not exit within 0.5s: thread 'handler-stuck-in-recv' still runs" in done.stderr
-    assert "in wait" in done.stderr          # its stack
+    assert "in wait" in done.stderr  # its stack
 
 
 def test_a_process_with_nothing_stuck_exits_at_once_with_its_code():
@@ -72,7 +72,7 @@ def test_a_sigterm_taken_by_another_thread_still_stops_the_main_thread():
 def test_each_stop_signal_reaches_its_callback_while_the_main_thread_sleeps_in_a_lock():
     proc = _child("asleep")
     sigterm_to_another_thread(proc.pid)
-    assert proc.stdout is not None and proc.stdout.readline() == "heard 1\n"   # then a second, not one merged
+    assert proc.stdout is not None and proc.stdout.readline() == "heard 1\n"  # then a second, not one merged
     sigterm_to_another_thread(proc.pid)
     out, _ = proc.communicate(timeout=30)
     assert (proc.returncode, out) == (3, "heard 2\n")

@@ -38,8 +38,15 @@ def flat_step(model: torch.nn.Module, opt: FlatAdamW, mbs: list[torch.Tensor], s
     opt.step()
 
 
-def reference_step(model: torch.nn.Module, masters: list[torch.Tensor], opt: torch.optim.Optimizer,
-                   mbs: list[torch.Tensor], *, max_norm: float, scale: float = 1.0) -> float:
+def reference_step(
+    model: torch.nn.Module,
+    masters: list[torch.Tensor],
+    opt: torch.optim.Optimizer,
+    mbs: list[torch.Tensor],
+    *,
+    max_norm: float,
+    scale: float = 1.0,
+) -> float:
     """Gradients summed in fp32 over micro-batches, clipped by torch, AdamW (single-tensor path) on fp32 masters,
     copied into the model."""
     params = list(model.parameters())
@@ -63,8 +70,7 @@ def reference_step(model: torch.nn.Module, masters: list[torch.Tensor], opt: tor
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_matches_torch_adamw_with_clip_over_accumulated_micro_batches(precision, dtype):
     flat_model, ref_model = make_model(dtype=dtype), make_model(dtype=dtype)
-    opt = FlatAdamW(flat_model.named_parameters(), precision=precision, max_grad_norm=0.5, skip_nonfinite=True,
-                    **HP)
+    opt = FlatAdamW(flat_model.named_parameters(), precision=precision, max_grad_norm=0.5, skip_nonfinite=True, **HP)
     masters = [p.detach().float().clone().requires_grad_(False) for p in ref_model.parameters()]
     ref_opt = torch.optim.AdamW(masters, foreach=False, **HP)
     for step in range(3):
@@ -76,9 +82,10 @@ def test_matches_torch_adamw_with_clip_over_accumulated_micro_batches(precision,
         torch.testing.assert_close(flat_masters, torch.cat([m.reshape(-1) for m in masters]), rtol=1e-5, atol=1e-6)
         for p, q in zip(flat_model.parameters(), ref_model.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
-    if precision == "bf16":   # the model's bf16 weights are exactly the rounded fp32 masters
-        assert torch.equal(torch.cat([p.reshape(-1) for p in flat_model.parameters()]),
-                           opt.groups[0].master.to(torch.bfloat16))
+    if precision == "bf16":  # the model's bf16 weights are exactly the rounded fp32 masters
+        assert torch.equal(
+            torch.cat([p.reshape(-1) for p in flat_model.parameters()]), opt.groups[0].master.to(torch.bfloat16)
+        )
         assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
 
 
@@ -100,7 +107,7 @@ def test_non_finite_gradients_skip_the_step_on_the_device_and_the_next_one_appli
     weights = opt.groups[0].flat.clone()
     states = copy.deepcopy(opt.state[opt.groups[0].master])
     flat_step(model, opt, micro_batches(1), scale=float("nan"))
-    assert opt.overflow and opt._global_grad_norm != opt._global_grad_norm   # nan
+    assert opt.overflow and opt._global_grad_norm != opt._global_grad_norm  # nan
     assert torch.equal(weights, opt.groups[0].flat)
     after = opt.state[opt.groups[0].master]
     assert int(after["step"]) == int(states["step"]) == 1
@@ -113,10 +120,17 @@ def _step_ops(layers: int) -> list[str]:
     """The non-view ops one fold + step issues, for a model of `layers` x 4 parameter tensors."""
     model = make_model(layers=layers)
     opt = FlatAdamW(model.named_parameters(), precision="fp32", max_grad_norm=1.0, skip_nonfinite=True, **HP)
-    flat_step(model, opt, micro_batches(1))   # Adam states exist from here on
+    flat_step(model, opt, micro_batches(1))  # Adam states exist from here on
     model(micro_batches(1)[0]).pow(2).mean().backward()
-    views = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::detach",
-             "aten::alias", "detach"}
+    views = {
+        "aten::view",
+        "aten::reshape",
+        "aten::_reshape_alias",
+        "aten::as_strided",
+        "aten::detach",
+        "aten::alias",
+        "detach",
+    }
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         opt.fold_grads()
         opt.step()
@@ -139,7 +153,7 @@ def test_state_dict_round_trips_and_refuses_other_parameters():
     twin = make_model(dtype=torch.bfloat16)
     twin_opt = FlatAdamW(twin.named_parameters(), precision="bf16", max_grad_norm=1.0, skip_nonfinite=True, **HP)
     twin_opt.load_state_dict(saved)
-    assert torch.equal(twin_opt.groups[0].master, opt.groups[0].master)   # the fp32 masters, not rounded weights
+    assert torch.equal(twin_opt.groups[0].master, opt.groups[0].master)  # the fp32 masters, not rounded weights
     assert torch.equal(twin_opt.groups[0].flat, opt.groups[0].flat)
     mbs = micro_batches(1, dtype=torch.bfloat16)
     flat_step(model, opt, mbs)

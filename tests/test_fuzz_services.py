@@ -35,19 +35,36 @@ pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(600
 LIMIT_MB = 4
 # Short waits so requests that are valid but can never complete (Train of batches nobody writes, a publish
 # nobody receives, Generate on a paused engine) answer quickly.
-OVERRIDES = [f"services.max_message_mb={LIMIT_MB}", "weights.timeout_s=2", "redis.get_timeout_s=1",
-             "loop.step_timeout_s=2", "rollout.max_request_samples=2048", "trainer.export_hf_on_save=false",
-             "trainer.keep_last_checkpoints=1", "rollout.sampling.max_new_tokens=2"]
+OVERRIDES = [
+    f"services.max_message_mb={LIMIT_MB}",
+    "weights.timeout_s=2",
+    "redis.get_timeout_s=1",
+    "loop.step_timeout_s=2",
+    "rollout.max_request_samples=2048",
+    "trainer.export_hf_on_save=false",
+    "trainer.keep_last_checkpoints=1",
+    "rollout.sampling.max_new_tokens=2",
+]
 PROMPT = common_pb2.Prompt(text="3 5 =", label="5", group_id=1)
-BASES = {   # plausible requests the extreme values are set on, one field at a time
+BASES = {  # plausible requests the extreme values are set on, one field at a time
     "Generate": rollout_pb2.GenerateRequest(rollout_id=1, prompts=[PROMPT], n_samples_per_prompt=2),
     "Evaluate": rollout_pb2.EvaluateRequest(name="e", prompts=[PROMPT], n_samples_per_prompt=1),
     "Train": trainer_pb2.TrainRequest(rollout_id=1, entry_ids=["1-0"], max_staleness=-1),
     "Save": trainer_pb2.SaveRequest(rollout_id=1),
     "PrepareWeightSync/Trainer": trainer_pb2.PrepareWeightSyncRequest(version=1, transport="gloo", engine_world_size=1),
-    "ReceiveWeights": rollout_pb2.ReceiveWeightsRequest(plan=common_pb2.WeightSyncPlan(
-        version=1, transport="gloo", timeout_s=1, trainer_id="someone-else", master_addr="127.0.0.1", master_port=1,
-        world_size=2, buckets=[common_pb2.WeightBucket(index=0, dtype="float32", nbytes=4)]), rank_offset=1),
+    "ReceiveWeights": rollout_pb2.ReceiveWeightsRequest(
+        plan=common_pb2.WeightSyncPlan(
+            version=1,
+            transport="gloo",
+            timeout_s=1,
+            trainer_id="someone-else",
+            master_addr="127.0.0.1",
+            master_port=1,
+            world_size=2,
+            buckets=[common_pb2.WeightBucket(index=0, dtype="float32", nbytes=4)],
+        ),
+        rank_offset=1,
+    ),
 }
 # After a call that changes a service's state, put it back so the next inputs meet a serving service.
 RESET = {"Pause": "Resume", "PrepareWeightSync": "Resume", "ReleaseMemory": "ResumeMemory", "Offload": "Onload"}
@@ -66,7 +83,7 @@ def fuzz_service(target: str, service_descriptor: Any, *, skip_decodable: tuple[
             counts = seen.setdefault(method.name, collections.Counter())
             for what, data in all_inputs(method, _base(service_descriptor.name, method.name), seed=i):
                 if method.name in skip_decodable and decodes(method, data):
-                    continue   # e.g. a valid Stop would end the run under test
+                    continue  # e.g. a valid Stop would end the run under test
                 code, details = call_raw(channel, method, data, timeout_s=30)
                 counts[code.name] += 1
                 assert code in ACCEPTABLE, f"{service_descriptor.name}.{method.name} [{what}]: {code.name}: {details}"
@@ -84,11 +101,11 @@ def _assert_serving(channel: grpc.Channel) -> None:
 
 def _assert_oversized_refused(target: str, service_descriptor) -> None:
     method = service_descriptor.methods[0]
-    big = b"x" * ((LIMIT_MB + 1) << 20)   # refused on its size, before anyone parses it
+    big = b"x" * ((LIMIT_MB + 1) << 20)  # refused on its size, before anyone parses it
     with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
         code, details = call_raw(channel, method, big, timeout_s=30)
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
-        assert str(LIMIT_MB << 20) in details, details   # "Received message larger than max (N vs. 4194304)"
+        assert str(LIMIT_MB << 20) in details, details  # "Received message larger than max (N vs. 4194304)"
         _assert_serving(channel)
 
 
@@ -104,7 +121,7 @@ def test_fuzz_rollout_service(standalone):
     seen = fuzz_service(target, rollout_pb2.DESCRIPTOR.services_by_name["Rollout"])
     assert seen["Generate"]["INVALID_ARGUMENT"] > 0 and seen["Generate"]["OK"] > 0
     _assert_oversized_refused(target, rollout_pb2.DESCRIPTOR.services_by_name["Rollout"])
-    with open_channel(target) as channel:   # still generating real batches
+    with open_channel(target) as channel:  # still generating real batches
         stub = rollout_pb2_grpc.RolloutStub(channel)
         reply = stub.Generate(BASES["Generate"], timeout=60)
         assert reply.num_samples == 2 and reply.entry_id
@@ -123,7 +140,7 @@ def test_fuzz_trainer_service(standalone):
     with open_channel(target) as channel:
         stub = trainer_pb2_grpc.TrainerStub(channel)
         assert stub.GetState(common_pb2.Empty(), timeout=10).role == "actor"
-        with pytest.raises(grpc.RpcError) as info:   # a Load unpickles: only our own checkpoint directories
+        with pytest.raises(grpc.RpcError) as info:  # a Load unpickles: only our own checkpoint directories
             stub.Load(trainer_pb2.LoadRequest(path="/tmp"), timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside" in info.value.details()
 

@@ -30,9 +30,13 @@ from services.trainer.scoring import TokenSampling, score_request
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
 
-SETTINGS = [SamplingSpec(temperature=0.7, top_p=0.9), SamplingSpec(temperature=1.3, top_k=6),
-            SamplingSpec(temperature=0.7, top_p=0.6, top_k=10), SamplingSpec(temperature=0.0, top_p=0.5),
-            SamplingSpec(temperature=1.0)]
+SETTINGS = [
+    SamplingSpec(temperature=0.7, top_p=0.9),
+    SamplingSpec(temperature=1.3, top_k=6),
+    SamplingSpec(temperature=0.7, top_p=0.6, top_k=10),
+    SamplingSpec(temperature=0.0, top_p=0.5),
+    SamplingSpec(temperature=1.0),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -46,21 +50,33 @@ UNTRUNCATED = [SamplingSpec(temperature=0.7), SamplingSpec(temperature=0.0), Sam
 def mixed_sampling(n: int, seed: int, settings: list[SamplingSpec] = SETTINGS) -> TokenSampling:
     rng = random.Random(seed)
     chosen = [rng.choice(settings) for _ in range(n)]
-    return TokenSampling.per_row(torch.tensor([d.temperature for d in chosen]), torch.tensor([d.top_p for d in chosen]),
-                                 torch.tensor([d.top_k for d in chosen]),
-                                 tempered=torch.tensor([rng.random() < 0.3 for _ in range(n)]))
+    return TokenSampling.per_row(
+        torch.tensor([d.temperature for d in chosen]),
+        torch.tensor([d.top_p for d in chosen]),
+        torch.tensor([d.top_k for d in chosen]),
+        tempered=torch.tensor([rng.random() < 0.3 for _ in range(n)]),
+    )
 
 
 def flat_micro_batch(targets: torch.Tensor) -> MicroBatch:
     n = len(targets)
     row = torch.zeros(1, n + 1, dtype=torch.long)
-    return MicroBatch(input_ids=row, attention_mask=torch.ones_like(row), rows=torch.zeros(n, dtype=torch.long),
-                      positions=torch.arange(n), targets=targets, token_index=torch.arange(n), num_tokens=n + 1)
+    return MicroBatch(
+        input_ids=row,
+        attention_mask=torch.ones_like(row),
+        rows=torch.zeros(n, dtype=torch.long),
+        positions=torch.arange(n),
+        targets=targets,
+        token_index=torch.arange(n),
+        num_tokens=n + 1,
+    )
 
 
-@pytest.mark.parametrize("settings,tempered,entropy_grad", [
-    (SETTINGS, False, True), (SETTINGS, False, False), (SETTINGS, True, False), (UNTRUNCATED, False, True)],
-    ids=["truncated+entropy", "truncated", "kl_reference", "untruncated+entropy"])
+@pytest.mark.parametrize(
+    "settings,tempered,entropy_grad",
+    [(SETTINGS, False, True), (SETTINGS, False, False), (SETTINGS, True, False), (UNTRUNCATED, False, True)],
+    ids=["truncated+entropy", "truncated", "kl_reference", "untruncated+entropy"],
+)
 def test_scores_and_gradients_match_the_old_path(settings, tempered, entropy_grad):
     """Truncating batches go by whole rows; the others (and the KL's tempered pass) by vocabulary blocks, with the
     log-sum-exp and the entropy accumulated online: 53 tokens in chunks of 7, 64 columns in blocks of 24 (the last
@@ -71,14 +87,23 @@ def test_scores_and_gradients_match_the_old_path(settings, tempered, entropy_gra
     weight = torch.randn(vocab, hidden_size, generator=gen).requires_grad_()
     targets = torch.randint(0, vocab, (n,), generator=gen)
     sampling = mixed_sampling(n, seed=2, settings=settings)
-    request = dataclasses.replace(score_request(flat_micro_batch(targets), sampling, vocab=vocab, chunk_tokens=7,
-                                                tempered=tempered, entropy=not tempered, entropy_grad=entropy_grad),
-                                  vocab_block=24)
+    request = dataclasses.replace(
+        score_request(
+            flat_micro_batch(targets),
+            sampling,
+            vocab=vocab,
+            chunk_tokens=7,
+            tempered=tempered,
+            entropy=not tempered,
+            entropy_grad=entropy_grad,
+        ),
+        vocab_block=24,
+    )
     assert request.needs_support == (settings is SETTINGS and not tempered)
     ours = ChunkedScores.apply(hidden, weight, request)
     ref = reference_scores(hidden @ weight.t(), targets, sampling, tempered=tempered, entropy_grad=entropy_grad)
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-5)
-    assert (ours[0] == -1e4).any() == request.needs_support   # outside its nucleus: floored
+    assert (ours[0] == -1e4).any() == request.needs_support  # outside its nucleus: floored
     upstream = torch.randn(3, n, generator=gen)
     got = torch.autograd.grad((upstream * ours).sum(), (hidden, weight))
     expected = torch.autograd.grad((upstream * ref).sum(), (hidden, weight))
@@ -89,10 +114,20 @@ def test_scores_and_gradients_match_the_old_path(settings, tempered, entropy_gra
 def tiny_causal_lm(*, tied: bool, attn: str, vocab: int = 96) -> LlamaForCausalLM:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    cfg._attn_implementation = attn   # what the attn_implementation argument sets (its stub does not list it)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    cfg._attn_implementation = attn  # what the attn_implementation argument sets (its stub does not list it)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).train()
 
@@ -101,14 +136,29 @@ def varied_batch(vocab: int, seed: int = 3):
     """Two rollout batches (different sampling, one reporting tempered log-probs), samples of varied lengths."""
     rng = np.random.default_rng(seed)
     parts = []
-    for rollout_id, (spec, space) in enumerate([(SamplingSpec(temperature=0.7, top_p=0.8, top_k=20), "sampling"),
-                                                (SamplingSpec(temperature=1.2, top_p=0.9), "tempered")]):
+    for rollout_id, (spec, space) in enumerate(
+        [
+            (SamplingSpec(temperature=0.7, top_p=0.8, top_k=20), "sampling"),
+            (SamplingSpec(temperature=1.2, top_p=0.9), "tempered"),
+        ]
+    ):
         n = 4
         prompts = [rng.integers(3, vocab, size=int(rng.integers(2, 9))).tolist() for _ in range(n)]
         responses = [rng.integers(3, vocab, size=int(rng.integers(1, 12))).tolist() for _ in range(n)]
-        parts.append(build_batch(rollout_id=rollout_id, policy_version=0, prompts=prompts, responses=responses,
-                                 log_probs=[[-1.0] * len(r) for r in responses], rewards=[0.0] * n,
-                                 group_ids=[0] * n, finish_reasons=["stop"] * n, sampling=spec, logprob_space=space))
+        parts.append(
+            build_batch(
+                rollout_id=rollout_id,
+                policy_version=0,
+                prompts=prompts,
+                responses=responses,
+                log_probs=[[-1.0] * len(r) for r in responses],
+                rewards=[0.0] * n,
+                group_ids=[0] * n,
+                finish_reasons=["stop"] * n,
+                sampling=spec,
+                logprob_space=space,
+            )
+        )
     return merge_batches(parts)
 
 
@@ -128,23 +178,24 @@ def test_a_tied_embedding_model_trains_as_on_the_old_path_padded_or_packed(attn)
     sampling = TokenSampling.of(batch)
     upstream = torch.randn(3, batch.num_response_tokens, generator=torch.Generator().manual_seed(4))
     padded = build_micro_batch(batch, list(range(batch.num_samples)))
-    logits = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits[padded.rows,
-                                                                                           padded.positions]
+    logits = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits[
+        padded.rows, padded.positions
+    ]
     ref = reference_scores(logits, padded.targets, sampling.at(padded.token_index))
     expected = grads_of(model, (upstream[:, padded.token_index] * ref).sum())
     seq = (batch.prompt_lengths + batch.response_lengths).tolist()
     [rows] = pack_rows(list(range(batch.num_samples)), seq, token_budget=10_000)
     packed = build_micro_batch(batch, rows)
-    assert packed.input_ids.shape[0] < batch.num_samples   # some row holds several samples
+    assert packed.input_ids.shape[0] < batch.num_samples  # some row holds several samples
     install(model)
     for mb in (padded, packed):
-        request = score_request(mb, sampling.at(mb.token_index), vocab=96, chunk_tokens=5, entropy=True,
-                                entropy_grad=True)
+        request = score_request(
+            mb, sampling.at(mb.token_index), vocab=96, chunk_tokens=5, entropy=True, entropy_grad=True
+        )
         with scoring(request):
             scores = scores_of(model(**model_inputs(mb), use_cache=False), request)
-        order = torch.argsort(mb.token_index)   # both in the batch's token order
-        torch.testing.assert_close(scores[:, order], ref[:, torch.argsort(padded.token_index)], rtol=1e-6,
-                                   atol=1e-5)
+        order = torch.argsort(mb.token_index)  # both in the batch's token order
+        torch.testing.assert_close(scores[:, order], ref[:, torch.argsort(padded.token_index)], rtol=1e-6, atol=1e-5)
         got = grads_of(model, (upstream[:, mb.token_index] * scores).sum())
         for name, grad in expected.items():
             torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-5, msg=name)
@@ -155,9 +206,11 @@ def test_a_lora_head_trains_its_adapters_as_on_the_old_path():
     ([h, s h A^T] [W, B]^T); with the adapters off it scores the base model (the KL reference's view)."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(tiny_causal_lm(tied=False, attn="eager"),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0))
-    for name, p in model.named_parameters():   # B = 0 at start: nudge it so the head's adapter matters
+    model = get_peft_model(
+        tiny_causal_lm(tied=False, attn="eager"),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0),
+    )
+    for name, p in model.named_parameters():  # B = 0 at start: nudge it so the head's adapter matters
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.5, generator=torch.Generator().manual_seed(5))
     batch = varied_batch(vocab=96, seed=6)
@@ -189,8 +242,9 @@ def test_bf16_weights_and_autocast_score_like_the_old_path():
     n, hidden_size, vocab = 40, 32, 128
     targets = torch.randint(0, vocab, (n,), generator=gen)
     sampling = mixed_sampling(n, seed=9)
-    request = score_request(flat_micro_batch(targets), sampling, vocab=vocab, chunk_tokens=9, entropy=True,
-                            entropy_grad=True)
+    request = score_request(
+        flat_micro_batch(targets), sampling, vocab=vocab, chunk_tokens=9, entropy=True, entropy_grad=True
+    )
     h32, w32 = torch.randn(n, hidden_size, generator=gen), torch.randn(vocab, hidden_size, generator=gen) * 0.3
     upstream = torch.randn(3, n, generator=gen)
     for dtype, autocast in ((torch.bfloat16, False), (torch.float32, True)):
@@ -199,7 +253,7 @@ def test_bf16_weights_and_autocast_score_like_the_old_path():
             ours = ChunkedScores.apply(hidden, weight, request)
             ref = reference_scores(hidden @ weight.t(), targets, sampling)
         assert ours.dtype == torch.float32
-        finite = ref[0] > -1e4   # a bf16 rounding may move a token across its nucleus' edge: compare the rest
+        finite = ref[0] > -1e4  # a bf16 rounding may move a token across its nucleus' edge: compare the rest
         torch.testing.assert_close(ours[:, finite], ref[:, finite], rtol=0, atol=3e-2)
         got = torch.autograd.grad((upstream * ours).sum(), (hidden, weight))
         expected = torch.autograd.grad((upstream * ref).sum(), (hidden, weight))
@@ -256,8 +310,14 @@ PEAK_SCRIPT = textwrap.dedent("""
 def peak_rss_mib() -> dict[str, float]:
     """Peak RSS (MiB) after each step of one subprocess: chunked at 128 then 640 tokens, then the old path."""
     tests = Path(__file__).resolve().parent
-    done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tests)], capture_output=True, text=True,
-                          timeout=120, cwd=tests.parent, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, str(tests)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tests.parent,
+        check=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

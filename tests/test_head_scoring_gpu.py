@@ -21,19 +21,27 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def _request(n: int, vocab: int, *, compiled: bool, spec: SamplingSpec, chunk: int = 1024):
     targets = torch.randint(0, vocab, (n,), device="cuda", generator=torch.Generator("cuda").manual_seed(n))
     row = torch.zeros(1, n + 1, dtype=torch.long, device="cuda")
-    mb = MicroBatch(input_ids=row, attention_mask=torch.ones_like(row), rows=torch.zeros_like(targets),
-                    positions=torch.arange(n, device="cuda"), targets=targets, token_index=torch.arange(n),
-                    num_tokens=n + 1)
-    sampling = TokenSampling.per_row(torch.full((n,), spec.temperature), torch.full((n,), spec.top_p),
-                                     torch.full((n,), spec.top_k)).to(torch.device("cuda"))
-    request = score_request(mb, sampling, vocab=vocab, chunk_tokens=chunk, entropy=True, entropy_grad=True,
-                            compiled=compiled)
+    mb = MicroBatch(
+        input_ids=row,
+        attention_mask=torch.ones_like(row),
+        rows=torch.zeros_like(targets),
+        positions=torch.arange(n, device="cuda"),
+        targets=targets,
+        token_index=torch.arange(n),
+        num_tokens=n + 1,
+    )
+    sampling = TokenSampling.per_row(
+        torch.full((n,), spec.temperature), torch.full((n,), spec.top_p), torch.full((n,), spec.top_k)
+    ).to(torch.device("cuda"))
+    request = score_request(
+        mb, sampling, vocab=vocab, chunk_tokens=chunk, entropy=True, entropy_grad=True, compiled=compiled
+    )
     return request, sampling, targets
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_compiled_head_matches_the_eager_one_and_the_old_path(dtype):
-    n, hidden_size, vocab = 3000, 256, 40_000   # three chunks, five blocks, each the last one short
+    n, hidden_size, vocab = 3000, 256, 40_000  # three chunks, five blocks, each the last one short
     gen = torch.Generator("cuda").manual_seed(0)
     hidden = torch.randn(n, hidden_size, device="cuda", generator=gen).to(dtype).requires_grad_()
     weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * 0.1).to(dtype).requires_grad_()

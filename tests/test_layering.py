@@ -78,7 +78,7 @@ def test_every_package_imports_only_the_layers_below_it():
 
 def test_the_table_covers_every_package():
     packages = {p.name for p in SERVICES.iterdir() if (p / "__init__.py").is_file()}
-    assert packages - set(ALLOWED) == {"launcher"}   # the launcher may import everything
+    assert packages - set(ALLOWED) == {"launcher"}  # the launcher may import everything
 
 
 def test_no_module_imports_itself_back():
@@ -92,18 +92,20 @@ def test_no_module_imports_itself_back():
 def test_the_cycle_check_sees_lazy_and_type_checking_imports():
     """The check above would pass vacuously if the graph missed the imports that usually hide a cycle."""
     graph = import_graph()
-    assert "services.weights.transports.disk" in graph["services.weights.registry"]        # in a function
-    assert "services.contracts.config" in graph["services.contracts.runfacts"]            # under TYPE_CHECKING
-    assert "services.weights.layout" in graph["services.weights"]                          # from a package
+    assert "services.weights.transports.disk" in graph["services.weights.registry"]  # in a function
+    assert "services.contracts.config" in graph["services.contracts.runfacts"]  # under TYPE_CHECKING
+    assert "services.weights.layout" in graph["services.weights"]  # from a package
 
 
 def _names_any(annotation: ast.expr | None) -> bool:
     if annotation is None:
         return False
-    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):   # a quoted annotation
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):  # a quoted annotation
         annotation = ast.parse(annotation.value, mode="eval").body
-    return any((isinstance(n, ast.Name) and n.id == "Any") or (isinstance(n, ast.Attribute) and n.attr == "Any")
-               for n in ast.walk(annotation))
+    return any(
+        (isinstance(n, ast.Name) and n.id == "Any") or (isinstance(n, ast.Attribute) and n.attr == "Any")
+        for n in ast.walk(annotation)
+    )
 
 
 def public_signatures_naming_any(path: Path) -> list[str]:
@@ -114,8 +116,9 @@ def public_signatures_naming_any(path: Path) -> list[str]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.ClassDef) and not child.name.startswith("_"):
                 visit(child, f"{prefix}{child.name}.")
-            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) and \
-                    (not child.name.startswith("_") or child.name.startswith("__")):
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) and (
+                not child.name.startswith("_") or child.name.startswith("__")
+            ):
                 a = child.args
                 params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
                 named = [p.arg for p in params if _names_any(p.annotation)] + (["->"] * _names_any(child.returns))
@@ -129,8 +132,12 @@ def public_signatures_naming_any(path: Path) -> list[str]:
 def test_no_public_signature_names_any():
     """A value a third-party library leaves untyped is named through services/contracts/untyped.py, which says
     which library; everything else has its type."""
-    wrong = [f"{path.relative_to(ROOT)}: {where}" for path in source_modules().values()
-             if path.name != "untyped.py" for where in public_signatures_naming_any(path)]
+    wrong = [
+        f"{path.relative_to(ROOT)}: {where}"
+        for path in source_modules().values()
+        if path.name != "untyped.py"
+        for where in public_signatures_naming_any(path)
+    ]
     assert not wrong, wrong
 
 
@@ -144,14 +151,16 @@ def test_each_untyped_name_says_which_library_leaves_it_open():
 
 def test_the_any_check_sees_every_kind_of_signature(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("from typing import Any\n"
-                      "def f(a: int, *rest: Any) -> None: ...\n"
-                      "def g() -> 'dict[str, Any]': ...\n"
-                      "def _private(a: Any) -> Any: ...\n"
-                      "class C:\n"
-                      "    def m(self, *, k: list[Any]) -> int: ...\n"
-                      "class _Hidden:\n"
-                      "    def m(self, a: Any) -> None: ...\n")
+    module.write_text(
+        "from typing import Any\n"
+        "def f(a: int, *rest: Any) -> None: ...\n"
+        "def g() -> 'dict[str, Any]': ...\n"
+        "def _private(a: Any) -> Any: ...\n"
+        "class C:\n"
+        "    def m(self, *, k: list[Any]) -> int: ...\n"
+        "class _Hidden:\n"
+        "    def m(self, a: Any) -> None: ...\n"
+    )
     assert public_signatures_naming_any(module) == ["f(rest)", "g(->)", "C.m(k)"]
 
 
@@ -181,8 +190,11 @@ def test_protobufs_are_built_and_read_only_at_the_grpc_edges_and_in_wire_codecs(
     wrong = []
     for path in source_modules().values():
         where = path.relative_to(ROOT).as_posix()
-        if path.name in PROTOBUF_EDGES or where in PROTOBUF_CODECS or path.relative_to(SERVICES).parts[0] in \
-                PROTOBUF_PACKAGES:
+        if (
+            path.name in PROTOBUF_EDGES
+            or where in PROTOBUF_CODECS
+            or path.relative_to(SERVICES).parts[0] in PROTOBUF_PACKAGES
+        ):
             continue
         if any(name.startswith("services.contracts.gen.") for name in imported_names(path)):
             wrong.append(where)

@@ -38,23 +38,41 @@ def _sampled(logits: torch.Tensor, spec: SamplingSpec, seed: int) -> torch.Tenso
     return torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)).squeeze(-1)
 
 
-def _terms(logits: torch.Tensor, targets: torch.Tensor, rollout_lp: torch.Tensor, tempered: list[bool],
-           lengths: list[int]):
+def _terms(
+    logits: torch.Tensor, targets: torch.Tensor, rollout_lp: torch.Tensor, tempered: list[bool], lengths: list[int]
+):
     n_tok = len(targets)
-    mb = MicroBatch(input_ids=torch.zeros(len(lengths), max(lengths) + 1, dtype=torch.long),
-                    attention_mask=torch.ones(len(lengths), max(lengths) + 1, dtype=torch.long),
-                    rows=torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
-                    positions=torch.cat([torch.arange(n) for n in lengths]), targets=targets,
-                    token_index=torch.arange(n_tok), num_tokens=n_tok + len(lengths))
+    mb = MicroBatch(
+        input_ids=torch.zeros(len(lengths), max(lengths) + 1, dtype=torch.long),
+        attention_mask=torch.ones(len(lengths), max(lengths) + 1, dtype=torch.long),
+        rows=torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
+        positions=torch.cat([torch.arange(n) for n in lengths]),
+        targets=targets,
+        token_index=torch.arange(n_tok),
+        num_tokens=n_tok + len(lengths),
+    )
     n = len(lengths)
-    sampling = TokenSampling.per_row(torch.full((n,), T), torch.full((n,), TOP_P), torch.zeros(n, dtype=torch.long),
-                                     lengths=torch.tensor(lengths), tempered=torch.tensor(tempered))
+    sampling = TokenSampling.per_row(
+        torch.full((n,), T),
+        torch.full((n,), TOP_P),
+        torch.zeros(n, dtype=torch.long),
+        lengths=torch.tensor(lengths),
+        tempered=torch.tensor(tempered),
+    )
     ones = torch.ones(n_tok)
-    inputs = TokenInputs(sampling=sampling, advantages=ones, rollout_log_probs=rollout_lp, loss_mask=ones,
-                         weights=TokenWeights(loss=ones / n_tok, mean=ones / n_tok), ref_log_probs=None, old=None)
+    inputs = TokenInputs(
+        sampling=sampling,
+        advantages=ones,
+        rollout_log_probs=rollout_lp,
+        loss_mask=ones,
+        weights=TokenWeights(loss=ones / n_tok, mean=ones / n_tok),
+        ref_log_probs=None,
+        old=None,
+    )
     algo = AlgorithmConfig(use_rollout_logprobs=True)
-    return sampling, token_terms(scores=chunked_scores_of_logits(logits, targets, sampling), mb=mb, inputs=inputs,
-                                 algo=algo)
+    return sampling, token_terms(
+        scores=chunked_scores_of_logits(logits, targets, sampling), mb=mb, inputs=inputs, algo=algo
+    )
 
 
 def test_a_tempered_batch_at_t07_top_p09_is_on_policy_with_ratio_one():
@@ -85,17 +103,25 @@ def test_a_step_mixing_engines_scores_each_sample_in_its_own_space():
     targets = _sampled(logits, spec, seed=3)
     tempered = torch.log_softmax(logits / T, -1).gather(-1, targets[:, None]).squeeze(-1)
     truncated = sampling_log_probs(logits, spec).gather(-1, targets[:, None]).squeeze(-1)
-    reported = torch.cat([tempered[:50], truncated[50:]])   # an SGLang sample, then a native one
+    reported = torch.cat([tempered[:50], truncated[50:]])  # an SGLang sample, then a native one
     sampling, terms = _terms(logits, targets, reported, tempered=[True, False], lengths=[50, 40])
     assert sampling.space == MIXED
     assert terms.ratio.tolist() == pytest.approx([1.0] * 90, abs=1e-5)
 
 
 def _batch(space: str | None, *, rollout_id: int = 0, n: int = 2):
-    return build_batch(rollout_id=rollout_id, policy_version=0, prompts=[[1, 2]] * n, responses=[[3, 4, 5]] * n,
-                       log_probs=[[-0.1, -0.2, -0.3]] * n, rewards=[1.0] * n, group_ids=[7] * n,
-                       finish_reasons=["length"] * n, sampling=SamplingSpec(temperature=T, top_p=TOP_P),
-                       logprob_space=space or "sampling")
+    return build_batch(
+        rollout_id=rollout_id,
+        policy_version=0,
+        prompts=[[1, 2]] * n,
+        responses=[[3, 4, 5]] * n,
+        log_probs=[[-0.1, -0.2, -0.3]] * n,
+        rewards=[1.0] * n,
+        group_ids=[7] * n,
+        finish_reasons=["length"] * n,
+        sampling=SamplingSpec(temperature=T, top_p=TOP_P),
+        logprob_space=space or "sampling",
+    )
 
 
 def test_the_wire_carries_the_space_and_a_batch_without_it_is_sampling():
@@ -108,7 +134,7 @@ def test_the_wire_carries_the_space_and_a_batch_without_it_is_sampling():
     assert decode_batch(old.SerializeToString()).logprob_space == "sampling"
     newer = common_pb2.RolloutBatch()
     newer.ParseFromString(encode_batch(_batch("tempered")))
-    newer.logprob_space = cast(common_pb2.LogProbSpace, 7)   # a value this version does not know
+    newer.logprob_space = cast(common_pb2.LogProbSpace, 7)  # a value this version does not know
     with pytest.raises(WireError, match="unknown logprob_space 7"):
         decode_batch(newer.SerializeToString())
     with pytest.raises(WireError, match="unknown logprob_space 'raw'"):
@@ -119,7 +145,7 @@ def test_merge_select_and_the_rank_broadcast_keep_each_samples_space():
     merged = merge_batches([_batch("tempered", n=2), _batch("sampling", rollout_id=1, n=3)])
     assert merged.tempered.tolist() == [True, True, False, False, False]
     assert merged.select([4, 0]).tempered.tolist() == [False, True]
-    again = decode_train_batch(*encode_train_batch(merged))   # what rank 0 sends the other trainer ranks
+    again = decode_train_batch(*encode_train_batch(merged))  # what rank 0 sends the other trainer ranks
     assert again.tempered.tolist() == merged.tempered.tolist() and again.tempered.dtype == torch.bool
     assert TokenSampling.of(merged).space == MIXED
     assert TokenSampling.of(merge_batches([_batch(None)])).space == SAMPLING

@@ -24,8 +24,9 @@ def _ratios_to_logps(ratios):
 def test_ppo_clip_symmetric():
     logp, old = _ratios_to_logps([0.5, 1.1, 1.5, 0.7])
     adv = torch.tensor([1.0, 1.0, 1.0, -2.0])
-    loss, clipped, ratio = ppo_policy_loss(log_probs=logp, old_log_probs=old, advantages=adv,
-                                           cfg=PolicyLossConfig(eps_clip=0.2))
+    loss, clipped, ratio = ppo_policy_loss(
+        log_probs=logp, old_log_probs=old, advantages=adv, cfg=PolicyLossConfig(eps_clip=0.2)
+    )
     # A>0: max(-r, -clip(r)) ; r=0.5 -> max(-0.5, -0.8) = -0.5 (unclipped wins, pessimistic)
     # r=1.1 inside; r=1.5 -> max(-1.5, -1.2) = -1.2 (clipped); A=-2, r=0.7 -> max(1.4, 1.6) = 1.6 (clipped)
     assert loss.tolist() == pytest.approx([-0.5, -1.1, -1.2, 1.6], rel=1e-6)
@@ -36,8 +37,9 @@ def test_ppo_clip_symmetric():
 def test_ppo_clip_asymmetric_high():
     logp, old = _ratios_to_logps([1.25, 1.35, 0.75])
     adv = torch.tensor([1.0, 1.0, -1.0])
-    loss, clipped, _ = ppo_policy_loss(log_probs=logp, old_log_probs=old, advantages=adv,
-                                       cfg=PolicyLossConfig(eps_clip=0.2, eps_clip_high=0.28))
+    loss, clipped, _ = ppo_policy_loss(
+        log_probs=logp, old_log_probs=old, advantages=adv, cfg=PolicyLossConfig(eps_clip=0.2, eps_clip_high=0.28)
+    )
     # upper bound 1.28: 1.25 inside, 1.35 clipped to 1.28; lower bound 0.8: A<0 r=0.75 -> max(0.75, 0.8)
     assert loss.tolist() == pytest.approx([-1.25, -1.28, 0.8], rel=1e-6)
     assert clipped.tolist() == [0.0, 1.0, 1.0]
@@ -46,8 +48,9 @@ def test_ppo_clip_asymmetric_high():
 def test_ppo_dual_clip_bounds_negative_advantages():
     logp, old = _ratios_to_logps([5.0, 2.0, 5.0])
     adv = torch.tensor([-1.0, -1.0, 1.0])
-    loss, clipped, _ = ppo_policy_loss(log_probs=logp, old_log_probs=old, advantages=adv,
-                                       cfg=PolicyLossConfig(eps_clip=0.2, dual_clip_c=3.0))
+    loss, clipped, _ = ppo_policy_loss(
+        log_probs=logp, old_log_probs=old, advantages=adv, cfg=PolicyLossConfig(eps_clip=0.2, dual_clip_c=3.0)
+    )
     # A<0, r=5: standard max(5, 1.2) = 5, dual bound -A*c = 3 -> 3; r=2: max(2, 1.2) = 2 < 3 -> 2
     # A>0, r=5: dual clip does not apply: max(-5, -1.2) = -1.2
     assert loss.tolist() == pytest.approx([3.0, 2.0, -1.2], rel=1e-6)
@@ -56,8 +59,9 @@ def test_ppo_dual_clip_bounds_negative_advantages():
 
 def test_ppo_gradient_zero_when_clipped():
     logp = torch.log(torch.tensor([1.5, 1.1])).requires_grad_()
-    loss, _, _ = ppo_policy_loss(log_probs=logp, old_log_probs=torch.zeros(2), advantages=torch.ones(2),
-                                 cfg=PolicyLossConfig(eps_clip=0.2))
+    loss, _, _ = ppo_policy_loss(
+        log_probs=logp, old_log_probs=torch.zeros(2), advantages=torch.ones(2), cfg=PolicyLossConfig(eps_clip=0.2)
+    )
     loss.sum().backward()
     # d(-r)/d logp = -r inside the clip range, 0 once clipped
     assert logp.grad is not None and logp.grad.tolist() == pytest.approx([0.0, -1.1], rel=1e-6)
@@ -95,7 +99,8 @@ def test_kl_estimators():
     assert kl_estimate(logp, ref, "k2").tolist() == pytest.approx([0.5 * x * x for x in lr], rel=1e-6)
     # k3 = ref/pi - 1 - log(ref/pi): 0.5 - 1 + log 2, 2 - 1 - log 2
     assert kl_estimate(logp, ref, "k3").tolist() == pytest.approx(
-        [0.5 - 1 + math.log(2), 2 - 1 - math.log(2)], rel=1e-6)
+        [0.5 - 1 + math.log(2), 2 - 1 - math.log(2)], rel=1e-6
+    )
     assert kl_estimate(ref, ref, "k3").tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="kl_estimator"):
         kl_estimate(logp, ref, "k4")
@@ -105,7 +110,7 @@ def test_tis_weights_truncate_and_detach():
     old = torch.log(torch.tensor([0.6, 0.3, 0.9])).requires_grad_()
     rollout = torch.log(torch.tensor([0.3, 0.3, 0.1]))
     w = tis_weights(old_log_probs=old, rollout_log_probs=rollout, clip=2.0)
-    assert w.tolist() == pytest.approx([2.0, 1.0, 2.0], rel=1e-6)   # 0.6/0.3 = 2, 1, 9 -> capped at 2
+    assert w.tolist() == pytest.approx([2.0, 1.0, 2.0], rel=1e-6)  # 0.6/0.3 = 2, 1, 9 -> capped at 2
     assert not w.requires_grad
 
 

@@ -22,8 +22,9 @@ def test_tiny_model_reloads_offline(tmp_path: Path, arch: str):
 
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
     out = init_model(tmp_path / "m", preset="tiny", arch=arch, seed=0)
-    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= \
-        {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == arch and model.config.num_hidden_layers == 2
     assert model.config.hidden_size == 64 and model.config.vocab_size == len(VOCAB)
@@ -31,7 +32,7 @@ def test_tiny_model_reloads_offline(tmp_path: Path, arch: str):
     tok = load_tokenizer(out)
     ids = tok("3 7 =")["input_ids"]
     assert ids == [tok.bos_token_id, VOCAB.index("3"), VOCAB.index("7"), VOCAB.index("=")]
-    assert tok.decode(ids, skip_special_tokens=True) == "3 7 ="          # faithful for qwen2 dirs too
+    assert tok.decode(ids, skip_special_tokens=True) == "3 7 ="  # faithful for qwen2 dirs too
     assert tok.decode([VOCAB.index("1"), VOCAB.index("2"), tok.eos_token_id], skip_special_tokens=True) == "1 2"
     assert (model.config.eos_token_id, model.config.pad_token_id) == (tok.eos_token_id, tok.pad_token_id)
     logits = model(torch.tensor([ids])).logits
@@ -57,10 +58,13 @@ def test_small_preset_has_a_few_million_parameters(tmp_path: Path):
     assert 1_000_000 < sum(p.numel() for p in model.parameters()) < 10_000_000
 
 
-@pytest.mark.parametrize(("preset", "layers", "hidden", "params"), [
-    ("q05", 24, 896, 357_937_536),     # Qwen2-0.5B's body over our 22-token vocabulary
-    ("q15", 28, 1536, 1_310_408_192),  # Qwen2-1.5B's
-])
+@pytest.mark.parametrize(
+    ("preset", "layers", "hidden", "params"),
+    [
+        ("q05", 24, 896, 357_937_536),  # Qwen2-0.5B's body over our 22-token vocabulary
+        ("q15", 28, 1536, 1_310_408_192),  # Qwen2-1.5B's
+    ],
+)
 def test_qwen2_body_presets(preset: str, layers: int, hidden: int, params: int):
     """The config a q05/q15 model directory gets, counted on the meta device (building the weights is minutes)."""
     from transformers import AutoModelForCausalLM
@@ -91,12 +95,22 @@ def test_refuses_to_overwrite_and_rejects_bad_arguments(tmp_path: Path):
 
 def test_cli_init_model(tmp_path: Path):
     out = tmp_path / "cli-model"
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "init-model", str(out), "--preset", "tiny"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "init-model", str(out), "--preset", "tiny"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (out / "model.safetensors").is_file() and str(out) in proc.stdout
-    again = subprocess.run([sys.executable, "-m", "services.cli", "init-model", str(out)],
-                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-m", "services.cli", "init-model", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 2 and "already holds a model" in again.stderr
 
 
@@ -111,12 +125,19 @@ REAL = {
     "qwen3-0.6b": ("qwen3", 1024, 28, 16, 8, 3072, 128, 1_000_000.0, 40_960, 1e-6, 151_936, 596_049_920),
     "llama3.2-1b": ("llama", 2048, 16, 32, 8, 8192, 64, 500_000.0, 131_072, 1e-5, 128_256, 1_235_814_400),
 }
-REAL_EOS = {   # (config.json eos_token_id, generation_config.json eos_token_id, bos)
-    "qwen2.5-0.5b": (151645, [151645, 151643], 151643), "qwen2.5-1.5b": (151645, [151645, 151643], 151643),
-    "qwen3-0.6b": (151645, [151645, 151643], 151643), "llama3.2-1b": ([128001, 128008, 128009],
-                                                                     [128001, 128008, 128009], 128000)}
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+REAL_EOS = {  # (config.json eos_token_id, generation_config.json eos_token_id, bos)
+    "qwen2.5-0.5b": (151645, [151645, 151643], 151643),
+    "qwen2.5-1.5b": (151645, [151645, 151643], 151643),
+    "qwen3-0.6b": (151645, [151645, 151643], 151643),
+    "llama3.2-1b": ([128001, 128008, 128009], [128001, 128008, 128009], 128000),
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 @pytest.mark.parametrize("preset", list(REAL))
@@ -128,12 +149,22 @@ def test_real_presets_have_the_real_shapes(preset: str):
 
     arch, hidden, layers, heads, kv, inter, head_dim, theta, max_pos, eps, vocab, params = REAL[preset]
     config = build_family_config(preset)
-    assert (config.model_type, config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-            config.num_key_value_heads, config.intermediate_size, config.head_dim) == \
-        (arch, hidden, layers, heads, kv, inter, head_dim)
-    assert (config.rope_parameters["rope_theta"], config.max_position_embeddings, config.rms_norm_eps,
-            config.vocab_size) == (theta, max_pos, eps, vocab)
-    assert config.tie_word_embeddings is True          # all four tie the output head to the embeddings
+    assert (
+        config.model_type,
+        config.hidden_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.intermediate_size,
+        config.head_dim,
+    ) == (arch, hidden, layers, heads, kv, inter, head_dim)
+    assert (
+        config.rope_parameters["rope_theta"],
+        config.max_position_embeddings,
+        config.rms_norm_eps,
+        config.vocab_size,
+    ) == (theta, max_pos, eps, vocab)
+    assert config.tie_word_embeddings is True  # all four tie the output head to the embeddings
     rope = {k: v for k, v in config.rope_parameters.items() if k != "rope_theta"}
     assert rope == (LLAMA3_ROPE if arch == "llama" else {"rope_type": "default"})
     assert set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"}
@@ -142,15 +173,23 @@ def test_real_presets_have_the_real_shapes(preset: str):
     assert InitSpec(preset, arch, None, None, "bfloat16").generation_ids(config)["eos_token_id"] == generation_eos
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    assert type(model).__name__ == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                    "llama": "LlamaForCausalLM"}[arch]
+    assert (
+        type(model).__name__
+        == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[arch]
+    )
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert sum(p.numel() for p in model.parameters()) == params
     assert hasattr(model.model.layers[0].self_attn, "q_norm") == (arch == "qwen3")
     tiny = build_family_config(preset, body="tiny", layers=1)
-    assert (tiny.num_hidden_layers, tiny.hidden_size, tiny.vocab_size, tiny.head_dim, tiny.rope_parameters,
-            tiny.tie_word_embeddings, tiny.eos_token_id) == \
-        (1, 64, vocab, head_dim, config.rope_parameters, True, eos)
+    assert (
+        tiny.num_hidden_layers,
+        tiny.hidden_size,
+        tiny.vocab_size,
+        tiny.head_dim,
+        tiny.rope_parameters,
+        tiny.tie_word_embeddings,
+        tiny.eos_token_id,
+    ) == (1, 64, vocab, head_dim, config.rope_parameters, True, eos)
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +198,11 @@ def qwen_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("q") / "qwen", preset="qwen2.5-0.5b", body="tiny", seed=3)
 
 
-TEXTS = ["Tom has 12 apples.  He buys 7 more.\n\nHow many?  #### 19", "  leading spaces, tabs\tand é→ü 1234567",
-         "<|im_start|>user\nhi<|im_end|>\n"]
+TEXTS = [
+    "Tom has 12 apples.  He buys 7 more.\n\nHow many?  #### 19",
+    "  leading spaces, tabs\tand é→ü 1234567",
+    "<|im_start|>user\nhi<|im_end|>\n",
+]
 
 
 def test_real_preset_directory_reloads_offline(qwen_tiny: Path):
@@ -168,30 +210,40 @@ def test_real_preset_directory_reloads_offline(qwen_tiny: Path):
 
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
     config = AutoConfig.from_pretrained(qwen_tiny)
-    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == \
-        ("qwen2", 2, 64, 151_936)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == (
+        "qwen2",
+        2,
+        64,
+        151_936,
+    )
     assert GenerationConfig.from_pretrained(qwen_tiny).eos_token_id == [151645, 151643]
     model = AutoModelForCausalLM.from_pretrained(qwen_tiny)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert model.dtype == torch.float32                   # a tiny body is saved in float32
+    assert model.dtype == torch.float32  # a tiny body is saved in float32
     tok = load_tokenizer(qwen_tiny)
-    auto = AutoTokenizer.from_pretrained(qwen_tiny)      # what SGLang loads: Qwen2Tokenizer
+    auto = AutoTokenizer.from_pretrained(qwen_tiny)  # what SGLang loads: Qwen2Tokenizer
     assert type(auto).__name__ == "Qwen2Tokenizer"
     for t in (tok, auto):
         assert len(t) == config.vocab_size
-        assert (t.eos_token, t.eos_token_id, t.pad_token, t.pad_token_id, t.bos_token) == \
-            ("<|im_end|>", 151645, "<|endoftext|>", 151643, None)
+        assert (t.eos_token, t.eos_token_id, t.pad_token, t.pad_token_id, t.bos_token) == (
+            "<|im_end|>",
+            151645,
+            "<|endoftext|>",
+            151643,
+            None,
+        )
         assert t.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [151643, 151644, 151645]
         assert t.convert_ids_to_tokens(151935) == "<|reserved_special_token_270|>"
     for text in TEXTS:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert ids == auto(text, add_special_tokens=False)["input_ids"]
-        assert tok.decode(ids) == auto.decode(ids) == text           # spaces, newlines and UTF-8 round-trip
-    assert tok("3 + 45")["input_ids"] == tok("3 + 45", add_special_tokens=False)["input_ids"]   # Qwen adds no BOS
+        assert tok.decode(ids) == auto.decode(ids) == text  # spaces, newlines and UTF-8 round-trip
+    assert tok("3 + 45")["input_ids"] == tok("3 + 45", add_special_tokens=False)["input_ids"]  # Qwen adds no BOS
     assert [tok.decode([i]) for i in tok("2026", add_special_tokens=False)["input_ids"]] == list("2026")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
-    chat = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
-            "<|im_start|>assistant\n")
+    chat = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == chat
     assert auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == chat
     logits = model(torch.tensor([tok(chat)["input_ids"]])).logits
@@ -214,12 +266,21 @@ def test_family_tokenizers_have_the_real_special_ids(tmp_path: Path, family: str
         size, eos, bos = 151_936, 151645, None
         chat = "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
     else:
-        expected = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|finetune_right_pad_id|>": 128004,
-                    "<|start_header_id|>": 128006, "<|end_header_id|>": 128007, "<|eom_id|>": 128008,
-                    "<|eot_id|>": 128009, "<|reserved_special_token_247|>": 128255}
+        expected = {
+            "<|begin_of_text|>": 128000,
+            "<|end_of_text|>": 128001,
+            "<|finetune_right_pad_id|>": 128004,
+            "<|start_header_id|>": 128006,
+            "<|end_header_id|>": 128007,
+            "<|eom_id|>": 128008,
+            "<|eot_id|>": 128009,
+            "<|reserved_special_token_247|>": 128255,
+        }
         size, eos, bos = 128_256, 128009, 128000
-        chat = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 3?<|eot_id|>"
-                "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        chat = (
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 3?<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        )
     for t in (tok, auto):
         assert len(t) == size and (t.eos_token_id, t.bos_token_id) == (eos, bos)
         assert {k: t.convert_tokens_to_ids(k) for k in expected} == expected
@@ -228,7 +289,7 @@ def test_family_tokenizers_have_the_real_special_ids(tmp_path: Path, family: str
             ids = t(text, add_special_tokens=False)["input_ids"]
             assert t.decode(ids) == text
     assert tok("12")["input_ids"][:1] == ([128000] if bos else tok("12", add_special_tokens=False)["input_ids"][:1])
-    if family == "llama3":        # Llama-3 groups digits by three, Qwen splits every digit
+    if family == "llama3":  # Llama-3 groups digits by three, Qwen splits every digit
         assert [tok.decode([i]) for i in tok("1234567", add_special_tokens=False)["input_ids"]] == ["123", "456", "7"]
 
 
@@ -236,7 +297,7 @@ def test_real_preset_arguments_are_checked(tmp_path: Path):
     from services.cli import main
     from services.rollout.model_init import check_init_args
 
-    assert check_init_args(preset="llama3.2-1b").dtype == "bfloat16"          # as the real checkpoints
+    assert check_init_args(preset="llama3.2-1b").dtype == "bfloat16"  # as the real checkpoints
     assert check_init_args(preset="llama3.2-1b", body="tiny").dtype == "float32"
     assert check_init_args(preset="qwen3-0.6b").arch == "qwen3"
     with pytest.raises(ModelInitError, match=r"'qwen3-0\.6b' is a qwen3 model; drop --arch"):

@@ -38,8 +38,9 @@ class ScriptedFakeEngine(GenerateOnlyEngine):
         self.calls: list[tuple[list[list[int]], SamplingSpec]] = []
         self.abort_on_call = abort_on_call
 
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-                           budgets: Sequence[int]) -> list[SampleOutput]:
+    def _generate_admitted(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, budgets: Sequence[int]
+    ) -> list[SampleOutput]:
         self.calls.append(([list(p) for p in prompts], sampling))
         if self.abort_on_call == len(self.calls) - 1:
             return [SampleOutput((), (), FINISH_ABORT, self._version) for _ in prompts]
@@ -53,7 +54,7 @@ class ScriptedFakeEngine(GenerateOnlyEngine):
 
 
 def encode(text: str) -> list[int]:
-    return [int(w) for w in text.split()]   # observation text in these tests: token ids as words
+    return [int(w) for w in text.split()]  # observation text in these tests: token ids as words
 
 
 def decode(ids: Sequence[int]) -> str:
@@ -61,13 +62,21 @@ def decode(ids: Sequence[int]) -> str:
 
 
 def sample(i: int = 0, prompt: tuple[int, ...] = (1, 4, 5, 6)) -> EpisodeSample:
-    return EpisodeSample(prompt=f"p{i}", prompt_ids=prompt, label=str(i), metadata={"i": str(i)}, group_id=i,
-                         sample_index=0)
+    return EpisodeSample(
+        prompt=f"p{i}", prompt_ids=prompt, label=str(i), metadata={"i": str(i)}, group_id=i, sample_index=0
+    )
 
 
 def rollout(engine: Engine, factory, *, max_turns: int = 4, timeout_s: float = 5.0) -> MultiTurnRollout:
-    return MultiTurnRollout(engine=engine, plugin=EnvironmentPlugin(spec="test:Env", factory=factory), encode=encode,
-                            decode=decode, max_turns=max_turns, step_timeout_s=timeout_s, vocab_size=32)
+    return MultiTurnRollout(
+        engine=engine,
+        plugin=EnvironmentPlugin(spec="test:Env", factory=factory),
+        encode=encode,
+        decode=decode,
+        max_turns=max_turns,
+        step_timeout_s=timeout_s,
+        vocab_size=32,
+    )
 
 
 class ThreeTurns:
@@ -94,24 +103,29 @@ def test_a_three_turn_episode_has_exact_tokens_mask_and_log_probs_with_a_scripte
 
     played = rollout(engine, make).run([sample()], SAMPLING)
     (e,) = played.episodes
-    assert e.prompt_ids == (1, 4, 5, 6, 2)                        # the reset observation is prompt, not response
+    assert e.prompt_ids == (1, 4, 5, 6, 2)  # the reset observation is prompt, not response
     assert e.output.token_ids == (10, 20, 7, 8, 11, 21, 9, 3, 12, 22)
     assert e.loss_mask == (1, 1, 0, 0, 1, 1, 0, 0, 1, 1)
     assert e.output.log_probs == pytest.approx((-0.1, -0.2, 0, 0, -0.2, -0.4, 0, 0, -0.3, -0.6))
     assert [lp for lp, m in zip(e.output.log_probs, e.loss_mask, strict=True) if not m] == [0.0] * 4
     assert (e.reward, e.turns, e.end, e.output.finish_reason) == (1.75, 3, "done", "stop")
-    assert e.output.weight_version == 3                           # the oldest version that generated a turn
+    assert e.output.weight_version == 3  # the oldest version that generated a turn
     # turn t was sampled by version 3 + t; an observation token carries the version of the policy token before it
     assert e.output.token_versions == (3, 3, 3, 3, 4, 4, 4, 4, 5, 5)
     # each generation continues the conversation: prompt + reset observation + every turn and observation so far
-    assert [c[0] for c in engine.calls] == [[[1, 4, 5, 6, 2]], [[1, 4, 5, 6, 2, 10, 20, 7, 8]],
-                                            [[1, 4, 5, 6, 2, 10, 20, 7, 8, 11, 21, 9, 3]]]
+    assert [c[0] for c in engine.calls] == [
+        [[1, 4, 5, 6, 2]],
+        [[1, 4, 5, 6, 2, 10, 20, 7, 8]],
+        [[1, 4, 5, 6, 2, 10, 20, 7, 8, 11, 21, 9, 3]],
+    ]
     assert [c[1] for c in engine.calls] == [turn_sampling(SAMPLING, t) for t in range(3)]
     (env,) = envs
     assert env.sample == sample()
-    assert env.actions == [Action(text="t10 t20", token_ids=(10, 20), finish_reason="stop", turn=0),
-                           Action(text="t11 t21", token_ids=(11, 21), finish_reason="stop", turn=1),
-                           Action(text="t12 t22", token_ids=(12, 22), finish_reason="stop", turn=2)]
+    assert env.actions == [
+        Action(text="t10 t20", token_ids=(10, 20), finish_reason="stop", turn=0),
+        Action(text="t11 t21", token_ids=(11, 21), finish_reason="stop", turn=1),
+        Action(text="t12 t22", token_ids=(12, 22), finish_reason="stop", turn=2),
+    ]
 
 
 class Endless:
@@ -137,9 +151,9 @@ def test_the_context_limit_ends_an_episode_before_an_observation_that_leaves_no_
     # context 12: prompt 4 + turn 2 + observation 3 = 9; turn 2 more = 11; the next observation would make 14
     engine = ScriptedFakeEngine(max_context=12)
     (e,) = rollout(engine, Endless).run([sample()], SAMPLING).episodes
-    assert e.output.token_ids == (10, 20, 7, 8, 9, 11, 21) and e.loss_mask[-1] == 1   # ends on a policy token
+    assert e.output.token_ids == (10, 20, 7, 8, 9, 11, 21) and e.loss_mask[-1] == 1  # ends on a policy token
     assert (e.turns, e.end, e.output.finish_reason) == (2, "context", "length")
-    assert max(len(p) for call in engine.calls for p in call[0]) < 12   # never a prompt the context cannot extend
+    assert max(len(p) for call in engine.calls for p in call[0]) < 12  # never a prompt the context cannot extend
     # a turn the engine cut at the context: even an empty observation leaves no room for another turn
     engine = ScriptedFakeEngine(max_context=9)
     (e,) = rollout(engine, lambda: Endless(observation=[7, 8])).run([sample()], SAMPLING).episodes
@@ -220,17 +234,20 @@ class Scripted:
         return self.result
 
 
-@pytest.mark.parametrize("result,error,fragment", [
-    (RuntimeError("boom"), EnvironmentFailure, "step of episode 0 raised RuntimeError: boom"),
-    (ConnectionError("refused"), EnvironmentUnavailable, "could not reach a dependency: ConnectionError"),
-    (TimeoutError("slow"), EnvironmentUnavailable, "environment_timeout_s"),
-    (("", "1.0", True), EnvironmentFailure, "the reward '1.0'; expected a number"),
-    (("", float("nan"), True), EnvironmentFailure, "the reward nan"),
-    (("", 1.0, 1), EnvironmentFailure, "done=1; expected True or False"),
-    (("", 1.0), EnvironmentFailure, "expected \\(observation, reward, done\\)"),
-    (([3, 99], 0.0, False), EnvironmentFailure, "holds 99; token ids are ints in \\[0, 32\\)"),
-    ((b"3", 0.0, False), EnvironmentFailure, "is a bytes; expected text or a list of token ids"),
-])
+@pytest.mark.parametrize(
+    "result,error,fragment",
+    [
+        (RuntimeError("boom"), EnvironmentFailure, "step of episode 0 raised RuntimeError: boom"),
+        (ConnectionError("refused"), EnvironmentUnavailable, "could not reach a dependency: ConnectionError"),
+        (TimeoutError("slow"), EnvironmentUnavailable, "environment_timeout_s"),
+        (("", "1.0", True), EnvironmentFailure, "the reward '1.0'; expected a number"),
+        (("", float("nan"), True), EnvironmentFailure, "the reward nan"),
+        (("", 1.0, 1), EnvironmentFailure, "done=1; expected True or False"),
+        (("", 1.0), EnvironmentFailure, "expected \\(observation, reward, done\\)"),
+        (([3, 99], 0.0, False), EnvironmentFailure, "holds 99; token ids are ints in \\[0, 32\\)"),
+        ((b"3", 0.0, False), EnvironmentFailure, "is a bytes; expected text or a list of token ids"),
+    ],
+)
 def test_a_bad_environment_fails_the_request_naming_the_episode(result, error, fragment):
     with pytest.raises(error, match=fragment):
         rollout(ScriptedFakeEngine(), lambda: Scripted(result)).run([sample()], SAMPLING)
@@ -264,7 +281,7 @@ def test_an_environment_runs_inside_a_running_event_loop():
     assert asyncio.run(caller()) == [1.0]
 
 
-ENV_FILE = '''
+ENV_FILE = """
 from dataclasses import dataclass
 from services.rollout.environments import Environment, StepResult
 
@@ -281,14 +298,14 @@ class NoStep:
     def reset(self, sample): return ""
 
 NOT_CALLABLE = 3
-'''
+"""
 
 
 def test_environment_specs_resolve_like_rewards_and_bad_ones_are_clear(tmp_path: Path):
     path = tmp_path / "envs.py"
     path.write_text(ENV_FILE)
     plugin = resolve_environment(f"{path}:Counter")
-    assert vars(plugin.make())["turns"] == 0 and plugin.make() is not plugin.make()   # one instance per episode
+    assert vars(plugin.make())["turns"] == 0 and plugin.make() is not plugin.make()  # one instance per episode
     assert resolve_environment("examples/tool_lookup/env.py:LookupEnvironment").spec.endswith("LookupEnvironment")
     for spec, fragment in [
         ("no_colon", "not of the form module:Class"),

@@ -36,8 +36,9 @@ class ScriptedFakeEngine(GenerateOnlyEngine):
         self.turns: list[tuple[list[int], str]] = turns
         self.calls: list[list[list[int]]] = []
 
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-                           budgets: Sequence[int]) -> list[SampleOutput]:
+    def _generate_admitted(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, budgets: Sequence[int]
+    ) -> list[SampleOutput]:
         ids, finish = self.turns[len(self.calls)]
         self.calls.append([list(p) for p in prompts])
         return [SampleOutput(tuple(ids), tuple([-0.5] * len(ids)), finish, 0) for _ in prompts]
@@ -62,18 +63,37 @@ class Observes:
 def texts(tmp_path_factory: pytest.TempPathFactory) -> Texts:
     path = build_chatml_tokenizer(tmp_path_factory.mktemp("chatml"))
     tokenizer = load_tokenizer(path)
-    config = config_from_dict({"model": {"path": str(path)}, "data": {"train_path": "unused.parquet"},
-                               "rollout": {"observation_role": "user"}})
+    config = config_from_dict(
+        {
+            "model": {"path": str(path)},
+            "data": {"train_path": "unused.parquet"},
+            "rollout": {"observation_role": "user"},
+        }
+    )
     return Texts(tokenizer, ChatTemplate.from_config(tokenizer, config))
 
 
 def play(texts: Texts, engine: Engine, env, *, max_turns: int = 4):
     [prompt_ids] = encode_texts(texts.tokenizer, texts.chat.render([(QUESTION,)]), special_tokens=False)[:1]
-    sample = EpisodeSample(prompt="", prompt_ids=tuple(prompt_ids), label="5", metadata={}, group_id=0,
-                           sample_index=0, messages=(QUESTION,))
-    rollout = MultiTurnRollout(engine=engine, plugin=EnvironmentPlugin(spec="test:Env", factory=lambda: env),
-                               encode=texts.encode_text, decode=texts.decode, max_turns=max_turns, step_timeout_s=5.0,
-                               vocab_size=texts.vocab_size, chat=texts)
+    sample = EpisodeSample(
+        prompt="",
+        prompt_ids=tuple(prompt_ids),
+        label="5",
+        metadata={},
+        group_id=0,
+        sample_index=0,
+        messages=(QUESTION,),
+    )
+    rollout = MultiTurnRollout(
+        engine=engine,
+        plugin=EnvironmentPlugin(spec="test:Env", factory=lambda: env),
+        encode=texts.encode_text,
+        decode=texts.decode,
+        max_turns=max_turns,
+        step_timeout_s=5.0,
+        vocab_size=texts.vocab_size,
+        chat=texts,
+    )
     [episode] = rollout.run([sample], SAMPLING).episodes
     return prompt_ids, episode
 
@@ -85,25 +105,32 @@ def ids_of(texts: Texts, *tokens: str) -> list[int]:
 
 
 def test_observations_are_chat_turns_and_earlier_turns_keep_the_exact_tokens_that_were_generated(texts):
-    apples = ids_of(texts, "Ġ", "a", "p", "p", "l", "e", "s", "<|im_end|>")   # " apples" letter by letter, then EOS
-    cut = ids_of(texts, "Ġ", "5")                                             # a turn cut by max_new_tokens
+    apples = ids_of(texts, "Ġ", "a", "p", "p", "l", "e", "s", "<|im_end|>")  # " apples" letter by letter, then EOS
+    cut = ids_of(texts, "Ġ", "5")  # a turn cut by max_new_tokens
     engine = ScriptedFakeEngine([(apples, FINISH_STOP), (cut, FINISH_LENGTH), (ids_of(texts, "5"), FINISH_STOP)])
     prompt_ids, episode = play(texts, engine, Observes(None, ["the result is 6", {"role": "tool", "content": "ok"}]))
     # the turn ended with <|im_end|>: the observation adds the rest of the template's turn end ("\n"), its own turn,
     # and the next assistant header; after a cut turn it closes the turn first
-    first = encode_texts(texts.tokenizer, ["\n<|im_start|>user\nthe result is 6<|im_end|>\n<|im_start|>assistant\n"],
-                         special_tokens=False)[0]
-    second = encode_texts(texts.tokenizer, ["<|im_end|>\n<|im_start|>tool\nok<|im_end|>\n<|im_start|>assistant\n"],
-                          special_tokens=False)[0]
-    assert engine.calls == [[prompt_ids], [prompt_ids + apples + first],
-                            [prompt_ids + apples + first + cut + second]]
+    first = encode_texts(
+        texts.tokenizer,
+        ["\n<|im_start|>user\nthe result is 6<|im_end|>\n<|im_start|>assistant\n"],
+        special_tokens=False,
+    )[0]
+    second = encode_texts(
+        texts.tokenizer, ["<|im_end|>\n<|im_start|>tool\nok<|im_end|>\n<|im_start|>assistant\n"], special_tokens=False
+    )[0]
+    assert engine.calls == [[prompt_ids], [prompt_ids + apples + first], [prompt_ids + apples + first + cut + second]]
     assert list(episode.prompt_ids) == prompt_ids
     assert list(episode.output.token_ids) == apples + first + cut + second + ids_of(texts, "5")
     assert list(episode.loss_mask) == [1] * len(apples) + [0] * len(first) + [1] * len(cut) + [0] * len(second) + [1]
     # the conversation the engine read is the template's rendering of it...
     conversation = texts.tokenizer.decode(engine.calls[1][0], skip_special_tokens=False)
-    assert conversation == texts.chat.render([(QUESTION, ChatMessage("assistant", " apples"),
-                                               ChatMessage("user", "the result is 6"))])[0]
+    assert (
+        conversation
+        == texts.chat.render([(QUESTION, ChatMessage("assistant", " apples"), ChatMessage("user", "the result is 6"))])[
+            0
+        ]
+    )
     # ...but re-encoding that text (what the bug does) would have changed the tokens the policy sampled
     assert encode_texts(texts.tokenizer, [conversation], special_tokens=False)[0] != engine.calls[1][0]
 
@@ -121,12 +148,20 @@ def test_an_observation_role_the_template_refuses_names_the_episode(texts, tmp_p
     (tmp_path / "strict.jinja").write_text(
         "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}{{ raise_exception('bad role ' + "
         "m['role']) }}{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    config = config_from_dict({"model": {"path": "unused"}, "data": {"train_path": "unused.parquet",
-                                                                     "chat_template": str(tmp_path / "strict.jinja")}})
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    config = config_from_dict(
+        {
+            "model": {"path": "unused"},
+            "data": {"train_path": "unused.parquet", "chat_template": str(tmp_path / "strict.jinja")},
+        }
+    )
     strict = Texts(texts.tokenizer, ChatTemplate.from_config(texts.tokenizer, config))
     engine = ScriptedFakeEngine([(ids_of(texts, "5"), FINISH_STOP)] * 2)
-    with pytest.raises(EnvironmentFailure, match=r"environment test:Env: the observation of episode 0: the chat "
-                                                 r"template .*strict.jinja .* cannot render an observation as a "
-                                                 r"'tool' message: .*bad role tool"):
+    with pytest.raises(
+        EnvironmentFailure,
+        match=r"environment test:Env: the observation of episode 0: the chat "
+        r"template .*strict.jinja .* cannot render an observation as a "
+        r"'tool' message: .*bad role tool",
+    ):
         play(strict, engine, Observes(None, [{"role": "tool", "content": "ok"}]))

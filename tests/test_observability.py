@@ -56,17 +56,22 @@ class Observed:
         # The run is stopped: its last step is saved and evaluated (inside the step, or after it in its trace).
         self.saved = {k for k in self.steps if (k + 1) % SAVE_INTERVAL == 0} | {last}
         self.evaluated = {k for k in self.steps if (k + 1) % EVAL_INTERVAL == 0} | {last}
-        self.num_evals = 1 + len(self.evaluated)   # and one before training, under rl.startup
+        self.num_evals = 1 + len(self.evaluated)  # and one before training, under rl.startup
 
     def find(self, name: str, service: str, rollout_id: int | None = None) -> list[dict]:
-        return [s for s in self.spans if s["name"] == name and s["service"] == service
-                and (rollout_id is None or s["attributes"].get("rl.rollout_id") == rollout_id)]
+        return [
+            s
+            for s in self.spans
+            if s["name"] == name
+            and s["service"] == service
+            and (rollout_id is None or s["attributes"].get("rl.rollout_id") == rollout_id)
+        ]
 
     def chain(self, span: dict) -> list[tuple[str, str, str]]:
         """(name, service, kind) of the span's ancestors, nearest first, up to the root."""
         out, parent = [], span["parent_span_id"]
         while parent is not None:
-            p = self.by_id[parent]   # a missing parent would mean a span was lost or never ended
+            p = self.by_id[parent]  # a missing parent would mean a span was lost or never ended
             out.append((p["name"], p["service"], p["kind"]))
             parent = p["parent_span_id"]
         return out
@@ -95,10 +100,15 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Observed:
     """A run paused after its first steps (Prometheus scraped, `ctl watch` attached), resumed, then stopped."""
     run_dir = tmp_path_factory.mktemp("observed") / "run"
     port = free_port()
-    proc = start_run(run_dir, "loop.num_rollout=100000", f"loop.eval_interval={EVAL_INTERVAL}",
-                     f"loop.save_interval={SAVE_INTERVAL}", "tracing.exporter=file",
-                     f"tracing.trackers=[jsonl, {{type: prometheus, port: {port}}}]",
-                     "algorithm.kl_coef=0.001")
+    proc = start_run(
+        run_dir,
+        "loop.num_rollout=100000",
+        f"loop.eval_interval={EVAL_INTERVAL}",
+        f"loop.save_interval={SAVE_INTERVAL}",
+        "tracing.exporter=file",
+        f"tracing.trackers=[jsonl, {{type: prometheus, port: {port}}}]",
+        "algorithm.kl_coef=0.001",
+    )
     watch = None
     try:
         target = coordinator_target(run_dir)
@@ -112,24 +122,35 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Observed:
             rows_while_paused = metrics(run_dir)
             with pytest.raises(urllib.error.HTTPError, match="404"):
                 _http_get(f"http://127.0.0.1:{port}/other")
-            watch = subprocess.Popen([sys.executable, "-m", "services.cli", "ctl", "--addr", target, "watch"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                                     env={**os.environ, "COLUMNS": "200"})
+            watch = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "ctl", "--addr", target, "watch"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=REPO,
+                env={**os.environ, "COLUMNS": "200"},
+            )
             assert watch.stdout is not None
-            first = watch.stdout.readline()   # the history comes first: the watcher is connected
+            first = watch.stdout.readline()  # the history comes first: the watcher is connected
             stub.Resume(common_pb2.Empty(), timeout=10)
             wait_status(target, lambda s: s.rollout_id > paused_at, what="a step after resuming")
             stub.Stop(common_pb2.Empty(), timeout=10)
         assert proc.wait(timeout=300) == 0, supervisor_log(run_dir)
-        watch_out = first + watch.stdout.read()   # to EOF: watch exits by itself when the run ends
+        watch_out = first + watch.stdout.read()  # to EOF: watch exits by itself when the run ends
         watch_rc = watch.wait(timeout=60)
     finally:
         stop_run(proc)
         if watch is not None and watch.poll() is None:
             watch.kill()
     spans = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
-    return Observed(run_dir=run_dir, spans=spans, scrape=scrape, rows_while_paused=rows_while_paused,
-                    watch_out=watch_out, watch_rc=watch_rc)
+    return Observed(
+        run_dir=run_dir,
+        spans=spans,
+        scrape=scrape,
+        rows_while_paused=rows_while_paused,
+        watch_out=watch_out,
+        watch_rc=watch_rc,
+    )
 
 
 def test_one_trace_per_step_with_spans_of_all_three_services(observed):
@@ -190,7 +211,7 @@ def test_parent_child_structure(observed):
         assert observed.chain(save) == [*rpc("/tandem.v1.Trainer/Save", trainer), coordinator_span("rl.save"), loop]
     evals = [s for s in observed.spans if s["name"] == "rl.eval.generate"]
     assert len(evals) == observed.num_evals
-    for s in evals:   # under rl.startup (before training) or a step's rl.loop
+    for s in evals:  # under rl.startup (before training) or a step's rl.loop
         chain = observed.chain(s)
         assert chain[:3] == [*rpc("/tandem.v1.Rollout/Evaluate", rollout), coordinator_span("rl.eval")]
         assert chain[3:] in ([coordinator_span("rl.startup")], [loop])
@@ -202,8 +223,9 @@ def test_trainer_span_links_to_the_rollout_span_that_produced_its_batch(observed
     for k in observed.steps:
         samples = observed.find("rl.sample", "tandem-rollout", k)
         [train] = observed.find("rl.train", "tandem-trainer", k)
-        assert {(lk["trace_id"], lk["span_id"]) for lk in train["links"]} == \
-               {(s["trace_id"], s["span_id"]) for s in samples}
+        assert {(lk["trace_id"], lk["span_id"]) for lk in train["links"]} == {
+            (s["trace_id"], s["span_id"]) for s in samples
+        }
         attrs = train["attributes"]
         assert attrs["rl.entries"] == len(samples) and attrs["rl.bytes"] > 0
         assert attrs["rl.samples"] == sum(s["attributes"]["rl.samples"] for s in samples)
@@ -238,8 +260,12 @@ def test_prometheus_endpoint_serves_the_last_step(observed):
             values[name] = float(value)
     last = max((r for r in observed.rows_while_paused if "rollout/reward_mean" in r), key=lambda r: r["rollout_id"])
     assert values["tandem_rollout_id"] == last["rollout_id"]
-    for key, name in (("rollout/reward_mean", "tandem_rollout_reward_mean"), ("train/kl", "tandem_train_kl"),
-                      ("perf/step_time_s", "tandem_perf_step_time_s"), ("weights/version", "tandem_weights_version")):
+    for key, name in (
+        ("rollout/reward_mean", "tandem_rollout_reward_mean"),
+        ("train/kl", "tandem_train_kl"),
+        ("perf/step_time_s", "tandem_perf_step_time_s"),
+        ("weights/version", "tandem_weights_version"),
+    ):
         assert values[name] == last[key], key
 
 
@@ -250,7 +276,7 @@ def test_ctl_watch_shows_every_step_and_exits_when_the_run_ends(observed):
     assert [int(line.split()[1].rstrip(":")) for line in steps] == observed.steps, observed.watch_out
     assert all("reward " in line and "step s " in line for line in steps)
     assert any(line.startswith(f"eval {observed.steps[-1]}:") for line in lines)
-    table = observed.watch_out[observed.watch_out.index("tandem run — "):]
+    table = observed.watch_out[observed.watch_out.index("tandem run — ") :]
     assert table.startswith("tandem run — finished"), table
     rows = [line for line in table.splitlines() if line.startswith("│")]
     assert [int(r.split("│")[1]) for r in rows] == observed.steps[-20:], table
@@ -260,18 +286,27 @@ def test_plot_renders_the_four_panels_of_the_run(observed, tmp_path):
     from PIL import Image
 
     out = tmp_path / "plot.png"
-    done = subprocess.run([sys.executable, "-m", "services.cli", "plot", str(observed.run_dir), "--out", str(out)],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "plot", str(observed.run_dir), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert done.returncode == 0 and f"wrote {out}" in done.stdout, done.stderr
     with Image.open(out) as image:
         assert image.format == "PNG" and image.size == (1200, 800)
         panels = {p["title"]: p for p in json.loads(image.info["Tandem-Panels"])}
     assert list(panels) == ["reward", "response length (tokens)", "KL to the reference", "step time breakdown (s)"]
     n = len(observed.steps)
-    assert panels["reward"] == {"title": "reward", "keys": ["rollout/reward_mean", "eval/reward_mean"],
-                                "points": n + observed.num_evals}
+    assert panels["reward"] == {
+        "title": "reward",
+        "keys": ["rollout/reward_mean", "eval/reward_mean"],
+        "points": n + observed.num_evals,
+    }
     assert panels["response length (tokens)"]["points"] == n + observed.num_evals
     assert panels["KL to the reference"] == {"title": "KL to the reference", "keys": ["train/kl"], "points": n}
     breakdown = panels["step time breakdown (s)"]
-    assert {"perf/rollout_wait_s", "perf/train_time_s", "perf/weight_sync_time_s", "perf/step_time_s"} <= \
-           set(breakdown["keys"]) and breakdown["points"] == n
+    assert {"perf/rollout_wait_s", "perf/train_time_s", "perf/weight_sync_time_s", "perf/step_time_s"} <= set(
+        breakdown["keys"]
+    ) and breakdown["points"] == n

@@ -21,8 +21,13 @@ def test_missing_or_empty_metrics_are_clear_errors(tmp_path: Path):
     (tmp_path / "metrics.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="holds no metrics yet"):
         plot_run(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "services.cli", "plot", str(tmp_path / "nowhere")],
-                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "plot", str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert done.returncode != 0 and "a run directory" in done.stderr
 
 
@@ -32,7 +37,10 @@ def test_panels_without_their_metrics_say_so(tmp_path: Path):
     rows = [{"rollout_id": 0, "rollout/reward_mean": 0.1}, {"rollout_id": 1, "rollout/reward_mean": 0.2}]
     panels = render(rows, out=tmp_path / "p.png")
     assert [(p.title, p.keys, p.points) for p in panels] == [
-        ("reward", ("rollout/reward_mean",), 2), ("response length (tokens)", (), 0),
-        ("KL to the reference", (), 0), ("step time breakdown (s)", (), 0)]
+        ("reward", ("rollout/reward_mean",), 2),
+        ("response length (tokens)", (), 0),
+        ("KL to the reference", (), 0),
+        ("step time breakdown (s)", (), 0),
+    ]
     with Image.open(tmp_path / "p.png") as image:
         assert [p["title"] for p in json.loads(image.info["Tandem-Panels"])] == [p.title for p in panels]

@@ -20,8 +20,14 @@ from services.contracts.protogen import GEN_ROOT, PROTO_ROOT, generate
 # ValidateProtobufRuntimeVersion, and GRPC_GENERATED_VERSION. Nothing else is ignored.
 _STAMPS = (
     (re.compile(r"^# Protobuf Python Version: .*$", re.M), "# Protobuf Python Version: <stamp>"),
-    (re.compile(r"^(_runtime_version\.ValidateProtobufRuntimeVersion\(\n\s*_runtime_version\.Domain\.PUBLIC,\n)"
-                r"\s*\d+,\n\s*\d+,\n\s*\d+,\n\s*'[^'\n]*',\n", re.M), r"\1    <stamp>\n"),
+    (
+        re.compile(
+            r"^(_runtime_version\.ValidateProtobufRuntimeVersion\(\n\s*_runtime_version\.Domain\.PUBLIC,\n)"
+            r"\s*\d+,\n\s*\d+,\n\s*\d+,\n\s*'[^'\n]*',\n",
+            re.M,
+        ),
+        r"\1    <stamp>\n",
+    ),
     (re.compile(r"^GRPC_GENERATED_VERSION = '[^'\n]*'$", re.M), "GRPC_GENERATED_VERSION = '<stamp>'"),
 )
 
@@ -33,8 +39,11 @@ def normalize(text: str) -> str:
 
 
 def generated_files(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): normalize(p.read_text()) for p in sorted(root.rglob("*"))
-            if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".pyi")}
+    return {
+        str(p.relative_to(root)): normalize(p.read_text())
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".pyi")
+    }
 
 
 def drift(fresh_root: Path, committed_root: Path = GEN_ROOT) -> list[str]:
@@ -43,8 +52,9 @@ def drift(fresh_root: Path, committed_root: Path = GEN_ROOT) -> list[str]:
     problems += [f"{name}: committed but not generated any more" for name in sorted(committed.keys() - fresh.keys())]
     for name in sorted(fresh.keys() & committed.keys()):
         if fresh[name] != committed[name]:
-            diff = difflib.unified_diff(committed[name].splitlines(), fresh[name].splitlines(), "committed",
-                                        "regenerated", lineterm="", n=1)
+            diff = difflib.unified_diff(
+                committed[name].splitlines(), fresh[name].splitlines(), "committed", "regenerated", lineterm="", n=1
+            )
             problems.append(f"{name} differs:\n" + "\n".join(list(diff)[:20]))
     return problems
 
@@ -61,8 +71,9 @@ def test_an_edited_proto_without_regeneration_is_caught(tmp_path):
     common = protos / "tandem" / "v1" / "common.proto"
     text = common.read_text()
     assert "message Ack {\n  bool ok = 1;\n" in text
-    common.write_text(text.replace("message Ack {\n  bool ok = 1;\n",
-                                   "message Ack {\n  bool ok = 1;\n  int32 code = 9;\n"))
+    common.write_text(
+        text.replace("message Ack {\n  bool ok = 1;\n", "message Ack {\n  bool ok = 1;\n  int32 code = 9;\n")
+    )
     (protos / "tandem" / "v1" / "extra.proto").write_text('syntax = "proto3";\npackage tandem.v1;\nmessage X {}\n')
     generate(tmp_path / "gen", proto_root=protos)
     problems = drift(tmp_path / "gen")
@@ -77,12 +88,14 @@ def test_only_version_stamps_are_ignored(tmp_path):
     grpc_py = tmp_path / "gen" / "tandem" / "v1" / "trainer_pb2_grpc.py"
     text = pb2.read_text()
     bumped = re.sub(r"# Protobuf Python Version: .*", "# Protobuf Python Version: 99.1.0", text)
-    bumped = re.sub(r"(Domain\.PUBLIC,\n)\s*\d+,\n\s*\d+,\n\s*\d+,\n\s*'',", r"\1    99,\n    1,\n    0,\n    '-rc1',",
-                    bumped)
+    bumped = re.sub(
+        r"(Domain\.PUBLIC,\n)\s*\d+,\n\s*\d+,\n\s*\d+,\n\s*'',", r"\1    99,\n    1,\n    0,\n    '-rc1',", bumped
+    )
     assert bumped != text
     pb2.write_text(bumped)
-    grpc_py.write_text(re.sub(r"GRPC_GENERATED_VERSION = '.*'", "GRPC_GENERATED_VERSION = '9.99.0'",
-                              grpc_py.read_text()))
+    grpc_py.write_text(
+        re.sub(r"GRPC_GENERATED_VERSION = '.*'", "GRPC_GENERATED_VERSION = '9.99.0'", grpc_py.read_text())
+    )
     assert drift(tmp_path / "gen") == []
     pb2.write_text(bumped.replace("_builder.BuildTopDescriptorsAndMessages", "_builder.BuildTopDescriptorsAndMsgs"))
     assert [p.split(":")[0] for p in drift(tmp_path / "gen")] == ["tandem/v1/trainer_pb2.py differs"]
@@ -90,10 +103,24 @@ def test_only_version_stamps_are_ignored(tmp_path):
 
 SERVICES = {
     "coordinator": ("Coordinator", {"GetStatus", "Save", "Eval", "Pause", "Resume", "Stop", "WatchEvents"}),
-    "trainer": ("Trainer", {"Train", "Save", "Load", "PrepareWeightSync", "PublishWeights", "Offload", "Onload",
-                            "GetState"}),
-    "rollout": ("Rollout", {"Generate", "Evaluate", "PrepareWeightSync", "ReceiveWeights", "Pause", "Resume",
-                            "ReleaseMemory", "ResumeMemory", "GetState"}),
+    "trainer": (
+        "Trainer",
+        {"Train", "Save", "Load", "PrepareWeightSync", "PublishWeights", "Offload", "Onload", "GetState"},
+    ),
+    "rollout": (
+        "Rollout",
+        {
+            "Generate",
+            "Evaluate",
+            "PrepareWeightSync",
+            "ReceiveWeights",
+            "Pause",
+            "Resume",
+            "ReleaseMemory",
+            "ResumeMemory",
+            "GetState",
+        },
+    ),
 }
 
 

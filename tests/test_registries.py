@@ -69,12 +69,18 @@ def test_the_command_table_is_the_parser_and_holds_what_the_launcher_starts():
     assert list(subcommands.choices) == list(COMMANDS)
     assert all(command.name == name for name, command in COMMANDS.items())
     launched = (ROOT / "services" / "launcher" / "supervisor.py").read_text()
-    for service in ("coordinator", "trainer", "rollout"):   # `tandem <service> CONFIG ...`, started by the supervisor
+    for service in ("coordinator", "trainer", "rollout"):  # `tandem <service> CONFIG ...`, started by the supervisor
         assert f'"{service}"' in launched and service in COMMANDS
 
 
 def test_importing_the_tables_loads_no_plug_in():
-    done = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == []

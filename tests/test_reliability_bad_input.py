@@ -32,19 +32,22 @@ def _coordinator(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
 
 def test_a_task_file_that_is_not_utf8_is_refused_naming_file_line_and_column(tmp_path):
     data = tmp_path / "tasks.jsonl"
-    data.write_bytes(b'{"prompt": "1 2 =", "label": "2"}\n{"prompt": "3 \xc3\xa9 =", "label": "3"}\n'
-                     b'{"prompt": "4 \xff =", "label": "4"}\n')
+    data.write_bytes(
+        b'{"prompt": "1 2 =", "label": "2"}\n{"prompt": "3 \xc3\xa9 =", "label": "3"}\n'
+        b'{"prompt": "4 \xff =", "label": "4"}\n'
+    )
     out = _coordinator(tmp_path, f"services.coordinator.port={free_port()}", f"data.train_path={data}")
-    assert out.returncode == ExitCode.PERMANENT, out.stderr   # tandem run does not restart it: the data stays bad
+    assert out.returncode == ExitCode.PERMANENT, out.stderr  # tandem run does not restart it: the data stays bad
     logs = tmp_path / "run" / "logs"
-    assert last_lines(out.stderr, 6) == [   # `tandem coordinator` alone ends in the same block as `tandem run`
+    assert last_lines(out.stderr, 6) == [  # `tandem coordinator` alone ends in the same block as `tandem run`
         "tandem coordinator failed: coordinator failed (BAD_INPUT)",
         f"  what went wrong: {data}:3: not valid UTF-8 (byte 0xff at column 15); task files must be UTF-8 JSON lines",
         "  kept:            no checkpoint (none was written yet)",
         "  what to do:      fix the input it names; then run the same command again: with no checkpoint it starts "
         "from the beginning",
         f"  full traceback:  {logs / 'coordinator.log'}",
-        "  exit code 3: a restart would only repeat it, so nothing was restarted"]
+        "  exit code 3: a restart would only repeat it, so nothing was restarted",
+    ]
     assert TRACEBACK not in out.stderr
     assert TRACEBACK in (logs / "coordinator.log").read_text()
 
@@ -59,19 +62,37 @@ def test_bad_prompts_are_refused_before_the_run_naming_file_line_and_the_limits(
     lines[17_776] = json.dumps({"prompt": " ".join(["8"] * 200), "label": "8"})
     data.write_text("\n".join(lines) + "\n")
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "services.cli", "run", str(EXAMPLE), "--run-dir", str(run_dir),
-                          "--no-progress", "--set", f"data.train_path={data}", "--set", "loop.num_rollout=1"],
-                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "run",
+            str(EXAMPLE),
+            "--run-dir",
+            str(run_dir),
+            "--no-progress",
+            "--set",
+            f"data.train_path={data}",
+            "--set",
+            "loop.num_rollout=1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert out.returncode == ExitCode.BAD_INPUT, out.stderr
     assert out.stderr == (
         f"tandem: data.train_path: {data}:12000: the prompt has 131 tokens, more than the 127 a prompt may have (a "
         "context of 128 tokens, from the model's max_position_embeddings, minus rollout.sampling.max_new_tokens 1); "
-        "2 more lines empty or too long (line 15001, 17777)\n")
-    assert not (run_dir / "logs").exists()   # no service was started
+        "2 more lines empty or too long (line 15001, 17777)\n"
+    )
+    assert not (run_dir / "logs").exists()  # no service was started
 
 
 def test_a_service_on_a_taken_port_says_so_in_one_line(tmp_path):
-    other = start_server([], ServerOptions(port=0))   # someone else's server
+    other = start_server([], ServerOptions(port=0))  # someone else's server
     try:
         out = _coordinator(tmp_path, f"services.coordinator.port={other.port}")
     finally:
@@ -83,8 +104,14 @@ def test_a_service_on_a_taken_port_says_so_in_one_line(tmp_path):
 
 def _failed_run(run_dir: Path, reward: str, *overrides: str) -> tuple[int, str]:
     """A `tandem run` (restarts allowed) whose reward fails in its first Generate: exit code, what it printed."""
-    proc = start_run(run_dir, "loop.num_rollout=2", "loop.eval_interval=null", "services.max_restarts=2",
-                     f"rollout.reward=tests/helpers/bad_rewards.py:{reward}", *overrides)
+    proc = start_run(
+        run_dir,
+        "loop.num_rollout=2",
+        "loop.eval_interval=null",
+        "services.max_restarts=2",
+        f"rollout.reward=tests/helpers/bad_rewards.py:{reward}",
+        *overrides,
+    )
     try:
         code = proc.wait(timeout=240)
     finally:
@@ -93,13 +120,14 @@ def _failed_run(run_dir: Path, reward: str, *overrides: str) -> tuple[int, str]:
 
 
 def _reward_ending(run_dir: Path, what: str, hint: str) -> list[str]:
-    return ["tandem run failed: rollout-0 answered Generate(0) with INVALID_ARGUMENT",
-            f"  what went wrong: {what}",
-            "  kept:            no checkpoint (none was written yet)",
-            f"  what to do:      {hint}; then run the same command again: with no checkpoint it starts from the "
-            "beginning",
-            f"  full traceback:  {run_dir / 'logs' / 'rollout-0.log'}",
-            "  exit code 3: a restart would only repeat it, so nothing was restarted"]
+    return [
+        "tandem run failed: rollout-0 answered Generate(0) with INVALID_ARGUMENT",
+        f"  what went wrong: {what}",
+        "  kept:            no checkpoint (none was written yet)",
+        f"  what to do:      {hint}; then run the same command again: with no checkpoint it starts from the beginning",
+        f"  full traceback:  {run_dir / 'logs' / 'rollout-0.log'}",
+        "  exit code 3: a restart would only repeat it, so nothing was restarted",
+    ]
 
 
 def _assert_failed_once(run_dir: Path, printed: str) -> None:
@@ -108,9 +136,9 @@ def _assert_failed_once(run_dir: Path, printed: str) -> None:
     assert TRACEBACK not in printed
     assert "DEADLINE_EXCEEDED" not in printed
     coordinator_log = (run_dir / "logs" / "coordinator.log").read_text()
-    assert "retrying on another replica" not in coordinator_log       # the share was not generated again
+    assert "retrying on another replica" not in coordinator_log  # the share was not generated again
     rollout_log = (run_dir / "logs" / "rollout-0.log").read_text()
-    assert rollout_log.count("Generate: INVALID_ARGUMENT") == 1       # asked once: no retry on the same replica
+    assert rollout_log.count("Generate: INVALID_ARGUMENT") == 1  # asked once: no retry on the same replica
     assert TRACEBACK in rollout_log
 
 
@@ -122,10 +150,12 @@ def test_a_reward_that_raises_fails_the_run_once_without_retries_or_restarts(tmp
     assert code == ExitCode.PERMANENT, printed
     spec = f"{REPO / 'tests/helpers/bad_rewards.py'}:raises_on_seven"
     assert last_lines(printed, 6) == _reward_ending(
-        run_dir, f"reward function {spec} raised ZeroDivisionError on sample 32: float division by zero",
-        "fix the reward function"), printed
+        run_dir,
+        f"reward function {spec} raised ZeroDivisionError on sample 32: float division by zero",
+        "fix the reward function",
+    ), printed
     _assert_failed_once(run_dir, printed)
-    assert "ZeroDivisionError" in (run_dir / "logs" / "rollout-0.log").read_text()   # the reward's own traceback
+    assert "ZeroDivisionError" in (run_dir / "logs" / "rollout-0.log").read_text()  # the reward's own traceback
 
 
 @pytest.mark.slow
@@ -136,7 +166,8 @@ def test_a_reward_that_never_returns_is_named_once_after_rollout_reward_timeout_
     assert code == ExitCode.PERMANENT, printed
     spec = f"{REPO / 'tests/helpers/bad_rewards.py'}:hangs_on_seven"
     assert last_lines(printed, 6) == _reward_ending(
-        run_dir, f"reward function {spec} did not return within 1 s (rollout.reward_timeout_s) for sample 32",
-        f"make {spec} return sooner (give what it waits for a timeout of its own), or raise "
-        "rollout.reward_timeout_s"), printed
+        run_dir,
+        f"reward function {spec} did not return within 1 s (rollout.reward_timeout_s) for sample 32",
+        f"make {spec} return sooner (give what it waits for a timeout of its own), or raise rollout.reward_timeout_s",
+    ), printed
     _assert_failed_once(run_dir, printed)

@@ -42,15 +42,28 @@ def test_a_full_disk_during_save_names_the_path_and_keeps_the_last_good_checkpoi
     config = load_config(EXAMPLE, [f"trainer.checkpoint_dir={ckpt}", "trainer.export_hf_on_save=true"])
     config = resolve_for_local_run(config, redis_url=redis_server.url)
     write_resolved_config(config, run_dir)
-    trainer_cmd = [sys.executable, "-m", "services.cli", "trainer", str(run_dir / "config.yaml"), "--run-dir",
-                   str(run_dir), "--role", "actor"]
+    trainer_cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "trainer",
+        str(run_dir / "config.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--role",
+        "actor",
+    ]
     with open(tmp_path / "trainer.log", "ab") as log:
-        proc = subprocess.Popen(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _MOUNT, str(ckpt),
-                                 *trainer_cmd], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(
+            ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _MOUNT, str(ckpt), *trainer_cmd],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
     trainer, _, rollouts = make_clients(config)
     try:
         trainer.wait_healthy(180)
-        seen = Path(f"/proc/{proc.pid}/root{ckpt}")   # the trainer's view: the tmpfs
+        seen = Path(f"/proc/{proc.pid}/root{ckpt}")  # the trainer's view: the tmpfs
         good = trainer.stub.Save(trainer_pb2.SaveRequest(rollout_id=0), timeout=120)
         assert (seen / "actor" / "rollout_00000000" / "COMPLETE.json").is_file()
         filler = _fill(seen, leave_bytes=256 << 10)
@@ -65,12 +78,12 @@ def test_a_full_disk_during_save_names_the_path_and_keeps_the_last_good_checkpoi
         found = re.search(r"\((\d+) bytes free after removing its partial files\)", details)
         assert found is not None, details
         freed = int(found.group(1))
-        assert freed >= 256 << 10   # the partial checkpoint's space was given back at once
-        assert sorted(p.name for p in (seen / "actor").iterdir()) == ["rollout_00000000"]   # partial files gone
+        assert freed >= 256 << 10  # the partial checkpoint's space was given back at once
+        assert sorted(p.name for p in (seen / "actor").iterdir()) == ["rollout_00000000"]  # partial files gone
 
-        loaded = trainer.stub.Load(trainer_pb2.LoadRequest(), timeout=120)   # the good one still loads
+        loaded = trainer.stub.Load(trainer_pb2.LoadRequest(), timeout=120)  # the good one still loads
         assert loaded.loaded and loaded.path == good.path and loaded.rollout_id == 0
-        filler.unlink()                                   # space again: the same Save now succeeds
+        filler.unlink()  # space again: the same Save now succeeds
         again = trainer.stub.Save(trainer_pb2.SaveRequest(rollout_id=1), timeout=120)
         assert (seen / "actor" / "rollout_00000001" / "COMPLETE.json").is_file() and again.hf_path
     finally:
@@ -101,16 +114,27 @@ def test_a_full_disk_during_a_save_in_tandem_run_ends_in_one_block_keeping_the_l
     ckpt.mkdir()
     run_dir.mkdir()
     args = [sys.executable, "-m", "services.cli", "run", str(EXAMPLE), "--run-dir", str(run_dir), "--no-progress"]
-    for item in (f"trainer.checkpoint_dir={ckpt}", f"loop.save_trigger_sentinel={sentinel}", "loop.num_rollout=1000",
-                 "loop.eval_interval=null", "trainer.export_hf_on_save=false", "rollout.rollout_batch_size=4",
-                 "rollout.n_samples_per_prompt=2"):
+    for item in (
+        f"trainer.checkpoint_dir={ckpt}",
+        f"loop.save_trigger_sentinel={sentinel}",
+        "loop.num_rollout=1000",
+        "loop.eval_interval=null",
+        "trainer.export_hf_on_save=false",
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=2",
+    ):
         args += ["--set", item]
     printed = tmp_path / "printed.txt"
     with open(printed, "wb") as out:
-        proc = subprocess.Popen(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _MOUNT, str(ckpt),
-                                 *args], stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(
+            ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", _MOUNT, str(ckpt), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
     try:
-        seen = Path(f"/proc/{proc.pid}/root{ckpt}") / "actor"   # the run's view: the tmpfs
+        seen = Path(f"/proc/{proc.pid}/root{ckpt}") / "actor"  # the run's view: the tmpfs
         _wait(lambda: (run_dir / "metrics.jsonl").is_file(), proc, "a first step")
         sentinel.touch()
         _wait(lambda: any(seen.glob("rollout_*/COMPLETE.json")), proc, "the first checkpoint")
@@ -126,16 +150,20 @@ def test_a_full_disk_during_a_save_in_tandem_run_ends_in_one_block_keeping_the_l
     assert code == 3, text
     ending = text.rstrip("\n").splitlines()[-6:]
     assert ending[0] == "tandem run failed: trainer answered Save with RESOURCE_EXHAUSTED", text
-    assert re.fullmatch(rf"  what went wrong: no space left on {ckpt / 'actor'}: checkpoint rollout_\d+ was not "
-                        rf"written \(\d+ bytes free after removing its partial files\); the last good checkpoint "
-                        rf"{ckpt / 'actor' / good} is kept", ending[1]), ending[1]
+    assert re.fullmatch(
+        rf"  what went wrong: no space left on {ckpt / 'actor'}: checkpoint rollout_\d+ was not "
+        rf"written \(\d+ bytes free after removing its partial files\); the last good checkpoint "
+        rf"{ckpt / 'actor' / good} is kept",
+        ending[1],
+    ), ending[1]
     assert ending[2:] == [
         f"  kept:            {ckpt / 'actor' / good}",
         f"  what to do:      free space on {ckpt / 'actor'} (or point trainer.checkpoint_dir at a larger disk; "
         f"trainer.keep_last_checkpoints bounds how many are kept); then run the same command again: it resumes from "
         f"{ckpt / 'actor' / good}",
         f"  full traceback:  {run_dir / 'logs' / 'trainer.log'}",
-        "  exit code 3: a restart would only repeat it, so nothing was restarted"]
+        "  exit code 3: a restart would only repeat it, so nothing was restarted",
+    ]
     assert "Traceback (most recent call last)" not in text
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "Traceback (most recent call last)" in trainer_log and "NoSpaceLeft: no space left on" in trainer_log

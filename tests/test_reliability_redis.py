@@ -18,14 +18,15 @@ GROUPS = ("actor", "critic")
 
 
 def _handle(client, stream: str, **kw) -> RolloutBuffer:
-    return RolloutBuffer(client, stream, groups=GROUPS, max_buffered_batches=6, inline_max_bytes=4096,
-                         chunk_bytes=4096, **kw)
+    return RolloutBuffer(
+        client, stream, groups=GROUPS, max_buffered_batches=6, inline_max_bytes=4096, chunk_bytes=4096, **kw
+    )
 
 
 def test_redis_kill_9_loses_no_pending_or_unread_entry(fresh_redis: EmbeddedRedis, stream: str):
     client = connect(fresh_redis.url)
     producer = _handle(client, stream)
-    batches = [make_batch(i, resp_len=6 if i != 2 else 700) for i in range(7)]   # entry 2 is chunked
+    batches = [make_batch(i, resp_len=6 if i != 2 else 700) for i in range(7)]  # entry 2 is chunked
     ids = [producer.put(b, timeout_s=5) for b in batches[:6]]
     # A trainer process takes entries 0 and 1 and dies without acking; our actor trains entry 2 (acks it) and
     # holds 3; the critic acknowledges 0 and 2, so entry 2 is gone (both roles acked it), 0 half-acked.
@@ -45,17 +46,25 @@ def test_redis_kill_9_loses_no_pending_or_unread_entry(fresh_redis: EmbeddedRedi
     blocked_producer = _handle(connect(fresh_redis.url), stream)
     blocked = threading.Thread(target=lambda: late.update(id=blocked_producer.put(make_batch(9), timeout_s=60)))
     blocked.start()
-    before = (client.xlen(stream), pending_by_consumer(client, stream, "actor"),
-              pending_by_consumer(client, stream, "critic"), client.hgetall(f"{stream}:acks"))
+    before = (
+        client.xlen(stream),
+        pending_by_consumer(client, stream, "actor"),
+        pending_by_consumer(client, stream, "critic"),
+        client.hgetall(f"{stream}:acks"),
+    )
     assert before[:2] == (6, {"actor-dead": ids[:2], "actor-0": [ids[3]]})
     client.close()
 
-    fresh_redis.kill()       # kill -9
-    fresh_redis.start()      # same port and data directory: the AOF is replayed
+    fresh_redis.kill()  # kill -9
+    fresh_redis.start()  # same port and data directory: the AOF is replayed
 
     client = connect(fresh_redis.url)
-    assert (client.xlen(stream), pending_by_consumer(client, stream, "actor"),
-            pending_by_consumer(client, stream, "critic"), client.hgetall(f"{stream}:acks")) == before
+    assert (
+        client.xlen(stream),
+        pending_by_consumer(client, stream, "actor"),
+        pending_by_consumer(client, stream, "critic"),
+        client.hgetall(f"{stream}:acks"),
+    ) == before
     # A restarted trainer under the same consumer name gets its own pending entry first, then takes over the
     # dead consumer's, then the ones never read; every payload is intact, and entry 2 never comes back.
     actor = _handle(client, stream, group="actor", consumer="actor-0", claim_idle_ms=0)
@@ -63,13 +72,13 @@ def test_redis_kill_9_loses_no_pending_or_unread_entry(fresh_redis: EmbeddedRedi
     assert [e.entry_id for e in entries] == [ids[3], ids[0], ids[1], ids[4], ids[5], ids[6]]
     for e in entries:
         assert_same_batch(e.batch, batches[ids.index(e.entry_id)])
-    actor.ack([e.entry_id for e in entries])          # entry 0 is now acked by both roles: room for one more
+    actor.ack([e.entry_id for e in entries])  # entry 0 is now acked by both roles: room for one more
     blocked.join(60)
     assert late.get("id") and late["id"] not in ids
     critic = _handle(client, stream, group="critic", consumer="critic-0")
-    rest = critic.get(count=10, block_ms=0)           # its own pending 1 first, then 3..6 and the late one
+    rest = critic.get(count=10, block_ms=0)  # its own pending 1 first, then 3..6 and the late one
     assert [e.entry_id for e in rest] == [ids[1], ids[3], ids[4], ids[5], ids[6], late["id"]]
     critic.ack([e.entry_id for e in rest])
     actor.ack([e.entry_id for e in actor.get(count=10, block_ms=0)])
-    assert client.xlen(stream) == 0 and not client.keys(f"{stream}:chunk:*")   # all trained, nothing leaked
+    assert client.xlen(stream) == 0 and not client.keys(f"{stream}:chunk:*")  # all trained, nothing leaked
     client.close()

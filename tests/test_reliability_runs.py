@@ -38,8 +38,14 @@ pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(400
 # appendfsync always: Redis loses no acknowledged write when it is killed; a password, which every
 # service must use.
 PASSWORD = "pa55-for-the-embedded-redis"
-COMMON = ("loop.eval_interval=null", "trainer.micro_batch_tokens=48", "loop.step_timeout_s=60",
-          "weights.timeout_s=30", "redis.appendfsync=always", f"redis.password={PASSWORD}")
+COMMON = (
+    "loop.eval_interval=null",
+    "trainer.micro_batch_tokens=48",
+    "loop.step_timeout_s=60",
+    "weights.timeout_s=30",
+    "redis.appendfsync=always",
+    f"redis.password={PASSWORD}",
+)
 
 
 def _log(run_dir, name: str) -> str:
@@ -77,7 +83,7 @@ def test_coordinator_and_redis_kill_9_resume_without_double_training(tmp_path):
         os.kill(service_pid(proc.pid, "coordinator"), signal.SIGKILL)
         wait_for(lambda: "coordinator restarted" in supervisor_log(run_dir), what="the coordinator's restart")
         wait_running(run_dir, rollout_id=7)
-        with pytest.raises(Exception, match=r"(?i)auth"):     # the embedded redis-server wants its password
+        with pytest.raises(Exception, match=r"(?i)auth"):  # the embedded redis-server wants its password
             connect(resolved_config(run_dir)["redis"]["url"]).ping()
         os.kill(redis_pid(proc.pid), signal.SIGKILL)
         assert proc.wait(timeout=300) == 0, supervisor_log(run_dir)
@@ -88,7 +94,7 @@ def test_coordinator_and_redis_kill_9_resume_without_double_training(tmp_path):
     assert "resumed from" in _log(run_dir, "coordinator")
     assert_every_sample_trained_once(run_dir, n)
     steps = [r["rollout_id"] for r in metrics(run_dir) if "perf/step_time_s" in r]
-    assert set(steps) == set(range(n))   # steps after the last checkpoint ran again; none was skipped
+    assert set(steps) == set(range(n))  # steps after the last checkpoint ran again; none was skipped
 
 
 def test_crashes_while_the_supervisor_restarts_are_restarted_too(tmp_path):
@@ -97,16 +103,18 @@ def test_crashes_while_the_supervisor_restarts_are_restarted_too(tmp_path):
     run_dir, n = tmp_path / "run", 10
     proc = start_run(run_dir, f"loop.num_rollout={n}", "loop.save_interval=2", "services.max_restarts=3", *COMMON)
     try:
-        wait_running(run_dir, rollout_id=4)   # the checkpoint of rollout 1 is written
+        wait_running(run_dir, rollout_id=4)  # the checkpoint of rollout 1 is written
         trainer, coordinator = service_pid(proc.pid, "trainer"), service_pid(proc.pid, "coordinator")
         os.kill(trainer, signal.SIGKILL)
         # the replacement is killed as soon as it exists: it is still importing, far from healthy
-        second = wait_for(lambda: replacement_pid(proc.pid, "trainer", old=trainer), what="the new trainer",
-                          every_s=0.01)
+        second = wait_for(
+            lambda: replacement_pid(proc.pid, "trainer", old=trainer), what="the new trainer", every_s=0.01
+        )
         os.kill(second, signal.SIGKILL)
         # the coordinator comes back once a third trainer is healthy; killed as soon as it exists
-        restarted = wait_for(lambda: replacement_pid(proc.pid, "coordinator", old=coordinator),
-                             what="the new coordinator", every_s=0.01)
+        restarted = wait_for(
+            lambda: replacement_pid(proc.pid, "coordinator", old=coordinator), what="the new coordinator", every_s=0.01
+        )
         os.kill(restarted, signal.SIGKILL)
         assert proc.wait(timeout=300) == 0, supervisor_log(run_dir)
     finally:
@@ -121,8 +129,15 @@ def test_crashes_while_the_supervisor_restarts_are_restarted_too(tmp_path):
 
 def test_rollout_kill_9_mid_generation_the_other_replica_finishes_the_step(tmp_path):
     run_dir, n = tmp_path / "run", 12
-    proc = start_run(run_dir, f"loop.num_rollout={n}", "loop.save_interval=100", "services.max_restarts=3", *COMMON,
-                     "services.rollout=[{port: 0}, {port: 0}]", "rollout.sampling.max_new_tokens=24")
+    proc = start_run(
+        run_dir,
+        f"loop.num_rollout={n}",
+        "loop.save_interval=100",
+        "services.max_restarts=3",
+        *COMMON,
+        "services.rollout=[{port: 0}, {port: 0}]",
+        "rollout.sampling.max_new_tokens=24",
+    )
     try:
         wait_running(run_dir, rollout_id=2)
         kills = _kill_replica_1_until_a_generate_fails(proc, run_dir)
@@ -132,12 +147,12 @@ def test_rollout_kill_9_mid_generation_the_other_replica_finishes_the_step(tmp_p
     assert "rollout-1 exited with -9; restarting it" in supervisor_log(run_dir)
     coordinator_log = _log(run_dir, "coordinator")
     assert "rollout[1] Generate(" in coordinator_log and "retrying on another replica" in coordinator_log
-    assert "resumed from" not in coordinator_log           # the coordinator itself carried on
+    assert "resumed from" not in coordinator_log  # the coordinator itself carried on
     steps = [r for r in metrics(run_dir) if "perf/step_time_s" in r]
     assert [r["rollout_id"] for r in steps] == list(range(n))
-    assert {r["rollout/num_samples"] for r in steps} == {BATCH_SAMPLES}   # no partial batch was trained
+    assert {r["rollout/num_samples"] for r in steps} == {BATCH_SAMPLES}  # no partial batch was trained
     assert_every_sample_trained_once(run_dir, n)
-    assert _log(run_dir, "rollout-1").count("TANDEM_READY rollout") == kills + 1   # each restarted one served
+    assert _log(run_dir, "rollout-1").count("TANDEM_READY rollout") == kills + 1  # each restarted one served
 
 
 def _kill_replica_1_until_a_generate_fails(proc, run_dir) -> int:
@@ -149,8 +164,10 @@ def _kill_replica_1_until_a_generate_fails(proc, run_dir) -> int:
             stub = rollout_pb2_grpc.RolloutStub(channel)
             wait_for(lambda s=stub: _generating(s), what="rollout-1 generating", every_s=0.002)
             os.kill(rollout_pid(proc.pid, 1), signal.SIGKILL)
-        wait_for(lambda k=kills: _log(run_dir, "rollout-1").count("TANDEM_READY rollout") == k + 1,
-                 what="rollout-1 restarted")
+        wait_for(
+            lambda k=kills: _log(run_dir, "rollout-1").count("TANDEM_READY rollout") == k + 1,
+            what="rollout-1 restarted",
+        )
         if "retrying on another replica" in _log(run_dir, "coordinator"):
             return kills
     raise AssertionError("no kill -9 of rollout-1 landed while it generated")
@@ -166,12 +183,32 @@ def _generating(stub) -> bool:
 def long_tailed_digit_max(out) -> list[str]:
     """digit_max ("a b =", answer max(a, b)) with each row's response forced to its own lognormal length in 4..120
     tokens (examples/digit_max_long/generate_data.py --lengths); the reward reads the first digit only."""
-    subprocess.run([sys.executable, str(REPO / "examples/digit_max_long/generate_data.py"), "--digits", "2",
-                    "--train", "2048", "--eval", "128", "--lengths", "4", "120", "--out", str(out)], check=True,
-                   capture_output=True)
-    return [f"data.train_path={out / 'train.jsonl'}", f"data.eval_path={out / 'eval.jsonl'}",
-            f"rollout.reward={REPO / 'examples/digit_max_long/reward.py'}:reward",
-            "rollout.sampling.max_new_tokens=120", "rollout.sampling.ignore_eos=true"]
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "examples/digit_max_long/generate_data.py"),
+            "--digits",
+            "2",
+            "--train",
+            "2048",
+            "--eval",
+            "128",
+            "--lengths",
+            "4",
+            "120",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return [
+        f"data.train_path={out / 'train.jsonl'}",
+        f"data.eval_path={out / 'eval.jsonl'}",
+        f"rollout.reward={REPO / 'examples/digit_max_long/reward.py'}:reward",
+        "rollout.sampling.max_new_tokens=120",
+        "rollout.sampling.ignore_eos=true",
+    ]
 
 
 def test_inflight_streaming_learns_long_tailed_digit_max_and_a_coordinator_kill_9_trains_every_group_once(tmp_path):
@@ -182,15 +219,28 @@ def test_inflight_streaming_learns_long_tailed_digit_max_and_a_coordinator_kill_
     last checkpoint, reusing the groups it recorded as done and generating again the ones that were not, and the
     books balance: every rollout id trained once, trained + dropped as stale = generated, nothing left in Redis."""
     run_dir, n = tmp_path / "run", 40
-    proc = start_run(run_dir, f"loop.num_rollout={n}", "loop.eval_interval=40", "loop.save_interval=5",
-                     "services.max_restarts=1", "loop.mode=streaming", "loop.max_staleness=3",
-                     "redis.max_buffered_batches=64", "rollout.continuous_batching=true", "rollout.max_batch_size=128",
-                     "rollout.inflight_update=keep", "algorithm.use_rollout_logprobs=false", "algorithm.use_tis=true",
-                     "algorithm.tis_mode=mask", "algorithm.loss_aggregation=seq_mean_token_mean",
-                     "redis.appendfsync=always", f"redis.password={PASSWORD}",
-                     *long_tailed_digit_max(tmp_path / "data"))
+    proc = start_run(
+        run_dir,
+        f"loop.num_rollout={n}",
+        "loop.eval_interval=40",
+        "loop.save_interval=5",
+        "services.max_restarts=1",
+        "loop.mode=streaming",
+        "loop.max_staleness=3",
+        "redis.max_buffered_batches=64",
+        "rollout.continuous_batching=true",
+        "rollout.max_batch_size=128",
+        "rollout.inflight_update=keep",
+        "algorithm.use_rollout_logprobs=false",
+        "algorithm.use_tis=true",
+        "algorithm.tis_mode=mask",
+        "algorithm.loss_aggregation=seq_mean_token_mean",
+        "redis.appendfsync=always",
+        f"redis.password={PASSWORD}",
+        *long_tailed_digit_max(tmp_path / "data"),
+    )
     try:
-        wait_running(run_dir, rollout_id=12)   # the checkpoint of rollout 9 is written
+        wait_running(run_dir, rollout_id=12)  # the checkpoint of rollout 9 is written
         os.kill(service_pid(proc.pid, "coordinator"), signal.SIGKILL)
         assert proc.wait(timeout=400) == 0, supervisor_log(run_dir)
     finally:

@@ -35,17 +35,25 @@ def test_kill_9_of_tandem_run_takes_redis_server_and_every_service_with_it(tmp_p
     proc = start_run(run_dir, "loop.num_rollout=400", *COMMON)
     try:
         wait_running(run_dir, rollout_id=1)
-        named = {"redis-server": redis_pid(proc.pid), "trainer": service_pid(proc.pid, "trainer"),
-                 "rollout": rollout_pid(proc.pid, 0), "coordinator": service_pid(proc.pid, "coordinator")}
+        named = {
+            "redis-server": redis_pid(proc.pid),
+            "trainer": service_pid(proc.pid, "trainer"),
+            "rollout": rollout_pid(proc.pid, 0),
+            "coordinator": service_pid(proc.pid, "coordinator"),
+        }
         everything = set(children_of(proc.pid))
         assert set(named.values()) <= everything
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        wait_for(lambda: not any(alive(pid) for pid in everything), what="the children of the killed supervisor",
-                 timeout_s=120, every_s=0.2)
+        wait_for(
+            lambda: not any(alive(pid) for pid in everything),
+            what="the children of the killed supervisor",
+            timeout_s=120,
+            every_s=0.2,
+        )
     finally:
         stop_run(proc)
-        for pid in filter(alive, everything):   # some only when the test failed: leave nothing behind
+        for pid in filter(alive, everything):  # some only when the test failed: leave nothing behind
             os.kill(pid, signal.SIGKILL)
     assert "Traceback" not in supervisor_log(run_dir)
 
@@ -60,7 +68,7 @@ def test_idle_watch_streams_beyond_the_limit_are_refused_and_never_starve_the_co
         target = coordinator_target(run_dir)
         with open_channel(target) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-            stub.Pause(common_pb2.Empty(), timeout=30)   # no more step events: the streams sit idle
+            stub.Pause(common_pb2.Empty(), timeout=30)  # no more step events: the streams sit idle
             wait_status(target, lambda st: st.state == "paused", what="paused")
             accepted, refused = _open_streams(stub, limit + 1)
             # the supervisor's own progress stream holds a slot too
@@ -70,16 +78,16 @@ def test_idle_watch_streams_beyond_the_limit_are_refused_and_never_starve_the_co
             assert stub.GetStatus(common_pb2.Empty(), timeout=10).state == "paused"
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
-            accepted.pop().cancel()   # the caller goes away: its slot comes back within a second or so
+            accepted.pop().cancel()  # the caller goes away: its slot comes back within a second or so
             again = wait_for(lambda: _open_streams(stub, 1)[0], what="a freed stream slot", every_s=0.5)
-            code = stop_run(proc, timeout_s=120)   # Ctrl-C: the supervisor's Stop gets through
+            code = stop_run(proc, timeout_s=120)  # Ctrl-C: the supervisor's Stop gets through
             # every open stream ends normally with the run, the last events saying so
             assert all(list(call)[-1].message == "finished" for call in [*accepted, *again])
     finally:
         stop_run(proc)
     log = supervisor_log(run_dir)
     assert code == 0, log
-    assert "could not reach the coordinator" not in log and checkpoints(run_dir)   # the graceful stop saved
+    assert "could not reach the coordinator" not in log and checkpoints(run_dir)  # the graceful stop saved
 
 
 def _open_streams(stub, n: int) -> tuple[list, list[grpc.RpcError]]:
@@ -97,8 +105,11 @@ def _open_streams(stub, n: int) -> tuple[list, list[grpc.RpcError]]:
 
 def test_a_second_run_on_the_same_fixed_ports_fails_clearly_and_the_first_keeps_them(tmp_path):
     ports = {name: free_port() for name in ("coordinator", "trainer", "rollout")}
-    fixed = (f"services.coordinator.port={ports['coordinator']}", f"services.trainer.port={ports['trainer']}",
-             f"services.rollout=[{{port: {ports['rollout']}}}]")
+    fixed = (
+        f"services.coordinator.port={ports['coordinator']}",
+        f"services.trainer.port={ports['trainer']}",
+        f"services.rollout=[{{port: {ports['rollout']}}}]",
+    )
     first, second = tmp_path / "first", tmp_path / "second"
     proc = start_run(first, "loop.num_rollout=400", *COMMON, *fixed)
     other = None
@@ -111,7 +122,7 @@ def test_a_second_run_on_the_same_fixed_ports_fails_clearly_and_the_first_keeps_
         assert other.wait(timeout=240) == 2
         log = supervisor_log(second)
         assert f"tandem run: port {ports['trainer']} on 127.0.0.1 is in use (another tandem run?)" in log, log
-        assert "healthy" not in log   # it started nothing (a health check would have reached the first run)
+        assert "healthy" not in log  # it started nothing (a health check would have reached the first run)
         status = wait_status(target, lambda st: st.state == "paused", what="the first run, untouched")
         assert status.run_dir == str(first)
         assert stop_run(proc, timeout_s=120) == 0, supervisor_log(first)

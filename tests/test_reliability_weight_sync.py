@@ -19,7 +19,7 @@ from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, trainer_pb
 from services.coordinator.sync import WeightSync
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(300)]
-DEADLINE_S = 6.0   # weights.timeout_s of these syncs
+DEADLINE_S = 6.0  # weights.timeout_s of these syncs
 # The callers' own deadline, well beyond DEADLINE_S: an answer from the service (its error text, not gRPC's
 # "Deadline Exceeded") shows the survivor gave up by itself instead of hanging.
 CALL_S = DEADLINE_S + 30
@@ -27,8 +27,11 @@ CALL_S = DEADLINE_S + 30
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory, redis_server):
-    s = Services(tmp_path_factory.mktemp("sync"), redis_server.url,
-                 [f"weights.timeout_s={DEADLINE_S}", "weights.check_weight_update_equal=true"])
+    s = Services(
+        tmp_path_factory.mktemp("sync"),
+        redis_server.url,
+        [f"weights.timeout_s={DEADLINE_S}", "weights.check_weight_update_equal=true"],
+    )
     yield s
     s.close()
 
@@ -37,10 +40,13 @@ def _start_transfer(s: Services, version: int):
     """Phase prepare by hand, then the engine's ReceiveWeights; returns (plan, its future) once the engine
     has joined (posted `ready` in the trainer's store) and waits for the trainer's go."""
     s.rollout.stub.PrepareWeightSync(rollout_pb2.PrepareReceiveRequest(version=version), timeout=10)
-    plan = s.trainer.stub.PrepareWeightSync(trainer_pb2.PrepareWeightSyncRequest(
-        version=version, transport="gloo", engine_world_size=1, verify=True), timeout=10)
-    receive = ThreadPoolExecutor(1).submit(s.rollout.stub.ReceiveWeights, rollout_pb2.ReceiveWeightsRequest(
-        plan=plan, rank_offset=1), timeout=CALL_S)
+    plan = s.trainer.stub.PrepareWeightSync(
+        trainer_pb2.PrepareWeightSyncRequest(version=version, transport="gloo", engine_world_size=1, verify=True),
+        timeout=10,
+    )
+    receive = ThreadPoolExecutor(1).submit(
+        s.rollout.stub.ReceiveWeights, rollout_pb2.ReceiveWeightsRequest(plan=plan, rank_offset=1), timeout=CALL_S
+    )
     store = dist.TCPStore(plan.master_addr, plan.master_port, is_master=False, timeout=datetime.timedelta(seconds=10))
     ctl = dist.PrefixStore(f"{plan.group_name}/ctl", store)
     wait_for(lambda: ctl.check([f"v{version}/ready/1"]), what="the engine joining the transfer", timeout_s=30)
@@ -61,12 +67,12 @@ def test_rollout_killed_mid_sync_trainer_fails_in_time_and_a_restarted_engine_re
     s.kill("rollout")
     err = _error(lambda: s.trainer.stub.PublishWeights(trainer_pb2.PublishWeightsRequest(version=1), timeout=CALL_S))
     assert err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE), err
-    assert err.details().startswith("WeightSync"), err.details()              # the trainer's own error
+    assert err.details().startswith("WeightSync"), err.details()  # the trainer's own error
     assert "gloo weight sync v1 failed on the trainer" in err.details() and "engine rank(s) [1]" in err.details()
-    gone = _error(receive.result)                                          # the coordinator's side of the engine
+    gone = _error(receive.result)  # the coordinator's side of the engine
     assert gone.code() == grpc.StatusCode.UNAVAILABLE
     s.restart("rollout")
-    result = sync.run(version=2)                                           # a fresh engine: the group is rebuilt
+    result = sync.run(version=2)  # a fresh engine: the group is rebuilt
     assert result.verified_tensors == len({m.name for b in plan.buckets for m in b.tensors})
     assert s.rollout.stub.GetState(common_pb2.Empty(), timeout=10).weight_version == 2
 
@@ -79,12 +85,12 @@ def test_trainer_killed_mid_sync_engine_fails_in_time_and_a_restarted_trainer_re
     s.kill("trainer")
     err = _error(receive.result)
     assert err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), err
-    assert err.details().startswith("WeightSync"), err.details()              # the engine's own error
+    assert err.details().startswith("WeightSync"), err.details()  # the engine's own error
     assert "gloo weight sync v4 failed on the engine rank 1" in err.details()
     assert "trainer rank 0 at 127.0.0.1" in err.details()
-    s.rollout.stub.Resume(common_pb2.Empty(), timeout=10)   # as WeightSync does after a failure
+    s.rollout.stub.Resume(common_pb2.Empty(), timeout=10)  # as WeightSync does after a failure
     s.restart("trainer")
-    assert sync.run(version=4).verified_tensors > 0                        # same engine, new trainer and group
+    assert sync.run(version=4).verified_tensors > 0  # same engine, new trainer and group
 
 
 def test_after_failed_syncs_both_services_stop_within_budget_when_another_thread_takes_the_sigterm(services):

@@ -27,11 +27,12 @@ def hf(model_dirs: tuple[Path, Path]):
 
 def teacher_forced(model, prompt: list[int], response: tuple[int, ...]) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([prompt + list(response)])).logits[0, len(prompt) - 1:-1]
+        return model(torch.tensor([prompt + list(response)])).logits[0, len(prompt) - 1 : -1]
 
 
-def assert_model_output(model, prompt: list[int], out, opts: SamplingSpec, *, start: int = 0,
-                        end: int | None = None) -> None:
+def assert_model_output(
+    model, prompt: list[int], out, opts: SamplingSpec, *, start: int = 0, end: int | None = None
+) -> None:
     """Tokens start..end of `out` are `model`'s: its greedy choices (at T = 0) and its log-probs."""
     logits = teacher_forced(model, prompt, out.token_ids)[start:end]
     tokens = torch.tensor(out.token_ids[start:end])
@@ -73,7 +74,7 @@ def test_rows_of_finished_samples_go_to_waiting_ones_and_a_short_call_returns_fi
     short_thread.join(30)
     long_thread.join(30)
     assert finished == ["short", "long"]
-    assert engine._batcher is not None and engine._batcher.peak_rows == 8   # never more rows than max_batch_size
+    assert engine._batcher is not None and engine._batcher.peak_rows == 8  # never more rows than max_batch_size
     for prompt, out in zip(SHORT, long_out[0], strict=True):
         assert len(out.token_ids) == 90 and out.finish_reason == "length"
         assert_model_output(hf[0], prompt, out, long_opts)
@@ -128,14 +129,14 @@ def test_a_weight_update_lands_in_the_shared_batch(model_dirs, hf, mode: str):
         if mode == "retract" and k < 70:
             assert_model_output(hf[1], prompt, out, opts, start=k)
         switched += k < 70
-    assert switched >= 4   # the first call's samples, at least, were running when the update landed
+    assert switched >= 4  # the first call's samples, at least, were running when the update landed
 
 
 def test_abort_ends_the_batch_and_the_waiting_samples_then_generation_goes_on(model_dirs):
     engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True, max_batch_size=4)
     opts = SamplingSpec(temperature=1.0, max_new_tokens=100, ignore_eos=True, seed=1)
     finished: list[str] = []
-    thread, result = in_thread(engine, SHORT * 3, opts, finished, "a")   # 12 samples, 4 rows: 8 wait
+    thread, result = in_thread(engine, SHORT * 3, opts, finished, "a")  # 12 samples, 4 rows: 8 wait
     wait_in_flight(engine, 1)
     time.sleep(0.02)
     engine.pause("abort", timeout_s=30)
@@ -163,7 +164,7 @@ def test_a_call_the_engine_cannot_serve_leaves_nothing_behind(model_dirs):
     with pytest.raises(EngineUnavailable, match="memory is released"):
         engine.generate(SHORT, opts)
     engine.resume_memory(("kv_cache",))
-    assert engine._batcher is not None and not engine._batcher._queue   # its samples are not generated for nobody
+    assert engine._batcher is not None and not engine._batcher._queue  # its samples are not generated for nobody
     assert [len(o.token_ids) for o in engine.generate(SHORT[:2], opts)] == [3, 3]
 
 

@@ -40,7 +40,7 @@ def hf_model(model_dirs: tuple[Path, Path]):
 def teacher_forced(model, prompt: list[int], response: tuple[int, ...], opts: SamplingSpec) -> torch.Tensor:
     ids = torch.tensor([prompt + list(response)])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1]
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]
     return sampling_log_probs(logits, opts).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
@@ -61,7 +61,7 @@ def _check_stop_semantics(outs, stop_ids: set[int], max_new: int) -> None:
         body = o.token_ids[:-1] if o.finish_reason == "stop" else o.token_ids
         assert not stop_ids & set(body), "generation continued past a stop token"
         if o.finish_reason == "stop":
-            assert o.token_ids[-1] in stop_ids        # the stop token is kept (the policy must learn it)
+            assert o.token_ids[-1] in stop_ids  # the stop token is kept (the policy must learn it)
         else:
             assert len(o.token_ids) == max_new
 
@@ -71,13 +71,13 @@ def test_eos_ends_a_sample_and_is_kept(engine: NativeEngine):
     outs = engine.generate([[1, 5, 18]] * 64, SamplingSpec(temperature=1.0, max_new_tokens=12, seed=3))
     _check_stop_semantics(outs, eos, 12)
     reasons = {o.finish_reason for o in outs}
-    assert reasons == {"stop", "length"}, reasons          # fixed seed: both occur in 64 samples
+    assert reasons == {"stop", "length"}, reasons  # fixed seed: both occur in 64 samples
     lengths = {len(o.token_ids) for o in outs if o.finish_reason == "stop"}
-    assert len(lengths) > 1                                # rows finish at different steps (compaction path)
+    assert len(lengths) > 1  # rows finish at different steps (compaction path)
 
 
 def test_stop_tokens_and_ignore_eos(engine: NativeEngine):
-    stop = {7, 8}       # the digits 3 and 4
+    stop = {7, 8}  # the digits 3 and 4
     outs = engine.generate([[1, 5, 18]] * 64, SamplingSpec(max_new_tokens=12, stop_token_ids=tuple(stop), seed=4))
     _check_stop_semantics(outs, stop | set(engine.eos_token_ids), 12)
     assert any(o.finish_reason == "stop" and o.token_ids[-1] in stop for o in outs)
@@ -85,12 +85,16 @@ def test_stop_tokens_and_ignore_eos(engine: NativeEngine):
     assert all(len(o.token_ids) == 10 and o.finish_reason == "length" for o in outs)
 
 
-@pytest.mark.parametrize("opts", [
-    SamplingSpec(temperature=1.0, max_new_tokens=10, seed=11),
-    SamplingSpec(temperature=0.7, top_k=5, top_p=0.8, max_new_tokens=10, seed=12),
-    SamplingSpec(temperature=1.3, top_p=0.95, max_new_tokens=10, seed=13),
-    SamplingSpec(temperature=0.0, max_new_tokens=10),
-], ids=["plain", "topk-topp", "hot-topp", "greedy"])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        SamplingSpec(temperature=1.0, max_new_tokens=10, seed=11),
+        SamplingSpec(temperature=0.7, top_k=5, top_p=0.8, max_new_tokens=10, seed=12),
+        SamplingSpec(temperature=1.3, top_p=0.95, max_new_tokens=10, seed=13),
+        SamplingSpec(temperature=0.0, max_new_tokens=10),
+    ],
+    ids=["plain", "topk-topp", "hot-topp", "greedy"],
+)
 def test_log_probs_match_teacher_forced_forward(engine: NativeEngine, hf_model, opts: SamplingSpec):
     # Mixed prompt lengths exercise left padding; 8 samples per prompt exercise mid-decode compaction.
     prompts = [p for p in PROMPTS for _ in range(8)]
@@ -99,10 +103,10 @@ def test_log_probs_match_teacher_forced_forward(engine: NativeEngine, hf_model, 
     for prompt, o in zip(prompts, outs, strict=True):
         ref = teacher_forced(hf_model, prompt, o.token_ids, opts)
         worst = max(worst, float((ref - torch.tensor(o.log_probs)).abs().max()))
-        if opts.temperature == 1.0 and opts.top_p == 1.0:   # independent of sampling_log_probs
+        if opts.temperature == 1.0 and opts.top_p == 1.0:  # independent of sampling_log_probs
             with torch.no_grad():
                 raw = torch.log_softmax(hf_model(torch.tensor([prompt + list(o.token_ids)])).logits[0].float(), -1)
-            plain = raw[len(prompt) - 1:-1].gather(-1, torch.tensor(o.token_ids)[:, None]).squeeze(-1)
+            plain = raw[len(prompt) - 1 : -1].gather(-1, torch.tensor(o.token_ids)[:, None]).squeeze(-1)
             assert torch.allclose(plain, torch.tensor(o.log_probs), atol=LOGPROB_ATOL)
     assert worst < LOGPROB_ATOL, f"max |rollout - teacher-forced| log-prob difference {worst:.2e}"
 
@@ -110,19 +114,23 @@ def test_log_probs_match_teacher_forced_forward(engine: NativeEngine, hf_model, 
 def test_greedy_matches_hf_generate(engine: NativeEngine, hf_model):
     outs = engine.generate(PROMPTS, SamplingSpec(temperature=0.0, max_new_tokens=12))
     for prompt, o in zip(PROMPTS, outs, strict=True):
-        ref = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                do_sample=False, max_new_tokens=12)[0, len(prompt):].tolist()
-        assert list(o.token_ids) == ref[:len(o.token_ids)]
+        ref = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=12,
+        )[0, len(prompt) :].tolist()
+        assert list(o.token_ids) == ref[: len(o.token_ids)]
 
 
 def test_sampling_distribution_definition():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     lp = sampling_log_probs(logits, SamplingSpec(top_p=0.7)).exp()
-    assert torch.allclose(lp, torch.tensor([[0.625, 0.375, 0.0]]), atol=1e-6)   # nucleus of mass >= 0.7
+    assert torch.allclose(lp, torch.tensor([[0.625, 0.375, 0.0]]), atol=1e-6)  # nucleus of mass >= 0.7
     lp = sampling_log_probs(logits, SamplingSpec(top_k=1))
     assert lp[0, 0] == 0.0 and torch.isinf(lp[0, 1:]).all()
     lp = sampling_log_probs(logits, SamplingSpec(temperature=0.5)).exp()
-    expected = torch.tensor([0.25, 0.09, 0.04]) / 0.38                            # p^(1/T), renormalised
+    expected = torch.tensor([0.25, 0.09, 0.04]) / 0.38  # p^(1/T), renormalised
     assert torch.allclose(lp[0], expected, atol=1e-6)
     assert torch.allclose(sampling_log_probs(logits, SamplingSpec(temperature=0.0)), torch.log_softmax(logits, -1))
 
@@ -140,10 +148,14 @@ def test_unseeded_sampling_differs_between_processes(tmp_path):
     import subprocess
     import sys
 
-    script = ("import sys, torch; from services.rollout.engines.sampling import make_generator; "
-              "print(torch.rand(8, generator=make_generator(None, torch.device('cpu'))).tolist())")
-    runs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-            for _ in range(2)}
+    script = (
+        "import sys, torch; from services.rollout.engines.sampling import make_generator; "
+        "print(torch.rand(8, generator=make_generator(None, torch.device('cpu'))).tolist())"
+    )
+    runs = {
+        subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+        for _ in range(2)
+    }
     assert len(runs) == 2
 
 
@@ -193,11 +205,11 @@ def test_in_place_weight_loads(model_dirs: tuple[Path, Path]):
     assert engine.weight_version == 0
     stats = engine.update_weights_from_tensors([(n, state[n]) for n in names[5:]], version=3)
     assert (engine.weight_version, stats.version, stats.tensors) == (3, 3, len(names) - 5)
-    assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == ptrs      # copied in place
+    assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == ptrs  # copied in place
     greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
     out = engine.generate(PROMPTS[:1], greedy)[0]
-    ref = other.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=8)[0, len(PROMPTS[0]):]
-    assert list(out.token_ids) == ref.tolist()[:len(out.token_ids)] and out.weight_version == 3
+    ref = other.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=8)[0, len(PROMPTS[0]) :]
+    assert list(out.token_ids) == ref.tolist()[: len(out.token_ids)] and out.weight_version == 3
     # Full state dict and disk.
     engine.load_state_dict(load_file(str(model_dirs[0] / "model.safetensors")), version=4)
     assert engine.generate(PROMPTS[:1], greedy)[0].token_ids != out.token_ids
@@ -212,13 +224,15 @@ def test_in_place_weight_loads(model_dirs: tuple[Path, Path]):
     assert engine.weight_version == 5
 
 
-def _start(engine: NativeEngine, opts: SamplingSpec, n: int = 128,
-           wait_running: bool = True) -> tuple[threading.Thread, list]:
+def _start(
+    engine: NativeEngine, opts: SamplingSpec, n: int = 128, wait_running: bool = True
+) -> tuple[threading.Thread, list]:
     return _start_prompts(engine, [[1, 5, 18]] * n, opts, wait_running=wait_running)
 
 
-def _start_prompts(engine: NativeEngine, prompts: list[list[int]], opts: SamplingSpec, *,
-                   wait_running: bool = True) -> tuple[threading.Thread, list]:
+def _start_prompts(
+    engine: NativeEngine, prompts: list[list[int]], opts: SamplingSpec, *, wait_running: bool = True
+) -> tuple[threading.Thread, list]:
     result: list = []
     thread = threading.Thread(target=lambda: result.append(engine.generate(prompts, opts)))
     thread.start()
@@ -260,14 +274,14 @@ def test_pause_in_place_parks_and_continues_after_a_weight_update(engine: Native
     thread, result = _start(engine, LONG)
     engine.pause("in_place", timeout_s=30)
     time.sleep(0.05)
-    assert thread.is_alive() and not result                # parked at a token boundary, KV cache kept
+    assert thread.is_alive() and not result  # parked at a token boundary, KV cache kept
     params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-    engine.update_weights_from_tensors(params.items(), version=engine.weight_version + 1)   # allowed while parked
+    engine.update_weights_from_tensors(params.items(), version=engine.weight_version + 1)  # allowed while parked
     engine.resume()
     thread.join(10)
     outs = result[0]
     assert all(o.finish_reason == "length" and len(o.token_ids) == 120 for o in outs)
-    assert outs[0].weight_version == engine.weight_version - 1    # the version generation started with
+    assert outs[0].weight_version == engine.weight_version - 1  # the version generation started with
     # every token carries the version that sampled it: the old one up to where the call was parked, then the new
     old, new = engine.weight_version - 1, engine.weight_version
     switch = outs[0].token_versions.index(new)
@@ -277,14 +291,16 @@ def test_pause_in_place_parks_and_continues_after_a_weight_update(engine: Native
 
 def _teacher_forced_logits(model, prompt: list[int], response: tuple[int, ...]) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([prompt + list(response)])).logits[0, len(prompt) - 1:-1]
+        return model(torch.tensor([prompt + list(response)])).logits[0, len(prompt) - 1 : -1]
 
 
-def _update_while_parked(engine: NativeEngine, mode: str, state: dict[str, torch.Tensor], *, version: int,
-                         while_parked=None) -> list:
+def _update_while_parked(
+    engine: NativeEngine, mode: str, state: dict[str, torch.Tensor], *, version: int, while_parked=None
+) -> list:
     """Greedy generation of PROMPTS x 8 with a weight update that lands between two decode steps."""
-    thread, result = _start_prompts(engine, PROMPTS * 8, SamplingSpec(temperature=0.0, max_new_tokens=80,
-                                                                      ignore_eos=True))
+    thread, result = _start_prompts(
+        engine, PROMPTS * 8, SamplingSpec(temperature=0.0, max_new_tokens=80, ignore_eos=True)
+    )
     engine.pause(mode, timeout_s=30)
     if while_parked is not None:
         while_parked()
@@ -315,15 +331,18 @@ def test_a_weight_update_lands_between_two_decode_steps(model_dirs: tuple[Path, 
         lp_a, lp_b = before.log_softmax(-1), after.log_softmax(-1)
         tokens = torch.tensor(o.token_ids)
         assert before[:switch].argmax(-1).tolist() == list(o.token_ids[:switch])
-        assert torch.allclose(lp_a[:switch].gather(-1, tokens[:switch, None]).squeeze(-1),
-                              torch.tensor(o.log_probs[:switch]), atol=LOGPROB_ATOL)
+        assert torch.allclose(
+            lp_a[:switch].gather(-1, tokens[:switch, None]).squeeze(-1),
+            torch.tensor(o.log_probs[:switch]),
+            atol=LOGPROB_ATOL,
+        )
         fresh = lp_b[switch:].gather(-1, tokens[switch:, None]).squeeze(-1)
         gap = float((fresh - torch.tensor(o.log_probs[switch:])).abs().max())
         if mode == "retract":
             assert after[switch:].argmax(-1).tolist() == list(o.token_ids[switch:]) and gap < LOGPROB_ATOL
         stale_kv.append(gap)
     if mode == "in_place":
-        assert max(stale_kv) > 1e-2    # the KV of the tokens before the update is A's
+        assert max(stale_kv) > 1e-2  # the KV of the tokens before the update is A's
 
 
 def test_a_runner_whose_parameters_moved_while_parked_refills_its_cache(model_dirs: tuple[Path, Path]):
@@ -336,12 +355,17 @@ def test_a_runner_whose_parameters_moved_while_parked_refills_its_cache(model_di
     engine = NativeEngine(model_dirs[0], device="cpu", decode="static")
     b = AutoModelForCausalLM.from_pretrained(model_dirs[1]).eval()
     layout = plan_layout(specs_from_tensors(engine.model.named_parameters()), bucket_bytes=16 * 1024)
-    outs = _update_while_parked(engine, "in_place", {k: v.clone() for k, v in b.state_dict().items()}, version=1,
-                                while_parked=lambda: engine.flatten_parameters(layout))
+    outs = _update_while_parked(
+        engine,
+        "in_place",
+        {k: v.clone() for k, v in b.state_dict().items()},
+        version=1,
+        while_parked=lambda: engine.flatten_parameters(layout),
+    )
     for prompt, o in zip(PROMPTS * 8, outs, strict=True):
         switch = o.token_versions.index(1)
         after = _teacher_forced_logits(b, prompt, o.token_ids)
-        assert after[switch:].argmax(-1).tolist() == list(o.token_ids[switch:])   # B's own continuation
+        assert after[switch:].argmax(-1).tolist() == list(o.token_ids[switch:])  # B's own continuation
 
 
 def test_release_and_resume_memory_on_cpu(model_dirs: tuple[Path, Path]):
@@ -354,7 +378,7 @@ def test_release_and_resume_memory_on_cpu(model_dirs: tuple[Path, Path]):
         engine.generate(PROMPTS, greedy)
     engine.resume_memory(["kv_cache"])
     assert engine.generate(PROMPTS, greedy) == before
-    engine.release_memory()                                   # all tags: weights dropped (CPU has no cheaper place)
+    engine.release_memory()  # all tags: weights dropped (CPU has no cheaper place)
     assert all(p.numel() == 0 for p in engine.model.parameters())
     with pytest.raises(EngineUnavailable, match="ResumeMemory before loading"):
         engine.update_weights_from_disk(model_dirs[0], version=1)
@@ -376,7 +400,7 @@ def test_the_engines_busy_time_counts_forward_passes_not_idle_time(engine: Nativ
         time.sleep(0.05)
     busy = gate.busy_s
     time.sleep(0.05)
-    assert 0.04 < busy < 1.0 and gate.busy_s == busy      # idle: no growth
+    assert 0.04 < busy < 1.0 and gate.busy_s == busy  # idle: no growth
     before = engine.get_state().busy_s
     engine.generate(PROMPTS, SamplingSpec(max_new_tokens=4, seed=1))
     assert engine.get_state().busy_s > before

@@ -22,11 +22,22 @@ LOOKUP = "examples/tool_lookup/env.py:LookupEnvironment"
 
 
 def make_service(model: Path, redis_url: str, **rollout) -> RolloutService:
-    config = config_from_dict({
-        "run_name": "env-test", "model": {"path": str(model)}, "data": {"train_path": "unused.jsonl"},
-        "rollout": {"device": "cpu", "n_samples_per_prompt": 4, "environment": LOOKUP, "max_turns": 3,
-                    "sampling": {"temperature": 1.0, "max_new_tokens": 1, "seed": 3}, **rollout},
-        "redis": {"url": redis_url}})
+    config = config_from_dict(
+        {
+            "run_name": "env-test",
+            "model": {"path": str(model)},
+            "data": {"train_path": "unused.jsonl"},
+            "rollout": {
+                "device": "cpu",
+                "n_samples_per_prompt": 4,
+                "environment": LOOKUP,
+                "max_turns": 3,
+                "sampling": {"temperature": 1.0, "max_new_tokens": 1, "seed": 3},
+                **rollout,
+            },
+            "redis": {"url": redis_url},
+        }
+    )
     return RolloutService(config, replica=0)
 
 
@@ -39,8 +50,10 @@ def service(example_model: Path, redis_server) -> Iterator[RolloutService]:
 
 def lookup_prompts(n: int, start_group: int = 0) -> list[PromptInput]:
     rows = [json.loads(line) for line in (REPO / "examples/tool_lookup/eval.jsonl").read_text().splitlines()][:n]
-    return [PromptInput(text=r["prompt"], label=r["label"], group_id=start_group + i, metadata={"table": r["table"]})
-            for i, r in enumerate(rows)]
+    return [
+        PromptInput(text=r["prompt"], label=r["label"], group_id=start_group + i, metadata={"table": r["table"]})
+        for i, r in enumerate(rows)
+    ]
 
 
 def read_batch(url: str, stream: str, entry_id: str):
@@ -60,7 +73,7 @@ def replay(service: RolloutService, prompt: PromptInput, response: list[int]) ->
         if response[j] == call:
             looked_up = True
             observation = service.texts.encode_text(f") {prompt.metadata['table'][int(prompt.text.split()[0])]}")
-            assert response[j + 1:j + 1 + len(observation)] == observation
+            assert response[j + 1 : j + 1 + len(observation)] == observation
             mask += [0] * len(observation)
             j += 1 + len(observation)
         else:
@@ -88,7 +101,7 @@ def test_episodes_reach_the_wire_with_observations_masked_and_their_log_probs_ze
         assert (mask, float(batch.rewards[i])) == replay(service, prompt, response)
         assert all(lp == 0.0 for lp, m in zip(log_probs, mask, strict=True) if not m)
         assert all(lp < 0.0 for lp, m in zip(log_probs, mask, strict=True) if m)
-        ran_out = sum(mask) == 3 and response[-1] == call   # three calls: max_turns, not done
+        ran_out = sum(mask) == 3 and response[-1] == call  # three calls: max_turns, not done
         assert batch.finish_reasons[i] == ("length" if ran_out else "stop")
         calls += response.count(call)
     # the untrained policy calls in a few percent of turns: 64 seeded episodes on the seed-0 model hold some
@@ -101,18 +114,24 @@ def test_episodes_reach_the_wire_with_observations_masked_and_their_log_probs_ze
 
 
 def test_evaluate_plays_episodes_and_reports_environment_metrics(service):
-    result = service.evaluate(name="tool", prompts=lookup_prompts(10),
-                              sampling=SamplingSpec(temperature=0.0, max_new_tokens=1))
+    result = service.evaluate(
+        name="tool", prompts=lookup_prompts(10), sampling=SamplingSpec(temperature=0.0, max_new_tokens=1)
+    )
     assert result.metrics["tool/num_samples"] == 10.0 and 1.0 <= result.metrics["tool/env_turns_mean"] <= 3.0
     assert 0.0 <= result.metrics["tool/reward_mean"] <= 1.0
 
 
 def test_env_plus_reward_adds_the_reward_function_and_env_alone_refuses_a_requested_one(
-        example_model, redis_server, stream, service):
+    example_model, redis_server, stream, service
+):
     with pytest.raises(ValueError, match=r"rollout\.episode_reward is env"):
         service.generate(rollout_id=1, prompts=lookup_prompts(1), stream=stream, reward="exact_match")
-    both = make_service(example_model, redis_server.url, episode_reward="env_plus_reward",
-                        reward=f"{REPO}/examples/digit_max/reward.py:reward")
+    both = make_service(
+        example_model,
+        redis_server.url,
+        episode_reward="env_plus_reward",
+        reward=f"{REPO}/examples/digit_max/reward.py:reward",
+    )
     try:
         prompts = lookup_prompts(8)
         result = both.generate(rollout_id=2, prompts=prompts, stream=stream)
@@ -129,11 +148,17 @@ def test_env_plus_reward_adds_the_reward_function_and_env_alone_refuses_a_reques
 
 def test_environment_keys_are_checked_and_plug_in_paths_resolve_against_the_yaml(tmp_path):
     with pytest.raises(ConfigError, match=r"env_plus_reward needs rollout\.environment"):
-        config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t"},
-                          "rollout": {"episode_reward": "env_plus_reward"}})
+        config_from_dict(
+            {"model": {"path": "m"}, "data": {"train_path": "t"}, "rollout": {"episode_reward": "env_plus_reward"}}
+        )
     with pytest.raises(ConfigError, match=r"rollout\.overlong_penalty measures one generation"):
-        config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t"},
-                          "rollout": {"environment": LOOKUP, "overlong_penalty": {"enabled": True}}})
+        config_from_dict(
+            {
+                "model": {"path": "m"},
+                "data": {"train_path": "t"},
+                "rollout": {"environment": LOOKUP, "overlong_penalty": {"enabled": True}},
+            }
+        )
     config = load_config(REPO / "examples" / "tool_lookup.yaml")
     assert config.rollout.environment == f"{REPO}/examples/tool_lookup/env.py:LookupEnvironment"
     assert (config.rollout.max_turns, config.rollout.episode_reward) == (3, "env")
@@ -144,8 +169,11 @@ def test_preflight_names_a_broken_environment_before_anything_starts(tmp_path):
 
     assert check_run_inputs(load_config(REPO / "examples" / "tool_lookup.yaml")) == []
     (tmp_path / "envs.py").write_text("class Env:\n    def reset(self, sample):\n        return ''\n")
-    for spec, fragment in [(f"{tmp_path}/envs.py:Env", "Env has no step method"),
-                           (f"{tmp_path}/nothere.py:Env", "file"), ("no_colon", "not of the form")]:
+    for spec, fragment in [
+        (f"{tmp_path}/envs.py:Env", "Env has no step method"),
+        (f"{tmp_path}/nothere.py:Env", "file"),
+        ("no_colon", "not of the form"),
+    ]:
         config = load_config(REPO / "examples" / "tool_lookup.yaml", [f"rollout.environment={spec}"])
         with pytest.raises(ConfigError, match=rf"^rollout\.environment: environment .*{fragment}"):
             check_run_inputs(config)

@@ -35,7 +35,7 @@ def _worst_log_prob_gap(engine: NativeEngine, opts: SamplingSpec) -> float:
     with torch.no_grad():
         for prompt, o in zip(prompts, outs, strict=True):
             ids = torch.tensor([prompt + list(o.token_ids)], device="cuda")
-            logits = engine.model(ids).logits[0, len(prompt) - 1:-1]
+            logits = engine.model(ids).logits[0, len(prompt) - 1 : -1]
             ref = sampling_log_probs(logits, opts).gather(-1, torch.tensor(o.token_ids, device="cuda")[:, None])
             worst = max(worst, float((ref.squeeze(-1).cpu() - torch.tensor(o.log_probs)).abs().max()))
     return worst
@@ -78,7 +78,7 @@ def test_greedy_matches_hf_generate_on_gpu(model_dir: Path):
     outs = engine.generate(PROMPTS, SamplingSpec(temperature=0.0, max_new_tokens=16))
     for prompt, o in zip(PROMPTS, outs, strict=True):
         ref = hf.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=16)
-        assert list(o.token_ids) == ref[0, len(prompt):].tolist()[:len(o.token_ids)]
+        assert list(o.token_ids) == ref[0, len(prompt) :].tolist()[: len(o.token_ids)]
 
 
 def test_release_and_resume_gpu_memory_keeps_weights(model_dir: Path):
@@ -88,7 +88,7 @@ def test_release_and_resume_gpu_memory_keeps_weights(model_dir: Path):
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
     engine.release_memory(["weights", "kv_cache"])
-    assert torch.cuda.memory_allocated() < held - 10_000_000       # the ~18 MB of float32 weights left the GPU
+    assert torch.cuda.memory_allocated() < held - 10_000_000  # the ~18 MB of float32 weights left the GPU
     assert all(p.device.type == "cpu" for p in engine.model.parameters())
     engine.resume_memory()
     assert all(p.device.type == "cuda" for p in engine.model.parameters())
@@ -106,7 +106,7 @@ def test_graph_decode_is_the_cuda_default_and_seeded(model_dir: Path):
     engine.release_memory(["cuda_graph"])
     assert engine._runners is None
     engine.resume_memory()
-    assert engine.generate(prompts, opts) == first               # recaptured, same samples
+    assert engine.generate(prompts, opts) == first  # recaptured, same samples
 
 
 def test_cuda_ipc_into_engine_flattens_once_and_is_bit_identical(model_dir: Path, tmp_path: Path):
@@ -116,24 +116,33 @@ def test_cuda_ipc_into_engine_flattens_once_and_is_bit_identical(model_dir: Path
 
     engine = NativeEngine(model_dir, device="cuda", dtype="bfloat16")
     greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
-    engine.generate(PROMPTS, greedy)                             # a graph captured before the params move
+    engine.generate(PROMPTS, greedy)  # a graph captured before the params move
     specs = specs_from_tensors(engine.model.named_parameters())
     trainer, receiver = Peer(), WeightReceiver()
     try:
         for version in (1, 2):
-            plan = plan_from_text(trainer.call(op="prepare", transport="cuda_ipc", bucket_mb=1.0, timeout_s=60,
-                                               specs=specs_to_json(specs), version=version, run_dir=str(tmp_path),
-                                               trainer_id="actor-0")["plan"])
+            plan = plan_from_text(
+                trainer.call(
+                    op="prepare",
+                    transport="cuda_ipc",
+                    bucket_mb=1.0,
+                    timeout_s=60,
+                    specs=specs_to_json(specs),
+                    version=version,
+                    run_dir=str(tmp_path),
+                    trainer_id="actor-0",
+                )["plan"]
+            )
             trainer.send(op="publish", seed=version)
             engine.receive_weights(plan, rank_offset=1, receiver=receiver)
             assert trainer.reply(timeout_s=120)["ok"]
             expected, params = make_tensors(specs, seed=version), engine.named_parameters()
             assert all(bits_equal(params[s.name].cpu(), expected[s.name]) for s in specs)
             cuda_ipc = receiver._transports["cuda_ipc"]
-            assert isinstance(cuda_ipc, CudaIpcReceiver) and cuda_ipc.last_copies == 1   # FlatParams: one copy a bucket
+            assert isinstance(cuda_ipc, CudaIpcReceiver) and cuda_ipc.last_copies == 1  # FlatParams: one copy a bucket
         assert len({p.untyped_storage().data_ptr() for p in engine.model.parameters()}) == 1
         assert engine.weight_version == 2
-        outs = engine.generate(PROMPTS, greedy)                  # graphs recaptured on the flat params
+        outs = engine.generate(PROMPTS, greedy)  # graphs recaptured on the flat params
         assert all(len(o.token_ids) >= 1 for o in outs)
     finally:
         trainer.close()

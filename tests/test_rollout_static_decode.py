@@ -32,7 +32,7 @@ def assert_static_matches_forward(model, prompt: list[int], extra: list[int], *,
     left-padded by 3 (rotary positions start at `offset`)."""
     decoder = StaticDecoder(model)
     kv = decoder.new_cache(2, 32)
-    ids = torch.tensor([prompt, [0] * 3 + prompt[3:]])            # row 1 left-padded by 3
+    ids = torch.tensor([prompt, [0] * 3 + prompt[3:]])  # row 1 left-padded by 3
     mask = torch.tensor([[1] * len(prompt), [0] * 3 + [1] * (len(prompt) - 3)])
     positions = (mask.cumsum(-1) - 1).clamp(min=0) + offset
     with torch.no_grad():
@@ -43,7 +43,7 @@ def assert_static_matches_forward(model, prompt: list[int], extra: list[int], *,
             pos = pos + 1
         for row, seq in enumerate([prompt, prompt[3:]]):
             full = torch.tensor([seq + extra])
-            ref = model(full, position_ids=torch.arange(full.shape[1])[None] + offset).logits[0, len(seq) - 1:]
+            ref = model(full, position_ids=torch.arange(full.shape[1])[None] + offset).logits[0, len(seq) - 1 :]
             worst = max(float((g[row] - r).abs().max()) for g, r in zip(got, ref, strict=True))
             assert worst < 1e-4, (row, worst)
 
@@ -70,8 +70,8 @@ def test_static_decode_runs_the_real_architectures(preset: str):
     if preset == "llama3.2-1b":
         rotary, head_dim = model.model.rotary_emb, config.head_dim
         plain = 1.0 / (500_000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-        assert torch.allclose(rotary.inv_freq[:8], plain[:8])            # high frequencies kept
-        assert torch.allclose(rotary.inv_freq[-4:], plain[-4:] / 32.0)   # low ones divided by the factor
+        assert torch.allclose(rotary.inv_freq[:8], plain[:8])  # high frequencies kept
+        assert torch.allclose(rotary.inv_freq[-4:], plain[-4:] / 32.0)  # low ones divided by the factor
     prompt = [151_000 % config.vocab_size, 17, 2048, 99_999, 5, 6, 7, 8]
     for offset in (0, 20_000):
         assert_static_matches_forward(model, prompt, [42, 4242, 1], offset=offset)
@@ -82,14 +82,19 @@ def test_static_decode_refuses_other_architectures_by_name():
 
     from services.rollout.engines.static_decode import supported
 
-    small: dict[str, Any] = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                 num_attention_heads=2)
+    small: dict[str, Any] = dict(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+    )
     cases = [
-        (GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2),
-         "model type 'gpt2' (static decode knows llama, qwen2, qwen3)"),
+        (
+            GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2),
+            "model type 'gpt2' (static decode knows llama, qwen2, qwen3)",
+        ),
         (Qwen2Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=1), "sliding-window layers"),
-        (LlamaConfig(**small, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10_000.0}),
-         "rope type 'dynamic' (its frequencies follow the sequence length)"),
+        (
+            LlamaConfig(**small, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10_000.0}),
+            "rope type 'dynamic' (its frequencies follow the sequence length)",
+        ),
     ]
     for config, why in cases:
         model = AutoModelForCausalLM.from_config(config)
@@ -98,20 +103,25 @@ def test_static_decode_refuses_other_architectures_by_name():
             StaticDecoder(model)
 
 
-@pytest.mark.parametrize("opts", [SamplingSpec(temperature=0.8, top_p=0.9, max_new_tokens=10, seed=3),
-                                  SamplingSpec(temperature=0.7, max_new_tokens=10, seed=4)],
-                         ids=["top_p", "plain"])       # plain: the race runs on the logits (no log-prob tensor)
+@pytest.mark.parametrize(
+    "opts",
+    [
+        SamplingSpec(temperature=0.8, top_p=0.9, max_new_tokens=10, seed=3),
+        SamplingSpec(temperature=0.7, max_new_tokens=10, seed=4),
+    ],
+    ids=["top_p", "plain"],
+)  # plain: the race runs on the logits (no log-prob tensor)
 def test_static_engine_log_probs_greedy_and_stops(model_dir: Path, opts: SamplingSpec):
     static = NativeEngine(model_dir, device="cpu", decode="static")
     dynamic = NativeEngine(model_dir, device="cpu", decode="dynamic")
     prompts = PROMPTS * 2
     outs = static.generate(prompts, opts)
-    assert outs == static.generate(prompts, opts)                  # seeded: same samples, cache reused
+    assert outs == static.generate(prompts, opts)  # seeded: same samples, cache reused
     assert static._runners is not None and len(static._runners) == 1
     with torch.no_grad():
         for prompt, o in zip(prompts, outs, strict=True):
             ids = torch.tensor([prompt + list(o.token_ids)])
-            logits = static.model(ids).logits[0, len(prompt) - 1:-1]
+            logits = static.model(ids).logits[0, len(prompt) - 1 : -1]
             ref = sampling_log_probs(logits, opts).gather(-1, torch.tensor(o.token_ids)[:, None]).squeeze(-1)
             assert torch.allclose(ref, torch.tensor(o.log_probs), atol=1e-4)
             assert (o.finish_reason == "stop") == (o.token_ids[-1] in static.eos_token_ids)
@@ -120,8 +130,12 @@ def test_static_engine_log_probs_greedy_and_stops(model_dir: Path, opts: Samplin
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs, strict=True)) < 1e-4
     stop = outs[0].token_ids[0]
-    stopped = static.generate(PROMPTS[:1], SamplingSpec(temperature=opts.temperature, top_p=opts.top_p,
-                                                          max_new_tokens=10, seed=opts.seed, stop_token_ids=(stop,)))
+    stopped = static.generate(
+        PROMPTS[:1],
+        SamplingSpec(
+            temperature=opts.temperature, top_p=opts.top_p, max_new_tokens=10, seed=opts.seed, stop_token_ids=(stop,)
+        ),
+    )
     assert stopped[0].token_ids == (stop,) and stopped[0].finish_reason == "stop"
 
 
@@ -134,7 +148,7 @@ def test_flatten_parameters_keeps_values_and_outputs(model_dir: Path):
     values = {n: p.detach().clone() for n, p in engine.named_parameters().items()}
     layout = plan_layout(specs_from_tensors(engine.model.named_parameters()), bucket_bytes=16 * 1024)
     assert engine.flatten_parameters(layout) == len(layout.order)
-    assert engine.flatten_parameters(layout) == 0                  # same layout: nothing to do
+    assert engine.flatten_parameters(layout) == 0  # same layout: nothing to do
     storages = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
     assert len(storages) == 1
     assert all(torch.equal(values[n], p) for n, p in engine.named_parameters().items())

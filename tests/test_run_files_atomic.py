@@ -15,7 +15,7 @@ from services.coordinator.plot import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 PORT = 41234
-METRIC_KEYS = 1000   # a row of ~30 KB: its append spans many pages, so a reader can catch it half-way
+METRIC_KEYS = 1000  # a row of ~30 KB: its append spans many pages, so a reader can catch it half-way
 REWRITES = 100
 
 WRITER = textwrap.dedent("""
@@ -46,8 +46,13 @@ WRITER = textwrap.dedent("""
 
 def _first_files(run_dir: Path) -> None:
     """One complete version of each file before the race starts (a reader may not find them absent)."""
-    writer = subprocess.run([sys.executable, "-c", WRITER, str(run_dir), str(PORT), str(METRIC_KEYS), "1"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    writer = subprocess.run(
+        [sys.executable, "-c", WRITER, str(run_dir), str(PORT), str(METRIC_KEYS), "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert writer.returncode == 0, writer.stderr
 
 
@@ -55,8 +60,13 @@ def test_run_files_are_whole_to_a_reader_while_they_are_rewritten(tmp_path):
     run_dir = tmp_path / "runs" / "atomic"
     run_dir.mkdir(parents=True)
     _first_files(run_dir)
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(run_dir), str(PORT), str(METRIC_KEYS),
-                               str(REWRITES)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(run_dir), str(PORT), str(METRIC_KEYS), str(REWRITES)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert writer.stdout is not None and writer.stdout.readline() == "ready\n", writer.stderr
     torn: list[str] = []
     reads = 0

@@ -42,8 +42,9 @@ def _wait(predicate, *, what: str, timeout_s: float = 120.0) -> None:
 
 
 def tandem(*args: str, cwd: Path = REPO, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout_s
+    )
 
 
 @pytest.mark.slow
@@ -62,22 +63,22 @@ def test_a_run_crashes_resumes_finishes_and_a_rerun_says_it_is_done(tmp_path):
         by_dir = tandem("ctl", "--run-dir", str(run_dir), "status")
         assert by_dir.returncode == 0, by_dir.stderr
         assert json.loads(by_dir.stdout)["run_dir"] == str(run_dir.resolve())
-        found = tandem("ctl", "status", cwd=tmp_path)   # no --addr, no --run-dir: ./runs/mine is running
+        found = tandem("ctl", "status", cwd=tmp_path)  # no --addr, no --run-dir: ./runs/mine is running
         assert found.returncode == 0, found.stderr
         assert json.loads(found.stdout)["run_dir"] == str(run_dir.resolve())
-        asked = tandem("ctl", "--run-dir", str(run_dir), "save")   # the only checkpoint before the crash
+        asked = tandem("ctl", "--run-dir", str(run_dir), "save")  # the only checkpoint before the crash
         assert asked.returncode == 0, asked.stderr
         _wait(lambda: checkpoints(run_dir), what="the checkpoint `ctl save` asked for")
         at = int(checkpoints(run_dir)[0].name.split("_")[1])
         _wait(lambda: (step_ids(run_dir) or [-1])[-1] >= at + 2, what="two steps logged after the checkpoint")
     finally:
-        for pid in [proc.pid, *children_of(proc.pid)]:   # a crash: nobody gets to save or clean up
+        for pid in [proc.pid, *children_of(proc.pid)]:  # a crash: nobody gets to save or clean up
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
     crashed = step_ids(run_dir)
     saved = int(checkpoints(run_dir)[-1].name.split("_")[1])
-    assert crashed[-1] > saved, (crashed, saved)   # steps after the checkpoint were logged, then lost
+    assert crashed[-1] > saved, (crashed, saved)  # steps after the checkpoint were logged, then lost
 
     num_rollout = crashed[-1] + 3
     proc = start_run(run_dir, f"loop.num_rollout={num_rollout}", "loop.save_interval=null", "loop.eval_interval=null")
@@ -85,10 +86,10 @@ def test_a_run_crashes_resumes_finishes_and_a_rerun_says_it_is_done(tmp_path):
     assert step_ids(run_dir) == list(range(num_rollout))
     assert "dropped" in (run_dir / "logs" / "coordinator.log").read_text()
     final = checkpoints(run_dir)[-1]
-    assert final.name == f"rollout_{num_rollout - 1:08d}"   # not on save_interval: the final one
+    assert final.name == f"rollout_{num_rollout - 1:08d}"  # not on save_interval: the final one
     assert (final / "hf" / "config.json").is_file() and list((final / "hf").glob("*.safetensors"))
     assert f"last checkpoint: {final} (Hugging Face model: {final / 'hf'})" in supervisor_log(run_dir)
-    assert not (run_dir / "run.json").exists()   # the marker ctl discovers lives only while the run does
+    assert not (run_dir / "run.json").exists()  # the marker ctl discovers lives only while the run does
 
     before = (run_dir / "metrics.jsonl").read_bytes()
     again = tandem("run", str(EXAMPLE), "--run-dir", str(run_dir), "--set", f"loop.num_rollout={num_rollout}")
@@ -96,7 +97,7 @@ def test_a_run_crashes_resumes_finishes_and_a_rerun_says_it_is_done(tmp_path):
     assert f"this run already finished: {num_rollout} of {num_rollout} rollouts trained" in again.stderr
     assert "raise loop.num_rollout" in again.stderr
     assert (run_dir / "metrics.jsonl").read_bytes() == before
-    nothing = tandem("ctl", "--timeout", "3", "status", cwd=tmp_path)   # nothing runs: the default address
+    nothing = tandem("ctl", "--timeout", "3", "status", cwd=tmp_path)  # nothing runs: the default address
     assert nothing.returncode == 1
     assert "127.0.0.1:50051" in nothing.stderr and "--run-dir" in nothing.stderr
 
@@ -110,11 +111,14 @@ def test_ctl_discovery_ignores_dead_runs_and_refuses_to_guess_between_two(tmp_pa
     for name, pid, port in (("old", dead.pid, 41001), ("live", os.getpid(), 41002)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "run.json").write_text(json.dumps({"pid": pid, "coordinator": f"127.0.0.1:{port}"}))
-        (tmp_path / name / "config.yaml").write_text(EXAMPLE.read_text().replace(
-            "run_name: digit_max", f"run_name: {name}\nservices:\n  coordinator: {{port: {port}}}"))
+        (tmp_path / name / "config.yaml").write_text(
+            EXAMPLE.read_text().replace(
+                "run_name: digit_max", f"run_name: {name}\nservices:\n  coordinator: {{port: {port}}}"
+            )
+        )
     target = find_coordinator(addr=None, run_dir=None, token=None, tls_ca=None, runs_root=tmp_path)
     assert target.addr == "127.0.0.1:41002"
-    (tmp_path / "old" / "run.json").write_text(json.dumps({"pid": os.getppid()}))   # a second live run
+    (tmp_path / "old" / "run.json").write_text(json.dumps({"pid": os.getppid()}))  # a second live run
     with pytest.raises(ConfigError, match=r"2 runs are running .*--run-dir"):
         find_coordinator(addr=None, run_dir=None, token=None, tls_ca=None, runs_root=tmp_path)
     assert find_coordinator(addr="h:9", run_dir=None, token="t", tls_ca=None, runs_root=tmp_path).addr == "h:9"
@@ -132,13 +136,16 @@ def test_ctl_help_describes_every_action():
 
 # ---- inputs checked before any service starts ---------------------------------------------------------
 
+
 def _config(tmp_path: Path, **replace: str) -> Path:
     """examples/digit_max.yaml copied next to the test's files (its relative paths made absolute first)."""
     text = EXAMPLE.read_text()
-    for key, value in {"path: models/tiny": f"path: {REPO / 'examples' / 'models' / 'tiny'}",
-                       "train_path: digit_max/train.jsonl": f"train_path: {REPO / 'examples/digit_max/train.jsonl'}",
-                       "eval_path: digit_max/eval.jsonl": f"eval_path: {REPO / 'examples/digit_max/eval.jsonl'}",
-                       **replace}.items():
+    for key, value in {
+        "path: models/tiny": f"path: {REPO / 'examples' / 'models' / 'tiny'}",
+        "train_path: digit_max/train.jsonl": f"train_path: {REPO / 'examples/digit_max/train.jsonl'}",
+        "eval_path: digit_max/eval.jsonl": f"eval_path: {REPO / 'examples/digit_max/eval.jsonl'}",
+        **replace,
+    }.items():
         assert key in text, key
         text = text.replace(key, value)
     path = tmp_path / "run.yaml"
@@ -153,8 +160,8 @@ def test_a_missing_data_file_fails_in_seconds_naming_the_key(tmp_path):
     assert out.returncode == 2, out.stderr
     assert f"data.train_path: data file {tmp_path / 'nowhere' / 'train.jsonl'} does not exist" in out.stderr
     assert "Traceback" not in out.stderr
-    assert not (tmp_path / "r" / "logs").exists()   # no service was started
-    assert time.monotonic() - start < 60   # (generous: a loaded CI box; it takes ~3 s)
+    assert not (tmp_path / "r" / "logs").exists()  # no service was started
+    assert time.monotonic() - start < 60  # (generous: a loaded CI box; it takes ~3 s)
 
 
 def test_bad_eval_data_and_a_missing_reward_plugin_name_their_keys(tmp_path):
@@ -184,11 +191,12 @@ def test_a_reward_plugin_path_is_relative_to_the_yaml_and_a_set_path_to_the_shel
     lines = (f'{{"prompt": "{i} 1 =", "label": "{i}"}}\n' for i in range(40))
     (elsewhere / "data" / "t.jsonl").write_text("".join(lines))
     monkeypatch.chdir(elsewhere)
-    config = load_config(_config(tmp_path), ["data.train_path=data/t.jsonl",
-                                             "rollout.reward=../plugins/score.py:score"])
+    config = load_config(
+        _config(tmp_path), ["data.train_path=data/t.jsonl", "rollout.reward=../plugins/score.py:score"]
+    )
     assert config.data.train_path == str(elsewhere / "data" / "t.jsonl")
     assert config.rollout.reward == f"{tmp_path / 'plugins' / 'score.py'}:score"
-    assert config.model.path == str(REPO / "examples" / "models" / "tiny")   # from the YAML: untouched
+    assert config.model.path == str(REPO / "examples" / "models" / "tiny")  # from the YAML: untouched
     assert check_run_inputs(config) == []
 
 
@@ -199,8 +207,12 @@ def test_a_mistyped_model_path_is_an_error_and_init_model_builds_only_when_asked
     (tmp_path / "models").mkdir()
     typo = tmp_path / "models" / "tinny"
     config = _config(tmp_path, **{"path: models/tiny": f"path: {typo}"})
-    subprocess.run([sys.executable, "-m", "services.cli", "init-model", str(tmp_path / "models" / "tiny")], check=True,
-                   capture_output=True, cwd=REPO)
+    subprocess.run(
+        [sys.executable, "-m", "services.cli", "init-model", str(tmp_path / "models" / "tiny")],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+    )
     out = tandem("run", str(config), "--run-dir", str(tmp_path / "r"))
     assert out.returncode == 2, out.stderr
     assert f"model.path: {typo} holds no model (did you mean {tmp_path / 'models' / 'tiny'}?)" in out.stderr
@@ -216,8 +228,10 @@ def test_data_the_tokenizer_cannot_encode_gives_a_warning(tmp_path):
     from services.launcher.preflight import check_run_inputs
 
     data = tmp_path / "words.jsonl"
-    data.write_text("".join(f'{{"prompt": "{i} 2 =", "label": "{i}"}}\n' for i in range(36))
-                    + '{"prompt": "what is 3 + 4 ?", "label": "seven"}\n')
+    data.write_text(
+        "".join(f'{{"prompt": "{i} 2 =", "label": "{i}"}}\n' for i in range(36))
+        + '{"prompt": "what is 3 + 4 ?", "label": "seven"}\n'
+    )
     config = load_config(_config(tmp_path, **{"train_path: digit_max/train.jsonl": f"train_path: {data}"}))
     warnings = check_run_inputs(config)
     assert len(warnings) == 2, warnings
@@ -235,13 +249,13 @@ def test_jsonl_metrics_rewind_drops_the_steps_trained_again(tmp_path):
         tracker.log(step, {"rollout/reward_mean": step / 10})
     tracker.log(4, {"eval/reward_mean": 0.5})
     with (tmp_path / "metrics.jsonl").open("a") as f:
-        f.write('{"rollout_id": 5, "rollout/rew')   # torn by a crash
+        f.write('{"rollout_id": 5, "rollout/rew')  # torn by a crash
     tracker.rewind(next_step=3)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout_id"] for r in rows] == [-1, 0, 1, 2]
     tracker.log(3, {"rollout/reward_mean": 0.3})
     assert [json.loads(x)["rollout_id"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1] == 3
-    tracker.rewind(next_step=0)   # starting over: the old pre-training eval goes too
+    tracker.rewind(next_step=0)  # starting over: the old pre-training eval goes too
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
@@ -265,6 +279,6 @@ def test_the_coordinator_itself_does_not_retrain_a_finished_run(tmp_path, redis_
         assert (tmp_path / "metrics.jsonl").read_bytes() == before
         said = [e.message for e in again.events.watch(include_history=True)]
         assert any(m.startswith("this run already finished: 2 of 2 rollouts trained") for m in said), said
-        assert s.trainer.stub.GetState(common_pb2.Empty(), timeout=30).step == 2   # no third Train
+        assert s.trainer.stub.GetState(common_pb2.Empty(), timeout=30).step == 2  # no third Train
     finally:
         s.close()

@@ -32,14 +32,14 @@ def test_policy_learns_to_call_the_lookup_tool(tmp_path):
     steps = [r for r in rows if "rollout/reward_mean" in r]
     assert [r["rollout_id"] for r in evals] == [-1, 39] and len(steps) == 40
     ceiling = best_no_tool_reward(REPO / "examples" / "tool_lookup" / "eval.jsonl")
-    assert 0.1 < ceiling < 0.25   # 200 eval prompts, 10 keys: ~0.2 in hindsight; 0.1 in expectation
+    assert 0.1 < ceiling < 0.25  # 200 eval prompts, 10 keys: ~0.2 in hindsight; 0.1 in expectation
     untrained, trained = evals[0], evals[-1]
     # untrained, greedy: the most likely first token is not the call (reward 0, one turn); trained: call, copy
     assert untrained["eval/reward_mean"] < ceiling and untrained["eval/env_turns_mean"] < 1.5, untrained
     assert trained["eval/reward_mean"] > max(0.8, ceiling + 0.5), trained
     assert trained["eval/env_turns_mean"] == pytest.approx(2.0, abs=0.1), trained
     first, last = (sum(r["rollout/reward_mean"] for r in part) / 5 for part in (steps[:5], steps[-5:]))
-    assert first < 0.05 and last > 0.5, (first, last)   # sampled at T=1: the no-tool expectation is 0.1
+    assert first < 0.05 and last > 0.5, (first, last)  # sampled at T=1: the no-tool expectation is 0.1
     assert steps[-1]["rollout/env_turns_mean"] > 1.8 and steps[0]["rollout/env_turns_mean"] < 1.2
     # half of a call-and-answer episode's response is the observation `) v`: masked, so never trained on
     assert steps[-1]["rollout/env_observation_token_frac"] > 0.4

@@ -7,8 +7,14 @@ from services.contracts.config_loading import config_from_dict
 
 
 def _config(**loop):
-    return config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t.jsonl", "num_epochs": 3},
-                             "rollout": {"rollout_batch_size": 4}, "loop": loop})
+    return config_from_dict(
+        {
+            "model": {"path": "m"},
+            "data": {"train_path": "t.jsonl", "num_epochs": 3},
+            "rollout": {"rollout_batch_size": 4},
+            "loop": loop,
+        }
+    )
 
 
 def test_num_rollout_is_the_configured_value():
@@ -16,7 +22,7 @@ def test_num_rollout_is_the_configured_value():
 
 
 def test_num_rollout_defaults_to_whole_batches_per_epoch_times_epochs():
-    assert runfacts.num_rollout(_config(), dataset_size=10) == 2 * 3   # 10 // 4 = 2 batches, tail of 2 dropped
+    assert runfacts.num_rollout(_config(), dataset_size=10) == 2 * 3  # 10 // 4 = 2 batches, tail of 2 dropped
 
 
 def test_a_run_is_finished_once_its_last_rollout_was_trained():

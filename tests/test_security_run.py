@@ -34,9 +34,28 @@ TOKEN, REDIS_PASSWORD = "t0ken-for-tests", "redis-pa55"
 def make_certificate(directory: Path) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 (it is its own CA), made with the openssl command line."""
     cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "2", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
@@ -86,8 +105,13 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
 
 
 def _ctl(target: str, action: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "ctl", "--addr", target, *extra, action],
-                          capture_output=True, text=True, cwd=REPO, timeout=90)
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "ctl", "--addr", target, *extra, action],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=90,
+    )
 
 
 def _refused(fn) -> grpc.RpcError:
@@ -102,9 +126,17 @@ def test_a_run_with_token_tls_and_a_redis_password_refuses_everyone_else(tmp_pat
         terminator = TlsTerminator(cert, key, redis_server.port)
         url = f"rediss://127.0.0.1:{terminator.port}/0?ssl_ca_certs={cert}&ssl_cert_reqs=required"
         run_dir = tmp_path / "run"
-        proc = start_run(run_dir, "loop.num_rollout=100000", "loop.eval_interval=null", f"redis.url={url}",
-                         f"redis.password={REDIS_PASSWORD}", f"services.auth_token={TOKEN}",
-                         f"services.tls_cert={cert}", f"services.tls_key={key}", f"services.tls_ca={cert}")
+        proc = start_run(
+            run_dir,
+            "loop.num_rollout=100000",
+            "loop.eval_interval=null",
+            f"redis.url={url}",
+            f"redis.password={REDIS_PASSWORD}",
+            f"services.auth_token={TOKEN}",
+            f"services.tls_cert={cert}",
+            f"services.tls_key={key}",
+            f"services.tls_ca={cert}",
+        )
         try:
             cfg = resolved_config_when_written(run_dir)
             s = cfg["services"]
@@ -118,8 +150,8 @@ def test_a_run_with_token_tls_and_a_redis_password_refuses_everyone_else(tmp_pat
             ports = [s["coordinator"]["port"], s["trainer"]["port"], *(r["port"] for r in s["rollout"])]
             assert {a for p in ports for a in listening_addresses(p)} == {"127.0.0.1"}
             assert listening_addresses(redis_server.port) == {"127.0.0.1"}
-            assert os.stat(run_dir / "config.yaml").st_mode & 0o077 == 0   # it holds the token
-            with pytest.raises(Exception, match=r"(?i)auth"):   # Redis without the password: refused
+            assert os.stat(run_dir / "config.yaml").st_mode & 0o077 == 0  # it holds the token
+            with pytest.raises(Exception, match=r"(?i)auth"):  # Redis without the password: refused
                 connect(f"redis://127.0.0.1:{redis_server.port}/0").xlen("x")
             assert _ctl(target, "stop", "--token", TOKEN, "--tls-ca", str(cert)).returncode == 0
             assert proc.wait(timeout=120) == 0, supervisor_log(run_dir)
@@ -142,9 +174,8 @@ def _status_ok(target: str, cert: Path) -> bool:
 
 
 def _check_refusals(target: str, trainer_target: str, cert: Path) -> None:
-    with open_channel(target) as plaintext:          # no TLS: the handshake never completes
-        err = _refused(lambda: coordinator_pb2_grpc.CoordinatorStub(plaintext).GetStatus(common_pb2.Empty(),
-                                                                                         timeout=5))
+    with open_channel(target) as plaintext:  # no TLS: the handshake never completes
+        err = _refused(lambda: coordinator_pb2_grpc.CoordinatorStub(plaintext).GetStatus(common_pb2.Empty(), timeout=5))
         assert err.code() == grpc.StatusCode.UNAVAILABLE
     for token in (None, "wrong-token"):
         with open_channel(target, tls_ca=str(cert), auth_token=token) as channel:
@@ -155,4 +186,4 @@ def _check_refusals(target: str, trainer_target: str, cert: Path) -> None:
         with open_channel(trainer_target, tls_ca=str(cert), auth_token=token) as channel:
             err = _refused(lambda: trainer_pb2_grpc.TrainerStub(channel).Save(trainer_pb2.SaveRequest(), timeout=10))
             assert err.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert _status_ok(target, cert)                   # none of it stopped or paused the run
+    assert _status_ok(target, cert)  # none of it stopped or paused the run

@@ -23,15 +23,32 @@ from services.weights import WeightReceiver, WeightSyncRefused
 pytestmark = pytest.mark.reliability
 SERVICES = Path(__file__).resolve().parents[1] / "services"
 
-PICKLING_MODULES = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "shelve", "jsonpickle", "joblib",
-                    "multiprocessing", "torch.multiprocessing"}
+PICKLING_MODULES = {
+    "pickle",
+    "cPickle",
+    "_pickle",
+    "cloudpickle",
+    "dill",
+    "shelve",
+    "jsonpickle",
+    "joblib",
+    "multiprocessing",
+    "torch.multiprocessing",
+}
 # The one module that writes pickles: the payload of SGLang's /update_weights_from_tensor, which SGLang (not Tandem)
 # loads through its SafeUnpickler on the same host (docs/sglang.md, "trust boundary"). It may import a pickler;
 # nothing there may load one.
 PICKLE_PRODUCERS = {"services/weights/transports/sglang_tensor.py"}
 # torch.distributed's *_object_list / *_object collectives pickle their payload
-PICKLING_CALLS = {"broadcast_object_list", "recv_object_list", "send_object_list", "all_gather_object",
-                  "gather_object", "scatter_object_list", "read_pickle"}
+PICKLING_CALLS = {
+    "broadcast_object_list",
+    "recv_object_list",
+    "send_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "read_pickle",
+}
 
 
 def _problems(path: Path, root: Path = SERVICES.parent) -> list[str]:
@@ -52,8 +69,12 @@ def _problems(path: Path, root: Path = SERVICES.parent) -> list[str]:
             kwargs = {k.arg: ast.unparse(k.value) for k in node.keywords}
             if name in PICKLING_CALLS or (name in ("load", "loads") and owner in PICKLING_MODULES | {"marshal"}):
                 out.append(f"{where}: {ast.unparse(node.func)}(...)")
-            if name == "load" and owner in ("torch", "np", "numpy") and \
-                    kwargs.get("weights_only") != "True" and kwargs.get("allow_pickle") != "False":
+            if (
+                name == "load"
+                and owner in ("torch", "np", "numpy")
+                and kwargs.get("weights_only") != "True"
+                and kwargs.get("allow_pickle") != "False"
+            ):
                 out.append(f"{where}: {ast.unparse(node.func)}(...) may unpickle")
             if kwargs.get("allow_pickle") == "True":
                 out.append(f"{where}: allow_pickle=True")
@@ -69,39 +90,52 @@ def test_nothing_in_services_pickles():
 
 def test_the_scan_finds_what_it_looks_for(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import pickle\nimport torch\nfrom cloudpickle import dumps\nx = torch.load('f')\n"
-                   "torch.distributed.broadcast_object_list([1])\ny = pickle.loads(b'')\nimport json\njson.loads('1')\n"
-                   "ok = torch.load('f', weights_only=True)\n")
+    bad.write_text(
+        "import pickle\nimport torch\nfrom cloudpickle import dumps\nx = torch.load('f')\n"
+        "torch.distributed.broadcast_object_list([1])\ny = pickle.loads(b'')\nimport json\njson.loads('1')\n"
+        "ok = torch.load('f', weights_only=True)\n"
+    )
     found = [p.split(": ", 1)[1] for p in _problems(bad, root=tmp_path)]
-    assert found == ["import pickle", "from cloudpickle import ...", "torch.load(...) may unpickle",
-                     "torch.distributed.broadcast_object_list(...)", "pickle.loads(...)"]
+    assert found == [
+        "import pickle",
+        "from cloudpickle import ...",
+        "torch.load(...) may unpickle",
+        "torch.distributed.broadcast_object_list(...)",
+        "pickle.loads(...)",
+    ]
     # the pickle producer may import a pickler, never load one
     producer = tmp_path / "services" / "weights" / "transports" / "sglang_tensor.py"
     producer.parent.mkdir(parents=True)
-    producer.write_text("import pickle\nfrom torch.multiprocessing import reductions\nx = pickle.loads(b'')\n"
-                        "u = pickle.Unpickler\n")
-    assert [p.split(": ", 1)[1] for p in _problems(producer, root=tmp_path)] == ["pickle.loads(...)",
-                                                                                "pickle.Unpickler"]
+    producer.write_text(
+        "import pickle\nfrom torch.multiprocessing import reductions\nx = pickle.loads(b'')\nu = pickle.Unpickler\n"
+    )
+    assert [p.split(": ", 1)[1] for p in _problems(producer, root=tmp_path)] == [
+        "pickle.loads(...)",
+        "pickle.Unpickler",
+    ]
 
 
 def test_every_listening_default_is_loopback():
     s = ServicesConfig()
     assert s.bind_host == "127.0.0.1"
     assert {a.host for a in (s.coordinator, s.trainer, s.critic, *s.rollout)} == {"127.0.0.1"}
-    assert ProcessGroupWeights().master_addr == "127.0.0.1"          # the weight-sync store the trainer listens on
+    assert ProcessGroupWeights().master_addr == "127.0.0.1"  # the weight-sync store the trainer listens on
     assert EmbeddedRedis("unused").host == "127.0.0.1"
-    assert s.auth_token is None and s.tls_cert is None         # opt-in, see test_security_run.py
+    assert s.auth_token is None and s.tls_cert is None  # opt-in, see test_security_run.py
 
 
 def test_redis_password_and_rediss_urls_reach_redis_py(tmp_path):
-    client = connect("rediss://redis.example:6380/0?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required",
-                     password="s3cret")
+    client = connect("rediss://redis.example:6380/0?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required", password="s3cret")
     kwargs = client.connection_pool.connection_kwargs
     assert client.connection_pool.connection_class is redis.SSLConnection
-    assert (kwargs["password"], kwargs["ssl_ca_certs"], kwargs["ssl_cert_reqs"]) == ("s3cret", "/etc/ca.pem",
-                                                                                    "required")
-    config = TandemConfig.model_validate({"model": {"path": "m"}, "data": {"train_path": "d"},
-                                          "redis": {"url": "rediss://h:1/0", "password": "p"}})
+    assert (kwargs["password"], kwargs["ssl_ca_certs"], kwargs["ssl_cert_reqs"]) == (
+        "s3cret",
+        "/etc/ca.pem",
+        "required",
+    )
+    config = TandemConfig.model_validate(
+        {"model": {"path": "m"}, "data": {"train_path": "d"}, "redis": {"url": "rediss://h:1/0", "password": "p"}}
+    )
     assert config.redis.url is not None and config.redis.url.startswith("rediss://") and config.redis.password == "p"
     assert redacted("redis://:s3cret@h:1/0") == "redis://***@h:1/0"
     with EmbeddedRedis(tmp_path / "r", appendonly=False, password="s3cret") as server:
@@ -115,11 +149,19 @@ def test_weight_plans_of_another_trainer_are_refused_before_any_transfer(transpo
     """The engine side of every transport, on CPU: a plan from another trainer id (for cuda_ipc, the one
     that would hand over IPC handles) is refused before anything is mapped or received, and the refusal is
     posted to that trainer's store so it fails at once instead of at its deadline."""
-    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=10))
-    plan = common_pb2.WeightSyncPlan(version=3, transport=transport, trainer_id="intruder/actor", timeout_s=5,
-                                     master_addr="127.0.0.1", master_port=store.port, world_size=2,
-                                     group_name="g")
+    store = dist.TCPStore(
+        "127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10)
+    )
+    plan = common_pb2.WeightSyncPlan(
+        version=3,
+        transport=transport,
+        trainer_id="intruder/actor",
+        timeout_s=5,
+        master_addr="127.0.0.1",
+        master_port=store.port,
+        world_size=2,
+        group_name="g",
+    )
     params: dict[str, torch.Tensor] = {}
     with pytest.raises(WeightSyncRefused, match="'intruder/actor' is not the accepted trainer 'run/actor'"):
         WeightReceiver(accepted_trainer_id="run/actor").receive(plan, 1, params)

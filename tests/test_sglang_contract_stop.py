@@ -25,13 +25,13 @@ from services.rollout.tokenizer import Texts, load_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
-BACKTICK, LETTER_U = 63, 83           # '`' then 'a', 'b', ...; 'u' then 'v', 'w', ...
+BACKTICK, LETTER_U = 63, 83  # '`' then 'a', 'b', ...; 'u' then 'v', 'w', ...
+
 
 def texts_of(path: Path) -> Texts:
     """The run's tokenizer as the rollout service holds it (its own chat template)."""
     tokenizer = load_tokenizer(path)
     return Texts(tokenizer, ChatTemplate(tokenizer, source=f"the chat template of the tokenizer at {path}"))
-
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +48,31 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(tokenizer_dir: Path):
     # --eos 151645: a server that stops by itself only on the tokenizer's eos (<|im_end|>)
-    s = ContractServer("--profile", "0.5.17", "--tokenizer", str(tokenizer_dir), "--vocab", "151936", "--eos",
-                       "151645", "--context", "256")
+    s = ContractServer(
+        "--profile",
+        "0.5.17",
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--vocab",
+        "151936",
+        "--eos",
+        "151645",
+        "--context",
+        "256",
+    )
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def engine(server: ContractServer, tokenizer_dir: Path):
-    config = config_from_dict({"model": {"path": str(tokenizer_dir)}, "data": {"train_path": "x.jsonl"},
-                               "rollout": {"engine": "sglang", "sglang": {"urls": [server.url]}}})
+    config = config_from_dict(
+        {
+            "model": {"path": str(tokenizer_dir)},
+            "data": {"train_path": "x.jsonl"},
+            "rollout": {"engine": "sglang", "sglang": {"urls": [server.url]}},
+        }
+    )
     e = build_engine(config, texts_of(tokenizer_dir))
     yield e
     e.close()
@@ -69,15 +84,18 @@ def last_body(server: ContractServer) -> dict:
 
 def test_sglang_contract_stop_strings(server: ContractServer, engine: SGLangEngine, tokenizer_dir: Path):
     texts = texts_of(tokenizer_dir)
-    assert len(texts.tokenizer.encode("cde", add_special_tokens=False)) == 3   # SGLang's tail holds 3 + 1 tokens
+    assert len(texts.tokenizer.encode("cde", add_special_tokens=False)) == 3  # SGLang's tail holds 3 + 1 tokens
     out = engine.generate([[BACKTICK], [LETTER_U]], SamplingSpec(max_new_tokens=10, stop=("cde", "never")))
-    assert texts.decode(out[0].token_ids) == "abcde" and out[0].finish_reason == "stop"   # "e" completes it, kept
+    assert texts.decode(out[0].token_ids) == "abcde" and out[0].finish_reason == "stop"  # "e" completes it, kept
     assert len(out[0].log_probs) == 5
     assert texts.decode(out[1].token_ids) == "uvwxyz{|}~" and out[1].finish_reason == "length"
     assert last_body(server)["sampling_params"]["stop"] == ["cde", "never"]
     # SGLang's own answer: output_ids keep the completing token, `text` is cut before the string
-    raw = server.call("POST", "/generate", {"input_ids": [BACKTICK], "return_logprob": True,
-                                            "sampling_params": {"max_new_tokens": 10, "stop": ["cde"]}})
+    raw = server.call(
+        "POST",
+        "/generate",
+        {"input_ids": [BACKTICK], "return_logprob": True, "sampling_params": {"max_new_tokens": 10, "stop": ["cde"]}},
+    )
     assert raw["meta_info"]["finish_reason"] == {"type": "stop", "matched": "cde"}
     assert raw["output_ids"] == [64, 65, 66, 67, 68] and raw["text"] == "ab"
 

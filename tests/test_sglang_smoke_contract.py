@@ -18,7 +18,7 @@ def test_the_smoke_checks_pass_against_the_contract_server():
 
     server = ContractServer("--profile", "0.5.17")
     try:
-        server.configure(token_delay_s=0.02)   # a long request must still run when the smoke flushes
+        server.configure(token_delay_s=0.02)  # a long request must still run when the smoke flushes
         sglang_smoke.RESULTS.clear()
         sglang_smoke.generation_checks(server.url)
         failed = [(name, detail) for name, ok, detail in sglang_smoke.RESULTS if not ok]

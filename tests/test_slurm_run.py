@@ -42,8 +42,13 @@ def _installed() -> str | None:
     if os.geteuid() != 0:
         return "no slurm-wlm/munge and not root to install them"
     subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
-    out = subprocess.run(["apt-get", "install", "-y", "-q", "slurm-wlm", "munge"], capture_output=True, text=True,
-                         timeout=900, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    out = subprocess.run(
+        ["apt-get", "install", "-y", "-q", "slurm-wlm", "munge"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+    )
     return None if out.returncode == 0 else f"apt-get install slurm-wlm munge failed: {out.stderr[-300:]}"
 
 
@@ -64,13 +69,13 @@ SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={root / 'munge' / 'munge.socket'}
-StateSaveLocation={root / 'state'}
-SlurmdSpoolDir={root / 'spool'}
-SlurmctldPidFile={root / 'slurmctld.pid'}
-SlurmdPidFile={root / 'slurmd.pid'}
-SlurmctldLogFile={root / 'log' / 'slurmctld.log'}
-SlurmdLogFile={root / 'log' / 'slurmd.log'}
+AuthInfo=socket={root / "munge" / "munge.socket"}
+StateSaveLocation={root / "state"}
+SlurmdSpoolDir={root / "spool"}
+SlurmctldPidFile={root / "slurmctld.pid"}
+SlurmdPidFile={root / "slurmd.pid"}
+SlurmctldLogFile={root / "log" / "slurmctld.log"}
+SlurmdLogFile={root / "log" / "slurmd.log"}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
@@ -91,14 +96,27 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP Over
         socket_path = self.root / "munge" / "munge.socket"
         shutil.copy("/etc/munge/munge.key", self.root / "munge" / "munge.key")
         os.chmod(self.root / "munge" / "munge.key", 0o600)
-        self._spawn(["munged", "--foreground", "--force", f"--socket={socket_path}",
-                     f"--key-file={self.root / 'munge' / 'munge.key'}", f"--pid-file={self.root / 'munge' / 'pid'}",
-                     f"--log-file={self.root / 'log' / 'munged.log'}", f"--seed-file={self.root / 'munge' / 'seed'}"])
+        self._spawn(
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={socket_path}",
+                f"--key-file={self.root / 'munge' / 'munge.key'}",
+                f"--pid-file={self.root / 'munge' / 'pid'}",
+                f"--log-file={self.root / 'log' / 'munged.log'}",
+                f"--seed-file={self.root / 'munge' / 'seed'}",
+            ]
+        )
         wait_for(socket_path.exists, what="munged's socket", timeout_s=30)
         self._spawn(["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._spawn(["slurmd", "-D", "-f", str(self.conf), "-N", self.host])
-        wait_for(lambda: "idle" in self.scontrol("show", "node", self.host).lower(), what="an idle node",
-                 timeout_s=120, every_s=1)
+        wait_for(
+            lambda: "idle" in self.scontrol("show", "node", self.host).lower(),
+            what="an idle node",
+            timeout_s=120,
+            every_s=1,
+        )
         return self
 
     def _spawn(self, cmd: list[str]) -> None:
@@ -143,11 +161,27 @@ def test_sbatch_demo_finishes_learns_and_resumes_after_a_requeue(tmp_path, examp
     run_dir = workdir / "runs" / "digit_max"
     try:
         start = time.monotonic()
-        env = {**slurm.env, "TANDEM_CONFIG": str(demo_config(tmp_path, example_model)), "TANDEM_WORKDIR": str(workdir),
-               "TANDEM_PYTHON": sys.executable, "TANDEM_WEIGHTS": "gloo", "PYTHONPATH": str(REPO)}
-        out = subprocess.run(["sbatch", "--parsable", "--nodes=1", f"--chdir={tmp_path}",
-                              str(REPO / "deploy" / "slurm" / "tandem.sbatch")], env=env, capture_output=True,
-                             text=True, timeout=60)
+        env = {
+            **slurm.env,
+            "TANDEM_CONFIG": str(demo_config(tmp_path, example_model)),
+            "TANDEM_WORKDIR": str(workdir),
+            "TANDEM_PYTHON": sys.executable,
+            "TANDEM_WEIGHTS": "gloo",
+            "PYTHONPATH": str(REPO),
+        }
+        out = subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                "--nodes=1",
+                f"--chdir={tmp_path}",
+                str(REPO / "deploy" / "slurm" / "tandem.sbatch"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         job = out.stdout.strip().split(";")[0]
         log = tmp_path / f"tandem-{job}.log"
@@ -159,12 +193,20 @@ def test_sbatch_demo_finishes_learns_and_resumes_after_a_requeue(tmp_path, examp
 
         wait_for(lambda: trained(), what=f"the first step\n{_tail(log)}", timeout_s=600, every_s=1)
         print(f"\n[slurm-test] sbatch to the first trained step: {time.monotonic() - start:.0f} s")
-        wait_for(lambda: len(list((workdir / "checkpoints" / "actor").glob("rollout_*"))) >= 2,
-                 what="two checkpoints", timeout_s=600, every_s=1)
+        wait_for(
+            lambda: len(list((workdir / "checkpoints" / "actor").glob("rollout_*"))) >= 2,
+            what="two checkpoints",
+            timeout_s=600,
+            every_s=1,
+        )
         slurm.scontrol("requeue", job)
         wait_for(lambda: slurm.job_state(job)[1] >= 1, what="the requeue", timeout_s=120, every_s=1)
-        wait_for(lambda: slurm.job_state(job)[0] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
-                 what=f"the job's end\n{_tail(log)}", timeout_s=1200, every_s=2)
+        wait_for(
+            lambda: slurm.job_state(job)[0] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
+            what=f"the job's end\n{_tail(log)}",
+            timeout_s=1200,
+            every_s=2,
+        )
         state, restarts = slurm.job_state(job)
         print(f"[slurm-test] job {job} {state} after {time.monotonic() - start:.0f} s, requeued {restarts}x")
         assert state == "COMPLETED", _tail(log)
@@ -174,8 +216,9 @@ def test_sbatch_demo_finishes_learns_and_resumes_after_a_requeue(tmp_path, examp
         checkpoints = sorted((workdir / "checkpoints" / "actor").glob("rollout_*"))
         trainer = json.loads((checkpoints[-1] / "tandem_state.json").read_text())
         state_ = json.loads(trainer["extra_state"]["coordinator"])
-        assert_books_balance(trainer, state_, num_rollout=NUM_ROLLOUT, leftovers=_leftovers(workdir),
-                             batch_samples=BATCH_SAMPLES)
+        assert_books_balance(
+            trainer, state_, num_rollout=NUM_ROLLOUT, leftovers=_leftovers(workdir), batch_samples=BATCH_SAMPLES
+        )
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
         evals = [r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r]
         assert evals[-1] > evals[0] + 0.3, evals
@@ -190,5 +233,9 @@ def _tail(path: Path) -> str:
 
 def _leftovers(workdir: Path) -> tuple[int, int]:
     """(stream length, pending in the actor group) from the job's Redis AOF, read by a fresh redis-server."""
-    return aof_leftovers(workdir / "redis", stream=stream_key("tandem", "digit_max"), password=None,
-                         log_path=workdir / "redis-inspect.log")
+    return aof_leftovers(
+        workdir / "redis",
+        stream=stream_key("tandem", "digit_max"),
+        password=None,
+        log_path=workdir / "redis-inspect.log",
+    )

@@ -20,8 +20,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_script(script: str, *, env: dict[str, str] | None = None, timeout_s: float = 60) -> str:
-    done = subprocess.run([sys.executable, "-"], input=textwrap.dedent(script), capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, **(env or {})}, timeout=timeout_s)
+    done = subprocess.run(
+        [sys.executable, "-"],
+        input=textwrap.dedent(script),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        timeout=timeout_s,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout + done.stderr
 
@@ -91,8 +98,11 @@ def test_file_exporter_records_rl_attributes_parents_links_and_thread_pool_conte
     sample, loop, train = spans["rl.sample", 3], spans["rl.loop", 3], spans["rl.train", None]
     assert sample["attributes"] == {"rl.rollout_id": 3, "net.peer.name": "x"}
     assert sample["service"] == "tandem-trainer" and sample["instance"] == "trainer"
-    assert loop["parent_span_id"] is None and loop["attributes"] == {"rl.rollout_id": 3, "rl.mode": "async",
-                                                                     "rl.staleness": 1}
+    assert loop["parent_span_id"] is None and loop["attributes"] == {
+        "rl.rollout_id": 3,
+        "rl.mode": "async",
+        "rl.staleness": 1,
+    }
     assert spans["rl.pool", None]["parent_span_id"] == loop["span_id"]
     assert train["parent_span_id"] == loop["span_id"] and train["trace_id"] == loop["trace_id"]
     assert train["links"] == [{"trace_id": sample["trace_id"], "span_id": sample["span_id"]}]
@@ -120,7 +130,7 @@ def test_file_lines_stay_whole_with_several_writer_processes(tmp_path: Path):
         p.stdin.write(textwrap.dedent(script))
         p.stdin.close()
     assert all(p.wait(timeout=120) == 0 for p in procs)
-    spans = read_spans(path)   # json.loads fails on any torn or interleaved line
+    spans = read_spans(path)  # json.loads fails on any torn or interleaved line
     assert len(spans) == 1200
     for pid in {s["pid"] for s in spans}:
         mine = [s for s in spans if s["pid"] == pid]
@@ -184,13 +194,16 @@ def test_otlp_exporter_sends_to_the_endpoint_of_the_standard_variables(free_port
     port = server.add_insecure_port(f"127.0.0.1:{free_port}")
     server.start()
     try:
-        run_script("""
+        run_script(
+            """
             from services.telemetry import tracing
             tracing.setup_tracing("tandem-trainer", exporter="otlp", instance="critic")
             with tracing.span("rl.train", rollout_id=7):
                 pass
             tracing.shutdown_tracing()   # flushes the batch
-        """, env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_INSECURE": "true"})
+        """,
+            env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_INSECURE": "true"},
+        )
         assert got.wait(timeout=30)
     finally:
         server.stop(grace=1)

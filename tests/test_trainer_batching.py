@@ -23,15 +23,35 @@ from services.trainer.batching import (
 
 
 def _batch():
-    return merge_batches([
-        build_batch(rollout_id=0, policy_version=0, prompts=[[1, 5], [1, 6, 7]], responses=[[8, 9, 10], [11]],
-                    log_probs=[[-0.1, -0.2, -0.3], [-0.4]], rewards=[1.0, 0.0], group_ids=[0, 0],
-                    finish_reasons=["stop", "length"], sample_versions=[3, 1], token_versions=[[3, 4, 4], [1]],
-                    sampling=SamplingSpec(temperature=0.7, top_p=0.9)),
-        build_batch(rollout_id=1, policy_version=0, prompts=[[1]], responses=[[12, 13]], log_probs=[[-0.5, -0.6]],
-                    rewards=[0.5], group_ids=[1], finish_reasons=["stop"], sample_versions=[2],
-                    sampling=SamplingSpec(temperature=0.0)),   # no token_versions: each token its sample's
-    ])
+    return merge_batches(
+        [
+            build_batch(
+                rollout_id=0,
+                policy_version=0,
+                prompts=[[1, 5], [1, 6, 7]],
+                responses=[[8, 9, 10], [11]],
+                log_probs=[[-0.1, -0.2, -0.3], [-0.4]],
+                rewards=[1.0, 0.0],
+                group_ids=[0, 0],
+                finish_reasons=["stop", "length"],
+                sample_versions=[3, 1],
+                token_versions=[[3, 4, 4], [1]],
+                sampling=SamplingSpec(temperature=0.7, top_p=0.9),
+            ),
+            build_batch(
+                rollout_id=1,
+                policy_version=0,
+                prompts=[[1]],
+                responses=[[12, 13]],
+                log_probs=[[-0.5, -0.6]],
+                rewards=[0.5],
+                group_ids=[1],
+                finish_reasons=["stop"],
+                sample_versions=[2],
+                sampling=SamplingSpec(temperature=0.0),
+            ),  # no token_versions: each token its sample's
+        ]
+    )
 
 
 def test_merge_and_select_keep_per_token_arrays_aligned():
@@ -67,7 +87,7 @@ def test_only_host_tensors_bound_for_a_gpu_are_pinned():
     assert not pinned_copy(elsewhere, torch.device("cuda", 0))
     assert not pinned_copy(host, torch.device("cpu"))
     mb = build_micro_batch(_batch(), [0, 2])
-    moved = mb.to(torch.device("meta"))   # no pinning on the way, and a second move is the batch itself
+    moved = mb.to(torch.device("meta"))  # no pinning on the way, and a second move is the batch itself
     assert moved.input_ids.device.type == "meta" and moved.to(torch.device("meta")) is moved
 
 
@@ -77,24 +97,24 @@ def test_pack_respects_padded_token_budget():
     assert sorted(i for g in groups for i in g) == list(range(6))
     for g in groups:
         assert len(g) == 1 or max(lengths[i] for i in g) * len(g) <= 20
-    assert [5] in groups   # longer than the budget: alone
+    assert [5] in groups  # longer than the budget: alone
 
 
 def test_packed_rows_fill_the_width_of_the_longest_sample_within_the_budget():
     lengths = [10, 3, 7, 2, 2, 30, 6, 4]
     groups = pack_rows(list(range(8)), lengths, token_budget=20)
     assert sorted(i for g in groups for row in g for i in row) == list(range(8))
-    assert groups[0] == [[5]]   # longer than the budget: alone
+    assert groups[0] == [[5]]  # longer than the budget: alone
     for g in groups[1:]:
         width = max(lengths[row[0]] for row in g)
         assert all(sum(lengths[i] for i in row) <= width for row in g) and len(g) * width <= 20
-    assert groups[1:] == [[[0], [2, 1]], [[6], [7, 3], [4]]]   # 3 fills the first row with room, 4 a new row
+    assert groups[1:] == [[[0], [2, 1]], [[6], [7, 3], [4]]]  # 3 fills the first row with room, 4 a new row
 
 
 def test_a_packed_micro_batch_restarts_positions_per_sample():
     mb = build_micro_batch(_batch(), [[0, 2], [1]])
     assert mb.input_ids.tolist() == [[1, 5, 8, 9, 10, 1, 12, 13], [1, 6, 7, 11, 0, 0, 0, 0]]
-    assert mb.position_ids is not None   # the padding is a block of its own, from 0
+    assert mb.position_ids is not None  # the padding is a block of its own, from 0
     assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 3]]
     assert mb.positions.tolist() == [1, 2, 3, 5, 6, 2] and mb.rows.tolist() == [0, 0, 0, 0, 0, 1]
     assert mb.targets.tolist() == [8, 9, 10, 12, 13, 11] and mb.token_index.tolist() == [0, 1, 2, 4, 5, 3]
@@ -111,7 +131,7 @@ def test_shards_are_disjoint_balanced_and_cover_everything():
 
 
 def test_stale_samples_go_by_their_oldest_token():
-    batch = _batch()   # sample 0's tokens: versions 3, 4, 4 (a sync landed mid-generation)
+    batch = _batch()  # sample 0's tokens: versions 3, 4, 4 (a sync landed mid-generation)
     assert stale_samples(batch, weight_version=3, max_staleness=1) == [1]
     assert stale_samples(batch, weight_version=3, max_staleness=0) == [1, 2]
     assert stale_samples(batch, weight_version=4, max_staleness=0) == [0, 1, 2]
@@ -119,15 +139,28 @@ def test_stale_samples_go_by_their_oldest_token():
 
 
 def test_token_lag_fractions_count_trainable_tokens_by_their_own_version():
-    batch = _batch()   # token versions 3 4 4 | 1 | 2 2; the last token masked out
+    batch = _batch()  # token versions 3 4 4 | 1 | 2 2; the last token masked out
     batch = dataclasses.replace(batch, loss_mask=torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0]))
     assert token_lag_fractions(batch, weight_version=4) == {
-        "token_lag_frac_0": 2 / 5, "token_lag_frac_1": 1 / 5, "token_lag_frac_2": 1 / 5, "token_lag_frac_3": 1 / 5}
+        "token_lag_frac_0": 2 / 5,
+        "token_lag_frac_1": 1 / 5,
+        "token_lag_frac_2": 1 / 5,
+        "token_lag_frac_3": 1 / 5,
+    }
 
 
 def test_merge_rejects_inconsistent_batches():
-    good = build_batch(rollout_id=0, policy_version=0, prompts=[[1]], responses=[[2]], log_probs=[[-1.0]],
-                       rewards=[1.0], group_ids=[0], finish_reasons=["stop"], sampling=SamplingSpec())
+    good = build_batch(
+        rollout_id=0,
+        policy_version=0,
+        prompts=[[1]],
+        responses=[[2]],
+        log_probs=[[-1.0]],
+        rewards=[1.0],
+        group_ids=[0],
+        finish_reasons=["stop"],
+        sampling=SamplingSpec(),
+    )
     from dataclasses import replace
 
     with pytest.raises(ValueError, match="rewards"):
@@ -152,8 +185,9 @@ def test_lr_schedules():
 
 def test_lr_schedule_drives_torch_scheduler():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(schedule="constant", warmup_steps=2, total_steps=None,
-                                                             lr=0.1, min_lr=0.0))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lr_lambda(schedule="constant", warmup_steps=2, total_steps=None, lr=0.1, min_lr=0.0)
+    )
     seen = []
     for _ in range(3):
         seen.append(opt.param_groups[0]["lr"])

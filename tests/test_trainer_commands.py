@@ -39,12 +39,21 @@ def _over_the_relay(header: dict, payloads: list[bytes]) -> tuple[dict, list[byt
     return json.loads(json.dumps(header)), [bytes(p) for p in payloads]
 
 
-@pytest.mark.parametrize("command", [
-    Save(directory="/ckpt/actor/rollout_00000003", rollout_id=3, export_hf=True, extra_state={"coordinator": "{}"}),
-    Save(directory="/ckpt/critic/rollout_00000000", rollout_id=0, export_hf=False),
-    Load(directory="/ckpt/actor/rollout_00000003"),
-    WeightChecksums(), WeightChecksums(by_bucket=True), PublishWeights(version=12), Offload(), Onload(), Shutdown(),
-], ids=lambda c: type(c).__name__)
+@pytest.mark.parametrize(
+    "command",
+    [
+        Save(directory="/ckpt/actor/rollout_00000003", rollout_id=3, export_hf=True, extra_state={"coordinator": "{}"}),
+        Save(directory="/ckpt/critic/rollout_00000000", rollout_id=0, export_hf=False),
+        Load(directory="/ckpt/actor/rollout_00000003"),
+        WeightChecksums(),
+        WeightChecksums(by_bucket=True),
+        PublishWeights(version=12),
+        Offload(),
+        Onload(),
+        Shutdown(),
+    ],
+    ids=lambda c: type(c).__name__,
+)
 def test_every_command_round_trips(command):
     header, payloads = encode(command)
     assert payloads == []
@@ -76,21 +85,27 @@ def test_the_header_format_is_the_relays():
     assert len(payloads) == len(header["fields"])
 
 
-@pytest.mark.parametrize("header,payloads,message", [
-    (["train"], [], "must be a JSON object, got list"),
-    ({}, [], "names no trainer command"),
-    ({"cmd": "format_disk"}, [], "names no trainer command"),
-    ({"cmd": "load"}, [], "'load' lacks 'dir'"),
-    ({"cmd": "load", "dir": 3}, [], "'dir' must be str, got int"),
-    ({"cmd": "weights", "mode": "publish", "version": True}, [], "'version' must be int, got bool"),
-    ({"cmd": "weights", "mode": "stream"}, [], "unknown mode 'stream'"),
-    ({"cmd": "save", "dir": "/d", "rollout_id": 1, "export_hf": False, "extra_state": {"a": 1}}, [],
-     "'extra_state' must map strings to strings"),
-    ({"cmd": "onload"}, [b"x"], "carries no payloads, got 1"),
-    ({"cmd": "train", "rollout_id": 0, "fields": ["tokens"], "entry_ids": []}, [], "1 batch fields but 0 payloads"),
-    ({"cmd": "train", "rollout_id": 0, "fields": ["weights"], "entry_ids": []}, [b""], "unknown batch fields"),
-    ({"cmd": "train", "rollout_id": 0, "fields": ["tokens"], "entry_ids": []}, [b"\xff\xff"], "train:"),
-])
+@pytest.mark.parametrize(
+    "header,payloads,message",
+    [
+        (["train"], [], "must be a JSON object, got list"),
+        ({}, [], "names no trainer command"),
+        ({"cmd": "format_disk"}, [], "names no trainer command"),
+        ({"cmd": "load"}, [], "'load' lacks 'dir'"),
+        ({"cmd": "load", "dir": 3}, [], "'dir' must be str, got int"),
+        ({"cmd": "weights", "mode": "publish", "version": True}, [], "'version' must be int, got bool"),
+        ({"cmd": "weights", "mode": "stream"}, [], "unknown mode 'stream'"),
+        (
+            {"cmd": "save", "dir": "/d", "rollout_id": 1, "export_hf": False, "extra_state": {"a": 1}},
+            [],
+            "'extra_state' must map strings to strings",
+        ),
+        ({"cmd": "onload"}, [b"x"], "carries no payloads, got 1"),
+        ({"cmd": "train", "rollout_id": 0, "fields": ["tokens"], "entry_ids": []}, [], "1 batch fields but 0 payloads"),
+        ({"cmd": "train", "rollout_id": 0, "fields": ["weights"], "entry_ids": []}, [b""], "unknown batch fields"),
+        ({"cmd": "train", "rollout_id": 0, "fields": ["tokens"], "entry_ids": []}, [b"\xff\xff"], "train:"),
+    ],
+)
 def test_a_malformed_command_is_refused_with_a_clear_message(header, payloads, message):
     with pytest.raises(CommandError, match=message):
         decode(header, payloads)

@@ -12,8 +12,16 @@ from services.trainer.ledger import TrainLedger
 
 
 def _reply(rollout_id: int, step: int, entry_ids: list[str], samples: int = 4) -> TrainResult:
-    return TrainResult(rollout_id=rollout_id, step=step, entry_ids=tuple(entry_ids), samples_trained=samples,
-                       metrics={"loss": 0.5 - 0.1 * step}, time_s=0.25, samples_dropped_stale=0, samples_filtered=0)
+    return TrainResult(
+        rollout_id=rollout_id,
+        step=step,
+        entry_ids=tuple(entry_ids),
+        samples_trained=samples,
+        metrics={"loss": 0.5 - 0.1 * step},
+        time_s=0.25,
+        samples_dropped_stale=0,
+        samples_filtered=0,
+    )
 
 
 def test_a_recorded_rollout_replays_its_response():
@@ -22,7 +30,7 @@ def test_a_recorded_rollout_replays_its_response():
     ledger.record(0, _reply(0, 1, ["1-0", "2-0"]))
     assert ledger.is_recorded(0) and (ledger.step, ledger.last_rollout_id, ledger.samples_trained) == (1, 0, 4)
     again = ledger.replay(0)
-    assert again.replayed and not ledger.results[0].replayed   # the record itself is unchanged
+    assert again.replayed and not ledger.results[0].replayed  # the record itself is unchanged
     assert replace(again, replayed=False) == ledger.results[0]
 
 
@@ -38,7 +46,7 @@ def test_trained_entries_are_split_off_and_named_by_their_rollout():
 def test_an_empty_step_keeps_the_step_count_and_rollout_ids_only_grow():
     ledger = TrainLedger()
     ledger.record(4, _reply(4, 1, ["a"]))
-    ledger.record(2, _reply(2, 1, ["b"], samples=0))   # every sample stale: no optimizer step
+    ledger.record(2, _reply(2, 1, ["b"], samples=0))  # every sample stale: no optimizer step
     assert (ledger.step, ledger.last_rollout_id, ledger.samples_trained) == (1, 4, 4)
 
 
@@ -63,19 +71,40 @@ def test_state_round_trips_through_json():
     assert (restored.step, restored.last_rollout_id, restored.weight_version, restored.samples_trained) == (2, 1, 2, 8)
     assert restored.trained_entries == ledger.trained_entries
     assert restored.results == ledger.results
-    assert list(restored.trained_entries) == ["1-0", "2-0", "3-0"]   # order kept: the bound drops the oldest
+    assert list(restored.trained_entries) == ["1-0", "2-0", "3-0"]  # order kept: the bound drops the oldest
     assert restored.replay(1).metrics["loss"] == ledger.replay(1).metrics["loss"]
 
 
 def test_a_checkpoint_written_when_results_were_protobuf_json_still_loads():
     """Checkpoints before TrainResult held google.protobuf.json_format's form: camelCase keys, 64-bit ints as
     strings, zero values left out."""
-    state = {"step": 3, "rollout_id": 2, "weight_version": 2, "samples_trained": 8, "trained_entries": [["1-0", 2]],
-             "results": {"2": {"rolloutId": "2", "step": "3", "metrics": {"loss": 0.25, "kl": "NaN"},
-                               "entryIds": ["1-0"], "samplesTrained": "8", "timeS": 0.5}}}
+    state = {
+        "step": 3,
+        "rollout_id": 2,
+        "weight_version": 2,
+        "samples_trained": 8,
+        "trained_entries": [["1-0", 2]],
+        "results": {
+            "2": {
+                "rolloutId": "2",
+                "step": "3",
+                "metrics": {"loss": 0.25, "kl": "NaN"},
+                "entryIds": ["1-0"],
+                "samplesTrained": "8",
+                "timeS": 0.5,
+            }
+        },
+    }
     ledger = TrainLedger()
     ledger.load_state_dict(state)
     result = ledger.results[2]
-    assert (result.rollout_id, result.step, result.entry_ids, result.samples_trained, result.samples_dropped_stale,
-            result.time_s, result.metrics["loss"]) == (2, 3, ("1-0",), 8, 0, 0.5, 0.25)
+    assert (
+        result.rollout_id,
+        result.step,
+        result.entry_ids,
+        result.samples_trained,
+        result.samples_dropped_stale,
+        result.time_s,
+        result.metrics["loss"],
+    ) == (2, 3, ("1-0",), 8, 0, 0.5, 0.25)
     assert math.isnan(result.metrics["kl"])

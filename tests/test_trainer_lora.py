@@ -46,14 +46,18 @@ def _trained_logits(h) -> torch.Tensor:
 
 
 def _train(h, steps: int, model_dir: Path, *, first: int = 0) -> list:
-    return [h.service.train(rollout_id=i, entry_ids=[h.put(make_batch(rollout_id=i, seed=i, model_dir=model_dir))])
-            for i in range(first, first + steps)]
+    return [
+        h.service.train(rollout_id=i, entry_ids=[h.put(make_batch(rollout_id=i, seed=i, model_dir=model_dir))])
+        for i in range(first, first + steps)
+    ]
 
 
 def test_lora_config_and_targets_are_validated(tiny_model_dir):  # noqa: F811
     def config(lora):
-        return config_from_dict({"model": {"path": str(tiny_model_dir)}, "data": {"train_path": "t"},
-                                 "trainer": {"lora": lora}}, source="test")
+        return config_from_dict(
+            {"model": {"path": str(tiny_model_dir)}, "data": {"train_path": "t"}, "trainer": {"lora": lora}},
+            source="test",
+        )
 
     assert config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t"}}).trainer.lora is None
     lora = config({"rank": 8}).trainer.lora
@@ -69,31 +73,45 @@ def test_lora_config_and_targets_are_validated(tiny_model_dir):  # noqa: F811
     with pytest.raises(ConfigError) as err:
         check_model_targets(str(tiny_model_dir), bad, critic=False)
     message = str(err.value)
-    assert message.startswith("trainer.lora.target_modules: 'qkv_proj' names no module; 'mlp' names a LlamaMLP, "
-                              "not a linear layer in LlamaForCausalLM at ")
+    assert message.startswith(
+        "trainer.lora.target_modules: 'qkv_proj' names no module; 'mlp' names a LlamaMLP, "
+        "not a linear layer in LlamaForCausalLM at "
+    )
     assert "its linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in message
     head = config({"rank": 8, "target_modules": ["all-linear", "lm_head"]}).trainer.lora
     check_model_targets(str(tiny_model_dir), head, critic=False)
-    with pytest.raises(ConfigError, match="'lm_head' names no module in LlamaModel"):   # the critic has no head
+    with pytest.raises(ConfigError, match="'lm_head' names no module in LlamaModel"):  # the critic has no head
         check_model_targets(str(tiny_model_dir), head, critic=True)
     # `tandem run` checks the actor's and the critic's targets before any service starts
-    ppo = config_from_dict({"model": {"path": str(tiny_model_dir)}, "data": {"train_path": "t"},
-                            "trainer": {"lora": {"rank": 8, "target_modules": ["all-linear", "lm_head"]}},
-                            "algorithm": {"advantage_estimator": "gae"}}, source="test")
+    ppo = config_from_dict(
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "data": {"train_path": "t"},
+            "trainer": {"lora": {"rank": 8, "target_modules": ["all-linear", "lm_head"]}},
+            "algorithm": {"advantage_estimator": "gae"},
+        },
+        source="test",
+    )
     with pytest.raises(ConfigError, match="'lm_head' names no module in LlamaModel"):
         check_lora(ppo)
 
 
 @pytest.mark.parametrize("zero_stage,checkpointing", [(0, False), (1, False), (2, True), (3, True)])
-def test_only_adapters_are_trained_and_hold_optimizer_state(harness, tiny_model_dir, zero_stage,  # noqa: F811
-                                                            checkpointing):
-    h = harness(trainer={"zero_stage": zero_stage, "lora": LORA, "activation_checkpointing": checkpointing},
-                algorithm={"eps_clip": 10.0})
+def test_only_adapters_are_trained_and_hold_optimizer_state(
+    harness,  # noqa: F811
+    tiny_model_dir,  # noqa: F811
+    zero_stage,
+    checkpointing,
+):
+    h = harness(
+        trainer={"zero_stage": zero_stage, "lora": LORA, "activation_checkpointing": checkpointing},
+        algorithm={"eps_clip": 10.0},
+    )
     engine = h.trainer.backend.engine
     trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), sorted(trainable)[:4]
     adapted = {n.split(".lora_")[0] for n in trainable}
-    assert len(adapted) == 2 * 7   # every linear layer of both blocks, not the head
+    assert len(adapted) == 2 * 7  # every linear layer of both blocks, not the head
     adapter_numel = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
     base = {n: t.clone() for n, t in h.service.iter_named_weights()}
     batch = make_batch(model_dir=tiny_model_dir)
@@ -124,8 +142,10 @@ def test_synced_and_exported_weights_are_the_merged_model(harness, tiny_model_di
 
     from services.weights import WeightReceiver, tensor_checksum
 
-    h = harness(trainer={"zero_stage": zero_stage, "lora": LORA},
-                algorithm={"use_rollout_logprobs": False, "keep_old_actor": True})
+    h = harness(
+        trainer={"zero_stage": zero_stage, "lora": LORA},
+        algorithm={"use_rollout_logprobs": False, "keep_old_actor": True},
+    )
     _train(h, 2, tiny_model_dir)
     base = _base_model(tiny_model_dir)
     specs = h.service.weight_specs()
@@ -151,14 +171,15 @@ def test_synced_and_exported_weights_are_the_merged_model(harness, tiny_model_di
     for name, p in engine.items():
         torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=1e-6, msg=name)
     # the HF export is the same merged model; it and the engine compute what the trained model computes
-    reloaded = AutoModelForCausalLM.from_pretrained(saved.hf_path, dtype=torch.float32,
-                                                    attn_implementation="eager").eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(
+        saved.hf_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     assert {n: tensor_checksum(p.detach()) for n, p in reloaded.named_parameters()} == got["stats"].checksums
     trained = _trained_logits(h)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=INPUTS).logits, trained, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(engine_model(input_ids=INPUTS).logits, trained, rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(base(input_ids=INPUTS).logits, trained, atol=1e-4)   # it trained
+        assert not torch.allclose(base(input_ids=INPUTS).logits, trained, atol=1e-4)  # it trained
     # the old actor's snapshot of v1 is the merged model too, and its frozen copy takes it
     snapshot = h.trainer.old_actor.get(1)
     assert snapshot is not None and list(snapshot.weights) == list(expected)
@@ -211,9 +232,9 @@ def test_kl_reference_is_the_model_with_adapters_off(harness, tiny_model_dir, ze
     lora = {**LORA, "target_modules": ["all-linear", "lm_head"]}
     h = harness(trainer={"zero_stage": zero_stage, "lora": lora}, algorithm={"kl_coef": 0.1})
     ref = h.trainer.step.ref_model
-    assert isinstance(ref, AdapterOffReference) and not list(ref.parameters())   # no second copy
+    assert isinstance(ref, AdapterOffReference) and not list(ref.parameters())  # no second copy
     first, second = (r.metrics for r in _train(h, 2, tiny_model_dir))
-    assert first["kl"] == pytest.approx(0.0, abs=1e-7)   # B = 0: the policy is the reference
+    assert first["kl"] == pytest.approx(0.0, abs=1e-7)  # B = 0: the policy is the reference
     assert second["kl"] > 1e-6
     assert all(p.requires_grad for n, p in h.trainer.backend.module.named_parameters() if "lora_" in n)
     # after training, the view still scores like a fresh copy of the base model
@@ -228,7 +249,7 @@ def test_kl_reference_is_the_model_with_adapters_off(harness, tiny_model_dir, ze
     before = dict(h.service.iter_named_weights())
     _train(h, 1, tiny_model_dir, first=2)
     after = dict(h.service.iter_named_weights())
-    assert any(not torch.equal(before[n], after[n]) for n in before)   # the adapters still train
+    assert any(not torch.equal(before[n], after[n]) for n in before)  # the adapters still train
 
 
 def test_critic_with_lora_trains_adapters_and_value_head(harness, tiny_model_dir):  # noqa: F811
@@ -266,17 +287,23 @@ def test_lora_offload_moves_the_frozen_base_too_and_training_goes_on(harness, ti
     assert h.service.offload().endswith("moved to host memory")
     frozen = [p for p in h.trainer.backend.module.parameters() if not p.requires_grad]
     assert frozen and all(p.device.type == "cpu" for p in frozen)
-    if on_gpu:   # DeepSpeed's offload moves the adapters' states; the base weights leave the device as well
+    if on_gpu:  # DeepSpeed's offload moves the adapters' states; the base weights leave the device as well
         assert resident - torch.cuda.memory_allocated() >= sum(p.numel() * p.element_size() for p in frozen)
     assert h.service.onload().startswith("states reloaded to")
     assert all(p.device == h.trainer.dist.device for p in h.trainer.backend.module.parameters())
     after = {n: t.detach().cpu() for n, t in h.service.iter_named_weights()}
     assert all(torch.equal(before[n], after[n]) for n in before)
     h.service.offload()
-    assert _train(h, 1, tiny_model_dir, first=1)[0].step == 2   # onloads by itself
+    assert _train(h, 1, tiny_model_dir, first=1)[0].step == 2  # onloads by itself
     zero3 = harness(run_name="lora-z3", trainer={"zero_stage": 3, "lora": LORA})
     with pytest.raises(NotImplementedError, match=r"needs trainer\.zero_stage 1 or 2"):
         zero3.service.offload()
     with pytest.raises(ConfigError, match=r"needs trainer\.zero_stage 1 or 2"):
-        config_from_dict({"model": {"path": "m"}, "data": {"train_path": "t"}, "loop": {"offload_train": True},
-                          "trainer": {"zero_stage": 3, "lora": LORA}})
+        config_from_dict(
+            {
+                "model": {"path": "m"},
+                "data": {"train_path": "t"},
+                "loop": {"offload_train": True},
+                "trainer": {"zero_stage": 3, "lora": LORA},
+            }
+        )

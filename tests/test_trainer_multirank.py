@@ -30,18 +30,40 @@ def test_two_ranks_match_one_rank_under_zero_0_1_and_2(tiny_model_dir, tmp_path,
     stages = (0, 1, 2)
     expected = {}
     for stage in stages:
-        h = TrainerHarness(stage_config(tiny_model_dir, tmp_path / "one", redis_server.url, stage, "one"),
-                           run_dir=tmp_path / "one")
+        h = TrainerHarness(
+            stage_config(tiny_model_dir, tmp_path / "one", redis_server.url, stage, "one"), run_dir=tmp_path / "one"
+        )
         try:
             expected[stage] = train_stage(h, batches(tiny_model_dir, 2))
         finally:
             h.close()
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), str(REPO / "tests" / "trainer_ranks.py"), str(tiny_model_dir),
-         str(tmp_path / "two"), redis_server.url, "--prefix", "two", "--stages", *map(str, stages)],
-        cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(REPO / "tests" / "trainer_ranks.py"),
+            str(tiny_model_dir),
+            str(tmp_path / "two"),
+            redis_server.url,
+            "--prefix",
+            "two",
+            "--stages",
+            *map(str, stages),
+        ],
+        cwd=REPO,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     got = {int(k): v for k, v in json.loads(line.removeprefix("RESULT ")).items()}
@@ -50,5 +72,6 @@ def test_two_ranks_match_one_rank_under_zero_0_1_and_2(tiny_model_dir, tmp_path,
             for key in KEYS:
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (stage, step, key)
         for name, values in expected[stage]["weights"].items():
-            torch.testing.assert_close(torch.tensor(got[stage]["weights"][name]), torch.tensor(values),
-                                       rtol=1e-3, atol=1e-4)
+            torch.testing.assert_close(
+                torch.tensor(got[stage]["weights"][name]), torch.tensor(values), rtol=1e-3, atol=1e-4
+            )

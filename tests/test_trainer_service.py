@@ -32,13 +32,21 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("zero_stage,precision", [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"),
-                                                  (1, "bf16_pure"), (0, "fp32"), (0, "bf16"), (0, "bf16_pure")])
+@pytest.mark.parametrize(
+    "zero_stage,precision",
+    [(1, "fp32"), (2, "fp32"), (3, "fp32"), (2, "bf16"), (1, "bf16_pure"), (0, "fp32"), (0, "bf16"), (0, "bf16_pure")],
+)
 def test_loss_decreases_on_fixed_batch(harness, tiny_model_dir, zero_stage, precision):  # noqa: F811
-    h = harness(trainer={"zero_stage": zero_stage, "lr": 1e-3, "precision": precision,
-                         # ZeRO-3 gathers each layer's weights again for the recomputation
-                         "activation_checkpointing": zero_stage == 3},
-                algorithm={"eps_clip": 10.0})
+    h = harness(
+        trainer={
+            "zero_stage": zero_stage,
+            "lr": 1e-3,
+            "precision": precision,
+            # ZeRO-3 gathers each layer's weights again for the recomputation
+            "activation_checkpointing": zero_stage == 3,
+        },
+        algorithm={"eps_clip": 10.0},
+    )
     batch = make_batch(model_dir=tiny_model_dir)
     losses = []
     for rollout_id in range(4):
@@ -51,10 +59,10 @@ def test_loss_decreases_on_fixed_batch(harness, tiny_model_dir, zero_stage, prec
     first = h.service.ledger.results[0].metrics
     assert first["ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-5 if precision == "fp32" else 2e-2)
     assert first["tokens"] == batch.tokens.shape[0] and first["response_tokens"] == batch.num_response_tokens
-    assert h.pending() == 0   # every entry acknowledged after its step
-    optimizer = h.trainer.backend.engine.optimizer   # ZeRO 1-3: DeepSpeed's wrapper around torch's AdamW
+    assert h.pending() == 0  # every entry acknowledged after its step
+    optimizer = h.trainer.backend.engine.optimizer  # ZeRO 1-3: DeepSpeed's wrapper around torch's AdamW
     states = [s for s in getattr(optimizer, "optimizer", optimizer).state.values() if "exp_avg" in s]
-    master = torch.bfloat16 if precision == "bf16_pure" else torch.float32   # bf16 keeps fp32 masters and states
+    master = torch.bfloat16 if precision == "bf16_pure" else torch.float32  # bf16 keeps fp32 masters and states
     assert states and all(s["exp_avg"].dtype == master and s["exp_avg_sq"].dtype == master for s in states)
 
 
@@ -80,7 +88,7 @@ def test_save_then_fresh_engine_load_reproduces_next_step(harness, tiny_model_di
     assert again.step == expected.step == 3
 
 
-OFFLOADED = "parameters, gradients and optimizer states moved to host memory"   # what Offload answers
+OFFLOADED = "parameters, gradients and optimizer states moved to host memory"  # what Offload answers
 
 
 def test_micro_batch_split_does_not_change_the_update(harness, tiny_model_dir):  # noqa: F811
@@ -88,9 +96,19 @@ def test_micro_batch_split_does_not_change_the_update(harness, tiny_model_dir): 
     activation checkpointing and one-token scoring chunks: the same update."""
     batch = make_batch(groups=4, model_dir=tiny_model_dir, sampling=SamplingSpec(temperature=0.8, top_p=0.9))
     results = []
-    for name, trainer in (("budget16", {"micro_batch_tokens": 16}), ("budget4096", {"micro_batch_tokens": 4096}),
-                          ("packed", {"micro_batch_tokens": 48, "pack_sequences": True, "scoring_chunk_tokens": 1,
-                                      "activation_checkpointing": True})):
+    for name, trainer in (
+        ("budget16", {"micro_batch_tokens": 16}),
+        ("budget4096", {"micro_batch_tokens": 4096}),
+        (
+            "packed",
+            {
+                "micro_batch_tokens": 48,
+                "pack_sequences": True,
+                "scoring_chunk_tokens": 1,
+                "activation_checkpointing": True,
+            },
+        ),
+    ):
         h = harness(run_name=name, trainer=trainer)
         reply = h.service.train(rollout_id=0, entry_ids=[h.put(batch)])
         results.append((reply.metrics, dict(h.service.iter_named_weights())))
@@ -148,17 +166,21 @@ def _raw_payload(*, rewards: list[float], response_lengths: list[int]) -> bytes:
     n = len(rewards)
     sampling = sampling_arrays(n, SamplingSpec())
     msg = common_pb2.RolloutBatch(
-        rollout_id=0, num_samples=n, tokens=array_to_proto(np.arange(4, 4 + 4 * n, dtype=np.int32) % 30),
+        rollout_id=0,
+        num_samples=n,
+        tokens=array_to_proto(np.arange(4, 4 + 4 * n, dtype=np.int32) % 30),
         prompt_lengths=array_to_proto(np.full(n, 2, np.int32)),
         response_lengths=array_to_proto(np.asarray(response_lengths, np.int32)),
         loss_mask=array_to_proto(np.ones(2 * n, np.uint8)),
         rollout_log_probs=array_to_proto(np.full(2 * n, -1.0, np.float32)),
-        rewards=array_to_proto(np.asarray(rewards, np.float32)), group_ids=array_to_proto(np.zeros(n, np.int64)),
+        rewards=array_to_proto(np.asarray(rewards, np.float32)),
+        group_ids=array_to_proto(np.zeros(n, np.int64)),
         sample_versions=array_to_proto(np.zeros(n, np.int64)),
         sampling_temperature=array_to_proto(sampling["sampling_temperature"]),
         sampling_top_p=array_to_proto(sampling["sampling_top_p"]),
         sampling_top_k=array_to_proto(sampling["sampling_top_k"]),
-        finish_reasons=[common_pb2.FINISH_REASON_STOP] * n)
+        finish_reasons=[common_pb2.FINISH_REASON_STOP] * n,
+    )
     return msg.SerializeToString()
 
 
@@ -168,41 +190,64 @@ def test_bad_input_gives_clear_errors_and_takes_no_step(harness):  # noqa: F811
         h.service.train(rollout_id=0)
     with pytest.raises(EntryNotFoundError, match="not in stream"):
         h.service.train(rollout_id=0, entry_ids=["12345-0"])
-    nan_id = h.producer.put_payload(_raw_payload(rewards=[1.0, float("nan")], response_lengths=[2, 2]),
-                                    rollout_id=0, policy_version=0)
+    nan_id = h.producer.put_payload(
+        _raw_payload(rewards=[1.0, float("nan")], response_lengths=[2, 2]), rollout_id=0, policy_version=0
+    )
     with pytest.raises(EntryNotFoundError, match="NaN"):
         h.service.train(rollout_id=0, entry_ids=[nan_id])
-    bad_len = h.producer.put_payload(_raw_payload(rewards=[1.0, 0.0], response_lengths=[2, 3]),
-                                     rollout_id=0, policy_version=0)
+    bad_len = h.producer.put_payload(
+        _raw_payload(rewards=[1.0, 0.0], response_lengths=[2, 3]), rollout_id=0, policy_version=0
+    )
     with pytest.raises(EntryNotFoundError, match="tokens"):
         h.service.train(rollout_id=0, entry_ids=[bad_len])
     # decodes fine but cannot be trained: ids beyond the vocabulary, no trainable token
-    oov = h.put(build_batch(rollout_id=0, policy_version=0, prompts=[[1, 2]], responses=[[99]], log_probs=[[-1.0]],
-                            rewards=[1.0], group_ids=[0], finish_reasons=["stop"], sampling=SamplingSpec()))
+    oov = h.put(
+        build_batch(
+            rollout_id=0,
+            policy_version=0,
+            prompts=[[1, 2]],
+            responses=[[99]],
+            log_probs=[[-1.0]],
+            rewards=[1.0],
+            group_ids=[0],
+            finish_reasons=["stop"],
+            sampling=SamplingSpec(),
+        )
+    )
     with pytest.raises(ValueError, match="vocabulary"):
         h.service.train(rollout_id=0, entry_ids=[oov])
-    masked = h.put(build_batch(rollout_id=0, policy_version=0, prompts=[[1, 2]], responses=[[5, 6]],
-                               log_probs=[[-1.0, -1.0]], rewards=[1.0], group_ids=[0], finish_reasons=["stop"],
-                               loss_masks=[[0, 0]], sampling=SamplingSpec()))
+    masked = h.put(
+        build_batch(
+            rollout_id=0,
+            policy_version=0,
+            prompts=[[1, 2]],
+            responses=[[5, 6]],
+            log_probs=[[-1.0, -1.0]],
+            rewards=[1.0],
+            group_ids=[0],
+            finish_reasons=["stop"],
+            loss_masks=[[0, 0]],
+            sampling=SamplingSpec(),
+        )
+    )
     with pytest.raises(ValueError, match="no trainable tokens"):
         h.service.train(rollout_id=0, entry_ids=[masked])
     assert h.service.ledger.step == 0 and h.trainer.backend.global_steps == 0 and not h.service.ledger.results
-    assert h.pending() == 2   # the two valid-but-untrainable entries stay pending: nothing was acked
+    assert h.pending() == 2  # the two valid-but-untrainable entries stay pending: nothing was acked
     good = h.service.train(rollout_id=0, entry_ids=[h.put(make_batch())])
     assert good.step == 1
 
 
 def test_stale_samples_are_dropped_and_counted(harness):  # noqa: F811
     h = harness()
-    h.service.ledger.weight_version = 3   # what PublishWeights(v3) leaves behind
+    h.service.ledger.weight_version = 3  # what PublishWeights(v3) leaves behind
     batch = make_batch(groups=2, group_size=2, sample_versions=[0, 1, 2, 3])
     reply = h.service.train(rollout_id=0, entry_ids=[h.put(batch)], max_staleness=1)
     assert reply.samples_dropped_stale == 2 and reply.samples_trained == 2 and reply.step == 1
     assert reply.metrics["samples_dropped_stale"] == 2
-    all_stale = h.service.train(rollout_id=1, entry_ids=[h.put(make_batch(sample_versions=[0] * 12))],
-                                max_staleness=0)
+    all_stale = h.service.train(rollout_id=1, entry_ids=[h.put(make_batch(sample_versions=[0] * 12))], max_staleness=0)
     assert all_stale.samples_trained == 0 and all_stale.samples_dropped_stale == 12 and all_stale.step == 1
-    assert h.pending() == 0   # dropped samples are consumed, not redelivered
+    assert h.pending() == 0  # dropped samples are consumed, not redelivered
 
 
 def test_critic_values_feed_the_actor(harness, tiny_model_dir):  # noqa: F811
@@ -216,7 +261,7 @@ def test_critic_values_feed_the_actor(harness, tiny_model_dir):  # noqa: F811
     with pytest.raises(FailedPrecondition, match="no critic values"):
         actor.service.train(rollout_id=0, entry_ids=[entry], use_critic_values=True)
     c = critic.service.train(rollout_id=0, entry_ids=[entry])
-    assert c.metrics["value_mean"] == 0.0   # zero-initialised head
+    assert c.metrics["value_mean"] == 0.0  # zero-initialised head
     handoff = read_handoff(critic.client, stream=critic.stream, rollout_id=0)
     assert handoff.entry_ids == (entry,) and handoff.values.shape == (batch.num_response_tokens,)
     # V = 0 before the critic's first update: advantages are the discounted rewards-to-go
@@ -224,7 +269,7 @@ def test_critic_values_feed_the_actor(harness, tiny_model_dir):  # noqa: F811
     assert handoff.advantages[last].tolist() == pytest.approx(batch.rewards.tolist())
     a = actor.service.train(rollout_id=0, entry_ids=[entry], use_critic_values=True)
     assert a.metrics["advantage_mean"] == pytest.approx(c.metrics["advantage_mean"], abs=1e-6)
-    assert not critic.client.exists(handoff_key(critic.stream, 0))   # consumed
+    assert not critic.client.exists(handoff_key(critic.stream, 0))  # consumed
     assert critic.pending("critic") == 0 and actor.pending("actor") == 0
     # second step: the critic has learned, its values are no longer zero
     entry = critic.put(make_batch(rollout_id=1, seed=1, model_dir=tiny_model_dir))
@@ -233,14 +278,23 @@ def test_critic_values_feed_the_actor(harness, tiny_model_dir):  # noqa: F811
 
 
 def test_kl_entropy_tis_and_recomputed_logprobs(harness, tiny_model_dir):  # noqa: F811
-    h = harness(algorithm={"kl_coef": 0.1, "kl_estimator": "k3", "entropy_coef": 0.01, "use_tis": True,
-                           "use_rollout_logprobs": False, "dual_clip_c": 3.0, "eps_clip_high": 0.28,
-                           "loss_aggregation": "seq_mean_token_mean"})
+    h = harness(
+        algorithm={
+            "kl_coef": 0.1,
+            "kl_estimator": "k3",
+            "entropy_coef": 0.01,
+            "use_tis": True,
+            "use_rollout_logprobs": False,
+            "dual_clip_c": 3.0,
+            "eps_clip_high": 0.28,
+            "loss_aggregation": "seq_mean_token_mean",
+        }
+    )
     batch = make_batch(model_dir=tiny_model_dir)
     first = h.service.train(rollout_id=0, entry_ids=[h.put(batch)]).metrics
-    assert first["kl"] == pytest.approx(0.0, abs=1e-6)   # policy == reference before any update
-    assert first["tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)   # rollout log-probs are the model's own
-    assert first["ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-6) and first["pg_clipfrac"] == 0.0   # recomputed
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
+    assert first["tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # rollout log-probs are the model's own
+    assert first["ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-6) and first["pg_clipfrac"] == 0.0  # recomputed
     second = h.service.train(rollout_id=1, entry_ids=[h.put(batch)]).metrics
     assert second["kl"] > 0 and 0 < second["tis_weight_mean"] <= 2.0
     shaped = harness(run_name="shaped", algorithm={"kl_coef": 0.1, "kl_mode": "reward", "kl_estimator": "k1"})
@@ -258,7 +312,7 @@ def test_offload_onload_keeps_training(harness, zero_stage):  # noqa: F811
     resident = torch.cuda.memory_allocated() if on_gpu else 0
     reserved = h.service.get_state().gpu_memory_reserved_bytes
     assert h.service.offload() == OFFLOADED and h.service.get_state().offloaded
-    if on_gpu:   # parameters, fp32 master copies and both Adam moments left the device
+    if on_gpu:  # parameters, fp32 master copies and both Adam moments left the device
         param_bytes = sum(math.prod(s.shape) * 4 for s in h.service.weight_specs())
         assert resident - torch.cuda.memory_allocated() >= 4 * param_bytes
         # ... and the allocator handed the blocks back: other processes on this GPU can have them
@@ -269,7 +323,7 @@ def test_offload_onload_keeps_training(harness, zero_stage):  # noqa: F811
     after = {n: t.detach().cpu() for n, t in h.service.iter_named_weights()}
     assert all(torch.equal(before[n], after[n]) for n in before)
     h.service.offload()
-    assert h.service.train(rollout_id=1, entry_ids=[h.put(batch)]).step == 2   # onloads by itself
+    assert h.service.train(rollout_id=1, entry_ids=[h.put(batch)]).step == 2  # onloads by itself
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
@@ -308,7 +362,7 @@ def test_weight_export_matches_hf_reload_and_syncs_to_an_engine(harness, tiny_mo
     # a rollout engine's copy of the original model receives the trained weights (disk transport)
     engine = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     params = dict(engine.named_parameters())
-    assert any(tensor_checksum(params[n].detach()) != c for n, c in reference.items())   # it trained
+    assert any(tensor_checksum(params[n].detach()) != c for n, c in reference.items())  # it trained
     plan = h.service.prepare_weight_sync(version=1, transport="disk", engine_world_size=1, verify=True)
     assert len(plan.buckets) >= 1 and all(len({m.dtype for m in b.tensors}) == 1 for b in plan.buckets)
     assert {m.name: m.checksum for b in plan.buckets for m in b.tensors} == reference
@@ -328,8 +382,12 @@ def test_weight_export_matches_hf_reload_and_syncs_to_an_engine(harness, tiny_mo
 
 
 @pytest.mark.parametrize("saved_at,loaded_at", [(1, 0), (0, 1)])
-def test_a_checkpoint_of_another_zero_stage_is_refused_naming_the_key(harness, tiny_model_dir, saved_at,  # noqa: F811
-                                                                     loaded_at):
+def test_a_checkpoint_of_another_zero_stage_is_refused_naming_the_key(
+    harness,  # noqa: F811
+    tiny_model_dir,  # noqa: F811
+    saved_at,
+    loaded_at,
+):
     """Stage 0 keeps the flat AdamW's state in the model file, stages 1-3 DeepSpeed's shards: a resume must use the
     stage the checkpoint was written with, and is told so."""
     a = harness(trainer={"zero_stage": saved_at}, run_name="cross")
@@ -337,10 +395,19 @@ def test_a_checkpoint_of_another_zero_stage_is_refused_naming_the_key(harness, t
     a.service.save(rollout_id=0)
     a.close()
     b = harness(trainer={"zero_stage": loaded_at}, run_name="cross")
-    with pytest.raises(FailedPrecondition, match=f"written at trainer.zero_stage {saved_at}; this trainer runs at "
-                       f"{loaded_at}"):
+    with pytest.raises(
+        FailedPrecondition, match=f"written at trainer.zero_stage {saved_at}; this trainer runs at {loaded_at}"
+    ):
         b.service.load()
     # the optimizer's own check, for checkpoints that do not record their stage
     with pytest.raises(ValueError, match="zero_stage must match"):
-        FlatAdamW([("w", torch.nn.Parameter(torch.zeros(2)))], precision="fp32", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                  weight_decay=0.0, max_grad_norm=1.0, skip_nonfinite=True).load_state_dict(None)
+        FlatAdamW(
+            [("w", torch.nn.Parameter(torch.zeros(2)))],
+            precision="fp32",
+            lr=1e-3,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            skip_nonfinite=True,
+        ).load_state_dict(None)

@@ -38,8 +38,15 @@ Log = list[tuple[object, ...]]
 
 def entry(entry_id: str, rollout_id: int = 0) -> BufferEntry:
     batch = make_batch(rollout_id=rollout_id, groups=1, group_size=2, seed=len(entry_id))
-    return BufferEntry(entry_id=entry_id, batch=batch, rollout_id=rollout_id, policy_version=0, trace_context={},
-                       producer="rollout-0", nbytes=100)
+    return BufferEntry(
+        entry_id=entry_id,
+        batch=batch,
+        rollout_id=rollout_id,
+        policy_version=0,
+        trace_context={},
+        producer="rollout-0",
+        nbytes=100,
+    )
 
 
 class FakeRollouts:
@@ -52,8 +59,9 @@ class FakeRollouts:
         self.log.append(("read", tuple(entry_ids)))
         return [entry(e) for e in entry_ids]
 
-    def prepare(self, entries: list[BufferEntry], *, rollout_id: int, max_staleness: int,
-                use_critic_values: bool) -> Selection:
+    def prepare(
+        self, entries: list[BufferEntry], *, rollout_id: int, max_staleness: int, use_critic_values: bool
+    ) -> Selection:
         self.log.append(("prepare", rollout_id))
         return Selection(batch=merge_batches([e.batch for e in entries]), dropped_stale=0, filtered=0)
 
@@ -97,7 +105,7 @@ class FakeCheckpoints:
 
     def __init__(self, log: Log, ledger: TrainLedger, root: Path, *, fail_writes: int = 0):
         self.log, self.ledger, self.root, self.fail_writes = log, ledger, root, fail_writes
-        self.complete: dict[Path, dict[str, object]] = {}   # directory -> the state it holds
+        self.complete: dict[Path, dict[str, object]] = {}  # directory -> the state it holds
 
     def save_dir(self, rollout_id: int, path: str = "") -> Path:
         return self.root / f"rollout_{rollout_id:08d}"
@@ -110,8 +118,11 @@ class FakeCheckpoints:
         if self.fail_writes:
             self.fail_writes -= 1
             raise OSError(28, "No space left on device")
-        self.complete[Path(command.directory)] = {**self.ledger.state_dict(), "checkpoint_rollout_id":
-                                                  command.rollout_id, "extra_state": command.extra_state}
+        self.complete[Path(command.directory)] = {
+            **self.ledger.state_dict(),
+            "checkpoint_rollout_id": command.rollout_id,
+            "extra_state": command.extra_state,
+        }
 
     def find(self, path: str = "") -> FoundCheckpoint | None:
         if not self.complete:
@@ -144,8 +155,9 @@ class FakeWeights:
     def check_request(self, *, engine_world_size: int) -> None:
         self.log.append(("check sync request", engine_world_size))
 
-    def prepare(self, *, version: int, transport: str, engine_world_size: int, verify: bool,
-                verify_by_bucket: bool = False) -> WeightSyncPlan:
+    def prepare(
+        self, *, version: int, transport: str, engine_world_size: int, verify: bool, verify_by_bucket: bool = False
+    ) -> WeightSyncPlan:
         self.log.append(("prepare sync", version))
         return WeightSyncPlan(version=version, transport="gloo")
 
@@ -174,33 +186,50 @@ class FakeWeights:
 
 
 def config(tmp_path: Path) -> TandemConfig:
-    return config_from_dict({"model": {"path": str(tmp_path)}, "data": {"train_path": str(tmp_path / "d.jsonl")},
-                             "trainer": {"device": "cpu", "export_hf_on_save": False},
-                             "algorithm": {"use_rollout_logprobs": True}})
+    return config_from_dict(
+        {
+            "model": {"path": str(tmp_path)},
+            "data": {"train_path": str(tmp_path / "d.jsonl")},
+            "trainer": {"device": "cpu", "export_hf_on_save": False},
+            "algorithm": {"use_rollout_logprobs": True},
+        }
+    )
 
 
-def service(tmp_path: Path, *, fail_writes: int = 0, offload_supported: bool = True,
-            unloaded: Path | None = None) -> tuple[TrainerService, Log, FakeCheckpoints]:
+def service(
+    tmp_path: Path, *, fail_writes: int = 0, offload_supported: bool = True, unloaded: Path | None = None
+) -> tuple[TrainerService, Log, FakeCheckpoints]:
     log: Log = []
     ledger = TrainLedger()
     model, weights = FakeModel(log, offload_supported=offload_supported), FakeWeights(log)
     checkpoints = FakeCheckpoints(log, ledger, tmp_path / "ckpt", fail_writes=fail_writes)
-    ranks = RankCommands(CommandRelay(rank=0, world_size=1),   # one rank: the relay sends nothing, the codec runs
-                         RankParts(memory=model, step=model, checkpoints=checkpoints, weights=weights))
-    parts = TrainerParts(config=config(tmp_path), role="actor", world=World(rank=0, world_size=1, device="cpu"),
-                         backend=model, rollouts=FakeRollouts(log), handoffs=model, checkpoints=checkpoints,
-                         weights=weights, ledger=ledger, ranks=ranks, unloaded=unloaded)
+    ranks = RankCommands(
+        CommandRelay(rank=0, world_size=1),  # one rank: the relay sends nothing, the codec runs
+        RankParts(memory=model, step=model, checkpoints=checkpoints, weights=weights),
+    )
+    parts = TrainerParts(
+        config=config(tmp_path),
+        role="actor",
+        world=World(rank=0, world_size=1, device="cpu"),
+        backend=model,
+        rollouts=FakeRollouts(log),
+        handoffs=model,
+        checkpoints=checkpoints,
+        weights=weights,
+        ledger=ledger,
+        ranks=ranks,
+        unloaded=unloaded,
+    )
     return TrainerService(parts), log, checkpoints
 
 
 def test_a_retried_train_replays_its_result_and_acks_again_without_a_second_step(tmp_path):
     svc, log, _ = service(tmp_path)
     first = svc.train(rollout_id=0, entry_ids=["1-0", "2-0"])
-    assert log == [("read", ("1-0", "2-0")), ("prepare", 0), ("step", 0, ("1-0", "2-0"), 4),
-                   ("ack", 0, ("1-0", "2-0"))]
+    assert log == [("read", ("1-0", "2-0")), ("prepare", 0), ("step", 0, ("1-0", "2-0"), 4), ("ack", 0, ("1-0", "2-0"))]
     log.clear()
     again = svc.train(rollout_id=0, entry_ids=["1-0", "2-0"])
-    assert log == [("ack", 0, ("1-0", "2-0"))]   # the first ack may have been lost
+    assert log == [("ack", 0, ("1-0", "2-0"))]  # the first ack may have been lost
     assert again.replayed and not first.replayed and (again.step, again.samples_trained) == (1, 4)
     assert svc.ledger.step == 1
 
@@ -209,7 +238,7 @@ def test_entries_a_step_trained_are_skipped_by_the_next_and_a_train_of_nothing_n
     svc, log, _ = service(tmp_path)
     svc.train(rollout_id=0, entry_ids=["1-0"])
     log.clear()
-    reply = svc.train(rollout_id=1, entry_ids=["1-0", "3-0"])   # 1-0 was rollout 0's: delivered twice
+    reply = svc.train(rollout_id=1, entry_ids=["1-0", "3-0"])  # 1-0 was rollout 0's: delivered twice
     assert log == [("read", ("3-0",)), ("prepare", 1), ("step", 1, ("3-0",), 2), ("ack", 1, ("3-0",))]
     assert reply.metrics["entries_skipped_duplicate"] == 1.0 and reply.step == 2
     log.clear()
@@ -226,11 +255,11 @@ def test_a_failed_save_is_written_again_a_saved_step_is_not_and_load_restores_wh
     log.clear()
     with pytest.raises(OSError, match="No space left"):
         svc.save(rollout_id=0, extra_state={"coordinator": "{}"})
-    saved = svc.save(rollout_id=0, extra_state={"coordinator": "{}"})   # the coordinator's retry
-    again = svc.save(rollout_id=0)                                      # a retry of a Save that did land
+    saved = svc.save(rollout_id=0, extra_state={"coordinator": "{}"})  # the coordinator's retry
+    again = svc.save(rollout_id=0)  # a retry of a Save that did land
     assert log == [("write", "rollout_00000000"), ("write", "rollout_00000000")]
     assert (saved.step, again.step, saved.path) == (1, 1, str(checkpoints.save_dir(0)))
-    svc.train(rollout_id=1, entry_ids=["2-0"])   # a step after the checkpoint, rolled back by the Load
+    svc.train(rollout_id=1, entry_ids=["2-0"])  # a step after the checkpoint, rolled back by the Load
     log.clear()
     loaded = svc.load()
     assert log == [("read checkpoint", "rollout_00000000"), ("restore", "rollout_00000000")]
@@ -243,8 +272,11 @@ def test_a_trainer_started_beside_a_checkpoint_trains_only_after_loading_it(tmp_
     with pytest.raises(FailedPrecondition, match="has not loaded it: call Load first"):
         svc.train(rollout_id=5, entry_ids=["1-0"])
     assert log == []
-    checkpoints.complete[tmp_path / "ckpt" / "rollout_00000004"] = {**TrainLedger().state_dict(), "step": 3,
-                                                                    "checkpoint_rollout_id": 4}
+    checkpoints.complete[tmp_path / "ckpt" / "rollout_00000004"] = {
+        **TrainLedger().state_dict(),
+        "step": 3,
+        "checkpoint_rollout_id": 4,
+    }
     assert svc.load().step == 3
     svc.train(rollout_id=5, entry_ids=["1-0"])
     assert log[-2:] == [("step", 5, ("1-0",), 2), ("ack", 5, ("1-0",))] and svc.ledger.step == 4
@@ -259,12 +291,29 @@ def test_an_offloaded_model_is_onloaded_before_each_command_that_needs_it(tmp_pa
     svc.offload()
     svc.prepare_weight_sync(version=1, verify=True, verify_by_bucket=True)
     publish = svc.publish_weights(version=1)
-    assert log == [("release buffers",), ("offload",),
-                   ("read", ("1-0",)), ("prepare", 0), ("onload",), ("step", 0, ("1-0",), 2), ("ack", 0, ("1-0",)),
-                   ("release buffers",), ("offload",), ("onload",), ("write", "rollout_00000000"),
-                   ("release buffers",), ("offload",), ("check sync request", 1), ("onload",), ("prepare sync", 1),
-                   ("checksums", True), ("announce checksums", ["c0"]),
-                   ("check prepared", 1), ("publish", 1), ("forget plan",)]
+    assert log == [
+        ("release buffers",),
+        ("offload",),
+        ("read", ("1-0",)),
+        ("prepare", 0),
+        ("onload",),
+        ("step", 0, ("1-0",), 2),
+        ("ack", 0, ("1-0",)),
+        ("release buffers",),
+        ("offload",),
+        ("onload",),
+        ("write", "rollout_00000000"),
+        ("release buffers",),
+        ("offload",),
+        ("check sync request", 1),
+        ("onload",),
+        ("prepare sync", 1),
+        ("checksums", True),
+        ("announce checksums", ["c0"]),
+        ("check prepared", 1),
+        ("publish", 1),
+        ("forget plan",),
+    ]
     assert (publish.bytes_sent, svc.ledger.weight_version, svc.get_state().offloaded) == (8, 1, False)
 
 

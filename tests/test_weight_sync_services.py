@@ -28,9 +28,23 @@ def services(tmp_path, redis_server):
     procs = []
     for args in (["trainer", "--role", "actor"], ["rollout", "--replica", "0"]):
         with open(tmp_path / f"{args[0]}.log", "wb") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", args[0],
-                                           str(tmp_path / "config.yaml"), "--run-dir", str(tmp_path), *args[1:]],
-                                          stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "services.cli",
+                        args[0],
+                        str(tmp_path / "config.yaml"),
+                        "--run-dir",
+                        str(tmp_path),
+                        *args[1:],
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                )
+            )
     trainer, _, rollouts = make_clients(config)
     for client in (trainer, *rollouts):
         client.wait_healthy(120)
@@ -45,8 +59,9 @@ def services(tmp_path, redis_server):
 
 def _generate(pool: RolloutPool, *, rollout_id: int, stream: str) -> GenerateResult:
     prompts = tuple(PromptInput(text="3 5 =", label="5", group_id=i) for i in range(4))
-    return pool.replicas[0].generate(GenerateRequest(rollout_id=rollout_id, prompts=prompts, n_samples_per_prompt=2,
-                                                     stream=stream))
+    return pool.replicas[0].generate(
+        GenerateRequest(rollout_id=rollout_id, prompts=prompts, n_samples_per_prompt=2, stream=stream)
+    )
 
 
 def test_trained_weights_arrive_bit_identical_and_samples_carry_the_version(services, redis_server):

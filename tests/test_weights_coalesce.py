@@ -20,17 +20,22 @@ from services.weights.transports.cuda_ipc import (
     flat_views,
 )
 
-SPECS = ([TensorSpec("embed", "bfloat16", (64, 33))]
-         + [s for i in range(3) for s in (TensorSpec(f"l{i}.norm", "float32", (7,)),
-                                          TensorSpec(f"l{i}.w", "bfloat16", (33, 16)))]
-         + [TensorSpec("step", "int64", ())])
+SPECS = (
+    [TensorSpec("embed", "bfloat16", (64, 33))]
+    + [
+        s
+        for i in range(3)
+        for s in (TensorSpec(f"l{i}.norm", "float32", (7,)), TensorSpec(f"l{i}.w", "bfloat16", (33, 16)))
+    ]
+    + [TensorSpec("step", "int64", ())]
+)
 
 
 def _fill_buckets(layout, tensors):
     starts, total = bucket_starts(layout)
     buffer = torch.zeros(total, dtype=torch.uint8)
     for slot in layout.order:
-        _typed(buffer[starts[slot.bucket]:], slot).copy_(tensors[slot.name])
+        _typed(buffer[starts[slot.bucket] :], slot).copy_(tensors[slot.name])
     return buffer, starts
 
 
@@ -55,7 +60,7 @@ def test_separate_or_strided_targets_fall_back_to_one_copy_each():
     tensors = make_tensors(SPECS, seed=6)
     buffer, starts = _fill_buckets(layout, tensors)
     params = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in SPECS}
-    params["embed"] = torch.zeros(33, 64, dtype=torch.bfloat16).t()              # not contiguous
+    params["embed"] = torch.zeros(33, 64, dtype=torch.bfloat16).t()  # not contiguous
     runs = _Runs()
     for bucket, start in zip(layout.buckets, starts, strict=True):
         for slot in bucket.tensors:
@@ -67,36 +72,38 @@ def test_separate_or_strided_targets_fall_back_to_one_copy_each():
 
 def test_flat_source_in_spec_order_fills_each_bucket_with_one_copy():
     specs = [TensorSpec(f"w{i}", "bfloat16", (15, 8)) for i in range(10)]
-    layout = plan_layout(specs, bucket_bytes=4 * 240)                 # 4 tensors a bucket: 3 buckets, with gaps
+    layout = plan_layout(specs, bucket_bytes=4 * 240)  # 4 tensors a bucket: 3 buckets, with gaps
     source = torch.randn(10 * 120).to(torch.bfloat16)
-    named = [(s.name, source[i * 120:(i + 1) * 120].view(15, 8)) for i, s in enumerate(specs)]
+    named = [(s.name, source[i * 120 : (i + 1) * 120].view(15, 8)) for i, s in enumerate(specs)]
     starts, total = bucket_starts(layout)
     buffer = torch.zeros(total, dtype=torch.uint8)
     runs = _Runs()
     for slot, (_, tensor) in zip(layout.order, named, strict=True):
-        runs.add(_typed(buffer[starts[slot.bucket]:], slot), tensor)
+        runs.add(_typed(buffer[starts[slot.bucket] :], slot), tensor)
     runs.flush()
     assert runs.copies == len(layout.buckets) == 3
     for slot, (_, tensor) in zip(layout.order, named, strict=True):
-        assert bits_equal(_typed(buffer[starts[slot.bucket]:], slot), tensor)
+        assert bits_equal(_typed(buffer[starts[slot.bucket] :], slot), tensor)
 
 
 def test_receiver_recipe_merges_flat_params_only():
     layout = plan_layout(SPECS, bucket_bytes=4096)
     _, flat = flat_views(layout, "cpu")
     recipe = _recipe(layout, flat)
-    assert len(recipe) == len(layout.buckets) and all(merged or len(layout.buckets[i].tensors) == 1
-                                                      for i, _, _, merged in recipe)
+    assert len(recipe) == len(layout.buckets) and all(
+        merged or len(layout.buckets[i].tensors) == 1 for i, _, _, merged in recipe
+    )
     assert [n for _, _, n, _ in recipe] == [b.nbytes for b in layout.buckets]
     separate = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in SPECS}
-    assert [(slot.name, merged) for _, slot, _, merged in _recipe(layout, separate)] == \
-        [(slot.name, False) for b in layout.buckets for slot in b.tensors]
+    assert [(slot.name, merged) for _, slot, _, merged in _recipe(layout, separate)] == [
+        (slot.name, False) for b in layout.buckets for slot in b.tensors
+    ]
 
 
 def test_flat_spans_merge_buckets_at_the_same_distance_in_one_allocation():
     starts = [0, 256, 768]
     one = flat_spans(sizes=[200, 500, 10], dst_starts=starts, sources=[("a", 1000), ("a", 1256), ("a", 1768)])
-    assert one == [("a", 1000, 0, 778)]                 # the padding between buckets rides along
+    assert one == [("a", 1000, 0, 778)]  # the padding between buckets rides along
     moved = flat_spans(sizes=[200, 500, 10], dst_starts=starts, sources=[("a", 1000), ("a", 1300), ("b", 0)])
     assert moved == [("a", 1000, 0, 200), ("a", 1300, 256, 500), ("b", 0, 768, 10)]
     assert flat_spans(sizes=[0, 8], dst_starts=[0, 0], sources=[("a", 0), ("a", 0)]) == [("a", 0, 0, 8)]
@@ -114,8 +121,11 @@ def _ipc_plan(layout, offsets, handles):
     plan = common_pb2.WeightSyncPlan(transport="cuda_ipc")
     for bucket, offset, handle in zip(layout.buckets, offsets, handles, strict=True):
         wb = plan.buckets.add()
-        wb.ipc.CopyFrom(common_pb2.CudaIpcHandle(device=0, handle=handle, storage_offset_bytes=offset,
-                                                 storage_size_bytes=bucket.nbytes))
+        wb.ipc.CopyFrom(
+            common_pb2.CudaIpcHandle(
+                device=0, handle=handle, storage_offset_bytes=offset, storage_size_bytes=bucket.nbytes
+            )
+        )
     return plan
 
 
@@ -131,18 +141,19 @@ def test_flat_params_receive_whole_spans_with_identical_bits():
     layout = plan_layout(SPECS, bucket_bytes=4096)
     tensors = make_tensors(SPECS, seed=7)
     buffer, starts = _fill_buckets(layout, tensors)
-    lo = 512                                                # the allocation view starts at byte lo of it
+    lo = 512  # the allocation view starts at byte lo of it
     allocation = torch.cat([torch.zeros(lo + 100, dtype=torch.uint8), buffer])
     plan = _ipc_plan(layout, [lo + 100 + s for s in starts], [b"A"] * len(starts))
     flat, params = flat_views(layout, "cpu")
     copies = _run(CudaIpcReceiver._flat_copies(plan, layout, flat, {(0, b"A"): (lo, allocation[lo:])}))
     assert copies == 1 and all(bits_equal(params[n], t) for n, t in tensors.items())
 
-    second = torch.zeros(buffer.numel(), dtype=torch.uint8)   # the last bucket lives in another allocation
+    second = torch.zeros(buffer.numel(), dtype=torch.uint8)  # the last bucket lives in another allocation
     last = starts[-1]
     second[: buffer.numel() - last] = buffer[last:]
     plan = _ipc_plan(layout, [100 + s for s in starts[:-1]] + [0], [b"A"] * (len(starts) - 1) + [b"B"])
     flat, params = flat_views(layout, "cpu")
-    copies = _run(CudaIpcReceiver._flat_copies(plan, layout, flat,
-                                               {(0, b"A"): (0, allocation[lo:]), (0, b"B"): (0, second)}))
+    copies = _run(
+        CudaIpcReceiver._flat_copies(plan, layout, flat, {(0, b"A"): (0, allocation[lo:]), (0, b"B"): (0, second)})
+    )
     assert copies == 2 and all(bits_equal(params[n], t) for n, t in tensors.items())

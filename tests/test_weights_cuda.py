@@ -17,14 +17,25 @@ from services.weights import TensorSpec, WeightPublisher, WeightSyncRefused, Wei
 from services.weights.peer import Peer, make_tensors, plan_to_text, specs_to_json
 from services.weights.transports.cuda_ipc import CudaIpcSender
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240),
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
-SPECS = ([TensorSpec("embed", "bfloat16", (4096, 512))]
-         + [s for i in range(4) for s in (TensorSpec(f"l{i}.norm", "float32", (512,)),
-                                          TensorSpec(f"l{i}.w", "bfloat16", (512, 1024)),
-                                          TensorSpec(f"l{i}.b", "float32", (1024,)))]
-         + [TensorSpec("step", "int64", ())])
+SPECS = (
+    [TensorSpec("embed", "bfloat16", (4096, 512))]
+    + [
+        s
+        for i in range(4)
+        for s in (
+            TensorSpec(f"l{i}.norm", "float32", (512,)),
+            TensorSpec(f"l{i}.w", "bfloat16", (512, 1024)),
+            TensorSpec(f"l{i}.b", "float32", (1024,)),
+        )
+    ]
+    + [TensorSpec("step", "int64", ())]
+)
 
 
 def _publisher(tmp_path: Path, transport: str, *, timeout_s: float = 30.0) -> WeightPublisher:
@@ -56,7 +67,7 @@ def test_ipc_cuda_round_trip_reuses_buffers(tmp_path: Path):
             sender = publisher._transport
             assert isinstance(sender, CudaIpcSender) and sender._shared is not None
             pointers.add(sender._shared.flat.data_ptr())
-        assert len(pointers) == 1                       # exported once, reused while the layout holds
+        assert len(pointers) == 1  # exported once, reused while the layout holds
     finally:
         peer.close()
         publisher.close()
@@ -67,8 +78,11 @@ def test_ipc_cuda_foreign_trainer_refused_and_silent_receiver_times_out(tmp_path
     picky = Peer(env={"TANDEM_PEER_ACCEPT": "actor-9"})
     try:
         started = time.monotonic()
-        with pytest.raises(WeightSyncRefused, match="cuda_ipc weight sync v1 failed on the trainer: engine rank 1 "
-                                                    "refused the sync: trainer 'actor-0' is not the accepted"):
+        with pytest.raises(
+            WeightSyncRefused,
+            match="cuda_ipc weight sync v1 failed on the trainer: engine rank 1 "
+            "refused the sync: trainer 'actor-0' is not the accepted",
+        ):
             _sync(publisher, picky, version=1)
         assert time.monotonic() - started < 4.0
         plan = publisher.prepare(SPECS, 2, 1, False)
@@ -121,10 +135,17 @@ def test_ipc_flat_receiver_copies_each_bucket_once(tmp_path: Path, keep_mapped: 
         for version in (1, 2, 3):
             plan = publisher.prepare(SPECS, version, 1, True)
             sent_plan = type(plan)()
-            sent_plan.CopyFrom(plan)   # as the coordinator does: its copy of the trainer's plan, for the engines
+            sent_plan.CopyFrom(plan)  # as the coordinator does: its copy of the trainer's plan, for the engines
             sent_plan.buffers_freed_after = version == 3
-            peer.send(op="receive", plan=plan_to_text(sent_plan), rank=1, specs=specs_to_json(SPECS), seed=version,
-                      device="cuda", flat=flat)
+            peer.send(
+                op="receive",
+                plan=plan_to_text(sent_plan),
+                rank=1,
+                specs=specs_to_json(SPECS),
+                seed=version,
+                device="cuda",
+                flat=flat,
+            )
             tensors = _cuda_tensors(version)
             sent = publisher.publish(plan, ((s.name, tensors[s.name]) for s in SPECS))
             got = peer.reply(timeout_s=120)

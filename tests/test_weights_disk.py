@@ -14,9 +14,15 @@ from services.contracts.config import DiskWeights
 from services.weights import TensorSpec, WeightPublisher, WeightReceiver, WeightSyncError, WeightSyncTimeout
 from services.weights.peer import bits_equal, make_tensors
 
-SPECS = [TensorSpec("embed", "bfloat16", (256, 64)), TensorSpec("norm", "float32", (64,)),
-         TensorSpec("w", "bfloat16", (64, 64)), TensorSpec("big", "float32", (128, 128)),
-         TensorSpec("scalar", "float32", ()), TensorSpec("ids", "int64", (5,)), TensorSpec("none", "bfloat16", (0,))]
+SPECS = [
+    TensorSpec("embed", "bfloat16", (256, 64)),
+    TensorSpec("norm", "float32", (64,)),
+    TensorSpec("w", "bfloat16", (64, 64)),
+    TensorSpec("big", "float32", (128, 128)),
+    TensorSpec("scalar", "float32", ()),
+    TensorSpec("ids", "int64", (5,)),
+    TensorSpec("none", "bfloat16", (0,)),
+]
 
 
 def _publisher(tmp_path: Path, *, timeout_s: float = 5.0) -> WeightPublisher:
@@ -54,7 +60,7 @@ def test_disk_round_trip_atomic_and_cleaned(tmp_path: Path):
         for i in range(len(plan.buckets)):
             loaded.update(load_file(root / f"v{version}" / f"bucket-{i:05d}.safetensors"))
         assert loaded.keys() == tensors.keys() and all(bits_equal(loaded[n], t) for n, t in tensors.items())
-    assert sorted(p.name for p in root.iterdir()) == ["v3", "v4"]   # last two kept, no temporary directories
+    assert sorted(p.name for p in root.iterdir()) == ["v3", "v4"]  # last two kept, no temporary directories
 
 
 def test_disk_retried_version_replaces_the_old(tmp_path: Path):
@@ -71,8 +77,11 @@ def test_disk_retried_version_replaces_the_old(tmp_path: Path):
 def test_disk_receiver_times_out_clearly(tmp_path: Path):
     plan = _publisher(tmp_path, timeout_s=0.5).prepare(SPECS, 9, 1, False)
     started = time.monotonic()
-    with pytest.raises(WeightSyncTimeout, match=r"disk weight sync v9 failed on the engine rank 1: .*v9.*did not "
-                                                r"appear within 0.5s \(peer: trainer actor-0"):
+    with pytest.raises(
+        WeightSyncTimeout,
+        match=r"disk weight sync v9 failed on the engine rank 1: .*v9.*did not "
+        r"appear within 0.5s \(peer: trainer actor-0",
+    ):
         WeightReceiver().receive(plan, 1, _zeros())
     assert time.monotonic() - started < 2.0
 
@@ -84,7 +93,7 @@ def test_disk_detects_tampered_files_when_verifying(tmp_path: Path):
     publisher.publish(plan, [(s.name, tensors[s.name]) for s in SPECS])
     path = tmp_path / "weights" / "v1" / "bucket-00000.safetensors"
     data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01                                   # one bit of the last tensor's data
+    data[-1] ^= 0x01  # one bit of the last tensor's data
     path.write_bytes(bytes(data))
     with pytest.raises(WeightSyncError, match="1 tensor\\(s\\) differ from the trainer's checksums"):
         WeightReceiver().receive(plan, 1, _zeros())
@@ -101,7 +110,7 @@ def test_a_bucket_verified_sync_checks_each_bucket_and_names_a_tampered_one(tmp_
     plan = publisher.prepare(SPECS, 3, 1, True, verify_by_bucket=True)
     tensors = make_tensors(SPECS, seed=3)
     sums = named_bucket_checksums(layout_from_plan(plan), ((s.name, tensors[s.name]) for s in SPECS), where="t")
-    announced = type(plan)()   # the trainer service annotates the copy it answers with
+    announced = type(plan)()  # the trainer service annotates the copy it answers with
     announced.CopyFrom(plan)
     for wb, digest in zip(announced.buckets, sums, strict=True):
         wb.checksum = digest
@@ -112,11 +121,14 @@ def test_a_bucket_verified_sync_checks_each_bucket_and_names_a_tampered_one(tmp_
     assert all(bits_equal(params[n], t) for n, t in tensors.items())
     path = tmp_path / "weights" / "v3" / "bucket-00000.safetensors"
     data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01                                   # one bit of the bucket's last tensor
+    data[-1] ^= 0x01  # one bit of the bucket's last tensor
     path.write_bytes(bytes(data))
     first = plan.buckets[0]
-    with pytest.raises(WeightChecksumMismatch, match=rf"1 of {len(sums)} bucket\(s\) differ from the trainer's "
-                       rf"checksums: bucket 0 \({first.dtype}, .* MiB: {first.tensors[0].name}"):
+    with pytest.raises(
+        WeightChecksumMismatch,
+        match=rf"1 of {len(sums)} bucket\(s\) differ from the trainer's "
+        rf"checksums: bucket 0 \({first.dtype}, .* MiB: {first.tensors[0].name}",
+    ):
         WeightReceiver().receive(announced, 1, _zeros())
 
 
@@ -127,11 +139,13 @@ def test_receiver_compares_checksums_announced_in_the_plan(tmp_path: Path):
     tensors = make_tensors(SPECS, seed=2)
     publisher.publish(plan, [(s.name, tensors[s.name]) for s in SPECS])
     (tmp_path / "weights" / "v2" / "manifest.json").write_text(
-        (tmp_path / "weights" / "v2" / "manifest.json").read_text().replace('"checksums"', '"was"'))
+        (tmp_path / "weights" / "v2" / "manifest.json").read_text().replace('"checksums"', '"was"')
+    )
     announced = type(plan)()
     announced.CopyFrom(plan)
-    WeightReceiver().receive(announced, 1, _zeros())        # no checksums anywhere: nothing to compare
+    WeightReceiver().receive(announced, 1, _zeros())  # no checksums anywhere: nothing to compare
     from services.weights import tensor_checksum
+
     for bucket in announced.buckets:
         for meta in bucket.tensors:
             meta.checksum = tensor_checksum(tensors[meta.name])

@@ -27,11 +27,11 @@ KB = 1024
 
 def _specs() -> list[TensorSpec]:
     return [
-        TensorSpec("embed", "bfloat16", (64, 64)),    # 8 KB
-        TensorSpec("norm0", "float32", (64,)),         # 256 B
-        TensorSpec("w0", "bfloat16", (32, 64)),        # 4 KB
-        TensorSpec("w1", "bfloat16", (32, 64)),        # 4 KB
-        TensorSpec("huge", "bfloat16", (128, 128)),    # 32 KB > bucket
+        TensorSpec("embed", "bfloat16", (64, 64)),  # 8 KB
+        TensorSpec("norm0", "float32", (64,)),  # 256 B
+        TensorSpec("w0", "bfloat16", (32, 64)),  # 4 KB
+        TensorSpec("w1", "bfloat16", (32, 64)),  # 4 KB
+        TensorSpec("huge", "bfloat16", (128, 128)),  # 32 KB > bucket
         TensorSpec("norm1", "float32", (64,)),
         TensorSpec("w2", "bfloat16", (32, 64)),
         TensorSpec("step", "int64", ()),
@@ -100,16 +100,16 @@ def test_specs_reject_duplicates_and_unknown_dtypes():
         plan_layout([TensorSpec("a", "float32", (1,)), TensorSpec("a", "float32", (1,))], bucket_bytes=KB)
     with pytest.raises(ValueError, match="unsupported weight dtype"):
         TensorSpec("a", "complex64", (1,))
-    as_json = [2, 3]   # a shape as JSON gives it: a list
+    as_json = [2, 3]  # a shape as JSON gives it: a list
     assert TensorSpec("a", "torch.bfloat16", as_json) == TensorSpec("a", "bfloat16", (2, 3))  # type: ignore[arg-type]
 
 
 def test_checksum_is_bit_exact():
     x = torch.randn(64, 32, dtype=torch.float32)
     assert tensor_checksum(x) == tensor_checksum(x.clone())
-    assert tensor_checksum(x.t().contiguous().t()) == tensor_checksum(x)   # layout-independent: C-order bytes
+    assert tensor_checksum(x.t().contiguous().t()) == tensor_checksum(x)  # layout-independent: C-order bytes
     flipped = x.clone()
-    flipped.view(torch.int32)[3, 4] ^= 1                                     # one low mantissa bit
+    flipped.view(torch.int32)[3, 4] ^= 1  # one low mantissa bit
     assert tensor_checksum(flipped) != tensor_checksum(x)
     assert tensor_checksum(torch.tensor(0.0)) != tensor_checksum(torch.tensor(-0.0))
     nan_a = torch.tensor([0x7FC00000], dtype=torch.int32).view(torch.float32)
@@ -119,22 +119,22 @@ def test_checksum_is_bit_exact():
     assert tensor_checksum(b) == tensor_checksum(b.clone()) and len(tensor_checksum(b)) == 32
     assert tensor_checksum(torch.empty(0, 3)) == tensor_checksum(torch.empty(0, 5))
     swapped = x.clone().view(-1)
-    swapped[[5, 9]] = swapped[[9, 5]]                                        # two words trade places
+    swapped[[5, 9]] = swapped[[9, 5]]  # two words trade places
     assert tensor_checksum(swapped.view(64, 32)) != tensor_checksum(x)
-    odd = torch.arange(3, dtype=torch.uint8)                                 # not a whole number of words
+    odd = torch.arange(3, dtype=torch.uint8)  # not a whole number of words
     assert tensor_checksum(odd) != tensor_checksum(torch.arange(4, dtype=torch.uint8))
 
 
 def test_checksums_of_many_tensors_match_one_at_a_time_and_span_chunks(monkeypatch):
     from services.weights import checksums
 
-    monkeypatch.setattr(checksums, "_CHECKSUM_CHUNK_WORDS", 7)   # several chunks per tensor
+    monkeypatch.setattr(checksums, "_CHECKSUM_CHUNK_WORDS", 7)  # several chunks per tensor
     tensors = [torch.randn(5, 11), torch.randn(3).to(torch.bfloat16), torch.randint(0, 9, (13,))]
     many = checksums.tensor_checksums(tensors)
     assert many == [tensor_checksum(t) for t in tensors]
     assert checksums.named_checksums(zip("abc", tensors, strict=True)) == dict(zip("abc", many, strict=True))
     monkeypatch.setattr(checksums, "_CHECKSUM_CHUNK_WORDS", 1 << 24)
-    assert checksums.tensor_checksums(tensors) == many                          # chunking does not change it
+    assert checksums.tensor_checksums(tensors) == many  # chunking does not change it
 
 
 def _reference_checksum(tensor: torch.Tensor) -> str:
@@ -142,7 +142,7 @@ def _reference_checksum(tensor: torch.Tensor) -> str:
     their 1-based position-weighted sum, modulo 2**64."""
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).tolist()
     raw += [0] * (-len(raw) % 4)
-    words = [int.from_bytes(bytes(raw[i:i + 4]), "little", signed=True) for i in range(0, len(raw), 4)]
+    words = [int.from_bytes(bytes(raw[i : i + 4]), "little", signed=True) for i in range(0, len(raw), 4)]
     mask = (1 << 64) - 1
     return f"{sum(words) & mask:016x}{sum((i + 1) * w for i, w in enumerate(words)) & mask:016x}"
 
@@ -154,15 +154,24 @@ def test_packed_checksums_equal_the_definition_for_every_tensor_and_pack_size(mo
 
     gen = torch.Generator().manual_seed(3)
     base = torch.randn(101, generator=gen).to(torch.bfloat16)
-    tensors = [torch.randn(5, 11, generator=gen), base[1:8], torch.empty(0), torch.randint(-9, 9, (13,)),
-               torch.randn(2, 3, generator=gen).to(torch.float64), torch.arange(3, dtype=torch.uint8),
-               base[8:40], torch.full((6,), float("nan")), torch.tensor(-0.0)]
+    tensors = [
+        torch.randn(5, 11, generator=gen),
+        base[1:8],
+        torch.empty(0),
+        torch.randint(-9, 9, (13,)),
+        torch.randn(2, 3, generator=gen).to(torch.float64),
+        torch.arange(3, dtype=torch.uint8),
+        base[8:40],
+        torch.full((6,), float("nan")),
+        torch.tensor(-0.0),
+    ]
     expected = [_reference_checksum(t) for t in tensors]
     for chunk in (1, 4, 7, 40, 1 << 24):
         monkeypatch.setattr(checksums, "_CHECKSUM_CHUNK_WORDS", chunk)
         assert checksums.tensor_checksums(tensors) == expected, chunk
-        assert checksums.named_checksums(zip(map(str, range(len(tensors))), tensors, strict=True)) == \
-            dict(zip(map(str, range(len(tensors))), expected, strict=True))
+        assert checksums.named_checksums(zip(map(str, range(len(tensors))), tensors, strict=True)) == dict(
+            zip(map(str, range(len(tensors))), expected, strict=True)
+        )
     assert checksums.tensor_checksums([torch.empty(0), torch.empty(0, 3)]) == [_reference_checksum(torch.empty(0))] * 2
 
 
@@ -196,8 +205,9 @@ def test_check_params_lists_every_mismatch():
 
 
 def _disk_publisher(tmp_path: Path, timeout_s: float = 2.0) -> WeightPublisher:
-    return WeightPublisher(config=DiskWeights(bucket_mb=0.01, timeout_s=timeout_s),
-                           run_dir=tmp_path, trainer_id="actor-0")
+    return WeightPublisher(
+        config=DiskWeights(bucket_mb=0.01, timeout_s=timeout_s), run_dir=tmp_path, trainer_id="actor-0"
+    )
 
 
 def test_receiver_refuses_mismatched_params_before_anything(tmp_path: Path):
@@ -205,10 +215,13 @@ def test_receiver_refuses_mismatched_params_before_anything(tmp_path: Path):
     params = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in _specs()[1:]}
     params["w0"] = torch.zeros(3)
     started = time.monotonic()
-    with pytest.raises(ValueError, match=r"disk weight sync v1 .*2 problem\(s\).*embed: missing.*"
-                                         r"w0: have float32 \[3\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"disk weight sync v1 .*2 problem\(s\).*embed: missing.*"
+        r"w0: have float32 \[3\]",
+    ):
         WeightReceiver().receive(plan, 1, params)
-    assert time.monotonic() - started < 1.0      # refused up front, not after waiting for the files
+    assert time.monotonic() - started < 1.0  # refused up front, not after waiting for the files
 
 
 def test_receiver_accepts_only_its_trainer(tmp_path: Path):
@@ -227,7 +240,7 @@ def test_publish_validates_names_shapes_dtypes(tmp_path: Path):
         publisher.publish(plan, tensors)
     with pytest.raises(ValueError, match="got 3 tensors, the plan has 9"):
         publisher.publish(plan, [(s.name, torch.zeros(s.shape, dtype=getattr(torch, s.dtype))) for s in _specs()[:3]])
-    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == []   # no half-written version left
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == []  # no half-written version left
     other = publisher.prepare(_specs()[:2], 3, 1, False)
     with pytest.raises(ValueError, match="latest prepare"):
         publisher.publish(plan, tensors)

@@ -36,42 +36,80 @@ print(json.dumps(out, sort_keys=True))
 """
 
 _BUILT = {
-    "gloo": ["services.weights.transports.sglang.SGLangAwareSender", "gloo",
-             "services.weights.transports.pg.ProcessGroupReceiver", "gloo"],
-    "nccl": ["services.weights.transports.sglang.SGLangAwareSender", "nccl",
-             "services.weights.transports.pg.ProcessGroupReceiver", "nccl"],
-    "cuda_ipc": ["services.weights.transports.cuda_ipc.CudaIpcSender", "cuda_ipc",
-                 "services.weights.transports.cuda_ipc.CudaIpcReceiver", "cuda_ipc"],
-    "disk": ["services.weights.transports.disk.DiskSender", "disk",
-             "services.weights.transports.disk.DiskReceiver", "disk"],
+    "gloo": [
+        "services.weights.transports.sglang.SGLangAwareSender",
+        "gloo",
+        "services.weights.transports.pg.ProcessGroupReceiver",
+        "gloo",
+    ],
+    "nccl": [
+        "services.weights.transports.sglang.SGLangAwareSender",
+        "nccl",
+        "services.weights.transports.pg.ProcessGroupReceiver",
+        "nccl",
+    ],
+    "cuda_ipc": [
+        "services.weights.transports.cuda_ipc.CudaIpcSender",
+        "cuda_ipc",
+        "services.weights.transports.cuda_ipc.CudaIpcReceiver",
+        "cuda_ipc",
+    ],
+    "disk": [
+        "services.weights.transports.disk.DiskSender",
+        "disk",
+        "services.weights.transports.disk.DiskReceiver",
+        "disk",
+    ],
 }
 
 
 def _probe(*modules: str) -> dict[str, typing.Any]:
-    done = subprocess.run([sys.executable, "-c", _PROBE, *modules], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, *modules],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
 
 def test_the_registry_lists_exactly_the_transports_the_config_accepts():
-    accepted = [tag for section in typing.get_args(typing.get_args(WeightsConfig)[0])
-                for tag in typing.get_args(section.model_fields["transport"].annotation)]
+    accepted = [
+        tag
+        for section in typing.get_args(typing.get_args(WeightsConfig)[0])
+        for tag in typing.get_args(section.model_fields["transport"].annotation)
+    ]
     assert sorted(TRANSPORTS) == sorted(accepted)
     assert all(entry.name == name for name, entry in TRANSPORTS.items())
 
 
-_PG_SGLANG = ["services.weights.transports.pg", "services.weights.transports.rendezvous",
-              "services.weights.transports.sglang"]
+_PG_SGLANG = [
+    "services.weights.transports.pg",
+    "services.weights.transports.rendezvous",
+    "services.weights.transports.sglang",
+]
 
 
-@pytest.mark.parametrize(("modules", "loaded"), [
-    (("services.weights",), []),
-    (tuple(_PG_SGLANG), _PG_SGLANG),
-    (("services.weights.transports.sglang", "services.weights.transports.disk",
-      "services.weights.transports.cuda_ipc", "services.weights.transports.pg"),
-     sorted([*_PG_SGLANG, "services.weights.transports.disk", "services.weights.transports.cuda_ipc"])),
-], ids=["package-alone", "pg-then-sglang", "sglang-first"])
+@pytest.mark.parametrize(
+    ("modules", "loaded"),
+    [
+        (("services.weights",), []),
+        (tuple(_PG_SGLANG), _PG_SGLANG),
+        (
+            (
+                "services.weights.transports.sglang",
+                "services.weights.transports.disk",
+                "services.weights.transports.cuda_ipc",
+                "services.weights.transports.pg",
+            ),
+            sorted([*_PG_SGLANG, "services.weights.transports.disk", "services.weights.transports.cuda_ipc"]),
+        ),
+    ],
+    ids=["package-alone", "pg-then-sglang", "sglang-first"],
+)
 def test_every_import_order_builds_the_same_transports(modules, loaded):
     """The package itself loads no transport module; whatever was imported first, each name builds the same
     classes (gloo/nccl: the SGLang-aware sender, never the plain one that happened to register last)."""

@@ -32,14 +32,20 @@ def batches(model_dir: Path, steps: int) -> list:
 def stage_config(model_dir: Path, run_dir: Path, redis_url: str, stage: int, prefix: str):
     if stage == 3:
         raise ValueError("ZeRO-3 weights are gathered by all ranks: tests/test_trainer_grpc.py covers 2-rank ZeRO-3")
-    return trainer_config(model_dir=model_dir, run_dir=run_dir, redis_url=redis_url, run_name=f"{prefix}-z{stage}",
-                          trainer={"zero_stage": stage, "micro_batch_tokens": 40, "lr": 3e-3})
+    return trainer_config(
+        model_dir=model_dir,
+        run_dir=run_dir,
+        redis_url=redis_url,
+        run_name=f"{prefix}-z{stage}",
+        trainer={"zero_stage": stage, "micro_batch_tokens": 40, "lr": 3e-3},
+    )
 
 
 def train_stage(h: TrainerHarness, data: list) -> dict:
     """Rank 0 (or a 1-rank reference): the metrics of each step and the final weights."""
-    steps = [{k: h.service.train(rollout_id=i, entry_ids=[h.put(b)]).metrics[k] for k in KEYS}
-             for i, b in enumerate(data)]
+    steps = [
+        {k: h.service.train(rollout_id=i, entry_ids=[h.put(b)]).metrics[k] for k in KEYS} for i, b in enumerate(data)
+    ]
     return {"steps": steps, "weights": {n: t.flatten().tolist() for n, t in h.service.iter_named_weights()}}
 
 
@@ -56,10 +62,10 @@ def main() -> int:
     out = {}
     for stage in args.stages:
         config = stage_config(args.model_dir, args.run_dir, args.redis_url, stage, args.prefix)
-        if int(os.environ["RANK"]) == 0:   # set by the launcher
+        if int(os.environ["RANK"]) == 0:  # set by the launcher
             harness = TrainerHarness(config, run_dir=args.run_dir)
             out[stage] = train_stage(harness, batches(args.model_dir, args.steps))
-            harness.close()   # relays shutdown: the other ranks leave serve_worker
+            harness.close()  # relays shutdown: the other ranks leave serve_worker
         else:
             service = TrainerService(build_trainer(config, run_dir=args.run_dir).parts())
             service.serve_worker()

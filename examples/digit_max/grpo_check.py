@@ -40,18 +40,23 @@ def policy_log_probs(model, sequences: list[list[int]], prompt_lens: list[int]) 
     ids = torch.zeros((len(sequences), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, s in enumerate(sequences):
-        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
     logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
-    return [logp[i, p - 1:len(s) - 1].gather(-1, ids[i, p:len(s)].unsqueeze(-1)).squeeze(-1)
-            for i, (s, p) in enumerate(zip(sequences, prompt_lens, strict=False))]
+    return [
+        logp[i, p - 1 : len(s) - 1].gather(-1, ids[i, p : len(s)].unsqueeze(-1)).squeeze(-1)
+        for i, (s, p) in enumerate(zip(sequences, prompt_lens, strict=False))
+    ]
 
 
 def evaluate(engine, tokenizer, reward_fn, rows, max_new_tokens: int) -> float:
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
     outs = engine.generate(prompts, SamplingSpec(temperature=0.0, max_new_tokens=max_new_tokens))
-    scores = reward_fn.score(prompts=[r["prompt"] for r in rows], labels=[r["label"] for r in rows],
-                             responses=[tokenizer.decode(list(o.token_ids), skip_special_tokens=True) for o in outs],
-                             metadatas=[{} for _ in rows])
+    scores = reward_fn.score(
+        prompts=[r["prompt"] for r in rows],
+        labels=[r["label"] for r in rows],
+        responses=[tokenizer.decode(list(o.token_ids), skip_special_tokens=True) for o in outs],
+        metadatas=[{} for _ in rows],
+    )
     return sum(scores) / len(scores)
 
 
@@ -83,20 +88,27 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         rows = rng.sample(train, ro.rollout_batch_size)
         prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
-        sampling = SamplingSpec(temperature=ro.sampling.temperature, max_new_tokens=ro.sampling.max_new_tokens,
-                                   seed=args.seed * 100_003 + step)
+        sampling = SamplingSpec(
+            temperature=ro.sampling.temperature,
+            max_new_tokens=ro.sampling.max_new_tokens,
+            seed=args.seed * 100_003 + step,
+        )
         outs = engine.generate([p for p in prompts for _ in range(n)], sampling)
-        rewards = torch.tensor(reward_fn.score(
-            prompts=[r["prompt"] for r in rows for _ in range(n)], labels=[r["label"] for r in rows for _ in range(n)],
-            responses=[tokenizer.decode(list(o.token_ids), skip_special_tokens=True) for o in outs],
-            metadatas=[{} for _ in outs])).view(-1, n)
+        rewards = torch.tensor(
+            reward_fn.score(
+                prompts=[r["prompt"] for r in rows for _ in range(n)],
+                labels=[r["label"] for r in rows for _ in range(n)],
+                responses=[tokenizer.decode(list(o.token_ids), skip_special_tokens=True) for o in outs],
+                metadatas=[{} for _ in outs],
+            )
+        ).view(-1, n)
         adv = rewards - rewards.mean(dim=1, keepdim=True)
         if algo.normalize_advantage_std:
             adv = adv / (rewards.std(dim=1, keepdim=True) + 1e-6)
         seqs = [prompts[i // n] + list(o.token_ids) for i, o in enumerate(outs)]
         new = policy_log_probs(policy, seqs, [len(prompts[i // n]) for i in range(len(outs))])
         old = [torch.tensor(o.log_probs) for o in outs]
-        drift = max(float((a.detach() - b).abs().max()) for a, b in zip(new, old, strict=False))     # on-policy: ~0
+        drift = max(float((a.detach() - b).abs().max()) for a, b in zip(new, old, strict=False))  # on-policy: ~0
         ratio = torch.exp(torch.cat(new) - torch.cat(old))
         token_adv = torch.cat([adv.flatten()[i].expand(len(o.token_ids)) for i, o in enumerate(outs)])
         clipped = torch.clamp(ratio, 1 - algo.eps_clip, 1 + (algo.eps_clip_high or algo.eps_clip))
@@ -108,13 +120,20 @@ def main(argv: list[str] | None = None) -> int:
         engine.update_weights_from_tensors(((k, v.detach()) for k, v in policy.named_parameters()), version=step + 1)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             score = evaluate(engine, tokenizer, reward_fn, evals, ro.eval_sampling.max_new_tokens)
-            print(f"{step + 1:>5} {float(rewards.mean()):>12.3f} {score:>11.3f} {drift:>10.2e} "
-                  f"{time.monotonic() - start:>8.1f}", flush=True)
+            print(
+                f"{step + 1:>5} {float(rewards.mean()):>12.3f} {score:>11.3f} {drift:>10.2e} "
+                f"{time.monotonic() - start:>8.1f}",
+                flush=True,
+            )
             if reached is None and score >= args.target:
                 reached = step + 1
     took = time.monotonic() - start
-    print(f"eval reward reached {args.target} at step {reached}" if reached else
-          f"eval reward did not reach {args.target} in {args.steps} steps", f"({took:.1f}s)")
+    print(
+        f"eval reward reached {args.target} at step {reached}"
+        if reached
+        else f"eval reward did not reach {args.target} in {args.steps} steps",
+        f"({took:.1f}s)",
+    )
     return 0 if reached else 1
 
 

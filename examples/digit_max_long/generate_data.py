@@ -42,16 +42,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--digits", type=int, default=126)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=HERE)
-    parser.add_argument("--lengths", type=int, nargs=2, metavar=("LO", "HI"), default=None,
-                        help="give each training row a lognormal max_new_tokens in [LO, HI]")
+    parser.add_argument(
+        "--lengths",
+        type=int,
+        nargs=2,
+        metavar=("LO", "HI"),
+        default=None,
+        help="give each training row a lognormal max_new_tokens in [LO, HI]",
+    )
     args = parser.parse_args(argv)
     write(args.out, train=args.train, eval_count=args.eval, digits=args.digits, seed=args.seed, lengths=args.lengths)
     print(f"wrote {args.train} training and {args.eval} eval prompts of {args.digits} digits to {args.out}")
     return 0
 
 
-def write(out: Path, *, train: int, eval_count: int, digits: int, seed: int = 0,
-          lengths: tuple[int, int] | list[int] | None = None) -> None:
+def write(
+    out: Path,
+    *,
+    train: int,
+    eval_count: int,
+    digits: int,
+    seed: int = 0,
+    lengths: tuple[int, int] | list[int] | None = None,
+) -> None:
     """The data files; with `lengths`, each training row carries its own max_new_tokens (evals answer in full)."""
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)

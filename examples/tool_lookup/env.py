@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from services.rollout.environments import Action, Environment, EpisodeSample, StepResult
 
-CALL = "("   # the tool call: one token of the tiny tokenizer's vocabulary
+CALL = "("  # the tool call: one token of the tiny tokenizer's vocabulary
 
 
 class LookupEnvironment(Environment):
@@ -25,7 +25,7 @@ class LookupEnvironment(Environment):
         key = int(sample.prompt.split()[0])
         self.value = sample.metadata["table"][key]
         self.looked_up = False
-        return ""   # nothing beyond the prompt: the table stays hidden until the policy asks
+        return ""  # nothing beyond the prompt: the table stays hidden until the policy asks
 
     def step(self, action: Action) -> StepResult:
         words = action.text.split()

@@ -31,7 +31,7 @@ from services.rollout.model_init import init_model  # noqa: E402
 from services.rollout.multi_turn import MultiTurnRollout  # noqa: E402
 from services.rollout.service import load_tokenizer  # noqa: E402
 
-NO_TOOL_CEILING = 0.1   # the answer is a uniform digit the prompt says nothing about
+NO_TOOL_CEILING = 0.1  # the answer is a uniform digit the prompt says nothing about
 
 
 def load_rows(path: str) -> list[dict[str, str]]:
@@ -39,9 +39,18 @@ def load_rows(path: str) -> list[dict[str, str]]:
 
 
 def samples_of(rows, tokenizer, n: int) -> list[EpisodeSample]:
-    return [EpisodeSample(prompt=r["prompt"], prompt_ids=tuple(tokenizer(r["prompt"])["input_ids"]), label=r["label"],
-                          metadata={"table": r["table"]}, group_id=i, sample_index=j)
-            for i, r in enumerate(rows) for j in range(n)]
+    return [
+        EpisodeSample(
+            prompt=r["prompt"],
+            prompt_ids=tuple(tokenizer(r["prompt"])["input_ids"]),
+            label=r["label"],
+            metadata={"table": r["table"]},
+            group_id=i,
+            sample_index=j,
+        )
+        for i, r in enumerate(rows)
+        for j in range(n)
+    ]
 
 
 def policy_log_probs(model, sequences: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
@@ -49,10 +58,12 @@ def policy_log_probs(model, sequences: list[list[int]], prompt_lens: list[int]) 
     ids = torch.zeros((len(sequences), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, s in enumerate(sequences):
-        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
     logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
-    return [logp[i, p - 1:len(s) - 1].gather(-1, ids[i, p:len(s)].unsqueeze(-1)).squeeze(-1)
-            for i, (s, p) in enumerate(zip(sequences, prompt_lens, strict=True))]
+    return [
+        logp[i, p - 1 : len(s) - 1].gather(-1, ids[i, p : len(s)].unsqueeze(-1)).squeeze(-1)
+        for i, (s, p) in enumerate(zip(sequences, prompt_lens, strict=True))
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,20 +86,30 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(cfg.model.path)
     ro, algo = cfg.rollout, cfg.algorithm
     assert ro.environment is not None
-    loop = MultiTurnRollout(engine=engine, plugin=resolve_environment(ro.environment), max_turns=ro.max_turns,
-                            encode=lambda t: tokenizer(t, add_special_tokens=False)["input_ids"],
-                            decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
-                            step_timeout_s=ro.environment_timeout_s, vocab_size=len(tokenizer))
+    loop = MultiTurnRollout(
+        engine=engine,
+        plugin=resolve_environment(ro.environment),
+        max_turns=ro.max_turns,
+        encode=lambda t: tokenizer(t, add_special_tokens=False)["input_ids"],
+        decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
+        step_timeout_s=ro.environment_timeout_s,
+        vocab_size=len(tokenizer),
+    )
     train, evals = load_rows(cfg.data.train_path), load_rows(cfg.data.eval_path or cfg.data.train_path)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr or cfg.trainer.lr, betas=cfg.trainer.betas)
     rng, n = random.Random(args.seed), ro.n_samples_per_prompt
     start = time.monotonic()
-    print(f"{'step':>5} {'train_reward':>12} {'train_calls':>11} {'eval_reward':>11} {'eval_calls':>10} "
-          f"{'no_tool_max':>11} {'seconds':>8}")
+    print(
+        f"{'step':>5} {'train_reward':>12} {'train_calls':>11} {'eval_reward':>11} {'eval_calls':>10} "
+        f"{'no_tool_max':>11} {'seconds':>8}"
+    )
     for step in range(args.steps):
         rows = rng.sample(train, ro.rollout_batch_size)
-        sampling = SamplingSpec(temperature=ro.sampling.temperature, max_new_tokens=ro.sampling.max_new_tokens,
-                                seed=args.seed * 100_003 + step + 1)
+        sampling = SamplingSpec(
+            temperature=ro.sampling.temperature,
+            max_new_tokens=ro.sampling.max_new_tokens,
+            seed=args.seed * 100_003 + step + 1,
+        )
         episodes = loop.run(samples_of(rows, tokenizer, n), sampling).episodes
         rewards = torch.tensor([e.reward for e in episodes]).view(-1, n)
         adv = rewards - rewards.mean(dim=1, keepdim=True)
@@ -113,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
             score = sum(e.reward for e in played) / len(played)
             calls = sum(e.turns > 1 for e in played) / len(played)
             train_calls = sum(e.turns > 1 for e in episodes) / len(episodes)
-            print(f"{step + 1:>5} {float(rewards.mean()):>12.3f} {train_calls:>11.2f} {score:>11.3f} {calls:>10.2f} "
-                  f"{NO_TOOL_CEILING:>11.2f} {time.monotonic() - start:>8.1f}", flush=True)
+            print(
+                f"{step + 1:>5} {float(rewards.mean()):>12.3f} {train_calls:>11.2f} {score:>11.3f} {calls:>10.2f} "
+                f"{NO_TOOL_CEILING:>11.2f} {time.monotonic() - start:>8.1f}",
+                flush=True,
+            )
     return 0
 
 

@@ -46,7 +46,7 @@ class DeadLetter:
     reason: str
 
 
-Rows = list[tuple[bytes, dict[bytes, bytes]]]   # XRANGE's answer on a binary client (redis-py types it loosely)
+Rows = list[tuple[bytes, dict[bytes, bytes]]]  # XRANGE's answer on a binary client (redis-py types it loosely)
 
 # What decoding a corrupted entry raises (the consumer dead-letters it with the message).
 DECODE_ERRORS = (WireError, ValueError, UnicodeDecodeError)
@@ -78,9 +78,15 @@ def decode_entry(client: redis.Redis, entry_id: str, fields: dict[bytes, bytes])
     trace = json.loads(fields.get(b"trace", b"{}").decode() or "{}")
     if not isinstance(trace, dict):
         raise WireError("trace context is not a JSON object")
-    return BufferEntry(entry_id=entry_id, batch=batch, rollout_id=batch.rollout_id,
-                       policy_version=batch.policy_version, trace_context={str(k): str(v) for k, v in trace.items()},
-                       producer=batch.producer, nbytes=len(payload))
+    return BufferEntry(
+        entry_id=entry_id,
+        batch=batch,
+        rollout_id=batch.rollout_id,
+        policy_version=batch.policy_version,
+        trace_context={str(k): str(v) for k, v in trace.items()},
+        producer=batch.producer,
+        nbytes=len(payload),
+    )
 
 
 def _payload(client: redis.Redis, fields: dict[bytes, bytes]) -> bytes:

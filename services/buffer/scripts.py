@@ -39,7 +39,9 @@ end
 """
 
 # Acknowledge for one group (ARGV = group, ngroups, ids...); released once all groups have acknowledged.
-ACK = _RELEASE + """
+ACK = (
+    _RELEASE
+    + """
 local stream, acks = KEYS[1], KEYS[2]
 local group, ngroups = ARGV[1], tonumber(ARGV[2])
 local done = 0
@@ -52,10 +54,13 @@ for i = 3, #ARGV do
 end
 return done
 """
+)
 
 # A group gives up entries it will never train (the actor during PPO's critic-only steps): acknowledged if
 # pending there, else counted once (the set KEYS[3] makes a repeated call harmless); released when complete.
-SKIP = _RELEASE + """
+SKIP = (
+    _RELEASE
+    + """
 local stream, acks, skipped = KEYS[1], KEYS[2], KEYS[3]
 local group, ngroups = ARGV[1], tonumber(ARGV[2])
 local done = 0
@@ -72,9 +77,12 @@ for i = 3, #ARGV do
 end
 return done
 """
+)
 
 # Remove entries outright (chunks too), acknowledging them in every group: ARGV = ngroups, groups..., ids...
-DELETE = _RELEASE + """
+DELETE = (
+    _RELEASE
+    + """
 local stream, acks = KEYS[1], KEYS[2]
 local ngroups = tonumber(ARGV[1])
 local removed = 0
@@ -85,6 +93,7 @@ for i = 2 + ngroups, #ARGV do
 end
 return removed
 """
+)
 
 # XADD only while fewer than ARGV[1] entries wait, so concurrent producers cannot overshoot the bound.
 # KEYS[2] makes a retried call (redis-py retries on timeouts) return the id of the first XADD instead of

@@ -50,8 +50,18 @@ from services.contracts.wire import RolloutBatchData, encode_batch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BufferEntry", "BufferError", "BufferFullError", "BufferStats", "DeadLetter", "EntryNotFoundError",
-           "RolloutBuffer", "connect", "redacted", "stream_key"]
+__all__ = [
+    "BufferEntry",
+    "BufferError",
+    "BufferFullError",
+    "BufferStats",
+    "DeadLetter",
+    "EntryNotFoundError",
+    "RolloutBuffer",
+    "connect",
+    "redacted",
+    "stream_key",
+]
 
 
 @dataclass
@@ -60,20 +70,30 @@ class BufferStats:
     claimed: int = 0
 
 
-_REDIS, _TIMEOUTS = RedisConfig(), TimeoutsConfig()   # defaults of a handle built without a config
+_REDIS, _TIMEOUTS = RedisConfig(), TimeoutsConfig()  # defaults of a handle built without a config
 
 # The longest single blocking XREADGROUP: well below the client's socket timeout.
 _BLOCK_SLICE_MS = 5_000
-_PAGE = _DELETE_BATCH = 256   # entries read per XRANGE page / removed per script call
-_HEALTH_CHECK_EVERY_S = 30   # redis-py pings a connection idle this long before using it
+_PAGE = _DELETE_BATCH = 256  # entries read per XRANGE page / removed per script call
+_HEALTH_CHECK_EVERY_S = 30  # redis-py pings a connection idle this long before using it
 
 
-def connect(url: str, *, password: str | None = None, timeout_s: float = _TIMEOUTS.redis_socket_s,
-            connect_timeout_s: float = _TIMEOUTS.redis_connect_s) -> redis.Redis:
+def connect(
+    url: str,
+    *,
+    password: str | None = None,
+    timeout_s: float = _TIMEOUTS.redis_socket_s,
+    connect_timeout_s: float = _TIMEOUTS.redis_connect_s,
+) -> redis.Redis:
     """A binary-safe client; `rediss://` URLs get TLS from redis-py. The deadlines are
     services.timeouts.redis_socket_s (one command) and redis_connect_s; services pass their config's."""
-    return redis.Redis.from_url(url, password=password, socket_timeout=timeout_s,
-                                socket_connect_timeout=connect_timeout_s, health_check_interval=_HEALTH_CHECK_EVERY_S)
+    return redis.Redis.from_url(
+        url,
+        password=password,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=connect_timeout_s,
+        health_check_interval=_HEALTH_CHECK_EVERY_S,
+    )
 
 
 def redacted(url: str | None) -> str:
@@ -113,8 +133,11 @@ def _check_in_stream(client: redis.Redis, stream: str, entry_id: str, *, dead_re
         raise EntryNotFoundError(f"{entry_id!r} is not a valid stream entry id") from None
     if not found:
         reason = dead_reason()
-        detail = f" (dead-lettered: {reason})" if reason is not None else \
-            " (never written, or acknowledged by every group and deleted)"
+        detail = (
+            f" (dead-lettered: {reason})"
+            if reason is not None
+            else " (never written, or acknowledged by every group and deleted)"
+        )
         raise EntryNotFoundError(f"entry {entry_id} is not in stream {stream}{detail}")
 
 
@@ -151,11 +174,19 @@ class RolloutBuffer:
     this handle consumes as (None for a producer-only handle). A handle is not thread-safe.
     """
 
-    def __init__(self, client: redis.Redis, stream: str, *, groups: tuple[str, ...] = ("actor",),
-                 group: str | None = None, consumer: str = "consumer-0",
-                 max_buffered_batches: int = _REDIS.max_buffered_batches,
-                 chunk_bytes: int = int(_REDIS.chunk_mb * 2**20), claim_idle_ms: int = _REDIS.claim_idle_ms,
-                 inline_max_bytes: int = 1 << 20):
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        *,
+        groups: tuple[str, ...] = ("actor",),
+        group: str | None = None,
+        consumer: str = "consumer-0",
+        max_buffered_batches: int = _REDIS.max_buffered_batches,
+        chunk_bytes: int = int(_REDIS.chunk_mb * 2**20),
+        claim_idle_ms: int = _REDIS.claim_idle_ms,
+        inline_max_bytes: int = 1 << 20,
+    ):
         groups = tuple(groups)
         _check_handle(groups=groups, group=group, max_buffered_batches=max_buffered_batches, chunk_bytes=chunk_bytes)
         self.client = client
@@ -170,13 +201,18 @@ class RolloutBuffer:
         self.inline_max_bytes = min(inline_max_bytes, self.chunk_bytes)
         self.claim_idle_ms = claim_idle_ms
         self.stats = BufferStats()
-        self._held: dict[str, BufferEntry] = {}   # delivered to us, not yet handed out (read() fetched past them)
-        self._outstanding: set[str] = set()       # handed out by get/read, not yet acked
-        self._own_cursor: str | None = "0"         # next own-pending id to re-read after a restart; None = done
+        self._held: dict[str, BufferEntry] = {}  # delivered to us, not yet handed out (read() fetched past them)
+        self._outstanding: set[str] = set()  # handed out by get/read, not yet acked
+        self._own_cursor: str | None = "0"  # next own-pending id to re-read after a restart; None = done
         self._ack = client.register_script(scripts.ACK)
         self._skip = client.register_script(scripts.SKIP)
-        self._producer = StreamProducer(client, stream, max_buffered_batches=max_buffered_batches,
-                                        chunk_bytes=self.chunk_bytes, inline_max_bytes=self.inline_max_bytes)
+        self._producer = StreamProducer(
+            client,
+            stream,
+            max_buffered_batches=max_buffered_batches,
+            chunk_bytes=self.chunk_bytes,
+            inline_max_bytes=self.inline_max_bytes,
+        )
         self._dead_letter_script = client.register_script(scripts.DEAD_LETTER)
         self._delete_script = client.register_script(scripts.DELETE)
         self.ensure_groups()
@@ -186,18 +222,42 @@ class RolloutBuffer:
 
     # ---- producer ---------------------------------------------------------------------------------
 
-    def put(self, batch: RolloutBatchData, *, trace_context: dict[str, str] | None = None,
-            timeout_s: float = _REDIS.put_timeout_s) -> str:
+    def put(
+        self,
+        batch: RolloutBatchData,
+        *,
+        trace_context: dict[str, str] | None = None,
+        timeout_s: float = _REDIS.put_timeout_s,
+    ) -> str:
         """Adds one batch; blocks while `max_buffered_batches` entries wait (BufferFullError after timeout_s)."""
-        return self.put_payload(encode_batch(batch), rollout_id=batch.rollout_id,
-                                policy_version=batch.policy_version, producer=batch.producer,
-                                trace_context=trace_context, timeout_s=timeout_s)
+        return self.put_payload(
+            encode_batch(batch),
+            rollout_id=batch.rollout_id,
+            policy_version=batch.policy_version,
+            producer=batch.producer,
+            trace_context=trace_context,
+            timeout_s=timeout_s,
+        )
 
-    def put_payload(self, payload: bytes, *, rollout_id: int, policy_version: int, producer: str = "",
-                    trace_context: dict[str, str] | None = None, timeout_s: float = _REDIS.put_timeout_s) -> str:
+    def put_payload(
+        self,
+        payload: bytes,
+        *,
+        rollout_id: int,
+        policy_version: int,
+        producer: str = "",
+        trace_context: dict[str, str] | None = None,
+        timeout_s: float = _REDIS.put_timeout_s,
+    ) -> str:
         """Adds an encoded batch (see `put`)."""
-        return self._producer.put_payload(payload, rollout_id=rollout_id, policy_version=policy_version,
-                                          producer=producer, trace_context=trace_context, timeout_s=timeout_s)
+        return self._producer.put_payload(
+            payload,
+            rollout_id=rollout_id,
+            policy_version=policy_version,
+            producer=producer,
+            trace_context=trace_context,
+            timeout_s=timeout_s,
+        )
 
     # ---- consumer ---------------------------------------------------------------------------------
 
@@ -216,22 +276,27 @@ class RolloutBuffer:
         out = self._take_held(count)
         if len(out) < count and self._own_cursor is not None:
             out += self._read_own_pending(count - len(out))
-        self._outstanding.update(e.entry_id for e in out)   # so claim_stale does not hand them out again
+        self._outstanding.update(e.entry_id for e in out)  # so claim_stale does not hand them out again
         if len(out) < count:
             out += self.claim_stale(count=count - len(out))
         deadline = time.monotonic() + max(block_ms, 0) / 1000.0
         while len(out) < count:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             wait = not out and remaining_ms > 0
-            response = self.client.xreadgroup(group, self.consumer, {self.stream: ">"}, count=count - len(out),
-                                              block=min(remaining_ms, _BLOCK_SLICE_MS) if wait else None)
+            response = self.client.xreadgroup(
+                group,
+                self.consumer,
+                {self.stream: ">"},
+                count=count - len(out),
+                block=min(remaining_ms, _BLOCK_SLICE_MS) if wait else None,
+            )
             messages = _messages(response)
             if messages:
-                out += self._deliver(messages)   # loop again: dead-lettered ones are topped up
+                out += self._deliver(messages)  # loop again: dead-lettered ones are topped up
                 continue
             if not wait:
                 break
-            out += self.claim_stale(count=count - len(out))   # a consumer may have died while we waited
+            out += self.claim_stale(count=count - len(out))  # a consumer may have died while we waited
         self._outstanding.update(e.entry_id for e in out)
         return out
 
@@ -249,7 +314,7 @@ class RolloutBuffer:
         response = self.client.xreadgroup(self._require_group(), self.consumer, {self.stream: cursor}, count=count)
         messages = _messages(response)
         self._own_cursor = _s(messages[-1][0]) if len(messages) >= count else None
-        mine = self._outstanding | set(self._held)      # already handed out or held by this handle
+        mine = self._outstanding | set(self._held)  # already handed out or held by this handle
         return self._deliver([m for m in messages if _s(m[0]) not in mine])
 
     def read(self, entry_ids: list[str], *, timeout_s: float = _REDIS.get_timeout_s) -> list[BufferEntry]:
@@ -300,8 +365,7 @@ class RolloutBuffer:
         for entry_id in entry_ids:
             self._check_exists(entry_id)
             if not self.client.xpending_range(self.stream, group, min=entry_id, max=entry_id, count=1):
-                raise EntryNotFoundError(f"entry {entry_id} of {self.stream} was already acknowledged "
-                                         f"by group {group}")
+                raise EntryNotFoundError(f"entry {entry_id} of {self.stream} was already acknowledged by group {group}")
 
     def _check_exists(self, entry_id: str) -> None:
         def why_gone() -> str | None:
@@ -314,8 +378,14 @@ class RolloutBuffer:
         """Takes over named entries pending at any consumer of our group (e.g. a dead trainer, or us)."""
         if not entry_ids:
             return
-        claimed = self.client.xclaim(self.stream, self._require_group(), self.consumer, min_idle_time=0,
-                                     message_ids=cast(list[Any], entry_ids), justid=True)
+        claimed = self.client.xclaim(
+            self.stream,
+            self._require_group(),
+            self.consumer,
+            min_idle_time=0,
+            message_ids=cast(list[Any], entry_ids),
+            justid=True,
+        )
         for e in self._fetch_and_deliver([_s(i) for i in cast(list[bytes], claimed)]):
             self._held[e.entry_id] = e
 
@@ -325,15 +395,27 @@ class RolloutBuffer:
         group = self._require_group()
         mine = self._outstanding | set(self._held)
         # XAUTOCLAIM also re-claims our own idle entries; ask for enough to get past them.
-        ids = self.client.xautoclaim(self.stream, group, self.consumer, min_idle_time=self.claim_idle_ms,
-                                     start_id="0-0", count=count + len(mine), justid=True)
+        ids = self.client.xautoclaim(
+            self.stream,
+            group,
+            self.consumer,
+            min_idle_time=self.claim_idle_ms,
+            start_id="0-0",
+            count=count + len(mine),
+            justid=True,
+        )
         entries = self._fetch_and_deliver([_s(i) for i in ids if _s(i) not in mine])
-        for extra in entries[count:]:        # claimed already: keep them for the next get
+        for extra in entries[count:]:  # claimed already: keep them for the next get
             self._held[extra.entry_id] = extra
         entries = entries[:count]
         if entries:
-            log.warning("%s/%s took over %d entries of a dead consumer: %s", group, self.consumer, len(entries),
-                        [e.entry_id for e in entries])
+            log.warning(
+                "%s/%s took over %d entries of a dead consumer: %s",
+                group,
+                self.consumer,
+                len(entries),
+                [e.entry_id for e in entries],
+            )
         self.stats.claimed += len(entries)
         return entries
 
@@ -366,8 +448,12 @@ class RolloutBuffer:
         ids = [_s(i) for i in entry_ids]
         if not ids:
             return 0
-        return int(self._skip(keys=[self.stream, self.acks_key, f"{self.stream}:skipped:{group}"],
-                              args=[group, len(self.groups), *ids]))
+        return int(
+            self._skip(
+                keys=[self.stream, self.acks_key, f"{self.stream}:skipped:{group}"],
+                args=[group, len(self.groups), *ids],
+            )
+        )
 
     def discard_except(self, keep: list[str]) -> int:
         """Deletes every entry of the stream (with its chunks, from every group) except those in `keep`;
@@ -381,9 +467,12 @@ class RolloutBuffer:
         self._forget(ids)
         removed = 0
         for start in range(0, len(ids), _DELETE_BATCH):
-            removed += int(self._delete_script(keys=[self.stream, self.acks_key],
-                                               args=[len(self.groups), *self.groups,
-                                                     *ids[start:start + _DELETE_BATCH]]))
+            removed += int(
+                self._delete_script(
+                    keys=[self.stream, self.acks_key],
+                    args=[len(self.groups), *self.groups, *ids[start : start + _DELETE_BATCH]],
+                )
+            )
         return removed
 
     def missing(self, entry_ids: list[str]) -> list[str]:
@@ -403,7 +492,7 @@ class RolloutBuffer:
             if raw_id is None:
                 continue
             entry_id = _s(raw_id)
-            if not fields:      # deleted while pending (XREADGROUP 0 returns these empty): clean up
+            if not fields:  # deleted while pending (XREADGROUP 0 returns these empty): clean up
                 self.client.xack(self.stream, self._require_group(), entry_id)
                 continue
             entry = self._decode_entry(entry_id, fields)
@@ -419,10 +508,12 @@ class RolloutBuffer:
             return None
 
     def _dead_letter(self, entry_id: str, reason: str) -> None:
-        log.error("rollout entry %s in %s is corrupted, moved to %s: %s", entry_id, self.stream,
-                  self.dead_stream, reason)
-        self._dead_letter_script(keys=[self.stream, self.dead_stream, self.acks_key],
-                                 args=[entry_id, reason, time.time_ns(), *self.groups])
+        log.error(
+            "rollout entry %s in %s is corrupted, moved to %s: %s", entry_id, self.stream, self.dead_stream, reason
+        )
+        self._dead_letter_script(
+            keys=[self.stream, self.dead_stream, self.acks_key], args=[entry_id, reason, time.time_ns(), *self.groups]
+        )
         self._forget([entry_id])
         self.stats.dead_lettered.append(DeadLetter(entry_id=entry_id, reason=reason))
 

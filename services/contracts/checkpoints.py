@@ -68,15 +68,14 @@ def resolve_load_dir(path: str, *, default_root: Path, role: str) -> Path | None
     if is_complete(p):
         return p
     if DIR_RE.match(p.name) and p.is_dir():
-        raise FileNotFoundError(f"checkpoint {p} is incomplete (no {COMPLETE}: it was being written when the "
-                                "trainer stopped)")
+        raise FileNotFoundError(
+            f"checkpoint {p} is incomplete (no {COMPLETE}: it was being written when the trainer stopped)"
+        )
     for candidate in (p / role, p):
         found = latest_complete(candidate)
         if found is not None:
             return found
     raise FileNotFoundError(f"no complete checkpoint at {p}")
-
-
 
 
 def latest_checkpoint(config: TandemConfig, *, run_dir: Path, role: str = "actor") -> Path | None:

@@ -41,7 +41,7 @@ from services.contracts.weights_config import (
     weights_config,
 )
 
-__all__ = [   # the sections of other modules, named here too: a TandemConfig's parts are found in one place
+__all__ = [  # the sections of other modules, named here too: a TandemConfig's parts are found in one place
     "ConfigError",
     "CudaIpcWeights",
     "DiskWeights",
@@ -74,49 +74,83 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
     fused_kernels: Literal["auto", "on", "off"] = Field(
-        default="auto", description="fused Triton RMSNorm and SwiGLU in the trained model (forward and backward), the "
-        "frozen ones and the native engine's; auto = on a CUDA device with Triton and bf16 weights")
-    init_preset: Literal["tiny", "small", "q05", "q15", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b",
-                         "llama3.2-1b"] | None = Field(
-        default=None, description="the random-init preset `tandem run --init-model` builds when model.path holds no "
-        "model (default tiny; `tandem init-model --help` describes them); nothing is ever built without that flag")
+        default="auto",
+        description="fused Triton RMSNorm and SwiGLU in the trained model (forward and backward), the "
+        "frozen ones and the native engine's; auto = on a CUDA device with Triton and bf16 weights",
+    )
+    init_preset: (
+        Literal["tiny", "small", "q05", "q15", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b", "llama3.2-1b"] | None
+    ) = Field(
+        default=None,
+        description="the random-init preset `tandem run --init-model` builds when model.path holds no "
+        "model (default tiny; `tandem init-model --help` describes them); nothing is ever built without that flag",
+    )
     init_body: Literal["tiny"] | None = Field(
-        default=None, description="with a real model's init_preset: build it over a tiny body (its vocabulary, "
-        "tokenizer, special ids, rope and tying; 2 layers of width 64)")
+        default=None,
+        description="with a real model's init_preset: build it over a tiny body (its vocabulary, "
+        "tokenizer, special ids, rope and tying; 2 layers of width 64)",
+    )
 
     @model_validator(mode="after")
     def _body_needs_a_real_preset(self) -> ModelConfig:
         if self.init_body is not None and self.init_preset in (None, "tiny", "small", "q05", "q15"):
-            raise ValueError(f"model.init_body applies to a real model's init_preset (qwen2.5-0.5b, qwen2.5-1.5b, "
-                             f"qwen3-0.6b, llama3.2-1b), not to {self.init_preset or 'the default tiny'}")
+            raise ValueError(
+                f"model.init_body applies to a real model's init_preset (qwen2.5-0.5b, qwen2.5-1.5b, "
+                f"qwen3-0.6b, llama3.2-1b), not to {self.init_preset or 'the default tiny'}"
+            )
         return self
 
 
 CHAT_TEMPLATE_MODES = ("auto", "tokenizer", "none")
 # apply_chat_template's own arguments: Tandem sets them (a chat is rendered to text, ending in the generation prompt)
-_RESERVED_TEMPLATE_KWARGS = ("conversation", "chat_template", "add_generation_prompt", "continue_final_message",
-                             "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-                             "return_assistant_tokens_mask", "tokenizer_kwargs")
+_RESERVED_TEMPLATE_KWARGS = (
+    "conversation",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+)
 
 
 class DataConfig(Section):
     """Where prompts come from and how they become the model's input (docs/own-task.md)."""
 
-    train_path: str = Field(description="JSONL file (.jsonl), parquet file (.parquet) or a directory written by "
-                            "`datasets.Dataset.save_to_disk`; one prompt per line / row")
+    train_path: str = Field(
+        description="JSONL file (.jsonl), parquet file (.parquet) or a directory written by "
+        "`datasets.Dataset.save_to_disk`; one prompt per line / row"
+    )
     eval_path: str | None = None
-    prompt_key: str = Field(default="prompt", description="the prompt's key: a string, or a list of chat messages "
-                            "({role, content}); a dotted path (extra_info.question) reaches into nested objects")
-    label_key: str = Field(default="label", description="the reference answer's key, dotted paths allowed "
-                           "(reward_model.ground_truth, as verl writes it)")
-    chat_template: str = Field(default="auto", description="auto: message-list prompts get the tokenizer's chat "
-                               "template, text prompts are used as they are; tokenizer: the tokenizer's template "
-                               "for every prompt (a text prompt becomes one user message); none: no template "
-                               "(message lists are refused); or a Jinja template file, applied to every prompt")
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra variables for the "
-                                                 "template, e.g. {enable_thinking: false}")
-    system_prompt: str | None = Field(default=None, description="a system message put before every chat that has "
-                                      "none of its own (a string prompt then becomes one user message)")
+    prompt_key: str = Field(
+        default="prompt",
+        description="the prompt's key: a string, or a list of chat messages "
+        "({role, content}); a dotted path (extra_info.question) reaches into nested objects",
+    )
+    label_key: str = Field(
+        default="label",
+        description="the reference answer's key, dotted paths allowed (reward_model.ground_truth, as verl writes it)",
+    )
+    chat_template: str = Field(
+        default="auto",
+        description="auto: message-list prompts get the tokenizer's chat "
+        "template, text prompts are used as they are; tokenizer: the tokenizer's template "
+        "for every prompt (a text prompt becomes one user message); none: no template "
+        "(message lists are refused); or a Jinja template file, applied to every prompt",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra variables for the template, e.g. {enable_thinking: false}"
+    )
+    system_prompt: str | None = Field(
+        default=None,
+        description="a system message put before every chat that has "
+        "none of its own (a string prompt then becomes one user message)",
+    )
     shuffle: bool = True
     seed: int = 0
     num_epochs: int = Field(default=1, ge=1)
@@ -125,15 +159,19 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _chat_keys(self) -> DataConfig:
         if self.chat_template == "none" and self.system_prompt is not None:
-            raise ValueError("data.system_prompt needs a chat template, and data.chat_template is none (use auto or "
-                             "a template file, or put the system text into the prompts)")
+            raise ValueError(
+                "data.system_prompt needs a chat template, and data.chat_template is none (use auto or "
+                "a template file, or put the system text into the prompts)"
+            )
         if not self.chat_template.strip():
             raise ValueError("data.chat_template: empty; use auto, tokenizer, none or a Jinja template file")
         reserved = [k for k in self.chat_template_kwargs if k in _RESERVED_TEMPLATE_KWARGS]
         if reserved:
-            raise ValueError(f"data.chat_template_kwargs: {', '.join(reserved)} is set by Tandem (a chat is rendered "
-                             "to text ending in the assistant's generation prompt); give only the template's own "
-                             "variables")
+            raise ValueError(
+                f"data.chat_template_kwargs: {', '.join(reserved)} is set by Tandem (a chat is rendered "
+                "to text ending in the assistant's generation prompt); give only the template's own "
+                "variables"
+            )
         return self
 
     @property
@@ -149,8 +187,10 @@ class DataConfig(Section):
 
 # DeepSpeed 0.19's ZeRO-3 offload_states maps every module parameter, frozen ones included, onto the flat buffer of
 # the trainable ones' partitions, which does not hold the frozen ones.
-LORA_ZERO3_OFFLOAD = ("offloading the trainer (Offload, loop.offload_train) with trainer.lora needs trainer.zero_stage "
-                      "1 or 2: DeepSpeed's ZeRO-3 offload_states cannot move a model with frozen parameters")
+LORA_ZERO3_OFFLOAD = (
+    "offloading the trainer (Offload, loop.offload_train) with trainer.lora needs trainer.zero_stage "
+    "1 or 2: DeepSpeed's ZeRO-3 offload_states cannot move a model with frozen parameters"
+)
 
 
 class LoraConfig(Section):
@@ -158,13 +198,17 @@ class LoraConfig(Section):
     the HF export send the merged weights under the base model's names (docs/algorithms.md, LoRA)."""
 
     rank: int = Field(ge=1, description="r: the adapters' inner dimension")
-    alpha: int | None = Field(default=None, ge=1, description="lora_alpha; the update is scaled by alpha / rank "
-                              "(default 2 × rank: scale 2)")
+    alpha: int | None = Field(
+        default=None, ge=1, description="lora_alpha; the update is scaled by alpha / rank (default 2 × rank: scale 2)"
+    )
     dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input (train mode only)")
     target_modules: tuple[str, ...] = Field(
-        default=("all-linear",), min_length=1, description="names of the linear layers to adapt (the last part "
+        default=("all-linear",),
+        min_length=1,
+        description="names of the linear layers to adapt (the last part "
         "of a module path, e.g. q_proj, v_proj); all-linear = every linear layer but the output head (add lm_head "
-        "to adapt it too)")
+        "to adapt it too)",
+    )
 
     @property
     def lora_alpha(self) -> int:
@@ -185,18 +229,26 @@ class TrainerConfig(Section):
     device: str = "auto"
     num_ranks: int = Field(default=1, ge=1, description="data-parallel ranks `tandem run` launches")
     zero_stage: Literal[0, 1, 2, 3] = Field(
-        default=0, description="0: nothing partitioned, every rank holds all weights, gradients and optimizer "
+        default=0,
+        description="0: nothing partitioned, every rank holds all weights, gradients and optimizer "
         "states, and steps with Tandem's flat AdamW (one buffer per dtype, a step of a few kernels: the fastest on "
-        "one GPU); 1-3: DeepSpeed ZeRO partitions optimizer states, then gradients, then weights over ranks")
+        "one GPU); 1-3: DeepSpeed ZeRO partitions optimizer states, then gradients, then weights over ranks",
+    )
     precision: Literal["fp32", "bf16", "bf16_pure"] = Field(
-        default="fp32", description="bf16: bf16 weights with fp32 master weights, gradients and Adam states (use on "
-        "a GPU); bf16_pure: all in bf16 as TRL trains (less memory, small updates can round away)")
-    skip_nonfinite_steps: bool = Field(default=True, description="skip an optimizer step whose gradients hold "
-                                       "inf/NaN: at ZeRO 1-3 with bf16 DeepSpeed's check_grad_overflow (one pass "
-                                       "over the gradients); at ZeRO 0 any precision, from the clip's norm (free)")
+        default="fp32",
+        description="bf16: bf16 weights with fp32 master weights, gradients and Adam states (use on "
+        "a GPU); bf16_pure: all in bf16 as TRL trains (less memory, small updates can round away)",
+    )
+    skip_nonfinite_steps: bool = Field(
+        default=True,
+        description="skip an optimizer step whose gradients hold "
+        "inf/NaN: at ZeRO 1-3 with bf16 DeepSpeed's check_grad_overflow (one pass "
+        "over the gradients); at ZeRO 0 any precision, from the clip's norm (free)",
+    )
     optimizer: Literal["adamw_torch", "adamw_deepspeed"] = Field(
-        default="adamw_torch", description="adamw_torch: torch's fused AdamW; adamw_deepspeed: DeepSpeed's own "
-        "(ZeRO 1-3)")
+        default="adamw_torch",
+        description="adamw_torch: torch's fused AdamW; adamw_deepspeed: DeepSpeed's own (ZeRO 1-3)",
+    )
     lr: float = Field(default=1e-3, gt=0)
     min_lr: float = Field(default=0.0, ge=0)
     weight_decay: float = Field(default=0.0, ge=0)
@@ -205,27 +257,45 @@ class TrainerConfig(Section):
     warmup_steps: int = Field(default=0, ge=0)
     total_steps: int | None = Field(default=None, ge=1, description="schedule length; defaults to num_rollout")
     grad_clip: float = Field(default=1.0, gt=0)
-    micro_batch_tokens: int = Field(default=16384, ge=1, description="token budget of one micro-batch (rows x "
-                                    "longest row); larger is faster until activations fill the GPU")
-    pack_sequences: bool = Field(default=False, description="pack several samples into one row of a micro-batch "
-                                 "(position ids restart per sample, attention stays within it): no padding tokens "
-                                 "when lengths differ; rows stay as wide as the longest sample (docs/algorithms.md)")
-    scoring_chunk_tokens: int = Field(default=1024, ge=1, description="response tokens scored at once, over 8,192 "
-                                      "vocabulary columns at a time (whole rows where top-k / top-p truncate, as "
-                                      "many as make as many logits): bounds the scoring's memory to a few float32 "
-                                      "[chunk x 8,192] tables whatever the micro-batch (docs/algorithms.md)")
+    micro_batch_tokens: int = Field(
+        default=16384,
+        ge=1,
+        description="token budget of one micro-batch (rows x "
+        "longest row); larger is faster until activations fill the GPU",
+    )
+    pack_sequences: bool = Field(
+        default=False,
+        description="pack several samples into one row of a micro-batch "
+        "(position ids restart per sample, attention stays within it): no padding tokens "
+        "when lengths differ; rows stay as wide as the longest sample (docs/algorithms.md)",
+    )
+    scoring_chunk_tokens: int = Field(
+        default=1024,
+        ge=1,
+        description="response tokens scored at once, over 8,192 "
+        "vocabulary columns at a time (whole rows where top-k / top-p truncate, as "
+        "many as make as many logits): bounds the scoring's memory to a few float32 "
+        "[chunk x 8,192] tables whatever the micro-batch (docs/algorithms.md)",
+    )
     checkpoint_dir: str | None = Field(default=None, description="defaults to RUN_DIR/checkpoints")
     keep_last_checkpoints: int = Field(default=3, ge=1)
     export_hf_on_save: bool = True
     critic_lr: float | None = Field(default=None, gt=0, description="defaults to lr")
     seed: int = 0
-    activation_checkpointing: bool = Field(default=False, description="recompute each decoder layer's activations "
-                                           "in the backward instead of keeping them (transformers' checkpointing, "
-                                           "non-reentrant): less memory for long sequences, ~1/3 more compute")
-    cpu_threads: int | None = Field(default=None, ge=1, description="torch's intra-op CPU threads in the trainer "
-                                    "(null: 4 on a GPU, torch's default on the CPU)")
-    lora: LoraConfig | None = Field(default=None, description="LoRA adapters instead of full fine-tuning "
-                                    "(null = full fine-tuning)")
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="recompute each decoder layer's activations "
+        "in the backward instead of keeping them (transformers' checkpointing, "
+        "non-reentrant): less memory for long sequences, ~1/3 more compute",
+    )
+    cpu_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch's intra-op CPU threads in the trainer (null: 4 on a GPU, torch's default on the CPU)",
+    )
+    lora: LoraConfig | None = Field(
+        default=None, description="LoRA adapters instead of full fine-tuning (null = full fine-tuning)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -237,44 +307,67 @@ class TrainerConfig(Section):
 
 class AlgorithmConfig(Section):
     advantage_estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = Field(
-        default="grpo", description="grpo (group-normalised), rloo (leave-one-out baseline), reinforce_pp (discounted "
+        default="grpo",
+        description="grpo (group-normalised), rloo (leave-one-out baseline), reinforce_pp (discounted "
         "returns whitened over the batch), reinforce_pp_baseline (group mean baseline, then whitened over the batch), "
-        "gae (PPO with a critic); docs/algorithms.md")
-    normalize_advantage_std: bool = Field(default=True, description="grpo: divide by the group's std (False = "
-                                          "Dr.GRPO)")
-    policy_loss: Literal["ppo", "gspo"] = Field(default="ppo", description="ppo: per-token ratio, clipped per token; "
-                                                "gspo: the sequence's geometric-mean ratio, clipped per sequence")
+        "gae (PPO with a critic); docs/algorithms.md",
+    )
+    normalize_advantage_std: bool = Field(default=True, description="grpo: divide by the group's std (False = Dr.GRPO)")
+    policy_loss: Literal["ppo", "gspo"] = Field(
+        default="ppo",
+        description="ppo: per-token ratio, clipped per token; "
+        "gspo: the sequence's geometric-mean ratio, clipped per sequence",
+    )
     eps_clip: float = Field(default=0.2, gt=0)
     eps_clip_high: float | None = Field(default=None, gt=0, description="asymmetric upper clip (DAPO)")
     dual_clip_c: float | None = Field(default=None, gt=1.0)
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
-        default="token_mean", description="default token_mean; with policy_loss: gspo left unset it is "
-        "seq_mean_token_mean, the GSPO paper's objective")
+        default="token_mean",
+        description="default token_mean; with policy_loss: gspo left unset it is "
+        "seq_mean_token_mean, the GSPO paper's objective",
+    )
     kl_coef: float = Field(default=0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_mode: Literal["loss", "reward"] = "loss"
     entropy_coef: float = Field(default=0.0, ge=0)
-    use_rollout_logprobs: bool = Field(default=True, description="ratio denominator: rollout log-probs (True) "
-                                       "or log-probs the trainer computes (False: the current policy before the "
-                                       "update, or the old actor with keep_old_actor)")
-    use_tis: bool = Field(default=False, description="truncated importance sampling: weights pi_old / pi_rollout "
-                          "(capped at tis_clip) on the loss; needs use_rollout_logprobs: false")
+    use_rollout_logprobs: bool = Field(
+        default=True,
+        description="ratio denominator: rollout log-probs (True) "
+        "or log-probs the trainer computes (False: the current policy before the "
+        "update, or the old actor with keep_old_actor)",
+    )
+    use_tis: bool = Field(
+        default=False,
+        description="truncated importance sampling: weights pi_old / pi_rollout "
+        "(capped at tis_clip) on the loss; needs use_rollout_logprobs: false",
+    )
     tis_clip: float = Field(default=2.0, gt=0)
     tis_mode: Literal["truncate", "mask"] = Field(
-        default="truncate", description="use_tis: what a weight above tis_clip becomes: truncate = tis_clip (miles' "
-        "TIS); mask = 0, the token drops out of the loss (AReaL's decoupled PPO with its behaviour-weight cap)")
-    keep_old_actor: bool = Field(default=False, description="keep snapshots of the weights sent to the rollout "
-                                 "engines, and score each sample under the version that generated it (the ratio's "
-                                 "denominator); needs use_rollout_logprobs: false")
+        default="truncate",
+        description="use_tis: what a weight above tis_clip becomes: truncate = tis_clip (miles' "
+        "TIS); mask = 0, the token drops out of the loss (AReaL's decoupled PPO with its behaviour-weight cap)",
+    )
+    keep_old_actor: bool = Field(
+        default=False,
+        description="keep snapshots of the weights sent to the rollout "
+        "engines, and score each sample under the version that generated it (the ratio's "
+        "denominator); needs use_rollout_logprobs: false",
+    )
     gamma: float = Field(default=1.0, ge=0, le=1, description="discount per action: gae, reinforce_pp")
     lambd: float = Field(default=1.0, ge=0, le=1, description="GAE's lambda: gae")
-    whiten_advantages: bool = Field(default=False, description="gae: normalise advantages to mean 0, std 1 over "
-                                    "the batch's trainable tokens (verl's masked_whiten)")
+    whiten_advantages: bool = Field(
+        default=False,
+        description="gae: normalise advantages to mean 0, std 1 over "
+        "the batch's trainable tokens (verl's masked_whiten)",
+    )
     value_clip: float = Field(default=0.2, gt=0)
     num_critic_only_steps: int = Field(default=0, ge=0)
-    overlong_filter: bool = Field(default=False, description="DAPO's overlong filtering: samples that reached "
-                                  "max_new_tokens without stopping get loss_mask 0 in the actor's loss (they still "
-                                  "count in their group's baseline and in the books)")
+    overlong_filter: bool = Field(
+        default=False,
+        description="DAPO's overlong filtering: samples that reached "
+        "max_new_tokens without stopping get loss_mask 0 in the actor's loss (they still "
+        "count in their group's baseline and in the books)",
+    )
 
     @property
     def uses_critic(self) -> bool:
@@ -295,12 +388,16 @@ class AlgorithmConfig(Section):
     @model_validator(mode="after")
     def _consistent_corrections(self) -> AlgorithmConfig:
         if self.use_rollout_logprobs and self.use_tis:
-            raise ValueError("use_tis: true needs use_rollout_logprobs: false (with rollout log-probs "
-                             "as the ratio's denominator the ratio already is the importance weight; TIS on top "
-                             "would apply it twice)")
+            raise ValueError(
+                "use_tis: true needs use_rollout_logprobs: false (with rollout log-probs "
+                "as the ratio's denominator the ratio already is the importance weight; TIS on top "
+                "would apply it twice)"
+            )
         if self.use_rollout_logprobs and self.keep_old_actor:
-            raise ValueError("keep_old_actor: true needs use_rollout_logprobs: false (the old actor "
-                             "computes the ratio's denominator, which use_rollout_logprobs takes from the rollout)")
+            raise ValueError(
+                "keep_old_actor: true needs use_rollout_logprobs: false (the old actor "
+                "computes the ratio's denominator, which use_rollout_logprobs takes from the rollout)"
+            )
         if self.tis_mode != "truncate" and not self.use_tis:
             raise ValueError(f"tis_mode: {self.tis_mode} applies to TIS's weights: it needs use_tis: true")
         return self
@@ -310,29 +407,39 @@ class AlgorithmConfig(Section):
         """A key the chosen estimator ignores, set away from its default, is a mistake: refuse it."""
         est = self.advantage_estimator
         if self.whiten_advantages and est != "gae":
-            raise ValueError(f"whiten_advantages applies to advantage_estimator: gae (advantage_estimator {est} "
-                             "normalises by itself: grpo per group, reinforce_pp and reinforce_pp_baseline over the "
-                             "batch, rloo not at all)")
+            raise ValueError(
+                f"whiten_advantages applies to advantage_estimator: gae (advantage_estimator {est} "
+                "normalises by itself: grpo per group, reinforce_pp and reinforce_pp_baseline over the "
+                "batch, rloo not at all)"
+            )
         if not self.normalize_advantage_std and est != "grpo":
-            raise ValueError("normalize_advantage_std: false (Dr.GRPO) applies to advantage_estimator: grpo; "
-                             f"advantage_estimator {est} divides by no group std")
+            raise ValueError(
+                "normalize_advantage_std: false (Dr.GRPO) applies to advantage_estimator: grpo; "
+                f"advantage_estimator {est} divides by no group std"
+            )
         if self.gamma != 1.0 and est not in ("gae", "reinforce_pp"):
-            raise ValueError(f"gamma applies to advantage_estimator: gae or reinforce_pp (per-token returns); "
-                             f"advantage_estimator {est} gives each sample one advantage")
+            raise ValueError(
+                f"gamma applies to advantage_estimator: gae or reinforce_pp (per-token returns); "
+                f"advantage_estimator {est} gives each sample one advantage"
+            )
         if self.lambd != 1.0 and est != "gae":
             raise ValueError(f"lambd is GAE's lambda: it needs advantage_estimator: gae, not {est}")
         if self.num_critic_only_steps and not self.uses_critic:
-            raise ValueError(f"num_critic_only_steps needs a critic: advantage_estimator: gae (advantage_estimator "
-                             f"{est} trains none)")
+            raise ValueError(
+                f"num_critic_only_steps needs a critic: advantage_estimator: gae (advantage_estimator "
+                f"{est} trains none)"
+            )
         return self
 
 
 class LoopConfig(Section):
     mode: Literal["async", "sync", "fully_async", "streaming"] = Field(
-        default="async", description="async: the next step generates while this one trains (one step off-policy); "
+        default="async",
+        description="async: the next step generates while this one trains (one step off-policy); "
         "sync: generate, train, sync; fully_async: one generation per replica always in flight; streaming: every "
         "prompt is its own Generate, groups stream to the buffer as they finish and a step trains the first "
-        "rollout_batch_size done (docs/architecture.md)")
+        "rollout_batch_size done (docs/architecture.md)",
+    )
     num_rollout: int | None = Field(default=None, ge=1, description="defaults to dataset size × epochs / batch")
     save_interval: int | None = Field(default=None, ge=1)
     save_trigger_sentinel: str | None = Field(default=None, description="a file whose appearance triggers a save")
@@ -341,13 +448,23 @@ class LoopConfig(Section):
     update_weights_interval: int = Field(default=1, ge=1)
     debug_exit_after_rollout: int | None = Field(default=None, ge=1)
     offload_train: bool = False
-    offload_rollout: bool = Field(default=False, description="sync mode, trainer and engines sharing GPUs: the "
-                                  "engines release KV cache, CUDA graphs and weights while the trainer trains, and "
-                                  "take them back around the weight sync (weights first, then the KV cache)")
-    max_staleness: int = Field(default=1, ge=0, description="fully_async, streaming: step − sample version bound "
-                               "(a sample's version is its oldest token's)")
-    groups_in_flight: int | None = Field(default=None, ge=1, description="streaming: groups generating or done and "
-                                         "waiting for a step, over all replicas (default 2 × rollout_batch_size)")
+    offload_rollout: bool = Field(
+        default=False,
+        description="sync mode, trainer and engines sharing GPUs: the "
+        "engines release KV cache, CUDA graphs and weights while the trainer trains, and "
+        "take them back around the weight sync (weights first, then the KV cache)",
+    )
+    max_staleness: int = Field(
+        default=1,
+        ge=0,
+        description="fully_async, streaming: step − sample version bound (a sample's version is its oldest token's)",
+    )
+    groups_in_flight: int | None = Field(
+        default=None,
+        ge=1,
+        description="streaming: groups generating or done and "
+        "waiting for a step, over all replicas (default 2 × rollout_batch_size)",
+    )
     stale_policy: Literal["drop"] = "drop"
     step_timeout_s: float = Field(default=600.0, gt=0)
     startup_timeout_s: float = Field(default=300.0, gt=0)
@@ -365,7 +482,8 @@ class RedisConfig(Section):
     chunk_mb: float = Field(default=64.0, gt=0, le=256.0, description="payload chunk size (Redis bulk limit 512 MB)")
     appendonly: bool = True
     appendfsync: Literal["always", "everysec", "no"] = Field(
-        default="everysec", description="embedded redis-server: `always` loses no acknowledged write on a crash")
+        default="everysec", description="embedded redis-server: `always` loses no acknowledged write on a crash"
+    )
 
 
 class ServiceAddress(Section):
@@ -381,16 +499,28 @@ class TimeoutsConfig(Section):
     """Deadlines of the calls that have no key of their own. The step, start-up, weight-transfer and Redis deadlines
     are loop.step_timeout_s, loop.startup_timeout_s, weights.timeout_s and redis.*_timeout_s."""
 
-    control_s: float = Field(default=30.0, gt=0, description="short control calls: GetState, Resume, Pause, "
-                             "SGLang's pause/continue/flush/server_info")
-    probe_s: float = Field(default=5.0, gt=0, description="a replica that failed a call: does it still hold the "
-                           "synced weights? (GetState); SGLang's end_weight_update / destroy group")
-    memory_s: float = Field(default=120.0, gt=0, description="Offload/Onload of the trainer, ReleaseMemory/"
-                            "ResumeMemory of the engines")
-    shutdown_s: float = Field(default=15.0, gt=0, description="a graceful stop of a service, a trainer rank or "
-                              "redis-server before it is killed")
-    process_group_s: float = Field(default=1800.0, gt=0, description="collectives between trainer ranks "
-                                   "(torch.distributed's timeout)")
+    control_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="short control calls: GetState, Resume, Pause, SGLang's pause/continue/flush/server_info",
+    )
+    probe_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="a replica that failed a call: does it still hold the "
+        "synced weights? (GetState); SGLang's end_weight_update / destroy group",
+    )
+    memory_s: float = Field(
+        default=120.0, gt=0, description="Offload/Onload of the trainer, ReleaseMemory/ResumeMemory of the engines"
+    )
+    shutdown_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="a graceful stop of a service, a trainer rank or redis-server before it is killed",
+    )
+    process_group_s: float = Field(
+        default=1800.0, gt=0, description="collectives between trainer ranks (torch.distributed's timeout)"
+    )
     redis_socket_s: float = Field(default=30.0, gt=0, description="one Redis command")
     redis_connect_s: float = Field(default=10.0, gt=0, description="connecting to Redis")
     health_check_s: float = Field(default=2.0, gt=0, description="one gRPC health check while waiting for a service")
@@ -407,18 +537,28 @@ class ServicesConfig(Section):
     tls_key: str | None = None
     tls_ca: str | None = None
     max_message_mb: int = Field(default=64, ge=1, le=2047)
-    max_restarts: int = Field(default=0, ge=0, description="tandem run: restarts of a dead trainer, rollout, "
-                              "coordinator or embedded redis-server (0 = a dead child fails the run)")
+    max_restarts: int = Field(
+        default=0,
+        ge=0,
+        description="tandem run: restarts of a dead trainer, rollout, "
+        "coordinator or embedded redis-server (0 = a dead child fails the run)",
+    )
     timeouts: TimeoutsConfig = TimeoutsConfig()
-    max_watch_streams: int = Field(default=32, ge=1, le=1024, description="coordinator: WatchEvents streams open "
-                                   "at once (each on a thread beside the control API's); more get RESOURCE_EXHAUSTED")
+    max_watch_streams: int = Field(
+        default=32,
+        ge=1,
+        le=1024,
+        description="coordinator: WatchEvents streams open "
+        "at once (each on a thread beside the control API's); more get RESOURCE_EXHAUSTED",
+    )
 
     @field_validator("rollout")
     @classmethod
     def _at_least_one_rollout(cls, value: tuple[ServiceAddress, ...]) -> tuple[ServiceAddress, ...]:
         if not value:
-            raise ValueError("must list at least one rollout address (one per rollout replica), "
-                             "e.g. rollout: [{port: 0}]")
+            raise ValueError(
+                "must list at least one rollout address (one per rollout replica), e.g. rollout: [{port: 0}]"
+            )
         return value
 
     @model_validator(mode="after")
@@ -456,34 +596,47 @@ class TandemConfig(Section):
         validate_async_off_policy_correction(self)
         validate_dapo_options(self)
         if self.algorithm.compares_within_groups and self.rollout.n_samples_per_prompt == 1:
-            raise ValueError(f"rollout.n_samples_per_prompt: 1 gives every sample advantage 0 with "
-                             f"algorithm.advantage_estimator: {self.algorithm.advantage_estimator} (its baseline is "
-                             "the other samples of the prompt); sample 2 or more per prompt, or use reinforce_pp")
+            raise ValueError(
+                f"rollout.n_samples_per_prompt: 1 gives every sample advantage 0 with "
+                f"algorithm.advantage_estimator: {self.algorithm.advantage_estimator} (its baseline is "
+                "the other samples of the prompt); sample 2 or more per prompt, or use reinforce_pp"
+            )
         validate_streaming(self)
         if self.rollout.inflight_update != "off" and self.rollout.engine == "sglang" and self.algorithm.keep_old_actor:
-            raise ValueError("algorithm.keep_old_actor scores each token under the snapshot of the version that "
-                             "sampled it, and with rollout.inflight_update SGLang 0.5.x does not report which tokens "
-                             "an update reached; use decoupled PPO (use_tis with tis_mode: mask) or rollout log-probs")
+            raise ValueError(
+                "algorithm.keep_old_actor scores each token under the snapshot of the version that "
+                "sampled it, and with rollout.inflight_update SGLang 0.5.x does not report which tokens "
+                "an update reached; use decoupled PPO (use_tis with tis_mode: mask) or rollout log-probs"
+            )
         if self.rollout.inflight_update != "off" and self.loop.mode == "sync":
-            raise ValueError(f"rollout.inflight_update: {self.rollout.inflight_update} needs loop.mode async or "
-                             "fully_async (in sync mode no generation runs while the weights are synced)")
+            raise ValueError(
+                f"rollout.inflight_update: {self.rollout.inflight_update} needs loop.mode async or "
+                "fully_async (in sync mode no generation runs while the weights are synced)"
+            )
         if self.loop.offload_rollout and self.loop.mode != "sync":
-            raise ValueError(f"loop.offload_rollout needs loop.mode: sync (in {self.loop.mode} mode the engines "
-                             "generate the next batch while the trainer trains)")
+            raise ValueError(
+                f"loop.offload_rollout needs loop.mode: sync (in {self.loop.mode} mode the engines "
+                "generate the next batch while the trainer trains)"
+            )
         if self.loop.offload_train and self.trainer.lora is not None and self.trainer.zero_stage == 3:
             raise ValueError(LORA_ZERO3_OFFLOAD)
         if self.weights.transport == "cuda_ipc" and self.trainer.num_ranks > 1:
             raise ValueError("weights.transport: cuda_ipc needs trainer.num_ranks == 1 (rank 0 owns the buckets)")
         if self.trainer.precision != "fp32" and self.model.dtype != "bfloat16" and self.weights.transport == "cuda_ipc":
-            raise ValueError(f"model.dtype must be bfloat16 when trainer.precision is {self.trainer.precision} with "
-                             "cuda_ipc")
+            raise ValueError(
+                f"model.dtype must be bfloat16 when trainer.precision is {self.trainer.precision} with cuda_ipc"
+            )
         if self.rollout.reward_timeout_s is not None and self.rollout.reward_timeout_s >= self.loop.step_timeout_s:
-            raise ValueError(f"rollout.reward_timeout_s ({self.rollout.reward_timeout_s:g}) must be below "
-                             f"loop.step_timeout_s ({self.loop.step_timeout_s:g}), the deadline of the Generate that "
-                             "scores: else the Generate times out first and the reward that hung is not named")
+            raise ValueError(
+                f"rollout.reward_timeout_s ({self.rollout.reward_timeout_s:g}) must be below "
+                f"loop.step_timeout_s ({self.loop.step_timeout_s:g}), the deadline of the Generate that "
+                "scores: else the Generate times out first and the reward that hung is not named"
+            )
         if self.trainer.optimizer == "adamw_deepspeed" and self.trainer.zero_stage == 0:
-            raise ValueError("trainer.optimizer: adamw_deepspeed needs trainer.zero_stage 1-3 (stage 0 steps with "
-                             "Tandem's flat fused AdamW; use adamw_torch)")
+            raise ValueError(
+                "trainer.optimizer: adamw_deepspeed needs trainer.zero_stage 1-3 (stage 0 steps with "
+                "Tandem's flat fused AdamW; use adamw_torch)"
+            )
         return self
 
     @property
@@ -509,7 +662,8 @@ def validate_async_off_policy_correction(config: TandemConfig) -> None:
     raise ValueError(
         f"loop.mode: {config.loop.mode} trains on samples of an older policy, but no off-policy correction is on "
         "(a critic is none): set algorithm.use_rollout_logprobs: true, algorithm.use_tis: true or "
-        "algorithm.keep_old_actor: true, or use loop.mode: sync")
+        "algorithm.keep_old_actor: true, or use loop.mode: sync"
+    )
 
 
 def validate_streaming(config: TandemConfig) -> None:
@@ -522,12 +676,16 @@ def validate_streaming(config: TandemConfig) -> None:
         return
     in_flight = config.streaming_groups_in_flight
     if in_flight < ro.rollout_batch_size:
-        raise ValueError(f"loop.groups_in_flight ({in_flight}) must be at least rollout.rollout_batch_size "
-                         f"({ro.rollout_batch_size}): a step trains that many groups")
+        raise ValueError(
+            f"loop.groups_in_flight ({in_flight}) must be at least rollout.rollout_batch_size "
+            f"({ro.rollout_batch_size}): a step trains that many groups"
+        )
     if config.redis.max_buffered_batches < in_flight:
-        raise ValueError(f"loop.mode: streaming writes one buffer entry per group: redis.max_buffered_batches "
-                         f"({config.redis.max_buffered_batches}) must be at least loop.groups_in_flight ({in_flight}"
-                         f"{'' if loop.groups_in_flight else ', 2 × rollout.rollout_batch_size'})")
+        raise ValueError(
+            f"loop.mode: streaming writes one buffer entry per group: redis.max_buffered_batches "
+            f"({config.redis.max_buffered_batches}) must be at least loop.groups_in_flight ({in_flight}"
+            f"{'' if loop.groups_in_flight else ', 2 × rollout.rollout_batch_size'})"
+        )
 
 
 def validate_dapo_options(config: TandemConfig) -> None:
@@ -537,24 +695,34 @@ def validate_dapo_options(config: TandemConfig) -> None:
     if ro.dynamic_sampling.enabled:
         where = "rollout.dynamic_sampling.enabled"
         if config.algorithm.uses_critic:
-            raise ValueError(f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
-                             "baseline; with algorithm.advantage_estimator: gae the critic's values are the baseline "
-                             "and such groups still train")
+            raise ValueError(
+                f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
+                "baseline; with algorithm.advantage_estimator: gae the critic's values are the baseline "
+                "and such groups still train"
+            )
         if config.algorithm.advantage_estimator == "reinforce_pp":
-            raise ValueError(f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
-                             "baseline; algorithm.advantage_estimator: reinforce_pp's baseline is the whole batch, "
-                             "so such groups still train (reinforce_pp_baseline has a group baseline)")
+            raise ValueError(
+                f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
+                "baseline; algorithm.advantage_estimator: reinforce_pp's baseline is the whole batch, "
+                "so such groups still train (reinforce_pp_baseline has a group baseline)"
+            )
         if ro.n_samples_per_prompt < 2:
             raise ValueError(f"{where} needs rollout.n_samples_per_prompt >= 2 (a group of one is always uniform)")
         if config.loop.mode in ("fully_async", "streaming"):
-            raise ValueError(f"{where} needs loop.mode async or sync (in {config.loop.mode} several generations "
-                             "draw prompts at once, so a step's prompts would not be one range of the data cursor)")
+            raise ValueError(
+                f"{where} needs loop.mode async or sync (in {config.loop.mode} several generations "
+                "draw prompts at once, so a step's prompts would not be one range of the data cursor)"
+            )
         entries = ro.dynamic_sampling.max_rounds * min(len(config.services.rollout), ro.rollout_batch_size)
         if entries > config.redis.max_buffered_batches:
-            raise ValueError(f"rollout.dynamic_sampling.max_rounds {ro.dynamic_sampling.max_rounds} x "
-                             f"{len(config.services.rollout)} rollout replica(s) = {entries} buffer entries for one "
-                             f"step, more than redis.max_buffered_batches ({config.redis.max_buffered_batches}): "
-                             "raise that or lower max_rounds")
+            raise ValueError(
+                f"rollout.dynamic_sampling.max_rounds {ro.dynamic_sampling.max_rounds} x "
+                f"{len(config.services.rollout)} rollout replica(s) = {entries} buffer entries for one "
+                f"step, more than redis.max_buffered_batches ({config.redis.max_buffered_batches}): "
+                "raise that or lower max_rounds"
+            )
     if ro.overlong_penalty.enabled and ro.overlong_penalty.buffer_tokens > ro.sampling.max_new_tokens:
-        raise ValueError(f"rollout.overlong_penalty.buffer_tokens ({ro.overlong_penalty.buffer_tokens}) must not "
-                         f"exceed rollout.sampling.max_new_tokens ({ro.sampling.max_new_tokens})")
+        raise ValueError(
+            f"rollout.overlong_penalty.buffer_tokens ({ro.overlong_penalty.buffer_tokens}) must not "
+            f"exceed rollout.sampling.max_new_tokens ({ro.sampling.max_new_tokens})"
+        )

@@ -49,10 +49,10 @@ def apply_overrides(data: JsonObject, overrides: list[str], *, base_dir: Path | 
         node = data
         for i, part in enumerate(path[:-1]):
             child = node.get(part)
-            if child is None:              # absent, or an empty `section:` in the YAML
+            if child is None:  # absent, or an empty `section:` in the YAML
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError(f"--set {'.'.join(path)}: {'.'.join(path[:i + 1])} is not a section")
+                raise ConfigError(f"--set {'.'.join(path)}: {'.'.join(path[: i + 1])} is not a section")
             node = child
         node[path[-1]] = value
     # Paths from the YAML are absolute by now, so this only touches the relative ones just set.
@@ -99,18 +99,21 @@ def _place(loc: tuple[Any, ...]) -> _Place:
     variant = None
     pending: dict[str, type[BaseModel]] = {}
     for i, part in enumerate(loc):
-        if pending and part in pending:   # pydantic puts the chosen variant's tag in the loc
+        if pending and part in pending:  # pydantic puts the chosen variant's tag in the loc
             variant, model, pending = (_tag_key(model), str(part), pending), pending[part], {}
             continue
         shown.append(str(part))
         if isinstance(part, int):
             continue
         if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
-            return _Place(key=".".join(shown + [str(p) for p in loc[i + 1:]]), model=None, variant=variant)
+            return _Place(key=".".join(shown + [str(p) for p in loc[i + 1 :]]), model=None, variant=variant)
         model = _section_type(_field_type(model.model_fields[part]))
         pending = _variants(model)
-    return _Place(key=".".join(shown), model=model if isinstance(model, type) and issubclass(model, BaseModel)
-                  else None, variant=variant)
+    return _Place(
+        key=".".join(shown),
+        model=model if isinstance(model, type) and issubclass(model, BaseModel) else None,
+        variant=variant,
+    )
 
 
 def _tag_key(annotation: Any) -> str:
@@ -148,7 +151,7 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
             msg = _unknown_key(_place(tuple(err["loc"])[:-1]), str(err["loc"][-1]))
         elif err["type"] == "missing":
             msg = "required section is missing" if place.model else "required key is missing"
-        elif err["type"] in ("union_tag_invalid", "union_tag_not_found"):   # the variant key of a section
+        elif err["type"] in ("union_tag_invalid", "union_tag_not_found"):  # the variant key of a section
             ctx = err.get("ctx", {})
             key = f"{key}.{str(ctx.get('discriminator', '')).strip(QUOTE)}"
             msg = _bad_tag(ctx) if err["type"] == "union_tag_invalid" else "required key is missing"
@@ -176,10 +179,17 @@ def resolve_paths(data: JsonObject, base_dir: Path) -> JsonObject:
     return data
 
 
-_KEYWORDS = {("data", "chat_template"): CHAT_TEMPLATE_MODES}   # values of a path key that are not paths
-_PATH_KEYS = (("model", "path"), ("model", "tokenizer_path"), ("data", "train_path"), ("data", "eval_path"),
-              ("data", "chat_template"),
-              ("loop", "save_trigger_sentinel"), ("trainer", "checkpoint_dir"), ("weights", "disk_dir"))
+_KEYWORDS = {("data", "chat_template"): CHAT_TEMPLATE_MODES}  # values of a path key that are not paths
+_PATH_KEYS = (
+    ("model", "path"),
+    ("model", "tokenizer_path"),
+    ("data", "train_path"),
+    ("data", "eval_path"),
+    ("data", "chat_template"),
+    ("loop", "save_trigger_sentinel"),
+    ("trainer", "checkpoint_dir"),
+    ("weights", "disk_dir"),
+)
 _PLUGIN_KEYS = (("rollout", "reward"), ("rollout", "environment"))
 
 
@@ -196,8 +206,12 @@ def config_from_dict(data: JsonObject, source: str = "config") -> TandemConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"invalid configuration in {source}: the top level must be a mapping of sections")
     # An empty `section:` in YAML is null: treat it as a section left at its defaults.
-    data = {k: ({} if v is None and _section_type(_field_type(TandemConfig.model_fields[k])) else v)
-            if k in TandemConfig.model_fields else v for k, v in data.items()}
+    data = {
+        k: ({} if v is None and _section_type(_field_type(TandemConfig.model_fields[k])) else v)
+        if k in TandemConfig.model_fields
+        else v
+        for k, v in data.items()
+    }
     try:
         return TandemConfig.model_validate(data)
     except ValidationError as exc:

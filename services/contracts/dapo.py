@@ -33,8 +33,9 @@ def informative_groups(rewards: np.ndarray, group_ids: np.ndarray, *, min_std: f
     return [gid for gid in group_order(g) if float(r[g == gid].std()) > min_std]
 
 
-def selected_samples(rewards: np.ndarray, group_ids: np.ndarray, *, min_std: float,
-                     max_groups: int | None) -> tuple[list[int], int, int]:
+def selected_samples(
+    rewards: np.ndarray, group_ids: np.ndarray, *, min_std: float, max_groups: int | None
+) -> tuple[list[int], int, int]:
     """(indices of the samples to train, in their order; uniform groups dropped; informative groups dropped beyond
     the first `max_groups`). The two counts say why the others went."""
     informative = informative_groups(rewards, group_ids, min_std=min_std)
@@ -45,8 +46,7 @@ def selected_samples(rewards: np.ndarray, group_ids: np.ndarray, *, min_std: flo
     return [i for i, gid in enumerate(g) if int(gid) in keep], uniform, len(informative) - len(kept)
 
 
-def overlong_penalty(response_lengths: np.ndarray, *, max_new_tokens: int, buffer: int,
-                     factor: float) -> np.ndarray:
+def overlong_penalty(response_lengths: np.ndarray, *, max_new_tokens: int, buffer: int, factor: float) -> np.ndarray:
     """The soft overlong penalty of each response (0 or negative, float64)."""
     if not 1 <= buffer <= max_new_tokens:
         raise ValueError(f"overlong buffer {buffer} must lie in [1, max_new_tokens {max_new_tokens}]")

@@ -26,7 +26,7 @@ ADVICE = {
     "FAILED_PRECONDITION": "the service was not in a state to do it; its log says why",
     "DEADLINE_EXCEEDED": "a call took longer than its deadline (the key it names); the service's log shows what hung",
     "UNAVAILABLE": "the service went away or could not be reached; its log says why (services.max_restarts > 0 "
-                   "restarts a dead service)",
+    "restarts a dead service)",
     "PERMISSION_DENIED": "check the path or the identity it names",
     "UNAUTHENTICATED": "every service and client needs the same services.auth_token",
     "NOT_FOUND": "check the path or the entry it names",
@@ -45,13 +45,13 @@ _EXIT_MEANING = {
 
 @dataclass(frozen=True)
 class FailureRecord:
-    service: str        # the process that reported it, as named in RUN_DIR/logs/<service>.log
-    kind: str           # the gRPC status name, or BAD_INPUT / EXITED / UNEXPECTED for the coordinator's own
-    what: str           # the error, as the service said it
+    service: str  # the process that reported it, as named in RUN_DIR/logs/<service>.log
+    kind: str  # the gRPC status name, or BAD_INPUT / EXITED / UNEXPECTED for the coordinator's own
+    what: str  # the error, as the service said it
     exit_code: int
-    call: str = ""      # the call that failed (Generate(3), Save), when a service answered one
-    kept: str = ""      # the last good checkpoint ("" = none)
-    hint: str = ""      # what to do, from the error itself; else ADVICE by kind
+    call: str = ""  # the call that failed (Generate(3), Save), when a service answered one
+    kept: str = ""  # the last good checkpoint ("" = none)
+    hint: str = ""  # what to do, from the error itself; else ADVICE by kind
 
     @property
     def advice(self) -> str:
@@ -61,15 +61,20 @@ class FailureRecord:
         """The block a command ends with: a headline and one line each for what, kept, what to do, logs, exit."""
         answered = f" answered {self.call} with {self.kind}" if self.call else f" failed ({self.kind})"
         logs = run_dir / "logs" if run_dir is not None else Path("logs")
-        again = (f"then run the same command again: it resumes from {self.kept}" if self.kept else
-                 "then run the same command again: with no checkpoint it starts from the beginning")
+        again = (
+            f"then run the same command again: it resumes from {self.kept}"
+            if self.kept
+            else "then run the same command again: with no checkpoint it starts from the beginning"
+        )
         meaning = _EXIT_MEANING.get(ExitCode(self.exit_code), "") if self.exit_code in _EXIT_MEANING else ""
-        lines = [f"{command} failed: {self.service}{answered}",
-                 f"  what went wrong: {self.what}",
-                 f"  kept:            {self.kept or 'no checkpoint (none was written yet)'}",
-                 f"  what to do:      {self.advice}; {again}",
-                 f"  {'log:' if self.kind == 'EXITED' else 'full traceback:':<16} {logs / (self.service + '.log')}",
-                 f"  exit code {self.exit_code}" + (f": {meaning}" if meaning else "")]
+        lines = [
+            f"{command} failed: {self.service}{answered}",
+            f"  what went wrong: {self.what}",
+            f"  kept:            {self.kept or 'no checkpoint (none was written yet)'}",
+            f"  what to do:      {self.advice}; {again}",
+            f"  {'log:' if self.kind == 'EXITED' else 'full traceback:':<16} {logs / (self.service + '.log')}",
+            f"  exit code {self.exit_code}" + (f": {meaning}" if meaning else ""),
+        ]
         return "\n".join(lines)
 
     def to_json(self) -> str:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from services.contracts.untyped import JsonObject, JsonValue
 
-_NEW_FILE_MODE = 0o666   # what open() asks for; the process umask applies, as with Path.write_text
-PRIVATE_FILE_MODE = 0o600   # a file that holds secrets (a token, passwords)
+_NEW_FILE_MODE = 0o666  # what open() asks for; the process umask applies, as with Path.write_text
+PRIVATE_FILE_MODE = 0o600  # a file that holds secrets (a token, passwords)
 
 
 def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, mode: int = _NEW_FILE_MODE) -> Path:
@@ -76,7 +76,7 @@ def complete_lines(raw: bytes) -> list[str]:
     """The lines of an appended file that are whole: a last line without its newline is still being written
     (or was torn by a crash) and is left out."""
     end = raw.rfind(b"\n")
-    return raw[:end + 1].decode(errors="replace").splitlines() if end >= 0 else []
+    return raw[: end + 1].decode(errors="replace").splitlines() if end >= 0 else []
 
 
 def read_json_rows(path: str | os.PathLike[str]) -> list[JsonObject]:
@@ -96,5 +96,5 @@ def read_json_rows(path: str | os.PathLike[str]) -> list[JsonObject]:
 def write_all(fd: int, raw: bytes) -> None:
     """All of `raw` to `fd`."""
     view = memoryview(raw)
-    while view:   # a regular file takes it in one go; the loop only guards a short write
-        view = view[os.write(fd, view):]
+    while view:  # a regular file takes it in one go; the loop only guards a short write
+        view = view[os.write(fd, view) :]

@@ -35,8 +35,15 @@ def generate(out_dir: Path, *, proto_root: Path = PROTO_ROOT) -> list[Path]:
         raise RuntimeError(f"no .proto files under {proto_root}")
     include = Path(protoc.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{proto_root}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}", *protos]
+        args = [
+            "protoc",
+            f"-I{proto_root}",
+            f"-I{include}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            *protos,
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {protos}")
         written = []

@@ -32,11 +32,11 @@ class PromptInput:
 class GenerateRequest:
     rollout_id: int
     prompts: tuple[PromptInput, ...]
-    n_samples_per_prompt: int = 0              # 0: rollout.n_samples_per_prompt
-    sampling: SamplingSpec | None = None       # None: rollout.sampling
-    stream: str = ""                           # "": the run's stream
+    n_samples_per_prompt: int = 0  # 0: rollout.n_samples_per_prompt
+    sampling: SamplingSpec | None = None  # None: rollout.sampling
+    stream: str = ""  # "": the run's stream
     trace_context: dict[str, str] = field(default_factory=dict)
-    reward: str = ""                           # "": rollout.reward
+    reward: str = ""  # "": rollout.reward
 
 
 @dataclass(frozen=True)
@@ -54,15 +54,15 @@ class GenerateResult:
     metrics: dict[str, float] = field(default_factory=dict)
     producer: str = ""
     num_groups: int = 0
-    informative_groups: int = 0    # groups whose rewards are not all equal (what dynamic sampling counts)
+    informative_groups: int = 0  # groups whose rewards are not all equal (what dynamic sampling counts)
 
 
 @dataclass(frozen=True)
 class EvaluateRequest:
     prompts: tuple[PromptInput, ...]
-    name: str = "eval"                         # the metrics' prefix
-    n_samples_per_prompt: int = 0              # 0: rollout.eval_n_samples_per_prompt
-    sampling: SamplingSpec | None = None       # None: rollout.eval_sampling
+    name: str = "eval"  # the metrics' prefix
+    n_samples_per_prompt: int = 0  # 0: rollout.eval_n_samples_per_prompt
+    sampling: SamplingSpec | None = None  # None: rollout.eval_sampling
     reward: str = ""
 
 
@@ -84,13 +84,13 @@ class PrepareResult:
 @dataclass(frozen=True)
 class ReceiveRequest:
     plan: WeightSyncPlan
-    rank_offset: int                           # this replica's first rank in the group (the trainer is rank 0)
+    rank_offset: int  # this replica's first rank in the group (the trainer is rank 0)
 
 
 @dataclass(frozen=True)
 class ReceiveResult:
     version: int
-    checksums: dict[str, str] = field(default_factory=dict)   # per tensor, when the plan verifies
+    checksums: dict[str, str] = field(default_factory=dict)  # per tensor, when the plan verifies
     bytes_received: int = 0
     time_s: float = 0.0
     bucket_checksums: tuple[str, ...] = ()
@@ -108,6 +108,6 @@ class RolloutStatus:
     device: str = ""
     producer: str = ""
     in_flight: int = 0
-    gpu_memory_reserved_bytes: int = 0   # CUDA memory the replica's allocator holds (0 on CPU)
-    gpu_memory_freed_bytes: int = 0      # what the engine's last ReleaseMemory gave back
-    engine_busy_s: float = 0.0           # wall seconds the engine computed since it started
+    gpu_memory_reserved_bytes: int = 0  # CUDA memory the replica's allocator holds (0 on CPU)
+    gpu_memory_freed_bytes: int = 0  # what the engine's last ReleaseMemory gave back
+    engine_busy_s: float = 0.0  # wall seconds the engine computed since it started

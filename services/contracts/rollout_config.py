@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from services.contracts.config_base import Section
 
-MAX_STOP_STRINGS = 16   # the check runs per running sequence and step; more strings is likely a mistake
+MAX_STOP_STRINGS = 16  # the check runs per running sequence and step; more strings is likely a mistake
 
 
 def stop_strings_problem(stop: tuple[str, ...]) -> str | None:
@@ -29,9 +29,12 @@ class SamplingConfig(Section):
     top_k: int = Field(default=0, ge=0, description="0 = off")
     max_new_tokens: int = Field(default=16, ge=1)
     stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = Field(default=(), description="stop strings: a sample ends at the token whose text "
-                                  "completes one; that token is kept (the response holds the string) and the finish "
-                                  "reason is stop")
+    stop: tuple[str, ...] = Field(
+        default=(),
+        description="stop strings: a sample ends at the token whose text "
+        "completes one; that token is kept (the response holds the string) and the finish "
+        "reason is stop",
+    )
     seed: int = 0
     ignore_eos: bool = Field(default=False, description="keep generating past EOS (benchmarks that force a length)")
 
@@ -50,8 +53,10 @@ class SGLangConfig(Section):
     pause_mode: Literal["abort", "retract", "in_place"] = "retract"
     request_timeout_s: float = Field(default=600.0, gt=0)
     weight_load_format: Literal["tensor", "flattened_bucket"] = Field(
-        default="tensor", description="how /update_weights_from_distributed receives a bucket: one broadcast per "
-        "tensor, or one per bucket (load_format flattened_bucket)")
+        default="tensor",
+        description="how /update_weights_from_distributed receives a bucket: one broadcast per "
+        "tensor, or one per bucket (load_format flattened_bucket)",
+    )
     startup_timeout_s: float = Field(default=900.0, gt=0, description="wait for /health_generate (launch or urls)")
     api_key: str | None = Field(default=None, description="SGLang's --api-key (sent as a bearer token)")
 
@@ -61,11 +66,16 @@ class DynamicSamplingConfig(Section):
     prompts are generated until a step has rollout_batch_size informative groups."""
 
     enabled: bool = False
-    max_rounds: int = Field(default=3, ge=1, description="generation rounds of one step at most, the first included "
-                            "(each draws the next rollout_batch_size prompts); at the cap the step trains on the "
-                            "informative groups there are (metric rollout/groups_short)")
-    min_std: float = Field(default=1e-6, ge=0, description="a group is informative when the population std of its "
-                           "rewards exceeds this")
+    max_rounds: int = Field(
+        default=3,
+        ge=1,
+        description="generation rounds of one step at most, the first included "
+        "(each draws the next rollout_batch_size prompts); at the cap the step trains on the "
+        "informative groups there are (metric rollout/groups_short)",
+    )
+    min_std: float = Field(
+        default=1e-6, ge=0, description="a group is informative when the population std of its rewards exceeds this"
+    )
 
 
 class OverlongPenaltyConfig(Section):
@@ -73,8 +83,11 @@ class OverlongPenaltyConfig(Section):
     to the reward by the rollout before the batch is written."""
 
     enabled: bool = False
-    buffer_tokens: int = Field(default=1, ge=1, description="the penalty grows from 0 at max_new_tokens - "
-                               "buffer_tokens to -factor at max_new_tokens")
+    buffer_tokens: int = Field(
+        default=1,
+        ge=1,
+        description="the penalty grows from 0 at max_new_tokens - buffer_tokens to -factor at max_new_tokens",
+    )
     factor: float = Field(default=1.0, gt=0)
 
 
@@ -82,49 +95,77 @@ class RolloutSettings(Section):
     """The keys of rollout every engine has (RolloutConfig below adds each engine's own)."""
 
     engine: Literal["native", "sglang"] = "native"
-    cpu_threads: int | None = Field(default=None, ge=1, description="torch's intra-op CPU threads in the rollout "
-                                    "service (null: 4 on a GPU, torch's default on the CPU)")
+    cpu_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch's intra-op CPU threads in the rollout "
+        "service (null: 4 on a GPU, torch's default on the CPU)",
+    )
     rollout_batch_size: int = Field(default=32, ge=1, description="prompts per rollout step")
     n_samples_per_prompt: int = Field(default=8, ge=1)
     sampling: SamplingConfig = SamplingConfig()
     eval_sampling: SamplingConfig = SamplingConfig(temperature=0.0)
     eval_n_samples_per_prompt: int = Field(default=1, ge=1)
-    reward: str = Field(default="exact_match",
-                        description="built-in name or `module:function` (sync or async, batched or per sample)")
-    reward_timeout_s: float | None = Field(default=None, gt=0, description="each reward call (one per sample, or the "
-                                           "one call of a batched function) must return within this, else the run "
-                                           "fails naming the function and the sample (not retried); defaults to "
-                                           "half of loop.step_timeout_s")
+    reward: str = Field(
+        default="exact_match", description="built-in name or `module:function` (sync or async, batched or per sample)"
+    )
+    reward_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="each reward call (one per sample, or the "
+        "one call of a batched function) must return within this, else the run "
+        "fails naming the function and the sample (not retried); defaults to "
+        "half of loop.step_timeout_s",
+    )
     inflight_update: Literal["off", "keep", "recompute"] = Field(
-        default="off", description="a weight sync lands between two decode steps of running samples instead of "
+        default="off",
+        description="a weight sync lands between two decode steps of running samples instead of "
         "waiting for them: keep = they go on with the KV cache of the old weights, recompute = their KV cache is "
-        "recomputed under the new weights first; off = the sync waits for running generation (drain)")
+        "recomputed under the new weights first; off = the sync waits for running generation (drain)",
+    )
     max_batch_size: int = Field(default=512, ge=1, description="sequences decoded together by the engine")
     max_context_length: int | None = Field(default=None, ge=1, description="defaults to the model's")
-    max_request_samples: int = Field(default=65536, ge=1, description="most samples (prompts × n) one Generate or "
-                                     "Evaluate call may ask for; larger requests are refused (INVALID_ARGUMENT)")
+    max_request_samples: int = Field(
+        default=65536,
+        ge=1,
+        description="most samples (prompts × n) one Generate or "
+        "Evaluate call may ask for; larger requests are refused (INVALID_ARGUMENT)",
+    )
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     overlong_penalty: OverlongPenaltyConfig = OverlongPenaltyConfig()
-    environment: str | None = Field(default=None, description="multi-turn environment, `module:Class` or "
-                                    "`file.py:Class` (docs/own-task.md); unset = one turn per sample")
+    environment: str | None = Field(
+        default=None,
+        description="multi-turn environment, `module:Class` or "
+        "`file.py:Class` (docs/own-task.md); unset = one turn per sample",
+    )
     max_turns: int = Field(default=4, ge=1, description="environment: most policy turns (generations) per episode")
     episode_reward: Literal["env", "env_plus_reward"] = Field(
-        default="env", description="environment: an episode's reward is the sum of its step rewards (env), or that "
-        "plus rollout.reward's score of the whole response, observations included (env_plus_reward)")
+        default="env",
+        description="environment: an episode's reward is the sum of its step rewards (env), or that "
+        "plus rollout.reward's score of the whole response, observations included (env_plus_reward)",
+    )
     environment_timeout_s: float = Field(default=60.0, gt=0, description="one reset or step call of an environment")
-    observation_role: str = Field(default="user", min_length=1, description="environment: the chat role a text "
-                                  "observation takes when the episode's prompt is a chat (tool where the template "
-                                  "has one); an observation {role, content} names its own")
+    observation_role: str = Field(
+        default="user",
+        min_length=1,
+        description="environment: the chat role a text "
+        "observation takes when the episode's prompt is a chat (tool where the template "
+        "has one); an observation {role, content} names its own",
+    )
 
     @model_validator(mode="after")
     def _environment_keys(self) -> RolloutSettings:
         if self.environment is None and self.episode_reward != "env":
-            raise ValueError("rollout.episode_reward: env_plus_reward needs rollout.environment (without one, "
-                             "rollout.reward alone scores each sample)")
+            raise ValueError(
+                "rollout.episode_reward: env_plus_reward needs rollout.environment (without one, "
+                "rollout.reward alone scores each sample)"
+            )
         if self.environment is not None and self.overlong_penalty.enabled:
-            raise ValueError("rollout.overlong_penalty measures one generation against sampling.max_new_tokens; an "
-                             "episode of rollout.environment holds several turns and observations, so the two are "
-                             "refused together (algorithm.overlong_filter does apply: it masks episodes that were cut)")
+            raise ValueError(
+                "rollout.overlong_penalty measures one generation against sampling.max_new_tokens; an "
+                "episode of rollout.environment holds several turns and observations, so the two are "
+                "refused together (algorithm.overlong_filter does apply: it masks episodes that were cut)"
+            )
         return self
 
 
@@ -134,8 +175,10 @@ class NativeRolloutConfig(RolloutSettings):
     engine: Literal["native"] = "native"
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
     continuous_batching: bool = Field(
-        default=False, description="native engine: the samples of concurrent calls decode as one batch, and a "
-        "finished sample's row goes to a waiting one (the dynamic decode path); pair with loop.mode: streaming")
+        default=False,
+        description="native engine: the samples of concurrent calls decode as one batch, and a "
+        "finished sample's row goes to a waiting one (the dynamic decode path); pair with loop.mode: streaming",
+    )
 
 
 class SGLangRolloutConfig(RolloutSettings):

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from services.contracts.config import TandemConfig
 
 
-RUN_MARKER = "run.json"   # in RUN_DIR while `tandem run` runs it (pid, coordinator address): how `tandem ctl` finds it
+RUN_MARKER = "run.json"  # in RUN_DIR while `tandem run` runs it (pid, coordinator address): how `tandem ctl` finds it
 
 
 def num_rollout(config: TandemConfig, *, dataset_size: int) -> int:
@@ -29,8 +29,10 @@ def is_finished(*, next_rollout_id: int, num_rollout: int) -> bool:
 
 
 def finished_message(*, done: int, num_rollout: int, checkpoint: str) -> str:
-    return (f"this run already finished: {done} of {num_rollout} rollouts trained, last checkpoint {checkpoint}; "
-            "raise loop.num_rollout to train further, or use a new --run-dir")
+    return (
+        f"this run already finished: {done} of {num_rollout} rollouts trained, last checkpoint {checkpoint}; "
+        "raise loop.num_rollout to train further, or use a new --run-dir"
+    )
 
 
 def reward_timeout_s(config: TandemConfig) -> float:
@@ -39,7 +41,7 @@ def reward_timeout_s(config: TandemConfig) -> float:
     return config.rollout.reward_timeout_s or config.loop.step_timeout_s / 2
 
 
-UNBOUNDED_CONTEXT = 1 << 30   # neither the config nor the model says
+UNBOUNDED_CONTEXT = 1 << 30  # neither the config nor the model says
 
 
 def context_length(*, configured: int | None, model_positions: int | None) -> int:

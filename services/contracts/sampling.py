@@ -61,23 +61,43 @@ class SamplingSpec:
 
     @classmethod
     def from_config(cls, cfg: SamplingConfig) -> SamplingSpec:
-        return cls(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens,
-                   stop_token_ids=tuple(cfg.stop_token_ids), seed=cfg.seed or None, ignore_eos=cfg.ignore_eos,
-                   stop=tuple(cfg.stop))
+        return cls(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_token_ids=tuple(cfg.stop_token_ids),
+            seed=cfg.seed or None,
+            ignore_eos=cfg.ignore_eos,
+            stop=tuple(cfg.stop),
+        )
 
     def to_proto(self) -> common_pb2.SamplingParams:
-        return common_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                         max_new_tokens=self.max_new_tokens, stop_token_ids=list(self.stop_token_ids),
-                                         seed=self.seed or 0, ignore_eos=self.ignore_eos, stop=list(self.stop))
+        return common_pb2.SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+            seed=self.seed or 0,
+            ignore_eos=self.ignore_eos,
+            stop=list(self.stop),
+        )
 
     @classmethod
     def from_proto(cls, msg: common_pb2.SamplingParams, *, default: SamplingSpec) -> SamplingSpec:
         """Proto zeros mean: temperature 0 = greedy, top_p 0 = off, top_k 0 = off, max_new_tokens 0, no stop
         tokens and no stop strings = the default's, seed 0 = nondeterministic. Out-of-range values raise ValueError."""
-        return cls(temperature=float(msg.temperature), top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
-                   top_k=int(msg.top_k), max_new_tokens=int(msg.max_new_tokens) or default.max_new_tokens,
-                   stop_token_ids=tuple(msg.stop_token_ids) or default.stop_token_ids, seed=int(msg.seed) or None,
-                   ignore_eos=bool(msg.ignore_eos), stop=tuple(msg.stop) or default.stop)
+        return cls(
+            temperature=float(msg.temperature),
+            top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+            top_k=int(msg.top_k),
+            max_new_tokens=int(msg.max_new_tokens) or default.max_new_tokens,
+            stop_token_ids=tuple(msg.stop_token_ids) or default.stop_token_ids,
+            seed=int(msg.seed) or None,
+            ignore_eos=bool(msg.ignore_eos),
+            stop=tuple(msg.stop) or default.stop,
+        )
 
 
 # A data row may carry its own response budget: a JSONL key beside the prompt and the label, which the coordinator

@@ -36,18 +36,24 @@ class PrometheusTrackerConfig(Section):
     port: int = Field(default=0, ge=0, le=65535, description="0 = pick a free port (the coordinator logs it)")
 
 
-TrackerConfig = Annotated[JsonlTrackerConfig | TensorBoardTrackerConfig | WandbTrackerConfig | PrometheusTrackerConfig,
-                          Field(discriminator="type")]
-_MOVED_TRACING_KEYS = {"wandb_project": "trackers: [jsonl, {type: wandb, project: NAME}]",
-                       "prometheus_port": "trackers: [jsonl, {type: prometheus, port: PORT}]"}
+TrackerConfig = Annotated[
+    JsonlTrackerConfig | TensorBoardTrackerConfig | WandbTrackerConfig | PrometheusTrackerConfig,
+    Field(discriminator="type"),
+]
+_MOVED_TRACING_KEYS = {
+    "wandb_project": "trackers: [jsonl, {type: wandb, project: NAME}]",
+    "prometheus_port": "trackers: [jsonl, {type: prometheus, port: PORT}]",
+}
 
 
 class TracingConfig(Section):
     exporter: Literal["none", "file", "console", "otlp"] = "none"
     file_path: str | None = Field(default=None, description="defaults to RUN_DIR/traces.jsonl")
     trackers: tuple[TrackerConfig, ...] = Field(
-        default=(JsonlTrackerConfig(),), description="each a name (jsonl, tensorboard, wandb, prometheus) or a "
-        "mapping with `type` and that tracker's own keys, e.g. {type: wandb, project: my-project}")
+        default=(JsonlTrackerConfig(),),
+        description="each a name (jsonl, tensorboard, wandb, prometheus) or a "
+        "mapping with `type` and that tracker's own keys, e.g. {type: wandb, project: my-project}",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @model_validator(mode="before")

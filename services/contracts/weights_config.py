@@ -15,16 +15,24 @@ class WeightsSettings(Section):
     transport: Literal["gloo", "nccl", "cuda_ipc", "disk"] = "gloo"
     bucket_mb: float = Field(default=64.0, gt=0, description="weight_bucket_mb: size of flattened buckets")
     timeout_s: float = Field(default=120.0, gt=0, description="deadline of one transfer")
-    check_weight_update_equal: bool = Field(default=False, description="every engine checks each synced bucket "
-                                            "against the trainer's checksum; a bucket that differs is sent again "
-                                            "and checked tensor by tensor, naming the tensors")
-    trainer_id: str | None = Field(default=None, description="id the actor trainer announces in its plans; rollout "
-                                   "engines refuse plans (CUDA IPC handles included) of any other id. `tandem run` "
-                                   "sets <run_name>/actor; unset = engines accept any trainer")
+    check_weight_update_equal: bool = Field(
+        default=False,
+        description="every engine checks each synced bucket "
+        "against the trainer's checksum; a bucket that differs is sent again "
+        "and checked tensor by tensor, naming the tensors",
+    )
+    trainer_id: str | None = Field(
+        default=None,
+        description="id the actor trainer announces in its plans; rollout "
+        "engines refuse plans (CUDA IPC handles included) of any other id. `tandem run` "
+        "sets <run_name>/actor; unset = engines accept any trainer",
+    )
     # every transport's, though disk meets at no store: a deployment wires it (docker compose, the chart, Slurm)
     # whatever transport the run picks
-    master_addr: str = Field(default="127.0.0.1", description="the trainer's host as the engines reach it: the store "
-                             "gloo, nccl and cuda_ipc meet at")
+    master_addr: str = Field(
+        default="127.0.0.1",
+        description="the trainer's host as the engines reach it: the store gloo, nccl and cuda_ipc meet at",
+    )
 
 
 class ProcessGroupWeights(WeightsSettings):

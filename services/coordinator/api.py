@@ -70,6 +70,7 @@ class TrainerWeightsApi(Protocol):
     def prepare_weight_sync(self, request: WeightSyncRequest) -> WeightSyncPlan:
         """The plan the trainer will publish by, for the engines (the weights package's message, passed on)."""
         ...
+
     def publish_weights(self, version: int) -> PublishResult: ...
 
 
@@ -90,6 +91,7 @@ class RolloutApi(Protocol):
     def probe(self) -> RolloutStatus:
         """GetState under the short probe deadline, without waiting for a replica that is down."""
         ...
+
     def close(self) -> None: ...
 
 
@@ -99,12 +101,12 @@ class GenerationResult:
     entry_ids: tuple[str, ...]
     responses: tuple[GenerateResult, ...]
     seconds: float
-    recorded_metrics: dict[str, float] | None = None   # set when reused from a checkpoint
+    recorded_metrics: dict[str, float] | None = None  # set when reused from a checkpoint
     # Set by the loop: the data cursor after the generation's last prompts, and whether they ended an epoch
     # (dynamic sampling draws more prompts while it runs).
     cursor_after: DataCursor | None = None
     epoch_end: bool = False
-    sampling_metrics: dict[str, float] = field(default_factory=dict)   # dynamic sampling's rounds
+    sampling_metrics: dict[str, float] = field(default_factory=dict)  # dynamic sampling's rounds
 
 
 @dataclass(frozen=True)
@@ -127,15 +129,23 @@ class RolloutPoolApi(Protocol):
     @property
     def size(self) -> int: ...
     def wait_healthy(self, timeout_s: float) -> None: ...
-    def generate(self, *, rollout_id: int, prompts: list[PromptInput], n_samples: int, sampling: SamplingSpec,
-                 trace_context: dict[str, str]) -> GenerationResult: ...
+    def generate(
+        self,
+        *,
+        rollout_id: int,
+        prompts: list[PromptInput],
+        n_samples: int,
+        sampling: SamplingSpec,
+        trace_context: dict[str, str],
+    ) -> GenerationResult: ...
     def generate_one(self, request: GenerateRequest) -> GenerateResult:
         """One Generate on the least busy replica (retried on the next one as `generate`'s shares are)."""
         ...
+
     def evaluate(self, prompts: list[PromptInput], *, n_samples: int, sampling: SamplingSpec) -> dict[str, float]: ...
     def release_memory(self) -> None: ...
     def resume_memory(self, tags: Sequence[str]) -> None: ...
-    def gpu_memory(self) -> tuple[int, int]: ...   # (reserved, freed by the last release), bytes
+    def gpu_memory(self) -> tuple[int, int]: ...  # (reserved, freed by the last release), bytes
 
 
 @dataclass(frozen=True)

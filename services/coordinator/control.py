@@ -47,7 +47,7 @@ class Control:
 
     def stop(self) -> None:
         self._stop.set()
-        self._running.set()   # a paused run must wake up to stop
+        self._running.set()  # a paused run must wake up to stop
 
     @property
     def stop_requested(self) -> bool:

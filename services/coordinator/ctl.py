@@ -40,11 +40,12 @@ class Target:
     addr: str
     token: str | None
     tls_ca: str | None
-    control_s: float = TimeoutsConfig().control_s   # the run's services.timeouts.control_s, when its config is known
+    control_s: float = TimeoutsConfig().control_s  # the run's services.timeouts.control_s, when its config is known
 
 
-def find_coordinator(*, addr: str | None, run_dir: Path | None, token: str | None, tls_ca: str | None,
-                     runs_root: Path = Path("runs")) -> Target:
+def find_coordinator(
+    *, addr: str | None, run_dir: Path | None, token: str | None, tls_ca: str | None, runs_root: Path = Path("runs")
+) -> Target:
     if addr:
         return Target(addr=addr, token=token, tls_ca=tls_ca)
     run_dir = run_dir or _running_run(runs_root)
@@ -52,11 +53,17 @@ def find_coordinator(*, addr: str | None, run_dir: Path | None, token: str | Non
         return Target(addr=DEFAULT_ADDR, token=token, tls_ca=tls_ca)
     resolved = run_dir / "config.yaml"
     if not resolved.is_file():
-        raise ConfigError(f"--run-dir {run_dir}: not a run directory (no config.yaml; `tandem run` writes it "
-                          "once the run's ports are chosen)")
+        raise ConfigError(
+            f"--run-dir {run_dir}: not a run directory (no config.yaml; `tandem run` writes it "
+            "once the run's ports are chosen)"
+        )
     services = load_config(resolved).services
-    return Target(addr=services.coordinator.target, token=token or services.auth_token,
-                  tls_ca=tls_ca or services.tls_ca, control_s=services.timeouts.control_s)
+    return Target(
+        addr=services.coordinator.target,
+        token=token or services.auth_token,
+        tls_ca=tls_ca or services.tls_ca,
+        control_s=services.timeouts.control_s,
+    )
 
 
 def _running_run(runs_root: Path) -> Path | None:
@@ -69,11 +76,13 @@ def _running_run(runs_root: Path) -> Path | None:
             pid = int(json.loads(marker.read_text())["pid"])
             os.kill(pid, 0)
         except (OSError, ValueError, KeyError, TypeError):
-            continue   # unreadable, or the run is gone (killed before it could remove its marker)
+            continue  # unreadable, or the run is gone (killed before it could remove its marker)
         live.append(marker.parent)
     if len(live) > 1:
-        raise ConfigError(f"{len(live)} runs are running under {runs_root}/ ({', '.join(p.name for p in live)}): "
-                          "pick one with --run-dir or --addr")
+        raise ConfigError(
+            f"{len(live)} runs are running under {runs_root}/ ({', '.join(p.name for p in live)}): "
+            "pick one with --run-dir or --addr"
+        )
     return live[0] if live else None
 
 
@@ -87,13 +96,22 @@ def run_ctl(*, target: Target, action: str, timeout_s: float | None = None) -> i
                 from services.coordinator.watch import watch_table
 
                 return watch_table(stub)
-            method = {"status": stub.GetStatus, "save": stub.Save, "eval": stub.Eval, "pause": stub.Pause,
-                      "resume": stub.Resume, "stop": stub.Stop}[action]
+            method = {
+                "status": stub.GetStatus,
+                "save": stub.Save,
+                "eval": stub.Eval,
+                "pause": stub.Pause,
+                "resume": stub.Resume,
+                "stop": stub.Stop,
+            }[action]
             request = coordinator_pb2.EvalRequest(timeout_s=timeout_s) if action == "eval" else common_pb2.Empty()
             reply = method(request, timeout=timeout_s)
     except grpc.RpcError as exc:
-        hint = (f" (no coordinator at {target.addr}? a local `tandem run` prints its address; "
-                "use --run-dir or --addr)") if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
+        hint = (
+            (f" (no coordinator at {target.addr}? a local `tandem run` prints its address; use --run-dir or --addr)")
+            if exc.code() == grpc.StatusCode.UNAVAILABLE
+            else ""
+        )
         print(f"tandem ctl {action}: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
         return ExitCode.FAILED
     print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True), indent=2, sort_keys=True))

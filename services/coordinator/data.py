@@ -24,24 +24,25 @@ from services.coordinator.datafiles import DataFile, data_file, read_rows
 
 @dataclass(frozen=True)
 class PromptRecord:
-    text: str                 # a text prompt ("" for a chat)
+    text: str  # a text prompt ("" for a chat)
     label: str
     metadata: dict[str, str] = field(default_factory=dict)
     # its line (JSONL, 1-based) or row (parquet, HF dataset; 0-based) in the data file; 0 = not from a file
     line: int = field(default=0, compare=False)
-    messages: tuple[ChatMessage, ...] = ()   # a chat prompt, the system prompt included
+    messages: tuple[ChatMessage, ...] = ()  # a chat prompt, the system prompt included
 
     def to_input(self, group_id: int) -> PromptInput:
         """The prompt as a Generate or an Evaluate sends it, as group `group_id`."""
-        return PromptInput(text=self.text, label=self.label, group_id=group_id, metadata=dict(self.metadata),
-                           messages=self.messages)
+        return PromptInput(
+            text=self.text, label=self.label, group_id=group_id, metadata=dict(self.metadata), messages=self.messages
+        )
 
 
 @dataclass(frozen=True)
 class DataCursor:
     epoch: int = 0
-    offset: int = 0          # position inside this epoch's permutation
-    consumed: int = 0        # prompts handed out since the start of the run (gives unique group ids)
+    offset: int = 0  # position inside this epoch's permutation
+    consumed: int = 0  # prompts handed out since the start of the run (gives unique group ids)
 
     def to_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "offset": self.offset, "consumed": self.consumed}
@@ -55,12 +56,12 @@ class DataCursor:
 class PromptBatch:
     prompts: tuple[PromptRecord, ...]
     group_ids: tuple[int, ...]
-    epoch_end: bool          # the last batch of an epoch (save point)
+    epoch_end: bool  # the last batch of an epoch (save point)
     cursor_after: DataCursor
 
 
 _MISSING = object()
-_to_json = json.JSONEncoder(default=str).encode   # one encoder for every row (json.dumps builds one per call)
+_to_json = json.JSONEncoder(default=str).encode  # one encoder for every row (json.dumps builds one per call)
 
 
 def load_prompts(path: str, config: DataConfig, *, limit: int | None = None) -> list[PromptRecord]:
@@ -104,9 +105,14 @@ class _RowReader:
         text, messages = self._prompt(prompt, where)
         skip = (key, self.config.label_key)
         metadata = {k: v if isinstance(v, str) else _to_json(v) for k, v in row.items() if k not in skip}
-        prompt_max_new_tokens(metadata, where=where)   # a bad response budget is named with its line
-        return PromptRecord(text=text, label=_label(lookup(row, self.config.label_key)), metadata=metadata,
-                            line=position, messages=messages)
+        prompt_max_new_tokens(metadata, where=where)  # a bad response budget is named with its line
+        return PromptRecord(
+            text=text,
+            label=_label(lookup(row, self.config.label_key)),
+            metadata=metadata,
+            line=position,
+            messages=messages,
+        )
 
     def _prompt(self, value: JsonValue, where: str) -> tuple[str, tuple[ChatMessage, ...]]:
         config = self.config
@@ -114,14 +120,18 @@ class _RowReader:
             if not config.text_prompts_are_chats:
                 return value, ()
             return "", self._with_system((ChatMessage("user", value),))
-        if value is None:   # a table's column holds every key; this row has no value there
+        if value is None:  # a table's column holds every key; this row has no value there
             raise ValueError(f"{where}: the prompt ({config.prompt_key}) is null")
         if not isinstance(value, list | tuple):
-            raise ValueError(f"{where}: the prompt ({config.prompt_key}) is {type(value).__name__} {value!r:.60}; "
-                             "expected text or a list of chat messages {role, content}")
+            raise ValueError(
+                f"{where}: the prompt ({config.prompt_key}) is {type(value).__name__} {value!r:.60}; "
+                "expected text or a list of chat messages {role, content}"
+            )
         if config.chat_template == "none":
-            raise ValueError(f"{where}: the prompt is a list of chat messages, and data.chat_template is none; set it "
-                             "to auto (the tokenizer's template) or a template file")
+            raise ValueError(
+                f"{where}: the prompt is a list of chat messages, and data.chat_template is none; set it "
+                "to auto (the tokenizer's template) or a template file"
+            )
         return "", self._with_system(_messages(value, where))
 
     def _with_system(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
@@ -137,17 +147,26 @@ def _messages(value: list[JsonValue] | tuple[JsonValue, ...], where: str) -> tup
         raise ValueError(f"{where}: the prompt is an empty list of chat messages")
     out = []
     for i, message in enumerate(value):
-        if isinstance(message, dict) and len(message) == 2 and isinstance(role := message.get("role"), str) and \
-                isinstance(content := message.get("content"), str):
-            out.append(ChatMessage(role=role, content=content))   # the usual message, checked at the least cost
+        if (
+            isinstance(message, dict)
+            and len(message) == 2
+            and isinstance(role := message.get("role"), str)
+            and isinstance(content := message.get("content"), str)
+        ):
+            out.append(ChatMessage(role=role, content=content))  # the usual message, checked at the least cost
             continue
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or \
-                not isinstance(message.get("content"), str):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
             raise ValueError(f"{where}: message {i} of the prompt is not {{role, content}} text: {message!r:.120}")
         extra = sorted(k for k, v in message.items() if k not in ("role", "content") and v is not None)
         if extra:
-            raise ValueError(f"{where}: message {i} of the prompt has {', '.join(extra)}; a prompt's messages are "
-                             "role and content text")
+            raise ValueError(
+                f"{where}: message {i} of the prompt has {', '.join(extra)}; a prompt's messages are "
+                "role and content text"
+            )
         out.append(ChatMessage(role=message["role"], content=message["content"]))
     return tuple(out)
 
@@ -155,7 +174,7 @@ def _messages(value: list[JsonValue] | tuple[JsonValue, ...], where: str) -> tup
 def _label(value: JsonValue) -> str:
     if value is _MISSING or value is None:
         return ""
-    if isinstance(value, list | dict):   # verl writes ground_truth lists at times: kept as JSON, not a repr
+    if isinstance(value, list | dict):  # verl writes ground_truth lists at times: kept as JSON, not a repr
         return _to_json(value)
     return str(value)
 
@@ -168,8 +187,9 @@ def load_eval_prompts(config: DataConfig) -> list[PromptRecord]:
 class DataSource:
     def __init__(self, records: list[PromptRecord], *, batch_size: int, shuffle: bool, seed: int, num_epochs: int):
         if batch_size > len(records):
-            raise ValueError(f"rollout.rollout_batch_size ({batch_size}) is larger than the dataset "
-                             f"({len(records)} prompts)")
+            raise ValueError(
+                f"rollout.rollout_batch_size ({batch_size}) is larger than the dataset ({len(records)} prompts)"
+            )
         self.records = records
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -180,8 +200,9 @@ class DataSource:
     @classmethod
     def from_config(cls, config: DataConfig, *, batch_size: int) -> DataSource:
         records = load_prompts(config.train_path, config)
-        return cls(records, batch_size=batch_size, shuffle=config.shuffle, seed=config.seed,
-                   num_epochs=config.num_epochs)
+        return cls(
+            records, batch_size=batch_size, shuffle=config.shuffle, seed=config.seed, num_epochs=config.num_epochs
+        )
 
     @property
     def size(self) -> int:
@@ -201,10 +222,13 @@ class DataSource:
         epoch, offset = cur.epoch, cur.offset
         if offset + self.batch_size > len(self.records):
             epoch, offset = epoch + 1, 0
-        order = self._order(epoch)[offset:offset + self.batch_size]
+        order = self._order(epoch)[offset : offset + self.batch_size]
         end = offset + self.batch_size
         epoch_end = end + self.batch_size > len(self.records)
         self.cursor = DataCursor(epoch=epoch, offset=end, consumed=cur.consumed + self.batch_size)
-        return PromptBatch(prompts=tuple(self.records[i] for i in order),
-                           group_ids=tuple(range(cur.consumed, cur.consumed + self.batch_size)),
-                           epoch_end=epoch_end, cursor_after=self.cursor)
+        return PromptBatch(
+            prompts=tuple(self.records[i] for i in order),
+            group_ids=tuple(range(cur.consumed, cur.consumed + self.batch_size)),
+            epoch_end=epoch_end,
+            cursor_after=self.cursor,
+        )

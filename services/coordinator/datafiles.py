@@ -17,10 +17,9 @@ Format = Literal["jsonl", "parquet", "hf_dataset"]
 JSONL: Format = "jsonl"
 PARQUET: Format = "parquet"
 HF_DATASET: Format = "hf_dataset"
-_SUFFIXES: dict[str, Format] = {".jsonl": JSONL, ".json": JSONL, ".ndjson": JSONL, ".parquet": PARQUET,
-                                ".pq": PARQUET}
+_SUFFIXES: dict[str, Format] = {".jsonl": JSONL, ".json": JSONL, ".ndjson": JSONL, ".parquet": PARQUET, ".pq": PARQUET}
 _PARQUET_MAGIC = b"PAR1"
-TABLE_BATCH = 8192   # rows converted to Python at a time (parquet and HF datasets)
+TABLE_BATCH = 8192  # rows converted to Python at a time (parquet and HF datasets)
 SUPPORTED = "JSON Lines (.jsonl), parquet (.parquet) or a directory written by datasets' save_to_disk"
 
 
@@ -56,24 +55,31 @@ def data_file(path: str) -> DataFile:
         raise ValueError(f"{path} is not a parquet file (it does not start with PAR1)")
     first = head.lstrip()[:1]
     if first == b"[":
-        raise ValueError(f"{path} holds one JSON array; Tandem reads JSON Lines, one object per line (convert it "
-                         "with `jq -c '.[]' FILE`), or use parquet")
+        raise ValueError(
+            f"{path} holds one JSON array; Tandem reads JSON Lines, one object per line (convert it "
+            "with `jq -c '.[]' FILE`), or use parquet"
+        )
     if fmt == JSONL or first in (b"{", b""):
         return DataFile(path, JSONL)
-    raise ValueError(f"{path}: unsupported format ({file.suffix or 'no suffix'}, and it is not JSON Lines); use "
-                     f"{SUPPORTED}")
+    raise ValueError(
+        f"{path}: unsupported format ({file.suffix or 'no suffix'}, and it is not JSON Lines); use {SUPPORTED}"
+    )
 
 
 def _dataset_directory(path: Path) -> Format:
     if (path / "dataset_dict.json").is_file():
         splits = _json_field(path / "dataset_dict.json", "splits") or []
         example = f" (e.g. {path / splits[0]})" if splits else ""
-        raise ValueError(f"{path} is a DatasetDict with splits {', '.join(map(str, splits)) or '?'}: point the path "
-                         f"at one split's directory{example}")
+        raise ValueError(
+            f"{path} is a DatasetDict with splits {', '.join(map(str, splits)) or '?'}: point the path "
+            f"at one split's directory{example}"
+        )
     if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
         return HF_DATASET
-    raise ValueError(f"{path} is a directory but not a saved Hugging Face dataset (no state.json and "
-                     f"dataset_info.json); use {SUPPORTED}")
+    raise ValueError(
+        f"{path} is a directory but not a saved Hugging Face dataset (no state.json and "
+        f"dataset_info.json); use {SUPPORTED}"
+    )
 
 
 def _json_field(path: Path, key: str) -> JsonValue:
@@ -111,8 +117,10 @@ def _decode_line(raw: bytes, *, path: str, line_no: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
-                         "task files must be UTF-8 JSON lines") from None
+        raise ValueError(
+            f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+            "task files must be UTF-8 JSON lines"
+        ) from None
 
 
 def _parquet_rows(path: str) -> Iterator[tuple[int, JsonValue]]:
@@ -135,8 +143,10 @@ def _hf_dataset_rows(path: str) -> Iterator[tuple[int, JsonValue]]:
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"{path} is a saved Hugging Face dataset; reading it needs the datasets package: "
-                         "pip install 'tandem-rl[datasets]'") from None
+        raise ValueError(
+            f"{path} is a saved Hugging Face dataset; reading it needs the datasets package: "
+            "pip install 'tandem-rl[datasets]'"
+        ) from None
     dataset = datasets.load_from_disk(path)
     position = 0
     for batch in dataset.iter(batch_size=TABLE_BATCH):

@@ -32,9 +32,16 @@ def groups(gen: GenerationResult) -> int:
     return sum(r.num_groups for r in gen.responses)
 
 
-def run_rounds(*, rollout_id: int, first: PromptBatch, generate: Callable[[PromptBatch], GenerationResult],
-               next_batch: Callable[[], PromptBatch], target_groups: int, max_rounds: int,
-               clock: Clock) -> GenerationResult:
+def run_rounds(
+    *,
+    rollout_id: int,
+    first: PromptBatch,
+    generate: Callable[[PromptBatch], GenerationResult],
+    next_batch: Callable[[], PromptBatch],
+    target_groups: int,
+    max_rounds: int,
+    clock: Clock,
+) -> GenerationResult:
     """`generate(first)`, then `generate(next_batch())` while fewer than `target_groups` informative groups came
     out and fewer than `max_rounds` rounds ran; one result naming every round's entries."""
     start = clock.monotonic()
@@ -45,16 +52,30 @@ def run_rounds(*, rollout_id: int, first: PromptBatch, generate: Callable[[Promp
     found, total = sum(informative(r) for r in rounds), sum(groups(r) for r in rounds)
     short = max(0, target_groups - found)
     if short:
-        log.warning("rollout %d: %d of %d groups informative after %d rounds (rollout.dynamic_sampling.max_rounds); "
-                    "training on %d groups", rollout_id, found, total, len(rounds), found)
+        log.warning(
+            "rollout %d: %d of %d groups informative after %d rounds (rollout.dynamic_sampling.max_rounds); "
+            "training on %d groups",
+            rollout_id,
+            found,
+            total,
+            len(rounds),
+            found,
+        )
     seconds = clock.monotonic() - start
-    metrics = {"rollout/dynamic_rounds": float(len(rounds)),
-               "rollout/informative_groups": float(found),
-               "rollout/filtered_group_frac": (total - found) / total if total else 0.0,
-               "rollout/surplus_groups": float(max(0, found - target_groups)),
-               "rollout/groups_short": float(short),
-               "rollout/extra_samples": float(sum(x.num_samples for r in rounds[1:] for x in r.responses)),
-               "perf/extra_generate_time_s": seconds - first_s}
-    return replace(rounds[-1], entry_ids=tuple(e for r in rounds for e in r.entry_ids),
-                   responses=tuple(x for r in rounds for x in r.responses), seconds=seconds,
-                   epoch_end=any(r.epoch_end for r in rounds), sampling_metrics=metrics)
+    metrics = {
+        "rollout/dynamic_rounds": float(len(rounds)),
+        "rollout/informative_groups": float(found),
+        "rollout/filtered_group_frac": (total - found) / total if total else 0.0,
+        "rollout/surplus_groups": float(max(0, found - target_groups)),
+        "rollout/groups_short": float(short),
+        "rollout/extra_samples": float(sum(x.num_samples for r in rounds[1:] for x in r.responses)),
+        "perf/extra_generate_time_s": seconds - first_s,
+    }
+    return replace(
+        rounds[-1],
+        entry_ids=tuple(e for r in rounds for e in r.entry_ids),
+        responses=tuple(x for r in rounds for x in r.responses),
+        seconds=seconds,
+        epoch_end=any(r.epoch_end for r in rounds),
+        sampling_metrics=metrics,
+    )

@@ -21,16 +21,30 @@ class ServiceCallError(RuntimeError):
     """A call to a service failed; the message names the service, the call and the status. `service` is the
     process (its log is RUN_DIR/logs/<service>.log), `details` what it answered, `hint` what to do (if it said)."""
 
-    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, service: str = "", call: str = "",
-                 details: str = "", hint: str = ""):
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: grpc.StatusCode | None = None,
+        service: str = "",
+        call: str = "",
+        details: str = "",
+        hint: str = "",
+    ):
         super().__init__(message)
         self.code = code
         self.service, self.call, self.details, self.hint = service, call, details or message, hint
 
     @classmethod
     def from_rpc(cls, service: str, call: str, exc: grpc.RpcError, *, process: str = "") -> ServiceCallError:
-        return cls(describe_rpc_error(service, call, exc), code=exc.code(), service=process or service, call=call,
-                   details=str(exc.details() or ""), hint=_hint_of(exc))
+        return cls(
+            describe_rpc_error(service, call, exc),
+            code=exc.code(),
+            service=process or service,
+            call=call,
+            details=str(exc.details() or ""),
+            hint=_hint_of(exc),
+        )
 
     @property
     def permanent(self) -> bool:
@@ -44,8 +58,11 @@ class TrainerStateLost(ServiceCallError):
 
 def describe_rpc_error(service: str, call: str, exc: grpc.RpcError) -> str:
     details = str(exc.details() or "")
-    hint = " (the limit is services.max_message_mb on both sides)" \
-        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in details else ""
+    hint = (
+        " (the limit is services.max_message_mb on both sides)"
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in details
+        else ""
+    )
     return f"{service} {call} failed: {exc.code().name}: {details}{hint}"
 
 
@@ -57,18 +74,30 @@ def _hint_of(exc: grpc.RpcError) -> str:
     return ""
 
 
-_ERROR_TYPE = re.compile(r"^[A-Za-z_]\w*: ")   # the exception's name grpc_util.map_errors puts before its message
+_ERROR_TYPE = re.compile(r"^[A-Za-z_]\w*: ")  # the exception's name grpc_util.map_errors puts before its message
 
 
 def failure_record(exc: BaseException, *, kept: str, starting: bool = False) -> FailureRecord:
     """What ended the run, for the block every command ends with: a service's answer (its status, its hint), bad
     input the coordinator found itself (exit 3: a restart reads the same data), or anything else (exit 1)."""
     if isinstance(exc, ServiceCallError):
-        return FailureRecord(service=exc.service or "coordinator", kind=exc.code.name if exc.code else "UNKNOWN",
-                             what=_ERROR_TYPE.sub("", exc.details, count=1), call=exc.call, kept=kept, hint=exc.hint,
-                             exit_code=ExitCode.PERMANENT if exc.permanent else ExitCode.FAILED)
+        return FailureRecord(
+            service=exc.service or "coordinator",
+            kind=exc.code.name if exc.code else "UNKNOWN",
+            what=_ERROR_TYPE.sub("", exc.details, count=1),
+            call=exc.call,
+            kept=kept,
+            hint=exc.hint,
+            exit_code=ExitCode.PERMANENT if exc.permanent else ExitCode.FAILED,
+        )
     if isinstance(exc, ConfigError) or (starting and isinstance(exc, ValueError | FileNotFoundError)):
-        return FailureRecord(service="coordinator", kind="BAD_INPUT", what=str(exc), kept=kept,
-                             exit_code=ExitCode.PERMANENT)
-    return FailureRecord(service="coordinator", kind="UNEXPECTED", what=f"{type(exc).__name__}: {exc}", kept=kept,
-                         exit_code=ExitCode.FAILED)
+        return FailureRecord(
+            service="coordinator", kind="BAD_INPUT", what=str(exc), kept=kept, exit_code=ExitCode.PERMANENT
+        )
+    return FailureRecord(
+        service="coordinator",
+        kind="UNEXPECTED",
+        what=f"{type(exc).__name__}: {exc}",
+        kept=kept,
+        exit_code=ExitCode.FAILED,
+    )

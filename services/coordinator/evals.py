@@ -16,12 +16,21 @@ from services.telemetry.trackers import Tracker
 
 
 class Evaluator:
-    def __init__(self, *, pool: RolloutPoolApi, rollout: RolloutConfig, prompts: Callable[[], list[PromptRecord]],
-                 executor: Executor, trackers: list[Tracker], events: EventLog, weight_version: Callable[[], int]):
+    def __init__(
+        self,
+        *,
+        pool: RolloutPoolApi,
+        rollout: RolloutConfig,
+        prompts: Callable[[], list[PromptRecord]],
+        executor: Executor,
+        trackers: list[Tracker],
+        events: EventLog,
+        weight_version: Callable[[], int],
+    ):
         self.pool = pool
         self.rollout = rollout
-        self.prompts = prompts            # the eval set, read again for every eval
-        self.executor = executor          # one eval at a time, beside the loop
+        self.prompts = prompts  # the eval set, read again for every eval
+        self.executor = executor  # one eval at a time, beside the loop
         self.trackers = trackers
         self.events = events
         self.weight_version = weight_version
@@ -32,8 +41,11 @@ class Evaluator:
     def evaluate(self) -> dict[str, float]:
         prompts = [p.to_input(i) for i, p in enumerate(self.prompts())]
         with span("rl.eval", weight_version=self.weight_version(), prompts=len(prompts)):
-            return self.pool.evaluate(prompts, n_samples=self.rollout.eval_n_samples_per_prompt,
-                                      sampling=SamplingSpec.from_config(self.rollout.eval_sampling))
+            return self.pool.evaluate(
+                prompts,
+                n_samples=self.rollout.eval_n_samples_per_prompt,
+                sampling=SamplingSpec.from_config(self.rollout.eval_sampling),
+            )
 
     def record(self, rollout_id: int, metrics: dict[str, float]) -> dict[str, float]:
         metrics = {**metrics, "weights/version": float(self.weight_version())}

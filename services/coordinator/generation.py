@@ -21,8 +21,16 @@ log = logging.getLogger(__name__)
 
 
 class Generator:
-    def __init__(self, *, config: TandemConfig, pool: RolloutPoolApi, data: PromptSource, executor: Executor,
-                 spans: StepSpans, clock: Clock):
+    def __init__(
+        self,
+        *,
+        config: TandemConfig,
+        pool: RolloutPoolApi,
+        data: PromptSource,
+        executor: Executor,
+        spans: StepSpans,
+        clock: Clock,
+    ):
         self.config, self.pool, self.data, self.executor = config, pool, data, executor
         self.spans, self.clock = spans, clock
 
@@ -39,30 +47,52 @@ class Generator:
         batch = self.data.next_batch()
         # The step's own trace starts here; the generation's thread inherits it, so Generate runs under rl.loop.
         with self.spans.started(rollout_id, weight_version=weight_version, mode=mode):
-            generate = partial(self._generate, rollout_id=rollout_id, trace_context=inject_context(),
-                               sampling=SamplingSpec.from_config(self.config.rollout.sampling))
+            generate = partial(
+                self._generate,
+                rollout_id=rollout_id,
+                trace_context=inject_context(),
+                sampling=SamplingSpec.from_config(self.config.rollout.sampling),
+            )
             dynamic = self.config.rollout.dynamic_sampling
-            if dynamic.enabled:   # further rounds draw prompts on the generation thread (dynamic.py says why)
-                future = self.executor.submit(run_rounds, rollout_id=rollout_id, first=batch, generate=generate,
-                                              next_batch=self.data.next_batch, max_rounds=dynamic.max_rounds,
-                                              target_groups=self.config.rollout.rollout_batch_size, clock=self.clock)
+            if dynamic.enabled:  # further rounds draw prompts on the generation thread (dynamic.py says why)
+                future = self.executor.submit(
+                    run_rounds,
+                    rollout_id=rollout_id,
+                    first=batch,
+                    generate=generate,
+                    next_batch=self.data.next_batch,
+                    max_rounds=dynamic.max_rounds,
+                    target_groups=self.config.rollout.rollout_batch_size,
+                    clock=self.clock,
+                )
             else:
                 future = self.executor.submit(generate, batch)
         return InFlight(rollout_id, future, cursor_before=before, cursor_after=batch.cursor_after)
 
-    def _generate(self, batch: PromptBatch, *, rollout_id: int, sampling: SamplingSpec,
-                  trace_context: dict[str, str]) -> GenerationResult:
+    def _generate(
+        self, batch: PromptBatch, *, rollout_id: int, sampling: SamplingSpec, trace_context: dict[str, str]
+    ) -> GenerationResult:
         prompts = [p.to_input(g) for p, g in zip(batch.prompts, batch.group_ids, strict=True)]
-        result = self.pool.generate(rollout_id=rollout_id, prompts=prompts, sampling=sampling,
-                                    n_samples=self.config.rollout.n_samples_per_prompt, trace_context=trace_context)
+        result = self.pool.generate(
+            rollout_id=rollout_id,
+            prompts=prompts,
+            sampling=sampling,
+            n_samples=self.config.rollout.n_samples_per_prompt,
+            trace_context=trace_context,
+        )
         return replace(result, cursor_after=batch.cursor_after, epoch_end=batch.epoch_end)
 
 
 def _reused(batch: GeneratedBatch) -> InFlight:
     """A generation recorded in the checkpoint whose entries are still buffered: finished already."""
     done: Future[GenerationResult] = Future()
-    done.set_result(GenerationResult(rollout_id=batch.rollout_id, entry_ids=batch.entry_ids, responses=(),
-                                     seconds=0.0, recorded_metrics=batch.metrics))
+    done.set_result(
+        GenerationResult(
+            rollout_id=batch.rollout_id,
+            entry_ids=batch.entry_ids,
+            responses=(),
+            seconds=0.0,
+            recorded_metrics=batch.metrics,
+        )
+    )
     return InFlight(batch.rollout_id, done, cursor_before=batch.cursor_before, cursor_after=batch.cursor_after)
-
-

@@ -52,15 +52,29 @@ from services.telemetry.trackers import Tracker
 
 log = logging.getLogger(__name__)
 
-HISTORY_KEPT = 20   # checkpoint paths remembered in the run state
+HISTORY_KEPT = 20  # checkpoint paths remembered in the run state
 
 
 class Coordinator:
-    def __init__(self, *, config: TandemConfig, run_dir: Path, trainer: TrainerApi, critic: TrainerApi | None,
-                 pool: RolloutPoolApi, sync: WeightSyncApi, data: PromptSource, buffer: BufferApi | None,
-                 trackers: list[Tracker], eval_prompts: Callable[[], list[PromptRecord]], generations: Executor,
-                 evals: Executor, events: EventLog | None = None, clock: Clock | None = None,
-                 train_retry: RetryPolicy = TRAIN_RETRY):
+    def __init__(
+        self,
+        *,
+        config: TandemConfig,
+        run_dir: Path,
+        trainer: TrainerApi,
+        critic: TrainerApi | None,
+        pool: RolloutPoolApi,
+        sync: WeightSyncApi,
+        data: PromptSource,
+        buffer: BufferApi | None,
+        trackers: list[Tracker],
+        eval_prompts: Callable[[], list[PromptRecord]],
+        generations: Executor,
+        evals: Executor,
+        events: EventLog | None = None,
+        clock: Clock | None = None,
+        train_retry: RetryPolicy = TRAIN_RETRY,
+    ):
         self.config = config
         self.loop_cfg = config.loop
         self.inflight_update = config.rollout.inflight_update
@@ -70,24 +84,40 @@ class Coordinator:
         self.pool = pool
         self.sync = sync
         self.data = data
-        self.buffer = buffer   # the run's Redis buffer: resume bookkeeping and critic-only steps
+        self.buffer = buffer  # the run's Redis buffer: resume bookkeeping and critic-only steps
         self.trackers = trackers
-        self.generations = generations   # runs pool.generate beside the loop
+        self.generations = generations  # runs pool.generate beside the loop
         self.events = events or EventLog()
         self.clock = clock or SystemClock()
         self.train_retry = train_retry
         self.control = Control()
         self.num_rollout = runfacts.num_rollout(config, dataset_size=data.size)
         self.state = RunState()
-        self.memory = MemoryMoves(trainer=trainer, pool=pool, offload_train=config.loop.offload_train,
-                                  offload_rollout=config.loop.offload_rollout, clock=self.clock)
-        self.evals = Evaluator(pool=pool, rollout=config.rollout, prompts=eval_prompts, executor=evals,
-                               trackers=trackers, events=self.events, weight_version=lambda: self.state.weight_version)
-        self.step_spans = StepSpans()   # one trace per rollout id, opened when its generation starts
-        self.generator = Generator(config=config, pool=pool, data=data, executor=generations, spans=self.step_spans,
-                                   clock=self.clock)
-        self.stream = GroupStream(config=config, pool=pool, data=data, executor=generations, clock=self.clock) \
-            if config.loop.mode == "streaming" else None
+        self.memory = MemoryMoves(
+            trainer=trainer,
+            pool=pool,
+            offload_train=config.loop.offload_train,
+            offload_rollout=config.loop.offload_rollout,
+            clock=self.clock,
+        )
+        self.evals = Evaluator(
+            pool=pool,
+            rollout=config.rollout,
+            prompts=eval_prompts,
+            executor=evals,
+            trackers=trackers,
+            events=self.events,
+            weight_version=lambda: self.state.weight_version,
+        )
+        self.step_spans = StepSpans()  # one trace per rollout id, opened when its generation starts
+        self.generator = Generator(
+            config=config, pool=pool, data=data, executor=generations, spans=self.step_spans, clock=self.clock
+        )
+        self.stream = (
+            GroupStream(config=config, pool=pool, data=data, executor=generations, clock=self.clock)
+            if config.loop.mode == "streaming"
+            else None
+        )
         self.last_metrics: dict[str, float] = {}
         self.last_checkpoint = ""
         self.last_saved_rollout = -1
@@ -102,7 +132,7 @@ class Coordinator:
 
     def run(self) -> None:
         try:
-            with span("rl.startup", mode=self.loop_cfg.mode):   # checkpoint load, first weight push, first eval
+            with span("rl.startup", mode=self.loop_cfg.mode):  # checkpoint load, first weight push, first eval
                 finished = self._startup()
             if not finished:
                 self._start_id = self.state.next_rollout_id
@@ -121,7 +151,7 @@ class Coordinator:
             self.events.emit("state", message=f"failed: {self.error}")
             raise
         finally:
-            self.step_spans.close_all(trained=False)   # generations started but never trained
+            self.step_spans.close_all(trained=False)  # generations started but never trained
             self.events.emit("state", message=self.status)
             self.events.close()
 
@@ -134,7 +164,7 @@ class Coordinator:
                 break
             with self.step_spans.step(rollout_id):
                 step_start = self.clock.monotonic()
-                assert upcoming is not None   # started above or by the previous step
+                assert upcoming is not None  # started above or by the previous step
                 current = self._awaited(upcoming)
                 wait_s = self.clock.monotonic() - step_start
                 more = rollout_id + 1 < self.num_rollout
@@ -143,9 +173,9 @@ class Coordinator:
                 metrics["perf/rollout_wait_s"] = wait_s
                 if policy.sync_due(rollout_id, interval=self.loop_cfg.update_weights_interval, mode=self.loop_cfg.mode):
                     if upcoming is not None and policy.waits_for_generation_before_sync(self.inflight_update):
-                        upcoming.result()   # else the sync lands between two of its decode steps
+                        upcoming.result()  # else the sync lands between two of its decode steps
                     metrics.update(self._sync_weights())
-                self.memory.offload_trainer(metrics)   # after the sync, which needs the weights
+                self.memory.offload_trainer(metrics)  # after the sync, which needs the weights
                 if not overlap and more:
                     upcoming = self._generation_for(rollout_id + 1)
                 self._after_step(rollout_id, metrics, step_start=step_start, in_flight=[upcoming] if upcoming else [])
@@ -160,14 +190,16 @@ class Coordinator:
         for rollout_id in range(self.state.next_rollout_id, self.num_rollout):
             if not self.control.wait_while_paused(self.status_setter):
                 break
-            while policy.may_start_generation(len(in_flight), replicas=self.pool.size, next_id=next_id,
-                                              num_rollout=self.num_rollout):
+            while policy.may_start_generation(
+                len(in_flight), replicas=self.pool.size, next_id=next_id, num_rollout=self.num_rollout
+            ):
                 in_flight.append(self._generation_for(next_id))
                 next_id += 1
             with self.step_spans.step(rollout_id):
                 step_start = self.clock.monotonic()
-                metrics = self._train_step(rollout_id, self._awaited(in_flight.pop(0)),
-                                           max_staleness=self.loop_cfg.max_staleness)
+                metrics = self._train_step(
+                    rollout_id, self._awaited(in_flight.pop(0)), max_staleness=self.loop_cfg.max_staleness
+                )
                 if policy.sync_due(rollout_id, interval=self.loop_cfg.update_weights_interval, mode=self.loop_cfg.mode):
                     metrics.update(self._sync_weights())
                 self.memory.offload_trainer(metrics)
@@ -206,8 +238,10 @@ class Coordinator:
     def _startup(self) -> bool:
         """True when the checkpoint shows the run already finished: nothing to do, nothing to log again."""
         started = self.clock.monotonic()
-        wait_for_services([self.trainer, *([self.critic] if self.critic else []), self.pool],
-                          timeout_s=self.loop_cfg.startup_timeout_s)
+        wait_for_services(
+            [self.trainer, *([self.critic] if self.critic else []), self.pool],
+            timeout_s=self.loop_cfg.startup_timeout_s,
+        )
         self.startup_seconds["services"] = self.clock.monotonic() - started
         restored = restore(self.trainer, self.critic)
         self.state, self.last_checkpoint = restored.state, restored.checkpoint
@@ -218,20 +252,23 @@ class Coordinator:
             self.stream.restore(self.state.groups)
         done = self.state.next_rollout_id
         if runfacts.is_finished(next_rollout_id=done, num_rollout=self.num_rollout):
-            message = runfacts.finished_message(done=done, num_rollout=self.num_rollout,
-                                                checkpoint=self.last_checkpoint)
+            message = runfacts.finished_message(
+                done=done, num_rollout=self.num_rollout, checkpoint=self.last_checkpoint
+            )
             log.info("%s", message)
             self.events.emit("state", rollout_id=done - 1, message=message)
             return True
-        for tracker in self.trackers:   # steps after the checkpoint are trained again: drop their old rows
+        for tracker in self.trackers:  # steps after the checkpoint are trained again: drop their old rows
             tracker.rewind(next_step=done)
         self.events.emit("state", rollout_id=done, message=f"starting at rollout {done} of {self.num_rollout}")
         metrics = self._sync_weights(bump=False)
         self.startup_seconds["first_sync"] = metrics["perf/weight_sync_time_s"]
-        log.info("initial weights pushed: version %d (%.2fs)", self.state.weight_version,
-                 metrics["perf/weight_sync_time_s"])
-        if policy.eval_before_training(interval=self.loop_cfg.eval_interval, next_rollout_id=done,
-                                       skip=self.loop_cfg.skip_eval_before_train):
+        log.info(
+            "initial weights pushed: version %d (%.2fs)", self.state.weight_version, metrics["perf/weight_sync_time_s"]
+        )
+        if policy.eval_before_training(
+            interval=self.loop_cfg.eval_interval, next_rollout_id=done, skip=self.loop_cfg.skip_eval_before_train
+        ):
             t = self.clock.monotonic()
             self.evals.run_now(-1)
             self.startup_seconds["first_eval"] = self.clock.monotonic() - t
@@ -240,7 +277,7 @@ class Coordinator:
 
     def _finish(self) -> None:
         last = self.state.next_rollout_id - 1
-        with self.step_spans.after(last):   # the final eval / save join the last step's trace
+        with self.step_spans.after(last):  # the final eval / save join the last step's trace
             if policy.final_eval_due(last, interval=self.loop_cfg.eval_interval, evaluated=self.evals.evaluated(last)):
                 self.evals.submit(last)
             self.evals.drain()
@@ -263,15 +300,28 @@ class Coordinator:
         metrics = generation_metrics(gen, weight_version=self.state.weight_version)
         self.memory.release_engines(metrics, first=self.evals.drain)
         self.memory.onload_trainer(metrics)
-        warm_up = policy.critic_only(rollout_id, has_critic=self.critic is not None,
-                                     num_critic_only_steps=self.config.algorithm.num_critic_only_steps)
-        with span("rl.train", rollout_id=rollout_id, weight_version=self.state.weight_version,
-                  entries=len(gen.entry_ids), staleness=metrics.get("rollout/staleness")):
+        warm_up = policy.critic_only(
+            rollout_id,
+            has_critic=self.critic is not None,
+            num_critic_only_steps=self.config.algorithm.num_critic_only_steps,
+        )
+        with span(
+            "rl.train",
+            rollout_id=rollout_id,
+            weight_version=self.state.weight_version,
+            entries=len(gen.entry_ids),
+            staleness=metrics.get("rollout/staleness"),
+        ):
             t = self.clock.monotonic()
 
             def request(*, use_critic_values: bool) -> TrainRequest:
-                return TrainRequest(rollout_id=rollout_id, entry_ids=tuple(gen.entry_ids), max_staleness=max_staleness,
-                                    trace_context=inject_context(), use_critic_values=use_critic_values)
+                return TrainRequest(
+                    rollout_id=rollout_id,
+                    entry_ids=tuple(gen.entry_ids),
+                    max_staleness=max_staleness,
+                    trace_context=inject_context(),
+                    use_critic_values=use_critic_values,
+                )
 
             if self.critic is not None:
                 metrics.update(prefixed("critic", self._train(self.critic, request(use_critic_values=False)).metrics))
@@ -283,11 +333,14 @@ class Coordinator:
                 metrics.update(prefixed("train", reply.metrics))
             metrics["perf/train_time_s"] = self.clock.monotonic() - t
         generated = int(metrics.get("rollout/num_samples", 0))
-        self.state = self.state.trained(rollout_id, generated=generated,
-                                        trained=reply.samples_trained if reply is not None else 0,
-                                        dropped_stale=reply.samples_dropped_stale if reply is not None else 0,
-                                        filtered=reply.samples_filtered if reply is not None else 0,
-                                        critic_only=generated if reply is None else 0)
+        self.state = self.state.trained(
+            rollout_id,
+            generated=generated,
+            trained=reply.samples_trained if reply is not None else 0,
+            dropped_stale=reply.samples_dropped_stale if reply is not None else 0,
+            filtered=reply.samples_filtered if reply is not None else 0,
+            critic_only=generated if reply is None else 0,
+        )
         metrics["rollout/stale_dropped"] = float(reply.samples_dropped_stale if reply is not None else 0)
         metrics["rollout/stale_dropped_total"] = float(self.state.samples_dropped_stale)
         if self.config.rollout.dynamic_sampling.enabled:
@@ -309,23 +362,38 @@ class Coordinator:
         moves: dict[str, float] = {}
         self.memory.onload_trainer(moves)
         version = self.state.weight_version + (1 if bump else 0)
-        self.memory.resume_engines(ENGINE_WEIGHTS, moves)   # the sync needs the destination tensors back
+        self.memory.resume_engines(ENGINE_WEIGHTS, moves)  # the sync needs the destination tensors back
         result = self.sync.run(version=version)
         self.memory.resume_engines(ENGINE_CACHES, moves)
         self.state = replace(self.state, weight_version=version, weights_pushed=True)
-        self.events.emit("sync", rollout_id=self.state.next_rollout_id - 1,
-                         metrics={"weight_version": version, "seconds": result.seconds, "gbps": result.gbps})
+        self.events.emit(
+            "sync",
+            rollout_id=self.state.next_rollout_id - 1,
+            metrics={"weight_version": version, "seconds": result.seconds, "gbps": result.gbps},
+        )
         phases = {f"perf/sync_{phase}_s": seconds for phase, seconds in result.phase_seconds.items()}
-        return {**moves, **phases, "perf/weight_sync_time_s": result.seconds, "perf/weight_sync_gbps": result.gbps,
-                "weights/version": float(version), "weights/bytes": float(result.bytes),
-                "weights/verified_tensors": float(result.verified_tensors)}
+        return {
+            **moves,
+            **phases,
+            "perf/weight_sync_time_s": result.seconds,
+            "perf/weight_sync_gbps": result.gbps,
+            "weights/version": float(version),
+            "weights/bytes": float(result.bytes),
+            "weights/verified_tensors": float(result.verified_tensors),
+        }
 
-    def _after_step(self, rollout_id: int, metrics: dict[str, float], *, step_start: float,
-                    in_flight: list[InFlight]) -> None:
+    def _after_step(
+        self, rollout_id: int, metrics: dict[str, float], *, step_start: float, in_flight: list[InFlight]
+    ) -> None:
         final = self._is_final(rollout_id)
         requested = self.control.take_save_request(sentinel=self.loop_cfg.save_trigger_sentinel)
-        if policy.save_due(rollout_id, interval=self.loop_cfg.save_interval, epoch_end=rollout_id in self._epoch_ends,
-                           requested=requested, final=final):
+        if policy.save_due(
+            rollout_id,
+            interval=self.loop_cfg.save_interval,
+            epoch_end=rollout_id in self._epoch_ends,
+            requested=requested,
+            final=final,
+        ):
             t = self.clock.monotonic()
             self._save(rollout_id, in_flight=in_flight, final=final)
             metrics["perf/save_time_s"] = self.clock.monotonic() - t
@@ -335,19 +403,26 @@ class Coordinator:
         metrics["perf/tokens_per_s"] = metrics.get("rollout/response_tokens", 0.0) / step_s if step_s else 0.0
         metrics["weights/version"] = float(self.state.weight_version)
         metrics["data/epoch"] = float(self.data.cursor.epoch)
-        if rollout_id == self._start_id:   # the run's first step: where the coordinator's start-up went
+        if rollout_id == self._start_id:  # the run's first step: where the coordinator's start-up went
             metrics.update({f"perf/startup_{k}_s": v for k, v in self.startup_seconds.items()})
             metrics["perf/startup_to_first_step_s"] = process_age_s()
-        annotate(staleness=metrics.get("rollout/staleness"), tokens=metrics.get("rollout/response_tokens"),
-                 step_time_s=step_s)   # on the step's rl.loop span
+        annotate(
+            staleness=metrics.get("rollout/staleness"),
+            tokens=metrics.get("rollout/response_tokens"),
+            step_time_s=step_s,
+        )  # on the step's rl.loop span
         self.last_metrics = metrics
         for tracker in self.trackers:
             tracker.log(rollout_id, metrics)
         self.events.emit("step", rollout_id=rollout_id, metrics=metrics)
 
     def _should_exit(self, rollout_id: int) -> bool:
-        return policy.should_exit(rollout_id, start_id=self._start_id, stop_requested=self.control.stop_requested,
-                                  exit_after=self.loop_cfg.debug_exit_after_rollout)
+        return policy.should_exit(
+            rollout_id,
+            start_id=self._start_id,
+            stop_requested=self.control.stop_requested,
+            exit_after=self.loop_cfg.debug_exit_after_rollout,
+        )
 
     def _is_final(self, rollout_id: int) -> bool:
         return policy.is_final(rollout_id, num_rollout=self.num_rollout, exiting=self._should_exit(rollout_id))
@@ -355,16 +430,23 @@ class Coordinator:
     def _save(self, rollout_id: int, *, in_flight: list[InFlight], final: bool) -> None:
         """A checkpoint of the step, with the generations in flight (waited for, so a resume reuses their entries);
         the run's final one always carries a Hugging Face export in its hf/ directory."""
-        if self.stream is not None:   # the groups drawn and not trained (the final save waits for those generating)
-            state = replace(self.state, next_rollout_id=rollout_id + 1, cursor=self.data.cursor,
-                            groups=self.stream.outstanding(wait=final))
+        if self.stream is not None:  # the groups drawn and not trained (the final save waits for those generating)
+            state = replace(
+                self.state,
+                next_rollout_id=rollout_id + 1,
+                cursor=self.data.cursor,
+                groups=self.stream.outstanding(wait=final),
+            )
         else:
             pending = tuple(_recorded(g, weight_version=self.state.weight_version) for g in in_flight)
             cursor = pending[0].cursor_before if pending else self.data.cursor
             state = replace(self.state, next_rollout_id=rollout_id + 1, cursor=cursor, pending=pending)
         with span("rl.save", rollout_id=rollout_id):
-            request = SaveRequest(rollout_id=rollout_id, export_hf=final or self.config.trainer.export_hf_on_save,
-                                  extra_state={"coordinator": state.to_json()})
+            request = SaveRequest(
+                rollout_id=rollout_id,
+                export_hf=final or self.config.trainer.export_hf_on_save,
+                extra_state={"coordinator": state.to_json()},
+            )
             if self.critic is not None:
                 self.critic.save(request)
             reply = self.trainer.save(request)
@@ -381,7 +463,11 @@ class Coordinator:
 def _recorded(gen: InFlight, *, weight_version: int) -> GeneratedBatch:
     """What a checkpoint records of a generation in flight (waiting for it), for a resume to reuse."""
     result = gen.result()
-    cursor_after = result.cursor_after if result.cursor_after is not None else gen.cursor_after   # the last round's
-    return GeneratedBatch(rollout_id=gen.rollout_id, entry_ids=result.entry_ids, cursor_before=gen.cursor_before,
-                          cursor_after=cursor_after,
-                          metrics=generation_metrics(result, weight_version=weight_version))
+    cursor_after = result.cursor_after if result.cursor_after is not None else gen.cursor_after  # the last round's
+    return GeneratedBatch(
+        rollout_id=gen.rollout_id,
+        entry_ids=result.entry_ids,
+        cursor_before=gen.cursor_before,
+        cursor_after=cursor_after,
+        metrics=generation_metrics(result, weight_version=weight_version),
+    )

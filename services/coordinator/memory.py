@@ -11,21 +11,22 @@ from services.coordinator.api import Clock, RolloutPoolApi, TrainerApi
 from services.telemetry.tracing import span
 
 GIB = 2**30
-ENGINE_WEIGHTS = ("weights",)                 # what a weight sync writes into
-ENGINE_CACHES = ("kv_cache", "cuda_graph")    # what generation needs besides the weights
+ENGINE_WEIGHTS = ("weights",)  # what a weight sync writes into
+ENGINE_CACHES = ("kv_cache", "cuda_graph")  # what generation needs besides the weights
 ENGINE_TAGS = frozenset(ENGINE_WEIGHTS + ENGINE_CACHES)
 
 
 class MemoryMoves:
-    def __init__(self, *, trainer: TrainerApi, pool: RolloutPoolApi, offload_train: bool, offload_rollout: bool,
-                 clock: Clock):
+    def __init__(
+        self, *, trainer: TrainerApi, pool: RolloutPoolApi, offload_train: bool, offload_rollout: bool, clock: Clock
+    ):
         self.trainer = trainer
         self.pool = pool
         self.offload_train = offload_train
         self.offload_rollout = offload_rollout
         self.clock = clock
         self.trainer_offloaded = False
-        self.engines_released: set[str] = set()   # memory tags the engines gave up
+        self.engines_released: set[str] = set()  # memory tags the engines gave up
 
     def release_engines(self, metrics: dict[str, float], *, first: Callable[[], None]) -> None:
         """offload_rollout: the engines give their memory to the trainer for the step. `first` waits for what
@@ -37,8 +38,8 @@ class MemoryMoves:
             self.pool.release_memory()
         self.engines_released = set(ENGINE_TAGS)
         held, freed = self.pool.gpu_memory()
-        metrics["memory/rollout_gpu_gb_released"] = held / GIB   # what the engines' own processes still hold
-        metrics["memory/rollout_gpu_gb_freed"] = freed / GIB      # what the release gave back (SGLang: device-wide)
+        metrics["memory/rollout_gpu_gb_released"] = held / GIB  # what the engines' own processes still hold
+        metrics["memory/rollout_gpu_gb_freed"] = freed / GIB  # what the release gave back (SGLang: device-wide)
 
     def resume_engines(self, tags: tuple[str, ...], metrics: dict[str, float]) -> None:
         wanted = tuple(t for t in tags if t in self.engines_released)

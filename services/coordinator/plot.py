@@ -28,15 +28,15 @@ PNG_KEY = "Tandem-Panels"
 @dataclass(frozen=True)
 class Panel:
     title: str
-    keys: tuple[str, ...]   # the metrics drawn (those present in the run)
-    points: int             # data points drawn over all keys
+    keys: tuple[str, ...]  # the metrics drawn (those present in the run)
+    points: int  # data points drawn over all keys
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
-    rows = read_json_rows(path)   # a row being appended as we read is not one yet
+    rows = read_json_rows(path)  # a row being appended as we read is not one yet
     if not rows:
         raise ValueError(f"{path} holds no metrics yet")
     return rows
@@ -56,8 +56,12 @@ def _line_panel(ax: Any, rows: list[dict], *, title: str, keys: tuple[str, ...])
             ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=key)
             drawn.append(key)
             count += len(xs)
-    _finish_axes(ax, title=title, empty=not drawn, hint="train/kl appears when algorithm.kl_coef > 0"
-                 if "train/kl" in keys else "")
+    _finish_axes(
+        ax,
+        title=title,
+        empty=not drawn,
+        hint="train/kl appears when algorithm.kl_coef > 0" if "train/kl" in keys else "",
+    )
     return Panel(title=title, keys=tuple(drawn), points=count)
 
 
@@ -79,11 +83,10 @@ def _finish_axes(ax: Any, *, title: str, empty: bool, hint: str = "") -> None:
 
     ax.set_title(title)
     ax.set_xlabel("rollout id")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # rollout ids are whole steps
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rollout ids are whole steps
     ax.grid(alpha=0.3)
     if empty:
-        ax.text(0.5, 0.5, "no data" + (f"\n({hint})" if hint else ""), ha="center", va="center",
-                transform=ax.transAxes)
+        ax.text(0.5, 0.5, "no data" + (f"\n({hint})" if hint else ""), ha="center", va="center", transform=ax.transAxes)
     else:
         ax.legend(fontsize=7)
 
@@ -92,7 +95,7 @@ def render(rows: list[dict], *, out: Path, title: str = "") -> list[Panel]:
     """Draws the four panels of `rows` into the PNG `out`; returns what each panel shows."""
     import matplotlib
 
-    matplotlib.use("Agg")   # no display needed
+    matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))

@@ -45,15 +45,21 @@ class RolloutPool:
     shows the synced weight version again (GetState) or the next weight sync reaches it. A reply generated
     with older weights than were synced when it was asked (a restart nobody saw) is discarded and retried."""
 
-    def __init__(self, replicas: Sequence[RolloutApi], *, retry: RetryPolicy = NO_RETRY,
-                 discard: Callable[[list[str]], int] | None = None, clock: Clock | None = None):
+    def __init__(
+        self,
+        replicas: Sequence[RolloutApi],
+        *,
+        retry: RetryPolicy = NO_RETRY,
+        discard: Callable[[list[str]], int] | None = None,
+        clock: Clock | None = None,
+    ):
         self.replicas = list(replicas)
         self.retry = retry
-        self.discard = discard            # deletes buffer entries nobody will train
+        self.discard = discard  # deletes buffer entries nobody will train
         self.clock = clock or SystemClock()
-        self.expected_version: int | None = None   # weight version of the last successful sync
-        self._suspect: set[int] = set()   # replicas that failed since the last sync
-        self._busy = [0] * len(self.replicas)   # generate_one calls in flight per replica
+        self.expected_version: int | None = None  # weight version of the last successful sync
+        self._suspect: set[int] = set()  # replicas that failed since the last sync
+        self._busy = [0] * len(self.replicas)  # generate_one calls in flight per replica
         self._lock = threading.Lock()
         self.executor = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.replicas)), thread_name_prefix="rollout")
 
@@ -79,7 +85,7 @@ class RolloutPool:
         self.each(lambda r: r.resume())
 
     def release_memory(self) -> None:
-        self.each(lambda r: r.release_memory(()))   # no tags: everything
+        self.each(lambda r: r.release_memory(()))  # no tags: everything
 
     def resume_memory(self, tags: Sequence[str]) -> None:
         self.each(lambda r: r.resume_memory(tags))
@@ -91,10 +97,14 @@ class RolloutPool:
 
     def evaluate(self, prompts: list[PromptInput], *, n_samples: int, sampling: SamplingSpec) -> dict[str, float]:
         """Every replica evaluates a share of the prompts; their metrics are averaged, weighted by share."""
-        shares = [prompts[i::self.size] for i in range(self.size)]
-        futures = [self.executor.submit(r.evaluate, EvaluateRequest(
-            name="eval", prompts=tuple(share), n_samples_per_prompt=n_samples, sampling=sampling))
-            for r, share in zip(self.replicas, shares, strict=True)]
+        shares = [prompts[i :: self.size] for i in range(self.size)]
+        futures = [
+            self.executor.submit(
+                r.evaluate,
+                EvaluateRequest(name="eval", prompts=tuple(share), n_samples_per_prompt=n_samples, sampling=sampling),
+            )
+            for r, share in zip(self.replicas, shares, strict=True)
+        ]
         return weighted_mean([dict(f.result().metrics) for f in futures], [len(s) for s in shares])
 
     def weights_synced(self, version: int) -> None:
@@ -104,16 +114,38 @@ class RolloutPool:
 
     # ---- generation -------------------------------------------------------------------------------------
 
-    def generate(self, *, rollout_id: int, prompts: list[PromptInput], n_samples: int, sampling: SamplingSpec,
-                 trace_context: dict[str, str]) -> GenerationResult:
+    def generate(
+        self,
+        *,
+        rollout_id: int,
+        prompts: list[PromptInput],
+        n_samples: int,
+        sampling: SamplingSpec,
+        trace_context: dict[str, str],
+    ) -> GenerationResult:
         start = self.clock.monotonic()
         shares = split_evenly(len(prompts), self.size)
-        futures = [self.executor.submit(self._generate_share, first=i, request=GenerateRequest(
-            rollout_id=rollout_id, prompts=tuple(prompts[j] for j in share), n_samples_per_prompt=n_samples,
-            sampling=sampling, trace_context=trace_context)) for i, share in enumerate(shares)]
+        futures = [
+            self.executor.submit(
+                self._generate_share,
+                first=i,
+                request=GenerateRequest(
+                    rollout_id=rollout_id,
+                    prompts=tuple(prompts[j] for j in share),
+                    n_samples_per_prompt=n_samples,
+                    sampling=sampling,
+                    trace_context=trace_context,
+                ),
+            )
+            for i, share in enumerate(shares)
+        ]
         responses = tuple(f.result() for f in futures)
-        return GenerationResult(rollout_id=rollout_id, entry_ids=tuple(r.entry_id for r in responses),
-                                responses=responses, seconds=self.clock.monotonic() - start)
+        return GenerationResult(
+            rollout_id=rollout_id,
+            entry_ids=tuple(r.entry_id for r in responses),
+            responses=responses,
+            seconds=self.clock.monotonic() - start,
+        )
 
     def generate_one(self, request: GenerateRequest) -> GenerateResult:
         """One Generate (loop.mode streaming: one group) on the replica with the fewest of these in flight."""
@@ -143,7 +175,7 @@ class RolloutPool:
                 errors.append(str(exc))
                 last = exc
                 code = exc.code
-                if code not in self.retry.retryable:   # e.g. a reward function that raises: another replica would too
+                if code not in self.retry.retryable:  # e.g. a reward function that raises: another replica would too
                     break
                 self._suspect_of(index)
                 if not self.retry.retries(code, failures=attempt + 1, elapsed_s=self.clock.monotonic() - start):
@@ -153,18 +185,24 @@ class RolloutPool:
                 continue
             if expected is None or reply.weight_version >= expected:
                 return reply
-            errors.append(f"{replica.name} generated Generate({request.rollout_id}) with weight version "
-                          f"{reply.weight_version}, older than the synced {expected} (it restarted): batch "
-                          f"{reply.entry_id} discarded")
+            errors.append(
+                f"{replica.name} generated Generate({request.rollout_id}) with weight version "
+                f"{reply.weight_version}, older than the synced {expected} (it restarted): batch "
+                f"{reply.entry_id} discarded"
+            )
             log.warning("%s", errors[-1])
             self._suspect_of(index)
             if self.discard is not None:
                 self.discard([reply.entry_id])
         if last is not None and errors == [str(last)]:
-            raise last   # the one answer, with its service, call, details and hint
-        raise ServiceCallError("; ".join(errors), code=last.code if last else None,
-                               service=last.service if last else "", call=last.call if last else "",
-                               hint=last.hint if last else "")
+            raise last  # the one answer, with its service, call, details and hint
+        raise ServiceCallError(
+            "; ".join(errors),
+            code=last.code if last else None,
+            service=last.service if last else "",
+            call=last.call if last else "",
+            hint=last.hint if last else "",
+        )
 
     def _suspect_of(self, index: int) -> None:
         with self._lock:

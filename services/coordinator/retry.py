@@ -18,8 +18,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # A replica that failed with one of these may succeed on the next try (or another replica may).
-TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                             grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
+TRANSIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -45,8 +52,11 @@ class RetryPolicy:
 
     def retries(self, code: grpc.StatusCode | None, *, failures: int, elapsed_s: float) -> bool:
         """Whether a call that has failed `failures` times, the last with `code`, gets another try."""
-        return (code in self.retryable and failures < self.attempts
-                and (self.deadline_s is None or elapsed_s < self.deadline_s))
+        return (
+            code in self.retryable
+            and failures < self.attempts
+            and (self.deadline_s is None or elapsed_s < self.deadline_s)
+        )
 
     def call(self, fn: Callable[[], T], *, clock: Clock) -> T:
         start = clock.monotonic()
@@ -63,8 +73,9 @@ class RetryPolicy:
 
 
 # Train is idempotent per rollout_id (a lost reply is replayed), so a trainer that is restarting is simply asked again.
-TRAIN_RETRY = RetryPolicy(attempts=3, backoff_s=1.0, max_backoff_s=2.0,
-                          retryable=frozenset({grpc.StatusCode.UNAVAILABLE}))
+TRAIN_RETRY = RetryPolicy(
+    attempts=3, backoff_s=1.0, max_backoff_s=2.0, retryable=frozenset({grpc.StatusCode.UNAVAILABLE})
+)
 
 
 def generate_retry(max_retries: int) -> RetryPolicy:

@@ -34,7 +34,7 @@ from services.telemetry.tracker_registry import make_trackers
 log = logging.getLogger(__name__)
 
 
-CONTROL_WORKERS = 16   # server threads for everything but WatchEvents streams: GetStatus, Stop, health, ...
+CONTROL_WORKERS = 16  # server threads for everything but WatchEvents streams: GetStatus, Stop, health, ...
 
 
 class StreamSlots:
@@ -49,9 +49,10 @@ class StreamSlots:
     @contextlib.contextmanager
     def take(self, context: grpc.ServicerContext) -> Iterator[None]:
         if not self._free.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self.limit} WatchEvents streams are open already (services.max_watch_streams); "
-                          "close one first")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.limit} WatchEvents streams are open already (services.max_watch_streams); close one first",
+            )
         try:
             yield
         finally:
@@ -69,9 +70,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def GetStatus(self, request, context):
         c = self.c
         return coordinator_pb2.RunStatus(
-            state=c.status, rollout_id=c.state.next_rollout_id, num_rollout=c.num_rollout,
-            weight_version=c.state.weight_version, data_cursor=c.data.cursor.consumed, epoch=c.data.cursor.epoch,
-            last_metrics=c.last_metrics, run_dir=str(c.run_dir), last_checkpoint=c.last_checkpoint, error=c.error)
+            state=c.status,
+            rollout_id=c.state.next_rollout_id,
+            num_rollout=c.num_rollout,
+            weight_version=c.state.weight_version,
+            data_cursor=c.data.cursor.consumed,
+            epoch=c.data.cursor.epoch,
+            last_metrics=c.last_metrics,
+            run_dir=str(c.run_dir),
+            last_checkpoint=c.last_checkpoint,
+            error=c.error,
+        )
 
     @map_errors
     def Save(self, request, context):
@@ -101,10 +110,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return common_pb2.Ack(ok=True, message="stopping after the current step (with a final checkpoint)")
 
     def WatchEvents(self, request, context):
-        with self.streams.take(context):   # released when the stream ends or the caller goes away
+        with self.streams.take(context):  # released when the stream ends or the caller goes away
             for e in self.c.events.watch(include_history=request.include_history, is_active=context.is_active):
-                yield coordinator_pb2.StepEvent(kind=e.kind, rollout_id=e.rollout_id, message=e.message,
-                                                unix_time=e.unix_time, metrics=e.metrics)
+                yield coordinator_pb2.StepEvent(
+                    kind=e.kind, rollout_id=e.rollout_id, message=e.message, unix_time=e.unix_time, metrics=e.metrics
+                )
 
 
 def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinator, RolloutBuffer | None]:
@@ -114,51 +124,84 @@ def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinat
     buffer = None
     if config.redis.url:
         groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
-        buffer = RolloutBuffer(connect(config.redis.url, password=config.redis.password,
-                                       timeout_s=config.services.timeouts.redis_socket_s),
-                               stream_key(config.redis.stream_prefix, config.run_name), groups=groups)
-    pool = RolloutPool(replicas, retry=generate_retry(config.loop.max_retries),
-                       discard=buffer.delete if buffer is not None else None)
-    sync = WeightSync(trainer=trainer, pool=pool, config=config.weights, trainer_offloads=config.loop.offload_train,
-                      pause_mode=sync_pause_mode(config.rollout.inflight_update))
+        buffer = RolloutBuffer(
+            connect(
+                config.redis.url, password=config.redis.password, timeout_s=config.services.timeouts.redis_socket_s
+            ),
+            stream_key(config.redis.stream_prefix, config.run_name),
+            groups=groups,
+        )
+    pool = RolloutPool(
+        replicas, retry=generate_retry(config.loop.max_retries), discard=buffer.delete if buffer is not None else None
+    )
+    sync = WeightSync(
+        trainer=trainer,
+        pool=pool,
+        config=config.weights,
+        trainer_offloads=config.loop.offload_train,
+        pause_mode=sync_pause_mode(config.rollout.inflight_update),
+    )
     trackers = make_trackers(config.tracing.trackers, run_dir=run_dir, run_name=config.run_name)
     coordinator = Coordinator(
-        config=config, run_dir=run_dir, trainer=trainer, critic=critic, pool=pool, sync=sync, data=data,
-        buffer=buffer, trackers=trackers, eval_prompts=functools.partial(load_eval_prompts, config.data),
+        config=config,
+        run_dir=run_dir,
+        trainer=trainer,
+        critic=critic,
+        pool=pool,
+        sync=sync,
+        data=data,
+        buffer=buffer,
+        trackers=trackers,
+        eval_prompts=functools.partial(load_eval_prompts, config.data),
         # fully_async keeps one generation per replica in flight, plus the one the trainer waits for; streaming
         # one Generate per group in flight
-        generations=ThreadPoolExecutor(max_workers=config.streaming_groups_in_flight if config.loop.mode == "streaming"
-                                       else pool.size + 1, thread_name_prefix="generate"),
-        evals=ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval"))
+        generations=ThreadPoolExecutor(
+            max_workers=config.streaming_groups_in_flight if config.loop.mode == "streaming" else pool.size + 1,
+            thread_name_prefix="generate",
+        ),
+        evals=ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval"),
+    )
     return coordinator, buffer
 
 
 def main(config: TandemConfig, *, run_dir: Path) -> int:
     setup_logging("coordinator", config.tracing.log_level, str(run_dir / "logs" / "coordinator.log"))
-    setup_tracing("tandem-coordinator", exporter=config.tracing.exporter, instance="coordinator",
-                  file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"))
-    clear_failure(run_dir)   # a record of an earlier coordinator is not this one's
+    setup_tracing(
+        "tandem-coordinator",
+        exporter=config.tracing.exporter,
+        instance="coordinator",
+        file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"),
+    )
+    clear_failure(run_dir)  # a record of an earlier coordinator is not this one's
     try:
         coordinator, _ = build_coordinator(config, run_dir=run_dir)
-    except (ValueError, FileNotFoundError) as exc:   # bad data (file and line named): a restart would repeat it
+    except (ValueError, FileNotFoundError) as exc:  # bad data (file and line named): a restart would repeat it
         return _failed(exc, run_dir=run_dir, kept="", starting=True)
     s = config.services
     servicer = CoordinatorServicer(coordinator, max_watch_streams=s.max_watch_streams)
-    server = start_server([(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, "tandem.v1.Coordinator")],
-                          ServerOptions(bind_host=s.bind_host, port=s.coordinator.port, max_message_mb=s.max_message_mb,
-                                        max_workers=CONTROL_WORKERS + s.max_watch_streams, auth_token=s.auth_token,
-                                        tls_cert=s.tls_cert, tls_key=s.tls_key))
+    server = start_server(
+        [(coordinator_pb2_grpc.add_CoordinatorServicer_to_server, servicer, "tandem.v1.Coordinator")],
+        ServerOptions(
+            bind_host=s.bind_host,
+            port=s.coordinator.port,
+            max_message_mb=s.max_message_mb,
+            max_workers=CONTROL_WORKERS + s.max_watch_streams,
+            auth_token=s.auth_token,
+            tls_cert=s.tls_cert,
+            tls_key=s.tls_key,
+        ),
+    )
     print(f"TANDEM_READY coordinator {server.port}", flush=True)
 
     def on_signal(signum: int, count: int) -> None:
         if count == 1:
             log.info("signal %d: stopping after the current step (again to terminate)", signum)
-            coordinator.control.stop()   # thread-safe: a paused loop wakes up to stop
+            coordinator.control.stop()  # thread-safe: a paused loop wakes up to stop
         else:
             log.warning("signal %d again: terminating now", signum)
             exit_now(ExitCode.INTERRUPTED)
 
-    StopSignals(on_signal=on_signal)   # heard whichever thread the kernel hands the signal to
+    StopSignals(on_signal=on_signal)  # heard whichever thread the kernel hands the signal to
     code: int = ExitCode.OK
     try:
         coordinator.run()
@@ -166,7 +209,7 @@ def main(config: TandemConfig, *, run_dir: Path) -> int:
         code = _failed(exc, run_dir=run_dir, kept=coordinator.last_checkpoint)
     for tracker in coordinator.trackers:
         tracker.close()
-    server.stop(grace_s=s.timeouts.control_s)   # control calls still running get their deadline to finish
+    server.stop(grace_s=s.timeouts.control_s)  # control calls still running get their deadline to finish
     shutdown_tracing()
     # A generation or eval thread may still wait on its call's deadline (a failed run): exiting the interpreter
     # would join it.
@@ -182,4 +225,3 @@ def _failed(exc: Exception, *, run_dir: Path, kept: str, starting: bool = False)
     write_failure(run_dir, record)
     print(record.render(command="tandem coordinator", run_dir=run_dir), file=sys.stderr, flush=True)
     return record.exit_code
-

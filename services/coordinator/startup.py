@@ -26,7 +26,7 @@ def wait_for_services(services: Iterable[Awaitable], *, timeout_s: float) -> Non
 @dataclass(frozen=True)
 class Restored:
     state: RunState
-    checkpoint: str = ""    # the checkpoint it came from ("" for a fresh run)
+    checkpoint: str = ""  # the checkpoint it came from ("" for a fresh run)
 
 
 def restore(trainer: TrainerApi, critic: TrainerApi | None) -> Restored:
@@ -49,8 +49,9 @@ def keep_reusable(state: RunState, buffer: BufferApi) -> RunState:
     done = [g.entry_id for g in state.groups if g.entry_id]
     gone = set(buffer.missing(done)) if done else set()
     groups = tuple(replace(g, entry_id="") if g.entry_id in gone else g for g in state.groups)
-    dropped = buffer.discard_except([e for p in reusable for e in p.entry_ids] + [g.entry_id for g in groups
-                                                                                 if g.entry_id])
+    dropped = buffer.discard_except(
+        [e for p in reusable for e in p.entry_ids] + [g.entry_id for g in groups if g.entry_id]
+    )
     if dropped:
         log.info("discarded %d buffer entries generated after the last checkpoint", dropped)
     return replace(state, pending=reusable, groups=groups)
@@ -61,6 +62,11 @@ def _still_buffered(gen: GeneratedBatch, buffer: BufferApi) -> bool:
     never saw it, so it is generated again from its cursor (same prompts)."""
     missing = buffer.missing(list(gen.entry_ids))
     if missing:
-        log.warning("rollout %d: %d of its %d buffered entries were trained after the checkpoint and are gone; "
-                    "generating it again", gen.rollout_id, len(missing), len(gen.entry_ids))
+        log.warning(
+            "rollout %d: %d of its %d buffered entries were trained after the checkpoint and are gone; "
+            "generating it again",
+            gen.rollout_id,
+            len(missing),
+            len(gen.entry_ids),
+        )
     return not missing

@@ -22,7 +22,7 @@ def weighted_mean(parts: Sequence[Mapping[str, float]], weights: Sequence[float]
 
 
 def generation_metrics(gen: GenerationResult, *, weight_version: int) -> dict[str, float]:
-    if gen.recorded_metrics is not None:   # reused from a checkpoint: recorded by the earlier run
+    if gen.recorded_metrics is not None:  # reused from a checkpoint: recorded by the earlier run
         return {**gen.recorded_metrics, "rollout/reused_from_checkpoint": 1.0}
     counts = [r.num_samples for r in gen.responses]
     out = prefixed("rollout", weighted_mean([dict(r.metrics) for r in gen.responses], counts))

@@ -33,19 +33,20 @@ log = logging.getLogger(__name__)
 
 
 class GroupStream:
-    def __init__(self, *, config: TandemConfig, pool: RolloutPoolApi, data: PromptSource, executor: Executor,
-                 clock: Clock):
+    def __init__(
+        self, *, config: TandemConfig, pool: RolloutPoolApi, data: PromptSource, executor: Executor, clock: Clock
+    ):
         self.pool, self.data, self.executor, self.clock = pool, data, executor, clock
         self.n_samples = config.rollout.n_samples_per_prompt
         self.batch_size = config.rollout.rollout_batch_size
         self.limit = config.streaming_groups_in_flight
         self.sampling = SamplingSpec.from_config(config.rollout.sampling)
         self._cv = threading.Condition()
-        self._drawn: deque[StreamGroup] = deque()      # not sent yet
-        self._running: dict[int, StreamGroup] = {}     # by group id
-        self._done: deque[tuple[StreamGroup, GenerateResult]] = deque()   # in the order they finished
+        self._drawn: deque[StreamGroup] = deque()  # not sent yet
+        self._running: dict[int, StreamGroup] = {}  # by group id
+        self._done: deque[tuple[StreamGroup, GenerateResult]] = deque()  # in the order they finished
         self._failure: BaseException | None = None
-        self.needed = 0   # groups the rest of the run trains (set by the loop, counted down by take)
+        self.needed = 0  # groups the rest of the run trains (set by the loop, counted down by take)
 
     # ---- the books ------------------------------------------------------------------------------------
 
@@ -53,12 +54,16 @@ class GroupStream:
         """A resume: recorded groups with an entry (still buffered) wait for a step as they are; the others are
         generated again."""
         again = [g for g in groups if not g.entry_id]
-        with self._cv:   # a reused group's counts: its samples (its tokens are in the entry, not read here)
+        with self._cv:  # a reused group's counts: its samples (its tokens are in the entry, not read here)
             self._done.extend((g, _reused(g, samples=self.n_samples)) for g in groups if g.entry_id)
             self._drawn.extend(again)
         if groups:
-            log.info("resuming %d groups: %d buffered entries reused, %d generated again", len(groups),
-                     len(groups) - len(again), len(again))
+            log.info(
+                "resuming %d groups: %d buffered entries reused, %d generated again",
+                len(groups),
+                len(groups) - len(again),
+                len(again),
+            )
 
     def outstanding(self, *, wait: bool = False) -> tuple[StreamGroup, ...]:
         """Every group drawn and not trained, in group id order (`wait`: once none is generating)."""
@@ -77,7 +82,7 @@ class GroupStream:
         with self._cv:
             have = len(self._drawn) + len(self._running) + len(self._done)
             while len(self._running) + len(self._done) < self.limit and len(self._done) < self.batch_size:
-                if not self._drawn:   # drawn as they are sent: a checkpoint records few groups not sent yet
+                if not self._drawn:  # drawn as they are sent: a checkpoint records few groups not sent yet
                     if have >= self.needed:
                         break
                     have += self._draw()
@@ -88,15 +93,20 @@ class GroupStream:
     def _draw(self) -> int:
         batch = self.data.next_batch()
         epoch, first = batch.cursor_after.epoch, batch.cursor_after.offset - len(batch.prompts)
-        self._drawn.extend(StreamGroup(group_id=g, epoch=epoch, offset=first + k)
-                           for k, g in enumerate(batch.group_ids))
+        self._drawn.extend(
+            StreamGroup(group_id=g, epoch=epoch, offset=first + k) for k, g in enumerate(batch.group_ids)
+        )
         return len(batch.prompts)
 
     def _generate(self, group: StreamGroup, trace_context: dict[str, str]) -> None:
         record = self.data.record_at(group.epoch, group.offset)
-        request = GenerateRequest(rollout_id=group.group_id, n_samples_per_prompt=self.n_samples,
-                                  sampling=self.sampling, trace_context=trace_context,
-                                  prompts=(record.to_input(group.group_id),))
+        request = GenerateRequest(
+            rollout_id=group.group_id,
+            n_samples_per_prompt=self.n_samples,
+            sampling=self.sampling,
+            trace_context=trace_context,
+            prompts=(record.to_input(group.group_id),),
+        )
         try:
             reply = self.pool.generate_one(request)
         except BaseException as exc:  # noqa: BLE001 - handed to the step waiting for groups
@@ -125,13 +135,27 @@ class GroupStream:
                     self.needed -= 1
             self.fill()
         responses = tuple(reply for _, reply in taken)
-        return GenerationResult(rollout_id=rollout_id, entry_ids=tuple(g.entry_id for g, _ in taken),
-                                responses=responses, seconds=self.clock.monotonic() - start)
+        return GenerationResult(
+            rollout_id=rollout_id,
+            entry_ids=tuple(g.entry_id for g, _ in taken),
+            responses=responses,
+            seconds=self.clock.monotonic() - start,
+        )
 
 
 def _reused(group: StreamGroup, *, samples: int) -> GenerateResult:
     """What a resume knows of a recorded group's entry: its sample count and version (its tokens are in the entry,
     not read here)."""
-    return GenerateResult(entry_id=group.entry_id, num_samples=samples, num_prompt_tokens=0, num_response_tokens=0,
-                          weight_version=group.weight_version, generate_time_s=0.0, reward_time_s=0.0, put_time_s=0.0,
-                          metrics={}, producer="", num_groups=1)
+    return GenerateResult(
+        entry_id=group.entry_id,
+        num_samples=samples,
+        num_prompt_tokens=0,
+        num_response_tokens=0,
+        weight_version=group.weight_version,
+        generate_time_s=0.0,
+        reward_time_s=0.0,
+        put_time_s=0.0,
+        metrics={},
+        producer="",
+        num_groups=1,
+    )

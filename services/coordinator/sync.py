@@ -31,8 +31,15 @@ from services.telemetry.tracing import span
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ChecksumMismatch", "SyncPhase", "SyncResult", "WeightSync", "WeightSyncFailed", "compare_bucket_checksums",
-           "compare_checksums"]
+__all__ = [
+    "ChecksumMismatch",
+    "SyncPhase",
+    "SyncResult",
+    "WeightSync",
+    "WeightSyncFailed",
+    "compare_bucket_checksums",
+    "compare_checksums",
+]
 
 
 class SyncPhase(Enum):
@@ -59,14 +66,17 @@ def compare_checksums(expected: dict[str, str], received: dict[str, str], *, rep
         raise ChecksumMismatch(
             f"check_weight_update_equal failed on {replica}: {len(differ)} tensors differ "
             f"({', '.join(differ[:5])}{'…' if len(differ) > 5 else ''}), {len(missing)} missing "
-            f"({', '.join(missing[:5])})")
+            f"({', '.join(missing[:5])})"
+        )
 
 
 def compare_bucket_checksums(expected: list[str], received: list[str], *, replica: str) -> None:
     differ = [i for i, digest in enumerate(expected) if i >= len(received) or received[i] != digest]
     if differ:
-        raise ChecksumMismatch(f"check_weight_update_equal failed on {replica}: {len(differ)} of {len(expected)} "
-                               f"bucket(s) differ (bucket {', '.join(map(str, differ[:5]))})")
+        raise ChecksumMismatch(
+            f"check_weight_update_equal failed on {replica}: {len(differ)} of {len(expected)} "
+            f"bucket(s) differ (bucket {', '.join(map(str, differ[:5]))})"
+        )
 
 
 def rank_offsets(ranks: list[int]) -> list[int]:
@@ -75,10 +85,17 @@ def rank_offsets(ranks: list[int]) -> list[int]:
 
 
 class WeightSync:
-    def __init__(self, *, trainer: TrainerWeightsApi, pool: RolloutPool, config: WeightsConfig,
-                 pause_mode: str = "drain", trainer_offloads: bool = False):
+    def __init__(
+        self,
+        *,
+        trainer: TrainerWeightsApi,
+        pool: RolloutPool,
+        config: WeightsConfig,
+        pause_mode: str = "drain",
+        trainer_offloads: bool = False,
+    ):
         self.trainer = trainer
-        self.trainer_offloads = trainer_offloads   # the trainer frees its buffers after every sync
+        self.trainer_offloads = trainer_offloads  # the trainer frees its buffers after every sync
         self.pool = pool
         self.config = config
         self.pause_mode = pause_mode
@@ -90,11 +107,15 @@ class WeightSync:
         try:
             return self._attempt(version=version, verify=verify, by_bucket=verify)
         except ChecksumMismatch as exc:
-            log.warning("weight sync v%d: %s; sending it again with per-tensor checksums to name the tensors",
-                        version, exc)
-            result = self._attempt(version=version, verify=True, by_bucket=False)   # raises naming the tensors
-            log.warning("weight sync v%d: sent again, every tensor matches the trainer's checksums: the bucket "
-                        "mismatch did not repeat", version)
+            log.warning(
+                "weight sync v%d: %s; sending it again with per-tensor checksums to name the tensors", version, exc
+            )
+            result = self._attempt(version=version, verify=True, by_bucket=False)  # raises naming the tensors
+            log.warning(
+                "weight sync v%d: sent again, every tensor matches the trainer's checksums: the bucket "
+                "mismatch did not repeat",
+                version,
+            )
             return result
 
     def _attempt(self, *, version: int, verify: bool, by_bucket: bool) -> SyncResult:
@@ -107,40 +128,53 @@ class WeightSync:
                 prepared = self.pool.prepare_weight_sync(version=version, pause_mode=self.pause_mode)
                 ranks = [max(1, p.engine_ranks) for p in prepared]
                 times["pause"] = time.monotonic() - t
-                plan = self.trainer.prepare_weight_sync(WeightSyncRequest(
-                    version=version, transport=self.config.transport, engine_world_size=sum(ranks), verify=verify,
-                    verify_by_bucket=by_bucket))
+                plan = self.trainer.prepare_weight_sync(
+                    WeightSyncRequest(
+                        version=version,
+                        transport=self.config.transport,
+                        engine_world_size=sum(ranks),
+                        verify=verify,
+                        verify_by_bucket=by_bucket,
+                    )
+                )
                 plan.buffers_freed_after = self.trainer_offloads
-                times["plan"] = time.monotonic() - t - times["pause"]   # the trainer's checksums, when verifying
+                times["plan"] = time.monotonic() - t - times["pause"]  # the trainer's checksums, when verifying
 
                 self.phase = SyncPhase.TRANSFER
                 t = time.monotonic()
                 published, received = self._transfer(plan=plan, ranks=ranks)
                 times["transfer"] = time.monotonic() - t
-                times["publish"] = published.time_s                 # the trainer's own account of it
+                times["publish"] = published.time_s  # the trainer's own account of it
                 times["receive"] = max(r.time_s for r in received)  # the slowest engine's (its checksums included)
 
                 self.phase = SyncPhase.VERIFY
                 t = time.monotonic()
                 checked = self._verify(plan, received) if verify else 0
                 times["verify"] = time.monotonic() - t
-                if verify:   # the trainer's and the slowest engine's, inside "plan" and "receive"
+                if verify:  # the trainer's and the slowest engine's, inside "plan" and "receive"
                     times["checksum"] = plan.checksum_s + max(r.checksum_s for r in received)
             except WeightSyncFailed:
                 self._resume_quietly()
                 raise
             except Exception as exc:
                 self._resume_quietly()
-                raise WeightSyncFailed(f"weight sync to version {version} failed in phase {self.phase.value}: "
-                                      f"{exc}") from exc
-            self.pool.weights_synced(version)   # every replica holds `version`, restarted ones included
+                raise WeightSyncFailed(
+                    f"weight sync to version {version} failed in phase {self.phase.value}: {exc}"
+                ) from exc
+            self.pool.weights_synced(version)  # every replica holds `version`, restarted ones included
             self.phase = SyncPhase.RESUME
             t = time.monotonic()
             self.pool.resume()
             times["resume"] = time.monotonic() - t
             self.phase = SyncPhase.DONE
-            result = SyncResult(version=version, transport=plan.transport, bytes=plan.total_bytes,
-                                seconds=time.monotonic() - start, phase_seconds=times, verified_tensors=checked)
+            result = SyncResult(
+                version=version,
+                transport=plan.transport,
+                bytes=plan.total_bytes,
+                seconds=time.monotonic() - start,
+                phase_seconds=times,
+                verified_tensors=checked,
+            )
             s.set_attribute("rl.bytes", result.bytes)
             s.set_attribute("rl.gbps", result.gbps)
             return result
@@ -159,8 +193,10 @@ class WeightSync:
 
     def _transfer(self, *, plan: WeightSyncPlan, ranks: list[int]) -> tuple[PublishResult, list[ReceiveResult]]:
         # Engines first (they join the group and block), then the trainer broadcasts in the announced order.
-        receive = [self.executor.submit(r.receive_weights, ReceiveRequest(plan=plan, rank_offset=o))
-                   for r, o in zip(self.pool.replicas, rank_offsets(ranks), strict=True)]
+        receive = [
+            self.executor.submit(r.receive_weights, ReceiveRequest(plan=plan, rank_offset=o))
+            for r, o in zip(self.pool.replicas, rank_offsets(ranks), strict=True)
+        ]
         publish = self.executor.submit(self.trainer.publish_weights, plan.version)
         waits: list[Future] = [publish, *receive]
         errors: list[ServiceCallError] = []
@@ -172,8 +208,10 @@ class WeightSync:
         if errors:
             # the bytes arrived, and what arrived differs: DATA_LOSS from each engine that failed
             kind = ChecksumMismatch if all(e.code == grpc.StatusCode.DATA_LOSS for e in errors) else WeightSyncFailed
-            raise kind(f"weight transfer of version {plan.version} over {plan.transport} failed: "
-                       + "; ".join(map(str, errors)))
+            raise kind(
+                f"weight transfer of version {plan.version} over {plan.transport} failed: "
+                + "; ".join(map(str, errors))
+            )
         return publish.result(), [f.result() for f in receive]
 
     def _resume_quietly(self) -> None:

@@ -15,18 +15,27 @@ from rich.table import Table
 
 from services.contracts.gen.tandem.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-COLUMNS = (("rollout/reward_mean", "reward"), ("rollout/response_len_mean", "resp len"), ("train/loss", "loss"),
-           ("train/kl", "kl"), ("train/grad_norm", "grad"), ("rollout/staleness", "stale"),
-           ("perf/rollout_time_s", "rollout s"), ("perf/train_time_s", "train s"),
-           ("perf/weight_sync_time_s", "sync s"), ("perf/step_time_s", "step s"), ("perf/tokens_per_s", "tok/s"),
-           ("weights/version", "ver"))
+COLUMNS = (
+    ("rollout/reward_mean", "reward"),
+    ("rollout/response_len_mean", "resp len"),
+    ("train/loss", "loss"),
+    ("train/kl", "kl"),
+    ("train/grad_norm", "grad"),
+    ("rollout/staleness", "stale"),
+    ("perf/rollout_time_s", "rollout s"),
+    ("perf/train_time_s", "train s"),
+    ("perf/weight_sync_time_s", "sync s"),
+    ("perf/step_time_s", "step s"),
+    ("perf/tokens_per_s", "tok/s"),
+    ("weights/version", "ver"),
+)
 SHOWN_ROWS = 20
 
 
 @dataclass
 class WatchState:
     steps: list[coordinator_pb2.StepEvent] = field(default_factory=list)
-    message: str = ""       # the latest state message ("running", "finished", "failed: ...")
+    message: str = ""  # the latest state message ("running", "finished", "failed: ...")
     last_eval: str = ""
     last_save: str = ""
     state: str = ""
@@ -50,8 +59,10 @@ class WatchState:
 
 
 def render(state: WatchState) -> Table:
-    table = Table(title=f"tandem run — {state.message}" if state.message else "tandem run",
-                  caption="\n".join(x for x in (state.last_eval, state.last_save) if x) or None)
+    table = Table(
+        title=f"tandem run — {state.message}" if state.message else "tandem run",
+        caption="\n".join(x for x in (state.last_eval, state.last_save) if x) or None,
+    )
     table.add_column("step", justify="right")
     for _, label in COLUMNS:
         table.add_column(label, justify="right")
@@ -80,7 +91,7 @@ def watch_table(stub: coordinator_pb2_grpc.CoordinatorStub, *, console: Console 
             for event in events:
                 state.on_event(event)
                 live.update(render(state))
-    else:   # piped: a line per event as it happens (a redrawn table would only show at the end), then the table
+    else:  # piped: a line per event as it happens (a redrawn table would only show at the end), then the table
         for event in events:
             state.on_event(event)
             print(event_line(event), flush=True)

@@ -26,10 +26,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.preflight")
 
-MAX_TOKENIZER_CHECKS = 20000   # prompts and labels looked at for unknown tokens (every prompt's length is checked)
-ENCODE_BATCH = 8192            # prompts the tokenizer encodes in one call
-BOUND_SAMPLE = 1000            # prompts always encoded, checking the length bound (measure_prompts)
-SHOWN_LINES = 5                # line numbers named besides the first offending one
+MAX_TOKENIZER_CHECKS = 20000  # prompts and labels looked at for unknown tokens (every prompt's length is checked)
+ENCODE_BATCH = 8192  # prompts the tokenizer encodes in one call
+BOUND_SAMPLE = 1000  # prompts always encoded, checking the length bound (measure_prompts)
+SHOWN_LINES = 5  # line numbers named besides the first offending one
 
 
 def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[str]:
@@ -50,21 +50,30 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
 
 @dataclass(frozen=True)
 class PromptLimit:
-    tokens: int        # the most a prompt of this data file may have
-    why: str           # where that number comes from, for the message
+    tokens: int  # the most a prompt of this data file may have
+    why: str  # where that number comes from, for the message
 
 
 def prompt_limit(config: TandemConfig, key: str) -> PromptLimit:
     """The context (runfacts.context_length) minus the max_new_tokens of the data file's sampling."""
-    context = runfacts.context_length(configured=config.rollout.max_context_length,
-                                      model_positions=runfacts.model_positions(config.model.path))
-    context_from = ("rollout.max_context_length" if config.rollout.max_context_length and
-                    context == config.rollout.max_context_length else "the model's max_position_embeddings")
-    sampling, sampling_key = ((config.rollout.eval_sampling, "rollout.eval_sampling")
-                              if key == "data.eval_path" else (config.rollout.sampling, "rollout.sampling"))
-    return PromptLimit(tokens=context - sampling.max_new_tokens,
-                       why=f"a context of {context} tokens, from {context_from}, minus {sampling_key}.max_new_tokens "
-                           f"{sampling.max_new_tokens}")
+    context = runfacts.context_length(
+        configured=config.rollout.max_context_length, model_positions=runfacts.model_positions(config.model.path)
+    )
+    context_from = (
+        "rollout.max_context_length"
+        if config.rollout.max_context_length and context == config.rollout.max_context_length
+        else "the model's max_position_embeddings"
+    )
+    sampling, sampling_key = (
+        (config.rollout.eval_sampling, "rollout.eval_sampling")
+        if key == "data.eval_path"
+        else (config.rollout.sampling, "rollout.sampling")
+    )
+    return PromptLimit(
+        tokens=context - sampling.max_new_tokens,
+        why=f"a context of {context} tokens, from {context_from}, minus {sampling_key}.max_new_tokens "
+        f"{sampling.max_new_tokens}",
+    )
 
 
 @dataclass(frozen=True)
@@ -72,12 +81,13 @@ class ModelPrompts:
     """A data file's prompts as the model reads them (the chat template applied), and how many tokens each has."""
 
     texts: list[str]
-    lengths: list[int]            # exact for the encoded rows; for the others a bound within the limit
-    ids: dict[int, list[int]]     # the encoded rows: the first ones, and every one a bound does not show fits
+    lengths: list[int]  # exact for the encoded rows; for the others a bound within the limit
+    ids: dict[int, list[int]]  # the encoded rows: the first ones, and every one a bound does not show fits
 
 
-def model_prompts(config: TandemConfig, records: dict[str, list[PromptRecord]],
-                  tokenizer: PreTrainedTokenizerBase) -> dict[str, ModelPrompts]:
+def model_prompts(
+    config: TandemConfig, records: dict[str, list[PromptRecord]], tokenizer: PreTrainedTokenizerBase
+) -> dict[str, ModelPrompts]:
     """Every prompt of every data file through the rollout's own path (rendered, then encoded where its length is
     not known to fit: measure_prompts); ConfigError naming the file and line / row of a prompt the chat template
     fails on."""
@@ -96,8 +106,9 @@ def model_prompts(config: TandemConfig, records: dict[str, list[PromptRecord]],
                     raise
                 path = getattr(config.data, key.split(".")[1])
                 raise ConfigError(f"{key}: {data_file(path).where(rows[exc.index].line)}: {exc}") from None
-            out[key] = measure_prompts(tokenizer, texts, [bool(r.messages) for r in rows],
-                                       limit=prompt_limit(config, key).tokens, exact=exact)
+            out[key] = measure_prompts(
+                tokenizer, texts, [bool(r.messages) for r in rows], limit=prompt_limit(config, key).tokens, exact=exact
+            )
     except ChatTemplateError as exc:
         raise ConfigError(str(exc)) from None
     return out
@@ -112,14 +123,15 @@ def render_prompts(chat: ChatTemplate, rows: list[PromptRecord]) -> list[str]:
     texts: list[str] = []
     for start in range(0, len(rows), ENCODE_BATCH):
         try:
-            texts += prompt_texts(chat, rows[start:start + ENCODE_BATCH])
+            texts += prompt_texts(chat, rows[start : start + ENCODE_BATCH])
         except ChatTemplateError as exc:
             raise ChatTemplateError(str(exc), index=None if exc.index is None else start + exc.index) from None
     return texts
 
 
-def measure_prompts(tokenizer: PreTrainedTokenizerBase, texts: list[str], chats: list[bool], *, limit: int,
-                    exact: int) -> ModelPrompts:
+def measure_prompts(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], chats: list[bool], *, limit: int, exact: int
+) -> ModelPrompts:
     """Token counts of every prompt, encoding (ENCODE_BATCH at a time, as the rollout does) only the first `exact`
     prompts and those whose length bound (tokenizer.length_bounds) exceeds `limit`: the others fit for certain.
     Encoding is ~100 µs a prompt, nearly all of preflight's time on a 100k-row file. Should an encoded prompt
@@ -131,9 +143,14 @@ def measure_prompts(tokenizer: PreTrainedTokenizerBase, texts: list[str], chats:
 
     def encode(rows: list[int]) -> None:
         for start in range(0, len(rows), ENCODE_BATCH):
-            chunk = rows[start:start + ENCODE_BATCH]
-            ids.update(zip(chunk, encode_prompt_texts(tokenizer, [texts[i] for i in chunk], [chats[i] for i in chunk]),
-                           strict=True))
+            chunk = rows[start : start + ENCODE_BATCH]
+            ids.update(
+                zip(
+                    chunk,
+                    encode_prompt_texts(tokenizer, [texts[i] for i in chunk], [chats[i] for i in chunk]),
+                    strict=True,
+                )
+            )
 
     encode(sorted(set(range(min(exact, len(texts)))) | {i for i, b in enumerate(bounds) if b is None or b > limit}))
     if any(len(row) > bound for i, row in ids.items() if (bound := bounds[i]) is not None):
@@ -146,14 +163,18 @@ def _empty(row: PromptRecord) -> bool:
     return not any(m.content.strip() for m in row.messages) if row.messages else not row.text.strip()
 
 
-def check_prompt_lengths(config: TandemConfig, records: dict[str, list[PromptRecord]],
-                         prompts: dict[str, ModelPrompts]) -> None:
+def check_prompt_lengths(
+    config: TandemConfig, records: dict[str, list[PromptRecord]], prompts: dict[str, ModelPrompts]
+) -> None:
     """ConfigError naming file:line (or file: row) of the first prompt that is empty or leaves no room for
     max_new_tokens in the context (runfacts.context_length), with the limits and how many more are like it."""
     for key, rows in records.items():
         limit = prompt_limit(config, key)
-        bad = [(row, length) for row, length in zip(rows, prompts[key].lengths, strict=True)
-               if length > limit.tokens or _empty(row)]
+        bad = [
+            (row, length)
+            for row, length in zip(rows, prompts[key].lengths, strict=True)
+            if length > limit.tokens or _empty(row)
+        ]
         if not bad:
             continue
         first, tokens = bad[0]
@@ -161,11 +182,14 @@ def check_prompt_lengths(config: TandemConfig, records: dict[str, list[PromptRec
         if _empty(first):
             problem = "the prompt is empty"
         else:
-            problem = (f"the prompt has {tokens} tokens{templated}, more than the {limit.tokens} a prompt may have "
-                       f"({limit.why})")
+            problem = (
+                f"the prompt has {tokens} tokens{templated}, more than the {limit.tokens} a prompt may have "
+                f"({limit.why})"
+            )
         file = data_file(getattr(config.data, key.split(".")[1]))
-        raise ConfigError(f"{key}: {file.where(first.line)}: {problem}"
-                          f"{_others([row.line for row, _ in bad[1:]], unit=file.unit)}")
+        raise ConfigError(
+            f"{key}: {file.where(first.line)}: {problem}{_others([row.line for row, _ in bad[1:]], unit=file.unit)}"
+        )
 
 
 def _others(lines: list[int], *, unit: str) -> str:
@@ -188,21 +212,28 @@ def check_engine(config: TandemConfig) -> None:
 
     problems = []
     if config.weights.check_weight_update_equal:
-        problems.append("weights.check_weight_update_equal: not supported with rollout.engine sglang (SGLang exposes "
-                        "no bit-exact checksums of the tensors it loaded: its /weights_checker hashes its own, "
-                        "possibly fused ones); set it to false")
+        problems.append(
+            "weights.check_weight_update_equal: not supported with rollout.engine sglang (SGLang exposes "
+            "no bit-exact checksums of the tensors it loaded: its /weights_checker hashes its own, "
+            "possibly fused ones); set it to false"
+        )
     if config.weights.transport == "cuda_ipc":
         remote = [u for u in config.rollout.sglang.urls if not is_loopback(u)]
         if remote:
-            problems.append(f"weights.transport: cuda_ipc needs SGLang on the trainer's host (CUDA IPC handles open "
-                            f"only there), and rollout.sglang.urls names {', '.join(remote)}; use nccl or disk")
+            problems.append(
+                f"weights.transport: cuda_ipc needs SGLang on the trainer's host (CUDA IPC handles open "
+                f"only there), and rollout.sglang.urls names {', '.join(remote)}; use nccl or disk"
+            )
         if config.trainer.device == "cpu":
             problems.append("weights.transport: cuda_ipc needs the trainer on a GPU (trainer.device is cpu)")
     problems += launch_problems(tuple(config.rollout.sglang.launch_args), dict(os.environ))
-    if not config.rollout.sglang.urls:   # servers the user runs are checked when the engine connects
+    if not config.rollout.sglang.urls:  # servers the user runs are checked when the engine connects
         launch = config.rollout.sglang.launch_args
-        refusal = inflight_refusal(config.rollout.inflight_update, radix_cache_off="--disable-radix-cache" in launch,
-                                   where="the SGLang server rollout.sglang.launch_args start")
+        refusal = inflight_refusal(
+            config.rollout.inflight_update,
+            radix_cache_off="--disable-radix-cache" in launch,
+            where="the SGLang server rollout.sglang.launch_args start",
+        )
         problems += [refusal] if refusal else []
     if problems:
         raise ConfigError("\n".join(problems))
@@ -230,14 +261,17 @@ def check_model(config: TandemConfig, *, init_model: bool) -> None:
         raise ConfigError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
     if not init_model:
         hint = _near_miss(path)
-        raise ConfigError(f"model.path: {path} holds no model{hint}; point model.path at a Hugging Face model "
-                          f"directory, build a random-init one with `tandem init-model {path}`, or pass "
-                          "--init-model to `tandem run`")
+        raise ConfigError(
+            f"model.path: {path} holds no model{hint}; point model.path at a Hugging Face model "
+            f"directory, build a random-init one with `tandem init-model {path}`, or pass "
+            "--init-model to `tandem run`"
+        )
     from services.rollout.model_init import init_model as build
 
     preset, body = config.model.init_preset or "tiny", config.model.init_body
-    log.warning("--init-model: building a random-init %s model%s at %s", preset, f" ({body} body)" if body else "",
-                path)
+    log.warning(
+        "--init-model: building a random-init %s model%s at %s", preset, f" ({body} body)" if body else "", path
+    )
     build(path, preset=preset, body=body)
 
 
@@ -264,7 +298,7 @@ def already_finished(config: TandemConfig, *, run_dir: Path) -> str | None:
     try:
         saved = RunState.from_json(read_json(latest / STATE)["extra_state"]["coordinator"])
     except (OSError, ValueError, KeyError, TypeError):
-        return None   # not a checkpoint of a run: the trainer's Load decides what it is
+        return None  # not a checkpoint of a run: the trainer's Load decides what it is
     total = runfacts.num_rollout(config, dataset_size=len(_load("data.train_path", config.data.train_path, config)))
     if not runfacts.is_finished(next_rollout_id=saved.next_rollout_id, num_rollout=total):
         return None
@@ -284,7 +318,7 @@ def _near_miss(path: Path) -> str:
 def _load(key: str, path: str, config: TandemConfig) -> list[PromptRecord]:
     try:
         return load_prompts(path, config.data)
-    except (OSError, ValueError) as exc:   # missing, unreadable, of no known format, empty, or a bad row
+    except (OSError, ValueError) as exc:  # missing, unreadable, of no known format, empty, or a bad row
         raise ConfigError(f"{key}: {exc}") from None
 
 
@@ -308,30 +342,39 @@ def _check_environment(spec: str | None) -> None:
         raise ConfigError(f"rollout.environment: {exc}") from None
 
 
-def unencodable_text(config: TandemConfig, records: dict[str, list[PromptRecord]],
-                     prompts: dict[str, ModelPrompts], tokenizer: PreTrainedTokenizerBase) -> list[str]:
+def unencodable_text(
+    config: TandemConfig,
+    records: dict[str, list[PromptRecord]],
+    prompts: dict[str, ModelPrompts],
+    tokenizer: PreTrainedTokenizerBase,
+) -> list[str]:
     """One warning per data file whose prompts or labels hold text the tokenizer maps to its unknown token:
     the model can never read (or, for labels, write) it, which looks like a run that does not learn."""
     unk = tokenizer.unk_token_id
-    if unk is None:   # byte-level tokenizers encode everything
+    if unk is None:  # byte-level tokenizers encode everything
         return []
     warnings = []
     for key, all_rows in records.items():
         rows = all_rows[:MAX_TOKENIZER_CHECKS]
         labels = [r.label for r in rows]
         for field, texts, encoded in (
-                ("prompt", prompts[key].texts[:MAX_TOKENIZER_CHECKS],
-                 [prompts[key].ids[i] for i in range(len(rows))]),
-                ("label", labels, tokenizer(labels, add_special_tokens=False)["input_ids"])):
+            ("prompt", prompts[key].texts[:MAX_TOKENIZER_CHECKS], [prompts[key].ids[i] for i in range(len(rows))]),
+            ("label", labels, tokenizer(labels, add_special_tokens=False)["input_ids"]),
+        ):
             bad = [i for i, ids in enumerate(encoded) if unk in ids]
             if bad:
-                warnings.append(f"{key}: {len(bad)} of {len(rows)} {field}s hold text the tokenizer of "
-                                f"{config.model.tokenizer_path or config.model.path} cannot encode (it becomes "
-                                f"{tokenizer.unk_token}); the first: {texts[bad[0]]!r}")
+                warnings.append(
+                    f"{key}: {len(bad)} of {len(rows)} {field}s hold text the tokenizer of "
+                    f"{config.model.tokenizer_path or config.model.path} cannot encode (it becomes "
+                    f"{tokenizer.unk_token}); the first: {texts[bad[0]]!r}"
+                )
     return warnings
 
 
 def missing_labels(config: TandemConfig, records: dict[str, list[PromptRecord]]) -> list[str]:
     """A warning per data file where no row has data.label_key: a typo there gives every reward an empty label."""
-    return [f"{key}: every label is empty (no row has a value at data.label_key {config.data.label_key!r})"
-            for key, rows in records.items() if not any(r.label for r in rows)]
+    return [
+        f"{key}: every label is empty (no row has a value at data.label_key {config.data.label_key!r})"
+        for key, rows in records.items()
+        if not any(r.label for r in rows)
+    ]

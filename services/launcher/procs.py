@@ -11,10 +11,12 @@ import sys
 # service already survives kill -9 (checkpoints, the AOF, pending entries). Not a preexec_fn: Python code between
 # fork and exec can deadlock once other threads (gRPC's) run. A parent that died before the prctl is no longer
 # getppid(): then the child exits at once.
-_DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
-                    "try:\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL)\nexcept OSError:\n    pass\n"
-                    "if os.getppid() != int(sys.argv[1]):\n    sys.exit(1)\n"
-                    "os.execvp(sys.argv[2], sys.argv[2:])")
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL)\nexcept OSError:\n    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n    sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])"
+)
 
 
 def dies_with_parent(argv: list[str]) -> list[str]:

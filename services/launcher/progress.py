@@ -15,9 +15,13 @@ EVAL_SUMMARY_KEYS = ("reward_mean", "pass@1", "pass@4", "pass@8", "response_len_
 
 def step_summary(metrics: dict[str, float]) -> str:
     parts = []
-    for key, label, fmt in (("rollout/reward_mean", "reward", "{:.3f}"), ("train/loss", "loss", "{:.4f}"),
-                            ("perf/step_time_s", "step", "{:.2f}s"), ("rollout/staleness", "stale", "{:.0f}"),
-                            ("weights/version", "v", "{:.0f}")):
+    for key, label, fmt in (
+        ("rollout/reward_mean", "reward", "{:.3f}"),
+        ("train/loss", "loss", "{:.4f}"),
+        ("perf/step_time_s", "step", "{:.2f}s"),
+        ("rollout/staleness", "stale", "{:.0f}"),
+        ("weights/version", "v", "{:.0f}"),
+    ):
         if key in metrics:
             parts.append(f"{label} {fmt.format(metrics[key])}")
     return "  ".join(parts)
@@ -26,8 +30,17 @@ def step_summary(metrics: dict[str, float]) -> str:
 class ProgressView:
     def __init__(self, *, enabled: bool):
         self.enabled = enabled
-        self.progress = Progress(TextColumn("[bold]tandem"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[summary]}"), TimeElapsedColumn()) if enabled else None
+        self.progress = (
+            Progress(
+                TextColumn("[bold]tandem"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[summary]}"),
+                TimeElapsedColumn(),
+            )
+            if enabled
+            else None
+        )
         self.task: TaskID | None = None
         self.total = 0
 
@@ -58,8 +71,11 @@ class ProgressView:
             else:
                 log.info("step %d/%d  %s", event.rollout_id + 1, self.total, summary)
         elif event.kind == "eval":
-            evals = "  ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())
-                              if k.startswith("eval/") and k.split("/")[-1] in EVAL_SUMMARY_KEYS)
+            evals = "  ".join(
+                f"{k} {v:.3f}"
+                for k, v in sorted(metrics.items())
+                if k.startswith("eval/") and k.split("/")[-1] in EVAL_SUMMARY_KEYS
+            )
             self._print(f"eval after rollout {event.rollout_id}: {evals}")
         elif event.kind == "save":
             self._print(f"checkpoint: {event.message}")

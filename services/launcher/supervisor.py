@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.run")
 
-WATCH_POLL_S = 0.2   # how often watch() looks at its children
+WATCH_POLL_S = 0.2  # how often watch() looks at its children
 
 
 @dataclass
@@ -129,20 +129,25 @@ class LocalRun:
         self.interrupts = 0
         self.restarts_left = config.services.max_restarts
         self.view: ProgressView | None = None
-        self.failure: FailureRecord | None = None   # what ended the run, shown as its last lines
+        self.failure: FailureRecord | None = None  # what ended the run, shown as its last lines
 
     def _spawn(self, name: str, args: list[str], *, gated: bool = False) -> Child:
         """`gated`: the child waits for `_let_go` after loading its code (a respawn is never gated)."""
         if name == "coordinator":
-            clear_failure(self.run_dir)   # what it writes when it fails is about this start, not an earlier one
+            clear_failure(self.run_dir)  # what it writes when it fails is about this start, not an earlier one
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_SERVICE": name}
         argv = [*args, "--start-gate"] if gated else args
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen(dies_with_parent(argv), stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.PIPE if gated else subprocess.DEVNULL, env=env,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                dies_with_parent(argv),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
         child = Child(name=name, process=proc, log_path=log_path, args=args)
         self.children.append(child)
         return child
@@ -150,7 +155,7 @@ class LocalRun:
     def _respawn(self, child: Child) -> Child:
         """The same command again (same ports: they are in the resolved config)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(child.process.pid, signal.SIGKILL)   # leftovers of its group (torchrun ranks)
+            os.killpg(child.process.pid, signal.SIGKILL)  # leftovers of its group (torchrun ranks)
         child.process.wait()
         self.children.remove(child)
         assert child.args is not None
@@ -163,29 +168,61 @@ class LocalRun:
         return {"trainer": s.trainer, "critic": s.critic, "coordinator": s.coordinator}[child.name].target
 
     def _service_args(self, service: str, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "services.cli", service, str(self.config_file), "--run-dir", str(self.run_dir),
-                *extra]
+        return [
+            sys.executable,
+            "-m",
+            "services.cli",
+            service,
+            str(self.config_file),
+            "--run-dir",
+            str(self.run_dir),
+            *extra,
+        ]
 
     def _trainer_args(self, role: str) -> list[str]:
         ranks = self.config.trainer.num_ranks
         if ranks == 1:
             return self._service_args("trainer", "--role", role)
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                    "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-        return [*launcher, "-m", "services.cli", "trainer", str(self.config_file), "--run-dir", str(self.run_dir),
-                "--role", role]
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(ranks),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+        ]
+        return [
+            *launcher,
+            "-m",
+            "services.cli",
+            "trainer",
+            str(self.config_file),
+            "--run-dir",
+            str(self.run_dir),
+            "--role",
+            role,
+        ]
 
     def _await(self, child: Child, target: str, *, may_exit: bool = False) -> None:
         """Waits until the child is healthy. It exiting first raises, unless may_exit, or it is a coordinator
         that finished (0) or failed for good (ExitCode.PERMANENT): watch() reports those."""
+
         def exited() -> str | None:
             if child.alive():
                 return None
             return f"{child.name} exited with {child.process.returncode}:\n{child.log_tail()}"
 
         try:
-            wait_healthy(target, timeout_s=self.config.loop.startup_timeout_s, tls_ca=self.config.services.tls_ca,
-                         should_abort=exited, check_timeout_s=self.config.services.timeouts.health_check_s)
+            wait_healthy(
+                target,
+                timeout_s=self.config.loop.startup_timeout_s,
+                tls_ca=self.config.services.tls_ca,
+                should_abort=exited,
+                check_timeout_s=self.config.services.timeouts.health_check_s,
+            )
         except RuntimeError:
             code = child.process.returncode
             if not (may_exit or code == 0 or (child.name == "coordinator" and code == ExitCode.PERMANENT)):
@@ -205,16 +242,22 @@ class LocalRun:
         if self.config.redis.url:
             redis_url = self.config.redis.url
         else:
-            self.redis = EmbeddedRedis(self.run_dir / "redis", appendonly=self.config.redis.appendonly,
-                                       appendfsync=self.config.redis.appendfsync,
-                                       password=self.config.redis.password).start(self.config.loop.startup_timeout_s)
-            redis_url = f"redis://{self.redis.host}:{self.redis.port}/0"   # the password travels as redis.password
+            self.redis = EmbeddedRedis(
+                self.run_dir / "redis",
+                appendonly=self.config.redis.appendonly,
+                appendfsync=self.config.redis.appendfsync,
+                password=self.config.redis.password,
+            ).start(self.config.loop.startup_timeout_s)
+            redis_url = f"redis://{self.redis.host}:{self.redis.port}/0"  # the password travels as redis.password
         self.config = resolve_for_local_run(self.config, redis_url=redis_url)
-        write_resolved_config(self.config, self.run_dir)   # owner-only: it may hold the token and passwords
+        write_resolved_config(self.config, self.run_dir)  # owner-only: it may hold the token and passwords
         s = self.config.services
         write_run_marker(self.run_dir, coordinator=s.coordinator.target)
-        log.info("coordinator control API: %s (from another shell: tandem ctl --run-dir %s status)",
-                 s.coordinator.target, self.run_dir)
+        log.info(
+            "coordinator control API: %s (from another shell: tandem ctl --run-dir %s status)",
+            s.coordinator.target,
+            self.run_dir,
+        )
         waits = [(self._spawn("trainer", self._trainer_args("actor")), s.trainer.target)]
         if self.config.algorithm.uses_critic:
             waits.append((self._spawn("critic", self._trainer_args("critic")), s.critic.target))
@@ -267,8 +310,13 @@ class LocalRun:
         """The record of a child that died without writing one (a crash, a signal): its log tail is logged too."""
         reason = reason or f"exited with {child.process.returncode}"
         log.error("%s %s. Last lines of %s:\n%s", child.name, reason, child.log_path, child.log_tail())
-        return FailureRecord(service=child.name, kind="EXITED", what=f"{child.name} {reason}",
-                             kept=self._kept(), exit_code=ExitCode.FAILED)
+        return FailureRecord(
+            service=child.name,
+            kind="EXITED",
+            what=f"{child.name} {reason}",
+            kept=self._kept(),
+            exit_code=ExitCode.FAILED,
+        )
 
     def _kept(self) -> str:
         from services.contracts.checkpoints import latest_checkpoint
@@ -298,16 +346,29 @@ class LocalRun:
 
     def _take_restart(self, child: Child, reason: str, *, starting: bool) -> bool:
         if self.restarts_left <= 0 or self.interrupts:
-            if child.name != "coordinator" or starting:   # watch() reports a coordinator that failed running
+            if child.name != "coordinator" or starting:  # watch() reports a coordinator that failed running
                 limit = self.config.services.max_restarts
-                why = "Ctrl-C" if self.interrupts else (f"services.max_restarts {limit} used up" if limit else
-                                                        "restarts are off: services.max_restarts is 0")
+                why = (
+                    "Ctrl-C"
+                    if self.interrupts
+                    else (
+                        f"services.max_restarts {limit} used up"
+                        if limit
+                        else "restarts are off: services.max_restarts is 0"
+                    )
+                )
                 self.failure = self._exited(child, f"{reason}; stopping the run ({why})")
             return False
         self.restarts_left -= 1
         used = self.config.services.max_restarts - self.restarts_left
-        log.warning("%s %s; restarting it (restart %d of services.max_restarts %d). %s",
-                    child.name, reason, used, self.config.services.max_restarts, self._why(child, 8))
+        log.warning(
+            "%s %s; restarting it (restart %d of services.max_restarts %d). %s",
+            child.name,
+            reason,
+            used,
+            self.config.services.max_restarts,
+            self._why(child, 8),
+        )
         return True
 
     def _bring_back(self, *, stop_coordinator: bool) -> None:
@@ -335,19 +396,31 @@ class LocalRun:
         except TimeoutError:
             os.killpg(new.process.pid, signal.SIGKILL)
             new.process.wait()
-            raise _StartFailed(new, f"was not healthy within loop.startup_timeout_s "
-                                    f"({self.config.loop.startup_timeout_s:.0f}s) while starting") from None
+            raise _StartFailed(
+                new,
+                f"was not healthy within loop.startup_timeout_s "
+                f"({self.config.loop.startup_timeout_s:.0f}s) while starting",
+            ) from None
 
     def _restart_redis(self) -> bool:
         assert self.redis is not None
         code = self.redis.process.returncode if self.redis.process is not None else None
         if self.restarts_left <= 0:
-            self.failure = FailureRecord(service="redis-server", kind="EXITED", what=f"redis-server exited with {code}",
-                                         kept=self._kept(), exit_code=ExitCode.FAILED)
+            self.failure = FailureRecord(
+                service="redis-server",
+                kind="EXITED",
+                what=f"redis-server exited with {code}",
+                kept=self._kept(),
+                exit_code=ExitCode.FAILED,
+            )
             return False
         self.restarts_left -= 1
-        log.warning("redis-server exited with %s; restarting it on port %d (appendonly %s)", code, self.redis.port,
-                    self.redis.appendonly)
+        log.warning(
+            "redis-server exited with %s; restarting it on port %d (appendonly %s)",
+            code,
+            self.redis.port,
+            self.redis.appendonly,
+        )
         self.redis.start(self.config.loop.startup_timeout_s)
         return True
 
@@ -359,12 +432,12 @@ class LocalRun:
                 status = stub.GetStatus(common_pb2.Empty(), timeout=s.timeouts.control_s)
                 view.set_total(status.num_rollout, start=status.rollout_id)
                 for event in stub.WatchEvents(coordinator_pb2.WatchRequest(include_history=True)):
-                    if not view.total:   # asked before the coordinator's start-up knew it (0 until then)
+                    if not view.total:  # asked before the coordinator's start-up knew it (0 until then)
                         status = stub.GetStatus(common_pb2.Empty(), timeout=s.timeouts.control_s)
                         view.set_total(status.num_rollout, start=status.rollout_id)
                     view.on_event(event)
         except grpc.RpcError:
-            pass   # the coordinator went away; watch() notices and reports
+            pass  # the coordinator went away; watch() notices and reports
 
     def request_stop(self) -> None:
         self.interrupts += 1
@@ -376,15 +449,16 @@ class LocalRun:
             with open_channel(s.coordinator.target, tls_ca=s.tls_ca, auth_token=s.auth_token) as channel:
                 # wait_for_ready: a channel in reconnect backoff (a coordinator that has just started) fails at
                 # once otherwise, and a Ctrl-C then terminates instead of stopping gracefully
-                coordinator_pb2_grpc.CoordinatorStub(channel).Stop(common_pb2.Empty(), timeout=s.timeouts.control_s,
-                                                                   wait_for_ready=True)
+                coordinator_pb2_grpc.CoordinatorStub(channel).Stop(
+                    common_pb2.Empty(), timeout=s.timeouts.control_s, wait_for_ready=True
+                )
         except grpc.RpcError as exc:
             log.warning("could not reach the coordinator (%s); terminating", exc.code().name)
             raise KeyboardInterrupt from None
 
     def shutdown(self) -> None:
         grace = self.config.services.timeouts.shutdown_s
-        for child in reversed(self.children):   # coordinator first, then rollouts, then trainers
+        for child in reversed(self.children):  # coordinator first, then rollouts, then trainers
             child.stop(grace)
         if self.redis is not None:
             self.redis.stop(grace)
@@ -409,7 +483,7 @@ def run_local(config: TandemConfig, *, run_dir: Path, config_path: Path, overrid
         signal.signal(signal.SIGINT, previous)
         run.shutdown()
     _say_where_it_is(run.config, run_dir=run_dir)
-    if run.failure is not None:   # the last lines: what went wrong, where, what was kept, what to do, the exit code
+    if run.failure is not None:  # the last lines: what went wrong, where, what was kept, what to do, the exit code
         record = replace(run.failure, exit_code=code)
         print(record.render(command="tandem run", run_dir=run_dir), file=sys.stderr, flush=True)
     return code
@@ -423,8 +497,6 @@ def _say_where_it_is(config: TandemConfig, *, run_dir: Path) -> None:
         hf = latest / "hf"
         log.info("last checkpoint: %s%s", latest, f" (Hugging Face model: {hf})" if hf.is_dir() else "")
     log.info("run directory: %s (metrics.jsonl, logs/, checkpoints/)", run_dir)
-
-
 
 
 def write_run_marker(run_dir: Path, *, coordinator: str) -> None:

@@ -24,21 +24,70 @@ from services.rollout.model_families import Family
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-LEARNED_VOCAB = 4096     # merges stop earlier when the corpus has no more frequent pairs
+LEARNED_VOCAB = 4096  # merges stop earlier when the corpus has no more frequent pairs
 CORPUS_DOCS = 6000
 
-_NAMES = ("Tom", "Anna", "Ben", "Maria", "Liam", "Sofia", "Noah", "Emma", "Omar", "Lena", "Ravi", "Chen", "Ava",
-          "Lucas", "Mia", "Ethan", "Zoe", "Kai", "Nora", "Leo", "Grace", "Jack", "Ines", "Yuki", "Sam", "Priya")
-_ITEMS = ("apples", "pencils", "books", "marbles", "cookies", "stickers", "coins", "cards", "shells", "eggs",
-          "oranges", "candies", "toys", "flowers", "stamps", "bottles", "tickets", "muffins", "crayons", "beads")
+_NAMES = (
+    "Tom",
+    "Anna",
+    "Ben",
+    "Maria",
+    "Liam",
+    "Sofia",
+    "Noah",
+    "Emma",
+    "Omar",
+    "Lena",
+    "Ravi",
+    "Chen",
+    "Ava",
+    "Lucas",
+    "Mia",
+    "Ethan",
+    "Zoe",
+    "Kai",
+    "Nora",
+    "Leo",
+    "Grace",
+    "Jack",
+    "Ines",
+    "Yuki",
+    "Sam",
+    "Priya",
+)
+_ITEMS = (
+    "apples",
+    "pencils",
+    "books",
+    "marbles",
+    "cookies",
+    "stickers",
+    "coins",
+    "cards",
+    "shells",
+    "eggs",
+    "oranges",
+    "candies",
+    "toys",
+    "flowers",
+    "stamps",
+    "bottles",
+    "tickets",
+    "muffins",
+    "crayons",
+    "beads",
+)
 _CONTAINERS = ("box", "bag", "basket", "jar", "crate", "shelf", "tray", "packet")
 _PLACES = ("the store", "the park", "school", "the market", "the library", "the farm", "the bakery", "home")
 _CONNECTIVES = ("First,", "Then", "Next,", "So", "Therefore,", "This means", "In total,", "Now", "After that,")
 _VERBS = ("buys", "sells", "finds", "loses", "picks", "collects", "makes", "eats", "keeps", "brings", "needs", "wants")
 _TIMES = ("on Monday", "every week", "in the morning", "after lunch", "each day", "last year", "this weekend")
 _ASK = ("What is", "How many is", "Find", "Calculate", "Compute", "Work out", "What do you get for")
-_SYSTEM = ("You are a helpful assistant.", "Solve the problem and give the final answer after ####.",
-           "Think step by step, then put the answer in \\boxed{}.")
+_SYSTEM = (
+    "You are a helpful assistant.",
+    "Solve the problem and give the final answer after ####.",
+    "Think step by step, then put the answer in \\boxed{}.",
+)
 
 
 def _problem(r: random.Random) -> tuple[str, str, int]:
@@ -77,11 +126,15 @@ def corpus(seed: int = 0, docs: int = CORPUS_DOCS) -> Iterator[str]:
         if r.random() < 0.3:
             answer += f"\n\\boxed{{{result}}}"
         x, y = r.randint(0, 9999), r.randint(1, 999)
-        story = (f"{r.choice(_NAMES)} {r.choice(_VERBS)} {y} {r.choice(_ITEMS)} at {r.choice(_PLACES)} "
-                 f"{r.choice(_TIMES)}. {r.choice(_ASK)} {x} plus {y}?")
-        yield (f"system\n{r.choice(_SYSTEM)}\nuser\n{q}\nassistant\n{answer}\n\n{story}\n"
-               f"{x} + {y} = {x + y}; {x} - {y} = {x - y}; {x} * {y} = {x * y}; ({x} + {y}) / 2 = {(x + y) / 2}; "
-               f"{y}% of {x} is {x * y / 100:g}.")
+        story = (
+            f"{r.choice(_NAMES)} {r.choice(_VERBS)} {y} {r.choice(_ITEMS)} at {r.choice(_PLACES)} "
+            f"{r.choice(_TIMES)}. {r.choice(_ASK)} {x} plus {y}?"
+        )
+        yield (
+            f"system\n{r.choice(_SYSTEM)}\nuser\n{q}\nassistant\n{answer}\n\n{story}\n"
+            f"{x} + {y} = {x + y}; {x} - {y} = {x - y}; {x} * {y} = {x * y}; ({x} + {y}) / 2 = {(x + y) / 2}; "
+            f"{y}% of {x} is {x * y / 100:g}."
+        )
 
 
 def train_merges(family: Family, *, seed: int = 0) -> tuple[dict[str, int], list[tuple[str, str]]]:
@@ -90,14 +143,15 @@ def train_merges(family: Family, *, seed: int = 0) -> tuple[dict[str, int], list
     return dict(vocab), list(merges)
 
 
-@functools.lru_cache(maxsize=4)   # the same training again in one process (tests, a bench) is free
+@functools.lru_cache(maxsize=4)  # the same training again in one process (tests, a bench) is free
 def _trained(family: Family, seed: int) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
     from tokenizers import Tokenizer, models, trainers
 
     tok = Tokenizer(models.BPE())
     _pipeline(tok, family)
-    trainer = trainers.BpeTrainer(vocab_size=LEARNED_VOCAB, min_frequency=2, show_progress=False,
-                                  initial_alphabet=_byte_alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=LEARNED_VOCAB, min_frequency=2, show_progress=False, initial_alphabet=_byte_alphabet()
+    )
     tok.train_from_iterator(corpus(seed), trainer=trainer)
     model = json.loads(tok.to_str())["model"]
     return tuple(model["vocab"].items()), tuple((a, b) for a, b in model["merges"])
@@ -109,23 +163,31 @@ def build_tokenizer(family: Family, *, model_max_length: int, seed: int = 0) -> 
     from transformers import PreTrainedTokenizerFast
 
     vocab, merges = train_merges(family, seed=seed)
-    for i in range(len(vocab), family.first_special):   # never produced: no merge leads to them (module doc)
+    for i in range(len(vocab), family.first_special):  # never produced: no merge leads to them (module doc)
         vocab[f"<|unused_{i}|>"] = i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=family.ignore_merges))
     _pipeline(tok, family)
     special = set(family.specials)
     reserved = [f"<|reserved_special_token_{k}|>" for k in range(family.reserved)]
-    for token in (*family.added, *reserved):     # one at a time: each takes the next id
+    for token in (*family.added, *reserved):  # one at a time: each takes the next id
         added = AddedToken(token, special=token in special or token in reserved, normalized=False)
         (tok.add_special_tokens if added.special else tok.add_tokens)([added])
     _post_processor(tok, family)
     wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=family.bos, eos_token=family.eos, pad_token=family.pad,
-        model_max_length=model_max_length, clean_up_tokenization_spaces=False, chat_template=family.chat_template)
+        tokenizer_object=tok,
+        bos_token=family.bos,
+        eos_token=family.eos,
+        pad_token=family.pad,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+        chat_template=family.chat_template,
+    )
     if len(wrapped) != family.vocab_size or tok.token_to_id(family.eos) != family.token_id(family.eos):
-        raise AssertionError(f"{family.name}: built {len(wrapped)} tokens with {family.eos} at "
-                             f"{tok.token_to_id(family.eos)}; the layout says {family.vocab_size} and "
-                             f"{family.token_id(family.eos)}")
+        raise AssertionError(
+            f"{family.name}: built {len(wrapped)} tokens with {family.eos} at "
+            f"{tok.token_to_id(family.eos)}; the layout says {family.vocab_size} and "
+            f"{family.token_id(family.eos)}"
+        )
     return wrapped
 
 
@@ -153,9 +215,12 @@ def _pipeline(tok: Any, family: Family) -> None:
     from tokenizers import Regex, decoders, normalizers, pre_tokenizers
 
     tok.normalizer = normalizers.NFC() if family.nfc else None
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(family.split_regex), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(family.split_regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
 
 
@@ -168,5 +233,11 @@ def _post_processor(tok: Any, family: Family) -> None:
         tok.post_processor = byte_level
         return
     bos = (family.bos, family.token_id(family.bos))
-    tok.post_processor = processors.Sequence([byte_level, processors.TemplateProcessing(
-        single=f"{family.bos} $A", pair=f"{family.bos} $A {family.bos} $B", special_tokens=[bos])])
+    tok.post_processor = processors.Sequence(
+        [
+            byte_level,
+            processors.TemplateProcessing(
+                single=f"{family.bos} $A", pair=f"{family.bos} $A {family.bos} $B", special_tokens=[bos]
+            ),
+        ]
+    )

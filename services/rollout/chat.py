@@ -44,11 +44,11 @@ class ChatTemplateError(ValueError):
 @dataclass(frozen=True)
 class ChatTemplate:
     tokenizer: PreTrainedTokenizerBase = field(repr=False)
-    source: str                           # how messages name the template
-    template: str | None = None           # data.chat_template's file text; None = the tokenizer's own
-    kwargs: Mapping[str, JsonValue] = field(default_factory=dict)   # data.chat_template_kwargs
+    source: str  # how messages name the template
+    template: str | None = None  # data.chat_template's file text; None = the tokenizer's own
+    kwargs: Mapping[str, JsonValue] = field(default_factory=dict)  # data.chat_template_kwargs
     observation_role: str = "user"
-    mode: str = "auto"                    # data.chat_template, for messages
+    mode: str = "auto"  # data.chat_template, for messages
 
     @classmethod
     def from_config(cls, tokenizer: PreTrainedTokenizerBase, config: TandemConfig) -> ChatTemplate:
@@ -57,14 +57,24 @@ class ChatTemplate:
         kwargs, role = dict(data.chat_template_kwargs), config.rollout.observation_role
         if file is None:
             where = config.model.tokenizer_path or config.model.path
-            return cls(tokenizer, source=f"the chat template of the tokenizer at {where}", kwargs=kwargs,
-                       observation_role=role, mode=data.chat_template)
+            return cls(
+                tokenizer,
+                source=f"the chat template of the tokenizer at {where}",
+                kwargs=kwargs,
+                observation_role=role,
+                mode=data.chat_template,
+            )
         try:
             text = Path(file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ChatTemplateError(f"data.chat_template: cannot read {file}: {exc}") from None
-        return cls(tokenizer, source=f"the chat template {file} (data.chat_template)", template=text, kwargs=kwargs,
-                   observation_role=role)
+        return cls(
+            tokenizer,
+            source=f"the chat template {file} (data.chat_template)",
+            template=text,
+            kwargs=kwargs,
+            observation_role=role,
+        )
 
     @property
     def available(self) -> bool:
@@ -95,21 +105,28 @@ class ChatTemplate:
         except ChatTemplateError:
             raise
         except Exception as exc:  # noqa: BLE001 - the template refused the role, typically
-            raise ChatTemplateError(f"{self.source} cannot render an observation as a {message.role!r} message: "
-                                    f"{type(exc).__name__}: {exc} (set rollout.observation_role, or return "
-                                    "{'role': ..., 'content': ...} from the environment)") from None
+            raise ChatTemplateError(
+                f"{self.source} cannot render an observation as a {message.role!r} message: "
+                f"{type(exc).__name__}: {exc} (set rollout.observation_role, or return "
+                "{'role': ..., 'content': ...} from the environment)"
+            ) from None
         at = rendered.find(_TURN_PLACEHOLDER)
         if at < 0:
-            raise ChatTemplateError(f"{self.source} does not show an assistant message's content as it is, so "
-                                    "observations cannot be added after a turn")
-        tail = rendered[at + len(_TURN_PLACEHOLDER):]
-        return tail[len(turn_end):] if turn_end and tail.startswith(turn_end) else tail
+            raise ChatTemplateError(
+                f"{self.source} does not show an assistant message's content as it is, so "
+                "observations cannot be added after a turn"
+            )
+        tail = rendered[at + len(_TURN_PLACEHOLDER) :]
+        return tail[len(turn_end) :] if turn_end and tail.startswith(turn_end) else tail
 
     def _apply(self, conversations: list[list[dict[str, str]]]) -> list[str]:
         if not self.available:
             tokenizer = self.source.removeprefix("the chat template of ")
-            raise ChatTemplateError(f"data.chat_template is {self.mode}, and {tokenizer} has no chat template; set "
-                                    "data.chat_template to a Jinja template file, or give text prompts")
-        out = self.tokenizer.apply_chat_template(conversations, chat_template=self.template, tokenize=False,
-                                                 add_generation_prompt=True, **self.kwargs)
+            raise ChatTemplateError(
+                f"data.chat_template is {self.mode}, and {tokenizer} has no chat template; set "
+                "data.chat_template to a Jinja template file, or give text prompts"
+            )
+        out = self.tokenizer.apply_chat_template(
+            conversations, chat_template=self.template, tokenize=False, add_generation_prompt=True, **self.kwargs
+        )
         return list(out)

@@ -63,18 +63,18 @@ class EpisodeSample:
     label: str
     metadata: Mapping[str, str]
     group_id: int
-    sample_index: int          # 0..n-1 within the group
-    messages: tuple[ChatMessage, ...] = ()   # the prompt as a chat (empty for a text prompt)
+    sample_index: int  # 0..n-1 within the group
+    messages: tuple[ChatMessage, ...] = ()  # the prompt as a chat (empty for a text prompt)
 
 
 @dataclass(frozen=True)
 class Action:
     """One policy turn."""
 
-    text: str                  # decoded, special tokens removed
+    text: str  # decoded, special tokens removed
     token_ids: tuple[int, ...]
-    finish_reason: str         # the engine's: stop (EOS or a stop token) or length (max_new_tokens or the context)
-    turn: int                  # 0-based
+    finish_reason: str  # the engine's: stop (EOS or a stop token) or length (max_new_tokens or the context)
+    turn: int  # 0-based
 
 
 class StepResult(NamedTuple):
@@ -83,7 +83,7 @@ class StepResult(NamedTuple):
     done: bool
 
 
-RawStep = StepResult | tuple[Observation, float, bool]   # what a step may return (as_step_result checks it)
+RawStep = StepResult | tuple[Observation, float, bool]  # what a step may return (as_step_result checks it)
 
 
 class Environment(ABC):
@@ -108,8 +108,9 @@ class EnvironmentPlugin:
         try:
             env = self.factory()
         except Exception as exc:
-            raise EnvironmentFailure(f"environment {self.spec}: constructing it raised {type(exc).__name__}: "
-                                     f"{exc}") from exc
+            raise EnvironmentFailure(
+                f"environment {self.spec}: constructing it raised {type(exc).__name__}: {exc}"
+            ) from exc
         return env
 
 
@@ -122,22 +123,28 @@ def resolve_environment(spec: str) -> EnvironmentPlugin:
         raise EnvironmentSpecError(f"environment {spec!r} is not of the form module:Class or path/to/file.py:Class")
     factory = load_attribute(spec, kind="environment", error=EnvironmentSpecError)
     if not callable(factory):
-        raise EnvironmentSpecError(f"environment {spec!r}: {attr} is a {type(factory).__name__}, not a class or "
-                                   "factory")
+        raise EnvironmentSpecError(
+            f"environment {spec!r}: {attr} is a {type(factory).__name__}, not a class or factory"
+        )
     if isinstance(factory, type):
         missing = [m for m in ("reset", "step") if not callable(getattr(factory, m, None))]
         if missing:
-            raise EnvironmentSpecError(f"environment {spec!r}: {factory.__name__} has no {' or '.join(missing)} "
-                                       "method (see services.rollout.environments.Environment)")
+            raise EnvironmentSpecError(
+                f"environment {spec!r}: {factory.__name__} has no {' or '.join(missing)} "
+                "method (see services.rollout.environments.Environment)"
+            )
         if inspect.isabstract(factory):
             abstract = sorted(getattr(factory, "__abstractmethods__", ()))
-            raise EnvironmentSpecError(f"environment {spec!r}: {factory.__name__} leaves abstract methods "
-                                       f"unimplemented ({', '.join(abstract)})")
+            raise EnvironmentSpecError(
+                f"environment {spec!r}: {factory.__name__} leaves abstract methods "
+                f"unimplemented ({', '.join(abstract)})"
+            )
     return EnvironmentPlugin(spec=spec, factory=factory)
 
 
-async def call_environment(env: object, method: str, arg: object, *, spec: str, episode: int,
-                           timeout_s: float) -> object:
+async def call_environment(
+    env: object, method: str, arg: object, *, spec: str, episode: int, timeout_s: float
+) -> object:
     """`env.<method>(arg)`: a sync method inline, an awaitable it returns (an `async def`) within `timeout_s`."""
     fn = getattr(env, method, None)
     where = f"environment {spec}: {method} of episode {episode}"
@@ -147,8 +154,9 @@ async def call_environment(env: object, method: str, arg: object, *, spec: str, 
         result = fn(arg)
         return await asyncio.wait_for(result, timeout_s) if inspect.isawaitable(result) else result
     except TimeoutError as exc:
-        raise EnvironmentUnavailable(f"{where} took longer than rollout.environment_timeout_s ({timeout_s} s) "
-                                     f"or raised TimeoutError: {exc}") from exc
+        raise EnvironmentUnavailable(
+            f"{where} took longer than rollout.environment_timeout_s ({timeout_s} s) or raised TimeoutError: {exc}"
+        ) from exc
     except ConnectionError as exc:
         raise EnvironmentUnavailable(f"{where} could not reach a dependency: {type(exc).__name__}: {exc}") from exc
     except Exception as exc:
@@ -161,11 +169,11 @@ def as_step_result(raw: object, *, spec: str, episode: int) -> StepResult:
     if not isinstance(raw, tuple | list) or len(raw) != 3:
         raise EnvironmentFailure(f"{where} returned {type(raw).__name__}; expected (observation, reward, done)")
     observation, reward, done = raw
-    if not isinstance(reward, numbers.Real):   # a text like "1.0" is a bug upstream, as for rewards
+    if not isinstance(reward, numbers.Real):  # a text like "1.0" is a bug upstream, as for rewards
         raise EnvironmentFailure(f"{where} returned the reward {reward!r}; expected a number")
     if not math.isfinite(float(reward)):
         raise EnvironmentFailure(f"{where} returned the reward {float(reward)}")
-    if not (isinstance(done, bool) or type(done).__name__ == "bool_"):   # numpy's bool too; not 0/1 or None
+    if not (isinstance(done, bool) or type(done).__name__ == "bool_"):  # numpy's bool too; not 0/1 or None
         raise EnvironmentFailure(f"{where} returned done={done!r}; expected True or False")
     return StepResult(observation=observation, reward=float(reward), done=bool(done))
 
@@ -177,14 +185,17 @@ def observation_message(observation: object, *, role: str, spec: str, episode: i
     if isinstance(observation, Mapping):
         named, content = observation.get("role"), observation.get("content")
         if not isinstance(named, str) or not named or not isinstance(content, str):
-            raise EnvironmentFailure(f"environment {spec}: the observation of episode {episode} is a mapping without "
-                                     f"text 'role' and 'content': {dict(observation)!r:.200}")
+            raise EnvironmentFailure(
+                f"environment {spec}: the observation of episode {episode} is a mapping without "
+                f"text 'role' and 'content': {dict(observation)!r:.200}"
+            )
         return ChatMessage(role=named, content=content)
     return None
 
 
-def observation_ids(observation: object, *, encode: Callable[[str], list[int]], vocab_size: int | None, spec: str,
-                    episode: int) -> list[int]:
+def observation_ids(
+    observation: object, *, encode: Callable[[str], list[int]], vocab_size: int | None, spec: str, episode: int
+) -> list[int]:
     """An observation as token ids without a chat template: text (a message's content) is encoded, ids are checked
     against the vocabulary."""
     message = observation_message(observation, role="", spec=spec, episode=episode)
@@ -197,8 +208,12 @@ def observation_ids(observation: object, *, encode: Callable[[str], list[int]], 
         raise EnvironmentFailure(f"{where} is a {type(observation).__name__}; expected text or a list of token ids")
     ids = []
     for token in observation:
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0 or \
-                (vocab_size is not None and token >= vocab_size):
+        if (
+            isinstance(token, bool)
+            or not isinstance(token, int)
+            or token < 0
+            or (vocab_size is not None and token >= vocab_size)
+        ):
             raise EnvironmentFailure(f"{where} holds {token!r}; token ids are ints in [0, {vocab_size or 'vocab'})")
         ids.append(int(token))
     return ids

@@ -60,9 +60,9 @@ def final_answer(text: str) -> str | None:
 def _after_last(text: str, marker: str | re.Pattern[str]) -> str | None:
     if isinstance(marker, str):
         at = text.rfind(marker)
-        return None if at < 0 else text[at + len(marker):]
+        return None if at < 0 else text[at + len(marker) :]
     matches = list(marker.finditer(text))
-    return text[matches[-1].end():] if matches else None
+    return text[matches[-1].end() :] if matches else None
 
 
 def _first_number(text: str) -> str | None:
@@ -126,5 +126,10 @@ def math_verify(response: str, label: str) -> float:
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     golds = gold_answers(label)
     answer = parse(response, parsing_timeout=None)
-    return float(any(verify(parse(g if "$" in g else f"${g}$", parsing_timeout=None),
-                            answer, timeout_seconds=None) for g in golds if g))
+    return float(
+        any(
+            verify(parse(g if "$" in g else f"${g}$", parsing_timeout=None), answer, timeout_seconds=None)
+            for g in golds
+            if g
+        )
+    )

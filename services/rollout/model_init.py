@@ -35,15 +35,39 @@ VOCAB = (*SPECIAL_TOKENS, *"0123456789", *SYMBOLS)
 # q05 / q15 are the bodies of Qwen2-0.5B / Qwen2-1.5B (their layer shapes, rope theta and context) over this
 # vocabulary, for real-size speed work: ~0.36B and ~1.31B parameters, nearly all of them in the layers.
 _QWEN2_BODY = dict(num_key_value_heads=2, max_position_embeddings=131_072, rope_theta=1_000_000.0)
-PRESETS: dict[str, dict[str, Any]] = {   # config kwargs (transformers types them per field)
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=128),
-    "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=8,
-                  num_key_value_heads=4, max_position_embeddings=512),
-    "q05": dict(_QWEN2_BODY, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, max_window_layers=24,
-                num_attention_heads=14),
-    "q15": dict(_QWEN2_BODY, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, max_window_layers=28,
-                num_attention_heads=12),
+PRESETS: dict[str, dict[str, Any]] = {  # config kwargs (transformers types them per field)
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+    ),
+    "q05": dict(
+        _QWEN2_BODY,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        max_window_layers=24,
+        num_attention_heads=14,
+    ),
+    "q15": dict(
+        _QWEN2_BODY,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        max_window_layers=28,
+        num_attention_heads=12,
+    ),
 }
 ARCHS = ("llama", "qwen2")
 # A preset named after a model family is built only as that family; the others default to llama (module doc).
@@ -69,15 +93,23 @@ def build_tokenizer(*, model_max_length: int):
 
     vocab = {tok: i for i, tok in enumerate(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.Punctuation()])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.Punctuation()]
+    )
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])])
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)   # joins tokens with single spaces
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with single spaces
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-        model_max_length=model_max_length, clean_up_tokenization_spaces=False, padding_side="left")
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+        padding_side="left",
+    )
 
 
 def build_config(*, preset: str, arch: str, vocab_size: int, bos: int, eos: int, pad: int, layers: int | None = None):
@@ -95,8 +127,16 @@ def build_config(*, preset: str, arch: str, vocab_size: int, bos: int, eos: int,
         if "max_window_layers" in shape:
             shape["max_window_layers"] = layers
     # Untied embeddings: every parameter has exactly one name, which keeps weight sync simple.
-    return cls(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
-               tie_word_embeddings=False, rms_norm_eps=1e-6, dtype="float32", **shape)
+    return cls(
+        vocab_size=vocab_size,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        dtype="float32",
+        **shape,
+    )
 
 
 def build_family_config(preset: str, *, body: str | None = None, layers: int | None = None, dtype: str = "bfloat16"):
@@ -114,13 +154,27 @@ def build_family_config(preset: str, *, body: str | None = None, layers: int | N
     rope = {"rope_theta": shape.pop("rope_theta"), **(p.rope_scaling or {"rope_type": "default"})}
     eos = [fam.token_id(t) for t in p.config_eos]
     return AutoConfig.for_model(
-        p.model_type, vocab_size=fam.vocab_size, tie_word_embeddings=p.tie_word_embeddings, rope_parameters=rope,
-        bos_token_id=fam.token_id(p.config_bos), eos_token_id=eos[0] if len(eos) == 1 else eos, dtype=dtype,
-        **shape)
+        p.model_type,
+        vocab_size=fam.vocab_size,
+        tie_word_embeddings=p.tie_word_embeddings,
+        rope_parameters=rope,
+        bos_token_id=fam.token_id(p.config_bos),
+        eos_token_id=eos[0] if len(eos) == 1 else eos,
+        dtype=dtype,
+        **shape,
+    )
 
 
-def init_model(out_dir: str | os.PathLike[str], *, preset: str = "tiny", arch: str | None = None,
-               seed: int = 0, body: str | None = None, layers: int | None = None, dtype: str | None = None) -> Path:
+def init_model(
+    out_dir: str | os.PathLike[str],
+    *,
+    preset: str = "tiny",
+    arch: str | None = None,
+    seed: int = 0,
+    body: str | None = None,
+    layers: int | None = None,
+    dtype: str | None = None,
+) -> Path:
     """Writes config, safetensors weights, generation config and tokenizer to `out_dir`; returns it.
 
     A toy preset (PRESETS) gets the 22-token word-level tokenizer and `arch` (default: the preset's,
@@ -134,8 +188,9 @@ def init_model(out_dir: str | os.PathLike[str], *, preset: str = "tiny", arch: s
     out = Path(out_dir).resolve()
     spec = check_init_args(preset=preset, arch=arch, body=body, layers=layers, dtype=dtype)
     if (out / "config.json").exists():
-        raise ModelInitError(f"init-model: {out} already holds a model (config.json); delete it or pick "
-                             "another directory")
+        raise ModelInitError(
+            f"init-model: {out} already holds a model (config.json); delete it or pick another directory"
+        )
     if out.exists() and any(out.iterdir()):
         raise ModelInitError(f"init-model: {out} exists and is not empty")
     import torch  # after the checks: a refused call should not pay for importing torch
@@ -161,10 +216,10 @@ def init_model(out_dir: str | os.PathLike[str], *, preset: str = "tiny", arch: s
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         save_tokenizer(tokenizer, tmp)
-        for path in (tmp, *tmp.iterdir()):   # mkdtemp makes 0700; a shared model volume needs readable files
+        for path in (tmp, *tmp.iterdir()):  # mkdtemp makes 0700; a shared model volume needs readable files
             path.chmod(0o755 if path.is_dir() else 0o644)
         if out.exists():
-            out.rmdir()   # empty (checked above)
+            out.rmdir()  # empty (checked above)
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -193,15 +248,23 @@ class InitSpec:
         """generation_config.json's token ids: every id that ends a generation (the real file's list)."""
         fam = self.family
         if fam is None:
-            return dict(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                        pad_token_id=config.pad_token_id)
+            return dict(
+                bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+            )
         eos = list(fam.generation_eos_ids)
-        return dict(bos_token_id=config.bos_token_id, eos_token_id=eos,
-                    pad_token_id=fam.token_id(fam.pad) if fam.pad else None)
+        return dict(
+            bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=fam.token_id(fam.pad) if fam.pad else None
+        )
 
 
-def check_init_args(*, preset: str, arch: str | None = None, body: str | None = None, layers: int | None = None,
-                    dtype: str | None = None) -> InitSpec:
+def check_init_args(
+    *,
+    preset: str,
+    arch: str | None = None,
+    body: str | None = None,
+    layers: int | None = None,
+    dtype: str | None = None,
+) -> InitSpec:
     """ModelInitError naming the first bad argument; else what to build."""
     if preset in MODEL_PRESETS:
         model_type = MODEL_PRESETS[preset].model_type
@@ -210,8 +273,10 @@ def check_init_args(*, preset: str, arch: str | None = None, body: str | None = 
         arch = model_type
     elif preset in PRESETS:
         if body is not None:
-            raise ModelInitError(f"init-model: --body applies to the real models' presets "
-                                 f"({', '.join(MODEL_PRESETS)}), not to {preset!r}")
+            raise ModelInitError(
+                f"init-model: --body applies to the real models' presets "
+                f"({', '.join(MODEL_PRESETS)}), not to {preset!r}"
+            )
         arch = preset_arch(preset, arch)
         if arch not in ARCHS:
             raise ModelInitError(f"init-model: unknown arch {arch!r} (choose from {', '.join(ARCHS)})")
@@ -224,8 +289,9 @@ def check_init_args(*, preset: str, arch: str | None = None, body: str | None = 
     if dtype is not None and dtype not in DTYPES:
         raise ModelInitError(f"init-model: unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     full_real = preset in MODEL_PRESETS and body is None
-    return InitSpec(preset=preset, arch=arch, body=body, layers=layers,
-                    dtype=dtype or ("bfloat16" if full_real else "float32"))
+    return InitSpec(
+        preset=preset, arch=arch, body=body, layers=layers, dtype=dtype or ("bfloat16" if full_real else "float32")
+    )
 
 
 def _config_and_tokenizer(spec: InitSpec, *, seed: int) -> tuple[Any, Any, Any]:
@@ -233,8 +299,15 @@ def _config_and_tokenizer(spec: InitSpec, *, seed: int) -> tuple[Any, Any, Any]:
     fam = spec.family
     if fam is None:
         tokenizer = build_tokenizer(model_max_length=int(PRESETS[spec.preset]["max_position_embeddings"]))
-        config = build_config(preset=spec.preset, arch=spec.arch, vocab_size=len(VOCAB), bos=tokenizer.bos_token_id,
-                              eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id, layers=spec.layers)
+        config = build_config(
+            preset=spec.preset,
+            arch=spec.arch,
+            vocab_size=len(VOCAB),
+            bos=tokenizer.bos_token_id,
+            eos=tokenizer.eos_token_id,
+            pad=tokenizer.pad_token_id,
+            layers=spec.layers,
+        )
         return config, tokenizer, lambda tok, path: tok.save_pretrained(path)
     from services.rollout import bpe_tokenizer
 

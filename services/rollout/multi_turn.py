@@ -45,28 +45,32 @@ from services.rollout.sync_bridge import run_coroutine
 # How an episode ended. On the wire: done -> stop; max_turns and context -> length (it was cut); abort -> abort.
 END_DONE, END_MAX_TURNS, END_CONTEXT, END_ABORT = "done", "max_turns", "context", "abort"
 EPISODE_ENDS = (END_DONE, END_MAX_TURNS, END_CONTEXT, END_ABORT)
-_WIRE_FINISH = {END_DONE: FINISH_STOP, END_MAX_TURNS: FINISH_LENGTH, END_CONTEXT: FINISH_LENGTH,
-                END_ABORT: FINISH_ABORT}
-_TURN_SEED_STRIDE = 0x9E37_79B9_7F4A_7C15   # turn t > 0 samples with seed + t x this (mod 2^63)
+_WIRE_FINISH = {
+    END_DONE: FINISH_STOP,
+    END_MAX_TURNS: FINISH_LENGTH,
+    END_CONTEXT: FINISH_LENGTH,
+    END_ABORT: FINISH_ABORT,
+}
+_TURN_SEED_STRIDE = 0x9E37_79B9_7F4A_7C15  # turn t > 0 samples with seed + t x this (mod 2^63)
 
 
 @dataclass(frozen=True)
 class Episode:
     """One finished episode, as the batch holds it."""
 
-    prompt_ids: tuple[int, ...]   # the request's prompt + the reset observation
-    output: SampleOutput          # token_ids: the whole response; finish_reason: the wire's (see _WIRE_FINISH)
-    loss_mask: tuple[int, ...]    # 1 policy token, 0 observation token
-    reward: float                 # sum of the step rewards
+    prompt_ids: tuple[int, ...]  # the request's prompt + the reset observation
+    output: SampleOutput  # token_ids: the whole response; finish_reason: the wire's (see _WIRE_FINISH)
+    loss_mask: tuple[int, ...]  # 1 policy token, 0 observation token
+    reward: float  # sum of the step rewards
     turns: int
-    end: str                      # one of EPISODE_ENDS
+    end: str  # one of EPISODE_ENDS
 
 
 @dataclass(frozen=True)
 class EpisodeBatch:
     episodes: list[Episode]
-    engine_s: float         # in engine.generate, summed over rounds
-    environment_s: float    # in reset and step calls (a round's run concurrently), summed over rounds
+    engine_s: float  # in engine.generate, summed over rounds
+    environment_s: float  # in reset and step calls (a round's run concurrently), summed over rounds
 
 
 @dataclass
@@ -98,8 +102,8 @@ class _Running:
     env: Any
     context: list[int]
     prompt_len: int
-    chat: bool = False        # the prompt is a chat: observations are rendered as its turns
-    versions: list[int] = field(default_factory=list)        # each turn's version when it started
+    chat: bool = False  # the prompt is a chat: observations are rendered as its turns
+    versions: list[int] = field(default_factory=list)  # each turn's version when it started
     tokens: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
@@ -107,8 +111,9 @@ class _Running:
     reward: float = 0.0
     end: str | None = None
 
-    def add(self, ids: Sequence[int], log_probs: Sequence[float] | None,
-            token_versions: Sequence[int] | None = None) -> None:
+    def add(
+        self, ids: Sequence[int], log_probs: Sequence[float] | None, token_versions: Sequence[int] | None = None
+    ) -> None:
         """A turn (its log-probs and token versions), or an observation (None, None)."""
         self.context += ids
         self.tokens += ids
@@ -120,12 +125,20 @@ class _Running:
     def finish(self, *, version: int) -> Episode:
         assert self.end is not None, "every episode ends by the last round"
         end = self.end
-        return Episode(prompt_ids=tuple(self.context[:self.prompt_len]), loss_mask=tuple(self.mask),
-                       output=SampleOutput(token_ids=tuple(self.tokens), log_probs=tuple(self.log_probs),
-                                           finish_reason=_WIRE_FINISH[end],
-                                           weight_version=min(self.token_versions or self.versions, default=version),
-                                           token_versions=tuple(self.token_versions)),
-                       reward=self.reward, turns=len(self.versions), end=end)
+        return Episode(
+            prompt_ids=tuple(self.context[: self.prompt_len]),
+            loss_mask=tuple(self.mask),
+            output=SampleOutput(
+                token_ids=tuple(self.tokens),
+                log_probs=tuple(self.log_probs),
+                finish_reason=_WIRE_FINISH[end],
+                weight_version=min(self.token_versions or self.versions, default=version),
+                token_versions=tuple(self.token_versions),
+            ),
+            reward=self.reward,
+            turns=len(self.versions),
+            end=end,
+        )
 
 
 @dataclass(frozen=True)
@@ -141,7 +154,7 @@ class MultiTurnRollout:
     step_timeout_s: float
     vocab_size: int | None = None
     wait_timeout_s: float | None = None
-    chat: ChatTurns | None = None   # renders observations of episodes whose prompt is a chat
+    chat: ChatTurns | None = None  # renders observations of episodes whose prompt is a chat
 
     def run(self, samples: Sequence[EpisodeSample], sampling: SamplingSpec) -> EpisodeBatch:
         """One episode per sample, in order."""
@@ -156,48 +169,68 @@ class MultiTurnRollout:
             if not live:
                 break
             with clock.timing("engine"):
-                outputs = await asyncio.to_thread(self.engine.generate, [episodes[i].context for i in live],
-                                                  turn_sampling(sampling, turn), wait_timeout_s=self.wait_timeout_s)
+                outputs = await asyncio.to_thread(
+                    self.engine.generate,
+                    [episodes[i].context for i in live],
+                    turn_sampling(sampling, turn),
+                    wait_timeout_s=self.wait_timeout_s,
+                )
             if any(o.finish_reason == FINISH_ABORT for o in outputs):
-                for i in live:   # pause(abort): the request ends now, nothing of it is written
+                for i in live:  # pause(abort): the request ends now, nothing of it is written
                     episodes[i].end = END_ABORT
                 break
             for i, out in zip(live, outputs, strict=True):
                 episodes[i].versions.append(out.weight_version)
                 episodes[i].add(out.token_ids, out.log_probs, out.versions)
-            actions = [Action(text=self.decode(out.token_ids), token_ids=tuple(out.token_ids),
-                              finish_reason=out.finish_reason, turn=turn) for out in outputs]
+            actions = [
+                Action(
+                    text=self.decode(out.token_ids),
+                    token_ids=tuple(out.token_ids),
+                    finish_reason=out.finish_reason,
+                    turn=turn,
+                )
+                for out in outputs
+            ]
             with clock.timing("environment"):
-                results = await asyncio.gather(*(self._step(episodes[i], i, a)
-                                                 for i, a in zip(live, actions, strict=True)))
+                results = await asyncio.gather(
+                    *(self._step(episodes[i], i, a) for i, a in zip(live, actions, strict=True))
+                )
             for i, action, (observation, reward, done) in zip(live, actions, results, strict=True):
                 self._advance(episodes[i], i, observation=observation, reward=reward, done=done, action=action)
         version = self.engine.weight_version
-        return EpisodeBatch(episodes=[e.finish(version=version) for e in episodes], engine_s=clock.seconds["engine"],
-                            environment_s=clock.seconds["environment"])
+        return EpisodeBatch(
+            episodes=[e.finish(version=version) for e in episodes],
+            engine_s=clock.seconds["engine"],
+            environment_s=clock.seconds["environment"],
+        )
 
     async def _reset(self, samples: Sequence[EpisodeSample]) -> list[_Running]:
         envs = [self.plugin.make() for _ in samples]
-        observations = await asyncio.gather(*(
-            call_environment(env, "reset", s, spec=self.plugin.spec, episode=i, timeout_s=self.step_timeout_s)
-            for i, (env, s) in enumerate(zip(envs, samples, strict=True))))
+        observations = await asyncio.gather(
+            *(
+                call_environment(env, "reset", s, spec=self.plugin.spec, episode=i, timeout_s=self.step_timeout_s)
+                for i, (env, s) in enumerate(zip(envs, samples, strict=True))
+            )
+        )
         episodes = []
         for i, (env, s, obs) in enumerate(zip(envs, samples, observations, strict=True)):
             chat = bool(s.messages) and self.chat is not None
             context = self._reset_prompt(s, obs, i) if chat else [*s.prompt_ids, *self._ids(obs, i)]
             running = _Running(env=env, context=context, prompt_len=len(context), chat=chat)
             if len(context) >= self.engine.max_context_length:
-                running.end = END_CONTEXT   # the reset observation filled the context: no turn fits
+                running.end = END_CONTEXT  # the reset observation filled the context: no turn fits
             episodes.append(running)
         return episodes
 
     async def _step(self, episode: _Running, index: int, action: Action) -> tuple[Any, float, bool]:
-        raw = await call_environment(episode.env, "step", action, spec=self.plugin.spec, episode=index,
-                                     timeout_s=self.step_timeout_s)
+        raw = await call_environment(
+            episode.env, "step", action, spec=self.plugin.spec, episode=index, timeout_s=self.step_timeout_s
+        )
         return as_step_result(raw, spec=self.plugin.spec, episode=index)
 
-    def _advance(self, episode: _Running, index: int, *, observation: Any, reward: float, done: bool,
-                 action: Action) -> None:
+    def _advance(
+        self, episode: _Running, index: int, *, observation: Any, reward: float, done: bool, action: Action
+    ) -> None:
         episode.reward += reward
         if done:
             episode.end = END_DONE
@@ -207,13 +240,14 @@ class MultiTurnRollout:
             return
         ids = self._turn_ids(observation, index, action) if episode.chat else self._ids(observation, index)
         if len(episode.context) + len(ids) >= self.engine.max_context_length:
-            episode.end = END_CONTEXT   # the observation would leave no room for the next turn
+            episode.end = END_CONTEXT  # the observation would leave no room for the next turn
             return
         episode.add(ids, None)
 
     def _ids(self, observation: Any, index: int) -> list[int]:
-        return observation_ids(observation, encode=self.encode, vocab_size=self.vocab_size, spec=self.plugin.spec,
-                               episode=index)
+        return observation_ids(
+            observation, encode=self.encode, vocab_size=self.vocab_size, spec=self.plugin.spec, episode=index
+        )
 
     def _reset_prompt(self, sample: EpisodeSample, observation: Any, index: int) -> list[int]:
         """A chat's prompt: as the request encoded it, or re-rendered with the reset observation as its last message
@@ -221,7 +255,7 @@ class MultiTurnRollout:
         assert self.chat is not None
         message = self._message(observation, index)
         if message is None:
-            return [*sample.prompt_ids, *self._ids(observation, index)]   # token ids (or nothing) as they are
+            return [*sample.prompt_ids, *self._ids(observation, index)]  # token ids (or nothing) as they are
         with self._template_errors(index):
             return self.chat.chat_prompt_ids([*sample.messages, message])
 
@@ -231,21 +265,22 @@ class MultiTurnRollout:
         if message is None:
             return self._ids(observation, index)
         with self._template_errors(index):
-            return self.chat.observation_ids(message, turn=action.token_ids,
-                                             turn_ended=action.finish_reason == FINISH_STOP)
+            return self.chat.observation_ids(
+                message, turn=action.token_ids, turn_ended=action.finish_reason == FINISH_STOP
+            )
 
     def _message(self, observation: Any, index: int) -> ChatMessage | None:
         assert self.chat is not None
-        return observation_message(observation, role=self.chat.observation_role, spec=self.plugin.spec,
-                                   episode=index)
+        return observation_message(observation, role=self.chat.observation_role, spec=self.plugin.spec, episode=index)
 
     @contextlib.contextmanager
     def _template_errors(self, index: int) -> Iterator[None]:
         try:
             yield
         except ChatTemplateError as exc:
-            raise EnvironmentFailure(f"environment {self.plugin.spec}: the observation of episode {index}: "
-                                     f"{exc}") from None
+            raise EnvironmentFailure(
+                f"environment {self.plugin.spec}: the observation of episode {index}: {exc}"
+            ) from None
 
 
 def turn_sampling(sampling: SamplingSpec, turn: int) -> SamplingSpec:
@@ -260,8 +295,10 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     n = len(episodes)
     tokens = sum(len(e.loss_mask) for e in episodes)
     observed = sum(len(e.loss_mask) - sum(e.loss_mask) for e in episodes)
-    out = {"env_turns_mean": sum(e.turns for e in episodes) / n,
-           "env_observation_token_frac": observed / tokens if tokens else 0.0}
+    out = {
+        "env_turns_mean": sum(e.turns for e in episodes) / n,
+        "env_observation_token_frac": observed / tokens if tokens else 0.0,
+    }
     for end in (END_DONE, END_MAX_TURNS, END_CONTEXT):
         out[f"env_end_{end}_frac"] = sum(e.end == end for e in episodes) / n
     return out

@@ -93,7 +93,7 @@ def exact_match(prompt: str, response: str, label: str, metadata: dict[str, str]
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
-extract_boxed = math_rewards.last_boxed   # the content of the last \\boxed{...} (nested braces allowed), or None
+extract_boxed = math_rewards.last_boxed  # the content of the last \\boxed{...} (nested braces allowed), or None
 
 
 def parse_number(text: str) -> float | None:
@@ -123,7 +123,7 @@ def numeric_match(prompt: str, response: str, label: str, metadata: dict[str, st
     if predicted is None:
         return 0.0
     gold_text = label.strip()
-    if "####" in gold_text:                      # GSM8K: the answer follows the last ####
+    if "####" in gold_text:  # GSM8K: the answer follows the last ####
         gold_text = gold_text.rsplit("####", 1)[1].strip()
     elif "\\boxed{" in gold_text:
         gold_text = extract_boxed(gold_text) or gold_text
@@ -140,8 +140,12 @@ def digit_task(prompt: str, response: str, label: str, metadata: dict[str, str])
 
 
 BUILTIN_REWARDS: dict[str, Callable[..., float]] = {
-    "exact_match": exact_match, "numeric_match": numeric_match, "digit_task": digit_task,
-    "math_answer": math_rewards.math_answer, "math_verify": math_rewards.math_verify}
+    "exact_match": exact_match,
+    "numeric_match": numeric_match,
+    "digit_task": digit_task,
+    "math_answer": math_rewards.math_answer,
+    "math_verify": math_rewards.math_verify,
+}
 # built-ins that need an optional package: (module, what to install)
 _BUILTIN_NEEDS = {"math_verify": ("math_verify", "pip install 'tandem-rl[math]'")}
 
@@ -154,10 +158,17 @@ class RewardFunction:
     spec: str
     fn: Callable[..., Any]
     batched: bool
-    keywords: tuple[str, ...] | None     # parameter names to pass by keyword; None = positional
+    keywords: tuple[str, ...] | None  # parameter names to pass by keyword; None = positional
 
-    def score(self, *, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[str],
-              metadatas: Sequence[dict[str, str]], timeout_s: float | None = None) -> list[float]:
+    def score(
+        self,
+        *,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        labels: Sequence[str],
+        metadatas: Sequence[dict[str, str]],
+        timeout_s: float | None = None,
+    ) -> list[float]:
         """One reward per sample; with `timeout_s` each call must return within it (RewardTimeout otherwise)."""
         n = len(responses)
         if not (len(prompts) == len(labels) == len(metadatas) == n):
@@ -165,27 +176,34 @@ class RewardFunction:
         if n == 0:
             return []
         if self.batched:
+
             def job(watch: _Watch) -> list[Any]:
                 with watch.running(BATCH):
-                    return _run_maybe_async(lambda: self._call(prompts, responses, labels, metadatas,
-                                                               timeout_s=timeout_s, batch_size=n))
+                    return _run_maybe_async(
+                        lambda: self._call(prompts, responses, labels, metadatas, timeout_s=timeout_s, batch_size=n)
+                    )
+
             raw = job(_Watch()) if timeout_s is None else self._within(job, timeout_s, n=n)
             if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or len(raw) != n:
-                raise RewardError(f"batched reward {self.spec} returned {type(raw).__name__} "
-                                  f"{_len_of(raw)} for {n} samples; expected a list of {n} numbers")
+                raise RewardError(
+                    f"batched reward {self.spec} returned {type(raw).__name__} "
+                    f"{_len_of(raw)} for {n} samples; expected a list of {n} numbers"
+                )
             return [_to_float(v, spec=self.spec, index=i) for i, v in enumerate(raw)]
 
         def each(watch: _Watch) -> list[Any]:
             calls: list[Callable[[], Any]] = [
                 functools.partial(self._call, p, r, lb, m, index=i, timeout_s=timeout_s, watch=watch)
-                for i, (p, r, lb, m) in enumerate(zip(prompts, responses, labels, metadatas, strict=True))]
+                for i, (p, r, lb, m) in enumerate(zip(prompts, responses, labels, metadatas, strict=True))
+            ]
             if inspect.iscoroutinefunction(self.fn):
-                return _run_coroutines(calls)   # each coroutine is watched while it runs (_awaited)
+                return _run_coroutines(calls)  # each coroutine is watched while it runs (_awaited)
             out = []
             for i, call in enumerate(calls):
                 with watch.running(i):
                     out.append(_run_maybe_async(call))
             return out
+
         raw = each(_Watch()) if timeout_s is None else self._within(each, timeout_s, n=n)
         return [_to_float(v, spec=self.spec, index=i) for i, v in enumerate(raw)]
 
@@ -204,7 +222,7 @@ class RewardFunction:
             finally:
                 done.set()
 
-        context = contextvars.copy_context()   # the reward's own spans stay under rl.reward
+        context = contextvars.copy_context()  # the reward's own spans stay under rl.reward
         threading.Thread(target=context.run, args=(run,), name=f"reward {self.spec}", daemon=True).start()
         while not done.wait(watch.wait_s(timeout_s)):
             late = watch.overdue(timeout_s)
@@ -216,13 +234,20 @@ class RewardFunction:
 
     def _timeout(self, index: int, timeout_s: float, *, n: int) -> RewardTimeout:
         which = f"sample {index}" if index != BATCH else f"the {n} samples of its one batched call"
-        return RewardTimeout(f"reward function {self.spec} did not return within {timeout_s:g} s "
-                             f"(rollout.reward_timeout_s) for {which}",
-                             hint=f"make {self.spec} return sooner (give what it waits for a timeout of its own), "
-                                  "or raise rollout.reward_timeout_s")
+        return RewardTimeout(
+            f"reward function {self.spec} did not return within {timeout_s:g} s (rollout.reward_timeout_s) for {which}",
+            hint=f"make {self.spec} return sooner (give what it waits for a timeout of its own), "
+            "or raise rollout.reward_timeout_s",
+        )
 
-    def _call(self, *args: Any, index: int | None = None, timeout_s: float | None = None,
-              watch: _Watch | None = None, batch_size: int = 0) -> Any:
+    def _call(
+        self,
+        *args: Any,
+        index: int | None = None,
+        timeout_s: float | None = None,
+        watch: _Watch | None = None,
+        batch_size: int = 0,
+    ) -> Any:
         names = _BATCHED if self.batched else _PER_SAMPLE
         try:
             if self.keywords is None:
@@ -235,12 +260,19 @@ class RewardFunction:
             return result
         return self._guarded(result, index, timeout_s, watch, batch_size=batch_size)
 
-    async def _guarded(self, result: Awaitable[Any], index: int | None, timeout_s: float | None,
-                       watch: _Watch | None, *, batch_size: int) -> Any:
+    async def _guarded(
+        self,
+        result: Awaitable[Any],
+        index: int | None,
+        timeout_s: float | None,
+        watch: _Watch | None,
+        *,
+        batch_size: int,
+    ) -> Any:
         """An async call: cancelled at its deadline (the watchdog of _within catches one that blocks its loop)."""
         try:
             return await asyncio.wait_for(self._awaited(result, index, watch), timeout_s)
-        except TimeoutError:   # wait_for's own: what the function raised is a RewardUnavailable by now
+        except TimeoutError:  # wait_for's own: what the function raised is a RewardUnavailable by now
             raise self._timeout(BATCH if index is None else index, timeout_s or 0.0, n=batch_size) from None
 
     async def _awaited(self, result: Awaitable[Any], index: int | None, watch: _Watch | None) -> Any:
@@ -254,8 +286,9 @@ class RewardFunction:
     def _failure(self, exc: Exception, index: int | None) -> Exception:
         where = f" on sample {index}" if index is not None else ""
         if isinstance(exc, ConnectionError | TimeoutError):
-            return RewardUnavailable(f"reward function {self.spec} could not reach a dependency{where}: "
-                                     f"{type(exc).__name__}: {exc}")
+            return RewardUnavailable(
+                f"reward function {self.spec} could not reach a dependency{where}: {type(exc).__name__}: {exc}"
+            )
         return RewardError(f"reward function {self.spec} raised {type(exc).__name__}{where}: {exc}")
 
 
@@ -266,9 +299,11 @@ def _len_of(value: Any) -> str:
 def _to_float(value: Any, *, spec: str, index: int) -> float:
     if isinstance(value, dict):
         value = value.get("score", value.get("reward"))
-    if isinstance(value, str | bytes):   # float("1.0") would pass: a text where a score belongs is a bug upstream
-        raise RewardError(f"reward function {spec} returned the {type(value).__name__} {value!r} for sample {index}; "
-                          "expected a number (int, float or bool)")
+    if isinstance(value, str | bytes):  # float("1.0") would pass: a text where a score belongs is a bug upstream
+        raise RewardError(
+            f"reward function {spec} returned the {type(value).__name__} {value!r} for sample {index}; "
+            "expected a number (int, float or bool)"
+        )
     try:
         out = float(value)
     except (TypeError, ValueError):
@@ -292,16 +327,17 @@ async def _await(aw: Awaitable[Any]) -> Any:
 def _run_coroutines(calls: list[Callable[[], Any]]) -> list[Any]:
     async def gather() -> list[Any]:
         return list(await asyncio.gather(*(_await(c()) for c in calls)))
+
     return run_coroutine(gather())
 
 
-BATCH = -1   # _Watch's key of a batched function's one call
+BATCH = -1  # _Watch's key of a batched function's one call
 
 
 class _Watch:
     """Which reward calls of a scoring job are running, and since when: the caller's watchdog reads it."""
 
-    _POLL_S = 0.05   # when nothing is running (between two calls): look again this soon
+    _POLL_S = 0.05  # when nothing is running (between two calls): look again this soon
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -337,11 +373,11 @@ def resolve_reward(spec: str) -> RewardFunction:
     """Built-in name, `module:function` or `file.py:function` -> RewardFunction (RewardSpecError if not)."""
     spec = spec.strip()
     if not spec:
-        raise RewardSpecError("reward: empty name; use a built-in "
-                              f"({', '.join(BUILTIN_REWARDS)}) or module:function")
+        raise RewardSpecError(f"reward: empty name; use a built-in ({', '.join(BUILTIN_REWARDS)}) or module:function")
     if spec in _BUILTIN_NEEDS and importlib.util.find_spec(_BUILTIN_NEEDS[spec][0]) is None:
-        raise RewardSpecError(f"reward {spec} needs the {_BUILTIN_NEEDS[spec][0].replace('_', '-')} package: "
-                              f"{_BUILTIN_NEEDS[spec][1]}")
+        raise RewardSpecError(
+            f"reward {spec} needs the {_BUILTIN_NEEDS[spec][0].replace('_', '-')} package: {_BUILTIN_NEEDS[spec][1]}"
+        )
     fn = BUILTIN_REWARDS.get(spec) or _load_callable(spec)
     return _describe(spec, fn)
 
@@ -349,8 +385,10 @@ def resolve_reward(spec: str) -> RewardFunction:
 def _load_callable(spec: str) -> Callable[..., Any]:
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        raise RewardSpecError(f"reward {spec!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}) "
-                              "and not of the form module:function or path/to/file.py:function")
+        raise RewardSpecError(
+            f"reward {spec!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}) "
+            "and not of the form module:function or path/to/file.py:function"
+        )
     fn = load_attribute(spec, kind="reward", error=RewardSpecError)
     if not callable(fn):
         raise RewardSpecError(f"reward {spec!r}: {attr} is a {type(fn).__name__}, not a function")
@@ -361,8 +399,11 @@ def load_attribute(spec: str, *, kind: str, error: type[ValueError]) -> object:
     """The object `module:attr` or `path/to/file.py:attr` names (a plug-in: a reward, an environment); `error`
     (a ValueError naming `kind` and `spec`) when it cannot be loaded. A file is imported once per process."""
     target, _, attr = spec.rpartition(":")
-    module = _load_file(target, spec, kind, error) if target.endswith(".py") or "/" in target else \
-        _import(target, spec, kind, error)
+    module = (
+        _load_file(target, spec, kind, error)
+        if target.endswith(".py") or "/" in target
+        else _import(target, spec, kind, error)
+    )
     obj = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
@@ -385,8 +426,7 @@ def _load_file(path_text: str, spec: str, kind: str, error: type[ValueError]) ->
     candidates = [path] if path.is_absolute() else [Path.cwd() / path, REPO_ROOT / path]
     file = next((c.resolve() for c in candidates if c.is_file()), None)
     if file is None:
-        raise error(f"{kind} {spec!r}: file {path_text} not found (tried "
-                    f"{', '.join(str(c) for c in candidates)})")
+        raise error(f"{kind} {spec!r}: file {path_text} not found (tried {', '.join(str(c) for c in candidates)})")
     # one module per file, whichever plug-in asks first: a file may hold an environment and a reward
     name = f"tandem_plugin_{abs(hash(str(file))):x}"
     if name in sys.modules:
@@ -394,7 +434,7 @@ def _load_file(path_text: str, spec: str, kind: str, error: type[ValueError]) ->
     module_spec = importlib.util.spec_from_file_location(name, file)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module   # before it runs: a dataclass in it looks its module up there
+    sys.modules[name] = module  # before it runs: a dataclass in it looks its module up there
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:  # noqa: BLE001 - user code may raise anything; the spec error names it
@@ -418,6 +458,8 @@ def _describe(spec: str, fn: Callable[..., Any]) -> RewardFunction:
         return RewardFunction(spec=spec, fn=fn, batched=is_batched, keywords=tuple(named))
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if params and len(positional) < 4 and not any(p.kind == p.VAR_POSITIONAL for p in params):
-        raise RewardSpecError(f"reward {spec!r}: {getattr(fn, '__name__', fn)} must take "
-                              f"({', '.join(known)}) or name a subset of them as parameters")
+        raise RewardSpecError(
+            f"reward {spec!r}: {getattr(fn, '__name__', fn)} must take "
+            f"({', '.join(known)}) or name a subset of them as parameters"
+        )
     return RewardFunction(spec=spec, fn=fn, batched=is_batched, keywords=None)

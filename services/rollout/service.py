@@ -84,7 +84,7 @@ class _Scored:
     responses: list[str]
     generate_s: float
     reward_s: float
-    loss_masks: list[list[int]] | None = None    # None: every response token is the policy's
+    loss_masks: list[list[int]] | None = None  # None: every response token is the policy's
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -100,8 +100,10 @@ def check_request_size(what: str, prompts: int, n: int | None, default: int, *, 
     """Refuses a request before any work: its samples are allocated at once, so a huge one is an outage."""
     total = prompts * (n or default)
     if total > limit:
-        raise ValueError(f"{what}: {prompts} prompts x {n or default} samples = {total} samples, more than "
-                         f"rollout.max_request_samples ({limit})")
+        raise ValueError(
+            f"{what}: {prompts} prompts x {n or default} samples = {total} samples, more than "
+            f"rollout.max_request_samples ({limit})"
+        )
 
 
 def mix_seed(seed: int | None, rollout_id: int) -> int | None:
@@ -112,16 +114,24 @@ def mix_seed(seed: int | None, rollout_id: int) -> int | None:
 
 
 class RolloutService:
-    def __init__(self, config: TandemConfig, *, replica: int = 0, engine: Engine | None = None,
-                 tokenizer: PreTrainedTokenizerBase | None = None, redis_client: redis.Redis | None = None):
+    def __init__(
+        self,
+        config: TandemConfig,
+        *,
+        replica: int = 0,
+        engine: Engine | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        redis_client: redis.Redis | None = None,
+    ):
         self.config = config
         self.replica = replica
         self.producer = f"rollout-{replica}"
         self._started = time.monotonic()
-        self.default_reward = resolve_reward(config.rollout.reward)   # a bad spec fails the start
+        self.default_reward = resolve_reward(config.rollout.reward)  # a bad spec fails the start
         self.environment = resolve_environment(config.rollout.environment) if config.rollout.environment else None
-        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
-            config.model.tokenizer_path or config.model.path)
+        tokenizer = (
+            tokenizer if tokenizer is not None else load_tokenizer(config.model.tokenizer_path or config.model.path)
+        )
         self.texts = Texts(tokenizer, ChatTemplate.from_config(tokenizer, config))
         started = time.monotonic()
         self.engine = engine if engine is not None else build_engine(config, self.texts)
@@ -131,28 +141,43 @@ class RolloutService:
         self.stream = stream_key(config.redis.stream_prefix, config.run_name)
         self.groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
         self.writer = BatchWriter(config, producer=self.producer, groups=self.groups, client=redis_client)
-        self._receiver: WeightReceiver | None = None   # made on the first weight sync
+        self._receiver: WeightReceiver | None = None  # made on the first weight sync
         self._lock = threading.Lock()
         self._recent: OrderedDict[tuple[Any, ...], Future[GenerateResult]] = OrderedDict()
 
     # ---- Generate ----------------------------------------------------------------------------------
 
-    def generate(self, *, rollout_id: int, prompts: Sequence[PromptInput], n_samples_per_prompt: int | None = None,
-                 sampling: SamplingSpec | None = None, trace_context: dict[str, str] | None = None,
-                 stream: str | None = None, reward: str | None = None,
-                 caller_active: Callable[[], bool] | None = None) -> GenerateResult:
+    def generate(
+        self,
+        *,
+        rollout_id: int,
+        prompts: Sequence[PromptInput],
+        n_samples_per_prompt: int | None = None,
+        sampling: SamplingSpec | None = None,
+        trace_context: dict[str, str] | None = None,
+        stream: str | None = None,
+        reward: str | None = None,
+        caller_active: Callable[[], bool] | None = None,
+    ) -> GenerateResult:
         """Samples n per prompt, scores them, writes one batch entry and returns its id and counts."""
         if not prompts:
             raise ValueError(f"Generate(rollout_id={rollout_id}): no prompts given")
         if rollout_id < 0:
             raise ValueError(f"Generate: rollout_id must be >= 0, got {rollout_id}")
-        check_request_size(f"Generate(rollout_id={rollout_id})", len(prompts), n_samples_per_prompt,
-                           self.config.rollout.n_samples_per_prompt, limit=self.config.rollout.max_request_samples)
+        check_request_size(
+            f"Generate(rollout_id={rollout_id})",
+            len(prompts),
+            n_samples_per_prompt,
+            self.config.rollout.n_samples_per_prompt,
+            limit=self.config.rollout.max_request_samples,
+        )
         group_ids = [p.group_id for p in prompts]
         if len(set(group_ids)) != len(group_ids):
             dup = next(g for g in group_ids if group_ids.count(g) > 1)
-            raise ValueError(f"Generate(rollout_id={rollout_id}): several prompts share group_id {dup}; "
-                             "each prompt needs its own group id")
+            raise ValueError(
+                f"Generate(rollout_id={rollout_id}): several prompts share group_id {dup}; "
+                "each prompt needs its own group id"
+            )
         key = (stream or self.stream, rollout_id, tuple(group_ids))
         while True:
             with self._lock:
@@ -164,22 +189,38 @@ class RolloutService:
                         self._recent.popitem(last=False)
                     break
             try:
-                return earlier.result()          # a retry of a call in flight or done: same entry
-            except Exception:                    # noqa: BLE001 - that attempt failed; compute afresh
+                return earlier.result()  # a retry of a call in flight or done: same entry
+            except Exception:  # noqa: BLE001 - that attempt failed; compute afresh
                 continue
         try:
-            result = self._generate(rollout_id=rollout_id, prompts=prompts, n=n_samples_per_prompt, sampling=sampling,
-                                    trace_context=trace_context, stream=stream or self.stream, reward=reward,
-                                    caller_active=caller_active)
+            result = self._generate(
+                rollout_id=rollout_id,
+                prompts=prompts,
+                n=n_samples_per_prompt,
+                sampling=sampling,
+                trace_context=trace_context,
+                stream=stream or self.stream,
+                reward=reward,
+                caller_active=caller_active,
+            )
         except BaseException as exc:
             mine.set_exception(exc)
             raise
         mine.set_result(result)
         return result
 
-    def _generate(self, *, rollout_id: int, prompts: Sequence[PromptInput], n: int | None,
-                  sampling: SamplingSpec | None, trace_context: dict[str, str] | None, stream: str,
-                  reward: str | None, caller_active: Callable[[], bool] | None) -> GenerateResult:
+    def _generate(
+        self,
+        *,
+        rollout_id: int,
+        prompts: Sequence[PromptInput],
+        n: int | None,
+        sampling: SamplingSpec | None,
+        trace_context: dict[str, str] | None,
+        stream: str,
+        reward: str | None,
+        caller_active: Callable[[], bool] | None,
+    ) -> GenerateResult:
         ro = self.config.rollout
         n = n or ro.n_samples_per_prompt
         if n < 1:
@@ -190,54 +231,113 @@ class RolloutService:
         reward_fn = self._reward_fn(reward)
         inputs = self.model_inputs(prompts)
         version = self.engine.weight_version
-        with tracing.span("rl.sample", parent=trace_context or None, rollout_id=rollout_id, weight_version=version,
-                          prompts=len(prompts), samples=len(prompts) * n, replica=self.replica) as sp:
-            scored = self._sample_and_score(prompts=prompts, inputs=inputs, n=n, sampling=sampling,
-                                            reward_fn=reward_fn, rollout_id=rollout_id, span_=sp)
+        with tracing.span(
+            "rl.sample",
+            parent=trace_context or None,
+            rollout_id=rollout_id,
+            weight_version=version,
+            prompts=len(prompts),
+            samples=len(prompts) * n,
+            replica=self.replica,
+        ) as sp:
+            scored = self._sample_and_score(
+                prompts=prompts,
+                inputs=inputs,
+                n=n,
+                sampling=sampling,
+                reward_fn=reward_fn,
+                rollout_id=rollout_id,
+                span_=sp,
+            )
             rewards, shaping = shaped_rewards(scored, ro.overlong_penalty, max_new_tokens=sampling.max_new_tokens)
             batch = build_batch(
-                rollout_id=rollout_id, policy_version=min(o.weight_version for o in scored.outputs),
-                prompts=scored.prompt_ids, responses=[list(o.token_ids) for o in scored.outputs],
-                log_probs=[list(o.log_probs) for o in scored.outputs], rewards=rewards,
+                rollout_id=rollout_id,
+                policy_version=min(o.weight_version for o in scored.outputs),
+                prompts=scored.prompt_ids,
+                responses=[list(o.token_ids) for o in scored.outputs],
+                log_probs=[list(o.log_probs) for o in scored.outputs],
+                rewards=rewards,
                 group_ids=[p.group_id for p in prompts for _ in range(n)],
-                finish_reasons=[o.finish_reason for o in scored.outputs], sampling=sampling,
-                sample_versions=[o.weight_version for o in scored.outputs], loss_masks=scored.loss_masks,
+                finish_reasons=[o.finish_reason for o in scored.outputs],
+                sampling=sampling,
+                sample_versions=[o.weight_version for o in scored.outputs],
+                loss_masks=scored.loss_masks,
                 token_versions=[list(o.versions) for o in scored.outputs],
                 labels=[p.label for p in prompts for _ in range(n)],
-                metadata={"reward": reward_fn.spec, "engine": self.engine.name, "n_samples_per_prompt": str(n),
-                          "temperature": str(sampling.temperature), **self._environment_metadata()},
-                producer=self.producer, logprob_space=self.engine.logprob_space)
+                metadata={
+                    "reward": reward_fn.spec,
+                    "engine": self.engine.name,
+                    "n_samples_per_prompt": str(n),
+                    "temperature": str(sampling.temperature),
+                    **self._environment_metadata(),
+                },
+                producer=self.producer,
+                logprob_space=self.engine.logprob_space,
+            )
             if caller_active is not None and not caller_active():
-                raise CallerGone(f"Generate(rollout_id={rollout_id}): the caller went away during generation; "
-                                 "no batch was written")
+                raise CallerGone(
+                    f"Generate(rollout_id={rollout_id}): the caller went away during generation; no batch was written"
+                )
             t = time.monotonic()
             entry_id = self.writer.put(batch, stream=stream, trace_context=tracing.inject_context())
             put_s = time.monotonic() - t
             # weight_version: the version generation actually started with
             tracing.set_attributes(sp, entry_id=entry_id, weight_version=batch.policy_version)
         return GenerateResult(
-            entry_id=entry_id, num_samples=batch.num_samples, num_prompt_tokens=int(batch.prompt_lengths.sum()),
-            num_response_tokens=batch.num_response_tokens, weight_version=batch.policy_version,
-            generate_time_s=scored.generate_s, reward_time_s=scored.reward_s, put_time_s=put_s,
-            metrics={**batch_metrics(scored.outputs, rewards, n=n, generate_s=scored.generate_s), **shaping,
-                     **scored.metrics, **cuda_peak_metrics()},
-            producer=self.producer, num_groups=len(prompts),
-            informative_groups=len(informative_groups(batch.rewards, batch.group_ids,
-                                                      min_std=ro.dynamic_sampling.min_std)))
+            entry_id=entry_id,
+            num_samples=batch.num_samples,
+            num_prompt_tokens=int(batch.prompt_lengths.sum()),
+            num_response_tokens=batch.num_response_tokens,
+            weight_version=batch.policy_version,
+            generate_time_s=scored.generate_s,
+            reward_time_s=scored.reward_s,
+            put_time_s=put_s,
+            metrics={
+                **batch_metrics(scored.outputs, rewards, n=n, generate_s=scored.generate_s),
+                **shaping,
+                **scored.metrics,
+                **cuda_peak_metrics(),
+            },
+            producer=self.producer,
+            num_groups=len(prompts),
+            informative_groups=len(
+                informative_groups(batch.rewards, batch.group_ids, min_std=ro.dynamic_sampling.min_std)
+            ),
+        )
 
-    def _sample_and_score(self, *, prompts: Sequence[PromptInput], inputs: ModelInputs, n: int,
-                          sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int,
-                          span_: trace.Span) -> _Scored:
+    def _sample_and_score(
+        self,
+        *,
+        prompts: Sequence[PromptInput],
+        inputs: ModelInputs,
+        n: int,
+        sampling: SamplingSpec,
+        reward_fn: RewardFunction,
+        rollout_id: int,
+        span_: trace.Span,
+    ) -> _Scored:
         if self.environment is not None:
-            return self._play_and_score(prompts=prompts, inputs=inputs, n=n, sampling=sampling,
-                                        reward_fn=reward_fn, rollout_id=rollout_id, span_=span_)
+            return self._play_and_score(
+                prompts=prompts,
+                inputs=inputs,
+                n=n,
+                sampling=sampling,
+                reward_fn=reward_fn,
+                rollout_id=rollout_id,
+                span_=span_,
+            )
         expanded = [ids for ids in inputs.ids for _ in range(n)]
         caps = [prompt_max_new_tokens(dict(p.metadata), where=f"prompt of group {p.group_id}") for p in prompts]
         t = time.monotonic()
         try:
-            outputs = self.engine.generate(expanded, sampling, wait_timeout_s=self.config.loop.step_timeout_s,
-                                           max_new_tokens=None if all(c is None for c in caps) else
-                                           [c or sampling.max_new_tokens for c in caps for _ in range(n)])
+            outputs = self.engine.generate(
+                expanded,
+                sampling,
+                wait_timeout_s=self.config.loop.step_timeout_s,
+                max_new_tokens=None
+                if all(c is None for c in caps)
+                else [c or sampling.max_new_tokens for c in caps for _ in range(n)],
+            )
         except EngineUnavailable as exc:
             raise FailedPrecondition(str(exc)) from exc
         generate_s = time.monotonic() - t
@@ -246,28 +346,68 @@ class RolloutService:
         tracing.set_attributes(span_, tokens=tokens)
         responses = [self.texts.decode(o.token_ids) for o in outputs]
         t = time.monotonic()
-        with tracing.span("rl.reward", rollout_id=rollout_id, weight_version=outputs[0].weight_version,
-                          tokens=tokens, reward=reward_fn.spec, samples=len(outputs)):
-            rewards = reward_fn.score(prompts=[s for s in inputs.texts for _ in range(n)], responses=responses,
-                                      labels=[p.label for p in prompts for _ in range(n)],
-                                      metadatas=[p.reward_metadata() for p in prompts for _ in range(n)],
-                                      timeout_s=runfacts.reward_timeout_s(self.config))
-        return _Scored(prompt_ids=expanded, outputs=outputs, rewards=rewards, responses=responses,
-                       generate_s=generate_s, reward_s=time.monotonic() - t)
+        with tracing.span(
+            "rl.reward",
+            rollout_id=rollout_id,
+            weight_version=outputs[0].weight_version,
+            tokens=tokens,
+            reward=reward_fn.spec,
+            samples=len(outputs),
+        ):
+            rewards = reward_fn.score(
+                prompts=[s for s in inputs.texts for _ in range(n)],
+                responses=responses,
+                labels=[p.label for p in prompts for _ in range(n)],
+                metadatas=[p.reward_metadata() for p in prompts for _ in range(n)],
+                timeout_s=runfacts.reward_timeout_s(self.config),
+            )
+        return _Scored(
+            prompt_ids=expanded,
+            outputs=outputs,
+            rewards=rewards,
+            responses=responses,
+            generate_s=generate_s,
+            reward_s=time.monotonic() - t,
+        )
 
-    def _play_and_score(self, *, prompts: Sequence[PromptInput], inputs: ModelInputs, n: int,
-                        sampling: SamplingSpec, reward_fn: RewardFunction, rollout_id: int,
-                        span_: trace.Span) -> _Scored:
+    def _play_and_score(
+        self,
+        *,
+        prompts: Sequence[PromptInput],
+        inputs: ModelInputs,
+        n: int,
+        sampling: SamplingSpec,
+        reward_fn: RewardFunction,
+        rollout_id: int,
+        span_: trace.Span,
+    ) -> _Scored:
         """Multi-turn episodes (services.rollout.multi_turn): n per prompt, scored by the environment."""
         ro = self.config.rollout
         assert self.environment is not None
-        samples = [EpisodeSample(prompt=text, prompt_ids=tuple(ids), label=p.label, metadata=p.reward_metadata(),
-                                 group_id=p.group_id, sample_index=j, messages=p.messages)
-                   for p, ids, text in zip(prompts, inputs.ids, inputs.texts, strict=True) for j in range(n)]
-        rollout = MultiTurnRollout(engine=self.engine, plugin=self.environment, encode=self.texts.encode_text,
-                                   decode=self.texts.decode, max_turns=ro.max_turns,
-                                   step_timeout_s=ro.environment_timeout_s, vocab_size=self.texts.vocab_size,
-                                   wait_timeout_s=self.config.loop.step_timeout_s, chat=self.texts)
+        samples = [
+            EpisodeSample(
+                prompt=text,
+                prompt_ids=tuple(ids),
+                label=p.label,
+                metadata=p.reward_metadata(),
+                group_id=p.group_id,
+                sample_index=j,
+                messages=p.messages,
+            )
+            for p, ids, text in zip(prompts, inputs.ids, inputs.texts, strict=True)
+            for j in range(n)
+        ]
+        rollout = MultiTurnRollout(
+            engine=self.engine,
+            plugin=self.environment,
+            encode=self.texts.encode_text,
+            decode=self.texts.decode,
+            max_turns=ro.max_turns,
+            step_timeout_s=ro.environment_timeout_s,
+            vocab_size=self.texts.vocab_size,
+            wait_timeout_s=self.config.loop.step_timeout_s,
+            chat=self.texts,
+        )
         try:
             played = rollout.run(samples, sampling)
         except EngineUnavailable as exc:
@@ -279,28 +419,42 @@ class RolloutService:
         rewards = [e.reward for e in played.episodes]
         t = time.monotonic()
         if ro.episode_reward == "env_plus_reward":
-            scores = reward_fn.score(prompts=[s.prompt for s in samples], responses=responses,
-                                     labels=[s.label for s in samples], metadatas=[dict(s.metadata) for s in samples])
+            scores = reward_fn.score(
+                prompts=[s.prompt for s in samples],
+                responses=responses,
+                labels=[s.label for s in samples],
+                metadatas=[dict(s.metadata) for s in samples],
+            )
             rewards = [a + b for a, b in zip(rewards, scores, strict=True)]
-        return _Scored(prompt_ids=[list(e.prompt_ids) for e in played.episodes], outputs=outputs, rewards=rewards,
-                       responses=responses, generate_s=played.engine_s,
-                       reward_s=played.environment_s + time.monotonic() - t,
-                       loss_masks=[list(e.loss_mask) for e in played.episodes],
-                       metrics={**episode_metrics(played.episodes), "env_time_s": played.environment_s})
+        return _Scored(
+            prompt_ids=[list(e.prompt_ids) for e in played.episodes],
+            outputs=outputs,
+            rewards=rewards,
+            responses=responses,
+            generate_s=played.engine_s,
+            reward_s=played.environment_s + time.monotonic() - t,
+            loss_masks=[list(e.loss_mask) for e in played.episodes],
+            metrics={**episode_metrics(played.episodes), "env_time_s": played.environment_s},
+        )
 
     def _environment_metadata(self) -> dict[str, str]:
         if self.environment is None:
             return {}
         ro = self.config.rollout
-        return {"environment": self.environment.spec, "max_turns": str(ro.max_turns),
-                "episode_reward": ro.episode_reward}
+        return {
+            "environment": self.environment.spec,
+            "max_turns": str(ro.max_turns),
+            "episode_reward": ro.episode_reward,
+        }
 
     def _reward_fn(self, reward: str | None) -> RewardFunction:
         """A request's reward, else the configured one. With an environment scoring alone, none is asked for."""
         if reward and self.environment is not None and self.config.rollout.episode_reward == "env":
-            raise ValueError(f"the request names reward {reward!r}, but rollout.episode_reward is env: the "
-                             f"environment {self.environment.spec} scores each episode alone (set "
-                             "rollout.episode_reward: env_plus_reward to add a reward function)")
+            raise ValueError(
+                f"the request names reward {reward!r}, but rollout.episode_reward is env: the "
+                f"environment {self.environment.spec} scores each episode alone (set "
+                "rollout.episode_reward: env_plus_reward to add a reward function)"
+            )
         return resolve_reward(reward) if reward else self.default_reward
 
     # ---- prompts and text --------------------------------------------------------------------------
@@ -312,16 +466,27 @@ class RolloutService:
 
     # ---- Evaluate ----------------------------------------------------------------------------------
 
-    def evaluate(self, *, name: str = "eval", prompts: Sequence[PromptInput], n_samples_per_prompt: int | None = None,
-                 sampling: SamplingSpec | None = None, reward: str | None = None,
-                 pass_threshold: float = 1.0) -> EvaluateResult:
+    def evaluate(
+        self,
+        *,
+        name: str = "eval",
+        prompts: Sequence[PromptInput],
+        n_samples_per_prompt: int | None = None,
+        sampling: SamplingSpec | None = None,
+        reward: str | None = None,
+        pass_threshold: float = 1.0,
+    ) -> EvaluateResult:
         """Greedy (or n-sample) generation over an eval set; metrics under `<name>/`. A sample passes when
         its reward reaches `pass_threshold`; pass@k uses the unbiased estimator over n samples."""
         if not prompts:
             raise ValueError(f"Evaluate({name!r}): no prompts given")
-        check_request_size(f"Evaluate({name!r})", len(prompts), n_samples_per_prompt,
-                           self.config.rollout.eval_n_samples_per_prompt,
-                           limit=self.config.rollout.max_request_samples)
+        check_request_size(
+            f"Evaluate({name!r})",
+            len(prompts),
+            n_samples_per_prompt,
+            self.config.rollout.eval_n_samples_per_prompt,
+            limit=self.config.rollout.max_request_samples,
+        )
         start = time.monotonic()
         name = name or "eval"
         n = n_samples_per_prompt or self.config.rollout.eval_n_samples_per_prompt
@@ -330,14 +495,21 @@ class RolloutService:
         sampling = sampling or SamplingSpec.from_config(self.config.rollout.eval_sampling)
         reward_fn = self._reward_fn(reward)
         inputs = self.model_inputs(prompts)
-        with tracing.span("rl.eval.generate", eval_name=name, weight_version=self.engine.weight_version,
-                          prompts=len(prompts), replica=self.replica) as sp:
-            scored = self._sample_and_score(prompts=prompts, inputs=inputs, n=n, sampling=sampling,
-                                            reward_fn=reward_fn, rollout_id=-1, span_=sp)
+        with tracing.span(
+            "rl.eval.generate",
+            eval_name=name,
+            weight_version=self.engine.weight_version,
+            prompts=len(prompts),
+            replica=self.replica,
+        ) as sp:
+            scored = self._sample_and_score(
+                prompts=prompts, inputs=inputs, n=n, sampling=sampling, reward_fn=reward_fn, rollout_id=-1, span_=sp
+            )
         metrics = eval_metrics(scored.outputs, scored.rewards, n=n, prefix=name, pass_threshold=pass_threshold)
         metrics.update({f"{name}/{key}": value for key, value in scored.metrics.items()})
-        return EvaluateResult(metrics=metrics, weight_version=scored.outputs[0].weight_version,
-                              time_s=time.monotonic() - start)
+        return EvaluateResult(
+            metrics=metrics, weight_version=scored.outputs[0].weight_version, time_s=time.monotonic() - start
+        )
 
     # ---- weights, pause, memory, state -------------------------------------------------------------
 
@@ -352,34 +524,44 @@ class RolloutService:
         if rank_offset < 0:
             raise ValueError(f"ReceiveWeights: rank_offset must be >= 0, got {rank_offset}")
         accepted = self.config.weights.trainer_id
-        if accepted and plan.trainer_id != accepted:   # refused before this engine contacts any address in it
-            raise PermissionError(f"ReceiveWeights v{plan.version}: trainer {plan.trainer_id!r} is not the accepted "
-                                  f"trainer {accepted!r} (weights.trainer_id)")
+        if accepted and plan.trainer_id != accepted:  # refused before this engine contacts any address in it
+            raise PermissionError(
+                f"ReceiveWeights v{plan.version}: trainer {plan.trainer_id!r} is not the accepted "
+                f"trainer {accepted!r} (weights.trainer_id)"
+            )
         limit = self.config.weights.timeout_s
-        if not 0 < plan.timeout_s <= limit:   # a caller must not hold this engine longer than the config allows
+        if not 0 < plan.timeout_s <= limit:  # a caller must not hold this engine longer than the config allows
             clamped = type(plan)()
             clamped.CopyFrom(plan)
             clamped.timeout_s = limit
             plan = clamped
         with self._lock:
-            self._recent.clear()   # new weights: a later Generate with a known key is a new request, not a retry
-        with tracing.span("rl.sync", weight_version=plan.version, transport=plan.transport, side="rollout",
-                          replica=self.replica):
+            self._recent.clear()  # new weights: a later Generate with a known key is a new request, not a retry
+        with tracing.span(
+            "rl.sync", weight_version=plan.version, transport=plan.transport, side="rollout", replica=self.replica
+        ):
             try:
                 stats = self.engine.receive_weights(plan, rank_offset=rank_offset, receiver=self._weight_receiver())
             except EngineUnavailable as exc:
                 raise FailedPrecondition(str(exc)) from exc
-        return ReceiveResult(version=self.engine.weight_version, checksums=dict(stats.checksums),
-                             bytes_received=stats.bytes, time_s=stats.seconds,
-                             bucket_checksums=stats.bucket_checksums, checksum_s=stats.checksum_seconds)
+        return ReceiveResult(
+            version=self.engine.weight_version,
+            checksums=dict(stats.checksums),
+            bytes_received=stats.bytes,
+            time_s=stats.seconds,
+            bucket_checksums=stats.bucket_checksums,
+            checksum_s=stats.checksum_seconds,
+        )
 
     def _weight_receiver(self) -> WeightReceiver:
         if self._receiver is None:
             from services.weights import WeightReceiver
 
-            self._receiver = WeightReceiver(accepted_trainer_id=self.config.weights.trainer_id,
-                                            timeout_s=self.config.weights.timeout_s,
-                                            refuse_timeout_s=self.config.services.timeouts.probe_s)
+            self._receiver = WeightReceiver(
+                accepted_trainer_id=self.config.weights.trainer_id,
+                timeout_s=self.config.weights.timeout_s,
+                refuse_timeout_s=self.config.services.timeouts.probe_s,
+            )
         return self._receiver
 
     def pause(self, mode: str = "drain") -> None:
@@ -390,7 +572,7 @@ class RolloutService:
 
     def release_memory(self, tags: Sequence[str] = ()) -> None:
         if self._receiver is not None:
-            self._receiver.release()   # a kept mapping would keep the trainer's freed buffers on the GPU
+            self._receiver.release()  # a kept mapping would keep the trainer's freed buffers on the GPU
         self.engine.release_memory(tuple(tags))
 
     def resume_memory(self, tags: Sequence[str] = ()) -> None:
@@ -430,37 +612,48 @@ def model_inputs(texts: Texts, prompts: Sequence[PromptInput]) -> ModelInputs:
 def _refuse_aborted(outputs: Sequence[SampleOutput], rollout_id: int) -> None:
     aborted = sum(o.finish_reason == FINISH_ABORT for o in outputs)
     if aborted:
-        raise FailedPrecondition(f"rollout_id {rollout_id}: {aborted} of {len(outputs)} samples were aborted by "
-                                 "pause(abort); nothing was written or scored, retry after Resume")
+        raise FailedPrecondition(
+            f"rollout_id {rollout_id}: {aborted} of {len(outputs)} samples were aborted by "
+            "pause(abort); nothing was written or scored, retry after Resume"
+        )
 
 
 # ---- metrics -------------------------------------------------------------------------------------
 
 
-def shaped_rewards(scored: _Scored, penalty: OverlongPenaltyConfig, *,
-                   max_new_tokens: int) -> tuple[list[float], dict[str, float]]:
+def shaped_rewards(
+    scored: _Scored, penalty: OverlongPenaltyConfig, *, max_new_tokens: int
+) -> tuple[list[float], dict[str, float]]:
     """The rewards a training batch carries: the reward function's, plus DAPO's soft overlong penalty when it is on
     (applied here, before the batch is written, so the dynamic-sampling filter and the advantages both see it; evals
     never get it). With its metrics."""
     if not penalty.enabled:
         return list(scored.rewards), {}
-    extra = overlong_penalty(np.asarray([len(o.token_ids) for o in scored.outputs]), max_new_tokens=max_new_tokens,
-                             buffer=min(penalty.buffer_tokens, max_new_tokens), factor=penalty.factor)
+    extra = overlong_penalty(
+        np.asarray([len(o.token_ids) for o in scored.outputs]),
+        max_new_tokens=max_new_tokens,
+        buffer=min(penalty.buffer_tokens, max_new_tokens),
+        factor=penalty.factor,
+    )
     shaped = [float(r) + float(p) for r, p in zip(scored.rewards, extra, strict=True)]
     return shaped, {"overlong_penalty_mean": float(extra.mean()), "overlong_penalized_frac": float((extra < 0).mean())}
 
 
-def batch_metrics(outputs: Sequence[SampleOutput], rewards: Sequence[float], *, n: int,
-                  generate_s: float) -> dict[str, float]:
+def batch_metrics(
+    outputs: Sequence[SampleOutput], rewards: Sequence[float], *, n: int, generate_s: float
+) -> dict[str, float]:
     """Per-batch numbers for the coordinator (it prefixes them with `rollout/`)."""
     r = np.asarray(rewards, dtype=np.float64)
     lengths = np.asarray([len(o.token_ids) for o in outputs], dtype=np.float64)
     groups = r.reshape(-1, n)
     reasons = [o.finish_reason for o in outputs]
     return {
-        "reward_mean": float(r.mean()), "reward_std": float(r.std()),
-        "reward_min": float(r.min()), "reward_max": float(r.max()),
-        "response_len_mean": float(lengths.mean()), "response_len_max": float(lengths.max()),
+        "reward_mean": float(r.mean()),
+        "reward_std": float(r.std()),
+        "reward_min": float(r.min()),
+        "reward_max": float(r.max()),
+        "response_len_mean": float(lengths.mean()),
+        "response_len_max": float(lengths.max()),
         "finish_stop_frac": reasons.count("stop") / len(reasons),
         "finish_length_frac": reasons.count("length") / len(reasons),
         # GRPO gets no signal from a group whose rewards are all equal.
@@ -477,9 +670,11 @@ def version_metrics(outputs: Sequence[SampleOutput]) -> dict[str, float]:
     spreads = [max(o.versions) - min(o.versions) for o in outputs if o.token_ids]
     newer = sum(sum(v > o.weight_version for v in o.versions) for o in outputs)
     tokens = sum(len(o.token_ids) for o in outputs)
-    return {"version_spread_mean": float(np.mean(spreads)) if spreads else 0.0,
-            "version_spread_max": float(max(spreads, default=0)),
-            "inflight_token_frac": newer / tokens if tokens else 0.0}
+    return {
+        "version_spread_mean": float(np.mean(spreads)) if spreads else 0.0,
+        "version_spread_max": float(max(spreads, default=0)),
+        "inflight_token_frac": newer / tokens if tokens else 0.0,
+    }
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -489,19 +684,24 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def eval_metrics(outputs: Sequence[SampleOutput], rewards: Sequence[float], *, n: int, prefix: str,
-                 pass_threshold: float) -> dict[str, float]:
+def eval_metrics(
+    outputs: Sequence[SampleOutput], rewards: Sequence[float], *, n: int, prefix: str, pass_threshold: float
+) -> dict[str, float]:
     r = np.asarray(rewards, dtype=np.float64).reshape(-1, n)
     correct = (r >= pass_threshold).sum(axis=1)
     lengths = np.asarray([len(o.token_ids) for o in outputs], dtype=np.float64)
-    out = {f"{prefix}/reward_mean": float(r.mean()), f"{prefix}/reward_std": float(r.std()),
-           f"{prefix}/response_len_mean": float(lengths.mean()),
-           f"{prefix}/finish_stop_frac": sum(o.finish_reason == "stop" for o in outputs) / len(outputs),
-           f"{prefix}/num_prompts": float(r.shape[0]), f"{prefix}/num_samples": float(r.size)}
+    out = {
+        f"{prefix}/reward_mean": float(r.mean()),
+        f"{prefix}/reward_std": float(r.std()),
+        f"{prefix}/response_len_mean": float(lengths.mean()),
+        f"{prefix}/finish_stop_frac": sum(o.finish_reason == "stop" for o in outputs) / len(outputs),
+        f"{prefix}/num_prompts": float(r.shape[0]),
+        f"{prefix}/num_samples": float(r.size),
+    }
     k = 1
     while k <= n:
         out[f"{prefix}/pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct]))
         k *= 2
-    if n & (n - 1):   # not a power of two: also report pass@n
+    if n & (n - 1):  # not a power of two: also report pass@n
         out[f"{prefix}/pass@{n}"] = float(np.mean([pass_at_k(n, int(c), n) for c in correct]))
     return out

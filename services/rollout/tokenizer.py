@@ -90,21 +90,24 @@ def prompt_texts(chat: ChatTemplate, prompts: Sequence[PromptLike]) -> list[str]
     return texts
 
 
-def encode_prompt_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str],
-                        chats: Sequence[bool]) -> list[list[int]]:
+def encode_prompt_texts(
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], chats: Sequence[bool]
+) -> list[list[int]]:
     """Token ids of prompt texts: a text prompt's with the tokenizer's special tokens, a rendered chat's without
     them (chat.py says why)."""
     ids: list[list[int]] = [[] for _ in texts]
     for special in (True, False):
         group = [i for i, chat in enumerate(chats) if chat != special]
-        for i, encoded in zip(group, encode_texts(tokenizer, [texts[i] for i in group], special_tokens=special),
-                              strict=True):
+        for i, encoded in zip(
+            group, encode_texts(tokenizer, [texts[i] for i in group], special_tokens=special), strict=True
+        ):
             ids[i] = encoded
     return ids
 
 
-def model_inputs(tokenizer: PreTrainedTokenizerBase, chat: ChatTemplate,
-                 prompts: Sequence[PromptLike]) -> tuple[list[str], list[list[int]]]:
+def model_inputs(
+    tokenizer: PreTrainedTokenizerBase, chat: ChatTemplate, prompts: Sequence[PromptLike]
+) -> tuple[list[str], list[list[int]]]:
     """Each prompt as the model reads it, as text and token ids; the rollout service and preflight both."""
     texts = prompt_texts(chat, prompts)
     return texts, encode_prompt_texts(tokenizer, texts, [bool(p.messages) for p in prompts])
@@ -129,8 +132,10 @@ def length_bounds(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], chat
     if kinds - _ASCII_PRESERVING:
         return [None] * len(texts)
     specials = len(encode_texts(tokenizer, [""], special_tokens=True)[0])
-    return [None if ascii_only and not text.isascii() else len(text.encode()) + 4 + (0 if chat else specials)
-            for text, chat in zip(texts, chats, strict=True)]
+    return [
+        None if ascii_only and not text.isascii() else len(text.encode()) + 4 + (0 if chat else specials)
+        for text, chat in zip(texts, chats, strict=True)
+    ]
 
 
 class Texts:
@@ -179,15 +184,16 @@ class Texts:
 
     def _decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str:
         text = self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-        if not isinstance(text, str):   # transformers types decode's answer as str | list[str]: one sequence, one str
+        if not isinstance(text, str):  # transformers types decode's answer as str | list[str]: one sequence, one str
             raise TypeError(f"the tokenizer decoded one sequence into {type(text).__name__}")
         return text
 
     def decode_raw(self, sequences: Sequence[Sequence[int]]) -> list[str]:
         """Each sequence as text with its special tokens (what stop strings are matched against, as SGLang does)."""
         seqs = [list(s) for s in sequences]
-        backend = getattr(self.tokenizer, "backend_tokenizer", None) if getattr(self.tokenizer, "is_fast", False) \
-            else None
+        backend = (
+            getattr(self.tokenizer, "backend_tokenizer", None) if getattr(self.tokenizer, "is_fast", False) else None
+        )
         with self._lock:
             if backend is not None:
                 return list(backend.decode_batch(seqs, skip_special_tokens=False))

@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 
 
 class BatchWriter:
-    def __init__(self, config: TandemConfig, *, producer: str, groups: tuple[str, ...],
-                 client: redis.Redis | None = None):
+    def __init__(
+        self, config: TandemConfig, *, producer: str, groups: tuple[str, ...], client: redis.Redis | None = None
+    ):
         self.config, self.producer, self.groups = config, producer, groups
         self._client = client
         self._buffers: dict[str, RolloutBuffer] = {}
@@ -27,8 +28,9 @@ class BatchWriter:
         import redis
 
         try:
-            return self._buffer(stream).put(batch, trace_context=trace_context,
-                                            timeout_s=self.config.redis.put_timeout_s)
+            return self._buffer(stream).put(
+                batch, trace_context=trace_context, timeout_s=self.config.redis.put_timeout_s
+            )
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
             raise Unavailable(f"redis at {redacted(self.config.redis.url)} is not reachable: {exc}") from exc
         except redis.exceptions.ResponseError as exc:
@@ -43,13 +45,21 @@ class BatchWriter:
                     if not self.config.redis.url:
                         raise FailedPrecondition("redis.url is not set: the rollout service needs the run's Redis")
                     timeouts = self.config.services.timeouts
-                    self._client = connect(self.config.redis.url, password=self.config.redis.password,
-                                           timeout_s=timeouts.redis_socket_s,
-                                           connect_timeout_s=timeouts.redis_connect_s)
+                    self._client = connect(
+                        self.config.redis.url,
+                        password=self.config.redis.password,
+                        timeout_s=timeouts.redis_socket_s,
+                        connect_timeout_s=timeouts.redis_connect_s,
+                    )
                 self._buffers[stream] = RolloutBuffer(
-                    self._client, stream, groups=self.groups, group=None, consumer=self.producer,
+                    self._client,
+                    stream,
+                    groups=self.groups,
+                    group=None,
+                    consumer=self.producer,
                     max_buffered_batches=self.config.redis.max_buffered_batches,
-                    chunk_bytes=int(self.config.redis.chunk_mb * (1 << 20)))
+                    chunk_bytes=int(self.config.redis.chunk_mb * (1 << 20)),
+                )
             return self._buffers[stream]
 
     def close(self) -> None:

@@ -26,8 +26,8 @@ from services.contracts.config import TimeoutsConfig
 
 log = logging.getLogger(__name__)
 
-_TIMEOUTS = TimeoutsConfig()   # defaults for callers without a config
-_HEALTH_POLL_S = 0.2           # between health checks while waiting for a service
+_TIMEOUTS = TimeoutsConfig()  # defaults for callers without a config
+_HEALTH_POLL_S = 0.2  # between health checks while waiting for a service
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 OPEN_METHODS_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -53,24 +53,24 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
-    if isinstance(exc, RedisConnectionError | RedisTimeoutError):   # Redis restarting: worth a retry
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError):  # Redis restarting: worth a retry
         return grpc.StatusCode.UNAVAILABLE
 
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):   # a full disk: say so, do not retry
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk: say so, do not retry
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, FileNotFoundError | KeyError):   # the buffer's EntryNotFoundError is a KeyError
+    if isinstance(exc, FileNotFoundError | KeyError):  # the buffer's EntryNotFoundError is a KeyError
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, PermissionError):
         return grpc.StatusCode.PERMISSION_DENIED
-    if isinstance(exc, TimeoutError):   # the buffer's BufferFullError and weights' WeightSyncTimeout too
+    if isinstance(exc, TimeoutError):  # the buffer's BufferFullError and weights' WeightSyncTimeout too
         return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(exc, NotImplementedError):
         return grpc.StatusCode.UNIMPLEMENTED
-    if isinstance(exc, Unavailable | ConnectionError):   # before FailedPrecondition: a lost weight-sync peer
+    if isinstance(exc, Unavailable | ConnectionError):  # before FailedPrecondition: a lost weight-sync peer
         return grpc.StatusCode.UNAVAILABLE
-    if isinstance(exc, DataLoss):   # before FailedPrecondition: weights that arrived different (a WeightSyncError)
+    if isinstance(exc, DataLoss):  # before FailedPrecondition: weights that arrived different (a WeightSyncError)
         return grpc.StatusCode.DATA_LOSS
-    if isinstance(exc, FailedPrecondition):   # a weight sync this machine cannot serve too (WeightSyncError)
+    if isinstance(exc, FailedPrecondition):  # a weight sync this machine cannot serve too (WeightSyncError)
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, ValueError | TypeError | OverflowError):
         return grpc.StatusCode.INVALID_ARGUMENT
@@ -103,7 +103,7 @@ def _details(text: str, limit: int = 1500) -> str:
     return text if len(text.encode()) <= limit else text.encode()[:limit].decode(errors="ignore") + " …"
 
 
-ServicerMethod = TypeVar("ServicerMethod", bound=Callable[..., object])   # a servicer's RPC method
+ServicerMethod = TypeVar("ServicerMethod", bound=Callable[..., object])  # a servicer's RPC method
 
 
 def map_errors(method: ServicerMethod) -> ServicerMethod:
@@ -111,6 +111,7 @@ def map_errors(method: ServicerMethod) -> ServicerMethod:
     with the exception's message."""
 
     if inspect.isgeneratorfunction(method):
+
         @functools.wraps(method)
         def stream_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
             try:
@@ -167,6 +168,7 @@ def _lenient(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
             return deserializer(data)
         except Exception as exc:  # noqa: BLE001 - DecodeError, RuntimeWarning-as-error, ...
             return _Undecodable(exc, len(data))
+
     return deserialize
 
 
@@ -184,13 +186,18 @@ class DecodeErrorInterceptor(grpc.ServerInterceptor):
 
         def checked(request: Any, context: grpc.ServicerContext) -> Any:
             if isinstance(request, _Undecodable):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(
-                    f"{method}: request of {request.size} bytes is not a valid message "
-                    f"({type(request.error).__name__}: {request.error})"))
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    _details(
+                        f"{method}: request of {request.size} bytes is not a valid message "
+                        f"({type(request.error).__name__}: {request.error})"
+                    ),
+                )
             return behaviour(request, context)
 
-        return handler._replace(request_deserializer=_lenient(handler.request_deserializer),
-                                **{behaviour_name: checked})
+        return handler._replace(
+            request_deserializer=_lenient(handler.request_deserializer), **{behaviour_name: checked}
+        )
 
 
 @dataclass(frozen=True)
@@ -214,11 +221,10 @@ def message_options(max_message_mb: int) -> list[tuple[str, int]]:
 SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 
 
-def _bind_port(server: grpc.Server, address: str, creds: grpc.ServerCredentials | None, *, host: str,
-               port: int) -> int:
+def _bind_port(server: grpc.Server, address: str, creds: grpc.ServerCredentials | None, *, host: str, port: int) -> int:
     try:
         bound = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
-    except RuntimeError:   # grpcio >= 1.54 raises "Failed to bind to address"; older ones return 0
+    except RuntimeError:  # grpcio >= 1.54 raises "Failed to bind to address"; older ones return 0
         bound = 0
     if bound:
         return bound
@@ -249,8 +255,9 @@ def _bind_error(host: str, port: int) -> OSError | None:
 
 
 class RunningServer:
-    def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer,
-                 service_names: tuple[str, ...]):
+    def __init__(
+        self, server: grpc.Server, port: int, health_servicer: health.HealthServicer, service_names: tuple[str, ...]
+    ):
         self.server, self.port, self.health, self.service_names = server, port, health_servicer, service_names
 
     def set_serving(self, serving: bool) -> None:
@@ -267,16 +274,20 @@ class RunningServer:
         self.server.wait_for_termination()
 
 
-def start_server(register: Iterable[tuple[Callable[[object, grpc.Server], None], object, str]],
-                 options: ServerOptions) -> RunningServer:
+def start_server(
+    register: Iterable[tuple[Callable[[object, grpc.Server], None], object, str]], options: ServerOptions
+) -> RunningServer:
     """`register` holds (add_XServicer_to_server, servicer, full service name) triples."""
     from services.telemetry.tracing import server_interceptors
 
     interceptors: list[grpc.ServerInterceptor] = [*server_interceptors(), DecodeErrorInterceptor()]
     if options.auth_token:
         interceptors.insert(0, BearerTokenInterceptor(options.auth_token))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=options.max_workers), interceptors=interceptors,
-                         options=[*message_options(options.max_message_mb), *SERVER_OPTIONS])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=options.max_workers),
+        interceptors=interceptors,
+        options=[*message_options(options.max_message_mb), *SERVER_OPTIONS],
+    )
     names = []
     for add, servicer, name in register:
         add(servicer, server)
@@ -300,12 +311,21 @@ def start_server(register: Iterable[tuple[Callable[[object, grpc.Server], None],
 # unavailable for seconds after it listens.
 # Waiting for a service that is still loading its model: a backoff capped at 1 s would notice it up to a second late,
 # on the start-up's critical path; 250 ms costs a few more refused connects on a local port.
-FAST_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                  ("grpc.max_reconnect_backoff_ms", 250))
+FAST_RECONNECT = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 250),
+)
 
 
-def open_channel(target: str, *, max_message_mb: int = 64, tls_ca: str | None = None,
-                 auth_token: str | None = None, options: tuple[tuple[str, int], ...] = ()) -> grpc.Channel:
+def open_channel(
+    target: str,
+    *,
+    max_message_mb: int = 64,
+    tls_ca: str | None = None,
+    auth_token: str | None = None,
+    options: tuple[tuple[str, int], ...] = (),
+) -> grpc.Channel:
     opts = [*message_options(max_message_mb), *options]
     if tls_ca:
         with open(tls_ca, "rb") as f:
@@ -319,8 +339,12 @@ def open_channel(target: str, *, max_message_mb: int = 64, tls_ca: str | None = 
     return channel
 
 
-class _HeaderInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                         grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _HeaderInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     def __init__(self, header: tuple[str, str]):
         self._header = header
 
@@ -351,9 +375,15 @@ class _Details(grpc.ClientCallDetails):
         self.compression = getattr(base, "compression", None)
 
 
-def wait_healthy(target: str, *, timeout_s: float, service: str = "", tls_ca: str | None = None,
-                 should_abort: Callable[[], str | None] | None = None,
-                 check_timeout_s: float = _TIMEOUTS.health_check_s) -> None:
+def wait_healthy(
+    target: str,
+    *,
+    timeout_s: float,
+    service: str = "",
+    tls_ca: str | None = None,
+    should_abort: Callable[[], str | None] | None = None,
+    check_timeout_s: float = _TIMEOUTS.health_check_s,
+) -> None:
     """Polls grpc.health.v1 until SERVING, each check within `check_timeout_s` (services.timeouts.health_check_s);
     `should_abort` may return a reason to give up early (e.g. the child process died)."""
     deadline = time.monotonic() + timeout_s

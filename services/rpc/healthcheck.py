@@ -29,8 +29,9 @@ def check(target: str, *, service: str = "", timeout_s: float = _TIMEOUT_S, tls_
         channel = grpc.insecure_channel(target)
     with channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                              timeout=timeout_s)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
         except grpc.RpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
     if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -42,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.rpc.healthcheck", description=__doc__.splitlines()[0])
     parser.add_argument("target", help="HOST:PORT of a Tandem service")
     parser.add_argument("--service", default="", help="service name to check (default: the whole server)")
-    parser.add_argument("--timeout", type=float, default=_TIMEOUT_S,
-                        help="seconds to wait for the answer")
+    parser.add_argument("--timeout", type=float, default=_TIMEOUT_S, help="seconds to wait for the answer")
     parser.add_argument("--tls-ca", default=None, help="CA certificate when the service uses TLS")
     args = parser.parse_args(argv)
     problem = check(args.target, service=args.service, timeout_s=args.timeout, tls_ca=args.tls_ca)

@@ -25,7 +25,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def _ephemeral_range_start() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):   # not Linux: bind(0) it is
+    except (OSError, ValueError, IndexError):  # not Linux: bind(0) it is
         return 0
 
 

@@ -40,8 +40,9 @@ class StopSignals:
     `on_signal(signum, count)` runs in the watcher thread for each one (count: how many so far), while the main
     thread may be anywhere, asleep in a lock included."""
 
-    def __init__(self, *, on_signal: Callable[[int, int], None] | None = None,
-                 signals: Iterable[signal.Signals] = STOP_SIGNALS):
+    def __init__(
+        self, *, on_signal: Callable[[int, int], None] | None = None, signals: Iterable[signal.Signals] = STOP_SIGNALS
+    ):
         self._signals = frozenset(int(s) for s in signals)
         self._on_signal = on_signal
         self.received = threading.Event()
@@ -49,7 +50,7 @@ class StopSignals:
         self.count = 0
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
-        for sig in self._signals:   # a Python handler (a no-op), so that the C handler writes to the wakeup fd
+        for sig in self._signals:  # a Python handler (a no-op), so that the C handler writes to the wakeup fd
             signal.signal(sig, lambda _signum, _frame: None)
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         threading.Thread(target=self._watch, args=(read_fd,), name="stop-signals", daemon=True).start()
@@ -75,12 +76,16 @@ def busy_threads() -> dict[str, str]:
     """Name -> stack of every other non-daemon thread still alive: what interpreter exit waits for."""
     frames = sys._current_frames()
     me = threading.current_thread()
-    return {t.name: "".join(traceback.format_stack(frames[t.ident])) if t.ident in frames else "(no frame)\n"
-            for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()}
+    return {
+        t.name: "".join(traceback.format_stack(frames[t.ident])) if t.ident in frames else "(no frame)\n"
+        for t in threading.enumerate()
+        if t is not me and not t.daemon and t.is_alive()
+    }
 
 
 def arm_exit_watchdog(code: int, *, name: str, after_s: float) -> None:
     """If the process still runs `after_s` from now, log what holds it and end it with `code`."""
+
     def expire() -> None:
         time.sleep(after_s)
         for thread, stack in busy_threads().items():
@@ -103,6 +108,6 @@ def exit_now(code: int) -> None:
     """Ends the process with `code` once the logs are out, without interpreter finalization."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):   # closed, or its reader gone
+        with contextlib.suppress(OSError, ValueError):  # closed, or its reader gone
             stream.flush()
     os._exit(code)

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-_ACTIVE_POLL_S = 1.0   # WatchEvents: how often a waiting stream asks whether its client is still there
+_ACTIVE_POLL_S = 1.0  # WatchEvents: how often a waiting stream asks whether its client is still there
 
 
 @dataclass(frozen=True)
@@ -30,10 +30,16 @@ class EventLog:
         self._cond = threading.Condition()
         self._closed = False
 
-    def emit(self, kind: str, *, rollout_id: int = -1, metrics: dict[str, float] | None = None,
-             message: str = "") -> None:
-        event = StepEvent(kind=kind, rollout_id=rollout_id, message=message, unix_time=time.time(),
-                          metrics={k: float(v) for k, v in (metrics or {}).items()})
+    def emit(
+        self, kind: str, *, rollout_id: int = -1, metrics: dict[str, float] | None = None, message: str = ""
+    ) -> None:
+        event = StepEvent(
+            kind=kind,
+            rollout_id=rollout_id,
+            message=message,
+            unix_time=time.time(),
+            metrics={k: float(v) for k, v in (metrics or {}).items()},
+        )
         with self._cond:
             self._events.append(event)
             self._cond.notify_all()
@@ -49,7 +55,7 @@ class EventLog:
         while True:
             with self._cond:
                 while index >= len(self._events) and not self._closed and is_active():
-                    self._cond.wait(timeout=_ACTIVE_POLL_S)   # is_active has no way to wake us
+                    self._cond.wait(timeout=_ACTIVE_POLL_S)  # is_active has no way to wake us
                 batch = self._events[index:]
                 index = len(self._events)
                 done = self._closed or not is_active()

@@ -21,7 +21,7 @@ class TensorBoardTracker(Tracker):
         from torch.utils.tensorboard import SummaryWriter
 
         log_dir = self.writer.log_dir
-        self.writer.close()   # purge_step: TensorBoard hides the old events of steps >= next_step
+        self.writer.close()  # purge_step: TensorBoard hides the old events of steps >= next_step
         self.writer = SummaryWriter(log_dir=log_dir, purge_step=next_step)
 
     def close(self) -> None:

@@ -38,7 +38,7 @@ _state: dict[str, Any] = {"configured": False, "exporter": "none"}
 # Before a provider is installed this is OTel's proxy tracer, which follows the provider set later.
 _tracer = trace.get_tracer("tandem")
 Carrier = Mapping[str, str]
-Attribute = AttributeValue | None   # a span attribute as callers pass it: None drops it
+Attribute = AttributeValue | None  # a span attribute as callers pass it: None drops it
 
 
 def attributes(**values: Attribute) -> dict[str, AttributeValue]:
@@ -80,23 +80,32 @@ class JsonLinesSpanExporter:
 
 def span_to_dict(span: ReadableSpan) -> dict[str, object]:
     ctx = span.get_span_context()
-    if ctx is None:   # the SDK exports ended spans, which always have one
+    if ctx is None:  # the SDK exports ended spans, which always have one
         raise ValueError(f"span {span.name} has no span context")
     parent = span.parent
     resource = span.resource.attributes
     return {
-        "name": span.name, "trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}",
+        "name": span.name,
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
         "parent_span_id": f"{parent.span_id:016x}" if parent else None,
-        "service": resource.get("service.name"), "instance": resource.get("service.instance.id"),
-        "pid": os.getpid(), "start_ns": span.start_time, "end_ns": span.end_time, "kind": span.kind.name,
-        "status": span.status.status_code.name, "attributes": dict(span.attributes or {}),
-        "links": [{"trace_id": f"{lk.context.trace_id:032x}", "span_id": f"{lk.context.span_id:016x}"}
-                  for lk in span.links],
+        "service": resource.get("service.name"),
+        "instance": resource.get("service.instance.id"),
+        "pid": os.getpid(),
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "kind": span.kind.name,
+        "status": span.status.status_code.name,
+        "attributes": dict(span.attributes or {}),
+        "links": [
+            {"trace_id": f"{lk.context.trace_id:032x}", "span_id": f"{lk.context.span_id:016x}"} for lk in span.links
+        ],
     }
 
 
-def setup_tracing(service_name: str, *, exporter: str = "none", file_path: str | None = None,
-                  instance: str | None = None) -> None:
+def setup_tracing(
+    service_name: str, *, exporter: str = "none", file_path: str | None = None, instance: str | None = None
+) -> None:
     """Installs the SDK provider, gRPC client instrumentation and thread-pool propagation. Call it before any
     gRPC server or channel is created: the instrumentation wraps channels made afterwards only."""
     if _state["configured"]:
@@ -107,8 +116,11 @@ def setup_tracing(service_name: str, *, exporter: str = "none", file_path: str |
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    provider = TracerProvider(resource=Resource.create(
-        {"service.name": service_name, **({"service.instance.id": instance} if instance else {})}))
+    provider = TracerProvider(
+        resource=Resource.create(
+            {"service.name": service_name, **({"service.instance.id": instance} if instance else {})}
+        )
+    )
     provider.add_span_processor(_span_processor(exporter, file_path=file_path))
     _state.update(configured=True, exporter=exporter)
     trace.set_tracer_provider(provider)
@@ -135,15 +147,18 @@ def _span_processor(exporter: str, *, file_path: str | None) -> SpanProcessor:
         return SimpleSpanProcessor(cast(SpanExporter, JsonLinesSpanExporter(file_path)))
     if exporter == "console":
         return SimpleSpanProcessor(ConsoleSpanExporter())
-    if exporter == "otlp":   # endpoint, headers, protocol, ... from the standard OTEL_EXPORTER_OTLP_* variables
-        protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL",
-                                                                                          "grpc"))
+    if exporter == "otlp":  # endpoint, headers, protocol, ... from the standard OTEL_EXPORTER_OTLP_* variables
+        protocol = os.environ.get(
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        )
         module = "http" if protocol.startswith("http") else "grpc"
         try:
             exporter_module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{module}.trace_exporter")
         except ImportError as exc:
-            raise ValueError(f"tracing.exporter: otlp over {protocol} needs the matching "
-                             f"opentelemetry-exporter-otlp-proto-* package: {exc}") from exc
+            raise ValueError(
+                f"tracing.exporter: otlp over {protocol} needs the matching "
+                f"opentelemetry-exporter-otlp-proto-* package: {exc}"
+            ) from exc
         return BatchSpanProcessor(exporter_module.OTLPSpanExporter())
     raise ValueError(f"tracing.exporter: unknown exporter {exporter!r} (none, file, console, otlp)")
 
@@ -216,15 +231,21 @@ def _parent_context(parent: Carrier | None) -> otel_context.Context | None:
 
 
 @contextmanager
-def span(name: str, *, parent: Carrier | None = None, links_from: Carrier | Iterable[Carrier] | None = None,
-         **attrs: Attribute) -> Iterator[trace.Span]:
+def span(
+    name: str,
+    *,
+    parent: Carrier | None = None,
+    links_from: Carrier | Iterable[Carrier] | None = None,
+    **attrs: Attribute,
+) -> Iterator[trace.Span]:
     """A span made current for the block. `parent`: a carrier to continue a trace (gRPC request field);
     `links_from`: carriers to link to (Redis entries); keyword attributes land under `rl.`."""
     if _off():
         yield trace.INVALID_SPAN
         return
-    with _tracer.start_as_current_span(name, context=_parent_context(parent), links=_links(links_from),
-                                       attributes=attributes(**attrs)) as s:
+    with _tracer.start_as_current_span(
+        name, context=_parent_context(parent), links=_links(links_from), attributes=attributes(**attrs)
+    ) as s:
         yield s
 
 
@@ -279,7 +300,7 @@ class StepSpans:
     def __init__(self, name: str = "rl.loop"):
         self.name = name
         self._open: dict[int, trace.Span] = {}
-        self._last: tuple[int, trace.Span] | None = None   # the step ended last, for work that follows it
+        self._last: tuple[int, trace.Span] | None = None  # the step ended last, for work that follows it
         self._lock = threading.Lock()
 
     def open(self, rollout_id: int, **attrs: Attribute) -> trace.Span:
@@ -315,7 +336,7 @@ class StepSpans:
         if _off() or last is None or last[0] != rollout_id:
             yield
             return
-        with trace.use_span(last[1], record_exception=False, set_status_on_exception=False):   # it has ended
+        with trace.use_span(last[1], record_exception=False, set_status_on_exception=False):  # it has ended
             yield
 
     def close_all(self, **attrs: Attribute) -> None:

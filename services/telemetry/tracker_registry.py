@@ -36,7 +36,7 @@ class RunTarget:
 class TrackerKind:
     name: str
     build: Callable[[TrackerConfig, RunTarget], Tracker]
-    package: str | None = None   # the optional package it needs, and how to install it
+    package: str | None = None  # the optional package it needs, and how to install it
     install: str = ""
 
 
@@ -64,12 +64,17 @@ def _prometheus(config: TrackerConfig, run: RunTarget) -> Tracker:
     return PrometheusTracker(port=config.port, run_name=run.run_name)
 
 
-TRACKERS: Mapping[str, TrackerKind] = MappingProxyType({t.name: t for t in (
-    TrackerKind("jsonl", _jsonl),
-    TrackerKind("tensorboard", _tensorboard, package="tensorboard", install="pip install tensorboard"),
-    TrackerKind("wandb", _wandb, package="wandb", install="pip install 'tandem-rl[wandb]'"),
-    TrackerKind("prometheus", _prometheus),
-)})
+TRACKERS: Mapping[str, TrackerKind] = MappingProxyType(
+    {
+        t.name: t
+        for t in (
+            TrackerKind("jsonl", _jsonl),
+            TrackerKind("tensorboard", _tensorboard, package="tensorboard", install="pip install tensorboard"),
+            TrackerKind("wandb", _wandb, package="wandb", install="pip install 'tandem-rl[wandb]'"),
+            TrackerKind("prometheus", _prometheus),
+        )
+    }
+)
 
 
 def check_tracker_packages(configs: Sequence[TrackerConfig]) -> None:
@@ -77,8 +82,10 @@ def check_tracker_packages(configs: Sequence[TrackerConfig]) -> None:
     for config in configs:
         kind = TRACKERS[config.type]
         if kind.package is not None and importlib.util.find_spec(kind.package) is None:
-            raise ConfigError(f"tracing.trackers: {kind.name} needs the `{kind.package}` package, which is not "
-                              f"installed ({kind.install}), or drop {kind.name} from tracing.trackers")
+            raise ConfigError(
+                f"tracing.trackers: {kind.name} needs the `{kind.package}` package, which is not "
+                f"installed ({kind.install}), or drop {kind.name} from tracing.trackers"
+            )
 
 
 def make_trackers(configs: Sequence[TrackerConfig], *, run_dir: Path, run_name: str) -> list[Tracker]:
@@ -90,7 +97,7 @@ def make_trackers(configs: Sequence[TrackerConfig], *, run_dir: Path, run_name: 
         for config in (JsonlTrackerConfig(), *(c for c in configs if c.type != "jsonl")):
             trackers.append(TRACKERS[config.type].build(config, run))
     except Exception:
-        for tracker in trackers:   # e.g. a Prometheus endpoint already listening
+        for tracker in trackers:  # e.g. a Prometheus endpoint already listening
             tracker.close()
         raise
     return trackers

@@ -34,7 +34,7 @@ class JsonlTracker(Tracker):
     def __init__(self, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()   # the eval thread logs too
+        self._lock = threading.Lock()  # the eval thread logs too
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         line = json.dumps({"rollout_id": step, "time": time.time(), **metrics})

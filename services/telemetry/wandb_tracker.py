@@ -31,8 +31,8 @@ from services.telemetry.trackers import Tracker
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "tandem-wandb.json"   # under RUN_DIR/wandb/, beside wandb's own files
-EVAL_STEP = "eval/rollout_id"      # the x-axis of eval rows
+STATE_FILE = "tandem-wandb.json"  # under RUN_DIR/wandb/, beside wandb's own files
+EVAL_STEP = "eval/rollout_id"  # the x-axis of eval rows
 
 
 class WandbTracker(Tracker):
@@ -41,8 +41,8 @@ class WandbTracker(Tracker):
         self.state_path = run_dir / "wandb" / STATE_FILE
         self.run: Any = None
         self.run_id = ""
-        self._last = -1                  # the newest W&B step logged to this run
-        self._lock = threading.Lock()    # the eval thread logs too
+        self._last = -1  # the newest W&B step logged to this run
+        self._lock = threading.Lock()  # the eval thread logs too
 
     # ---- Tracker ----------------------------------------------------------------------------------
 
@@ -59,7 +59,7 @@ class WandbTracker(Tracker):
             row: dict[str, float] = dict(metrics)
             if metrics and all(key.startswith("eval/") for key in metrics):
                 row[EVAL_STEP] = float(step)
-            wandb_step = max(step, self._last, 0)   # never below the newest: W&B would drop the row
+            wandb_step = max(step, self._last, 0)  # never below the newest: W&B would drop the row
             self.run.log(row, step=wandb_step)
             if wandb_step > self._last:
                 self._last = wandb_step
@@ -77,22 +77,28 @@ class WandbTracker(Tracker):
         import wandb
 
         saved = self._read_state()
-        if saved is None or next_step == 0:   # a new run; one that starts over from rollout 0 keeps nothing
+        if saved is None or next_step == 0:  # a new run; one that starts over from rollout 0 keeps nothing
             self.run_id, self._last = uuid.uuid4().hex[:12], -1
             how: dict[str, Any] = {"id": self.run_id}
-        elif saved[1] < next_step:             # nothing logged past the checkpoint: carry on
+        elif saved[1] < next_step:  # nothing logged past the checkpoint: carry on
             self.run_id, self._last = saved
             how = {"id": self.run_id, "resume": "allow"}
-        else:                                   # rows of steps >= next_step exist: W&B drops them, keeps the rest
+        else:  # rows of steps >= next_step exist: W&B drops them, keeps the rest
             self.run_id, self._last = saved[0], next_step - 1
             how = {"resume_from": f"{self.run_id}?_step={next_step - 1}"}
-            log.info("wandb: run %s rewound to step %d (steps from %d on are trained again)", self.run_id,
-                     next_step - 1, next_step)
+            log.info(
+                "wandb: run %s rewound to step %d (steps from %d on are trained again)",
+                self.run_id,
+                next_step - 1,
+                next_step,
+            )
         try:
             self.run = wandb.init(project=self.project, name=self.run_name, dir=str(self.run_dir), **how)
-        except Exception as exc:   # wandb raises its own types (no login, no network, ...)
-            raise ConfigError(f"tracing.trackers: wandb could not start run {self.run_id}: {type(exc).__name__}: "
-                              f"{exc} (without network or login: WANDB_MODE=offline)") from exc
+        except Exception as exc:  # wandb raises its own types (no login, no network, ...)
+            raise ConfigError(
+                f"tracing.trackers: wandb could not start run {self.run_id}: {type(exc).__name__}: "
+                f"{exc} (without network or login: WANDB_MODE=offline)"
+            ) from exc
         self.run.define_metric(EVAL_STEP)
         self.run.define_metric("eval/*", step_metric=EVAL_STEP)
         self._save_state()

@@ -8,7 +8,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-GPU_SERVICE_CPU_THREADS = 4   # intra-op CPU threads of a service computing on a GPU, unless configured
+GPU_SERVICE_CPU_THREADS = 4  # intra-op CPU threads of a service computing on a GPU, unless configured
 
 
 def cuda_reserved_bytes() -> int:

@@ -50,15 +50,19 @@ if importlib.util.find_spec("triton") is not None:
         mask = cols < n_cols
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        normed = (x * rstd).to(y_ptr.dtype.element_ty)   # as HF: cast back before the weight multiplies
+        normed = (x * rstd).to(y_ptr.dtype.element_ty)  # as HF: cast back before the weight multiplies
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        tl.store(y_ptr + row * n_cols + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(y_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(
+            y_ptr + row * n_cols + cols,
+            (normed.to(tl.float32) * w.to(tl.float32)).to(y_ptr.dtype.element_ty),
+            mask=mask,
+        )
         tl.store(rstd_ptr + row, rstd)
 
     @triton.jit
-    def _rms_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, n_rows, n_cols,
-                 ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_bwd(
+        dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr
+    ):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -67,7 +71,7 @@ if importlib.util.find_spec("triton") is not None:
         start = pid * ROWS
         for i in range(0, ROWS):
             row = (start + i).to(tl.int64)
-            live = mask & (row < n_rows)   # the last program's rows past the end load zeros and store nothing
+            live = mask & (row < n_rows)  # the last program's rows past the end load zeros and store nothing
             x = tl.load(x_ptr + row * n_cols + cols, mask=live, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + row * n_cols + cols, mask=live, other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
@@ -84,7 +88,7 @@ if importlib.util.find_spec("triton") is not None:
         mask = offs < n
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0)
-        act = (g * tl.sigmoid(g)).to(y_ptr.dtype.element_ty)   # as HF: SiLU rounded to the dtype, then times up
+        act = (g * tl.sigmoid(g)).to(y_ptr.dtype.element_ty)  # as HF: SiLU rounded to the dtype, then times up
         tl.store(y_ptr + offs, (act.to(tl.float32) * u.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -126,8 +130,19 @@ class _RMSNorm(torch.autograd.Function):
         programs = triton.cdiv(rows, _BWD_ROWS_PER_PROGRAM)
         dw_part = torch.empty(programs, cols, dtype=torch.float32, device=x2.device)
         block = triton.next_power_of_2(cols)
-        _rms_bwd[(programs,)](dy2, x2, weight, rstd, dx, dw_part, rows, cols, ROWS=_BWD_ROWS_PER_PROGRAM,
-                              BLOCK=block, num_warps=_warps(block))
+        _rms_bwd[(programs,)](
+            dy2,
+            x2,
+            weight,
+            rstd,
+            dx,
+            dw_part,
+            rows,
+            cols,
+            ROWS=_BWD_ROWS_PER_PROGRAM,
+            BLOCK=block,
+            num_warps=_warps(block),
+        )
         return dx.reshape(dy.shape), dw_part.sum(0).to(weight.dtype), None
 
 
@@ -164,7 +179,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
-    if hidden_states.dtype != self.weight.dtype:   # under autocast HF promotes; keep its semantics there
+    if hidden_states.dtype != self.weight.dtype:  # under autocast HF promotes; keep its semantics there
         return self._unfused_forward(hidden_states)
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
@@ -177,17 +192,21 @@ def _fused_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def _is_rms_norm(module: torch.nn.Module) -> bool:
-    return (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
-            and isinstance(getattr(module, "weight", None), torch.Tensor))
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and hasattr(module, "variance_epsilon")
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+    )
 
 
-_SILU_CLASSES = ("SiLU", "SiLUActivation")   # torch's, and transformers' own in 5.x
+_SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch's, and transformers' own in 5.x
 
 
 def _is_swiglu_mlp(module: torch.nn.Module) -> bool:
     act = getattr(module, "act_fn", None)
-    return (all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
-            and type(act).__name__ in _SILU_CLASSES)
+    return (
+        all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")) and type(act).__name__ in _SILU_CLASSES
+    )
 
 
 def warm_up(model: torch.nn.Module, device: torch.device) -> None:
@@ -222,8 +241,10 @@ def patch_model(model: torch.nn.Module) -> dict[str, int]:
     """Routes every RMSNorm and SiLU-gated MLP of `model` through the fused kernels; returns how many of each."""
     counts = {"rms_norm": 0, "swiglu_mlp": 0}
     for module in model.modules():
-        for kind, matches, fused in (("rms_norm", _is_rms_norm, _fused_norm_forward),
-                                     ("swiglu_mlp", _is_swiglu_mlp, _fused_mlp_forward)):
+        for kind, matches, fused in (
+            ("rms_norm", _is_rms_norm, _fused_norm_forward),
+            ("swiglu_mlp", _is_swiglu_mlp, _fused_mlp_forward),
+        ):
             if matches(module) and not hasattr(module, "_unfused_forward"):
                 # plain attributes, not nn.Module ones: the instance's forward is looked up before the class's
                 object.__setattr__(module, "_unfused_forward", module.forward)

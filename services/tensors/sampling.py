@@ -40,51 +40,72 @@ class RowSampling:
     """One sampling distribution per row of a [R, V] block of logits, and the host-side facts that decide which
     passes run (so deciding costs no device sync)."""
 
-    temperature: torch.Tensor   # float32 [R]: the divisor (1 for greedy rows)
-    top_k: torch.Tensor         # int64 [R]: 0 = off (greedy rows: off)
-    top_p: torch.Tensor         # float32 [R]: 1 = off (greedy rows: off)
-    max_top_k: int              # the largest top-k any row uses (0: none truncates by top-k)
-    uses_top_p: bool            # some row truncates by top-p
-    top_p_within_top_k: bool    # every row that uses top-p also uses top-k: the nucleus lies in the top-k
+    temperature: torch.Tensor  # float32 [R]: the divisor (1 for greedy rows)
+    top_k: torch.Tensor  # int64 [R]: 0 = off (greedy rows: off)
+    top_p: torch.Tensor  # float32 [R]: 1 = off (greedy rows: off)
+    max_top_k: int  # the largest top-k any row uses (0: none truncates by top-k)
+    uses_top_p: bool  # some row truncates by top-p
+    top_p_within_top_k: bool  # every row that uses top-p also uses top-k: the nucleus lies in the top-k
 
     @property
     def truncates(self) -> bool:
         return self.max_top_k > 0 or self.uses_top_p
 
     @classmethod
-    def of_rows(cls, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *,
-                specs: Sequence[SamplingSpec], vocab: int) -> RowSampling:
+    def of_rows(
+        cls,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        *,
+        specs: Sequence[SamplingSpec],
+        vocab: int,
+    ) -> RowSampling:
         """Row i draws from (temperature[i], top_k[i], top_p[i]) as its spec gave them, one of `specs` (the host's
         view of the same rows, which decides the passes)."""
         greedy = temperature == 0
         live = [s for s in specs if not s.greedy]
         top_ks = [s.top_k for s in live if 0 < s.top_k < vocab]
-        return cls(temperature=torch.where(greedy, torch.ones_like(temperature), temperature).float(),
-                   top_k=torch.where(greedy | (top_k >= vocab), torch.zeros_like(top_k), top_k).long(),
-                   top_p=torch.where(greedy, torch.ones_like(top_p), top_p).float(), max_top_k=max(top_ks, default=0),
-                   uses_top_p=any(s.top_p < 1.0 for s in live),
-                   top_p_within_top_k=all(0 < s.top_k < vocab for s in live if s.top_p < 1.0))
+        return cls(
+            temperature=torch.where(greedy, torch.ones_like(temperature), temperature).float(),
+            top_k=torch.where(greedy | (top_k >= vocab), torch.zeros_like(top_k), top_k).long(),
+            top_p=torch.where(greedy, torch.ones_like(top_p), top_p).float(),
+            max_top_k=max(top_ks, default=0),
+            uses_top_p=any(s.top_p < 1.0 for s in live),
+            top_p_within_top_k=all(0 < s.top_k < vocab for s in live if s.top_p < 1.0),
+        )
 
     @classmethod
     def of_spec(cls, spec: SamplingSpec, rows: int, vocab: int, device: torch.device) -> RowSampling:
         """Every row from `spec` (filled on the device: no host-to-device copy, which would wait for the queue)."""
+
         def fill(value: float, dtype: torch.dtype) -> torch.Tensor:
             return torch.full((rows,), value, dtype=dtype, device=device)
 
-        return cls.of_rows(fill(spec.temperature, torch.float32), fill(spec.top_k, torch.long),
-                           fill(spec.top_p, torch.float32), specs=[spec], vocab=vocab)
+        return cls.of_rows(
+            fill(spec.temperature, torch.float32),
+            fill(spec.top_k, torch.long),
+            fill(spec.top_p, torch.float32),
+            specs=[spec],
+            vocab=vocab,
+        )
 
     def rows(self, start: int, stop: int) -> RowSampling:
-        return RowSampling(temperature=self.temperature[start:stop], top_k=self.top_k[start:stop],
-                           top_p=self.top_p[start:stop], max_top_k=self.max_top_k, uses_top_p=self.uses_top_p,
-                           top_p_within_top_k=self.top_p_within_top_k)
+        return RowSampling(
+            temperature=self.temperature[start:stop],
+            top_k=self.top_k[start:stop],
+            top_p=self.top_p[start:stop],
+            max_top_k=self.max_top_k,
+            uses_top_p=self.uses_top_p,
+            top_p_within_top_k=self.top_p_within_top_k,
+        )
 
 
 @dataclass(frozen=True)
 class Truncation:
     """Per row: the support is every entry at or above `threshold` (-inf keeps everything)."""
 
-    threshold: torch.Tensor   # float32 [R]
+    threshold: torch.Tensor  # float32 [R]
 
     def keep(self, scaled: torch.Tensor) -> torch.Tensor:
         """bool [R, V]: the support, from the scaled logits it was found on."""
@@ -101,21 +122,22 @@ def truncation(scaled: torch.Tensor, rows: RowSampling) -> Truncation:
     kth = torch.full((n,), NEG_INF, dtype=torch.float32, device=scaled.device)
     window = scaled[:, :0]
     if rows.max_top_k > 0:
-        window = torch.topk(scaled, rows.max_top_k, dim=-1).values   # sorted, largest first
+        window = torch.topk(scaled, rows.max_top_k, dim=-1).values  # sorted, largest first
         picked = window.gather(-1, (rows.top_k.clamp(min=1, max=rows.max_top_k) - 1).unsqueeze(-1)).squeeze(-1)
         kth = torch.where(rows.top_k > 0, picked, kth)
     if not rows.uses_top_p:
         return Truncation(kth)
     edge = kth.unsqueeze(-1)
-    if rows.top_p_within_top_k:   # each row's top-k set, largest first, is in the window (but ties beyond it)
+    if rows.top_p_within_top_k:  # each row's top-k set, largest first, is in the window (but ties beyond it)
         ordered = window.masked_fill(window < edge, NEG_INF)
         beyond = ((scaled == edge).sum(dim=-1) - (ordered == edge).sum(dim=-1)).float()
         log_norm = torch.logsumexp(ordered, dim=-1)
         log_norm = torch.where(beyond > 0, torch.logaddexp(log_norm, kth + beyond.clamp(min=1).log()), log_norm)
         probs = torch.exp(ordered - log_norm.unsqueeze(-1))
     else:
-        ordered = torch.sort(scaled.masked_fill(scaled < edge, NEG_INF) if rows.max_top_k else scaled, dim=-1,
-                             descending=True).values
+        ordered = torch.sort(
+            scaled.masked_fill(scaled < edge, NEG_INF) if rows.max_top_k else scaled, dim=-1, descending=True
+        ).values
         probs = torch.softmax(ordered, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
     kept = (mass_before < rows.top_p.unsqueeze(-1)) & (ordered > NEG_INF)

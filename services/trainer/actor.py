@@ -70,12 +70,22 @@ def compute_advantages(batch: TrainBatch, algo: AlgorithmConfig, kl_penalty: tor
         case "gae":
             if batch.values is None:
                 raise ValueError("advantage_estimator gae needs the critic's values (Train with use_critic_values)")
-            advantages, _ = gae(rewards=token_rewards(batch.rewards, lengths, mask, kl_penalty), values=batch.values,
-                                response_lengths=lengths, loss_mask=mask, gamma=algo.gamma, lambd=algo.lambd)
+            advantages, _ = gae(
+                rewards=token_rewards(batch.rewards, lengths, mask, kl_penalty),
+                values=batch.values,
+                response_lengths=lengths,
+                loss_mask=mask,
+                gamma=algo.gamma,
+                lambd=algo.lambd,
+            )
             return whiten(advantages, mask) if algo.whiten_advantages else advantages
         case "reinforce_pp":
-            returns = discounted_returns(rewards=token_rewards(batch.rewards, lengths, mask, kl_penalty),
-                                         response_lengths=lengths, loss_mask=mask, gamma=algo.gamma)
+            returns = discounted_returns(
+                rewards=token_rewards(batch.rewards, lengths, mask, kl_penalty),
+                response_lengths=lengths,
+                loss_mask=mask,
+                gamma=algo.gamma,
+            )
             return whiten(returns, mask)
         case "rloo":
             return per_token(rloo_advantages(_sample_rewards(batch, kl_penalty), batch.group_ids), lengths)
@@ -83,8 +93,9 @@ def compute_advantages(batch: TrainBatch, algo: AlgorithmConfig, kl_penalty: tor
             centred = grpo_advantages(_sample_rewards(batch, kl_penalty), batch.group_ids, normalize_std=False)
             return whiten(per_token(centred, lengths), mask)
         case _:
-            adv = grpo_advantages(_sample_rewards(batch, kl_penalty), batch.group_ids,
-                                  normalize_std=algo.normalize_advantage_std)
+            adv = grpo_advantages(
+                _sample_rewards(batch, kl_penalty), batch.group_ids, normalize_std=algo.normalize_advantage_std
+            )
             return per_token(adv, lengths)
 
 
@@ -95,14 +106,32 @@ def _sample_rewards(batch: TrainBatch, kl_penalty: torch.Tensor | None) -> torch
     return batch.rewards - per_sample_sum(kl_penalty * batch.loss_mask, batch.response_lengths)
 
 
-def frozen_pass(model: torch.nn.Module, backend: UpdateBackend, num_tokens: int, mbs: list[MicroBatch],
-                sampling: TokenSampling, *, tempered: bool) -> torch.Tensor:
+def frozen_pass(
+    model: torch.nn.Module,
+    backend: UpdateBackend,
+    num_tokens: int,
+    mbs: list[MicroBatch],
+    sampling: TokenSampling,
+    *,
+    tempered: bool,
+) -> torch.Tensor:
     """Log-probs of this rank's response tokens under a frozen model (reference, old actor; the trained model's
     vocabulary and scoring chunk), full-batch vector on the device. `sampling` is on the device."""
-    return per_token_pass(num_tokens, mbs, lambda mb: frozen_log_probs(
-        model, mb, backend.device, sampling=sampling.at(mb.token_index), tempered=tempered,
-        vocab=backend.vocab_size, chunk_tokens=backend.chunk_tokens, compiled=backend.compiled_scoring),
-        device=backend.device)
+    return per_token_pass(
+        num_tokens,
+        mbs,
+        lambda mb: frozen_log_probs(
+            model,
+            mb,
+            backend.device,
+            sampling=sampling.at(mb.token_index),
+            tempered=tempered,
+            vocab=backend.vocab_size,
+            chunk_tokens=backend.chunk_tokens,
+            compiled=backend.compiled_scoring,
+        ),
+        device=backend.device,
+    )
 
 
 @dataclass(frozen=True)
@@ -110,14 +139,15 @@ class BehaviourLogProbs:
     """The old actor's log-probs of each token's version (NaN: the current policy is that version) and
     1.0 where no snapshot of the version was left (a restart): those use the current policy too. On the device."""
 
-    log_probs: torch.Tensor   # float32 [T]
-    fallback: torch.Tensor    # float32 [T]
+    log_probs: torch.Tensor  # float32 [T]
+    fallback: torch.Tensor  # float32 [T]
 
 
-def old_actor_log_probs(*, old_actor: OldActor, backend: UpdateBackend, batch: TrainBatch,
-                        mbs: list[MicroBatch], sampling: TokenSampling) -> BehaviourLogProbs:
+def old_actor_log_probs(
+    *, old_actor: OldActor, backend: UpdateBackend, batch: TrainBatch, mbs: list[MicroBatch], sampling: TokenSampling
+) -> BehaviourLogProbs:
     n_tok, device = batch.num_response_tokens, backend.device
-    versions = batch.versions.to(device)   # each token's own: a sync may have landed mid-sample
+    versions = batch.versions.to(device)  # each token's own: a sync may have landed mid-sample
     out = torch.full((n_tok,), float("nan"), device=device)
     fallback = torch.zeros(n_tok, device=device)
     for version in sorted(set(batch.versions.tolist())):
@@ -125,19 +155,29 @@ def old_actor_log_probs(*, old_actor: OldActor, backend: UpdateBackend, batch: T
         snapshot = old_actor.get(version)
         if snapshot is None:
             fallback[chosen] = 1.0
-        elif snapshot.optimizer_step != backend.global_steps:   # else nothing was trained since: current = old
+        elif snapshot.optimizer_step != backend.global_steps:  # else nothing was trained since: current = old
             lp = frozen_pass(old_actor.module_for(snapshot), backend, n_tok, mbs, sampling, tempered=False)
             out[chosen] = lp[chosen]
     return BehaviourLogProbs(log_probs=out, fallback=fallback)
 
 
-def reward_kl_penalty(*, backend: UpdateBackend, mbs: list[MicroBatch], sampling: TokenSampling,
-                      ref_lp: torch.Tensor, algo: AlgorithmConfig) -> torch.Tensor:
+def reward_kl_penalty(
+    *,
+    backend: UpdateBackend,
+    mbs: list[MicroBatch],
+    sampling: TokenSampling,
+    ref_lp: torch.Tensor,
+    algo: AlgorithmConfig,
+) -> torch.Tensor:
     """kl_coef x per-token KL of the policy before the update to the reference (both tempered), full batch, on the
     host (it shapes the rewards)."""
     n_tok, device = len(ref_lp), backend.device
-    policy = per_token_pass(n_tok, mbs, lambda mb: backend.scores(
-        mb, sampling.at(mb.token_index), tempered=True)[0][TEMPERED_ROW], device=device)
+    policy = per_token_pass(
+        n_tok,
+        mbs,
+        lambda mb: backend.scores(mb, sampling.at(mb.token_index), tempered=True)[0][TEMPERED_ROW],
+        device=device,
+    )
     kl = kl_estimate(policy, ref_lp, algo.kl_estimator) * owned_tokens(n_tok, mbs, device)
     return algo.kl_coef * all_reduce_sum(kl).cpu()
 
@@ -160,7 +200,7 @@ class TokenInputs:
 class TokenTerms:
     """Per-token pieces of one micro-batch's loss and metrics."""
 
-    pg: torch.Tensor        # policy-gradient loss (TIS-weighted)
+    pg: torch.Tensor  # policy-gradient loss (TIS-weighted)
     clipped: torch.Tensor
     ratio: torch.Tensor
     tis: torch.Tensor
@@ -169,8 +209,15 @@ class TokenTerms:
     mismatch: torch.Tensor  # |behaviour log-prob - rollout log-prob|, capped at 20
 
 
-def policy_loss_terms(*, logp: torch.Tensor, behaviour: torch.Tensor, rollout_lp: torch.Tensor, mb: MicroBatch,
-                      inputs: TokenInputs, algo: AlgorithmConfig) -> tuple[torch.Tensor, ...]:
+def policy_loss_terms(
+    *,
+    logp: torch.Tensor,
+    behaviour: torch.Tensor,
+    rollout_lp: torch.Tensor,
+    mb: MicroBatch,
+    inputs: TokenInputs,
+    algo: AlgorithmConfig,
+) -> tuple[torch.Tensor, ...]:
     """Per token: (the policy loss of `algo.policy_loss`, TIS-weighted; clipped; ratio; TIS weight). Under GSPO the
     ratio and the TIS weight are the sequence's geometric means (the micro-batch's rows are its sequences)."""
     clip = PolicyLossConfig(eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, dual_clip_c=algo.dual_clip_c)
@@ -178,8 +225,9 @@ def policy_loss_terms(*, logp: torch.Tensor, behaviour: torch.Tensor, rollout_lp
     advantages = inputs.advantages[mb.token_index]
     if algo.policy_loss == "gspo":
         seqs = Sequences(ids=mb.rows, count=mb.input_ids.shape[0], trainable=inputs.loss_mask[mb.token_index] > 0)
-        pg, clipped, ratio = gspo_policy_loss(log_probs=logp, old_log_probs=old_lp, advantages=advantages,
-                                              sequences=seqs, cfg=clip)
+        pg, clipped, ratio = gspo_policy_loss(
+            log_probs=logp, old_log_probs=old_lp, advantages=advantages, sequences=seqs, cfg=clip
+        )
         behaviour, rollout_lp = seqs.mean(behaviour), seqs.mean(rollout_lp)
     else:
         pg, clipped, ratio = ppo_policy_loss(log_probs=logp, old_log_probs=old_lp, advantages=advantages, cfg=clip)
@@ -202,19 +250,29 @@ def token_terms(*, scores: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, al
     if inputs.old is not None:
         kept = inputs.old.log_probs[idx]
         behaviour = torch.where(torch.isnan(kept), behaviour, kept)
-    pg, clipped, ratio, tis = policy_loss_terms(logp=logp, behaviour=behaviour, rollout_lp=rollout_lp, mb=mb,
-                                                inputs=inputs, algo=algo)
+    pg, clipped, ratio, tis = policy_loss_terms(
+        logp=logp, behaviour=behaviour, rollout_lp=rollout_lp, mb=mb, inputs=inputs, algo=algo
+    )
     kl = torch.zeros_like(pg)
     if inputs.ref_log_probs is not None:
         kl = kl_estimate(scores[TEMPERED_ROW], inputs.ref_log_probs[idx], algo.kl_estimator)
-    return TokenTerms(pg=pg, clipped=clipped, ratio=ratio, tis=tis, kl=kl, entropy=entropy,
-                      mismatch=(behaviour - rollout_lp).abs().clamp(max=20.0))
+    return TokenTerms(
+        pg=pg,
+        clipped=clipped,
+        ratio=ratio,
+        tis=tis,
+        kl=kl,
+        entropy=entropy,
+        mismatch=(behaviour - rollout_lp).abs().clamp(max=20.0),
+    )
 
 
-def _ppo_micro_loss(*, backend: UpdateBackend, mb: MicroBatch, inputs: TokenInputs,
-                    algo: AlgorithmConfig) -> MicroBatchLoss:
-    scores, anchor = backend.scores(mb, inputs.sampling.at(mb.token_index), entropy=True,
-                                    entropy_grad=algo.entropy_coef > 0)
+def _ppo_micro_loss(
+    *, backend: UpdateBackend, mb: MicroBatch, inputs: TokenInputs, algo: AlgorithmConfig
+) -> MicroBatchLoss:
+    scores, anchor = backend.scores(
+        mb, inputs.sampling.at(mb.token_index), entropy=True, entropy_grad=algo.entropy_coef > 0
+    )
     t = token_terms(scores=scores, mb=mb, inputs=inputs, algo=algo)
     loss_tok = t.pg
     if inputs.ref_log_probs is not None and algo.kl_mode == "loss":
@@ -225,16 +283,30 @@ def _ppo_micro_loss(*, backend: UpdateBackend, mb: MicroBatch, inputs: TokenInpu
 
     def metrics() -> dict[str, torch.Tensor]:
         fallback = torch.zeros_like(tw) if inputs.old is None else inputs.old.fallback[mb.token_index]
-        per_token = {"pg_clipfrac": t.clipped, "kl": t.kl, "entropy": t.entropy, "ppo_ratio_mean": t.ratio,
-                     "tis_weight_mean": t.tis, "rollout_logprob_abs_diff": t.mismatch,
-                     "old_actor_fallback_frac": fallback, "tis_masked_frac": (t.tis == 0).float()}
+        per_token = {
+            "pg_clipfrac": t.clipped,
+            "kl": t.kl,
+            "entropy": t.entropy,
+            "ppo_ratio_mean": t.ratio,
+            "tis_weight_mean": t.tis,
+            "rollout_logprob_abs_diff": t.mismatch,
+            "old_actor_fallback_frac": fallback,
+            "tis_masked_frac": (t.tis == 0).float(),
+        }
         return {"pg_loss": (w * t.pg).sum(), **{name: (tw * x).sum() for name, x in per_token.items()}}
 
     return MicroBatchLoss(loss=(w * loss_tok).sum(), anchor=anchor, metrics=metrics)
 
 
-def actor_step(*, backend: UpdateBackend, batch: TrainBatch, algo: AlgorithmConfig,
-               ref_model: torch.nn.Module | None, old_actor: OldActor | None, token_budget: int) -> dict[str, float]:
+def actor_step(
+    *,
+    backend: UpdateBackend,
+    batch: TrainBatch,
+    algo: AlgorithmConfig,
+    ref_model: torch.nn.Module | None,
+    old_actor: OldActor | None,
+    token_budget: int,
+) -> dict[str, float]:
     start = time.monotonic()
     device = backend.device
     mbs = lockstep_micro_batches(backend, batch, token_budget=token_budget)
@@ -244,18 +316,34 @@ def actor_step(*, backend: UpdateBackend, batch: TrainBatch, algo: AlgorithmConf
     kl_penalty = None
     if ref_lp is not None and algo.kl_mode == "reward":
         kl_penalty = reward_kl_penalty(backend=backend, mbs=mbs, sampling=sampling, ref_lp=ref_lp, algo=algo)
-    old = None if old_actor is None else old_actor_log_probs(old_actor=old_actor, backend=backend, batch=batch,
-                                                             mbs=mbs, sampling=sampling)
-    inputs = TokenInputs(sampling=sampling, advantages=compute_advantages(batch, algo, kl_penalty).to(device),
-                         rollout_log_probs=batch.rollout_log_probs.to(device), loss_mask=batch.loss_mask.to(device),
-                         weights=TokenWeights.of(batch, algo.loss_aggregation, device), ref_log_probs=ref_lp, old=old)
-    totals, step = optimizer_update(backend, mbs, micro_loss=lambda mb: _ppo_micro_loss(
-        backend=backend, mb=mb, inputs=inputs, algo=algo))
-    for key, used in (("kl", ref_lp is not None), ("tis_weight_mean", algo.use_tis),
-                      ("old_actor_fallback_frac", old is not None),
-                      ("tis_masked_frac", algo.use_tis and algo.tis_mode == "mask")):
+    old = (
+        None
+        if old_actor is None
+        else old_actor_log_probs(old_actor=old_actor, backend=backend, batch=batch, mbs=mbs, sampling=sampling)
+    )
+    inputs = TokenInputs(
+        sampling=sampling,
+        advantages=compute_advantages(batch, algo, kl_penalty).to(device),
+        rollout_log_probs=batch.rollout_log_probs.to(device),
+        loss_mask=batch.loss_mask.to(device),
+        weights=TokenWeights.of(batch, algo.loss_aggregation, device),
+        ref_log_probs=ref_lp,
+        old=old,
+    )
+    totals, step = optimizer_update(
+        backend, mbs, micro_loss=lambda mb: _ppo_micro_loss(backend=backend, mb=mb, inputs=inputs, algo=algo)
+    )
+    for key, used in (
+        ("kl", ref_lp is not None),
+        ("tis_weight_mean", algo.use_tis),
+        ("old_actor_fallback_frac", old is not None),
+        ("tis_masked_frac", algo.use_tis and algo.tis_mode == "mask"),
+    ):
         if not used:
             totals.pop(key)
     advantage_mean = float((inputs.advantages * inputs.weights.mean).sum())
-    return {**totals, "advantage_mean": advantage_mean,
-            **step_metrics(batch, step, start, parameters=backend.parameters)}
+    return {
+        **totals,
+        "advantage_mean": advantage_mean,
+        **step_metrics(batch, step, start, parameters=backend.parameters),
+    }

@@ -31,8 +31,9 @@ def _group_sums(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
     return inverse, count, total
 
 
-def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool,
-                    eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool, eps: float = 1e-6
+) -> torch.Tensor:
     """A_i = r_i - mean(group), divided by the group's (unbiased) std when `normalize_std`.
 
     `normalize_std=False` is Dr.GRPO. A group of one sample has advantage 0 (nothing to compare with).
@@ -59,8 +60,12 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     return torch.where(k > 1, r - others, torch.zeros_like(r)).to(torch.float32)
 
 
-def token_rewards(rewards: torch.Tensor, response_lengths: torch.Tensor, loss_mask: torch.Tensor,
-                  kl_penalty: torch.Tensor | None = None) -> torch.Tensor:
+def token_rewards(
+    rewards: torch.Tensor,
+    response_lengths: torch.Tensor,
+    loss_mask: torch.Tensor,
+    kl_penalty: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token rewards for GAE: the sample's reward on its last trainable token (loss_mask 1; the last
     action), minus `kl_penalty` (already multiplied by the KL coefficient) on trainable tokens when KL is used
     as reward shaping. Tool / observation tokens (loss_mask 0) get nothing: they are no actions."""
@@ -73,8 +78,8 @@ def token_rewards(rewards: torch.Tensor, response_lengths: torch.Tensor, loss_ma
     trainable = padded_mask > 0
     has_action = trainable.any(dim=1)
     width = padded_mask.shape[1]
-    last_in_row = width - 1 - torch.argmax(trainable.flip(1).to(torch.int8), dim=1)   # last trainable position
-    last = torch.cumsum(lengths, 0) - lengths + last_in_row   # flat index: the sample's start + position
+    last_in_row = width - 1 - torch.argmax(trainable.flip(1).to(torch.int8), dim=1)  # last trainable position
+    last = torch.cumsum(lengths, 0) - lengths + last_in_row  # flat index: the sample's start + position
     out[last[has_action]] += rewards.to(torch.float32)[has_action]
     return out
 
@@ -87,8 +92,15 @@ def _pad(flat: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch
     return padded, mask
 
 
-def gae(*, rewards: torch.Tensor, values: torch.Tensor, response_lengths: torch.Tensor, loss_mask: torch.Tensor,
-        gamma: float, lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    *,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_lengths: torch.Tensor,
+    loss_mask: torch.Tensor,
+    gamma: float,
+    lambd: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation per sequence over flat per-token rewards and values.
 
     delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lambd A_next, where "next" is the next token with
@@ -114,13 +126,20 @@ def gae(*, rewards: torch.Tensor, values: torch.Tensor, response_lengths: torch.
     return advantages, advantages + values.to(torch.float32)
 
 
-def discounted_returns(*, rewards: torch.Tensor, response_lengths: torch.Tensor, loss_mask: torch.Tensor,
-                       gamma: float) -> torch.Tensor:
+def discounted_returns(
+    *, rewards: torch.Tensor, response_lengths: torch.Tensor, loss_mask: torch.Tensor, gamma: float
+) -> torch.Tensor:
     """REINFORCE++'s per-token returns G_t = r_t + gamma G_next over flat per-token rewards, "next" being the next
     token with loss_mask 1: GAE with V = 0 and lambda = 1, so masked tokens are no steps here either (they carry G
     through undiscounted and get 0)."""
-    returns, _ = gae(rewards=rewards, values=torch.zeros_like(rewards), response_lengths=response_lengths,
-                     loss_mask=loss_mask, gamma=gamma, lambd=1.0)
+    returns, _ = gae(
+        rewards=rewards,
+        values=torch.zeros_like(rewards),
+        response_lengths=response_lengths,
+        loss_mask=loss_mask,
+        gamma=gamma,
+        lambd=1.0,
+    )
     return returns
 
 

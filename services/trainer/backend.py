@@ -43,8 +43,9 @@ def param_dtype(config: TandemConfig) -> torch.dtype:
     return torch.float32 if config.trainer.precision == "fp32" else torch.bfloat16
 
 
-def lr_lambda(*, schedule: str, warmup_steps: int, total_steps: int | None, lr: float,
-              min_lr: float) -> Callable[[int], float]:
+def lr_lambda(
+    *, schedule: str, warmup_steps: int, total_steps: int | None, lr: float, min_lr: float
+) -> Callable[[int], float]:
     """Factor of the base lr for optimizer step `s` (0-based): linear warm-up that reaches the base lr on
     step warmup_steps - 1, then constant, cosine or linear decay to min_lr at total_steps."""
     if schedule != "constant" and total_steps is None:
@@ -69,10 +70,14 @@ def deepspeed_config(config: TandemConfig, *, world_size: int, lr: float) -> Jso
     t = config.trainer
     ds: JsonObject = {
         # One "sample" per micro-batch call; the real batch size is decided by the token budget.
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": world_size,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
         # ZeRO-0's FlatAdamW clips and handles bf16 itself (DeepSpeed's would do both per parameter tensor)
-        "gradient_clipping": 0.0 if t.zero_stage == 0 else t.grad_clip, "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False, "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0 if t.zero_stage == 0 else t.grad_clip,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": False} if t.zero_stage == 0 else bf16_config(config),
         "zero_optimization": {"stage": t.zero_stage},
     }
@@ -81,8 +86,10 @@ def deepspeed_config(config: TandemConfig, *, world_size: int, lr: float) -> Jso
         # model would never be partitioned and its gathers (weight export, HF save) never exercised.
         ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if t.optimizer == "adamw_deepspeed":
-        ds["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": list(t.betas), "eps": 1e-8,
-                                                      "weight_decay": t.weight_decay}}
+        ds["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": lr, "betas": list(t.betas), "eps": 1e-8, "weight_decay": t.weight_decay},
+        }
     return ds
 
 
@@ -94,8 +101,12 @@ def bf16_config(config: TandemConfig) -> JsonObject:
     if t.precision == "fp32":
         return {"enabled": False}
     pure = t.precision == "bf16_pure"
-    return {"enabled": True, "check_grad_overflow": t.skip_nonfinite_steps,
-            "bf16_master_weights_and_grads": pure, "bf16_optimizer_states": pure}
+    return {
+        "enabled": True,
+        "check_grad_overflow": t.skip_nonfinite_steps,
+        "bf16_master_weights_and_grads": pure,
+        "bf16_optimizer_states": pure,
+    }
 
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, attn: str) -> torch.nn.Module:
@@ -109,9 +120,9 @@ class ValueModel(torch.nn.Module):
 
     def __init__(self, backbone: PreTrainedModel, hidden_size: int):
         super().__init__()
-        self.backbone: torch.nn.Module = backbone   # a peft model around it with trainer.lora
+        self.backbone: torch.nn.Module = backbone  # a peft model around it with trainer.lora
         self.value_head = torch.nn.Linear(hidden_size, 1)
-        torch.nn.init.zeros_(self.value_head.weight)   # V = 0 at start: the first advantages are the returns
+        torch.nn.init.zeros_(self.value_head.weight)  # V = 0 at start: the first advantages are the returns
         torch.nn.init.zeros_(self.value_head.bias)
         self.config = backbone.config
 
@@ -123,17 +134,22 @@ class ValueModel(torch.nn.Module):
         model = cls(backbone, backbone.config.hidden_size)
         return model.to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
 
 def _hf_part(model: torch.nn.Module) -> PreTrainedModel:
     """The policy, or the critic's backbone, as the HF model without LoRA wrappers (its config, save_pretrained)."""
     hf = model.backbone if isinstance(model, ValueModel) else model
-    unwrap = getattr(hf, "get_base_model", None)   # a peft model (trainer.lora)
+    unwrap = getattr(hf, "get_base_model", None)  # a peft model (trainer.lora)
     return cast("PreTrainedModel", unwrap() if callable(unwrap) else hf)
 
 
@@ -160,14 +176,14 @@ def build_model(config: TandemConfig, *, role: str) -> torch.nn.Module:
 
 
 def _scoring(model: torch.nn.Module) -> torch.nn.Module:
-    head_scoring.install(model)   # the output head answers score requests (chunked, no [tokens x vocab] table)
+    head_scoring.install(model)  # the output head answers score requests (chunked, no [tokens x vocab] table)
     return model
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     """Each decoder layer's activations are recomputed in the backward instead of kept (transformers' own
     checkpointing, non-reentrant: it works under DeepSpeed ZeRO 0-3 and with LoRA's frozen inputs)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)   # transformers >= 5.25's name
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.25's name
     if callable(enable):
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -197,12 +213,13 @@ class DeepSpeedBackend:
             fused.patch_model(model)
         lr = (t.critic_lr or t.lr) if role == "critic" else t.lr
         total = t.total_steps or config.loop.num_rollout
-        schedule = lr_lambda(schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total, lr=lr,
-                             min_lr=t.min_lr)
-        self.parameters = sum(p.numel() for p in model.parameters())   # before ZeRO-3 partitions them
+        schedule = lr_lambda(
+            schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total, lr=lr, min_lr=t.min_lr
+        )
+        self.parameters = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
         self.vocab_size = int(_hf_part(model).config.vocab_size)
         self.chunk_tokens, self.pack_sequences = t.scoring_chunk_tokens, t.pack_sequences
-        self.compiled_scoring = fused_kernels   # the head's block math compiled where the fused kernels run
+        self.compiled_scoring = fused_kernels  # the head's block math compiled where the fused kernels run
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer: torch.optim.Optimizer | None = None
         self.flat: FlatAdamW | None = None
@@ -210,22 +227,38 @@ class DeepSpeedBackend:
             # on the device first: DeepSpeed's own move would replace the tensors the flat buffers' views are
             model.to(dist_info.device)
             optimizer = self.flat = FlatAdamW(
-                model.named_parameters(), precision=t.precision, lr=lr, betas=t.betas, eps=1e-8,
-                weight_decay=t.weight_decay, max_grad_norm=t.grad_clip, skip_nonfinite=t.skip_nonfinite_steps)
+                model.named_parameters(),
+                precision=t.precision,
+                lr=lr,
+                betas=t.betas,
+                eps=1e-8,
+                weight_decay=t.weight_decay,
+                max_grad_norm=t.grad_clip,
+                skip_nonfinite=t.skip_nonfinite_steps,
+            )
         elif t.optimizer == "adamw_torch":
             # fused: one kernel over every tensor of the step (DeepSpeed hands it its flat partitions)
-            optimizer = torch.optim.AdamW(params, lr=lr, betas=t.betas, eps=1e-8, weight_decay=t.weight_decay,
-                                          fused=dist_info.device.type == "cuda")
+            optimizer = torch.optim.AdamW(
+                params,
+                lr=lr,
+                betas=t.betas,
+                eps=1e-8,
+                weight_decay=t.weight_decay,
+                fused=dist_info.device.type == "cuda",
+            )
         self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=optimizer, model_parameters=params if optimizer is None else None,
+            model=model,
+            optimizer=optimizer,
+            model_parameters=params if optimizer is None else None,
             config=deepspeed_config(config, world_size=dist_info.world_size, lr=lr),
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+        )
         self.engine.train()
         if self.flat is not None:
             self.flat.check_bound()
-            self.engine.enable_backward_allreduce = False   # FlatAdamW all-reduces its flat buffers in step()
+            self.engine.enable_backward_allreduce = False  # FlatAdamW all-reduces its flat buffers in step()
         if fused_kernels:
-            fused.warm_up(self.engine.module, dist_info.device)   # compiles now, while the engines start
+            fused.warm_up(self.engine.module, dist_info.device)  # compiles now, while the engines start
         # LoRA's frozen base weights: DeepSpeed's offload moves only what its optimizer holds (see offload)
         self._frozen = [p for p in self.engine.module.parameters() if not p.requires_grad]
         self.offloaded = False
@@ -259,14 +292,28 @@ class DeepSpeedBackend:
 
     # ---- forward ----------------------------------------------------------------------------------
 
-    def scores(self, mb: MicroBatch, sampling: TokenSampling, *, tempered: bool = False, entropy: bool = False,
-               entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def scores(
+        self,
+        mb: MicroBatch,
+        sampling: TokenSampling,
+        *,
+        tempered: bool = False,
+        entropy: bool = False,
+        entropy_grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the [3, N] scores of the micro-batch's response tokens (head_scoring; `sampling` = theirs, on the
         device), the same tensor as the forward's anchor for an empty micro-batch's backward)."""
         mb = mb.to(self.device)
-        request = score_request(mb, sampling, vocab=self.vocab_size, chunk_tokens=self.chunk_tokens,
-                                tempered=tempered, entropy=entropy, entropy_grad=entropy_grad,
-                                compiled=self.compiled_scoring)
+        request = score_request(
+            mb,
+            sampling,
+            vocab=self.vocab_size,
+            chunk_tokens=self.chunk_tokens,
+            tempered=tempered,
+            entropy=entropy,
+            entropy_grad=entropy_grad,
+            compiled=self.compiled_scoring,
+        )
         with head_scoring.scoring(request):
             out = self.engine(**model_inputs(mb), use_cache=False)
         scores = head_scoring.scores_of(out, request)
@@ -287,7 +334,7 @@ class DeepSpeedBackend:
             self.flat.fold_grads()
 
     def step(self) -> StepResult:
-        lr = self.lr   # the lr this update uses; step() advances the schedule
+        lr = self.lr  # the lr this update uses; step() advances the schedule
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
@@ -298,13 +345,22 @@ class DeepSpeedBackend:
     def save_checkpoint(self, directory: Path, *, client_state: JsonObject) -> None:
         """Collective: every rank writes its shards under directory/ds. With LoRA the frozen base weights are left
         out (they are model.path's): the shards hold the adapters and their optimizer state."""
-        self.engine.save_checkpoint(str(directory), tag="ds", client_state=client_state, save_latest=False,
-                                    exclude_frozen_parameters=self.lora is not None)
+        self.engine.save_checkpoint(
+            str(directory),
+            tag="ds",
+            client_state=client_state,
+            save_latest=False,
+            exclude_frozen_parameters=self.lora is not None,
+        )
 
     def load_checkpoint(self, directory: Path) -> None:
-        path, _ = self.engine.load_checkpoint(str(directory), tag="ds", load_optimizer_states=True,
-                                              load_lr_scheduler_states=True,
-                                              custom_load_fn=_load_trainable if self.lora is not None else None)
+        path, _ = self.engine.load_checkpoint(
+            str(directory),
+            tag="ds",
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            custom_load_fn=_load_trainable if self.lora is not None else None,
+        )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}/ds")
 
@@ -336,11 +392,11 @@ class DeepSpeedBackend:
             self.flat.move(torch.device("cpu"), pin=pin)
         else:
             self.engine.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=pin, non_blocking=False)
-        for p in self._frozen:   # ZeRO 1/2: whole tensors of the module, outside DeepSpeed's buffers
+        for p in self._frozen:  # ZeRO 1/2: whole tensors of the module, outside DeepSpeed's buffers
             host = p.data.to("cpu")
             p.data = host.pin_memory() if pin else host
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()   # hand the freed blocks back, so the engines on this GPU can use them
+            torch.cuda.empty_cache()  # hand the freed blocks back, so the engines on this GPU can use them
         self.offloaded = True
         return "parameters, gradients and optimizer states moved to host memory"
 
@@ -371,8 +427,10 @@ def _load_trainable(*, src: dict[str, torch.Tensor], dst: torch.nn.Module) -> No
     frozen = {name for name, p in dst.named_parameters() if not p.requires_grad}
     missing = sorted(set(result.missing_keys) - frozen)
     if missing or result.unexpected_keys:
-        raise ValueError(f"the checkpoint does not hold this trainer's adapters: missing {missing[:3]}, "
-                         f"unexpected {sorted(result.unexpected_keys)[:3]}")
+        raise ValueError(
+            f"the checkpoint does not hold this trainer's adapters: missing {missing[:3]}, "
+            f"unexpected {sorted(result.unexpected_keys)[:3]}"
+        )
 
 
 def load_frozen_causal_lm(config: TandemConfig, device: torch.device) -> torch.nn.Module:
@@ -397,13 +455,21 @@ def model_inputs(mb: MicroBatch) -> dict[str, torch.Tensor | None]:
 
 
 @torch.no_grad()
-def frozen_log_probs(model: torch.nn.Module, mb: MicroBatch, device: torch.device, *, sampling: TokenSampling,
-                     tempered: bool, vocab: int, chunk_tokens: int, compiled: bool = False) -> torch.Tensor:
+def frozen_log_probs(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    device: torch.device,
+    *,
+    sampling: TokenSampling,
+    tempered: bool,
+    vocab: int,
+    chunk_tokens: int,
+    compiled: bool = False,
+) -> torch.Tensor:
     """Log-probs of a micro-batch's response tokens under a frozen model, on `device`: in each token's behaviour
     space, or (`tempered`, the KL's reference) of logits / T."""
     mb = mb.to(device)
-    request = score_request(mb, sampling, vocab=vocab, chunk_tokens=chunk_tokens, tempered=tempered,
-                            compiled=compiled)
+    request = score_request(mb, sampling, vocab=vocab, chunk_tokens=chunk_tokens, tempered=tempered, compiled=compiled)
     with head_scoring.scoring(request):
         out = model(**model_inputs(mb), use_cache=False)
     return head_scoring.scores_of(out, request)[TEMPERED_ROW if tempered else BEHAVIOUR_ROW]

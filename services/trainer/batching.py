@@ -23,31 +23,32 @@ from services.contracts.wire import RolloutBatchData
 
 @dataclass(frozen=True)
 class TrainBatch:
-    tokens: torch.Tensor             # int64, prompt+response of every sample, concatenated
-    prompt_lengths: torch.Tensor     # int64 [n]
-    response_lengths: torch.Tensor   # int64 [n]
-    loss_mask: torch.Tensor          # float32 [T]
+    tokens: torch.Tensor  # int64, prompt+response of every sample, concatenated
+    prompt_lengths: torch.Tensor  # int64 [n]
+    response_lengths: torch.Tensor  # int64 [n]
+    loss_mask: torch.Tensor  # float32 [T]
     rollout_log_probs: torch.Tensor  # float32 [T]
-    rewards: torch.Tensor            # float32 [n]
-    group_ids: torch.Tensor          # int64 [n]
-    sample_versions: torch.Tensor    # int64 [n]
-    sampling_temperature: torch.Tensor   # float32 [n]: the distribution each sample was drawn from
-    sampling_top_p: torch.Tensor         # float32 [n]
-    sampling_top_k: torch.Tensor         # int64 [n]
+    rewards: torch.Tensor  # float32 [n]
+    group_ids: torch.Tensor  # int64 [n]
+    sample_versions: torch.Tensor  # int64 [n]
+    sampling_temperature: torch.Tensor  # float32 [n]: the distribution each sample was drawn from
+    sampling_top_p: torch.Tensor  # float32 [n]
+    sampling_top_k: torch.Tensor  # int64 [n]
     # bool [n]: the sample's rollout log-probs are of the tempered distribution (its batch's logprob_space,
     # e.g. SGLang), else of the sampling one (the native engine): the trainer scores each in its own space
     logprob_tempered: torch.Tensor | None = None
-    values: torch.Tensor | None = None   # float32 [T], the critic's values (PPO actor)
+    values: torch.Tensor | None = None  # float32 [T], the critic's values (PPO actor)
     # int64 [T]: the weight version that sampled each response token (a sync may land mid-generation); None when
     # built without it (tests, benches): every token has its sample's version
     token_versions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.logprob_tempered is None:   # built without it (tests, benches): the sampling space
+        if self.logprob_tempered is None:  # built without it (tests, benches): the sampling space
             object.__setattr__(self, "logprob_tempered", torch.zeros(self.num_samples, dtype=torch.bool))
         if self.token_versions is None:
-            object.__setattr__(self, "token_versions",
-                               torch.repeat_interleave(self.sample_versions, self.response_lengths))
+            object.__setattr__(
+                self, "token_versions", torch.repeat_interleave(self.sample_versions, self.response_lengths)
+            )
 
     @property
     def versions(self) -> torch.Tensor:
@@ -84,13 +85,21 @@ class TrainBatch:
         tok_idx = _ranges(_starts(seq)[idx], seq[idx])
         rsp_idx = _ranges(_starts(resp)[idx], resp[idx])
         return TrainBatch(
-            tokens=self.tokens[tok_idx], prompt_lengths=self.prompt_lengths[idx],
-            response_lengths=self.response_lengths[idx], loss_mask=self.loss_mask[rsp_idx],
-            rollout_log_probs=self.rollout_log_probs[rsp_idx], rewards=self.rewards[idx],
-            group_ids=self.group_ids[idx], sample_versions=self.sample_versions[idx],
-            sampling_temperature=self.sampling_temperature[idx], sampling_top_p=self.sampling_top_p[idx],
-            sampling_top_k=self.sampling_top_k[idx], logprob_tempered=self.tempered[idx],
-            values=None if self.values is None else self.values[rsp_idx], token_versions=self.versions[rsp_idx])
+            tokens=self.tokens[tok_idx],
+            prompt_lengths=self.prompt_lengths[idx],
+            response_lengths=self.response_lengths[idx],
+            loss_mask=self.loss_mask[rsp_idx],
+            rollout_log_probs=self.rollout_log_probs[rsp_idx],
+            rewards=self.rewards[idx],
+            group_ids=self.group_ids[idx],
+            sample_versions=self.sample_versions[idx],
+            sampling_temperature=self.sampling_temperature[idx],
+            sampling_top_p=self.sampling_top_p[idx],
+            sampling_top_k=self.sampling_top_k[idx],
+            logprob_tempered=self.tempered[idx],
+            values=None if self.values is None else self.values[rsp_idx],
+            token_versions=self.versions[rsp_idx],
+        )
 
     def mask_samples(self, samples: list[int]) -> TrainBatch:
         """The batch with every response token of `samples` at loss_mask 0 (out of the loss, still in the batch)."""
@@ -101,8 +110,10 @@ class TrainBatch:
 
     def with_values(self, values: torch.Tensor) -> TrainBatch:
         if values.shape != (self.num_response_tokens,):
-            raise ValueError(f"critic values hold {values.shape[0]} entries, the batch has "
-                             f"{self.num_response_tokens} response tokens")
+            raise ValueError(
+                f"critic values hold {values.shape[0]} entries, the batch has "
+                f"{self.num_response_tokens} response tokens"
+            )
         return replace(self, values=values.to(torch.float32))
 
 
@@ -123,35 +134,41 @@ def merge_batches(batches: list[RolloutBatchData]) -> TrainBatch:
     if not batches:
         raise ValueError("empty batch: no rollout batches to train on")
     for b in batches:
-        b.validate()   # mismatched lengths, NaN rewards: refuse before anything else happens
+        b.validate()  # mismatched lengths, NaN rewards: refuse before anything else happens
 
     def cat(name: str, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.concatenate([np.asarray(getattr(b, name)) for b in batches])).to(dtype)
 
-    return TrainBatch(tokens=cat("tokens", torch.long), prompt_lengths=cat("prompt_lengths", torch.long),
-                      response_lengths=cat("response_lengths", torch.long),
-                      loss_mask=cat("loss_mask", torch.float32),
-                      rollout_log_probs=cat("rollout_log_probs", torch.float32),
-                      rewards=cat("rewards", torch.float32), group_ids=cat("group_ids", torch.long),
-                      sample_versions=cat("sample_versions", torch.long),
-                      sampling_temperature=cat("sampling_temperature", torch.float32),
-                      sampling_top_p=cat("sampling_top_p", torch.float32),
-                      sampling_top_k=cat("sampling_top_k", torch.long),
-                      logprob_tempered=torch.cat([torch.full((b.num_samples,), b.logprob_space == "tempered")
-                                                  for b in batches]),
-                      token_versions=torch.from_numpy(np.concatenate([b.versions for b in batches])).to(torch.long))
+    return TrainBatch(
+        tokens=cat("tokens", torch.long),
+        prompt_lengths=cat("prompt_lengths", torch.long),
+        response_lengths=cat("response_lengths", torch.long),
+        loss_mask=cat("loss_mask", torch.float32),
+        rollout_log_probs=cat("rollout_log_probs", torch.float32),
+        rewards=cat("rewards", torch.float32),
+        group_ids=cat("group_ids", torch.long),
+        sample_versions=cat("sample_versions", torch.long),
+        sampling_temperature=cat("sampling_temperature", torch.float32),
+        sampling_top_p=cat("sampling_top_p", torch.float32),
+        sampling_top_k=cat("sampling_top_k", torch.long),
+        logprob_tempered=torch.cat([torch.full((b.num_samples,), b.logprob_space == "tempered") for b in batches]),
+        token_versions=torch.from_numpy(np.concatenate([b.versions for b in batches])).to(torch.long),
+    )
 
 
-def check_trainable(batch: TrainBatch, *, vocab_size: int, max_positions: int | None,
-                    needs_rollout_log_probs: bool) -> None:
+def check_trainable(
+    batch: TrainBatch, *, vocab_size: int, max_positions: int | None, needs_rollout_log_probs: bool
+) -> None:
     """Refuses a batch the model cannot train on, with a message naming the problem."""
     if batch.num_samples == 0:
         raise ValueError("empty batch: the rollout batches hold no samples")
     if (batch.prompt_lengths < 1).any():
         raise ValueError("every sample needs a prompt of at least one token (the first response token's context)")
     if batch.num_tokens and (int(batch.tokens.min()) < 0 or int(batch.tokens.max()) >= vocab_size):
-        raise ValueError(f"token ids must lie in [0, {vocab_size}) (the model's vocabulary); got "
-                         f"[{int(batch.tokens.min())}, {int(batch.tokens.max())}]")
+        raise ValueError(
+            f"token ids must lie in [0, {vocab_size}) (the model's vocabulary); got "
+            f"[{int(batch.tokens.min())}, {int(batch.tokens.max())}]"
+        )
     longest = int((batch.prompt_lengths + batch.response_lengths).max())
     if max_positions is not None and longest > max_positions:
         raise ValueError(f"a sample has {longest} tokens, more than the model's {max_positions} positions")
@@ -201,12 +218,13 @@ def pack_rows(sample_ids: list[int], seq_lengths: list[int], *, token_budget: in
     sample goes to the first row with room, else a new row of the first micro-batch with budget left, else a new
     micro-batch); a sample longer than the budget gets a micro-batch of its own."""
     groups: list[list[list[int]]] = []
-    rooms: list[list[int]] = []   # per micro-batch, per row: the columns left
+    rooms: list[list[int]] = []  # per micro-batch, per row: the columns left
     widths: list[int] = []
     for i in sorted(sample_ids, key=lambda i: (-seq_lengths[i], i)):
         n = seq_lengths[i]
-        spot = next(((g, r) for g, room in enumerate(rooms) if max(room) >= n
-                     for r, left in enumerate(room) if left >= n), None)
+        spot = next(
+            ((g, r) for g, room in enumerate(rooms) if max(room) >= n for r, left in enumerate(room) if left >= n), None
+        )
         if spot is not None:
             g, r = spot
             groups[g][r].append(i)
@@ -242,14 +260,14 @@ def pack_samples(sample_ids: list[int], seq_lengths: list[int], *, token_budget:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    input_ids: torch.Tensor       # [B, L], right-padded
+    input_ids: torch.Tensor  # [B, L], right-padded
     attention_mask: torch.Tensor  # [B, L]
-    rows: torch.Tensor            # [N] row of each response token
-    positions: torch.Tensor       # [N] output position that predicts it
-    targets: torch.Tensor         # [N] the token id
-    token_index: torch.Tensor     # [N] index into the batch's flat response-token arrays
-    num_tokens: int               # real (unpadded) tokens
-    position_ids: torch.Tensor | None = None   # [B, L]: packed rows (restarting per sample); None: padded rows
+    rows: torch.Tensor  # [N] row of each response token
+    positions: torch.Tensor  # [N] output position that predicts it
+    targets: torch.Tensor  # [N] the token id
+    token_index: torch.Tensor  # [N] index into the batch's flat response-token arrays
+    num_tokens: int  # real (unpadded) tokens
+    position_ids: torch.Tensor | None = None  # [B, L]: packed rows (restarting per sample); None: padded rows
 
     def to(self, device: torch.device) -> MicroBatch:
         """On `device`, token_index included. Host tensors are pinned first, so the copies do not stall the host
@@ -261,10 +279,16 @@ class MicroBatch:
             pin = pinned_copy(x, device)
             return (x.pin_memory() if pin else x).to(device, non_blocking=pin)
 
-        return MicroBatch(input_ids=move(self.input_ids), attention_mask=move(self.attention_mask),
-                          rows=move(self.rows), positions=move(self.positions), targets=move(self.targets),
-                          token_index=move(self.token_index), num_tokens=self.num_tokens,
-                          position_ids=None if self.position_ids is None else move(self.position_ids))
+        return MicroBatch(
+            input_ids=move(self.input_ids),
+            attention_mask=move(self.attention_mask),
+            rows=move(self.rows),
+            positions=move(self.positions),
+            targets=move(self.targets),
+            token_index=move(self.token_index),
+            num_tokens=self.num_tokens,
+            position_ids=None if self.position_ids is None else move(self.position_ids),
+        )
 
 
 def pinned_copy(tensor: torch.Tensor, device: torch.device) -> bool:
@@ -304,26 +328,42 @@ def build_micro_batch(batch: TrainBatch, sample_ids: list[int] | list[list[int]]
     rows = torch.repeat_interleave(row_of_sample, resps)
     positions = _ranges(row_start + prompts - 1, resps)
     position_ids = None
-    if packed:   # positions from 0 in each sample; a row's padding is a block of its own (0, 1, ...)
+    if packed:  # positions from 0 in each sample; a row's padding is a block of its own (0, 1, ...)
         position_ids = torch.arange(width).repeat(len(layout), 1) - attention.sum(dim=1, keepdim=True)
         position_ids[row_of_tok, col_of_tok] = in_sample
-    return MicroBatch(input_ids=input_ids, attention_mask=attention, rows=rows, positions=positions,
-                      targets=input_ids[rows, positions + 1], token_index=_ranges(resp_start, resps),
-                      num_tokens=int(seqs.sum()), position_ids=position_ids)
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        rows=rows,
+        positions=positions,
+        targets=input_ids[rows, positions + 1],
+        token_index=_ranges(resp_start, resps),
+        num_tokens=int(seqs.sum()),
+        position_ids=position_ids,
+    )
 
 
 def dummy_micro_batch() -> MicroBatch:
     """Two tokens, no response token: keeps ranks with less data in lockstep (ZeRO-3 gathers every forward)."""
     empty = torch.zeros(0, dtype=torch.long)
-    return MicroBatch(input_ids=torch.zeros(1, 2, dtype=torch.long), attention_mask=torch.ones(1, 2, dtype=torch.long),
-                      rows=empty, positions=empty, targets=empty, token_index=empty, num_tokens=0)
+    return MicroBatch(
+        input_ids=torch.zeros(1, 2, dtype=torch.long),
+        attention_mask=torch.ones(1, 2, dtype=torch.long),
+        rows=empty,
+        positions=empty,
+        targets=empty,
+        token_index=empty,
+        num_tokens=0,
+    )
 
 
-def plan_micro_batches(batch: TrainBatch, *, world_size: int, rank: int, token_budget: int,
-                       pack: bool = False) -> list[MicroBatch]:
+def plan_micro_batches(
+    batch: TrainBatch, *, world_size: int, rank: int, token_budget: int, pack: bool = False
+) -> list[MicroBatch]:
     """This rank's micro-batches (not yet padded to the other ranks' count); `pack`: several samples per row."""
     seq = (batch.prompt_lengths + batch.response_lengths).tolist()
     mine = shard_samples(seq, world_size=world_size, rank=rank)
-    groups: list[list[int]] | list[list[list[int]]] = \
+    groups: list[list[int]] | list[list[list[int]]] = (
         pack_rows(mine, seq, token_budget=token_budget) if pack else pack_samples(mine, seq, token_budget=token_budget)
+    )
     return [build_micro_batch(batch, g) for g in groups]

@@ -45,9 +45,19 @@ class DeepSpeedTrainer:
 
     def parts(self) -> TrainerParts:
         world = World(rank=self.dist.rank, world_size=self.dist.world_size, device=str(self.dist.device))
-        return TrainerParts(config=self.config, role=self.role, world=world, backend=self.backend,
-                            rollouts=self.rollouts, handoffs=self.step, checkpoints=self.checkpoints,
-                            weights=self.weights, ledger=self.ledger, ranks=self.ranks, unloaded=self.unloaded)
+        return TrainerParts(
+            config=self.config,
+            role=self.role,
+            world=world,
+            backend=self.backend,
+            rollouts=self.rollouts,
+            handoffs=self.step,
+            checkpoints=self.checkpoints,
+            weights=self.weights,
+            ledger=self.ledger,
+            ranks=self.ranks,
+            unloaded=self.unloaded,
+        )
 
 
 def check_role(config: TandemConfig, role: str) -> TrainerRole:
@@ -66,22 +76,47 @@ def build_trainer(config: TandemConfig, *, run_dir: Path, role: str = "actor") -
     joined = time.monotonic()
     limit_cpu_threads(config.trainer.cpu_threads, dist.device)
     backend = DeepSpeedBackend(config=config, role=checked, dist_info=dist)
-    log.info("startup: process group %.2fs, model + DeepSpeed engine %.2fs", joined - started,
-             time.monotonic() - joined)
-    old_actor = OldActor(config=config, device=dist.device, dtype=param_dtype(config), keep=snapshots_to_keep(config)) \
-        if checked == "actor" and config.algorithm.keep_old_actor else None
+    log.info(
+        "startup: process group %.2fs, model + DeepSpeed engine %.2fs", joined - started, time.monotonic() - joined
+    )
+    old_actor = (
+        OldActor(config=config, device=dist.device, dtype=param_dtype(config), keep=snapshots_to_keep(config))
+        if checked == "actor" and config.algorithm.keep_old_actor
+        else None
+    )
     limits = ModelLimits.of(backend.hf_model.config)
     ledger = TrainLedger()
     run_dir = Path(run_dir)
     step = TrainStep(config, role=checked, rank=dist.rank, backend=backend, old_actor=old_actor)
-    weights = WeightPublishing(config, role=checked, run_dir=run_dir, rank=dist.rank, backend=backend,
-                               old_actor=old_actor)
-    checkpointer = Checkpointer(config, role=checked, run_dir=run_dir, dist=dist, backend=backend, ledger=ledger,
-                                old_actor=old_actor, weights=weights)
-    ranks = RankCommands(CommandRelay(rank=dist.rank, world_size=dist.world_size),
-                         RankParts(memory=backend, step=step, checkpoints=checkpointer, weights=weights))
-    return DeepSpeedTrainer(config=config, role=checked, dist=dist, backend=backend, old_actor=old_actor,
-                            limits=limits, ledger=ledger,
-                            rollouts=RolloutSource(config, role=checked, ledger=ledger, limits=limits), step=step,
-                            weights=weights, checkpoints=checkpointer, ranks=ranks,
-                            unloaded=checkpoints.latest_checkpoint(config, run_dir=run_dir, role=checked))
+    weights = WeightPublishing(
+        config, role=checked, run_dir=run_dir, rank=dist.rank, backend=backend, old_actor=old_actor
+    )
+    checkpointer = Checkpointer(
+        config,
+        role=checked,
+        run_dir=run_dir,
+        dist=dist,
+        backend=backend,
+        ledger=ledger,
+        old_actor=old_actor,
+        weights=weights,
+    )
+    ranks = RankCommands(
+        CommandRelay(rank=dist.rank, world_size=dist.world_size),
+        RankParts(memory=backend, step=step, checkpoints=checkpointer, weights=weights),
+    )
+    return DeepSpeedTrainer(
+        config=config,
+        role=checked,
+        dist=dist,
+        backend=backend,
+        old_actor=old_actor,
+        limits=limits,
+        ledger=ledger,
+        rollouts=RolloutSource(config, role=checked, ledger=ledger, limits=limits),
+        step=step,
+        weights=weights,
+        checkpoints=checkpointer,
+        ranks=ranks,
+        unloaded=checkpoints.latest_checkpoint(config, run_dir=run_dir, role=checked),
+    )

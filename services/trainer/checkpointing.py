@@ -55,9 +55,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_STAGED_RE = re.compile(r"^\.rollout_(\d+)\.(partial|old)$")   # a save that was cut short, or its predecessor
+_STAGED_RE = re.compile(r"^\.rollout_(\d+)\.(partial|old)$")  # a save that was cut short, or its predecessor
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-ADAPTER_DIR = "adapter"   # under hf/: the LoRA adapter in peft's format
+ADAPTER_DIR = "adapter"  # under hf/: the LoRA adapter in peft's format
 
 
 class NoSpaceLeft(OSError):
@@ -65,7 +65,7 @@ class NoSpaceLeft(OSError):
 
     def __init__(self, message: str, *, hint: str = ""):
         super().__init__(errno.ENOSPC, message)
-        self.hint = hint   # what to do: the caller's failure record shows it (grpc_util.map_errors)
+        self.hint = hint  # what to do: the caller's failure record shows it (grpc_util.map_errors)
 
     def __str__(self) -> str:
         return str(self.strerror)
@@ -145,8 +145,11 @@ def copy_tokenizer_files(model_dir: Path, out_dir: Path) -> None:
     """What serving needs beside the weights: tokenizer files and any other small non-weight file."""
     skip_suffixes = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
     for f in Path(model_dir).iterdir():
-        if f.is_file() and not f.name.endswith(skip_suffixes) and f.name not in ("config.json",
-                                                                                 "generation_config.json"):
+        if (
+            f.is_file()
+            and not f.name.endswith(skip_suffixes)
+            and f.name not in ("config.json", "generation_config.json")
+        ):
             shutil.copy2(f, out_dir / f.name)
 
 
@@ -209,8 +212,18 @@ class Checkpointer:
     """One role's checkpoints. Rank 0 decides where (`save_dir`, `find`) and restores the ledger; every rank
     writes and reads its own part (`write`, `read`: the Save and Load commands)."""
 
-    def __init__(self, config: TandemConfig, *, role: str, run_dir: Path, dist: DistInfo, backend: DeepSpeedBackend,
-                 ledger: TrainLedger, old_actor: OldActor | None, weights: WeightPublishing):
+    def __init__(
+        self,
+        config: TandemConfig,
+        *,
+        role: str,
+        run_dir: Path,
+        dist: DistInfo,
+        backend: DeepSpeedBackend,
+        ledger: TrainLedger,
+        old_actor: OldActor | None,
+        weights: WeightPublishing,
+    ):
         self.config, self.role, self.run_dir, self.dist = config, role, run_dir, dist
         self.backend, self.ledger, self.old_actor, self.weights = backend, ledger, old_actor, weights
         self.base = checkpoints.default_base(checkpoint_dir=config.trainer.checkpoint_dir, run_dir=run_dir)
@@ -226,12 +239,14 @@ class Checkpointer:
         unpickles DeepSpeed's optimizer files, so it must never read a directory someone else prepared."""
         try:
             resolved = Path(path).resolve()
-        except (OSError, ValueError) as exc:   # NUL bytes, names too long
+        except (OSError, ValueError) as exc:  # NUL bytes, names too long
             raise ValueError(f"checkpoint path {path[:200]!r} is not a usable path: {exc}") from None
         roots = [self.base.resolve(), self.run_dir.resolve()]
         if not any(resolved.is_relative_to(root) for root in roots):
-            raise ValueError(f"checkpoint path {path[:200]!r} is outside trainer.checkpoint_dir ({roots[0]}) and "
-                             f"the run directory ({roots[1]})")
+            raise ValueError(
+                f"checkpoint path {path[:200]!r} is outside trainer.checkpoint_dir ({roots[0]}) and "
+                f"the run directory ({roots[1]})"
+            )
         return resolved
 
     def save_dir(self, rollout_id: int, path: str = "") -> Path:
@@ -247,8 +262,9 @@ class Checkpointer:
         """The checkpoint a Load of `path` reads and its state (None: nothing to load); refuses one of another
         role, or ZeRO shards of another world size."""
         default_root = checkpoints.checkpoint_root(base=self.base, role=self.role)
-        directory = checkpoints.resolve_load_dir(str(self.own_path(path)) if path else "", role=self.role,
-                                                 default_root=default_root)
+        directory = checkpoints.resolve_load_dir(
+            str(self.own_path(path)) if path else "", role=self.role, default_root=default_root
+        )
         if directory is None:
             return None
         state = checkpoints.read_json(directory / checkpoints.STATE)
@@ -256,25 +272,37 @@ class Checkpointer:
             raise FailedPrecondition(f"checkpoint {directory} belongs to role {state.get('role')}, not {self.role}")
         saved, current = state.get("lora"), describe_lora(self.config.trainer.lora)
         if saved != current:
-            raise FailedPrecondition(f"checkpoint {directory} was trained with trainer.lora {saved}; this trainer "
-                                     f"has {current}: its shards do not fit")
+            raise FailedPrecondition(
+                f"checkpoint {directory} was trained with trainer.lora {saved}; this trainer "
+                f"has {current}: its shards do not fit"
+            )
         saved_stage, stage = state.get("zero_stage"), self.config.trainer.zero_stage
         if saved_stage is not None and saved_stage != stage and 0 in (saved_stage, stage):
-            raise FailedPrecondition(f"checkpoint {directory} was written at trainer.zero_stage {saved_stage}; this "
-                                     f"trainer runs at {stage}: stage 0 keeps the flat AdamW's state, stages 1-3 "
-                                     f"DeepSpeed's shards, so resume at trainer.zero_stage {saved_stage}")
+            raise FailedPrecondition(
+                f"checkpoint {directory} was written at trainer.zero_stage {saved_stage}; this "
+                f"trainer runs at {stage}: stage 0 keeps the flat AdamW's state, stages 1-3 "
+                f"DeepSpeed's shards, so resume at trainer.zero_stage {saved_stage}"
+            )
         if state["world_size"] != self.dist.world_size and self.config.trainer.zero_stage > 0:
-            raise FailedPrecondition(f"checkpoint {directory} was saved by {state['world_size']} ranks; ZeRO "
-                                     f"shards cannot be loaded by {self.dist.world_size}")
+            raise FailedPrecondition(
+                f"checkpoint {directory} was saved by {state['world_size']} ranks; ZeRO "
+                f"shards cannot be loaded by {self.dist.world_size}"
+            )
         return FoundCheckpoint(directory=directory, state=state)
 
     def client_state(self, extra_state: dict[str, str], *, checkpoint_rollout_id: int) -> JsonObject:
         """The ledger's `rollout_id` is the last rollout this trainer trained; `checkpoint_rollout_id` the one the
         Save named (they differ for the actor during critic-only steps)."""
-        return {"format": 1, "role": self.role, **self.ledger.state_dict(),
-                "checkpoint_rollout_id": checkpoint_rollout_id, "world_size": self.dist.world_size,
-                "zero_stage": self.config.trainer.zero_stage, "lora": describe_lora(self.config.trainer.lora),
-                "extra_state": dict(extra_state)}
+        return {
+            "format": 1,
+            "role": self.role,
+            **self.ledger.state_dict(),
+            "checkpoint_rollout_id": checkpoint_rollout_id,
+            "world_size": self.dist.world_size,
+            "zero_stage": self.config.trainer.zero_stage,
+            "lora": describe_lora(self.config.trainer.lora),
+            "extra_state": dict(extra_state),
+        }
 
     def restore(self, found: FoundCheckpoint) -> None:
         """After every rank read the checkpoint: the ledger it holds; a prepared weight sync is void."""
@@ -285,48 +313,59 @@ class Checkpointer:
 
     def write(self, command: Save) -> None:
         directory = Path(command.directory)
-        staging = staging_dir(directory)   # renamed to `directory` once complete
+        staging = staging_dir(directory)  # renamed to `directory` once complete
         try:
             self._write(staging, command)
         except Exception as exc:
             if self.rank == 0:
                 full = out_of_space(exc, staging)
-                release_frames(exc)   # else the partial files' space stays taken while the error lives
+                release_frames(exc)  # else the partial files' space stays taken while the error lives
                 shutil.rmtree(staging, ignore_errors=True)
                 if full:
                     raise self._no_space(directory) from exc
             raise
         if self.rank == 0:
             publish(staging, directory)
-            removed = apply_retention(directory.parent, keep=self.config.trainer.keep_last_checkpoints,
-                                      current=directory)
+            removed = apply_retention(
+                directory.parent, keep=self.config.trainer.keep_last_checkpoints, current=directory
+            )
             log.info("saved %s (removed %d old checkpoints)", directory, len(removed))
 
     def _write(self, staging: Path, command: Save) -> None:
         if self.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)   # a save of this rollout id that was cut short
+            shutil.rmtree(staging, ignore_errors=True)  # a save of this rollout id that was cut short
             staging.mkdir(parents=True)
         barrier()
-        state = self.client_state(command.extra_state, checkpoint_rollout_id=command.rollout_id) \
-            if self.rank == 0 else {}
+        state = (
+            self.client_state(command.extra_state, checkpoint_rollout_id=command.rollout_id) if self.rank == 0 else {}
+        )
         self.backend.save_checkpoint(staging, client_state=state)
         write_json_atomic(staging / f"rng_rank{self.rank}.json", rng_state())
         if command.export_hf:
             self._export_hf(staging / "hf")
-        barrier()   # every rank's shards are on disk before the marker says so
+        barrier()  # every rank's shards are on disk before the marker says so
         if self.rank == 0:
             write_json_atomic(staging / checkpoints.STATE, state)
-            mark_complete(staging, {"rollout_id": command.rollout_id, "step": state["step"],
-                                    "world_size": self.dist.world_size, "time": time.time()})
+            mark_complete(
+                staging,
+                {
+                    "rollout_id": command.rollout_id,
+                    "step": state["step"],
+                    "world_size": self.dist.world_size,
+                    "time": time.time(),
+                },
+            )
 
     def _no_space(self, directory: Path) -> NoSpaceLeft:
         last = checkpoints.latest_complete(directory.parent)
         free = shutil.disk_usage(next(p for p in directory.parents if p.exists())).free
-        return NoSpaceLeft(f"no space left on {directory.parent}: checkpoint {directory.name} was not written "
-                           f"({free} bytes free after removing its partial files); the last good checkpoint "
-                           f"{last or '(none)'} is kept",
-                           hint=f"free space on {directory.parent} (or point trainer.checkpoint_dir at a larger "
-                                "disk; trainer.keep_last_checkpoints bounds how many are kept)")
+        return NoSpaceLeft(
+            f"no space left on {directory.parent}: checkpoint {directory.name} was not written "
+            f"({free} bytes free after removing its partial files); the last good checkpoint "
+            f"{last or '(none)'} is kept",
+            hint=f"free space on {directory.parent} (or point trainer.checkpoint_dir at a larger "
+            "disk; trainer.keep_last_checkpoints bounds how many are kept)",
+        )
 
     def _export_hf(self, out: Path) -> None:
         """HF-format safetensors of the current weights (collective under ZeRO-3; rank 0 writes). With LoRA they
@@ -334,17 +373,23 @@ class Checkpointer:
         from safetensors.torch import save_file
 
         state = dict(self.weights.iter_named_weights())
-        adapter = lora_adapter_state(self.backend.module, zero3=self.backend.zero_stage == 3) \
-            if self.config.trainer.lora is not None else None
+        adapter = (
+            lora_adapter_state(self.backend.module, zero3=self.backend.zero_stage == 3)
+            if self.config.trainer.lora is not None
+            else None
+        )
         if self.rank != 0:
             return
         if adapter is not None:
             save_adapter(self.backend.module, out / ADAPTER_DIR, adapter, base_path=self.config.model.path)
         out.mkdir(parents=True, exist_ok=True)
-        hf_state = state if self.role == "actor" else \
-            {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+        hf_state = (
+            state
+            if self.role == "actor"
+            else {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+        )
         self.backend.hf_model.save_pretrained(out, state_dict=hf_state, safe_serialization=True)
-        if self.role == "critic":   # the value head beside the HF backbone
+        if self.role == "critic":  # the value head beside the HF backbone
             head = {k: v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
             save_file(head, str(out / "value_head.safetensors"))
         copy_tokenizer_files(Path(self.config.model.tokenizer_path or self.config.model.path), out)

@@ -75,7 +75,7 @@ class CommandError(ValueError):
 
 # ---- codec ------------------------------------------------------------------------------------------
 
-_KIND = "cmd"   # the header key naming the command: the only place it is spelled
+_KIND = "cmd"  # the header key naming the command: the only place it is spelled
 _BATCH_FIELDS = tuple(f.name for f in fields(TrainBatch))
 
 
@@ -97,7 +97,7 @@ def decode_batch(names: Sequence[str], payloads: Sequence[bytes]) -> TrainBatch:
         arrays[name] = torch.from_numpy(array_from_proto(msg, what=name).copy())
     try:
         return TrainBatch(**arrays)
-    except TypeError as exc:   # a required field is missing
+    except TypeError as exc:  # a required field is missing
         raise CommandError(f"train: {exc}") from None
 
 
@@ -108,8 +108,13 @@ def encode(command: Command) -> tuple[JsonObject, list[bytes]]:
             names, payloads = encode_batch(batch)
             return {_KIND: "train", "rollout_id": rollout_id, "fields": names, "entry_ids": list(entry_ids)}, payloads
         case Save():
-            return {_KIND: "save", "dir": command.directory, "rollout_id": command.rollout_id,
-                    "export_hf": command.export_hf, "extra_state": dict(command.extra_state)}, []
+            return {
+                _KIND: "save",
+                "dir": command.directory,
+                "rollout_id": command.rollout_id,
+                "export_hf": command.export_hf,
+                "extra_state": dict(command.extra_state),
+            }, []
         case Load(directory=directory):
             return {_KIND: "load", "dir": directory}, []
         case WeightChecksums(by_bucket=by_bucket):
@@ -130,8 +135,9 @@ def _field(header: JsonObject, key: str, kind: type) -> JsonValue:
         raise CommandError(f"relayed command {header.get(_KIND)!r} lacks {key!r}")
     value = header[key]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise CommandError(f"relayed command {header.get(_KIND)!r}: {key!r} must be {kind.__name__}, "
-                           f"got {type(value).__name__}")
+        raise CommandError(
+            f"relayed command {header.get(_KIND)!r}: {key!r} must be {kind.__name__}, got {type(value).__name__}"
+        )
     return value
 
 
@@ -172,16 +178,21 @@ def _decode_train(header: JsonObject, payloads: Sequence[bytes]) -> Train:
         batch = decode_batch(_strings(header, "fields"), payloads)
     except (WireError, DecodeError) as exc:
         raise CommandError(f"train: {exc}") from None
-    return Train(rollout_id=_field(header, "rollout_id", int), entry_ids=tuple(_strings(header, "entry_ids")),
-                 batch=batch)
+    return Train(
+        rollout_id=_field(header, "rollout_id", int), entry_ids=tuple(_strings(header, "entry_ids")), batch=batch
+    )
 
 
 def _decode_save(header: JsonObject) -> Save:
     extra = _field(header, "extra_state", dict)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
         raise CommandError("relayed command 'save': 'extra_state' must map strings to strings")
-    return Save(directory=_field(header, "dir", str), rollout_id=_field(header, "rollout_id", int),
-                export_hf=_field(header, "export_hf", bool), extra_state=dict(extra))
+    return Save(
+        directory=_field(header, "dir", str),
+        rollout_id=_field(header, "rollout_id", int),
+        export_hf=_field(header, "export_hf", bool),
+        extra_state=dict(extra),
+    )
 
 
 def _decode_weights(header: JsonObject) -> WeightChecksums | PublishWeights:

@@ -29,16 +29,16 @@ from services.trainer.batching import MicroBatch, TrainBatch
 from services.trainer.dist import all_reduce_sum
 from services.trainer.losses import clipped_value_loss
 
-HANDOFF_TTL_S = 24 * 3600   # a hand-off the actor never consumed (run stopped) does not live forever
+HANDOFF_TTL_S = 24 * 3600  # a hand-off the actor never consumed (run stopped) does not live forever
 
 
 @dataclass(frozen=True)
 class ValueHandoff:
     entry_ids: tuple[str, ...]
-    response_lengths: np.ndarray   # int64 [n]
-    values: np.ndarray             # float32 [T]
-    advantages: np.ndarray         # float32 [T]
-    returns: np.ndarray            # float32 [T]
+    response_lengths: np.ndarray  # int64 [n]
+    values: np.ndarray  # float32 [T]
+    advantages: np.ndarray  # float32 [T]
+    returns: np.ndarray  # float32 [T]
 
 
 def handoff_key(stream: str, rollout_id: int) -> str:
@@ -58,42 +58,55 @@ def publish_handoff(client: redis.Redis, *, stream: str, rollout_id: int, handof
 
 
 def read_handoff(client: redis.Redis, *, stream: str, rollout_id: int) -> ValueHandoff:
-    raw = cast("dict[bytes, bytes]", client.hgetall(handoff_key(stream, rollout_id)))   # a binary client
+    raw = cast("dict[bytes, bytes]", client.hgetall(handoff_key(stream, rollout_id)))  # a binary client
     if not raw:
-        raise FailedPrecondition(f"no critic values for rollout {rollout_id} (key {handoff_key(stream, rollout_id)}):"
-                                 " train the critic on this rollout first")
+        raise FailedPrecondition(
+            f"no critic values for rollout {rollout_id} (key {handoff_key(stream, rollout_id)}):"
+            " train the critic on this rollout first"
+        )
 
     def arr(name: str) -> np.ndarray:
         msg = common_pb2.TensorData()
         msg.ParseFromString(raw[name.encode()])
         return array_from_proto(msg, what=f"critic {name}")
 
-    return ValueHandoff(entry_ids=tuple(json.loads(raw[b"entry_ids"].decode())),
-                        response_lengths=arr("response_lengths"), values=arr("values"),
-                        advantages=arr("advantages"), returns=arr("returns"))
+    return ValueHandoff(
+        entry_ids=tuple(json.loads(raw[b"entry_ids"].decode())),
+        response_lengths=arr("response_lengths"),
+        values=arr("values"),
+        advantages=arr("advantages"),
+        returns=arr("returns"),
+    )
 
 
 def values_for_batch(handoff: ValueHandoff, *, entry_ids: list[str], batch: TrainBatch) -> torch.Tensor:
     """The critic's values aligned with the actor's batch; refuses a hand-off for other entries."""
     if list(handoff.entry_ids) != list(entry_ids):
-        raise FailedPrecondition(f"the critic's values are for entries {list(handoff.entry_ids)}, the actor trains "
-                                 f"on {list(entry_ids)}")
+        raise FailedPrecondition(
+            f"the critic's values are for entries {list(handoff.entry_ids)}, the actor trains on {list(entry_ids)}"
+        )
     if not np.array_equal(handoff.response_lengths, batch.response_lengths.numpy()):
         raise FailedPrecondition("the critic's values do not match the batch's response lengths")
     return torch.from_numpy(handoff.values.astype(np.float32))
 
 
-def critic_step(*, backend: update.UpdateBackend, batch: TrainBatch, algo: AlgorithmConfig,
-                token_budget: int) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def critic_step(
+    *, backend: update.UpdateBackend, batch: TrainBatch, algo: AlgorithmConfig, token_budget: int
+) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Returns (metrics, (values before the update, advantages, returns)) for the full batch."""
     start = time.monotonic()
     device = backend.device
     mbs = update.lockstep_micro_batches(backend, batch, token_budget=token_budget)
     local = update.per_token_pass(batch.num_response_tokens, mbs, lambda mb: backend.values(mb)[0], device=device)
-    old_values = all_reduce_sum(local).cpu()   # every rank needs all of them for the hand-off
-    advantages, returns = gae(rewards=token_rewards(batch.rewards, batch.response_lengths, batch.loss_mask),
-                              values=old_values, response_lengths=batch.response_lengths, loss_mask=batch.loss_mask,
-                              gamma=algo.gamma, lambd=algo.lambd)
+    old_values = all_reduce_sum(local).cpu()  # every rank needs all of them for the hand-off
+    advantages, returns = gae(
+        rewards=token_rewards(batch.rewards, batch.response_lengths, batch.loss_mask),
+        values=old_values,
+        response_lengths=batch.response_lengths,
+        loss_mask=batch.loss_mask,
+        gamma=algo.gamma,
+        lambd=algo.lambd,
+    )
     weights = update.TokenWeights.of(batch, algo.loss_aggregation, device)
     on_device = [x.to(device) for x in (old_values, returns, advantages)]
 
@@ -102,12 +115,21 @@ def critic_step(*, backend: update.UpdateBackend, batch: TrainBatch, algo: Algor
         old, ret, adv = (x[mb.token_index] for x in on_device)
         v_loss, clipped = clipped_value_loss(values=values, old_values=old, returns=ret, clip=algo.value_clip)
         w, tw = weights.at(mb)
-        return update.MicroBatchLoss(loss=(w * v_loss).sum(), anchor=anchor,
-                                     metrics=lambda: {"value_clipfrac": (tw * clipped).sum(),
-                                                      "value_mean": (tw * old).sum(), "return_mean": (tw * ret).sum(),
-                                                      "advantage_mean": (tw * adv).sum()})
+        return update.MicroBatchLoss(
+            loss=(w * v_loss).sum(),
+            anchor=anchor,
+            metrics=lambda: {
+                "value_clipfrac": (tw * clipped).sum(),
+                "value_mean": (tw * old).sum(),
+                "return_mean": (tw * ret).sum(),
+                "advantage_mean": (tw * adv).sum(),
+            },
+        )
 
     totals, step = update.optimizer_update(backend, mbs, micro_loss=value_loss)
-    metrics = {**totals, "value_loss": totals["loss"],
-               **update.step_metrics(batch, step, start, parameters=backend.parameters)}
+    metrics = {
+        **totals,
+        "value_loss": totals["loss"],
+        **update.step_metrics(batch, step, start, parameters=backend.parameters),
+    }
     return metrics, (old_values, advantages, returns)

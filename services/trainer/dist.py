@@ -63,7 +63,7 @@ def init_process_group(*, device: str = "auto", timeout_s: float) -> DistInfo:
     every collective (services.timeouts.process_group_s)."""
     import deepspeed
 
-    os.environ.setdefault("LOCAL_RANK", "0")   # DeepSpeed's engine reads it
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine reads it
     local_rank = int(os.environ["LOCAL_RANK"])
     dev = resolve_device(device, local_rank)
     if dev.type == "cuda":
@@ -114,7 +114,7 @@ class CommandRelay:
         parts: list[bytes] = []
         offset = 0
         for size in sizes.tolist():
-            parts.append(blob[offset:offset + size])
+            parts.append(blob[offset : offset + size])
             offset += size
         return json.loads(parts[0].decode()), parts[1:]
 

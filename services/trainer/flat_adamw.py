@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import StateDict
 
-CLIP_EPS = 1e-6   # as DeepSpeed and torch clip: coef = max_norm / (norm + 1e-6)
+CLIP_EPS = 1e-6  # as DeepSpeed and torch clip: coef = max_norm / (norm + 1e-6)
 
 
-SlotEntry = list[str | list[int]]   # [name, shape] of one tensor of a flat buffer, as the optimizer's state holds it
+SlotEntry = list[str | list[int]]  # [name, shape] of one tensor of a flat buffer, as the optimizer's state holds it
 
 
 @dataclass(frozen=True)
@@ -53,15 +53,16 @@ class FlatGroup:
         offsets = [0]
         for _, p in named:
             offsets.append(offsets[-1] + p.numel())
-        self.slots = tuple(Slot(name, offset, tuple(p.shape))
-                           for (name, p), offset in zip(named, offsets[:-1], strict=True))
+        self.slots = tuple(
+            Slot(name, offset, tuple(p.shape)) for (name, p), offset in zip(named, offsets[:-1], strict=True)
+        )
         first = self.params[0]
         self.flat = torch.empty(offsets[-1], dtype=first.dtype, device=first.device)
         torch.cat([p.detach().reshape(-1) for p in self.params], out=self.flat)
         self.rebind()
         self.master = self.flat if first.dtype == master_dtype else self.flat.to(master_dtype)
         self.grad: torch.Tensor | None = None
-        self.folded = 0   # micro-batches folded into `grad` since the last step
+        self.folded = 0  # micro-batches folded into `grad` since the last step
 
     @property
     def separate_master(self) -> bool:
@@ -70,7 +71,7 @@ class FlatGroup:
     def rebind(self) -> None:
         """Points every parameter at its view of `flat` (again after `flat` moved)."""
         for p, slot in zip(self.params, self.slots, strict=True):
-            p.data = self.flat[slot.offset: slot.offset + slot.numel].view(slot.shape)
+            p.data = self.flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     def check_bound(self) -> None:
         """Every parameter must still be its view of `flat` (a module move elsewhere would silently detach it: the
@@ -78,8 +79,10 @@ class FlatGroup:
         base, item = self.flat.data_ptr(), self.flat.element_size()
         for p, slot in zip(self.params, self.slots, strict=True):
             if p.data_ptr() != base + slot.offset * item:
-                raise RuntimeError(f"parameter {slot.name} is no longer a view of its flat buffer (was the module "
-                                   "moved after FlatAdamW was built?)")
+                raise RuntimeError(
+                    f"parameter {slot.name} is no longer a view of its flat buffer (was the module "
+                    "moved after FlatAdamW was built?)"
+                )
 
     def fold_grads(self) -> None:
         """Adds the parameters' gradients into `grad` (allocated on first use) and drops them; a parameter the
@@ -91,7 +94,7 @@ class FlatGroup:
             self.grad = torch.empty_like(self.master)
         if not self.folded and self.grad.dtype == self.flat.dtype:
             torch.cat(grads, out=self.grad)
-        else:   # cat in the gradients' own dtype: CUDA's batched cat kernel wants one dtype in and out
+        else:  # cat in the gradients' own dtype: CUDA's batched cat kernel wants one dtype in and out
             joined = torch.cat(grads)
             if self.folded:
                 self.grad.add_(joined)
@@ -122,9 +125,18 @@ class FlatAdamW(torch.optim.AdamW):
     mean over data-parallel ranks and the non-finite skip done on whole buffers. DeepSpeed runs it as a client
     optimizer at ZeRO stage 0 with its own bf16 wrapper, clipping and all-reduce turned off (backend.py)."""
 
-    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], *, precision: str, lr: float,
-                 betas: tuple[float, float], eps: float, weight_decay: float, max_grad_norm: float,
-                 skip_nonfinite: bool):
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, torch.nn.Parameter]],
+        *,
+        precision: str,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        max_grad_norm: float,
+        skip_nonfinite: bool,
+    ):
         by_dtype: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]] = {}
         for name, p in named_params:
             if p.requires_grad:
@@ -134,13 +146,16 @@ class FlatAdamW(torch.optim.AdamW):
         devices = {p.device for group in by_dtype.values() for _, p in group}
         if len(devices) != 1:
             raise ValueError(f"FlatAdamW: trainable parameters on several devices {sorted(map(str, devices))}")
-        self.groups = [FlatGroup(named, master_dtype=master_dtype(dtype, precision))
-                       for dtype, named in sorted(by_dtype.items(), key=lambda kv: str(kv[0]))]
+        self.groups = [
+            FlatGroup(named, master_dtype=master_dtype(dtype, precision))
+            for dtype, named in sorted(by_dtype.items(), key=lambda kv: str(kv[0]))
+        ]
         self.max_grad_norm, self.skip_nonfinite = max_grad_norm, skip_nonfinite
-        super().__init__([g.master for g in self.groups], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         fused=True)
-        self.overflow = False                # read by DeepSpeed: a skipped step does not advance the lr schedule
-        self._global_grad_norm = float("nan")   # read by DeepSpeed's get_global_grad_norm()
+        super().__init__(
+            [g.master for g in self.groups], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True
+        )
+        self.overflow = False  # read by DeepSpeed: a skipped step does not advance the lr schedule
+        self._global_grad_norm = float("nan")  # read by DeepSpeed's get_global_grad_norm()
 
     def check_bound(self) -> None:
         for g in self.groups:
@@ -156,28 +171,33 @@ class FlatAdamW(torch.optim.AdamW):
         if closure is not None:
             raise ValueError("FlatAdamW.step takes no closure")
         if not all(g.folded for g in self.groups):
-            raise RuntimeError("FlatAdamW.step: no gradients were folded since the last step (call fold_grads "
-                               "after each backward)")
+            raise RuntimeError(
+                "FlatAdamW.step: no gradients were folded since the last step (call fold_grads after each backward)"
+            )
         world = dist.get_world_size() if dist.is_initialized() else 1
         grads = [g.grad for g in self.groups if g.grad is not None]
         if world > 1:
             for grad in grads:
                 dist.all_reduce(grad)
-        norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads])) / world
-        coef = torch.clamp(self.max_grad_norm / (norm + CLIP_EPS), max=1.0) / world   # clip and mean over ranks
+        norm = (
+            torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads])
+            )
+            / world
+        )
+        coef = torch.clamp(self.max_grad_norm / (norm + CLIP_EPS), max=1.0) / world  # clip and mean over ranks
         for grad in grads:
             grad.mul_(coef)
         nonfinite = (~torch.isfinite(norm)).float()
         for g in self.groups:
             g.master.grad = g.grad
-        self.found_inf = nonfinite if self.skip_nonfinite else None   # the fused kernel skips on the device
+        self.found_inf = nonfinite if self.skip_nonfinite else None  # the fused kernel skips on the device
         super().step()
         for g in self.groups:
             if g.separate_master:
                 g.flat.copy_(g.master)
             g.master.grad, g.folded = None, 0
-        norm_value, skipped = torch.stack([norm, nonfinite]).tolist()   # the step's one host sync
+        norm_value, skipped = torch.stack([norm, nonfinite]).tolist()  # the step's one host sync
         self._global_grad_norm = norm_value
         self.overflow = bool(skipped) and self.skip_nonfinite
 
@@ -191,27 +211,35 @@ class FlatAdamW(torch.optim.AdamW):
 
     def state_dict(self) -> StateDict:
         out = super().state_dict()
-        out["flat"] = {"layout": [g.layout() for g in self.groups],
-                       "masters": [g.master if g.separate_master else None for g in self.groups]}
+        out["flat"] = {
+            "layout": [g.layout() for g in self.groups],
+            "masters": [g.master if g.separate_master else None for g in self.groups],
+        }
         return out
 
     def load_state_dict(self, state_dict: StateDict | None) -> None:
-        state_dict = dict(state_dict or {})   # a ZeRO 1-3 checkpoint keeps None here (its state is in shards)
+        state_dict = dict(state_dict or {})  # a ZeRO 1-3 checkpoint keeps None here (its state is in shards)
         flat = state_dict.pop("flat", None)
         if flat is None:
-            raise ValueError("this optimizer state was not written by ZeRO stage 0's flat AdamW (trainer.zero_stage "
-                             "must match the checkpoint's)")
+            raise ValueError(
+                "this optimizer state was not written by ZeRO stage 0's flat AdamW (trainer.zero_stage "
+                "must match the checkpoint's)"
+            )
         mine = [g.layout() for g in self.groups]
         if flat["layout"] != mine:
-            raise ValueError(f"the checkpoint's optimizer state covers other parameters: its first "
-                             f"{_first_names(flat['layout'])}, this model's {_first_names(mine)}")
+            raise ValueError(
+                f"the checkpoint's optimizer state covers other parameters: its first "
+                f"{_first_names(flat['layout'])}, this model's {_first_names(mine)}"
+            )
         super().load_state_dict(state_dict)
         with torch.no_grad():
             for g, master in zip(self.groups, flat["masters"], strict=True):
                 if g.separate_master:
                     if master is None:
-                        raise ValueError("the checkpoint's optimizer state has no fp32 master weights "
-                                         "(written under another trainer.precision)")
+                        raise ValueError(
+                            "the checkpoint's optimizer state has no fp32 master weights "
+                            "(written under another trainer.precision)"
+                        )
                     g.master.copy_(master)
                     g.flat.copy_(g.master)
 
@@ -222,7 +250,7 @@ class FlatAdamW(torch.optim.AdamW):
         for g in self.groups:
             g.move(device, pin=pin)
         for state in self.state.values():
-            for key, value in state.items():   # "step" too: the fused kernel wants it beside the parameter
+            for key, value in state.items():  # "step" too: the fused kernel wants it beside the parameter
                 if torch.is_tensor(value):
                     state[key] = _moved(value, device, pin=pin)
 

@@ -26,16 +26,16 @@ from services.tensors.sampling import NEG_INF, RowSampling, Truncation, scaled_l
 # A token outside a row's top-k / nucleus has log-prob -inf; scored log-probs are floored here instead, so a
 # ratio of two of them is 1 (not NaN) and its gradient 0 (no gradient passes below the floor).
 LOG_PROB_FLOOR = -1.0e4
-BEHAVIOUR_ROW, ENTROPY_ROW, TEMPERED_ROW = 0, 1, 2   # the rows of the [3, N] scores
-LSE_T, LSE_S, ENTROPY, PASSES = 0, 1, 2, 3           # the rows of the [4, N] statistics the backward reads
+BEHAVIOUR_ROW, ENTROPY_ROW, TEMPERED_ROW = 0, 1, 2  # the rows of the [3, N] scores
+LSE_T, LSE_S, ENTROPY, PASSES = 0, 1, 2, 3  # the rows of the [4, N] statistics the backward reads
 
 
 @dataclass(frozen=True)
 class ChunkTask:
     """One chunk of a score request: its rows' hidden states and distributions, and what to compute."""
 
-    hidden: torch.Tensor          # [C, H]
-    targets: torch.Tensor         # [C]
+    hidden: torch.Tensor  # [C, H]
+    targets: torch.Tensor  # [C]
     rows: RowSampling
     tempered_space: torch.Tensor  # bool [C]
     entropy: bool
@@ -46,28 +46,40 @@ class ChunkTask:
 class Upstream:
     """The chunk's incoming gradients, as coefficients of e_y, p_t and p_s, and the entropy's (module docstring)."""
 
-    at_target: torch.Tensor   # times e_y
-    coef_t: torch.Tensor      # times -p_t
-    coef_s: torch.Tensor      # times -p_s
-    entropy: torch.Tensor     # times -p_s (lp_s + H)
+    at_target: torch.Tensor  # times e_y
+    coef_t: torch.Tensor  # times -p_t
+    coef_s: torch.Tensor  # times -p_s
+    entropy: torch.Tensor  # times -p_s (lp_s + H)
 
     @classmethod
     def of(cls, grad: torch.Tensor, stats: torch.Tensor, tempered_space: torch.Tensor) -> Upstream:
         g_b, g_h, g_t = (grad[i].float() for i in (BEHAVIOUR_ROW, ENTROPY_ROW, TEMPERED_ROW))
         passes, zero = stats[PASSES] > 0, torch.zeros_like(g_b)
-        return cls(at_target=g_t + torch.where(tempered_space | passes, g_b, zero),
-                   coef_t=g_t + torch.where(tempered_space, g_b, zero),
-                   coef_s=torch.where(~tempered_space & passes, g_b, zero), entropy=g_h)
+        return cls(
+            at_target=g_t + torch.where(tempered_space | passes, g_b, zero),
+            coef_t=g_t + torch.where(tempered_space, g_b, zero),
+            coef_s=torch.where(~tempered_space & passes, g_b, zero),
+            entropy=g_h,
+        )
 
 
-def _scores(task: ChunkTask, target: torch.Tensor, in_support: torch.Tensor, top: torch.Tensor, sum_t: torch.Tensor,
-            sum_s: torch.Tensor, entropy: torch.Tensor | None, out: torch.Tensor, stats: torch.Tensor) -> None:
+def _scores(
+    task: ChunkTask,
+    target: torch.Tensor,
+    in_support: torch.Tensor,
+    top: torch.Tensor,
+    sum_t: torch.Tensor,
+    sum_s: torch.Tensor,
+    entropy: torch.Tensor | None,
+    out: torch.Tensor,
+    stats: torch.Tensor,
+) -> None:
     """Writes the chunk's [3, C] scores and [4, C] statistics from its per-row sums (`target`: a[y] - top, the
     sums of exp(a - top) over the vocabulary and over the support), rounding as log_softmax does."""
     log_t, log_s = sum_t.log(), sum_s.log()
     tempered = target - log_t
     sampled = torch.where(in_support, target - log_s, torch.full_like(target, NEG_INF))
-    passes = sampled >= LOG_PROB_FLOOR   # the clamp passes a gradient here only
+    passes = sampled >= LOG_PROB_FLOOR  # the clamp passes a gradient here only
     out[BEHAVIOUR_ROW] = torch.where(task.tempered_space, tempered, sampled.clamp(min=LOG_PROB_FLOOR))
     out[TEMPERED_ROW] = tempered
     stats[LSE_T], stats[LSE_S], stats[PASSES] = top + log_t, top + log_s, passes.float()
@@ -81,7 +93,7 @@ def forward_rows(task: ChunkTask, weight: torch.Tensor, out: torch.Tensor, stats
     cut = truncation(scaled, task.rows)
     keep = cut.keep(scaled)
     targets = task.targets.unsqueeze(-1)
-    top = scaled.amax(dim=-1)   # always in the support
+    top = scaled.amax(dim=-1)  # always in the support
     shifted = scaled.sub_(top.unsqueeze(-1))
     target, in_support = shifted.gather(-1, targets).squeeze(-1), keep.gather(-1, targets).squeeze(-1)
     weights = shifted.exp()
@@ -93,8 +105,9 @@ def forward_rows(task: ChunkTask, weight: torch.Tensor, out: torch.Tensor, stats
     return cut.threshold
 
 
-def block_stats(logits: torch.Tensor, temperature: torch.Tensor, columns: torch.Tensor, inside: torch.Tensor,
-                moments: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_stats(
+    logits: torch.Tensor, temperature: torch.Tensor, columns: torch.Tensor, inside: torch.Tensor, moments: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One vocabulary block of [C, cols] logits: its row maximum m of a = logits / T, sum exp(a - m),
     sum exp(a - m) (a - m) (when `moments`), and a[y] where the target lies in the block (0 elsewhere).
     Pure tensor math: on a GPU torch.compile fuses it into a pass or two over the block (`compiled`)."""
@@ -107,27 +120,35 @@ def block_stats(logits: torch.Tensor, temperature: torch.Tensor, columns: torch.
     return top, weights.sum(dim=-1), moment, picked
 
 
-def _merge(acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-           block: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _merge(
+    acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Online log-sum-exp and moment: (m, s, q) of two column sets, each relative to its own maximum."""
     (top_a, sum_a, mom_a), (top_b, sum_b, mom_b) = acc, block
     top = torch.maximum(top_a, top_b)
-    scale_a, scale_b = torch.exp(top_a - top), torch.exp(top_b - top)   # 0 for an empty accumulator (m = -inf)
+    scale_a, scale_b = torch.exp(top_a - top), torch.exp(top_b - top)  # 0 for an empty accumulator (m = -inf)
     shift_a = torch.where(sum_a > 0, (top - top_a) * sum_a, torch.zeros_like(sum_a))
-    return (top, sum_a * scale_a + sum_b * scale_b,
-            scale_a * (mom_a - shift_a) + scale_b * (mom_b - (top - top_b) * sum_b))
+    return (
+        top,
+        sum_a * scale_a + sum_b * scale_b,
+        scale_a * (mom_a - shift_a) + scale_b * (mom_b - (top - top_b) * sum_b),
+    )
 
 
-def forward_blocks(task: ChunkTask, weight: torch.Tensor, block: int, out: torch.Tensor, stats: torch.Tensor,
-                   compiled: bool = False) -> None:
+def forward_blocks(
+    task: ChunkTask, weight: torch.Tensor, block: int, out: torch.Tensor, stats: torch.Tensor, compiled: bool = False
+) -> None:
     """No truncation: scores and statistics over vocabulary blocks, accumulated online."""
     n, vocab = task.hidden.shape[0], weight.shape[0]
     stats_of = _compiled("block_stats") if compiled else block_stats
-    acc = (torch.full((n,), NEG_INF, device=task.hidden.device), torch.zeros(n, device=task.hidden.device),
-           torch.zeros(n, device=task.hidden.device))
+    acc = (
+        torch.full((n,), NEG_INF, device=task.hidden.device),
+        torch.zeros(n, device=task.hidden.device),
+        torch.zeros(n, device=task.hidden.device),
+    )
     target = torch.zeros(n, device=task.hidden.device)
     for start in range(0, vocab, block):
-        logits = task.hidden @ weight[start:start + block].t()
+        logits = task.hidden @ weight[start : start + block].t()
         columns, inside = _columns(task.targets, start, logits.shape[1])
         top, total, moment, picked = stats_of(logits, task.rows.temperature, columns, inside, task.entropy)
         target = target + picked
@@ -143,30 +164,41 @@ def _columns(targets: torch.Tensor, start: int, width: int) -> tuple[torch.Tenso
     return (targets - start).clamp(0, width - 1), inside
 
 
-def _grad(scaled: torch.Tensor, keep: torch.Tensor, stats: torch.Tensor, up: Upstream,
-          with_entropy: bool) -> torch.Tensor:
+def _grad(
+    scaled: torch.Tensor, keep: torch.Tensor, stats: torch.Tensor, up: Upstream, with_entropy: bool
+) -> torch.Tensor:
     """-(coef_t p_t + p_s (coef_s + g_H (lp_s + H))) over whole rows' scaled logits (consumed), without e_y."""
     lse_t, lse_s, entropy = (stats[i].unsqueeze(-1) for i in (LSE_T, LSE_S, ENTROPY))
     lp_s = scaled.sub(lse_s)
-    g = lp_s.exp().masked_fill_(~keep, 0.0)   # p_s
+    g = lp_s.exp().masked_fill_(~keep, 0.0)  # p_s
     if with_entropy:
         g.mul_(lp_s.add_(entropy).mul_(up.entropy.unsqueeze(-1)).add_(up.coef_s.unsqueeze(-1))).neg_()
     else:
         g.mul_(-up.coef_s.unsqueeze(-1))
     del lp_s
-    return g.sub_(scaled.sub_(lse_t).exp_().mul_(up.coef_t.unsqueeze(-1)))   # p_t, in place over the logits
+    return g.sub_(scaled.sub_(lse_t).exp_().mul_(up.coef_t.unsqueeze(-1)))  # p_t, in place over the logits
 
 
-def _finish(g: torch.Tensor, columns: torch.Tensor, inside: torch.Tensor, at_target: torch.Tensor,
-            temperature: torch.Tensor) -> torch.Tensor:
+def _finish(
+    g: torch.Tensor, columns: torch.Tensor, inside: torch.Tensor, at_target: torch.Tensor, temperature: torch.Tensor
+) -> torch.Tensor:
     """Adds e_y for the targets inside these columns, divides by T: d loss / d logits."""
     g.scatter_add_(-1, columns.unsqueeze(-1), torch.where(inside, at_target, torch.zeros_like(at_target)).unsqueeze(-1))
     return g.div_(temperature.unsqueeze(-1))
 
 
-def block_grad(logits: torch.Tensor, temperature: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
-               coef: torch.Tensor, entropy_coef: torch.Tensor, columns: torch.Tensor, inside: torch.Tensor,
-               at_target: torch.Tensor, with_entropy: bool) -> torch.Tensor:
+def block_grad(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    coef: torch.Tensor,
+    entropy_coef: torch.Tensor,
+    columns: torch.Tensor,
+    inside: torch.Tensor,
+    at_target: torch.Tensor,
+    with_entropy: bool,
+) -> torch.Tensor:
     """d loss / d logits of one untruncated block, in the logits' dtype: -p (coef + g_H (lp + H)) + e_y, over T.
     Pure tensor math, compiled on a GPU like `block_stats`."""
     lp = logits / temperature.unsqueeze(-1) - lse.unsqueeze(-1)
@@ -178,8 +210,9 @@ def block_grad(logits: torch.Tensor, temperature: torch.Tensor, lse: torch.Tenso
     return _finish(g, columns, inside, at_target, temperature).to(logits.dtype)
 
 
-def grad_rows(task: ChunkTask, weight: torch.Tensor, stats: torch.Tensor, up: Upstream,
-              threshold: torch.Tensor) -> torch.Tensor:
+def grad_rows(
+    task: ChunkTask, weight: torch.Tensor, stats: torch.Tensor, up: Upstream, threshold: torch.Tensor
+) -> torch.Tensor:
     """Whole rows, the forward's row set: d loss / d logits [C, V] in the weight's dtype."""
     scaled = scaled_logits(task.hidden @ weight.t(), task.rows)
     keep = Truncation(threshold).keep(scaled)
@@ -188,22 +221,39 @@ def grad_rows(task: ChunkTask, weight: torch.Tensor, stats: torch.Tensor, up: Up
     return _finish(g, columns, inside, up.at_target, task.rows.temperature).to(weight.dtype)
 
 
-def grad_blocks(task: ChunkTask, weight: torch.Tensor, stats: torch.Tensor, up: Upstream, block: int,
-                grad_weight: torch.Tensor | None, compiled: bool = False) -> torch.Tensor:
+def grad_blocks(
+    task: ChunkTask,
+    weight: torch.Tensor,
+    stats: torch.Tensor,
+    up: Upstream,
+    block: int,
+    grad_weight: torch.Tensor | None,
+    compiled: bool = False,
+) -> torch.Tensor:
     """No truncation, by vocabulary blocks: adds each block's G^T h to `grad_weight` (float32) and returns
     d loss / d hidden [C, H] (float32)."""
     grad_of = _compiled("block_grad") if compiled else block_grad
     grad_hidden = torch.zeros(task.hidden.shape, dtype=torch.float32, device=task.hidden.device)
-    coef = up.coef_t + up.coef_s   # p_s = p_t without truncation
+    coef = up.coef_t + up.coef_s  # p_s = p_t without truncation
     for start in range(0, weight.shape[0], block):
-        part = weight[start:start + block]
+        part = weight[start : start + block]
         logits = task.hidden @ part.t()
         columns, inside = _columns(task.targets, start, logits.shape[1])
-        g = grad_of(logits, task.rows.temperature, stats[LSE_T], stats[ENTROPY], coef, up.entropy, columns,
-                    inside, up.at_target, task.entropy and task.entropy_grad).to(weight.dtype)
+        g = grad_of(
+            logits,
+            task.rows.temperature,
+            stats[LSE_T],
+            stats[ENTROPY],
+            coef,
+            up.entropy,
+            columns,
+            inside,
+            up.at_target,
+            task.entropy and task.entropy_grad,
+        ).to(weight.dtype)
         grad_hidden += (g @ part).float()
         if grad_weight is not None:
-            grad_weight[start:start + block] += (g.t() @ task.hidden).float()
+            grad_weight[start : start + block] += (g.t() @ task.hidden).float()
     return grad_hidden
 
 

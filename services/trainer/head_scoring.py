@@ -45,27 +45,38 @@ from services.trainer.head_math import (
     grad_rows,
 )
 
-__all__ = ["BEHAVIOUR_ROW", "ENTROPY_ROW", "LOG_PROB_FLOOR", "TEMPERED_ROW", "VOCAB_BLOCK", "ChunkedScores",
-           "ScoreRequest", "install", "output_head", "scores_of", "scoring"]
+__all__ = [
+    "BEHAVIOUR_ROW",
+    "ENTROPY_ROW",
+    "LOG_PROB_FLOOR",
+    "TEMPERED_ROW",
+    "VOCAB_BLOCK",
+    "ChunkedScores",
+    "ScoreRequest",
+    "install",
+    "output_head",
+    "scores_of",
+    "scoring",
+]
 
-VOCAB_BLOCK = 8192   # vocabulary columns per block (prime-rl's): with 1,024-token chunks, 33 MB fp32 tables
+VOCAB_BLOCK = 8192  # vocabulary columns per block (prime-rl's): with 1,024-token chunks, 33 MB fp32 tables
 
 
 @dataclass(frozen=True)
 class ScoreRequest:
     """What one forward scores: the response tokens of a micro-batch (on the model's device)."""
 
-    rows: torch.Tensor          # [N] row of the micro-batch whose hidden state predicts the token
-    positions: torch.Tensor     # [N] its position in that row
-    targets: torch.Tensor       # [N] the token
-    sampling: RowSampling       # the token's sampling distribution (its truncation: the behaviour and the entropy)
-    tempered_space: torch.Tensor   # bool [N]: the token's behaviour log-prob is of logits / T, untruncated
+    rows: torch.Tensor  # [N] row of the micro-batch whose hidden state predicts the token
+    positions: torch.Tensor  # [N] its position in that row
+    targets: torch.Tensor  # [N] the token
+    sampling: RowSampling  # the token's sampling distribution (its truncation: the behaviour and the entropy)
+    tempered_space: torch.Tensor  # bool [N]: the token's behaviour log-prob is of logits / T, untruncated
     chunk_tokens: int
     vocab_block: int = VOCAB_BLOCK
     sampling_space: bool = True  # host: some token's behaviour log-prob is in the sampling space
-    entropy: bool = True         # compute the entropy (else its row is 0)
-    entropy_grad: bool = False   # the entropy is in the loss (its backward pass is skipped otherwise)
-    compiled: bool = False       # untruncated blocks through torch.compile (fused passes; on a GPU)
+    entropy: bool = True  # compute the entropy (else its row is 0)
+    entropy_grad: bool = False  # the entropy is in the loss (its backward pass is skipped otherwise)
+    compiled: bool = False  # untruncated blocks through torch.compile (fused passes; on a GPU)
 
     @property
     def needs_support(self) -> bool:
@@ -89,10 +100,12 @@ def scoring(request: ScoreRequest) -> Iterator[None]:
 
 def scores_of(output: object, request: ScoreRequest) -> torch.Tensor:
     """The [3, N] scores a model's forward returned under `scoring(request)` (its `logits`)."""
-    scores = getattr(output, "logits", output)   # a ModelOutput, or the tensor itself
+    scores = getattr(output, "logits", output)  # a ModelOutput, or the tensor itself
     if not isinstance(scores, torch.Tensor) or scores.shape != (3, request.targets.shape[0]):
-        raise RuntimeError("the model's output head returned logits under a score request: it was not installed "
-                           "(services.trainer.head_scoring.install)")
+        raise RuntimeError(
+            "the model's output head returned logits under a score request: it was not installed "
+            "(services.trainer.head_scoring.install)"
+        )
     return scores
 
 
@@ -164,20 +177,26 @@ def rows_per_chunk(request: ScoreRequest, vocab: int) -> int:
 
 
 def _task(request: ScoreRequest, hidden: torch.Tensor, start: int, stop: int) -> ChunkTask:
-    return ChunkTask(hidden=hidden[start:stop], targets=request.targets[start:stop],
-                     rows=request.sampling.rows(start, stop), tempered_space=request.tempered_space[start:stop],
-                     entropy=request.entropy, entropy_grad=request.entropy_grad)
+    return ChunkTask(
+        hidden=hidden[start:stop],
+        targets=request.targets[start:stop],
+        rows=request.sampling.rows(start, stop),
+        tempered_space=request.tempered_space[start:stop],
+        entropy=request.entropy,
+        entropy_grad=request.entropy_grad,
+    )
 
 
 class ChunkedScores(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], request) -> float32 [3, N]: behaviour log-prob, entropy, tempered log-prob."""
 
     @staticmethod
-    def forward(ctx: AutogradContext, hidden: torch.Tensor, weight: torch.Tensor,
-                request: ScoreRequest) -> torch.Tensor:
+    def forward(
+        ctx: AutogradContext, hidden: torch.Tensor, weight: torch.Tensor, request: ScoreRequest
+    ) -> torch.Tensor:
         n = hidden.shape[0]
         out = torch.zeros(3, n, dtype=torch.float32, device=hidden.device)
-        stats = torch.zeros(4, n, dtype=torch.float32, device=hidden.device)   # what the backward reads
+        stats = torch.zeros(4, n, dtype=torch.float32, device=hidden.device)  # what the backward reads
         step, support = rows_per_chunk(request, weight.shape[0]), request.needs_support
         cuts = []
         for start in range(0, n, step):
@@ -193,8 +212,9 @@ class ChunkedScores(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: AutogradContext,
-                 grad: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(
+        ctx: AutogradContext, grad: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         hidden, weight, stats, thresholds = ctx.saved_tensors
         request: ScoreRequest = ctx.request
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -207,15 +227,16 @@ class ChunkedScores(torch.autograd.Function):
             part = slice(start, start + ctx.step)
             task = _task(request, hidden, start, start + ctx.step)
             up = Upstream.of(grad[:, part], stats[:, part], task.tempered_space)
-            with torch.autocast(device_type, dtype=dtype, enabled=enabled):   # the forward's logits, bit for bit
+            with torch.autocast(device_type, dtype=dtype, enabled=enabled):  # the forward's logits, bit for bit
                 if request.needs_support:
                     g = grad_rows(task, weight, stats[:, part], up, thresholds[part])
                     chunk_grad = g @ weight
                     if grad_w is not None:
                         grad_w += (g.t() @ task.hidden).float()
                 else:
-                    chunk_grad = grad_blocks(task, weight, stats[:, part], up, request.vocab_block, grad_w,
-                                             request.compiled)
+                    chunk_grad = grad_blocks(
+                        task, weight, stats[:, part], up, request.vocab_block, grad_w, request.compiled
+                    )
             if grad_h is not None:
                 grad_h[part] = chunk_grad.to(hidden.dtype)
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None

@@ -14,19 +14,19 @@ from dataclasses import replace
 from services.contracts.trainer_calls import TrainResult
 from services.contracts.untyped import JsonObject
 
-MAX_RECORDED_RESULTS = 1024        # replayable Train responses kept (and checkpointed)
-MAX_RECORDED_ENTRIES = 100_000     # trained entry ids remembered to refuse a second delivery
+MAX_RECORDED_RESULTS = 1024  # replayable Train responses kept (and checkpointed)
+MAX_RECORDED_ENTRIES = 100_000  # trained entry ids remembered to refuse a second delivery
 
 
 class TrainLedger:
     def __init__(self, *, max_results: int = MAX_RECORDED_RESULTS, max_entries: int = MAX_RECORDED_ENTRIES):
         self.max_results, self.max_entries = max_results, max_entries
-        self.step = 0                 # optimizer steps taken
-        self.last_rollout_id = -1     # the newest rollout trained
-        self.weight_version = 0       # the version the last PublishWeights sent
+        self.step = 0  # optimizer steps taken
+        self.last_rollout_id = -1  # the newest rollout trained
+        self.weight_version = 0  # the version the last PublishWeights sent
         self.samples_trained = 0
         self.results: OrderedDict[int, TrainResult] = OrderedDict()
-        self.trained_entries: OrderedDict[str, int] = OrderedDict()   # entry id -> the rollout that trained it
+        self.trained_entries: OrderedDict[str, int] = OrderedDict()  # entry id -> the rollout that trained it
 
     def is_recorded(self, rollout_id: int) -> bool:
         return rollout_id in self.results
@@ -63,9 +63,14 @@ class TrainLedger:
     # ---- checkpoint state (the keys of tandem_state.json) ----------------------------------------------
 
     def state_dict(self) -> JsonObject:
-        return {"step": self.step, "rollout_id": self.last_rollout_id, "weight_version": self.weight_version,
-                "samples_trained": self.samples_trained, "trained_entries": list(self.trained_entries.items()),
-                "results": {str(k): v.to_json() for k, v in self.results.items()}}
+        return {
+            "step": self.step,
+            "rollout_id": self.last_rollout_id,
+            "weight_version": self.weight_version,
+            "samples_trained": self.samples_trained,
+            "trained_entries": list(self.trained_entries.items()),
+            "results": {str(k): v.to_json() for k, v in self.results.items()},
+        }
 
     def load_state_dict(self, state: JsonObject) -> None:
         self.step, self.last_rollout_id = int(state["step"]), int(state["rollout_id"])

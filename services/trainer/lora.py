@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
 ALL_LINEAR = "all-linear"
-ADAPTER = "default"   # peft's name of the one adapter
+ADAPTER = "default"  # peft's name of the one adapter
 
 
 def _matches(path: str, target: str) -> bool:
@@ -66,13 +66,16 @@ def check_targets(model: torch.nn.Module, targets: tuple[str, ...], *, what: str
     head = _output_head(model)
     body = sorted(path for path, m in linear.items() if m is not head)
     names = [t for t in targets if t != ALL_LINEAR]
-    problems = [f"{ALL_LINEAR!r} finds no linear layer but the output head"] if ALL_LINEAR in targets and not body \
-        else []
+    problems = (
+        [f"{ALL_LINEAR!r} finds no linear layer but the output head"] if ALL_LINEAR in targets and not body else []
+    )
     problems += [p for p in (_target_problem(model, target, head) for target in names) if p is not None]
     if problems:
         known = sorted({path.rsplit(".", 1)[-1] for path in linear})
-        raise ConfigError(f"trainer.lora.target_modules: {'; '.join(problems)} in {what} (its linear layers: "
-                          f"{', '.join(known)}; or {ALL_LINEAR}: all of them but the output head)")
+        raise ConfigError(
+            f"trainer.lora.target_modules: {'; '.join(problems)} in {what} (its linear layers: "
+            f"{', '.join(known)}; or {ALL_LINEAR}: all of them but the output head)"
+        )
     return sorted({*(body if ALL_LINEAR in targets else []), *names})
 
 
@@ -100,9 +103,14 @@ def wrap(model: torch.nn.Module, lora: LoraConfig, *, what: str) -> PeftModel:
     from peft import get_peft_model
 
     targets = check_targets(model, lora.target_modules, what=what)
-    peft_config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.lora_alpha, lora_dropout=lora.dropout,
-                                 target_modules=targets, bias="none",
-                                 task_type="CAUSAL_LM" if _output_head(model) is not None else None)
+    peft_config = PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM" if _output_head(model) is not None else None,
+    )
     return get_peft_model(model, peft_config)
 
 
@@ -116,7 +124,7 @@ def merged_tensors(module: torch.nn.Module) -> list[ExportedTensor]:
     seen: set[int] = set()
 
     def emit(name: str, param: torch.nn.Parameter, update: LowRankUpdate | None = None) -> None:
-        if id(param) not in seen:   # a tied parameter appears once, as named_parameters() has it
+        if id(param) not in seen:  # a tied parameter appears once, as named_parameters() has it
             seen.add(id(param))
             out.append(ExportedTensor(name=name, base=param, update=update))
 
@@ -126,9 +134,15 @@ def merged_tensors(module: torch.nn.Module) -> list[ExportedTensor]:
         elif isinstance(mod, LoraLayer):
             layer = mod.get_base_layer()
             for name, p in layer.named_parameters(recurse=False):
-                update = LowRankUpdate(a=cast("torch.nn.Parameter", mod.lora_A[ADAPTER].weight),
-                                       b=cast("torch.nn.Parameter", mod.lora_B[ADAPTER].weight),
-                                       scaling=float(mod.scaling[ADAPTER])) if name == "weight" else None
+                update = (
+                    LowRankUpdate(
+                        a=cast("torch.nn.Parameter", mod.lora_A[ADAPTER].weight),
+                        b=cast("torch.nn.Parameter", mod.lora_B[ADAPTER].weight),
+                        scaling=float(mod.scaling[ADAPTER]),
+                    )
+                    if name == "weight"
+                    else None
+                )
                 emit(prefix + name, p, update)
         else:
             for name, p in mod.named_parameters(recurse=False):
@@ -172,7 +186,7 @@ def save_adapter(module: torch.nn.Module, out: Path, state: dict[str, torch.Tens
     """peft's adapter files (adapter_config.json, adapter_model.safetensors) for `PeftModel.from_pretrained`."""
     peft_model = peft_part(module)
     peft_model.save_pretrained(str(out), state_dict=state, safe_serialization=True, save_embedding_layers=False)
-    config_file = out / "adapter_config.json"   # the base model is model.path, whatever peft recorded
+    config_file = out / "adapter_config.json"  # the base model is model.path, whatever peft recorded
     data = json.loads(config_file.read_text())
     data["base_model_name_or_path"] = base_path
     write_atomic(config_file, json.dumps(data, indent=2, sort_keys=True))
@@ -191,7 +205,7 @@ class AdapterOffReference(torch.nn.Module):
 
     def __init__(self, engine: torch.nn.Module):
         super().__init__()
-        self._parts = (engine, peft_part(engine))   # a tuple, not submodules: this view owns no parameters
+        self._parts = (engine, peft_part(engine))  # a tuple, not submodules: this view owns no parameters
 
     def forward(self, **inputs: torch.Tensor) -> CausalLMOutputWithPast:
         engine, peft_model = self._parts

@@ -14,7 +14,7 @@ import torch
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-MAX_LOG_RATIO = 20.0   # exp overflow guard on every ratio; real ratios are near 1
+MAX_LOG_RATIO = 20.0  # exp overflow guard on every ratio; real ratios are near 1
 
 
 def aggregation_weights(loss_mask: torch.Tensor, response_lengths: torch.Tensor, mode: str) -> torch.Tensor:
@@ -39,8 +39,8 @@ def aggregation_weights(loss_mask: torch.Tensor, response_lengths: torch.Tensor,
 @dataclass(frozen=True)
 class PolicyLossConfig:
     eps_clip: float = 0.2
-    eps_clip_high: float | None = None    # None = symmetric
-    dual_clip_c: float | None = None      # None = off; > 1 bounds the loss of negative advantages
+    eps_clip_high: float | None = None  # None = symmetric
+    dual_clip_c: float | None = None  # None = off; > 1 bounds the loss of negative advantages
 
 
 @dataclass(frozen=True)
@@ -48,21 +48,23 @@ class Sequences:
     """Which sequence each token belongs to, and which tokens are trainable: GSPO's per-sequence means. Tokens of one
     sequence never span two micro-batches, so a micro-batch's own rows are its sequences."""
 
-    ids: torch.Tensor        # int64 [N]: each token's sequence, in [0, count)
+    ids: torch.Tensor  # int64 [N]: each token's sequence, in [0, count)
     count: int
     trainable: torch.Tensor  # bool [N]: loss_mask 1
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
         """Per token: the mean of `values` over its sequence's trainable tokens (0 for a sequence without any)."""
-        picked = torch.where(self.trainable, values, torch.zeros_like(values))   # masked tokens may hold NaN
+        picked = torch.where(self.trainable, values, torch.zeros_like(values))  # masked tokens may hold NaN
         total = torch.zeros(self.count, dtype=values.dtype, device=values.device).index_add_(0, self.ids, picked)
         size = torch.zeros(self.count, dtype=values.dtype, device=values.device).index_add_(
-            0, self.ids, self.trainable.to(values.dtype))
+            0, self.ids, self.trainable.to(values.dtype)
+        )
         return (total / size.clamp(min=1.0))[self.ids]
 
 
-def _clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor,
-                       cfg: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _clipped_surrogate(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, cfg: PolicyLossConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
     loss_unclipped = -advantages * ratio
@@ -77,8 +79,9 @@ def _clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor,
     return loss, clipped, ratio.detach()
 
 
-def ppo_policy_loss(*, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                    cfg: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ppo_policy_loss(
+    *, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, cfg: PolicyLossConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Clipped surrogate per token. Returns (loss, clipped indicator (float), ratio).
 
     loss = max(-A r, -A clip(r, 1-eps, 1+eps_high)); with dual clip, for A < 0 the loss is further
@@ -87,8 +90,14 @@ def ppo_policy_loss(*, log_probs: torch.Tensor, old_log_probs: torch.Tensor, adv
     return _clipped_surrogate(log_probs - old_log_probs, advantages, cfg)
 
 
-def gspo_policy_loss(*, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                     sequences: Sequences, cfg: PolicyLossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gspo_policy_loss(
+    *,
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    sequences: Sequences,
+    cfg: PolicyLossConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GSPO (Zheng et al. 2025) in its GSPO-token form, per token: the ratio's value is the sequence's
     s = exp(mean over its trainable tokens of log(pi / pi_old)), clipped like PPO's (dual clip included), and its
     gradient is s times the token's own score, so per-token advantages are allowed. With one advantage per
@@ -108,7 +117,7 @@ def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator:
     if estimator == "k2":
         return 0.5 * log_ratio.square()
     if estimator == "k3":
-        neg = (-log_ratio).clamp(max=20.0)   # ref/pi; clamp keeps exp finite for very unlikely ref tokens
+        neg = (-log_ratio).clamp(max=20.0)  # ref/pi; clamp keeps exp finite for very unlikely ref tokens
         return torch.exp(neg) - 1.0 - neg
     raise ValueError(f"algorithm.kl_estimator: unknown estimator {estimator!r} (choose from {KL_ESTIMATORS})")
 
@@ -116,8 +125,9 @@ def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator:
 TIS_MODES = ("truncate", "mask")
 
 
-def tis_weights(*, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip: float,
-                mode: str = "truncate") -> torch.Tensor:
+def tis_weights(
+    *, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip: float, mode: str = "truncate"
+) -> torch.Tensor:
     """Importance weights pi_old / pi_rollout (the behaviour policy's own log-probs), with no gradient. Above `clip`:
     `truncate` caps them at clip (miles' TIS); `mask` makes them 0 (AReaL's decoupled PPO: the behaviour weight
     exp(prox - behav) with its cap, where the token leaves the loss)."""
@@ -130,8 +140,9 @@ def tis_weights(*, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
     raise ValueError(f"algorithm.tis_mode: unknown mode {mode!r} (choose from {TIS_MODES})")
 
 
-def clipped_value_loss(*, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                       clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_value_loss(
+    *, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO value loss per token: 0.5 max((V - R)^2, (V_old + clip(V - V_old) - R)^2). Returns (loss, clipped)."""
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     loss_unclipped = (values - returns).square()

@@ -33,8 +33,8 @@ from services.contracts.config import TandemConfig
 @dataclass(frozen=True)
 class Snapshot:
     version: int
-    optimizer_step: int                 # the trainer's optimizer step count when it was taken
-    weights: dict[str, torch.Tensor]    # HF names -> host tensors in the trainer's parameter dtype
+    optimizer_step: int  # the trainer's optimizer step count when it was taken
+    weights: dict[str, torch.Tensor]  # HF names -> host tensors in the trainer's parameter dtype
 
 
 def snapshots_to_keep(config: TandemConfig) -> int:

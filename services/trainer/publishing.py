@@ -23,16 +23,24 @@ from services.weights import SyncStats, TensorSpec, WeightPublisher
 from services.weights.checksums import named_bucket_checksums, named_checksums
 from services.weights.layout import layout_from_plan
 
-MAX_ENGINE_RANKS = 4096            # a weight-sync group larger than this is a malformed request
+MAX_ENGINE_RANKS = 4096  # a weight-sync group larger than this is a malformed request
 
 
 class WeightPublishing:
-    def __init__(self, config: TandemConfig, *, role: str, run_dir: Path, rank: int, backend: DeepSpeedBackend,
-                 old_actor: OldActor | None):
+    def __init__(
+        self,
+        config: TandemConfig,
+        *,
+        role: str,
+        run_dir: Path,
+        rank: int,
+        backend: DeepSpeedBackend,
+        old_actor: OldActor | None,
+    ):
         self.config, self.role, self.run_dir, self.rank = config, role, run_dir, rank
         self.backend, self.old_actor = backend, old_actor
         self.export_dtype = TORCH_DTYPES[config.model.dtype]
-        self._publishers: dict[str, WeightPublisher] = {}   # rank 0, made on first use of each transport
+        self._publishers: dict[str, WeightPublisher] = {}  # rank 0, made on first use of each transport
         self._plan: WeightSyncPlan | None = None
 
     @property
@@ -49,15 +57,23 @@ class WeightPublishing:
         """Full HF-named tensors (in the export dtype unless given). Under ZeRO-3 a collective: every rank must
         exhaust it in lockstep."""
         bucket = int(self.config.weights.bucket_mb * (1 << 20))
-        return iter_named_weights(self.backend.exported_tensors(), dtype=dtype or self.export_dtype,
-                                  zero3=self.backend.zero_stage == 3, group_bytes=bucket)
+        return iter_named_weights(
+            self.backend.exported_tensors(),
+            dtype=dtype or self.export_dtype,
+            zero3=self.backend.zero_stage == 3,
+            group_bytes=bucket,
+        )
 
     def _publisher(self, transport: str) -> WeightPublisher:
         if transport not in self._publishers:
             rollout = self.config.rollout
             self._publishers[transport] = WeightPublisher(
-                transport=transport, config=self.config.weights, run_dir=self.run_dir, trainer_id=self.trainer_id,
-                sglang_load_format=rollout.sglang.weight_load_format if rollout.engine == "sglang" else None)
+                transport=transport,
+                config=self.config.weights,
+                run_dir=self.run_dir,
+                trainer_id=self.trainer_id,
+                sglang_load_format=rollout.sglang.weight_load_format if rollout.engine == "sglang" else None,
+            )
         return self._publishers[transport]
 
     # ---- rank 0 -------------------------------------------------------------------------------------
@@ -68,12 +84,17 @@ class WeightPublishing:
         if not 1 <= engine_world_size <= MAX_ENGINE_RANKS:
             raise ValueError(f"engine_world_size must be in 1..{MAX_ENGINE_RANKS}, got {engine_world_size}")
 
-    def prepare(self, *, version: int, transport: str, engine_world_size: int, verify: bool,
-                verify_by_bucket: bool = False) -> WeightSyncPlan:
+    def prepare(
+        self, *, version: int, transport: str, engine_world_size: int, verify: bool, verify_by_bucket: bool = False
+    ) -> WeightSyncPlan:
         """The plan the publish will follow (kept), as a copy the caller may annotate for the engines."""
         plan = self._publisher(transport or self.config.weights.transport).prepare(
-            self.specs(), version=version, engine_world_size=engine_world_size, verify=verify,
-            verify_by_bucket=verify_by_bucket)
+            self.specs(),
+            version=version,
+            engine_world_size=engine_world_size,
+            verify=verify,
+            verify_by_bucket=verify_by_bucket,
+        )
         self._plan = plan
         announced = WeightSyncPlan()
         announced.CopyFrom(plan)
@@ -119,10 +140,13 @@ class WeightPublishing:
         """The PublishWeights command: rank 0 sends and gets the stats."""
         try:
             return self._send()
-        finally:   # every rank, even when the publish failed: under ZeRO-3 the snapshot is a collective
+        finally:  # every rank, even when the publish failed: under ZeRO-3 the snapshot is a collective
             if self.old_actor is not None:
-                self.old_actor.take_snapshot(version=version, weights=self.iter_named_weights(self.old_actor.dtype),
-                                             optimizer_step=self.backend.global_steps)
+                self.old_actor.take_snapshot(
+                    version=version,
+                    weights=self.iter_named_weights(self.old_actor.dtype),
+                    optimizer_step=self.backend.global_steps,
+                )
 
     def _send(self) -> SyncStats | None:
         named = self.iter_named_weights()

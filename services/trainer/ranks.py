@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 # What WeightChecksums answers on rank 0: name -> checksum, or one checksum per bucket of the plan.
 Checksums = dict[str, str] | list[str]
 RankResult = dict[str, float] | Checksums | SyncStats | str | None
-_ANSWERED = (Train, WeightChecksums, PublishWeights, Offload, Onload)   # rank 0 gets a value back from these
+_ANSWERED = (Train, WeightChecksums, PublishWeights, Offload, Onload)  # rank 0 gets a value back from these
 
 
 class StepRunner(Protocol):
@@ -45,8 +45,8 @@ class CheckpointFiles(Protocol):
 
 
 class WeightSender(Protocol):
-    def checksums(self, *, by_bucket: bool = False) -> Checksums | None: ...   # None on ranks > 0
-    def publish(self, version: int) -> SyncStats | None: ...   # None on ranks > 0
+    def checksums(self, *, by_bucket: bool = False) -> Checksums | None: ...  # None on ranks > 0
+    def publish(self, version: int) -> SyncStats | None: ...  # None on ranks > 0
     def release(self) -> None: ...
 
 
@@ -81,7 +81,7 @@ def execute(command: Command, parts: RankParts) -> RankResult:
         case PublishWeights(version=version):
             return parts.weights.publish(version)
         case Offload():
-            parts.weights.release()   # cuda_ipc buckets: the next sync allocates them again
+            parts.weights.release()  # cuda_ipc buckets: the next sync allocates them again
             return parts.memory.offload()
         case Onload():
             return parts.memory.onload()
@@ -127,5 +127,5 @@ class RankCommands:
             return
         try:
             self.relay.send(*encode(Shutdown()))
-        except RuntimeError as exc:   # a launcher stopping everything signals the other ranks too
+        except RuntimeError as exc:  # a launcher stopping everything signals the other ranks too
             log.info("other ranks already gone at shutdown: %s", str(exc).splitlines()[0][:200])

@@ -44,42 +44,68 @@ class TokenSampling:
     The distinct distributions are found once per batch, over samples (a handful of keys), so a micro-batch of a
     batch drawn under one distribution (the usual case) costs no host work or device sync to score."""
 
-    specs: tuple[SamplingSpec, ...]   # the batch's distinct distributions
-    group: torch.Tensor               # int64 [N]: each token's index into `specs`
-    temperature: torch.Tensor         # float32 [N]
-    top_p: torch.Tensor               # float32 [N]
-    top_k: torch.Tensor               # int64 [N]
-    tempered: torch.Tensor            # bool [N]: the token's behaviour space is the tempered one
-    space: str = SAMPLING             # the batch's: SAMPLING, TEMPERED (every token) or MIXED (host side)
+    specs: tuple[SamplingSpec, ...]  # the batch's distinct distributions
+    group: torch.Tensor  # int64 [N]: each token's index into `specs`
+    temperature: torch.Tensor  # float32 [N]
+    top_p: torch.Tensor  # float32 [N]
+    top_k: torch.Tensor  # int64 [N]
+    tempered: torch.Tensor  # bool [N]: the token's behaviour space is the tempered one
+    space: str = SAMPLING  # the batch's: SAMPLING, TEMPERED (every token) or MIXED (host side)
 
     @classmethod
     def of(cls, batch: TrainBatch) -> TokenSampling:
-        return cls.per_row(batch.sampling_temperature, batch.sampling_top_p, batch.sampling_top_k,
-                           lengths=batch.response_lengths, tempered=batch.tempered)
+        return cls.per_row(
+            batch.sampling_temperature,
+            batch.sampling_top_p,
+            batch.sampling_top_k,
+            lengths=batch.response_lengths,
+            tempered=batch.tempered,
+        )
 
     @classmethod
-    def per_row(cls, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, *,
-                lengths: torch.Tensor | None = None, tempered: torch.Tensor | None = None) -> TokenSampling:
+    def per_row(
+        cls,
+        temperature: torch.Tensor,
+        top_p: torch.Tensor,
+        top_k: torch.Tensor,
+        *,
+        lengths: torch.Tensor | None = None,
+        tempered: torch.Tensor | None = None,
+    ) -> TokenSampling:
         """From one (T, top-p, top-k) per sample, repeated `lengths` times (once per row when None); `tempered`
         (bool per sample, default none): samples whose rollout log-probs are of the tempered distribution."""
         index: dict[tuple[float, float, int], int] = {}
         # float32 values, as the rollout's tensors used them
         keys = zip(temperature.tolist(), top_p.tolist(), top_k.tolist(), strict=True)
-        sample_group = torch.tensor([index.setdefault((t, p, int(k)), len(index)) for t, p, k in keys],
-                                    dtype=torch.long)
+        sample_group = torch.tensor(
+            [index.setdefault((t, p, int(k)), len(index)) for t, p, k in keys], dtype=torch.long
+        )
         specs = tuple(SamplingSpec(temperature=t, top_p=p, top_k=k) for t, p, k in index)
-        columns = [sample_group, temperature.to(torch.float32), top_p.to(torch.float32), top_k.to(torch.long),
-                   torch.zeros(len(temperature), dtype=torch.bool) if tempered is None else tempered.to(torch.bool)]
+        columns = [
+            sample_group,
+            temperature.to(torch.float32),
+            top_p.to(torch.float32),
+            top_k.to(torch.long),
+            torch.zeros(len(temperature), dtype=torch.bool) if tempered is None else tempered.to(torch.bool),
+        ]
         space = TEMPERED if bool(columns[4].all()) else MIXED if bool(columns[4].any()) else SAMPLING
         if lengths is not None:
             columns = [per_token(x, lengths) for x in columns]
         group, temps, ps, ks, tempered_space = columns
-        return cls(specs=specs, group=group, temperature=temps, top_p=ps, top_k=ks, tempered=tempered_space,
-                   space=space)
+        return cls(
+            specs=specs, group=group, temperature=temps, top_p=ps, top_k=ks, tempered=tempered_space, space=space
+        )
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TokenSampling:
-        return TokenSampling(specs=self.specs, group=fn(self.group), temperature=fn(self.temperature),
-                             top_p=fn(self.top_p), top_k=fn(self.top_k), tempered=fn(self.tempered), space=self.space)
+        return TokenSampling(
+            specs=self.specs,
+            group=fn(self.group),
+            temperature=fn(self.temperature),
+            top_p=fn(self.top_p),
+            top_k=fn(self.top_k),
+            tempered=fn(self.tempered),
+            space=self.space,
+        )
 
     def at(self, index: torch.Tensor) -> TokenSampling:
         return self._map(lambda x: x[index])
@@ -92,14 +118,31 @@ class TokenSampling:
         return RowSampling.of_rows(self.temperature, self.top_k, self.top_p, specs=self.specs, vocab=vocab)
 
 
-def score_request(mb: MicroBatch, sampling: TokenSampling, *, vocab: int, chunk_tokens: int, tempered: bool = False,
-                  entropy: bool = False, entropy_grad: bool = False, compiled: bool = False) -> ScoreRequest:
+def score_request(
+    mb: MicroBatch,
+    sampling: TokenSampling,
+    *,
+    vocab: int,
+    chunk_tokens: int,
+    tempered: bool = False,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+    compiled: bool = False,
+) -> ScoreRequest:
     """What to score for micro-batch `mb` (on the device; `sampling` = its tokens' sampling, on the device too):
     each token's log-prob in its behaviour space, or (`tempered`: the KL to the reference) of logits / T for every
     token; the entropy of the sampling distribution when asked (`entropy_grad`: it is in the loss); `compiled`:
     the untruncated blocks' math through torch.compile (on a GPU)."""
     space = torch.ones_like(sampling.tempered) if tempered else sampling.tempered
-    return ScoreRequest(rows=mb.rows, positions=mb.positions, targets=mb.targets, sampling=sampling.rows(vocab),
-                        tempered_space=space, chunk_tokens=chunk_tokens,
-                        sampling_space=not tempered and sampling.space != TEMPERED, entropy=entropy,
-                        entropy_grad=entropy and entropy_grad, compiled=compiled)
+    return ScoreRequest(
+        rows=mb.rows,
+        positions=mb.positions,
+        targets=mb.targets,
+        sampling=sampling.rows(vocab),
+        tempered_space=space,
+        chunk_tokens=chunk_tokens,
+        sampling_space=not tempered and sampling.space != TEMPERED,
+        entropy=entropy,
+        entropy_grad=entropy and entropy_grad,
+        compiled=compiled,
+    )

@@ -21,16 +21,23 @@ from services.trainer.batching import TrainBatch, stale_samples, token_lag_fract
 
 @dataclass(frozen=True)
 class Selection:
-    batch: TrainBatch           # what the step trains on (may hold no samples: then no step)
+    batch: TrainBatch  # what the step trains on (may hold no samples: then no step)
     dropped_stale: int
-    filtered: int               # samples of uniform or surplus groups; all, when nothing trainable was left
+    filtered: int  # samples of uniform or surplus groups; all, when nothing trainable was left
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def select_samples(batch: TrainBatch, *, truncated: np.ndarray, config: TandemConfig, role: str,
-                   weight_version: int, max_staleness: int) -> Selection:
+def select_samples(
+    batch: TrainBatch,
+    *,
+    truncated: np.ndarray,
+    config: TandemConfig,
+    role: str,
+    weight_version: int,
+    max_staleness: int,
+) -> Selection:
     """`truncated[i]`: sample i of `batch` stopped at max_new_tokens (finish reason length)."""
-    if role == "critic":   # the critic values every sample, so its hand-off lines up with the actor's whole batch
+    if role == "critic":  # the critic values every sample, so its hand-off lines up with the actor's whole batch
         max_staleness = -1
     stale = set(stale_samples(batch, weight_version=weight_version, max_staleness=max_staleness))
     keep = [i for i in range(batch.num_samples) if i not in stale]
@@ -38,9 +45,12 @@ def select_samples(batch: TrainBatch, *, truncated: np.ndarray, config: TandemCo
     filtered = 0
     dynamic = config.rollout.dynamic_sampling
     if role == "actor" and dynamic.enabled:
-        chosen, uniform, surplus = selected_samples(batch.rewards[keep].numpy(), batch.group_ids[keep].numpy(),
-                                                    min_std=dynamic.min_std,
-                                                    max_groups=config.rollout.rollout_batch_size)
+        chosen, uniform, surplus = selected_samples(
+            batch.rewards[keep].numpy(),
+            batch.group_ids[keep].numpy(),
+            min_std=dynamic.min_std,
+            max_groups=config.rollout.rollout_batch_size,
+        )
         filtered = len(keep) - len(chosen)
         keep = [keep[i] for i in chosen]
         metrics.update(groups_uniform=float(uniform), groups_surplus=float(surplus))
@@ -50,7 +60,7 @@ def select_samples(batch: TrainBatch, *, truncated: np.ndarray, config: TandemCo
         metrics["overlong_masked"] = float(len(masked))
     if len(keep) < batch.num_samples:
         batch = batch.select(keep)
-    if masked and float(batch.loss_mask.sum()) <= 0:   # every sample left was cut off: nothing to learn from
+    if masked and float(batch.loss_mask.sum()) <= 0:  # every sample left was cut off: nothing to learn from
         filtered += batch.num_samples
         batch = batch.select([])
     metrics["samples_filtered"] = float(filtered)

@@ -47,36 +47,64 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     @map_errors
     def Train(self, request: trainer_pb2.TrainRequest, context: grpc.ServicerContext) -> trainer_pb2.TrainResponse:
-        r = self.service.train(rollout_id=request.rollout_id, entry_ids=list(request.entry_ids),
-                               num_batches=request.num_batches, max_staleness=request.max_staleness,
-                               use_critic_values=request.use_critic_values, trace_context=dict(request.trace_context))
-        return trainer_pb2.TrainResponse(rollout_id=r.rollout_id, step=r.step, metrics=r.metrics,
-                                         entry_ids=r.entry_ids, replayed=r.replayed, samples_trained=r.samples_trained,
-                                         samples_dropped_stale=r.samples_dropped_stale,
-                                         samples_filtered=r.samples_filtered, time_s=r.time_s)
+        r = self.service.train(
+            rollout_id=request.rollout_id,
+            entry_ids=list(request.entry_ids),
+            num_batches=request.num_batches,
+            max_staleness=request.max_staleness,
+            use_critic_values=request.use_critic_values,
+            trace_context=dict(request.trace_context),
+        )
+        return trainer_pb2.TrainResponse(
+            rollout_id=r.rollout_id,
+            step=r.step,
+            metrics=r.metrics,
+            entry_ids=r.entry_ids,
+            replayed=r.replayed,
+            samples_trained=r.samples_trained,
+            samples_dropped_stale=r.samples_dropped_stale,
+            samples_filtered=r.samples_filtered,
+            time_s=r.time_s,
+        )
 
     @map_errors
     def Save(self, request: trainer_pb2.SaveRequest, context: grpc.ServicerContext) -> trainer_pb2.SaveResponse:
-        r = self.service.save(rollout_id=request.rollout_id, path=request.path, export_hf=request.export_hf,
-                              extra_state=dict(request.extra_state))
+        r = self.service.save(
+            rollout_id=request.rollout_id,
+            path=request.path,
+            export_hf=request.export_hf,
+            extra_state=dict(request.extra_state),
+        )
         return trainer_pb2.SaveResponse(path=r.path, hf_path=r.hf_path, step=r.step, time_s=r.time_s)
 
     @map_errors
     def Load(self, request: trainer_pb2.LoadRequest, context: grpc.ServicerContext) -> trainer_pb2.LoadResponse:
         r = self.service.load(path=request.path)
-        return trainer_pb2.LoadResponse(loaded=r.loaded, path=r.path, rollout_id=r.rollout_id, step=r.step,
-                                        weight_version=r.weight_version, extra_state=r.extra_state)
+        return trainer_pb2.LoadResponse(
+            loaded=r.loaded,
+            path=r.path,
+            rollout_id=r.rollout_id,
+            step=r.step,
+            weight_version=r.weight_version,
+            extra_state=r.extra_state,
+        )
 
     @map_errors
-    def PrepareWeightSync(self, request: trainer_pb2.PrepareWeightSyncRequest,
-                          context: grpc.ServicerContext) -> common_pb2.WeightSyncPlan:
-        return self.service.prepare_weight_sync(version=request.version, transport=request.transport,
-                                                engine_world_size=request.engine_world_size, verify=request.verify,
-                                                verify_by_bucket=request.verify_by_bucket)
+    def PrepareWeightSync(
+        self, request: trainer_pb2.PrepareWeightSyncRequest, context: grpc.ServicerContext
+    ) -> common_pb2.WeightSyncPlan:
+        return self.service.prepare_weight_sync(
+            version=request.version,
+            transport=request.transport,
+            engine_world_size=request.engine_world_size,
+            verify=request.verify,
+            verify_by_bucket=request.verify_by_bucket,
+        )
 
     @map_errors
-    def PublishWeights(self, request: trainer_pb2.PublishWeightsRequest,
-                       context: grpc.ServicerContext) -> trainer_pb2.PublishWeightsResponse:
+    def PublishWeights(
+        self, request: trainer_pb2.PublishWeightsRequest, context: grpc.ServicerContext
+    ) -> trainer_pb2.PublishWeightsResponse:
         r = self.service.publish_weights(version=request.version)
         return trainer_pb2.PublishWeightsResponse(version=r.version, bytes_sent=r.bytes_sent, time_s=r.time_s)
 
@@ -91,11 +119,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @map_errors
     def GetState(self, request: common_pb2.Empty, context: grpc.ServicerContext) -> trainer_pb2.TrainerState:
         s = self.service.get_state()
-        return trainer_pb2.TrainerState(role=s.role, step=s.step, last_rollout_id=s.last_rollout_id,
-                                        weight_version=s.weight_version, world_size=s.world_size,
-                                        zero_stage=s.zero_stage, offloaded=s.offloaded, device=s.device,
-                                        samples_trained=s.samples_trained,
-                                        gpu_memory_reserved_bytes=s.gpu_memory_reserved_bytes)
+        return trainer_pb2.TrainerState(
+            role=s.role,
+            step=s.step,
+            last_rollout_id=s.last_rollout_id,
+            weight_version=s.weight_version,
+            world_size=s.world_size,
+            zero_stage=s.zero_stage,
+            offloaded=s.offloaded,
+            device=s.device,
+            samples_trained=s.samples_trained,
+            gpu_memory_reserved_bytes=s.gpu_memory_reserved_bytes,
+        )
 
 
 def launch_ranks(config: TandemConfig, *, run_dir: Path, role: str) -> int:
@@ -103,9 +138,25 @@ def launch_ranks(config: TandemConfig, *, run_dir: Path, role: str) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / f"trainer-{role}.config.yaml"
     write_atomic(config_file, dump_config(config), mode=PRIVATE_FILE_MODE)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(config.trainer.num_ranks),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "services.cli", "trainer", str(config_file), "--run-dir", str(run_dir), "--role", role]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(config.trainer.num_ranks),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "services.cli",
+        "trainer",
+        str(config_file),
+        "--run-dir",
+        str(run_dir),
+        "--role",
+        role,
+    ]
     proc = subprocess.Popen(cmd)
     stopping = threading.Event()
 
@@ -137,8 +188,12 @@ def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
         return launch_ranks(config, run_dir=run_dir, role=role)
     name = "trainer" if role == "actor" else "critic"
     setup_logging(name, config.tracing.log_level)
-    setup_tracing("tandem-trainer", exporter=config.tracing.exporter, instance=name,
-                  file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"))
+    setup_tracing(
+        "tandem-trainer",
+        exporter=config.tracing.exporter,
+        instance=name,
+        file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"),
+    )
     from transformers.utils import logging as hf_logging
 
     from services.trainer.builder import build_trainer
@@ -152,12 +207,26 @@ def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
         return ExitCode.OK
     address = config.services.trainer if role == "actor" else config.services.critic
     s = config.services
-    server = start_server([(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(service), SERVICE_NAME)],
-                          ServerOptions(bind_host=s.bind_host, port=address.port, max_message_mb=s.max_message_mb,
-                                        auth_token=s.auth_token, tls_cert=s.tls_cert, tls_key=s.tls_key))
+    server = start_server(
+        [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(service), SERVICE_NAME)],
+        ServerOptions(
+            bind_host=s.bind_host,
+            port=address.port,
+            max_message_mb=s.max_message_mb,
+            auth_token=s.auth_token,
+            tls_cert=s.tls_cert,
+            tls_key=s.tls_key,
+        ),
+    )
     log.info("%s ready %.1fs after its process started", name, process_age_s())
-    log.info("%s (%d ranks, ZeRO %d) serving on %s:%d", name, service.world.world_size,
-             config.trainer.zero_stage, s.bind_host, server.port)
+    log.info(
+        "%s (%d ranks, ZeRO %d) serving on %s:%d",
+        name,
+        service.world.world_size,
+        config.trainer.zero_stage,
+        s.bind_host,
+        server.port,
+    )
     stop = StopSignals()
     print(f"TANDEM_READY {name} {server.port}", flush=True)
     signum = stop.wait()
@@ -166,7 +235,6 @@ def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
     deadline = begin_stop(name=name, signum=signum, shutdown_s=s.timeouts.shutdown_s, code=ExitCode.OK)
     server.stop(grace_s=s.timeouts.shutdown_s / 2)
     _close_quietly(service, timeout_s=max(0.0, deadline - time.monotonic()))
-    shutdown_tracing()   # flushes a batching (otlp) exporter
+    shutdown_tracing()  # flushes a batching (otlp) exporter
     exit_now(ExitCode.OK)
     return ExitCode.OK
-

@@ -38,7 +38,7 @@ class TrainerService:
     def __init__(self, parts: TrainerParts):
         self.parts = parts
         self.config, self.role, self.world = parts.config, parts.role, parts.world
-        self.ledger, self.ranks = parts.ledger, parts.ranks   # rank 0's ledger is authoritative: checkpoints hold it
+        self.ledger, self.ranks = parts.ledger, parts.ranks  # rank 0's ledger is authoritative: checkpoints hold it
         self._lock = threading.Lock()
         # A trainer (re)started where checkpoints exist must Load before it trains: otherwise a coordinator
         # that outlived the old process would continue its run on the initial weights.
@@ -75,17 +75,30 @@ class TrainerService:
 
     # ---- Train ------------------------------------------------------------------------------------
 
-    def train(self, *, rollout_id: int, entry_ids: list[str] | tuple[str, ...] = (), num_batches: int = 0,
-              max_staleness: int = -1, use_critic_values: bool = False,
-              trace_context: dict[str, str] | None = None) -> TrainResult:
+    def train(
+        self,
+        *,
+        rollout_id: int,
+        entry_ids: list[str] | tuple[str, ...] = (),
+        num_batches: int = 0,
+        max_staleness: int = -1,
+        use_critic_values: bool = False,
+        trace_context: dict[str, str] | None = None,
+    ) -> TrainResult:
         with self._lock:
             if self.ledger.is_recorded(rollout_id):
                 reply = self.ledger.replay(rollout_id)
-                self._commit(rollout_id, list(reply.entry_ids))   # the first ack or hand-off may have been lost
+                self._commit(rollout_id, list(reply.entry_ids))  # the first ack or hand-off may have been lost
                 return reply
-            check_train_request(self.config, role=self.role, rollout_id=rollout_id, num_entry_ids=len(entry_ids),
-                                num_batches=num_batches, use_critic_values=use_critic_values,
-                                unloaded=self._unloaded)
+            check_train_request(
+                self.config,
+                role=self.role,
+                rollout_id=rollout_id,
+                num_entry_ids=len(entry_ids),
+                num_batches=num_batches,
+                use_critic_values=use_critic_values,
+                unloaded=self._unloaded,
+            )
             read_start = time.monotonic()
             fresh, skipped = self._untrained(list(entry_ids))
             entries = self.parts.rollouts.read(fresh, num_batches)
@@ -93,15 +106,32 @@ class TrainerService:
             version = self.ledger.weight_version
             oldest = min((e.policy_version for e in entries), default=version)
             # Linked to the rl.sample span of every entry (its context travelled in the Redis entry).
-            with span("rl.train", parent=trace_context or None, links_from=[e.trace_context for e in entries],
-                      rollout_id=rollout_id, role=self.role, world_size=self.world.world_size,
-                      weight_version=version, staleness=version - oldest,
-                      entries=len(entries), bytes=sum(e.nbytes for e in entries)) as sp:
-                reply = self._train_entries(rollout_id=rollout_id, entries=entries, skipped=skipped,
-                                            max_staleness=max_staleness, use_critic_values=use_critic_values,
-                                            read_s=read_s)
-                set_attributes(sp, samples=reply.samples_trained, samples_dropped_stale=reply.samples_dropped_stale,
-                               samples_filtered=reply.samples_filtered)
+            with span(
+                "rl.train",
+                parent=trace_context or None,
+                links_from=[e.trace_context for e in entries],
+                rollout_id=rollout_id,
+                role=self.role,
+                world_size=self.world.world_size,
+                weight_version=version,
+                staleness=version - oldest,
+                entries=len(entries),
+                bytes=sum(e.nbytes for e in entries),
+            ) as sp:
+                reply = self._train_entries(
+                    rollout_id=rollout_id,
+                    entries=entries,
+                    skipped=skipped,
+                    max_staleness=max_staleness,
+                    use_critic_values=use_critic_values,
+                    read_s=read_s,
+                )
+                set_attributes(
+                    sp,
+                    samples=reply.samples_trained,
+                    samples_dropped_stale=reply.samples_dropped_stale,
+                    samples_filtered=reply.samples_filtered,
+                )
                 return reply
 
     def _untrained(self, entry_ids: list[str]) -> tuple[list[str], list[str]]:
@@ -110,15 +140,26 @@ class TrainerService:
             raise ValueError(f"entry_ids name an entry more than once: {entry_ids}")
         fresh, skipped = self.ledger.split(entry_ids)
         if entry_ids and not fresh:
-            raise FailedPrecondition(f"entries {skipped} were already trained (rollout "
-                                     f"{self.ledger.rollouts_of(skipped)}); nothing new to train")
+            raise FailedPrecondition(
+                f"entries {skipped} were already trained (rollout "
+                f"{self.ledger.rollouts_of(skipped)}); nothing new to train"
+            )
         return fresh, skipped
 
-    def _train_entries(self, *, rollout_id: int, entries: list[BufferEntry], skipped: list[str],
-                       max_staleness: int, use_critic_values: bool, read_s: float) -> TrainResult:
+    def _train_entries(
+        self,
+        *,
+        rollout_id: int,
+        entries: list[BufferEntry],
+        skipped: list[str],
+        max_staleness: int,
+        use_critic_values: bool,
+        read_s: float,
+    ) -> TrainResult:
         start = time.monotonic()
-        selection = self.parts.rollouts.prepare(entries, rollout_id=rollout_id, max_staleness=max_staleness,
-                                                use_critic_values=use_critic_values)
+        selection = self.parts.rollouts.prepare(
+            entries, rollout_id=rollout_id, max_staleness=max_staleness, use_critic_values=use_critic_values
+        )
         prepare_s = time.monotonic() - start
         batch, dropped = selection.batch, selection.dropped_stale
         entry_ids = tuple(e.entry_id for e in entries)
@@ -128,19 +169,39 @@ class TrainerService:
             self._ensure_onloaded()
             metrics = self.ranks.run(Train(rollout_id=rollout_id, entry_ids=entry_ids, batch=batch))
             step += 1
-        metrics.update(selection.metrics, samples_dropped_stale=float(dropped),
-                       entries_skipped_duplicate=float(len(skipped)))
+        metrics.update(
+            selection.metrics, samples_dropped_stale=float(dropped), entries_skipped_duplicate=float(len(skipped))
+        )
         # where the Train call's time went on the trainer (the update's own part is perf/train_update_s)
-        metrics.update({"perf/train_read_s": read_s, "perf/train_prepare_s": prepare_s,
-                        "perf/train_call_s": read_s + time.monotonic() - start})
+        metrics.update(
+            {
+                "perf/train_read_s": read_s,
+                "perf/train_prepare_s": prepare_s,
+                "perf/train_call_s": read_s + time.monotonic() - start,
+            }
+        )
         # Filtered samples are acknowledged with their entries below: used by this step, never trained again.
-        reply = TrainResult(rollout_id=rollout_id, step=step, metrics=metrics, entry_ids=entry_ids,
-                            samples_trained=batch.num_samples, samples_dropped_stale=dropped,
-                            samples_filtered=selection.filtered, time_s=time.monotonic() - start)
+        reply = TrainResult(
+            rollout_id=rollout_id,
+            step=step,
+            metrics=metrics,
+            entry_ids=entry_ids,
+            samples_trained=batch.num_samples,
+            samples_dropped_stale=dropped,
+            samples_filtered=selection.filtered,
+            time_s=time.monotonic() - start,
+        )
         self.ledger.record(rollout_id, reply)
         self._commit(rollout_id, list(entry_ids))
-        log.info("rollout %d: step %d, %d samples (%d stale dropped, %d filtered), loss %.5f", rollout_id, step,
-                 batch.num_samples, dropped, selection.filtered, metrics.get("loss", float("nan")))
+        log.info(
+            "rollout %d: step %d, %d samples (%d stale dropped, %d filtered), loss %.5f",
+            rollout_id,
+            step,
+            batch.num_samples,
+            dropped,
+            selection.filtered,
+            metrics.get("loss", float("nan")),
+        )
         return reply
 
     def _commit(self, rollout_id: int, entry_ids: list[str]) -> None:
@@ -148,8 +209,9 @@ class TrainerService:
 
     # ---- Save / Load ------------------------------------------------------------------------------
 
-    def save(self, *, rollout_id: int, path: str = "", export_hf: bool = False,
-             extra_state: dict[str, str] | None = None) -> SaveResult:
+    def save(
+        self, *, rollout_id: int, path: str = "", export_hf: bool = False, extra_state: dict[str, str] | None = None
+    ) -> SaveResult:
         start = time.monotonic()
         if rollout_id < 0:
             raise ValueError(f"Save: rollout_id must be >= 0, got {rollout_id}")
@@ -157,15 +219,24 @@ class TrainerService:
             checkpoints = self.parts.checkpoints
             directory = checkpoints.save_dir(rollout_id, path)
             if checkpoints.holds_step(directory, self.ledger.step):
-                log.info("checkpoint %s already holds step %d", directory, self.ledger.step)   # a retried Save
+                log.info("checkpoint %s already holds step %d", directory, self.ledger.step)  # a retried Save
             else:
                 self._ensure_onloaded()
-                self.ranks.run(Save(directory=str(directory), rollout_id=rollout_id,
-                                    export_hf=export_hf or self.config.trainer.export_hf_on_save,
-                                    extra_state=dict(extra_state or {})))
+                self.ranks.run(
+                    Save(
+                        directory=str(directory),
+                        rollout_id=rollout_id,
+                        export_hf=export_hf or self.config.trainer.export_hf_on_save,
+                        extra_state=dict(extra_state or {}),
+                    )
+                )
             hf = directory / "hf"
-            return SaveResult(path=str(directory), hf_path=str(hf) if hf.is_dir() else "", step=self.ledger.step,
-                              time_s=time.monotonic() - start)
+            return SaveResult(
+                path=str(directory),
+                hf_path=str(hf) if hf.is_dir() else "",
+                step=self.ledger.step,
+                time_s=time.monotonic() - start,
+            )
 
     def load(self, *, path: str = "") -> LoadResult:
         with self._lock:
@@ -176,20 +247,37 @@ class TrainerService:
             self.ranks.run(Load(directory=str(found.directory)))
             self.parts.checkpoints.restore(found)
             self._unloaded = None
-            return LoadResult(loaded=True, path=str(found.directory), rollout_id=found.rollout_id,
-                              step=self.ledger.step, weight_version=self.ledger.weight_version,
-                              extra_state=found.extra_state)
+            return LoadResult(
+                loaded=True,
+                path=str(found.directory),
+                rollout_id=found.rollout_id,
+                step=self.ledger.step,
+                weight_version=self.ledger.weight_version,
+                extra_state=found.extra_state,
+            )
 
     # ---- weights ----------------------------------------------------------------------------------
 
-    def prepare_weight_sync(self, *, version: int, transport: str = "", engine_world_size: int = 1,
-                            verify: bool = False, verify_by_bucket: bool = False) -> WeightSyncPlan:
+    def prepare_weight_sync(
+        self,
+        *,
+        version: int,
+        transport: str = "",
+        engine_world_size: int = 1,
+        verify: bool = False,
+        verify_by_bucket: bool = False,
+    ) -> WeightSyncPlan:
         weights = self.parts.weights
         weights.check_request(engine_world_size=engine_world_size)
         with self._lock:
             self._ensure_onloaded()
-            announced = weights.prepare(version=version, transport=transport, engine_world_size=engine_world_size,
-                                        verify=verify, verify_by_bucket=verify_by_bucket)
+            announced = weights.prepare(
+                version=version,
+                transport=transport,
+                engine_world_size=engine_world_size,
+                verify=verify,
+                verify_by_bucket=verify_by_bucket,
+            )
             if verify:
                 start = time.monotonic()
                 sums = self.ranks.run(WeightChecksums(by_bucket=verify_by_bucket))
@@ -210,7 +298,7 @@ class TrainerService:
 
     def offload(self) -> str:
         with self._lock:
-            self.parts.backend.check_offload_supported()   # here, before any rank is asked to
+            self.parts.backend.check_offload_supported()  # here, before any rank is asked to
             return self.ranks.run(Offload())
 
     def onload(self) -> str:
@@ -218,8 +306,15 @@ class TrainerService:
             return self.ranks.run(Onload())
 
     def get_state(self) -> TrainerStatus:
-        return TrainerStatus(role=self.role, step=self.ledger.step, last_rollout_id=self.ledger.last_rollout_id,
-                             weight_version=self.ledger.weight_version, world_size=self.world.world_size,
-                             zero_stage=self.config.trainer.zero_stage, offloaded=self.parts.backend.offloaded,
-                             device=self.world.device, samples_trained=self.ledger.samples_trained,
-                             gpu_memory_reserved_bytes=cuda_reserved_bytes())
+        return TrainerStatus(
+            role=self.role,
+            step=self.ledger.step,
+            last_rollout_id=self.ledger.last_rollout_id,
+            weight_version=self.ledger.weight_version,
+            world_size=self.world.world_size,
+            zero_stage=self.config.trainer.zero_stage,
+            offloaded=self.parts.backend.offloaded,
+            device=self.world.device,
+            samples_trained=self.ledger.samples_trained,
+            gpu_memory_reserved_bytes=cuda_reserved_bytes(),
+        )

@@ -35,9 +35,9 @@ def _numel(param: torch.nn.Parameter) -> int:
 class LowRankUpdate:
     """A LoRA adapter of one linear layer: the layer computes x·(W + scaling · B·A)ᵀ."""
 
-    a: torch.nn.Parameter    # [rank, in]
-    b: torch.nn.Parameter    # [out, rank]
-    scaling: float           # alpha / rank
+    a: torch.nn.Parameter  # [rank, in]
+    b: torch.nn.Parameter  # [out, rank]
+    scaling: float  # alpha / rank
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,9 @@ def _groups(tensors: Sequence[ExportedTensor], group_bytes: int) -> Iterator[lis
         yield group
 
 
-def iter_named_weights(tensors: Sequence[ExportedTensor], *, dtype: torch.dtype, zero3: bool,
-                       group_bytes: int = 64 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_named_weights(
+    tensors: Sequence[ExportedTensor], *, dtype: torch.dtype, zero3: bool, group_bytes: int = 64 << 20
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor in `dtype`) per exported tensor. Under ZeRO-3 a collective: all ranks must exhaust it.
     Read-only views when no gather or merge is needed; under ZeRO-3 fresh copies (the gathered storage is released
     after each group)."""

@@ -44,15 +44,22 @@ from services.weights.layout import (
 )
 from services.weights.registry import transport as registered_transport
 
-_MAX_LISTED = 20   # mismatches listed in one error message
-_WEIGHTS, _TIMEOUTS = ProcessGroupWeights(), TimeoutsConfig()   # the defaults of a receiver built without a config
+_MAX_LISTED = 20  # mismatches listed in one error message
+_WEIGHTS, _TIMEOUTS = ProcessGroupWeights(), TimeoutsConfig()  # the defaults of a receiver built without a config
 
 
 class WeightPublisher:
     """Trainer rank 0's side: `prepare` announces a plan, `publish` sends the tensors of that plan."""
 
-    def __init__(self, *, transport: str | SenderTransport | None = None, config: WeightsConfig, run_dir: Path,
-                 trainer_id: str, sglang_load_format: str | None = None):
+    def __init__(
+        self,
+        *,
+        transport: str | SenderTransport | None = None,
+        config: WeightsConfig,
+        run_dir: Path,
+        trainer_id: str,
+        sglang_load_format: str | None = None,
+    ):
         """`sglang_load_format`: the engines are SGLang servers (rollout.engine sglang) and receive buckets in that
         format (rollout.sglang.weight_load_format); None = native engines."""
         if isinstance(transport, SenderTransport):
@@ -65,15 +72,21 @@ class WeightPublisher:
                 self._transport = entry.sender(config, Path(run_dir), trainer_id)
         self._config = config
         self._trainer_id = trainer_id
-        self._prepared: tuple[bytes, Layout] | None = None   # (serialized plan, layout)
+        self._prepared: tuple[bytes, Layout] | None = None  # (serialized plan, layout)
         self._lock = threading.Lock()
 
     @property
     def transport(self) -> str:
         return self._transport.name
 
-    def prepare(self, specs: Sequence[TensorSpec], version: int, engine_world_size: int,
-                verify: bool = False, verify_by_bucket: bool = False) -> common_pb2.WeightSyncPlan:
+    def prepare(
+        self,
+        specs: Sequence[TensorSpec],
+        version: int,
+        engine_world_size: int,
+        verify: bool = False,
+        verify_by_bucket: bool = False,
+    ) -> common_pb2.WeightSyncPlan:
         """`verify`: the engines check what they received against checksums the caller announces in the plan (per
         tensor, TensorMeta.checksum; with `verify_by_bucket` per bucket, WeightBucket.checksum)."""
         if engine_world_size < 1:
@@ -82,42 +95,63 @@ class WeightPublisher:
             raise ValueError(f"weight version must be >= 0, got {version}")
         layout = plan_layout(list(specs), bucket_bytes=max(1, int(self._config.bucket_mb * 2**20)))
         plan = common_pb2.WeightSyncPlan(
-            version=version, transport=self._transport.name, buckets=layout_to_buckets(layout),
-            timeout_s=self._config.timeout_s, verify=verify, total_bytes=layout.total_bytes,
-            trainer_id=self._trainer_id, verify_by_bucket=verify and verify_by_bucket)
+            version=version,
+            transport=self._transport.name,
+            buckets=layout_to_buckets(layout),
+            timeout_s=self._config.timeout_s,
+            verify=verify,
+            total_bytes=layout.total_bytes,
+            trainer_id=self._trainer_id,
+            verify_by_bucket=verify and verify_by_bucket,
+        )
         with self._lock:
             self._transport.prepare(plan=plan, layout=layout, engine_world_size=engine_world_size)
             self._prepared = (plan.SerializeToString(deterministic=True), layout)
         return plan
 
-    def publish(self, plan: common_pb2.WeightSyncPlan,
-                named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+    def publish(self, plan: common_pb2.WeightSyncPlan, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
         """Send `named_tensors` (in the order of the specs given to prepare); returns once every receiver has
         its copy (process groups, cuda_ipc) or the files are in place (disk)."""
         if not self._lock.acquire(blocking=False):
             raise WeightSyncError(f"{self.transport} weight sync v{plan.version}: a publish is already running")
         try:
             if self._prepared is None or self._prepared[0] != plan.SerializeToString(deterministic=True):
-                raise ValueError(f"{self.transport} weight sync v{plan.version}: publish needs the plan returned by "
-                                 f"this publisher's latest prepare")
+                raise ValueError(
+                    f"{self.transport} weight sync v{plan.version}: publish needs the plan returned by "
+                    f"this publisher's latest prepare"
+                )
             layout = self._prepared[1]
             checksums = PendingChecksums()
             deadline = Deadline(plan.timeout_s)
             started = time.monotonic()
             with torch.no_grad():
                 waited = self._transport.publish(
-                    plan=plan, layout=layout, deadline=deadline, checksums=checksums,
-                    tensors=self._validated(plan=plan, layout=layout, named_tensors=named_tensors, checksums=checksums))
+                    plan=plan,
+                    layout=layout,
+                    deadline=deadline,
+                    checksums=checksums,
+                    tensors=self._validated(plan=plan, layout=layout, named_tensors=named_tensors, checksums=checksums),
+                )
             elapsed = time.monotonic() - started
-            return SyncStats(version=plan.version, bytes=layout.total_bytes, seconds=elapsed - waited,
-                             checksums=dict(checksums), transport=self.transport, wait_seconds=waited)
+            return SyncStats(
+                version=plan.version,
+                bytes=layout.total_bytes,
+                seconds=elapsed - waited,
+                checksums=dict(checksums),
+                transport=self.transport,
+                wait_seconds=waited,
+            )
         finally:
             self._lock.release()
 
     @staticmethod
-    def _validated(*, plan: common_pb2.WeightSyncPlan, layout: Layout,
-                   named_tensors: Iterable[tuple[str, torch.Tensor]],
-                   checksums: PendingChecksums) -> Iterator[tuple[Slot, torch.Tensor]]:
+    def _validated(
+        *,
+        plan: common_pb2.WeightSyncPlan,
+        layout: Layout,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        checksums: PendingChecksums,
+    ) -> Iterator[tuple[Slot, torch.Tensor]]:
         """The tensors checked against the plan; verifying per tensor their checksums go to `checksums`: those the
         plan announces (the trainer computed them from these weights in prepare, in one batch) as announced, others
         summed as they pass, with no host sync between the transport's copies. Verifying by bucket, the plan's
@@ -147,8 +181,13 @@ class WeightPublisher:
 class WeightReceiver:
     """An engine rank's side: `receive` copies a plan's tensors into `params` in place."""
 
-    def __init__(self, accepted_trainer_id: str | None = None, *, timeout_s: float = _WEIGHTS.timeout_s,
-                 refuse_timeout_s: float = _TIMEOUTS.probe_s):
+    def __init__(
+        self,
+        accepted_trainer_id: str | None = None,
+        *,
+        timeout_s: float = _WEIGHTS.timeout_s,
+        refuse_timeout_s: float = _TIMEOUTS.probe_s,
+    ):
         """`timeout_s` bounds a plan that names no deadline (weights.timeout_s); `refuse_timeout_s` the best-effort
         notice of a refusal to the trainer (services.timeouts.probe_s)."""
         self.accepted_trainer_id = accepted_trainer_id
@@ -162,8 +201,9 @@ class WeightReceiver:
             self._transports[name] = registered_transport(name).receiver()
         return self._transports[name]
 
-    def receive(self, plan: common_pb2.WeightSyncPlan, rank_offset: int,
-                params: Mapping[str, torch.Tensor]) -> SyncStats:
+    def receive(
+        self, plan: common_pb2.WeightSyncPlan, rank_offset: int, params: Mapping[str, torch.Tensor]
+    ) -> SyncStats:
         """Everything is checked before joining any transfer; a refusal is posted to the trainer (process
         groups, cuda_ipc) so it fails at once rather than at its deadline. With `plan.verify` the returned
         checksums are computed from `params` after the copy, and compared here with the trainer's where the plan
@@ -185,19 +225,34 @@ class WeightReceiver:
             assert layout is not None
             started = time.monotonic()
             with torch.no_grad():
-                received = transport.receive(plan=plan, layout=layout, rank=rank_offset, params=params,
-                                             deadline=deadline)
+                received = transport.receive(
+                    plan=plan, layout=layout, rank=rank_offset, params=params, deadline=deadline
+                )
             elapsed = time.monotonic() - started
             t = time.monotonic()
-            checksums, buckets = self._verify(where=where, plan=plan, layout=layout, params=params,
-                                              sender_checksums=received.sender_checksums)
-            return SyncStats(version=plan.version, bytes=layout.total_bytes, seconds=elapsed - received.waited_s,
-                             checksums=checksums, transport=plan.transport, wait_seconds=received.waited_s,
-                             bucket_checksums=buckets, checksum_seconds=time.monotonic() - t if plan.verify else 0.0)
+            checksums, buckets = self._verify(
+                where=where, plan=plan, layout=layout, params=params, sender_checksums=received.sender_checksums
+            )
+            return SyncStats(
+                version=plan.version,
+                bytes=layout.total_bytes,
+                seconds=elapsed - received.waited_s,
+                checksums=checksums,
+                transport=plan.transport,
+                wait_seconds=received.waited_s,
+                bucket_checksums=buckets,
+                checksum_seconds=time.monotonic() - t if plan.verify else 0.0,
+            )
 
-    def _verify(self, *, where: str, plan: common_pb2.WeightSyncPlan, layout: Layout,
-                params: Mapping[str, torch.Tensor], sender_checksums: Mapping[str, str],
-                ) -> tuple[dict[str, str], tuple[str, ...]]:
+    def _verify(
+        self,
+        *,
+        where: str,
+        plan: common_pb2.WeightSyncPlan,
+        layout: Layout,
+        params: Mapping[str, torch.Tensor],
+        sender_checksums: Mapping[str, str],
+    ) -> tuple[dict[str, str], tuple[str, ...]]:
         """With plan.verify: the checksums of what `params` now hold, per tensor or per bucket as the plan says,
         compared with the trainer's where known (the plan, or the transport: a disk manifest)."""
         if not plan.verify:
@@ -207,11 +262,14 @@ class WeightReceiver:
             theirs = announced_bucket_checksums(plan)
             bad = [b for b, mine in zip(layout.buckets, buckets, strict=True) if theirs[b.index] not in ("", mine)]
             if bad:
-                raise WeightChecksumMismatch(f"{where}: {len(bad)} of {len(buckets)} bucket(s) differ from the "
-                                             f"trainer's checksums: {'; '.join(describe_bucket(b) for b in bad[:5])}")
+                raise WeightChecksumMismatch(
+                    f"{where}: {len(bad)} of {len(buckets)} bucket(s) differ from the "
+                    f"trainer's checksums: {'; '.join(describe_bucket(b) for b in bad[:5])}"
+                )
             return {}, buckets
-        checksums = dict(zip((s.name for s in layout.order), tensor_checksums(
-            [params[s.name] for s in layout.order]), strict=True))
+        checksums = dict(
+            zip((s.name for s in layout.order), tensor_checksums([params[s.name] for s in layout.order]), strict=True)
+        )
         self._compare(where=where, mine=checksums, theirs={**announced_checksums(plan), **sender_checksums})
         return checksums, ()
 
@@ -219,16 +277,19 @@ class WeightReceiver:
         return Deadline(min(deadline.remaining(), self._refuse_timeout_s))
 
     @staticmethod
-    def _check(*, plan: common_pb2.WeightSyncPlan, rank_offset: int,
-               params: Mapping[str, torch.Tensor]) -> tuple[Layout | None, list[str]]:
+    def _check(
+        *, plan: common_pb2.WeightSyncPlan, rank_offset: int, params: Mapping[str, torch.Tensor]
+    ) -> tuple[Layout | None, list[str]]:
         try:
             layout = layout_from_plan(plan)
         except ValueError as exc:
             return None, [str(exc)]
         problems = []
         if plan.sglang_load_format:
-            problems.append("the trainer prepared this sync for SGLang engines (its rollout.engine is sglang), and "
-                            "this engine is native: give the trainer and the rollout service the same rollout.engine")
+            problems.append(
+                "the trainer prepared this sync for SGLang engines (its rollout.engine is sglang), and "
+                "this engine is native: give the trainer and the rollout service the same rollout.engine"
+            )
         if plan.world_size and not 1 <= rank_offset < plan.world_size:
             problems.append(f"rank_offset {rank_offset} outside 1..{plan.world_size - 1}")
         return layout, problems + check_params(layout, params)
@@ -239,8 +300,9 @@ class WeightReceiver:
             return
         bad = [name for name, digest in mine.items() if theirs.get(name) != digest]
         if bad:
-            raise WeightChecksumMismatch(f"{where}: {len(bad)} tensor(s) differ from the trainer's checksums: "
-                                  f"{', '.join(bad[:_MAX_LISTED])}")
+            raise WeightChecksumMismatch(
+                f"{where}: {len(bad)} tensor(s) differ from the trainer's checksums: {', '.join(bad[:_MAX_LISTED])}"
+            )
 
     def release(self) -> None:
         """The engine gives its GPU memory away: let go of the trainer's memory too (kept IPC mappings)."""

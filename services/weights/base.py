@@ -83,13 +83,15 @@ class SyncContext:
 
     transport: str
     version: int
-    side: str      # "trainer" or "engine rank N"
-    peer: str      # "engine rank(s) [1, 2]" or "trainer rank 0 at HOST:PORT (trainer_id X)"
+    side: str  # "trainer" or "engine rank N"
+    peer: str  # "engine rank(s) [1, 2]" or "trainer rank 0 at HOST:PORT (trainer_id X)"
     timeout_s: float
 
     def message(self, what: str) -> str:
-        return (f"{self.transport} weight sync v{self.version} failed on the {self.side}: {what} "
-                f"(peer: {self.peer}; deadline {self.timeout_s:g}s)")
+        return (
+            f"{self.transport} weight sync v{self.version} failed on the {self.side}: {what} "
+            f"(peer: {self.peer}; deadline {self.timeout_s:g}s)"
+        )
 
 
 @dataclass(frozen=True)
@@ -106,15 +108,21 @@ class SenderTransport(ABC):
     tensors (validated pairs in spec order) and returns the seconds it waited for receivers before moving data.
     On failure a transport tears down what it shares with receivers, so the next `prepare` starts afresh."""
 
-    name: str   # the registry key (services/weights/registry.py)
+    name: str  # the registry key (services/weights/registry.py)
 
     @abstractmethod
     def prepare(self, *, plan: WeightSyncPlan, layout: Layout, engine_world_size: int) -> None: ...
 
     @abstractmethod
-    def publish(self, *, plan: WeightSyncPlan, layout: Layout,
-                tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline,
-                checksums: Mapping[str, str]) -> float:
+    def publish(
+        self,
+        *,
+        plan: WeightSyncPlan,
+        layout: Layout,
+        tensors: Iterable[tuple[Slot, torch.Tensor]],
+        deadline: Deadline,
+        checksums: Mapping[str, str],
+    ) -> float:
         """`checksums` fills up (when plan.verify) as `tensors` is consumed, for transports that carry them."""
 
     def release(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
@@ -127,14 +135,21 @@ class SenderTransport(ABC):
 class ReceiverTransport(ABC):
     """Engine side of a transport: copy the plan's tensors into `params` in place (already validated)."""
 
-    name: str   # the registry key (services/weights/registry.py)
+    name: str  # the registry key (services/weights/registry.py)
 
     @abstractmethod
-    def receive(self, *, plan: WeightSyncPlan, layout: Layout, rank: int,
-                params: Mapping[str, torch.Tensor], deadline: Deadline) -> Received: ...
+    def receive(
+        self, *, plan: WeightSyncPlan, layout: Layout, rank: int, params: Mapping[str, torch.Tensor], deadline: Deadline
+    ) -> Received: ...
 
-    def refuse(self, *, plan: WeightSyncPlan, rank: int, reason: str,  # noqa: B027 - optional hook, a no-op unless overridden
-               deadline: Deadline) -> None:
+    def refuse(  # noqa: B027 - optional hook, a no-op unless overridden
+        self,
+        *,
+        plan: WeightSyncPlan,
+        rank: int,
+        reason: str,
+        deadline: Deadline,
+    ) -> None:
         """Tell the trainer this receiver will not take part, so it fails now instead of at its deadline; best
         effort within `deadline` (short: the caller raises the real reason next)."""
 

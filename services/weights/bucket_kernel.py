@@ -25,7 +25,7 @@ def _int64(value: int) -> int:
 
 GOLDEN, MIX1, MIX2 = _int64(0x9E3779B97F4A7C15), _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
 SHIFTS = (30, 27, 31)
-_BLOCKS_PER_PROGRAM = 8   # blocks of words one program sums (32 KB of int32 words at 1024-word blocks)
+_BLOCKS_PER_PROGRAM = 8  # blocks of words one program sums (32 KB of int32 words at 1024-word blocks)
 
 AVAILABLE = importlib.util.find_spec("triton") is not None
 

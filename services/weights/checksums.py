@@ -37,7 +37,7 @@ from services.weights.layout import Bucket, Layout
 
 # ---- per tensor -------------------------------------------------------------------------------------------
 
-_CHECKSUM_CHUNK_WORDS = 1 << 24   # bounds the int64 temporaries to 128 MB each at a time
+_CHECKSUM_CHUNK_WORDS = 1 << 24  # bounds the int64 temporaries to 128 MB each at a time
 _U64 = (1 << 64) - 1
 
 
@@ -45,7 +45,7 @@ def _words(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as int32 words in C order, the last one zero-padded: a view where the bytes allow."""
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     if data.numel() % 4 == 0:
-        with contextlib.suppress(RuntimeError):   # a view needs a 4-byte aligned storage offset
+        with contextlib.suppress(RuntimeError):  # a view needs a 4-byte aligned storage offset
             return data.view(torch.int32)
     return torch.cat([data, data.new_zeros(-data.numel() % 4)]).view(torch.int32)
 
@@ -55,14 +55,14 @@ def _word_sums(words: torch.Tensor) -> torch.Tensor:
     both modulo 2**64 (integer addition is exact and order-free, so any device and reduction order agree)."""
     out = torch.zeros(2, dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), _CHECKSUM_CHUNK_WORDS):
-        chunk = words[start:start + _CHECKSUM_CHUNK_WORDS].to(torch.int64)
+        chunk = words[start : start + _CHECKSUM_CHUNK_WORDS].to(torch.int64)
         position = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=words.device)
         out[0] += chunk.sum()
         out[1] += (chunk * position).sum()
     return out
 
 
-_BLOCK_WORDS = 256   # a pack places each tensor at a multiple of this many words (zeros between: they add 0)
+_BLOCK_WORDS = 256  # a pack places each tensor at a multiple of this many words (zeros between: they add 0)
 
 
 def _pack_sums(words: list[torch.Tensor]) -> torch.Tensor:
@@ -78,16 +78,16 @@ def _pack_sums(words: list[torch.Tensor]) -> torch.Tensor:
     for w, count, n in zip(words, counts, blocks, strict=True):
         parts.append(w)
         if n * block > count:
-            parts.append(pad[:n * block - count])
+            parts.append(pad[: n * block - count])
     grid = torch.cat(parts).to(torch.int64).view(-1, block)
     within = torch.arange(1, block + 1, dtype=torch.int64, device=device)
     b0 = grid.sum(1)
     index = torch.arange(grid.shape[0], dtype=torch.int64, device=device)
-    prefix = torch.stack([b0, (grid * within).sum(1), index * b0], dim=1).cumsum(0)   # [blocks, 3]
+    prefix = torch.stack([b0, (grid * within).sum(1), index * b0], dim=1).cumsum(0)  # [blocks, 3]
     ends = torch.tensor(list(itertools.accumulate(blocks)), dtype=torch.int64).to(device, non_blocking=True)
     firsts = ends - torch.tensor(blocks, dtype=torch.int64).to(device, non_blocking=True)
 
-    def upto(at: torch.Tensor) -> torch.Tensor:   # the prefix sums of the blocks before `at` ([n, 3])
+    def upto(at: torch.Tensor) -> torch.Tensor:  # the prefix sums of the blocks before `at` ([n, 3])
         taken = prefix[(at - 1).clamp(min=0)]
         return torch.where((at > 0).unsqueeze(1), taken, torch.zeros_like(taken))
 
@@ -106,8 +106,11 @@ def _word_sums_many(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     def flush() -> None:
         nonlocal packed
         if pack:
-            sums = _pack_sums(pack) if any(w.numel() for w in pack) else \
-                torch.zeros(len(pack), 2, dtype=torch.int64, device=pack[0].device)
+            sums = (
+                _pack_sums(pack)
+                if any(w.numel() for w in pack)
+                else torch.zeros(len(pack), 2, dtype=torch.int64, device=pack[0].device)
+            )
             out.extend(sums.unbind(0))
             pack.clear()
             packed = 0
@@ -203,7 +206,7 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
 
 # ---- per bucket -------------------------------------------------------------------------------------------
 
-BLOCK_WORDS = 1024   # words per block of a bucket's two-level sums
+BLOCK_WORDS = 1024  # words per block of a bucket's two-level sums
 
 
 def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
@@ -233,12 +236,17 @@ def _bucket_bytes(bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tens
     first = tensors[0].detach()
     ptr, storage = first.data_ptr(), first.untyped_storage().data_ptr()
     for tensor in tensors:
-        if (not tensor.is_contiguous() or not tensor.numel() or tensor.data_ptr() != ptr
-                or tensor.untyped_storage().data_ptr() != storage or tensor.device != first.device):
+        if (
+            not tensor.is_contiguous()
+            or not tensor.numel()
+            or tensor.data_ptr() != ptr
+            or tensor.untyped_storage().data_ptr() != storage
+            or tensor.device != first.device
+        ):
             return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
         ptr += tensor.numel() * tensor.element_size()
     raw = first.reshape(-1).view(torch.uint8)
-    return raw.as_strided((bucket.nbytes,), (1,), raw.storage_offset())   # bounds-checked against the storage
+    return raw.as_strided((bucket.nbytes,), (1,), raw.storage_offset())  # bounds-checked against the storage
 
 
 def _as_words(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,11 +255,12 @@ def _as_words(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     head = data[:whole]
     try:
         words = head.view(torch.int32)
-    except RuntimeError:   # a view needs a 4-byte aligned start
+    except RuntimeError:  # a view needs a 4-byte aligned start
         words = head.clone().view(torch.int32)
     rest = data[whole:]
-    last = torch.cat([rest, rest.new_zeros(-rest.numel() % 4)]).view(torch.int32) if rest.numel() else \
-        words.new_zeros(0)
+    last = (
+        torch.cat([rest, rest.new_zeros(-rest.numel() % 4)]).view(torch.int32) if rest.numel() else words.new_zeros(0)
+    )
     return words, last
 
 
@@ -263,9 +272,9 @@ class BucketSums:
     def __init__(self, layout: Layout):
         self._rows_per_bucket = max((-(-b.nbytes // 4) // BLOCK_WORDS + 1 for b in layout.buckets), default=1)
         self._count = len(layout.buckets)
-        self._rows: torch.Tensor | None = None   # [buckets, rows]: block sums (the last block may be partial)
-        self._cols: torch.Tensor | None = None   # [buckets, BLOCK_WORDS]: column sums over the blocks
-        self._direct: torch.Tensor | None = None   # [buckets, 3]: the sums of buckets the kernel summed
+        self._rows: torch.Tensor | None = None  # [buckets, rows]: block sums (the last block may be partial)
+        self._cols: torch.Tensor | None = None  # [buckets, BLOCK_WORDS]: column sums over the blocks
+        self._direct: torch.Tensor | None = None  # [buckets, 3]: the sums of buckets the kernel summed
 
     def _buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._rows is None or self._cols is None or self._direct is None:
@@ -289,14 +298,14 @@ class BucketSums:
                 direct[bucket.index] += _last_word_sums(last, index=words.numel())
             return
         full = words.numel() // BLOCK_WORDS
-        blocks = words[:full * BLOCK_WORDS].view(full, BLOCK_WORDS)
+        blocks = words[: full * BLOCK_WORDS].view(full, BLOCK_WORDS)
         torch.sum(blocks, 1, dtype=torch.int64, out=rows[bucket.index, :full])
         torch.sum(blocks, 0, dtype=torch.int64, out=cols[bucket.index])
-        tail = words[full * BLOCK_WORDS:]
+        tail = words[full * BLOCK_WORDS :]
         tail = torch.cat([tail, last]) if last.numel() else tail
-        if tail.numel():   # the last, partial block
+        if tail.numel():  # the last, partial block
             torch.sum(tail, 0, dtype=torch.int64, out=rows[bucket.index, full])
-            cols[bucket.index, :tail.numel()] += tail
+            cols[bucket.index, : tail.numel()] += tail
 
     def hex(self) -> list[str]:
         rows, cols, direct = self._buffers(torch.device("cpu"))
@@ -304,7 +313,7 @@ class BucketSums:
         block = torch.arange(rows.shape[1], dtype=torch.int64, device=device)
         column = torch.arange(1, BLOCK_WORDS + 1, dtype=torch.int64, device=device)
         s0 = rows.sum(1)
-        s1 = (rows * (block * BLOCK_WORDS)).sum(1) + (cols * column).sum(1)   # word i = b*BLOCK_WORDS + c weighs i+1
+        s1 = (rows * (block * BLOCK_WORDS)).sum(1) + (cols * column).sum(1)  # word i = b*BLOCK_WORDS + c weighs i+1
         s2 = (rows * _mix(block)).sum(1)
         triples = (torch.stack([s0, s1, s2], dim=1) + direct).cpu().tolist()
         return [f"{a & _U64:016x}{b & _U64:016x}{c & _U64:016x}" for a, b, c in triples]
@@ -319,7 +328,7 @@ def bucket_checksums(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> lis
     if isinstance(tensors, FlatParams) and tensors.layout_key == layout.key:
         for bucket, start in zip(layout.buckets, bucket_starts(layout)[0], strict=True):
             if bucket.nbytes:
-                sums.add_bytes(bucket, tensors.flat[start:start + bucket.nbytes])
+                sums.add_bytes(bucket, tensors.flat[start : start + bucket.nbytes])
         return sums.hex()
     for bucket in layout.buckets:
         sums.add(bucket, [tensors[slot.name] for slot in bucket.tensors])
@@ -337,8 +346,10 @@ def named_bucket_checksums(layout: Layout, named: Iterable[tuple[str, torch.Tens
         if slot is None:
             raise ValueError(f"{where}: tensor {name!r} is not in the plan, or came twice")
         if tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape:
-            raise ValueError(f"{where}: tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, the plan has "
-                             f"{slot.dtype} {list(slot.shape)}")
+            raise ValueError(
+                f"{where}: tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, the plan has "
+                f"{slot.dtype} {list(slot.shape)}"
+            )
         bucket = layout.buckets[slot.bucket]
         parts = held.setdefault(bucket.index, {})
         parts[name] = tensor
@@ -354,8 +365,10 @@ def describe_bucket(bucket: Bucket, *, listed: int = 3) -> str:
     """What a bucket mismatch pinpoints: `bucket 3 (bfloat16, 64.0 MiB: a, b, c and 5 more)`."""
     names = [slot.name for slot in bucket.tensors]
     more = f" and {len(names) - listed} more" if len(names) > listed else ""
-    return (f"bucket {bucket.index} ({str(bucket.dtype).removeprefix('torch.')}, {bucket.nbytes / 2**20:.1f} MiB: "
-            f"{', '.join(names[:listed])}{more})")
+    return (
+        f"bucket {bucket.index} ({str(bucket.dtype).removeprefix('torch.')}, {bucket.nbytes / 2**20:.1f} MiB: "
+        f"{', '.join(names[:listed])}{more})"
+    )
 
 
 def announced_bucket_checksums(plan: common_pb2.WeightSyncPlan) -> list[str]:

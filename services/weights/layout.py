@@ -20,9 +20,18 @@ from services.contracts.gen.tandem.v1 import common_pb2
 
 # torch dtype name (without "torch.") -> safetensors dtype code; also the set of dtypes a plan may carry.
 SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
 }
 
 
@@ -113,7 +122,7 @@ def plan_layout(specs: Sequence[TensorSpec], *, bucket_bytes: int) -> Layout:
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
     seen: set[str] = set()
-    open_: dict[str, list[int]] = {}       # dtype -> spec indices of its open bucket
+    open_: dict[str, list[int]] = {}  # dtype -> spec indices of its open bucket
     open_bytes: dict[str, int] = {}
     closed: list[list[int]] = []
     for i, spec in enumerate(specs):
@@ -121,7 +130,7 @@ def plan_layout(specs: Sequence[TensorSpec], *, bucket_bytes: int) -> Layout:
             raise ValueError(f"tensor name {spec.name!r} appears twice in the weight specs")
         seen.add(spec.name)
         size = spec.nbytes
-        if size > bucket_bytes:            # larger than a bucket: a bucket of its own
+        if size > bucket_bytes:  # larger than a bucket: a bucket of its own
             closed.append([i])
             continue
         if spec.dtype in open_ and open_bytes[spec.dtype] + size > bucket_bytes:
@@ -137,22 +146,38 @@ def plan_layout(specs: Sequence[TensorSpec], *, bucket_bytes: int) -> Layout:
         offset, bucket_slots = 0, []
         for i in members:
             spec = specs[i]
-            slot = Slot(name=spec.name, dtype=torch_dtype(spec.dtype), shape=spec.shape, offset=offset,
-                        nbytes=spec.nbytes, bucket=index)
+            slot = Slot(
+                name=spec.name,
+                dtype=torch_dtype(spec.dtype),
+                shape=spec.shape,
+                offset=offset,
+                nbytes=spec.nbytes,
+                bucket=index,
+            )
             slots[i] = slot
             bucket_slots.append(slot)
             offset += spec.nbytes
-        buckets.append(Bucket(index=index, dtype=torch_dtype(specs[members[0]].dtype), nbytes=offset,
-                              tensors=tuple(bucket_slots)))
+        buckets.append(
+            Bucket(index=index, dtype=torch_dtype(specs[members[0]].dtype), nbytes=offset, tensors=tuple(bucket_slots))
+        )
     return Layout(buckets=tuple(buckets), order=tuple(slots[i] for i in range(len(specs))))
 
 
 def layout_to_buckets(layout: Layout) -> list[common_pb2.WeightBucket]:
-    return [common_pb2.WeightBucket(
-        index=b.index, dtype=dtype_name(b.dtype), nbytes=b.nbytes,
-        tensors=[common_pb2.TensorMeta(name=s.name, dtype=dtype_name(s.dtype), shape=list(s.shape),
-                                       offset_bytes=s.offset, nbytes=s.nbytes) for s in b.tensors])
-        for b in layout.buckets]
+    return [
+        common_pb2.WeightBucket(
+            index=b.index,
+            dtype=dtype_name(b.dtype),
+            nbytes=b.nbytes,
+            tensors=[
+                common_pb2.TensorMeta(
+                    name=s.name, dtype=dtype_name(s.dtype), shape=list(s.shape), offset_bytes=s.offset, nbytes=s.nbytes
+                )
+                for s in b.tensors
+            ],
+        )
+        for b in layout.buckets
+    ]
 
 
 def layout_from_plan(plan: common_pb2.WeightSyncPlan) -> Layout:
@@ -176,12 +201,14 @@ def layout_from_plan(plan: common_pb2.WeightSyncPlan) -> Layout:
                 raise ValueError(f"{where}: tensor {meta.name!r} shape {shape} does not match {meta.nbytes} bytes")
             if meta.offset_bytes != offset:
                 raise ValueError(f"{where}: tensor {meta.name!r} at offset {meta.offset_bytes}, expected {offset}")
-            slots.append(Slot(name=meta.name, dtype=dtype, shape=shape, offset=offset, nbytes=meta.nbytes,
-                              bucket=position))
+            slots.append(
+                Slot(name=meta.name, dtype=dtype, shape=shape, offset=offset, nbytes=meta.nbytes, bucket=position)
+            )
             offset += meta.nbytes
         if offset != wb.nbytes or not slots:
-            raise ValueError(f"{where}: bucket {position} holds {offset} bytes in {len(slots)} tensors, "
-                             f"announces {wb.nbytes}")
+            raise ValueError(
+                f"{where}: bucket {position} holds {offset} bytes in {len(slots)} tensors, announces {wb.nbytes}"
+            )
         buckets.append(Bucket(index=position, dtype=dtype, nbytes=offset, tensors=tuple(slots)))
     layout = Layout(buckets=tuple(buckets), order=tuple(s for b in buckets for s in b.tensors))
     if plan.total_bytes and plan.total_bytes != layout.total_bytes:
@@ -205,13 +232,16 @@ def check_params(layout: Layout, params: Mapping[str, torch.Tensor]) -> list[str
         if target is None:
             problems.append(f"{slot.name}: missing (plan: {dtype_name(slot.dtype)} {list(slot.shape)})")
         elif target.dtype != slot.dtype or tuple(target.shape) != slot.shape:
-            problems.append(f"{slot.name}: have {dtype_name(target.dtype)} {list(target.shape)}, "
-                            f"plan sends {dtype_name(slot.dtype)} {list(slot.shape)}")
+            problems.append(
+                f"{slot.name}: have {dtype_name(target.dtype)} {list(target.shape)}, "
+                f"plan sends {dtype_name(slot.dtype)} {list(slot.shape)}"
+            )
     return problems
 
 
-def iter_validated(layout: Layout, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                   where: str) -> Iterator[tuple[Slot, torch.Tensor]]:
+def iter_validated(
+    layout: Layout, named_tensors: Iterable[tuple[str, torch.Tensor]], *, where: str
+) -> Iterator[tuple[Slot, torch.Tensor]]:
     """Pair incoming tensors with the plan in spec order; a clear ValueError on any deviation."""
     iterator = iter(named_tensors)
     for i, slot in enumerate(layout.order):
@@ -220,8 +250,10 @@ def iter_validated(layout: Layout, named_tensors: Iterable[tuple[str, torch.Tens
             raise ValueError(f"{where}: got {i} tensors, the plan has {len(layout.order)} (next: {slot.name!r})")
         name, tensor = item
         if name != slot.name or tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape:
-            raise ValueError(f"{where}: tensor #{i} is {name!r} {dtype_name(tensor.dtype)} {list(tensor.shape)}, "
-                             f"the plan expects {slot.name!r} {dtype_name(slot.dtype)} {list(slot.shape)}")
+            raise ValueError(
+                f"{where}: tensor #{i} is {name!r} {dtype_name(tensor.dtype)} {list(tensor.shape)}, "
+                f"the plan expects {slot.name!r} {dtype_name(slot.dtype)} {list(slot.shape)}"
+            )
         yield slot, tensor
     extra = next(iterator, None)
     if extra is not None:

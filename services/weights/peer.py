@@ -79,9 +79,15 @@ def plan_from_text(text: str) -> common_pb2.WeightSyncPlan:
 
 
 def stats_to_json(stats: SyncStats) -> JsonObject:
-    return {"version": stats.version, "bytes": stats.bytes, "seconds": stats.seconds, "checksums": stats.checksums,
-            "transport": stats.transport, "wait_seconds": stats.wait_seconds,
-            "bucket_checksums": list(stats.bucket_checksums)}
+    return {
+        "version": stats.version,
+        "bytes": stats.bytes,
+        "seconds": stats.seconds,
+        "checksums": stats.checksums,
+        "transport": stats.transport,
+        "wait_seconds": stats.wait_seconds,
+        "bucket_checksums": list(stats.bucket_checksums),
+    }
 
 
 class _Worker:
@@ -99,18 +105,19 @@ class _Worker:
         plan = plan_from_text(cmd["plan"])
         flat = cmd.get("flat")
         key = (tuple(specs), device, flat)
-        if key != self.params_key:   # the engine keeps its params between syncs
-            if flat:                 # params as views of one buffer laid out like the plan's buckets
+        if key != self.params_key:  # the engine keeps its params between syncs
+            if flat:  # params as views of one buffer laid out like the plan's buckets
                 from services.weights.transports.cuda_ipc import flat_views
+
                 self.params = flat_views(layout_from_plan(plan), device)[1]
-                if flat == "recipe":     # the same views as a plain mapping: copies planned per tensor
+                if flat == "recipe":  # the same views as a plain mapping: copies planned per tensor
                     self.params = dict(self.params)
             else:
                 self.params = {s.name: torch.zeros(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in specs}
             self.params_key = key
         stats = self.receiver.receive(plan, cmd.get("rank", 1), self.params)
         reply: JsonObject = {"stats": stats_to_json(stats)}
-        transport: Any = self.receiver._transports.get(plan.transport)   # diagnostics of some transports
+        transport: Any = self.receiver._transports.get(plan.transport)  # diagnostics of some transports
         if hasattr(transport, "last_copies"):
             reply["copies"] = transport.last_copies
         if hasattr(transport, "last_timings"):
@@ -119,18 +126,23 @@ class _Worker:
             reply["kept_mappings"] = transport.kept_mappings
         if cmd.get("seed") is not None:
             expected = make_tensors(specs, seed=cmd["seed"])
-            reply["unequal"] = [n for n, t in expected.items()
-                                if not (bits_equal(self.params[n].cpu(), t) and torch.equal(self.params[n].cpu(), t))]
+            reply["unequal"] = [
+                n
+                for n, t in expected.items()
+                if not (bits_equal(self.params[n].cpu(), t) and torch.equal(self.params[n].cpu(), t))
+            ]
         return reply
 
     def prepare(self, cmd: JsonObject) -> JsonObject:
         if self.publisher is None:
             config = weights_config(transport=cmd["transport"], bucket_mb=cmd["bucket_mb"], timeout_s=cmd["timeout_s"])
-            self.publisher = WeightPublisher(config=config, run_dir=Path(cmd.get("run_dir", ".")),
-                                             trainer_id=cmd.get("trainer_id", "peer"))
+            self.publisher = WeightPublisher(
+                config=config, run_dir=Path(cmd.get("run_dir", ".")), trainer_id=cmd.get("trainer_id", "peer")
+            )
         self.specs = specs_from_json(cmd["specs"])
-        self.plan = self.publisher.prepare(self.specs, cmd["version"], cmd.get("engine_world_size", 1),
-                                           cmd.get("verify", False))
+        self.plan = self.publisher.prepare(
+            self.specs, cmd["version"], cmd.get("engine_world_size", 1), cmd.get("verify", False)
+        )
         return {"plan": plan_to_text(self.plan)}
 
     def publish(self, cmd: JsonObject) -> JsonObject:
@@ -153,8 +165,13 @@ class _Worker:
         """The bare-gloo baseline: one buffer of `nbytes`, broadcast `repeats` times from rank 0."""
         timeout = datetime.timedelta(seconds=cmd["timeout_s"])
         store = dist.TCPStore(host_name=cmd["addr"], port=cmd["port"], is_master=False, timeout=timeout)
-        pg = torch_compat.gloo_group(dist.PrefixStore(cmd["group"], store), rank=1, world_size=2, timeout=timeout,
-                                     device=dist.ProcessGroupGloo.create_device(hostname="127.0.0.1"))
+        pg = torch_compat.gloo_group(
+            dist.PrefixStore(cmd["group"], store),
+            rank=1,
+            world_size=2,
+            timeout=timeout,
+            device=dist.ProcessGroupGloo.create_device(hostname="127.0.0.1"),
+        )
         buffer = torch.empty(cmd["nbytes"], dtype=torch.uint8)
         for _ in range(cmd["repeats"]):
             pg.broadcast(buffer, 0, timeout).wait()
@@ -186,8 +203,13 @@ class Peer:
     """The parent's handle on a peer process (replies read by a thread, so waits can time out)."""
 
     def __init__(self, *, env: dict[str, str] | None = None):
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.weights.peer"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.weights.peer"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         self._replies: queue.Queue[JsonObject | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         hello = self.reply(timeout_s=_HARNESS_TIMEOUT_S)

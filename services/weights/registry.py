@@ -24,7 +24,7 @@ from services.contracts.config import CudaIpcWeights, DiskWeights, ProcessGroupW
 from services.weights.base import ReceiverTransport, SenderTransport
 
 SenderFactory = Callable[[WeightsConfig, Path, str], SenderTransport]  # (config, run_dir, trainer_id)
-SGLangSenderFactory = Callable[[WeightsConfig, str, str], SenderTransport]   # (config, trainer_id, load format)
+SGLangSenderFactory = Callable[[WeightsConfig, str, str], SenderTransport]  # (config, trainer_id, load format)
 ReceiverFactory = Callable[[], ReceiverTransport]
 Own = TypeVar("Own", ProcessGroupWeights, CudaIpcWeights, DiskWeights)
 
@@ -42,56 +42,74 @@ class Transport:
     name: str
     sender: SenderFactory
     receiver: ReceiverFactory
-    sglang_sender: SGLangSenderFactory | None = None   # None: `sender` serves SGLang engines too
+    sglang_sender: SGLangSenderFactory | None = None  # None: `sender` serves SGLang engines too
 
 
 def _process_group_sender(backend: str) -> SenderFactory:
     def build(config: WeightsConfig, run_dir: Path, trainer_id: str) -> SenderTransport:
         from services.weights.transports.sglang import SGLangAwareSender
-        return SGLangAwareSender(backend=backend, config=_own(config, backend, ProcessGroupWeights),
-                                 trainer_id=trainer_id)
+
+        return SGLangAwareSender(
+            backend=backend, config=_own(config, backend, ProcessGroupWeights), trainer_id=trainer_id
+        )
+
     return build
 
 
 def _process_group_receiver(backend: str) -> ReceiverFactory:
     def build() -> ReceiverTransport:
         from services.weights.transports.pg import ProcessGroupReceiver
+
         return ProcessGroupReceiver(backend=backend)
+
     return build
 
 
 def _cuda_ipc_sender(config: WeightsConfig, run_dir: Path, trainer_id: str) -> SenderTransport:
     from services.weights.transports.cuda_ipc import CudaIpcSender
+
     return CudaIpcSender(config=_own(config, "cuda_ipc", CudaIpcWeights), trainer_id=trainer_id)
 
 
 def _cuda_ipc_receiver() -> ReceiverTransport:
     from services.weights.transports.cuda_ipc import CudaIpcReceiver
+
     return CudaIpcReceiver()
 
 
 def _sglang_tensor_sender(config: WeightsConfig, trainer_id: str, load_format: str) -> SenderTransport:
     from services.weights.transports.sglang_tensor import SGLangTensorSender
-    return SGLangTensorSender(config=_own(config, "cuda_ipc", CudaIpcWeights), trainer_id=trainer_id,
-                              load_format=load_format)
+
+    return SGLangTensorSender(
+        config=_own(config, "cuda_ipc", CudaIpcWeights), trainer_id=trainer_id, load_format=load_format
+    )
 
 
 def _disk_sender(config: WeightsConfig, run_dir: Path, trainer_id: str) -> SenderTransport:
     from services.weights.transports.disk import DiskSender
+
     return DiskSender(config=_own(config, "disk", DiskWeights), run_dir=run_dir, trainer_id=trainer_id)
 
 
 def _disk_receiver() -> ReceiverTransport:
     from services.weights.transports.disk import DiskReceiver
+
     return DiskReceiver()
 
 
-TRANSPORTS: Mapping[str, Transport] = MappingProxyType({t.name: t for t in (
-    Transport("gloo", sender=_process_group_sender("gloo"), receiver=_process_group_receiver("gloo")),
-    Transport("nccl", sender=_process_group_sender("nccl"), receiver=_process_group_receiver("nccl")),
-    Transport("cuda_ipc", sender=_cuda_ipc_sender, receiver=_cuda_ipc_receiver, sglang_sender=_sglang_tensor_sender),
-    Transport("disk", sender=_disk_sender, receiver=_disk_receiver),
-)})
+TRANSPORTS: Mapping[str, Transport] = MappingProxyType(
+    {
+        t.name: t
+        for t in (
+            Transport("gloo", sender=_process_group_sender("gloo"), receiver=_process_group_receiver("gloo")),
+            Transport("nccl", sender=_process_group_sender("nccl"), receiver=_process_group_receiver("nccl")),
+            Transport(
+                "cuda_ipc", sender=_cuda_ipc_sender, receiver=_cuda_ipc_receiver, sglang_sender=_sglang_tensor_sender
+            ),
+            Transport("disk", sender=_disk_sender, receiver=_disk_receiver),
+        )
+    }
+)
 
 
 def transport(name: str) -> Transport:

@@ -25,14 +25,20 @@ def main() -> int:
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args()
-    buf = RolloutBuffer(connect(args.url), args.stream, groups=tuple(args.groups.split(",")), group=args.group,
-                        consumer=args.consumer, claim_idle_ms=3_600_000)
+    buf = RolloutBuffer(
+        connect(args.url),
+        args.stream,
+        groups=tuple(args.groups.split(",")),
+        group=args.group,
+        consumer=args.consumer,
+        claim_idle_ms=3_600_000,
+    )
     got: list[BufferEntry] = []
     deadline = time.monotonic() + args.timeout
     while len(got) < args.count and time.monotonic() < deadline:
         got += buf.get(count=args.count - len(got), block_ms=500)
     print(json.dumps({"ids": [e.entry_id for e in got], "rollout_ids": [e.rollout_id for e in got]}), flush=True)
-    while True:      # hold the entries (pending, never acked) until killed
+    while True:  # hold the entries (pending, never acked) until killed
         time.sleep(3600)
 
 

@@ -60,12 +60,13 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
 class Rollout(rollout_pb2_grpc.RolloutServicer):
     @map_errors
     def Generate(self, request, context):
-        return rollout_pb2.GenerateResponse(num_samples=len(request.prompts),
-                                            num_prompt_tokens=sum(len(p.text) for p in request.prompts))
+        return rollout_pb2.GenerateResponse(
+            num_samples=len(request.prompts), num_prompt_tokens=sum(len(p.text) for p in request.prompts)
+        )
 
     @map_errors
     def Resume(self, request, context):
-        return common_pb2.Ack(ok=True, message="x" * (2 << 20))     # a reply over a 1 MiB client limit
+        return common_pb2.Ack(ok=True, message="x" * (2 << 20))  # a reply over a 1 MiB client limit
 
 
 def main() -> int:
@@ -75,15 +76,25 @@ def main() -> int:
     parser.add_argument("--bind-host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
-    options = ServerOptions(bind_host=args.bind_host, port=args.port, max_message_mb=args.max_message_mb,
-                            auth_token=args.auth_token)
-    server = start_server([
-        (coordinator_pb2_grpc.add_CoordinatorServicer_to_server, Coordinator(),
-         coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name),
-        (rollout_pb2_grpc.add_RolloutServicer_to_server, Rollout(),
-         rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name),
-    ], options)
-    stop = StopSignals()   # as the services wait for their stop
+    options = ServerOptions(
+        bind_host=args.bind_host, port=args.port, max_message_mb=args.max_message_mb, auth_token=args.auth_token
+    )
+    server = start_server(
+        [
+            (
+                coordinator_pb2_grpc.add_CoordinatorServicer_to_server,
+                Coordinator(),
+                coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name,
+            ),
+            (
+                rollout_pb2_grpc.add_RolloutServicer_to_server,
+                Rollout(),
+                rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name,
+            ),
+        ],
+        options,
+    )
+    stop = StopSignals()  # as the services wait for their stop
     print(f"TANDEM_READY test-server {server.port}", flush=True)
     stop.wait()
     server.stop(grace_s=1.0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-SEEN: list[tuple[str, str, dict[str, str]]] = []   # (prompt, label, metadata) per sample
+SEEN: list[tuple[str, str, dict[str, str]]] = []  # (prompt, label, metadata) per sample
 
 
 def record(prompts, labels, metadatas):

@@ -15,10 +15,23 @@ class GenerateOnlyEngine(Engine):
         self._version, self._max_context, self._gate = version, max_context, PauseGate(engine="scripted")
         self._released, self._generated = set(), 0
 
-    def update_weights_from_tensors(self, named_tensors, *, version=None): raise NotImplementedError
-    def update_weights_from_disk(self, path, *, version): raise NotImplementedError
-    def receive_weights(self, plan, *, rank_offset, receiver): raise NotImplementedError
-    def pause(self, mode="drain", *, timeout_s=None): raise NotImplementedError
-    def resume(self): raise NotImplementedError
-    def release_memory(self, tags=()): raise NotImplementedError
-    def resume_memory(self, tags=()): raise NotImplementedError
+    def update_weights_from_tensors(self, named_tensors, *, version=None):
+        raise NotImplementedError
+
+    def update_weights_from_disk(self, path, *, version):
+        raise NotImplementedError
+
+    def receive_weights(self, plan, *, rank_offset, receiver):
+        raise NotImplementedError
+
+    def pause(self, mode="drain", *, timeout_s=None):
+        raise NotImplementedError
+
+    def resume(self):
+        raise NotImplementedError
+
+    def release_memory(self, tags=()):
+        raise NotImplementedError
+
+    def resume_memory(self, tags=()):
+        raise NotImplementedError

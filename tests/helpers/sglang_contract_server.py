@@ -62,12 +62,33 @@ import torch.distributed as dist
 
 PROFILES = ("0.4.10", "0.5.15", "0.5.17", "0.5.23")
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
-SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_new_tokens", "stop",
-                 "stop_token_ids", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-                 "no_stop_trim", "n", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                 "sampling_seed", "json_schema", "regex", "ebnf", "custom_params", "stream_interval", "logit_bias"}
+SAMPLING_KEYS = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_new_tokens",
+    "min_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "n",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "sampling_seed",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "custom_params",
+    "stream_interval",
+    "logit_bias",
+}
 
-if __package__:   # imported as tests/helpers' module, or run as a script (its directory is then on sys.path)
+if __package__:  # imported as tests/helpers' module, or run as a script (its directory is then on sys.path)
     from .sglang_contract_weights import (
         _MISSING,
         Reject,
@@ -106,22 +127,22 @@ class Server(WeightRoutes):
         self.extra_args = dict(args.server_arg)
         self.pg_timeout = datetime.timedelta(seconds=args.pg_timeout_s)
         self.model_path = args.model_path
-        self.tokenizer = None   # SGLang's tokenizer manager loads it with AutoTokenizer; needed for stop strings
+        self.tokenizer = None  # SGLang's tokenizer manager loads it with AutoTokenizer; needed for stop strings
         if args.tokenizer:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        self.device = torch.device(args.device)   # where received tensors live (SGLang: the model's GPU)
+        self.device = torch.device(args.device)  # where received tensors live (SGLang: the model's GPU)
         self.cv = threading.Condition()
-        self.paused: str | None = None        # pause_generation mode, None = generating
-        self.aborts = 0                       # pause_generation(abort) calls so far
-        self.running = 0                      # generate requests inside the scheduler
-        self.parked = 0                       # of those, stopped by retract / in_place
+        self.paused: str | None = None  # pause_generation mode, None = generating
+        self.aborts = 0  # pause_generation(abort) calls so far
+        self.running = 0  # generate requests inside the scheduler
+        self.parked = 0  # of those, stopped by retract / in_place
         self.weight_version = "default"
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.weights: dict[str, torch.Tensor] = {}
         self.tensor_updates: list[dict[str, Any]] = []
-        self.weights_lost = False             # resumed without --enable-weights-cpu-backup, no update since
+        self.weights_lost = False  # resumed without --enable-weights-cpu-backup, no update since
         self.released: set[str] = set()
         self.session_open = False
         self.flushes = 0
@@ -133,18 +154,25 @@ class Server(WeightRoutes):
 
     def routes(self) -> dict[tuple[str, str], Callable[[Any, dict], Any]]:
         r: dict[tuple[str, str], Callable[[Any, dict], Any]] = {
-            ("GET", "/health_generate"): self.health, ("GET", "/health"): self.health,
-            ("GET", "/get_server_info"): self.server_info, ("GET", "/v1/models"): self.models,
+            ("GET", "/health_generate"): self.health,
+            ("GET", "/health"): self.health,
+            ("GET", "/get_server_info"): self.server_info,
+            ("GET", "/v1/models"): self.models,
             ("GET", "/get_model_info"): self.model_info,
-            ("POST", "/generate"): self.generate, ("PUT", "/generate"): self.generate,
-            ("GET", "/flush_cache"): self.flush_cache, ("POST", "/flush_cache"): self.flush_cache,
-            ("POST", "/pause_generation"): self.pause, ("POST", "/continue_generation"): self.resume,
+            ("POST", "/generate"): self.generate,
+            ("PUT", "/generate"): self.generate,
+            ("GET", "/flush_cache"): self.flush_cache,
+            ("POST", "/flush_cache"): self.flush_cache,
+            ("POST", "/pause_generation"): self.pause,
+            ("POST", "/continue_generation"): self.resume,
             ("POST", "/init_weights_update_group"): self.init_group,
             ("POST", "/destroy_weights_update_group"): self.destroy_group,
             ("POST", "/update_weights_from_distributed"): self.update_distributed,
             ("POST", "/update_weights_from_disk"): self.update_disk,
-            ("GET", "/_contract/weights"): self.contract_weights, ("GET", "/_contract/log"): lambda b, q: self.log,
-            ("GET", "/_contract/state"): self.contract_state, ("POST", "/_contract/configure"): self.configure,
+            ("GET", "/_contract/weights"): self.contract_weights,
+            ("GET", "/_contract/log"): lambda b, q: self.log,
+            ("GET", "/_contract/state"): self.contract_state,
+            ("POST", "/_contract/configure"): self.configure,
         }
         for method in ("GET", "POST"):
             r[(method, "/release_memory_occupation")] = self.release_memory
@@ -156,45 +184,85 @@ class Server(WeightRoutes):
         if self.profile == "0.5.23":
             r[("POST", "/begin_weight_update")] = self.begin_session
             r[("POST", "/end_weight_update")] = self.end_session
-        if self.profile == "0.4.10":   # only what version detection reads
+        if self.profile == "0.4.10":  # only what version detection reads
             r = {k: v for k, v in r.items() if k[1] in ("/health_generate", "/get_server_info") or "_contract" in k[1]}
         return r
 
     # ---- info ---------------------------------------------------------------------------------------
 
     def health(self, body: Any, query: dict) -> Any:
-        return Reject(200, "", text=True)   # Response(status_code=200): no body
+        return Reject(200, "", text=True)  # Response(status_code=200): no body
 
     def server_info(self, body: Any, query: dict) -> Any:
         # {**dataclasses.asdict(server_args), **scheduler_info, "internal_states": [...], "version": __version__}
-        return {"model_path": self.model_path, "tokenizer_path": self.model_path, "host": "127.0.0.1",
-                "tp_size": 1, "dp_size": 1, "pp_size": 1, "context_length": None,
-                "enable_memory_saver": self.memory_saver, "enable_weights_cpu_backup": self.weights_cpu_backup,
-                "rl_on_policy_target": None, "enable_deterministic_inference": False,
-                "weight_version": self.weight_version, "skip_tokenizer_init": False, "max_total_num_tokens": 4096,
-                "max_req_input_len": self.context - 1, **self.extra_args,
-                "internal_states": [{"last_gen_throughput": 0.0}], "version": self.profile}
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "host": "127.0.0.1",
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "context_length": None,
+            "enable_memory_saver": self.memory_saver,
+            "enable_weights_cpu_backup": self.weights_cpu_backup,
+            "rl_on_policy_target": None,
+            "enable_deterministic_inference": False,
+            "weight_version": self.weight_version,
+            "skip_tokenizer_init": False,
+            "max_total_num_tokens": 4096,
+            "max_req_input_len": self.context - 1,
+            **self.extra_args,
+            "internal_states": [{"last_gen_throughput": 0.0}],
+            "version": self.profile,
+        }
 
     def model_info(self, body: Any, query: dict) -> Any:
-        return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": self.weight_version,
-                "has_image_understanding": False, "has_audio_understanding": False, "model_type": "qwen2",
-                "architectures": ["Qwen2ForCausalLM"]}
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "qwen2",
+            "architectures": ["Qwen2ForCausalLM"],
+        }
 
     def models(self, body: Any, query: dict) -> Any:
-        return {"object": "list", "data": [{"id": self.model_path, "object": "model", "created": 0,
-                                            "owned_by": "sglang", "root": self.model_path,
-                                            "max_model_len": self.context}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_path,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "sglang",
+                    "root": self.model_path,
+                    "max_model_len": self.context,
+                }
+            ],
+        }
 
     def contract_weights(self, body: Any, query: dict) -> Any:
-        return {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "checksum": blake2b_hex(t)}
-                for n, t in self.weights.items()}
+        return {
+            n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "checksum": blake2b_hex(t)}
+            for n, t in self.weights.items()
+        }
 
     def contract_state(self, body: Any, query: dict) -> Any:
-        return {"paused": self.paused, "running": self.running, "parked": self.parked, "flushes": self.flushes,
-                "released": sorted(self.released), "session_open": self.session_open, "groups": sorted(self.groups),
-                "weight_version": self.weight_version, "weights_lost": self.weights_lost,
-                "tensor_updates": self.tensor_updates}
+        return {
+            "paused": self.paused,
+            "running": self.running,
+            "parked": self.parked,
+            "flushes": self.flushes,
+            "released": sorted(self.released),
+            "session_open": self.session_open,
+            "groups": sorted(self.groups),
+            "weight_version": self.weight_version,
+            "weights_lost": self.weights_lost,
+            "tensor_updates": self.tensor_updates,
+        }
 
     def configure(self, body: Any, query: dict) -> Any:
         with self.cv:
@@ -212,11 +280,18 @@ class Server(WeightRoutes):
         if not isinstance(params, dict):
             raise validation_error("sampling_params must be an object (or a list of objects)")
         unknown = sorted(set(params) - SAMPLING_KEYS)
-        if unknown:   # SamplingParams(**...) raises TypeError, which no handler catches: FastAPI's plain 500
+        if unknown:  # SamplingParams(**...) raises TypeError, which no handler catches: FastAPI's plain 500
             raise Reject(500, "Internal Server Error", text=True)
-        p = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 128, "stop_token_ids": None,
-             "ignore_eos": False, **params}
-        if p["temperature"] < 0:   # SamplingParams.verify()
+        p = {
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "max_new_tokens": 128,
+            "stop_token_ids": None,
+            "ignore_eos": False,
+            **params,
+        }
+        if p["temperature"] < 0:  # SamplingParams.verify()
             raise error_response(f"temperature must be a non-negative finite number, got {p['temperature']}.")
         if not 0 < p["top_p"] <= 1:
             raise error_response(f"top_p must be in (0, 1], got {p['top_p']}.")
@@ -230,19 +305,22 @@ class Server(WeightRoutes):
         """SamplingParams.normalize: `stop` as a list, and stop_str_max_len = the most tokens one encodes to."""
         stops = p.get("stop") or []
         stops = [stops] if isinstance(stops, str) else list(stops)
-        if stops and self.tokenizer is None:   # a deviation: this server has a tokenizer only with --tokenizer
+        if stops and self.tokenizer is None:  # a deviation: this server has a tokenizer only with --tokenizer
             raise error_response("the contract server matches stop strings only when started with --tokenizer")
         p["stop_strs"] = stops
         tokenizer = self.tokenizer
-        p["stop_str_max_len"] = max((len(tokenizer.encode(s, add_special_tokens=False)) for s in stops),
-                                    default=0) if tokenizer is not None else 0
+        p["stop_str_max_len"] = (
+            max((len(tokenizer.encode(s, add_special_tokens=False)) for s in stops), default=0)
+            if tokenizer is not None
+            else 0
+        )
         return p
 
     def _matched_stop(self, tokens: list[int], p: dict[str, Any]) -> str | None:
         """Req.check_finished: the tail of stop_str_max_len + 1 tokens, decoded with its special tokens."""
         if not p["stop_strs"] or self.tokenizer is None:
             return None
-        tail = self.tokenizer.decode(tokens[-(p["stop_str_max_len"] + 1):])
+        tail = self.tokenizer.decode(tokens[-(p["stop_str_max_len"] + 1) :])
         return next((s for s in p["stop_strs"] if s in tail), None)
 
     def _text(self, tokens: list[int], finish: dict[str, Any], p: dict[str, Any]) -> str:
@@ -250,30 +328,40 @@ class Server(WeightRoutes):
         if self.tokenizer is None:
             return " ".join(str(t) for t in tokens)
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        assert isinstance(text, str)   # one sequence
+        assert isinstance(text, str)  # one sequence
         matched = finish.get("matched")
         if isinstance(matched, str) and matched in text and not p.get("no_stop_trim"):
-            text = text[:text.find(matched)]
+            text = text[: text.find(matched)]
         return text
 
     def _validate_lengths(self, prompt: list[int], max_new_tokens: int | None) -> None:
         """TokenizerManager._validate_one_request (validate_total_tokens, no auto-truncation)."""
         if len(prompt) >= self.context:
-            raise error_response(f"The input ({len(prompt)} tokens) is longer than the model's context length "
-                                 f"({self.context} tokens).")
+            raise error_response(
+                f"The input ({len(prompt)} tokens) is longer than the model's context length ({self.context} tokens)."
+            )
         if max_new_tokens is not None and len(prompt) + max_new_tokens > self.context:
             raise error_response(
                 f"Requested token count exceeds the model's maximum context length of {self.context} tokens. You "
                 f"requested a total of {len(prompt) + max_new_tokens} tokens: {len(prompt)} tokens from the input "
                 f"messages and {max_new_tokens} tokens for the completion. Please reduce the number of tokens in the "
-                f"input messages or the completion to fit within the limit.")
+                f"input messages or the completion to fit within the limit."
+            )
         if max(prompt) >= self.vocab:
             raise error_response(f"The input_ids {prompt} contains values greater than the vocab size ({self.vocab}).")
 
     def generate(self, body: Any, query: dict) -> Any:
-        req = fields(body, {"input_ids": ((list,), _MISSING), "sampling_params": ((dict, list), None),
-                            "return_logprob": ((bool, list), False), "stream": ((bool,), False),
-                            "rid": ((str, list), None), "logprob_start_len": ((int, list), None)})
+        req = fields(
+            body,
+            {
+                "input_ids": ((list,), _MISSING),
+                "sampling_params": ((dict, list), None),
+                "return_logprob": ((bool, list), False),
+                "stream": ((bool,), False),
+                "rid": ((str, list), None),
+                "logprob_start_len": ((int, list), None),
+            },
+        )
         if req["stream"]:
             raise validation_error("the contract server does not stream")
         ids = req["input_ids"]
@@ -282,14 +370,15 @@ class Server(WeightRoutes):
         if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
             raise validation_error("input_ids must be a non-empty list of ints or of lists of ints")
         params = req["sampling_params"]
-        samplings = [self._sampling(p) for p in params] if isinstance(params, list) else \
-            [self._sampling(params)] * len(prompts)
+        samplings = (
+            [self._sampling(p) for p in params] if isinstance(params, list) else [self._sampling(params)] * len(prompts)
+        )
         for p, sp in zip(prompts, samplings, strict=False):
             self._validate_lengths(p, sp["max_new_tokens"])
-        with self.cv:   # a request that arrives while paused waits (TokenizerManager.is_pause_cond) ...
+        with self.cv:  # a request that arrives while paused waits (TokenizerManager.is_pause_cond) ...
             aborts = self.aborts
             self.cv.wait_for(lambda: self.paused is None)
-            if self.aborts != aborts:   # ... and one a pause(abort) reached meanwhile fails after continue
+            if self.aborts != aborts:  # ... and one a pause(abort) reached meanwhile fails after continue
                 self.next_rid += 1
                 raise error_response(f"Request rid-{self.next_rid} was aborted", status=499)
             self.running += 1
@@ -309,10 +398,10 @@ class Server(WeightRoutes):
         # a request the tokenizer manager let through may still end 2 tokens short of the context
         budget = max(0, min(p["max_new_tokens"], self.context - 1 - len(prompt) - 1))
         tokens: list[int] = []
-        log_probs: list[float] = []   # of the weights that computed each token: an update may land while parked
+        log_probs: list[float] = []  # of the weights that computed each token: an update may land while parked
         finish: dict[str, Any] = {"type": "length", "length": budget}
         for i in range(budget):
-            if self._boundary():   # a running request's abort (a waiting one's says "Abort in waiting queue")
+            if self._boundary():  # a running request's abort (a waiting one's says "Abort in waiting queue")
                 finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
                 break
             token = (prompt[-1] + 1 + i) % self.vocab
@@ -322,14 +411,21 @@ class Server(WeightRoutes):
                 finish = {"type": "stop", "matched": token}
                 break
             matched = self._matched_stop(tokens, p)
-            if matched is not None:                # FINISH_MATCHED_STR: the completing token stays in output_ids
+            if matched is not None:  # FINISH_MATCHED_STR: the completing token stays in output_ids
                 finish = {"type": "stop", "matched": matched}
                 break
-        meta: dict[str, Any] = {"id": f"rid-{self.next_rid}", "finish_reason": finish, "prompt_tokens": len(prompt),
-                                "weight_version": self.weight_version, "num_retractions": 0,
-                                "completion_tokens": len(tokens), "cached_tokens": 0, "reasoning_tokens": 0,
-                                "e2e_latency": 0.0}
-        if logprob:   # logprob_start_len -1 starts at the input's end: no input log-probs
+        meta: dict[str, Any] = {
+            "id": f"rid-{self.next_rid}",
+            "finish_reason": finish,
+            "prompt_tokens": len(prompt),
+            "weight_version": self.weight_version,
+            "num_retractions": 0,
+            "completion_tokens": len(tokens),
+            "cached_tokens": 0,
+            "reasoning_tokens": 0,
+            "e2e_latency": 0.0,
+        }
+        if logprob:  # logprob_start_len -1 starts at the input's end: no input log-probs
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(log_probs, tokens, strict=True)]
             meta["output_token_logprobs_length"] = len(tokens)
@@ -356,15 +452,15 @@ class Server(WeightRoutes):
 
     def pause(self, body: Any, query: dict) -> Any:
         req = fields(body, {"mode": ((str,), "abort"), "rid": ((str, type(None)), None)})
-        if req["mode"] not in ("abort", "retract", "in_place"):   # Literal["abort", "retract", "in_place"]
+        if req["mode"] not in ("abort", "retract", "in_place"):  # Literal["abort", "retract", "in_place"]
             raise validation_error(f"Input should be 'abort', 'retract' or 'in_place', got {req['mode']!r}")
         with self.cv:
             self.paused = req["mode"]
             self.aborts += req["mode"] == "abort"
             self.cv.notify_all()
-            if req["mode"] == "abort":   # it returns once no request holds the model-update lock
+            if req["mode"] == "abort":  # it returns once no request holds the model-update lock
                 self.cv.wait_for(lambda: self.running == 0, timeout=10)
-            else:                        # the scheduler stops at its next step
+            else:  # the scheduler stops at its next step
                 self.cv.wait_for(lambda: self.parked == self.running, timeout=10)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
@@ -392,14 +488,18 @@ class Server(WeightRoutes):
     def flush_cache(self, body: Any, query: dict) -> Any:
         if not self._flush():
             raise Reject(400, "Flush cache failed.\n", text=True)
-        return Reject(200, "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
-                           "waiting requests, the operation will not be performed.)\n", text=True)
+        return Reject(
+            200,
+            "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+            "waiting requests, the operation will not be performed.)\n",
+            text=True,
+        )
 
     # ---- memory -------------------------------------------------------------------------------------
 
     def _tags(self, body: Any) -> list[str]:
         req = fields(body, {"tags": ((list, type(None)), None), "rid": ((str, type(None)), None)})
-        tags = req["tags"] if req["tags"] else list(MEMORY_TAGS)   # null or [] = all
+        tags = req["tags"] if req["tags"] else list(MEMORY_TAGS)  # null or [] = all
         bad = [t for t in tags if t not in MEMORY_TAGS]
         if bad:
             raise error_response(f"unknown memory tag(s) {bad}")
@@ -409,17 +509,17 @@ class Server(WeightRoutes):
         tags = self._tags(body)
         if not self.idle():
             crash("AssertionError: release_memory_occupation should be called only when server is idle.")
-        self.released.update(tags)   # offload_tags, also without --enable-memory-saver (its adapter frees nothing)
+        self.released.update(tags)  # offload_tags, also without --enable-memory-saver (its adapter frees nothing)
         return None
 
     def resume_memory(self, body: Any, query: dict) -> Any:
         tags = self._tags(body)
         missing = [t for t in tags if t not in self.released]
-        if missing:   # offload_tags.remove(tag)
+        if missing:  # offload_tags.remove(tag)
             crash(f"KeyError: {missing[0]!r}")
         self.released.difference_update(tags)
         if "weights" in tags and self.memory_saver and not self.weights_cpu_backup:
-            self.weights_lost = True   # the pages come back, their contents do not
+            self.weights_lost = True  # the pages come back, their contents do not
         return None
 
 
@@ -451,8 +551,11 @@ def make_handler(state: Server, *, api_key: str | None) -> type[BaseHTTPRequestH
         def _dispatch(self, method: str) -> None:
             path = urlsplit(self.path).path
             raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            if api_key and not path.startswith("/_contract/") and \
-                    self.headers.get("Authorization") != f"Bearer {api_key}":
+            if (
+                api_key
+                and not path.startswith("/_contract/")
+                and self.headers.get("Authorization") != f"Bearer {api_key}"
+            ):
                 return self._send(401, {"error": "Unauthorized"})
             try:
                 body = json.loads(raw) if raw.strip() else None
@@ -460,7 +563,7 @@ def make_handler(state: Server, *, api_key: str | None) -> type[BaseHTTPRequestH
                 return self._send(400, validation_error("JSON decode error").body)
             if not path.startswith("/_contract/"):
                 state.log.append({"method": method, "path": path, "body": body})
-            with state.cv:   # a hung route answers nothing until it is configured away
+            with state.cv:  # a hung route answers nothing until it is configured away
                 state.cv.wait_for(lambda: path not in state.hang)
             if path in state.fail:
                 message = state.fail[path]
@@ -490,8 +593,9 @@ class ContractServer:
         import subprocess
 
         env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], stdout=subprocess.PIPE,
-                                     text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), *args], stdout=subprocess.PIPE, text=True, env=env
+        )
         lines: queue.Queue[str] = queue.Queue()
         stdout = self.proc.stdout
         assert stdout is not None
@@ -516,8 +620,9 @@ class ContractServer:
         import urllib.request
 
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=timeout_s) as answer:
             return json.loads(answer.read() or b"null")
 
@@ -538,7 +643,7 @@ class ContractServer:
         import subprocess
 
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)   # in case a test stopped it
+            self.proc.send_signal(signal.SIGCONT)  # in case a test stopped it
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)
@@ -558,15 +663,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="a tokenizer directory: stop strings and text as SGLang")
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true")
-    parser.add_argument("--server-arg", action="append", default=[], type=lambda kv: (kv.split("=", 1)[0],
-                        json.loads(kv.split("=", 1)[1])), help="KEY=JSON: an extra /server_info field")
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        type=lambda kv: (kv.split("=", 1)[0], json.loads(kv.split("=", 1)[1])),
+        help="KEY=JSON: an extra /server_info field",
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--pg-timeout-s", type=float, default=30.0)
     parser.add_argument("--device", default="cpu", help="where received tensors live; cuda:N for backend nccl")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(args.device))   # as SGLang's scheduler process has its GPU set
+        torch.cuda.set_device(torch.device(args.device))  # as SGLang's scheduler process has its GPU set
     state = Server(args)
     httpd = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(state, api_key=args.api_key))
     httpd.daemon_threads = True

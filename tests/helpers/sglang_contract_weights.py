@@ -35,15 +35,42 @@ _MISSING = object()
 CRASH_EXIT = 70
 # SGLang 0.5.17 SafeUnpickler (sglang/srt/utils/common.py): ALLOWED_MODULE_PREFIXES, matched as
 # (module + ".").startswith(prefix), and DENY_CLASSES
-ALLOWED_PREFIXES = ("builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.",
-                    "weakref.", "torch.", "multiprocessing.resource_sharer.", "multiprocessing.reduction.",
-                    "pickletools.", "peft.", "transformers.", "huggingface_hub.",
-                    "sglang.srt.weight_sync.tensor_bucket.", "sglang.srt.model_executor.model_runner.",
-                    "sglang.srt.model_executor.model_runner_components.weight_updater.", "sglang.srt.layers.",
-                    "sglang.srt.utils.", "sglang.srt.disaggregation.", "sglang.srt.managers.", "torch_npu.")
-DENY_CLASSES = {("builtins", "eval"), ("builtins", "exec"), ("builtins", "compile"), ("os", "system"),
-                ("subprocess", "Popen"), ("subprocess", "run"), ("codecs", "decode"), ("types", "CodeType"),
-                ("types", "FunctionType")}
+ALLOWED_PREFIXES = (
+    "builtins.",
+    "collections.",
+    "copyreg.",
+    "functools.",
+    "itertools.",
+    "operator.",
+    "types.",
+    "weakref.",
+    "torch.",
+    "multiprocessing.resource_sharer.",
+    "multiprocessing.reduction.",
+    "pickletools.",
+    "peft.",
+    "transformers.",
+    "huggingface_hub.",
+    "sglang.srt.weight_sync.tensor_bucket.",
+    "sglang.srt.model_executor.model_runner.",
+    "sglang.srt.model_executor.model_runner_components.weight_updater.",
+    "sglang.srt.layers.",
+    "sglang.srt.utils.",
+    "sglang.srt.disaggregation.",
+    "sglang.srt.managers.",
+    "torch_npu.",
+)
+DENY_CLASSES = {
+    ("builtins", "eval"),
+    ("builtins", "exec"),
+    ("builtins", "compile"),
+    ("os", "system"),
+    ("subprocess", "Popen"),
+    ("subprocess", "run"),
+    ("codecs", "decode"),
+    ("types", "CodeType"),
+    ("types", "FunctionType"),
+}
 
 
 class Reject(Exception):
@@ -95,8 +122,9 @@ def fields(body: Any, spec: dict[str, tuple[tuple[type, ...], Any]]) -> dict[str
     return out
 
 
-def init_custom_process_group(backend: str, init_method: str, timeout: datetime.timedelta, world_size: int,
-                              rank: int, group_name: str) -> dist.ProcessGroup:
+def init_custom_process_group(
+    backend: str, init_method: str, timeout: datetime.timedelta, world_size: int, rank: int, group_name: str
+) -> dist.ProcessGroup:
     """SGLang's sglang.srt.utils.init_custom_process_group, the store-is-None path it takes from
     ModelRunner.init_weights_update_group(init_method=f"tcp://{master_address}:{master_port}")."""
     from torch.distributed.distributed_c10d import (
@@ -117,8 +145,16 @@ def init_custom_process_group(backend: str, init_method: str, timeout: datetime.
     # version strings, which misreads torch >= 2.10; the release tuple is compared here.)
     release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     pg_options_param_name = "backend_options" if release >= (2, 6) else "pg_options"
-    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=GroupName(group_name),
-                                      **{pg_options_param_name: None}, timeout=timeout)
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        backend,
+        store,
+        group_name=GroupName(group_name),
+        **{pg_options_param_name: None},
+        timeout=timeout,
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -131,7 +167,7 @@ def blake2b_hex(tensor: torch.Tensor) -> str:
 def inspect_pickle(data: bytes) -> tuple[list[tuple[str, str]], list[str]]:
     """(the globals a pickle names, as (module, name); the str values it holds), read op by op, nothing executed."""
     memo: dict[int, Any] = {}
-    stack: list[Any] = []   # only what GLOBAL lookups need: the last pushed values (str or None)
+    stack: list[Any] = []  # only what GLOBAL lookups need: the last pushed values (str or None)
     names: list[tuple[str, str]] = []
     strings: list[str] = []
     for op, arg, _ in pickletools.genops(data):
@@ -199,16 +235,30 @@ class WeightRoutes:
         raise NotImplementedError
 
     def init_group(self, body: Any, query: dict) -> Any:
-        req = fields(body, {"master_address": ((str,), _MISSING), "master_port": ((int,), _MISSING),
-                            "rank_offset": ((int,), _MISSING), "world_size": ((int,), _MISSING),
-                            "group_name": ((str,), "weight_update_group"), "backend": ((str,), "nccl"),
-                            "rid": ((str, type(None)), None)})
+        req = fields(
+            body,
+            {
+                "master_address": ((str,), _MISSING),
+                "master_port": ((int,), _MISSING),
+                "rank_offset": ((int,), _MISSING),
+                "world_size": ((int,), _MISSING),
+                "group_name": ((str,), "weight_update_group"),
+                "backend": ((str,), "nccl"),
+                "rid": ((str, type(None)), None),
+            },
+        )
         if not req["group_name"]:
             return failure("Failed to initialize custom process group: Group name cannot be empty.")
-        rank = req["rank_offset"] + 0   # rank_offset + tp_rank (tp_size 1)
+        rank = req["rank_offset"] + 0  # rank_offset + tp_rank (tp_size 1)
         try:
-            pg = init_custom_process_group(req["backend"], f"tcp://{req['master_address']}:{req['master_port']}",
-                                           self.pg_timeout, req["world_size"], rank, req["group_name"])
+            pg = init_custom_process_group(
+                req["backend"],
+                f"tcp://{req['master_address']}:{req['master_port']}",
+                self.pg_timeout,
+                req["world_size"],
+                rank,
+                req["group_name"],
+            )
         except Exception as exc:  # noqa: BLE001 - ModelRunner.init_weights_update_group's answer
             return failure(f"Failed to initialize custom process group: {exc}.")
         self.groups[req["group_name"]] = pg
@@ -228,19 +278,31 @@ class WeightRoutes:
         return None
 
     def update_distributed(self, body: Any, query: dict) -> Any:
-        req = fields(body, {"names": ((list,), _MISSING), "dtypes": ((list,), _MISSING), "shapes": ((list,), _MISSING),
-                            "group_name": ((str,), "weight_update_group"), "flush_cache": ((bool,), True),
-                            "abort_all_requests": ((bool,), False), "weight_version": ((str, type(None)), None),
-                            "load_format": ((str, type(None)), None), "torch_empty_cache": ((bool,), False),
-                            "rid": ((str, type(None)), None)})
+        req = fields(
+            body,
+            {
+                "names": ((list,), _MISSING),
+                "dtypes": ((list,), _MISSING),
+                "shapes": ((list,), _MISSING),
+                "group_name": ((str,), "weight_update_group"),
+                "flush_cache": ((bool,), True),
+                "abort_all_requests": ((bool,), False),
+                "weight_version": ((str, type(None)), None),
+                "load_format": ((str, type(None)), None),
+                "torch_empty_cache": ((bool,), False),
+                "rid": ((str, type(None)), None),
+            },
+        )
         if not len(req["names"]) == len(req["dtypes"]) == len(req["shapes"]):
             return failure("names, dtypes and shapes must have the same length")
         refused = self._needs_session("update_weights_from_distributed")
         if refused is not None:
             return refused
         if req["group_name"] not in self.groups:
-            return failure(f"Group {req['group_name']} not in {sorted(self.groups)}. Please call "
-                           f"`init_weights_update_group` first.")
+            return failure(
+                f"Group {req['group_name']} not in {sorted(self.groups)}. Please call "
+                f"`init_weights_update_group` first."
+            )
         try:
             dtypes = [getattr(torch, d) for d in req["dtypes"]]
             assert all(isinstance(d, torch.dtype) for d in dtypes)
@@ -252,15 +314,18 @@ class WeightRoutes:
             receive = _receive_flattened if req["load_format"] == "flattened_bucket" else _receive_per_tensor
             received = receive(pg, req["names"], dtypes, shapes, device=self.device)
         except Exception as exc:  # noqa: BLE001 - ModelRunner's answer to a failed receive
-            return failure(f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are "
-                           f"partially updated. Please discard the whole weights.")
+            return failure(
+                f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are "
+                f"partially updated. Please discard the whole weights."
+            )
         return self._loaded(received, req, message="Succeeded to update parameter online.")
 
-    def _loaded(self, received: list[tuple[str, torch.Tensor]], req: dict[str, Any], *, message: str,
-                **extra: Any) -> Any:
+    def _loaded(
+        self, received: list[tuple[str, torch.Tensor]], req: dict[str, Any], *, message: str, **extra: Any
+    ) -> Any:
         self.weights.update({name: t for name, t in received})
         self.weights_lost = False
-        if req["flush_cache"] and not self._flush():   # the scheduler asserts the flush after an update
+        if req["flush_cache"] and not self._flush():  # the scheduler asserts the flush after an update
             crash("AssertionError: Cache flush failed after updating weights")
         if req["weight_version"] is not None:
             self.weight_version = req["weight_version"]
@@ -268,42 +333,69 @@ class WeightRoutes:
         return {"success": True, "message": message, **extra}
 
     def update_disk(self, body: Any, query: dict) -> Any:
-        req = fields(body, {"model_path": ((str,), _MISSING), "load_format": ((str, type(None)), None),
-                            "abort_all_requests": ((bool,), False), "weight_version": ((str, type(None)), None),
-                            "is_async": ((bool,), False), "torch_empty_cache": ((bool,), False),
-                            "keep_pause": ((bool,), False), "recapture_cuda_graph": ((bool,), False),
-                            "token_step": ((int,), 0), "flush_cache": ((bool,), True),
-                            "manifest": ((dict, type(None)), None), "rid": ((str, type(None)), None)})
+        req = fields(
+            body,
+            {
+                "model_path": ((str,), _MISSING),
+                "load_format": ((str, type(None)), None),
+                "abort_all_requests": ((bool,), False),
+                "weight_version": ((str, type(None)), None),
+                "is_async": ((bool,), False),
+                "torch_empty_cache": ((bool,), False),
+                "keep_pause": ((bool,), False),
+                "recapture_cuda_graph": ((bool,), False),
+                "token_step": ((int,), 0),
+                "flush_cache": ((bool,), True),
+                "manifest": ((dict, type(None)), None),
+                "rid": ((str, type(None)), None),
+            },
+        )
         from safetensors.torch import load_file
 
         files = sorted(Path(req["model_path"]).glob("*.safetensors"))
         if not files:
-            return failure(f"Failed to get weights iterator: Cannot find any model weights with "
-                           f"`{req['model_path']}`", num_paused_requests=0)
+            return failure(
+                f"Failed to get weights iterator: Cannot find any model weights with `{req['model_path']}`",
+                num_paused_requests=0,
+            )
         received = [item for f in files for item in load_file(str(f)).items()]
         return self._loaded(received, req, message="Succeeded to update model weights.", num_paused_requests=0)
 
     def update_tensor(self, body: Any, query: dict) -> Any:
         """UpdateWeightsFromTensorReqInput (0.5.17), the payloads checked without unpickling (module docstring)."""
-        req = fields(body, {"serialized_named_tensors": ((list,), _MISSING), "load_format": ((str, type(None)), None),
-                            "flush_cache": ((bool,), True), "abort_all_requests": ((bool,), False),
-                            "weight_version": ((str, type(None)), None),
-                            "disable_draft_model": ((bool, type(None)), None), "torch_empty_cache": ((bool,), False),
-                            "rid": ((str, type(None)), None)})
+        req = fields(
+            body,
+            {
+                "serialized_named_tensors": ((list,), _MISSING),
+                "load_format": ((str, type(None)), None),
+                "flush_cache": ((bool,), True),
+                "abort_all_requests": ((bool,), False),
+                "weight_version": ((str, type(None)), None),
+                "disable_draft_model": ((bool, type(None)), None),
+                "torch_empty_cache": ((bool,), False),
+                "rid": ((str, type(None)), None),
+            },
+        )
         refused = self._needs_session("update_weights_from_tensor")
         if refused is not None:
             return refused
         payloads = req["serialized_named_tensors"]
         if req["load_format"] not in (None, "direct", "flattened_bucket"):
             crash(f"NotImplementedError: Unknown load_format={req['load_format']}")
-        if len(payloads) != 1:   # TP rank r reads entry r: a shorter list is an IndexError in the scheduler
+        if len(payloads) != 1:  # TP rank r reads entry r: a shorter list is an IndexError in the scheduler
             crash(f"IndexError: {len(payloads)} serialized_named_tensors for tp_size 1")
         problem = payload_problem(payloads[0])
-        if problem is not None:   # _deserialize_own_rank is not wrapped either: the scheduler dies
+        if problem is not None:  # _deserialize_own_rank is not wrapped either: the scheduler dies
             crash(f"deserialising the tensor payload failed: {problem}")
         _, strings = inspect_pickle(base64.b64decode(payloads[0]))
-        self.tensor_updates.append({"strings": strings, "load_format": req["load_format"],
-                                    "flush_cache": req["flush_cache"], "weight_version": req["weight_version"]})
+        self.tensor_updates.append(
+            {
+                "strings": strings,
+                "load_format": req["load_format"],
+                "flush_cache": req["flush_cache"],
+                "weight_version": req["weight_version"],
+            }
+        )
         return self._loaded([], req, message="Success")
 
     def begin_session(self, body: Any, query: dict) -> Any:
@@ -321,8 +413,9 @@ class WeightRoutes:
         return {"success": True, "message": "Weight update session ended."}
 
 
-def _receive_per_tensor(pg: dist.ProcessGroup, names: list[str], dtypes: list[torch.dtype],
-                        shapes: list[list[int]], *, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+def _receive_per_tensor(
+    pg: dist.ProcessGroup, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], *, device: torch.device
+) -> list[tuple[str, torch.Tensor]]:
     """ModelRunner.update_weights_from_distributed: one async broadcast per announced tensor, then wait."""
     weights, handles = [], []
     for name, dtype, shape in zip(names, dtypes, shapes, strict=False):
@@ -334,8 +427,9 @@ def _receive_per_tensor(pg: dist.ProcessGroup, names: list[str], dtypes: list[to
     return weights
 
 
-def _receive_flattened(pg: dist.ProcessGroup, names: list[str], dtypes: list[torch.dtype],
-                       shapes: list[list[int]], *, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+def _receive_flattened(
+    pg: dist.ProcessGroup, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], *, device: torch.device
+) -> list[tuple[str, torch.Tensor]]:
     """_update_bucketed_weights_from_distributed: FlattenedTensorBucket (supports_multi_dtypes: each tensor
     flattened, viewed as uint8, concatenated without padding), one broadcast, then reconstruct_tensors()."""
     named = [(n, torch.empty(s, dtype=d, device=device)) for n, d, s in zip(names, dtypes, shapes, strict=False)]

@@ -21,9 +21,9 @@ _FULL, _LAST = 1, 4
 class OfflineRun:
     directory: Path
     run_id: str
-    branch: tuple[str, float] | None      # resume_from: (run id, the _step it was rewound to)
-    rows: tuple[dict[str, object], ...]   # history rows, values decoded from JSON, in logged order
-    finished: bool                         # its exit record is there (wandb-core writes the file after finish())
+    branch: tuple[str, float] | None  # resume_from: (run id, the _step it was rewound to)
+    rows: tuple[dict[str, object], ...]  # history rows, values decoded from JSON, in logged order
+    finished: bool  # its exit record is there (wandb-core writes the file after finish())
 
     @property
     def steps(self) -> list[int]:
@@ -37,11 +37,11 @@ def _records(path: Path) -> Iterator[object]:
     assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
     pos, pending = 7, b""
     while pos + _HEADER.size <= len(data):
-        if _BLOCK - pos % _BLOCK < _HEADER.size:   # a block's tail too short for a header is padding
+        if _BLOCK - pos % _BLOCK < _HEADER.size:  # a block's tail too short for a header is padding
             pos += _BLOCK - pos % _BLOCK
             continue
         _, length, kind = _HEADER.unpack_from(data, pos)
-        pending += data[pos + _HEADER.size:pos + _HEADER.size + length]
+        pending += data[pos + _HEADER.size : pos + _HEADER.size + length]
         pos += _HEADER.size + length
         if kind in (_FULL, _LAST):
             record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
@@ -66,8 +66,8 @@ def offline_runs(run_dir: Path) -> list[OfflineRun]:
             elif kind == "exit":
                 finished = True
             elif kind == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})  # type: ignore[attr-defined]
+                items = record.history.item  # type: ignore[attr-defined]
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items})
         out.append(OfflineRun(directory=directory, run_id=run_id, branch=branch, rows=tuple(rows), finished=finished))
     return out
 

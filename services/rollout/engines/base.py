@@ -40,9 +40,9 @@ class SampleOutput:
 
     token_ids: tuple[int, ...]
     log_probs: tuple[float, ...]
-    finish_reason: str            # "stop" | "length" | "abort"
-    weight_version: int           # engine weight version when this sample's generation started
-    token_versions: tuple[int, ...] = ()   # the version that sampled each token; () = all weight_version
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int  # engine weight version when this sample's generation started
+    token_versions: tuple[int, ...] = ()  # the version that sampled each token; () = all weight_version
 
     @property
     def versions(self) -> tuple[int, ...]:
@@ -70,8 +70,8 @@ class EngineState:
     in_flight: int
     generated_samples: int
     max_context_length: int
-    memory_freed_bytes: int = 0   # GPU memory the last release_memory gave back (0 where not measured)
-    busy_s: float = 0.0           # wall seconds the engine computed since it started (gate.py's busy_s)
+    memory_freed_bytes: int = 0  # GPU memory the last release_memory gave back (0 where not measured)
+    busy_s: float = 0.0  # wall seconds the engine computed since it started (gate.py's busy_s)
 
 
 class Engine(ABC):
@@ -79,7 +79,7 @@ class Engine(ABC):
 
     name: ClassVar[str]
     logprob_space: ClassVar[str] = LOGPROB_SAMPLING
-    _freed_bytes: int = 0   # what the last release_memory gave back, where the engine measures it
+    _freed_bytes: int = 0  # what the last release_memory gave back, where the engine measures it
     # Set by every engine's __init__: the version it serves, its context size, the gate of its generate calls,
     # the memory tags it released and how many samples it generated.
     _version: int
@@ -123,12 +123,19 @@ class Engine(ABC):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} has no tokens")
             if len(prompt) >= self.max_context_length:
-                raise ValueError(f"prompt {i} has {len(prompt)} tokens; the model's context holds "
-                                 f"{self.max_context_length}, leaving no room to generate")
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens; the model's context holds "
+                    f"{self.max_context_length}, leaving no room to generate"
+                )
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *,
-                 max_new_tokens: Sequence[int] | None = None,
-                 wait_timeout_s: float | None = None) -> list[SampleOutput]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingSpec,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
+        wait_timeout_s: float | None = None,
+    ) -> list[SampleOutput]:
         """One output per prompt, in order. `max_new_tokens`: each prompt's own cap, below sampling.max_new_tokens
         (a data row's max_new_tokens). While paused, waits up to `wait_timeout_s` for a resume."""
         self.validate_prompts(prompts)
@@ -139,14 +146,16 @@ class Engine(ABC):
             return self._generate_admitted(prompts, sampling, budgets)
 
     @abstractmethod
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-                           budgets: Sequence[int]) -> list[SampleOutput]:
+    def _generate_admitted(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, budgets: Sequence[int]
+    ) -> list[SampleOutput]:
         """`generate` once the gate let the call in; `prompts` are validated and not empty, `budgets` the new tokens
         each may produce at most (the context may stop it earlier)."""
 
     @abstractmethod
-    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                                    version: int | None = None) -> WeightLoadStats:
+    def update_weights_from_tensors(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None
+    ) -> WeightLoadStats:
         """Copies tensors in place by name (a full state dict or one bucket of it); `version` set = the
         update is complete and the engine now serves that version."""
 
@@ -155,8 +164,7 @@ class Engine(ABC):
         """Loads every *.safetensors file in `path` (a model directory or a weight dump)."""
 
     @abstractmethod
-    def receive_weights(self, plan: WeightSyncPlan, *, rank_offset: int,
-                        receiver: WeightReceiver) -> SyncStats:
+    def receive_weights(self, plan: WeightSyncPlan, *, rank_offset: int, receiver: WeightReceiver) -> SyncStats:
         """Takes part in a transfer announced by the trainer (process group, CUDA IPC or disk) through
         `receiver`; serves `plan.version` afterwards."""
 
@@ -177,11 +185,20 @@ class Engine(ABC):
 
     def get_state(self) -> EngineState:
         gate = self._gate
-        return EngineState(engine=self.name, model_path=self.model_path, device=self.device_label,
-                           weight_version=self._version, paused=gate.paused, pause_mode=gate.pause_mode,
-                           released_memory=tuple(sorted(self._released)), in_flight=gate.admitted,
-                           generated_samples=self._generated, max_context_length=self._max_context,
-                           memory_freed_bytes=self._freed_bytes, busy_s=gate.busy_s)
+        return EngineState(
+            engine=self.name,
+            model_path=self.model_path,
+            device=self.device_label,
+            weight_version=self._version,
+            paused=gate.paused,
+            pause_mode=gate.pause_mode,
+            released_memory=tuple(sorted(self._released)),
+            in_flight=gate.admitted,
+            generated_samples=self._generated,
+            max_context_length=self._max_context,
+            memory_freed_bytes=self._freed_bytes,
+            busy_s=gate.busy_s,
+        )
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Releases what the engine holds; the object is unusable afterwards."""
@@ -201,4 +218,3 @@ def normalize_memory_tags(tags: Sequence[str]) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown memory tag(s) {unknown}; known: {', '.join(MEMORY_TAGS)}")
     return tuple(tags) or MEMORY_TAGS
-

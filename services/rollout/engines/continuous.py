@@ -49,7 +49,7 @@ class Ticket:
 
     prompts: list[list[int]]
     sampling: SamplingSpec
-    budgets: list[int]          # each sample's new tokens at most
+    budgets: list[int]  # each sample's new tokens at most
     start_version: int
     outputs: list[SampleOutput | None] = field(default_factory=list)
     queued: deque[int] = field(default_factory=deque)
@@ -80,18 +80,18 @@ class _Rows:
     """The running batch, rows in cache order (device tensors, except the owners and prompts)."""
 
     cache: DynamicCache
-    mask: torch.Tensor          # [R, W] 1 = a real token in that KV column
-    logits: torch.Tensor        # [R, vocab] of the next token to sample
-    next_pos: torch.Tensor      # [R] rotary position of the token fed next
-    budget: torch.Tensor        # [R] tokens each row may produce
-    length: torch.Tensor        # [R] tokens produced
-    done: torch.Tensor          # [R] bool
-    reason: torch.Tensor        # [R] index into decode.REASONS
-    tokens: torch.Tensor        # [R, cap]
-    log_probs: torch.Tensor     # [R, cap]
+    mask: torch.Tensor  # [R, W] 1 = a real token in that KV column
+    logits: torch.Tensor  # [R, vocab] of the next token to sample
+    next_pos: torch.Tensor  # [R] rotary position of the token fed next
+    budget: torch.Tensor  # [R] tokens each row may produce
+    length: torch.Tensor  # [R] tokens produced
+    done: torch.Tensor  # [R] bool
+    reason: torch.Tensor  # [R] index into decode.REASONS
+    tokens: torch.Tensor  # [R, cap]
+    log_probs: torch.Tensor  # [R, cap]
     owners: list[tuple[Ticket, int]]
     prompts: list[list[int]]
-    first_step: list[int]       # the batch step of each row's first token
+    first_step: list[int]  # the batch step of each row's first token
 
     _PER_ROW = ("mask", "logits", "next_pos", "budget", "length", "done", "reason", "tokens", "log_probs")
 
@@ -119,31 +119,43 @@ class _Rows:
 
 
 class ContinuousBatcher:
-    def __init__(self, *, forward: Forward, new_cache: Callable[[], DynamicCache], hooks: Hooks, device: torch.device,
-                 max_rows: int, pad_token_id: int, eos_token_ids: Sequence[int], max_context: int,
-                 stop_tables: StopStringTables | None = None):
+    def __init__(
+        self,
+        *,
+        forward: Forward,
+        new_cache: Callable[[], DynamicCache],
+        hooks: Hooks,
+        device: torch.device,
+        max_rows: int,
+        pad_token_id: int,
+        eos_token_ids: Sequence[int],
+        max_context: int,
+        stop_tables: StopStringTables | None = None,
+    ):
         self.forward, self.new_cache, self.hooks, self.device = forward, new_cache, hooks, device
         self.max_rows, self.pad_token_id, self.eos_token_ids = max_rows, pad_token_id, tuple(eos_token_ids)
         self.max_context = max_context
-        self.join_at = max(1, max_rows // 8)      # free rows that make waiting samples join a running batch
+        self.join_at = max(1, max_rows // 8)  # free rows that make waiting samples join a running batch
         self._queue: deque[Ticket] = deque()
-        self._queue_lock = threading.Lock()       # submit runs on any thread; everything else under compute
-        self._turns = threading.Condition()       # a call's samples finished, or the stepping call let go
+        self._queue_lock = threading.Lock()  # submit runs on any thread; everything else under compute
+        self._turns = threading.Condition()  # a call's samples finished, or the stepping call let go
         self._stepping = False
         self._rows: _Rows | None = None
-        self._spec: SamplingSpec | None = None    # the batch's distribution
+        self._spec: SamplingSpec | None = None  # the batch's distribution
         self._generator: torch.Generator | None = None
-        self._step_versions: list[int] = []       # the weight version of each batch step's logits
-        self._version = 0                          # the version of the pending logits
+        self._step_versions: list[int] = []  # the weight version of each batch step's logits
+        self._version = 0  # the version of the pending logits
         self._stop_ids = torch.zeros(0, dtype=torch.long, device=device)
         self.stop_tables = stop_tables
-        self._stops: StopStrings | None = None     # the batch's stop strings
-        self.peak_rows = 0                         # most rows decoded together so far
+        self._stops: StopStrings | None = None  # the batch's stop strings
+        self.peak_rows = 0  # most rows decoded together so far
 
-    def submit(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *, budgets: Sequence[int],
-               version: int) -> Ticket:
-        ticket = Ticket(prompts=[list(p) for p in prompts], sampling=sampling, budgets=list(budgets),
-                        start_version=version)
+    def submit(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *, budgets: Sequence[int], version: int
+    ) -> Ticket:
+        ticket = Ticket(
+            prompts=[list(p) for p in prompts], sampling=sampling, budgets=list(budgets), start_version=version
+        )
         with self._queue_lock:
             self._queue.append(ticket)
         return ticket
@@ -160,7 +172,7 @@ class ContinuousBatcher:
             try:
                 with computing():
                     self.run(until=ticket.done)
-            except BaseException as exc:   # e.g. the engine cannot serve (memory released): not for anyone else
+            except BaseException as exc:  # e.g. the engine cannot serve (memory released): not for anyone else
                 self._withdraw(ticket, exc)
                 raise
             finally:
@@ -199,7 +211,7 @@ class ContinuousBatcher:
         rows.log_probs.scatter_(1, at, torch.where(live, lps, rows.log_probs.gather(1, at).squeeze(-1)).unsqueeze(-1))
         rows.length += live.long()
         hit_stop = live & torch.isin(tokens, self._stop_ids)
-        if self._stops is not None:             # the row's new token completes a stop string: kept, the row ends
+        if self._stops is not None:  # the row's new token completes a stop string: kept, the row ends
             hit_stop = hit_stop | self._stops.completed(rows.tokens, rows.length, live & ~hit_stop)
         hit_len = live & ~hit_stop & (rows.length >= rows.budget)
         rows.reason = torch.where(hit_stop, STOP, torch.where(hit_len, LENGTH, rows.reason))
@@ -221,9 +233,15 @@ class ContinuousBatcher:
         """The logits of every row's next token: its last token fed on the KV cache, or (refill) every row's prompt and
         tokens so far prefilled into a new cache under the current weights."""
         if refill:
-            sequences = [p + rows.tokens[i, :int(rows.length[i])].tolist() for i, p in enumerate(rows.prompts)]
-            chunk = prepare_chunk(sequences, self._spec_or_fail(), device=self.device, pad_token_id=self.pad_token_id,
-                                  eos_token_ids=self.eos_token_ids, max_context=self.max_context)
+            sequences = [p + rows.tokens[i, : int(rows.length[i])].tolist() for i, p in enumerate(rows.prompts)]
+            chunk = prepare_chunk(
+                sequences,
+                self._spec_or_fail(),
+                device=self.device,
+                pad_token_id=self.pad_token_id,
+                eos_token_ids=self.eos_token_ids,
+                max_context=self.max_context,
+            )
             rows.cache = self.new_cache()
             rows.mask = chunk.mask
             rows.logits = self.forward(chunk.input_ids, chunk.mask, chunk.positions, rows.cache)
@@ -259,10 +277,10 @@ class ContinuousBatcher:
         with self._queue_lock:
             while self._queue and len(picked) < free:
                 ticket = self._queue[0]
-                if self._rows is None and not picked:   # a new batch takes the first call's distribution
+                if self._rows is None and not picked:  # a new batch takes the first call's distribution
                     self._start_batch(ticket.sampling)
                 elif distribution(ticket.sampling) != distribution(self._spec_or_fail()):
-                    break                               # in call order: it waits for the batch to empty
+                    break  # in call order: it waits for the batch to empty
                 while ticket.queued and len(picked) < free:
                     picked.append((ticket, ticket.queued.popleft()))
                 if not ticket.queued:
@@ -273,27 +291,43 @@ class ContinuousBatcher:
         self._spec, self._generator = sampling, make_generator(sampling.seed, self.device)
         self._step_versions = []
         self._version = self.hooks.version()
-        self._stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos
-                                                                               else set(self.eos_token_ids))),
-                                      dtype=torch.long, device=self.device)
+        self._stop_ids = torch.tensor(
+            sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))),
+            dtype=torch.long,
+            device=self.device,
+        )
         self._stops = self.stop_tables.for_request(sampling.stop) if sampling.stop and self.stop_tables else None
 
     def _prefill(self, picked: list[tuple[Ticket, int]]) -> _Rows:
         prompts = [t.prompts[i] for t, i in picked]
-        chunk = prepare_chunk(prompts, self._spec_or_fail(), device=self.device, pad_token_id=self.pad_token_id,
-                              eos_token_ids=self.eos_token_ids, max_context=self.max_context,
-                              budgets=[t.budgets[i] for t, i in picked])
+        chunk = prepare_chunk(
+            prompts,
+            self._spec_or_fail(),
+            device=self.device,
+            pad_token_id=self.pad_token_id,
+            eos_token_ids=self.eos_token_ids,
+            max_context=self.max_context,
+            budgets=[t.budgets[i] for t, i in picked],
+        )
         budget = chunk.budget
         cache = self.new_cache()
         logits = self.forward(chunk.input_ids, chunk.mask, chunk.positions, cache)
         n, cap = len(picked), int(budget.max())
-        return _Rows(cache=cache, mask=chunk.mask, logits=logits, next_pos=chunk.positions[:, -1] + 1, budget=budget,
-                     length=torch.zeros(n, dtype=torch.long, device=self.device),
-                     done=torch.zeros(n, dtype=torch.bool, device=self.device),
-                     reason=torch.zeros(n, dtype=torch.long, device=self.device),
-                     tokens=torch.zeros((n, cap), dtype=torch.long, device=self.device),
-                     log_probs=torch.zeros((n, cap), dtype=torch.float32, device=self.device),
-                     owners=list(picked), prompts=prompts, first_step=[len(self._step_versions)] * n)
+        return _Rows(
+            cache=cache,
+            mask=chunk.mask,
+            logits=logits,
+            next_pos=chunk.positions[:, -1] + 1,
+            budget=budget,
+            length=torch.zeros(n, dtype=torch.long, device=self.device),
+            done=torch.zeros(n, dtype=torch.bool, device=self.device),
+            reason=torch.zeros(n, dtype=torch.long, device=self.device),
+            tokens=torch.zeros((n, cap), dtype=torch.long, device=self.device),
+            log_probs=torch.zeros((n, cap), dtype=torch.float32, device=self.device),
+            owners=list(picked),
+            prompts=prompts,
+            first_step=[len(self._step_versions)] * n,
+        )
 
     def _deliver(self, finished: list[int]) -> None:
         rows = self._rows
@@ -304,11 +338,17 @@ class ContinuousBatcher:
         for k, row in enumerate(finished):
             ticket, index = rows.owners[row]
             n, start = lengths[k], rows.first_step[row]
-            versions = tuple(self._step_versions[start:start + n])
-            ticket.finish(index, SampleOutput(token_ids=tuple(tokens[k][:n]), log_probs=tuple(lps[k][:n]),
-                                              finish_reason=REASONS[reasons[k]] or FINISH_LENGTH,
-                                              weight_version=versions[0] if n else ticket.start_version,
-                                              token_versions=versions))
+            versions = tuple(self._step_versions[start : start + n])
+            ticket.finish(
+                index,
+                SampleOutput(
+                    token_ids=tuple(tokens[k][:n]),
+                    log_probs=tuple(lps[k][:n]),
+                    finish_reason=REASONS[reasons[k]] or FINISH_LENGTH,
+                    weight_version=versions[0] if n else ticket.start_version,
+                    token_versions=versions,
+                ),
+            )
         self._wake()
 
     def _wake(self) -> None:

@@ -30,9 +30,9 @@ from services.rollout.engines.stop_strings import StopStrings
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
-REASONS = (None, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)   # codes 0..3 in the loop's reason tensor
+REASONS = (None, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)  # codes 0..3 in the loop's reason tensor
 STOP, LENGTH, ABORT = 1, 2, 3
-_SYNC_EVERY = 8        # static path: tokens between host checks for "every row finished"
+_SYNC_EVERY = 8  # static path: tokens between host checks for "every row finished"
 
 # (ids, mask, positions, cache) -> logits
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "DynamicCache"], torch.Tensor]
@@ -42,8 +42,8 @@ Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "DynamicCache"], t
 class Hooks:
     """What a decode loop asks its engine between two steps."""
 
-    boundary: Callable[[], Step]   # the engine's gate: it may park the call inside (a weight update may land)
-    version: Callable[[], int]     # the weight version the next forward pass computes with
+    boundary: Callable[[], Step]  # the engine's gate: it may park the call inside (a weight update may land)
+    version: Callable[[], int]  # the weight version the next forward pass computes with
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Chunk:
     input_ids: torch.Tensor
     mask: torch.Tensor
     positions: torch.Tensor
-    budget: torch.Tensor        # new tokens each row may produce (max_new_tokens, capped by the context)
+    budget: torch.Tensor  # new tokens each row may produce (max_new_tokens, capped by the context)
     steps: int
     stop_ids: torch.Tensor
     n: int
@@ -73,51 +73,83 @@ class Decoded:
 
     @classmethod
     def empty(cls, n: int, steps: int, device: torch.device) -> Decoded:
-        return cls(tokens=torch.zeros((n, steps), dtype=torch.long, device=device),
-                   log_probs=torch.zeros((n, steps), dtype=torch.float32, device=device),
-                   lengths=torch.zeros(n, dtype=torch.long, device=device),
-                   reason=torch.zeros(n, dtype=torch.long, device=device),   # index into REASONS; 0 = running
-                   step_versions=[])
+        return cls(
+            tokens=torch.zeros((n, steps), dtype=torch.long, device=device),
+            log_probs=torch.zeros((n, steps), dtype=torch.float32, device=device),
+            lengths=torch.zeros(n, dtype=torch.long, device=device),
+            reason=torch.zeros(n, dtype=torch.long, device=device),  # index into REASONS; 0 = running
+            step_versions=[],
+        )
 
     def samples(self, version: int) -> list[SampleOutput]:
         """`version`: the one the call started with (a sample's version when it has no token)."""
         tokens_l, lps_l = self.tokens.cpu().tolist(), self.log_probs.cpu().tolist()
         lengths_l, reason_l = self.lengths.cpu().tolist(), self.reason.cpu().tolist()
         steps = self.step_versions
-        return [SampleOutput(token_ids=tuple(t[:k]), log_probs=tuple(lp[:k]),
-                             finish_reason=REASONS[r] or FINISH_LENGTH, weight_version=steps[0] if k else version,
-                             token_versions=tuple(steps[:k]))
-                for t, lp, k, r in zip(tokens_l, lps_l, lengths_l, reason_l, strict=True)]
+        return [
+            SampleOutput(
+                token_ids=tuple(t[:k]),
+                log_probs=tuple(lp[:k]),
+                finish_reason=REASONS[r] or FINISH_LENGTH,
+                weight_version=steps[0] if k else version,
+                token_versions=tuple(steps[:k]),
+            )
+            for t, lp, k, r in zip(tokens_l, lps_l, lengths_l, reason_l, strict=True)
+        ]
 
 
-def prepare_chunk(prompts: Sequence[Sequence[int]], sampling: SamplingSpec, *, device: torch.device,
-                  pad_token_id: int, eos_token_ids: Sequence[int], max_context: int,
-                  budgets: Sequence[int] | None = None) -> Chunk:
+def prepare_chunk(
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingSpec,
+    *,
+    device: torch.device,
+    pad_token_id: int,
+    eos_token_ids: Sequence[int],
+    max_context: int,
+    budgets: Sequence[int] | None = None,
+) -> Chunk:
     """`budgets`: each prompt's new tokens at most (default sampling.max_new_tokens); the context caps them too."""
     n = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     width = max(len(p) for p in prompts)
     input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.long)
-    for i, p in enumerate(prompts):      # left padding, built on the host and copied once
-        input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
+    for i, p in enumerate(prompts):  # left padding, built on the host and copied once
+        input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
     input_ids, mask = input_ids.to(device), mask.to(device)
     caps = torch.tensor(list(budgets) if budgets is not None else [sampling.max_new_tokens] * n, device=device)
     budget = torch.minimum(max_context - lengths, caps)
-    stop_ids = torch.tensor(sorted(set(sampling.stop_token_ids)
-                                   | (set() if sampling.ignore_eos else set(eos_token_ids))),
-                            dtype=torch.long, device=device)
-    return Chunk(input_ids=input_ids, mask=mask, positions=(mask.cumsum(-1) - 1).clamp(min=0), budget=budget,
-                 steps=int(budget.max()), stop_ids=stop_ids, n=n, width=width)
+    stop_ids = torch.tensor(
+        sorted(set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))),
+        dtype=torch.long,
+        device=device,
+    )
+    return Chunk(
+        input_ids=input_ids,
+        mask=mask,
+        positions=(mask.cumsum(-1) - 1).clamp(min=0),
+        budget=budget,
+        steps=int(budget.max()),
+        stop_ids=stop_ids,
+        n=n,
+        width=width,
+    )
 
 
-def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator | None, *,
-                   new_cache: Callable[[], DynamicCache], forward: Forward, hooks: Hooks,
-                   stops: StopStrings | None = None) -> Decoded:
+def decode_dynamic(
+    c: Chunk,
+    sampling: SamplingSpec,
+    generator: torch.Generator | None,
+    *,
+    new_cache: Callable[[], DynamicCache],
+    forward: Forward,
+    hooks: Hooks,
+    stops: StopStrings | None = None,
+) -> Decoded:
     dev, n, steps, budget, stop_ids, mask = c.input_ids.device, c.n, c.steps, c.budget, c.stop_ids, c.mask
     out = Decoded.empty(n, steps, dev)
-    rows = torch.arange(n, device=dev)      # original index of each row still in the batch
+    rows = torch.arange(n, device=dev)  # original index of each row still in the batch
     done = torch.zeros(n, dtype=torch.bool, device=dev)
     version = hooks.version()
     cache = new_cache()
@@ -138,7 +170,7 @@ def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator 
             ended = _end_at_stop_strings(stops, out, step, step + 1)
             if ended is not None:
                 done = done | ended[rows]
-        n_done = int(done.sum())                  # the loop's one host sync per token
+        n_done = int(done.sum())  # the loop's one host sync per token
         if n_done == done.numel():
             break
         after = hooks.boundary()
@@ -146,14 +178,14 @@ def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator 
             out.reason[rows[~done]] = ABORT
             break
         version = hooks.version()
-        if n_done * 4 >= done.numel():            # compact when a quarter of the rows are finished
+        if n_done * 4 >= done.numel():  # compact when a quarter of the rows are finished
             keep = (~done).nonzero().squeeze(-1)
             cache.batch_select_indices(keep)
             rows, done, mask, next_pos, tokens = rows[keep], done[keep], mask[keep], next_pos[keep], tokens[keep]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-        if after is Step.REFILL:                  # the rows' prompts and tokens so far, under the current weights
+        if after is Step.REFILL:  # the rows' prompts and tokens so far, under the current weights
             cache = new_cache()
-            ids = torch.cat([c.input_ids[rows], out.tokens[rows, :step + 1]], dim=-1)
+            ids = torch.cat([c.input_ids[rows], out.tokens[rows, : step + 1]], dim=-1)
             logits = forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
         else:
             logits = forward(tokens.unsqueeze(-1), mask, next_pos.unsqueeze(-1), cache)
@@ -161,18 +193,25 @@ def decode_dynamic(c: Chunk, sampling: SamplingSpec, generator: torch.Generator 
     return out
 
 
-def decode_static(c: Chunk, sampling: SamplingSpec, generator: torch.Generator | None, *, runners: RunnerCache,
-                  hooks: Hooks, stops: StopStrings | None = None) -> Decoded:
+def decode_static(
+    c: Chunk,
+    sampling: SamplingSpec,
+    generator: torch.Generator | None,
+    *,
+    runners: RunnerCache,
+    hooks: Hooks,
+    stops: StopStrings | None = None,
+) -> Decoded:
     """Finished rows keep computing but their tokens are not counted; no host sync except every _SYNC_EVERY (stop
     strings are scanned there too, over the tokens since the last scan: a row is cut back to its match)."""
     n, steps = c.n, c.steps
     runner = runners.get(n, c.width + steps)
     version = hooks.version()
-    logits = _prefill(runner, c.input_ids, c.mask)          # [runner.batch, vocab]: padded rows sampled too
+    logits = _prefill(runner, c.input_ids, c.mask)  # [runner.batch, vocab]: padded rows sampled too
     next_pos = c.positions[:, -1] + 1
     out = Decoded.empty(n, steps, c.input_ids.device)
     done = torch.zeros(n, dtype=torch.bool, device=c.input_ids.device)
-    scanned = 0                                   # stop strings: positions before this are scanned
+    scanned = 0  # stop strings: positions before this are scanned
     for step in range(steps):
         out.step_versions.append(version)
         tokens, lps = runners.sample(logits, sampling, generator)
@@ -194,13 +233,16 @@ def decode_static(c: Chunk, sampling: SamplingSpec, generator: torch.Generator |
                 done, scanned = _scan_stops(stops, out, done, scanned, step + 1)
             out.reason = torch.where(done, out.reason, ABORT)
             break
-        if after is not Step.GO and not runner.current():   # parameters moved while parked (a first cuda_ipc sync)
+        if after is not Step.GO and not runner.current():  # parameters moved while parked (a first cuda_ipc sync)
             runner, after = runners.get(n, c.width + steps), Step.REFILL
         version = hooks.version()
-        if after is Step.REFILL:                  # slots 0 .. width + step again, under the current weights
-            generated = out.tokens[:, :step + 1]
-            logits = _prefill(runner, torch.cat([c.input_ids, generated], dim=-1),
-                              torch.cat([c.mask, torch.ones_like(generated)], dim=-1))
+        if after is Step.REFILL:  # slots 0 .. width + step again, under the current weights
+            generated = out.tokens[:, : step + 1]
+            logits = _prefill(
+                runner,
+                torch.cat([c.input_ids, generated], dim=-1),
+                torch.cat([c.mask, torch.ones_like(generated)], dim=-1),
+            )
         else:
             logits = runner.step(tokens, next_pos, c.width + step)
         next_pos = next_pos + 1
@@ -232,7 +274,6 @@ def _end_at_stop_strings(stops: StopStrings, out: Decoded, start: int, end: int)
     return ended
 
 
-def _scan_stops(stops: StopStrings, out: Decoded, done: torch.Tensor, start: int,
-                end: int) -> tuple[torch.Tensor, int]:
+def _scan_stops(stops: StopStrings, out: Decoded, done: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, int]:
     ended = _end_at_stop_strings(stops, out, start, end)
     return (done if ended is None else done | ended), end

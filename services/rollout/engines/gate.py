@@ -19,16 +19,16 @@ from enum import Enum
 from services.rollout.engines.errors import EngineUnavailable
 
 PAUSE_MODES = ("drain", "abort", "retract", "in_place")
-_PARKING_MODES = ("in_place", "retract")   # running calls stop at the next token and continue on resume
+_PARKING_MODES = ("in_place", "retract")  # running calls stop at the next token and continue on resume
 
 
 class Step(Enum):
     """What a decode loop does after a token boundary (DecodeGate.boundary)."""
 
-    GO = "go"            # not parked: carry on
-    ABORT = "abort"      # pause(abort): the call ends now
-    KEPT = "kept"        # parked by in_place and resumed: carry on with the KV cache computed so far
-    REFILL = "refill"    # parked by retract and resumed: the KV cache was given up, recompute it (current weights)
+    GO = "go"  # not parked: carry on
+    ABORT = "abort"  # pause(abort): the call ends now
+    KEPT = "kept"  # parked by in_place and resumed: carry on with the KV cache computed so far
+    REFILL = "refill"  # parked by retract and resumed: the KV cache was given up, recompute it (current weights)
 
 
 def check_pause_mode(mode: str) -> str:
@@ -70,7 +70,7 @@ class PauseGate:
         self.paused = False
         self.mode = ""
         self.admitted = 0
-        self._engine = engine    # how messages name the engine
+        self._engine = engine  # how messages name the engine
         self._busy = BusyClock()
 
     @property
@@ -86,8 +86,10 @@ class PauseGate:
     def admit(self, wait_timeout_s: float | None) -> Iterator[None]:
         with self.cv:
             if not self.cv.wait_for(lambda: not self.paused, timeout=wait_timeout_s):
-                raise EngineUnavailable(f"{self._engine} is paused ({self.mode}, e.g. for a weight update) and "
-                                        f"was not resumed within {wait_timeout_s:.0f}s")
+                raise EngineUnavailable(
+                    f"{self._engine} is paused ({self.mode}, e.g. for a weight update) and "
+                    f"was not resumed within {wait_timeout_s:.0f}s"
+                )
             self.admitted += 1
             self._busy.up()
         try:
@@ -105,8 +107,11 @@ class PauseGate:
             self.cv.notify_all()
 
     def drain(self, timeout_s: float | None) -> None:
-        self._wait(lambda: self.admitted == 0, timeout_s,
-                   lambda: f"pause(drain): {self.admitted} generate calls still running after {timeout_s}s")
+        self._wait(
+            lambda: self.admitted == 0,
+            timeout_s,
+            lambda: f"pause(drain): {self.admitted} generate calls still running after {timeout_s}s",
+        )
 
     def open(self) -> None:
         with self.cv:
@@ -133,7 +138,7 @@ class DecodeGate(PauseGate):
         self.shared = shared
         self.exclusive_held = False
         self.running = 0
-        self.retracts = 0   # pauses with mode retract so far: a call parked across one recomputes its KV cache
+        self.retracts = 0  # pauses with mode retract so far: a call parked across one recomputes its KV cache
         self._computing = BusyClock()
 
     @property
@@ -196,8 +201,11 @@ class DecodeGate(PauseGate):
         """Closes the gate and waits until no call computes (in_place / retract: parked) or none is inside."""
         self.close(mode)
         done = (lambda: self.running == 0) if mode in _PARKING_MODES else (lambda: self.admitted == 0)
-        self._wait(done, timeout_s, lambda: f"pause({mode}) did not complete within {timeout_s}s "
-                                            f"({self.admitted} generate calls in flight)")
+        self._wait(
+            done,
+            timeout_s,
+            lambda: f"pause({mode}) did not complete within {timeout_s}s ({self.admitted} generate calls in flight)",
+        )
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:

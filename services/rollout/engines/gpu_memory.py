@@ -15,8 +15,13 @@ def device_memory_used_bytes(*, timeout_s: float) -> int | None:
     if smi is None:
         return None
     try:
-        out = subprocess.run([smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=timeout_s, check=True).stdout
+        out = subprocess.run(
+            [smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=True,
+        ).stdout
         return sum(int(line.strip()) for line in out.splitlines() if line.strip()) * MIB
     except (OSError, subprocess.SubprocessError, ValueError):
         return None

@@ -26,7 +26,7 @@ def check_supported(cache: DynamicCache) -> str | None:
 
 
 class _KVLayer(Protocol):
-    keys: torch.Tensor     # [batch, heads, length, head_dim]
+    keys: torch.Tensor  # [batch, heads, length, head_dim]
     values: torch.Tensor
 
 
@@ -48,8 +48,7 @@ def join(cache: DynamicCache, mask: torch.Tensor, other: DynamicCache, other_mas
     total = max(width, other_width)
     for layer, extra in zip(_kv_layers(cache), _kv_layers(other), strict=True):
         layer.keys = torch.cat([_pad_left(layer.keys, total - width), _pad_left(extra.keys, total - other_width)])
-        layer.values = torch.cat([_pad_left(layer.values, total - width),
-                                  _pad_left(extra.values, total - other_width)])
+        layer.values = torch.cat([_pad_left(layer.values, total - width), _pad_left(extra.values, total - other_width)])
     return torch.cat([F.pad(mask, (total - width, 0)), F.pad(other_mask, (total - other_width, 0))])
 
 

@@ -69,11 +69,21 @@ def resolve_device(device: str) -> torch.device:
 class NativeEngine(Engine):
     name = "native"
 
-    def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "float32",
-                 attn_implementation: str = "sdpa", max_batch_size: int = 512,
-                 max_context_length: int | None = None, eos_token_ids: Sequence[int] | None = None,
-                 decode: str = "auto", fused_kernels: str = "off", continuous_batching: bool = False,
-                 detokenizer: Detokenizer | None = None):
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str = "auto",
+        dtype: str = "float32",
+        attn_implementation: str = "sdpa",
+        max_batch_size: int = 512,
+        max_context_length: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        decode: str = "auto",
+        fused_kernels: str = "off",
+        continuous_batching: bool = False,
+        detokenizer: Detokenizer | None = None,
+    ):
         """`eos_token_ids`: the ids that end a sample (default: the model's config and generation config);
         `detokenizer`: the run's tokenizer, needed by requests with stop strings (stop_strings.py)."""
         from transformers import AutoModelForCausalLM
@@ -81,13 +91,16 @@ class NativeEngine(Engine):
 
         path = Path(model_path)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model directory {path} does not exist or has no config.json "
-                                    f"(create one with `tandem init-model {path} --preset tiny`)")
+            raise FileNotFoundError(
+                f"model directory {path} does not exist or has no config.json "
+                f"(create one with `tandem init-model {path} --preset tiny`)"
+            )
         hf_logging.disable_progress_bar()
         self._model_path = str(path)
         self.device = resolve_device(device)
-        loaded: Any = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype],
-                                                           attn_implementation=attn_implementation)
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation
+        )
         self.model = loaded.to(self.device).eval()
         self.model.requires_grad_(False)
         if fused.enabled(fused_kernels, device=self.device, dtype=_DTYPES[dtype]):
@@ -96,27 +109,32 @@ class NativeEngine(Engine):
             fused.warm_up(self.model, self.device)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
-        self._max_context = runfacts.context_length(configured=max_context_length,
-                                                    model_positions=getattr(cfg, "max_position_embeddings", None))
+        self._max_context = runfacts.context_length(
+            configured=max_context_length, model_positions=getattr(cfg, "max_position_embeddings", None)
+        )
         self.max_batch_size = max_batch_size
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else _eos_ids(self.model)
         self.pad_token_id = _pad_id(self.model, self.eos_token_ids)
-        self._stop_tables = StopStringTables(detokenizer, vocab_size=self.vocab_size, device=self.device) \
-            if detokenizer is not None else None
+        self._stop_tables = (
+            StopStringTables(detokenizer, vocab_size=self.vocab_size, device=self.device)
+            if detokenizer is not None
+            else None
+        )
         self._gate: DecodeGate = DecodeGate(engine="rollout engine", shared=continuous_batching)
         self._version = 0
         self._generated = 0
         self._released: set[str] = set()
-        self._params_without_values: set[str] = set()    # after release_memory("weights") on CPU
-        self._offloaded: dict[str, tuple[torch.device, torch.Size]] = {}    # released weights: where, what shape
+        self._params_without_values: set[str] = set()  # after release_memory("weights") on CPU
+        self._offloaded: dict[str, tuple[torch.device, torch.Size]] = {}  # released weights: where, what shape
         # transformers 5.2x renamed `past_key_values` to `cache` (the old name warns); 5.1x knows only the old.
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
-            else "past_key_values"
+        self._cache_kwarg = (
+            "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        )
         self.decode_mode = self._resolve_decode("dynamic" if continuous_batching and decode == "auto" else decode)
         if continuous_batching and self.decode_mode != "dynamic":
             raise ValueError(f"continuous batching runs on the dynamic decode path, not decode={decode!r}")
         self._batcher = self._continuous_batcher() if continuous_batching else None
-        self._runners: RunnerCache | None = None       # static/graph decode: caches (and graphs) by bucket
+        self._runners: RunnerCache | None = None  # static/graph decode: caches (and graphs) by bucket
         # after flatten_parameters: (layout key, FlatParams of every parameter, or None when some slot of the
         # layout is not one of ours: then a receive plans its copies per tensor)
         self._flat: tuple[Any, Any] | None = None
@@ -128,10 +146,17 @@ class NativeEngine(Engine):
         why = kv_rows.check_supported(probe) if probe.layers else None
         if why:
             raise ValueError(f"continuous batching does not support this model: {why}")
-        return ContinuousBatcher(forward=self._forward, new_cache=lambda: DynamicCache(config=self.model.config),
-                                 hooks=self._hooks(), device=self.device, max_rows=self.max_batch_size,
-                                 pad_token_id=self.pad_token_id, eos_token_ids=self.eos_token_ids,
-                                 max_context=self._max_context, stop_tables=self._stop_tables)
+        return ContinuousBatcher(
+            forward=self._forward,
+            new_cache=lambda: DynamicCache(config=self.model.config),
+            hooks=self._hooks(),
+            device=self.device,
+            max_rows=self.max_batch_size,
+            pad_token_id=self.pad_token_id,
+            eos_token_ids=self.eos_token_ids,
+            max_context=self._max_context,
+            stop_tables=self._stop_tables,
+        )
 
     def _hooks(self) -> Hooks:
         return Hooks(boundary=self._gate.boundary, version=lambda: self._version)
@@ -144,8 +169,11 @@ class NativeEngine(Engine):
             if self.device.type == "cuda" and why is None:
                 return "graph"
             if self.device.type == "cuda":
-                log.info("native engine: decoding with the dynamic cache, without CUDA graphs: the static decode "
-                         "path does not support %s", why)
+                log.info(
+                    "native engine: decoding with the dynamic cache, without CUDA graphs: the static decode "
+                    "path does not support %s",
+                    why,
+                )
             return "dynamic"
         if decode in ("static", "graph", "compile") and why is not None:
             raise ValueError(f"decode={decode!r}: the static decode path does not support {why}")
@@ -183,12 +211,15 @@ class NativeEngine(Engine):
             if bad:
                 raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary (size {self.vocab_size})")
 
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-                           budgets: Sequence[int]) -> list[SampleOutput]:
+    def _generate_admitted(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, budgets: Sequence[int]
+    ) -> list[SampleOutput]:
         self._check_servable()
         if sampling.stop and self._stop_tables is None:
-            raise ValueError("sampling.stop: this native engine was built without the tokenizer (detokenizer=), "
-                             "which stop strings are matched with")
+            raise ValueError(
+                "sampling.stop: this native engine was built without the tokenizer (detokenizer=), "
+                "which stop strings are matched with"
+            )
         if self._batcher is not None:
             return self._generate_shared(prompts, sampling, budgets)
         version = self._version
@@ -201,8 +232,9 @@ class NativeEngine(Engine):
         self._generated += len(out)
         return out
 
-    def _generate_shared(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-                         budgets: Sequence[int]) -> list[SampleOutput]:
+    def _generate_shared(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, budgets: Sequence[int]
+    ) -> list[SampleOutput]:
         """Continuous batching: the samples join the shared batch; this call steps it in its turns until they are
         done (continuous.py)."""
         assert self._batcher is not None
@@ -219,41 +251,73 @@ class NativeEngine(Engine):
 
     def _check_servable(self) -> None:
         if self._released:
-            raise EngineUnavailable(f"rollout engine memory is released ({', '.join(sorted(self._released))}); "
-                                    "call ResumeMemory first")
+            raise EngineUnavailable(
+                f"rollout engine memory is released ({', '.join(sorted(self._released))}); call ResumeMemory first"
+            )
         if self._params_without_values:
-            raise EngineUnavailable(f"{len(self._params_without_values)} parameters have no values since "
-                                    "release_memory('weights'); load or receive weights first")
+            raise EngineUnavailable(
+                f"{len(self._params_without_values)} parameters have no values since "
+                "release_memory('weights'); load or receive weights first"
+            )
 
-    def _generate_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-                        generator: torch.Generator | None, version: int, budgets: Sequence[int]) -> list[SampleOutput]:
-        chunk = prepare_chunk(prompts, sampling, device=self.device, pad_token_id=self.pad_token_id,
-                              eos_token_ids=self.eos_token_ids, max_context=self._max_context, budgets=budgets)
+    def _generate_chunk(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingSpec,
+        generator: torch.Generator | None,
+        version: int,
+        budgets: Sequence[int],
+    ) -> list[SampleOutput]:
+        chunk = prepare_chunk(
+            prompts,
+            sampling,
+            device=self.device,
+            pad_token_id=self.pad_token_id,
+            eos_token_ids=self.eos_token_ids,
+            max_context=self._max_context,
+            budgets=budgets,
+        )
         stops = self._stop_tables.for_request(sampling.stop) if sampling.stop and self._stop_tables else None
         hooks = self._hooks()
         if self.decode_mode == "dynamic":
             from transformers import DynamicCache
 
-            decoded = decode_dynamic(chunk, sampling, generator, forward=self._forward, hooks=hooks,
-                                     new_cache=lambda: DynamicCache(config=self.model.config), stops=stops)
+            decoded = decode_dynamic(
+                chunk,
+                sampling,
+                generator,
+                forward=self._forward,
+                hooks=hooks,
+                new_cache=lambda: DynamicCache(config=self.model.config),
+                stops=stops,
+            )
         else:
             if self._runners is None:
-                self._runners = RunnerCache(self.model, graphs=self.decode_mode in ("graph", "compile"),
-                                            compile=self.decode_mode == "compile")
+                self._runners = RunnerCache(
+                    self.model, graphs=self.decode_mode in ("graph", "compile"), compile=self.decode_mode == "compile"
+                )
             # the runners are passed on: a weight update while parked may drop self._runners
             decoded = decode_static(chunk, sampling, generator, runners=self._runners, hooks=hooks, stops=stops)
         return decoded.samples(version)
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 cache: Any) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self._cache_kwarg: cache})
+    def _forward(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
         return out.logits[:, -1, :]
 
     # ---- weights -----------------------------------------------------------------------------------
 
-    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                                    version: int | None = None) -> WeightLoadStats:
+    def update_weights_from_tensors(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None
+    ) -> WeightLoadStats:
         start = time.monotonic()
         count = nbytes = 0
         # A failure part-way leaves a mix of old and new tensors under the old version: load again.
@@ -265,8 +329,9 @@ class NativeEngine(Engine):
                 if target is None:
                     raise KeyError(f"weight {name!r} is not a parameter or buffer of the model")
                 if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's "
-                                     f"{tuple(target.shape)}")
+                    raise ValueError(
+                        f"weight {name!r}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
+                    )
                 target.copy_(tensor)
                 self._params_without_values.discard(name)
                 count += 1
@@ -297,16 +362,18 @@ class NativeEngine(Engine):
     def compute_device(self) -> torch.device:
         return self.device
 
-    def receive_weights(self, plan: WeightSyncPlan, *, rank_offset: int,
-                        receiver: WeightReceiver) -> SyncStats:
+    def receive_weights(self, plan: WeightSyncPlan, *, rank_offset: int, receiver: WeightReceiver) -> SyncStats:
         with self._gate.exclusive():
             self._check_weights_resident()
             if plan.transport == "cuda_ipc" and self.device.type == "cuda":
                 from services.weights.layout import layout_from_plan
 
                 self.flatten_parameters(layout_from_plan(plan))
-            params = self._flat[1] if self._flat is not None and self._flat[1] is not None else \
-                {n: p.data for n, p in self.named_parameters().items()}
+            params = (
+                self._flat[1]
+                if self._flat is not None and self._flat[1] is not None
+                else {n: p.data for n, p in self.named_parameters().items()}
+            )
             stats = receiver.receive(plan, rank_offset, params)
             names = {m.name for b in plan.buckets for m in b.tensors}
             self._params_without_values -= names
@@ -324,22 +391,29 @@ class NativeEngine(Engine):
             return 0
         params = self.named_parameters()
         by_name = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
-        wanted = [s for s in layout.order if s.name in params and params[s.name].dtype == s.dtype
-                  and tuple(params[s.name].shape) == s.shape]
+        wanted = [
+            s
+            for s in layout.order
+            if s.name in params and params[s.name].dtype == s.dtype and tuple(params[s.name].shape) == s.shape
+        ]
         flat, views = flat_views(layout, self.device, names={s.name for s in wanted})
         moved, seen = 0, set()
         with torch.no_grad():
             for slot in wanted:
                 param = by_name[slot.name]
-                if id(param) in seen:            # a tied weight named twice: it lives in its first slot
+                if id(param) in seen:  # a tied weight named twice: it lives in its first slot
                     continue
                 seen.add(id(param))
                 views[slot.name].copy_(param.data)
                 param.data = views[slot.name]
                 moved += 1
         complete = len(wanted) == len(layout.order)
-        self._flat = (layout.key, FlatParams({n: p.data for n, p in self.named_parameters().items()}, flat=flat,
-                                             layout_key=layout.key) if complete else None)
+        self._flat = (
+            layout.key,
+            FlatParams({n: p.data for n, p in self.named_parameters().items()}, flat=flat, layout_key=layout.key)
+            if complete
+            else None,
+        )
         self._drop_runners()
         return moved
 
@@ -382,7 +456,7 @@ class NativeEngine(Engine):
         for name, p in self.model.named_parameters():
             self._offloaded[name] = (p.device, p.shape)
             p.data = p.data.to("cpu") if self.device.type == "cuda" else torch.empty(0, dtype=p.dtype)
-        self._flat = None      # the flat buffer goes with them; the next cuda_ipc receive flattens again
+        self._flat = None  # the flat buffer goes with them; the next cuda_ipc receive flattens again
 
     def resume_memory(self, tags: Sequence[str] = ()) -> None:
         tags = normalize_memory_tags(tags)

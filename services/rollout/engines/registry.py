@@ -31,11 +31,19 @@ def _native(config: TandemConfig, eos_token_ids: Sequence[int], detokenizer: Det
     from services.rollout.engines.native import NativeEngine
 
     ro, model = config.rollout, config.model
-    assert ro.engine == "native"   # this entry is rollout.engine native's: its keys are there
-    return NativeEngine(model.path, device=ro.device, dtype=model.dtype, attn_implementation=model.attn_implementation,
-                        max_batch_size=ro.max_batch_size, max_context_length=ro.max_context_length,
-                        fused_kernels=model.fused_kernels, continuous_batching=ro.continuous_batching,
-                        eos_token_ids=eos_token_ids or None, detokenizer=detokenizer)
+    assert ro.engine == "native"  # this entry is rollout.engine native's: its keys are there
+    return NativeEngine(
+        model.path,
+        device=ro.device,
+        dtype=model.dtype,
+        attn_implementation=model.attn_implementation,
+        max_batch_size=ro.max_batch_size,
+        max_context_length=ro.max_context_length,
+        fused_kernels=model.fused_kernels,
+        continuous_batching=ro.continuous_batching,
+        eos_token_ids=eos_token_ids or None,
+        detokenizer=detokenizer,
+    )
 
 
 def _sglang(config: TandemConfig, eos_token_ids: Sequence[int], detokenizer: Detokenizer | None) -> Engine:
@@ -45,10 +53,15 @@ def _sglang(config: TandemConfig, eos_token_ids: Sequence[int], detokenizer: Det
     return engine_from_config(config, eos_token_ids=eos_token_ids)
 
 
-ENGINES: Mapping[str, EngineKind] = MappingProxyType({e.name: e for e in (
-    EngineKind("native", _native),
-    EngineKind("sglang", _sglang),
-)})
+ENGINES: Mapping[str, EngineKind] = MappingProxyType(
+    {
+        e.name: e
+        for e in (
+            EngineKind("native", _native),
+            EngineKind("sglang", _sglang),
+        )
+    }
+)
 
 
 def engine_kind(name: str) -> EngineKind:

@@ -25,8 +25,9 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     return gen
 
 
-def sample_next(logits: torch.Tensor, sampling: SamplingSpec,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(
+    logits: torch.Tensor, sampling: SamplingSpec, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[batch, vocab] logits -> (token ids [batch] int64, their log-probs [batch] float32)."""
     log_probs = sampling_log_probs(logits, sampling)
     if sampling.greedy:

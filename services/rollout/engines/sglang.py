@@ -97,20 +97,30 @@ log = logging.getLogger(__name__)
 
 # Defaults of an engine built without a config (tests, benchmarks); from_config passes the run's.
 _SGLANG, _TIMEOUTS, _WEIGHTS = SGLangConfig(), TimeoutsConfig(), ProcessGroupWeights()
-_MANIFEST_POLL_S = 0.02   # disk sync: between looks for the trainer's manifest
+_MANIFEST_POLL_S = 0.02  # disk sync: between looks for the trainer's manifest
 
 
 class SGLangEngine(Engine):
     name = "sglang"
-    logprob_space = LOGPROB_TEMPERED   # SGLang 0.5.x reports log_softmax(logits / T), never truncated
+    logprob_space = LOGPROB_TEMPERED  # SGLang 0.5.x reports log_softmax(logits / T), never truncated
 
-    def __init__(self, urls: Sequence[str], *, max_batch_size: int = 512, max_context_length: int | None = None,
-                 pause_mode: str = _SGLANG.pause_mode, request_timeout_s: float = _SGLANG.request_timeout_s,
-                 weight_load_format: str = _SGLANG.weight_load_format,
-                 startup_timeout_s: float = _SGLANG.startup_timeout_s, api_key: str | None = None,
-                 launched: LaunchedServer | None = None, timeouts: TimeoutsConfig = _TIMEOUTS,
-                 weights_timeout_s: float = _WEIGHTS.timeout_s, inflight_update: str = "off",
-                 eos_token_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        max_batch_size: int = 512,
+        max_context_length: int | None = None,
+        pause_mode: str = _SGLANG.pause_mode,
+        request_timeout_s: float = _SGLANG.request_timeout_s,
+        weight_load_format: str = _SGLANG.weight_load_format,
+        startup_timeout_s: float = _SGLANG.startup_timeout_s,
+        api_key: str | None = None,
+        launched: LaunchedServer | None = None,
+        timeouts: TimeoutsConfig = _TIMEOUTS,
+        weights_timeout_s: float = _WEIGHTS.timeout_s,
+        inflight_update: str = "off",
+        eos_token_ids: Sequence[int] = (),
+    ):
         """`timeouts`: services.timeouts (control_s for pause/continue/flush/server_info, probe_s for best-effort
         cleanup calls); `weights_timeout_s` bounds a sync whose plan names no deadline (weights.timeout_s);
         `eos_token_ids`: the model's end-of-generation ids, sent with each request (sglang_protocol.sampling_params)."""
@@ -126,13 +136,15 @@ class SGLangEngine(Engine):
         self._control_s = timeouts.control_s
         self._weights_timeout_s = weights_timeout_s
         self.servers = [connect_server(u, api_key=api_key, deadline=deadline, control_s=self._control_s) for u in urls]
-        refusals = [inflight_refusal(inflight_update, radix_cache_off=s.info.radix_cache_off,
-                                     where=f"SGLang at {s.url}") for s in self.servers]
+        refusals = [
+            inflight_refusal(inflight_update, radix_cache_off=s.info.radix_cache_off, where=f"SGLang at {s.url}")
+            for s in self.servers
+        ]
         if any(refusals):
             raise ValueError(next(r for r in refusals if r))
         self.max_batch_size = max_batch_size
         self._pause_mode = pause_mode
-        self._sglang_mode = ""                   # the mode SGLang was last paused with ("" = running)
+        self._sglang_mode = ""  # the mode SGLang was last paused with ("" = running)
         self._request_timeout_s = request_timeout_s
         self._load_format = weight_load_format
         known = [s.max_model_len for s in self.servers if s.max_model_len]
@@ -142,19 +154,29 @@ class SGLangEngine(Engine):
         self._gate = PauseGate(engine="the sglang engine")
         self._weights_lock = threading.Lock()
         self._released: set[str] = set()
-        self._weights_empty = False   # resumed without --enable-weights-cpu-backup and not synced since
+        self._weights_empty = False  # resumed without --enable-weights-cpu-backup and not synced since
         self._generated = 0
         self._probe_s = timeouts.probe_s
-        self._local = all(is_loopback(s.url) for s in self.servers)   # GPU memory is measurable here
+        self._local = all(is_loopback(s.url) for s in self.servers)  # GPU memory is measurable here
         self._handshake = EngineHandshake(refuse_timeout_s=timeouts.probe_s)
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.servers)), thread_name_prefix="sglang-gen")
         self._control = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="sglang-ctl")
         self._weight_pool = ThreadPoolExecutor(max_workers=len(self.servers), thread_name_prefix="sglang-weights")
-        self._distributed = DistributedSync(self.servers, handshake=self._handshake, pool=self._weight_pool,
-                                            load_format=weight_load_format, probe_s=timeouts.probe_s,
-                                            flush=self._flush_after_sync)
-        self._tensor = TensorSync(self.servers, handshake=self._handshake, pool=self._weight_pool,
-                                  flush=self._flush_after_sync, probe_s=timeouts.probe_s)
+        self._distributed = DistributedSync(
+            self.servers,
+            handshake=self._handshake,
+            pool=self._weight_pool,
+            load_format=weight_load_format,
+            probe_s=timeouts.probe_s,
+            flush=self._flush_after_sync,
+        )
+        self._tensor = TensorSync(
+            self.servers,
+            handshake=self._handshake,
+            pool=self._weight_pool,
+            flush=self._flush_after_sync,
+            probe_s=timeouts.probe_s,
+        )
 
     # ---- properties --------------------------------------------------------------------------------
 
@@ -172,42 +194,65 @@ class SGLangEngine(Engine):
 
     # ---- generation --------------------------------------------------------------------------------
 
-    def _generate_admitted(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-                           budgets: Sequence[int]) -> list[SampleOutput]:
+    def _generate_admitted(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec, budgets: Sequence[int]
+    ) -> list[SampleOutput]:
         if self._released:
-            raise EngineUnavailable(f"SGLang memory is released ({', '.join(sorted(self._released))}); "
-                                    "call ResumeMemory first")
+            raise EngineUnavailable(
+                f"SGLang memory is released ({', '.join(sorted(self._released))}); call ResumeMemory first"
+            )
         if self._weights_empty:
-            raise EngineUnavailable("SGLang's weights came back empty from ResumeMemory (its servers run without "
-                                    "--enable-weights-cpu-backup): sync weights before generating")
+            raise EngineUnavailable(
+                "SGLang's weights came back empty from ResumeMemory (its servers run without "
+                "--enable-weights-cpu-backup): sync weights before generating"
+            )
         blind = [s.url for s in self.servers if s.info.skip_tokenizer_init]
         if sampling.stop and blind:
-            raise ValueError(f"sampling.stop: SGLang at {blind[0]} runs with --skip-tokenizer-init, so it cannot "
-                             "match stop strings; restart it with its tokenizer or drop the stop strings")
+            raise ValueError(
+                f"sampling.stop: SGLang at {blind[0]} runs with --skip-tokenizer-init, so it cannot "
+                "match stop strings; restart it with its tokenizer or drop the stop strings"
+            )
         start = self._version
         starts = range(0, len(prompts), self.max_batch_size)
-        futures = [self._pool.submit(self._generate_chunk, self.servers[k % len(self.servers)],
-                                     prompts[i:i + self.max_batch_size], sampling, start,
-                                     budgets[i:i + self.max_batch_size]) for k, i in enumerate(starts)]
+        futures = [
+            self._pool.submit(
+                self._generate_chunk,
+                self.servers[k % len(self.servers)],
+                prompts[i : i + self.max_batch_size],
+                sampling,
+                start,
+                budgets[i : i + self.max_batch_size],
+            )
+            for k, i in enumerate(starts)
+        ]
         out = [sample for f in futures for sample in f.result()]
         self._generated += len(out)
         return out
 
-    def _generate_chunk(self, server: Server, prompts: Sequence[Sequence[int]], sampling: SamplingSpec,
-                        start: int, budgets: Sequence[int]) -> list[SampleOutput]:
-        body = generate_body(prompts, sampling, max_context=self._max_context, budgets=budgets,
-                             eos_token_ids=self._eos_token_ids)
+    def _generate_chunk(
+        self,
+        server: Server,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingSpec,
+        start: int,
+        budgets: Sequence[int],
+    ) -> list[SampleOutput]:
+        body = generate_body(
+            prompts, sampling, max_context=self._max_context, budgets=budgets, eos_token_ids=self._eos_token_ids
+        )
         try:
             answer = server.client.post("/generate", body, timeout_s=self._request_timeout_s)
-        except SGLangAborted:   # a pause(abort) reached the call while it waited: as aborted samples (retried)
-            return [SampleOutput(token_ids=(), log_probs=(), finish_reason=FINISH_ABORT, weight_version=start)
-                    for _ in prompts]
+        except SGLangAborted:  # a pause(abort) reached the call while it waited: as aborted samples (retried)
+            return [
+                SampleOutput(token_ids=(), log_probs=(), finish_reason=FINISH_ABORT, weight_version=start)
+                for _ in prompts
+            ]
         items = answer.body
         where = f"SGLang /generate at {server.url}"
         if not isinstance(items, list) or len(items) != len(prompts):
             raise BadAnswer(f"{where}: expected a list of {len(prompts)} answers, got {str(items)[:200]}")
         version = answer_version(items, fallback=start)
-        if self._version != start:   # an update landed while the call was parked: the samples began earlier
+        if self._version != start:  # an update landed while the call was parked: the samples began earlier
             version = min(version, start)
         return [sample_from_answer(item, version=version, where=where) for item in items]
 
@@ -249,16 +294,19 @@ class SGLangEngine(Engine):
         try:
             server.client.post("/flush_cache", {}, timeout_s=self._control_s)
         except SGLangRequestError as exc:
-            log.warning("SGLang at %s kept its prefix cache after the weight update (not idle): %s", server.url,
-                        exc.reason)
+            log.warning(
+                "SGLang at %s kept its prefix cache after the weight update (not idle): %s", server.url, exc.reason
+            )
 
     # ---- weights -----------------------------------------------------------------------------------
 
-    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                                    version: int | None = None) -> WeightLoadStats:
+    def update_weights_from_tensors(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None
+    ) -> WeightLoadStats:
         raise NotImplementedError(
             "the sglang engine does not load tensors of the rollout process: SGLang's /update_weights_from_tensor "
-            "takes buckets the trainer serialised (weights.transport cuda_ipc); use cuda_ipc, nccl or disk")
+            "takes buckets the trainer serialised (weights.transport cuda_ipc); use cuda_ipc, nccl or disk"
+        )
 
     def update_weights_from_disk(self, path: str | Path, *, version: int) -> WeightLoadStats:
         """Every server loads the safetensors in `path` (a path as the servers see it) and serves `version`."""
@@ -291,22 +339,30 @@ class SGLangEngine(Engine):
 
         return torch.device("cuda")
 
-    def receive_weights(self, plan: WeightSyncPlan, *, rank_offset: int,
-                        receiver: WeightReceiver) -> SyncStats:
+    def receive_weights(self, plan: WeightSyncPlan, *, rank_offset: int, receiver: WeightReceiver) -> SyncStats:
         """Takes part in the trainer's transfer for every server of this engine. SGLang receives into its own
         weights; of `receiver` only `accepted_trainer_id` is used."""
         started = time.monotonic()
         deadline = Deadline(plan.timeout_s if plan.timeout_s > 0 else self._weights_timeout_s)
         ranks = list(range(rank_offset, rank_offset + self.engine_ranks))
-        ctx = SyncContext(plan.transport, plan.version, f"SGLang engine rank(s) {ranks}",
-                          f"trainer {plan.trainer_id or '?'} at {plan.master_addr}:{plan.master_port}", plan.timeout_s)
-        refusal = plan_refusal(plan, rank_offset, engine_ranks=self.engine_ranks,
-                               accepted_trainer_id=receiver.accepted_trainer_id,
-                               weights_released="weights" in self._released,
-                               tensor_refusal=self._tensor.refusal if plan.transport == "cuda_ipc" else None)
+        ctx = SyncContext(
+            plan.transport,
+            plan.version,
+            f"SGLang engine rank(s) {ranks}",
+            f"trainer {plan.trainer_id or '?'} at {plan.master_addr}:{plan.master_port}",
+            plan.timeout_s,
+        )
+        refusal = plan_refusal(
+            plan,
+            rank_offset,
+            engine_ranks=self.engine_ranks,
+            accepted_trainer_id=receiver.accepted_trainer_id,
+            weights_released="weights" in self._released,
+            tensor_refusal=self._tensor.refusal if plan.transport == "cuda_ipc" else None,
+        )
         if refusal is not None:
             kind, reason = refusal
-            if plan.transport != "disk":   # the trainer fails now, with the reason, instead of at its deadline
+            if plan.transport != "disk":  # the trainer fails now, with the reason, instead of at its deadline
                 self._handshake.refuse(plan, ranks=ranks, reason=f"SGLang engine refuses: {reason}", ctx=ctx)
             raise kind(ctx.message(reason))
         with self._weights_lock:
@@ -319,8 +375,12 @@ class SGLangEngine(Engine):
                     self._distributed.receive(plan, rank_offset=rank_offset, deadline=deadline, ctx=ctx)
             self._version = int(plan.version)
             self._weights_empty = False
-        return SyncStats(version=self._version, bytes=int(plan.total_bytes), seconds=time.monotonic() - started,
-                         transport=plan.transport)
+        return SyncStats(
+            version=self._version,
+            bytes=int(plan.total_bytes),
+            seconds=time.monotonic() - started,
+            transport=plan.transport,
+        )
 
     def _receive_disk(self, plan: WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> None:
         path = await_disk_manifest(plan, deadline=deadline, ctx=ctx)
@@ -337,13 +397,16 @@ class SGLangEngine(Engine):
             raise EngineUnavailable(
                 f"release_memory_occupation needs SGLang started with --enable-memory-saver; {', '.join(lacking)} "
                 f"report enable_memory_saver false (SGLang would answer success and free nothing). Add the flag to "
-                f"rollout.sglang.launch_args or to the server's command line")
+                f"rollout.sglang.launch_args or to the server's command line"
+            )
         if not wanted:
             return
         with self._weights_lock:
             if self._gate.admitted:
-                raise EngineUnavailable(f"cannot release SGLang's memory while {self._gate.admitted} generate call(s) "
-                                        f"of this adapter run; release between steps")
+                raise EngineUnavailable(
+                    f"cannot release SGLang's memory while {self._gate.admitted} generate call(s) "
+                    f"of this adapter run; release between steps"
+                )
             for server in self.servers:
                 try:
                     server.client.post("/flush_cache", {}, timeout_s=self._control_s)
@@ -351,7 +414,8 @@ class SGLangEngine(Engine):
                     raise EngineUnavailable(
                         f"SGLang at {server.url} is not idle ({exc.reason}), so nothing was released: its "
                         f"release_memory_occupation asserts an idle scheduler and would crash it. Requests of another "
-                        f"client, or parked by pause retract / in_place, must finish first") from exc
+                        f"client, or parked by pause retract / in_place, must finish first"
+                    ) from exc
             before = self._gpu_memory_used()
             self._each("/release_memory_occupation", memory_body(tuple(wanted)), timeout_s=self._request_timeout_s)
             self._released.update(wanted)
@@ -393,39 +457,57 @@ def engine_from_config(config: TandemConfig, *, eos_token_ids: Sequence[int] = (
     launched = None
     urls = list(sg.urls)
     if not urls:
-        spec = LaunchSpec(model_path=config.model.path, port=free_port(), api_key=sg.api_key,
-                          extra_args=launch_args(config))
+        spec = LaunchSpec(
+            model_path=config.model.path, port=free_port(), api_key=sg.api_key, extra_args=launch_args(config)
+        )
         launched = LaunchedServer(spec, timeouts=config.services.timeouts)
         urls = [spec.url]
     try:
         if launched is not None:
             launched.wait_healthy(timeout_s=sg.startup_timeout_s)
-        return SGLangEngine(urls, max_batch_size=ro.max_batch_size, max_context_length=ro.max_context_length,
-                            pause_mode=sg.pause_mode, request_timeout_s=sg.request_timeout_s,
-                            weight_load_format=sg.weight_load_format, startup_timeout_s=sg.startup_timeout_s,
-                            api_key=sg.api_key, launched=launched, timeouts=config.services.timeouts,
-                            weights_timeout_s=config.weights.timeout_s, inflight_update=ro.inflight_update,
-                            eos_token_ids=eos_token_ids)
+        return SGLangEngine(
+            urls,
+            max_batch_size=ro.max_batch_size,
+            max_context_length=ro.max_context_length,
+            pause_mode=sg.pause_mode,
+            request_timeout_s=sg.request_timeout_s,
+            weight_load_format=sg.weight_load_format,
+            startup_timeout_s=sg.startup_timeout_s,
+            api_key=sg.api_key,
+            launched=launched,
+            timeouts=config.services.timeouts,
+            weights_timeout_s=config.weights.timeout_s,
+            inflight_update=ro.inflight_update,
+            eos_token_ids=eos_token_ids,
+        )
     except BaseException:
         if launched is not None:
             launched.stop()
         raise
 
 
-def plan_refusal(plan: WeightSyncPlan, rank_offset: int, *, engine_ranks: int,
-                 accepted_trainer_id: str | None, weights_released: bool,
-                 tensor_refusal: Callable[[WeightSyncPlan, int], str | None] | None,
-                 ) -> tuple[type[Exception], str] | None:
+def plan_refusal(
+    plan: WeightSyncPlan,
+    rank_offset: int,
+    *,
+    engine_ranks: int,
+    accepted_trainer_id: str | None,
+    weights_released: bool,
+    tensor_refusal: Callable[[WeightSyncPlan, int], str | None] | None,
+) -> tuple[type[Exception], str] | None:
     """Why this engine will not take part in `plan` (the exception to raise and the reason), or None."""
     if accepted_trainer_id and plan.trainer_id != accepted_trainer_id:
         return WeightSyncRefused, f"trainer {plan.trainer_id!r} is not the accepted trainer {accepted_trainer_id!r}"
     if plan.transport not in ("gloo", "nccl", "cuda_ipc", "disk"):
-        return ValueError, (f"transport {plan.transport!r} is not one the sglang engine speaks (gloo, nccl, "
-                            f"cuda_ipc, disk)")
+        return ValueError, (
+            f"transport {plan.transport!r} is not one the sglang engine speaks (gloo, nccl, cuda_ipc, disk)"
+        )
     if plan.verify:
-        return ValueError, ("weights.check_weight_update_equal is not supported with rollout.engine sglang: the "
-                            "adapter cannot read bit-exact checksums of SGLang's weights (its /weights_checker "
-                            "hashes SGLang's own, possibly fused, tensors); set it to false")
+        return ValueError, (
+            "weights.check_weight_update_equal is not supported with rollout.engine sglang: the "
+            "adapter cannot read bit-exact checksums of SGLang's weights (its /weights_checker "
+            "hashes SGLang's own, possibly fused, tensors); set it to false"
+        )
     if weights_released:
         return EngineUnavailable, "SGLang's weights are released; call ResumeMemory before a weight sync"
     if tensor_refusal is not None:
@@ -433,8 +515,10 @@ def plan_refusal(plan: WeightSyncPlan, rank_offset: int, *, engine_ranks: int,
         if reason is not None:
             return ValueError, reason
     if plan.transport != "disk" and (rank_offset < 1 or rank_offset + engine_ranks > plan.world_size):
-        return ValueError, (f"rank_offset {rank_offset} with {engine_ranks} engine rank(s) does not fit the "
-                            f"plan's world of {plan.world_size}")
+        return ValueError, (
+            f"rank_offset {rank_offset} with {engine_ranks} engine rank(s) does not fit the "
+            f"plan's world of {plan.world_size}"
+        )
     return None
 
 
@@ -448,6 +532,10 @@ def await_disk_manifest(plan: WeightSyncPlan, *, deadline: Deadline, ctx: SyncCo
         time.sleep(_MANIFEST_POLL_S)
     written = json.loads(manifest.read_text())
     if written.get("version") != plan.version or (plan.trainer_id and written.get("trainer_id") != plan.trainer_id):
-        raise WeightSyncError(ctx.message(f"{path} holds version {written.get('version')} of trainer "
-                                          f"{written.get('trainer_id')!r}, not the planned one"))
+        raise WeightSyncError(
+            ctx.message(
+                f"{path} holds version {written.get('version')} of trainer "
+                f"{written.get('trainer_id')!r}, not the planned one"
+            )
+        )
     return path

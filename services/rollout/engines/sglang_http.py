@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 from services.contracts.untyped import JsonValue
 
 _READ_CHUNK = 1 << 16
-ABORTED_STATUS = 499   # SGLang's RequestAbortedError (a client-closed-request code, not a 4xx of bad input)
+ABORTED_STATUS = 499  # SGLang's RequestAbortedError (a client-closed-request code, not a 4xx of bad input)
 
 
 class SGLangError(RuntimeError):
@@ -68,7 +68,7 @@ class SGLangTimeout(SGLangError, TimeoutError):
 @dataclass(frozen=True)
 class Answer:
     status: int
-    body: JsonValue          # parsed JSON, or None when the answer is not JSON
+    body: JsonValue  # parsed JSON, or None when the answer is not JSON
     text: str
 
 
@@ -133,12 +133,14 @@ class SGLangClient:
             status, raw = self._exchange(method, path, body=body, deadline=deadline)
         except SGLangError:
             raise
-        except TimeoutError as exc:   # socket.timeout is TimeoutError
-            raise SGLangTimeout(f"{where}: no answer within {timeout_s:g}s (the server stopped answering?)",
-                                url=self.url, path=path) from exc
+        except TimeoutError as exc:  # socket.timeout is TimeoutError
+            raise SGLangTimeout(
+                f"{where}: no answer within {timeout_s:g}s (the server stopped answering?)", url=self.url, path=path
+            ) from exc
         except (http.client.HTTPException, OSError) as exc:
-            raise SGLangUnavailable(f"{where}: cannot reach the server: {exc or type(exc).__name__}",
-                                    url=self.url, path=path) from exc
+            raise SGLangUnavailable(
+                f"{where}: cannot reach the server: {exc or type(exc).__name__}", url=self.url, path=path
+            ) from exc
         text = raw.decode("utf-8", errors="replace")
         try:
             parsed = json.loads(text) if text.strip() else None
@@ -148,8 +150,15 @@ class SGLangClient:
             return Answer(status=status, body=parsed, text=text)
         reason = error_reason(parsed, text)
         message = f"{where} answered {status}: {reason}"
-        kind = (SGLangNotFound if status == 404 else SGLangAborted if status == ABORTED_STATUS
-                else SGLangUnavailable if status >= 500 else SGLangRequestError)
+        kind = (
+            SGLangNotFound
+            if status == 404
+            else SGLangAborted
+            if status == ABORTED_STATUS
+            else SGLangUnavailable
+            if status >= 500
+            else SGLangRequestError
+        )
         raise kind(message, url=self.url, path=path, status=status, reason=reason)
 
     def _exchange(self, method: str, path: str, *, body: JsonValue, deadline: float) -> tuple[int, bytes]:

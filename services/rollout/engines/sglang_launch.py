@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_TIMEOUTS = TimeoutsConfig()   # defaults of a launch without a config; the engine passes services.timeouts
-_HEALTH_POLL_S = 1.0           # between /health_generate calls while the server starts
+_TIMEOUTS = TimeoutsConfig()  # defaults of a launch without a config; the engine passes services.timeouts
+_HEALTH_POLL_S = 1.0  # between /health_generate calls while the server starts
 
 RESERVED_FLAGS = ("--model-path", "--host", "--port", "--api-key")
 MEMORY_SAVER_FLAG = "--enable-memory-saver"
@@ -39,18 +39,20 @@ MEMORY_SAVER_FLAG = "--enable-memory-saver"
 REFUSED_FLAGS = {
     "--rl-on-policy-target": "it makes SGLang report bf16 log-probs of logits/T, which the fp32 trainer cannot match",
     "--enable-deterministic-inference": "it samples every request without a seed of its own with seed 42, so all "
-                                        "samples of a GRPO group would be the same",
+    "samples of a GRPO group would be the same",
     "--enable-custom-logit-processor": "it lets requests run dill-pickled code in the server; Tandem sends no logit "
-                                       "processor, so it only opens that door",
+    "processor, so it only opens that door",
 }
 # environment variables of the launched server that change its reported log-probs
 REFUSED_ENV = {
     "SGLANG_RETURN_ORIGINAL_LOGPROB": "it makes SGLang report log-probs of the raw logits (temperature 1), not of "
-                                      "the distribution it samples from",
+    "the distribution it samples from",
 }
 _TRUE = ("1", "true", "yes", "on")
-JIT_NOTE = ("SGLang JIT-compiles its kernels on first use: on an H200 it took 70-130 s to become healthy (more with "
-            "CUDA graphs to capture)")
+JIT_NOTE = (
+    "SGLang JIT-compiles its kernels on first use: on an H200 it took 70-130 s to become healthy (more with "
+    "CUDA graphs to capture)"
+)
 
 
 def launch_problems(args: tuple[str, ...], environ: dict[str, str]) -> list[str]:
@@ -63,8 +65,10 @@ def launch_problems(args: tuple[str, ...], environ: dict[str, str]) -> list[str]
             out.append(f"rollout.sglang.launch_args: {flag} is refused: {REFUSED_FLAGS[flag]}")
     for name, why in REFUSED_ENV.items():
         if environ.get(name, "").strip().lower() in _TRUE:
-            out.append(f"{name}={environ[name]} in the environment is refused (the launched SGLang server inherits "
-                       f"it): {why}; unset it")
+            out.append(
+                f"{name}={environ[name]} in the environment is refused (the launched SGLang server inherits "
+                f"it): {why}; unset it"
+            )
     return out
 
 
@@ -94,10 +98,21 @@ class LaunchSpec:
     def command(self) -> list[str]:
         clash = [a for a in self.extra_args if a.split("=", 1)[0] in RESERVED_FLAGS]
         if clash:
-            raise ValueError(f"rollout.sglang.launch_args must not set {', '.join(clash)}: the rollout service "
-                             f"sets the model path, host, port and API key of the server it launches")
-        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", self.host,
-               "--port", str(self.port)]
+            raise ValueError(
+                f"rollout.sglang.launch_args must not set {', '.join(clash)}: the rollout service "
+                f"sets the model path, host, port and API key of the server it launches"
+            )
+        cmd = [
+            self.python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         return cmd + list(self.extra_args)
@@ -110,8 +125,11 @@ class LaunchSpec:
 def sglang_installed(python: str = sys.executable, *, timeout_s: float = _TIMEOUTS.control_s) -> bool:
     if python == sys.executable:
         return importlib.util.find_spec("sglang") is not None
-    probe = subprocess.run([python, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('sglang') "
-                                          "is None)"], capture_output=True, timeout=timeout_s)
+    probe = subprocess.run(
+        [python, "-c", "import importlib.util,sys; sys.exit(importlib.util.find_spec('sglang') is None)"],
+        capture_output=True,
+        timeout=timeout_s,
+    )
     return probe.returncode == 0
 
 
@@ -121,7 +139,8 @@ def require_sglang(python: str = sys.executable, *, timeout_s: float = _TIMEOUTS
             f"rollout.engine is sglang and rollout.sglang.urls is empty, so the rollout service would launch "
             f"`{python} -m sglang.launch_server`, but the sglang package is not installed for {python}. Install it "
             f"(pip install 'tandem-rl[sglang]'; it needs a CUDA GPU — there is no CPU backend) or list running "
-            f"servers in rollout.sglang.urls")
+            f"servers in rollout.sglang.urls"
+        )
 
 
 class LaunchedServer:
@@ -138,9 +157,13 @@ class LaunchedServer:
         # its output goes where the rollout service's goes (tandem run keeps it in logs/), unless a file is given
         self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - closed in stop()
         log.info("launching SGLang: %s", " ".join(spec.command()))
-        self.process = subprocess.Popen(spec.command(), stdout=self._log,
-                                        stderr=subprocess.STDOUT if self._log else None, env={**os.environ},
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            spec.command(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT if self._log else None,
+            env={**os.environ},
+            start_new_session=True,
+        )
 
     def wait_healthy(self, *, timeout_s: float) -> None:
         client = SGLangClient(self.spec.url, api_key=self.spec.api_key)
@@ -149,18 +172,23 @@ class LaunchedServer:
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code is not None:
-                raise RuntimeError(f"the SGLang server launched for {self.spec.model_path} exited with code {code} "
-                                   f"before becoming healthy (command: {' '.join(self.spec.command())})")
+                raise RuntimeError(
+                    f"the SGLang server launched for {self.spec.model_path} exited with code {code} "
+                    f"before becoming healthy (command: {' '.join(self.spec.command())})"
+                )
             try:
-                client.get("/health_generate",
-                           timeout_s=min(self._timeouts.control_s, max(1.0, deadline - time.monotonic())))
+                client.get(
+                    "/health_generate", timeout_s=min(self._timeouts.control_s, max(1.0, deadline - time.monotonic()))
+                )
                 return
             except SGLangError as exc:
                 last = str(exc)
             time.sleep(_HEALTH_POLL_S)
         self.stop()
-        raise TimeoutError(f"the SGLang server at {self.spec.url} was not healthy within {timeout_s:g}s "
-                           f"(rollout.sglang.startup_timeout_s; {JIT_NOTE}); last answer: {last}")
+        raise TimeoutError(
+            f"the SGLang server at {self.spec.url} was not healthy within {timeout_s:g}s "
+            f"(rollout.sglang.startup_timeout_s; {JIT_NOTE}); last answer: {last}"
+        )
 
     def stop(self, *, grace_s: float | None = None) -> None:
         # a third of shutdown_s: the rollout service stopping it has that budget for its whole stop

@@ -57,8 +57,8 @@ from services.contracts.untyped import JsonObject, JsonValue
 from services.rollout.engines.base import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SampleOutput
 
 MIN_VERSION = (0, 5, 15)
-END_VERSION = (0, 6, 0)          # exclusive
-SESSION_VERSION = (0, 5, 23)     # begin/end_weight_update required from here on
+END_VERSION = (0, 6, 0)  # exclusive
+SESSION_VERSION = (0, 5, 23)  # begin/end_weight_update required from here on
 SUPPORTED_RANGE = ">=0.5.15, <0.6"
 SGLANG_PAUSE_MODES = ("abort", "retract", "in_place")
 LOAD_FORMATS = ("tensor", "flattened_bucket")
@@ -93,12 +93,15 @@ def parse_release(version: str) -> tuple[int, int, int] | None:
 def profile_for(version: str, *, url: str) -> ApiProfile:
     release = parse_release(version)
     if release is None:
-        raise UnsupportedSGLangVersion(f"SGLang at {url} reports version {version!r}, which is not a version number; "
-                                       f"the sglang engine supports SGLang {SUPPORTED_RANGE}")
+        raise UnsupportedSGLangVersion(
+            f"SGLang at {url} reports version {version!r}, which is not a version number; "
+            f"the sglang engine supports SGLang {SUPPORTED_RANGE}"
+        )
     if not MIN_VERSION <= release < END_VERSION:
         raise UnsupportedSGLangVersion(
             f"SGLang at {url} runs version {version}; the sglang engine supports SGLang {SUPPORTED_RANGE} (the "
-            f"request and answer shapes of other versions were not recorded — see docs/sglang.md)")
+            f"request and answer shapes of other versions were not recorded — see docs/sglang.md)"
+        )
     return ApiProfile(version=version, release=release)
 
 
@@ -109,17 +112,17 @@ class ServerInfo:
     tp_size: int
     enable_memory_saver: bool
     weight_version: str
-    weights_cpu_backup: bool = False   # --enable-weights-cpu-backup: weights survive a release
+    weights_cpu_backup: bool = False  # --enable-weights-cpu-backup: weights survive a release
     skip_tokenizer_init: bool = False  # --skip-tokenizer-init: no tokenizer, so no stop strings
-    radix_cache_off: bool = False      # --disable-radix-cache: no prefix cache (retract then recomputes)
+    radix_cache_off: bool = False  # --disable-radix-cache: no prefix cache (retract then recomputes)
 
 
 # Server settings that change what SGLang reports or samples, refused with the reason (their /server_info keys).
 REFUSED_SERVER_SETTINGS = {
     "rl_on_policy_target": "--rl-on-policy-target makes SGLang report bf16 log-probs of logits/T, which an fp32 "
-                           "trainer cannot match",
+    "trainer cannot match",
     "enable_deterministic_inference": "--enable-deterministic-inference samples with one seed (42) for every request "
-                                      "that carries none, so every sample of a GRPO group would be the same",
+    "that carries none, so every sample of a GRPO group would be the same",
 }
 
 
@@ -129,32 +132,41 @@ def inflight_refusal(inflight_update: str, *, radix_cache_off: bool, where: str)
     retracted request waits in the queue, so the adapter's /flush_cache fails, and on continue it finds the KV of
     its own tokens, computed by the old weights, in the prefix cache. One line, or None."""
     if inflight_update == "recompute" and not radix_cache_off:
-        return (f"rollout.inflight_update: recompute needs SGLang without its radix cache ({where} has it on): a "
-                "request retracted for the update would reuse its own old-weights KV from the prefix cache; start "
-                "SGLang with --disable-radix-cache, or use inflight_update: keep")
+        return (
+            f"rollout.inflight_update: recompute needs SGLang without its radix cache ({where} has it on): a "
+            "request retracted for the update would reuse its own old-weights KV from the prefix cache; start "
+            "SGLang with --disable-radix-cache, or use inflight_update: keep"
+        )
     return None
 
 
 def parse_server_info(info: JsonValue, *, url: str) -> ServerInfo:
     """What the adapter needs from /server_info; refuses layouts whose weight-update ranks it cannot map."""
     if not isinstance(info, dict) or not isinstance(info.get("version"), str):
-        raise UnsupportedSGLangVersion(f"SGLang at {url}: /server_info has no 'version' string; is this an SGLang "
-                                       f"server? (the sglang engine supports SGLang {SUPPORTED_RANGE})")
+        raise UnsupportedSGLangVersion(
+            f"SGLang at {url}: /server_info has no 'version' string; is this an SGLang "
+            f"server? (the sglang engine supports SGLang {SUPPORTED_RANGE})"
+        )
     for key in ("dp_size", "pp_size"):
         if int(info.get(key) or 1) != 1:
-            raise ValueError(f"SGLang at {url} runs with {key}={info[key]}; the sglang engine maps weight-update "
-                             f"ranks for tensor parallelism only (dp_size 1, pp_size 1): run one server per "
-                             f"data-parallel replica and list each in rollout.sglang.urls")
+            raise ValueError(
+                f"SGLang at {url} runs with {key}={info[key]}; the sglang engine maps weight-update "
+                f"ranks for tensor parallelism only (dp_size 1, pp_size 1): run one server per "
+                f"data-parallel replica and list each in rollout.sglang.urls"
+            )
     for key, why in REFUSED_SERVER_SETTINGS.items():
         if info.get(key):
             raise ValueError(f"SGLang at {url} runs with {key}={info[key]!r}: {why}; restart it without that flag")
-    return ServerInfo(version=info["version"], model_path=str(info.get("model_path") or ""),
-                      tp_size=int(info.get("tp_size") or 1),
-                      enable_memory_saver=bool(info.get("enable_memory_saver", False)),
-                      weight_version=str(info.get("weight_version") or ""),
-                      weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)),
-                      skip_tokenizer_init=bool(info.get("skip_tokenizer_init", False)),
-                      radix_cache_off=bool(info.get("disable_radix_cache", False)))
+    return ServerInfo(
+        version=info["version"],
+        model_path=str(info.get("model_path") or ""),
+        tp_size=int(info.get("tp_size") or 1),
+        enable_memory_saver=bool(info.get("enable_memory_saver", False)),
+        weight_version=str(info.get("weight_version") or ""),
+        weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)),
+        skip_tokenizer_init=bool(info.get("skip_tokenizer_init", False)),
+        radix_cache_off=bool(info.get("disable_radix_cache", False)),
+    )
 
 
 def parse_weight_version(value: JsonValue) -> int | None:
@@ -171,9 +183,13 @@ def sampling_params(options: SamplingSpec, *, eos_token_ids: Sequence[int] = ())
     SGLang versions differ in which of them they stop on by themselves. Stop strings go as `stop`: SGLang ends a
     sample at the token that completes one and keeps it in output_ids (its `text` is cut before the string, which
     the adapter does not read)."""
-    params: JsonObject = {"temperature": options.temperature, "top_p": options.top_p,
-                              "top_k": options.top_k if options.top_k > 0 else -1,
-                              "max_new_tokens": options.max_new_tokens, "ignore_eos": options.ignore_eos}
+    params: JsonObject = {
+        "temperature": options.temperature,
+        "top_p": options.top_p,
+        "top_k": options.top_k if options.top_k > 0 else -1,
+        "max_new_tokens": options.max_new_tokens,
+        "ignore_eos": options.ignore_eos,
+    }
     stop_ids = sorted(set(options.stop_token_ids) | (set() if options.ignore_eos else set(eos_token_ids)))
     if stop_ids:
         params["stop_token_ids"] = stop_ids
@@ -184,8 +200,14 @@ def sampling_params(options: SamplingSpec, *, eos_token_ids: Sequence[int] = ())
     return params
 
 
-def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec, *, max_context: int | None = None,
-                  budgets: Sequence[int] | None = None, eos_token_ids: Sequence[int] = ()) -> JsonObject:
+def generate_body(
+    prompts: Sequence[Sequence[int]],
+    options: SamplingSpec,
+    *,
+    max_context: int | None = None,
+    budgets: Sequence[int] | None = None,
+    eos_token_ids: Sequence[int] = (),
+) -> JsonObject:
     """A batch request: input_ids as a list of lists (even for one prompt, so the answer is always a list).
 
     `budgets`: each prompt's own max_new_tokens (a data row's cap), sent as per-prompt sampling params. SGLang refuses
@@ -194,8 +216,12 @@ def generate_body(prompts: Sequence[Sequence[int]], options: SamplingSpec, *, ma
     to what the context leaves (the prompts are validated shorter than the context). SGLang's scheduler then ends
     such a sample 2 tokens before the context (its max_req_len is the context - 1)."""
     params = sampling_params(options, eos_token_ids=eos_token_ids)
-    body: JsonObject = {"input_ids": [[int(t) for t in p] for p in prompts], "sampling_params": params,
-                            "return_logprob": True, "stream": False}
+    body: JsonObject = {
+        "input_ids": [[int(t) for t in p] for p in prompts],
+        "sampling_params": params,
+        "return_logprob": True,
+        "stream": False,
+    }
     caps = list(budgets) if budgets is not None else [options.max_new_tokens] * len(prompts)
     if max_context is not None:
         caps = [max(1, min(c, max_context - len(p))) for c, p in zip(caps, prompts, strict=True)]
@@ -210,17 +236,37 @@ def pause_body(mode: str) -> JsonObject:
     return {"mode": mode}
 
 
-def init_group_body(*, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
-                    backend: str) -> JsonObject:
-    return {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
-            "world_size": int(world_size), "group_name": group_name, "backend": backend}
+def init_group_body(
+    *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+) -> JsonObject:
+    return {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
+        "group_name": group_name,
+        "backend": backend,
+    }
 
 
-def distributed_update_body(*, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-                            group_name: str, weight_version: str | None, load_format: str) -> JsonObject:
+def distributed_update_body(
+    *,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    group_name: str,
+    weight_version: str | None,
+    load_format: str,
+) -> JsonObject:
     """flush_cache is always false: SGLang asserts that a requested flush succeeds (module docstring)."""
-    body: JsonObject = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                            "group_name": group_name, "flush_cache": False, "abort_all_requests": False}
+    body: JsonObject = {
+        "names": list(names),
+        "dtypes": list(dtypes),
+        "shapes": [list(s) for s in shapes],
+        "group_name": group_name,
+        "flush_cache": False,
+        "abort_all_requests": False,
+    }
     if weight_version is not None:
         body["weight_version"] = weight_version
     if load_format == "flattened_bucket":
@@ -229,16 +275,23 @@ def distributed_update_body(*, names: Sequence[str], dtypes: Sequence[str], shap
 
 
 def disk_update_body(*, model_path: str, weight_version: str) -> JsonObject:
-    return {"model_path": model_path, "weight_version": weight_version, "flush_cache": False,
-            "abort_all_requests": False}
+    return {
+        "model_path": model_path,
+        "weight_version": weight_version,
+        "flush_cache": False,
+        "abort_all_requests": False,
+    }
 
 
 def tensor_update_body(*, payloads: Sequence[str], load_format: str, weight_version: str | None) -> JsonObject:
     """/update_weights_from_tensor for one bucket: `payloads` holds one serialised bucket per TP rank of the server
     (SGLang's rank r reads entry r only), as the trainer wrote them; the adapter never decodes them."""
-    body: JsonObject = {"serialized_named_tensors": list(payloads),
-                            "load_format": "flattened_bucket" if load_format == "flattened_bucket" else None,
-                            "flush_cache": False, "abort_all_requests": False}
+    body: JsonObject = {
+        "serialized_named_tensors": list(payloads),
+        "load_format": "flattened_bucket" if load_format == "flattened_bucket" else None,
+        "flush_cache": False,
+        "abort_all_requests": False,
+    }
     if weight_version is not None:
         body["weight_version"] = weight_version
     return body
@@ -281,16 +334,20 @@ def sample_from_answer(item: JsonValue, *, version: int, where: str) -> SampleOu
         raise BadAnswer(f"{where}: output_token_logprobs entries are not [logprob, token_id, text]: {exc}") from exc
     output_ids = item.get("output_ids")
     if output_ids is not None and [int(t) for t in output_ids] != list(tokens):
-        raise BadAnswer(f"{where}: output_ids {list(output_ids)[:8]}... disagree with output_token_logprobs' ids "
-                        f"{list(tokens)[:8]}...")
-    return SampleOutput(token_ids=tokens, log_probs=log_probs, finish_reason=_finish(meta, where=where),
-                        weight_version=version)
+        raise BadAnswer(
+            f"{where}: output_ids {list(output_ids)[:8]}... disagree with output_token_logprobs' ids "
+            f"{list(tokens)[:8]}..."
+        )
+    return SampleOutput(
+        token_ids=tokens, log_probs=log_probs, finish_reason=_finish(meta, where=where), weight_version=version
+    )
 
 
 def answer_version(items: Sequence[JsonValue], *, fallback: int) -> int:
     """The weight version SGLang reports on a batch (meta_info.weight_version); the lowest if they differ;
     `fallback` where it is absent or not an integer (e.g. "default" before any update)."""
-    versions = [parse_weight_version(i.get("meta_info", {}).get("weight_version")) for i in items
-                if isinstance(i, dict)]
+    versions = [
+        parse_weight_version(i.get("meta_info", {}).get("weight_version")) for i in items if isinstance(i, dict)
+    ]
     known = [v for v in versions if v is not None]
     return min(known) if known else fallback

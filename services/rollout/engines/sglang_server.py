@@ -19,7 +19,7 @@ from services.rollout.engines.sglang_protocol import ApiProfile, ServerInfo, par
 
 log = logging.getLogger(__name__)
 
-_HEALTH_POLL_S = 0.5      # while a server starts: between /health_generate calls
+_HEALTH_POLL_S = 0.5  # while a server starts: between /health_generate calls
 
 
 class Server:
@@ -27,9 +27,9 @@ class Server:
 
     def __init__(self, *, client: SGLangClient, info: ServerInfo, profile: ApiProfile, max_model_len: int | None):
         self.client, self.info, self.profile, self.max_model_len = client, info, profile, max_model_len
-        self.group: tuple | None = None          # (addr, port, plan group name, world, rank offset, generation)
-        self.group_name = ""                     # the name SGLang registered that group under
-        self.session: bool | None = None         # begin/end_weight_update present? None = not probed yet
+        self.group: tuple | None = None  # (addr, port, plan group name, world, rank offset, generation)
+        self.group_name = ""  # the name SGLang registered that group under
+        self.session: bool | None = None  # begin/end_weight_update present? None = not probed yet
 
     @property
     def url(self) -> str:
@@ -48,11 +48,12 @@ def connect_server(url: str, *, api_key: str | None, deadline: float, control_s:
         try:
             client.get("/health_generate", timeout_s=max(0.1, min(control_s, deadline - time.monotonic())))
             break
-        except (SGLangUnavailable, SGLangTimeout) as exc:   # starting (503), not up yet, or busy: wait
+        except (SGLangUnavailable, SGLangTimeout) as exc:  # starting (503), not up yet, or busy: wait
             last = exc
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"SGLang at {url} was not healthy within rollout.sglang.startup_timeout_s ({JIT_NOTE}): "
-                               f"{last}")
+            raise TimeoutError(
+                f"SGLang at {url} was not healthy within rollout.sglang.startup_timeout_s ({JIT_NOTE}): {last}"
+            )
         time.sleep(_HEALTH_POLL_S)
     try:
         raw = client.get("/server_info", timeout_s=control_s).body

@@ -41,10 +41,10 @@ from services.weights.transports.sglang import EngineHandshake
 
 log = logging.getLogger(__name__)
 
-_MAX_LISTED = 5          # names listed in one refusal
+_MAX_LISTED = 5  # names listed in one refusal
 _HEADER_MAX = 100 << 20  # bytes of a safetensors header read at most
 
-_HIGHEST_PICKLE_PROTOCOL = 5   # the header byte a pickle starts with after 0x80 (checked, never loaded)
+_HIGHEST_PICKLE_PROTOCOL = 5  # the header byte a pickle starts with after 0x80 (checked, never loaded)
 
 
 def payload_problem(payload: str) -> str | None:
@@ -70,8 +70,9 @@ def safetensors_shapes(directory: Path) -> dict[str, tuple[int, ...]] | None:
             if size > _HEADER_MAX:
                 raise ValueError(f"{path}: safetensors header of {size} bytes")
             header = json.loads(f.read(size))
-        shapes.update({name: tuple(int(d) for d in meta["shape"]) for name, meta in header.items()
-                       if name != "__metadata__"})
+        shapes.update(
+            {name: tuple(int(d) for d in meta["shape"]) for name, meta in header.items() if name != "__metadata__"}
+        )
     return shapes
 
 
@@ -94,12 +95,14 @@ def checkpoint_problems(plan: WeightSyncPlan, model_path: str) -> list[str]:
     if shapes is None:
         return []
     unknown = [n for n, _ in plan_tensors(plan) if n not in shapes]
-    wrong = [f"{n} {list(s)} (checkpoint {list(shapes[n])})" for n, s in plan_tensors(plan)
-             if n in shapes and shapes[n] != s]
+    wrong = [
+        f"{n} {list(s)} (checkpoint {list(shapes[n])})" for n, s in plan_tensors(plan) if n in shapes and shapes[n] != s
+    ]
     out = []
     if unknown:
-        out.append(f"{len(unknown)} tensor(s) the model at {model_path} does not have: "
-                   f"{', '.join(unknown[:_MAX_LISTED])}")
+        out.append(
+            f"{len(unknown)} tensor(s) the model at {model_path} does not have: {', '.join(unknown[:_MAX_LISTED])}"
+        )
     if wrong:
         out.append(f"{len(wrong)} tensor(s) of another shape: {', '.join(wrong[:_MAX_LISTED])}")
     return out
@@ -109,8 +112,15 @@ class TensorSync:
     """`flush`: the adapter's best-effort /flush_cache on one server after its last update; `probe_s` bounds the
     best-effort /end_weight_update after a failure."""
 
-    def __init__(self, servers: Sequence[Server], *, handshake: EngineHandshake, pool: ThreadPoolExecutor,
-                 flush: Callable[[Server], None], probe_s: float):
+    def __init__(
+        self,
+        servers: Sequence[Server],
+        *,
+        handshake: EngineHandshake,
+        pool: ThreadPoolExecutor,
+        flush: Callable[[Server], None],
+        probe_s: float,
+    ):
         self.servers = servers
         self._probe_s = probe_s
         self._handshake = handshake
@@ -127,21 +137,28 @@ class TensorSync:
     def refusal(self, plan: WeightSyncPlan, rank_offset: int) -> str | None:
         """Why this plan must not reach SGLang, or None; checked before anything is sent."""
         if not plan.sglang_load_format:
-            return ("the trainer prepared this cuda_ipc sync for native engines (CUDA IPC handles, no SGLang "
-                    "payloads): give the trainer and the rollout service the same rollout.engine (sglang)")
+            return (
+                "the trainer prepared this cuda_ipc sync for native engines (CUDA IPC handles, no SGLang "
+                "payloads): give the trainer and the rollout service the same rollout.engine (sglang)"
+            )
         remote = [s.url for s in self.servers if not is_loopback(s.url)]
         if remote:
-            return (f"transport cuda_ipc needs SGLang on the trainer's host, and {', '.join(remote)} is not a loopback "
-                    f"address (CUDA IPC handles open only on the machine that made them); use weights.transport "
-                    f"nccl or disk")
+            return (
+                f"transport cuda_ipc needs SGLang on the trainer's host, and {', '.join(remote)} is not a loopback "
+                f"address (CUDA IPC handles open only on the machine that made them); use weights.transport "
+                f"nccl or disk"
+            )
         engine_ranks = sum(s.info.tp_size for s in self.servers)
         for bucket in plan.buckets:
             if not any(m.nbytes for m in bucket.tensors):
                 continue
-            if len(bucket.sglang_payloads) != plan.world_size - 1 or rank_offset - 1 + engine_ranks > \
-                    len(bucket.sglang_payloads):
-                return (f"bucket {bucket.index} carries {len(bucket.sglang_payloads)} SGLang payload(s) for a world of "
-                        f"{plan.world_size} (ranks {rank_offset}..{rank_offset + engine_ranks - 1} here)")
+            if len(bucket.sglang_payloads) != plan.world_size - 1 or rank_offset - 1 + engine_ranks > len(
+                bucket.sglang_payloads
+            ):
+                return (
+                    f"bucket {bucket.index} carries {len(bucket.sglang_payloads)} SGLang payload(s) for a world of "
+                    f"{plan.world_size} (ranks {rank_offset}..{rank_offset + engine_ranks - 1} here)"
+                )
             for i, payload in enumerate(bucket.sglang_payloads):
                 problem = payload_problem(payload)
                 if problem:
@@ -149,29 +166,35 @@ class TensorSync:
         for server in self.servers:
             problems = checkpoint_problems(plan, server.info.model_path)
             if problems:
-                return (f"SGLang at {server.url} would fail to load this plan (and die: a bad tensor update kills "
-                        f"its scheduler): " + "; ".join(problems))
+                return (
+                    f"SGLang at {server.url} would fail to load this plan (and die: a bad tensor update kills "
+                    f"its scheduler): " + "; ".join(problems)
+                )
         return None
 
-    def receive(self, plan: WeightSyncPlan, *, rank_offset: int, deadline: Deadline,
-                ctx: SyncContext) -> None:
+    def receive(self, plan: WeightSyncPlan, *, rank_offset: int, deadline: Deadline, ctx: SyncContext) -> None:
         ctl = self._handshake.ctl(plan, deadline=deadline, ctx=ctx)
-        rendezvous.await_go(ctl, version=plan.version, deadline=deadline, ctx=ctx)   # the buffers are filled
-        futures = [self._pool.submit(self._update_server, server, plan, ranks=ranks, deadline=deadline, ctx=ctx)
-                   for server, ranks in self._ranks(rank_offset)]
+        rendezvous.await_go(ctl, version=plan.version, deadline=deadline, ctx=ctx)  # the buffers are filled
+        futures = [
+            self._pool.submit(self._update_server, server, plan, ranks=ranks, deadline=deadline, ctx=ctx)
+            for server, ranks in self._ranks(rank_offset)
+        ]
         wait_for_all(futures)
 
-    def _update_server(self, server: Server, plan: WeightSyncPlan, *, ranks: list[int], deadline: Deadline,
-                       ctx: SyncContext) -> None:
+    def _update_server(
+        self, server: Server, plan: WeightSyncPlan, *, ranks: list[int], deadline: Deadline, ctx: SyncContext
+    ) -> None:
         buckets = [b for b in plan.buckets if b.sglang_payloads]
         session = False
         try:
-            session = begin_session(server, deadline)   # 0.5.23 and later; 0.5.17 has none
+            session = begin_session(server, deadline)  # 0.5.23 and later; 0.5.17 has none
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
-                body = tensor_update_body(payloads=[bucket.sglang_payloads[r - 1] for r in ranks],
-                                          load_format=plan.sglang_load_format,
-                                          weight_version=str(plan.version) if last else None)
+                body = tensor_update_body(
+                    payloads=[bucket.sglang_payloads[r - 1] for r in ranks],
+                    load_format=plan.sglang_load_format,
+                    weight_version=str(plan.version) if last else None,
+                )
                 server.client.post("/update_weights_from_tensor", body, timeout_s=max(0.001, deadline.remaining()))
             if session:
                 server.client.post("/end_weight_update", {}, timeout_s=max(0.001, deadline.remaining()))
@@ -179,7 +202,7 @@ class TensorSync:
             self._handshake.post_done(plan, ranks=ranks, deadline=deadline, ctx=ctx)
         except (SGLangError, BadAnswer) as exc:
             self._handshake.refuse(plan, ranks=ranks, reason=str(exc), ctx=ctx)
-            if session:   # best effort: a session left open would refuse the next sync's begin
+            if session:  # best effort: a session left open would refuse the next sync's begin
                 with contextlib.suppress(SGLangError):
                     server.client.post("/end_weight_update", {}, timeout_s=self._probe_s)
             raise WeightSyncError(ctx.message(f"SGLang at {server.url}: {exc}")) from exc

@@ -43,7 +43,7 @@ from services.tensors.sampling import sampling_log_probs
 log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
-QK_NORM_TYPES = ("qwen3",)          # RMSNorm over each head's query and key before rotary
+QK_NORM_TYPES = ("qwen3",)  # RMSNorm over each head's query and key before rotary
 # Rotary types whose frequencies the model recomputes from the sequence length at run time (a static step cannot)
 DYNAMIC_ROPE = ("dynamic", "longrope")
 
@@ -70,8 +70,9 @@ def supported(model: HFCausalLM) -> str | None:
     return None
 
 
-def sample_race(logits: torch.Tensor, sampling: SamplingSpec,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_race(
+    logits: torch.Tensor, sampling: SamplingSpec, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Like sampling.sample_next, without a host sync: torch.multinomial(p, 1) is the race argmax(p / E),
     E ~ Exp(1), but first checks p on the host; this draws the same race directly. Without top-k / top-p the
     race runs on the logits (argmax(x - log E)) and the chosen token's log-prob is x[t] - logsumexp(x): the
@@ -119,8 +120,17 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class StaticKV:
     """Per-layer key/value buffers and the mask of filled slots (zeros, so masked slots never hold NaN)."""
 
-    def __init__(self, *, layers: int, batch: int, length: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        *,
+        layers: int,
+        batch: int,
+        length: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         shape = (batch, kv_heads, length, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -152,14 +162,21 @@ class StaticDecoder:
 
     def new_cache(self, batch: int, length: int) -> StaticKV:
         p = self.inner.embed_tokens.weight
-        return StaticKV(layers=len(self.inner.layers), batch=batch, length=length, kv_heads=self.kv_heads,
-                        head_dim=self.head_dim, dtype=p.dtype, device=p.device)
+        return StaticKV(
+            layers=len(self.inner.layers),
+            batch=batch,
+            length=length,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            dtype=p.dtype,
+            device=p.device,
+        )
 
     def _qkv(self, attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         b, t, _ = x.shape
         q = attn.q_proj(x).view(b, t, self.heads, self.head_dim)
         k = attn.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        if self.qk_norm:                                   # Qwen3: per-head RMSNorm before rotary
+        if self.qk_norm:  # Qwen3: per-head RMSNorm before rotary
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = attn.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -172,7 +189,7 @@ class StaticDecoder:
         kv.valid.zero_()
         kv.valid[:, :t] = mask.bool()
         slots = torch.arange(t, device=ids.device)
-        causal = slots[None, :] <= slots[:, None]                       # [T query, T key]
+        causal = slots[None, :] <= slots[:, None]  # [T query, T key]
         allowed = (kv.valid[:, None, None, :t] & causal) | torch.eye(t, dtype=torch.bool, device=ids.device)
         h = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(h, positions)
@@ -193,7 +210,7 @@ class StaticDecoder:
         a device tensor so a captured graph can replay it); returns logits [B, vocab]."""
         b = tokens.shape[0]
         kv.valid.index_fill_(1, slot, True)
-        allowed = kv.valid[:, None, None, :]                            # [B, 1, 1, L]
+        allowed = kv.valid[:, None, None, :]  # [B, 1, 1, L]
         h = self.inner.embed_tokens(tokens[:, None])
         cos, sin = self.inner.rotary_emb(h, positions[:, None])
         for i, layer in enumerate(self.inner.layers):
@@ -201,10 +218,10 @@ class StaticDecoder:
             q, k, v = self._qkv(attn, layer.input_layernorm(h), cos, sin)
             kv.k[i].index_copy_(2, slot, k)
             kv.v[i].index_copy_(2, slot, v)
-            q = q.reshape(b, self.kv_heads, self.groups, self.head_dim)    # query heads grouped per KV head
+            q = q.reshape(b, self.kv_heads, self.groups, self.head_dim)  # query heads grouped per KV head
             scores = torch.matmul(q, kv.k[i].transpose(-1, -2)).float() * self.scaling
             probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
-            out = torch.matmul(probs, kv.v[i])                              # [B, kv_heads, groups, head_dim]
+            out = torch.matmul(probs, kv.v[i])  # [B, kv_heads, groups, head_dim]
             h = h + attn.o_proj(out.reshape(b, 1, self.heads * self.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.lm_head(self.inner.norm(h))[:, 0]
@@ -213,10 +230,18 @@ class StaticDecoder:
 class Runner:
     """One cache of a fixed (batch, length) and its decode step: a CUDA graph replay, or eager."""
 
-    def __init__(self, decoder: StaticDecoder, *, batch: int, length: int, graph: bool,
-                 pool: GraphPool | None = None, decode_fn: Callable[..., torch.Tensor] | None = None):
+    def __init__(
+        self,
+        decoder: StaticDecoder,
+        *,
+        batch: int,
+        length: int,
+        graph: bool,
+        pool: GraphPool | None = None,
+        decode_fn: Callable[..., torch.Tensor] | None = None,
+    ):
         self.decoder = decoder
-        self.decode_fn = decode_fn or decoder.decode      # torch.compile'd decode in "compile" mode
+        self.decode_fn = decode_fn or decoder.decode  # torch.compile'd decode in "compile" mode
         self.kv = decoder.new_cache(batch, length)
         device = self.kv.valid.device
         self.batch, self.length = batch, length
@@ -235,7 +260,7 @@ class Runner:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(2):                       # warm-up (and compile) outside the capture
+            for _ in range(2):  # warm-up (and compile) outside the capture
                 self.decode_fn(self.kv, self.tokens, self.positions, self.slot)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
@@ -249,8 +274,9 @@ class Runner:
 
     def current(self) -> bool:
         """The model's parameters still live where this runner captured them (not re-pointed since)."""
-        return all(p.data_ptr() == q.data_ptr() for p, q in zip(self.decoder.model.parameters(), self._params,
-                                                                strict=True))
+        return all(
+            p.data_ptr() == q.data_ptr() for p, q in zip(self.decoder.model.parameters(), self._params, strict=True)
+        )
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
         """Rows beyond tokens.shape[0] (batch padding) keep their previous inputs; returns [batch, vocab]."""
@@ -278,8 +304,9 @@ class RunnerCache:
         self._compiled = torch.compile(self.decoder.decode, dynamic=False) if compile and graphs else None
         self._sampler = torch.compile(race_from_noise, dynamic=False) if compile and graphs else None
 
-    def sample(self, logits: torch.Tensor, sampling: SamplingSpec,
-               generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(
+        self, logits: torch.Tensor, sampling: SamplingSpec, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """sample_race; in "compile" mode plain temperature sampling runs fused (same noise, same math)."""
         if self._sampler is None or not plain_sampling(sampling, logits.shape[-1]):
             return sample_race(logits, sampling, generator)
@@ -305,24 +332,32 @@ class RunnerCache:
             while len(self._runners) >= self.keep:
                 self._runners.pop(next(iter(self._runners)))
             runner = self._new_runner(*key)
-        self._runners[key] = runner                       # most recently used last
+        self._runners[key] = runner  # most recently used last
         return runner
 
     def _new_runner(self, batch: int, length: int) -> Runner:
         if self._compiled is not None:
             try:
-                return Runner(self.decoder, batch=batch, length=length, graph=True, pool=self._pool,
-                              decode_fn=self._compiled)
+                return Runner(
+                    self.decoder, batch=batch, length=length, graph=True, pool=self._pool, decode_fn=self._compiled
+                )
             except Exception:
-                log.exception("torch.compile of the decode step failed (batch %d, length %d); "
-                              "continuing with the eager step in a CUDA graph", batch, length)
+                log.exception(
+                    "torch.compile of the decode step failed (batch %d, length %d); "
+                    "continuing with the eager step in a CUDA graph",
+                    batch,
+                    length,
+                )
                 self._compiled = None
         if self.graphs:
             try:
                 return Runner(self.decoder, batch=batch, length=length, graph=True, pool=self._pool)
             except Exception:
-                log.exception("CUDA graph capture of the decode step failed (batch %d, length %d); "
-                              "continuing without graphs", batch, length)
+                log.exception(
+                    "CUDA graph capture of the decode step failed (batch %d, length %d); continuing without graphs",
+                    batch,
+                    length,
+                )
                 self.graphs = False
         return Runner(self.decoder, batch=batch, length=length, graph=False)
 

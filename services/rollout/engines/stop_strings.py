@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-_KEEP_TABLES = 4        # candidate tables cached per engine (one per distinct set of stop strings)
+_KEEP_TABLES = 4  # candidate tables cached per engine (one per distinct set of stop strings)
 
 
 class Detokenizer(Protocol):
@@ -40,7 +40,7 @@ class StopStrings:
     def __init__(self, stop: Sequence[str], *, detokenizer: Detokenizer, candidates: torch.Tensor):
         self.stop = tuple(stop)
         self.detokenizer = detokenizer
-        self.candidates = candidates      # bool [vocab] on the engine's device
+        self.candidates = candidates  # bool [vocab] on the engine's device
         # a token holds >= 1 byte of text, so the tokens spanning a string are at most its byte length
         self.window = max(len(s.encode("utf-8")) for s in self.stop) + 1
 
@@ -52,7 +52,7 @@ class StopStrings:
         cand = self.candidates[tokens[:, start:end]] & (positions[None, :] < lengths[:, None])
         if not bool(cand.any()):
             return {}
-        hits = [(row, start + offset) for row, offset in cand.nonzero().tolist()]   # row-major: positions ascending
+        hits = [(row, start + offset) for row, offset in cand.nonzero().tolist()]  # row-major: positions ascending
         first: dict[int, int] = {}
         for row, p in self._completing(tokens, hits):
             first.setdefault(row, p)
@@ -80,7 +80,7 @@ class StopStrings:
         hi = max(p for _, p in hits) + 1
         index = torch.tensor(hit_rows, dtype=torch.long, device=tokens.device)
         fetched = dict(zip(hit_rows, tokens[index, lo:hi].cpu().tolist(), strict=True))
-        windows = [fetched[row][max(lo, p + 1 - self.window) - lo:p + 1 - lo] for row, p in hits]
+        windows = [fetched[row][max(lo, p + 1 - self.window) - lo : p + 1 - lo] for row, p in hits]
         texts = self.detokenizer.decode_raw(windows)
         return [hit for hit, text in zip(hits, texts, strict=True) if any(s in text for s in self.stop)]
 
@@ -90,9 +90,9 @@ class StopStringTables:
 
     def __init__(self, detokenizer: Detokenizer, *, vocab_size: int, device: torch.device):
         self.detokenizer = detokenizer
-        self.vocab_size = vocab_size       # the model's: it may hold ids past the tokenizer's last (never text)
+        self.vocab_size = vocab_size  # the model's: it may hold ids past the tokenizer's last (never text)
         self.device = device
-        self._texts: list[str] | None = None                 # every vocabulary entry's text, computed once
+        self._texts: list[str] | None = None  # every vocabulary entry's text, computed once
         self._tables: OrderedDict[tuple[str, ...], torch.Tensor] = OrderedDict()
 
     def for_request(self, stop: Sequence[str]) -> StopStrings:
@@ -108,7 +108,7 @@ class StopStringTables:
     def _candidates(self, stop: tuple[str, ...]) -> torch.Tensor:
         table = torch.zeros(self.vocab_size, dtype=torch.bool)
         known = min(self.vocab_size, self.detokenizer.vocab_size)
-        if any(s[-1].isspace() for s in stop):   # decoders may drop a token's leading space when it stands alone
+        if any(s[-1].isspace() for s in stop):  # decoders may drop a token's leading space when it stands alone
             table[:known] = True
             return table.to(self.device)
         if self._texts is None:

@@ -57,7 +57,7 @@ from services.weights.base import (
 from services.weights.layout import Layout, Slot
 from services.weights.transports import rendezvous
 
-_Alloc = TypeVar("_Alloc")   # what names an allocation (the receiver: (device, IPC handle))
+_Alloc = TypeVar("_Alloc")  # what names an allocation (the receiver: (device, IPC handle))
 
 
 def _device_uuid(index: int) -> str:
@@ -79,16 +79,18 @@ def _local_device(handle: common_pb2.CudaIpcHandle) -> int:
         index = _index_of_uuid(handle.device_uuid)
         if index is not None:
             return index
-        raise WeightSyncError(f"cuda_ipc: the trainer's GPU {handle.device_uuid} is not visible to this process "
-                              f"(CUDA_VISIBLE_DEVICES={torch.cuda.device_count()} devices)")
+        raise WeightSyncError(
+            f"cuda_ipc: the trainer's GPU {handle.device_uuid} is not visible to this process "
+            f"(CUDA_VISIBLE_DEVICES={torch.cuda.device_count()} devices)"
+        )
     return handle.device
 
 
-ALIGN = 256   # bytes; bucket starts in the shared buffer and in flat_views
+ALIGN = 256  # bytes; bucket starts in the shared buffer and in flat_views
 
 
 def _typed(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
-    return buffer[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+    return buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
 def bucket_starts(layout: Layout) -> tuple[list[int], int]:
@@ -100,8 +102,9 @@ def bucket_starts(layout: Layout) -> tuple[list[int], int]:
     return starts, total
 
 
-def flat_views(layout: Layout, device: torch.device | str,
-               names: set[str] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def flat_views(
+    layout: Layout, device: torch.device | str, names: set[str] | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One uint8 buffer holding every bucket (bucket_starts) and a typed view per tensor (of `names`, default
     all) at its slot: params re-pointed to these views receive a bucket with one copy. With every slot's view
     the mapping is a FlatParams (a receive then copies whole bucket spans)."""
@@ -109,7 +112,7 @@ def flat_views(layout: Layout, device: torch.device | str,
     flat = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
     views = {}
     for bucket, start in zip(layout.buckets, starts, strict=True):
-        region = flat[start: start + bucket.nbytes]
+        region = flat[start : start + bucket.nbytes]
         for slot in bucket.tensors:
             if names is None or slot.name in names:
                 views[slot.name] = _typed(region, slot)
@@ -130,8 +133,9 @@ class FlatParams(dict):
         self.layout_key = layout_key
 
 
-def flat_spans(*, sizes: list[int], dst_starts: list[int],
-               sources: Sequence[tuple[_Alloc, int]]) -> list[tuple[_Alloc, int, int, int]]:
+def flat_spans(
+    *, sizes: list[int], dst_starts: list[int], sources: Sequence[tuple[_Alloc, int]]
+) -> list[tuple[_Alloc, int, int, int]]:
     """Copies (source allocation, source offset, destination offset, bytes) that move every bucket i
     (`sizes[i]` bytes from `sources[i]` = (allocation, offset) to `dst_starts[i]`), merging a bucket into the
     previous copy when it lies at the same distance in the same allocation on both sides; the gap between
@@ -159,7 +163,7 @@ class _Run:
     def __init__(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
         self.dst, self.src, self.nbytes, self.count = dst, src, nbytes, 1
         self.d_next, self.s_next = dst.data_ptr() + nbytes, src.data_ptr() + nbytes
-        self.d_storage: int | None = None      # looked up only when a pair lines up
+        self.d_storage: int | None = None  # looked up only when a pair lines up
         self.s_storage: int | None = None
 
     def continues(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -168,8 +172,7 @@ class _Run:
         if self.d_storage is None:
             self.d_storage = self.dst.untyped_storage().data_ptr()
             self.s_storage = self.src.untyped_storage().data_ptr()
-        return (dst.untyped_storage().data_ptr() == self.d_storage
-                and src.untyped_storage().data_ptr() == self.s_storage)
+        return dst.untyped_storage().data_ptr() == self.d_storage and src.untyped_storage().data_ptr() == self.s_storage
 
     def copy(self) -> None:
         if self.count == 1:
@@ -219,7 +222,7 @@ def _recipe(layout: Layout, params: Mapping[str, torch.Tensor]) -> list[tuple[in
     laid out by flat_views)."""
     out: list[list] = []
     for bucket in layout.buckets:
-        run: list | None = None          # [bucket, slot, nbytes, merged, next ptr, storage ptr]
+        run: list | None = None  # [bucket, slot, nbytes, merged, next ptr, storage ptr]
         for slot in bucket.tensors:
             t = params[slot.name]
             if not t.is_contiguous() or not slot.nbytes:
@@ -249,26 +252,38 @@ class _SharedBuckets:
         self.key = (layout.key, device)
         self.starts, total = bucket_starts(layout)
         self.flat = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
-        torch.cuda.synchronize(device)   # the allocation must exist before another process maps it
-        (dev, handle, _size, offset, ref_handle, ref_offset, event_handle, event_sync) = \
+        torch.cuda.synchronize(device)  # the allocation must exist before another process maps it
+        (dev, handle, _size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
             self.flat.untyped_storage()._share_cuda_()
+        )
         self._ref_counter = (bytes(ref_handle), int(ref_offset))
-        self.handles = [common_pb2.CudaIpcHandle(
-            device=int(dev), handle=bytes(handle), storage_size_bytes=bucket.nbytes,
-            storage_offset_bytes=int(offset) + start, ref_counter_handle=bytes(ref_handle),
-            ref_counter_offset=int(ref_offset), event_handle=bytes(event_handle or b""),
-            event_sync_required=bool(event_sync), device_uuid=_device_uuid(device.index))
-            for bucket, start in zip(layout.buckets, self.starts, strict=True)]
-        self.views = {slot.name: _typed(self.bucket(bucket.index, bucket.nbytes), slot)   # each tensor's place
-                      for bucket in layout.buckets for slot in bucket.tensors}
+        self.handles = [
+            common_pb2.CudaIpcHandle(
+                device=int(dev),
+                handle=bytes(handle),
+                storage_size_bytes=bucket.nbytes,
+                storage_offset_bytes=int(offset) + start,
+                ref_counter_handle=bytes(ref_handle),
+                ref_counter_offset=int(ref_offset),
+                event_handle=bytes(event_handle or b""),
+                event_sync_required=bool(event_sync),
+                device_uuid=_device_uuid(device.index),
+            )
+            for bucket, start in zip(layout.buckets, self.starts, strict=True)
+        ]
+        self.views = {
+            slot.name: _typed(self.bucket(bucket.index, bucket.nbytes), slot)  # each tensor's place
+            for bucket in layout.buckets
+            for slot in bucket.tensors
+        }
 
     def bucket(self, index: int, nbytes: int) -> torch.Tensor:
-        return self.flat[self.starts[index]: self.starts[index] + nbytes]
+        return self.flat[self.starts[index] : self.starts[index] + nbytes]
 
     def free(self) -> None:
         """Drop the share count `_share_cuda_` took (receivers never touch it, see the module docstring), so
         the buffer returns to the caching allocator instead of waiting in torch's IPC limbo forever."""
-        with contextlib.suppress(Exception):   # best effort, as torch's own release
+        with contextlib.suppress(Exception):  # best effort, as torch's own release
             torch.UntypedStorage._release_ipc_counter_cuda(*self._ref_counter)
         self.views = {}
         self.flat = torch.empty(0)
@@ -283,7 +298,7 @@ class CudaIpcSender(SenderTransport):
         self._master = rendezvous.MasterStore(host=config.master_addr, timeout_s=config.timeout_s)
         self._group_name: str | None = None
         self._shared: _SharedBuckets | None = None
-        self.last_copies = 0          # copies the last publish needed to fill the buckets
+        self.last_copies = 0  # copies the last publish needed to fill the buckets
 
     def prepare(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, engine_world_size: int) -> None:
         if not torch.cuda.is_available():
@@ -300,17 +315,25 @@ class CudaIpcSender(SenderTransport):
         plan.master_addr = self._config.master_addr
         plan.master_port = self._master.port
         plan.world_size = 1 + engine_world_size
-        rendezvous.clear_version(rendezvous.ctl_store(self._master.store, self._group_name),
-                                 version=plan.version, world_size=plan.world_size)
+        rendezvous.clear_version(
+            rendezvous.ctl_store(self._master.store, self._group_name), version=plan.version, world_size=plan.world_size
+        )
 
-    def publish(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
-                tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline,
-                checksums: Mapping[str, str]) -> float:
+    def publish(
+        self,
+        *,
+        plan: common_pb2.WeightSyncPlan,
+        layout: Layout,
+        tensors: Iterable[tuple[Slot, torch.Tensor]],
+        deadline: Deadline,
+        checksums: Mapping[str, str],
+    ) -> float:
         shared = self._shared
         if shared is None or plan.group_name != self._group_name:
             raise ValueError(f"cuda_ipc weight sync v{plan.version}: plan is not the one this trainer prepared last")
-        ctx = SyncContext("cuda_ipc", plan.version, "trainer", f"engine rank(s) {list(range(1, plan.world_size))}",
-                          plan.timeout_s)
+        ctx = SyncContext(
+            "cuda_ipc", plan.version, "trainer", f"engine rank(s) {list(range(1, plan.world_size))}", plan.timeout_s
+        )
         ctl = rendezvous.ctl_store(self._master.store, plan.group_name)
         try:
             runs = _Runs()
@@ -320,12 +343,13 @@ class CudaIpcSender(SenderTransport):
             self.last_copies = runs.copies
             torch.cuda.synchronize(shared.flat.device)
             rendezvous.signal_go(ctl, version=plan.version, value="ok", ctx=ctx)
-            rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="done",
-                                     deadline=deadline, ctx=ctx)
+            rendezvous.await_engines(
+                ctl, version=plan.version, world_size=plan.world_size, kind="done", deadline=deadline, ctx=ctx
+            )
             return 0.0
         except BaseException as exc:
             rendezvous.try_signal_abort(ctl, version=plan.version, why=str(exc))
-            self._group_name = None   # fresh control keys next time; the buffers stay (a receiver may map them)
+            self._group_name = None  # fresh control keys next time; the buffers stay (a receiver may map them)
             raise
 
     def release(self) -> None:
@@ -346,10 +370,10 @@ class CudaIpcReceiver(ReceiverTransport):
         if keep_mapped is None:
             keep_mapped = os.environ.get("TANDEM_CUDA_IPC_KEEP_MAPPED", "1") != "0"
         self._keep_mapped = keep_mapped
-        self._kept: dict[tuple, torch.Tensor] = {}     # mapped allocations kept between syncs (keep_mapped)
-        self.last_copies = 0                           # copies the last receive needed (one per bucket at best)
-        self.last_timings: dict[str, float] = {}       # where the last receive's time went (map, plan, launch, ...)
-        self._recipe: tuple[tuple, list] | None = None # (where the params were, the copies for that)
+        self._kept: dict[tuple, torch.Tensor] = {}  # mapped allocations kept between syncs (keep_mapped)
+        self.last_copies = 0  # copies the last receive needed (one per bucket at best)
+        self.last_timings: dict[str, float] = {}  # where the last receive's time went (map, plan, launch, ...)
+        self._recipe: tuple[tuple, list] | None = None  # (where the params were, the copies for that)
 
     @staticmethod
     def _context(plan: common_pb2.WeightSyncPlan, rank: int) -> SyncContext:
@@ -359,8 +383,15 @@ class CudaIpcReceiver(ReceiverTransport):
     def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
         self._trainer_store.refuse(plan, ranks=[rank], reason=reason, deadline=deadline, ctx=self._context(plan, rank))
 
-    def receive(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, rank: int,
-                params: Mapping[str, torch.Tensor], deadline: Deadline) -> Received:
+    def receive(
+        self,
+        *,
+        plan: common_pb2.WeightSyncPlan,
+        layout: Layout,
+        rank: int,
+        params: Mapping[str, torch.Tensor],
+        deadline: Deadline,
+    ) -> Received:
         ctx = self._context(plan, rank)
         started = time.monotonic()
         try:
@@ -371,7 +402,7 @@ class CudaIpcReceiver(ReceiverTransport):
             copies = self._plan_copies(plan=plan, layout=layout, params=params, ctx=ctx)
             t = time.monotonic()
             rendezvous.await_go(ctl, version=plan.version, deadline=deadline, ctx=ctx)
-            waited = (ready - started) + (time.monotonic() - t)   # preparing is work, not waiting
+            waited = (ready - started) + (time.monotonic() - t)  # preparing is work, not waiting
             self._run_copies(copies, ctx=ctx)
             t = time.perf_counter()
             rendezvous.post(ctl, version=plan.version, kind="done", rank=rank, value="1", ctx=ctx)
@@ -381,8 +412,9 @@ class CudaIpcReceiver(ReceiverTransport):
             self._trainer_store.clear()
             raise
 
-    def _map_allocations(self, plan: common_pb2.WeightSyncPlan, layout: Layout,
-                         ctx: SyncContext) -> dict[tuple[int, bytes], tuple[int, torch.Tensor]]:
+    def _map_allocations(
+        self, plan: common_pb2.WeightSyncPlan, layout: Layout, ctx: SyncContext
+    ) -> dict[tuple[int, bytes], tuple[int, torch.Tensor]]:
         """(device, handle) -> (lo, uint8 view of the allocation from byte `lo`): every allocation the buckets
         live in, mapped with one open covering all of its buckets (or kept from the last sync)."""
         spans: dict[tuple[int, bytes], list[int]] = {}
@@ -405,7 +437,8 @@ class CudaIpcReceiver(ReceiverTransport):
                 with torch.cuda.device(device):
                     # b"" as ref-counter handle: lifetime follows our done-handshake, not torch's refcount
                     storage = torch.UntypedStorage._new_shared_cuda(
-                        device, raw, hi - lo, lo, b"", 0, first.event_handle, first.event_sync_required)
+                        device, raw, hi - lo, lo, b"", 0, first.event_handle, first.event_sync_required
+                    )
                     view = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage, 0, (hi - lo,), (1,))
             mapped[(device, raw)] = (lo, view, cache_key)
         if self._keep_mapped and not plan.buffers_freed_after:
@@ -415,8 +448,9 @@ class CudaIpcReceiver(ReceiverTransport):
         return {key: (lo, view) for key, (lo, view, _) in mapped.items()}
 
     @staticmethod
-    def _bucket_views(plan: common_pb2.WeightSyncPlan, layout: Layout,
-                      mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]]) -> list[torch.Tensor | None]:
+    def _bucket_views(
+        plan: common_pb2.WeightSyncPlan, layout: Layout, mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]]
+    ) -> list[torch.Tensor | None]:
         """A uint8 view of each bucket (None for empty ones)."""
         out: list[torch.Tensor | None] = []
         for bucket, wb in zip(layout.buckets, plan.buckets, strict=True):
@@ -425,26 +459,30 @@ class CudaIpcReceiver(ReceiverTransport):
                 continue
             lo, view = mapped[(_local_device(wb.ipc), bytes(wb.ipc.handle))]
             start = wb.ipc.storage_offset_bytes - lo
-            out.append(view[start: start + bucket.nbytes])
+            out.append(view[start : start + bucket.nbytes])
         return out
 
     @staticmethod
-    def _flat_copies(plan: common_pb2.WeightSyncPlan, layout: Layout, flat: torch.Tensor,
-                     mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]],
-                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _flat_copies(
+        plan: common_pb2.WeightSyncPlan,
+        layout: Layout,
+        flat: torch.Tensor,
+        mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]],
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Whole bucket spans into a FlatParams buffer (one copy when the trainer's buckets share an allocation)."""
-        sources = [((_local_device(wb.ipc), bytes(wb.ipc.handle)), wb.ipc.storage_offset_bytes)
-                   for wb in plan.buckets]
-        spans = flat_spans(sizes=[b.nbytes for b in layout.buckets], dst_starts=bucket_starts(layout)[0],
-                           sources=sources)
+        sources = [((_local_device(wb.ipc), bytes(wb.ipc.handle)), wb.ipc.storage_offset_bytes) for wb in plan.buckets]
+        spans = flat_spans(
+            sizes=[b.nbytes for b in layout.buckets], dst_starts=bucket_starts(layout)[0], sources=sources
+        )
         copies = []
         for alloc, src, dst, nbytes in spans:
             lo, view = mapped[alloc]
-            copies.append((flat[dst: dst + nbytes], view[src - lo: src - lo + nbytes]))
+            copies.append((flat[dst : dst + nbytes], view[src - lo : src - lo + nbytes]))
         return copies
 
-    def _plan_copies(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, params: Mapping[str, torch.Tensor],
-                     ctx: SyncContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _plan_copies(
+        self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, params: Mapping[str, torch.Tensor], ctx: SyncContext
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(destination, source) pairs that move every bucket into params: whole bucket spans into a FlatParams
         buffer, else copies from a recipe cached by where each param lives (shapes and dtypes match the plan,
         checked). Nothing is read from the trainer's buffers yet."""
@@ -456,8 +494,10 @@ class CudaIpcReceiver(ReceiverTransport):
                 copies = self._flat_copies(plan, layout, params.flat, mapped)
             else:
                 views = self._bucket_views(plan, layout, mapped)
-                key = (tuple(params[s.name].data_ptr() for s in layout.order),
-                       tuple(len(b.tensors) for b in layout.buckets))
+                key = (
+                    tuple(params[s.name].data_ptr() for s in layout.order),
+                    tuple(len(b.tensors) for b in layout.buckets),
+                )
                 if self._recipe is None or self._recipe[0] != key:
                     self._recipe = (key, _recipe(layout, params))
                 copies = []
@@ -466,8 +506,12 @@ class CudaIpcReceiver(ReceiverTransport):
                     assert view is not None
                     if merged:
                         dst = _bytes(params[slot.name])
-                        copies.append((dst.as_strided((nbytes,), (1,), dst.storage_offset()),
-                                       view[slot.offset: slot.offset + nbytes]))
+                        copies.append(
+                            (
+                                dst.as_strided((nbytes,), (1,), dst.storage_offset()),
+                                view[slot.offset : slot.offset + nbytes],
+                            )
+                        )
                     else:
                         copies.append((params[slot.name], _typed(view, slot)))
             self.last_timings = {"map_s": t1 - t0, "plan_s": time.perf_counter() - t1}
@@ -494,7 +538,7 @@ class CudaIpcReceiver(ReceiverTransport):
             self._kept.clear()
             raise WeightSyncError(ctx.message(f"copying the trainer's buffers failed: {exc}")) from exc
         finally:
-            copies.clear()   # drop the mapped views now (a kept mapping stays in self._kept)
+            copies.clear()  # drop the mapped views now (a kept mapping stays in self._kept)
 
     @property
     def kept_mappings(self) -> int:
@@ -509,4 +553,3 @@ class CudaIpcReceiver(ReceiverTransport):
         self._kept.clear()
         self._trainer_store.clear()
         self._recipe = None
-

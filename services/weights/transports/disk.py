@@ -39,7 +39,7 @@ from services.weights.base import (
 from services.weights.layout import SAFETENSORS_DTYPES, Bucket, Layout, Slot, dtype_name, tensor_bytes
 
 KEEP_VERSIONS = 2
-_MANIFEST_POLL_S = 0.02   # receiver: between looks for the trainer's manifest
+_MANIFEST_POLL_S = 0.02  # receiver: between looks for the trainer's manifest
 MANIFEST = "manifest.json"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
@@ -54,10 +54,13 @@ def _safetensors_header(bucket: Bucket, metadata: dict[str, str]) -> bytes:
     for slot in bucket.tensors:
         if slot.name == "__metadata__":
             raise ValueError("a tensor cannot be named '__metadata__' in a safetensors file")
-        entries[slot.name] = {"dtype": SAFETENSORS_DTYPES[dtype_name(slot.dtype)], "shape": list(slot.shape),
-                              "data_offsets": [slot.offset, slot.offset + slot.nbytes]}
+        entries[slot.name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype_name(slot.dtype)],
+            "shape": list(slot.shape),
+            "data_offsets": [slot.offset, slot.offset + slot.nbytes],
+        }
     raw = json.dumps(entries, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)   # the format recommends an 8-byte aligned data section
+    raw += b" " * (-len(raw) % 8)  # the format recommends an 8-byte aligned data section
     return struct.pack("<Q", len(raw)) + raw
 
 
@@ -103,14 +106,20 @@ class DiskSender(SenderTransport):
 
     def prepare(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, engine_world_size: int) -> None:
         self._root.mkdir(parents=True, exist_ok=True)
-        for leftover in self._root.glob(f".v*.tmp-{self._tag}-*"):   # our own crashed writes
+        for leftover in self._root.glob(f".v*.tmp-{self._tag}-*"):  # our own crashed writes
             shutil.rmtree(leftover, ignore_errors=True)
         plan.disk_path = str(self._root / f"v{plan.version}")
         plan.world_size = 1 + engine_world_size
 
-    def publish(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
-                tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline,
-                checksums: Mapping[str, str]) -> float:
+    def publish(
+        self,
+        *,
+        plan: common_pb2.WeightSyncPlan,
+        layout: Layout,
+        tensors: Iterable[tuple[Slot, torch.Tensor]],
+        deadline: Deadline,
+        checksums: Mapping[str, str],
+    ) -> float:
         final = Path(plan.disk_path)
         tmp = final.with_name(f".{final.name}.tmp-{self._tag}-{uuid.uuid4().hex[:8]}")
         tmp.mkdir(parents=True)
@@ -121,11 +130,17 @@ class DiskSender(SenderTransport):
                 writer = writers.get(slot.bucket)
                 if writer is None:
                     writer = writers[slot.bucket] = _BucketWriter(
-                        path=tmp / bucket_file(slot.bucket), bucket=layout.buckets[slot.bucket], metadata=metadata)
+                        path=tmp / bucket_file(slot.bucket), bucket=layout.buckets[slot.bucket], metadata=metadata
+                    )
                 if writer.write(tensor):
                     del writers[slot.bucket]
-            manifest = {"version": plan.version, "trainer_id": self._trainer_id, "total_bytes": layout.total_bytes,
-                        "files": [bucket_file(b.index) for b in layout.buckets], "checksums": dict(checksums)}
+            manifest = {
+                "version": plan.version,
+                "trainer_id": self._trainer_id,
+                "total_bytes": layout.total_bytes,
+                "files": [bucket_file(b.index) for b in layout.buckets],
+                "checksums": dict(checksums),
+            }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             _install(tmp, final)
         except BaseException:
@@ -147,11 +162,23 @@ class DiskSender(SenderTransport):
 class DiskReceiver(ReceiverTransport):
     name = "disk"
 
-    def receive(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, rank: int,
-                params: Mapping[str, torch.Tensor], deadline: Deadline) -> Received:
+    def receive(
+        self,
+        *,
+        plan: common_pb2.WeightSyncPlan,
+        layout: Layout,
+        rank: int,
+        params: Mapping[str, torch.Tensor],
+        deadline: Deadline,
+    ) -> Received:
         path = Path(plan.disk_path)
-        ctx = SyncContext("disk", plan.version, f"engine rank {rank}",
-                          f"trainer {plan.trainer_id or '?'} writing {path}", plan.timeout_s)
+        ctx = SyncContext(
+            "disk",
+            plan.version,
+            f"engine rank {rank}",
+            f"trainer {plan.trainer_id or '?'} writing {path}",
+            plan.timeout_s,
+        )
         started = time.monotonic()
         while not (path / MANIFEST).exists():
             if deadline.expired():
@@ -161,8 +188,12 @@ class DiskReceiver(ReceiverTransport):
         manifest = json.loads((path / MANIFEST).read_text())
         foreign = plan.trainer_id and manifest.get("trainer_id") != plan.trainer_id
         if manifest.get("version") != plan.version or foreign:
-            raise WeightSyncError(ctx.message(f"{path} holds version {manifest.get('version')} of trainer "
-                                              f"{manifest.get('trainer_id')!r}, not the planned one"))
+            raise WeightSyncError(
+                ctx.message(
+                    f"{path} holds version {manifest.get('version')} of trainer "
+                    f"{manifest.get('trainer_id')!r}, not the planned one"
+                )
+            )
         for bucket in layout.buckets:
             self._load_bucket(path / bucket_file(bucket.index), bucket=bucket, params=params, ctx=ctx)
         return Received(waited_s=waited, sender_checksums=manifest.get("checksums") or {})
@@ -174,17 +205,22 @@ class DiskReceiver(ReceiverTransport):
                 names = set(reader.keys())
                 expected = {slot.name for slot in bucket.tensors}
                 if names != expected:
-                    raise WeightSyncError(ctx.message(f"{file.name} holds {sorted(names - expected)} extra and "
-                                                      f"lacks {sorted(expected - names)}"))
+                    raise WeightSyncError(
+                        ctx.message(
+                            f"{file.name} holds {sorted(names - expected)} extra and lacks {sorted(expected - names)}"
+                        )
+                    )
                 for slot in bucket.tensors:
                     tensor = reader.get_tensor(slot.name)
                     if tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape:
-                        raise WeightSyncError(ctx.message(
-                            f"{file.name}: {slot.name} is {tensor.dtype} {list(tensor.shape)}, "
-                            f"the plan says {slot.dtype} {list(slot.shape)}"))
+                        raise WeightSyncError(
+                            ctx.message(
+                                f"{file.name}: {slot.name} is {tensor.dtype} {list(tensor.shape)}, "
+                                f"the plan says {slot.dtype} {list(slot.shape)}"
+                            )
+                        )
                     params[slot.name].copy_(tensor)
         except WeightSyncError:
             raise
         except Exception as exc:
             raise WeightSyncError(ctx.message(f"cannot read {file}: {exc}")) from exc
-

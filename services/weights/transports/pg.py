@@ -51,7 +51,7 @@ from services.weights.base import (
 from services.weights.layout import Bucket, Layout, Slot
 from services.weights.transports import rendezvous
 
-_STAGING_DEPTH = 2   # staging buffers per dtype: fill one while the other is on the wire
+_STAGING_DEPTH = 2  # staging buffers per dtype: fill one while the other is on the wire
 
 
 def _is_loopback(host: str) -> bool:
@@ -104,8 +104,9 @@ def _classify(exc: BaseException, *, ctx: SyncContext, what: str) -> WeightSyncE
 class _Group:
     """A built process group plus what it needs alive (its store)."""
 
-    def __init__(self, *, key: tuple, generation: int, pg: torch_compat.DirectGroup, store: dist.Store,
-                 device: torch.device):
+    def __init__(
+        self, *, key: tuple, generation: int, pg: torch_compat.DirectGroup, store: dist.Store, device: torch.device
+    ):
         self.key, self.generation, self.pg, self.store, self.device = key, generation, pg, store, device
 
     def broadcast(self, tensor: torch.Tensor, deadline: Deadline) -> dist.Work:
@@ -113,12 +114,22 @@ class _Group:
 
     def abort(self) -> None:
         """Abort closes the sockets at once (peers blocked on us fail immediately) and never blocks."""
-        with contextlib.suppress(Exception):   # tearing down a broken group is best effort
+        with contextlib.suppress(Exception):  # tearing down a broken group is best effort
             self.pg.abort()
 
 
-def _build_group(*, backend: str, store: dist.Store, group_name: str, generation: int, rank: int, world_size: int,
-                 master_addr: str, deadline: Deadline, ctx: SyncContext) -> torch_compat.DirectGroup:
+def _build_group(
+    *,
+    backend: str,
+    store: dist.Store,
+    group_name: str,
+    generation: int,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    deadline: Deadline,
+    ctx: SyncContext,
+) -> torch_compat.DirectGroup:
     """Construct the group on PrefixStore(group_name); a rebuild (generation g > 0) on PrefixStore(f"{group_name}/g{g}")
     so it never meets the old group's rendezvous keys. Bounded by the deadline like everything else."""
     left = deadline.timedelta()
@@ -126,8 +137,13 @@ def _build_group(*, backend: str, store: dist.Store, group_name: str, generation
     prefix = dist.PrefixStore(group_name if generation == 0 else f"{group_name}/g{generation}", store)
     try:
         if backend == "gloo":
-            return torch_compat.gloo_group(prefix, rank=rank, world_size=world_size, timeout=left,
-                                           device=_gloo_device(master_addr=master_addr, is_trainer=rank == 0))
+            return torch_compat.gloo_group(
+                prefix,
+                rank=rank,
+                world_size=world_size,
+                timeout=left,
+                device=_gloo_device(master_addr=master_addr, is_trainer=rank == 0),
+            )
         return torch_compat.nccl_group(prefix, rank=rank, world_size=world_size, timeout=left)
     except Exception as exc:
         raise _classify(exc, ctx=ctx, what=f"building group {group_name!r} (rank {rank} of {world_size})") from exc
@@ -154,8 +170,12 @@ class _Staging:
             self._where[bucket.index] = (bucket.dtype, k % depth)
             counts[bucket.dtype] = k + 1
             sizes[bucket.dtype] = max(sizes.get(bucket.dtype, 0), bucket.nbytes)
-        self._rings = {dtype: [torch.empty(sizes[dtype], dtype=torch.uint8, device=device)
-                               for _ in range(min(depth, counts[dtype]))] for dtype in sizes}
+        self._rings = {
+            dtype: [
+                torch.empty(sizes[dtype], dtype=torch.uint8, device=device) for _ in range(min(depth, counts[dtype]))
+            ]
+            for dtype in sizes
+        }
 
     def get(self, bucket: Bucket) -> tuple[tuple[torch.dtype, int], torch.Tensor]:
         """(ring slot id, the bucket's bytes in it)."""
@@ -164,7 +184,7 @@ class _Staging:
 
 
 def _typed(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
-    return buffer[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+    return buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
@@ -181,7 +201,7 @@ class ProcessGroupSender(SenderTransport):
         self._group_name: str | None = None
         self._world_size = 0
         self._group: _Group | None = None
-        self._generation = -1         # of the group under the current name; bumped on every (re)build
+        self._generation = -1  # of the group under the current name; bumped on every (re)build
         self._staging: _Staging | None = None
 
     def prepare(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, engine_world_size: int) -> None:
@@ -195,38 +215,66 @@ class ProcessGroupSender(SenderTransport):
         plan.master_addr = self._config.master_addr
         plan.master_port = self._master.port
         plan.world_size = world_size
-        rendezvous.clear_version(rendezvous.ctl_store(self._master.store, self._group_name),
-                                 version=plan.version, world_size=world_size)
+        rendezvous.clear_version(
+            rendezvous.ctl_store(self._master.store, self._group_name), version=plan.version, world_size=world_size
+        )
         device = _transport_device(self._backend)
         if self._staging is None or self._staging.key != (layout.key, device):
             self._staging = None  # free the old layout's buffers before allocating the new ones
             self._staging = _Staging(layout=layout, device=device)
 
-    def publish(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
-                tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline,
-                checksums: Mapping[str, str]) -> float:
+    def publish(
+        self,
+        *,
+        plan: common_pb2.WeightSyncPlan,
+        layout: Layout,
+        tensors: Iterable[tuple[Slot, torch.Tensor]],
+        deadline: Deadline,
+        checksums: Mapping[str, str],
+    ) -> float:
         ctx, ctl = self._begin_publish(plan)
         started = time.monotonic()
         try:
-            held = rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="ready",
-                                            deadline=deadline, ctx=ctx)
-            return self._publish_ready(plan=plan, layout=layout, tensors=tensors, deadline=deadline, ctx=ctx,
-                                       ctl=ctl, held=held, started=started)
+            held = rendezvous.await_engines(
+                ctl, version=plan.version, world_size=plan.world_size, kind="ready", deadline=deadline, ctx=ctx
+            )
+            return self._publish_ready(
+                plan=plan,
+                layout=layout,
+                tensors=tensors,
+                deadline=deadline,
+                ctx=ctx,
+                ctl=ctl,
+                held=held,
+                started=started,
+            )
         except BaseException as exc:  # noqa: BLE001 - _fail re-raises it, or a WeightSyncError for it
             self._fail(exc, plan=plan, ctl=ctl, ctx=ctx, what="sending")
 
     def _begin_publish(self, plan: common_pb2.WeightSyncPlan) -> tuple[SyncContext, dist.PrefixStore]:
         """The plan must be the one prepared last; (who talks to whom, the control store of its group)."""
         if plan.group_name != self._group_name or self._staging is None:
-            raise ValueError(f"{self.name} weight sync v{plan.version}: plan is not the one this trainer prepared "
-                             f"last (group {plan.group_name!r}, expected {self._group_name!r})")
-        ctx = SyncContext(self.name, plan.version, "trainer", f"engine rank(s) {list(range(1, plan.world_size))}",
-                          plan.timeout_s)
+            raise ValueError(
+                f"{self.name} weight sync v{plan.version}: plan is not the one this trainer prepared "
+                f"last (group {plan.group_name!r}, expected {self._group_name!r})"
+            )
+        ctx = SyncContext(
+            self.name, plan.version, "trainer", f"engine rank(s) {list(range(1, plan.world_size))}", plan.timeout_s
+        )
         return ctx, rendezvous.ctl_store(self._master.store, plan.group_name)
 
-    def _publish_ready(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
-                       tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline, ctx: SyncContext,
-                       ctl: dist.Store, held: dict[int, str], started: float) -> float:
+    def _publish_ready(
+        self,
+        *,
+        plan: common_pb2.WeightSyncPlan,
+        layout: Layout,
+        tensors: Iterable[tuple[Slot, torch.Tensor]],
+        deadline: Deadline,
+        ctx: SyncContext,
+        ctl: dist.Store,
+        held: dict[int, str],
+        started: float,
+    ) -> float:
         """Every rank is ready (`held`: what each posted, the group generation it holds): go, then broadcast
         bucket by bucket. Returns the seconds waited for the ranks since `started`."""
         generation = self._choose_generation(plan=plan, held=held)
@@ -236,8 +284,9 @@ class ProcessGroupSender(SenderTransport):
         self._send(group=group, layout=layout, tensors=tensors, deadline=deadline, ctx=ctx)
         return waited
 
-    def _fail(self, exc: BaseException, *, plan: common_pb2.WeightSyncPlan, ctl: dist.Store, ctx: SyncContext,
-              what: str) -> NoReturn:
+    def _fail(
+        self, exc: BaseException, *, plan: common_pb2.WeightSyncPlan, ctl: dist.Store, ctx: SyncContext, what: str
+    ) -> NoReturn:
         """Tell the engines, drop the group (the next prepare announces a fresh one), raise a WeightSyncError."""
         rendezvous.try_signal_abort(ctl, version=plan.version, why=str(exc))
         self._teardown()
@@ -257,36 +306,57 @@ class ProcessGroupSender(SenderTransport):
         self._generation += 1
         return self._generation
 
-    def _ensure_group(self, *, plan: common_pb2.WeightSyncPlan, generation: int, deadline: Deadline,
-                      ctx: SyncContext) -> _Group:
+    def _ensure_group(
+        self, *, plan: common_pb2.WeightSyncPlan, generation: int, deadline: Deadline, ctx: SyncContext
+    ) -> _Group:
         key = (plan.group_name, plan.world_size)
         if self._group is None or self._group.key != key or self._group.generation != generation:
             store = self._master.store
-            pg = _build_group(backend=self._backend, store=store, group_name=plan.group_name, generation=generation,
-                              rank=0, world_size=plan.world_size, master_addr=plan.master_addr, deadline=deadline,
-                              ctx=ctx)
-            self._group = _Group(key=key, generation=generation, pg=pg, store=store,
-                                 device=_transport_device(self._backend))
+            pg = _build_group(
+                backend=self._backend,
+                store=store,
+                group_name=plan.group_name,
+                generation=generation,
+                rank=0,
+                world_size=plan.world_size,
+                master_addr=plan.master_addr,
+                deadline=deadline,
+                ctx=ctx,
+            )
+            self._group = _Group(
+                key=key, generation=generation, pg=pg, store=store, device=_transport_device(self._backend)
+            )
         return self._group
 
-    def _send(self, *, group: _Group, layout: Layout, tensors: Iterable[tuple[Slot, torch.Tensor]],
-              deadline: Deadline, ctx: SyncContext) -> None:
+    def _send(
+        self,
+        *,
+        group: _Group,
+        layout: Layout,
+        tensors: Iterable[tuple[Slot, torch.Tensor]],
+        deadline: Deadline,
+        ctx: SyncContext,
+    ) -> None:
         staging = self._staging
         assert staging is not None
         left = {b.index: len(b.tensors) for b in layout.buckets}
-        on_wire: dict[tuple[torch.dtype, int], tuple[int, dist.Work]] = {}   # ring slot -> (bucket, work)
+        on_wire: dict[tuple[torch.dtype, int], tuple[int, dist.Work]] = {}  # ring slot -> (bucket, work)
         next_index = 0
         for slot, tensor in tensors:
             bucket = layout.buckets[slot.bucket]
-            completes = bucket.direct or left[bucket.index] == 1   # this tensor completes its bucket
-            if completes and bucket.index != next_index:   # cannot happen: layout indices follow completion order
+            completes = bucket.direct or left[bucket.index] == 1  # this tensor completes its bucket
+            if completes and bucket.index != next_index:  # cannot happen: layout indices follow completion order
                 raise WeightSyncError(ctx.message(f"internal: bucket {bucket.index} completes before {next_index}"))
             if bucket.direct:
                 if bucket.nbytes:
                     source = tensor.detach().to(group.device).contiguous()
                     # the caller may reuse the tensor's memory after we move on: wait for this one
-                    _wait(group.broadcast(_wire(source), deadline), deadline=deadline, ctx=ctx,
-                          what=f"broadcasting bucket {bucket.index} of {len(layout.buckets)} ({slot.name})")
+                    _wait(
+                        group.broadcast(_wire(source), deadline),
+                        deadline=deadline,
+                        ctx=ctx,
+                        what=f"broadcasting bucket {bucket.index} of {len(layout.buckets)} ({slot.name})",
+                    )
                 next_index += 1
                 continue
             ring_slot, buffer = staging.get(bucket)
@@ -306,7 +376,7 @@ class ProcessGroupSender(SenderTransport):
         if self._group is not None:
             self._group.abort()
         self._group = None
-        self._group_name = None   # the next prepare announces a fresh group
+        self._group_name = None  # the next prepare announces a fresh group
 
     def close(self) -> None:
         self._teardown()
@@ -330,8 +400,15 @@ class ProcessGroupReceiver(ReceiverTransport):
     def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
         self._trainer_store.refuse(plan, ranks=[rank], reason=reason, deadline=deadline, ctx=self._context(plan, rank))
 
-    def receive(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, rank: int,
-                params: Mapping[str, torch.Tensor], deadline: Deadline) -> Received:
+    def receive(
+        self,
+        *,
+        plan: common_pb2.WeightSyncPlan,
+        layout: Layout,
+        rank: int,
+        params: Mapping[str, torch.Tensor],
+        deadline: Deadline,
+    ) -> Received:
         ctx = self._context(plan, rank)
         started = time.monotonic()
         try:
@@ -342,8 +419,9 @@ class ProcessGroupReceiver(ReceiverTransport):
             rendezvous.post(ctl, version=plan.version, kind="ready", rank=rank, value=held, ctx=ctx)
             answer = rendezvous.await_go(ctl, version=plan.version, deadline=deadline, ctx=ctx)
             waited = time.monotonic() - started
-            group = self._ensure_group(plan=plan, key=key, generation=int(answer or 0), store=store,
-                                       deadline=deadline, ctx=ctx)
+            group = self._ensure_group(
+                plan=plan, key=key, generation=int(answer or 0), store=store, deadline=deadline, ctx=ctx
+            )
             self._recv(group=group, layout=layout, params=params, deadline=deadline, ctx=ctx)
             return Received(waited_s=waited)
         except BaseException as exc:
@@ -352,21 +430,39 @@ class ProcessGroupReceiver(ReceiverTransport):
                 raise
             raise _classify(exc, ctx=ctx, what="receiving") from exc
 
-    def _ensure_group(self, *, plan: common_pb2.WeightSyncPlan, key: tuple, generation: int, store: dist.TCPStore,
-                      deadline: Deadline, ctx: SyncContext) -> _Group:
+    def _ensure_group(
+        self,
+        *,
+        plan: common_pb2.WeightSyncPlan,
+        key: tuple,
+        generation: int,
+        store: dist.TCPStore,
+        deadline: Deadline,
+        ctx: SyncContext,
+    ) -> _Group:
         if self._group is None or self._group.key != key or self._group.generation != generation:
             if self._group is not None:
                 self._group.abort()
             self._group = None
-            pg = _build_group(backend=self._backend, store=store, group_name=plan.group_name, generation=generation,
-                              rank=key[-1], world_size=plan.world_size, master_addr=plan.master_addr,
-                              deadline=deadline, ctx=ctx)
-            self._group = _Group(key=key, generation=generation, pg=pg, store=store,
-                                 device=_transport_device(self._backend))
+            pg = _build_group(
+                backend=self._backend,
+                store=store,
+                group_name=plan.group_name,
+                generation=generation,
+                rank=key[-1],
+                world_size=plan.world_size,
+                master_addr=plan.master_addr,
+                deadline=deadline,
+                ctx=ctx,
+            )
+            self._group = _Group(
+                key=key, generation=generation, pg=pg, store=store, device=_transport_device(self._backend)
+            )
         return self._group
 
-    def _recv(self, *, group: _Group, layout: Layout, params: Mapping[str, torch.Tensor],
-              deadline: Deadline, ctx: SyncContext) -> None:
+    def _recv(
+        self, *, group: _Group, layout: Layout, params: Mapping[str, torch.Tensor], deadline: Deadline, ctx: SyncContext
+    ) -> None:
         """Post broadcasts in plan order (at most two staged per dtype in flight); unpack each as it lands."""
         if self._staging is None or self._staging.key != (layout.key, group.device):
             self._staging = None
@@ -411,4 +507,3 @@ class ProcessGroupReceiver(ReceiverTransport):
     def close(self) -> None:
         self._teardown()
         self._staging = None
-

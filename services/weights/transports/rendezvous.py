@@ -29,7 +29,7 @@ from services.weights.base import (
 )
 
 _POLL_MAX_S = 0.005
-_REASON_MAX = 4000   # characters of a refusal's reason posted to the trainer
+_REASON_MAX = 4000  # characters of a refusal's reason posted to the trainer
 
 
 class _Backoff:
@@ -54,8 +54,13 @@ class MasterStore:
     @property
     def store(self) -> dist.TCPStore:
         if self._store is None:
-            self._store = dist.TCPStore(host_name=self._host, port=0, is_master=True, wait_for_workers=False,
-                                        timeout=Deadline(self._timeout_s).timedelta())
+            self._store = dist.TCPStore(
+                host_name=self._host,
+                port=0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=Deadline(self._timeout_s).timedelta(),
+            )
         return self._store
 
     @property
@@ -76,7 +81,7 @@ class TrainerStore:
     def get(self, plan: common_pb2.WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> dist.TCPStore:
         key = (plan.master_addr, plan.master_port)
         if self._store is None or self._key != key:
-            self.clear()   # a new trainer store: the old trainer is gone or restarted
+            self.clear()  # a new trainer store: the old trainer is gone or restarted
             self._store = connect_store(host=plan.master_addr, port=plan.master_port, deadline=deadline, ctx=ctx)
             self._key = key
         return self._store
@@ -84,8 +89,15 @@ class TrainerStore:
     def ctl(self, plan: common_pb2.WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> dist.PrefixStore:
         return ctl_store(self.get(plan, deadline=deadline, ctx=ctx), plan.group_name)
 
-    def refuse(self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], reason: str, deadline: Deadline,
-               ctx: SyncContext) -> None:
+    def refuse(
+        self,
+        plan: common_pb2.WeightSyncPlan,
+        *,
+        ranks: Sequence[int],
+        reason: str,
+        deadline: Deadline,
+        ctx: SyncContext,
+    ) -> None:
         """Best effort: post `abort` for `ranks` (a first reason stays), so the trainer fails now with `reason`
         instead of at its deadline. Never raises: the caller raises the real reason next."""
         try:
@@ -113,8 +125,9 @@ def connect_store(*, host: str, port: int, deadline: Deadline, ctx: SyncContext)
 
 
 def clear_version(ctl: dist.Store, *, version: int, world_size: int) -> None:
-    keys = [f"v{version}/go"] + [f"v{version}/{kind}/{rank}" for rank in range(1, world_size)
-                                 for kind in ("ready", "abort", "done")]
+    keys = [f"v{version}/go"] + [
+        f"v{version}/{kind}/{rank}" for rank in range(1, world_size) for kind in ("ready", "abort", "done")
+    ]
     for key in keys:
         ctl.delete_key(key)
 
@@ -126,8 +139,9 @@ def _call(ctx: SyncContext, what: str, fn, *args):
         raise WeightSyncPeerLost(ctx.message(f"store unreachable while {what}: {exc}")) from exc
 
 
-def await_engines(ctl: dist.Store, *, version: int, world_size: int, kind: str, deadline: Deadline,
-                  ctx: SyncContext) -> dict[int, str]:
+def await_engines(
+    ctl: dist.Store, *, version: int, world_size: int, kind: str, deadline: Deadline, ctx: SyncContext
+) -> dict[int, str]:
     """Trainer: wait until every engine rank posted `kind` (ready/done); an abort key fails at once.
     Returns what each rank posted."""
     pending = set(range(1, world_size))
@@ -140,8 +154,10 @@ def await_engines(ctl: dist.Store, *, version: int, world_size: int, kind: str, 
             if _call(ctx, "polling engines", ctl.check, [f"v{version}/{kind}/{rank}"]):
                 pending.discard(rank)
         if not pending:
-            return {rank: _call(ctx, "reading engines", ctl.get, f"v{version}/{kind}/{rank}").decode(errors="replace")
-                    for rank in range(1, world_size)}
+            return {
+                rank: _call(ctx, "reading engines", ctl.get, f"v{version}/{kind}/{rank}").decode(errors="replace")
+                for rank in range(1, world_size)
+            }
         if deadline.expired():
             if kind == "ready":
                 what = f"engine rank(s) {sorted(pending)} did not join the sync"
@@ -178,8 +194,9 @@ def await_go(ctl: dist.Store, *, version: int, deadline: Deadline, ctx: SyncCont
     backoff = _Backoff()
     while not _call(ctx, "waiting for the trainer", ctl.check, [key]):
         if deadline.expired():
-            raise WeightSyncTimeout(ctx.message(f"the trainer did not start the transfer within "
-                                                f"{deadline.timeout_s:g}s"))
+            raise WeightSyncTimeout(
+                ctx.message(f"the trainer did not start the transfer within {deadline.timeout_s:g}s")
+            )
         backoff.wait()
     answer = _call(ctx, "reading the trainer's answer", ctl.get, key).decode(errors="replace")
     if answer != "ok" and not answer.startswith("ok "):

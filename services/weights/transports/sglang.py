@@ -67,13 +67,13 @@ from services.weights.transports.pg import (
 
 READY_PREFIX = "sglang"
 FORMATS = ("tensor", "flattened_bucket")
-_ABORT_CHECK_S = 0.02     # how often a wait looks at the engines' abort keys
+_ABORT_CHECK_S = 0.02  # how often a wait looks at the engines' abort keys
 _WORK_POLL_MAX_S = 0.005  # the longest pause between looks at pending broadcasts
 
 
 @dataclass(frozen=True)
 class SGLangReady:
-    held: int | None      # generation of the group the engine holds under this plan's name, None = none
+    held: int | None  # generation of the group the engine holds under this plan's name, None = none
     format: str
 
 
@@ -105,18 +105,19 @@ def wire_tensors(bucket: Bucket) -> list[Slot]:
     return [s for s in bucket.tensors if s.nbytes > 0]
 
 
-def join_sglang_group(*, backend: str, store: dist.Store, group_name: str, rank: int, world_size: int,
-                      timeout: datetime.timedelta) -> dist.ProcessGroup:
+def join_sglang_group(
+    *, backend: str, store: dist.Store, group_name: str, rank: int, world_size: int, timeout: datetime.timedelta
+) -> dist.ProcessGroup:
     """The trainer's half of SGLang's init_custom_process_group: the same PrefixStore(group_name) over the rendezvous
     store and the same torch helper (torch_compat.registered_group)."""
     store.set_timeout(timeout)
-    return torch_compat.registered_group(backend=backend, store=store, group_name=group_name, rank=rank,
-                                         world_size=world_size, timeout=timeout)
+    return torch_compat.registered_group(
+        backend=backend, store=store, group_name=group_name, rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
 class _SGLangGroup:
-    def __init__(self, *, key: tuple, generation: int, pg: dist.ProcessGroup, store: dist.Store,
-                 device: torch.device):
+    def __init__(self, *, key: tuple, generation: int, pg: dist.ProcessGroup, store: dist.Store, device: torch.device):
         self.key, self.generation, self.pg, self.store, self.device = key, generation, pg, store, device
 
     def broadcast(self, tensor: torch.Tensor) -> dist.Work:
@@ -149,8 +150,9 @@ class _Watch:
                 why = self.ctl.get(f"v{version}/abort/{rank}").decode(errors="replace")
                 raise WeightSyncRefused(self.ctx.message(f"SGLang engine rank {rank} gave up: {why}"))
         if self.deadline.expired():
-            raise WeightSyncTimeout(self.ctx.message(f"SGLang engines did not finish within "
-                                                     f"{self.deadline.timeout_s:g}s"))
+            raise WeightSyncTimeout(
+                self.ctx.message(f"SGLang engines did not finish within {self.deadline.timeout_s:g}s")
+            )
 
     def works(self, works: Sequence[dist.Work], *, what: str) -> None:
         sleep = 0.0001
@@ -158,8 +160,9 @@ class _Watch:
             try:
                 self.check()
             except WeightSyncTimeout as exc:
-                raise WeightSyncTimeout(self.ctx.message(f"{what} did not complete within "
-                                                         f"{self.deadline.timeout_s:g}s")) from exc
+                raise WeightSyncTimeout(
+                    self.ctx.message(f"{what} did not complete within {self.deadline.timeout_s:g}s")
+                ) from exc
             time.sleep(sleep)
             sleep = min(_WORK_POLL_MAX_S, sleep * 2)
         for work in works:
@@ -183,7 +186,7 @@ class _Watch:
         while worker.is_alive():
             worker.join(timeout=_ABORT_CHECK_S)
             if worker.is_alive():
-                self.check()   # on a refusal or the deadline the join thread is left to time out on its own
+                self.check()  # on a refusal or the deadline the join thread is left to time out on its own
         if error:
             raise _classify(error[0], ctx=self.ctx, what=what)
         return value[0]
@@ -198,20 +201,40 @@ class SGLangAwareSender(ProcessGroupSender):
         self._sglang: _SGLangGroup | None = None
         self._sglang_generation = -1
 
-    def _publish_ready(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
-                       tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline, ctx: SyncContext,
-                       ctl: dist.Store, held: dict[int, str], started: float) -> float:
+    def _publish_ready(
+        self,
+        *,
+        plan: common_pb2.WeightSyncPlan,
+        layout: Layout,
+        tensors: Iterable[tuple[Slot, torch.Tensor]],
+        deadline: Deadline,
+        ctx: SyncContext,
+        ctl: dist.Store,
+        held: dict[int, str],
+        started: float,
+    ) -> float:
         readies = {rank: parse_ready(value) for rank, value in held.items()}
         sglang = {rank: r for rank, r in readies.items() if r is not None}
-        if not sglang:   # native receivers: the plain process-group transport
-            return super()._publish_ready(plan=plan, layout=layout, tensors=tensors, deadline=deadline, ctx=ctx,
-                                          ctl=ctl, held=held, started=started)
+        if not sglang:  # native receivers: the plain process-group transport
+            return super()._publish_ready(
+                plan=plan,
+                layout=layout,
+                tensors=tensors,
+                deadline=deadline,
+                ctx=ctx,
+                ctl=ctl,
+                held=held,
+                started=started,
+            )
         try:
             formats = {r.format for r in sglang.values()}
             if len(sglang) != len(readies) or len(formats) != 1:
-                raise WeightSyncRefused(ctx.message(
-                    f"engine ranks disagree: SGLang ranks {sorted(sglang)} (formats {sorted(formats)}) and "
-                    f"native ranks {sorted(set(readies) - set(sglang))} cannot share one sync"))
+                raise WeightSyncRefused(
+                    ctx.message(
+                        f"engine ranks disagree: SGLang ranks {sorted(sglang)} (formats {sorted(formats)}) and "
+                        f"native ranks {sorted(set(readies) - set(sglang))} cannot share one sync"
+                    )
+                )
             generation = self._choose_sglang_generation(plan=plan, readies=sglang)
             rendezvous.signal_go(ctl, version=plan.version, value=f"ok {generation}", ctx=ctx)
             waited = time.monotonic() - started
@@ -219,18 +242,21 @@ class SGLangAwareSender(ProcessGroupSender):
             group = self._ensure_sglang_group(plan=plan, generation=generation, deadline=deadline, watch=watch)
             self._send_sglang(group=group, layout=layout, tensors=tensors, load_format=formats.pop(), watch=watch)
             # a broadcast can complete into socket buffers: done is SGLang's success answer, relayed by the adapter
-            rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="done",
-                                     deadline=deadline, ctx=ctx)
+            rendezvous.await_engines(
+                ctl, version=plan.version, world_size=plan.world_size, kind="done", deadline=deadline, ctx=ctx
+            )
             return waited
         except BaseException as exc:  # noqa: BLE001 - _fail re-raises it, or a WeightSyncError for it
             self._fail(exc, plan=plan, ctl=ctl, ctx=ctx, what="sending to SGLang")
 
-    def _choose_sglang_generation(self, *, plan: common_pb2.WeightSyncPlan,
-                                  readies: Mapping[int, SGLangReady]) -> int:
+    def _choose_sglang_generation(self, *, plan: common_pb2.WeightSyncPlan, readies: Mapping[int, SGLangReady]) -> int:
         """Keep the group only if every SGLang rank still holds it; else every member joins the next one."""
         group = self._sglang
-        if (group is not None and group.key == (plan.group_name, plan.world_size)
-                and all(r.held == group.generation for r in readies.values())):
+        if (
+            group is not None
+            and group.key == (plan.group_name, plan.world_size)
+            and all(r.held == group.generation for r in readies.values())
+        ):
             return group.generation
         if group is not None:
             group.close(abort=True)
@@ -238,25 +264,43 @@ class SGLangAwareSender(ProcessGroupSender):
         self._sglang_generation += 1
         return self._sglang_generation
 
-    def _ensure_sglang_group(self, *, plan: common_pb2.WeightSyncPlan, generation: int, deadline: Deadline,
-                             watch: _Watch) -> _SGLangGroup:
+    def _ensure_sglang_group(
+        self, *, plan: common_pb2.WeightSyncPlan, generation: int, deadline: Deadline, watch: _Watch
+    ) -> _SGLangGroup:
         key = (plan.group_name, plan.world_size)
         if self._sglang is not None and self._sglang.key == key and self._sglang.generation == generation:
             return self._sglang
         name = group_name_for(plan.group_name, generation)
         # A client connection of its own: the join blocks in store reads, and a TCPStore client serves one request
         # at a time, so sharing the master's would stall the abort polling (and the abort signal) behind it.
-        store = rendezvous.connect_store(host=self._config.master_addr, port=self._master.port, deadline=deadline,
-                                         ctx=watch.ctx)
-        pg = watch.thread(lambda: join_sglang_group(backend=self._backend, store=store, group_name=name, rank=0,
-                                                    world_size=plan.world_size, timeout=deadline.timedelta()),
-                          what=f"joining SGLang's group {name!r} (rank 0 of {plan.world_size})")
-        self._sglang = _SGLangGroup(key=key, generation=generation, pg=pg, store=store,
-                                    device=_transport_device(self._backend))
+        store = rendezvous.connect_store(
+            host=self._config.master_addr, port=self._master.port, deadline=deadline, ctx=watch.ctx
+        )
+        pg = watch.thread(
+            lambda: join_sglang_group(
+                backend=self._backend,
+                store=store,
+                group_name=name,
+                rank=0,
+                world_size=plan.world_size,
+                timeout=deadline.timedelta(),
+            ),
+            what=f"joining SGLang's group {name!r} (rank 0 of {plan.world_size})",
+        )
+        self._sglang = _SGLangGroup(
+            key=key, generation=generation, pg=pg, store=store, device=_transport_device(self._backend)
+        )
         return self._sglang
 
-    def _send_sglang(self, *, group: _SGLangGroup, layout: Layout, tensors: Iterable[tuple[Slot, torch.Tensor]],
-                     load_format: str, watch: _Watch) -> None:
+    def _send_sglang(
+        self,
+        *,
+        group: _SGLangGroup,
+        layout: Layout,
+        tensors: Iterable[tuple[Slot, torch.Tensor]],
+        load_format: str,
+        watch: _Watch,
+    ) -> None:
         """Bucket after bucket, as one /update_weights_from_distributed request each receives it; a ring slot of
         the staging buffers is refilled only once the broadcasts that read it have completed."""
         staging = self._staging
@@ -282,7 +326,7 @@ class SGLangAwareSender(ProcessGroupSender):
             if bucket.direct:
                 source = _wire(tensor.detach().to(group.device).contiguous())
                 works = send(bucket, source)
-                direct.append((bucket.index, works, source))   # keeps the source alive until it is sent
+                direct.append((bucket.index, works, source))  # keeps the source alive until it is sent
                 if len(direct) > 2:
                     index, pending, _ = direct.pop(0)
                     watch.works(pending, what=f"broadcasting bucket {index} of {total}")
@@ -302,7 +346,7 @@ class SGLangAwareSender(ProcessGroupSender):
         if self._sglang is not None:
             self._sglang.close(abort=True)
         self._sglang = None
-        self._sglang_generation = -1   # the next prepare announces a new group name
+        self._sglang_generation = -1  # the next prepare announces a new group name
         super()._teardown()
 
 
@@ -318,8 +362,9 @@ class EngineHandshake:
     def ctl(self, plan: common_pb2.WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> dist.Store:
         return self._trainer_store.ctl(plan, deadline=deadline, ctx=ctx)
 
-    def post_ready(self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], value: str, deadline: Deadline,
-                   ctx: SyncContext) -> None:
+    def post_ready(
+        self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], value: str, deadline: Deadline, ctx: SyncContext
+    ) -> None:
         ctl = self.ctl(plan, deadline=deadline, ctx=ctx)
         for rank in ranks:
             rendezvous.post(ctl, version=plan.version, kind="ready", rank=rank, value=value, ctx=ctx)
@@ -329,12 +374,17 @@ class EngineHandshake:
         ctl = self.ctl(plan, deadline=deadline, ctx=ctx)
         answer = rendezvous.await_go(ctl, version=plan.version, deadline=deadline, ctx=ctx)
         if not answer.isdigit():
-            raise WeightSyncError(ctx.message(f"the trainer answered {answer!r}, not a group generation: does its "
-                                              f"Tandem version speak the SGLang protocol?"))
+            raise WeightSyncError(
+                ctx.message(
+                    f"the trainer answered {answer!r}, not a group generation: does its "
+                    f"Tandem version speak the SGLang protocol?"
+                )
+            )
         return int(answer)
 
-    def post_done(self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], deadline: Deadline,
-                  ctx: SyncContext) -> None:
+    def post_done(
+        self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], deadline: Deadline, ctx: SyncContext
+    ) -> None:
         """Every update request of these ranks' server answered success."""
         ctl = self.ctl(plan, deadline=deadline, ctx=ctx)
         for rank in ranks:
@@ -346,4 +396,3 @@ class EngineHandshake:
 
     def close(self) -> None:
         self._trainer_store.clear()
-

@@ -46,7 +46,7 @@ from services.weights.layout import Bucket, Layout, Slot
 from services.weights.transports import rendezvous
 
 LOAD_FORMATS = ("tensor", "flattened_bucket")
-_DEVICE_ARG = 6   # rebuild_cuda_tensor's storage_device argument (SGLang's patch rewrites the same index)
+_DEVICE_ARG = 6  # rebuild_cuda_tensor's storage_device argument (SGLang's patch rewrites the same index)
 
 
 def _device_uuid(index: int) -> str:
@@ -58,7 +58,7 @@ def _reduce_cuda_tensor_by_uuid(tensor: torch.Tensor) -> tuple[Any, tuple]:
     rebuild, args = reductions.reduce_tensor(tensor)
     if rebuild is not reductions.rebuild_cuda_tensor:
         raise WeightSyncError(f"cuda_ipc toward SGLang sends CUDA tensors only, got one on {tensor.device}")
-    args = (*args[:_DEVICE_ARG], _device_uuid(int(args[_DEVICE_ARG])), *args[_DEVICE_ARG + 1:])
+    args = (*args[:_DEVICE_ARG], _device_uuid(int(args[_DEVICE_ARG])), *args[_DEVICE_ARG + 1 :])
     return rebuild, args
 
 
@@ -74,7 +74,7 @@ def serialize_for_sglang(obj: object, *, cuda_uuid: bool = True) -> str:
 
 
 def typed_view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
-    return buffer[slot.offset: slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+    return buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
 def wire_slots(bucket: Bucket) -> list[Slot]:
@@ -95,8 +95,17 @@ def bucket_payload(bucket: Bucket, buffer: torch.Tensor, *, load_format: str) ->
         case "flattened_bucket":
             # FlattenedTensorMetadata's fields, as SGLang's _update_weights_from_flattened_bucket reads them (byte
             # offsets into the uint8 tensor); start/end are the plan's own offsets, so padding would be harmless
-            meta = [types.SimpleNamespace(name=s.name, shape=torch.Size(s.shape), dtype=s.dtype, start_idx=s.offset,
-                                          end_idx=s.offset + s.nbytes, numel=s.nbytes) for s in slots]
+            meta = [
+                types.SimpleNamespace(
+                    name=s.name,
+                    shape=torch.Size(s.shape),
+                    dtype=s.dtype,
+                    start_idx=s.offset,
+                    end_idx=s.offset + s.nbytes,
+                    numel=s.nbytes,
+                )
+                for s in slots
+            ]
             return {"flattened_tensor": buffer[: bucket.nbytes], "metadata": meta}
         case _:
             raise ValueError(f"SGLang load format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
@@ -117,7 +126,7 @@ class SGLangTensorSender(SenderTransport):
         self._load_format = load_format
         self._master = rendezvous.MasterStore(host=config.master_addr, timeout_s=config.timeout_s)
         self._group_name: str | None = None
-        self._buffers: list[torch.Tensor] = []   # this sync's buckets, kept until the next prepare
+        self._buffers: list[torch.Tensor] = []  # this sync's buckets, kept until the next prepare
         self._device = device
 
     def prepare(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, engine_world_size: int) -> None:
@@ -127,12 +136,13 @@ class SGLangTensorSender(SenderTransport):
         device = torch.device(self._device or f"cuda:{torch.cuda.current_device()}")
         self._buffers = [torch.empty(max(b.nbytes, 1), dtype=torch.uint8, device=device) for b in layout.buckets]
         if device.type == "cuda":
-            torch.cuda.synchronize(device)   # the allocations exist before another process maps them
+            torch.cuda.synchronize(device)  # the allocations exist before another process maps them
         for wb, bucket, buffer in zip(plan.buckets, layout.buckets, self._buffers, strict=True):
             if wire_slots(bucket):
                 obj = bucket_payload(bucket, buffer, load_format=self._load_format)
-                wb.sglang_payloads.extend(serialize_for_sglang(obj, cuda_uuid=device.type == "cuda")
-                                          for _ in range(engine_world_size))
+                wb.sglang_payloads.extend(
+                    serialize_for_sglang(obj, cuda_uuid=device.type == "cuda") for _ in range(engine_world_size)
+                )
         plan.sglang_load_format = self._load_format
         if self._group_name is None:
             self._group_name = f"tandem-sgl-{self._trainer_id}-{uuid.uuid4().hex[:12]}"
@@ -140,16 +150,28 @@ class SGLangTensorSender(SenderTransport):
         plan.master_addr = self._config.master_addr
         plan.master_port = self._master.port
         plan.world_size = 1 + engine_world_size
-        rendezvous.clear_version(rendezvous.ctl_store(self._master.store, self._group_name),
-                                 version=plan.version, world_size=plan.world_size)
+        rendezvous.clear_version(
+            rendezvous.ctl_store(self._master.store, self._group_name), version=plan.version, world_size=plan.world_size
+        )
 
-    def publish(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout,
-                tensors: Iterable[tuple[Slot, torch.Tensor]], deadline: Deadline,
-                checksums: Mapping[str, str]) -> float:
+    def publish(
+        self,
+        *,
+        plan: common_pb2.WeightSyncPlan,
+        layout: Layout,
+        tensors: Iterable[tuple[Slot, torch.Tensor]],
+        deadline: Deadline,
+        checksums: Mapping[str, str],
+    ) -> float:
         if not self._buffers or plan.group_name != self._group_name:
             raise ValueError(f"cuda_ipc weight sync v{plan.version}: plan is not the one this trainer prepared last")
-        ctx = SyncContext("cuda_ipc", plan.version, "trainer",
-                          f"SGLang engine rank(s) {list(range(1, plan.world_size))}", plan.timeout_s)
+        ctx = SyncContext(
+            "cuda_ipc",
+            plan.version,
+            "trainer",
+            f"SGLang engine rank(s) {list(range(1, plan.world_size))}",
+            plan.timeout_s,
+        )
         ctl = rendezvous.ctl_store(self._master.store, plan.group_name)
         try:
             for slot, tensor in tensors:
@@ -158,12 +180,13 @@ class SGLangTensorSender(SenderTransport):
             if self._buffers[0].is_cuda:
                 torch.cuda.synchronize(self._buffers[0].device)
             rendezvous.signal_go(ctl, version=plan.version, value="ok", ctx=ctx)
-            rendezvous.await_engines(ctl, version=plan.version, world_size=plan.world_size, kind="done",
-                                     deadline=deadline, ctx=ctx)
+            rendezvous.await_engines(
+                ctl, version=plan.version, world_size=plan.world_size, kind="done", deadline=deadline, ctx=ctx
+            )
             return 0.0
         except BaseException as exc:
             rendezvous.try_signal_abort(ctl, version=plan.version, why=str(exc))
-            self._group_name = None   # fresh control keys next time; the buffers stay (SGLang may still read them)
+            self._group_name = None  # fresh control keys next time; the buffers stay (SGLang may still read them)
             raise
 
     def release(self) -> None:
