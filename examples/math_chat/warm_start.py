@@ -41,7 +41,7 @@ def answer_text(rng: random.Random) -> str:
     return f"#### {rng.choice(ANSWER_RANGE)}{STOP}"
 
 
-def warm_start(out: Path, *, steps: int = 80, seed: int = 0, lr: float = 1e-2, batch: int = 16) -> Path:
+def warm_start(out: Path, *, steps: int = 80, seed: int = 0, lr: float = 2e-2, batch: int = 16) -> Path:
     """The tiny preset at `out`, after `steps` format steps (module doc). Refuses a directory holding a model."""
     from services.rollout.model_init import init_model
 
@@ -75,7 +75,8 @@ def train_format(model_dir: Path, *, steps: int, seed: int, lr: float, batch: in
     model.train()
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # fused: one pass over the 9.7M-entry embedding a step instead of several (10x on this CPU)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)
     # down to 0 by the last step: the last batches' random answers do not tilt the digits' distribution
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / max(steps, 1))
     losses = []
