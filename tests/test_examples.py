@@ -122,3 +122,4 @@ def test_the_gsm8k_command_of_the_own_task_page_makes_a_valid_config():
     assert config.data.chat_template == "auto" and config.rollout.reward == "math_answer"
     assert config.rollout.sampling.stop == () and config.rollout.sampling.max_new_tokens == 512
     assert config.loop.num_rollout is None and config.weights.transport == "cuda_ipc"
+    assert (config.trainer.lr, config.trainer.eps) == (1e-6, 1e-8)  # not the tiny example's AdamW-as-SGD
