@@ -1,7 +1,8 @@
 """The native engine's sampling step at a real vocabulary (151,936): milliseconds per call of the sampling
 distribution's log-probs, before issue 31 (whole-row sort for top-p, one mask per filter: tests/scoring_reference.py)
 and now (services/tensors/sampling.py: the nucleus sought within the top-k when top-k is set, the support kept as
-a threshold), and of the whole draw (`sample_next`: log-probs + multinomial).
+a threshold), and of the whole draw (`sample_next`: log-probs + the draw). Then the draw alone, from the same
+probabilities: `torch.multinomial` against the inverse CDF `sample_next` uses on the CPU (`sampling.draw`).
 
     python bench/bench_sampling.py [--device cpu] [--batch 16 64] [--vocab 151936] [--repeats 5]
 
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # scorin
 from scoring_reference import table_log_probs
 
 from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.sampling import sample_next
+from services.rollout.engines.sampling import draw, sample_next
 from services.tensors.sampling import sampling_log_probs
 
 SPECS = {
@@ -59,18 +60,22 @@ def main() -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(0)
-    rows = []
+    rows, draws = [], []
     for batch in args.batch:
         logits = (torch.randn(batch, args.vocab, generator=gen, device=device) * 3).to(dtype)
         for name, spec in SPECS.items():
             before = timed_ms(lambda x=logits, s=spec: table_log_probs(x, s), device, args.repeats)
             now = timed_ms(lambda x=logits, s=spec: sampling_log_probs(x, s), device, args.repeats)
-            draw = timed_ms(lambda x=logits, s=spec: sample_next(x, s, gen), device, args.repeats)
+            drawn = timed_ms(lambda x=logits, s=spec: sample_next(x, s, gen), device, args.repeats)
             same = torch.equal(
                 torch.isfinite(table_log_probs(logits, spec)), torch.isfinite(sampling_log_probs(logits, spec))
             )
-            rows.append((batch, name, before, now, draw, same))
+            rows.append((batch, name, before, now, drawn, same))
             print(rows[-1], flush=True)
+        probs = torch.softmax(logits.float(), dim=-1)
+        multinomial = timed_ms(lambda p=probs: torch.multinomial(p, 1, generator=gen), device, args.repeats)
+        inverse_cdf = timed_ms(lambda p=probs: draw(p, gen), device, args.repeats)
+        draws.append((batch, multinomial, inverse_cdf))
     print(
         f"\n# bench_sampling {datetime.date.today()} device={args.device} vocab={args.vocab} (best of {args.repeats})\n"
     )
@@ -78,8 +83,11 @@ def main() -> int:
         "| batch | sampling | log-probs before ms | log-probs now ms | before / now | sample_next ms | same support |"
     )
     print("|---|---|---|---|---|---|---|")
-    for batch, name, before, now, draw, same in rows:
-        print(f"| {batch} | {name} | {before:.1f} | {now:.1f} | {before / now:.2f}x | {draw:.1f} | {same} |")
+    for batch, name, before, now, drawn, same in rows:
+        print(f"| {batch} | {name} | {before:.1f} | {now:.1f} | {before / now:.2f}x | {drawn:.1f} | {same} |")
+    print("\n| batch | torch.multinomial ms | sampling.draw ms | ratio |\n|---|---|---|---|")
+    for batch, multinomial, inverse_cdf in draws:
+        print(f"| {batch} | {multinomial:.1f} | {inverse_cdf:.1f} | {multinomial / inverse_cdf:.1f}x |")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Issue 33's bench: generation that never waits, on long-tailed response lengths at the q05 shape (one GPU).
+"""Issue 33's bench: generation that never waits, on long-tailed response lengths at Qwen2.5-0.5B's shape (one GPU).
 
     python bench/gpu_inflight.py [--steps 8] [--only VARIANT ...] [--out DIR]    # runs, one summary JSON each
     python bench/gpu_inflight.py --report [--out DIR]                            # the side-by-side table
@@ -6,10 +6,10 @@
         --set rollout.sampling.max_new_tokens=64 --set rollout.max_context_length=128 --set loop.max_staleness=3 \
         --set rollout.reward=examples/digit_max_long/reward.py:reward        # the same on the CPU (a smoke test)
 
-examples/qwen05_gpu.yaml (random-init Qwen2-0.5B body, 64 prompts x 8 samples, 128-token prompts, trainer and
-native engine sharing the GPU over CUDA IPC) with every training row's response forced to its own lognormal length
-in 16..2048 tokens (examples/digit_max_long/generate_data.py --lengths 16 2048: median ~47, a tail to ~1,000+),
-run each way:
+examples/qwen05_gpu.yaml (random-init Qwen2.5-0.5B shape and vocabulary, 64 prompts x 8 samples, ~252-token
+prompts, trainer and native engine sharing the GPU over CUDA IPC) with every training row's response forced to its
+own lognormal length in 16..2048 tokens (examples/digit_max_long/generate_data.py --lengths 16 2048: median ~47, a
+tail to ~1,000+), run each way:
   sync              generate, train, sync: the batch waits for its longest sample and the trainer for the batch
   one_step_off      async: the next batch generates while this one trains; the sync drains that generation
   inflight_keep     async with rollout.inflight_update keep: the sync lands between two decode steps
@@ -145,7 +145,12 @@ def main() -> int:
     parser.add_argument("--report", action="store_true", help="print the table of every summary in --out")
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--lengths", type=int, nargs=2, default=[16, 2048])
-    parser.add_argument("--digits", type=int, default=126, help="prompt digits (126: 128-token prompts)")
+    parser.add_argument(
+        "--digits",
+        type=int,
+        default=126,
+        help="prompt digits (126: 252 tokens with qwen05_gpu.yaml's BPE, 128 with the toy tokenizer)",
+    )
     parser.add_argument("--set", action="append", default=[], help="more overrides, after the bench's own")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

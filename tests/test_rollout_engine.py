@@ -14,7 +14,7 @@ import torch
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines.errors import EngineUnavailable
 from services.rollout.engines.native import NativeEngine
-from services.rollout.engines.sampling import sampling_log_probs
+from services.rollout.engines.sampling import draw, sampling_log_probs
 
 torch.set_num_threads(1)
 
@@ -133,6 +133,18 @@ def test_sampling_distribution_definition():
     expected = torch.tensor([0.25, 0.09, 0.04]) / 0.38  # p^(1/T), renormalised
     assert torch.allclose(lp[0], expected, atol=1e-6)
     assert torch.allclose(sampling_log_probs(logits, SamplingSpec(temperature=0.0)), torch.log_softmax(logits, -1))
+
+
+def test_the_cpu_draw_follows_each_rows_distribution_and_never_draws_a_zero():
+    """The inverse-CDF draw: 40,000 rows of two distributions (one unnormalised) land within 1.5 points of each
+    probability (4 standard errors), a zero-probability token never comes, and a seed replays the draw."""
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.0, 2.0, 1.0, 1.0]]).repeat(20_000, 1)
+    tokens = draw(probs, torch.Generator().manual_seed(0))
+    for row, expected in ((0, [0.5, 0.0, 0.3, 0.2]), (1, [0.0, 0.5, 0.25, 0.25])):
+        freq = torch.bincount(tokens[row::2], minlength=4).double() / 20_000
+        assert torch.allclose(freq, torch.tensor(expected, dtype=torch.float64), atol=0.015), (row, freq)
+        assert freq[expected.index(0.0)] == 0.0
+    assert torch.equal(tokens, draw(probs, torch.Generator().manual_seed(0)))
 
 
 def test_seeded_sampling_is_reproducible(engine: NativeEngine):

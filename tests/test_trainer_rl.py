@@ -344,3 +344,19 @@ def test_reinforce_pp_step_with_kl_reward_matches_the_reference(harness, peaked_
     assert 0 < clipfrac < 1 and max(kl_penalty) > 1e-5  # the update moved the policy away from the reference
     got = [m[k] for k in ("pg_loss", "loss", "ppo_ratio_mean", "pg_clipfrac", "advantage_mean")]
     assert got == pytest.approx([pg, pg, ratio, clipfrac, 0.0], rel=2e-4, abs=2e-6)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_adams_eps_from_the_config_reaches_the_optimizer(harness, zero_stage):  # noqa: F811
+    """trainer.eps: Tandem's flat AdamW (stage 0) and torch's under ZeRO get it; DeepSpeed's own AdamW gets it in its
+    config (that optimizer is not built on a CPU)."""
+    from services.trainer.backend import deepspeed_config
+
+    h = harness(trainer={"zero_stage": zero_stage, "eps": 0.5})
+    engine = h.trainer.backend.engine
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    assert [g["eps"] for g in inner.param_groups] == [0.5] * len(inner.param_groups)
+    config = h.config.model_copy(
+        update={"trainer": h.config.trainer.model_copy(update={"optimizer": "adamw_deepspeed", "zero_stage": 1})}
+    )
+    assert deepspeed_config(config, world_size=1, lr=1.0)["optimizer"]["params"]["eps"] == 0.5

@@ -1,12 +1,14 @@
 """Writes a grade-school word-problem dataset with numeric answers, as parquet with chat messages.
 
-    python examples/math_chat/make_data.py [--out DIR] [--train 2048] [--eval 128] [--max-number 20] [--seed 0]
+    python examples/math_chat/make_data.py [--out DIR] [--train 2048] [--eval 128] [--max-number 2] [--seed 0]
 
 Each row: `messages` (one user turn: the problem and "Give the final answer after ####."), `answer` (the number,
 as text), `solution` (the worked steps ending in `#### N`, as GSM8K writes them) and `kind`. Five kinds of
 problem (add, take away, groups of, share equally, two steps) over small numbers, drawn from a seeded generator:
-the same arguments write the same files. Point data.prompt_key at `messages` and data.label_key at `answer`, and
-score with rollout.reward: math_answer.
+the same arguments write the same files. The defaults write the committed train.parquet and eval.parquet of
+examples/math_chat.yaml: numbers up to 2, so every answer is 1 to 4 and a tiny model's RL has answers to find in
+a CPU minute (README.md says what it learns); `--max-number 20` writes harder problems, for a real model. Point
+data.prompt_key at `messages` and data.label_key at `answer`, and score with rollout.reward: math_answer.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def _take_away(rng: random.Random, top: int, name: str, item: str) -> Problem:
 
 
 def _groups(rng: random.Random, top: int, name: str, item: str) -> Problem:
-    a, b = rng.randint(2, max(2, top // 2)), rng.randint(2, 9)
+    # at most `top` in a bag too: up to --max-number 3 every answer of every kind is one digit
+    a, b = rng.randint(2, max(2, top // 2)), rng.randint(2, min(9, max(2, top)))
     return (
         f"{name} buys {a} bags with {b} {item} in each bag. How many {item} is that in all?",
         f"{a} * {b} = {a * b}",
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=HERE)
     parser.add_argument("--train", type=int, default=2048)
     parser.add_argument("--eval", type=int, default=128)
-    parser.add_argument("--max-number", type=int, default=20, help="the largest number a problem starts from")
+    parser.add_argument("--max-number", type=int, default=2, help="the largest number a problem starts from")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.max_number < 2:

@@ -76,6 +76,12 @@ class TrainerConfig(Section):
     min_lr: float = Field(default=0.0, ge=0)
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(
+        default=1e-8,
+        gt=0,
+        description="AdamW's epsilon; far above the gradients (examples/math_chat.yaml: 1.0) the step is "
+        "lr x the momentum-averaged gradient, SGD with momentum, instead of about lr per parameter",
+    )
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = Field(default=0, ge=0)
     total_steps: int | None = Field(default=None, ge=1, description="schedule length; defaults to num_rollout")

@@ -88,7 +88,7 @@ def deepspeed_config(config: TandemConfig, *, world_size: int, lr: float) -> Jso
     if t.optimizer == "adamw_deepspeed":
         ds["optimizer"] = {
             "type": "AdamW",
-            "params": {"lr": lr, "betas": list(t.betas), "eps": 1e-8, "weight_decay": t.weight_decay},
+            "params": {"lr": lr, "betas": list(t.betas), "eps": t.eps, "weight_decay": t.weight_decay},
         }
     return ds
 
@@ -231,7 +231,7 @@ class DeepSpeedBackend:
                 precision=t.precision,
                 lr=lr,
                 betas=t.betas,
-                eps=1e-8,
+                eps=t.eps,
                 weight_decay=t.weight_decay,
                 max_grad_norm=t.grad_clip,
                 skip_nonfinite=t.skip_nonfinite_steps,
@@ -242,7 +242,7 @@ class DeepSpeedBackend:
                 params,
                 lr=lr,
                 betas=t.betas,
-                eps=1e-8,
+                eps=t.eps,
                 weight_decay=t.weight_decay,
                 fused=dist_info.device.type == "cuda",
             )
