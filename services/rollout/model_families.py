@@ -9,7 +9,7 @@ the table. No torch or transformers here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # The pre-tokenizer regexes of the real tokenizer.json files: Qwen splits numbers into single digits, Llama-3 into
@@ -150,22 +150,7 @@ QWEN25 = Family(
     nfc=True,
     ignore_merges=False,
 )
-QWEN3 = Family(
-    name="qwen3",
-    vocab_size=151_936,
-    first_special=151_643,
-    specials=_QWEN25_SPECIALS,
-    plain=_QWEN3_PLAIN,
-    split_regex=QWEN_SPLIT,
-    bos=None,
-    eos="<|im_end|>",
-    pad="<|endoftext|>",
-    generation_eos=("<|im_end|>", "<|endoftext|>"),
-    chat_template=CHATML_TEMPLATE,
-    tokenizer_class="Qwen2Tokenizer",
-    nfc=True,
-    ignore_merges=False,
-)
+QWEN3 = replace(QWEN25, name="qwen3", plain=_QWEN3_PLAIN)  # the same specials and template
 LLAMA3 = Family(
     name="llama3",
     vocab_size=128_256,
