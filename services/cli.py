@@ -133,6 +133,13 @@ def _rollout(args: argparse.Namespace) -> int:
     return rollout_main(config, run_dir=run_dir, replica=args.replica)
 
 
+def _reward(args: argparse.Namespace) -> int:
+    from services.reward.server import main as reward_main
+
+    config, run_dir = _config_and_run_dir(args)
+    return reward_main(config, run_dir=run_dir)
+
+
 # ---- tools --------------------------------------------------------------------------------------------------
 
 
@@ -251,6 +258,7 @@ COMMANDS: Mapping[str, Command] = MappingProxyType(
                 _trainer,
             ),
             Command("rollout", "run one rollout service replica", _rollout_arguments, _rollout),
+            Command("reward", "run the reward service (the models of reward.models)", _config_arguments, _reward),
             Command("ctl", "control a running coordinator", _ctl_arguments, _ctl),
             Command(
                 "init-model",

@@ -20,6 +20,7 @@ ALLOWED = {
     "trainer": {"contracts", "telemetry", "tensors", "rpc", "buffer", "weights"},
     "rollout": {"contracts", "telemetry", "tensors", "rpc", "buffer", "weights"},
     "coordinator": {"contracts", "telemetry", "rpc", "buffer"},
+    "reward": {"contracts", "telemetry", "tensors", "rpc", "rollout"},  # the judge runs on the rollout's engine
 }
 
 

@@ -176,7 +176,32 @@ def resolve_paths(data: JsonObject, base_dir: Path) -> JsonObject:
             node[key] = _resolve_reward_file(value, base_dir)
         elif not os.path.isabs(value) and value not in _KEYWORDS.get((section, key), ()):
             node[key] = str((base_dir / value).resolve())
+    _resolve_reward_models(data, base_dir)
     return data
+
+
+TEMPLATE_FILE_SUFFIXES = (".j2", ".jinja", ".jinja2", ".txt")  # a judge's template naming a file, not Jinja text
+
+
+def _resolve_reward_models(data: JsonObject, base_dir: Path) -> None:
+    """reward.models.*: the model and tokenizer directories, a template file and a file parser, relative to the YAML."""
+    section = data.get("reward")
+    models = section.get("models") if isinstance(section, dict) else None
+    if not isinstance(models, dict):
+        return
+    for model in models.values():
+        if not isinstance(model, dict):
+            continue
+        for key in ("path", "tokenizer_path"):
+            value = model.get(key)
+            if isinstance(value, str) and value and not os.path.isabs(value):
+                model[key] = str((base_dir / value).resolve())
+        template = model.get("template")
+        if isinstance(template, str) and template.strip().endswith(TEMPLATE_FILE_SUFFIXES) and "\n" not in template:
+            model["template"] = str((base_dir / template.strip()).resolve())
+        parser = model.get("parser")
+        if isinstance(parser, str) and parser:
+            model["parser"] = _resolve_reward_file(parser, base_dir) if ".py:" in parser else parser
 
 
 _KEYWORDS = {("data", "chat_template"): CHAT_TEMPLATE_MODES}  # values of a path key that are not paths

@@ -37,7 +37,7 @@ from services.rollout.environment_registry import resolve_environment
 from services.rollout.environments import EpisodeSample
 from services.rollout.metrics import batch_metrics, eval_metrics, shaped_rewards
 from services.rollout.multi_turn import MultiTurnRollout, episode_metrics
-from services.rollout.rewards import RewardFunction, resolve_reward
+from services.rollout.reward_mix import Reward, RewardResolver
 from services.rollout.tokenizer import Texts, end_of_generation_ids, load_tokenizer
 from services.rollout.writer import BatchWriter
 from services.rpc.grpc_util import FailedPrecondition
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from services.contracts.weight_plan import WeightSyncPlan
+    from services.rollout.remote_reward import ScoreClient
     from services.weights.api import WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,12 @@ def check_request_size(what: str, prompts: int, n: int | None, default: int, *, 
         )
 
 
+def _reward_client(config: TandemConfig) -> ScoreClient:
+    from services.rollout.clients import RewardClient
+
+    return RewardClient(config)
+
+
 def mix_seed(seed: int | None, rollout_id: int) -> int | None:
     """A per-step seed, so a fixed config seed does not replay one random stream every step."""
     if seed is None:
@@ -126,7 +133,9 @@ class RolloutService:
         self.replica = replica
         self.producer = f"rollout-{replica}"
         self._started = time.monotonic()
-        self.default_reward = resolve_reward(config.rollout.reward)  # a bad spec fails the start
+        self.rewards = RewardResolver(config, client_factory=_reward_client)
+        self.default_reward = self.rewards.resolve(config.rollout.reward)  # a bad spec fails the start
+        self.eval_reward = self.rewards.resolve(config.rollout.eval_reward or config.rollout.reward)
         self.environment = resolve_environment(config.rollout.environment) if config.rollout.environment else None
         tokenizer = (
             tokenizer if tokenizer is not None else load_tokenizer(config.model.tokenizer_path or config.model.path)
@@ -313,7 +322,7 @@ class RolloutService:
         inputs: ModelInputs,
         n: int,
         sampling: SamplingSpec,
-        reward_fn: RewardFunction,
+        reward_fn: Reward,
         rollout_id: int,
         span_: trace.Span,
     ) -> _Scored:
@@ -355,20 +364,22 @@ class RolloutService:
             reward=reward_fn.spec,
             samples=len(outputs),
         ):
-            rewards = reward_fn.score(
+            rewards = reward_fn.score_detailed(
                 prompts=[s for s in inputs.texts for _ in range(n)],
                 responses=responses,
                 labels=[p.label for p in prompts for _ in range(n)],
                 metadatas=[p.reward_metadata() for p in prompts for _ in range(n)],
                 timeout_s=runfacts.reward_timeout_s(self.config),
+                tokens=[len(p) + len(o.token_ids) for p, o in zip(expanded, outputs, strict=True)],
             )
         return _Scored(
             prompt_ids=expanded,
             outputs=outputs,
-            rewards=rewards,
+            rewards=rewards.values,
             responses=responses,
             generate_s=generate_s,
             reward_s=time.monotonic() - t,
+            metrics=rewards.metrics,
         )
 
     def _play_and_score(
@@ -378,7 +389,7 @@ class RolloutService:
         inputs: ModelInputs,
         n: int,
         sampling: SamplingSpec,
-        reward_fn: RewardFunction,
+        reward_fn: Reward,
         rollout_id: int,
         span_: trace.Span,
     ) -> _Scored:
@@ -448,7 +459,7 @@ class RolloutService:
             "episode_reward": ro.episode_reward,
         }
 
-    def _reward_fn(self, reward: str | None) -> RewardFunction:
+    def _reward_fn(self, reward: str | None, *, default: Reward | None = None) -> Reward:
         """A request's reward, else the configured one. With an environment scoring alone, none is asked for."""
         if reward and self.environment is not None and self.config.rollout.episode_reward == "env":
             raise ValueError(
@@ -456,7 +467,7 @@ class RolloutService:
                 f"environment {self.environment.spec} scores each episode alone (set "
                 "rollout.episode_reward: env_plus_reward to add a reward function)"
             )
-        return resolve_reward(reward) if reward else self.default_reward
+        return self.rewards.resolve(reward) if reward else (default or self.default_reward)
 
     # ---- prompts and text --------------------------------------------------------------------------
 
@@ -494,7 +505,7 @@ class RolloutService:
         if n < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
         sampling = sampling or SamplingSpec.from_config(self.config.rollout.eval_sampling)
-        reward_fn = self._reward_fn(reward)
+        reward_fn = self._reward_fn(reward, default=self.eval_reward)
         inputs = self.model_inputs(prompts)
         with tracing.span(
             "rl.eval.generate",
