@@ -17,9 +17,9 @@ once every sample has its score: no sample is trained without its reward, and no
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -78,40 +78,33 @@ class ScoreBatcher:
 
     def __init__(self, client: ScoreClient, model: str, config: RewardServiceConfig):
         self.client, self.model, self.config = client, model, config
-        self._queue: queue.Queue[_Pending] = queue.Queue()
+        self._waiting: deque[_Pending] = deque()  # in hand-over order
+        self._ready = threading.Condition()
         self._started = False
-        self._lock = threading.Lock()
 
     def submit(self, samples: Sequence[RewardSample], tokens: Sequence[int]) -> list[Future[SampleScore]]:
         carrier = tracing.inject_context()
         items = [_Pending(s, max(1, t), Future(), carrier) for s, t in zip(samples, tokens, strict=True)]
-        self._start()
-        for item in items:
-            self._queue.put(item)
+        with self._ready:
+            if not self._started:
+                self._started = True
+                for i in range(self.config.max_calls_in_flight):
+                    name = f"reward {self.model} sender {i}"
+                    threading.Thread(target=self._send_forever, name=name, daemon=True).start()
+            self._waiting.extend(items)
+            self._ready.notify_all()
         return [i.future for i in items]
 
-    def _start(self) -> None:
-        with self._lock:
-            if self._started:
-                return
-            self._started = True
-            for i in range(self.config.max_calls_in_flight):
-                threading.Thread(target=self._send_forever, name=f"reward {self.model} sender {i}", daemon=True).start()
-
     def _take(self) -> list[_Pending]:
-        """The oldest waiting sample, and the next ones while the call stays within max_batch_tokens."""
-        batch = [self._queue.get()]
-        budget = self.config.max_batch_tokens - batch[0].tokens
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return batch
-            if item.tokens > budget:
-                self._queue.put(item)  # behind the others: it starts the next call (order within a call kept)
-                return batch
-            batch.append(item)
-            budget -= item.tokens
+        """The oldest waiting samples, in order, while the call stays within max_batch_tokens (at least one)."""
+        with self._ready:
+            self._ready.wait_for(lambda: bool(self._waiting))
+            batch = [self._waiting.popleft()]
+            budget = self.config.max_batch_tokens - batch[0].tokens
+            while self._waiting and self._waiting[0].tokens <= budget:
+                budget -= self._waiting[0].tokens
+                batch.append(self._waiting.popleft())
+            return batch
 
     def _send_forever(self) -> None:
         while True:
