@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.contracts.chat import ChatMessage
+from services.contracts.chat_messages import ChatMessage
 from services.contracts.config_loading import config_from_dict
 from services.contracts.reward_calls import RewardSample, ScoreRequest, ScoreResult
 from services.reward.builder import RewardParts, build_reward
@@ -34,7 +34,7 @@ SAMPLES = (
 
 @pytest.fixture(scope="module")
 def classifier_dir(tmp_path_factory) -> Path:
-    from services.rollout.model_init import init_model
+    from services.modelinit.init_model import init_model
 
     return init_model(tmp_path_factory.mktemp("rm") / "classifier", preset="classifier", seed=3)
 
@@ -52,11 +52,8 @@ def test_the_classifier_scores_as_transformers_text_classification_pipeline_does
     from transformers import AutoTokenizer, pipeline
 
     tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
-    chats = [
-        [*([m.as_dict() for m in s.messages] or [{"role": "user", "content": s.prompt}])]
-        + [{"role": "assistant", "content": s.response}]
-        for s in SAMPLES
-    ]
+    asked = [[m.as_dict() for m in s.messages] or [{"role": "user", "content": s.prompt}] for s in SAMPLES]
+    chats = [[*turns, {"role": "assistant", "content": s.response}] for turns, s in zip(asked, SAMPLES, strict=True)]
     texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in chats]
     reference = [
         r["score"] for r in pipeline("text-classification", model=str(classifier_dir), function_to_apply="none")(texts)
@@ -143,7 +140,7 @@ def test_the_service_refuses_what_it_cannot_score_and_queues_calls_for_one_model
         svc.score(ScoreRequest(model="c", samples=SAMPLES[:1]))
     with pytest.raises(ValueError, match="no samples"):
         svc.score(ScoreRequest(model="a", samples=()))
-    with pytest.raises(ValueError, match="more than rollout.max_request_samples"):
+    with pytest.raises(ValueError, match=r"more than rollout\.max_request_samples"):
         svc.score(ScoreRequest(model="a", samples=SAMPLES))
     results: list[ScoreResult] = []
     threads = [threading.Thread(target=lambda: results.append(svc.score(ScoreRequest("a", SAMPLES[:2])))) for _ in "xy"]

@@ -46,7 +46,7 @@ def rubric_example(rng: random.Random) -> tuple[str, str, str, int]:
 
 
 def warm_start(out: Path, *, steps: int = 300, seed: int = 0, lr: float = 3e-3, batch: int = 64) -> Path:
-    from services.rollout.model_init import init_model
+    from services.modelinit.init_model import init_model
 
     out = out.resolve()
     if (out / "config.json").exists():

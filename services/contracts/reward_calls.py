@@ -1,12 +1,12 @@
 """What the reward service is asked and answers, as frozen dataclasses: RewardService takes and returns these, the
-rollout's remote reward builds and reads them, and only the gRPC edges (reward/server.py, rollout/clients.py) turn
+rollout's remote reward builds and reads them, and only the gRPC edges (reward/server.py, rollout/reward_client.py) turn
 them into tandem.v1 messages and back."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.contracts.chat import ChatMessage
+from services.contracts.chat_messages import ChatMessage
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def build_model(model: ClassifierModelConfig | JudgeModelConfig, *, device: str)
     """One model of reward.models, by its type."""
     import torch
 
-    from services.rollout.engines.native import resolve_device
+    from services.rollout.engines.native.engine import resolve_device
 
     where = resolve_device(device)
     match model:
@@ -39,8 +39,8 @@ def build_model(model: ClassifierModelConfig | JudgeModelConfig, *, device: str)
             return ClassifierModel(model, device=where)
         case JudgeModelConfig():
             from services.reward.judge import JudgeModel
-            from services.rollout.chat import ChatTemplate
-            from services.rollout.engines.native import NativeEngine
+            from services.rollout.chat_template import ChatTemplate
+            from services.rollout.engines.native.engine import NativeEngine
             from services.rollout.tokenizer import Texts, end_of_generation_ids, load_tokenizer
 
             tokenizer = load_tokenizer(model.tokenizer_path or model.path)
@@ -59,7 +59,7 @@ def build_model(model: ClassifierModelConfig | JudgeModelConfig, *, device: str)
 
 def claim_memory(reward: RewardServiceConfig) -> str:
     """The device the models go on; on a GPU shared with the rollout, this process's share of its memory."""
-    from services.rollout.engines.native import resolve_device
+    from services.rollout.engines.native.engine import resolve_device
     from services.tensors.devices import limit_cpu_threads
 
     device = resolve_device(reward.device)

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 from services.contracts.reward_calls import RewardSample, ScoreResult
 from services.contracts.reward_config import JudgeModelConfig
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 
 if TYPE_CHECKING:
     import jinja2
 
-    from services.rollout.engines.base import Engine
+    from services.rollout.engines.interface import Engine
     from services.rollout.tokenizer import Texts
 
 Parser = Callable[[str], float | None]
@@ -133,7 +133,7 @@ class JudgeModel:
             raise ValueError(f"the judge's template failed on a sample: {exc}") from None
 
     def prompt_ids(self, samples: Sequence[RewardSample]) -> list[list[int]]:
-        from services.contracts.chat import ChatMessage
+        from services.contracts.chat_messages import ChatMessage
 
         rubrics = [self.rubric(s) for s in samples]
         if self.config.chat:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from services.contracts.chat import ChatMessage
+from services.contracts.chat_messages import ChatMessage
 from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, reward_pb2, reward_pb2_grpc
@@ -25,7 +25,7 @@ from services.reward.service import RewardService
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.shutdown import StopSignals, begin_stop, exit_now
 from services.telemetry import tracing
-from services.telemetry.startup import process_age_s
+from services.telemetry.process_age import process_age_s
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.contracts.chat import ChatMessage
+from services.contracts.chat_messages import ChatMessage
 from services.contracts.reward_calls import RewardSample, ScoreRequest, ScoreResult
 from services.contracts.reward_config import RewardServiceConfig
 from services.contracts.untyped import JsonValue
@@ -44,7 +44,7 @@ class ScoreCallFailed(Exception):
 
 
 class ScoreClient(Protocol):
-    """The reward service's Score call (rollout/clients.py; tests use fakes of it)."""
+    """The reward service's Score call (rollout/reward_client.py; tests use fakes of it)."""
 
     @property
     def target(self) -> str: ...
