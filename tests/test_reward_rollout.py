@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from services.contracts.config import TandemConfig
+from services.contracts.config import RewardServiceConfig, TandemConfig
 from services.contracts.config_loading import config_from_dict
 from services.contracts.reward_calls import ScoreRequest, ScoreResult
 from services.contracts.reward_spec import RewardSpecError, RewardTerm, parse_reward, reward_text
@@ -58,6 +58,12 @@ class FakeScoreClient:
         )
 
 
+def section(**keys: object) -> RewardServiceConfig:
+    reward = make_config(**keys).reward
+    assert reward is not None
+    return reward
+
+
 def inputs(responses: list[str]) -> dict:
     n = len(responses)
     return dict(prompts=["p"] * n, responses=responses, labels=["l"] * n, metadatas=[{"k": "v"}] * n)
@@ -87,7 +93,7 @@ def test_the_config_checks_the_models_rollout_reward_names():
 
 def test_the_batcher_packs_samples_of_concurrent_callers_up_to_the_token_budget():
     client = FakeScoreClient(hold=0.2)
-    batcher = ScoreBatcher(client, "j", make_config(max_batch_tokens=10, max_calls_in_flight=1).reward)
+    batcher = ScoreBatcher(client, "j", section(max_batch_tokens=10, max_calls_in_flight=1))
     first = batcher.submit([_sample("a")], [4])  # the one sender takes this alone and holds it 0.2 s
     time.sleep(0.05)
     rest = batcher.submit([_sample(r) for r in ("bb", "ccc", "dddd")], [4, 4, 4])
@@ -102,7 +108,7 @@ def test_the_batcher_packs_samples_of_concurrent_callers_up_to_the_token_budget(
 
 def test_a_service_that_is_down_is_asked_again_within_max_wait_s():
     client = FakeScoreClient(fail=3)
-    batcher = ScoreBatcher(client, "j", make_config(max_wait_s=60, call_timeout_s=5).reward)
+    batcher = ScoreBatcher(client, "j", section(max_wait_s=60, call_timeout_s=5))
     [future] = batcher.submit([_sample("abc")], [3])
     assert future.result(timeout=30).score == 3.0
     assert len(client.requests) == 4 and all(r.samples == client.requests[0].samples for r in client.requests)
@@ -110,7 +116,7 @@ def test_a_service_that_is_down_is_asked_again_within_max_wait_s():
 
 def test_a_service_down_past_max_wait_s_fails_the_batch_naming_it():
     client = FakeScoreClient(fail=10**6)
-    batcher = ScoreBatcher(client, "j", make_config(max_wait_s=1, call_timeout_s=1).reward)
+    batcher = ScoreBatcher(client, "j", section(max_wait_s=1, call_timeout_s=1))
     [future] = batcher.submit([_sample("abc")], [3])
     with pytest.raises(RewardUnavailable, match=r"reward service at fake-reward:1 \(model j\) did not score 1"):
         future.result(timeout=30)
@@ -118,7 +124,7 @@ def test_a_service_down_past_max_wait_s_fails_the_batch_naming_it():
 
 def test_a_refused_call_is_not_retried():
     client = FakeScoreClient(fail=1, transient=False)
-    batcher = ScoreBatcher(client, "j", make_config().reward)
+    batcher = ScoreBatcher(client, "j", section())
     [future] = batcher.submit([_sample("abc")], [3])
     with pytest.raises(RewardError, match=r"refused Score\(j\)"):
         future.result(timeout=30)

@@ -54,7 +54,7 @@ def test_the_classifier_scores_as_transformers_text_classification_pipeline_does
     tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
     asked = [[m.as_dict() for m in s.messages] or [{"role": "user", "content": s.prompt}] for s in SAMPLES]
     chats = [[*turns, {"role": "assistant", "content": s.response}] for turns, s in zip(asked, SAMPLES, strict=True)]
-    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in chats]
+    texts = [str(tokenizer.apply_chat_template(c, tokenize=False)) for c in chats]
     reference = [
         r["score"] for r in pipeline("text-classification", model=str(classifier_dir), function_to_apply="none")(texts)
     ]
