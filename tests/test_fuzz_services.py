@@ -23,6 +23,8 @@ from services.contracts.gen.tandem.v1 import (
     common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
+    reward_pb2,
+    reward_pb2_grpc,
     rollout_pb2,
     rollout_pb2_grpc,
     trainer_pb2,
@@ -49,6 +51,9 @@ PROMPT = common_pb2.Prompt(text="3 5 =", label="5", group_id=1)
 BASES = {  # plausible requests the extreme values are set on, one field at a time
     "Generate": rollout_pb2.GenerateRequest(rollout_id=1, prompts=[PROMPT], n_samples_per_prompt=2),
     "Evaluate": rollout_pb2.EvaluateRequest(name="e", prompts=[PROMPT], n_samples_per_prompt=1),
+    "Score": reward_pb2.ScoreRequest(
+        model="correct", samples=[reward_pb2.RewardSample(prompt="3 5 =", response="5", label="5")]
+    ),
     "Train": trainer_pb2.TrainRequest(rollout_id=1, entry_ids=["1-0"], max_staleness=-1),
     "Save": trainer_pb2.SaveRequest(rollout_id=1),
     "PrepareWeightSync/Trainer": trainer_pb2.PrepareWeightSyncRequest(version=1, transport="gloo", engine_world_size=1),
@@ -143,6 +148,53 @@ def test_fuzz_trainer_service(standalone):
         with pytest.raises(grpc.RpcError) as info:  # a Load unpickles: only our own checkpoint directories
             stub.Load(trainer_pb2.LoadRequest(path="/tmp"), timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside" in info.value.details()
+
+
+@pytest.fixture(scope="module")
+def reward_service(tmp_path_factory, example_model):
+    """`tandem reward` over examples/judge.yaml, its judge the random-init tiny model, as a process of its own."""
+    import subprocess
+    import sys
+
+    from tandem_runs import REPO
+
+    from services.rpc.grpc_util import wait_healthy
+    from services.rpc.ports import free_port
+
+    run_dir = tmp_path_factory.mktemp("fuzz-reward")
+    port = free_port()
+    sets = [*OVERRIDES[:1], f"services.reward.port={port}", f"reward.models.correct.path={example_model}"]
+    sets += ["rollout.max_request_samples=64"]
+    argv = [sys.executable, "-m", "services.cli", "reward", str(REPO / "examples" / "judge.yaml"), "--run-dir"]
+    with open(run_dir / "reward.log", "ab") as log:
+        proc = subprocess.Popen(
+            [*argv, str(run_dir), *(a for item in sets for a in ("--set", item))],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+    target = f"127.0.0.1:{port}"
+    try:
+        wait_healthy(target, timeout_s=300)
+        yield target
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_fuzz_reward_service(reward_service):
+    service = reward_pb2.DESCRIPTOR.services_by_name["Reward"]
+    seen = fuzz_service(reward_service, service)
+    assert seen["Score"]["INVALID_ARGUMENT"] > 0 and seen["Score"]["NOT_FOUND"] > 0 and seen["Score"]["OK"] > 0
+    _assert_oversized_refused(reward_service, service)
+    with open_channel(reward_service) as channel:  # still scoring
+        stub = reward_pb2_grpc.RewardStub(channel)
+        reply = stub.Score(BASES["Score"], timeout=60)
+        assert len(reply.scores) == 1 and len(reply.verdicts) == 1
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Score(reward_pb2.ScoreRequest(model="nope", samples=BASES["Score"].samples), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND and "served: correct" in (info.value.details() or "")
+        assert stub.GetState(common_pb2.Empty(), timeout=10).models[0].name == "correct"
 
 
 def test_fuzz_coordinator_inside_a_run(tmp_path):
