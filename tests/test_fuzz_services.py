@@ -10,6 +10,8 @@ run would disturb it); the coordinator is fuzzed inside a real `tandem run`, whi
 from __future__ import annotations
 
 import collections
+import subprocess
+import sys
 from typing import Any
 
 import grpc
@@ -17,7 +19,7 @@ import pytest
 from fuzz_kit import ACCEPTABLE, all_inputs, call_raw, decodes
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reliability_kit import Services, resolved_config_when_written, wait_running
-from tandem_runs import start_run, stop_run, supervisor_log
+from tandem_runs import REPO, start_run, stop_run, supervisor_log
 
 from services.contracts.gen.tandem.v1 import (
     common_pb2,
@@ -30,7 +32,8 @@ from services.contracts.gen.tandem.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
-from services.rpc.grpc_util import open_channel
+from services.rpc.grpc_util import open_channel, wait_healthy
+from services.rpc.ports import free_port
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -51,8 +54,10 @@ PROMPT = common_pb2.Prompt(text="3 5 =", label="5", group_id=1)
 BASES = {  # plausible requests the extreme values are set on, one field at a time
     "Generate": rollout_pb2.GenerateRequest(rollout_id=1, prompts=[PROMPT], n_samples_per_prompt=2),
     "Evaluate": rollout_pb2.EvaluateRequest(name="e", prompts=[PROMPT], n_samples_per_prompt=1),
-    "Score": reward_pb2.ScoreRequest(
-        model="correct", samples=[reward_pb2.RewardSample(prompt="3 5 =", response="5", label="5")]
+    "Score": (
+        SCORE := reward_pb2.ScoreRequest(
+            model="correct", samples=[reward_pb2.RewardSample(prompt="3 5 =", response="5", label="5")]
+        )
     ),
     "Train": trainer_pb2.TrainRequest(rollout_id=1, entry_ids=["1-0"], max_staleness=-1),
     "Save": trainer_pb2.SaveRequest(rollout_id=1),
@@ -153,14 +158,6 @@ def test_fuzz_trainer_service(standalone):
 @pytest.fixture(scope="module")
 def reward_service(tmp_path_factory, example_model):
     """`tandem reward` over examples/judge.yaml, its judge the random-init tiny model, as a process of its own."""
-    import subprocess
-    import sys
-
-    from tandem_runs import REPO
-
-    from services.rpc.grpc_util import wait_healthy
-    from services.rpc.ports import free_port
-
     run_dir = tmp_path_factory.mktemp("fuzz-reward")
     port = free_port()
     sets = [*OVERRIDES[:1], f"services.reward.port={port}", f"reward.models.correct.path={example_model}"]
@@ -192,7 +189,7 @@ def test_fuzz_reward_service(reward_service):
         reply = stub.Score(BASES["Score"], timeout=60)
         assert len(reply.scores) == 1 and len(reply.verdicts) == 1
         with pytest.raises(grpc.RpcError) as info:
-            stub.Score(reward_pb2.ScoreRequest(model="nope", samples=BASES["Score"].samples), timeout=10)
+            stub.Score(reward_pb2.ScoreRequest(model="nope", samples=SCORE.samples), timeout=10)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND and "served: correct" in (info.value.details() or "")
         assert stub.GetState(common_pb2.Empty(), timeout=10).models[0].name == "correct"
 
