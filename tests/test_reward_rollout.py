@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from test_tracing import read_spans, run_script
 
 from services.contracts.config import RewardServiceConfig, TandemConfig
 from services.contracts.config_loading import config_from_dict
@@ -166,3 +167,49 @@ def _sample(response: str):
     from services.contracts.reward_calls import RewardSample
 
     return RewardSample(prompt="p", response=response, label="l")
+
+
+def test_each_score_call_is_a_span_with_its_queue_time_linked_to_the_calls_it_serves(tmp_path):
+    """Two Generate calls' samples in one Score call (held back by a first call): its rl.reward_call span continues
+    the first one's trace, links both, and carries samples, tokens, queue time and tries. Tracing is set up once
+    per process, so this runs in one of its own."""
+    path = tmp_path / "traces.jsonl"
+    run_script(f"""
+        import threading, time
+        from services.contracts.config_loading import config_from_dict
+        from services.contracts.reward_calls import RewardSample, ScoreResult
+        from services.rollout.remote_reward import ScoreBatcher
+        from services.telemetry import tracing
+        tracing.setup_tracing("tandem-rollout", exporter="file", file_path={str(path)!r})
+
+        class FakeScoreClient:  # a fake of the reward service's Score call: one score per sample, 0.3 s each call
+            target = "fake-reward:1"
+            def score(self, request, *, timeout_s):
+                time.sleep(0.3)
+                return ScoreResult(scores=tuple(1.0 for _ in request.samples))
+
+        reward = config_from_dict({{"model": {{"path": "m"}}, "data": {{"train_path": "t"}}, "reward": {{
+            "max_calls_in_flight": 1, "models": {{"j": {{"type": "judge", "path": "j", "template": "x"}}}}}}}}).reward
+        batcher = ScoreBatcher(FakeScoreClient(), "j", reward)
+        sample = RewardSample(prompt="p", response="r")
+        with tracing.span("rl.first"):
+            first = batcher.submit([sample], [5])
+        time.sleep(0.1)
+        futures = []
+        for name in ("rl.a", "rl.b"):
+            with tracing.span(name):
+                futures += batcher.submit([sample, sample], [3, 4])
+        for f in first + futures:
+            f.result(timeout=30)
+        tracing.shutdown_tracing()
+    """)
+    spans = read_spans(path)
+    by_name = {s["name"]: s for s in spans}
+    calls = [s for s in spans if s["name"] == "rl.reward_call"]
+    assert [c["attributes"]["rl.samples"] for c in calls] == [1, 4]
+    second = calls[1]
+    assert second["attributes"]["rl.tokens"] == 14 and second["attributes"]["rl.attempts"] == 1
+    assert second["attributes"]["rl.model"] == "j" and second["attributes"]["rl.service"] == "fake-reward:1"
+    assert second["attributes"]["rl.queue_s"] > 0.1  # waited for the first call
+    assert second["parent_span_id"] == by_name["rl.a"]["span_id"]
+    assert {link["span_id"] for link in second["links"]} == {by_name["rl.a"]["span_id"], by_name["rl.b"]["span_id"]}

@@ -227,12 +227,18 @@ def _resolve_reward_file(spec: str, base_dir: Path) -> str:
     return f"{(base_dir / target).resolve()}:{attr}"
 
 
+def _defaults_to_a_section(key: str) -> bool:
+    field = TandemConfig.model_fields[key]
+    return field.default is not None and bool(_section_type(_field_type(field)))
+
+
 def config_from_dict(data: JsonObject, source: str = "config") -> TandemConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"invalid configuration in {source}: the top level must be a mapping of sections")
-    # An empty `section:` in YAML is null: treat it as a section left at its defaults.
+    # An empty `section:` in YAML is null: treat it as a section left at its defaults (a section that is off unless
+    # given, `reward:`, stays off).
     data = {
-        k: ({} if v is None and _section_type(_field_type(TandemConfig.model_fields[k])) else v)
+        k: ({} if v is None and _defaults_to_a_section(k) else v)
         if k in TandemConfig.model_fields
         else v
         for k, v in data.items()
