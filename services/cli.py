@@ -18,7 +18,7 @@ from services.contracts.config import ConfigError, TandemConfig, TimeoutsConfig
 from services.contracts.config_loading import load_config
 from services.contracts.exits import ExitCode
 from services.modelinit.families import BODIES
-from services.modelinit.init_model import ARCHS, DTYPES, preset_names
+from services.modelinit.init_model import ARCHS, DTYPES, all_preset_names
 from services.rpc.grpc_util import PortInUse
 
 
@@ -177,11 +177,12 @@ def _init_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", type=Path)
     p.add_argument(
         "--preset",
-        choices=preset_names(),
+        choices=all_preset_names(),
         default="tiny",
         help="tiny, small, q05, q15: toy bodies over a 22-token vocabulary; qwen2.5-0.5b, qwen2.5-1.5b, "
         "qwen3-0.6b, llama3.2-1b: those models' exact shapes, vocabularies and special tokens, with a "
-        "byte-level BPE tokenizer trained here",
+        "byte-level BPE tokenizer trained here; classifier: a sequence classifier (a reward model: Qwen2.5's "
+        "tokenizer and chat template over a tiny body, one score logit)",
     )
     p.add_argument(
         "--arch",

@@ -238,9 +238,7 @@ def config_from_dict(data: JsonObject, source: str = "config") -> TandemConfig:
     # An empty `section:` in YAML is null: treat it as a section left at its defaults (a section that is off unless
     # given, `reward:`, stays off).
     data = {
-        k: ({} if v is None and _defaults_to_a_section(k) else v)
-        if k in TandemConfig.model_fields
-        else v
+        k: ({} if v is None and _defaults_to_a_section(k) else v) if k in TandemConfig.model_fields else v
         for k, v in data.items()
     }
     try:

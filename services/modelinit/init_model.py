@@ -294,7 +294,7 @@ def check_init_args(
         if arch not in ARCHS:
             raise ModelInitError(f"init-model: unknown arch {arch!r} (choose from {', '.join(ARCHS)})")
     else:
-        raise ModelInitError(f"init-model: unknown preset {preset!r} (choose from {', '.join(preset_names())})")
+        raise ModelInitError(f"init-model: unknown preset {preset!r} (choose from {', '.join(all_preset_names())})")
     if body is not None and body not in BODIES:
         raise ModelInitError(f"init-model: unknown body {body!r} (choose from {', '.join(BODIES)})")
     if layers is not None and layers < 1:
@@ -330,7 +330,13 @@ def _config_and_tokenizer(spec: InitSpec, *, seed: int) -> tuple[Any, Any, Any]:
 
 
 def preset_names() -> tuple[str, ...]:
-    return (*PRESETS, *MODEL_PRESETS, *CLASSIFIER_PRESETS)
+    """The causal LM presets (a policy's, model.init_preset)."""
+    return (*PRESETS, *MODEL_PRESETS)
+
+
+def all_preset_names() -> tuple[str, ...]:
+    """What `tandem init-model --preset` takes: the causal LM presets and the classifier ones (a reward model)."""
+    return (*preset_names(), *CLASSIFIER_PRESETS)
 
 
 def count_parameters(model) -> int:
