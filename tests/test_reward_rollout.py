@@ -186,7 +186,7 @@ def test_each_score_call_is_a_span_with_its_queue_time_linked_to_the_calls_it_se
             target = "fake-reward:1"
             def score(self, request, *, timeout_s):
                 time.sleep(0.3)
-                return ScoreResult(scores=tuple(1.0 for _ in request.samples))
+                return ScoreResult(scores=tuple(1.0 for _ in request.samples), verdicts=("1",) * len(request.samples))
 
         reward = config_from_dict({{"model": {{"path": "m"}}, "data": {{"train_path": "t"}}, "reward": {{
             "max_calls_in_flight": 1, "models": {{"j": {{"type": "judge", "path": "j", "template": "x"}}}}}}}}).reward
@@ -211,5 +211,6 @@ def test_each_score_call_is_a_span_with_its_queue_time_linked_to_the_calls_it_se
     assert second["attributes"]["rl.tokens"] == 14 and second["attributes"]["rl.attempts"] == 1
     assert second["attributes"]["rl.model"] == "j" and second["attributes"]["rl.service"] == "fake-reward:1"
     assert second["attributes"]["rl.queue_s"] > 0.1  # waited for the first call
+    assert second["attributes"]["rl.verdicts"] == "1 | 1 | 1 | 1"  # the judge's own words, kept for debugging
     assert second["parent_span_id"] == by_name["rl.a"]["span_id"]
     assert {link["span_id"] for link in second["links"]} == {by_name["rl.a"]["span_id"], by_name["rl.b"]["span_id"]}

@@ -35,6 +35,9 @@ from services.telemetry import tracing
 log = logging.getLogger(__name__)
 
 
+VERDICT_CHARS = 400  # of a call's first verdicts kept on its span
+
+
 class ScoreCallFailed(Exception):
     """A Score call failed. `transient`: the service is down or slow (worth asking again)."""
 
@@ -131,7 +134,9 @@ class ScoreBatcher:
             queue_s=max(queue_s),
         ) as sp:
             result, attempts = self._call_within_deadline(batch)
-            tracing.set_attributes(sp, attempts=attempts, parse_failures=result.parse_failures)
+            # a judge's first verdicts, as it wrote them: what a parse failure or an odd score looked like
+            verdicts = " | ".join(result.verdicts[:4])[:VERDICT_CHARS] or None
+            tracing.set_attributes(sp, attempts=attempts, parse_failures=result.parse_failures, verdicts=verdicts)
         call_s = time.monotonic() - sent
         for k, item in enumerate(batch):
             item.future.set_result(
