@@ -212,3 +212,43 @@ def test_fuzz_coordinator_inside_a_run(tmp_path):
         assert proc.wait(timeout=120) == 0, supervisor_log(run_dir)
     finally:
         stop_run(proc)
+
+
+def test_a_weighted_sum_of_a_rule_and_the_judge_through_the_rollouts_client(reward_service):
+    """The rollout's side against the real service (beside the fuzzing, to start it once): its gRPC client and
+    batcher score `0.5*digit_task + 0.5*judge:correct`, each sample the rule's half plus the judge's own score."""
+    from services.contracts.config_loading import load_config
+    from services.rollout.reward_client import RewardClient
+    from services.rollout.reward_mix import RewardResolver
+    from services.rollout.rewards import resolve_reward
+
+    port = reward_service.rpartition(":")[2]
+    config = load_config(
+        REPO / "examples" / "judge.yaml",
+        [f"services.reward.port={port}", "rollout.reward=0.5*digit_task + 0.5*judge:correct"],
+    )
+    reward = RewardResolver(config, client_factory=RewardClient).resolve(config.rollout.reward)
+    prompts, responses, labels = ["3 7 =", "3 7 =", "9 0 =", "0 1 ="], ["7", "3", "9", "x"], ["7", "7", "9", "1"]
+    scored = reward.score_detailed(
+        prompts=prompts, responses=responses, labels=labels, metadatas=[{}] * 4, tokens=[5] * 4
+    )
+    with open_channel(reward_service) as channel:
+        judged = (
+            reward_pb2_grpc.RewardStub(channel)
+            .Score(
+                reward_pb2.ScoreRequest(
+                    model="correct",
+                    samples=[
+                        reward_pb2.RewardSample(prompt=p, response=r, label=lb)
+                        for p, r, lb in zip(prompts, responses, labels, strict=True)
+                    ],
+                ),
+                timeout=60,
+            )
+            .scores
+        )
+    rule = resolve_reward("digit_task").score(prompts=prompts, responses=responses, labels=labels, metadatas=[{}] * 4)
+    assert rule == [1.0, 0.0, 1.0, 0.0]
+    assert scored.values == pytest.approx([0.5 * a + 0.5 * b for a, b in zip(rule, judged, strict=True)])
+    assert scored.metrics["reward/digit_task/mean"] == 0.5
+    assert scored.metrics["reward/correct/mean"] == pytest.approx(sum(judged) / 4)
