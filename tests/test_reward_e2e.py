@@ -24,7 +24,7 @@ STEPS = 20
 def judge_model(tmp_path_factory):
     out = tmp_path_factory.mktemp("judge") / "judge"
     subprocess.run(
-        [sys.executable, str(REPO / "examples" / "judge" / "warm_start.py"), "--out", str(out), "--steps", "200"],
+        [sys.executable, str(REPO / "examples" / "judge" / "warm_start.py"), "--out", str(out)],
         check=True,
         capture_output=True,
         cwd=REPO,

@@ -2,11 +2,14 @@
 
     python examples/judge/warm_start.py [--out examples/models/judge] [--steps 300] [--seed 0]
 
-The judge reads the rubric of examples/judge/rubric.j2, `<prompt> <response> , <label> =` (digit-max's prompt
-`a b =`, the policy's answer, the reference answer), and writes one token: `1` when the answer is the reference, else
-`0`. A random init writes any of its 22 tokens; this gives it the verdict by supervised steps (AdamW, loss on the
-verdict token) on rubrics drawn fresh: the answer is the reference 40% of the time, another digit 40%, a symbol 10%,
-nothing at all 10% (a policy sample that is a special token decodes to nothing, and must not pass).
+The judge reads the rubric of examples/judge/rubric.j2, `<prompt> <label> <response> =` (digit-max's prompt
+`a b =`, the reference answer, the policy's answer: the two to compare side by side), and writes one token: `1`
+when the answer is the reference, else `0`. A random init writes any of its 22 tokens; this gives it the verdict by
+supervised steps (AdamW, batches of 256, loss on the verdict token) on rubrics drawn fresh: the answer is the
+reference 40% of the time, another digit 35%, a symbol 20%, nothing at all 5% (a policy sample that is a special
+token decodes to nothing, and must not pass). Every token the policy can write is among the negatives: an earlier
+judge that never saw `,` as an answer rewarded it, and the policy learned to answer `,` (reward hacking, as policies
+do with real judges).
 
 The judge never sees the rule (max of two digits); it compares the answer with the reference the data row carries,
 as a real judge with a reference answer does. The result is an ordinary Hugging Face directory, written into a
@@ -26,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # the repository root, when run as a script from anywhere
 
 RUBRIC = HERE / "rubric.j2"
-SYMBOLS = ("+", "-", "*", "/", "=", "(", ")")
+SYMBOLS = ("+", "-", "*", "/", "=", "(", ")", ",")  # every symbol of the policy's vocabulary: a policy finds any gap
 
 
 def rubric_example(rng: random.Random) -> tuple[str, str, str, int]:
@@ -36,16 +39,16 @@ def rubric_example(rng: random.Random) -> tuple[str, str, str, int]:
     roll = rng.random()
     if roll < 0.4:
         response = label
-    elif roll < 0.8:
+    elif roll < 0.75:
         response = str(rng.choice([d for d in range(10) if str(d) != label]))
-    elif roll < 0.9:
+    elif roll < 0.95:
         response = rng.choice(SYMBOLS)
     else:
         response = ""
     return f"{a} {b} =", response, label, int(response == label)
 
 
-def warm_start(out: Path, *, steps: int = 300, seed: int = 0, lr: float = 3e-3, batch: int = 64) -> Path:
+def warm_start(out: Path, *, steps: int = 300, seed: int = 0, lr: float = 3e-3, batch: int = 256) -> Path:
     from services.modelinit.init_model import init_model
 
     out = out.resolve()
