@@ -304,3 +304,32 @@ def test_pause_memory_and_close_reach_the_engine_in_order():
         ("writer.close",),
         ("engine.close",),
     ]
+
+
+def test_a_retry_arriving_while_the_first_call_runs_waits_for_its_result():
+    """RecentCalls: the second caller of a key in flight does not compute; it gets the first caller's result."""
+    import threading
+
+    calls = RecentCalls[str](size=2)
+    started, release = threading.Event(), threading.Event()
+    computed: list[str] = []
+
+    def slow() -> str:
+        computed.append("first")
+        started.set()
+        assert release.wait(30)
+        return "result"
+
+    results: list[str] = []
+    first = threading.Thread(target=lambda: results.append(calls.run("key", slow)))
+    first.start()
+    assert started.wait(30)
+    second = threading.Thread(target=lambda: results.append(calls.run("key", lambda: "recomputed")))
+    second.start()
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert results == ["result", "result"] and computed == ["first"]
+    calls.run("a", lambda: "a")
+    calls.run("b", lambda: "b")
+    assert len(calls) == 2 and calls.run("key", lambda: "again") == "again"  # the oldest went beyond the bound
