@@ -25,6 +25,7 @@ from services.trainer.actor import TokenInputs, token_terms
 from services.trainer.batching import MicroBatch, merge_batches
 from services.trainer.commands import decode_batch as decode_train_batch
 from services.trainer.commands import encode_batch as encode_train_batch
+from services.trainer.rollout_correction import TokenSequences
 from services.trainer.scoring import MIXED, SAMPLING, TEMPERED, TokenSampling
 from services.trainer.update import TokenWeights
 
@@ -68,6 +69,8 @@ def _terms(
         weights=TokenWeights(loss=ones / n_tok, mean=ones / n_tok),
         ref_log_probs=None,
         old=None,
+        samples=TokenSequences.of(torch.tensor(lengths), ones),
+        observed_log_ratio=torch.zeros(n_tok),
     )
     algo = AlgorithmConfig(use_rollout_logprobs=True)
     return sampling, token_terms(

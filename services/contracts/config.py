@@ -366,7 +366,8 @@ class TandemConfig(Section):
             raise ValueError(
                 "algorithm.keep_old_actor scores each token under the snapshot of the version that "
                 "sampled it, and with rollout.inflight_update SGLang 0.5.x does not report which tokens "
-                "an update reached; use decoupled PPO (use_tis with tis_mode: mask) or rollout log-probs"
+                "an update reached; use decoupled PPO (use_tis with tis_mode: mask, or rollout_correction) or "
+                "rollout log-probs"
             )
         if self.rollout.inflight_update != "off" and self.loop.mode == "sync":
             raise ValueError(
@@ -411,18 +412,18 @@ class TandemConfig(Section):
 
 def validate_async_off_policy_correction(config: TandemConfig) -> None:
     """Asynchronous generation trains on samples from an older policy: the ratio's denominator must be that
-    policy (rollout log-probs, or the old actor) or TIS must reweight for it. A critic is no correction (its
-    values do not change the ratio), so PPO needs one too, as miles requires; unlike miles this also holds for
-    GRPO, whose ratio is just as off-policy."""
+    policy (rollout log-probs, or the old actor) or an importance weight (rollout_correction.is) must reweight for
+    it. A critic is no correction (its values do not change the ratio), so PPO needs one too, as miles requires;
+    unlike miles this also holds for GRPO, whose ratio is just as off-policy."""
     if config.loop.mode == "sync":
         return
     algo = config.algorithm
-    if algo.use_rollout_logprobs or algo.use_tis or algo.keep_old_actor:
+    if algo.use_rollout_logprobs or algo.rollout_correction.reweights or algo.keep_old_actor:
         return
     raise ValueError(
         f"loop.mode: {config.loop.mode} trains on samples of an older policy, but no off-policy correction is on "
-        "(a critic is none): set algorithm.use_rollout_logprobs: true, algorithm.use_tis: true or "
-        "algorithm.keep_old_actor: true, or use loop.mode: sync"
+        "(a critic is none): set algorithm.use_rollout_logprobs: true, algorithm.rollout_correction.is (or "
+        "algorithm.use_tis: true) or algorithm.keep_old_actor: true, or use loop.mode: sync"
     )
 
 

@@ -39,9 +39,9 @@ from services.trainer.losses import (
     gspo_policy_loss,
     kl_estimate,
     ppo_policy_loss,
-    tis_weights,
 )
 from services.trainer.old_actor import OldActor
+from services.trainer.rollout_correction import TokenSequences, correct, mismatch_metrics
 from services.trainer.scoring import TokenSampling
 from services.trainer.update import (
     MicroBatchLoss,
@@ -194,16 +194,25 @@ class TokenInputs:
     weights: TokenWeights
     ref_log_probs: torch.Tensor | None
     old: BehaviourLogProbs | None
+    samples: TokenSequences  # every token's sample, for the corrections per sequence (the whole batch)
+    observed_log_ratio: torch.Tensor  # written per micro-batch: trainer minus behaviour log-prob, for the metrics
+
+    def sequences(self, mb: MicroBatch) -> TokenSequences:
+        idx = mb.token_index
+        return TokenSequences(
+            ids=self.samples.ids[idx], count=self.samples.count, trainable=self.samples.trainable[idx]
+        )
 
 
 @dataclass(frozen=True)
 class TokenTerms:
     """Per-token pieces of one micro-batch's loss and metrics."""
 
-    pg: torch.Tensor  # policy-gradient loss (TIS-weighted)
+    pg: torch.Tensor  # policy-gradient loss (weighted by the rollout correction)
     clipped: torch.Tensor
     ratio: torch.Tensor
-    tis: torch.Tensor
+    tis: torch.Tensor  # the rollout correction's weight (1 without one)
+    log_ratio: torch.Tensor  # trainer minus behaviour log-prob
     kl: torch.Tensor
     entropy: torch.Tensor
     mismatch: torch.Tensor  # |behaviour log-prob - rollout log-prob|, capped at 20
@@ -218,8 +227,9 @@ def policy_loss_terms(
     inputs: TokenInputs,
     algo: AlgorithmConfig,
 ) -> tuple[torch.Tensor, ...]:
-    """Per token: (the policy loss of `algo.policy_loss`, TIS-weighted; clipped; ratio; TIS weight). Under GSPO the
-    ratio and the TIS weight are the sequence's geometric means (the micro-batch's rows are its sequences)."""
+    """Per token: (the policy loss of `algo.policy_loss`, weighted by the rollout correction; clipped; ratio; the
+    correction's weight). Under GSPO the ratio is the sequence's geometric mean (the micro-batch's rows are its
+    sequences)."""
     clip = PolicyLossConfig(eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, dual_clip_c=algo.dual_clip_c)
     old_lp = rollout_lp if algo.use_rollout_logprobs else behaviour
     advantages = inputs.advantages[mb.token_index]
@@ -228,13 +238,12 @@ def policy_loss_terms(
         pg, clipped, ratio = gspo_policy_loss(
             log_probs=logp, old_log_probs=old_lp, advantages=advantages, sequences=seqs, cfg=clip
         )
-        behaviour, rollout_lp = seqs.mean(behaviour), seqs.mean(rollout_lp)
     else:
         pg, clipped, ratio = ppo_policy_loss(log_probs=logp, old_log_probs=old_lp, advantages=advantages, cfg=clip)
-    if not algo.use_tis:
+    if not algo.rollout_correction.active:
         return pg, clipped, ratio, torch.ones_like(pg)
-    tis = tis_weights(old_log_probs=behaviour, rollout_log_probs=rollout_lp, clip=algo.tis_clip, mode=algo.tis_mode)
-    return pg * tis, clipped, ratio, tis
+    weight = correct(behaviour - rollout_lp, inputs.sequences(mb), algo.rollout_correction).weight
+    return pg * weight, clipped, ratio, weight
 
 
 def token_terms(*, scores: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, algo: AlgorithmConfig) -> TokenTerms:
@@ -264,6 +273,7 @@ def token_terms(*, scores: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, al
         kl=kl,
         entropy=entropy,
         mismatch=(behaviour - rollout_lp).abs().clamp(max=20.0),
+        log_ratio=(behaviour - rollout_lp).detach(),
     )
 
 
@@ -283,6 +293,7 @@ def _ppo_micro_loss(
 
     def metrics() -> dict[str, torch.Tensor]:
         fallback = torch.zeros_like(tw) if inputs.old is None else inputs.old.fallback[mb.token_index]
+        inputs.observed_log_ratio[mb.token_index] = t.log_ratio  # the step's metrics read it after the update
         per_token = {
             "pg_clipfrac": t.clipped,
             "kl": t.kl,
@@ -329,21 +340,28 @@ def actor_step(
         weights=TokenWeights.of(batch, algo.loss_aggregation, device),
         ref_log_probs=ref_lp,
         old=old,
+        samples=TokenSequences.of(batch.response_lengths, batch.loss_mask.to(device)),
+        observed_log_ratio=torch.zeros(n_tok, dtype=torch.float32, device=device),
     )
     totals, step = optimizer_update(
         backend, mbs, micro_loss=lambda mb: _ppo_micro_loss(backend=backend, mb=mb, inputs=inputs, algo=algo)
     )
+    correction = algo.rollout_correction
     for key, used in (
         ("kl", ref_lp is not None),
-        ("tis_weight_mean", algo.use_tis),
+        ("tis_weight_mean", correction.active),
         ("old_actor_fallback_frac", old is not None),
-        ("tis_masked_frac", algo.use_tis and algo.tis_mode == "mask"),
+        ("tis_masked_frac", correction.drops),
     ):
         if not used:
             totals.pop(key)
     advantage_mean = float((inputs.advantages * inputs.weights.mean).sum())
+    # every token was scored on exactly one rank: the sum over ranks is the whole batch's
+    log_ratio = all_reduce_sum(inputs.observed_log_ratio).cpu()
+    samples = TokenSequences(inputs.samples.ids.cpu(), inputs.samples.count, inputs.samples.trainable.cpu())
     return {
         **totals,
         "advantage_mean": advantage_mean,
+        **mismatch_metrics(log_ratio, batch.rollout_log_probs, samples, correction),
         **step_metrics(batch, step, start, parameters=backend.parameters),
     }
