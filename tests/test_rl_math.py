@@ -18,7 +18,7 @@ from services.contracts.config import AlgorithmConfig
 from services.contracts.sampling import SamplingSpec
 from services.rollout.engines import sampling as rollout_sampling
 from services.tensors.sampling import sampling_log_probs
-from services.trainer.actor import TokenInputs, compute_advantages, policy_loss_terms
+from services.trainer.actor import TokenInputs, policy_loss_terms
 from services.trainer.advantages import (
     discounted_returns,
     gae,
@@ -29,6 +29,7 @@ from services.trainer.advantages import (
     whiten,
 )
 from services.trainer.batching import MicroBatch, TrainBatch
+from services.trainer.estimators import compute_advantages
 from services.trainer.losses import (
     PolicyLossConfig,
     Sequences,

@@ -89,11 +89,14 @@ def learning_curve(run_dir) -> tuple[list[dict], list[dict]]:
     return [r for r in rows if "eval/reward_mean" in r], [r for r in rows if "rollout/reward_mean" in r]
 
 
-def test_gspo_with_rloo_learns_digit_max_with_two_token_answers(tmp_path):
-    """One run for both: GSPO's sequence ratio and RLOO's leave-one-out advantages. Two tokens per answer (the digit,
+def test_gspo_with_rloo_and_geometric_rejection_learns_digit_max_with_two_token_answers(tmp_path):
+    """One run for three: GSPO's sequence ratio, RLOO's leave-one-out advantages, and rollout correction's geometric
+    rejection (a sequence whose geometric-mean ratio pi_trainer / pi_behaviour leaves [0.9, 1.1] drops out of the
+    loss; in async mode every batch is one version stale, so the ratio moves). Two tokens per answer (the digit,
     then EOS or another special token that decodes to nothing), so a sequence's ratio is a geometric mean over tokens
     and its length varies: with one token GSPO would be PPO. 50 steps: greedy eval 0.83-0.92 over the seeds tried
-    (0.62-0.80 after 40; untrained 0.0); the one-token task learns faster but would not exercise the sequence ratio."""
+    (0.62-0.80 after 40; untrained 0.0); the one-token task learns faster but would not exercise the sequence ratio.
+    The mismatch metrics of every step are in metrics.jsonl and on its rl.train span (traces.jsonl)."""
     run_dir = tmp_path / "run"
     proc = start_run(
         run_dir,
@@ -101,8 +104,10 @@ def test_gspo_with_rloo_learns_digit_max_with_two_token_answers(tmp_path):
         "loop.eval_interval=25",
         "algorithm.policy_loss=gspo",
         "algorithm.advantage_estimator=rloo",
+        "algorithm.rollout_correction={rejection: geometric, low: 0.9, high: 1.1}",
         "rollout.sampling.max_new_tokens=2",
         "rollout.eval_sampling.max_new_tokens=2",
+        "tracing.exporter=file",
     )
     assert proc.wait(timeout=600) == 0, supervisor_log(run_dir)
     evals, steps = learning_curve(run_dir)
@@ -112,6 +117,15 @@ def test_gspo_with_rloo_learns_digit_max_with_two_token_answers(tmp_path):
     first, last = (sum(r["rollout/reward_mean"] for r in part) / 5 for part in (steps[:5], steps[-5:]))
     assert last > first + 0.15, (first, last)
     assert all(1.0 < r["train/response_len_mean"] <= 2.0 for r in steps), "sequences of one and two tokens"
+    mismatch = ("kl", "kl_k3", "ppl_ratio", "chi2", "ratio_min", "ratio_p50", "ratio_max", "seq_masked_frac")
+    for r in steps:
+        assert all(f"mismatch/{k}" in r for k in mismatch), r
+        assert r["mismatch/ratio_min"] <= r["mismatch/ratio_p50"] <= r["mismatch/ratio_max"], r
+        assert r["train/tis_masked_frac"] == pytest.approx(r["mismatch/token_masked_frac"], abs=1e-6), r
+    print("masked per step:", [round(r["mismatch/seq_masked_frac"], 3) for r in steps])
+    spans = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
+    trains = [s["attributes"] for s in spans if s["name"] == "rl.train"]
+    assert len(trains) == 50 and all("rl.mismatch.kl" in a and "rl.mismatch.seq_masked_frac" in a for a in trains)
 
 
 def test_reinforce_pp_learns_at_temperature_0_7_with_top_p_scored_on_policy(tmp_path):

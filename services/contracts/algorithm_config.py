@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
+from services.contracts.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    Aggregation,
+    Estimator,
+    PolicyLoss,
+    advantage_estimator,
+    policy_loss,
+)
 from services.contracts.config_base import Section
 
 CorrectionLevel = Literal["off", "token", "sequence", "geometric"]
@@ -130,25 +139,22 @@ def _legacy_tis(data: dict[str, Any]) -> dict[str, Any]:
 
 
 class AlgorithmConfig(Section):
-    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = Field(
+    advantage_estimator: str = Field(
         default="grpo",
-        description="grpo (group-normalised), rloo (leave-one-out baseline), reinforce_pp (discounted "
-        "returns whitened over the batch), reinforce_pp_baseline (group mean baseline, then whitened over the batch), "
-        "gae (PPO with a critic); docs/algorithms.md",
+        description="; ".join(f"{e.name}: {e.summary}" for e in ADVANTAGE_ESTIMATORS.values())
+        + " (services/contracts/algorithms.py; docs/algorithms.md)",
     )
     normalize_advantage_std: bool = Field(default=True, description="grpo: divide by the group's std (False = Dr.GRPO)")
-    policy_loss: Literal["ppo", "gspo"] = Field(
-        default="ppo",
-        description="ppo: per-token ratio, clipped per token; "
-        "gspo: the sequence's geometric-mean ratio, clipped per sequence",
+    policy_loss: str = Field(
+        default="ppo", description="; ".join(f"{p.name}: {p.summary}" for p in POLICY_LOSSES.values())
     )
     eps_clip: float = Field(default=0.2, gt=0)
     eps_clip_high: float | None = Field(default=None, gt=0, description="asymmetric upper clip (DAPO)")
     dual_clip_c: float | None = Field(default=None, gt=1.0)
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = Field(
+    loss_aggregation: Aggregation = Field(
         default="token_mean",
-        description="default token_mean; with policy_loss: gspo left unset it is "
-        "seq_mean_token_mean, the GSPO paper's objective",
+        description="left unset it is the policy loss's own default: token_mean for ppo, seq_mean_token_mean (the "
+        "GSPO paper's objective) for gspo",
     )
     kl_coef: float = Field(default=0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -187,14 +193,32 @@ class AlgorithmConfig(Section):
         "count in their group's baseline and in the books)",
     )
 
+    @field_validator("advantage_estimator")
+    @classmethod
+    def _known_estimator(cls, name: str) -> str:
+        return advantage_estimator(name).name
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_policy_loss(cls, name: str) -> str:
+        return policy_loss(name).name
+
+    @property
+    def estimator(self) -> Estimator:
+        return ADVANTAGE_ESTIMATORS[self.advantage_estimator]
+
+    @property
+    def loss(self) -> PolicyLoss:
+        return POLICY_LOSSES[self.policy_loss]
+
     @property
     def uses_critic(self) -> bool:
-        return self.advantage_estimator == "gae"
+        return self.estimator.uses_critic
 
     @property
     def compares_within_groups(self) -> bool:
         """The estimator's baseline is the other samples of the same prompt."""
-        return self.advantage_estimator in ("grpo", "rloo", "reinforce_pp_baseline")
+        return self.estimator.needs_groups
 
     @model_validator(mode="before")
     @classmethod
@@ -202,8 +226,9 @@ class AlgorithmConfig(Section):
         if not isinstance(data, dict):
             return data
         data = _legacy_tis(data)
-        if data.get("policy_loss") == "gspo" and "loss_aggregation" not in data:
-            return {**data, "loss_aggregation": "seq_mean_token_mean"}
+        loss = POLICY_LOSSES.get(str(data.get("policy_loss", "ppo")))  # an unknown name is refused by its field
+        if loss is not None and "loss_aggregation" not in data:
+            return {**data, "loss_aggregation": loss.default_aggregation}
         return data
 
     @model_validator(mode="after")
@@ -223,29 +248,40 @@ class AlgorithmConfig(Section):
 
     @model_validator(mode="after")
     def _keys_the_estimator_uses(self) -> AlgorithmConfig:
-        """A key the chosen estimator ignores, set away from its default, is a mistake: refuse it."""
-        est = self.advantage_estimator
-        if self.whiten_advantages and est != "gae":
+        """A key the chosen estimator ignores, set away from its default, is a mistake: refuse it. Which estimator
+        uses which key is a fact of its entry in the algorithm table."""
+        est, facts = self.advantage_estimator, self.estimator
+        if self.whiten_advantages and not facts.uses_critic:
+            normalised = facts.whitens_by_itself or facts.divides_by_group_std
             raise ValueError(
-                f"whiten_advantages applies to advantage_estimator: gae (advantage_estimator {est} "
-                "normalises by itself: grpo per group, reinforce_pp and reinforce_pp_baseline over the "
-                "batch, rloo not at all)"
+                f"whiten_advantages applies to advantage_estimator: {_with('uses_critic')} (advantage_estimator "
+                f"{est} {'normalises by itself' if normalised else 'is not normalised'}: {facts.summary})"
             )
-        if not self.normalize_advantage_std and est != "grpo":
+        if not self.normalize_advantage_std and not facts.divides_by_group_std:
             raise ValueError(
-                "normalize_advantage_std: false (Dr.GRPO) applies to advantage_estimator: grpo; "
-                f"advantage_estimator {est} divides by no group std"
+                f"normalize_advantage_std: false (Dr.GRPO) applies to advantage_estimator: "
+                f"{_with('divides_by_group_std')}; advantage_estimator {est} divides by no group std"
             )
-        if self.gamma != 1.0 and est not in ("gae", "reinforce_pp"):
+        if self.gamma != 1.0 and not facts.per_token_returns:
             raise ValueError(
-                f"gamma applies to advantage_estimator: gae or reinforce_pp (per-token returns); "
+                f"gamma applies to advantage_estimator: {_with('per_token_returns')} (per-token returns); "
                 f"advantage_estimator {est} gives each sample one advantage"
             )
-        if self.lambd != 1.0 and est != "gae":
-            raise ValueError(f"lambd is GAE's lambda: it needs advantage_estimator: gae, not {est}")
-        if self.num_critic_only_steps and not self.uses_critic:
+        if self.lambd != 1.0 and not facts.uses_critic:
+            raise ValueError(f"lambd is GAE's lambda: it needs advantage_estimator: {_with('uses_critic')}, not {est}")
+        if self.num_critic_only_steps and not facts.uses_critic:
             raise ValueError(
-                f"num_critic_only_steps needs a critic: advantage_estimator: gae (advantage_estimator "
-                f"{est} trains none)"
+                f"num_critic_only_steps needs a critic: advantage_estimator: {_with('uses_critic')} "
+                f"(advantage_estimator {est} trains none)"
+            )
+        if self.loss_aggregation not in self.loss.aggregations:
+            raise ValueError(
+                f"loss_aggregation {self.loss_aggregation} is not one policy_loss {self.policy_loss} supports "
+                f"({', '.join(self.loss.aggregations)})"
             )
         return self
+
+
+def _with(fact: str) -> str:
+    """The estimators whose entry has `fact`, as a message names them: "gae or reinforce_pp"."""
+    return " or ".join(name for name, e in ADVANTAGE_ESTIMATORS.items() if getattr(e, fact))

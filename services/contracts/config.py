@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from services.contracts.algorithm_config import AlgorithmConfig
+from services.contracts.algorithms import ADVANTAGE_ESTIMATORS
 from services.contracts.config_base import ConfigError, Section, with_default_variant
 from services.contracts.rollout_config import (
     DynamicSamplingConfig,
@@ -455,17 +456,13 @@ def validate_dapo_options(config: TandemConfig) -> None:
     ro = config.rollout
     if ro.dynamic_sampling.enabled:
         where = "rollout.dynamic_sampling.enabled"
-        if config.algorithm.uses_critic:
+        estimator = config.algorithm.estimator
+        if not estimator.needs_groups:
+            grouped = ", ".join(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.needs_groups)
             raise ValueError(
                 f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
-                "baseline; with algorithm.advantage_estimator: gae the critic's values are the baseline "
-                "and such groups still train"
-            )
-        if config.algorithm.advantage_estimator == "reinforce_pp":
-            raise ValueError(
-                f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
-                "baseline; algorithm.advantage_estimator: reinforce_pp's baseline is the whole batch, "
-                "so such groups still train (reinforce_pp_baseline has a group baseline)"
+                f"baseline; algorithm.advantage_estimator: {estimator.name}'s baseline is {estimator.baseline}, "
+                f"so such groups still train (the estimators with a group baseline: {grouped})"
             )
         if ro.n_samples_per_prompt < 2:
             raise ValueError(f"{where} needs rollout.n_samples_per_prompt >= 2 (a group of one is always uniform)")

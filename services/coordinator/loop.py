@@ -43,11 +43,11 @@ from services.coordinator.memory import ENGINE_CACHES, ENGINE_WEIGHTS, MemoryMov
 from services.coordinator.retry import TRAIN_RETRY, RetryPolicy
 from services.coordinator.startup import keep_reusable, restore, wait_for_services
 from services.coordinator.state import GeneratedBatch, RunState
-from services.coordinator.stepmetrics import generation_metrics, prefixed
+from services.coordinator.stepmetrics import generation_metrics, mismatch_attributes, prefixed
 from services.coordinator.streaming import GroupStream
 from services.telemetry.events import EventLog
 from services.telemetry.startup import process_age_s
-from services.telemetry.tracing import StepSpans, annotate, inject_context, span
+from services.telemetry.tracing import StepSpans, annotate, inject_context, set_attributes, span
 from services.telemetry.trackers import Tracker
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,7 @@ class Coordinator:
             weight_version=self.state.weight_version,
             entries=len(gen.entry_ids),
             staleness=metrics.get("rollout/staleness"),
-        ):
+        ) as train_span:
             t = self.clock.monotonic()
 
             def request(*, use_critic_values: bool) -> TrainRequest:
@@ -331,6 +331,7 @@ class Coordinator:
             else:
                 reply = self._train(self.trainer, request(use_critic_values=self.critic is not None))
                 metrics.update(prefixed("train", reply.metrics))
+                set_attributes(train_span, **mismatch_attributes(reply.metrics))
             metrics["perf/train_time_s"] = self.clock.monotonic() - t
         generated = int(metrics.get("rollout/num_samples", 0))
         self.state = self.state.trained(

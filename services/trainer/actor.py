@@ -1,5 +1,5 @@
-"""One policy update (PPO or GSPO loss; GRPO, RLOO, REINFORCE++ or critic (GAE) advantages) over a whole TrainBatch,
-on every rank in lockstep.
+"""One policy update (a policy loss and an advantage estimator of the algorithm table, estimators.py) over a whole
+TrainBatch, on every rank in lockstep.
 
 Global per-token quantities (advantages, aggregation weights) are computed from the full batch that every
 rank holds; forward passes only cover the rank's shard. Per-token results of a pre-pass that other ranks
@@ -19,27 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from services.contracts.config import AlgorithmConfig
-from services.trainer.advantages import (
-    discounted_returns,
-    gae,
-    grpo_advantages,
-    per_sample_sum,
-    per_token,
-    rloo_advantages,
-    token_rewards,
-    whiten,
-)
 from services.trainer.backend import frozen_log_probs
 from services.trainer.batching import MicroBatch, TrainBatch
 from services.trainer.dist import all_reduce_sum
+from services.trainer.estimators import compute_advantages, policy_loss_fn
 from services.trainer.head_scoring import BEHAVIOUR_ROW, ENTROPY_ROW, TEMPERED_ROW
-from services.trainer.losses import (
-    PolicyLossConfig,
-    Sequences,
-    gspo_policy_loss,
-    kl_estimate,
-    ppo_policy_loss,
-)
+from services.trainer.losses import PolicyLossConfig, Sequences, kl_estimate
 from services.trainer.old_actor import OldActor
 from services.trainer.rollout_correction import TokenSequences, correct, mismatch_metrics
 from services.trainer.scoring import TokenSampling
@@ -60,50 +45,6 @@ def owned_tokens(num_tokens: int, mbs: list[MicroBatch], device: torch.device) -
     for mb in mbs:
         out[mb.to(device).token_index] = 1.0
     return out
-
-
-def compute_advantages(batch: TrainBatch, algo: AlgorithmConfig, kl_penalty: torch.Tensor | None) -> torch.Tensor:
-    """Per-token advantages. `kl_penalty` (kl_coef x per-token KL, full batch) shapes the rewards: per token for the
-    estimators with per-token returns (gae, reinforce_pp), summed over each sample's trainable tokens for the rest."""
-    lengths, mask = batch.response_lengths, batch.loss_mask
-    match algo.advantage_estimator:
-        case "gae":
-            if batch.values is None:
-                raise ValueError("advantage_estimator gae needs the critic's values (Train with use_critic_values)")
-            advantages, _ = gae(
-                rewards=token_rewards(batch.rewards, lengths, mask, kl_penalty),
-                values=batch.values,
-                response_lengths=lengths,
-                loss_mask=mask,
-                gamma=algo.gamma,
-                lambd=algo.lambd,
-            )
-            return whiten(advantages, mask) if algo.whiten_advantages else advantages
-        case "reinforce_pp":
-            returns = discounted_returns(
-                rewards=token_rewards(batch.rewards, lengths, mask, kl_penalty),
-                response_lengths=lengths,
-                loss_mask=mask,
-                gamma=algo.gamma,
-            )
-            return whiten(returns, mask)
-        case "rloo":
-            return per_token(rloo_advantages(_sample_rewards(batch, kl_penalty), batch.group_ids), lengths)
-        case "reinforce_pp_baseline":
-            centred = grpo_advantages(_sample_rewards(batch, kl_penalty), batch.group_ids, normalize_std=False)
-            return whiten(per_token(centred, lengths), mask)
-        case _:
-            adv = grpo_advantages(
-                _sample_rewards(batch, kl_penalty), batch.group_ids, normalize_std=algo.normalize_advantage_std
-            )
-            return per_token(adv, lengths)
-
-
-def _sample_rewards(batch: TrainBatch, kl_penalty: torch.Tensor | None) -> torch.Tensor:
-    """Each sample's reward minus its KL penalty summed over its trainable tokens."""
-    if kl_penalty is None:
-        return batch.rewards
-    return batch.rewards - per_sample_sum(kl_penalty * batch.loss_mask, batch.response_lengths)
 
 
 def frozen_pass(
@@ -232,14 +173,9 @@ def policy_loss_terms(
     sequences)."""
     clip = PolicyLossConfig(eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, dual_clip_c=algo.dual_clip_c)
     old_lp = rollout_lp if algo.use_rollout_logprobs else behaviour
-    advantages = inputs.advantages[mb.token_index]
-    if algo.policy_loss == "gspo":
-        seqs = Sequences(ids=mb.rows, count=mb.input_ids.shape[0], trainable=inputs.loss_mask[mb.token_index] > 0)
-        pg, clipped, ratio = gspo_policy_loss(
-            log_probs=logp, old_log_probs=old_lp, advantages=advantages, sequences=seqs, cfg=clip
-        )
-    else:
-        pg, clipped, ratio = ppo_policy_loss(log_probs=logp, old_log_probs=old_lp, advantages=advantages, cfg=clip)
+    seqs = Sequences(ids=mb.rows, count=mb.input_ids.shape[0], trainable=inputs.loss_mask[mb.token_index] > 0)
+    loss_fn = policy_loss_fn(algo.policy_loss)
+    pg, clipped, ratio = loss_fn(logp, old_lp, inputs.advantages[mb.token_index], seqs, clip)
     if not algo.rollout_correction.active:
         return pg, clipped, ratio, torch.ones_like(pg)
     weight = correct(behaviour - rollout_lp, inputs.sequences(mb), algo.rollout_correction).weight
