@@ -122,10 +122,14 @@ def test_gspo_with_rloo_and_geometric_rejection_learns_digit_max_with_two_token_
         assert all(f"mismatch/{k}" in r for k in mismatch), r
         assert r["mismatch/ratio_min"] <= r["mismatch/ratio_p50"] <= r["mismatch/ratio_max"], r
         assert r["train/tis_masked_frac"] == pytest.approx(r["mismatch/token_masked_frac"], abs=1e-6), r
-    print("masked per step:", [round(r["mismatch/seq_masked_frac"], 3) for r in steps])
+    # the one-step-stale ratios left [0.9, 1.1] for 0-45% of a step's sequences in the seeds tried (0 on the
+    # first step: on-policy); the run learned with them dropped
+    assert sum(r["mismatch/seq_masked_frac"] for r in steps) > 0
     spans = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
-    trains = [s["attributes"] for s in spans if s["name"] == "rl.train"]
+    trains = [s["attributes"] for s in spans if s["name"] == "rl.train" and s["service"] == "tandem-coordinator"]
     assert len(trains) == 50 and all("rl.mismatch.kl" in a and "rl.mismatch.seq_masked_frac" in a for a in trains)
+    for a, r in zip(trains, steps, strict=True):  # the span of step k carries step k's metrics
+        assert a["rl.rollout_id"] == r["rollout_id"] and a["rl.mismatch.kl"] == r["mismatch/kl"], (a, r)
 
 
 def test_reinforce_pp_learns_at_temperature_0_7_with_top_p_scored_on_policy(tmp_path):
