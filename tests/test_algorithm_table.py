@@ -1,6 +1,7 @@
 """The algorithm table (issue 40 item 6): advantage estimators and policy losses are entries that carry their facts
 (services/contracts/algorithms.py), the trainer's functions are a table with the same names
-(services/trainer/estimators.py), the config and the actor read the facts, and an unknown name is refused by name."""
+(services/trainer/algo/estimators.py), the config and the actor read the facts, and an unknown name is refused by
+name."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ from pydantic import ValidationError
 
 from services.contracts.algorithm_config import AlgorithmConfig
 from services.contracts.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, advantage_estimator
-from services.trainer.batching import TrainBatch
-from services.trainer.estimators import (
+from services.trainer.algo.estimators import (
     ADVANTAGE_FNS,
     POLICY_LOSS_FNS,
     compute_advantages,
     estimator_rewards,
     policy_loss_fn,
 )
+from services.trainer.batching import TrainBatch
 
 E, P = ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 

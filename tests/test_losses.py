@@ -7,15 +7,15 @@ import torch
 from scoring_reference import chunked_scores_of_logits
 
 from services.contracts.algorithm_config import RolloutCorrection
-from services.trainer.losses import (
+from services.trainer.algo.losses import (
     PolicyLossConfig,
     aggregation_weights,
     clipped_value_loss,
     kl_estimate,
     ppo_policy_loss,
 )
-from services.trainer.rollout_correction import TokenSequences, correct
-from services.trainer.scoring import TokenSampling
+from services.trainer.algo.rollout_correction import TokenSequences, correct
+from services.trainer.algo.scoring import TokenSampling
 
 
 def _ratios_to_logps(ratios):

@@ -15,11 +15,11 @@ from scoring_reference import chunked_scores_of_logits
 
 from services.contracts.algorithm_config import RolloutCorrection
 from services.contracts.config import AlgorithmConfig
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines import sampling as rollout_sampling
-from services.tensors.sampling import sampling_log_probs
-from services.trainer.actor import TokenInputs, policy_loss_terms
-from services.trainer.advantages import (
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.engines.native import sampler as rollout_sampling
+from services.tensors.sampling_dist import sampling_log_probs
+from services.trainer.algo.actor import TokenInputs, policy_loss_terms
+from services.trainer.algo.advantages import (
     discounted_returns,
     gae,
     grpo_advantages,
@@ -28,9 +28,8 @@ from services.trainer.advantages import (
     token_rewards,
     whiten,
 )
-from services.trainer.batching import MicroBatch, TrainBatch
-from services.trainer.estimators import compute_advantages
-from services.trainer.losses import (
+from services.trainer.algo.estimators import compute_advantages
+from services.trainer.algo.losses import (
     PolicyLossConfig,
     Sequences,
     aggregation_weights,
@@ -38,8 +37,9 @@ from services.trainer.losses import (
     kl_estimate,
     ppo_policy_loss,
 )
-from services.trainer.rollout_correction import TokenSequences, correct
-from services.trainer.scoring import LOG_PROB_FLOOR, TokenSampling
+from services.trainer.algo.rollout_correction import TokenSequences, correct
+from services.trainer.algo.scoring import LOG_PROB_FLOOR, TokenSampling
+from services.trainer.batching import MicroBatch, TrainBatch
 from services.trainer.update import TokenWeights
 
 VOCAB = 24

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from services.contracts.algorithm_config import ROLLOUT_CORRECTION_PRESETS, AlgorithmConfig, RolloutCorrection
-from services.trainer.rollout_correction import TokenSequences, correct, mismatch_metrics
+from services.trainer.algo.rollout_correction import TokenSequences, correct, mismatch_metrics
 
 SAFETY_BOUND = 20.0  # verl's
 

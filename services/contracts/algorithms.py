@@ -1,6 +1,6 @@
 """The algorithm table: every advantage estimator and policy loss the config may name, with the facts the config's
 validation and the trainer read from it (docs/algorithms.md). The trainer's table of functions
-(services/trainer/estimators.py) has exactly these names; a name in neither is refused with the known ones."""
+(services/trainer/algo/estimators.py) has exactly these names; a name in neither is refused with the known ones."""
 
 from __future__ import annotations
 
