@@ -4,7 +4,9 @@ The references below are written from the peers' code, in their padded [B, T] la
 nothing of ours is reused: our side runs on the flat per-token layout the trainer uses. Sources:
 - verl: volcengine/verl `verl/trainer/ppo/rollout_corr_helper.py` (compute_rollout_correction_weights,
   compute_rollout_rejection_mask, the veto of compute_rollout_correction_and_rejection_mask,
-  compute_offpolicy_metrics) and `docs/algo/rollout_corr.md` (the presets token_is, seq_is, seq_is_rs, geo_rs).
+  compute_offpolicy_metrics) and `docs/algo/rollout_corr.md` (the presets token_is, seq_is, seq_is_rs, geo_rs);
+  newer verl: verl-project/verl, the same helper's seq_mean_k1 rejection and `verl/trainer/config/algorithm.py`'s
+  decoupled_geo_rs.
 - OpenRLHF: OpenRLHF/OpenRLHF `openrlhf/models/loss.py` (PolicyLoss.forward, vllm_is_correction_type tis / icepop /
   seq-mask-tis) with the README's interval `--vllm_is_truncated_threshold 0.5 5.0`.
 - TRL: huggingface/trl `trl/trainer/grpo_trainer.py` (_generate_and_score_completions, vllm_importance_sampling_mode)
@@ -75,6 +77,17 @@ def verl_weights_and_mask(
         catastrophic = (log_ratio < math.log(rollout_token_veto_threshold)) & mask.bool()
         modified = modified * (~catastrophic.any(dim=-1, keepdim=True)).float()
     return weights * modified
+
+
+def verl_seq_mean_k1_mask(old, rollout, mask, *, threshold: str) -> torch.Tensor:
+    """Newer verl (verl-project/verl, verl/trainer/ppo/rollout_corr_helper.py, compute_rollout_rejection_mask):
+    rollout_rs "seq_mean_k1" with a "lower_upper" threshold."""
+    lower_str, upper_str = threshold.split("_", 1)
+    lower_log, upper_log = math.log(float(lower_str)), math.log(float(upper_str))
+    token_k1 = -torch.clamp(old - rollout, min=-SAFETY_BOUND, max=SAFETY_BOUND)
+    seq_stat = masked_mean(token_k1, mask, axis=-1)
+    keep = (seq_stat >= lower_log) & (seq_stat <= upper_log)
+    return mask * keep.unsqueeze(-1).double()
 
 
 def verl_offpolicy_metrics(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -191,6 +204,13 @@ def test_verl_presets_match_verl(name, verl_args, scale):
     got = ours(old, rollout, mask, preset(name))
     assert torch.allclose(got, expected, rtol=0, atol=1e-6), (got - expected).abs().max()
     assert int((expected == 0).logical_and(mask > 0).sum()) > 0 or "rs" not in name  # the bounds were reached
+
+
+def test_newer_verls_seq_mean_k1_preset_matches_newer_verl():
+    old, rollout, mask = padded_inputs(8, scale=0.002)
+    expected = verl_seq_mean_k1_mask(old, rollout, mask, threshold="0.999_1.001")
+    got = ours(old, rollout, mask, preset("decoupled_geo_rs"))
+    assert torch.equal(got, expected) and got.any() and ((expected == 0) & (mask > 0)).any()
 
 
 @pytest.mark.parametrize("level", ["token", "sequence", "geometric"])

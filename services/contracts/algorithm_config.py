@@ -23,6 +23,7 @@ CorrectionLevel = Literal["off", "token", "sequence", "geometric"]
 # its documented interval [0.5, 5.0] (openrlhf/models/loss.py PolicyLoss; README `--vllm_is_truncated_threshold 0.5
 # 5.0`); TRL's vllm_importance_sampling_mode with its default cap 3.0 (trl/trainer/grpo_config.py,
 # grpo_trainer.py); verl's RolloutCorrectionConfig presets (docs/algo/rollout_corr.md, "Preset Configuration Guide").
+# (verl's bypass presets choose its loss, not a correction; its decoupled_token_icepop is `icepop`.)
 ROLLOUT_CORRECTION_PRESETS: dict[str, dict[str, Any]] = {
     "openrlhf-tis": {"is": "token", "is_min": 0.5, "is_cap": 5.0},
     "icepop": {"is": "token", "rejection": "token", "low": 0.5, "high": 5.0},
@@ -35,6 +36,8 @@ ROLLOUT_CORRECTION_PRESETS: dict[str, dict[str, Any]] = {
     "seq_is": {"is": "sequence", "is_cap": 2.0},
     "seq_is_rs": {"is": "sequence", "is_cap": 2.0, "rejection": "sequence", "low": 0.5, "high": 2.0},
     "geo_rs": {"rejection": "geometric", "low": 0.999, "high": 1.001, "veto": 1e-4},
+    # newer verl (verl-project/verl): rollout_rs seq_mean_k1 "0.999_1.001" keeps log 0.999 <= mean(-log r) <= log 1.001
+    "decoupled_geo_rs": {"rejection": "geometric", "low": 1 / 1.001, "high": 1 / 0.999},
 }
 
 
