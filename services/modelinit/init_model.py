@@ -17,6 +17,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -220,11 +221,18 @@ def init_model(
             model.init_weights()
     if getattr(model, "generation_config", None) is not None and head == "causal":
         model.generation_config.update(**spec.generation_ids(config))
+    _save_atomically(
+        out, lambda tmp: (model.save_pretrained(tmp, safe_serialization=True), save_tokenizer(tokenizer, tmp))
+    )
+    return out
+
+
+def _save_atomically(out: Path, save: Callable[[Path], object]) -> None:
+    """`save` into a temporary sibling of `out` (an empty or missing directory), then renamed to `out`."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        save_tokenizer(tokenizer, tmp)
+        save(tmp)
         for path in (tmp, *tmp.iterdir()):  # mkdtemp makes 0700; a shared model volume needs readable files
             path.chmod(0o755 if path.is_dir() else 0o644)
         if out.exists():
@@ -233,7 +241,6 @@ def init_model(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 DTYPES = ("float32", "bfloat16")

@@ -1,5 +1,5 @@
-"""What `rollout.reward` names, as one `Reward`: a rule function (rewards.py), a model of the reward service
-(remote_reward.py), or a weighted sum of them (`0.7*math_answer + 0.3*judge:helpfulness`).
+"""What `rollout.reward` names, as one `Scorer` (samples.py): a rule function (rewards.py), a model of the reward
+service (remote_reward.py), or a weighted sum of them (`0.7*math_answer + 0.3*judge:helpfulness`).
 
 A sum scores its terms side by side (a remote term's samples go to the reward service while the rule terms run) and
 reports each term's mean as `reward/<term>/mean`, besides what the terms report themselves (a model's sub-scores,
@@ -13,46 +13,18 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 from services.contracts.config import TandemConfig
 from services.contracts.reward_spec import RewardSpecError, RewardTerm, parse_reward
 from services.rollout.remote_reward import RemoteReward, ScoreBatcher, ScoreClient
 from services.rollout.rewards import RewardScores, resolve_reward
-
-
-class Reward(Protocol):
-    """What the rollout service scores samples with (RewardFunction, RemoteReward, WeightedReward)."""
-
-    @property
-    def spec(self) -> str: ...
-
-    def score(
-        self,
-        *,
-        prompts: Sequence[str],
-        responses: Sequence[str],
-        labels: Sequence[str],
-        metadatas: Sequence[dict[str, str]],
-        timeout_s: float | None = None,
-    ) -> list[float]: ...
-
-    def score_detailed(
-        self,
-        *,
-        prompts: Sequence[str],
-        responses: Sequence[str],
-        labels: Sequence[str],
-        metadatas: Sequence[dict[str, str]],
-        timeout_s: float | None = None,
-        tokens: Sequence[int] | None = None,
-    ) -> RewardScores: ...
+from services.rollout.samples import Scorer
 
 
 @dataclass(frozen=True)
 class WeightedReward:
     spec: str
-    terms: tuple[tuple[RewardTerm, Reward], ...]
+    terms: tuple[tuple[RewardTerm, Scorer], ...]
 
     def score(
         self,
@@ -77,7 +49,7 @@ class WeightedReward:
         timeout_s: float | None = None,
         tokens: Sequence[int] | None = None,
     ) -> RewardScores:
-        def run(reward: Reward) -> RewardScores:
+        def run(reward: Scorer) -> RewardScores:
             return reward.score_detailed(
                 prompts=prompts,
                 responses=responses,
@@ -118,22 +90,22 @@ class RewardResolver:
         self._client_factory = client_factory
         self._client: ScoreClient | None = None
         self._batchers: dict[str, ScoreBatcher] = {}
-        self._built: dict[str, Reward] = {}
+        self._built: dict[str, Scorer] = {}
         self._lock = threading.Lock()
 
-    def resolve(self, spec: str) -> Reward:
+    def resolve(self, spec: str) -> Scorer:
         with self._lock:
             if spec not in self._built:
                 self._built[spec] = self._build(spec)
             return self._built[spec]
 
-    def _build(self, spec: str) -> Reward:
+    def _build(self, spec: str) -> Scorer:
         terms = parse_reward(spec)
         if len(terms) == 1 and terms[0].model is None and terms[0].weight == 1.0:
             return resolve_reward(terms[0].spec)
         return WeightedReward(spec=spec, terms=tuple((t, self._term(t)) for t in terms))
 
-    def _term(self, term: RewardTerm) -> Reward:
+    def _term(self, term: RewardTerm) -> Scorer:
         if term.model is None:
             return resolve_reward(term.spec)
         reward = self.config.reward
