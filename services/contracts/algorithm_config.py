@@ -9,6 +9,49 @@ from pydantic import Field, model_validator
 from services.contracts.config_base import Section
 
 
+class DistillationConfig(Section):
+    """On-policy distillation (docs/algorithms.md): a frozen teacher scores the student's own samples token by token,
+    and the student minimises the per-token reverse KL to it."""
+
+    teacher_path: str = Field(
+        min_length=1,
+        description="the teacher: a Hugging Face model directory whose tokenizer is the student's (checked before "
+        "the run starts); any size, any vocabulary size",
+    )
+    coef: float = Field(default=1.0, gt=0, description="the distillation term's weight")
+    mode: Literal["reverse_kl", "kl_loss"] = Field(
+        default="reverse_kl",
+        description="reverse_kl: advantage -= coef x (log pi_student - log pi_teacher) per token (Thinking "
+        "Machines, verl PG OPD, slime, prime-rl); kl_loss: coef x a per-token KL estimator in the loss, gradient "
+        "through the student (verl GKD OPD's sampled-token estimators)",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        default="k3",
+        description="mode kl_loss: k3 (verl's default) or k2, whose gradient is the reverse KL's; k1 has no "
+        "gradient through the teacher's log-prob and is refused, as verl refuses it",
+    )
+    task_reward: bool = Field(
+        default=True,
+        description="false: pure distillation, the trainer takes every sample's reward as 0 (rollout.reward still "
+        "scores samples for the metrics and evals); rollout.reward: none needs no reward function at all",
+    )
+
+    @model_validator(mode="after")
+    def _estimator_of_the_loss(self) -> DistillationConfig:
+        if self.kl_estimator == "k1":
+            raise ValueError(
+                "algorithm.distillation.kl_estimator: k1 (log pi_student - log pi_teacher) as a loss has no "
+                "gradient toward the teacher (its expected gradient is 0, as verl notes in refusing it); use k2 or "
+                "k3, or mode: reverse_kl, which puts k1 into the advantage"
+            )
+        if "kl_estimator" in self.model_fields_set and self.mode != "kl_loss":
+            raise ValueError(
+                f"algorithm.distillation.kl_estimator applies to mode: kl_loss; mode {self.mode} puts "
+                "log pi_student - log pi_teacher itself into the advantage"
+            )
+        return self
+
+
 class AlgorithmConfig(Section):
     advantage_estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = Field(
         default="grpo",
@@ -66,6 +109,9 @@ class AlgorithmConfig(Section):
     )
     value_clip: float = Field(default=0.2, gt=0)
     num_critic_only_steps: int = Field(default=0, ge=0)
+    distillation: DistillationConfig | None = Field(
+        default=None, description="on-policy distillation from a frozen teacher: {teacher_path, coef, mode}"
+    )
     overlong_filter: bool = Field(
         default=False,
         description="DAPO's overlong filtering: samples that reached "

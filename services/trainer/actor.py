@@ -13,6 +13,7 @@ sampling distribution, the KL to the reference the tempered one. docs/algorithms
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from services.trainer.advantages import (
 from services.trainer.backend import frozen_log_probs
 from services.trainer.batching import MicroBatch, TrainBatch
 from services.trainer.dist import all_reduce_sum
+from services.trainer.distillation import Teacher, distillation_loss, distilled_advantages, reverse_kl
 from services.trainer.head_scoring import BEHAVIOUR_ROW, ENTROPY_ROW, TEMPERED_ROW
 from services.trainer.losses import (
     PolicyLossConfig,
@@ -114,9 +116,11 @@ def frozen_pass(
     sampling: TokenSampling,
     *,
     tempered: bool,
+    vocab: int | None = None,
 ) -> torch.Tensor:
-    """Log-probs of this rank's response tokens under a frozen model (reference, old actor; the trained model's
-    vocabulary and scoring chunk), full-batch vector on the device. `sampling` is on the device."""
+    """Log-probs of this rank's response tokens under a frozen model (reference, old actor, distillation teacher;
+    the trained model's scoring chunk, and its vocabulary unless `vocab` gives the frozen model's own), full-batch
+    vector on the device. `sampling` is on the device."""
     return per_token_pass(
         num_tokens,
         mbs,
@@ -126,7 +130,7 @@ def frozen_pass(
             backend.device,
             sampling=sampling.at(mb.token_index),
             tempered=tempered,
-            vocab=backend.vocab_size,
+            vocab=vocab or backend.vocab_size,
             chunk_tokens=backend.chunk_tokens,
             compiled=backend.compiled_scoring,
         ),
@@ -172,14 +176,40 @@ def reward_kl_penalty(
     """kl_coef x per-token KL of the policy before the update to the reference (both tempered), full batch, on the
     host (it shapes the rewards)."""
     n_tok, device = len(ref_lp), backend.device
-    policy = per_token_pass(
-        n_tok,
-        mbs,
-        lambda mb: backend.scores(mb, sampling.at(mb.token_index), tempered=True)[0][TEMPERED_ROW],
-        device=device,
-    )
+    policy = tempered_policy_pass(backend, mbs, sampling, n_tok)
     kl = kl_estimate(policy, ref_lp, algo.kl_estimator) * owned_tokens(n_tok, mbs, device)
     return algo.kl_coef * all_reduce_sum(kl).cpu()
+
+
+def tempered_policy_pass(
+    backend: UpdateBackend, mbs: list[MicroBatch], sampling: TokenSampling, num_tokens: int
+) -> torch.Tensor:
+    """The policy's tempered log-probs before the update, this rank's tokens (others 0), on the device."""
+    return per_token_pass(
+        num_tokens,
+        mbs,
+        lambda mb: backend.scores(mb, sampling.at(mb.token_index), tempered=True)[0][TEMPERED_ROW],
+        device=backend.device,
+    )
+
+
+@dataclass(frozen=True)
+class TeacherLogProbs:
+    """Distillation's per-token inputs, full batch on every rank (each token is scored on the rank that owns it and
+    summed over ranks): the teacher's tempered log-probs, and (mode reverse_kl) the student's before the update."""
+
+    teacher: torch.Tensor
+    student: torch.Tensor | None
+
+
+def teacher_pass(
+    *, teacher: Teacher, backend: UpdateBackend, mbs: list[MicroBatch], sampling: TokenSampling, num_tokens: int
+) -> TeacherLogProbs:
+    lp = frozen_pass(teacher.model, backend, num_tokens, mbs, sampling, tempered=True, vocab=teacher.vocab_size)
+    student = None
+    if teacher.config.mode == "reverse_kl":  # the advantage needs it before the update's micro-batches run
+        student = all_reduce_sum(tempered_policy_pass(backend, mbs, sampling, num_tokens))
+    return TeacherLogProbs(teacher=all_reduce_sum(lp), student=student)
 
 
 @dataclass(frozen=True)
@@ -194,6 +224,7 @@ class TokenInputs:
     weights: TokenWeights
     ref_log_probs: torch.Tensor | None
     old: BehaviourLogProbs | None
+    teacher_log_probs: torch.Tensor | None = None  # algorithm.distillation's, tempered
 
 
 @dataclass(frozen=True)
@@ -277,6 +308,9 @@ def _ppo_micro_loss(
     loss_tok = t.pg
     if inputs.ref_log_probs is not None and algo.kl_mode == "loss":
         loss_tok = loss_tok + algo.kl_coef * t.kl
+    distill, teacher_lp = algo.distillation, inputs.teacher_log_probs
+    if distill is not None and teacher_lp is not None and distill.mode == "kl_loss":
+        loss_tok = loss_tok + distillation_loss(scores[TEMPERED_ROW], teacher_lp[mb.token_index], distill)
     if algo.entropy_coef > 0:
         loss_tok = loss_tok - algo.entropy_coef * t.entropy
     w, tw = inputs.weights.at(mb)
@@ -293,9 +327,31 @@ def _ppo_micro_loss(
             "old_actor_fallback_frac": fallback,
             "tis_masked_frac": (t.tis == 0).float(),
         }
+        if teacher_lp is not None:
+            teacher = teacher_lp[mb.token_index]
+            per_token["distill/reverse_kl"] = reverse_kl(scores[TEMPERED_ROW].detach(), teacher)
+            per_token["distill/teacher_logprob_mean"] = teacher
         return {"pg_loss": (w * t.pg).sum(), **{name: (tw * x).sum() for name, x in per_token.items()}}
 
     return MicroBatchLoss(loss=(w * loss_tok).sum(), anchor=anchor, metrics=metrics)
+
+
+def step_advantages(
+    batch: TrainBatch,
+    algo: AlgorithmConfig,
+    kl_penalty: torch.Tensor | None,
+    distill: TeacherLogProbs | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """The estimator's advantages (of rewards 0 under pure distillation), then the teacher's per-token term (mode
+    reverse_kl), on the device."""
+    cfg = algo.distillation
+    if cfg is not None and not cfg.task_reward:
+        batch = dataclasses.replace(batch, rewards=torch.zeros_like(batch.rewards))
+    advantages = compute_advantages(batch, algo, kl_penalty).to(device)
+    if cfg is None or distill is None or distill.student is None:
+        return advantages
+    return distilled_advantages(advantages, distill.student, distill.teacher, cfg.coef)
 
 
 def actor_step(
@@ -306,6 +362,7 @@ def actor_step(
     ref_model: torch.nn.Module | None,
     old_actor: OldActor | None,
     token_budget: int,
+    teacher: Teacher | None = None,
 ) -> dict[str, float]:
     start = time.monotonic()
     device = backend.device
@@ -321,14 +378,20 @@ def actor_step(
         if old_actor is None
         else old_actor_log_probs(old_actor=old_actor, backend=backend, batch=batch, mbs=mbs, sampling=sampling)
     )
+    distill = (
+        None
+        if teacher is None
+        else teacher_pass(teacher=teacher, backend=backend, mbs=mbs, sampling=sampling, num_tokens=n_tok)
+    )
     inputs = TokenInputs(
         sampling=sampling,
-        advantages=compute_advantages(batch, algo, kl_penalty).to(device),
+        advantages=step_advantages(batch, algo, kl_penalty, distill, device),
         rollout_log_probs=batch.rollout_log_probs.to(device),
         loss_mask=batch.loss_mask.to(device),
         weights=TokenWeights.of(batch, algo.loss_aggregation, device),
         ref_log_probs=ref_lp,
         old=old,
+        teacher_log_probs=None if distill is None else distill.teacher,
     )
     totals, step = optimizer_update(
         backend, mbs, micro_loss=lambda mb: _ppo_micro_loss(backend=backend, mb=mb, inputs=inputs, algo=algo)
