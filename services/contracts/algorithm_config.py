@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from services.contracts.config_base import Section
+
+TEACHER_KEY = "algorithm.distillation.teacher_path"
 
 
 class DistillationConfig(Section):
@@ -35,6 +38,12 @@ class DistillationConfig(Section):
         description="false: pure distillation, the trainer takes every sample's reward as 0 (rollout.reward still "
         "scores samples for the metrics and evals); rollout.reward: none needs no reward function at all",
     )
+
+    def check_teacher_dir(self) -> None:
+        """Where the teacher is read (the launcher's preflight, the trainer): a model must be there. Not a validator:
+        the config also loads on hosts that never read the teacher (the rollout, the coordinator)."""
+        if not (Path(self.teacher_path) / "config.json").is_file():
+            raise ValueError(f"{TEACHER_KEY}: {self.teacher_path} holds no Hugging Face model (no config.json)")
 
     @model_validator(mode="after")
     def _estimator_of_the_loss(self) -> DistillationConfig:

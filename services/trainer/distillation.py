@@ -5,9 +5,9 @@ The teacher is loaded like the KL term's reference model (`backend.load_frozen_c
 chunked scoring head installed, no grad), stays on the device through an Offload like it, and is never checkpointed
 (it is not part of the DeepSpeed engine). It is scored by the same `frozen_pass` over its own vocabulary size (a
 teacher may pad its embedding differently); the tokenizers must match, which the launcher checks before the run
-(`tokenizer_mismatch`). Both sides are scored in the tempered space, log_softmax(logits / T) untruncated, the KL
-term's space (docs/algorithms.md): a truncated teacher would give -inf wherever the student samples outside the
-teacher's nucleus.
+(services.rollout.tokenizer.tokenizer_mismatch). Both sides are scored in the tempered space, log_softmax(logits / T)
+untruncated, the KL term's space (docs/algorithms.md): a truncated teacher would give -inf wherever the student
+samples outside the teacher's nucleus.
 
 Two modes, each the peers' formula (tests/test_distillation.py checks them against it):
 - `reverse_kl`: per token, advantage -= coef x (log pi_student - log pi_teacher), the student's log-prob being the
@@ -20,19 +20,12 @@ Two modes, each the peers' formula (tests/test_distillation.py checks them again
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from services.contracts.config import DistillationConfig, TandemConfig
 from services.trainer.head_scoring import output_head
 from services.trainer.losses import kl_estimate
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-TEACHER_KEY = "algorithm.distillation.teacher_path"
 
 
 @dataclass(frozen=True)
@@ -42,18 +35,13 @@ class Teacher:
     config: DistillationConfig
 
 
-def check_teacher_dir(path: str) -> None:
-    if not (Path(path) / "config.json").is_file():
-        raise ValueError(f"{TEACHER_KEY}: {path} holds no Hugging Face model (no config.json)")
-
-
 def load_teacher(config: TandemConfig, device: torch.device) -> Teacher:
     from services.trainer.backend import load_frozen_causal_lm
 
     distill = config.algorithm.distillation
     if distill is None:
         raise ValueError("load_teacher: algorithm.distillation is not set")
-    check_teacher_dir(distill.teacher_path)
+    distill.check_teacher_dir()
     model = load_frozen_causal_lm(config, device, path=distill.teacher_path)
     weight = output_head(model).weight
     assert isinstance(weight, torch.Tensor)
@@ -78,18 +66,3 @@ def distillation_loss(
 ) -> torch.Tensor:
     """mode kl_loss: coef x the per-token estimator, gradient through the student's log-prob only."""
     return distill.coef * kl_estimate(student_log_probs, teacher_log_probs.detach(), distill.kl_estimator)
-
-
-def tokenizer_mismatch(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> str | None:
-    """Why the teacher cannot score the student's token ids (it would read them as other text), or None: the
-    vocabularies (token -> id, added tokens included) must be equal. Chat templates and which token plays EOS may
-    differ: the teacher only scores the student's ids, it never renders or generates."""
-    s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
-    if s_vocab != t_vocab:
-        differ = sorted(tok for tok in s_vocab.keys() | t_vocab.keys() if s_vocab.get(tok) != t_vocab.get(tok))
-        shown = ", ".join(f"{tok!r}: {s_vocab.get(tok)} vs {t_vocab.get(tok)}" for tok in differ[:3])
-        return (
-            f"its vocabulary differs from the student's ({len(s_vocab)} vs {len(t_vocab)} tokens, {len(differ)} "
-            f"mapped differently; student id vs teacher id: {shown})"
-        )
-    return None

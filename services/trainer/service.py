@@ -24,6 +24,14 @@ from services.trainer.commands import Load, Offload, Onload, PublishWeights, Sav
 from services.trainer.parts import TrainerParts
 from services.trainer.training import check_train_request
 
+# the step's metrics of these namespaces also go on its rl.train span (`distill/reverse_kl` -> rl.distill.reverse_kl)
+SPAN_METRIC_NAMESPACES = ("distill/",)
+
+
+def span_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    return {f"rl.{k.replace('/', '.')}": v for k, v in metrics.items() if k.startswith(SPAN_METRIC_NAMESPACES)}
+
+
 if TYPE_CHECKING:
     import torch
 
@@ -132,6 +140,7 @@ class TrainerService:
                     samples_dropped_stale=reply.samples_dropped_stale,
                     samples_filtered=reply.samples_filtered,
                 )
+                set_attributes(sp, **span_metrics(reply.metrics))
                 return reply
 
     def _untrained(self, entry_ids: list[str]) -> tuple[list[str], list[str]]:
