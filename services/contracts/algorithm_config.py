@@ -53,7 +53,7 @@ class DistillationConfig(Section):
                 "gradient toward the teacher (its expected gradient is 0, as verl notes in refusing it); use k2 or "
                 "k3, or mode: reverse_kl, which puts k1 into the advantage"
             )
-        if "kl_estimator" in self.model_fields_set and self.mode != "kl_loss":
+        if self.kl_estimator != "k3" and self.mode != "kl_loss":  # by value: a resolved config lists every key
             raise ValueError(
                 f"algorithm.distillation.kl_estimator applies to mode: kl_loss; mode {self.mode} puts "
                 "log pi_student - log pi_teacher itself into the advantage"
