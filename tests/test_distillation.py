@@ -165,6 +165,17 @@ def test_config_pure_distillation_rules(tmp_path):
         config_from_dict({**run_config(tmp_path, rollout={"n_samples_per_prompt": 1}), "algorithm": {}}, source="test")
 
 
+def test_the_teacher_path_is_relative_to_the_yaml_file_or_to_the_shell_for_a_set(tmp_path, monkeypatch):
+    from services.contracts.config_loading import load_config
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "distill.yaml"
+    distill = load_config(str(example), []).algorithm.distillation
+    assert distill is not None and distill.teacher_path == str(example.parent / "models" / "distill_teacher")
+    monkeypatch.chdir(tmp_path)
+    distill = load_config(str(example), ["algorithm.distillation.teacher_path=t"]).algorithm.distillation
+    assert distill is not None and distill.teacher_path == str(tmp_path / "t")
+
+
 def test_preflight_refuses_a_missing_teacher_and_another_tokenizer_by_name(tmp_path):
     from services.launcher.preflight import check_teacher
     from services.rollout.model_init import init_model

@@ -113,7 +113,9 @@ def main() -> None:
     args = parser.parse_args()
     start = time.monotonic()
     out, accuracy, steps = make_teacher(args.out, seed=args.seed, max_steps=args.max_steps)
-    print(f"teacher at {out}: greedy eval accuracy {accuracy:.2f} after {steps} steps ({time.monotonic() - start:.0f} s)")
+    print(
+        f"teacher at {out}: greedy eval accuracy {accuracy:.2f} after {steps} steps ({time.monotonic() - start:.0f} s)"
+    )
 
 
 if __name__ == "__main__":
