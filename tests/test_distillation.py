@@ -18,9 +18,9 @@ from conftest_trainer import VOCAB, harness, make_batch, model_logits, peaked_mo
 
 from services.contracts.config import ConfigError, DistillationConfig
 from services.contracts.config_loading import config_from_dict
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import RolloutBatchData
-from services.trainer.distillation import distillation_loss, distilled_advantages, reverse_kl
+from services.trainer.algo.distillation import distillation_loss, distilled_advantages, reverse_kl
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -178,7 +178,7 @@ def test_the_teacher_path_is_relative_to_the_yaml_file_or_to_the_shell_for_a_set
 
 def test_preflight_refuses_a_missing_teacher_and_another_tokenizer_by_name(tmp_path):
     from services.launcher.preflight import check_teacher
-    from services.rollout.model_init import init_model
+    from services.modelinit.init_model import init_model
     from services.rollout.tokenizer import load_tokenizer
 
     student = tmp_path / "student"

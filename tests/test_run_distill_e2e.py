@@ -38,7 +38,7 @@ def teacher(tmp_path_factory) -> Path:
 
 
 def test_student_learns_the_task_from_the_teacher_alone(tmp_path, teacher):
-    from services.rollout.model_init import init_model
+    from services.modelinit.init_model import init_model
 
     student = init_model(tmp_path / "student", preset="tiny")
     run_dir = tmp_path / "run"

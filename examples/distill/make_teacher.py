@@ -7,7 +7,7 @@ The task is examples/digit_max's: prompt `a b =`, answer max(a, b) as one digit 
 cross-entropy of the answer token after a batch of prompts encoded as the rollout encodes them (the tokenizer's
 BOS, then the text), drawn from digit_max/train.jsonl; every `CHECK_EVERY` steps the greedy answer to each of the
 100 pairs of digit_max/eval.jsonl is checked, and training stops once `--target` of them are right (or after
-`--max-steps`). `small` and `tiny` come from the same 22-token word-level tokenizer (services/rollout/model_init.py),
+`--max-steps`). `small` and `tiny` come from the same 22-token word-level tokenizer (services/modelinit/init_model.py),
 so the teacher can score the student's token ids, which `tandem run`'s preflight checks.
 
 The result is an ordinary Hugging Face directory, written into a temporary sibling and renamed, so an interrupted
@@ -48,7 +48,7 @@ def make_teacher(
     target: float = 0.97,
 ) -> tuple[Path, float, int]:
     """(the teacher's directory, its greedy eval accuracy, the steps it took). Refuses a directory holding a model."""
-    from services.rollout.model_init import init_model
+    from services.modelinit.init_model import init_model
 
     out = out.resolve()
     if (out / "config.json").exists():
