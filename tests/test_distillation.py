@@ -161,6 +161,9 @@ def test_config_pure_distillation_rules(tmp_path):
     # the teacher's per-token signal needs no group: one sample per prompt is fine (refused without a teacher)
     cfg = config_from_dict(run_config(tmp_path, rollout={"reward": "none", "n_samples_per_prompt": 1}), source="test")
     assert cfg.algorithm.distillation is not None and cfg.algorithm.distillation.task_reward
+    gae = {"advantage_estimator": "gae", "distillation": {"teacher_path": "t", "task_reward": False}}
+    with pytest.raises(ConfigError, match="critic would fit values of task rewards"):
+        config_from_dict(run_config(tmp_path, algorithm=gae), source="test")
     with pytest.raises(ConfigError, match="n_samples_per_prompt: 1"):
         config_from_dict({**run_config(tmp_path, rollout={"n_samples_per_prompt": 1}), "algorithm": {}}, source="test")
 

@@ -162,6 +162,16 @@ class AlgorithmConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _pure_distillation_has_no_critic(self) -> AlgorithmConfig:
+        if self.distillation is not None and not self.distillation.task_reward and self.uses_critic:
+            raise ValueError(
+                "algorithm.distillation.task_reward: false with advantage_estimator: gae: the critic would fit values "
+                "of task rewards the actor does not train on; use grpo, rloo or reinforce_pp (their advantages are "
+                "then 0 and the teacher is the only signal), or rollout.reward: none"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _keys_the_estimator_uses(self) -> AlgorithmConfig:
         """A key the chosen estimator ignores, set away from its default, is a mistake: refuse it."""
         est = self.advantage_estimator
