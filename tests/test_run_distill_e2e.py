@@ -66,9 +66,9 @@ def test_student_learns_the_task_from_the_teacher_alone(tmp_path, teacher):
         assert r["distill/teacher_logprob_mean"] < 0
     # (the reverse KL per token falls too, 3.3 at the start to about 3.1 over the last 5 of 12 steps in those runs, but
     # by less than a step's batch moves it: the eval is what this run asserts)
-    # the step's trace span carries them too: the trainer's rl.train span of every trained step
+    # the step's trace carries them too: the coordinator's rl.train span of every trained step
     spans = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
-    trained_spans = [s for s in spans if s["name"] == "rl.train" and s["service"] == "tandem-trainer"]
+    trained_spans = [s for s in spans if s["name"] == "rl.train" and s["service"] == "tandem-coordinator"]
     assert len(trained_spans) == STEPS, [s["name"] for s in spans]
     by_step = {r["rollout_id"]: r for r in steps}
     for s in trained_spans:

@@ -25,14 +25,6 @@ from services.trainer.parts import TrainerParts
 from services.trainer.ranks import RankCommands
 from services.trainer.training import check_train_request
 
-# the step's metrics of these namespaces also go on its rl.train span (`distill/reverse_kl` -> rl.distill.reverse_kl)
-SPAN_METRIC_NAMESPACES = ("distill/",)
-
-
-def span_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    return {f"rl.{k.replace('/', '.')}": v for k, v in metrics.items() if k.startswith(SPAN_METRIC_NAMESPACES)}
-
-
 if TYPE_CHECKING:
     import torch
 
@@ -142,7 +134,6 @@ class TrainerService:
                     samples_dropped_stale=reply.samples_dropped_stale,
                     samples_filtered=reply.samples_filtered,
                 )
-                set_attributes(sp, **span_metrics(reply.metrics))
                 return reply
 
     def _untrained(self, entry_ids: list[str]) -> tuple[list[str], list[str]]:
