@@ -117,42 +117,25 @@ def reward_kl_penalty(
     """kl_coef x per-token KL of the policy before the update to the reference (both tempered), full batch, on the
     host (it shapes the rewards)."""
     n_tok, device = len(ref_lp), backend.device
-    policy = tempered_policy_pass(backend, mbs, sampling, n_tok)
+    policy = per_token_pass(
+        n_tok,
+        mbs,
+        lambda mb: backend.scores(mb, sampling.at(mb.token_index), tempered=True)[0][TEMPERED_ROW],
+        device=device,
+    )
     kl = kl_estimate(policy, ref_lp, algo.kl_estimator) * owned_tokens(n_tok, mbs, device)
     return algo.kl_coef * all_reduce_sum(kl).cpu()
 
 
-def tempered_policy_pass(
-    backend: UpdateBackend, mbs: list[MicroBatch], sampling: TokenSampling, num_tokens: int
-) -> torch.Tensor:
-    """The policy's tempered log-probs before the update, this rank's tokens (others 0), on the device."""
-    return per_token_pass(
-        num_tokens,
-        mbs,
-        lambda mb: backend.scores(mb, sampling.at(mb.token_index), tempered=True)[0][TEMPERED_ROW],
-        device=backend.device,
-    )
-
-
-@dataclass(frozen=True)
-class TeacherLogProbs:
-    """Distillation's per-token inputs, full batch on every rank (each token is scored on the rank that owns it and
-    summed over ranks): the teacher's tempered log-probs, and (mode reverse_kl) the student's before the update."""
-
-    teacher: torch.Tensor
-    student: torch.Tensor | None
-
-
 def teacher_pass(
     *, teacher: Teacher | None, backend: UpdateBackend, mbs: list[MicroBatch], sampling: TokenSampling, num_tokens: int
-) -> TeacherLogProbs | None:
+) -> torch.Tensor | None:
+    """algorithm.distillation: the teacher's tempered log-probs of this rank's tokens, on the device. The student's
+    come from the update's own forward (one optimizer step per Train: its scores are the policy's before the update),
+    so distillation costs the teacher's forward and no other."""
     if teacher is None:
         return None
-    lp = frozen_pass(teacher.model, backend, num_tokens, mbs, sampling, tempered=True, vocab=teacher.vocab_size)
-    student = None
-    if teacher.config.mode == "reverse_kl":  # the advantage needs it before the update's micro-batches run
-        student = all_reduce_sum(tempered_policy_pass(backend, mbs, sampling, num_tokens))
-    return TeacherLogProbs(teacher=all_reduce_sum(lp), student=student)
+    return frozen_pass(teacher.model, backend, num_tokens, mbs, sampling, tempered=True, vocab=teacher.vocab_size)
 
 
 @dataclass(frozen=True)
@@ -190,6 +173,19 @@ class TokenTerms:
     kl: torch.Tensor
     entropy: torch.Tensor
     mismatch: torch.Tensor  # |behaviour log-prob - rollout log-prob|, capped at 20
+    advantages: torch.Tensor  # the estimator's, with distillation's per-token term (mode reverse_kl)
+
+
+def token_advantages(
+    *, scores: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, algo: AlgorithmConfig
+) -> torch.Tensor:
+    """The micro-batch's advantages; with distillation in mode reverse_kl, minus coef x (log pi_student - log
+    pi_teacher), the student's from this forward's tempered scores (no gradient)."""
+    advantages = inputs.advantages[mb.token_index]
+    distill, teacher_lp = algo.distillation, inputs.teacher_log_probs
+    if distill is None or teacher_lp is None or distill.mode != "reverse_kl":
+        return advantages
+    return distilled_advantages(advantages, scores[TEMPERED_ROW], teacher_lp[mb.token_index], distill.coef)
 
 
 def policy_loss_terms(
@@ -197,6 +193,7 @@ def policy_loss_terms(
     logp: torch.Tensor,
     behaviour: torch.Tensor,
     rollout_lp: torch.Tensor,
+    advantages: torch.Tensor,
     mb: MicroBatch,
     inputs: TokenInputs,
     algo: AlgorithmConfig,
@@ -208,7 +205,7 @@ def policy_loss_terms(
     old_lp = rollout_lp if algo.use_rollout_logprobs else behaviour
     seqs = Sequences(ids=mb.rows, count=mb.input_ids.shape[0], trainable=inputs.loss_mask[mb.token_index] > 0)
     loss_fn = policy_loss_fn(algo.policy_loss)
-    pg, clipped, ratio = loss_fn(logp, old_lp, inputs.advantages[mb.token_index], seqs, clip)
+    pg, clipped, ratio = loss_fn(logp, old_lp, advantages, seqs, clip)
     if not algo.rollout_correction.active:
         return pg, clipped, ratio, torch.ones_like(pg)
     weight = correct(behaviour - rollout_lp, inputs.sequences(mb), algo.rollout_correction).weight
@@ -228,8 +225,9 @@ def token_terms(*, scores: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, al
     if inputs.old is not None:
         kept = inputs.old.log_probs[idx]
         behaviour = torch.where(torch.isnan(kept), behaviour, kept)
+    advantages = token_advantages(scores=scores, mb=mb, inputs=inputs, algo=algo)
     pg, clipped, ratio, tis = policy_loss_terms(
-        logp=logp, behaviour=behaviour, rollout_lp=rollout_lp, mb=mb, inputs=inputs, algo=algo
+        logp=logp, behaviour=behaviour, rollout_lp=rollout_lp, advantages=advantages, mb=mb, inputs=inputs, algo=algo
     )
     kl = torch.zeros_like(pg)
     if inputs.ref_log_probs is not None:
@@ -243,6 +241,7 @@ def token_terms(*, scores: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, al
         entropy=entropy,
         mismatch=(behaviour - rollout_lp).abs().clamp(max=20.0),
         log_ratio=(behaviour - rollout_lp).detach(),
+        advantages=advantages,
     )
 
 
@@ -275,6 +274,7 @@ def _ppo_micro_loss(
             "rollout_logprob_abs_diff": t.mismatch,
             "old_actor_fallback_frac": fallback,
             "tis_masked_frac": (t.tis == 0).float(),
+            "advantage_mean": t.advantages,
         }
         if teacher_lp is not None:
             teacher = teacher_lp[mb.token_index]
@@ -285,22 +285,12 @@ def _ppo_micro_loss(
     return MicroBatchLoss(loss=(w * loss_tok).sum(), anchor=anchor, metrics=metrics)
 
 
-def step_advantages(
-    batch: TrainBatch,
-    algo: AlgorithmConfig,
-    kl_penalty: torch.Tensor | None,
-    distill: TeacherLogProbs | None,
-    device: torch.device,
-) -> torch.Tensor:
-    """The estimator's advantages (of rewards 0 under pure distillation), then the teacher's per-token term (mode
-    reverse_kl), on the device."""
+def step_advantages(batch: TrainBatch, algo: AlgorithmConfig, kl_penalty: torch.Tensor | None) -> torch.Tensor:
+    """The estimator's advantages; under pure distillation (task_reward: false) of rewards 0."""
     cfg = algo.distillation
     if cfg is not None and not cfg.task_reward:
         batch = dataclasses.replace(batch, rewards=torch.zeros_like(batch.rewards))
-    advantages = compute_advantages(batch, algo, kl_penalty).to(device)
-    if cfg is None or distill is None or distill.student is None:
-        return advantages
-    return distilled_advantages(advantages, distill.student, distill.teacher, cfg.coef)
+    return compute_advantages(batch, algo, kl_penalty)
 
 
 def actor_step(
@@ -327,10 +317,10 @@ def actor_step(
         if old_actor is None
         else old_actor_log_probs(old_actor=old_actor, backend=backend, batch=batch, mbs=mbs, sampling=sampling)
     )
-    distill = teacher_pass(teacher=teacher, backend=backend, mbs=mbs, sampling=sampling, num_tokens=n_tok)
+    teacher_lp = teacher_pass(teacher=teacher, backend=backend, mbs=mbs, sampling=sampling, num_tokens=n_tok)
     inputs = TokenInputs(
         sampling=sampling,
-        advantages=step_advantages(batch, algo, kl_penalty, distill, device),
+        advantages=step_advantages(batch, algo, kl_penalty).to(device),
         rollout_log_probs=batch.rollout_log_probs.to(device),
         loss_mask=batch.loss_mask.to(device),
         weights=TokenWeights.of(batch, algo.loss_aggregation, device),
@@ -338,7 +328,7 @@ def actor_step(
         old=old,
         samples=TokenSequences.of(batch.response_lengths, batch.loss_mask.to(device)),
         observed_log_ratio=torch.zeros(n_tok, dtype=torch.float32, device=device),
-        teacher_log_probs=None if distill is None else distill.teacher,
+        teacher_log_probs=teacher_lp,
     )
     totals, step = optimizer_update(
         backend, mbs, micro_loss=lambda mb: _ppo_micro_loss(backend=backend, mb=mb, inputs=inputs, algo=algo)
@@ -352,13 +342,11 @@ def actor_step(
     ):
         if not used:
             totals.pop(key)
-    advantage_mean = float((inputs.advantages * inputs.weights.mean).sum())
     # every token was scored on exactly one rank: the sum over ranks is the whole batch's
     log_ratio = all_reduce_sum(inputs.observed_log_ratio).cpu()
     samples = TokenSequences(inputs.samples.ids.cpu(), inputs.samples.count, inputs.samples.trainable.cpu())
     return {
         **totals,
-        "advantage_mean": advantage_mean,
         **mismatch_metrics(log_ratio, batch.rollout_log_probs, samples, correction),
         **step_metrics(batch, step, start, parameters=backend.parameters),
     }
