@@ -193,18 +193,19 @@ def policy_loss_terms(
     logp: torch.Tensor,
     behaviour: torch.Tensor,
     rollout_lp: torch.Tensor,
-    advantages: torch.Tensor,
     mb: MicroBatch,
     inputs: TokenInputs,
     algo: AlgorithmConfig,
+    advantages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Per token: (the policy loss of `algo.policy_loss`, weighted by the rollout correction; clipped; ratio; the
     correction's weight). Under GSPO the ratio is the sequence's geometric mean (the micro-batch's rows are its
-    sequences)."""
+    sequences). `advantages`: the micro-batch's (token_advantages); by default the estimator's."""
     clip = PolicyLossConfig(eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, dual_clip_c=algo.dual_clip_c)
     old_lp = rollout_lp if algo.use_rollout_logprobs else behaviour
     seqs = Sequences(ids=mb.rows, count=mb.input_ids.shape[0], trainable=inputs.loss_mask[mb.token_index] > 0)
     loss_fn = policy_loss_fn(algo.policy_loss)
+    advantages = inputs.advantages[mb.token_index] if advantages is None else advantages
     pg, clipped, ratio = loss_fn(logp, old_lp, advantages, seqs, clip)
     if not algo.rollout_correction.active:
         return pg, clipped, ratio, torch.ones_like(pg)
