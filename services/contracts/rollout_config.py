@@ -10,6 +10,7 @@ from services.contracts.config_base import Section
 from services.contracts.reward_spec import parse_reward, reward_text
 from services.contracts.untyped import JsonValue
 
+NO_REWARD = "none"  # rollout.reward: every sample's reward is 0 (pure distillation needs no reward function)
 MAX_STOP_STRINGS = 16  # the check runs per running sequence and step; more strings is likely a mistake
 
 
@@ -111,7 +112,8 @@ class RolloutSettings(Section):
     reward: str = Field(
         default="exact_match",
         description="built-in name or `module:function` (sync or async, batched or per sample), a reward service "
-        "model (`service:NAME`, `judge:NAME`), or a weighted sum: `{math_answer: 0.7, judge:NAME: 0.3}`",
+        "model (`service:NAME`, `judge:NAME`), a weighted sum: `{math_answer: 0.7, judge:NAME: 0.3}`; none: reward "
+        "0 for every sample (pure distillation, algorithm.distillation)",
     )
     eval_reward: str | None = Field(
         default=None,
