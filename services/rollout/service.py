@@ -24,6 +24,7 @@ from services.contracts.dapo import informative_groups
 from services.contracts.rollout_calls import EvaluateResult, GenerateResult, PromptInput, ReceiveResult
 from services.contracts.sampling import SamplingSpec, prompt_max_new_tokens
 from services.contracts.wire import build_batch
+from services.rollout.agents.failures import AgentsFailed
 from services.rollout.chat import ChatTemplate, ChatTemplateError
 from services.rollout.engines.base import (
     FINISH_ABORT,
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from services.contracts.weight_plan import WeightSyncPlan
+    from services.rollout.agents.runner import AgentRollout
     from services.weights.api import WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ class _Scored:
     reward_s: float
     loss_masks: list[list[int]] | None = None  # None: every response token is the policy's
     metrics: dict[str, float] = field(default_factory=dict)
+    group_ids: list[int] | None = None  # None: n per prompt, in order (agents: per finished episode's samples)
+    labels: list[str] | None = None
 
 
 def build_engine(config: TandemConfig, texts: Texts | None = None) -> Engine:
@@ -143,6 +147,7 @@ class RolloutService:
         self._receiver: WeightReceiver | None = None  # made on the first weight sync
         self._lock = threading.Lock()
         self._recent: OrderedDict[tuple[Any, ...], Future[GenerateResult]] = OrderedDict()
+        self.agents = open_agents(config, self.texts, self.engine, replica)  # rollout.openai_api (agents/)
 
     # ---- Generate ----------------------------------------------------------------------------------
 
@@ -258,13 +263,13 @@ class RolloutService:
                 responses=[list(o.token_ids) for o in scored.outputs],
                 log_probs=[list(o.log_probs) for o in scored.outputs],
                 rewards=rewards,
-                group_ids=[p.group_id for p in prompts for _ in range(n)],
+                group_ids=scored.group_ids or [p.group_id for p in prompts for _ in range(n)],
                 finish_reasons=[o.finish_reason for o in scored.outputs],
                 sampling=sampling,
                 sample_versions=[o.weight_version for o in scored.outputs],
                 loss_masks=scored.loss_masks,
                 token_versions=[list(o.versions) for o in scored.outputs],
-                labels=[p.label for p in prompts for _ in range(n)],
+                labels=scored.labels or [p.label for p in prompts for _ in range(n)],
                 metadata={
                     "reward": reward_fn.spec,
                     "engine": self.engine.name,
@@ -294,7 +299,7 @@ class RolloutService:
             reward_time_s=scored.reward_s,
             put_time_s=put_s,
             metrics={
-                **batch_metrics(scored.outputs, rewards, n=n, generate_s=scored.generate_s),
+                **batch_metrics(scored.outputs, rewards, n=n, generate_s=scored.generate_s, group_ids=scored.group_ids),
                 **shaping,
                 **scored.metrics,
                 **cuda_peak_metrics(),
@@ -317,6 +322,10 @@ class RolloutService:
         rollout_id: int,
         span_: trace.Span,
     ) -> _Scored:
+        if self.agents is not None and self.agents.plays:
+            return self._agents_play_and_score(
+                prompts=prompts, inputs=inputs, n=n, sampling=sampling, reward_fn=reward_fn, evaluating=rollout_id < 0
+            )
         if self.environment is not None:
             return self._play_and_score(
                 prompts=prompts,
@@ -436,6 +445,51 @@ class RolloutService:
             reward_s=played.environment_s + time.monotonic() - t,
             loss_masks=[list(e.loss_mask) for e in played.episodes],
             metrics={**episode_metrics(played.episodes), "env_time_s": played.environment_s},
+        )
+
+    def _agents_play_and_score(
+        self,
+        *,
+        prompts: Sequence[PromptInput],
+        inputs: ModelInputs,
+        n: int,
+        sampling: SamplingSpec,
+        reward_fn: RewardFunction,
+        evaluating: bool,
+    ) -> _Scored:
+        """Agent episodes through the OpenAI-compatible endpoint (services/rollout/agents/runner.py)."""
+        assert self.agents is not None
+        try:
+            played = self.agents.play(prompts, inputs.texts, n, sampling)
+        except AgentsFailed as exc:
+            raise FailedPrecondition(str(exc)) from exc
+        t = time.monotonic()
+        unscored = [e for e in played.finished if e.reward is None]
+        scores = iter(
+            reward_fn.score(
+                prompts=[e.row.text for e in unscored],
+                responses=[e.answer for e in unscored],
+                labels=[e.row.label for e in unscored],
+                metadatas=[dict(e.row.metadata) for e in unscored],
+            )
+            if unscored
+            else []
+        )
+        rewards = {id(e): e.reward if e.reward is not None else next(scores) for e in played.finished}
+        # an eval scores episodes (its last sample; a failed one 0); training takes every sample of finished ones
+        kept = played.episodes if evaluating else played.finished
+        rows = [(e, s) for e in kept for s in (e.samples[-1:] if evaluating else e.samples) or [((), _EMPTY, ())]]
+        return _Scored(
+            prompt_ids=[list(s[0]) for _, s in rows],
+            outputs=[s[1] for _, s in rows],
+            rewards=[rewards.get(id(e), 0.0) for e, _ in rows],
+            responses=[e.answer for e, _ in rows],
+            generate_s=played.seconds,
+            reward_s=time.monotonic() - t,
+            loss_masks=[list(s[2]) for _, s in rows],
+            metrics=played.metrics,
+            group_ids=[e.row.group_id for e, _ in rows],
+            labels=[e.row.label for e, _ in rows],
         )
 
     def _environment_metadata(self) -> dict[str, str]:
@@ -583,12 +637,26 @@ class RolloutService:
         return ServiceState(engine=self.engine.get_state(), producer=self.producer)
 
     def close(self) -> None:
+        if self.agents is not None:
+            self.agents.close()
         busy, up = self.engine.get_state().busy_s, time.monotonic() - self._started
         log.info("engine busy %.1f s of %.1f s since start (%.0f%%)", busy, up, 100 * busy / up if up > 0 else 0.0)
         if self._receiver is not None:
             self._receiver.close()
         self.writer.close()
         self.engine.close()
+
+
+_EMPTY = SampleOutput(token_ids=(), log_probs=(), finish_reason=FINISH_ABORT, weight_version=0)
+
+
+def open_agents(config: TandemConfig, texts: Texts, engine: Engine, replica: int) -> AgentRollout | None:
+    """The OpenAI-compatible endpoint when rollout.openai_api.enabled (its packages are the `agents` extra)."""
+    if not config.rollout.openai_api.enabled:
+        return None
+    from services.rollout.agents.runner import AgentRollout
+
+    return AgentRollout(config, texts=texts, engine=engine, replica=replica)
 
 
 def model_inputs(texts: Texts, prompts: Sequence[PromptInput]) -> ModelInputs:
