@@ -25,14 +25,14 @@ TOOLS = [
 MAX_TURNS = 3
 
 
-def lookup(row: Any) -> str:
-    """The tool: this question's entry of its table."""
-    key = int(row.text.split()[0])
-    return row.metadata["table"][key]
+def lookup(question: str, table: str) -> str:
+    """The tool: the question's entry of its table (`4 =` -> table[4])."""
+    return table[int(question.split()[0])]
 
 
 async def solve(client: AsyncOpenAI, row: Any) -> float:
-    messages: list[Any] = [{"role": "user", "content": row.text}]
+    messages: list[Any] = row.conversation  # [{"role": "user", "content": "4 ="}]
+    question = messages[-1]["content"]
     looked_up = False
     for _ in range(MAX_TURNS):
         response = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=1)
@@ -43,5 +43,5 @@ async def solve(client: AsyncOpenAI, row: Any) -> float:
             return float(looked_up and answer[:1] == [row.label])
         for call in message.tool_calls:
             looked_up = True
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": lookup(row)})
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": lookup(question, row.metadata["table"])})
     return 0.0

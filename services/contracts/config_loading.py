@@ -176,6 +176,10 @@ def resolve_paths(data: JsonObject, base_dir: Path) -> JsonObject:
             node[key] = _resolve_reward_file(value, base_dir)
         elif not os.path.isabs(value) and value not in _KEYWORDS.get((section, key), ()):
             node[key] = str((base_dir / value).resolve())
+    rollout = data.get("rollout")
+    api = rollout.get("openai_api") if isinstance(rollout, dict) else None
+    if isinstance(api, dict) and isinstance(api.get("tool_parser"), str):
+        api["tool_parser"] = _resolve_reward_file(api["tool_parser"], base_dir)
     return data
 
 
@@ -190,7 +194,7 @@ _PATH_KEYS = (
     ("trainer", "checkpoint_dir"),
     ("weights", "disk_dir"),
 )
-_PLUGIN_KEYS = (("rollout", "reward"), ("rollout", "environment"))
+_PLUGIN_KEYS = (("rollout", "reward"), ("rollout", "environment"), ("rollout", "agent"))
 
 
 def _resolve_reward_file(spec: str, base_dir: Path) -> str:

@@ -467,7 +467,7 @@ class RolloutService:
         unscored = [e for e in played.finished if e.reward is None]
         scores = iter(
             reward_fn.score(
-                prompts=[e.row.text for e in unscored],
+                prompts=[e.row.rendered for e in unscored],
                 responses=[e.answer for e in unscored],
                 labels=[e.row.label for e in unscored],
                 metadatas=[dict(e.row.metadata) for e in unscored],

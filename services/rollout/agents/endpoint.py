@@ -86,7 +86,7 @@ class OpenAIEndpoint:
                     "content": parsed.content or None,
                     "tool_calls": [c.as_openai() for c in parsed.tool_calls],
                 }
-                finish = "tool_calls" if out.finish_reason != FINISH_LENGTH else finish
+                finish = "tool_calls"  # as OpenAI reports a turn that called tools
             if episode is not None:
                 episode.record(
                     prompt, out, messages=messages, answer=message, answer_text=text, reused=reused is not None

@@ -42,12 +42,18 @@ class EpisodeError(ValueError):
 class AgentRow:
     """The data row of an episode, as an agent gets it."""
 
-    text: str
-    messages: tuple[Mapping[str, str], ...]
+    text: str  # a text prompt ("" for a chat)
+    messages: tuple[Mapping[str, str], ...]  # a chat prompt
     label: str
     metadata: Mapping[str, str]
     group_id: int
     sample_index: int
+    rendered: str = ""  # the prompt as the model reads it (a chat rendered by the template)
+
+    @property
+    def conversation(self) -> list[dict[str, str]]:
+        """The row as chat messages: its own, or its text as the user's message."""
+        return [dict(m) for m in self.messages] or [{"role": "user", "content": self.text}]
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -57,6 +63,7 @@ class AgentRow:
             "metadata": dict(self.metadata),
             "group_id": self.group_id,
             "sample_index": self.sample_index,
+            "conversation": self.conversation,
         }
 
 

@@ -182,7 +182,8 @@ class AgentRollout:
 
 def _row(p: PromptInput, text: str, sample_index: int) -> AgentRow:
     return AgentRow(
-        text=p.text or text,
+        text=p.text,
+        rendered=text,
         messages=tuple(m.as_dict() for m in p.messages),
         label=p.label,
         metadata=dict(p.metadata),
