@@ -20,7 +20,8 @@ import httpx  # noqa: E402  (after the skips: the agents extra brings it)
 from services.buffer.stream import RolloutBuffer, connect  # noqa: E402
 from services.contracts.chat import ChatMessage  # noqa: E402
 from services.contracts.config_loading import config_from_dict  # noqa: E402
-from services.rollout.service import PromptInput, RolloutService  # noqa: E402
+from services.rollout.agents.runner import AgentRollout  # noqa: E402
+from services.rollout.service import GenerateResult, PromptInput, RolloutService  # noqa: E402
 from services.rpc.grpc_util import FailedPrecondition  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,11 +34,17 @@ def make_service(model: Path, redis_url: str, **rollout) -> RolloutService:
         {
             "run_name": "agents-test",
             "model": {"path": str(model)},
-            "data": {"train_path": "unused.jsonl", "chat_template": str(REPO / "examples/agent_tools/chat_template.jinja")},
+            "data": {
+                "train_path": "unused.jsonl",
+                "chat_template": str(REPO / "examples/agent_tools/chat_template.jinja"),
+            },
             "rollout": {
                 "device": "cpu",
                 "n_samples_per_prompt": 4,
-                "openai_api": {"enabled": True, "tool_parser": str(REPO / "examples/agent_tools/tool_call.py") + ":parse"},
+                "openai_api": {
+                    "enabled": True,
+                    "tool_parser": str(REPO / "examples/agent_tools/tool_call.py") + ":parse",
+                },
                 "sampling": {"temperature": 1.0, "max_new_tokens": 1, "seed": 3},
                 "reward": "exact_match",
                 **rollout,
@@ -56,9 +63,13 @@ def service(example_model: Path, redis_server) -> Iterator[RolloutService]:
     svc.close()
 
 
-def client(service: RolloutService, path: str = "/v1", token: str = TOKEN):
+def agents(service: RolloutService) -> AgentRollout:
     assert service.agents is not None
-    return openai.OpenAI(base_url=service.agents.server.url + path, api_key=token, max_retries=0)
+    return service.agents
+
+
+def client(service: RolloutService, path: str = "/v1", token: str = TOKEN):
+    return openai.OpenAI(base_url=agents(service).server.url + path, api_key=token, max_retries=0)
 
 
 def lookup_prompts(n: int) -> list[PromptInput]:
@@ -108,7 +119,7 @@ def test_a_missing_or_wrong_token_is_refused_and_health_needs_none(service):
         client(service, token="wrong").chat.completions.create(
             model="policy", messages=[{"role": "user", "content": "4 ="}]
         )
-    assert httpx.get(service.agents.server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(agents(service).server.url + "/health").json() == {"status": "ok"}
 
 
 def test_chat_answers_tool_calls_logprobs_and_streams_the_same_shape(service):
@@ -157,7 +168,7 @@ def test_an_unknown_episode_is_404_and_a_training_episode_refuses_another_temper
         client(service, "/episodes/nope/v1").chat.completions.create(
             model="policy", messages=[{"role": "user", "content": "4 ="}]
         )
-    episode = service.agents.store.open(None, service.agents.endpoint.default_sampling.with_seed(1), timeout_s=60)
+    episode = agents(service).store.open(None, agents(service).endpoint.default_sampling.with_seed(1), timeout_s=60)
     try:
         for kwargs, param in (({"temperature": 0.5}, "temperature"), ({"n": 2}, "n")):
             with pytest.raises(openai.BadRequestError) as err:
@@ -166,7 +177,7 @@ def test_an_unknown_episode_is_404_and_a_training_episode_refuses_another_temper
                 )
             assert err.value.body["param"] == param
     finally:
-        service.agents.store.close([episode])
+        agents(service).store.close([episode])
 
 
 def test_an_agent_episode_is_one_sample_whose_tool_results_are_masked(example_model, redis_server, stream):
@@ -217,7 +228,7 @@ def test_crashing_and_hanging_agents_are_left_out_and_the_batch_still_forms(
     )
     try:
         result = svc.generate(rollout_id=0, prompts=lookup_prompts(2), stream=stream)
-        assert len(svc.agents.store) == 0  # every episode closed: none can post into a later batch
+        assert len(agents(svc).store) == 0  # every episode closed: none can post into a later batch
     finally:
         svc.close()
     batch = read_batch(redis_server.url, stream, result.entry_id)
@@ -252,7 +263,7 @@ def test_an_external_agent_claims_episodes_drives_them_and_posts_rewards(example
     """rollout.agent: external. Another thread plays the external process's part over HTTP (claim, chat through
     each episode's base URL, post the reward); one episode it claims gets no reward and fails at its deadline."""
     svc = make_service(example_model, redis_server.url, agent="external", agent_timeout_s=4)
-    out: dict[str, object] = {}
+    out: dict[str, GenerateResult] = {}
     worker = threading.Thread(
         target=lambda: out.update(result=svc.generate(rollout_id=0, prompts=lookup_prompts(1), stream=stream))
     )
@@ -261,9 +272,9 @@ def test_an_external_agent_claims_episodes_drives_them_and_posts_rewards(example
         headers = {"authorization": f"Bearer {TOKEN}"}
         claimed: list[dict] = []
         while len(claimed) < 4:
-            reply = httpx.post(svc.agents.server.url + "/episodes/claim", json={"max": 8}, headers=headers)
+            reply = httpx.post(agents(svc).server.url + "/episodes/claim", json={"max": 8}, headers=headers)
             claimed += reply.json()["episodes"]
-        assert httpx.post(svc.agents.server.url + "/episodes/claim", json={"max": 8}, headers=headers).json() == {
+        assert httpx.post(agents(svc).server.url + "/episodes/claim", json={"max": 8}, headers=headers).json() == {
             "episodes": []
         }  # each handed out once
         for i, episode in enumerate(claimed):
@@ -271,7 +282,7 @@ def test_an_external_agent_claims_episodes_drives_them_and_posts_rewards(example
             c = openai.OpenAI(base_url=episode["base_url"], api_key=TOKEN, max_retries=0)
             c.chat.completions.create(model="policy", messages=episode["row"]["conversation"])
             if i < 3:
-                url = f"{svc.agents.server.url}/episodes/{episode['episode_id']}/reward"
+                url = f"{agents(svc).server.url}/episodes/{episode['episode_id']}/reward"
                 assert httpx.post(url, json={"reward": float(i)}, headers=headers).json()["status"] == "finished"
                 again = httpx.post(url, json={"reward": 1.0}, headers=headers)
                 assert again.status_code == 409 and "is finished" in again.json()["error"]["message"]

@@ -43,5 +43,7 @@ async def solve(client: AsyncOpenAI, row: Any) -> float:
             return float(looked_up and answer[:1] == [row.label])
         for call in message.tool_calls:
             looked_up = True
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": lookup(question, row.metadata["table"])})
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": lookup(question, row.metadata["table"])}
+            )
     return 0.0

@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -66,12 +66,6 @@ def build_app(endpoint: OpenAIEndpoint, *, token: str | None, base_url: Callable
 
         return run
 
-    async def body_of(request: Request) -> Any:
-        try:
-            return json.loads(await request.body())
-        except ValueError as exc:
-            raise Refused("body", f"not JSON: {exc}") from None
-
     def episode_of(request: Request) -> str | None:
         return request.path_params.get("episode_id") or request.headers.get(EPISODE_HEADER) or None
 
@@ -93,6 +87,34 @@ def build_app(endpoint: OpenAIEndpoint, *, token: str | None, base_url: Callable
         return JSONResponse(
             {"object": "list", "data": [{"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "tandem"}]}
         )
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/episodes/{episode_id}/v1/models", guarded(models), methods=["GET"]),
+        Route("/episodes/{episode_id}/v1/chat/completions", guarded(chat), methods=["POST"]),
+        Route("/episodes/{episode_id}/v1/completions", guarded(completions), methods=["POST"]),
+    ]
+    routes += [Route(path, guarded(handler), methods=["POST"]) for path, handler in _episode_routes(endpoint, base_url)]
+    return Starlette(routes=routes)
+
+
+async def body_of(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except ValueError as exc:
+        raise Refused("body", f"not JSON: {exc}") from None
+
+
+def _episode_routes(
+    endpoint: OpenAIEndpoint, base_url: Callable[[], str]
+) -> list[tuple[str, Callable[[Request], Awaitable[Response]]]]:
+    """What an external agent process calls: claim episodes, post a reward, give one up."""
 
     async def claim(request: Request) -> Response:
         body = await body_of(request)
@@ -131,25 +153,14 @@ def build_app(endpoint: OpenAIEndpoint, *, token: str | None, base_url: Callable
         episode.fail(f"the agent gave it up: {error or 'no reason given'}")
         return JSONResponse({"episode_id": episode.id, "status": episode.status})
 
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
-
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", guarded(models), methods=["GET"]),
-        Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
-        Route("/v1/completions", guarded(completions), methods=["POST"]),
-        Route("/episodes/claim", guarded(claim), methods=["POST"]),
-        Route("/episodes/{episode_id}/v1/models", guarded(models), methods=["GET"]),
-        Route("/episodes/{episode_id}/v1/chat/completions", guarded(chat), methods=["POST"]),
-        Route("/episodes/{episode_id}/v1/completions", guarded(completions), methods=["POST"]),
-        Route("/episodes/{episode_id}/reward", guarded(reward), methods=["POST"]),
-        Route("/episodes/{episode_id}/fail", guarded(fail), methods=["POST"]),
+    return [
+        ("/episodes/claim", claim),
+        ("/episodes/{episode_id}/reward", reward),
+        ("/episodes/{episode_id}/fail", fail),
     ]
-    return Starlette(routes=routes)
 
 
-def _sse(chunks: list[Mapping[str, Any]]) -> StreamingResponse:
+def _sse(chunks: Sequence[Mapping[str, Any]]) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
         for chunk in chunks:
             yield f"data: {json.dumps(chunk)}\n\n"

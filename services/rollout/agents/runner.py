@@ -48,7 +48,7 @@ def resolve_agent(spec: str) -> AgentFunction:
         raise AgentSpecError(
             f"rollout.agent {spec!r} must be an async function (async def f(client, row)), got {type(fn).__name__}"
         )
-    return fn  # type: ignore[return-value]
+    return fn
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,14 @@ import asyncio
 import logging
 import threading
 import time
+from typing import Any
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 
 
 class EndpointServer:
-    def __init__(self, app: object, *, port: int, start_timeout_s: float):
+    def __init__(self, app: Any, *, port: int, start_timeout_s: float):
         import uvicorn
 
         config = uvicorn.Config(
@@ -42,9 +43,7 @@ class EndpointServer:
         try:
             self.loop = asyncio.new_event_loop()
             self.loop.run_until_complete(self._server.serve())
-        except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
-            self._failed = exc
-        except SystemExit as exc:  # uvicorn exits when it cannot bind
+        except BaseException as exc:  # noqa: BLE001 - reported to the starting thread (uvicorn exits on a bind error)
             self._failed = exc
         finally:
             if self.loop is not None:

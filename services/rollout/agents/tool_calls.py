@@ -54,7 +54,7 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 def _call_from(obj: Any, argument_keys: tuple[str, ...]) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = next((obj[k] for k in argument_keys if k in obj), {})
+    args: Any = next((obj[k] for k in argument_keys if k in obj), {})
     if isinstance(args, str):
         return ToolCall(name=obj["name"], arguments=args)
     return ToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
