@@ -18,7 +18,7 @@ pytest.importorskip("uvicorn")
 import httpx  # noqa: E402  (after the skips: the agents extra brings it)
 
 from services.buffer.stream import RolloutBuffer, connect  # noqa: E402
-from services.contracts.chat import ChatMessage  # noqa: E402
+from services.contracts.chat_messages import ChatMessage  # noqa: E402
 from services.contracts.config_loading import config_from_dict  # noqa: E402
 from services.rollout.agents.runner import AgentRollout  # noqa: E402
 from services.rollout.service import GenerateResult, PromptInput, RolloutService  # noqa: E402

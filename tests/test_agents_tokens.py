@@ -22,9 +22,9 @@ from helpers.chatml_tokenizer import build_chatml_tokenizer  # noqa: E402
 from helpers.scripted_engine import GenerateOnlyEngine  # noqa: E402
 
 from services.contracts.config_loading import config_from_dict  # noqa: E402
-from services.contracts.sampling import SamplingSpec  # noqa: E402
+from services.contracts.sampling_spec import SamplingSpec  # noqa: E402
 from services.rollout.agents.tool_calls import hermes, llama3_json  # noqa: E402
-from services.rollout.engines.base import FINISH_STOP, SampleOutput  # noqa: E402
+from services.rollout.engines.interface import FINISH_STOP, SampleOutput  # noqa: E402
 from services.rollout.service import RolloutService  # noqa: E402
 from services.rollout.tokenizer import load_tokenizer  # noqa: E402
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.base import Engine, SampleOutput
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.engines.interface import Engine, SampleOutput
 
 
 class Busy(RuntimeError):

@@ -11,13 +11,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.rollout.agents.batcher import EngineBatcher
 from services.rollout.agents.episodes import Episode, EpisodeError, EpisodeStore, template_message
 from services.rollout.agents.requests import ChatRequest, CompletionRequest, Params, Refused
 from services.rollout.agents.tool_calls import ToolParser
-from services.rollout.chat import ChatTemplateError
-from services.rollout.engines.base import FINISH_ABORT, FINISH_LENGTH, Engine, SampleOutput
+from services.rollout.chat_template import ChatTemplateError
+from services.rollout.engines.interface import FINISH_ABORT, FINISH_LENGTH, Engine, SampleOutput
 from services.rollout.tokenizer import Texts
 
 

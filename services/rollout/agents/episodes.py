@@ -9,7 +9,7 @@ is one sample.
 
 Nothing is re-tokenized: when a chat request's messages are the previous request's messages followed by the
 assistant message this endpoint answered (as the agent got it back), the new prompt is the previous turn's prompt
-and generated ids, then only the new messages rendered by the chat template after an assistant turn (chat.py's
+and generated ids, then only the new messages rendered by the chat template after an assistant turn (chat_template.py's
 continuation_text). Re-encoding the decoded answer would often split it into other tokens (prime-rl #1334,
 verl #2618), and the policy would be trained on tokens it never sampled.
 """
@@ -24,8 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.base import FINISH_STOP, SampleOutput
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.engines.interface import FINISH_STOP, SampleOutput
 
 OPEN, FINISHED, FAILED = "open", "finished", "failed"
 

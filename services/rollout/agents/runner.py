@@ -22,7 +22,7 @@ from typing import Any
 from services.contracts.agents_config import AGENT_EXTERNAL
 from services.contracts.config import TandemConfig
 from services.contracts.rollout_calls import PromptInput
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.rollout.agents.app import build_app
 from services.rollout.agents.batcher import EngineBatcher
 from services.rollout.agents.endpoint import OpenAIEndpoint
@@ -30,7 +30,7 @@ from services.rollout.agents.episodes import FINISHED, AgentRow, Episode, Episod
 from services.rollout.agents.failures import AgentsFailed
 from services.rollout.agents.server import EndpointServer
 from services.rollout.agents.tool_calls import resolve_tool_parser
-from services.rollout.engines.base import Engine, SampleOutput
+from services.rollout.engines.interface import Engine, SampleOutput
 from services.rollout.rewards import load_attribute
 from services.rollout.tokenizer import Texts
 
