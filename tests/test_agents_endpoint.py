@@ -5,6 +5,8 @@ redis-server and are read back as the trainer reads them."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -259,33 +261,26 @@ def test_an_agent_spec_that_is_not_an_async_function_fails_the_start(example_mod
         make_service(example_model, redis_server.url, agent="tests/helpers/agents.py:not_async")
 
 
-def test_an_external_agent_claims_episodes_drives_them_and_posts_rewards(example_model, redis_server, stream):
-    """rollout.agent: external. Another thread plays the external process's part over HTTP (claim, chat through
-    each episode's base URL, post the reward); one episode it claims gets no reward and fails at its deadline."""
-    svc = make_service(example_model, redis_server.url, agent="external", agent_timeout_s=4)
+def test_an_external_agent_process_claims_episodes_drives_them_and_posts_rewards(example_model, redis_server, stream):
+    """rollout.agent: external. A separate process (tests/helpers/external_agent.py) claims the episodes with `tandem
+    ctl episodes`, chats through each one's base URL with the openai client and posts rewards with `tandem ctl
+    reward`, except for one: that one fails at its deadline, and the batch forms from the other three."""
+    svc = make_service(example_model, redis_server.url, agent="external", agent_timeout_s=20)
     out: dict[str, GenerateResult] = {}
     worker = threading.Thread(
         target=lambda: out.update(result=svc.generate(rollout_id=0, prompts=lookup_prompts(1), stream=stream))
     )
     worker.start()
     try:
-        headers = {"authorization": f"Bearer {TOKEN}"}
-        claimed: list[dict] = []
-        while len(claimed) < 4:
-            reply = httpx.post(agents(svc).server.url + "/episodes/claim", json={"max": 8}, headers=headers)
-            claimed += reply.json()["episodes"]
-        assert httpx.post(agents(svc).server.url + "/episodes/claim", json={"max": 8}, headers=headers).json() == {
-            "episodes": []
-        }  # each handed out once
-        for i, episode in enumerate(claimed):
-            assert episode["row"]["conversation"] == [lookup_prompts(1)[0].messages[0].as_dict()]
-            c = openai.OpenAI(base_url=episode["base_url"], api_key=TOKEN, max_retries=0)
-            c.chat.completions.create(model="policy", messages=episode["row"]["conversation"])
-            if i < 3:
-                url = f"{agents(svc).server.url}/episodes/{episode['episode_id']}/reward"
-                assert httpx.post(url, json={"reward": float(i)}, headers=headers).json()["status"] == "finished"
-                again = httpx.post(url, json={"reward": 1.0}, headers=headers)
-                assert again.status_code == 409 and "is finished" in again.json()["error"]["message"]
+        agent = subprocess.run(
+            [sys.executable, str(REPO / "tests/helpers/external_agent.py"), agents(svc).server.url, TOKEN, "4"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
+        assert agent.returncode == 0, agent.stderr
+        assert json.loads(agent.stdout) == [[lookup_prompts(1)[0].messages[0].as_dict()]] * 4
         worker.join(timeout=60)
     finally:
         worker.join(timeout=60)
@@ -294,3 +289,25 @@ def test_an_external_agent_claims_episodes_drives_them_and_posts_rewards(example
     batch = read_batch(redis_server.url, stream, result.entry_id)
     assert batch.num_samples == 3 and sorted(batch.rewards.tolist()) == [0.0, 1.0, 2.0]
     assert result.metrics["agent_failed_episodes"] == 1.0
+
+
+def test_a_reward_is_posted_once_and_an_unclaimed_episode_fails_naming_that(example_model, redis_server, stream):
+    svc = make_service(example_model, redis_server.url, agent="external", agent_timeout_s=3)
+    try:
+        with pytest.raises(
+            FailedPrecondition, match=r"no reward within rollout.agent_timeout_s \(3 s\); no external agent"
+        ):
+            svc.generate(rollout_id=0, prompts=lookup_prompts(1), stream=stream)
+        episode = agents(svc).store.open(None, None, timeout_s=60)
+        headers = {"authorization": f"Bearer {TOKEN}"}
+        url = f"{agents(svc).server.url}/episodes/{episode.id}"
+        client(svc, f"/episodes/{episode.id}/v1").chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "4 ="}]
+        )
+        assert httpx.post(url + "/reward", json={"reward": 1}, headers=headers).json()["status"] == "finished"
+        again = httpx.post(url + "/reward", json={"reward": 1}, headers=headers)
+        assert again.status_code == 409 and "is finished" in again.json()["error"]["message"]
+        bad = httpx.post(url + "/reward", json={"reward": "high"}, headers=headers)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "reward"
+    finally:
+        svc.close()
