@@ -20,13 +20,13 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services.contracts.untyped import JsonObject, JsonValue
 from services.rollout.agents.batcher import Busy
 from services.rollout.agents.endpoint import EngineAborted, OpenAIEndpoint
 from services.rollout.agents.episodes import EpisodeError
@@ -104,7 +104,7 @@ def build_app(endpoint: OpenAIEndpoint, *, token: str | None, base_url: Callable
     return Starlette(routes=routes)
 
 
-async def body_of(request: Request) -> Any:
+async def body_of(request: Request) -> JsonValue:
     try:
         return json.loads(await request.body())
     except ValueError as exc:
@@ -160,7 +160,7 @@ def _episode_routes(
     ]
 
 
-def _sse(chunks: Sequence[Mapping[str, Any]]) -> StreamingResponse:
+def _sse(chunks: Sequence[Mapping[str, JsonValue]]) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
         for chunk in chunks:
             yield f"data: {json.dumps(chunk)}\n\n"
@@ -169,13 +169,13 @@ def _sse(chunks: Sequence[Mapping[str, Any]]) -> StreamingResponse:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def _chat_chunks(answer: Mapping[str, Any], *, include_usage: bool) -> list[dict[str, Any]]:
+def _chat_chunks(answer: Mapping[str, JsonValue], *, include_usage: bool) -> list[JsonObject]:
     """The answer as chat.completion.chunk events: the role, the content, the tool calls, then the finish."""
     head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    chunks: list[dict[str, Any]] = []
+    chunks: list[JsonObject] = []
     for choice in answer["choices"]:
         message, index = choice["message"], choice["index"]
-        deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+        deltas: list[JsonObject] = [{"role": "assistant", "content": ""}]
         if message.get("content"):
             deltas.append({"content": message["content"]})
         if message.get("tool_calls"):
@@ -191,7 +191,7 @@ def _chat_chunks(answer: Mapping[str, Any], *, include_usage: bool) -> list[dict
     return chunks
 
 
-def _completion_chunks(answer: Mapping[str, Any], *, include_usage: bool) -> list[dict[str, Any]]:
+def _completion_chunks(answer: Mapping[str, JsonValue], *, include_usage: bool) -> list[JsonObject]:
     head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "text_completion"}
     chunks = [
         {**head, "choices": [{k: c[k] for k in ("index", "text", "finish_reason", "logprobs")}]}

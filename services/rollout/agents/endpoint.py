@@ -9,9 +9,9 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from services.contracts.sampling_spec import SamplingSpec
+from services.contracts.untyped import JsonObject, JsonValue
 from services.rollout.agents.batcher import EngineBatcher
 from services.rollout.agents.episodes import Episode, EpisodeError, EpisodeStore, template_message
 from services.rollout.agents.requests import ChatRequest, CompletionRequest, Params, Refused
@@ -51,7 +51,7 @@ class OpenAIEndpoint:
 
     # ---- chat ---------------------------------------------------------------------------------------------------
 
-    async def chat(self, episode_id: str | None, request: ChatRequest) -> dict[str, Any]:
+    async def chat(self, episode_id: str | None, request: ChatRequest) -> JsonObject:
         episode = self._episode(episode_id)
         params = request.params
         sampling = self._sampling(episode, params)
@@ -78,7 +78,7 @@ class OpenAIEndpoint:
         for i, out in enumerate(turn.outputs):
             text = self.texts.decode(out.token_ids)
             parsed = self.tool_parser(text, request.tools) if request.tools else None
-            message: dict[str, Any] = {"role": "assistant", "content": text}
+            message: JsonObject = {"role": "assistant", "content": text}
             finish = out.finish_reason
             if parsed is not None and parsed.tool_calls:
                 message = {
@@ -112,7 +112,7 @@ class OpenAIEndpoint:
 
     # ---- completions --------------------------------------------------------------------------------------------
 
-    async def completion(self, episode_id: str | None, request: CompletionRequest) -> dict[str, Any]:
+    async def completion(self, episode_id: str | None, request: CompletionRequest) -> JsonObject:
         episode = self._episode(episode_id)
         params = request.params
         sampling = self._sampling(episode, params)
@@ -218,7 +218,7 @@ class OpenAIEndpoint:
     def _token_texts(self, ids: Sequence[int]) -> list[str]:
         return self.texts.decode_raw([[t] for t in ids])
 
-    def _token_logprobs(self, out: SampleOutput) -> list[Mapping[str, Any]]:
+    def _token_logprobs(self, out: SampleOutput) -> list[Mapping[str, JsonValue]]:
         return [
             {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
             for text, lp in zip(self._token_texts(out.token_ids), out.log_probs, strict=True)

@@ -22,9 +22,9 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from services.contracts.sampling_spec import SamplingSpec
+from services.contracts.untyped import JsonObject, JsonValue
 from services.rollout.engines.interface import FINISH_STOP, SampleOutput
 
 OPEN, FINISHED, FAILED = "open", "finished", "failed"
@@ -55,7 +55,7 @@ class AgentRow:
         """The row as chat messages: its own, or its text as the user's message."""
         return [dict(m) for m in self.messages] or [{"role": "user", "content": self.text}]
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> JsonObject:
         return {
             "text": self.text,
             "messages": [dict(m) for m in self.messages],
@@ -70,14 +70,14 @@ class AgentRow:
 Message = tuple[str, str, str, tuple[tuple[str, str], ...]]  # role, content, tool_call_id, ((name, args), ...)
 
 
-def normalized(message: Mapping[str, Any]) -> Message:
+def normalized(message: Mapping[str, JsonValue]) -> Message:
     """What makes two messages the same turn: role, text, the tool call answered, the calls made (ids and key order
     of the arguments aside: an agent rebuilds them)."""
     calls = tuple((c["function"]["name"], _canonical(c["function"].get("arguments"))) for c in tool_calls_of(message))
     return (str(message.get("role")), content_text(message), str(message.get("tool_call_id") or ""), calls)
 
 
-def content_text(message: Mapping[str, Any]) -> str:
+def content_text(message: Mapping[str, JsonValue]) -> str:
     content = message.get("content")
     if content is None:
         return ""
@@ -86,11 +86,11 @@ def content_text(message: Mapping[str, Any]) -> str:
     return "".join(part.get("text", "") for part in content)  # parts are checked text-only by requests.py
 
 
-def tool_calls_of(message: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+def tool_calls_of(message: Mapping[str, JsonValue]) -> list[Mapping[str, JsonValue]]:
     return list(message.get("tool_calls") or [])
 
 
-def _canonical(arguments: Any) -> str:
+def _canonical(arguments: JsonValue) -> str:
     try:
         value = json.loads(arguments) if isinstance(arguments, str) else arguments
     except ValueError:
@@ -98,10 +98,10 @@ def _canonical(arguments: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
-def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+def template_message(message: Mapping[str, JsonValue]) -> JsonObject:
     """A message as chat templates read it (Hugging Face's convention): text content, tool-call arguments as
     objects."""
-    out: dict[str, Any] = {"role": message["role"], "content": content_text(message)}
+    out: JsonObject = {"role": message["role"], "content": content_text(message)}
     calls = tool_calls_of(message)
     if calls:
         out["tool_calls"] = [
@@ -118,7 +118,7 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _arguments_object(function: Mapping[str, Any]) -> Any:
+def _arguments_object(function: Mapping[str, JsonValue]) -> JsonValue:
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
@@ -193,7 +193,7 @@ class Episode:
         self.turns = 0
         self.rewritten = 0  # turns that did not extend the previous one's tokens
         self.reused_turns = 0  # turns whose prompt reused the previous turn's generated ids
-        self.transcript: list[Mapping[str, Any]] = []  # the last chat request's messages and its answer
+        self.transcript: list[Mapping[str, JsonValue]] = []  # the last chat request's messages and its answer
         self.last_answer = ""  # the text of the last turn's answer (what rollout.reward scores)
         self.samples: list[_Sample] = []
         self._last: _LastTurn | None = None
@@ -209,8 +209,8 @@ class Episode:
             raise EpisodeError(f"episode {self.id} is past its deadline (rollout.agent_timeout_s)", status=409)
 
     def reused_prefix(
-        self, messages: Sequence[Mapping[str, Any]]
-    ) -> tuple[list[int], SampleOutput, list[Mapping[str, Any]]] | None:
+        self, messages: Sequence[Mapping[str, JsonValue]]
+    ) -> tuple[list[int], SampleOutput, list[Mapping[str, JsonValue]]] | None:
         """When `messages` continue the last chat turn (its request's messages, then the answer it got): that turn's
         prompt ids, its output and the messages after it; else None."""
         last = self._last
@@ -233,8 +233,8 @@ class Episode:
         prompt_ids: Sequence[int],
         output: SampleOutput,
         *,
-        messages: Sequence[Mapping[str, Any]] = (),
-        answer: Mapping[str, Any] | None = None,
+        messages: Sequence[Mapping[str, JsonValue]] = (),
+        answer: Mapping[str, JsonValue] | None = None,
         text: str = "",
         answer_text: str = "",
         reused: bool = False,

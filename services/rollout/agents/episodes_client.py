@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from services.contracts.config_base import ConfigError
 from services.contracts.exits import ExitCode
 from services.contracts.files import write_json_atomic
+from services.contracts.untyped import JsonObject, JsonValue
 
 ENDPOINT_DIR = "openai_api"
 
@@ -42,7 +42,7 @@ def find_endpoint(*, endpoint: str | None, run_dir: Path | None, replica: int = 
         ) from None
 
 
-def _post(url: str, body: dict[str, Any], *, token: str | None, timeout_s: float) -> tuple[int, Any]:
+def _post(url: str, body: JsonObject, *, token: str | None, timeout_s: float) -> tuple[int, JsonValue]:
     import httpx
 
     headers = {"authorization": f"Bearer {token}"} if token else {}
@@ -73,7 +73,7 @@ def post_reward(url: str, *, token: str | None, episode: str, reward: float, tim
     return ExitCode.OK
 
 
-def _failed(action: str, status: int, body: Any) -> int:
+def _failed(action: str, status: int, body: JsonValue) -> int:
     message = body.get("error", {}).get("message") if isinstance(body, dict) else body
     print(f"tandem ctl {action}: {status or 'no answer'}: {message}", file=sys.stderr)
     return ExitCode.FAILED

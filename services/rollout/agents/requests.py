@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from services.contracts.rollout_config import stop_strings_problem
+from services.contracts.untyped import JsonValue
 
 MAX_N = 128
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -73,9 +73,9 @@ class Params:
 @dataclass(frozen=True)
 class ChatRequest:
     params: Params
-    messages: tuple[Mapping[str, Any], ...]
-    tools: tuple[Mapping[str, Any], ...]  # () when tool_choice is none
-    offered_tools: tuple[Mapping[str, Any], ...]  # as sent (the template renders them even with tool_choice none)
+    messages: tuple[Mapping[str, JsonValue], ...]
+    tools: tuple[Mapping[str, JsonValue], ...]  # () when tool_choice is none
+    offered_tools: tuple[Mapping[str, JsonValue], ...]  # as sent (the template renders them even with tool_choice none)
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class CompletionRequest:
     prompt: str | tuple[int, ...]
 
 
-def chat_request(body: Any) -> ChatRequest:
+def chat_request(body: JsonValue) -> ChatRequest:
     body = _object(body)
     _known(body, _CHAT)
     if body.get("max_completion_tokens") is not None and body.get("max_tokens") is not None:
@@ -117,7 +117,7 @@ def chat_request(body: Any) -> ChatRequest:
     )
 
 
-def completion_request(body: Any) -> CompletionRequest:
+def completion_request(body: JsonValue) -> CompletionRequest:
     body = _object(body)
     _known(body, _COMPLETIONS)
     logprobs = body.get("logprobs")
@@ -137,13 +137,13 @@ def completion_request(body: Any) -> CompletionRequest:
     )
 
 
-def _object(body: Any) -> Mapping[str, Any]:
+def _object(body: JsonValue) -> Mapping[str, JsonValue]:
     if not isinstance(body, dict):
         raise Refused("body", "must be a JSON object")
     return body
 
 
-def _known(body: Mapping[str, Any], honoured: set[str]) -> None:
+def _known(body: Mapping[str, JsonValue], honoured: set[str]) -> None:
     for key in body:
         if key not in honoured:
             raise Refused(key, "not supported by this endpoint")
@@ -154,7 +154,7 @@ def _known(body: Mapping[str, Any], honoured: set[str]) -> None:
         raise Refused("logit_bias", "would change the policy's distribution; only empty")
 
 
-def _params(body: Mapping[str, Any], *, max_tokens: Any, logprobs: bool) -> Params:
+def _params(body: Mapping[str, JsonValue], *, max_tokens: JsonValue, logprobs: bool) -> Params:
     n = body.get("n", 1)
     if n is None:
         n = 1
@@ -199,7 +199,7 @@ def _params(body: Mapping[str, Any], *, max_tokens: Any, logprobs: bool) -> Para
     )
 
 
-def _number(body: Mapping[str, Any], key: str, *, low: float, high: float) -> float | None:
+def _number(body: Mapping[str, JsonValue], key: str, *, low: float, high: float) -> float | None:
     value = body.get(key)
     if value is None:
         return None
@@ -210,7 +210,7 @@ def _number(body: Mapping[str, Any], key: str, *, low: float, high: float) -> fl
     return float(value)
 
 
-def _tools(tools: Any) -> tuple[Mapping[str, Any], ...]:
+def _tools(tools: JsonValue) -> tuple[Mapping[str, JsonValue], ...]:
     if tools is None:
         return ()
     if not isinstance(tools, list):
@@ -224,7 +224,7 @@ def _tools(tools: Any) -> tuple[Mapping[str, Any], ...]:
     return tuple(tools)
 
 
-def _message(message: Any, index: int) -> Mapping[str, Any]:
+def _message(message: JsonValue, index: int) -> Mapping[str, JsonValue]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise Refused(where, "must be an object with a role")

@@ -23,6 +23,7 @@ from services.contracts.agents_config import AGENT_EXTERNAL
 from services.contracts.config import TandemConfig
 from services.contracts.rollout_calls import PromptInput
 from services.contracts.sampling_spec import SamplingSpec
+from services.contracts.untyped import JsonValue
 from services.rollout.agents.app import build_app
 from services.rollout.agents.batcher import EngineBatcher
 from services.rollout.agents.endpoint import OpenAIEndpoint
@@ -152,7 +153,7 @@ class AgentRollout:
         async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as http:
             await asyncio.gather(*(self._run_one(agent, e, openai, http) for e in episodes))
 
-    async def _run_one(self, agent: AgentFunction, episode: Episode, openai: Any, http: Any) -> None:
+    async def _run_one(self, agent: AgentFunction, episode: Episode, openai: JsonValue, http: JsonValue) -> None:
         client = openai.AsyncOpenAI(
             base_url=self.base_url(episode), api_key=self.token or "unused", max_retries=0, http_client=http
         )

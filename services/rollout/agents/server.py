@@ -7,14 +7,17 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 
 
 class EndpointServer:
-    def __init__(self, app: Any, *, port: int, start_timeout_s: float):
+    def __init__(self, app: Starlette, *, port: int, start_timeout_s: float):
         import uvicorn
 
         config = uvicorn.Config(

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from services.contracts.untyped import JsonObject, JsonValue
 from services.rollout.rewards import load_attribute
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ class ToolCall:
     arguments: str  # a JSON object's text, as OpenAI sends it
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
-    def as_openai(self) -> dict[str, Any]:
+    def as_openai(self) -> JsonObject:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
@@ -46,12 +47,12 @@ class ParsedTurn:
     tool_calls: tuple[ToolCall, ...] = ()
 
 
-ToolParser = Callable[[str, Sequence[Mapping[str, Any]]], ParsedTurn]
+ToolParser = Callable[[str, Sequence[Mapping[str, JsonValue]]], ParsedTurn]
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def _call_from(obj: Any, argument_keys: tuple[str, ...]) -> ToolCall | None:
+def _call_from(obj: JsonValue, argument_keys: tuple[str, ...]) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args: Any = next((obj[k] for k in argument_keys if k in obj), {})
@@ -60,7 +61,7 @@ def _call_from(obj: Any, argument_keys: tuple[str, ...]) -> ToolCall | None:
     return ToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
 
 
-def hermes(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> ParsedTurn:
+def hermes(text: str, tools: Sequence[Mapping[str, JsonValue]] = ()) -> ParsedTurn:
     calls: list[ToolCall] = []
     kept: list[str] = []
     at = 0
@@ -78,7 +79,7 @@ def hermes(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> ParsedTurn:
     return ParsedTurn(content="".join(kept).strip() if calls else text, tool_calls=tuple(calls))
 
 
-def llama3_json(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> ParsedTurn:
+def llama3_json(text: str, tools: Sequence[Mapping[str, JsonValue]] = ()) -> ParsedTurn:
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
         return ParsedTurn(content=text)
@@ -100,7 +101,7 @@ def llama3_json(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> ParsedTur
     return ParsedTurn(content="", tool_calls=tuple(calls))
 
 
-def no_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> ParsedTurn:
+def no_tool_calls(text: str, tools: Sequence[Mapping[str, JsonValue]] = ()) -> ParsedTurn:
     return ParsedTurn(content=text)
 
 
