@@ -14,14 +14,14 @@ pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from helpers.sglang_contract_server import ContractServer  # noqa: E402
+from helpers.sglang_contract_server import ContractServer
 
-from services.buffer.stream import RolloutBuffer, connect  # noqa: E402
-from services.contracts.chat_messages import ChatMessage  # noqa: E402
-from services.contracts.config_loading import config_from_dict  # noqa: E402
-from services.modelinit.init_model import init_model  # noqa: E402
-from services.rollout.engines.sglang.engine import SGLangEngine  # noqa: E402
-from services.rollout.service import PromptInput, RolloutService  # noqa: E402
+from services.buffer.stream import RolloutBuffer, connect
+from services.contracts.chat_messages import ChatMessage
+from services.contracts.config_loading import config_from_dict
+from services.modelinit.init_model import init_model
+from services.rollout.engines.sglang.engine import SGLangEngine
+from services.rollout.service import PromptInput, RolloutService
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
