@@ -116,6 +116,27 @@ def test_parameters_it_cannot_honour_are_refused_by_name(service, extra, param):
     assert err.value.body["message"].startswith(f"{param}: ")
 
 
+def test_a_body_that_is_not_json_or_a_message_of_an_unknown_role_is_refused_by_name(service):
+    headers = {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
+    url = agents(service).server.url + "/v1/chat/completions"
+    reply = httpx.post(url, content=b"{not json", headers=headers)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "body"
+    reply = httpx.post(url, json={"messages": [{"role": "robot", "content": "hi"}]}, headers=headers)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages[0].role"
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    reply = httpx.post(url, json={"messages": [image]}, headers=headers)
+    assert reply.json()["error"]["message"] == "messages[0].content[0]: only text parts are supported, got 'image_url'"
+
+
+def test_the_endpoint_stops_with_the_service(example_model, redis_server):
+    svc = make_service(example_model, redis_server.url)
+    url = agents(svc).server.url
+    assert httpx.get(url + "/health").status_code == 200
+    svc.close()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health")
+
+
 def test_a_missing_or_wrong_token_is_refused_and_health_needs_none(service):
     with pytest.raises(openai.AuthenticationError):
         client(service, token="wrong").chat.completions.create(
