@@ -21,7 +21,9 @@ import httpx  # noqa: E402  (after the skips: the agents extra brings it)
 
 from services.buffer.stream import RolloutBuffer, connect  # noqa: E402
 from services.contracts.chat_messages import ChatMessage  # noqa: E402
-from services.contracts.config_loading import config_from_dict  # noqa: E402
+from services.contracts.config import ConfigError  # noqa: E402
+from services.contracts.config_loading import config_from_dict, load_config  # noqa: E402
+from services.launcher import preflight  # noqa: E402
 from services.rollout.agents.runner import AgentRollout  # noqa: E402
 from services.rollout.service import GenerateResult, PromptInput, RolloutService  # noqa: E402
 from services.rpc.grpc_util import FailedPrecondition  # noqa: E402
@@ -277,9 +279,15 @@ def test_when_every_agent_fails_the_generate_fails_naming_why(example_model, red
         svc.close()
 
 
-def test_an_agent_spec_that_is_not_an_async_function_fails_the_start(example_model, redis_server):
+def test_an_agent_spec_that_is_not_an_async_function_fails_the_start_and_the_preflight(example_model, redis_server):
     with pytest.raises(ValueError, match="must be an async function"):
         make_service(example_model, redis_server.url, agent="tests/helpers/agents.py:not_async")
+    config = load_config(
+        str(REPO / "examples/agent_tools.yaml"),
+        ["rollout.agent=examples/agent_tools/agent.py:nope", "rollout.openai_api.tool_parser=hermes"],
+    )
+    with pytest.raises(ConfigError, match=r"rollout.agent '.*agent.py:nope': .*has no attribute 'nope'"):
+        preflight._check_agents(config)
 
 
 def test_an_external_agent_process_claims_episodes_drives_them_and_posts_rewards(example_model, redis_server, stream):

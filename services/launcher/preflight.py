@@ -40,6 +40,7 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
     records = check_data(config)
     _check_reward(config.rollout.reward)
     _check_environment(config.rollout.environment)
+    _check_agents(config)
     from services.rollout.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
@@ -341,6 +342,15 @@ def _check_environment(spec: str | None) -> None:
         resolve_environment(spec)
     except EnvironmentSpecError as exc:
         raise ConfigError(f"rollout.environment: {exc}") from None
+
+
+def _check_agents(config: TandemConfig) -> None:
+    from services.rollout.agents.failures import check_agents
+
+    try:
+        check_agents(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def unencodable_text(
