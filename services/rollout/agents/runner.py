@@ -149,7 +149,7 @@ class AgentRollout:
         import httpx
         import openai
 
-        limits = httpx.Limits(max_connections=max(16, len(episodes)), max_keepalive_connections=64)
+        limits = httpx.Limits(max_connections=len(episodes), max_keepalive_connections=64)
         async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as http:
             await asyncio.gather(*(self._run_one(agent, e, openai, http) for e in episodes))
 
