@@ -195,6 +195,11 @@ def test_an_unknown_episode_is_404_and_a_training_episode_refuses_another_temper
         )
     episode = agents(service).store.open(None, agents(service).endpoint.default_sampling.with_seed(1), timeout_s=60)
     try:
+        # the episode named by a header instead of the path
+        client(service).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "4 ="}], extra_headers={"X-Episode-Id": episode.id}
+        )
+        assert episode.turns == 1 and len(episode.training_samples(version=0)) == 1
         for kwargs, param in (({"temperature": 0.5}, "temperature"), ({"n": 2}, "n")):
             with pytest.raises(openai.BadRequestError) as err:
                 client(service, f"/episodes/{episode.id}/v1").chat.completions.create(

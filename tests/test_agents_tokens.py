@@ -143,3 +143,19 @@ def test_tool_call_parsers_read_each_family_format_and_leave_what_is_not_a_call(
     llama = llama3_json('{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}')
     assert llama.content == "" and [(c.name, c.arguments) for c in llama.tool_calls] == [("f", '{"x": 1}'), ("g", "{}")]
     assert llama3_json("The answer is {x}").tool_calls == () and llama3_json('{"x": 1}').content == '{"x": 1}'
+
+
+@pytest.mark.parametrize(("family", "parser"), [("QWEN25", "hermes"), ("QWEN3", "hermes"), ("LLAMA3", "llama3_json")])
+def test_auto_picks_the_family_tool_call_format_from_its_vocabulary(family: str, parser: str):
+    from services.modelinit import families
+    from services.modelinit.bpe_tokenizer import build_tokenizer
+    from services.rollout.agents.tool_calls import resolve_tool_parser
+
+    tokenizer = build_tokenizer(getattr(families, family), model_max_length=4096)
+    assert resolve_tool_parser("auto", tokenizer)[0] == parser
+
+
+def test_auto_reads_no_tool_calls_from_a_vocabulary_without_a_format(example_model: Path):
+    from services.rollout.agents.tool_calls import resolve_tool_parser
+
+    assert resolve_tool_parser("auto", load_tokenizer(example_model))[0] == "none"
