@@ -22,6 +22,9 @@ from services.contracts.chat_messages import ChatMessage
 from services.contracts.config_loading import load_config
 from services.contracts.rollout_calls import PromptInput
 from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.builder import build_rollout
+from services.rollout.environment_registry import resolve_environment
+from services.rollout.prompts import validated_inputs
 from services.rollout.service import RolloutService
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,11 +50,11 @@ def main() -> None:
     sampling = SamplingSpec(temperature=1.0, max_new_tokens=1, seed=1)
     rows = []
     agent = load_config(REPO / "examples/agent_tools.yaml", ["redis.url=redis://127.0.0.1:1"])
-    service = RolloutService(agent)
+    service = RolloutService(build_rollout(agent))
     assert service.agents is not None
     try:
         batch = prompts(args.prompts)
-        texts = service.model_inputs(batch).texts
+        texts = validated_inputs(service.texts, service.engine, batch).texts
         seconds, calls, turns, engine = [], [], [], []
         for _ in range(args.repeat):
             before = service.agents.batcher.engine_calls
@@ -66,7 +69,7 @@ def main() -> None:
     finally:
         service.close()
     env = load_config(REPO / "examples/tool_lookup.yaml", ["redis.url=redis://127.0.0.1:1"])
-    service = RolloutService(env)
+    service = RolloutService(build_rollout(env))
     try:
         from services.rollout.environments import EpisodeSample
         from services.rollout.multi_turn import MultiTurnRollout
@@ -75,7 +78,7 @@ def main() -> None:
             PromptInput(text=p.messages[0].content, label=p.label, group_id=p.group_id, metadata=p.metadata)
             for p in prompts(args.prompts)
         ]
-        inputs = service.model_inputs(batch)
+        inputs = validated_inputs(service.texts, service.engine, batch)
         samples = [
             EpisodeSample(
                 prompt=t, prompt_ids=tuple(ids), label=p.label, metadata=p.metadata, group_id=p.group_id, sample_index=j
@@ -83,10 +86,10 @@ def main() -> None:
             for p, ids, t in zip(batch, inputs.ids, inputs.texts, strict=True)
             for j in range(args.n)
         ]
-        assert service.environment is not None
+        assert env.rollout.environment is not None
         rollout = MultiTurnRollout(
             engine=service.engine,
-            plugin=service.environment,
+            plugin=resolve_environment(env.rollout.environment),
             encode=service.texts.encode_text,
             decode=service.texts.decode,
             max_turns=env.rollout.max_turns,

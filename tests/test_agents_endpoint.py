@@ -25,6 +25,7 @@ from services.contracts.config import ConfigError  # noqa: E402
 from services.contracts.config_loading import config_from_dict, load_config  # noqa: E402
 from services.launcher import preflight  # noqa: E402
 from services.rollout.agents.runner import AgentRollout  # noqa: E402
+from services.rollout.builder import build_rollout  # noqa: E402
 from services.rollout.service import GenerateResult, PromptInput, RolloutService  # noqa: E402
 from services.rpc.grpc_util import FailedPrecondition  # noqa: E402
 
@@ -57,7 +58,7 @@ def make_service(model: Path, redis_url: str, **rollout) -> RolloutService:
             "redis": {"url": redis_url},
         }
     )
-    return RolloutService(config, replica=0)
+    return RolloutService(build_rollout(config, replica=0))
 
 
 @pytest.fixture(scope="module")
@@ -299,7 +300,7 @@ def test_an_external_agent_process_claims_episodes_drives_them_and_posts_rewards
     """rollout.agent: external. A separate process (tests/helpers/external_agent.py) claims the episodes with `tandem
     ctl episodes`, chats through each one's base URL with the openai client and posts rewards with `tandem ctl
     reward`, except for one: that one fails at its deadline, and the batch forms from the other three."""
-    svc = make_service(example_model, redis_server.url, agent="external", agent_timeout_s=20)
+    svc = make_service(example_model, redis_server.url, agent="external", agent_timeout_s=45)
     out: dict[str, GenerateResult] = {}
     worker = threading.Thread(
         target=lambda: out.update(result=svc.generate(rollout_id=0, prompts=lookup_prompts(1), stream=stream))
@@ -310,7 +311,7 @@ def test_an_external_agent_process_claims_episodes_drives_them_and_posts_rewards
             [sys.executable, str(REPO / "tests/helpers/external_agent.py"), agents(svc).server.url, TOKEN, "4"],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=180,
             cwd=REPO,
         )
         assert agent.returncode == 0, agent.stderr

@@ -20,6 +20,7 @@ from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.chat_messages import ChatMessage
 from services.contracts.config_loading import config_from_dict
 from services.modelinit.init_model import init_model
+from services.rollout.builder import build_rollout
 from services.rollout.engines.sglang.engine import SGLangEngine
 from services.rollout.service import PromptInput, RolloutService
 
@@ -49,7 +50,7 @@ def test_an_agent_episode_through_sglang_keeps_sglangs_token_ids_and_log_probs(t
             "redis": {"url": redis_server.url},
         }
     )
-    service = RolloutService(config, replica=0)
+    service = RolloutService(build_rollout(config, replica=0))
     try:
         assert isinstance(service.engine, SGLangEngine)
         prompt = PromptInput(messages=(ChatMessage("user", "3 ="),), label="7", group_id=5)

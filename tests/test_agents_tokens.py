@@ -24,6 +24,7 @@ from helpers.scripted_engine import GenerateOnlyEngine  # noqa: E402
 from services.contracts.config_loading import config_from_dict  # noqa: E402
 from services.contracts.sampling_spec import SamplingSpec  # noqa: E402
 from services.rollout.agents.tool_calls import hermes, llama3_json  # noqa: E402
+from services.rollout.builder import build_rollout  # noqa: E402
 from services.rollout.engines.interface import FINISH_STOP, SampleOutput  # noqa: E402
 from services.rollout.service import RolloutService  # noqa: E402
 from services.rollout.tokenizer import load_tokenizer  # noqa: E402
@@ -87,7 +88,7 @@ def test_the_generated_ids_are_reused_when_the_agent_sends_its_answer_back(tmp_p
             "redis": {"url": redis_server.url},
         }
     )
-    service = RolloutService(config, engine=engine, tokenizer=tokenizer)
+    service = RolloutService(build_rollout(config, engine=engine, tokenizer=tokenizer))
     assert service.agents is not None
     episode = service.agents.store.open(None, SamplingSpec(max_new_tokens=64, seed=1), timeout_s=60)
     try:

@@ -345,7 +345,7 @@ def _check_environment(spec: str | None) -> None:
 
 
 def _check_agents(config: TandemConfig) -> None:
-    from services.rollout.agents.failures import check_agents
+    from services.rollout.agents.checks import check_agents
 
     try:
         check_agents(config)

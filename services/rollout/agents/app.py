@@ -44,28 +44,6 @@ def error_response(status: int, message: str, *, kind: str, param: str | None = 
 def build_app(endpoint: OpenAIEndpoint, *, token: str | None, base_url: Callable[[], str]) -> Starlette:
     """`base_url()`: where this app is reached (known once the server listens), for the URLs claims hand out."""
 
-    def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-        async def run(request: Request) -> Response:
-            if token is not None:
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                    return error_response(401, "missing or wrong bearer token (services.auth_token)", kind="auth_error")
-            try:
-                return await handler(request)
-            except Refused as exc:
-                return error_response(400, str(exc), kind="invalid_request_error", param=exc.param)
-            except EpisodeError as exc:
-                return error_response(exc.status, str(exc), kind="invalid_request_error")
-            except Busy as exc:
-                return error_response(429, str(exc), kind="rate_limit_error")
-            except EngineAborted as exc:
-                return error_response(503, str(exc), kind="server_error")
-            except Exception as exc:
-                log.exception("openai endpoint: %s %s failed", request.method, request.url.path)
-                return error_response(500, f"{type(exc).__name__}: {exc}", kind="server_error")
-
-        return run
-
     def episode_of(request: Request) -> str | None:
         return request.path_params.get("episode_id") or request.headers.get(EPISODE_HEADER) or None
 
@@ -91,6 +69,12 @@ def build_app(endpoint: OpenAIEndpoint, *, token: str | None, base_url: Callable
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    def guarded(handler: Handler) -> Handler:
+        async def run(request: Request) -> Response:  # a function: Starlette treats other callables as ASGI apps
+            return await _answer(handler, token, request)
+
+        return run
+
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
@@ -102,6 +86,30 @@ def build_app(endpoint: OpenAIEndpoint, *, token: str | None, base_url: Callable
     ]
     routes += [Route(path, guarded(handler), methods=["POST"]) for path, handler in _episode_routes(endpoint, base_url)]
     return Starlette(routes=routes)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+async def _answer(handler: Handler, token: str | None, request: Request) -> Response:
+    """`handler`'s answer once the token checks out; its errors as OpenAI-style error bodies."""
+    if token is not None:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return error_response(401, "missing or wrong bearer token (services.auth_token)", kind="auth_error")
+    try:
+        return await handler(request)
+    except Refused as exc:
+        return error_response(400, str(exc), kind="invalid_request_error", param=exc.param)
+    except EpisodeError as exc:
+        return error_response(exc.status, str(exc), kind="invalid_request_error")
+    except Busy as exc:
+        return error_response(429, str(exc), kind="rate_limit_error")
+    except EngineAborted as exc:
+        return error_response(503, str(exc), kind="server_error")
+    except Exception as exc:
+        log.exception("openai endpoint: %s %s failed", request.method, request.url.path)
+        return error_response(500, f"{type(exc).__name__}: {exc}", kind="server_error")
 
 
 async def body_of(request: Request) -> JsonValue:
