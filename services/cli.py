@@ -158,6 +158,7 @@ def _ctl_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--endpoint", default=None, help="episodes/reward: the rollout's agent endpoint URL")
     p.add_argument("--max", type=int, default=1, help="episodes: how many to claim at most")
+    p.add_argument("--replica", type=int, default=0, help="episodes/reward with --run-dir: which rollout replica")
     p.add_argument("--episode", default=None, help="reward: the episode id")
     p.add_argument("--reward", type=float, default=None, help="reward: its value")
     p.add_argument("action", choices=[*ACTIONS, *EPISODE_ACTIONS], metavar="ACTION", help=", ".join(ACTIONS))
@@ -184,7 +185,7 @@ def _ctl_episodes(args: argparse.Namespace) -> int:
     from services.contracts.config_loading import load_config
     from services.rollout.agents.episodes_client import claim_episodes, find_endpoint, post_reward
 
-    url = find_endpoint(endpoint=args.endpoint, run_dir=args.run_dir)
+    url = find_endpoint(endpoint=args.endpoint, run_dir=args.run_dir, replica=args.replica)
     token = args.token
     if token is None and args.run_dir is not None and (args.run_dir / "config.yaml").is_file():
         token = load_config(args.run_dir / "config.yaml").services.auth_token

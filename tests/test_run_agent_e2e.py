@@ -3,6 +3,8 @@ endpoint, driven by an agent written with the real `openai` client (tools, sever
 Every service a separate process, a real redis-server, DeepSpeed on CPU. It learns the lookup tool of
 examples/tool_lookup (call, then copy the result), which no policy that does not call it can score on."""
 
+import json
+
 import pytest
 from tandem_runs import REPO, metrics, start_run, supervisor_log
 from test_run_tool_e2e import best_no_tool_reward
@@ -38,3 +40,5 @@ def test_an_openai_client_agent_learns_to_call_the_lookup_tool_through_the_endpo
         assert r["rollout/agent_samples_per_episode"] == 1.0 and r["rollout/agent_rewritten_turns"] == 0.0
         assert r["rollout/agent_failed_episodes"] == 0.0 and r["rollout/agent_episodes"] == 256.0
     assert steps[-1]["rollout/agent_reused_turn_frac"] > 0.4  # turns after a tool result reused the generated ids
+    # where `tandem ctl episodes --run-dir` finds the endpoint: 127.0.0.1 only
+    assert json.loads((run_dir / "openai_api" / "rollout-0.json").read_text())["url"].startswith("http://127.0.0.1:")
