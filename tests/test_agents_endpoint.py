@@ -26,6 +26,7 @@ from services.contracts.config_loading import config_from_dict, load_config  # n
 from services.launcher import preflight  # noqa: E402
 from services.rollout.agents.runner import AgentRollout  # noqa: E402
 from services.rollout.builder import build_rollout  # noqa: E402
+from services.rollout.prompts import model_inputs  # noqa: E402
 from services.rollout.service import GenerateResult, PromptInput, RolloutService  # noqa: E402
 from services.rpc.grpc_util import FailedPrecondition  # noqa: E402
 
@@ -221,13 +222,15 @@ def test_an_agent_episode_is_one_sample_whose_tool_results_are_masked(example_mo
     finally:
         svc.close()
     batch = read_batch(redis_server.url, stream, result.entry_id)
+    data_path = model_inputs(svc.texts, prompts).ids
     assert batch.num_samples == 12 and list(batch.group_ids) == [0] * 4 + [1] * 4 + [2] * 4
     assert list(batch.rewards) == [0.0, 1.0] * 6  # the agent's own rewards, by sample index
     assert result.metrics["agent_samples_per_episode"] == 1.0 and result.metrics["agent_reused_turn_frac"] == 0.5
     assert result.metrics["agent_failed_episodes"] == 0.0 and result.metrics["agent_turns_mean"] == 2.0
     for i, (p_sl, r_sl, t_sl) in enumerate(batch.sample_slices()):
         prompt = prompts[i // 4]
-        assert batch.tokens[p_sl].tolist() == svc.texts.chat_ids([m.as_dict() for m in prompt.messages])
+        # the prompt exactly as the data path encodes the row (one chat template, services/rollout/chat_template.py)
+        assert batch.tokens[p_sl].tolist() == data_path[i // 4]
         response = batch.tokens[r_sl].tolist()
         observation = svc.texts.encode_text(f") {prompt.label}")
         assert response[1:-1] == observation and len(response) == 2 + len(observation)
