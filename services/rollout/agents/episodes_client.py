@@ -22,6 +22,7 @@ ENDPOINT_DIR = "openai_api"
 
 def write_endpoint_file(run_dir: Path, replica: int, url: str) -> Path:
     """Where a run's rollout replica serves the endpoint (its port may be chosen at start)."""
+    (run_dir / ENDPOINT_DIR).mkdir(parents=True, exist_ok=True)
     return write_json_atomic(run_dir / ENDPOINT_DIR / f"rollout-{replica}.json", {"url": url, "replica": replica})
 
 
