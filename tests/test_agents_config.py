@@ -45,3 +45,13 @@ def test_the_endpoint_is_off_by_default_and_plug_in_files_are_relative_to_the_ya
     examples = Path(__file__).resolve().parents[1] / "examples"
     assert config.rollout.agent == f"{examples / 'agent_tools/agent.py'}:solve"
     assert config.rollout.openai_api.tool_parser == f"{examples / 'agent_tools/tool_call.py'}:parse"
+
+
+def test_ctl_finds_the_endpoint_a_replica_wrote_to_its_run_directory(tmp_path: Path):
+    from services.rollout.agents.episodes_client import find_endpoint, write_endpoint_file
+
+    write_endpoint_file(tmp_path, 1, "http://127.0.0.1:5555")
+    assert find_endpoint(endpoint=None, run_dir=tmp_path, replica=1) == "http://127.0.0.1:5555"
+    assert find_endpoint(endpoint="http://127.0.0.1:7/", run_dir=None) == "http://127.0.0.1:7"
+    with pytest.raises(ConfigError, match="no endpoint file .*rollout-0.json .*is rollout.openai_api.enabled set"):
+        find_endpoint(endpoint=None, run_dir=tmp_path, replica=0)
