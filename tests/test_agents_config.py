@@ -53,5 +53,5 @@ def test_ctl_finds_the_endpoint_a_replica_wrote_to_its_run_directory(tmp_path: P
     write_endpoint_file(tmp_path, 1, "http://127.0.0.1:5555")
     assert find_endpoint(endpoint=None, run_dir=tmp_path, replica=1) == "http://127.0.0.1:5555"
     assert find_endpoint(endpoint="http://127.0.0.1:7/", run_dir=None) == "http://127.0.0.1:7"
-    with pytest.raises(ConfigError, match="no endpoint file .*rollout-0.json .*is rollout.openai_api.enabled set"):
+    with pytest.raises(ConfigError, match=r"no endpoint file .*rollout-0\.json .*is rollout\.openai_api\.enabled set"):
         find_endpoint(endpoint=None, run_dir=tmp_path, replica=0)
