@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionToolParam
 
-TOOLS = [
+TOOLS: list[ChatCompletionToolParam] = [
     {
         "type": "function",
         "function": {
