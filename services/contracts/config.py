@@ -13,10 +13,11 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from services.contracts.algorithm_config import AlgorithmConfig
+from services.contracts.algorithm_config import AlgorithmConfig, DistillationConfig
 from services.contracts.algorithms import ADVANTAGE_ESTIMATORS
 from services.contracts.config_base import ConfigError, Section, with_default_variant
 from services.contracts.rollout_config import (
+    NO_REWARD,
     DynamicSamplingConfig,
     NativeRolloutConfig,
     OverlongPenaltyConfig,
@@ -51,6 +52,7 @@ __all__ = [  # the sections of other modules, named here too: a TandemConfig's p
     "ConfigError",
     "CudaIpcWeights",
     "DiskWeights",
+    "DistillationConfig",
     "DynamicSamplingConfig",
     "JsonlTrackerConfig",
     "LoraConfig",
@@ -356,7 +358,12 @@ class TandemConfig(Section):
     def _cross_section_rules(self) -> TandemConfig:
         validate_async_off_policy_correction(self)
         validate_dapo_options(self)
-        if self.algorithm.compares_within_groups and self.rollout.n_samples_per_prompt == 1:
+        validate_distillation(self)
+        if (
+            self.algorithm.compares_within_groups
+            and self.rollout.n_samples_per_prompt == 1
+            and self.algorithm.distillation is None  # the teacher's per-token signal needs no group
+        ):
             raise ValueError(
                 f"rollout.n_samples_per_prompt: 1 gives every sample advantage 0 with "
                 f"algorithm.advantage_estimator: {self.algorithm.advantage_estimator} (its baseline is "
@@ -432,6 +439,24 @@ def validate_async_off_policy_correction(config: TandemConfig) -> None:
         "(a critic is none): set algorithm.use_rollout_logprobs: true, algorithm.rollout_correction.is (or "
         "algorithm.use_tis: true) or algorithm.keep_old_actor: true, or use loop.mode: sync"
     )
+
+
+def validate_distillation(config: TandemConfig) -> None:
+    """Without a task reward only a teacher trains the policy; dynamic sampling, which drops the groups whose task
+    rewards are all equal, would then drop groups the teacher still has something to say about."""
+    distill = config.algorithm.distillation
+    no_reward = config.rollout.reward.strip() == NO_REWARD
+    if no_reward and distill is None:
+        raise ValueError(
+            "rollout.reward: none gives every sample reward 0, so nothing would train the policy; it is for "
+            "pure distillation (set algorithm.distillation) or name a reward function"
+        )
+    if config.rollout.dynamic_sampling.enabled and (no_reward or (distill is not None and not distill.task_reward)):
+        why = "rollout.reward: none" if no_reward else "algorithm.distillation.task_reward: false"
+        raise ValueError(
+            f"rollout.dynamic_sampling drops groups whose task rewards are all equal; with {why} the task reward "
+            "does not train, and the dropped groups would take the teacher's signal with them: turn one off"
+        )
 
 
 def validate_streaming(config: TandemConfig) -> None:
