@@ -36,6 +36,7 @@ def test_the_examples_are_found():
         "qwen05_gpu.yaml",
         "qwen15_gpu.yaml",
         "tool_lookup.yaml",
+        "agent_tools.yaml",
     }
 
 
@@ -46,6 +47,7 @@ def test_an_example_config_passes_the_checks_that_need_no_model(path, tmp_path_f
     records = preflight.check_data(config)
     check_rule_terms(config.rollout.reward)  # a reward-service model is the config's to check, and is checked there
     preflight._check_environment(config.rollout.environment)
+    preflight._check_agents(config)
     limit = config.rollout.max_context_length
     if limit is not None:  # the tokenizer --init-model would build, without its model
         tokenizer = preset_tokenizer(config.model.init_preset or "tiny", tmp_path_factory)

@@ -411,6 +411,12 @@ class TandemConfig(Section):
                 f"loop.step_timeout_s ({self.loop.step_timeout_s:g}), the deadline of the Generate that "
                 "scores: else the Generate times out first and the reward that hung is not named"
             )
+        if self.rollout.agent is not None and self.rollout.agent_timeout_s >= self.loop.step_timeout_s:
+            raise ValueError(
+                f"rollout.agent_timeout_s ({self.rollout.agent_timeout_s:g}) must be below loop.step_timeout_s "
+                f"({self.loop.step_timeout_s:g}), the deadline of the Generate that waits for the episodes: else "
+                "it times out first and the episodes that never finished are not named"
+            )
         if self.trainer.optimizer == "adamw_deepspeed" and self.trainer.zero_stage == 0:
             raise ValueError(
                 "trainer.optimizer: adamw_deepspeed needs trainer.zero_stage 1-3 (stage 0 steps with "

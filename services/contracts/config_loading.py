@@ -180,6 +180,10 @@ def resolve_paths(data: JsonObject, base_dir: Path) -> JsonObject:
         elif not os.path.isabs(value) and value not in _KEYWORDS.get(where, ()):
             node[key] = str((base_dir / value).resolve())
     _resolve_reward_models(data, base_dir)
+    rollout = data.get("rollout")
+    api = rollout.get("openai_api") if isinstance(rollout, dict) else None
+    if isinstance(api, dict) and isinstance(api.get("tool_parser"), str):
+        api["tool_parser"] = _resolve_reward_file(api["tool_parser"], base_dir)
     return data
 
 
@@ -219,7 +223,7 @@ _PATH_KEYS: tuple[tuple[str, ...], ...] = (
     ("weights", "disk_dir"),
     ("algorithm", "distillation", "teacher_path"),
 )
-_PLUGIN_KEYS = (("rollout", "reward"), ("rollout", "environment"))
+_PLUGIN_KEYS = (("rollout", "reward"), ("rollout", "environment"), ("rollout", "agent"))
 
 
 def _resolve_reward_file(spec: str, base_dir: Path) -> str:

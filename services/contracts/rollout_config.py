@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from services.contracts.agents_config import AgentSettings
 from services.contracts.config_base import Section
 from services.contracts.reward_spec import parse_reward, reward_text
 from services.contracts.untyped import JsonValue
@@ -94,7 +95,7 @@ class OverlongPenaltyConfig(Section):
     factor: float = Field(default=1.0, gt=0)
 
 
-class RolloutSettings(Section):
+class RolloutSettings(AgentSettings):
     """The keys of rollout every engine has (RolloutConfig below adds each engine's own)."""
 
     engine: Literal["native", "sglang"] = "native"
@@ -193,6 +194,11 @@ class RolloutSettings(Section):
                 "rollout.overlong_penalty measures one generation against sampling.max_new_tokens; an "
                 "episode of rollout.environment holds several turns and observations, so the two are "
                 "refused together (algorithm.overlong_filter does apply: it masks episodes that were cut)"
+            )
+        if self.agent is not None and self.environment is not None:
+            raise ValueError(
+                f"rollout.agent ({self.agent}) and rollout.environment ({self.environment}) both say how an "
+                "episode is played; set one"
             )
         return self
 

@@ -43,6 +43,7 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
         _check_reward(config.rollout.eval_reward)
     _check_reward_models(config)
     _check_environment(config.rollout.environment)
+    _check_agents(config)
     from services.rollout.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
@@ -380,6 +381,15 @@ def _check_environment(spec: str | None) -> None:
         resolve_environment(spec)
     except EnvironmentSpecError as exc:
         raise ConfigError(f"rollout.environment: {exc}") from None
+
+
+def _check_agents(config: TandemConfig) -> None:
+    from services.rollout.agents.checks import check_agents
+
+    try:
+        check_agents(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def unencodable_text(

@@ -21,7 +21,7 @@ from services.rollout.environment_registry import resolve_environment
 from services.rollout.multi_turn import EpisodeSource
 from services.rollout.recent_calls import RecentCalls
 from services.rollout.reward_mix import RewardResolver
-from services.rollout.samples import SampleSource, SingleTurn
+from services.rollout.samples import Resolve, SampleSource, Scorer, SingleTurn
 from services.rollout.tokenizer import Texts, end_of_generation_ids, load_tokenizer
 from services.rollout.weight_receipt import WeightReceipt
 from services.rollout.writer import BatchWriter
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import redis
     from transformers import PreTrainedTokenizerBase
 
+    from services.rollout.agents.runner import AgentRollout
     from services.rollout.remote_reward import ScoreClient
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class RolloutParts:
     writer: BatchSink
     weights: WeightReceipt
     recent: RecentCalls[GenerateResult]
+    agents: AgentRollout | None = None  # the OpenAI-compatible endpoint (rollout.openai_api), stopped with the service
 
 
 def build_engine(config: TandemConfig, texts: Texts | None = None) -> Engine:
@@ -92,6 +94,7 @@ def build_rollout(
     log.info("startup: %s engine ready in %.2fs", engine.name, time.monotonic() - started)
     if engine.compute_device is not None:
         limit_cpu_threads(ro.cpu_threads, engine.compute_device)
+    agents = open_agents(config, texts=texts, engine=engine, replica=replica)  # rollout.openai_api
     source: SampleSource = (
         EpisodeSource(
             config,
@@ -102,6 +105,8 @@ def build_rollout(
             resolve=rewards.resolve,
         )
         if environment is not None
+        else agent_source(config, agents, default_reward, rewards.resolve)
+        if agents is not None and agents.plays
         else SingleTurn(config, engine=engine, texts=texts, default_reward=default_reward, resolve=rewards.resolve)
     )
     producer = f"rollout-{replica}"
@@ -117,4 +122,20 @@ def build_rollout(
         writer=BatchWriter(config, producer=producer, groups=groups, client=redis_client),
         weights=WeightReceipt(config, engine=engine, replica=replica),
         recent=RecentCalls(),
+        agents=agents,
     )
+
+
+def open_agents(config: TandemConfig, *, texts: Texts, engine: Engine, replica: int) -> AgentRollout | None:
+    """The OpenAI-compatible endpoint when rollout.openai_api.enabled (its packages are the `agents` extra)."""
+    if not config.rollout.openai_api.enabled:
+        return None
+    from services.rollout.agents.runner import AgentRollout
+
+    return AgentRollout(config, texts=texts, engine=engine, replica=replica)
+
+
+def agent_source(config: TandemConfig, agents: AgentRollout, default_reward: Scorer, resolve: Resolve) -> SampleSource:
+    from services.rollout.agents.source import AgentSource
+
+    return AgentSource(config, agents=agents, default_reward=default_reward, resolve=resolve)

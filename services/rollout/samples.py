@@ -88,6 +88,10 @@ class Scored:
     reward_s: float
     loss_masks: list[list[int]] | None = None  # None: every response token is the policy's
     metrics: dict[str, float] = field(default_factory=dict)
+    # None: n samples per prompt in order; set where a source's groups vary (agents: a failed episode is left out, a
+    # rewritten one is several samples)
+    group_ids: list[int] | None = None
+    labels: list[str] | None = None
 
 
 class SampleSource(Protocol):

@@ -219,6 +219,10 @@ def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
             flush=True,
         )
         return ExitCode.BAD_INPUT
+    if service.agents is not None:  # where `tandem ctl episodes --run-dir` finds the agent endpoint
+        from services.rollout.agents.episodes_client import write_endpoint_file
+
+        write_endpoint_file(run_dir, replica, service.agents.server.url)
     svc = config.services
     server = start_server(
         [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(service), "tandem.v1.Rollout")],

@@ -53,6 +53,7 @@ class RolloutService:
         self.parts = parts
         self.config, self.replica, self.producer = parts.config, parts.replica, parts.producer
         self.engine, self.texts = parts.engine, parts.texts
+        self.agents = parts.agents  # the OpenAI-compatible endpoint (services/rollout/agents/), or None
         self._started = time.monotonic()
 
     # ---- Generate ----------------------------------------------------------------------------------
@@ -212,6 +213,8 @@ class RolloutService:
         return ServiceState(engine=self.engine.get_state(), producer=self.producer)
 
     def close(self) -> None:
+        if self.agents is not None:
+            self.agents.close()
         busy, up = self.engine.get_state().busy_s, time.monotonic() - self._started
         log.info("engine busy %.1f s of %.1f s since start (%.0f%%)", busy, up, 100 * busy / up if up > 0 else 0.0)
         self.parts.weights.close()
