@@ -18,12 +18,12 @@ from services.buffer.stream import RolloutBuffer, connect
 from services.contracts import dapo
 from services.contracts.config import ConfigError, TandemConfig
 from services.contracts.config_loading import config_from_dict
+from services.contracts.errors import FailedPrecondition
 from services.contracts.sampling import SamplingSpec
 from services.contracts.wire import RolloutBatchData, build_batch
 from services.rollout.model_init import init_model
 from services.rollout.rewards import digit_task
 from services.rollout.service import PromptInput, RolloutService
-from services.rpc.grpc_util import FailedPrecondition
 from services.trainer import commands
 
 torch.set_num_threads(1)

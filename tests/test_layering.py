@@ -16,7 +16,7 @@ ALLOWED = {
     "tensors": {"contracts"},
     "rpc": {"contracts", "telemetry"},
     "buffer": {"contracts"},
-    "weights": {"contracts", "rpc"},
+    "weights": {"contracts"},
     "trainer": {"contracts", "telemetry", "tensors", "rpc", "buffer", "weights"},
     "rollout": {"contracts", "telemetry", "tensors", "rpc", "buffer", "weights"},
     "coordinator": {"contracts", "telemetry", "rpc", "buffer"},

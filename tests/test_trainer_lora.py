@@ -18,8 +18,8 @@ from conftest_trainer import harness, make_batch, tiny_model_dir  # noqa: F401
 
 from services.contracts.config import ConfigError
 from services.contracts.config_loading import config_from_dict
+from services.contracts.errors import FailedPrecondition
 from services.launcher.preflight import check_lora
-from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.lora import AdapterOffReference, check_model_targets
 
 pytestmark = pytest.mark.timeout(180)

@@ -19,7 +19,7 @@ from conftest_trainer import make_batch
 from services.buffer.entries import BufferEntry
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import config_from_dict
-from services.rpc.grpc_util import FailedPrecondition
+from services.contracts.errors import FailedPrecondition
 from services.trainer.batching import merge_batches
 from services.trainer.checkpointing import FoundCheckpoint
 from services.trainer.commands import Load, Save, Train

@@ -21,6 +21,7 @@ from services.buffer.stream import stream_key
 from services.contracts import runfacts
 from services.contracts.config import TandemConfig
 from services.contracts.dapo import informative_groups
+from services.contracts.errors import FailedPrecondition
 from services.contracts.rollout_calls import EvaluateResult, GenerateResult, PromptInput, ReceiveResult
 from services.contracts.sampling import SamplingSpec, prompt_max_new_tokens
 from services.contracts.wire import build_batch
@@ -40,7 +41,6 @@ from services.rollout.multi_turn import MultiTurnRollout, episode_metrics
 from services.rollout.rewards import RewardFunction, resolve_reward
 from services.rollout.tokenizer import Texts, end_of_generation_ids, load_tokenizer
 from services.rollout.writer import BatchWriter
-from services.rpc.grpc_util import FailedPrecondition
 from services.telemetry import tracing
 from services.tensors.devices import cuda_peak_metrics, limit_cpu_threads
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from services.contracts.config import TandemConfig
+from services.contracts.errors import FailedPrecondition
 from services.contracts.weight_plan import WeightSyncPlan
-from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.backend import TORCH_DTYPES, DeepSpeedBackend
 from services.trainer.old_actor import OldActor
 from services.trainer.weight_export import iter_named_weights, weight_specs

@@ -16,8 +16,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from services.contracts.errors import FailedPrecondition
 from services.contracts.trainer_calls import LoadResult, PublishResult, SaveResult, TrainerStatus, TrainResult
-from services.rpc.grpc_util import FailedPrecondition
 from services.telemetry.tracing import set_attributes, span
 from services.tensors.devices import cuda_reserved_bytes
 from services.trainer.commands import Load, Offload, Onload, PublishWeights, Save, Train, WeightChecksums

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.contracts.errors import DataLoss, FailedPrecondition
 from services.contracts.weight_plan import WeightSyncPlan
-from services.rpc.grpc_util import DataLoss, FailedPrecondition
 from services.weights.layout import Layout, Slot
 
 
