@@ -1,4 +1,4 @@
-"""The one mapping between the `*_calls` dataclasses and the tandem.v1 messages (services/rpc/convert.py).
+"""The one mapping between the `*_calls` dataclasses and the tandem.v1 messages (services/contracts/convert.py).
 
 Every request and reply of every service in the tandem.v1 protos must have a dataclass in
 services/rpc/messages.py that pairs with it field by field, and must cross in both directions with every field
@@ -20,9 +20,9 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 
+from services.contracts.convert import MessageMismatch, from_message, mismatches, to_message
 from services.contracts.gen.tandem import v1 as tandem_v1
 from services.contracts.trainer_calls import TrainRequest
-from services.rpc.convert import MessageMismatch, from_message, mismatches, to_message
 from services.rpc.messages import MESSAGE_DATACLASSES
 
 

@@ -1,6 +1,6 @@
 """What a rollout replica is asked and answers, as frozen dataclasses: RolloutService takes and returns these, the
 coordinator's pool, weight sync and evals build and read them, and only the gRPC edges (rollout/server.py,
-coordinator/clients.py) turn them into the tandem.v1 messages and back (services/rpc/convert.py, by field name)."""
+coordinator/clients.py) turn them into the tandem.v1 messages and back (contracts/convert.py, by field name)."""
 
 from __future__ import annotations
 

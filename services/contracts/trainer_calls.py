@@ -1,6 +1,6 @@
 """What a trainer is asked and answers, as frozen dataclasses: TrainerService takes and returns these, the
 coordinator's loop builds and reads them, and only the gRPC edges (trainer/server.py, coordinator/clients.py) turn
-them into the tandem.v1 messages and back (services/rpc/convert.py, by field name). The plan a PrepareWeightSync
+them into the tandem.v1 messages and back (services/contracts/convert.py, by field name). The plan a PrepareWeightSync
 answers is services.contracts.weight_plan.WeightSyncPlan."""
 
 from __future__ import annotations

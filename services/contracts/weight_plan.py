@@ -1,7 +1,7 @@
 """The weight-sync plan: what a PrepareWeightSync answers and every engine follows (buckets, tensor names and
 offsets, the rendezvous, checksums). Frozen dataclasses in every process: the trainer's publisher fills one in, the
 coordinator annotates a copy (dataclasses.replace) and hands it to the engines; only the gRPC edges turn it into the
-tandem.v1 messages of the same names (services/rpc/convert.py), field by field."""
+tandem.v1 messages of the same names (services/contracts/convert.py), field by field."""
 
 from __future__ import annotations
 

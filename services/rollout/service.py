@@ -14,16 +14,30 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from services.buffer.stream import stream_key
 from services.contracts import runfacts
+from services.contracts.common_calls import Ack
 from services.contracts.config import TandemConfig
 from services.contracts.dapo import informative_groups
 from services.contracts.errors import FailedPrecondition
-from services.contracts.rollout_calls import EvaluateResult, GenerateResult, PromptInput, ReceiveResult
-from services.contracts.sampling import SamplingSpec, prompt_max_new_tokens
+from services.contracts.rollout_calls import (
+    EvaluateRequest,
+    EvaluateResult,
+    GenerateRequest,
+    GenerateResult,
+    MemoryRequest,
+    PauseRequest,
+    PrepareRequest,
+    PrepareResult,
+    PromptInput,
+    ReceiveRequest,
+    ReceiveResult,
+    RolloutStatus,
+)
+from services.contracts.sampling import SamplingParams, SamplingSpec, prompt_max_new_tokens
 from services.contracts.wire import build_batch
 from services.rollout.chat import ChatTemplate, ChatTemplateError
 from services.rollout.engines.base import (
@@ -42,14 +56,14 @@ from services.rollout.rewards import RewardFunction, resolve_reward
 from services.rollout.tokenizer import Texts, end_of_generation_ids, load_tokenizer
 from services.rollout.writer import BatchWriter
 from services.telemetry import tracing
-from services.tensors.devices import cuda_peak_metrics, limit_cpu_threads
+from services.tensors.devices import cuda_peak_metrics, cuda_reserved_bytes, limit_cpu_threads
 
 if TYPE_CHECKING:
     import redis
     from opentelemetry import trace
     from transformers import PreTrainedTokenizerBase
 
-    from services.contracts.weight_plan import WeightSyncPlan
+    from services.contracts.config import SamplingConfig
     from services.weights.api import WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -146,19 +160,12 @@ class RolloutService:
 
     # ---- Generate ----------------------------------------------------------------------------------
 
-    def generate(
-        self,
-        *,
-        rollout_id: int,
-        prompts: Sequence[PromptInput],
-        n_samples_per_prompt: int | None = None,
-        sampling: SamplingSpec | None = None,
-        trace_context: dict[str, str] | None = None,
-        stream: str | None = None,
-        reward: str | None = None,
-        caller_active: Callable[[], bool] | None = None,
-    ) -> GenerateResult:
-        """Samples n per prompt, scores them, writes one batch entry and returns its id and counts."""
+    def generate(self, request: GenerateRequest, *, caller_active: Callable[[], bool] | None = None) -> GenerateResult:
+        """Samples n per prompt, scores them, writes one batch entry and returns its id and counts. `caller_active`
+        says whether the caller still waits (a batch nobody would train on is not written)."""
+        rollout_id, prompts, stream = request.rollout_id, request.prompts, request.stream
+        n_samples_per_prompt = request.n_samples_per_prompt or None
+        sampling = self._sampling(request.sampling, self.config.rollout.sampling)
         if not prompts:
             raise ValueError(f"Generate(rollout_id={rollout_id}): no prompts given")
         if rollout_id < 0:
@@ -197,9 +204,9 @@ class RolloutService:
                 prompts=prompts,
                 n=n_samples_per_prompt,
                 sampling=sampling,
-                trace_context=trace_context,
+                trace_context=request.trace_context,
                 stream=stream or self.stream,
-                reward=reward,
+                reward=request.reward or None,
                 caller_active=caller_active,
             )
         except BaseException as exc:
@@ -467,18 +474,14 @@ class RolloutService:
 
     # ---- Evaluate ----------------------------------------------------------------------------------
 
-    def evaluate(
-        self,
-        *,
-        name: str = "eval",
-        prompts: Sequence[PromptInput],
-        n_samples_per_prompt: int | None = None,
-        sampling: SamplingSpec | None = None,
-        reward: str | None = None,
-        pass_threshold: float = 1.0,
-    ) -> EvaluateResult:
+    def evaluate(self, request: EvaluateRequest, *, pass_threshold: float = 1.0) -> EvaluateResult:
         """Greedy (or n-sample) generation over an eval set; metrics under `<name>/`. A sample passes when
         its reward reaches `pass_threshold`; pass@k uses the unbiased estimator over n samples."""
+        name, prompts, n_samples_per_prompt = (
+            request.name or "eval",
+            request.prompts,
+            request.n_samples_per_prompt or None,
+        )
         if not prompts:
             raise ValueError(f"Evaluate({name!r}): no prompts given")
         check_request_size(
@@ -493,8 +496,8 @@ class RolloutService:
         n = n_samples_per_prompt or self.config.rollout.eval_n_samples_per_prompt
         if n < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
-        sampling = sampling or SamplingSpec.from_config(self.config.rollout.eval_sampling)
-        reward_fn = self._reward_fn(reward)
+        sampling = self._sampling(request.sampling, self.config.rollout.eval_sampling)
+        reward_fn = self._reward_fn(request.reward or None)
         inputs = self.model_inputs(prompts)
         with tracing.span(
             "rl.eval.generate",
@@ -514,14 +517,16 @@ class RolloutService:
 
     # ---- weights, pause, memory, state -------------------------------------------------------------
 
-    def prepare_weight_sync(self, *, version: int, pause_mode: str = "drain") -> tuple[bool, int]:
+    def prepare_weight_sync(self, request: PrepareRequest) -> PrepareResult:
         """Pauses generation for the update (the coordinator calls Resume afterwards)."""
-        self.engine.pause(pause_mode or "drain", timeout_s=self.config.weights.timeout_s)
-        log.info("paused (%s) for weight update to version %d", pause_mode or "drain", version)
-        return True, self.engine.engine_ranks
+        mode = request.pause_mode or "drain"
+        self.engine.pause(mode, timeout_s=self.config.weights.timeout_s)
+        log.info("paused (%s) for weight update to version %d", mode, request.version)
+        return PrepareResult(ready=True, engine_ranks=self.engine.engine_ranks)
 
-    def receive_weights(self, plan: WeightSyncPlan, rank_offset: int) -> ReceiveResult:
-        """Takes part in the transfer the trainer announced in `plan`, in place into the engine's weights."""
+    def receive_weights(self, request: ReceiveRequest) -> ReceiveResult:
+        """Takes part in the transfer the trainer announced in its plan, in place into the engine's weights."""
+        plan, rank_offset = request.plan, request.rank_offset
         if rank_offset < 0:
             raise ValueError(f"ReceiveWeights: rank_offset must be >= 0, got {rank_offset}")
         accepted = self.config.weights.trainer_id
@@ -532,10 +537,7 @@ class RolloutService:
             )
         limit = self.config.weights.timeout_s
         if not 0 < plan.timeout_s <= limit:  # a caller must not hold this engine longer than the config allows
-            clamped = type(plan)()
-            clamped.CopyFrom(plan)
-            clamped.timeout_s = limit
-            plan = clamped
+            plan = replace(plan, timeout_s=limit)
         with self._lock:
             self._recent.clear()  # new weights: a later Generate with a known key is a new request, not a retry
         with tracing.span(
@@ -565,22 +567,51 @@ class RolloutService:
             )
         return self._receiver
 
-    def pause(self, mode: str = "drain") -> None:
-        self.engine.pause(mode or "drain", timeout_s=self.config.weights.timeout_s)
+    def pause(self, request: PauseRequest) -> Ack:
+        mode = request.mode or "drain"
+        self.engine.pause(mode, timeout_s=self.config.weights.timeout_s)
+        return Ack(message=f"paused ({mode})")
 
-    def resume(self) -> None:
+    def resume(self) -> Ack:
         self.engine.resume()
+        return Ack(message="resumed")
 
-    def release_memory(self, tags: Sequence[str] = ()) -> None:
+    def release_memory(self, request: MemoryRequest) -> Ack:
         if self._receiver is not None:
             self._receiver.release()  # a kept mapping would keep the trainer's freed buffers on the GPU
-        self.engine.release_memory(tuple(tags))
+        self.engine.release_memory(request.tags)
+        return Ack(message=f"released {', '.join(request.tags) or 'all'}")
 
-    def resume_memory(self, tags: Sequence[str] = ()) -> None:
-        self.engine.resume_memory(tuple(tags))
+    def resume_memory(self, request: MemoryRequest) -> Ack:
+        self.engine.resume_memory(request.tags)
+        return Ack(message=f"resumed {', '.join(request.tags) or 'all'}")
 
     def get_state(self) -> ServiceState:
         return ServiceState(engine=self.engine.get_state(), producer=self.producer)
+
+    def status(self) -> RolloutStatus:
+        """GetState's answer."""
+        e = self.engine.get_state()
+        return RolloutStatus(
+            engine=e.engine,
+            model_path=e.model_path,
+            weight_version=e.weight_version,
+            paused=e.paused,
+            memory_released=bool(e.released_memory),
+            generated_samples=e.generated_samples,
+            device=e.device,
+            producer=self.producer,
+            in_flight=e.in_flight,
+            gpu_memory_reserved_bytes=cuda_reserved_bytes(),
+            gpu_memory_freed_bytes=e.memory_freed_bytes,
+            engine_busy_s=e.busy_s,
+        )
+
+    @staticmethod
+    def _sampling(params: SamplingParams | None, config: SamplingConfig) -> SamplingSpec:
+        """The request's sampling, its zeros the config's (None: the config's)."""
+        default = SamplingSpec.from_config(config)
+        return default if params is None else SamplingSpec.from_params(params, default=default)
 
     def close(self) -> None:
         busy, up = self.engine.get_state().busy_s, time.monotonic() - self._started

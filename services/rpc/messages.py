@@ -1,4 +1,4 @@
-"""Which frozen dataclass each message of the services' calls converts to (services/rpc/convert.py): one row per
+"""Which frozen dataclass each message of the services' calls converts to (services/contracts/convert.py): one row per
 message, none per field. tests/test_rpc_convert.py pairs every request and reply of every service in the tandem.v1
 protos with its row, so a new message without a dataclass, or a field on one side only, fails there."""
 
