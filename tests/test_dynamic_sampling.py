@@ -20,10 +20,10 @@ from services.contracts.config import ConfigError, TandemConfig
 from services.contracts.config_loading import config_from_dict
 from services.contracts.errors import FailedPrecondition
 from services.contracts.rollout_calls import EvaluateRequest, GenerateRequest
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.trainer_calls import TrainRequest
 from services.contracts.wire import RolloutBatchData, build_batch
-from services.rollout.model_init import init_model
+from services.modelinit.init_model import init_model
 from services.rollout.rewards import digit_task
 from services.rollout.service import PromptInput, RolloutService
 from services.trainer import commands

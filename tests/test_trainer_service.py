@@ -19,11 +19,11 @@ from services.buffer.stream import EntryNotFoundError
 from services.contracts import checkpoints
 from services.contracts.errors import FailedPrecondition
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.trainer_calls import LoadRequest, PublishRequest, SaveRequest, TrainRequest, WeightSyncRequest
 from services.contracts.wire import array_to_proto, build_batch, sampling_arrays
-from services.trainer.critic import handoff_key, read_handoff
-from services.trainer.flat_adamw import FlatAdamW
+from services.trainer.algo.critic import handoff_key, read_handoff
+from services.trainer.model.flat_adamw import FlatAdamW
 
 pytestmark = pytest.mark.timeout(180)
 

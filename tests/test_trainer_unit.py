@@ -22,18 +22,18 @@ from services.contracts.config_loading import config_from_dict
 from services.contracts.errors import FailedPrecondition
 from services.contracts.trainer_calls import LoadRequest, PublishRequest, SaveRequest, TrainRequest, WeightSyncRequest
 from services.contracts.weight_plan import WeightSyncPlan
+from services.trainer.algo.critic import ValueHandoff
+from services.trainer.algo.selection import Selection
 from services.trainer.batching import merge_batches
 from services.trainer.checkpointing import FoundCheckpoint
 from services.trainer.commands import Load, Save, Train
-from services.trainer.critic import ValueHandoff
 from services.trainer.dist import CommandRelay
 from services.trainer.ledger import TrainLedger
 from services.trainer.parts import TrainerParts, World
 from services.trainer.ranks import Checksums, RankCommands, RankParts
-from services.trainer.selection import Selection
 from services.trainer.service import TrainerService
-from services.weights.base import SyncStats
 from services.weights.layout import TensorSpec
+from services.weights.transport_base import SyncStats
 
 Log = list[tuple[object, ...]]
 

@@ -10,7 +10,7 @@ import pytest
 
 from services.contracts.convert import from_message, to_message
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.contracts.sampling import SamplingParams, SamplingSpec
+from services.contracts.sampling_spec import SamplingParams, SamplingSpec
 from services.contracts.wire import (
     FINISH_REASONS,
     RolloutBatchData,

@@ -37,7 +37,7 @@ from services.contracts.trainer_calls import (
     WeightSyncRequest,
 )
 from services.contracts.weight_plan import WeightSyncPlan
-from services.coordinator.errors import ServiceCallError, TrainerStateLost
+from services.coordinator.call_errors import ServiceCallError, TrainerStateLost
 from services.rpc.grpc_util import open_channel, wait_healthy
 
 Reply = TypeVar("Reply")

@@ -32,7 +32,7 @@ from services.rollout.service import RolloutService
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.shutdown import StopSignals, begin_stop, exit_now
 from services.telemetry import tracing
-from services.telemetry.startup import process_age_s
+from services.telemetry.process_age import process_age_s
 
 log = logging.getLogger(__name__)
 

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from services.buffer.entries import BufferEntry
     from services.weights.layout import TensorSpec
+    from services.weights.transport_base import WeightSyncPlan
 
 log = logging.getLogger(__name__)
 

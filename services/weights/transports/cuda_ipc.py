@@ -47,7 +47,8 @@ import torch
 
 from services.contracts.config import CudaIpcWeights
 from services.contracts.weight_plan import CudaIpcHandle, WeightBucket, WeightSyncPlan
-from services.weights.base import (
+from services.weights.layout import Layout, Slot
+from services.weights.transport_base import (
     Deadline,
     Received,
     ReceiverTransport,
@@ -55,7 +56,6 @@ from services.weights.base import (
     SyncContext,
     WeightSyncError,
 )
-from services.weights.layout import Layout, Slot
 from services.weights.transports import rendezvous
 
 _Alloc = TypeVar("_Alloc")  # what names an allocation (the receiver: (device, IPC handle))

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from services.contracts.weight_plan import WeightSyncPlan
-from services.weights.base import (
+from services.weights.transport_base import (
     Deadline,
     SyncContext,
     WeightSyncError,
