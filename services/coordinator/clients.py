@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypedDict, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
+from services.contracts.common_calls import Ack, Empty
 from services.contracts.config import ServiceAddress, ServicesConfig, TandemConfig
-from services.contracts.convert import from_message, to_message
-from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.contracts.convert import from_message
+from services.contracts.gen.tandem.v1 import rollout_pb2_grpc, trainer_pb2_grpc
 from services.contracts.rollout_calls import (
     EvaluateRequest,
     EvaluateResult,
@@ -39,8 +41,15 @@ from services.contracts.trainer_calls import (
 from services.contracts.weight_plan import WeightSyncPlan
 from services.coordinator.call_errors import ServiceCallError, TrainerStateLost
 from services.rpc.grpc_util import open_channel, wait_healthy
+from services.rpc.messages import message_of
 
 Reply = TypeVar("Reply")
+
+
+class _CallOptions(TypedDict):
+    timeout_s: float
+    what: str
+    wait_for_ready: bool
 
 
 @dataclass(frozen=True)
@@ -98,17 +107,20 @@ class GrpcService:
 
     def _call(
         self,
-        method: Callable[..., Reply],
+        method: Callable[..., Message],
         request: object,
+        reply: type[Reply],
         *,
         timeout_s: float,
         what: str,
         wait_for_ready: bool = False,
     ) -> Reply:
+        """`request` (a dataclass) as its message, the answer as the dataclass `reply`."""
         try:
-            return method(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
+            answer = method(message_of(request), timeout=timeout_s, wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:
             raise ServiceCallError.from_rpc(self.name, what, exc, process=self.process) from exc
+        return from_message(answer, reply)
 
     def close(self) -> None:
         self.channel.close()
@@ -123,15 +135,8 @@ class GrpcTrainer(GrpcService):
         self.last_step: int | None = None
 
     def train(self, request: TrainRequest) -> TrainResult:
-        reply = from_message(
-            self._call(
-                self.stub.Train,
-                to_message(request, trainer_pb2.TrainRequest),
-                timeout_s=self.deadlines.step_s,
-                what=f"Train({request.rollout_id})",
-            ),
-            TrainResult,
-        )
+        what = f"Train({request.rollout_id})"
+        reply = self._call(self.stub.Train, request, TrainResult, timeout_s=self.deadlines.step_s, what=what)
         expected = None if self.last_step is None else self.last_step + (1 if reply.samples_trained else 0)
         if not reply.replayed and expected is not None and reply.step != expected:
             raise TrainerStateLost(
@@ -139,55 +144,41 @@ class GrpcTrainer(GrpcService):
                 f"expected {expected}: it restarted and lost its state; restart the coordinator "
                 "to resume from the last checkpoint",
                 service=self.process,
-                call=f"Train({request.rollout_id})",
+                call=what,
             )
         self.last_step = reply.step
         return reply
 
     def save(self, request: SaveRequest) -> SaveResult:
-        reply = self._call(
-            self.stub.Save, to_message(request, trainer_pb2.SaveRequest), timeout_s=self.deadlines.step_s, what="Save"
-        )
-        return from_message(reply, SaveResult)
+        return self._call(self.stub.Save, request, SaveResult, timeout_s=self.deadlines.step_s, what="Save")
 
     def load(self) -> LoadResult:
-        reply = self._call(
-            self.stub.Load,
-            to_message(LoadRequest(), trainer_pb2.LoadRequest),
-            timeout_s=self.deadlines.step_s,
-            what="Load",
-        )
-        result = from_message(reply, LoadResult)
+        result = self._call(self.stub.Load, LoadRequest(), LoadResult, timeout_s=self.deadlines.step_s, what="Load")
         self.last_step = result.step if result.loaded else None
         return result
 
     def prepare_weight_sync(self, request: WeightSyncRequest) -> WeightSyncPlan:
-        reply = self._call(
-            self.stub.PrepareWeightSync,
-            to_message(request, trainer_pb2.PrepareWeightSyncRequest),
-            timeout_s=self.deadlines.weights_s,
-            what=f"PrepareWeightSync(v{request.version})",
+        what = f"PrepareWeightSync(v{request.version})"
+        return self._call(
+            self.stub.PrepareWeightSync, request, WeightSyncPlan, timeout_s=self.deadlines.weights_s, what=what
         )
-        return from_message(reply, WeightSyncPlan)
 
     def publish_weights(self, version: int) -> PublishResult:
-        reply = self._call(
-            self.stub.PublishWeights,
-            to_message(PublishRequest(version=version), trainer_pb2.PublishWeightsRequest),
-            timeout_s=self.deadlines.transfer_s,
-            what=f"PublishWeights(v{version})",
+        request, what = PublishRequest(version=version), f"PublishWeights(v{version})"
+        return self._call(
+            self.stub.PublishWeights, request, PublishResult, timeout_s=self.deadlines.transfer_s, what=what
         )
-        return from_message(reply, PublishResult)
 
     def offload(self) -> None:
-        self._call(self.stub.Offload, common_pb2.Empty(), timeout_s=self.deadlines.memory_s, what="Offload")
+        self._call(self.stub.Offload, Empty(), Ack, timeout_s=self.deadlines.memory_s, what="Offload")
 
     def onload(self) -> None:
-        self._call(self.stub.Onload, common_pb2.Empty(), timeout_s=self.deadlines.memory_s, what="Onload")
+        self._call(self.stub.Onload, Empty(), Ack, timeout_s=self.deadlines.memory_s, what="Onload")
 
     def get_state(self) -> TrainerStatus:
-        reply = self._call(self.stub.GetState, common_pb2.Empty(), timeout_s=self.deadlines.control_s, what="GetState")
-        return from_message(reply, TrainerStatus)
+        return self._call(
+            self.stub.GetState, Empty(), TrainerStatus, timeout_s=self.deadlines.control_s, what="GetState"
+        )
 
 
 class GrpcRollout(GrpcService):
@@ -210,83 +201,56 @@ class GrpcRollout(GrpcService):
         self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
-        reply = self._call(
-            self.stub.Generate,
-            to_message(request, rollout_pb2.GenerateRequest),
-            timeout_s=self.deadlines.step_s,
-            what=f"Generate({request.rollout_id})",
-        )
-        return from_message(reply, GenerateResult)
+        what = f"Generate({request.rollout_id})"
+        return self._call(self.stub.Generate, request, GenerateResult, timeout_s=self.deadlines.step_s, what=what)
 
     def evaluate(self, request: EvaluateRequest) -> EvaluateResult:
-        reply = self._call(
+        return self._call(
             self.stub.Evaluate,
-            to_message(request, rollout_pb2.EvaluateRequest),
+            request,
+            EvaluateResult,
             timeout_s=self.deadlines.step_s,
             what="Evaluate",
             wait_for_ready=self.wait_for_ready,
         )
-        return from_message(reply, EvaluateResult)
 
     def prepare_weight_sync(self, *, version: int, pause_mode: str) -> PrepareResult:
-        reply = self._call(
+        return self._call(
             self.stub.PrepareWeightSync,
-            to_message(PrepareRequest(version=version, pause_mode=pause_mode), rollout_pb2.PrepareReceiveRequest),
+            PrepareRequest(version=version, pause_mode=pause_mode),
+            PrepareResult,
             timeout_s=self.deadlines.weights_s,
             what=f"PrepareWeightSync(v{version})",
             wait_for_ready=self.wait_for_ready,
         )
-        return from_message(reply, PrepareResult)
 
     def receive_weights(self, request: ReceiveRequest) -> ReceiveResult:
-        reply = self._call(
-            self.stub.ReceiveWeights,
-            to_message(request, rollout_pb2.ReceiveWeightsRequest),
-            timeout_s=self.deadlines.transfer_s,
-            what=f"ReceiveWeights(v{request.plan.version})",
+        what = f"ReceiveWeights(v{request.plan.version})"
+        return self._call(
+            self.stub.ReceiveWeights, request, ReceiveResult, timeout_s=self.deadlines.transfer_s, what=what
         )
-        return from_message(reply, ReceiveResult)
 
     def resume(self) -> None:
-        self._call(
-            self.stub.Resume,
-            common_pb2.Empty(),
-            timeout_s=self.deadlines.control_s,
-            what="Resume",
-            wait_for_ready=self.wait_for_ready,
-        )
+        self._call(self.stub.Resume, Empty(), Ack, **self._control("Resume", self.deadlines.control_s))
 
     def release_memory(self, tags: Sequence[str]) -> None:
-        self._call(
-            self.stub.ReleaseMemory,
-            to_message(MemoryRequest(tags=tuple(tags)), rollout_pb2.MemoryRequest),
-            timeout_s=self.deadlines.memory_s,
-            what="ReleaseMemory",
-            wait_for_ready=self.wait_for_ready,
-        )
+        request = MemoryRequest(tags=tuple(tags))
+        self._call(self.stub.ReleaseMemory, request, Ack, **self._control("ReleaseMemory", self.deadlines.memory_s))
 
     def resume_memory(self, tags: Sequence[str]) -> None:
-        self._call(
-            self.stub.ResumeMemory,
-            to_message(MemoryRequest(tags=tuple(tags)), rollout_pb2.MemoryRequest),
-            timeout_s=self.deadlines.memory_s,
-            what="ResumeMemory",
-            wait_for_ready=self.wait_for_ready,
-        )
+        request = MemoryRequest(tags=tuple(tags))
+        self._call(self.stub.ResumeMemory, request, Ack, **self._control("ResumeMemory", self.deadlines.memory_s))
 
     def get_state(self) -> RolloutStatus:
-        reply = self._call(
-            self.stub.GetState,
-            common_pb2.Empty(),
-            timeout_s=self.deadlines.control_s,
-            what="GetState",
-            wait_for_ready=self.wait_for_ready,
-        )
-        return from_message(reply, RolloutStatus)
+        control = self._control("GetState", self.deadlines.control_s)
+        return self._call(self.stub.GetState, Empty(), RolloutStatus, **control)
+
+    def _control(self, what: str, timeout_s: float) -> _CallOptions:
+        """A control call waits, within its deadline, for a replica that restarts (when wait_for_ready)."""
+        return {"timeout_s": timeout_s, "what": what, "wait_for_ready": self.wait_for_ready}
 
     def probe(self) -> RolloutStatus:
-        reply = self._call(self.stub.GetState, common_pb2.Empty(), timeout_s=self.deadlines.probe_s, what="GetState")
-        return from_message(reply, RolloutStatus)
+        return self._call(self.stub.GetState, Empty(), RolloutStatus, timeout_s=self.deadlines.probe_s, what="GetState")
 
 
 def make_clients(config: TandemConfig) -> tuple[GrpcTrainer, GrpcTrainer | None, list[GrpcRollout]]:
