@@ -51,6 +51,7 @@ from services.contracts.trainer_calls import (
     TrainResult,
 )
 from services.contracts.wire import RolloutBatchData, encode_batch
+from services.coordinator.builder import CoordinatorParts
 from services.coordinator.data import DataSource, PromptRecord
 from services.coordinator.loop import Coordinator
 from services.coordinator.pool import RolloutPool
@@ -216,18 +217,20 @@ def coordinator_seconds(
     trainer = Trainer(consumer, timed)
     steps = StepEnds()
     coordinator = Coordinator(
-        config=config,
-        run_dir=run_dir,
-        trainer=trainer,
-        critic=None,
-        pool=pool,
-        sync=InstantSync(),
-        data=DataSource(records, batch_size=PROMPTS, shuffle=False, seed=0, num_epochs=1),
-        buffer=producer,
-        trackers=[*make_trackers((), run_dir=run_dir, run_name="bench"), steps],
-        eval_prompts=lambda: [],
-        generations=ThreadPoolExecutor(2),
-        evals=ThreadPoolExecutor(1),
+        CoordinatorParts(
+            config=config,
+            run_dir=run_dir,
+            trainer=trainer,
+            critic=None,
+            pool=pool,
+            sync=InstantSync(),
+            data=DataSource(records, batch_size=PROMPTS, shuffle=False, seed=0, num_epochs=1),
+            buffer=producer,
+            trackers=[*make_trackers((), run_dir=run_dir, run_name="bench"), steps],
+            eval_prompts=lambda: [],
+            generations=ThreadPoolExecutor(2),
+            evals=ThreadPoolExecutor(1),
+        )
     )
     coordinator.run()
     ends = steps.ends
