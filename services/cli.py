@@ -18,7 +18,7 @@ from services.contracts.config import ConfigError, TandemConfig, TimeoutsConfig
 from services.contracts.config_loading import load_config
 from services.contracts.exits import ExitCode
 from services.modelinit.families import BODIES
-from services.modelinit.init_model import ARCHS, DTYPES, preset_names
+from services.modelinit.init_model import ARCHS, DTYPES, all_preset_names
 from services.rpc.grpc_util import PortInUse
 
 
@@ -133,6 +133,13 @@ def _rollout(args: argparse.Namespace) -> int:
     return rollout_main(config, run_dir=run_dir, replica=args.replica)
 
 
+def _reward(args: argparse.Namespace) -> int:
+    from services.reward.server import main as reward_main
+
+    config, run_dir = _config_and_run_dir(args)
+    return reward_main(config, run_dir=run_dir)
+
+
 # ---- tools --------------------------------------------------------------------------------------------------
 
 
@@ -170,11 +177,12 @@ def _init_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", type=Path)
     p.add_argument(
         "--preset",
-        choices=preset_names(),
+        choices=all_preset_names(),
         default="tiny",
         help="tiny, small, q05, q15: toy bodies over a 22-token vocabulary; qwen2.5-0.5b, qwen2.5-1.5b, "
         "qwen3-0.6b, llama3.2-1b: those models' exact shapes, vocabularies and special tokens, with a "
-        "byte-level BPE tokenizer trained here",
+        "byte-level BPE tokenizer trained here; classifier: a sequence classifier (a reward model: Qwen2.5's "
+        "tokenizer and chat template over a tiny body, one score logit)",
     )
     p.add_argument(
         "--arch",
@@ -251,6 +259,7 @@ COMMANDS: Mapping[str, Command] = MappingProxyType(
                 _trainer,
             ),
             Command("rollout", "run one rollout service replica", _rollout_arguments, _rollout),
+            Command("reward", "run the reward service (the models of reward.models)", _config_arguments, _reward),
             Command("ctl", "control a running coordinator", _ctl_arguments, _ctl),
             Command(
                 "init-model",

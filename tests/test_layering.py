@@ -21,6 +21,7 @@ ALLOWED = {
     "trainer": {"contracts", "telemetry", "tensors", "rpc", "buffer", "weights"},
     "rollout": {"contracts", "telemetry", "tensors", "rpc", "buffer", "weights"},
     "coordinator": {"contracts", "telemetry", "rpc", "buffer"},
+    "reward": {"contracts", "telemetry", "tensors", "rpc", "rollout"},  # the judge runs on the rollout's engine
 }
 
 
@@ -181,6 +182,7 @@ PROTOBUF_CODECS = {
     "services/trainer/commands.py": "a relayed Train command's tensors as TensorData bytes",
     "services/trainer/algo/critic.py": "the critic's values for the actor, as TensorData in Redis",
     "services/coordinator/ctl.py": "`tandem ctl`: a client of the coordinator's control API",
+    "services/rollout/reward_client.py": "the rollout's client of the reward service's Score",
     "services/coordinator/watch.py": "`tandem ctl watch`: the events a WatchEvents stream sends",
     "services/launcher/progress.py": "`tandem run`'s progress view: a WatchEvents stream",
     "services/launcher/supervisor.py": "`tandem run` asks the coordinator's GetStatus",

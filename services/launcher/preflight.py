@@ -39,6 +39,9 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
     check_lora(config)
     records = check_data(config)
     _check_reward(config.rollout.reward)
+    if config.rollout.eval_reward:
+        _check_reward(config.rollout.eval_reward)
+    _check_reward_models(config)
     _check_environment(config.rollout.environment)
     from services.rollout.tokenizer import load_tokenizer
 
@@ -347,12 +350,24 @@ def _load(key: str, path: str, config: TandemConfig) -> list[PromptRecord]:
 
 
 def _check_reward(spec: str) -> None:
-    from services.rollout.rewards import RewardSpecError, resolve_reward
+    from services.rollout.reward_mix import check_rule_terms
+    from services.rollout.rewards import RewardSpecError
 
     try:
-        resolve_reward(spec)
+        check_rule_terms(spec)
     except RewardSpecError as exc:
         raise ConfigError(f"rollout.reward: {exc}") from None
+
+
+def _check_reward_models(config: TandemConfig) -> None:
+    """Each model of reward.models is a model directory (the reward service loads them; this fails before it starts)."""
+    for name, model in (config.reward.models if config.reward is not None else {}).items():
+        if not (Path(model.path) / "config.json").is_file():
+            what = "does not exist" if not Path(model.path).exists() else "has no config.json"
+            raise ConfigError(
+                f"reward.models.{name}.path {model.path} {what} (build one with `tandem init-model` or train one: "
+                "docs/rewards.md)"
+            )
 
 
 def _check_environment(spec: str | None) -> None:

@@ -20,7 +20,7 @@ from services.rollout.engines.interface import Engine
 from services.rollout.environment_registry import resolve_environment
 from services.rollout.multi_turn import EpisodeSource
 from services.rollout.recent_calls import RecentCalls
-from services.rollout.rewards import resolve_reward
+from services.rollout.reward_mix import RewardResolver
 from services.rollout.samples import SampleSource, SingleTurn
 from services.rollout.tokenizer import Texts, end_of_generation_ids, load_tokenizer
 from services.rollout.weight_receipt import WeightReceipt
@@ -30,6 +30,8 @@ from services.tensors.devices import limit_cpu_threads
 if TYPE_CHECKING:
     import redis
     from transformers import PreTrainedTokenizerBase
+
+    from services.rollout.remote_reward import ScoreClient
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,12 @@ def build_engine(config: TandemConfig, texts: Texts | None = None) -> Engine:
     return engine_kind(config.rollout.engine).build(config, eos, texts)
 
 
+def _reward_client(config: TandemConfig) -> ScoreClient:
+    from services.rollout.reward_client import RewardClient
+
+    return RewardClient(config)
+
+
 def build_rollout(
     config: TandemConfig,
     *,
@@ -73,7 +81,8 @@ def build_rollout(
 ) -> RolloutParts:
     """The real parts; `engine`, `tokenizer` and `redis_client`, when given, are used instead of building them."""
     ro = config.rollout
-    default_reward = resolve_reward(ro.reward)  # a bad spec fails the start
+    rewards = RewardResolver(config, client_factory=_reward_client)
+    default_reward = rewards.resolve(ro.reward)  # a bad spec fails the start
     environment = resolve_environment(ro.environment) if ro.environment else None
     if tokenizer is None:
         tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
@@ -84,9 +93,16 @@ def build_rollout(
     if engine.compute_device is not None:
         limit_cpu_threads(ro.cpu_threads, engine.compute_device)
     source: SampleSource = (
-        EpisodeSource(config, engine=engine, texts=texts, environment=environment, default_reward=default_reward)
+        EpisodeSource(
+            config,
+            engine=engine,
+            texts=texts,
+            environment=environment,
+            default_reward=default_reward,
+            resolve=rewards.resolve,
+        )
         if environment is not None
-        else SingleTurn(config, engine=engine, texts=texts, default_reward=default_reward)
+        else SingleTurn(config, engine=engine, texts=texts, default_reward=default_reward, resolve=rewards.resolve)
     )
     producer = f"rollout-{replica}"
     groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)

@@ -110,12 +110,15 @@ def startup_problem(config: TandemConfig, replica: int) -> str | None:
             f"model.path {model} {what}; create a random-init model with `tandem init-model {model} "
             "--preset tiny` or pass --init-model to `tandem run`"
         )
-    from services.rollout.rewards import RewardSpecError, resolve_reward
+    from services.rollout.reward_mix import check_rule_terms
+    from services.rollout.rewards import RewardSpecError
 
-    try:
-        resolve_reward(config.rollout.reward)
-    except RewardSpecError as exc:
-        return f"rollout.reward: {exc}"
+    for key, spec in (("rollout.reward", config.rollout.reward), ("rollout.eval_reward", config.rollout.eval_reward)):
+        try:
+            if spec:
+                check_rule_terms(spec)
+        except RewardSpecError as exc:
+            return f"{key}: {exc}"
     if config.rollout.environment:
         from services.rollout.environment_registry import resolve_environment
         from services.rollout.environments import EnvironmentSpecError

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from google.protobuf.message import Message
 
-from services.contracts import common_calls, coordinator_calls, rollout_calls, trainer_calls, weight_plan
+from services.contracts import common_calls, coordinator_calls, reward_calls, rollout_calls, trainer_calls, weight_plan
 from services.contracts.convert import to_message
-from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, rollout_pb2, trainer_pb2
+from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, reward_pb2, rollout_pb2, trainer_pb2
 from services.telemetry.events import StepEvent
 
 _PAIRS: tuple[tuple[type[Message], type], ...] = (
@@ -41,6 +41,9 @@ _PAIRS: tuple[tuple[type[Message], type], ...] = (
     (rollout_pb2.PauseRequest, rollout_calls.PauseRequest),
     (rollout_pb2.MemoryRequest, rollout_calls.MemoryRequest),
     (rollout_pb2.RolloutState, rollout_calls.RolloutStatus),
+    (reward_pb2.ScoreRequest, reward_calls.ScoreRequest),
+    (reward_pb2.ScoreResponse, reward_calls.ScoreResult),
+    (reward_pb2.RewardState, reward_calls.RewardState),
 )
 MESSAGE_DATACLASSES: dict[str, type] = {message.DESCRIPTOR.full_name: cls for message, cls in _PAIRS}
 _MESSAGE_CLASSES: dict[type, type[Message]] = {cls: message for message, cls in _PAIRS}
