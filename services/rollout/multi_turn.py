@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from services.contracts.chat_messages import ChatMessage
 from services.contracts.config import TandemConfig
+from services.contracts.errors import FailedPrecondition
 from services.contracts.sampling_spec import SamplingSpec
 from services.rollout.chat_template import ChatTemplateError
 from services.rollout.engines.engine_errors import EngineUnavailable
@@ -46,7 +47,6 @@ from services.rollout.rewards import resolve_reward
 from services.rollout.samples import Resolve, SampleRequest, Scored, Scorer, refuse_aborted
 from services.rollout.sync_bridge import run_coroutine
 from services.rollout.tokenizer import Texts
-from services.rpc.grpc_util import FailedPrecondition
 from services.telemetry import tracing
 
 # How an episode ended. On the wire: done -> stop; max_turns and context -> length (it was cut); abort -> abort.
