@@ -41,20 +41,6 @@ def service_messages() -> dict[str, Descriptor]:
 
 
 MESSAGES = service_messages()
-# Messages whose dataclass does not pair yet, and why: each fails below until fixed (strict xfail).
-NOT_PAIRED_YET = {
-    "tandem.v1.ScoreResponse": "ScoreResult.sub_scores is dict[str, tuple[float, ...]] (the message's values are "
-    "SubScores messages) and ScoreResult.parse_failures is a property, not a field; reward_client.py still copies",
-}
-
-
-def service_message_names() -> list[object]:
-    return [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=NOT_PAIRED_YET[name]))
-        if name in NOT_PAIRED_YET
-        else name
-        for name in sorted(MESSAGES)
-    ]
 
 
 def test_the_services_are_found():
@@ -66,14 +52,14 @@ def test_every_row_of_the_table_is_a_service_message():
     assert set(MESSAGE_DATACLASSES) <= set(MESSAGES)
 
 
-@pytest.mark.parametrize("name", service_message_names())
+@pytest.mark.parametrize("name", sorted(MESSAGES))
 def test_each_service_message_has_a_dataclass_that_pairs(name: str):
     cls = MESSAGE_DATACLASSES.get(name)
     assert cls is not None, f"{name} has no dataclass in services/rpc/messages.py"
     assert mismatches(cls, MESSAGES[name]) == []
 
 
-@pytest.mark.parametrize("name", service_message_names())
+@pytest.mark.parametrize("name", sorted(MESSAGES))
 def test_each_service_message_crosses_both_ways_with_every_field_set(name: str):
     cls, descriptor = MESSAGE_DATACLASSES[name], MESSAGES[name]
     message_class = message_factory.GetMessageClass(descriptor)
