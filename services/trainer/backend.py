@@ -25,7 +25,7 @@ from services.trainer import head_scoring
 from services.trainer.batching import MicroBatch
 from services.trainer.dist import DistInfo
 from services.trainer.flat_adamw import FlatAdamW
-from services.trainer.head_scoring import BEHAVIOUR_ROW, TEMPERED_ROW
+from services.trainer.head_scoring import BEHAVIOUR_ROW, TEMPERED_ROW, ChunkSetting
 from services.trainer.scoring import TokenSampling, score_request
 from services.trainer.weight_export import ExportedTensor, plain_tensors
 
@@ -463,7 +463,7 @@ def frozen_log_probs(
     sampling: TokenSampling,
     tempered: bool,
     vocab: int,
-    chunk_tokens: int,
+    chunk_tokens: ChunkSetting,
     compiled: bool = False,
 ) -> torch.Tensor:
     """Log-probs of a micro-batch's response tokens under a frozen model, on `device`: in each token's behaviour

@@ -66,7 +66,7 @@ class Upstream:
 def _scores(
     task: ChunkTask,
     target: torch.Tensor,
-    in_support: torch.Tensor,
+    in_support: torch.Tensor | None,
     top: torch.Tensor,
     sum_t: torch.Tensor,
     sum_s: torch.Tensor,
@@ -75,10 +75,15 @@ def _scores(
     stats: torch.Tensor,
 ) -> None:
     """Writes the chunk's [3, C] scores and [4, C] statistics from its per-row sums (`target`: a[y] - top, the
-    sums of exp(a - top) over the vocabulary and over the support), rounding as log_softmax does."""
-    log_t, log_s = sum_t.log(), sum_s.log()
+    sums of exp(a - top) over the vocabulary and over the support; `in_support` None: no row truncates, the support
+    is the vocabulary), rounding as log_softmax does."""
+    log_t = sum_t.log()
     tempered = target - log_t
-    sampled = torch.where(in_support, target - log_s, torch.full_like(target, NEG_INF))
+    if in_support is None:
+        log_s, sampled = log_t, tempered
+    else:
+        log_s = sum_s.log()
+        sampled = torch.where(in_support, target - log_s, torch.full_like(target, NEG_INF))
     passes = sampled >= LOG_PROB_FLOOR  # the clamp passes a gradient here only
     out[BEHAVIOUR_ROW] = torch.where(task.tempered_space, tempered, sampled.clamp(min=LOG_PROB_FLOOR))
     out[TEMPERED_ROW] = tempered
@@ -106,14 +111,21 @@ def forward_rows(task: ChunkTask, weight: torch.Tensor, out: torch.Tensor, stats
 
 
 def block_stats(
-    logits: torch.Tensor, temperature: torch.Tensor, columns: torch.Tensor, inside: torch.Tensor, moments: bool
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    columns: torch.Tensor,
+    inside: torch.Tensor | None,
+    moments: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One vocabulary block of [C, cols] logits: its row maximum m of a = logits / T, sum exp(a - m),
-    sum exp(a - m) (a - m) (when `moments`), and a[y] where the target lies in the block (0 elsewhere).
+    sum exp(a - m) (a - m) (when `moments`), and a[y] where the target lies in the block (0 elsewhere; `inside`
+    None: every target does).
     Pure tensor math: on a GPU torch.compile fuses it into a pass or two over the block (`compiled`)."""
     scaled = logits / temperature.unsqueeze(-1)
     top = scaled.amax(dim=-1)
-    picked = torch.where(inside, scaled.gather(-1, columns.unsqueeze(-1)).squeeze(-1), torch.zeros_like(top))
+    picked = scaled.gather(-1, columns.unsqueeze(-1)).squeeze(-1)
+    if inside is not None:
+        picked = torch.where(inside, picked, torch.zeros_like(top))
     shifted = scaled.sub_(top.unsqueeze(-1))
     weights = shifted.exp()
     moment = torch.linalg.vecdot(weights, shifted) if moments else torch.zeros_like(top)
@@ -138,28 +150,31 @@ def _merge(
 def forward_blocks(
     task: ChunkTask, weight: torch.Tensor, block: int, out: torch.Tensor, stats: torch.Tensor, compiled: bool = False
 ) -> None:
-    """No truncation: scores and statistics over vocabulary blocks, accumulated online."""
-    n, vocab = task.hidden.shape[0], weight.shape[0]
+    """No truncation: scores and statistics over vocabulary blocks, accumulated online; one block (the whole
+    vocabulary, what `scoring_chunk_tokens: auto` makes) is one pass with nothing to merge."""
+    vocab = weight.shape[0]
     stats_of = _compiled("block_stats") if compiled else block_stats
-    acc = (
-        torch.full((n,), NEG_INF, device=task.hidden.device),
-        torch.zeros(n, device=task.hidden.device),
-        torch.zeros(n, device=task.hidden.device),
-    )
-    target = torch.zeros(n, device=task.hidden.device)
+    acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    target = torch.zeros(0)
     for start in range(0, vocab, block):
         logits = task.hidden @ weight[start : start + block].t()
-        columns, inside = _columns(task.targets, start, logits.shape[1])
+        columns, inside = _columns(task.targets, start, logits.shape[1], vocab)
         top, total, moment, picked = stats_of(logits, task.rows.temperature, columns, inside, task.entropy)
-        target = target + picked
-        acc = _merge(acc, (top, total, moment))
+        if acc is None:  # the first block: nothing to merge with (a running maximum of -inf would make NaNs)
+            acc, target = (top, total, moment), picked
+        else:
+            acc, target = _merge(acc, (top, total, moment)), target + picked
+    assert acc is not None  # a vocabulary has a column
     top, total, moment = acc
     entropy = total.log() - moment / total if task.entropy else None
-    _scores(task, target - top, torch.ones_like(target, dtype=torch.bool), top, total, total, entropy, out, stats)
+    _scores(task, target - top, None, top, total, total, entropy, out, stats)
 
 
-def _columns(targets: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each target's column in the block [start, start + width) (clamped) and whether it lies there."""
+def _columns(targets: torch.Tensor, start: int, width: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each target's column in the block [start, start + width) (clamped) and whether it lies there (None: the
+    block is the whole vocabulary, every target lies in it)."""
+    if start == 0 and width == vocab:
+        return targets, None
     inside = (targets >= start) & (targets < start + width)
     return (targets - start).clamp(0, width - 1), inside
 
@@ -180,10 +195,16 @@ def _grad(
 
 
 def _finish(
-    g: torch.Tensor, columns: torch.Tensor, inside: torch.Tensor, at_target: torch.Tensor, temperature: torch.Tensor
+    g: torch.Tensor,
+    columns: torch.Tensor,
+    inside: torch.Tensor | None,
+    at_target: torch.Tensor,
+    temperature: torch.Tensor,
 ) -> torch.Tensor:
-    """Adds e_y for the targets inside these columns, divides by T: d loss / d logits."""
-    g.scatter_add_(-1, columns.unsqueeze(-1), torch.where(inside, at_target, torch.zeros_like(at_target)).unsqueeze(-1))
+    """Adds e_y for the targets inside these columns (None: all), divides by T: d loss / d logits."""
+    if inside is not None:
+        at_target = torch.where(inside, at_target, torch.zeros_like(at_target))
+    g.scatter_add_(-1, columns.unsqueeze(-1), at_target.unsqueeze(-1))
     return g.div_(temperature.unsqueeze(-1))
 
 
@@ -195,7 +216,7 @@ def block_grad(
     coef: torch.Tensor,
     entropy_coef: torch.Tensor,
     columns: torch.Tensor,
-    inside: torch.Tensor,
+    inside: torch.Tensor | None,
     at_target: torch.Tensor,
     with_entropy: bool,
 ) -> torch.Tensor:
@@ -217,7 +238,7 @@ def grad_rows(
     scaled = scaled_logits(task.hidden @ weight.t(), task.rows)
     keep = Truncation(threshold).keep(scaled)
     g = _grad(scaled, keep, stats, up, task.entropy and task.entropy_grad)
-    columns, inside = _columns(task.targets, 0, g.shape[1])
+    columns, inside = _columns(task.targets, 0, g.shape[1], g.shape[1])
     return _finish(g, columns, inside, up.at_target, task.rows.temperature).to(weight.dtype)
 
 
@@ -233,12 +254,13 @@ def grad_blocks(
     """No truncation, by vocabulary blocks: adds each block's G^T h to `grad_weight` (float32) and returns
     d loss / d hidden [C, H] (float32)."""
     grad_of = _compiled("block_grad") if compiled else block_grad
-    grad_hidden = torch.zeros(task.hidden.shape, dtype=torch.float32, device=task.hidden.device)
+    grad_hidden: torch.Tensor | None = None
     coef = up.coef_t + up.coef_s  # p_s = p_t without truncation
-    for start in range(0, weight.shape[0], block):
+    vocab = weight.shape[0]
+    for start in range(0, vocab, block):
         part = weight[start : start + block]
         logits = task.hidden @ part.t()
-        columns, inside = _columns(task.targets, start, logits.shape[1])
+        columns, inside = _columns(task.targets, start, logits.shape[1], vocab)
         g = grad_of(
             logits,
             task.rows.temperature,
@@ -251,9 +273,11 @@ def grad_blocks(
             up.at_target,
             task.entropy and task.entropy_grad,
         ).to(weight.dtype)
-        grad_hidden += (g @ part).float()
+        block_grad_hidden = (g @ part).float()
+        grad_hidden = block_grad_hidden if grad_hidden is None else grad_hidden.add_(block_grad_hidden)
         if grad_weight is not None:
             grad_weight[start : start + block] += (g.t() @ task.hidden).float()
+    assert grad_hidden is not None  # a vocabulary has a column
     return grad_hidden
 
 

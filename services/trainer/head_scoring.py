@@ -21,12 +21,13 @@ input embedding like any other use of it. The recomputation costs one more [chun
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -51,8 +52,10 @@ __all__ = [
     "LOG_PROB_FLOOR",
     "TEMPERED_ROW",
     "VOCAB_BLOCK",
+    "ChunkSetting",
     "ChunkedScores",
     "ScoreRequest",
+    "chunk_layout",
     "install",
     "output_head",
     "scores_of",
@@ -60,6 +63,27 @@ __all__ = [
 ]
 
 VOCAB_BLOCK = 8192  # vocabulary columns per block (prime-rl's): with 1,024-token chunks, 33 MB fp32 tables
+ChunkSetting = int | Literal["auto"]  # trainer.scoring_chunk_tokens
+# `auto`: one float32 [rows x vocabulary] table of a chunk holds this share of a GPU's memory (625 MB on an 80 GB
+# card: 1,078 rows at 151,936 tokens), or this many logits on a CPU (256 MiB: 441 rows)
+AUTO_GPU_MEMORY_SHARE = 128
+AUTO_CPU_LOGITS = 2**26
+
+
+def chunk_layout(setting: ChunkSetting, vocab: int, device: torch.device) -> tuple[int, int]:
+    """(tokens per chunk, vocabulary columns per block) of `trainer.scoring_chunk_tokens`: a number is that many
+    tokens over VOCAB_BLOCK columns at a time; `auto` is whole rows (one block: no online merge, a handful of ops a
+    chunk) as many as fit the device's budget of logits, so a chunk's launches do not grow with the vocabulary."""
+    if setting != "auto":
+        return setting, VOCAB_BLOCK
+    return max(1, _auto_logits(device) // vocab), vocab
+
+
+@functools.cache
+def _auto_logits(device: torch.device) -> int:
+    if device.type != "cuda":
+        return AUTO_CPU_LOGITS
+    return int(torch.cuda.get_device_properties(device).total_memory) // AUTO_GPU_MEMORY_SHARE // 4
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from services.tensors.devices import cuda_peak_metrics
 from services.trainer.backend import StepResult
 from services.trainer.batching import MicroBatch, TrainBatch, dummy_micro_batch, plan_micro_batches
 from services.trainer.dist import DistInfo, all_reduce_max_int, all_reduce_sum
+from services.trainer.head_scoring import ChunkSetting
 from services.trainer.losses import aggregation_weights
 from services.trainer.scoring import TokenSampling
 
@@ -29,7 +30,7 @@ class UpdateBackend(Protocol):
     dist_info: DistInfo
     parameters: int  # the model's parameter count
     vocab_size: int
-    chunk_tokens: int  # the scoring head's tokens per chunk
+    chunk_tokens: ChunkSetting  # trainer.scoring_chunk_tokens: the scoring head's tokens per chunk, or auto
     pack_sequences: bool
     compiled_scoring: bool
 
