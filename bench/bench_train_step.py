@@ -90,6 +90,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     "q05_narrow": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=4, num_key_value_heads=2
     ),
+    # two narrow layers: a step whose ops are mostly the loss, the head and the optimizer (tests/test_op_budget.py)
+    "tiny": dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    ),
 }
 VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z1_bf16": {"kind": "ds", "zero_stage": 1, "precision": "bf16"},
@@ -154,12 +158,15 @@ def make_model_dir(root: Path, preset: str, vocab: int) -> Path:
     return out
 
 
-def make_rollout(*, samples: int, response_len: int, vocab: int, seed: int, mixed: bool = False):
-    """`samples` responses of `response_len` tokens (mixed: uniform in [response_len / 8, response_len])."""
+def make_rollout(
+    *, samples: int, response_len: int, vocab: int, seed: int, mixed: bool = False, prompt_len: int | None = None
+):
+    """`samples` responses of `response_len` tokens (mixed: uniform in [response_len / 8, response_len]) after
+    prompts of 4-8 tokens (or `prompt_len`)."""
     from services.trainer.batching import merge_batches
 
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(4, vocab, size=int(rng.integers(4, 9))).tolist() for _ in range(samples)]
+    prompts = [rng.integers(4, vocab, size=prompt_len or int(rng.integers(4, 9))).tolist() for _ in range(samples)]
     lengths = (
         rng.integers(max(1, response_len // 8), response_len + 1, size=samples)
         if mixed
@@ -305,14 +312,14 @@ class OldPathScores:
 
 
 def build_backend(
-    variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path, chunk_tokens: ChunkSetting
+    variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path, chunk_tokens: ChunkSetting | None
 ) -> Any:
     backend = _build_backend(variant, model_dir, device, tmp, chunk_tokens)
     return OldPathScores(backend) if variant.get("scoring") == "old" else backend
 
 
 def _build_backend(
-    variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path, chunk_tokens: ChunkSetting
+    variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path, chunk_tokens: ChunkSetting | None
 ) -> Any:
     if variant["kind"] == "torch":
         backend = TorchBackend(
@@ -320,7 +327,7 @@ def _build_backend(
             device,
             param_dtype=variant["param_dtype"],
             autocast=variant["autocast"],
-            chunk_tokens=chunk_tokens,
+            chunk_tokens="auto" if chunk_tokens is None else chunk_tokens,
         )
         if variant.get("fused"):
             from services.tensors import fused
@@ -346,7 +353,7 @@ def _build_backend(
                 "micro_batch_tokens": variant.get("micro_batch_tokens", DEFAULT_BUDGET),
                 "skip_nonfinite_steps": variant.get("skip_nonfinite_steps", True),
                 "lora": variant.get("lora"),
-                "scoring_chunk_tokens": chunk_tokens,
+                **({} if chunk_tokens is None else {"scoring_chunk_tokens": chunk_tokens}),  # None: the default
                 "activation_checkpointing": variant.get("activation_checkpointing", False),
                 "pack_sequences": variant.get("pack_sequences", False),
             },

@@ -1,12 +1,14 @@
 """How many aten ops a step dispatches, and where they come from: a proxy of kernel launches that holds on a CPU.
 
     python bench/op_counts.py [--vocab 22 151936] [--preset q05_narrow] [--length 512] [--samples 32]
-                              [--variant ds_z0_fp32] [--chunk-tokens auto] [--top 25]
+                              [--prompt-len P] [--variant ds_z0_fp32] [--chunk-tokens auto|N] [--warmups 1] [--top 25]
+    python bench/op_counts.py ... --json        # the counts alone, one JSON line: {"22": ops, "151936": ops}
 
 One step of bench/bench_train_step.py's variant (Tandem's actor_step over the DeepSpeed backend, in this process)
-under torch.profiler, per vocabulary: the count of aten ops that do work (views left out, nested ops counted:
-`count_step_ops`, the figure bench_train_step's "host ops" column and tests/test_op_budget.py use), then tables of
-the same ops by op name and by call site. A call site is the innermost frame of Tandem's code (services/), of a
+under torch.profiler, per vocabulary, after --warmups steps: the count of aten ops that do work (views left out,
+nested ops counted: `count_step_ops`, the figure of bench_train_step's "host ops" column and tests/test_op_budget.py),
+then tables of the same ops by op name and by call site. --chunk-tokens unset: trainer.scoring_chunk_tokens'
+default. A call site is the innermost frame of Tandem's code (services/), of a
 model's modeling file, DeepSpeed or torch.optim above the op; ops that the autograd engine runs are filed under
 their backward node (`bwd <Node>`), or under the Python frame of a custom Function's backward.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import re
 import sys
 import tempfile
@@ -127,7 +130,9 @@ def step_of(args: argparse.Namespace, vocab: int, tmp: Path) -> tuple[Callable[[
     from services.trainer.actor import actor_step
 
     model_dir = make_model_dir(tmp, args.preset, vocab)
-    batch = make_rollout(samples=args.samples, response_len=args.length, vocab=vocab, seed=0)
+    batch = make_rollout(
+        samples=args.samples, response_len=args.length, vocab=vocab, seed=0, prompt_len=args.prompt_len
+    )
     variant = VARIANTS[args.variant]
     backend = build_backend(variant, model_dir, torch.device(args.device), tmp, args.chunk_tokens)
     budget = variant.get("micro_batch_tokens", 16384)
@@ -140,7 +145,8 @@ def step_of(args: argparse.Namespace, vocab: int, tmp: Path) -> tuple[Callable[[
         old_actor=None,
         token_budget=budget,
     )
-    step()  # warm-up: first-use work (allocations, lazy state) is not a step's
+    for _ in range(args.warmups):  # first-use work (allocations, lazy state) is not a step's
+        step()
     return step, backend, batch.num_tokens
 
 
@@ -152,22 +158,31 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--preset", default="q05_narrow")
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=None, help="every prompt's tokens (default 4-8)")
     parser.add_argument("--variant", default="ds_z0_fp32")
-    parser.add_argument("--chunk-tokens", default="auto", help="trainer.scoring_chunk_tokens (a number or auto)")
+    parser.add_argument("--chunk-tokens", default=None, help="trainer.scoring_chunk_tokens (a number or auto)")
+    parser.add_argument("--warmups", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--json", action="store_true", help="print the counts only, as one JSON line")
     args = parser.parse_args(None if argv is None else list(argv))
-    if args.chunk_tokens != "auto":
+    if args.chunk_tokens not in (None, "auto"):
         args.chunk_tokens = int(args.chunk_tokens)
     names: dict[int, collections.Counter[str]] = {}
     sites: dict[int, collections.Counter[str]] = {}
-    tokens = 0
+    tokens, device = 0, torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp_name:
         for vocab in args.vocab:
             step, backend, tokens = step_of(args, vocab, Path(tmp_name))
-            names[vocab], sites[vocab] = breakdown(step, torch.device(args.device))
+            if args.json:
+                names[vocab] = collections.Counter(ops=int(count_step_ops(step, device)["host_ops"]))
+            else:
+                names[vocab], sites[vocab] = breakdown(step, device)
             backend.close()
             print(f"[vocab {vocab}] {sum(names[vocab].values()):,} ops", flush=True)
+    if args.json:
+        print(json.dumps({str(v): names[v]["ops"] for v in args.vocab}))
+        return 0
     print(
         f"\n# op_counts: {args.variant} {args.preset} L={args.length} x {args.samples} samples ({tokens:,} tokens), "
         f"scoring_chunk_tokens={args.chunk_tokens}\n"
