@@ -39,11 +39,13 @@ from services.trainer.head_math import (
     LOG_PROB_FLOOR,
     TEMPERED_ROW,
     ChunkTask,
+    RowSums,
     Upstream,
     forward_blocks,
     forward_rows,
     grad_blocks,
     grad_rows,
+    row_scores,
 )
 
 __all__ = [
@@ -205,7 +207,6 @@ def _task(request: ScoreRequest, hidden: torch.Tensor, start: int, stop: int) ->
         hidden=hidden[start:stop],
         targets=request.targets[start:stop],
         rows=request.sampling.rows(start, stop),
-        tempered_space=request.tempered_space[start:stop],
         entropy=request.entropy,
         entropy_grad=request.entropy_grad,
     )
@@ -218,18 +219,20 @@ class ChunkedScores(torch.autograd.Function):
     def forward(
         ctx: AutogradContext, hidden: torch.Tensor, weight: torch.Tensor, request: ScoreRequest
     ) -> torch.Tensor:
-        n = hidden.shape[0]
-        out = torch.zeros(3, n, dtype=torch.float32, device=hidden.device)
-        stats = torch.zeros(4, n, dtype=torch.float32, device=hidden.device)  # what the backward reads
         step, support = rows_per_chunk(request, weight.shape[0]), request.needs_support
-        cuts = []
+        n, fields = hidden.shape[0], RowSums.fields(support=support, moment=request.entropy)
+        buffer = torch.empty(n, fields, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, step):
-            task, part = _task(request, hidden, start, start + step), slice(start, start + step)
-            if support:
-                cuts.append(forward_rows(task, weight, out[:, part], stats[:, part]))
-            else:
-                forward_blocks(task, weight, request.vocab_block, out[:, part], stats[:, part], request.compiled)
-        thresholds = torch.cat(cuts) if cuts else torch.empty(0, device=hidden.device)
+            task = _task(request, hidden, start, start + step)
+            part = (
+                forward_rows(task, weight)
+                if support
+                else forward_blocks(task, weight, request.vocab_block, request.compiled)
+            )
+            part.write(buffer[start : start + step])
+        sums = RowSums.read(buffer, support=support, moment=request.entropy)
+        out, stats = row_scores(sums, request.tempered_space)  # stats: what the backward reads
+        thresholds = torch.empty(0, device=hidden.device) if sums.threshold is None else sums.threshold
         ctx.request, ctx.step, ctx.autocast = request, step, _autocast_state(hidden.device)
         ctx.save_for_backward(hidden, weight, stats, thresholds)
         ctx.set_materialize_grads(False)
@@ -244,25 +247,25 @@ class ChunkedScores(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad is None or not (want_h or want_w):
             return None, None, None
-        grad_h = torch.zeros_like(hidden) if want_h else None
+        grad_h = torch.empty_like(hidden) if want_h else None  # every row is written below
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         device_type, enabled, dtype = ctx.autocast
+        upstream = Upstream.of(grad, stats, request.tempered_space)  # once, sliced per chunk
         for start in range(0, hidden.shape[0], ctx.step):
             part = slice(start, start + ctx.step)
-            task = _task(request, hidden, start, start + ctx.step)
-            up = Upstream.of(grad[:, part], stats[:, part], task.tempered_space)
+            task, up = _task(request, hidden, start, start + ctx.step), upstream.rows(start, start + ctx.step)
             with torch.autocast(device_type, dtype=dtype, enabled=enabled):  # the forward's logits, bit for bit
                 if request.needs_support:
                     g = grad_rows(task, weight, stats[:, part], up, thresholds[part])
                     chunk_grad = g @ weight
                     if grad_w is not None:
-                        grad_w += (g.t() @ task.hidden).float()
+                        grad_w.add_(g.t() @ task.hidden)  # in float32: bf16 products are exact
                 else:
                     chunk_grad = grad_blocks(
                         task, weight, stats[:, part], up, request.vocab_block, grad_w, request.compiled
                     )
             if grad_h is not None:
-                grad_h[part] = chunk_grad.to(hidden.dtype)
+                grad_h[part] = chunk_grad  # copy_ rounds to the hidden states' dtype as .to() does
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None
 
 
