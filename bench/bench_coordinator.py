@@ -50,7 +50,7 @@ from services.contracts.trainer_calls import (
     TrainResult,
 )
 from services.contracts.wire import RolloutBatchData, encode_batch
-from services.coordinator.api import SyncResult
+from services.coordinator.builder import CoordinatorParts
 from services.coordinator.clients import (
     generate_request_proto,
     generate_result_of,
@@ -61,6 +61,7 @@ from services.coordinator.clients import (
 from services.coordinator.data import DataSource, PromptRecord
 from services.coordinator.loop import Coordinator
 from services.coordinator.pool import RolloutPool
+from services.coordinator.seams import SyncResult
 from services.launcher.redis_server import EmbeddedRedis
 from services.telemetry.tracker_registry import make_trackers
 from services.telemetry.trackers import Tracker
@@ -222,18 +223,20 @@ def coordinator_seconds(
     trainer = Trainer(consumer, timed)
     steps = StepEnds()
     coordinator = Coordinator(
-        config=config,
-        run_dir=run_dir,
-        trainer=trainer,
-        critic=None,
-        pool=pool,
-        sync=InstantSync(),
-        data=DataSource(records, batch_size=PROMPTS, shuffle=False, seed=0, num_epochs=1),
-        buffer=producer,
-        trackers=[*make_trackers((), run_dir=run_dir, run_name="bench"), steps],
-        eval_prompts=lambda: [],
-        generations=ThreadPoolExecutor(2),
-        evals=ThreadPoolExecutor(1),
+        CoordinatorParts(
+            config=config,
+            run_dir=run_dir,
+            trainer=trainer,
+            critic=None,
+            pool=pool,
+            sync=InstantSync(),
+            data=DataSource(records, batch_size=PROMPTS, shuffle=False, seed=0, num_epochs=1),
+            buffer=producer,
+            trackers=[*make_trackers((), run_dir=run_dir, run_name="bench"), steps],
+            eval_prompts=lambda: [],
+            generations=ThreadPoolExecutor(2),
+            evals=ThreadPoolExecutor(1),
+        )
     )
     coordinator.run()
     ends = steps.ends

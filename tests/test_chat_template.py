@@ -1,5 +1,5 @@
-"""The chat template (services/rollout/chat.py, tokenizer.py) with a real byte-level BPE ChatML tokenizer built in
-the test: auto (the tokenizer's template from tokenizer_config.json), a template file, chat_template_kwargs, no
+"""The chat template (services/rollout/chat_template.py, tokenizer.py) with a real byte-level BPE ChatML tokenizer
+built in the test: auto (the tokenizer's template from tokenizer_config.json), a template file, chat_template_kwargs, no
 duplicated BOS, one-line failures; a RolloutService with the real native engine on a tiny model over that tokenizer
 generating from chat prompts (what the trainer and the reward see); and preflight's checks of chat rows."""
 
@@ -16,12 +16,13 @@ from helpers import recording_reward
 from helpers.chatml_tokenizer import CHATML_TEMPLATE, build_chatml_model, build_chatml_tokenizer
 
 from services.buffer.stream import RolloutBuffer, connect
-from services.contracts.chat import ChatMessage
+from services.contracts.chat_messages import ChatMessage
 from services.contracts.config import ConfigError
 from services.contracts.config_loading import config_from_dict
 from services.coordinator.data import PromptRecord
 from services.launcher import preflight
-from services.rollout.chat import ChatTemplate, ChatTemplateError
+from services.rollout.builder import build_rollout
+from services.rollout.chat_template import ChatTemplate, ChatTemplateError
 from services.rollout.service import PromptInput, RolloutService
 from services.rollout.tokenizer import encode_texts, load_tokenizer, model_inputs
 
@@ -123,21 +124,23 @@ def test_a_rollout_service_generates_from_chat_prompts_with_the_template_and_the
     are the template's, the reward gets the rendered text and the messages (JSON) beside the row's metadata."""
     model = build_chatml_model(tmp_path_factory.mktemp("chatml_model"))
     svc = RolloutService(
-        config_from_dict(
-            {
-                "run_name": "chat-test",
-                "model": {"path": str(model)},
-                "data": {"train_path": "unused.parquet", "system_prompt": "Answer with a number."},
-                "rollout": {
-                    "device": "cpu",
-                    "n_samples_per_prompt": 2,
-                    "reward": "helpers.recording_reward:record",
-                    "sampling": {"temperature": 1.0, "max_new_tokens": 4, "seed": 1},
-                },
-                "redis": {"url": redis_server.url},
-            }
-        ),
-        replica=0,
+        build_rollout(
+            config_from_dict(
+                {
+                    "run_name": "chat-test",
+                    "model": {"path": str(model)},
+                    "data": {"train_path": "unused.parquet", "system_prompt": "Answer with a number."},
+                    "rollout": {
+                        "device": "cpu",
+                        "n_samples_per_prompt": 2,
+                        "reward": "helpers.recording_reward:record",
+                        "sampling": {"temperature": 1.0, "max_new_tokens": 4, "seed": 1},
+                    },
+                    "redis": {"url": redis_server.url},
+                }
+            ),
+            replica=0,
+        )
     )
     try:
         messages = (ChatMessage("system", "Answer with a number."), *QUESTION)

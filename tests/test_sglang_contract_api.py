@@ -21,17 +21,17 @@ import pytest
 import torch
 from helpers.sglang_contract_server import ContractServer
 
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.errors import EngineUnavailable
-from services.rollout.engines.sglang import SGLangEngine
-from services.rollout.engines.sglang_http import (
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.engines.engine_errors import EngineUnavailable
+from services.rollout.engines.sglang.engine import SGLangEngine
+from services.rollout.engines.sglang.http import (
     SGLangClient,
     SGLangRequestError,
     SGLangTimeout,
     SGLangUnavailable,
 )
-from services.rollout.engines.sglang_launch import LaunchSpec, SGLangNotInstalled, require_sglang
-from services.rollout.engines.sglang_protocol import (
+from services.rollout.engines.sglang.launch import LaunchSpec, SGLangNotInstalled, require_sglang
+from services.rollout.engines.sglang.protocol import (
     UnsupportedSGLangVersion,
     parse_release,
     profile_for,
@@ -474,7 +474,7 @@ def test_sglang_contract_launch_command_and_a_missing_sglang(tmp_path: Path):
     with pytest.raises(SGLangNotInstalled, match=r"sglang package is not installed .* rollout.sglang.urls"):
         require_sglang()
     from services.contracts.config_loading import config_from_dict
-    from services.rollout.service import build_engine
+    from services.rollout.builder import build_engine
 
     config = config_from_dict(
         {"model": {"path": str(tmp_path)}, "data": {"train_path": "x.jsonl"}, "rollout": {"engine": "sglang"}}
@@ -485,7 +485,7 @@ def test_sglang_contract_launch_command_and_a_missing_sglang(tmp_path: Path):
 
 def test_sglang_contract_build_engine_from_config(server: ContractServer, tmp_path: Path):
     from services.contracts.config_loading import config_from_dict
-    from services.rollout.service import build_engine
+    from services.rollout.builder import build_engine
 
     config = config_from_dict(
         {

@@ -67,7 +67,7 @@ def main() -> int:
             out[stage] = train_stage(harness, batches(args.model_dir, args.steps))
             harness.close()  # relays shutdown: the other ranks leave serve_worker
         else:
-            service = TrainerService(build_trainer(config, run_dir=args.run_dir).parts())
+            service = TrainerService(build_trainer(config, run_dir=args.run_dir))
             service.serve_worker()
             service.close()
     if out:

@@ -16,16 +16,17 @@ from pathlib import Path
 
 import grpc
 
-from services.contracts.chat import ChatMessage
+from services.contracts.chat_messages import ChatMessage
 from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.builder import build_rollout
 from services.rollout.service import PromptInput, RolloutService
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.shutdown import StopSignals, begin_stop, exit_now
 from services.telemetry import tracing
-from services.telemetry.startup import process_age_s
+from services.telemetry.process_age import process_age_s
 from services.tensors.devices import cuda_reserved_bytes
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
         file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"),
     )
     try:
-        service = RolloutService(config, replica=replica)
+        service = RolloutService(build_rollout(config, replica=replica))
     except (OSError, ValueError, NotImplementedError) as exc:
         print(
             f"tandem rollout: could not start: {type(exc).__name__}: {exc}".replace("\n", " "),
