@@ -27,16 +27,19 @@ Presets: Qwen2 bodies over `--vocab` (22 by default, Tandem's toy vocabulary), o
 (bench/real_shapes.py: init-model's qwen2.5-0.5b, qwen2.5-1.5b, qwen3-0.6b, llama3.2-1b; real vocabularies, tied).
 `--mixed-lengths` draws each response's length uniformly from [L/8, L] (padding to remove) instead of exactly L.
 
-Columns: step seconds (median of `--steps` after 2 warm-ups), its parts (micro-batch planning on the host,
+Columns: step seconds (median of `--steps` after `--warmups`), its parts (micro-batch planning on the host,
 forward+loss, backward, optimizer step; CUDA-synchronised), the host work of one more step under torch.profiler
-(aten ops that are not views, and on a GPU the kernel launches), peak GPU memory (and what was still allocated
-when the variant started, which that peak includes; on a CPU the process's peak RSS so far, exact for the first
-variant of a process: run one variant per process to compare), and MFU = model FLOPs / (step s x --peak-tflops, 790
-by default: the dense bf16 measured on this workplace's cards). Model FLOPs: 6 x the parameters that multiply (the
-output head's included) x tokens, plus causal attention's 6 x layers x hidden x S^2 per sample of S tokens.
-`--chunk-tokens` is trainer.scoring_chunk_tokens (auto by default); the `*_c1024` variants keep the head of before
-issue 39 (1,024-token chunks over 8,192-column blocks) whatever it says. `--warmups N` steps before the timed ones
-(2); `--no-count-ops` skips the profiled step (a long step makes millions of profiler events).
+(aten ops that are not views, and on a GPU the kernel launches), peak GPU memory (the allocator's reserved peak
+over the variant's steps, from each step's own gpu_gb_peak metric, as the trainer reports it: a step resets the
+device's peak statistics, so reading them after the last step saw only that step's end; with what was still
+reserved when the variant started, which that peak includes; on a CPU the process's peak RSS so far, exact for the
+first variant of a process: run one variant per process to compare), and MFU = model FLOPs / (step s x
+--peak-tflops, 790 by default: the dense bf16 measured on this workplace's cards). Model FLOPs: 6 x the parameters
+that multiply (the output head's included) x tokens, plus causal attention's 6 x layers x hidden x S^2 per sample
+of S tokens. `--chunk-tokens` is trainer.scoring_chunk_tokens (auto by default); the `*_c1024` / `*_c8192` variants
+keep the head of before issue 39 (1,024- or 8,192-token chunks over 8,192-column blocks) whatever it says.
+`--warmups N` steps before the timed ones (2); `--no-count-ops` skips the profiled step (a long step makes millions
+of profiler events).
 `--profile` writes a torch.profiler summary per variant (top ops by device and host time) to
 DIR/profile_<variant>_<preset>_L<L>.txt.
 """
@@ -103,9 +106,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z0_bf16": {"kind": "ds", "zero_stage": 0, "precision": "bf16"},
     "ds_z0_bf16_64k": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "micro_batch_tokens": 65536},
     "ds_z0_bf16_128k": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "micro_batch_tokens": 131072},
-    # issue 39: the head as before it, 1,024-token chunks over 8,192-column blocks (whatever --chunk-tokens says)
+    # issue 39: the head as before it, 1,024- (its default) or 8,192-token chunks over 8,192-column blocks (whatever
+    # --chunk-tokens says)
     "ds_z0_bf16_c1024": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "chunk_tokens": 1024},
     "ds_z0_fp32_c1024": {"kind": "ds", "zero_stage": 0, "precision": "fp32", "chunk_tokens": 1024},
+    "ds_z0_bf16_c8192": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "chunk_tokens": 8192},
     "ds_z0_bf16pure": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure"},
     "ds_z0_bf16pure_nocheck": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "skip_nonfinite_steps": False},
     "ds_z0_fp32": {"kind": "ds", "zero_stage": 0, "precision": "fp32"},
@@ -393,10 +398,10 @@ def run_variant(
     variant = VARIANTS[name]
     chunk_tokens = variant.get("chunk_tokens", chunk_tokens)
     budget = variant.get("micro_batch_tokens", DEFAULT_BUDGET)
-    held = 0.0  # what earlier variants left allocated counts in this one's peak: shown beside it
+    held = 0.0  # what earlier variants left reserved counts in this one's peak: shown beside it
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        held = torch.cuda.memory_allocated(device) / 2**30
+        held = torch.cuda.memory_reserved(device) / 2**30
     if variant["kind"] == "floor":
         return run_floor(
             warmups=warmups,
@@ -410,6 +415,7 @@ def run_variant(
     backend = build_backend(variant, model_dir, device, tmp, chunk_tokens)
     algo = algo_config()
     rows: list[dict[str, float]] = []
+    peaks = [0.0]  # each step's reserved peak, from its own metrics (which reset the device's peak statistics)
     for i in range(steps + warmups):
         timer = Timer(device)
         timed = TimedBackend(backend, timer)
@@ -419,7 +425,10 @@ def run_variant(
         started, cpu_started = time.perf_counter(), time.process_time()
         prof = profiler(device) if (profile_to is not None and i == steps + warmups - 1) else contextlib.nullcontext()
         with prof as p:
-            actor_step(backend=timed, batch=batch, algo=algo, ref_model=None, old_actor=None, token_budget=budget)
+            metrics = actor_step(
+                backend=timed, batch=batch, algo=algo, ref_model=None, old_actor=None, token_budget=budget
+            )
+            peaks.append(metrics.get("gpu_gb_peak", 0.0))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         step_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
@@ -443,7 +452,7 @@ def run_variant(
             ),
             device,
         )
-    out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else max_rss_gib()
+    out["peak_gib"] = max(peaks) if device.type == "cuda" else max_rss_gib()
     out["held_gib"] = held
     if hasattr(backend, "close"):
         backend.close()  # DeepSpeed's engine lets go of its buffers
@@ -499,7 +508,7 @@ def run_floor(
         model.zero_grad(set_to_none=True)
         if i >= warmups:
             times.append(timer.seconds["fwd_bwd"])
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    peak = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
     del model
     return {"step_s": statistics.median(times), "forward": float("nan"), "peak_gib": peak}
 

@@ -80,9 +80,10 @@ def _train_step(work: Path, preset: str, variants: list[str], *extra: str) -> tu
     )
 
 
-def _peer_trl(work: Path, length: int, budget_s: int) -> tuple[str, ...]:
+def _peer_trl(work: Path, length: int, budget_s: int, *extra: str) -> tuple[str, ...]:
     return _bench(
         "peer_trl.py",
+        *extra,
         "--cases",
         f"qwen2.5-0.5b_L{length}",
         "--budget-s",
@@ -108,23 +109,12 @@ def stages(work: Path) -> list[Stage]:
     inflight_goal = "in-flight updates on the long-tailed batch: >= 1.5x one_step_off's tokens/s"
     inflight_keep = ("inflight/inflight_*.json",)
     return [
-        Stage("train_q05", q05_goal, (_train_step(work, "qwen2.5-0.5b", ["ds_z0_bf16"], "--steps", "2"),), 240),
-        # the head before issue 39 (1,024-token chunks over 8,192-column blocks), same shape: the gain
+        Stage("train_q05", q05_goal, (_train_step(work, "qwen2.5-0.5b", ["ds_z0_bf16"], "--steps", "2"),), 150),
         Stage(
-            "train_q05_before",
-            q05_goal + " (the head before issue 39)",
-            (_train_step(work, "qwen2.5-0.5b", ["ds_z0_bf16_c1024"], "--steps", "1", "--no-count-ops"),),
-            200,
-        ),
-        Stage(
-            "train_q15",
-            "Qwen2.5-1.5B shape, 512 x 1,024: MFU >= 40%",
-            (
-                _train_step(work, "qwen2.5-1.5b", ["ds_z0_bf16"], "--steps", "1", "--no-count-ops"),
-                _train_step(work, "qwen2.5-1.5b", ["ds_z0_bf16_ac"], "--steps", "1", "--no-count-ops"),
-            ),
-            330,
-            fallback=True,  # checkpointing only if the plain step does not fit the card
+            "train_q05_64k",
+            q05_goal + " (65,536-token micro-batches: a quarter of the per-layer launches)",
+            (_train_step(work, "qwen2.5-0.5b", ["ds_z0_bf16_64k"], "--steps", "2"),),
+            150,
         ),
         Stage(
             "peer_trl_vocab_L128",
@@ -133,11 +123,37 @@ def stages(work: Path) -> list[Stage]:
             320,
             needs=("trl",),
         ),
+        # the head before issue 39 at its best chunk (8,192 tokens over 8,192-column blocks; main's 2026-12-06 H100
+        # row: 6.09 s, 32.5%), on the same card as the stages above
+        Stage(
+            "train_q05_before",
+            q05_goal + " (the head before issue 39, 8,192-token chunks)",
+            (_train_step(work, "qwen2.5-0.5b", ["ds_z0_bf16_c8192"], "--steps", "1"),),
+            150,
+        ),
+        Stage(
+            "train_q15",
+            "Qwen2.5-1.5B shape, 512 x 1,024: MFU >= 40%",
+            (
+                _train_step(work, "qwen2.5-1.5b", ["ds_z0_bf16"], "--steps", "1", "--no-count-ops"),
+                _train_step(work, "qwen2.5-1.5b", ["ds_z0_bf16_ac"], "--steps", "1", "--no-count-ops"),
+            ),
+            240,
+            fallback=True,  # checkpointing only if the plain step does not fit the card
+        ),
         Stage(
             "peer_trl_vocab_L512",
             "Tandem vs TRL at 151,936 tokens, L=512: >= 3x TRL's tokens/s, train phase <= 0.7x TRL's, TRL's peak",
             (_peer_trl(work, 512, 470),),
             490,
+            needs=("trl",),
+        ),
+        # TRL alone at the 512 x 1,024 batch: its peak memory, the reference of the q05 memory goal
+        Stage(
+            "trl_peak_L1024",
+            q05_goal + " (TRL's peak at the same batch)",
+            (_peer_trl(work, 1024, 300, "--modes", "--steps", "3"),),
+            320,
             needs=("trl",),
         ),
         Stage(
@@ -411,37 +427,46 @@ def run_plan(*, out: Path, work: Path, budget_s: float, only: list[str] | None, 
 def dry_run(work: Path) -> int:
     """Prints the plan with each stage's state here, and checks that every command's script exists and its
     arguments parse (each script's own argparse, stopped right after parsing); 1 if one does not."""
-    state, bad = load_state(), 0
-    for i, stage in enumerate(stages(work), 1):
+    state, plan = load_state(), stages(work)
+    problems = iter(argument_problems([cmd for stage in plan for cmd in stage.commands]))
+    bad = 0
+    for i, stage in enumerate(plan, 1):
         reason = pending_reason(stage, state.get(stage.name)) or "pending"
         needs = f", needs {', '.join(stage.needs)}" if stage.needs else ""
         print(f"{i:2}. {stage.name} [{stage.limit_s} s{needs}] {reason}\n    goal: {stage.goal}")
         for cmd in stage.commands:
-            problem = argument_problem(cmd)
+            problem = next(problems)
             bad += problem is not None
             shown = " ".join(Path(c).name if c == PY else c for c in cmd)
             print(f"    {'ok ' if problem is None else 'BAD'} {shown}" + (f"\n        {problem}" if problem else ""))
     return 1 if bad else 0
 
 
-def argument_problem(cmd: tuple[str, ...]) -> str | None:
-    """None if `cmd` (PY bench/X.py ARGS) names a script that exists and whose parser accepts ARGS."""
-    script = ROOT / cmd[1]
-    if cmd[0] != PY or not script.is_file():
-        return f"no such script: {cmd[1]}"
+def argument_problems(commands: list[tuple[str, ...]]) -> list[str | None]:
+    """Per command (PY bench/X.py ARGS): None if the script exists and its parser accepts ARGS, else why not. One
+    subprocess checks them all (each script imported there, its main() stopped at its first parse_args)."""
     done = subprocess.run(
-        [PY, str(Path(__file__)), "--parse-only", *cmd[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [PY, str(Path(__file__)), "--parse-only", json.dumps([list(c) for c in commands])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    return None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+    if done.returncode != 0:
+        return [f"the check itself failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"] * len(commands)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 class _Parsed(Exception):
     pass
 
 
-def parse_only(script: str, args: list[str]) -> int:
-    """Imports bench/`script` and calls its main() with `args`, stopping at its first parse_args: 0 if they parse."""
+def parse_commands(commands: list[list[str]]) -> list[str | None]:
+    """In this process: each command's script imported and its main() called with its arguments, stopped at its
+    first parse_args; the last line argparse printed where they do not parse."""
     import argparse
+    import contextlib
+    import io
     import runpy
 
     original: Any = argparse.ArgumentParser.parse_args
@@ -451,15 +476,22 @@ def parse_only(script: str, args: list[str]) -> int:
         raise _Parsed
 
     setattr(argparse.ArgumentParser, "parse_args", parse)  # noqa: B010 - a method replaced in this process
-    sys.argv = [script, *args]
-    try:
-        runpy.run_path(str(ROOT / script), run_name="__main__")
-    except _Parsed:
-        return 0
-    except SystemExit as exc:
-        return int(exc.code or 0) or 2
-    print(f"{script}: its main() returned without parsing arguments", file=sys.stderr)
-    return 2
+    problems: list[str | None] = []
+    for cmd in commands:
+        script = ROOT / cmd[1]
+        if cmd[0] != PY or not script.is_file():
+            problems.append(f"no such script: {cmd[1]}")
+            continue
+        sys.argv, errors = [cmd[1], *cmd[2:]], io.StringIO()
+        try:
+            with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+                runpy.run_path(str(script), run_name="__main__")
+            problems.append("its main() returned without parsing arguments")
+        except _Parsed:
+            problems.append(None)
+        except SystemExit:
+            problems.append((errors.getvalue().strip().splitlines() or ["exited while parsing"])[-1])
+    return problems
 
 
 # ---- absorbing a call's results here --------------------------------------------------------------
@@ -504,7 +536,7 @@ def absorb(directory: Path, *, plan_file: Path = PLAN_FILE, results_md: Path = R
     return 0
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--parse-only"]:
+if __name__ == "__main__" and sys.argv[1:2] == ["--parse-only"]:  # argument_problems' subprocess
     sys.path.insert(0, str(ROOT / "bench"))
     sys.path.insert(0, str(ROOT))
-    sys.exit(parse_only(sys.argv[2], sys.argv[3:]))
+    print(json.dumps(parse_commands(json.loads(sys.argv[2]))))

@@ -663,7 +663,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per run (medians over steps 3-6)")
-    p.add_argument("--modes", nargs="+", choices=["async", "sync"], default=["async", "sync"])
+    p.add_argument("--modes", nargs="*", choices=["async", "sync"], default=["async", "sync"], help="none: TRL alone")
     p.add_argument("--no-trl", action="store_true", help="the Tandem side only")
     p.add_argument(
         "--tandem-set",

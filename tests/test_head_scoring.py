@@ -348,3 +348,6 @@ def test_auto_chunks_are_whole_rows_within_the_devices_budget_of_logits():
         chunk_tokens="auto",
     )
     assert (request.chunk_tokens, request.vocab_block) == (441, 151_936)
+    for vocab in (22, 4096, 151_936, 262_144):  # a chunk's table stays within the budget whatever the vocabulary
+        rows, block = chunk_layout("auto", vocab, torch.device("cpu"))
+        assert block == vocab and rows * vocab <= 2**26 < (rows + 1) * vocab

@@ -66,9 +66,12 @@ __all__ = [
 
 VOCAB_BLOCK = 8192  # vocabulary columns per block (prime-rl's): with 1,024-token chunks, 33 MB fp32 tables
 ChunkSetting = int | Literal["auto"]  # trainer.scoring_chunk_tokens
-# `auto`: one float32 [rows x vocabulary] table of a chunk holds this share of a GPU's memory (625 MB on an 80 GB
-# card: 1,078 rows at 151,936 tokens), or this many logits on a CPU (256 MiB: 441 rows)
-AUTO_GPU_MEMORY_SHARE = 128
+# `auto`: one float32 [rows x vocabulary] table of a chunk holds this share of a GPU's memory (2.7 GB on an 80 GB
+# H100: 4,372 rows at 151,936 tokens, four chunks to a 16,384-token micro-batch; the compiled block math keeps
+# about one bf16 table and its gradient alive), or this many logits on a CPU (256 MiB: 441 rows). On an H100 at
+# Qwen2.5-0.5B's shape the head of 1,024-token chunks over 8,192-column blocks made ~100k launches a step and ran
+# more than 5x slower than 8,192-token chunks (bench/RESULTS.md, issue 39).
+AUTO_GPU_MEMORY_SHARE = 32
 AUTO_CPU_LOGITS = 2**26
 
 
