@@ -286,7 +286,8 @@ def stages(work: Path) -> list[Stage]:
 # ---- state --------------------------------------------------------------------------------------
 
 
-def load_state(path: Path = PLAN_FILE) -> dict[str, dict]:
+def load_state(path: Path | None = None) -> dict[str, dict]:
+    path = path or PLAN_FILE
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
@@ -372,7 +373,7 @@ def run_stage(stage: Stage, work: Path, card: str, summarize) -> tuple[dict, str
         "seconds": time.monotonic() - started,
         "card": card,
         "date": datetime.date.today().isoformat(),
-        "finished_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "finished_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds"),  # its identity
         "goal": stage.goal,
         "commands": ran,
         "summary": "\n".join(summarize({"name": stage.name, "text": text})),
@@ -497,7 +498,7 @@ def parse_commands(commands: list[list[str]]) -> list[str | None]:
 # ---- absorbing a call's results here --------------------------------------------------------------
 
 
-def absorb(directory: Path, *, plan_file: Path = PLAN_FILE, results_md: Path = RESULTS_MD) -> int:
+def absorb(directory: Path, *, plan_file: Path | None = None, results_md: Path | None = None) -> int:
     """Records DIR/plan_results.json's stages in the plan file, writes their kept files under bench/gpu_results/,
     and appends their summaries to RESULTS.md as one dated section; a stage result absorbed before is skipped."""
     path = directory / RESULTS
@@ -509,6 +510,7 @@ def absorb(directory: Path, *, plan_file: Path = PLAN_FILE, results_md: Path = R
     except json.JSONDecodeError as exc:
         print(f"absorb: {path} is not valid JSON ({exc})", file=sys.stderr)
         return 1
+    plan_file, results_md = plan_file or PLAN_FILE, results_md or RESULTS_MD
     state = load_state(plan_file)
     new = {n: r for n, r in records.items() if state.get(n, {}).get("finished_at") != r.get("finished_at")}
     if not new:
