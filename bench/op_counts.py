@@ -127,7 +127,7 @@ def step_of(args: argparse.Namespace, vocab: int, tmp: Path) -> tuple[Callable[[
 
     from bench_train_step import VARIANTS, algo_config, build_backend, make_model_dir, make_rollout
 
-    from services.trainer.actor import actor_step
+    from services.trainer.algo.actor import actor_step
 
     model_dir = make_model_dir(tmp, args.preset, vocab)
     batch = make_rollout(
