@@ -109,6 +109,13 @@ def stages(work: Path) -> list[Stage]:
     inflight_goal = "in-flight updates on the long-tailed batch: >= 1.5x one_step_off's tokens/s"
     inflight_keep = ("inflight/inflight_*.json",)
     return [
+        # the head's numerics on the card first (eager, compiled, whole rows, vs the old path): the figures rest on them
+        Stage(
+            "head_gpu_tests",
+            "the chunked head on the GPU: compiled = eager = old path, auto whole rows included; peak flat in tokens",
+            ((PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_head_scoring_gpu.py"),),
+            150,
+        ),
         Stage("train_q05", q05_goal, (_train_step(work, "qwen2.5-0.5b", ["ds_z0_bf16"], "--steps", "2"),), 150),
         Stage(
             "train_q05_64k",
@@ -479,6 +486,10 @@ def parse_commands(commands: list[list[str]]) -> list[str | None]:
     setattr(argparse.ArgumentParser, "parse_args", parse)  # noqa: B010 - a method replaced in this process
     problems: list[str | None] = []
     for cmd in commands:
+        if cmd[0] == PY and cmd[1:3] == ["-m", "pytest"]:  # its test files must exist
+            missing = [a for a in cmd[3:] if a.startswith("tests/") and not (ROOT / a).is_file()]
+            problems.append(f"no such test file: {', '.join(missing)}" if missing else None)
+            continue
         script = ROOT / cmd[1]
         if cmd[0] != PY or not script.is_file():
             problems.append(f"no such script: {cmd[1]}")

@@ -113,7 +113,7 @@ def test_absorb_names_a_missing_or_broken_results_file(tmp_path, capsys):
 
 def test_every_real_stage_names_a_script_whose_parser_takes_its_arguments(tmp_path):
     commands = [cmd for stage in gpu_plan.stages(tmp_path) for cmd in stage.commands]
-    assert len(commands) >= 18
+    assert len(commands) >= 19
     bad = (PY, "bench/bench_train_step.py", "--presets", "no_such_preset")
     problems = gpu_plan.argument_problems([*commands, bad, (PY, "bench/no_such_script.py")])
     assert problems[:-2] == [None] * len(commands)
