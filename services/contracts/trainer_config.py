@@ -126,6 +126,13 @@ class TrainerConfig(Section):
         default=None, description="LoRA adapters instead of full fine-tuning (null = full fine-tuning)"
     )
 
+    @field_validator("scoring_chunk_tokens", mode="before")
+    @classmethod
+    def _chunk_setting(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"expected auto or a number of tokens >= 1, got {value!r}")
+
     @model_validator(mode="before")
     @classmethod
     def _renamed_keys(cls, data: Any) -> Any:
