@@ -103,7 +103,7 @@ def config(**sections: dict[str, Any]) -> TandemConfig:
     "sections, fragment",
     [
         ({"loop": {"mode": "fully_async"}}, "needs loop.mode async or sync"),
-        ({"algorithm": {"advantage_estimator": "gae"}}, "the critic's values are the baseline"),
+        ({"algorithm": {"advantage_estimator": "gae"}}, "gae's baseline is the critic's values"),
         ({"algorithm": {"advantage_estimator": "reinforce_pp"}}, "reinforce_pp's baseline is the whole batch"),
         ({"rollout": {"dynamic_sampling": {"enabled": True}, "n_samples_per_prompt": 1}}, "n_samples_per_prompt >= 2"),
         (

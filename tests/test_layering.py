@@ -264,3 +264,26 @@ def test_the_rollout_service_only_sequences_its_parts():
     """services/rollout/service.py: each job of a rollout replica lives in a module of its own (service.py's
     docstring names them); the service is kept small."""
     assert len((SERVICES / "rollout" / "service.py").read_text().splitlines()) <= 300
+
+
+def test_every_abstract_engine_method_is_called_by_the_service_side():
+    """An abstract method of the Engine interface is one every engine must implement: each is called from services/
+    outside the engines' own modules (the rollout service and its parts), or it does not belong in the interface."""
+    interface = SERVICES / "rollout" / "engines" / "interface.py"
+    [engine] = [n for n in ast.parse(interface.read_text()).body if isinstance(n, ast.ClassDef) and n.name == "Engine"]
+    abstract = [
+        f.name
+        for f in engine.body
+        if isinstance(f, ast.FunctionDef)
+        and any(isinstance(d, ast.Name) and d.id == "abstractmethod" for d in f.decorator_list)
+    ]
+    assert "receive_weights" in abstract, abstract
+    callers = [p for p in source_modules().values() if SERVICES / "rollout" / "engines" not in p.parents]
+    called = {
+        node.attr
+        for path in [*callers, interface]
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+    }
+    uncalled = [name for name in abstract if name not in called]
+    assert not uncalled, f"abstract Engine methods nothing outside the engines calls: {uncalled}"

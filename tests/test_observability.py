@@ -310,3 +310,15 @@ def test_plot_renders_the_four_panels_of_the_run(observed, tmp_path):
     assert {"perf/rollout_wait_s", "perf/train_time_s", "perf/weight_sync_time_s", "perf/step_time_s"} <= set(
         breakdown["keys"]
     ) and breakdown["points"] == n
+
+
+def test_every_train_span_and_step_row_carries_the_mismatch_metrics(observed):
+    """No rollout correction is configured: the training-inference mismatch is still measured every step, in the
+    metrics and on the coordinator's rl.train span."""
+    rows = {r["rollout_id"]: r for r in metrics(observed.run_dir) if "rollout/reward_mean" in r}
+    for rollout_id in observed.steps:
+        [train] = observed.find("rl.train", "tandem-coordinator", rollout_id)
+        row = rows[rollout_id]
+        for key in ("kl", "kl_k3", "ppl_ratio", "chi2", "ratio_p50", "token_masked_frac"):
+            assert train["attributes"][f"rl.mismatch.{key}"] == row[f"mismatch/{key}"], (rollout_id, key)
+        assert row["mismatch/token_masked_frac"] == 0.0 and "train/tis_masked_frac" not in row

@@ -22,7 +22,11 @@ from conftest_trainer import TrainerHarness, make_batch, trainer_config
 from services.trainer.builder import build_trainer
 from services.trainer.service import TrainerService
 
-KEYS = ("loss", "pg_loss", "grad_norm", "entropy", "ppo_ratio_mean", "pg_clipfrac", "tokens")
+KEYS = (
+    *("loss", "pg_loss", "grad_norm", "entropy", "ppo_ratio_mean", "pg_clipfrac", "tokens"),
+    # the mismatch metrics gather every rank's tokens: the same over 1 and 2 ranks
+    *("mismatch/kl", "mismatch/kl_k3", "mismatch/ppl_ratio", "mismatch/ratio_max", "mismatch/ratio_p50"),
+)
 
 
 def batches(model_dir: Path, steps: int) -> list:

@@ -33,10 +33,10 @@ from services.coordinator.seams import (
     TrainerApi,
 )
 from services.coordinator.state import GeneratedBatch, RunState
-from services.coordinator.stepmetrics import generation_metrics, prefixed
+from services.coordinator.stepmetrics import generation_metrics, mismatch_attributes, prefixed
 from services.coordinator.streaming import GroupStream
 from services.telemetry.process_age import process_age_s
-from services.telemetry.tracing import StepSpans, annotate, inject_context, span
+from services.telemetry.tracing import StepSpans, annotate, inject_context, set_attributes, span
 
 if TYPE_CHECKING:
     from services.coordinator.builder import CoordinatorParts
@@ -283,7 +283,7 @@ class Coordinator:
             weight_version=self.state.weight_version,
             entries=len(gen.entry_ids),
             staleness=metrics.get("rollout/staleness"),
-        ):
+        ) as train_span:
             t = self.clock.monotonic()
 
             def request(*, use_critic_values: bool) -> TrainRequest:
@@ -303,6 +303,7 @@ class Coordinator:
             else:
                 reply = self._train(self.trainer, request(use_critic_values=self.critic is not None))
                 metrics.update(prefixed("train", reply.metrics))
+                set_attributes(train_span, **mismatch_attributes(reply.metrics))
             metrics["perf/train_time_s"] = self.clock.monotonic() - t
         generated = int(metrics.get("rollout/num_samples", 0))
         self.state = self.state.trained(

@@ -12,6 +12,11 @@ def prefixed(prefix: str, metrics: Mapping[str, float]) -> dict[str, float]:
     return {(k if "/" in k else f"{prefix}/{k}"): float(v) for k, v in metrics.items()}
 
 
+def mismatch_attributes(train_metrics: Mapping[str, float]) -> dict[str, float]:
+    """The trainer's `mismatch/*` metrics as attributes of the step's `rl.train` span: `rl.mismatch.kl`, ..."""
+    return {f"rl.{k.replace('/', '.')}": float(v) for k, v in train_metrics.items() if k.startswith("mismatch/")}
+
+
 def weighted_mean(parts: Sequence[Mapping[str, float]], weights: Sequence[float]) -> dict[str, float]:
     """Combines per-replica metric dicts, weighting each by its sample (or prompt) count."""
     total = sum(weights)

@@ -19,7 +19,9 @@ Modules (each is listed; a test keeps this list whole):
   layout files, retention, RNG), `publishing` (weight sync to the engines, old-actor snapshots), `update` (the
   micro-batch loop and optimizer step the actor and critic share), `batching` (merge, validate, shard, token-budget
   micro-batches), `dist` (process group, relay).
-- `algo/`: `actor` and `critic` (their losses over `update`), `losses`, `advantages`, `scoring`, `head_math` and
+- `algo/`: `actor` and `critic` (their losses over `update`), `losses`, `advantages`, `estimators` (the algorithm
+  table's functions: an advantage estimator and a policy loss per name), `rollout_correction` (importance weights,
+  rejection and veto on the trainer/behaviour ratio; the mismatch metrics), `scoring`, `head_math` and
   `head_scoring` (log-probs chunked over the LM head), `old_actor`, `selection` (stale filter, dynamic sampling,
   overlong filter).
 - `model/`: `backend` (DeepSpeed engine, value model, lr schedule), `flat_adamw`, `weight_export` (HF-named full

@@ -157,7 +157,7 @@ class RolloutSource:
                 selection.batch,
                 vocab_size=self.limits.vocab_size,
                 max_positions=self.limits.max_positions,
-                needs_rollout_log_probs=algo.use_rollout_logprobs or algo.use_tis,
+                needs_rollout_log_probs=algo.use_rollout_logprobs or algo.rollout_correction.active,
             )
         return selection
 
