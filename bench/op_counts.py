@@ -66,14 +66,30 @@ def profiler(device: torch.device, *, with_stack: bool = False) -> Any:
     return profile(activities=acts, record_shapes=False, with_stack=with_stack)
 
 
+PROFILE_TRIES = 3
+
+
+def profiled_events(step: Callable[[], Any], device: torch.device, *, with_stack: bool = False) -> list[Any]:
+    """The profiler's events of one more step. torch 2.13's profiler now and then fails to decode an event's name
+    (UnicodeDecodeError while parsing its results, seen with Python stacks on): the step is profiled again, up to
+    PROFILE_TRIES times (a step's op count does not depend on which step it is, once warm)."""
+    for attempt in range(PROFILE_TRIES):
+        with profiler(device, with_stack=with_stack) as prof:
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        try:
+            return list(prof.events())
+        except UnicodeDecodeError:
+            if attempt == PROFILE_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def count_step_ops(step: Callable[[], Any], device: torch.device) -> dict[str, float]:
     """One more step under torch.profiler: the aten ops that do work (views left out; nested ops counted, so a
     proxy of the host's work that holds on a CPU too) and, on a GPU, the kernel launches."""
-    with profiler(device) as prof:
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    names = [e.name for e in prof.events()]
+    names = [e.name for e in profiled_events(step, device)]
     return {
         "host_ops": float(sum(is_work(n) for n in names)),
         "launches": float(sum(n in LAUNCHES for n in names)) if device.type == "cuda" else float("nan"),
@@ -95,13 +111,9 @@ def call_site(event: Any) -> str:
 
 def breakdown(step: Callable[[], Any], device: torch.device) -> tuple[collections.Counter[str], ...]:
     """One step under torch.profiler with Python stacks: counters of the working aten ops by name and by site."""
-    with profiler(device, with_stack=True) as prof:
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
     by_name: collections.Counter[str] = collections.Counter()
     by_site: collections.Counter[str] = collections.Counter()
-    for event in prof.events():
+    for event in profiled_events(step, device, with_stack=True):
         if is_work(event.name):
             by_name[event.name] += 1
             by_site[call_site(event)] += 1
