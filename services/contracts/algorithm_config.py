@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, TypeAdapter, field_validator, model_validator
@@ -16,6 +17,58 @@ from services.contracts.algorithms import (
     policy_loss,
 )
 from services.contracts.config_base import Section
+
+TEACHER_KEY = "algorithm.distillation.teacher_path"
+
+
+class DistillationConfig(Section):
+    """On-policy distillation (docs/algorithms.md): a frozen teacher scores the student's own samples token by token,
+    and the student minimises the per-token reverse KL to it."""
+
+    teacher_path: str = Field(
+        min_length=1,
+        description="the teacher: a Hugging Face model directory whose tokenizer is the student's (checked before "
+        "the run starts); any size, any vocabulary size",
+    )
+    coef: float = Field(default=1.0, gt=0, description="the distillation term's weight")
+    mode: Literal["reverse_kl", "kl_loss"] = Field(
+        default="reverse_kl",
+        description="reverse_kl: advantage -= coef x (log pi_student - log pi_teacher) per token (Thinking "
+        "Machines, verl PG OPD, slime, prime-rl); kl_loss: coef x a per-token KL estimator in the loss, gradient "
+        "through the student (verl GKD OPD's sampled-token estimators)",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        default="k3",
+        description="mode kl_loss: k3 (verl's default) or k2, whose gradient is the reverse KL's; k1 has no "
+        "gradient through the teacher's log-prob and is refused, as verl refuses it",
+    )
+    task_reward: bool = Field(
+        default=True,
+        description="false: pure distillation, the trainer takes every sample's reward as 0 (rollout.reward still "
+        "scores samples for the metrics and evals); rollout.reward: none needs no reward function at all",
+    )
+
+    def check_teacher_dir(self) -> None:
+        """Where the teacher is read (the launcher's preflight, the trainer): a model must be there. Not a validator:
+        the config also loads on hosts that never read the teacher (the rollout, the coordinator)."""
+        if not (Path(self.teacher_path) / "config.json").is_file():
+            raise ValueError(f"{TEACHER_KEY}: {self.teacher_path} holds no Hugging Face model (no config.json)")
+
+    @model_validator(mode="after")
+    def _estimator_of_the_loss(self) -> DistillationConfig:
+        if self.kl_estimator == "k1":
+            raise ValueError(
+                "algorithm.distillation.kl_estimator: k1 (log pi_student - log pi_teacher) as a loss has no "
+                "gradient toward the teacher (its expected gradient is 0, as verl notes in refusing it); use k2 or "
+                "k3, or mode: reverse_kl, which puts k1 into the advantage"
+            )
+        if self.kl_estimator != "k3" and self.mode != "kl_loss":  # by value: a resolved config lists every key
+            raise ValueError(
+                f"algorithm.distillation.kl_estimator applies to mode: kl_loss; mode {self.mode} puts "
+                "log pi_student - log pi_teacher itself into the advantage"
+            )
+        return self
+
 
 CorrectionLevel = Literal["off", "token", "sequence", "geometric"]
 
@@ -189,6 +242,9 @@ class AlgorithmConfig(Section):
     )
     value_clip: float = Field(default=0.2, gt=0)
     num_critic_only_steps: int = Field(default=0, ge=0)
+    distillation: DistillationConfig | None = Field(
+        default=None, description="on-policy distillation from a frozen teacher: {teacher_path, coef, mode}"
+    )
     overlong_filter: bool = Field(
         default=False,
         description="DAPO's overlong filtering: samples that reached "
@@ -246,6 +302,16 @@ class AlgorithmConfig(Section):
             raise ValueError(
                 "keep_old_actor: true needs use_rollout_logprobs: false (the old actor "
                 "computes the ratio's denominator, which use_rollout_logprobs takes from the rollout)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _pure_distillation_has_no_critic(self) -> AlgorithmConfig:
+        if self.distillation is not None and not self.distillation.task_reward and self.uses_critic:
+            raise ValueError(
+                "algorithm.distillation.task_reward: false with advantage_estimator: gae: the critic would fit values "
+                "of task rewards the actor does not train on; use grpo, rloo or reinforce_pp (their advantages are "
+                "then 0 and the teacher is the only signal), or rollout.reward: none"
             )
         return self
 

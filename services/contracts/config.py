@@ -13,10 +13,13 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from services.contracts.algorithm_config import AlgorithmConfig
+from services.contracts.algorithm_config import AlgorithmConfig, DistillationConfig
 from services.contracts.algorithms import ADVANTAGE_ESTIMATORS
 from services.contracts.config_base import ConfigError, Section, with_default_variant
+from services.contracts.reward_config import ClassifierModelConfig, JudgeModelConfig, RewardServiceConfig
+from services.contracts.reward_spec import parse_reward
 from services.contracts.rollout_config import (
+    NO_REWARD,
     DynamicSamplingConfig,
     NativeRolloutConfig,
     OverlongPenaltyConfig,
@@ -48,16 +51,20 @@ from services.contracts.weights_config import (
 __all__ = [  # the sections of other modules, named here too: a TandemConfig's parts are found in one place
     "LORA_ZERO3_OFFLOAD",
     "AlgorithmConfig",
+    "ClassifierModelConfig",
     "ConfigError",
     "CudaIpcWeights",
     "DiskWeights",
+    "DistillationConfig",
     "DynamicSamplingConfig",
     "JsonlTrackerConfig",
+    "JudgeModelConfig",
     "LoraConfig",
     "NativeRolloutConfig",
     "OverlongPenaltyConfig",
     "ProcessGroupWeights",
     "PrometheusTrackerConfig",
+    "RewardServiceConfig",
     "RolloutConfig",
     "SGLangConfig",
     "SGLangRolloutConfig",
@@ -293,6 +300,7 @@ class ServicesConfig(Section):
     trainer: ServiceAddress = ServiceAddress()
     critic: ServiceAddress = ServiceAddress()
     rollout: tuple[ServiceAddress, ...] = (ServiceAddress(),)
+    reward: ServiceAddress = ServiceAddress()
     auth_token: str | None = Field(default=None, description="bearer token required by control RPCs")
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -341,6 +349,9 @@ class TandemConfig(Section):
     redis: RedisConfig = RedisConfig()
     tracing: TracingConfig = TracingConfig()
     services: ServicesConfig = ServicesConfig()
+    reward: RewardServiceConfig | None = Field(
+        default=None, description="the reward service and its models (`tandem reward`); unset = rule rewards only"
+    )
 
     @field_validator("rollout", mode="before")
     @classmethod
@@ -356,13 +367,19 @@ class TandemConfig(Section):
     def _cross_section_rules(self) -> TandemConfig:
         validate_async_off_policy_correction(self)
         validate_dapo_options(self)
-        if self.algorithm.compares_within_groups and self.rollout.n_samples_per_prompt == 1:
+        validate_distillation(self)
+        if (
+            self.algorithm.compares_within_groups
+            and self.rollout.n_samples_per_prompt == 1
+            and self.algorithm.distillation is None  # the teacher's per-token signal needs no group
+        ):
             raise ValueError(
                 f"rollout.n_samples_per_prompt: 1 gives every sample advantage 0 with "
                 f"algorithm.advantage_estimator: {self.algorithm.advantage_estimator} (its baseline is "
                 "the other samples of the prompt); sample 2 or more per prompt, or use reinforce_pp"
             )
         validate_streaming(self)
+        validate_reward_models(self)
         if self.rollout.inflight_update != "off" and self.rollout.engine == "sglang" and self.algorithm.keep_old_actor:
             raise ValueError(
                 "algorithm.keep_old_actor scores each token under the snapshot of the version that "
@@ -394,6 +411,12 @@ class TandemConfig(Section):
                 f"loop.step_timeout_s ({self.loop.step_timeout_s:g}), the deadline of the Generate that "
                 "scores: else the Generate times out first and the reward that hung is not named"
             )
+        if self.rollout.agent is not None and self.rollout.agent_timeout_s >= self.loop.step_timeout_s:
+            raise ValueError(
+                f"rollout.agent_timeout_s ({self.rollout.agent_timeout_s:g}) must be below loop.step_timeout_s "
+                f"({self.loop.step_timeout_s:g}), the deadline of the Generate that waits for the episodes: else "
+                "it times out first and the episodes that never finished are not named"
+            )
         if self.trainer.optimizer == "adamw_deepspeed" and self.trainer.zero_stage == 0:
             raise ValueError(
                 "trainer.optimizer: adamw_deepspeed needs trainer.zero_stage 1-3 (stage 0 steps with "
@@ -411,6 +434,24 @@ class TandemConfig(Section):
         return self.model_copy(update={"model": self.model.model_copy(update={"path": path})})
 
 
+def validate_reward_models(config: TandemConfig) -> None:
+    """Every reward-service model rollout.reward / eval_reward names is one reward.models serves, of the type its
+    prefix says."""
+    models = config.reward.models if config.reward is not None else {}
+    for key, text in (("rollout.reward", config.rollout.reward), ("rollout.eval_reward", config.rollout.eval_reward)):
+        for term in parse_reward(text) if text else ():
+            if term.model is None:
+                continue
+            if term.model not in models:
+                served = ", ".join(models) or "none: add a reward: section"
+                raise ValueError(f"{key}: {term.spec} names no model of reward.models (served: {served})")
+            if term.model_type is not None and models[term.model].type != term.model_type:
+                raise ValueError(
+                    f"{key}: {term.spec} is a {models[term.model].type} in reward.models; write "
+                    f"{models[term.model].type}:{term.model} or service:{term.model}"
+                )
+
+
 def validate_async_off_policy_correction(config: TandemConfig) -> None:
     """Asynchronous generation trains on samples from an older policy: the ratio's denominator must be that
     policy (rollout log-probs, or the old actor) or an importance weight (rollout_correction.is) must reweight for
@@ -426,6 +467,24 @@ def validate_async_off_policy_correction(config: TandemConfig) -> None:
         "(a critic is none): set algorithm.use_rollout_logprobs: true, algorithm.rollout_correction.is (or "
         "algorithm.use_tis: true) or algorithm.keep_old_actor: true, or use loop.mode: sync"
     )
+
+
+def validate_distillation(config: TandemConfig) -> None:
+    """Without a task reward only a teacher trains the policy; dynamic sampling, which drops the groups whose task
+    rewards are all equal, would then drop groups the teacher still has something to say about."""
+    distill = config.algorithm.distillation
+    no_reward = config.rollout.reward.strip() == NO_REWARD
+    if no_reward and distill is None:
+        raise ValueError(
+            "rollout.reward: none gives every sample reward 0, so nothing would train the policy; it is for "
+            "pure distillation (set algorithm.distillation) or name a reward function"
+        )
+    if config.rollout.dynamic_sampling.enabled and (no_reward or (distill is not None and not distill.task_reward)):
+        why = "rollout.reward: none" if no_reward else "algorithm.distillation.task_reward: false"
+        raise ValueError(
+            f"rollout.dynamic_sampling drops groups whose task rewards are all equal; with {why} the task reward "
+            "does not train, and the dropped groups would take the teacher's signal with them: turn one off"
+        )
 
 
 def validate_streaming(config: TandemConfig) -> None:

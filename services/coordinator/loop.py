@@ -33,7 +33,7 @@ from services.coordinator.seams import (
     TrainerApi,
 )
 from services.coordinator.state import GeneratedBatch, RunState
-from services.coordinator.stepmetrics import generation_metrics, mismatch_attributes, prefixed
+from services.coordinator.stepmetrics import generation_metrics, prefixed, span_attributes
 from services.coordinator.streaming import GroupStream
 from services.telemetry.process_age import process_age_s
 from services.telemetry.tracing import StepSpans, annotate, inject_context, set_attributes, span
@@ -303,7 +303,7 @@ class Coordinator:
             else:
                 reply = self._train(self.trainer, request(use_critic_values=self.critic is not None))
                 metrics.update(prefixed("train", reply.metrics))
-                set_attributes(train_span, **mismatch_attributes(reply.metrics))
+                set_attributes(train_span, **span_attributes(reply.metrics))
             metrics["perf/train_time_s"] = self.clock.monotonic() - t
         generated = int(metrics.get("rollout/num_samples", 0))
         self.state = self.state.trained(

@@ -39,10 +39,15 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
     check_lora(config)
     records = check_data(config)
     _check_reward(config.rollout.reward)
+    if config.rollout.eval_reward:
+        _check_reward(config.rollout.eval_reward)
+    _check_reward_models(config)
     _check_environment(config.rollout.environment)
+    _check_agents(config)
     from services.rollout.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+    check_teacher(config, tokenizer)
     prompts = model_prompts(config, records, tokenizer)
     check_prompt_lengths(config, records, prompts)
     return unencodable_text(config, records, prompts, tokenizer) + missing_labels(config, records)
@@ -275,6 +280,29 @@ def check_model(config: TandemConfig, *, init_model: bool) -> None:
     build(path, preset=preset, body=body)
 
 
+def check_teacher(config: TandemConfig, student: PreTrainedTokenizerBase) -> None:
+    """algorithm.distillation's teacher is a model whose tokenizer is the student's: it scores the student's token
+    ids, so another tokenizer would read them as other text."""
+    distill = config.algorithm.distillation
+    if distill is None:
+        return
+    from services.contracts.algorithm_config import TEACHER_KEY
+    from services.rollout.tokenizer import load_tokenizer, tokenizer_mismatch
+
+    try:
+        distill.check_teacher_dir()
+        teacher = load_tokenizer(distill.teacher_path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(exc) if str(exc).startswith(TEACHER_KEY) else f"{TEACHER_KEY}: {exc}") from None
+    problem = tokenizer_mismatch(student, teacher)
+    if problem:
+        raise ConfigError(
+            f"{TEACHER_KEY}: the teacher at {distill.teacher_path} does not share the student's tokenizer "
+            f"({config.model.tokenizer_path or config.model.path}): {problem}; distil from a teacher of the same "
+            "tokenizer (a model of the same family)"
+        )
+
+
 def check_lora(config: TandemConfig) -> None:
     """trainer.lora's target_modules name linear layers of the model (and of the critic's backbone)."""
     lora = config.trainer.lora
@@ -323,12 +351,24 @@ def _load(key: str, path: str, config: TandemConfig) -> list[PromptRecord]:
 
 
 def _check_reward(spec: str) -> None:
-    from services.rollout.rewards import RewardSpecError, resolve_reward
+    from services.rollout.reward_mix import check_rule_terms
+    from services.rollout.rewards import RewardSpecError
 
     try:
-        resolve_reward(spec)
+        check_rule_terms(spec)
     except RewardSpecError as exc:
         raise ConfigError(f"rollout.reward: {exc}") from None
+
+
+def _check_reward_models(config: TandemConfig) -> None:
+    """Each model of reward.models is a model directory (the reward service loads them; this fails before it starts)."""
+    for name, model in (config.reward.models if config.reward is not None else {}).items():
+        if not (Path(model.path) / "config.json").is_file():
+            what = "does not exist" if not Path(model.path).exists() else "has no config.json"
+            raise ConfigError(
+                f"reward.models.{name}.path {model.path} {what} (build one with `tandem init-model` or train one: "
+                "docs/rewards.md)"
+            )
 
 
 def _check_environment(spec: str | None) -> None:
@@ -341,6 +381,15 @@ def _check_environment(spec: str | None) -> None:
         resolve_environment(spec)
     except EnvironmentSpecError as exc:
         raise ConfigError(f"rollout.environment: {exc}") from None
+
+
+def _check_agents(config: TandemConfig) -> None:
+    from services.rollout.agents.checks import check_agents
+
+    try:
+        check_agents(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def unencodable_text(

@@ -1,8 +1,8 @@
 """Reward functions: built-ins and a plug-in point.
 
 `rollout.reward` is a built-in name (`exact_match`, `numeric_match`, `math_answer`, `math_verify`, `digit_task`;
-services/rollout/math_rewards.py has the math ones) or `module:function`
-(`my_pkg.rewards:score`) or `path/to/file.py:function` (a relative path is tried against the working
+services/rollout/math_rewards.py has the math ones; `none`, 0 for every sample, for pure distillation) or
+`module:function` (`my_pkg.rewards:score`) or `path/to/file.py:function` (a relative path is tried against the working
 directory, then the repository root). A function is either
 
 - per sample: `fn(prompt, response, label, metadata) -> float`, or
@@ -37,21 +37,28 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from services.contracts.errors import Unavailable
+from services.contracts.reward_spec import RewardSpecError
+from services.contracts.rollout_config import NO_REWARD
 from services.rollout import math_rewards
 from services.rollout.sync_bridge import run_coroutine
-from services.rpc.grpc_util import Unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _PER_SAMPLE = ("prompt", "response", "label", "metadata")
 _BATCHED = ("prompts", "responses", "labels", "metadatas")
 
 
-class RewardSpecError(ValueError):
-    """`rollout.reward` (or a request's reward) does not name a usable function."""
+@dataclass(frozen=True)
+class RewardScores:
+    """A reward's answer for a batch: one value per sample, and what it reports about them (a model's sub-scores,
+    a judge's parse failures, the reward service's queue time) as metrics of the batch."""
+
+    values: list[float]
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class RewardError(ValueError):
@@ -139,7 +146,13 @@ def digit_task(prompt: str, response: str, label: str, metadata: dict[str, str])
     return float(response.split() == [label.strip()])
 
 
+def no_reward(prompt: str, response: str, label: str, metadata: dict[str, str]) -> float:
+    """`rollout.reward: none`: 0 for every sample, for pure distillation (the config refuses it without a teacher)."""
+    return 0.0
+
+
 BUILTIN_REWARDS: dict[str, Callable[..., float]] = {
+    NO_REWARD: no_reward,
     "exact_match": exact_match,
     "numeric_match": numeric_match,
     "digit_task": digit_task,
@@ -206,6 +219,21 @@ class RewardFunction:
 
         raw = each(_Watch()) if timeout_s is None else self._within(each, timeout_s, n=n)
         return [_to_float(v, spec=self.spec, index=i) for i, v in enumerate(raw)]
+
+    def score_detailed(
+        self,
+        *,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        labels: Sequence[str],
+        metadatas: Sequence[dict[str, str]],
+        timeout_s: float | None = None,
+        tokens: Sequence[int] | None = None,
+    ) -> RewardScores:
+        """`score` as a Reward (reward_mix.py) answers; `tokens` is for remote rewards' batching."""
+        return RewardScores(
+            self.score(prompts=prompts, responses=responses, labels=labels, metadatas=metadatas, timeout_s=timeout_s)
+        )
 
     def _within(self, job: Callable[[_Watch], list[Any]], timeout_s: float, *, n: int) -> list[Any]:
         """`job` on a daemon thread (a sync call cannot be interrupted; one that hangs is left there), watched: the

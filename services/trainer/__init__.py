@@ -23,7 +23,7 @@ Modules (each is listed; a test keeps this list whole):
   table's functions: an advantage estimator and a policy loss per name), `rollout_correction` (importance weights,
   rejection and veto on the trainer/behaviour ratio; the mismatch metrics), `scoring`, `head_math` and
   `head_scoring` (log-probs chunked over the LM head), `old_actor`, `selection` (stale filter, dynamic sampling,
-  overlong filter).
+  overlong filter), `distillation` (on-policy distillation's teacher and its two modes).
 - `model/`: `backend` (DeepSpeed engine, value model, lr schedule), `flat_adamw`, `weight_export` (HF-named full
   tensors, ZeRO-3 gathers), `lora` (trainer.lora through peft: targets, merged export, adapter-off reference,
   adapter files).

@@ -435,10 +435,11 @@ def _load_trainable(*, src: dict[str, torch.Tensor], dst: torch.nn.Module) -> No
         )
 
 
-def load_frozen_causal_lm(config: TandemConfig, device: torch.device) -> torch.nn.Module:
+def load_frozen_causal_lm(config: TandemConfig, device: torch.device, *, path: str | None = None) -> torch.nn.Module:
     """A frozen copy of the policy from model.path in the trainer's dtype: the reference model of the KL term
-    (the initial weights), and the old actor's container (keep_old_actor loads snapshots into it)."""
-    model = load_causal_lm(config.model.path, dtype=param_dtype(config), attn=config.model.attn_implementation)
+    (the initial weights), and the old actor's container (keep_old_actor loads snapshots into it); of another
+    model at `path` (the distillation teacher) the same way."""
+    model = load_causal_lm(path or config.model.path, dtype=param_dtype(config), attn=config.model.attn_implementation)
     model = _scoring(model.to(device))
     if use_fused_kernels(config, device):
         fused.patch_model(model)
