@@ -45,6 +45,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/vulture
 
 protos: setup
 	$(BIN)/python -m services.contracts.protogen

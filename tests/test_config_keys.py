@@ -71,5 +71,9 @@ def test_keys_are_read_through_optional_list_and_discriminated_sections():
         ConfigKey("pet.lives", "int", "9", "", "kind=cat"),
         ConfigKey("pet.bark", "str | None", "None", "", "kind=dog"),
     ]
+    root = _Root.model_validate({"name": "n", "pets": [{"kind": "cat"}, {"kind": "dog", "bark": "w"}], "maybe": {}})
+    cat, dog = root.pets
+    assert isinstance(cat, _Cat) and isinstance(dog, _Dog) and isinstance(root.pet, _Dog) and root.maybe is not None
+    assert (cat.lives, dog.bark, root.pet.bark, root.maybe.depth) == (9, "w", None, 2)
     assert render_key_list(keys).splitlines()[:3] == ["inner.depth", "maybe.depth", "name"]
     assert "| `pet.lives` | `int` | `9` | kind=cat |  |" in render_markdown(keys)
