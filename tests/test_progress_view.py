@@ -66,3 +66,12 @@ def test_eval_lines_do_not_wrap_when_stdout_is_not_a_terminal():
         "eval/response_len_mean 0.123  eval/reward_mean 0.123"
     ]
     assert "[a message with brackets] " + "x" * 90 in lines
+
+
+def test_without_the_bar_each_step_is_a_log_line_of_n_of_total(caplog):
+    view = ProgressView(enabled=False)
+    with caplog.at_level("INFO", logger="tandem.run"), view:
+        view.on_event(_step(0))
+        view.set_total(80, start=0)
+        view.on_event(_step(79))
+    assert [r.getMessage().split("  ")[0] for r in caplog.records] == ["step 1/?", "step 80/80"]

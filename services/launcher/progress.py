@@ -80,7 +80,7 @@ class ProgressView:
             if self.progress is not None and self.task is not None:
                 self.progress.update(self.task, completed=event.rollout_id + 1, summary=summary)
             else:
-                log.info("step %d/%d  %s", event.rollout_id + 1, self.total, summary)
+                log.info("step %d/%s  %s", event.rollout_id + 1, self.total or "?", summary)
         elif event.kind == "eval":
             evals = "  ".join(
                 f"{k} {v:.3f}"
