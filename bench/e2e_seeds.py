@@ -4,8 +4,9 @@
     python bench/e2e_seeds.py --table FILE         # the table of runs already recorded
 
 Each run is `pytest -p no:xdist TEST` with TANDEM_E2E_SEED=seed (tests/tandem_runs.py: rollout.sampling.seed, and
-the eval's the next) and TANDEM_E2E_MARGINS=FILE, where the tests' assert_above / assert_below append every value
-they assert with its threshold. Runs go one at a time (the machine is shared); a run already in FILE is skipped, so
+the eval's the next), TANDEM_E2E_WARM_START (math_chat's warm start, built once: it has a seed of its own) and
+TANDEM_E2E_MARGINS=FILE, where the tests' assert_above / assert_below append every value they assert with its
+threshold. Runs go one at a time (the machine is shared); a run already in FILE is skipped, so
 a stopped sweep goes on where it stopped. The table: one row per check, the value under each seed, the threshold,
 and the smallest margin (value - threshold for `>`, threshold - value for `<`); a failed run says so.
 """
@@ -37,6 +38,8 @@ LEARNING_E2ES = {
 
 def run_one(name: str, seed: int, margins: Path, timeout_s: int) -> dict:
     env = {**os.environ, "TANDEM_E2E_SEED": str(seed), "TANDEM_E2E_MARGINS": str(margins), "PYTHONPATH": str(REPO)}
+    # math_chat's warm start does not depend on the sampling seed: built by the first run, kept for the others
+    env["TANDEM_E2E_WARM_START"] = str(margins.parent / "math_chat_warm_start")
     start = time.monotonic()
     try:
         proc = subprocess.run(
