@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from services.buffer.stream import RolloutBuffer, connect
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import RolloutBatchData, encode_batch, sampling_arrays
 from services.launcher.redis_server import EmbeddedRedis
 

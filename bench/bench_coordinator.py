@@ -50,7 +50,6 @@ from services.contracts.trainer_calls import (
     TrainResult,
 )
 from services.contracts.wire import RolloutBatchData, encode_batch
-from services.coordinator.api import SyncResult
 from services.coordinator.clients import (
     generate_request_proto,
     generate_result_of,
@@ -61,6 +60,7 @@ from services.coordinator.clients import (
 from services.coordinator.data import DataSource, PromptRecord
 from services.coordinator.loop import Coordinator
 from services.coordinator.pool import RolloutPool
+from services.coordinator.seams import SyncResult
 from services.launcher.redis_server import EmbeddedRedis
 from services.telemetry.tracker_registry import make_trackers
 from services.telemetry.trackers import Tracker

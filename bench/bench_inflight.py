@@ -35,9 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.native import NativeEngine
-from services.rollout.model_init import init_model
+from services.contracts.sampling_spec import SamplingSpec
+from services.modelinit.init_model import init_model
+from services.rollout.engines.native.engine import NativeEngine
 
 MODES = {"off": "drain", "keep": "in_place", "recompute": "retract"}
 

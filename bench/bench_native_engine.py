@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.untyped import HFCausalLM
-from services.rollout.engines.native import NativeEngine, resolve_device
-from services.rollout.model_init import PRESETS, init_model
+from services.modelinit.init_model import PRESETS, init_model
+from services.rollout.engines.native.engine import NativeEngine, resolve_device
 
 # A Qwen2-0.5B-shaped config (494M parameters), built locally: the size FACTS.md measured HF generate at.
 QWEN2_05B: dict[str, Any] = dict(

@@ -1,6 +1,6 @@
 """The native engine's sampling step at a real vocabulary (151,936): milliseconds per call of the sampling
 distribution's log-probs, before issue 31 (whole-row sort for top-p, one mask per filter: tests/scoring_reference.py)
-and now (services/tensors/sampling.py: the nucleus sought within the top-k when top-k is set, the support kept as
+and now (services/tensors/sampling_dist.py: the nucleus sought within the top-k when top-k is set, the support kept as
 a threshold), and of the whole draw (`sample_next`: log-probs + the draw). Then the draw alone, from the same
 probabilities: `torch.multinomial` against the inverse CDF `sample_next` uses on the CPU (`sampling.draw`).
 
@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # scorin
 
 from scoring_reference import table_log_probs
 
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.sampling import draw, sample_next
-from services.tensors.sampling import sampling_log_probs
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.engines.native.sampler import draw, sample_next
+from services.tensors.sampling_dist import sampling_log_probs
 
 SPECS = {
     "T=1": SamplingSpec(temperature=1.0),

@@ -9,8 +9,8 @@ on). Without a server, or without the sglang package, it prints that it measured
 
 - generate (the q05 server): --batch prompts of --prompt-len random token ids, temperature 1, EOS ignored, so every
   sequence makes --new-tokens tokens; tokens/s = generated tokens / wall time of one engine.generate through the
-  rollout adapter (services/rollout/engines/sglang.py), median of --repeats after a warm-up call of the same batch
-  (SGLang's JIT and the native engine's CUDA-graph capture are that first call, reported apart). The native engine
+  rollout adapter (services/rollout/engines/sglang/engine.py), median of --repeats after a warm-up call of the same
+  batch (SGLang's JIT and the native engine's CUDA-graph capture are that first call, reported apart). The native engine
   runs in this process on the same GPU, decode "graph", bf16, the same weights and prompts.
 - weights (both servers): this process is the trainer. It loads the server's own checkpoint onto the GPU as bf16 and
   syncs it --sync-repeats times per transport, each with the coordinator's pause (drain) and resume: disk
@@ -38,8 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.sglang import SGLangEngine
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.engines.sglang.engine import SGLangEngine
 
 TRANSPORTS = (("disk", "tensor"), ("cuda_ipc", "tensor"), ("cuda_ipc", "flattened_bucket"), ("gloo", "tensor"))
 SCORED = [4 + (7 * i) % 18 for i in range(48)]  # a fixed sequence whose prefill log-probs fingerprint the weights
@@ -68,7 +68,7 @@ def timed_generate(generate, prompts: list[list[int]], opts: SamplingSpec) -> fl
 def bench_generate(engine: SGLangEngine, model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
-    from services.rollout.engines.native import NativeEngine
+    from services.rollout.engines.native.engine import NativeEngine
 
     native = NativeEngine(model, device="cuda", dtype="bfloat16", max_batch_size=max(args.batch), decode="graph")
     rows = []
@@ -136,7 +136,7 @@ def weight_fingerprint(url: str) -> list[float]:
     """SGLang's log-prob of each token of SCORED given the ones before it (one prefill; logprob_start_len 0 keeps
     the radix cache from serving the prefix). Greedy answers are no such check: a random-init model's logits have
     bf16 near-ties, and which token wins can change with the kernels' reduction order."""
-    from services.rollout.engines.sglang_http import SGLangClient
+    from services.rollout.engines.sglang.http import SGLangClient
 
     body = {
         "input_ids": SCORED,

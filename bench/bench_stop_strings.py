@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.contracts.sampling import SamplingSpec
-from services.rollout.chat import ChatTemplate
-from services.rollout.engines.native import NativeEngine
-from services.rollout.engines.stop_strings import StopStringTables
-from services.rollout.model_init import init_model
+from services.contracts.sampling_spec import SamplingSpec
+from services.modelinit.init_model import init_model
+from services.rollout.chat_template import ChatTemplate
+from services.rollout.engines.native.engine import NativeEngine
+from services.rollout.engines.native.stop_strings import StopStringTables
 from services.rollout.tokenizer import Texts, load_tokenizer
 
 CASES = {"####": ("####",), "newlines": ("\n\n\n",)}

@@ -7,7 +7,7 @@
         --variants ds_z0_bf16 ds_z0_bf16_old          # the real vocabulary: chunked scoring against the old path
 
 Every variant trains the same synthetic GRPO batches (digit_max-like prompts of 4-8 tokens, responses of exactly L
-tokens, 8 samples per group) with Tandem's own loss code (`services.trainer.actor.actor_step`), in this process:
+tokens, 8 samples per group) with Tandem's own loss code (`services.trainer.algo.actor.actor_step`), in this process:
 
 - `ds_*`: the DeepSpeed backend the trainer service uses (ZeRO stage, precision and token budget per variant; the
   fused RMSNorm/SwiGLU kernels on a GPU unless the name says `eager`); `ds_z0_*` step with Tandem's flat AdamW;
@@ -19,7 +19,7 @@ tokens, 8 samples per group) with Tandem's own loss code (`services.trainer.acto
   step time against full fine-tuning at the same shapes. Their MFU column counts 6 x all params like the others,
   although LoRA computes no gradient of the frozen weights (about 4 x params of work): compare step seconds.
 - `*_old`: scoring as before issue 31, through the model's full [rows x width x vocab] logits and whole-vocabulary
-  tables (tests/scoring_reference.py), next to the chunked head (services/trainer/head_scoring.py) of the others;
+  tables (tests/scoring_reference.py), next to the chunked head (services/trainer/algo/head_scoring.py) of the others;
 - `*_ac`: trainer.activation_checkpointing; `*_packed`: trainer.pack_sequences (several samples per row).
 
 Presets: Qwen2 bodies over `--vocab` (22 by default, Tandem's toy vocabulary), or a real model's exact shape
@@ -60,13 +60,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # scorin
 from real_shapes import REAL_SHAPES, build_real_model_dir, real_vocab
 
 from services.contracts.config_loading import config_from_dict
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.untyped import HFCausalLM
 from services.contracts.wire import build_batch
 
 DEFAULT_BUDGET = 16384  # trainer.micro_batch_tokens' default
 PEAK_FLOPS = 790e12  # H200 dense bf16, as measured for this workplace (FACTS.md)
-# Qwen2 bodies over Tandem's 22-token vocabulary (services/rollout/model_init.py VOCAB)
+# Qwen2 bodies over Tandem's 22-token vocabulary (services/modelinit/init_model.py VOCAB)
 SHAPES: dict[str, dict[str, Any]] = {
     "small": dict(
         hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4
@@ -87,7 +87,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z1_bf16": {"kind": "ds", "zero_stage": 1, "precision": "bf16"},
     "ds_z1_bf16_8k": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "micro_batch_tokens": 8192},
     "ds_z1_bf16_eager": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "fused_kernels": "off"},
-    # ZeRO-0: Tandem's flat AdamW (services/trainer/flat_adamw.py) under the DeepSpeed engine
+    # ZeRO-0: Tandem's flat AdamW (services/trainer/model/flat_adamw.py) under the DeepSpeed engine
     "ds_z0_bf16": {"kind": "ds", "zero_stage": 0, "precision": "bf16"},
     "ds_z0_bf16pure": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure"},
     "ds_z0_bf16pure_nocheck": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "skip_nonfinite_steps": False},
@@ -226,12 +226,12 @@ class TorchBackend:
     ):
         from transformers import AutoModelForCausalLM
 
-        from services.trainer.backend import StepResult
         from services.trainer.dist import DistInfo
+        from services.trainer.model.backend import StepResult
 
         self._step_result = StepResult
         self.dist_info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
-        from services.trainer.head_scoring import install
+        from services.trainer.algo.head_scoring import install
 
         loaded: HFCausalLM = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=param_dtype, attn_implementation="sdpa"
@@ -253,7 +253,7 @@ class TorchBackend:
         return self.dist_info.device
 
     def scores(self, mb: Any, sampling: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        from services.trainer.backend import DeepSpeedBackend
+        from services.trainer.model.backend import DeepSpeedBackend
 
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return DeepSpeedBackend.scores(self, mb, sampling, **kwargs)  # type: ignore[arg-type]
@@ -283,7 +283,7 @@ class OldPathScores:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from scoring_reference import reference_scores
 
-        from services.trainer.backend import model_inputs
+        from services.trainer.model.backend import model_inputs
 
         mb = mb.to(self.inner.device)
         logits = self.inner.engine(**model_inputs(mb), use_cache=False).logits  # no score request: the plain head
@@ -312,8 +312,8 @@ def _build_backend(variant: dict[str, Any], model_dir: Path, device: torch.devic
 
             fused.patch_model(backend.module)
         return backend
-    from services.trainer.backend import DeepSpeedBackend
     from services.trainer.dist import init_process_group
+    from services.trainer.model.backend import DeepSpeedBackend
 
     config = config_from_dict(
         {
@@ -362,7 +362,7 @@ def run_variant(
     profile_to: Path | None,
     chunk_tokens: int,
 ) -> dict[str, float]:
-    from services.trainer.actor import actor_step, lockstep_micro_batches
+    from services.trainer.algo.actor import actor_step, lockstep_micro_batches
 
     variant = VARIANTS[name]
     budget = variant.get("micro_batch_tokens", DEFAULT_BUDGET)
@@ -429,10 +429,10 @@ def run_floor(
     tempered log-probs of the response tokens as the loss)."""
     from transformers import AutoModelForCausalLM
 
-    from services.trainer.backend import model_inputs
+    from services.trainer.algo.head_scoring import TEMPERED_ROW, install, scores_of, scoring
+    from services.trainer.algo.scoring import TokenSampling, score_request
     from services.trainer.batching import plan_micro_batches
-    from services.trainer.head_scoring import TEMPERED_ROW, install, scores_of, scoring
-    from services.trainer.scoring import TokenSampling, score_request
+    from services.trainer.model.backend import model_inputs
 
     model: HFCausalLM = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.bfloat16, attn_implementation="sdpa"

@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.buffer.stream import RolloutBuffer, connect, stream_key
 from services.contracts.config_loading import config_from_dict
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import build_batch
 from services.launcher.redis_server import EmbeddedRedis
-from services.rollout.model_init import init_model
+from services.modelinit.init_model import init_model
 from services.trainer.builder import DeepSpeedTrainer, build_trainer
 from services.trainer.service import TrainerService
 

@@ -11,7 +11,7 @@ out like the buckets; mapping kept between syncs or not) and the sender (separat
 buffer in spec order, as DeepSpeed's flat bf16 groups). The first sync of each row checks every tensor's
 checksum on both sides (bit-identical); the timed ones do not.
 
-The receiver is a separate process (services.weights.peer), already waiting when the publish starts.
+The receiver is a separate process (helpers.weight_peer), already waiting when the publish starts.
 "wall s" runs from publish() until the receiver has reported back (for disk: write, then read), GB/s is
 bytes / wall, "vs raw" the ratio to the bare broadcast; send/recv s are each side's SyncStats.seconds.
 Medians over repeats, after one untimed sync that builds the group and buffers. With a 4 MB bucket the
@@ -34,10 +34,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # helpers.weight_peer
+
+from helpers.weight_peer import Peer, make_tensors, plan_to_text, specs_to_json
 
 from services.contracts.config import CudaIpcWeights, weights_config
 from services.weights import TensorSpec, WeightPublisher, torch_compat
-from services.weights.peer import Peer, make_tensors, plan_to_text, specs_to_json
 from services.weights.transports.cuda_ipc import CudaIpcSender
 
 

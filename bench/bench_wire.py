@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import RolloutBatchData, decode_batch, encode_batch, payload_checksum, sampling_arrays
 
 T = TypeVar("T")

@@ -81,7 +81,7 @@ class Case:
 
 
 def parse_case(text: str) -> Case:
-    from services.rollout.model_init import PRESETS
+    from services.modelinit.init_model import PRESETS
 
     match = re.fullmatch(r"([a-z0-9.\-]+)_L(\d+)", text)  # qwen2.5-0.5b_L256: a real-vocabulary preset
     if not match or match[1] not in PRESETS or int(match[2]) < 1:
@@ -223,7 +223,7 @@ def without_eos(src: Path, dst: Path) -> Path:
         elif f.is_file():
             shutil.copy2(f, dst / f.name)
     left = (AutoConfig.from_pretrained(dst).eos_token_id, GenerationConfig.from_pretrained(dst).eos_token_id)
-    if left != (None, None):  # the native engine stops at these (engines/native.py `_eos_ids`)
+    if left != (None, None):  # the native engine stops at these (rollout/engines/native/engine.py `_eos_ids`)
         raise SystemExit(f"{dst}: EOS ids {left} survived the copy; responses could end before L tokens")
     return dst
 
@@ -672,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     skip_trl = "TRL skipped: --no-trl" if args.no_trl else trl_available()
     if skip_trl:
         print(skip_trl, flush=True)
-    from services.rollout.model_init import parameter_count
+    from services.modelinit.init_model import parameter_count
 
     models = build_models(args.cases, args.work, budget, args.init_limit_s)
     params = {c.preset: parameter_count(models[(c.preset, False)]) for c in args.cases}

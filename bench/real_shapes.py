@@ -1,5 +1,5 @@
 """Real models' exact shapes for the benches: `tandem init-model`'s presets of Qwen2.5-0.5B / 1.5B, Qwen3-0.6B and
-Llama-3.2-1B (services/rollout/model_families.py, from the models' published config.json files), with their real
+Llama-3.2-1B (services/modelinit/families.py, from the models' published config.json files), with their real
 vocabularies and tied embeddings (the lm_head is 136M of Qwen2.5-0.5B's 494M parameters), random-init, built locally.
 
 The benches that only time the trainer need the weights alone, not init-model's tokenizer: `build_real_model_dir`
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from services.rollout.model_families import MODEL_PRESETS
-from services.rollout.model_init import build_family_config
+from services.modelinit.families import MODEL_PRESETS
+from services.modelinit.init_model import build_family_config
 
 REAL_SHAPES = tuple(MODEL_PRESETS)
 

@@ -84,7 +84,7 @@ def wanted() -> list[str]:
 
 
 def init_models(work: Path) -> dict[str, Path]:
-    from services.rollout.model_init import init_model
+    from services.modelinit.init_model import init_model
 
     out = {}
     for name in wanted():

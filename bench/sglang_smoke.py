@@ -37,10 +37,10 @@ from bench_sglang import (
 )
 from sglang_servers import load
 
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.untyped import HFCausalLM
-from services.rollout.engines.sglang import SGLangEngine
-from services.rollout.engines.sglang_http import SGLangClient, SGLangError
+from services.rollout.engines.sglang.engine import SGLangEngine
+from services.rollout.engines.sglang.http import SGLangClient, SGLangError
 
 RESULTS: list[tuple[str, bool, str]] = []
 META_FIELDS = {
@@ -199,7 +199,7 @@ def logprob_check(url: str, model: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.tensors.sampling import sampling_log_probs
+    from services.tensors.sampling_dist import sampling_log_probs
 
     def run() -> tuple[bool, str]:
         engine = SGLangEngine([url])

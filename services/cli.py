@@ -17,8 +17,8 @@ from types import MappingProxyType
 from services.contracts.config import ConfigError, TandemConfig, TimeoutsConfig
 from services.contracts.config_loading import load_config
 from services.contracts.exits import ExitCode
-from services.rollout.model_families import BODIES
-from services.rollout.model_init import ARCHS, DTYPES, preset_names
+from services.modelinit.families import BODIES
+from services.modelinit.init_model import ARCHS, DTYPES, preset_names
 from services.rpc.grpc_util import PortInUse
 
 
@@ -198,7 +198,7 @@ def _init_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _init_model(args: argparse.Namespace) -> int:
-    from services.rollout.model_init import check_init_args, init_model, parameter_count
+    from services.modelinit.init_model import check_init_args, init_model, parameter_count
 
     spec = check_init_args(preset=args.preset, arch=args.arch, body=args.body, layers=args.layers, dtype=args.dtype)
     path = init_model(

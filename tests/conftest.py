@@ -43,7 +43,7 @@ def example_model() -> Path:
     """examples/models/tiny, which the example configs name (`tandem run` never builds a model unasked)."""
     import fcntl
 
-    from services.rollout.model_init import init_model
+    from services.modelinit.init_model import init_model
 
     path = REPO_ROOT / "examples" / "models" / "tiny"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,7 +91,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two tiny random-init models (different seeds): an engine's weights, and other weights to update it with."""
-    from services.rollout.model_init import init_model
+    from services.modelinit.init_model import init_model
 
     root = tmp_path_factory.mktemp("models")
     return init_model(root / "a", preset="tiny", seed=0), init_model(root / "b", preset="tiny", seed=1)

@@ -27,7 +27,7 @@ import torch
 
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import config_from_dict
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import RolloutBatchData, build_batch
 
 VOCAB = 32

@@ -2,7 +2,7 @@
 "old path" bench/bench_train_step.py measures: full [tokens x vocab] logits, then whole-vocabulary tables per
 sampling distribution (a sort over the vocabulary for top-p), gathered and differentiated by autograd.
 
-`reference_scores` returns what `services.trainer.head_scoring.ChunkedScores` returns, [3, N]: the behaviour
+`reference_scores` returns what `services.trainer.algo.head_scoring.ChunkedScores` returns, [3, N]: the behaviour
 log-prob (sampling space floored at LOG_PROB_FLOOR, or tempered), the entropy of the sampling distribution and the
 tempered log-prob.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from services.contracts.sampling import SamplingSpec
-from services.trainer.scoring import LOG_PROB_FLOOR, TokenSampling
+from services.contracts.sampling_spec import SamplingSpec
+from services.trainer.algo.scoring import LOG_PROB_FLOOR, TokenSampling
 
 
 def table_log_probs(logits: torch.Tensor, sampling: SamplingSpec) -> torch.Tensor:
@@ -92,9 +92,9 @@ def chunked_scores_of_logits(
 ) -> torch.Tensor:
     """The chunked head's [3, N] scores of given [N, V] logits: hidden = the logits, weight = the identity (so the
     head's logits are exactly these); differentiable in `logits`."""
+    from services.trainer.algo.head_scoring import ChunkedScores
+    from services.trainer.algo.scoring import score_request
     from services.trainer.batching import MicroBatch
-    from services.trainer.head_scoring import ChunkedScores
-    from services.trainer.scoring import score_request
 
     n, vocab = logits.shape
     row = torch.zeros(1, n + 1, dtype=torch.long)

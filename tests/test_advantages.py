@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.advantages import gae, grpo_advantages, per_sample_sum, per_token, token_rewards
+from services.trainer.algo.advantages import gae, grpo_advantages, per_sample_sum, per_token, token_rewards
 
 
 def test_grpo_group_normalised_with_std():

@@ -14,7 +14,7 @@ import pytest
 from conftest import HELPERS_DIR, PYTHON
 
 from services.buffer.stream import BufferError, BufferFullError, EntryNotFoundError, RolloutBuffer, connect, stream_key
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import RolloutBatchData, build_batch, encode_batch, sampling_arrays
 from services.launcher.redis_server import EmbeddedRedis
 

@@ -5,7 +5,7 @@ import uuid
 import pytest
 
 from services.buffer.stream import BufferError, RolloutBuffer
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import build_batch
 
 

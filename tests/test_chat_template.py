@@ -1,5 +1,5 @@
-"""The chat template (services/rollout/chat.py, tokenizer.py) with a real byte-level BPE ChatML tokenizer built in
-the test: auto (the tokenizer's template from tokenizer_config.json), a template file, chat_template_kwargs, no
+"""The chat template (services/rollout/chat_template.py, tokenizer.py) with a real byte-level BPE ChatML tokenizer
+built in the test: auto (the tokenizer's template from tokenizer_config.json), a template file, chat_template_kwargs, no
 duplicated BOS, one-line failures; a RolloutService with the real native engine on a tiny model over that tokenizer
 generating from chat prompts (what the trainer and the reward see); and preflight's checks of chat rows."""
 
@@ -16,12 +16,12 @@ from helpers import recording_reward
 from helpers.chatml_tokenizer import CHATML_TEMPLATE, build_chatml_model, build_chatml_tokenizer
 
 from services.buffer.stream import RolloutBuffer, connect
-from services.contracts.chat import ChatMessage
+from services.contracts.chat_messages import ChatMessage
 from services.contracts.config import ConfigError
 from services.contracts.config_loading import config_from_dict
 from services.coordinator.data import PromptRecord
 from services.launcher import preflight
-from services.rollout.chat import ChatTemplate, ChatTemplateError
+from services.rollout.chat_template import ChatTemplate, ChatTemplateError
 from services.rollout.service import PromptInput, RolloutService
 from services.rollout.tokenizer import encode_texts, load_tokenizer, model_inputs
 

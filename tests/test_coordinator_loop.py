@@ -29,10 +29,10 @@ from services.contracts.trainer_calls import (
     TrainResult,
 )
 from services.coordinator import policy
-from services.coordinator.api import GenerationResult, SyncResult
+from services.coordinator.call_errors import ServiceCallError
 from services.coordinator.data import DataCursor, DataSource, PromptRecord
-from services.coordinator.errors import ServiceCallError
 from services.coordinator.loop import Coordinator
+from services.coordinator.seams import GenerationResult, SyncResult
 from services.coordinator.state import GeneratedBatch, RunState, StreamGroup
 from services.telemetry.trackers import Tracker
 

@@ -22,10 +22,10 @@ from services.contracts.rollout_calls import (
     ReceiveResult,
     RolloutStatus,
 )
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.trainer_calls import PublishResult, WeightSyncRequest
 from services.contracts.weight_plan import WeightSyncPlan
-from services.coordinator.errors import ServiceCallError
+from services.coordinator.call_errors import ServiceCallError
 from services.coordinator.pool import RolloutPool
 from services.coordinator.retry import TRAIN_RETRY, TRANSIENT_CODES, RetryPolicy, generate_retry
 from services.coordinator.sync import WeightSync, WeightSyncFailed, rank_offsets

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from services.contracts.chat import ChatMessage
+from services.contracts.chat_messages import ChatMessage
 from services.contracts.config import ConfigError, DataConfig
 from services.contracts.config_loading import config_from_dict, load_config
 from services.coordinator.data import PromptRecord, load_prompts

@@ -18,9 +18,9 @@ from services.buffer.stream import RolloutBuffer, connect
 from services.contracts import dapo
 from services.contracts.config import ConfigError, TandemConfig
 from services.contracts.config_loading import config_from_dict
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import RolloutBatchData, build_batch
-from services.rollout.model_init import init_model
+from services.modelinit.init_model import init_model
 from services.rollout.rewards import digit_task
 from services.rollout.service import PromptInput, RolloutService
 from services.rpc.grpc_util import FailedPrecondition

@@ -16,9 +16,9 @@ from transformers import PreTrainedTokenizerBase
 
 from services.contracts.config_loading import load_config
 from services.launcher import preflight
-from services.rollout import bpe_tokenizer
-from services.rollout.model_families import MODEL_PRESETS
-from services.rollout.model_init import init_model
+from services.modelinit import bpe_tokenizer
+from services.modelinit.families import MODEL_PRESETS
+from services.modelinit.init_model import init_model
 from services.rollout.rewards import resolve_reward
 from services.rollout.tokenizer import load_tokenizer
 

@@ -10,7 +10,7 @@ import grpc
 from services.contracts.config import ConfigError
 from services.contracts.exits import ExitCode
 from services.contracts.failure import FailureRecord, clear_failure, read_failure, write_failure
-from services.coordinator.errors import ServiceCallError, TrainerStateLost, failure_record
+from services.coordinator.call_errors import ServiceCallError, TrainerStateLost, failure_record
 
 
 def test_a_service_answer_keeps_its_service_call_status_and_hint_and_is_permanent_by_status():

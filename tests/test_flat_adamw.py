@@ -13,7 +13,7 @@ import torch
 from conftest_trainer import DEVICE
 from torch.profiler import ProfilerActivity, profile
 
-from services.trainer.flat_adamw import FlatAdamW
+from services.trainer.model.flat_adamw import FlatAdamW
 
 HP: dict[str, Any] = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 

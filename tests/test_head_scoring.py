@@ -1,8 +1,9 @@
-"""The chunked scoring head (services/trainer/head_scoring.py) against the path it replaced (tests/scoring_reference.py:
-full logits, whole-vocabulary tables, autograd): the same scores and the same gradients, w.r.t. the hidden states
-and the head's weight, at fp32 to 1e-5, on batches mixing sampling distributions (temperature, top-k, top-p, both,
-greedy) and behaviour spaces; through a real tied-embedding model in padded and packed micro-batches, a LoRA head,
-bf16; and peak memory that stops growing with tokens x vocabulary (a subprocess's peak RSS)."""
+"""The chunked scoring head (services/trainer/algo/head_scoring.py) against the path it replaced
+(tests/scoring_reference.py: full logits, whole-vocabulary tables, autograd): the same scores and the same gradients,
+w.r.t. the hidden states and the head's weight, at fp32 to 1e-5, on batches mixing sampling distributions
+(temperature, top-k, top-p, both, greedy) and behaviour spaces; through a real tied-embedding model in padded and
+packed micro-batches, a LoRA head, bf16; and peak memory that stops growing with tokens x vocabulary (a subprocess's
+peak RSS)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ import pytest
 import torch
 from scoring_reference import reference_scores
 
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import build_batch
-from services.trainer.backend import model_inputs
+from services.trainer.algo.head_scoring import ChunkedScores, install, scores_of, scoring
+from services.trainer.algo.scoring import TokenSampling, score_request
 from services.trainer.batching import MicroBatch, build_micro_batch, merge_batches, pack_rows
-from services.trainer.head_scoring import ChunkedScores, install, scores_of, scoring
-from services.trainer.scoring import TokenSampling, score_request
+from services.trainer.model.backend import model_inputs
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
@@ -266,10 +267,10 @@ PEAK_SCRIPT = textwrap.dedent("""
     import torch
     sys.path.insert(0, sys.argv[1])
     from scoring_reference import reference_scores
-    from services.contracts.sampling import SamplingSpec
+    from services.contracts.sampling_spec import SamplingSpec
     from services.trainer.batching import MicroBatch
-    from services.trainer.head_scoring import ChunkedScores
-    from services.trainer.scoring import TokenSampling, score_request
+    from services.trainer.algo.head_scoring import ChunkedScores
+    from services.trainer.algo.scoring import TokenSampling, score_request
 
     torch.set_num_threads(1)
     VOCAB, HIDDEN, CHUNK = 16384, 64, 64

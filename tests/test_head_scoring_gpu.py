@@ -10,10 +10,10 @@ import pytest
 import torch
 from scoring_reference import reference_scores
 
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
+from services.trainer.algo.head_scoring import ChunkedScores
+from services.trainer.algo.scoring import TokenSampling, score_request
 from services.trainer.batching import MicroBatch
-from services.trainer.head_scoring import ChunkedScores
-from services.trainer.scoring import TokenSampling, score_request
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

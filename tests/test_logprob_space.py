@@ -18,14 +18,14 @@ from scoring_reference import chunked_scores_of_logits
 
 from services.contracts.config import AlgorithmConfig
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import WireError, build_batch, decode_batch, encode_batch
-from services.tensors.sampling import sampling_log_probs
-from services.trainer.actor import TokenInputs, token_terms
+from services.tensors.sampling_dist import sampling_log_probs
+from services.trainer.algo.actor import TokenInputs, token_terms
+from services.trainer.algo.scoring import MIXED, SAMPLING, TEMPERED, TokenSampling
 from services.trainer.batching import MicroBatch, merge_batches
 from services.trainer.commands import decode_batch as decode_train_batch
 from services.trainer.commands import encode_batch as encode_train_batch
-from services.trainer.scoring import MIXED, SAMPLING, TEMPERED, TokenSampling
 from services.trainer.update import TokenWeights
 
 VOCAB = 64

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scoring_reference import chunked_scores_of_logits
 
-from services.trainer.losses import (
+from services.trainer.algo.losses import (
     PolicyLossConfig,
     aggregation_weights,
     clipped_value_loss,
@@ -14,7 +14,7 @@ from services.trainer.losses import (
     ppo_policy_loss,
     tis_weights,
 )
-from services.trainer.scoring import TokenSampling
+from services.trainer.algo.scoring import TokenSampling
 
 
 def _ratios_to_logps(ratios):

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from services.contracts.chat import ChatMessage
+from services.contracts.chat_messages import ChatMessage
 from services.rollout.environment_registry import resolve_environment
 from services.rollout.environments import Action, EpisodeSample, StepResult
 from services.rollout.math_feedback import FEEDBACK, MathFeedbackEnvironment

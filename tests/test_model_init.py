@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.rollout.model_init import VOCAB, ModelInitError, build_config, init_model, preset_arch
+from services.modelinit.init_model import VOCAB, ModelInitError, build_config, init_model, preset_arch
 from services.rollout.tokenizer import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def test_cli_init_model(tmp_path: Path):
 # ---- real models' presets -------------------------------------------------------------------------------------
 # From each model's config.json / generation_config.json on the Hugging Face hub (Qwen/Qwen2.5-0.5B-Instruct,
 # Qwen/Qwen2.5-1.5B-Instruct, Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B-Instruct), typed here by hand so that a slip in
-# services/rollout/model_families.py is caught, not copied. Parameters: the published counts (tied embeddings).
+# services/modelinit/families.py is caught, not copied. Parameters: the published counts (tied embeddings).
 REAL = {
     #               arch      hidden layers heads kv  inter  head rope_theta max_pos  eps    vocab    params
     "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 4864, 64, 1_000_000.0, 32_768, 1e-6, 151_936, 494_032_768),
@@ -145,7 +145,7 @@ def test_real_presets_have_the_real_shapes(preset: str):
     """Counted on the meta device: building 0.5-1.5B weights is tens of seconds (bench numbers in the README)."""
     from transformers import AutoModelForCausalLM
 
-    from services.rollout.model_init import InitSpec, build_family_config
+    from services.modelinit.init_model import InitSpec, build_family_config
 
     arch, hidden, layers, heads, kv, inter, head_dim, theta, max_pos, eps, vocab, params = REAL[preset]
     config = build_family_config(preset)
@@ -254,8 +254,8 @@ def test_real_preset_directory_reloads_offline(qwen_tiny: Path):
 def test_family_tokenizers_have_the_real_special_ids(tmp_path: Path, family: str):
     from transformers import AutoTokenizer
 
-    from services.rollout.bpe_tokenizer import build_tokenizer, save_tokenizer
-    from services.rollout.model_families import LLAMA3, QWEN3
+    from services.modelinit.bpe_tokenizer import build_tokenizer, save_tokenizer
+    from services.modelinit.families import LLAMA3, QWEN3
 
     fam = {"qwen3": QWEN3, "llama3": LLAMA3}[family]
     save_tokenizer(build_tokenizer(fam, model_max_length=4096), fam, tmp_path)
@@ -295,7 +295,7 @@ def test_family_tokenizers_have_the_real_special_ids(tmp_path: Path, family: str
 
 def test_real_preset_arguments_are_checked(tmp_path: Path):
     from services.cli import main
-    from services.rollout.model_init import check_init_args
+    from services.modelinit.init_model import check_init_args
 
     assert check_init_args(preset="llama3.2-1b").dtype == "bfloat16"  # as the real checkpoints
     assert check_init_args(preset="llama3.2-1b", body="tiny").dtype == "float32"
@@ -318,7 +318,7 @@ def test_config_presets_are_the_cli_presets():
     from typing import get_args
 
     from services.contracts.config import ModelConfig
-    from services.rollout.model_init import preset_names
+    from services.modelinit.init_model import preset_names
 
     literal = ModelConfig.model_fields["init_preset"].annotation
     assert set(next(a for a in get_args(literal) if a is not type(None)).__args__) == set(preset_names())

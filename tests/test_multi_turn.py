@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers.scripted_engine import GenerateOnlyEngine
 
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.base import FINISH_ABORT, FINISH_STOP, Engine, SampleOutput
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.engines.interface import FINISH_ABORT, FINISH_STOP, Engine, SampleOutput
 from services.rollout.environment_registry import resolve_environment
 from services.rollout.environments import (
     Action,

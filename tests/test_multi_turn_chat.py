@@ -1,6 +1,6 @@
-"""Multi-turn episodes whose prompt is a chat (services/rollout/multi_turn.py with chat.py): observations become
-turns of the conversation through the chat template, and the tokens of earlier turns are never re-encoded (the
-prime-rl #1334 / verl #2618 bug: re-tokenizing the conversation's text splits what the model sampled differently).
+"""Multi-turn episodes whose prompt is a chat (services/rollout/multi_turn.py with chat_template.py): observations
+become turns of the conversation through the chat template, and the tokens of earlier turns are never re-encoded
+(the prime-rl #1334 / verl #2618 bug: re-tokenizing the conversation's text splits what the model sampled differently).
 
 A real byte-level BPE ChatML tokenizer built in the test, and a scripted fake engine: its turns are chosen token ids
 that are NOT how the tokenizer would encode their text (" apples" sampled letter by letter), which a real model
@@ -15,11 +15,11 @@ import pytest
 from helpers.chatml_tokenizer import build_chatml_tokenizer
 from helpers.scripted_engine import GenerateOnlyEngine
 
-from services.contracts.chat import ChatMessage
+from services.contracts.chat_messages import ChatMessage
 from services.contracts.config_loading import config_from_dict
-from services.contracts.sampling import SamplingSpec
-from services.rollout.chat import ChatTemplate
-from services.rollout.engines.base import FINISH_LENGTH, FINISH_STOP, Engine, SampleOutput
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.chat_template import ChatTemplate
+from services.rollout.engines.interface import FINISH_LENGTH, FINISH_STOP, Engine, SampleOutput
 from services.rollout.environment_registry import resolve_environment
 from services.rollout.environments import Action, EnvironmentFailure, EnvironmentPlugin, EpisodeSample, StepResult
 from services.rollout.math_feedback import FEEDBACK

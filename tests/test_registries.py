@@ -15,7 +15,7 @@ from pathlib import Path
 from services.cli import COMMANDS, build_parser
 from services.contracts.config import PrometheusTrackerConfig, RolloutConfig, TrackerConfig
 from services.contracts.rollout_config import RolloutSettings
-from services.rollout.engines.registry import ENGINES, engine_kind
+from services.rollout.engines.engine_registry import ENGINES, engine_kind
 from services.rollout.environment_registry import BUILTIN_ENVIRONMENTS, resolve_environment
 from services.rollout.environments import Environment, EnvironmentSpecError
 from services.telemetry.prometheus import PrometheusTracker
@@ -27,10 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # What importing the tables loads of the modules their entries build from (printed as JSON).
 _PROBE = """
 import json, sys
-import services.cli, services.rollout.engines.registry, services.telemetry.tracker_registry
+import services.cli, services.rollout.engines.engine_registry, services.telemetry.tracker_registry
 import services.rollout.environment_registry
-plug_ins = ("services.rollout.engines.native", "services.rollout.engines.sglang", "services.telemetry.wandb_tracker",
-            "services.telemetry.prometheus", "services.telemetry.tensorboard_tracker", "services.trainer.server",
+plug_ins = ("services.rollout.engines.native.engine", "services.rollout.engines.sglang.engine",
+            "services.telemetry.wandb_tracker", "services.telemetry.prometheus",
+            "services.telemetry.tensorboard_tracker", "services.trainer.server",
             "services.rollout.server", "services.coordinator.server", "services.launcher.supervisor",
             "services.coordinator.ctl", "services.coordinator.plot", "services.rollout.math_feedback")
 print(json.dumps(sorted(m for m in plug_ins if m in sys.modules)))

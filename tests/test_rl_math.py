@@ -14,11 +14,11 @@ import torch
 from scoring_reference import chunked_scores_of_logits
 
 from services.contracts.config import AlgorithmConfig
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines import sampling as rollout_sampling
-from services.tensors.sampling import sampling_log_probs
-from services.trainer.actor import TokenInputs, compute_advantages, policy_loss_terms
-from services.trainer.advantages import (
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.engines.native import sampler as rollout_sampling
+from services.tensors.sampling_dist import sampling_log_probs
+from services.trainer.algo.actor import TokenInputs, compute_advantages, policy_loss_terms
+from services.trainer.algo.advantages import (
     discounted_returns,
     gae,
     grpo_advantages,
@@ -27,8 +27,7 @@ from services.trainer.advantages import (
     token_rewards,
     whiten,
 )
-from services.trainer.batching import MicroBatch, TrainBatch
-from services.trainer.losses import (
+from services.trainer.algo.losses import (
     PolicyLossConfig,
     Sequences,
     aggregation_weights,
@@ -37,7 +36,8 @@ from services.trainer.losses import (
     ppo_policy_loss,
     tis_weights,
 )
-from services.trainer.scoring import LOG_PROB_FLOOR, TokenSampling
+from services.trainer.algo.scoring import LOG_PROB_FLOOR, TokenSampling
+from services.trainer.batching import MicroBatch, TrainBatch
 from services.trainer.update import TokenWeights
 
 VOCAB = 24

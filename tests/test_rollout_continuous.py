@@ -13,9 +13,9 @@ import torch
 from test_rollout_engine import LOGPROB_ATOL
 from test_rollout_engine import PROMPTS as SHORT
 
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.native import NativeEngine
-from services.rollout.engines.sampling import sampling_log_probs
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.engines.native.engine import NativeEngine
+from services.rollout.engines.native.sampler import sampling_log_probs
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_each_prompt_may_cap_its_own_new_tokens(model_dirs):
 
 
 def test_a_call_the_engine_cannot_serve_leaves_nothing_behind(model_dirs):
-    from services.rollout.engines.errors import EngineUnavailable
+    from services.rollout.engines.engine_errors import EngineUnavailable
 
     engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True)
     opts = SamplingSpec(max_new_tokens=3, ignore_eos=True, seed=1)

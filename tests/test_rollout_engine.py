@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.errors import EngineUnavailable
-from services.rollout.engines.native import NativeEngine
-from services.rollout.engines.sampling import draw, sampling_log_probs
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.engines.engine_errors import EngineUnavailable
+from services.rollout.engines.native.engine import NativeEngine
+from services.rollout.engines.native.sampler import draw, sampling_log_probs
 
 torch.set_num_threads(1)
 
@@ -161,7 +161,7 @@ def test_unseeded_sampling_differs_between_processes(tmp_path):
     import sys
 
     script = (
-        "import sys, torch; from services.rollout.engines.sampling import make_generator; "
+        "import sys, torch; from services.rollout.engines.native.sampler import make_generator; "
         "print(torch.rand(8, generator=make_generator(None, torch.device('cpu'))).tolist())"
     )
     runs = {

@@ -13,7 +13,7 @@ import torch
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config import ConfigError
 from services.contracts.config_loading import config_from_dict, load_config
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.rollout.math_feedback import FEEDBACK
 from services.rollout.math_rewards import math_answer
 from services.rollout.service import PromptInput, RolloutService

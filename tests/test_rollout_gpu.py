@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.untyped import HFCausalLM
-from services.rollout.engines.native import NativeEngine
-from services.rollout.engines.sampling import sampling_log_probs
-from services.rollout.model_init import init_model
+from services.modelinit.init_model import init_model
+from services.rollout.engines.native.engine import NativeEngine
+from services.rollout.engines.native.sampler import sampling_log_probs
 from services.weights.transports.cuda_ipc import CudaIpcReceiver
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -110,9 +110,10 @@ def test_graph_decode_is_the_cuda_default_and_seeded(model_dir: Path):
 
 
 def test_cuda_ipc_into_engine_flattens_once_and_is_bit_identical(model_dir: Path, tmp_path: Path):
+    from helpers.weight_peer import Peer, bits_equal, make_tensors, plan_from_text, specs_to_json
+
     from services.weights import WeightReceiver
     from services.weights.layout import specs_from_tensors
-    from services.weights.peer import Peer, bits_equal, make_tensors, plan_from_text, specs_to_json
 
     engine = NativeEngine(model_dir, device="cuda", dtype="bfloat16")
     greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)

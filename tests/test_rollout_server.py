@@ -17,7 +17,7 @@ import yaml
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.files import read_json_rows
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.rollout.model_init import init_model
+from services.modelinit.init_model import init_model
 from services.rollout.tokenizer import load_tokenizer
 from services.rpc.grpc_util import open_channel, wait_healthy
 

@@ -12,11 +12,11 @@ import torch
 
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config_loading import config_from_dict
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.base import SampleOutput
-from services.rollout.engines.native import NativeEngine
+from services.contracts.sampling_spec import SamplingSpec
+from services.modelinit.init_model import init_model
+from services.rollout.engines.interface import SampleOutput
+from services.rollout.engines.native.engine import NativeEngine
 from services.rollout.metrics import pass_at_k, version_metrics
-from services.rollout.model_init import init_model
 from services.rollout.rewards import RewardSpecError, digit_task
 from services.rollout.service import PromptInput, RolloutService
 

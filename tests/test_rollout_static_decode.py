@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.native import NativeEngine
-from services.rollout.engines.sampling import sampling_log_probs
-from services.rollout.engines.static_decode import StaticDecoder
-from services.rollout.model_init import init_model
+from services.contracts.sampling_spec import SamplingSpec
+from services.modelinit.init_model import init_model
+from services.rollout.engines.native.engine import NativeEngine
+from services.rollout.engines.native.sampler import sampling_log_probs
+from services.rollout.engines.native.static_decode import StaticDecoder
 
 torch.set_num_threads(1)
 
@@ -60,8 +60,8 @@ def test_static_decode_runs_the_real_architectures(preset: str):
     where Llama-3's rope scaling changes the low frequencies."""
     from transformers import AutoModelForCausalLM
 
-    from services.rollout.engines.static_decode import supported
-    from services.rollout.model_init import build_family_config
+    from services.modelinit.init_model import build_family_config
+    from services.rollout.engines.native.static_decode import supported
 
     config = build_family_config(preset, body="tiny", dtype="float32")
     torch.manual_seed(0)
@@ -80,7 +80,7 @@ def test_static_decode_runs_the_real_architectures(preset: str):
 def test_static_decode_refuses_other_architectures_by_name():
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
-    from services.rollout.engines.static_decode import supported
+    from services.rollout.engines.native.static_decode import supported
 
     small: dict[str, Any] = dict(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2

@@ -38,7 +38,7 @@ PICKLING_MODULES = {
 # The one module that writes pickles: the payload of SGLang's /update_weights_from_tensor, which SGLang (not Tandem)
 # loads through its SafeUnpickler on the same host (docs/sglang.md, "trust boundary"). It may import a pickler;
 # nothing there may load one.
-PICKLE_PRODUCERS = {"services/weights/transports/sglang_tensor.py"}
+PICKLE_PRODUCERS = {"services/rollout/engines/sglang/weight_send_tensor.py"}
 # torch.distributed's *_object_list / *_object collectives pickle their payload
 PICKLING_CALLS = {
     "broadcast_object_list",
@@ -104,7 +104,7 @@ def test_the_scan_finds_what_it_looks_for(tmp_path):
         "pickle.loads(...)",
     ]
     # the pickle producer may import a pickler, never load one
-    producer = tmp_path / "services" / "weights" / "transports" / "sglang_tensor.py"
+    producer = tmp_path / "services" / "rollout" / "engines" / "sglang" / "weight_send_tensor.py"
     producer.parent.mkdir(parents=True)
     producer.write_text(
         "import pickle\nfrom torch.multiprocessing import reductions\nx = pickle.loads(b'')\nu = pickle.Unpickler\n"

@@ -21,17 +21,17 @@ import pytest
 import torch
 from helpers.sglang_contract_server import ContractServer
 
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.errors import EngineUnavailable
-from services.rollout.engines.sglang import SGLangEngine
-from services.rollout.engines.sglang_http import (
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.engines.engine_errors import EngineUnavailable
+from services.rollout.engines.sglang.engine import SGLangEngine
+from services.rollout.engines.sglang.http import (
     SGLangClient,
     SGLangRequestError,
     SGLangTimeout,
     SGLangUnavailable,
 )
-from services.rollout.engines.sglang_launch import LaunchSpec, SGLangNotInstalled, require_sglang
-from services.rollout.engines.sglang_protocol import (
+from services.rollout.engines.sglang.launch import LaunchSpec, SGLangNotInstalled, require_sglang
+from services.rollout.engines.sglang.protocol import (
     UnsupportedSGLangVersion,
     parse_release,
     profile_for,

@@ -15,8 +15,8 @@ from helpers.sglang_contract_server import ContractServer
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config import ProcessGroupWeights
 from services.contracts.config_loading import config_from_dict
-from services.rollout.engines.sglang import SGLangEngine
-from services.rollout.model_init import init_model
+from services.modelinit.init_model import init_model
+from services.rollout.engines.sglang.engine import SGLangEngine
 from services.rollout.service import PromptInput, RolloutService
 from services.weights import WeightPublisher, specs_from_tensors
 

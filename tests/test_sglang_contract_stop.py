@@ -16,10 +16,10 @@ import pytest
 from helpers.sglang_contract_server import ContractServer
 
 from services.contracts.config_loading import config_from_dict
-from services.contracts.sampling import SamplingSpec
-from services.rollout.chat import ChatTemplate
-from services.rollout.engines.sglang import SGLangEngine
-from services.rollout.engines.sglang_protocol import parse_server_info
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.chat_template import ChatTemplate
+from services.rollout.engines.sglang.engine import SGLangEngine
+from services.rollout.engines.sglang.protocol import parse_server_info
 from services.rollout.service import build_engine
 from services.rollout.tokenizer import Texts, load_tokenizer
 
@@ -36,8 +36,8 @@ def texts_of(path: Path) -> Texts:
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.rollout.bpe_tokenizer import build_tokenizer, save_tokenizer
-    from services.rollout.model_families import QWEN25
+    from services.modelinit.bpe_tokenizer import build_tokenizer, save_tokenizer
+    from services.modelinit.families import QWEN25
 
     path = tmp_path_factory.mktemp("qwen-tokenizer")
     save_tokenizer(build_tokenizer(QWEN25, model_max_length=256), QWEN25, path)

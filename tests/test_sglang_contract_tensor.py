@@ -23,19 +23,19 @@ import pytest
 import torch
 from helpers.sglang_contract_server import ContractServer
 from helpers.sglang_contract_weights import CRASH_EXIT, inspect_pickle, payload_problem
+from helpers.weight_peer import make_tensors
 
 from services.contracts.config import CudaIpcWeights
-from services.contracts.sampling import SamplingSpec
-from services.rollout.engines.sglang import SGLangEngine
-from services.rollout.engines.sglang_http import SGLangClient, SGLangUnavailable, is_loopback
-from services.rollout.engines.sglang_tensor_sync import TensorSync
-from services.weights import TensorSpec, WeightPublisher, WeightReceiver, WeightSyncError
-from services.weights.peer import make_tensors
-from services.weights.transports.sglang_tensor import (
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.engines.sglang.engine import SGLangEngine
+from services.rollout.engines.sglang.http import SGLangClient, SGLangUnavailable, is_loopback
+from services.rollout.engines.sglang.weight_send_tensor import (
     SGLangTensorSender,
     _reduce_cuda_tensor_by_uuid,
     serialize_for_sglang,
 )
+from services.rollout.engines.sglang.weight_sync_tensor import TensorSync
+from services.weights import TensorSpec, WeightPublisher, WeightReceiver, WeightSyncError
 
 pytestmark = pytest.mark.timeout(120)
 torch.set_num_threads(1)

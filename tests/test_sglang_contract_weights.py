@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.sglang_contract_server import ContractServer, blake2b_hex
+from helpers.weight_peer import make_tensors
 
 from services.contracts.config import weights_config
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.coordinator.policy import sync_pause_mode
-from services.rollout.engines.sglang import SGLangEngine
+from services.rollout.engines.sglang.engine import SGLangEngine
 from services.weights import (
     TensorSpec,
     WeightPublisher,
@@ -31,7 +32,6 @@ from services.weights import (
     WeightSyncRefused,
     WeightSyncTimeout,
 )
-from services.weights.peer import make_tensors
 
 pytestmark = pytest.mark.timeout(120)
 torch.set_num_threads(1)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers.sglang_contract_weights import inspect_pickle, payload_problem
 
+from services.rollout.engines.sglang.weight_send_tensor import bucket_payload, serialize_for_sglang
 from services.weights.layout import TensorSpec, plan_layout
-from services.weights.transports.sglang_tensor import bucket_payload, serialize_for_sglang
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from services.telemetry.startup import process_age_s
+from services.telemetry.process_age import process_age_s
 
 
 def test_a_process_knows_how_long_ago_it_started():
@@ -14,7 +14,7 @@ def test_a_process_knows_how_long_ago_it_started():
             sys.executable,
             "-c",
             "import time; time.sleep(1.2); "
-            "from services.telemetry.startup import process_age_s; print(process_age_s())",
+            "from services.telemetry.process_age import process_age_s; print(process_age_s())",
         ],
         capture_output=True,
         text=True,

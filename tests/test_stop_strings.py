@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from services.contracts.config_loading import config_from_dict
-from services.contracts.sampling import SamplingSpec
-from services.rollout.chat import ChatTemplate
-from services.rollout.engines.base import SampleOutput
-from services.rollout.engines.native import NativeEngine
-from services.rollout.engines.stop_strings import StopStringTables
-from services.rollout.model_init import init_model
+from services.contracts.sampling_spec import SamplingSpec
+from services.modelinit.init_model import init_model
+from services.rollout.chat_template import ChatTemplate
+from services.rollout.engines.interface import SampleOutput
+from services.rollout.engines.native.engine import NativeEngine
+from services.rollout.engines.native.stop_strings import StopStringTables
 from services.rollout.service import build_engine
 from services.rollout.tokenizer import Texts, end_of_generation_ids, load_tokenizer
 

@@ -7,9 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import build_batch
-from services.trainer.backend import lr_lambda
 from services.trainer.batching import (
     build_micro_batch,
     merge_batches,
@@ -20,6 +19,7 @@ from services.trainer.batching import (
     stale_samples,
     token_lag_fractions,
 )
+from services.trainer.model.backend import lr_lambda
 
 
 def _batch():

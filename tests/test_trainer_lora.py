@@ -20,7 +20,7 @@ from services.contracts.config import ConfigError
 from services.contracts.config_loading import config_from_dict
 from services.launcher.preflight import check_lora
 from services.rpc.grpc_util import FailedPrecondition
-from services.trainer.lora import AdapterOffReference, check_model_targets
+from services.trainer.model.lora import AdapterOffReference, check_model_targets
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -222,10 +222,10 @@ def test_lora_save_then_fresh_engine_load_reproduces_next_step(harness, tiny_mod
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
 def test_kl_reference_is_the_model_with_adapters_off(harness, tiny_model_dir, zero_stage):  # noqa: F811
-    from services.trainer.actor import frozen_pass
-    from services.trainer.backend import load_frozen_causal_lm
+    from services.trainer.algo.actor import frozen_pass
+    from services.trainer.algo.scoring import TokenSampling
     from services.trainer.batching import merge_batches
-    from services.trainer.scoring import TokenSampling
+    from services.trainer.model.backend import load_frozen_causal_lm
     from services.trainer.update import lockstep_micro_batches
 
     # the output head adapted too: its LoRA path is scored as extra columns (a ZeRO-3 leaf, gathered whole)

@@ -13,11 +13,11 @@ import pytest
 import torch
 from conftest_trainer import harness, make_batch, peaked_model_dir, tiny_model_dir  # noqa: F401
 
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import RolloutBatchData
-from services.trainer.actor import actor_step
+from services.trainer.algo.actor import actor_step
+from services.trainer.algo.head_scoring import output_head
 from services.trainer.batching import merge_batches
-from services.trainer.head_scoring import output_head
 
 pytestmark = pytest.mark.timeout(240)
 ALGO = {

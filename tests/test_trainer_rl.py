@@ -16,9 +16,9 @@ import rl_reference as ref
 import torch
 from conftest_trainer import harness, make_batch, model_logits, peaked_model_dir, tiny_model_dir  # noqa: F401
 
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import RolloutBatchData, sampling_arrays
-from services.trainer.critic import read_handoff
+from services.trainer.algo.critic import read_handoff
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -350,7 +350,7 @@ def test_reinforce_pp_step_with_kl_reward_matches_the_reference(harness, peaked_
 def test_adams_eps_from_the_config_reaches_the_optimizer(harness, zero_stage):  # noqa: F811
     """trainer.eps: Tandem's flat AdamW (stage 0) and torch's under ZeRO get it; DeepSpeed's own AdamW gets it in its
     config (that optimizer is not built on a CPU)."""
-    from services.trainer.backend import deepspeed_config
+    from services.trainer.model.backend import deepspeed_config
 
     h = harness(trainer={"zero_stage": zero_stage, "eps": 0.5})
     engine = h.trainer.backend.engine

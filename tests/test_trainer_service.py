@@ -18,11 +18,11 @@ from conftest_trainer import DEVICE, harness, make_batch, tiny_model_dir  # noqa
 from services.buffer.stream import EntryNotFoundError
 from services.contracts import checkpoints
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import array_to_proto, build_batch, sampling_arrays
 from services.rpc.grpc_util import FailedPrecondition
-from services.trainer.critic import handoff_key, read_handoff
-from services.trainer.flat_adamw import FlatAdamW
+from services.trainer.algo.critic import handoff_key, read_handoff
+from services.trainer.model.flat_adamw import FlatAdamW
 
 pytestmark = pytest.mark.timeout(180)
 

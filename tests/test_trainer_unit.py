@@ -20,18 +20,18 @@ from services.buffer.entries import BufferEntry
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import config_from_dict
 from services.rpc.grpc_util import FailedPrecondition
+from services.trainer.algo.critic import ValueHandoff
+from services.trainer.algo.selection import Selection
 from services.trainer.batching import merge_batches
 from services.trainer.checkpointing import FoundCheckpoint
 from services.trainer.commands import Load, Save, Train
-from services.trainer.critic import ValueHandoff
 from services.trainer.dist import CommandRelay
 from services.trainer.ledger import TrainLedger
 from services.trainer.parts import TrainerParts, World
 from services.trainer.ranks import Checksums, RankCommands, RankParts
-from services.trainer.selection import Selection
 from services.trainer.service import TrainerService
-from services.weights.base import SyncStats, WeightSyncPlan
 from services.weights.layout import TensorSpec
+from services.weights.transport_base import SyncStats, WeightSyncPlan
 
 Log = list[tuple[object, ...]]
 

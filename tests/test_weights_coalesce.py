@@ -4,10 +4,10 @@ the buckets, and _Runs merges copies exactly when source and destination bytes b
 from __future__ import annotations
 
 import torch
+from helpers.weight_peer import bits_equal, make_tensors
 
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights.layout import TensorSpec, plan_layout
-from services.weights.peer import bits_equal, make_tensors
 from services.weights.transports.cuda_ipc import (
     ALIGN,
     CudaIpcReceiver,

@@ -1,7 +1,7 @@
 """GPU transports: cuda_ipc between two processes on one GPU, nccl between two GPUs, gloo from CUDA tensors.
 
 Skipped without CUDA (nccl also without a second GPU). The receiver is a separate process
-(services.weights.peer) with its params on the GPU; tensors come from seeds on both sides.
+(helpers.weight_peer) with its params on the GPU; tensors come from seeds on both sides.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.weight_peer import Peer, make_tensors, plan_to_text, specs_to_json
 
 from services.contracts.config import weights_config
 from services.weights import TensorSpec, WeightPublisher, WeightSyncRefused, WeightSyncTimeout
-from services.weights.peer import Peer, make_tensors, plan_to_text, specs_to_json
 from services.weights.transports.cuda_ipc import CudaIpcSender
 
 pytestmark = [

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.weight_peer import bits_equal, make_tensors
 from safetensors.torch import load_file
 
 from services.contracts.config import DiskWeights
 from services.weights import TensorSpec, WeightPublisher, WeightReceiver, WeightSyncError, WeightSyncTimeout
-from services.weights.peer import bits_equal, make_tensors
 
 SPECS = [
     TensorSpec("embed", "bfloat16", (256, 64)),

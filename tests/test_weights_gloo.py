@@ -1,6 +1,6 @@
 """gloo transport between real processes: bit-identical syncs reusing one group, deadlines, recovery.
 
-The peer processes (services.weights.peer) take JSON commands; plans travel as protobuf bytes and
+The peer processes (helpers.weight_peer) take JSON commands; plans travel as protobuf bytes and
 tensors are regenerated from seeds on both sides, so nothing is pickled.
 """
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.weight_peer import Peer, make_tensors, plan_from_text, plan_to_text, specs_to_json
 
 from services.contracts.config import ProcessGroupWeights
 from services.weights import (
@@ -23,7 +24,6 @@ from services.weights import (
 )
 from services.weights.checksums import named_bucket_checksums
 from services.weights.layout import layout_from_plan
-from services.weights.peer import Peer, make_tensors, plan_from_text, plan_to_text, specs_to_json
 from services.weights.transports.pg import ProcessGroupSender
 
 pytestmark = pytest.mark.timeout(90)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.contracts.config import WeightsConfig
-from services.weights.registry import TRANSPORTS, transport
+from services.weights.transport_registry import TRANSPORTS, transport
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ from pathlib import Path
 for module in sys.argv[1:]:
     importlib.import_module(module)
 from services.contracts.config import ProcessGroupWeights
-from services.weights.registry import TRANSPORTS
+from services.weights.transport_registry import TRANSPORTS
 out = {"loaded before building": sorted(m for m in sys.modules if m.startswith("services.weights.transports."))}
 for name, entry in TRANSPORTS.items():
     sender = entry.sender(ProcessGroupWeights(), Path(tempfile.gettempdir()), "probe")   # each reads its own section
@@ -37,13 +37,13 @@ print(json.dumps(out, sort_keys=True))
 
 _BUILT = {
     "gloo": [
-        "services.weights.transports.sglang.SGLangAwareSender",
+        "services.rollout.engines.sglang.weight_send_group.SGLangAwareSender",
         "gloo",
         "services.weights.transports.pg.ProcessGroupReceiver",
         "gloo",
     ],
     "nccl": [
-        "services.weights.transports.sglang.SGLangAwareSender",
+        "services.rollout.engines.sglang.weight_send_group.SGLangAwareSender",
         "nccl",
         "services.weights.transports.pg.ProcessGroupReceiver",
         "nccl",
@@ -89,7 +89,7 @@ def test_the_registry_lists_exactly_the_transports_the_config_accepts():
 _PG_SGLANG = [
     "services.weights.transports.pg",
     "services.weights.transports.rendezvous",
-    "services.weights.transports.sglang",
+    "services.rollout.engines.sglang.weight_send_group",
 ]
 
 
@@ -100,7 +100,7 @@ _PG_SGLANG = [
         (tuple(_PG_SGLANG), _PG_SGLANG),
         (
             (
-                "services.weights.transports.sglang",
+                "services.rollout.engines.sglang.weight_send_group",
                 "services.weights.transports.disk",
                 "services.weights.transports.cuda_ipc",
                 "services.weights.transports.pg",

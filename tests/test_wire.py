@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import (
     FINISH_REASONS,
     RolloutBatchData,

@@ -23,9 +23,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from services.contracts.config_loading import load_config  # noqa: E402
-from services.contracts.sampling import SamplingSpec  # noqa: E402
-from services.rollout.engines.native import NativeEngine  # noqa: E402
-from services.rollout.model_init import init_model  # noqa: E402
+from services.contracts.sampling_spec import SamplingSpec  # noqa: E402
+from services.modelinit.init_model import init_model  # noqa: E402
+from services.rollout.engines.native.engine import NativeEngine  # noqa: E402
 from services.rollout.rewards import resolve_reward  # noqa: E402
 from services.rollout.service import load_tokenizer  # noqa: E402
 

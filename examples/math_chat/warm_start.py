@@ -46,7 +46,7 @@ def answer_text(answer: int) -> str:
 
 def warm_start(out: Path, *, steps: int = 100, seed: int = 0, lr: float = 2e-2, batch: int = 16) -> Path:
     """The tiny preset at `out`, after `steps` format steps (module doc). Refuses a directory holding a model."""
-    from services.rollout.model_init import init_model
+    from services.modelinit.init_model import init_model
 
     out = out.resolve()
     if (out / "config.json").exists():
@@ -69,7 +69,7 @@ def train_format(model_dir: Path, *, steps: int, seed: int, lr: float, batch: in
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.rollout.chat import ChatTemplate
+    from services.rollout.chat_template import ChatTemplate
     from services.rollout.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
@@ -132,7 +132,7 @@ def format_batch(tokenizer: Any, chat: Any, rng: random.Random, batch: int) -> t
     where the digit is predicted), else IGNORE."""
     import torch
 
-    from services.contracts.chat import ChatMessage
+    from services.contracts.chat_messages import ChatMessage
     from services.rollout.tokenizer import encode_texts
 
     rows = make_data.make_rows(batch, max_number=rng.randint(2, 20), rng=rng)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.contracts.chat import ChatMessage, messages_json
-from services.contracts.sampling import SamplingSpec
+from services.contracts.chat_messages import ChatMessage, messages_json
+from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.weight_plan import WeightSyncPlan
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 
 
 class WireError(ValueError):
@@ -132,7 +132,7 @@ class RolloutBatchData:
     rewards: np.ndarray  # float32 [n]
     group_ids: np.ndarray  # int64 [n]
     sample_versions: np.ndarray  # int64 [n]: the version of the sample's oldest token
-    # The distribution each sample was drawn from (services.tensors.sampling): the trainer scores it under it.
+    # The distribution each sample was drawn from (services.tensors.sampling_dist): the trainer scores it under it.
     sampling_temperature: np.ndarray  # float32 [n], 0 = greedy
     sampling_top_p: np.ndarray  # float32 [n], 1 = off
     sampling_top_k: np.ndarray  # int32 [n], 0 = off

@@ -32,7 +32,7 @@ from services.contracts.trainer_calls import (
     TrainResult,
     WeightSyncRequest,
 )
-from services.coordinator.errors import ServiceCallError, TrainerStateLost
+from services.coordinator.call_errors import ServiceCallError, TrainerStateLost
 from services.rpc.grpc_util import open_channel, wait_healthy
 
 Reply = TypeVar("Reply")

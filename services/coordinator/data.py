@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.contracts.chat import ChatMessage
+from services.contracts.chat_messages import ChatMessage
 from services.contracts.config import DataConfig
 from services.contracts.rollout_calls import PromptInput
-from services.contracts.sampling import prompt_max_new_tokens
+from services.contracts.sampling_spec import prompt_max_new_tokens
 from services.contracts.untyped import JsonObject, JsonValue
 from services.coordinator.datafiles import DataFile, data_file, read_rows
 

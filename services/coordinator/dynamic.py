@@ -5,7 +5,7 @@ services/contracts/dapo.py); this module only adds counts up and draws more prom
 never touches a tensor. Each further round draws the next rollout_batch_size prompts from the data cursor, until
 the informative groups reach the target or `max_rounds` rounds ran (then the step trains on what there is, and
 says so: a warning and rollout/groups_short). Every round's entries go to one Train, where the trainer drops the
-uniform groups and the surplus beyond the target (services/trainer/selection.py) and acknowledges all of them.
+uniform groups and the surplus beyond the target (services/trainer/algo/selection.py) and acknowledges all of them.
 
 The rounds run inside the step's generation (on the generation thread), so they overlap training like any
 generation, all with the same weights, and one step's prompts are one contiguous range of the data cursor: a
@@ -18,8 +18,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
-from services.coordinator.api import Clock, GenerationResult
 from services.coordinator.data import PromptBatch
+from services.coordinator.seams import Clock, GenerationResult
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 from services.contracts.config import RolloutConfig
-from services.contracts.sampling import SamplingSpec
-from services.coordinator.api import RolloutPoolApi
+from services.contracts.sampling_spec import SamplingSpec
 from services.coordinator.data import PromptRecord
+from services.coordinator.seams import RolloutPoolApi
 from services.telemetry.events import EventLog
 from services.telemetry.tracing import span
 from services.telemetry.trackers import Tracker

@@ -10,10 +10,10 @@ from dataclasses import replace
 from functools import partial
 
 from services.contracts.config import TandemConfig
-from services.contracts.sampling import SamplingSpec
-from services.coordinator.api import Clock, GenerationResult, InFlight, PromptSource, RolloutPoolApi
+from services.contracts.sampling_spec import SamplingSpec
 from services.coordinator.data import PromptBatch
 from services.coordinator.dynamic import run_rounds
+from services.coordinator.seams import Clock, GenerationResult, InFlight, PromptSource, RolloutPoolApi
 from services.coordinator.state import GeneratedBatch
 from services.telemetry.tracing import StepSpans, inject_context
 

@@ -9,7 +9,7 @@
         eval when due (asynchronously), drained at the end
 
 Its decisions are pure functions (policy.py); memory moves (memory.py), evals (evals.py) and the start-up's pieces
-(startup.py) live beside it. Every collaborator is injected: server.build_coordinator wires the real ones.
+(run_start.py) live beside it. Every collaborator is injected: server.build_coordinator wires the real ones.
 """
 
 from __future__ import annotations
@@ -24,7 +24,14 @@ from services.contracts import runfacts
 from services.contracts.config import TandemConfig
 from services.contracts.trainer_calls import SaveRequest, TrainRequest, TrainResult
 from services.coordinator import policy
-from services.coordinator.api import (
+from services.coordinator.control import Control
+from services.coordinator.data import PromptRecord
+from services.coordinator.evals import Evaluator
+from services.coordinator.generation import Generator
+from services.coordinator.memory import ENGINE_CACHES, ENGINE_WEIGHTS, MemoryMoves
+from services.coordinator.retry import TRAIN_RETRY, RetryPolicy
+from services.coordinator.run_start import keep_reusable, restore, wait_for_services
+from services.coordinator.seams import (
     BufferApi,
     Clock,
     GenerationResult,
@@ -35,18 +42,11 @@ from services.coordinator.api import (
     TrainerApi,
     WeightSyncApi,
 )
-from services.coordinator.control import Control
-from services.coordinator.data import PromptRecord
-from services.coordinator.evals import Evaluator
-from services.coordinator.generation import Generator
-from services.coordinator.memory import ENGINE_CACHES, ENGINE_WEIGHTS, MemoryMoves
-from services.coordinator.retry import TRAIN_RETRY, RetryPolicy
-from services.coordinator.startup import keep_reusable, restore, wait_for_services
 from services.coordinator.state import GeneratedBatch, RunState
 from services.coordinator.stepmetrics import generation_metrics, prefixed
 from services.coordinator.streaming import GroupStream
 from services.telemetry.events import EventLog
-from services.telemetry.startup import process_age_s
+from services.telemetry.process_age import process_age_s
 from services.telemetry.tracing import StepSpans, annotate, inject_context, span
 from services.telemetry.trackers import Tracker
 

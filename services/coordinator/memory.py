@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-from services.coordinator.api import Clock, RolloutPoolApi, TrainerApi
+from services.coordinator.seams import Clock, RolloutPoolApi, TrainerApi
 from services.telemetry.tracing import span
 
 GIB = 2**30

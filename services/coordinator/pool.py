@@ -16,10 +16,10 @@ from services.contracts.rollout_calls import (
     PrepareResult,
     PromptInput,
 )
-from services.contracts.sampling import SamplingSpec
-from services.coordinator.api import Clock, GenerationResult, RolloutApi, SystemClock
-from services.coordinator.errors import ServiceCallError
+from services.contracts.sampling_spec import SamplingSpec
+from services.coordinator.call_errors import ServiceCallError
 from services.coordinator.retry import NO_RETRY, RetryPolicy
+from services.coordinator.seams import Clock, GenerationResult, RolloutApi, SystemClock
 from services.coordinator.stepmetrics import weighted_mean
 
 log = logging.getLogger(__name__)

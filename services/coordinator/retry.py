@@ -10,8 +10,8 @@ from typing import TypeVar
 
 import grpc
 
-from services.coordinator.api import Clock
-from services.coordinator.errors import ServiceCallError
+from services.coordinator.call_errors import ServiceCallError
+from services.coordinator.seams import Clock
 
 log = logging.getLogger(__name__)
 

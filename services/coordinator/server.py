@@ -18,9 +18,9 @@ from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
 from services.contracts.failure import clear_failure, write_failure
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.coordinator.call_errors import failure_record
 from services.coordinator.clients import make_clients
 from services.coordinator.data import DataSource, load_eval_prompts
-from services.coordinator.errors import failure_record
 from services.coordinator.loop import Coordinator
 from services.coordinator.policy import sync_pause_mode
 from services.coordinator.pool import RolloutPool

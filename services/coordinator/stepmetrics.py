@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from services.coordinator.api import GenerationResult
+from services.coordinator.seams import GenerationResult
 
 
 def prefixed(prefix: str, metrics: Mapping[str, float]) -> dict[str, float]:

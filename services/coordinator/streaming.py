@@ -24,8 +24,8 @@ from dataclasses import replace
 
 from services.contracts.config import TandemConfig
 from services.contracts.rollout_calls import GenerateRequest, GenerateResult
-from services.contracts.sampling import SamplingSpec
-from services.coordinator.api import Clock, GenerationResult, PromptSource, RolloutPoolApi
+from services.contracts.sampling_spec import SamplingSpec
+from services.coordinator.seams import Clock, GenerationResult, PromptSource, RolloutPoolApi
 from services.coordinator.state import StreamGroup
 from services.telemetry.tracing import inject_context
 

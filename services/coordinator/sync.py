@@ -24,9 +24,9 @@ from services.contracts.config import WeightsConfig
 from services.contracts.rollout_calls import ReceiveRequest, ReceiveResult
 from services.contracts.trainer_calls import PublishResult, WeightSyncRequest
 from services.contracts.weight_plan import WeightSyncPlan
-from services.coordinator.api import SyncResult, TrainerWeightsApi
-from services.coordinator.errors import ServiceCallError
+from services.coordinator.call_errors import ServiceCallError
 from services.coordinator.pool import RolloutPool
+from services.coordinator.seams import SyncResult, TrainerWeightsApi
 from services.telemetry.tracing import span
 
 log = logging.getLogger(__name__)

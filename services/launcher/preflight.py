@@ -22,7 +22,7 @@ from services.coordinator.datafiles import data_file
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from services.rollout.chat import ChatTemplate
+    from services.rollout.chat_template import ChatTemplate
 
 log = logging.getLogger("tandem.preflight")
 
@@ -91,7 +91,7 @@ def model_prompts(
     """Every prompt of every data file through the rollout's own path (rendered, then encoded where its length is
     not known to fit: measure_prompts); ConfigError naming the file and line / row of a prompt the chat template
     fails on."""
-    from services.rollout.chat import ChatTemplate, ChatTemplateError
+    from services.rollout.chat_template import ChatTemplate, ChatTemplateError
 
     # the unknown-token scan reads the first MAX_TOKENIZER_CHECKS prompts' ids; else a sample checks the bound
     exact = MAX_TOKENIZER_CHECKS if tokenizer.unk_token_id is not None else BOUND_SAMPLE
@@ -117,7 +117,7 @@ def model_prompts(
 def render_prompts(chat: ChatTemplate, rows: list[PromptRecord]) -> list[str]:
     """Every prompt's text as the rollout renders it, ENCODE_BATCH at a time (~50k chats a second).
     ChatTemplateError.index: the row of `rows` the template failed on."""
-    from services.rollout.chat import ChatTemplateError
+    from services.rollout.chat_template import ChatTemplateError
     from services.rollout.tokenizer import prompt_texts
 
     texts: list[str] = []
@@ -206,9 +206,9 @@ def check_engine(config: TandemConfig) -> None:
         return
     import os
 
-    from services.rollout.engines.sglang_http import is_loopback
-    from services.rollout.engines.sglang_launch import launch_problems
-    from services.rollout.engines.sglang_protocol import inflight_refusal
+    from services.rollout.engines.sglang.http import is_loopback
+    from services.rollout.engines.sglang.launch import launch_problems
+    from services.rollout.engines.sglang.protocol import inflight_refusal
 
     problems = []
     if config.weights.check_weight_update_equal:
@@ -266,7 +266,7 @@ def check_model(config: TandemConfig, *, init_model: bool) -> None:
             f"directory, build a random-init one with `tandem init-model {path}`, or pass "
             "--init-model to `tandem run`"
         )
-    from services.rollout.model_init import init_model as build
+    from services.modelinit.init_model import init_model as build
 
     preset, body = config.model.init_preset or "tiny", config.model.init_body
     log.warning(
@@ -280,7 +280,7 @@ def check_lora(config: TandemConfig) -> None:
     lora = config.trainer.lora
     if lora is None:
         return
-    from services.trainer.lora import check_model_targets
+    from services.trainer.model.lora import check_model_targets
 
     for critic in (False, True) if config.algorithm.uses_critic else (False,):
         check_model_targets(config.model.path, lora, critic=critic)

@@ -15,7 +15,7 @@ makes one instance per episode (`factory()`, no arguments), so an instance keeps
 An observation is text, a message `{"role": ..., "content": ...}`, or a sequence of token ids (used as they are).
 When the episode's prompt is a chat, text and messages are rendered with the chat template as a turn of the
 conversation (text takes the role rollout.observation_role), closing the policy's turn and opening the next one
-(services/rollout/chat.py); otherwise text (a message's content) is tokenized without special tokens.
+(services/rollout/chat_template.py); otherwise text (a message's content) is tokenized without special tokens.
 
 Either method may be `async def`: the calls of a round then run concurrently, each within
 `rollout.environment_timeout_s`. A sync method runs inline, one episode after another (a thread per call cost more
@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from services.contracts.chat import ChatMessage
+from services.contracts.chat_messages import ChatMessage
 from services.rpc.grpc_util import Unavailable
 
 Observation = str | Sequence[int] | Mapping[str, str]

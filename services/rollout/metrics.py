@@ -10,7 +10,7 @@ import numpy as np
 
 from services.contracts.config import OverlongPenaltyConfig
 from services.contracts.dapo import overlong_penalty
-from services.rollout.engines.base import SampleOutput
+from services.rollout.engines.interface import SampleOutput
 
 
 def shaped_rewards(

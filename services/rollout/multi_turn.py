@@ -9,7 +9,7 @@ on a worker thread, so an async environment's own tasks keep running meanwhile; 
 round, not each episode in turn.
 
 When the prompt is a chat, each observation is a turn of the conversation, rendered with the chat template: the
-end of the policy's turn, the observation's message, the next assistant header (services/rollout/chat.py). Only
+end of the policy's turn, the observation's message, the next assistant header (services/rollout/chat_template.py). Only
 those tokens are encoded; the context grows by appending ids, so what the engine generated is never re-encoded.
 
 One episode becomes one sample: response = turns and observations in order, loss_mask 1 on policy tokens and 0
@@ -26,10 +26,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from services.contracts.chat import ChatMessage
-from services.contracts.sampling import SamplingSpec
-from services.rollout.chat import ChatTemplateError
-from services.rollout.engines.base import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, SampleOutput
+from services.contracts.chat_messages import ChatMessage
+from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.chat_template import ChatTemplateError
+from services.rollout.engines.interface import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, SampleOutput
 from services.rollout.environments import (
     Action,
     EnvironmentFailure,

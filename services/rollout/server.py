@@ -16,16 +16,16 @@ from pathlib import Path
 
 import grpc
 
-from services.contracts.chat import ChatMessage
+from services.contracts.chat_messages import ChatMessage
 from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.contracts.sampling import SamplingSpec
+from services.contracts.sampling_spec import SamplingSpec
 from services.rollout.service import PromptInput, RolloutService
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.shutdown import StopSignals, begin_stop, exit_now
 from services.telemetry import tracing
-from services.telemetry.startup import process_age_s
+from services.telemetry.process_age import process_age_s
 from services.tensors.devices import cuda_reserved_bytes
 
 log = logging.getLogger(__name__)

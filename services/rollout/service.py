@@ -22,17 +22,17 @@ from services.contracts import runfacts
 from services.contracts.config import TandemConfig
 from services.contracts.dapo import informative_groups
 from services.contracts.rollout_calls import EvaluateResult, GenerateResult, PromptInput, ReceiveResult
-from services.contracts.sampling import SamplingSpec, prompt_max_new_tokens
+from services.contracts.sampling_spec import SamplingSpec, prompt_max_new_tokens
 from services.contracts.wire import build_batch
-from services.rollout.chat import ChatTemplate, ChatTemplateError
-from services.rollout.engines.base import (
+from services.rollout.chat_template import ChatTemplate, ChatTemplateError
+from services.rollout.engines.engine_errors import EngineUnavailable
+from services.rollout.engines.engine_registry import engine_kind
+from services.rollout.engines.interface import (
     FINISH_ABORT,
     Engine,
     EngineState,
     SampleOutput,
 )
-from services.rollout.engines.errors import EngineUnavailable
-from services.rollout.engines.registry import engine_kind
 from services.rollout.environment_registry import resolve_environment
 from services.rollout.environments import EpisodeSample
 from services.rollout.metrics import batch_metrics, eval_metrics, shaped_rewards
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from services.contracts.weight_plan import WeightSyncPlan
-    from services.weights.api import WeightReceiver
+    from services.weights.front_ends import WeightReceiver
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from services.contracts.chat import ChatMessage
-from services.rollout.chat import ChatTemplate, ChatTemplateError
+from services.contracts.chat_messages import ChatMessage
+from services.rollout.chat_template import ChatTemplate, ChatTemplateError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -89,7 +89,7 @@ def encode_prompt_texts(
     tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], chats: Sequence[bool]
 ) -> list[list[int]]:
     """Token ids of prompt texts: a text prompt's with the tokenizer's special tokens, a rendered chat's without
-    them (chat.py says why)."""
+    them (chat_template.py says why)."""
     ids: list[list[int]] = [[] for _ in texts]
     for special in (True, False):
         group = [i for i, chat in enumerate(chats) if chat != special]

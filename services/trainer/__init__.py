@@ -11,15 +11,20 @@ Rank 0 serves gRPC (`server.TrainerServicer` -> `service.TrainerService`) and ru
 typed command (`commands`: frozen dataclasses, a JSON + raw-bytes codec over `dist.CommandRelay`'s gloo group,
 executed in lockstep with `match`).
 
-Modules: `service` (TrainerService, the facade: train/save/load/prepare_weight_sync/publish_weights/offload/
-onload/get_state), `commands`, `ledger` (exactly-once records of Train, checkpointed), `training` (rank 0's
-Redis side of Train; every rank's step), `checkpointing` (Save/Load, layout files, retention, RNG),
-`publishing` (weight sync to the engines, old-actor snapshots), `backend` (DeepSpeed engine, value model, lr
-schedule), `update` (the micro-batch loop and optimizer step the actor and critic share), `actor` and `critic`
-(their losses over it), `losses`, `advantages`, `scoring`, `batching` (merge, validate, stale filter, shard,
-token-budget micro-batches), `old_actor`, `weight_export` (HF-named full tensors, ZeRO-3 gathers), `lora`
-(trainer.lora through peft: targets, merged export, adapter-off reference, adapter files), `dist`
-(process group, relay).
+Modules (each is listed; a test keeps this list whole):
+- flat: `server` (gRPC), `service` (TrainerService, the facade: train/save/load/prepare_weight_sync/
+  publish_weights/offload/onload/get_state), `builder` (TrainerParts from the config), `parts` and `ranks` (the
+  parts' Protocols and every rank's parts), `commands`, `ledger` (exactly-once records of Train, checkpointed),
+  `training` (rank 0's Redis side of Train; every rank's step), `checkpointing` (Save/Load, layout files, retention,
+  RNG), `publishing` (weight sync to the engines, old-actor snapshots), `update` (the micro-batch loop and optimizer
+  step the actor and critic share), `batching` (merge, validate, shard, token-budget micro-batches), `dist`
+  (process group, relay).
+- `algo/`: `actor` and `critic` (their losses over `update`), `losses`, `advantages`, `scoring`, `head_math` and
+  `head_scoring` (log-probs chunked over the LM head), `old_actor`, `selection` (stale filter, dynamic sampling,
+  overlong filter).
+- `model/`: `backend` (DeepSpeed engine, value model, lr schedule), `flat_adamw`, `weight_export` (HF-named full
+  tensors, ZeRO-3 gathers), `lora` (trainer.lora through peft: targets, merged export, adapter-off reference,
+  adapter files).
 
 PPO: the critic's Train publishes V(s_t) (and its GAE advantages/returns) for the rollout under the Redis
 key `<stream>:adv:<rollout_id>` as TensorData protobufs; the actor's Train with use_critic_values reads them,

@@ -14,11 +14,11 @@ from services.contracts import checkpoints
 from services.contracts.config import TandemConfig
 from services.contracts.trainer_calls import TRAINER_ROLES, TrainerRole
 from services.tensors.devices import limit_cpu_threads
-from services.trainer.backend import DeepSpeedBackend, param_dtype
+from services.trainer.algo.old_actor import OldActor, snapshots_to_keep
 from services.trainer.checkpointing import Checkpointer
 from services.trainer.dist import CommandRelay, DistInfo, init_process_group
 from services.trainer.ledger import TrainLedger
-from services.trainer.old_actor import OldActor, snapshots_to_keep
+from services.trainer.model.backend import DeepSpeedBackend, param_dtype
 from services.trainer.parts import TrainerParts, World
 from services.trainer.publishing import WeightPublishing
 from services.trainer.ranks import RankCommands, RankParts

@@ -43,14 +43,14 @@ from services.contracts.untyped import JsonObject
 from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.commands import Load, Save
 from services.trainer.dist import DistInfo, barrier
-from services.trainer.lora import adapter_state as lora_adapter_state
-from services.trainer.lora import describe as describe_lora
-from services.trainer.lora import save_adapter
+from services.trainer.model.lora import adapter_state as lora_adapter_state
+from services.trainer.model.lora import describe as describe_lora
+from services.trainer.model.lora import save_adapter
 
 if TYPE_CHECKING:
-    from services.trainer.backend import DeepSpeedBackend
+    from services.trainer.algo.old_actor import OldActor
     from services.trainer.ledger import TrainLedger
-    from services.trainer.old_actor import OldActor
+    from services.trainer.model.backend import DeepSpeedBackend
     from services.trainer.publishing import WeightPublishing
 
 log = logging.getLogger(__name__)

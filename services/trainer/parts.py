@@ -27,11 +27,11 @@ if TYPE_CHECKING:
     import torch
 
     from services.buffer.entries import BufferEntry
+    from services.trainer.algo.critic import ValueHandoff
+    from services.trainer.algo.selection import Selection
     from services.trainer.checkpointing import FoundCheckpoint
-    from services.trainer.critic import ValueHandoff
-    from services.trainer.selection import Selection
-    from services.weights.base import WeightSyncPlan
     from services.weights.layout import TensorSpec
+    from services.weights.transport_base import WeightSyncPlan
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ import torch
 from services.contracts.config import TandemConfig
 from services.contracts.weight_plan import WeightSyncPlan
 from services.rpc.grpc_util import FailedPrecondition
-from services.trainer.backend import TORCH_DTYPES, DeepSpeedBackend
-from services.trainer.old_actor import OldActor
-from services.trainer.weight_export import iter_named_weights, weight_specs
+from services.trainer.algo.old_actor import OldActor
+from services.trainer.model.backend import TORCH_DTYPES, DeepSpeedBackend
+from services.trainer.model.weight_export import iter_named_weights, weight_specs
 from services.weights import SyncStats, TensorSpec, WeightPublisher
 from services.weights.checksums import named_bucket_checksums, named_checksums
 from services.weights.layout import layout_from_plan

@@ -25,7 +25,7 @@ from services.trainer.commands import (
     encode,
 )
 from services.trainer.dist import CommandRelay
-from services.weights.base import SyncStats
+from services.weights.transport_base import SyncStats
 
 log = logging.getLogger(__name__)
 

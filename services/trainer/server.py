@@ -27,7 +27,7 @@ from services.contracts.gen.tandem.v1 import common_pb2, trainer_pb2, trainer_pb
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.ports import free_port
 from services.rpc.shutdown import StopSignals, begin_stop, exit_now
-from services.telemetry.startup import process_age_s
+from services.telemetry.process_age import process_age_s
 from services.telemetry.tracing import setup_logging, setup_tracing, shutdown_tracing
 
 if TYPE_CHECKING:

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     import torch
 
     from services.buffer.entries import BufferEntry
-    from services.weights.base import WeightSyncPlan
     from services.weights.layout import TensorSpec
+    from services.weights.transport_base import WeightSyncPlan
 
 log = logging.getLogger(__name__)
 

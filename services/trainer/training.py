@@ -18,11 +18,8 @@ import torch
 from services.buffer.stream import BufferEntry, RolloutBuffer, connect, stream_key
 from services.contracts.config import TandemConfig
 from services.rpc.grpc_util import FailedPrecondition
-from services.trainer.actor import actor_step
-from services.trainer.backend import DeepSpeedBackend, load_frozen_causal_lm
-from services.trainer.batching import check_trainable, merge_batches
-from services.trainer.commands import Train
-from services.trainer.critic import (
+from services.trainer.algo.actor import actor_step
+from services.trainer.algo.critic import (
     ValueHandoff,
     critic_step,
     handoff_key,
@@ -30,9 +27,12 @@ from services.trainer.critic import (
     read_handoff,
     values_for_batch,
 )
+from services.trainer.algo.old_actor import OldActor
+from services.trainer.algo.selection import Selection, select_samples, truncated_samples
+from services.trainer.batching import check_trainable, merge_batches
+from services.trainer.commands import Train
 from services.trainer.ledger import TrainLedger
-from services.trainer.old_actor import OldActor
-from services.trainer.selection import Selection, select_samples, truncated_samples
+from services.trainer.model.backend import DeepSpeedBackend, load_frozen_causal_lm
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -175,7 +175,7 @@ class RolloutSource:
 def reference_model(config: TandemConfig, backend: DeepSpeedBackend) -> torch.nn.Module:
     if config.trainer.lora is None:
         return load_frozen_causal_lm(config, backend.device)
-    from services.trainer.lora import AdapterOffReference
+    from services.trainer.model.lora import AdapterOffReference
 
     return AdapterOffReference(backend.engine)
 

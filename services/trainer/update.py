@@ -16,11 +16,11 @@ from typing import Protocol
 import torch
 
 from services.tensors.devices import cuda_peak_metrics
-from services.trainer.backend import StepResult
+from services.trainer.algo.losses import aggregation_weights
+from services.trainer.algo.scoring import TokenSampling
 from services.trainer.batching import MicroBatch, TrainBatch, dummy_micro_batch, plan_micro_batches
 from services.trainer.dist import DistInfo, all_reduce_max_int, all_reduce_sum
-from services.trainer.losses import aggregation_weights
-from services.trainer.scoring import TokenSampling
+from services.trainer.model.backend import StepResult
 
 
 class UpdateBackend(Protocol):

@@ -7,8 +7,17 @@
 See docs/CONTRACTS.md ("Weight sync") and each transport module for its handshake.
 """
 
-from services.weights.api import WeightPublisher, WeightReceiver
-from services.weights.base import (
+from services.weights.checksums import tensor_checksum
+from services.weights.front_ends import WeightPublisher, WeightReceiver
+from services.weights.layout import (
+    Layout,
+    TensorSpec,
+    check_params,
+    layout_from_plan,
+    plan_layout,
+    specs_from_tensors,
+)
+from services.weights.transport_base import (
     Deadline,
     Received,
     ReceiverTransport,
@@ -20,16 +29,7 @@ from services.weights.base import (
     WeightSyncRefused,
     WeightSyncTimeout,
 )
-from services.weights.checksums import tensor_checksum
-from services.weights.layout import (
-    Layout,
-    TensorSpec,
-    check_params,
-    layout_from_plan,
-    plan_layout,
-    specs_from_tensors,
-)
-from services.weights.registry import TRANSPORTS, transport_names
+from services.weights.transport_registry import TRANSPORTS, transport_names
 
 __all__ = [
     "TRANSPORTS",

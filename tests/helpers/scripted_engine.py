@@ -3,8 +3,8 @@ random): every other Engine method is unused there and raises."""
 
 from __future__ import annotations
 
-from services.rollout.engines.base import Engine
 from services.rollout.engines.gate import PauseGate
+from services.rollout.engines.interface import Engine
 
 
 class GenerateOnlyEngine(Engine):
@@ -14,12 +14,6 @@ class GenerateOnlyEngine(Engine):
     def __init__(self, *, max_context: int = 64, version: int = 0):
         self._version, self._max_context, self._gate = version, max_context, PauseGate(engine="scripted")
         self._released, self._generated = set(), 0
-
-    def update_weights_from_tensors(self, named_tensors, *, version=None):
-        raise NotImplementedError
-
-    def update_weights_from_disk(self, path, *, version):
-        raise NotImplementedError
 
     def receive_weights(self, plan, *, rank_offset, receiver):
         raise NotImplementedError

@@ -9,7 +9,7 @@ deterministic rule (no model): token i of a sample is (last prompt token + 1 + i
 -(0.25 + 0.01 token + 0.1 v) under the weights of version v that computed it (so a weight update that lands while a
 request is parked by retract / in_place shows in the later tokens' log-probs, as a real model's would).
 
-Recorded from (versions as read; see services/rollout/engines/sglang_protocol.py for the adapter's side):
+Recorded from (versions as read; see services/rollout/engines/sglang/protocol.py for the adapter's side):
 - the SGLang 0.5.17 wheel, read whole (/work/notes/sglang_0517.md; a real 0.5.17 server ran on an H200, see
   docs/sglang.md): routes of that version, /generate's meta_info fields, the finish reasons of a running and a
   waiting abort, 400 when input + max_new_tokens exceed the context, 499 for a request aborted while it waited,

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from enum import Enum
 
-from services.rollout.engines.errors import EngineUnavailable
+from services.rollout.engines.engine_errors import EngineUnavailable
 
 PAUSE_MODES = ("drain", "abort", "retract", "in_place")
 _PARKING_MODES = ("in_place", "retract")  # running calls stop at the next token and continue on resume

@@ -46,7 +46,8 @@ import torch
 
 from services.contracts.config import CudaIpcWeights
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.weights.base import (
+from services.weights.layout import Layout, Slot
+from services.weights.transport_base import (
     Deadline,
     Received,
     ReceiverTransport,
@@ -54,7 +55,6 @@ from services.weights.base import (
     SyncContext,
     WeightSyncError,
 )
-from services.weights.layout import Layout, Slot
 from services.weights.transports import rendezvous
 
 _Alloc = TypeVar("_Alloc")  # what names an allocation (the receiver: (device, IPC handle))

@@ -27,7 +27,8 @@ from safetensors import safe_open
 
 from services.contracts.config import DiskWeights
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.weights.base import (
+from services.weights.layout import SAFETENSORS_DTYPES, Bucket, Layout, Slot, dtype_name, tensor_bytes
+from services.weights.transport_base import (
     Deadline,
     Received,
     ReceiverTransport,
@@ -36,7 +37,6 @@ from services.weights.base import (
     WeightSyncError,
     WeightSyncTimeout,
 )
-from services.weights.layout import SAFETENSORS_DTYPES, Bucket, Layout, Slot, dtype_name, tensor_bytes
 
 KEEP_VERSIONS = 2
 _MANIFEST_POLL_S = 0.02  # receiver: between looks for the trainer's manifest

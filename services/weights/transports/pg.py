@@ -38,7 +38,8 @@ import torch.distributed as dist
 from services.contracts.config import ProcessGroupWeights
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.weights import torch_compat
-from services.weights.base import (
+from services.weights.layout import Bucket, Layout, Slot
+from services.weights.transport_base import (
     Deadline,
     Received,
     ReceiverTransport,
@@ -48,7 +49,6 @@ from services.weights.base import (
     WeightSyncPeerLost,
     WeightSyncTimeout,
 )
-from services.weights.layout import Bucket, Layout, Slot
 from services.weights.transports import rendezvous
 
 _STAGING_DEPTH = 2  # staging buffers per dtype: fill one while the other is on the wire

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.weights.base import (
+from services.weights.transport_base import (
     Deadline,
     SyncContext,
     WeightSyncError,

@@ -1,0 +1,1 @@
+"""The native engine: HF transformers models in this process, static or continuous batching (`engine.NativeEngine`)."""

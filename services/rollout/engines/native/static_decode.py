@@ -1,0 +1,372 @@
+"""A static-shape decode path for the native engine: preallocated KV cache, CUDA-graph-captured decode step.
+
+Hugging Face's eager forward costs hundreds of kernel launches and a few hundred Python calls per token, so
+on a GPU the decode of a ~0.5B model is bound by the host, not the device. Here the decode step is the
+model's own modules (embedding, norms, projections, MLPs, rotary embedding, lm_head) driven through
+fixed-shape buffers:
+
+- `StaticKV`: one [batch, kv_heads, length, head_dim] key and value buffer per layer plus a [batch, length]
+  mask of the slots that hold a real token. Prompts are left-padded to a common width, so every row writes
+  decode step s into the same slot (width + s) while its rotary position counts only its own tokens.
+- `StaticDecoder.prefill` runs the prompt eagerly (SDPA over the prompt's slots) and fills the cache;
+  `decode` is one token for every row with attention over the whole cache, masked by the slot mask.
+  Attention in decode groups the query heads per KV head, so the cache is read once (no repeat_kv).
+- `Runner` owns one cache and, on CUDA, a captured graph of `decode` (in "compile" mode of the
+  torch.compile'd `decode`, whose fused kernels cut the launches a token roughly threefold); a step copies the new
+  tokens and positions into the graph's inputs and replays it. On CPU (or with graphs off) it calls `decode` eagerly,
+  which is what the CPU tests check against the model's own forward.
+
+Only plain decoder stacks are supported (`supported()`): Llama (llama3 rope scaling included: the model's own
+rotary module computes the frequencies), Qwen2 and Qwen3 (its per-head q/k RMSNorm) with full attention. Everything
+else keeps the engine's dynamic-cache path, and asking for the static path names what it lacks. A runner captures
+raw device pointers of the parameters, so it holds references to the tensors it was captured with; the engine drops
+its runners whenever parameter storage moves (flattening, weight release) and in-place weight updates keep them
+valid.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from services.contracts.sampling_spec import SamplingSpec
+from services.contracts.untyped import HFCausalLM
+
+if TYPE_CHECKING:
+    from torch.cuda.graphs import _POOL_HANDLE as GraphPool  # what torch.cuda.graph_pool_handle() returns
+from services.tensors.sampling_dist import sampling_log_probs
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
+QK_NORM_TYPES = ("qwen3",)  # RMSNorm over each head's query and key before rotary
+# Rotary types whose frequencies the model recomputes from the sequence length at run time (a static step cannot)
+DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def supported(model: HFCausalLM) -> str | None:
+    """None when `model` can use the static path, else why not (one line naming what it does not support)."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_TYPES:
+        return f"model type {cfg.model_type!r} (static decode knows {', '.join(SUPPORTED_TYPES)})"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+        return "sliding-window layers"
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope in DYNAMIC_ROPE:
+        return f"rope type {rope!r} (its frequencies follow the sequence length)"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "an unexpected module structure"
+    attn = inner.layers[0].self_attn
+    if not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
+        return "an unexpected attention module"
+    has_qk_norm = all(hasattr(attn, a) for a in ("q_norm", "k_norm"))
+    if has_qk_norm != (cfg.model_type in QK_NORM_TYPES):
+        return f"{cfg.model_type} attention {'with' if has_qk_norm else 'without'} q/k norms"
+    return None
+
+
+def sample_race(
+    logits: torch.Tensor, sampling: SamplingSpec, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like sampling.sample_next, without a host sync: torch.multinomial(p, 1) is the race argmax(p / E),
+    E ~ Exp(1), but first checks p on the host; this draws the same race directly. Without top-k / top-p the
+    race runs on the logits (argmax(x - log E)) and the chosen token's log-prob is x[t] - logsumexp(x): the
+    same distribution and log-probs as sampling_log_probs, without writing the [batch, vocab] log-probs."""
+    if plain_sampling(sampling, logits.shape[-1]):
+        return race_from_noise(logits, exp_noise(logits, generator), float(sampling.temperature))
+    log_probs = sampling_log_probs(logits, sampling)
+    if sampling.greedy:
+        tokens = torch.argmax(log_probs, dim=-1)
+    else:
+        noise = torch.empty_like(log_probs).exponential_(generator=generator)
+        tokens = torch.argmax(log_probs.exp() / noise, dim=-1)
+    return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def plain_sampling(sampling: SamplingSpec, vocab: int) -> bool:
+    """Temperature sampling without top-k / top-p truncation."""
+    return not sampling.greedy and not (0 < sampling.top_k < vocab) and sampling.top_p >= 1.0
+
+
+def exp_noise(logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    return torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(generator=generator)
+
+
+def race_from_noise(logits: torch.Tensor, noise: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmax(x - log E) with x = logits / temperature, and x[t] - logsumexp(x): pure tensor math, so
+    torch.compile fuses it into a couple of passes over the logits."""
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    lse = torch.logsumexp(x, dim=-1)
+    tokens = torch.argmax(x - torch.log(noise), dim=-1)
+    return tokens, x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class StaticKV:
+    """Per-layer key/value buffers and the mask of filled slots (zeros, so masked slots never hold NaN)."""
+
+    def __init__(
+        self,
+        *,
+        layers: int,
+        batch: int,
+        length: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        shape = (batch, kv_heads, length, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.valid = torch.zeros((batch, length), dtype=torch.bool, device=device)
+        self.batch, self.length = batch, length
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class StaticDecoder:
+    """The model's modules, called in a fixed-shape order (see the module docstring)."""
+
+    def __init__(self, model: HFCausalLM):
+        why = supported(model)
+        if why:
+            raise ValueError(f"static decode does not support {why}")
+        self.model = model
+        self.inner = model.model
+        cfg = model.config
+        attn = self.inner.layers[0].self_attn
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(attn.head_dim)
+        self.scaling = float(attn.scaling)
+        self.groups = self.heads // self.kv_heads
+        self.qk_norm = cfg.model_type in QK_NORM_TYPES
+
+    def new_cache(self, batch: int, length: int) -> StaticKV:
+        p = self.inner.embed_tokens.weight
+        return StaticKV(
+            layers=len(self.inner.layers),
+            batch=batch,
+            length=length,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            dtype=p.dtype,
+            device=p.device,
+        )
+
+    def _qkv(self, attn: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, t, _ = x.shape
+        q = attn.q_proj(x).view(b, t, self.heads, self.head_dim)
+        k = attn.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        if self.qk_norm:  # Qwen3: per-head RMSNorm before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = attn.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def prefill(self, kv: StaticKV, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] left-padded prompts into slots 0..T-1; returns the last position's logits [B, vocab]."""
+        b, t = ids.shape
+        kv.valid.zero_()
+        kv.valid[:, :t] = mask.bool()
+        slots = torch.arange(t, device=ids.device)
+        causal = slots[None, :] <= slots[:, None]  # [T query, T key]
+        allowed = (kv.valid[:, None, None, :t] & causal) | torch.eye(t, dtype=torch.bool, device=ids.device)
+        h = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(h, positions)
+        for i, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(h), cos, sin)
+            kv.k[i][:, :, :t] = k
+            kv.v[i][:, :, :t] = v
+            if self.groups > 1:
+                k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scaling)
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.lm_head(self.inner.norm(h[:, -1:]))[:, -1]
+
+    def decode(self, kv: StaticKV, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """One token per row ([B] ids at rotary [B] positions) written into cache slot `slot` ([1] long,
+        a device tensor so a captured graph can replay it); returns logits [B, vocab]."""
+        b = tokens.shape[0]
+        kv.valid.index_fill_(1, slot, True)
+        allowed = kv.valid[:, None, None, :]  # [B, 1, 1, L]
+        h = self.inner.embed_tokens(tokens[:, None])
+        cos, sin = self.inner.rotary_emb(h, positions[:, None])
+        for i, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            q, k, v = self._qkv(attn, layer.input_layernorm(h), cos, sin)
+            kv.k[i].index_copy_(2, slot, k)
+            kv.v[i].index_copy_(2, slot, v)
+            q = q.reshape(b, self.kv_heads, self.groups, self.head_dim)  # query heads grouped per KV head
+            scores = torch.matmul(q, kv.k[i].transpose(-1, -2)).float() * self.scaling
+            probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
+            out = torch.matmul(probs, kv.v[i])  # [B, kv_heads, groups, head_dim]
+            h = h + attn.o_proj(out.reshape(b, 1, self.heads * self.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.lm_head(self.inner.norm(h))[:, 0]
+
+
+class Runner:
+    """One cache of a fixed (batch, length) and its decode step: a CUDA graph replay, or eager."""
+
+    def __init__(
+        self,
+        decoder: StaticDecoder,
+        *,
+        batch: int,
+        length: int,
+        graph: bool,
+        pool: GraphPool | None = None,
+        decode_fn: Callable[..., torch.Tensor] | None = None,
+    ):
+        self.decoder = decoder
+        self.decode_fn = decode_fn or decoder.decode  # torch.compile'd decode in "compile" mode
+        self.kv = decoder.new_cache(batch, length)
+        device = self.kv.valid.device
+        self.batch, self.length = batch, length
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+        self.slot = torch.full((1,), length - 1, dtype=torch.long, device=device)
+        # the graph reads these storages by address: keep them alive as long as the graph is
+        self._params = [p.data for p in decoder.model.parameters()]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        if graph:
+            self._capture(pool)
+
+    def _capture(self, pool: GraphPool | None) -> None:
+        device = self.kv.valid.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up (and compile) outside the capture
+                self.decode_fn(self.kv, self.tokens, self.positions, self.slot)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.logits = self.decode_fn(self.kv, self.tokens, self.positions, self.slot)
+        self.graph = graph
+        self.kv.valid.zero_()
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.decoder.prefill(self.kv, ids, positions, mask)
+
+    def current(self) -> bool:
+        """The model's parameters still live where this runner captured them (not re-pointed since)."""
+        return all(
+            p.data_ptr() == q.data_ptr() for p, q in zip(self.decoder.model.parameters(), self._params, strict=True)
+        )
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
+        """Rows beyond tokens.shape[0] (batch padding) keep their previous inputs; returns [batch, vocab]."""
+        n = tokens.shape[0]
+        self.tokens[:n].copy_(tokens)
+        self.positions[:n].copy_(positions)
+        self.slot.fill_(slot)
+        if self.graph is None:
+            return self.decoder.decode(self.kv, self.tokens, self.positions, self.slot)
+        self.graph.replay()
+        assert self.logits is not None
+        return self.logits
+
+
+class RunnerCache:
+    """The engine's runners by (batch, length) bucket, least recently used dropped beyond `keep`."""
+
+    def __init__(self, model: HFCausalLM, *, graphs: bool, compile: bool = False, keep: int = 2):
+        self.decoder = StaticDecoder(model)
+        self.graphs = graphs
+        self.keep = keep
+        self._runners: dict[tuple[int, int], Runner] = {}
+        self._pool = torch.cuda.graph_pool_handle() if graphs else None
+        # inductor fuses the norms, rotary and softmax into a few kernels a layer; the graph then replays those
+        self._compiled = torch.compile(self.decoder.decode, dynamic=False) if compile and graphs else None
+        self._sampler = torch.compile(race_from_noise, dynamic=False) if compile and graphs else None
+
+    def sample(
+        self, logits: torch.Tensor, sampling: SamplingSpec, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """sample_race; in "compile" mode plain temperature sampling runs fused (same noise, same math)."""
+        if self._sampler is None or not plain_sampling(sampling, logits.shape[-1]):
+            return sample_race(logits, sampling, generator)
+        noise = exp_noise(logits, generator)
+        try:
+            return self._sampler(logits, noise, float(sampling.temperature))
+        except Exception:
+            log.exception("torch.compile of the sampler failed; sampling eagerly")
+            self._sampler = None
+            return race_from_noise(logits, noise, float(sampling.temperature))
+
+    @staticmethod
+    def bucket(batch: int, length: int) -> tuple[int, int]:
+        b = 1
+        while b < batch:
+            b *= 2
+        return b, -(-length // 128) * 128
+
+    def get(self, batch: int, length: int) -> Runner:
+        key = self.bucket(batch, length)
+        runner = self._runners.pop(key, None)
+        if runner is None:
+            while len(self._runners) >= self.keep:
+                self._runners.pop(next(iter(self._runners)))
+            runner = self._new_runner(*key)
+        self._runners[key] = runner  # most recently used last
+        return runner
+
+    def _new_runner(self, batch: int, length: int) -> Runner:
+        if self._compiled is not None:
+            try:
+                return Runner(
+                    self.decoder, batch=batch, length=length, graph=True, pool=self._pool, decode_fn=self._compiled
+                )
+            except Exception:
+                log.exception(
+                    "torch.compile of the decode step failed (batch %d, length %d); "
+                    "continuing with the eager step in a CUDA graph",
+                    batch,
+                    length,
+                )
+                self._compiled = None
+        if self.graphs:
+            try:
+                return Runner(self.decoder, batch=batch, length=length, graph=True, pool=self._pool)
+            except Exception:
+                log.exception(
+                    "CUDA graph capture of the decode step failed (batch %d, length %d); continuing without graphs",
+                    batch,
+                    length,
+                )
+                self.graphs = False
+        return Runner(self.decoder, batch=batch, length=length, graph=False)
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
+
+    def clear(self) -> None:
+        self._runners.clear()
+
+    def __len__(self) -> int:
+        return len(self._runners)
