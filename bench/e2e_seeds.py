@@ -39,7 +39,7 @@ LEARNING_E2ES = {
 def run_one(name: str, seed: int, margins: Path, timeout_s: int) -> dict:
     env = {**os.environ, "TANDEM_E2E_SEED": str(seed), "TANDEM_E2E_MARGINS": str(margins), "PYTHONPATH": str(REPO)}
     # math_chat's warm start does not depend on the sampling seed: built by the first run, kept for the others
-    env["TANDEM_E2E_WARM_START"] = str(margins.parent / "math_chat_warm_start")
+    env["TANDEM_E2E_WARM_START"] = str(margins.resolve().parent / "math_chat_warm_start")
     # pytest-timeout's limit (600 s in pyproject.toml) is the sweep's: at nice 10 on a busy box runs are slower
     limit, test = [f"--timeout={timeout_s}"], LEARNING_E2ES[name]
     start = time.monotonic()

@@ -90,14 +90,15 @@ def _math_chat_warm_start(tmp_path: Path) -> Path:
     model = Path(kept) if kept else tmp_path / "model"
     if (model / "COMPLETE").is_file():
         return model
-    subprocess.run(  # on both cores, as a user runs it (the suite's processes default to one thread): ~23 s
+    done = subprocess.run(  # on both cores, as a user runs it (the suite's processes default to one thread): ~23 s
         [sys.executable, str(REPO / "examples" / "math_chat" / "warm_start.py"), "--out", str(model)],
-        check=True,
         capture_output=True,
+        text=True,
         cwd=REPO,
         timeout=900,  # a hang guard: ~23 s alone, over 300 s at nice 10 beside a load of 12 on 2 cores
         env={**os.environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"},
     )
+    assert done.returncode == 0, done.stderr[-3000:]
     (model / "COMPLETE").touch()  # a kept model only once whole
     return model
 
