@@ -50,6 +50,7 @@ from services.contracts.trainer_calls import (
     TrainResult,
 )
 from services.contracts.wire import RolloutBatchData, encode_batch
+from services.coordinator.builder import CoordinatorParts
 from services.coordinator.clients import (
     generate_request_proto,
     generate_result_of,
@@ -222,18 +223,20 @@ def coordinator_seconds(
     trainer = Trainer(consumer, timed)
     steps = StepEnds()
     coordinator = Coordinator(
-        config=config,
-        run_dir=run_dir,
-        trainer=trainer,
-        critic=None,
-        pool=pool,
-        sync=InstantSync(),
-        data=DataSource(records, batch_size=PROMPTS, shuffle=False, seed=0, num_epochs=1),
-        buffer=producer,
-        trackers=[*make_trackers((), run_dir=run_dir, run_name="bench"), steps],
-        eval_prompts=lambda: [],
-        generations=ThreadPoolExecutor(2),
-        evals=ThreadPoolExecutor(1),
+        CoordinatorParts(
+            config=config,
+            run_dir=run_dir,
+            trainer=trainer,
+            critic=None,
+            pool=pool,
+            sync=InstantSync(),
+            data=DataSource(records, batch_size=PROMPTS, shuffle=False, seed=0, num_epochs=1),
+            buffer=producer,
+            trackers=[*make_trackers((), run_dir=run_dir, run_name="bench"), steps],
+            eval_prompts=lambda: [],
+            generations=ThreadPoolExecutor(2),
+            evals=ThreadPoolExecutor(1),
+        )
     )
     coordinator.run()
     ends = steps.ends

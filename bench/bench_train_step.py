@@ -89,6 +89,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z1_bf16_eager": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "fused_kernels": "off"},
     # ZeRO-0: Tandem's flat AdamW (services/trainer/model/flat_adamw.py) under the DeepSpeed engine
     "ds_z0_bf16": {"kind": "ds", "zero_stage": 0, "precision": "bf16"},
+    "ds_z0_bf16_64k": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "micro_batch_tokens": 65536},
+    "ds_z0_bf16_128k": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "micro_batch_tokens": 131072},
     "ds_z0_bf16pure": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure"},
     "ds_z0_bf16pure_nocheck": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "skip_nonfinite_steps": False},
     "ds_z0_fp32": {"kind": "ds", "zero_stage": 0, "precision": "fp32"},

@@ -39,8 +39,10 @@ from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import build_batch
 from services.launcher.redis_server import EmbeddedRedis
 from services.modelinit.init_model import init_model
-from services.trainer.builder import DeepSpeedTrainer, build_trainer
+from services.trainer.builder import build_trainer
+from services.trainer.parts import TrainerParts
 from services.trainer.service import TrainerService
+from services.trainer.training import ModelLimits, RolloutSource
 
 
 def make_batch(*, rollout_id: int, samples: int, response_len: int, vocab: int, seed: int):
@@ -62,7 +64,7 @@ def make_batch(*, rollout_id: int, samples: int, response_len: int, vocab: int, 
 
 def start_trainer(
     *, model_dir: Path, run_dir: Path, redis_url: str, name: str, trainer: dict
-) -> tuple[TrainerService, DeepSpeedTrainer, RolloutBuffer]:
+) -> tuple[TrainerService, TrainerParts, RolloutBuffer]:
     """A one-rank TrainerService on its own stream, its parts, and a producer that feeds it."""
 
     config = config_from_dict(
@@ -81,7 +83,13 @@ def start_trainer(
         groups=("actor",),
         max_buffered_batches=64,
     )
-    return TrainerService(built.parts()), built, producer
+    return TrainerService(built), built, producer
+
+
+def limits_of(built: TrainerParts) -> ModelLimits:
+    """The model's vocabulary and context, as the trainer's Redis side checks batches against them."""
+    assert isinstance(built.rollouts, RolloutSource)
+    return built.rollouts.limits
 
 
 def bench_one(
@@ -104,8 +112,8 @@ def bench_one(
         name=f"z{zero}-{precision}",
         trainer={"device": device, "zero_stage": zero, "precision": precision, "micro_batch_tokens": token_budget},
     )
-    vocab = built.limits.vocab_size
-    response_len = min(response_len, (built.limits.max_positions or 1 << 30) - 16)  # prompts are up to 16 tokens
+    vocab = limits_of(built).vocab_size
+    response_len = min(response_len, (limits_of(built).max_positions or 1 << 30) - 16)  # prompts are up to 16 tokens
     wall, train, tokens = [], [], 0
     try:
         for step in range(steps + 1):
@@ -145,7 +153,7 @@ def bench_offload(
     )
     rows: list[dict[str, Any]] = []
     try:
-        batch = make_batch(rollout_id=0, samples=16, response_len=16, vocab=built.limits.vocab_size, seed=0)
+        batch = make_batch(rollout_id=0, samples=16, response_len=16, vocab=limits_of(built).vocab_size, seed=0)
         service.train(rollout_id=0, entry_ids=[producer.put(batch)])  # optimizer states exist from here
         for frozen in (False, True):
             if not frozen:

@@ -29,6 +29,7 @@ from services.contracts.config import TandemConfig
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import RolloutBatchData, build_batch
+from services.trainer.parts import TrainerParts
 
 VOCAB = 32
 # CI runs on CPU; TANDEM_TEST_TRAINER_DEVICE=cuda runs the same tests on a GPU machine.
@@ -213,6 +214,20 @@ def harness(tiny_model_dir, tmp_path, redis_server):
         h.close()
 
 
+class ConcreteTrainer:
+    """The concrete objects behind a built trainer's parts: its DeepSpeed backend, its step (and the old actor the
+    step scores with), where it computes."""
+
+    def __init__(self, parts: TrainerParts):
+        from services.trainer.model.backend import DeepSpeedBackend
+        from services.trainer.training import TrainStep
+
+        assert isinstance(parts.backend, DeepSpeedBackend) and isinstance(parts.step, TrainStep)
+        self.parts, self.backend, self.step = parts, parts.backend, parts.step
+        self.old_actor = parts.step.old_actor
+        self.dist = parts.backend.dist_info
+
+
 class TrainerHarness:
     """An in-process TrainerService plus a producer handle on its stream (tests drive it directly)."""
 
@@ -222,8 +237,9 @@ class TrainerHarness:
         from services.trainer.service import TrainerService
 
         self.config = config
-        self.trainer = build_trainer(config, run_dir=run_dir, role=role)  # the concrete parts: the model, ...
-        self.service = TrainerService(self.trainer.parts())
+        parts = build_trainer(config, run_dir=run_dir, role=role)
+        self.trainer = ConcreteTrainer(parts)  # the objects behind the parts, for tests that look into the model
+        self.service = TrainerService(parts)
         self.closed = False
         groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
         assert config.redis.url is not None, "a trainer harness needs the session's redis-server"

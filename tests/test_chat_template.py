@@ -21,6 +21,7 @@ from services.contracts.config import ConfigError
 from services.contracts.config_loading import config_from_dict
 from services.coordinator.data import PromptRecord
 from services.launcher import preflight
+from services.rollout.builder import build_rollout
 from services.rollout.chat_template import ChatTemplate, ChatTemplateError
 from services.rollout.service import PromptInput, RolloutService
 from services.rollout.tokenizer import encode_texts, load_tokenizer, model_inputs
@@ -123,21 +124,23 @@ def test_a_rollout_service_generates_from_chat_prompts_with_the_template_and_the
     are the template's, the reward gets the rendered text and the messages (JSON) beside the row's metadata."""
     model = build_chatml_model(tmp_path_factory.mktemp("chatml_model"))
     svc = RolloutService(
-        config_from_dict(
-            {
-                "run_name": "chat-test",
-                "model": {"path": str(model)},
-                "data": {"train_path": "unused.parquet", "system_prompt": "Answer with a number."},
-                "rollout": {
-                    "device": "cpu",
-                    "n_samples_per_prompt": 2,
-                    "reward": "helpers.recording_reward:record",
-                    "sampling": {"temperature": 1.0, "max_new_tokens": 4, "seed": 1},
-                },
-                "redis": {"url": redis_server.url},
-            }
-        ),
-        replica=0,
+        build_rollout(
+            config_from_dict(
+                {
+                    "run_name": "chat-test",
+                    "model": {"path": str(model)},
+                    "data": {"train_path": "unused.parquet", "system_prompt": "Answer with a number."},
+                    "rollout": {
+                        "device": "cpu",
+                        "n_samples_per_prompt": 2,
+                        "reward": "helpers.recording_reward:record",
+                        "sampling": {"temperature": 1.0, "max_new_tokens": 4, "seed": 1},
+                    },
+                    "redis": {"url": redis_server.url},
+                }
+            ),
+            replica=0,
+        )
     )
     try:
         messages = (ChatMessage("system", "Answer with a number."), *QUESTION)

@@ -292,7 +292,7 @@ def test_a_critic_is_no_off_policy_correction():
 @pytest.mark.parametrize(
     "algorithm, words",
     [
-        ({"use_tis": True}, "use_tis: true needs use_rollout_logprobs: false"),
+        ({"use_tis": True}, "rollout_correction.is: token (or use_tis: true) needs use_rollout_logprobs: false"),
         ({"keep_old_actor": True}, "keep_old_actor: true needs use_rollout_logprobs: false"),
         ({"tis_mode": "mask"}, "tis_mode: mask applies to TIS's weights: it needs use_tis: true"),
         ({"whiten_advantages": True}, "whiten_advantages applies to advantage_estimator: gae"),

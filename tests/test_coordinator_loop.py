@@ -29,6 +29,7 @@ from services.contracts.trainer_calls import (
     TrainResult,
 )
 from services.coordinator import policy
+from services.coordinator.builder import CoordinatorParts
 from services.coordinator.call_errors import ServiceCallError
 from services.coordinator.data import DataCursor, DataSource, PromptRecord
 from services.coordinator.loop import Coordinator
@@ -316,25 +317,27 @@ class Run:
         self.critic = FakeTrainer("critic", self.log) if config.algorithm.uses_critic else None
         self.tracker = FakeTracker(self.log)
         self.coordinator = Coordinator(
-            config=config,
-            run_dir=Path("/nonexistent/run"),
-            trainer=self.trainer,
-            critic=self.critic,
-            pool=FakePool(self.log, size=pool_size, informative=informative),
-            sync=FakeSync(self.log),
-            data=DataSource(
-                RECORDS,
-                batch_size=config.rollout.rollout_batch_size,
-                shuffle=False,
-                seed=0,
-                num_epochs=config.data.num_epochs,
-            ),
-            buffer=FakeBuffer(self.log, gone=gone) if buffer else None,
-            trackers=[self.tracker],
-            eval_prompts=lambda: RECORDS[:3],
-            generations=generations or InlineExecutor(),
-            evals=InlineExecutor(),
-            clock=FakeClock(self.log),
+            CoordinatorParts(
+                config=config,
+                run_dir=Path("/nonexistent/run"),
+                trainer=self.trainer,
+                critic=self.critic,
+                pool=FakePool(self.log, size=pool_size, informative=informative),
+                sync=FakeSync(self.log),
+                data=DataSource(
+                    RECORDS,
+                    batch_size=config.rollout.rollout_batch_size,
+                    shuffle=False,
+                    seed=0,
+                    num_epochs=config.data.num_epochs,
+                ),
+                buffer=FakeBuffer(self.log, gone=gone) if buffer else None,
+                trackers=[self.tracker],
+                eval_prompts=lambda: RECORDS[:3],
+                generations=generations or InlineExecutor(),
+                evals=InlineExecutor(),
+                clock=FakeClock(self.log),
+            )
         )
 
     def run(self) -> CallLog:

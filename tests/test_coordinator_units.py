@@ -134,3 +134,38 @@ def test_a_save_is_requested_by_ctl_or_by_the_sentinel_file_once_each(tmp_path):
     sentinel.touch()
     assert [control.take_save_request(sentinel=str(sentinel)) for _ in range(3)] == [True, True, False]
     assert not sentinel.exists()
+
+
+@pytest.mark.parametrize(("mode", "workers"), [("async", 3), ("streaming", 4)])
+def test_the_builder_wires_the_coordinators_parts_from_the_config(tmp_path, mode, workers):
+    """build_coordinator: one client per configured service (gRPC channels connect lazily: nothing listens here), no
+    buffer without redis.url, generation threads for one call per replica plus the trainer's (streaming: the groups
+    in flight); the loop takes them as they are."""
+    from services.contracts.config_loading import config_from_dict
+    from services.coordinator.builder import build_coordinator
+    from services.coordinator.loop import Coordinator
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i} =", "label": str(i)}) + "\n" for i in range(8)))
+    config = config_from_dict(
+        {
+            "run_name": "builder",
+            "model": {"path": str(tmp_path)},
+            "data": {"train_path": str(data)},
+            "rollout": {"rollout_batch_size": 2},
+            "loop": {"mode": mode, "groups_in_flight": 4} if mode == "streaming" else {"mode": mode},
+            "services": {"trainer": {"port": 1}, "rollout": [{"port": 2}, {"port": 3}]},
+            "tracing": {"trackers": []},
+        }
+    )
+    parts = build_coordinator(config, run_dir=tmp_path)
+    try:
+        assert parts.buffer is None and parts.critic is None
+        assert [type(t).__name__ for t in parts.trackers] == ["JsonlTracker"]  # metrics.jsonl: always written
+        assert parts.pool.size == 2 and parts.data.size == 8
+        assert parts.generations._max_workers == workers  # type: ignore[attr-defined]
+        coordinator = Coordinator(parts)
+        assert (coordinator.trainer, coordinator.pool, coordinator.num_rollout) == (parts.trainer, parts.pool, 4)
+    finally:
+        parts.generations.shutdown()
+        parts.evals.shutdown()

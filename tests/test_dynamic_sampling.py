@@ -21,6 +21,7 @@ from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import RolloutBatchData, build_batch
 from services.modelinit.init_model import init_model
+from services.rollout.builder import build_rollout
 from services.rollout.rewards import digit_task
 from services.rollout.service import PromptInput, RolloutService
 from services.rpc.grpc_util import FailedPrecondition
@@ -102,7 +103,7 @@ def config(**sections: dict[str, Any]) -> TandemConfig:
     "sections, fragment",
     [
         ({"loop": {"mode": "fully_async"}}, "needs loop.mode async or sync"),
-        ({"algorithm": {"advantage_estimator": "gae"}}, "the critic's values are the baseline"),
+        ({"algorithm": {"advantage_estimator": "gae"}}, "gae's baseline is the critic's values"),
         ({"algorithm": {"advantage_estimator": "reinforce_pp"}}, "reinforce_pp's baseline is the whole batch"),
         ({"rollout": {"dynamic_sampling": {"enabled": True}, "n_samples_per_prompt": 1}}, "n_samples_per_prompt >= 2"),
         (
@@ -151,7 +152,7 @@ def test_the_rollout_adds_the_overlong_penalty_before_writing_and_counts_informa
             "redis": {"url": redis_server.url},
         }
     )
-    svc = RolloutService(cfg, replica=0)
+    svc = RolloutService(build_rollout(cfg, replica=0))
     try:
         prompts = [PromptInput(text=f"{i} {9 - i} =", label=str(max(i, 9 - i)), group_id=i) for i in range(6)]
         result = svc.generate(rollout_id=0, prompts=prompts, stream=stream)

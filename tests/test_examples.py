@@ -29,6 +29,7 @@ def test_the_examples_are_found():
     assert {p.name for p in EXAMPLES} >= {
         "digit_max.yaml",
         "digit_max_gpu.yaml",
+        "distill.yaml",
         "math_chat.yaml",
         "qwen05_gpu.yaml",
         "qwen15_gpu.yaml",

@@ -226,3 +226,64 @@ def test_the_trainer_package_docstring_names_every_trainer_module():
     assert modules, "no trainer modules found"
     missing = sorted(m for m in modules if f"`{m}`" not in doc)
     assert not missing, f"services/trainer/__init__.py does not name {missing}"
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_of_services_is_over_60_lines():
+    """The style's limit, counted from `def` to the function's last line (docstring and decorators' targets too)."""
+    long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in source_modules().values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, long
+
+
+# Module names services/ may hold more than once: each service's gRPC edge, facade and builder, and the plug-ins of
+# one registry (the engines of rollout/engines/engine_registry.py).
+SHARED_NAMES = {"server", "service", "builder", "engine"}
+
+
+def test_no_two_modules_of_services_share_a_name_but_the_patterns_every_service_has():
+    seen: dict[str, list[str]] = {}
+    for name, path in source_modules().items():
+        if path.name != "__init__.py":
+            seen.setdefault(path.stem, []).append(name)
+    shared = {stem: names for stem, names in seen.items() if len(names) > 1 and stem not in SHARED_NAMES}
+    assert not shared, shared
+    engines = sorted(seen["engine"])
+    assert engines == ["services.rollout.engines.native.engine", "services.rollout.engines.sglang.engine"]
+
+
+def test_the_rollout_service_only_sequences_its_parts():
+    """services/rollout/service.py: each job of a rollout replica lives in a module of its own (service.py's
+    docstring names them); the service is kept small."""
+    assert len((SERVICES / "rollout" / "service.py").read_text().splitlines()) <= 300
+
+
+def test_every_abstract_engine_method_is_called_by_the_service_side():
+    """An abstract method of the Engine interface is one every engine must implement: each is called from services/
+    outside the engines' own modules (the rollout service and its parts), or it does not belong in the interface."""
+    interface = SERVICES / "rollout" / "engines" / "interface.py"
+    [engine] = [n for n in ast.parse(interface.read_text()).body if isinstance(n, ast.ClassDef) and n.name == "Engine"]
+    abstract = [
+        f.name
+        for f in engine.body
+        if isinstance(f, ast.FunctionDef)
+        and any(isinstance(d, ast.Name) and d.id == "abstractmethod" for d in f.decorator_list)
+    ]
+    assert "receive_weights" in abstract, abstract
+    callers = [p for p in source_modules().values() if SERVICES / "rollout" / "engines" not in p.parents]
+    called = {
+        node.attr
+        for path in [*callers, interface]
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+    }
+    uncalled = [name for name in abstract if name not in called]
+    assert not uncalled, f"abstract Engine methods nothing outside the engines calls: {uncalled}"

@@ -22,6 +22,7 @@ from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import WireError, build_batch, decode_batch, encode_batch
 from services.tensors.sampling_dist import sampling_log_probs
 from services.trainer.algo.actor import TokenInputs, token_terms
+from services.trainer.algo.rollout_correction import TokenSequences
 from services.trainer.algo.scoring import MIXED, SAMPLING, TEMPERED, TokenSampling
 from services.trainer.batching import MicroBatch, merge_batches
 from services.trainer.commands import decode_batch as decode_train_batch
@@ -68,6 +69,8 @@ def _terms(
         weights=TokenWeights(loss=ones / n_tok, mean=ones / n_tok),
         ref_log_probs=None,
         old=None,
+        samples=TokenSequences.of(torch.tensor(lengths), ones),
+        observed_log_ratio=torch.zeros(n_tok),
     )
     algo = AlgorithmConfig(use_rollout_logprobs=True)
     return sampling, token_terms(

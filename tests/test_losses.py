@@ -6,14 +6,15 @@ import pytest
 import torch
 from scoring_reference import chunked_scores_of_logits
 
+from services.contracts.algorithm_config import RolloutCorrection
 from services.trainer.algo.losses import (
     PolicyLossConfig,
     aggregation_weights,
     clipped_value_loss,
     kl_estimate,
     ppo_policy_loss,
-    tis_weights,
 )
+from services.trainer.algo.rollout_correction import TokenSequences, correct
 from services.trainer.algo.scoring import TokenSampling
 
 
@@ -109,7 +110,8 @@ def test_kl_estimators():
 def test_tis_weights_truncate_and_detach():
     old = torch.log(torch.tensor([0.6, 0.3, 0.9])).requires_grad_()
     rollout = torch.log(torch.tensor([0.3, 0.3, 0.1]))
-    w = tis_weights(old_log_probs=old, rollout_log_probs=rollout, clip=2.0)
+    seqs = TokenSequences.of(torch.tensor([3]), torch.ones(3))
+    w = correct(old - rollout, seqs, RolloutCorrection(is_level="token", is_cap=2.0)).weight
     assert w.tolist() == pytest.approx([2.0, 1.0, 2.0], rel=1e-6)  # 0.6/0.3 = 2, 1, 9 -> capped at 2
     assert not w.requires_grad
 

@@ -297,7 +297,8 @@ def test_plot_renders_the_four_panels_of_the_run(observed, tmp_path):
     with Image.open(out) as image:
         assert image.format == "PNG" and image.size == (1200, 800)
         panels = {p["title"]: p for p in json.loads(image.info["Tandem-Panels"])}
-    assert list(panels) == ["reward", "response length (tokens)", "KL to the reference", "step time breakdown (s)"]
+    kl = "KL to the reference or the teacher"
+    assert list(panels) == ["reward", "response length (tokens)", kl, "step time breakdown (s)"]
     n = len(observed.steps)
     assert panels["reward"] == {
         "title": "reward",
@@ -305,8 +306,20 @@ def test_plot_renders_the_four_panels_of_the_run(observed, tmp_path):
         "points": n + observed.num_evals,
     }
     assert panels["response length (tokens)"]["points"] == n + observed.num_evals
-    assert panels["KL to the reference"] == {"title": "KL to the reference", "keys": ["train/kl"], "points": n}
+    assert panels[kl] == {"title": kl, "keys": ["train/kl"], "points": n}
     breakdown = panels["step time breakdown (s)"]
     assert {"perf/rollout_wait_s", "perf/train_time_s", "perf/weight_sync_time_s", "perf/step_time_s"} <= set(
         breakdown["keys"]
     ) and breakdown["points"] == n
+
+
+def test_every_train_span_and_step_row_carries_the_mismatch_metrics(observed):
+    """No rollout correction is configured: the training-inference mismatch is still measured every step, in the
+    metrics and on the coordinator's rl.train span."""
+    rows = {r["rollout_id"]: r for r in metrics(observed.run_dir) if "rollout/reward_mean" in r}
+    for rollout_id in observed.steps:
+        [train] = observed.find("rl.train", "tandem-coordinator", rollout_id)
+        row = rows[rollout_id]
+        for key in ("kl", "kl_k3", "ppl_ratio", "chi2", "ratio_p50", "token_masked_frac"):
+            assert train["attributes"][f"rl.mismatch.{key}"] == row[f"mismatch/{key}"], (rollout_id, key)
+        assert row["mismatch/token_masked_frac"] == 0.0 and "train/tis_masked_frac" not in row

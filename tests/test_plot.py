@@ -39,8 +39,10 @@ def test_panels_without_their_metrics_say_so(tmp_path: Path):
     assert [(p.title, p.keys, p.points) for p in panels] == [
         ("reward", ("rollout/reward_mean",), 2),
         ("response length (tokens)", (), 0),
-        ("KL to the reference", (), 0),
+        ("KL to the reference or the teacher", (), 0),
         ("step time breakdown (s)", (), 0),
     ]
+    distilled = [{**r, "distill/reverse_kl": 3.0 - r["rollout_id"]} for r in rows]
+    assert render(distilled, out=tmp_path / "d.png")[2].keys == ("distill/reverse_kl",)
     with Image.open(tmp_path / "p.png") as image:
         assert [p["title"] for p in json.loads(image.info["Tandem-Panels"])] == [p.title for p in panels]

@@ -13,11 +13,12 @@ import rl_reference as ref
 import torch
 from scoring_reference import chunked_scores_of_logits
 
+from services.contracts.algorithm_config import RolloutCorrection
 from services.contracts.config import AlgorithmConfig
 from services.contracts.sampling_spec import SamplingSpec
 from services.rollout.engines.native import sampler as rollout_sampling
 from services.tensors.sampling_dist import sampling_log_probs
-from services.trainer.algo.actor import TokenInputs, compute_advantages, policy_loss_terms
+from services.trainer.algo.actor import TokenInputs, policy_loss_terms
 from services.trainer.algo.advantages import (
     discounted_returns,
     gae,
@@ -27,6 +28,7 @@ from services.trainer.algo.advantages import (
     token_rewards,
     whiten,
 )
+from services.trainer.algo.estimators import compute_advantages
 from services.trainer.algo.losses import (
     PolicyLossConfig,
     Sequences,
@@ -34,8 +36,8 @@ from services.trainer.algo.losses import (
     gspo_policy_loss,
     kl_estimate,
     ppo_policy_loss,
-    tis_weights,
 )
+from services.trainer.algo.rollout_correction import TokenSequences, correct
 from services.trainer.algo.scoring import LOG_PROB_FLOOR, TokenSampling
 from services.trainer.batching import MicroBatch, TrainBatch
 from services.trainer.update import TokenWeights
@@ -180,15 +182,19 @@ def test_decoupled_ppo_matches_areal_with_each_tokens_own_behaviour_log_prob(dua
         weights=TokenWeights(loss=torch.ones(n) / n, mean=torch.ones(n) / n),
         ref_log_probs=None,
         old=None,
+        samples=TokenSequences.of(torch.tensor(lengths), torch.ones(n)),
+        observed_log_ratio=torch.zeros(n),
     )
-    algo = AlgorithmConfig(
-        use_rollout_logprobs=False,
-        use_tis=True,
-        tis_mode="mask",
-        tis_clip=2.0,
-        eps_clip=0.2,
-        eps_clip_high=0.28,
-        dual_clip_c=dual_clip_c,
+    algo = AlgorithmConfig.model_validate(  # the older spelling, as configs still write it
+        {
+            "use_rollout_logprobs": False,
+            "use_tis": True,
+            "tis_mode": "mask",
+            "tis_clip": 2.0,
+            "eps_clip": 0.2,
+            "eps_clip_high": 0.28,
+            "dual_clip_c": dual_clip_c,
+        }
     )
     pg, _, ratio, tis = policy_loss_terms(logp=logp, behaviour=prox, rollout_lp=behav, mb=mb, inputs=inputs, algo=algo)
     expected = [
@@ -208,7 +214,8 @@ def test_decoupled_ppo_matches_areal_with_each_tokens_own_behaviour_log_prob(dua
     assert ratio.tolist() == pytest.approx((logp - prox).exp().tolist(), rel=1e-5)  # against prox, not behav
     masked = tis == 0
     assert masked[after_sync].any() and not masked[~after_sync].any()  # only far-off in-flight tokens pass the cap
-    truncated = tis_weights(old_log_probs=prox, rollout_log_probs=behav, clip=2.0)  # miles' TIS keeps them at 2
+    truncate = RolloutCorrection(is_level="token", is_cap=2.0)  # miles' TIS keeps them at 2
+    truncated = correct(prox - behav, inputs.samples, truncate).weight
     assert truncated[masked].tolist() == [2.0] * int(masked.sum())
 
 
@@ -226,7 +233,8 @@ def test_kl_estimators_match_the_reference(estimator):
 def test_tis_matches_the_reference():
     gen = torch.Generator().manual_seed(5)
     old, rollout = -torch.rand(100, generator=gen) * 3, -torch.rand(100, generator=gen) * 3
-    ours = tis_weights(old_log_probs=old, rollout_log_probs=rollout, clip=2.0)
+    seqs = TokenSequences.of(torch.tensor([100]), torch.ones(100))
+    ours = correct(old - rollout, seqs, RolloutCorrection(is_level="token", is_cap=2.0)).weight
     assert ours.tolist() == pytest.approx(
         [
             ref.tis_weight(old_log_prob=a, rollout_log_prob=b, clip=2.0)
@@ -572,8 +580,12 @@ def test_gspo_tis_weight_is_the_sequences_geometric_mean():
         weights=TokenWeights(loss=mask / 4, mean=mask / 4),
         ref_log_probs=None,
         old=None,
+        samples=TokenSequences.of(lengths, mask),
+        observed_log_ratio=torch.zeros(5),
     )
-    algo = AlgorithmConfig(policy_loss="gspo", use_rollout_logprobs=False, use_tis=True, tis_clip=3.0)
+    algo = AlgorithmConfig.model_validate(
+        {"policy_loss": "gspo", "use_rollout_logprobs": False, "use_tis": True, "tis_clip": 3.0}
+    )
     *_, tis = policy_loss_terms(
         logp=behaviour, behaviour=behaviour, rollout_lp=rollout, mb=mb, inputs=inputs, algo=algo
     )

@@ -14,6 +14,7 @@ from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config import ConfigError
 from services.contracts.config_loading import config_from_dict, load_config
 from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.builder import build_rollout
 from services.rollout.math_feedback import FEEDBACK
 from services.rollout.math_rewards import math_answer
 from services.rollout.service import PromptInput, RolloutService
@@ -40,7 +41,7 @@ def make_service(model: Path, redis_url: str, **rollout) -> RolloutService:
             "redis": {"url": redis_url},
         }
     )
-    return RolloutService(config, replica=0)
+    return RolloutService(build_rollout(config, replica=0))
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling_spec import SamplingSpec
 from services.modelinit.init_model import init_model
+from services.rollout.builder import build_rollout
 from services.rollout.engines.interface import SampleOutput
 from services.rollout.engines.native.engine import NativeEngine
 from services.rollout.metrics import pass_at_k, version_metrics
@@ -40,7 +41,7 @@ def service(tmp_path_factory: pytest.TempPathFactory, redis_server) -> Iterator[
             "redis": {"url": redis_server.url},
         }
     )
-    svc = RolloutService(config, replica=0)
+    svc = RolloutService(build_rollout(config, replica=0))
     yield svc
     svc.close()
 
@@ -217,7 +218,7 @@ def test_unknown_reward_in_config_fails_construction(service: RolloutService):
         update={"rollout": service.config.rollout.model_copy(update={"reward": "nowhere.mod:score"})}
     )
     with pytest.raises(RewardSpecError, match="module 'nowhere' not found"):
-        RolloutService(config, engine=service.engine, tokenizer=service.texts.tokenizer)
+        build_rollout(config, engine=service.engine, tokenizer=service.texts.tokenizer)
 
 
 def test_evaluate_greedy_and_pass_at_k(service: RolloutService, redis_client):
@@ -274,7 +275,7 @@ def test_receive_weights_through_the_weight_receiver(service: RolloutService, tm
     other = init_model(tmp_path / "other", preset="tiny", seed=5)
     policy = AutoModelForCausalLM.from_pretrained(other).eval()
     named = [(n, p.detach()) for n, p in policy.named_parameters()]
-    receiver_side = RolloutService(service.config, replica=1)
+    receiver_side = RolloutService(build_rollout(service.config, replica=1))
     assert isinstance(receiver_side.engine, NativeEngine)
     ptrs = {n: p.data_ptr() for n, p in receiver_side.engine.model.named_parameters()}
     publisher = weights.WeightPublisher(

@@ -265,15 +265,16 @@ def test_the_coordinator_itself_does_not_retrain_a_finished_run(tmp_path, redis_
     a real trainer and rollout process, the coordinator in-process, run twice over one run directory."""
     from reliability_kit import Services
 
-    from services.coordinator.server import build_coordinator
+    from services.coordinator.builder import build_coordinator
+    from services.coordinator.loop import Coordinator
 
     s = Services(tmp_path, redis_server.url, ["loop.num_rollout=2", "loop.eval_interval=null"])
     try:
-        first, _ = build_coordinator(s.config, run_dir=tmp_path)
+        first = Coordinator(build_coordinator(s.config, run_dir=tmp_path))
         first.run()
         assert first.status == "finished" and step_ids(tmp_path) == [0, 1]
         before = (tmp_path / "metrics.jsonl").read_bytes()
-        again, _ = build_coordinator(s.config, run_dir=tmp_path)
+        again = Coordinator(build_coordinator(s.config, run_dir=tmp_path))
         again.run()
         assert again.status == "finished"
         assert (tmp_path / "metrics.jsonl").read_bytes() == before

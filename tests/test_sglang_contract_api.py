@@ -474,7 +474,7 @@ def test_sglang_contract_launch_command_and_a_missing_sglang(tmp_path: Path):
     with pytest.raises(SGLangNotInstalled, match=r"sglang package is not installed .* rollout.sglang.urls"):
         require_sglang()
     from services.contracts.config_loading import config_from_dict
-    from services.rollout.service import build_engine
+    from services.rollout.builder import build_engine
 
     config = config_from_dict(
         {"model": {"path": str(tmp_path)}, "data": {"train_path": "x.jsonl"}, "rollout": {"engine": "sglang"}}
@@ -485,7 +485,7 @@ def test_sglang_contract_launch_command_and_a_missing_sglang(tmp_path: Path):
 
 def test_sglang_contract_build_engine_from_config(server: ContractServer, tmp_path: Path):
     from services.contracts.config_loading import config_from_dict
-    from services.rollout.service import build_engine
+    from services.rollout.builder import build_engine
 
     config = config_from_dict(
         {

@@ -16,6 +16,7 @@ from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config import ProcessGroupWeights
 from services.contracts.config_loading import config_from_dict
 from services.modelinit.init_model import init_model
+from services.rollout.builder import build_rollout
 from services.rollout.engines.sglang.engine import SGLangEngine
 from services.rollout.service import PromptInput, RolloutService
 from services.weights import WeightPublisher, specs_from_tensors
@@ -46,7 +47,7 @@ def test_sglang_contract_service_writes_the_native_batch_format(
             "redis": {"url": redis_server.url},
         }
     )
-    service = RolloutService(config, replica=0)
+    service = RolloutService(build_rollout(config, replica=0))
     try:
         assert isinstance(service.engine, SGLangEngine)
         first = service.generate(

@@ -17,10 +17,10 @@ from helpers.sglang_contract_server import ContractServer
 
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.builder import build_engine
 from services.rollout.chat_template import ChatTemplate
 from services.rollout.engines.sglang.engine import SGLangEngine
 from services.rollout.engines.sglang.protocol import parse_server_info
-from services.rollout.service import build_engine
 from services.rollout.tokenizer import Texts, load_tokenizer
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,11 +18,11 @@ import torch
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling_spec import SamplingSpec
 from services.modelinit.init_model import init_model
+from services.rollout.builder import build_engine
 from services.rollout.chat_template import ChatTemplate
 from services.rollout.engines.interface import SampleOutput
 from services.rollout.engines.native.engine import NativeEngine
 from services.rollout.engines.native.stop_strings import StopStringTables
-from services.rollout.service import build_engine
 from services.rollout.tokenizer import Texts, end_of_generation_ids, load_tokenizer
 
 torch.set_num_threads(1)

@@ -160,11 +160,16 @@ def test_decoupled_ppo_step_weighs_each_token_by_its_own_behaviour_log_prob(harn
             cap=2.0,
         )
         weight = math.exp(lp - behav)
-        rows.append((loss, weight if weight <= 2.0 else 0.0, float(weight > 2.0)))
-    pg, weight, masked = np.mean(rows, axis=0)
+        rows.append((loss, weight if weight <= 2.0 else 0.0, float(weight > 2.0), lp - behav))
+    pg, weight, masked, _ = np.mean(rows, axis=0)
     assert 0 < masked < 0.5 and all(r[2] == 0 for r, is_late in zip(rows, late, strict=True) if not is_late)
     assert [m["pg_loss"], m["tis_weight_mean"], m["tis_masked_frac"]] == pytest.approx(
         [pg, weight, masked], rel=2e-4, abs=2e-6
+    )
+    # the mismatch metrics take each token's ratio against its own behaviour log-prob (its own version's)
+    log_ratio = np.array([r[3] for r in rows])
+    assert [m["mismatch/kl"], m["mismatch/ratio_max"], m["mismatch/token_masked_frac"]] == pytest.approx(
+        [-log_ratio.mean(), math.exp(log_ratio.max()), masked], rel=2e-4, abs=2e-6
     )
 
 
@@ -223,6 +228,8 @@ def test_keep_old_actor_scores_samples_under_the_version_that_generated_them(har
     # its rollout log-probs exactly (TIS weight 1), while the ratio shows how far the policy moved
     second = h.service.train(rollout_id=1, entry_ids=[h.put(generated_by_v0[1])]).metrics
     assert second["rollout_logprob_abs_diff"] < 1e-5 and second["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    # the mismatch is taken against the snapshot of each token's version, not the policy that moved since
+    assert abs(second["mismatch/kl"]) < 1e-5 and second["mismatch/ratio_max"] == pytest.approx(1.0, abs=1e-4)
     assert abs(second["ppo_ratio_mean"] - 1.0) > 1e-4 and second["old_actor_fallback_frac"] == 0.0
     # Per token: a sync landed mid-sample. Each sample's first token is v0's, whose snapshot reproduces its rollout
     # log-prob; the later ones claim version 5, which has no snapshot: exactly those fall back to the current policy.

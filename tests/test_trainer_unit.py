@@ -27,8 +27,7 @@ from services.trainer.checkpointing import FoundCheckpoint
 from services.trainer.commands import Load, Save, Train
 from services.trainer.dist import CommandRelay
 from services.trainer.ledger import TrainLedger
-from services.trainer.parts import TrainerParts, World
-from services.trainer.ranks import Checksums, RankCommands, RankParts
+from services.trainer.parts import Checksums, TrainerParts, World
 from services.trainer.service import TrainerService
 from services.weights.layout import TensorSpec
 from services.weights.transport_base import SyncStats, WeightSyncPlan
@@ -69,8 +68,8 @@ class FakeRollouts:
         self.log.append(("ack", rollout_id, tuple(entry_ids)))
 
 
-class FakeModel:
-    """The backend (offloaded or not) and every rank's update and memory moves."""
+class FakeBackend:
+    """The model: offloaded or not, its memory moves."""
 
     def __init__(self, log: Log, *, offload_supported: bool = True):
         self.log, self.offloaded, self.offload_supported = log, False, offload_supported
@@ -89,15 +88,22 @@ class FakeModel:
         self.offloaded = False
         return "onloaded"
 
+    def close(self) -> None:
+        self.log.append(("close",))
+
+
+class FakeStep:
+    """Every rank's Train step."""
+
+    def __init__(self, log: Log):
+        self.log = log
+
     def run(self, command: Train) -> dict[str, float]:
         self.log.append(("step", command.rollout_id, command.entry_ids, command.batch.num_samples))
         return {"loss": 0.5}
 
     def handoff_for(self, rollout_id: int) -> ValueHandoff | None:
         return None
-
-    def close(self) -> None:
-        self.log.append(("close",))
 
 
 class FakeCheckpoints:
@@ -201,23 +207,18 @@ def service(
 ) -> tuple[TrainerService, Log, FakeCheckpoints]:
     log: Log = []
     ledger = TrainLedger()
-    model, weights = FakeModel(log, offload_supported=offload_supported), FakeWeights(log)
     checkpoints = FakeCheckpoints(log, ledger, tmp_path / "ckpt", fail_writes=fail_writes)
-    ranks = RankCommands(
-        CommandRelay(rank=0, world_size=1),  # one rank: the relay sends nothing, the codec runs
-        RankParts(memory=model, step=model, checkpoints=checkpoints, weights=weights),
-    )
     parts = TrainerParts(
         config=config(tmp_path),
         role="actor",
         world=World(rank=0, world_size=1, device="cpu"),
-        backend=model,
+        backend=FakeBackend(log, offload_supported=offload_supported),
         rollouts=FakeRollouts(log),
-        handoffs=model,
+        step=FakeStep(log),
         checkpoints=checkpoints,
-        weights=weights,
+        weights=FakeWeights(log),
         ledger=ledger,
-        ranks=ranks,
+        relay=CommandRelay(rank=0, world_size=1),  # one rank: the relay sends nothing, the codec runs
         unloaded=unloaded,
     )
     return TrainerService(parts), log, checkpoints

@@ -24,7 +24,8 @@ for module in sys.argv[1:]:
     importlib.import_module(module)
 from services.contracts.config import ProcessGroupWeights
 from services.weights.transport_registry import TRANSPORTS
-out = {"loaded before building": sorted(m for m in sys.modules if m.startswith("services.weights.transports."))}
+senders = ("services.weights.transports.", "services.rollout.engines.sglang.weight_send_")  # SGLang's with its adapter
+out = {"loaded before building": sorted(m for m in sys.modules if m.startswith(senders))}
 for name, entry in TRANSPORTS.items():
     sender = entry.sender(ProcessGroupWeights(), Path(tempfile.gettempdir()), "probe")   # each reads its own section
     receiver = entry.receiver()
@@ -97,7 +98,7 @@ _PG_SGLANG = [
     ("modules", "loaded"),
     [
         (("services.weights",), []),
-        (tuple(_PG_SGLANG), _PG_SGLANG),
+        (tuple(_PG_SGLANG), sorted(_PG_SGLANG)),
         (
             (
                 "services.rollout.engines.sglang.weight_send_group",

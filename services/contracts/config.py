@@ -13,9 +13,11 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from services.contracts.algorithm_config import AlgorithmConfig
+from services.contracts.algorithm_config import AlgorithmConfig, DistillationConfig
+from services.contracts.algorithms import ADVANTAGE_ESTIMATORS
 from services.contracts.config_base import ConfigError, Section, with_default_variant
 from services.contracts.rollout_config import (
+    NO_REWARD,
     DynamicSamplingConfig,
     NativeRolloutConfig,
     OverlongPenaltyConfig,
@@ -50,6 +52,7 @@ __all__ = [  # the sections of other modules, named here too: a TandemConfig's p
     "ConfigError",
     "CudaIpcWeights",
     "DiskWeights",
+    "DistillationConfig",
     "DynamicSamplingConfig",
     "JsonlTrackerConfig",
     "LoraConfig",
@@ -355,7 +358,12 @@ class TandemConfig(Section):
     def _cross_section_rules(self) -> TandemConfig:
         validate_async_off_policy_correction(self)
         validate_dapo_options(self)
-        if self.algorithm.compares_within_groups and self.rollout.n_samples_per_prompt == 1:
+        validate_distillation(self)
+        if (
+            self.algorithm.compares_within_groups
+            and self.rollout.n_samples_per_prompt == 1
+            and self.algorithm.distillation is None  # the teacher's per-token signal needs no group
+        ):
             raise ValueError(
                 f"rollout.n_samples_per_prompt: 1 gives every sample advantage 0 with "
                 f"algorithm.advantage_estimator: {self.algorithm.advantage_estimator} (its baseline is "
@@ -366,7 +374,8 @@ class TandemConfig(Section):
             raise ValueError(
                 "algorithm.keep_old_actor scores each token under the snapshot of the version that "
                 "sampled it, and with rollout.inflight_update SGLang 0.5.x does not report which tokens "
-                "an update reached; use decoupled PPO (use_tis with tis_mode: mask) or rollout log-probs"
+                "an update reached; use decoupled PPO (use_tis with tis_mode: mask, or rollout_correction) or "
+                "rollout log-probs"
             )
         if self.rollout.inflight_update != "off" and self.loop.mode == "sync":
             raise ValueError(
@@ -411,19 +420,37 @@ class TandemConfig(Section):
 
 def validate_async_off_policy_correction(config: TandemConfig) -> None:
     """Asynchronous generation trains on samples from an older policy: the ratio's denominator must be that
-    policy (rollout log-probs, or the old actor) or TIS must reweight for it. A critic is no correction (its
-    values do not change the ratio), so PPO needs one too, as miles requires; unlike miles this also holds for
-    GRPO, whose ratio is just as off-policy."""
+    policy (rollout log-probs, or the old actor) or an importance weight (rollout_correction.is) must reweight for
+    it. A critic is no correction (its values do not change the ratio), so PPO needs one too, as miles requires;
+    unlike miles this also holds for GRPO, whose ratio is just as off-policy."""
     if config.loop.mode == "sync":
         return
     algo = config.algorithm
-    if algo.use_rollout_logprobs or algo.use_tis or algo.keep_old_actor:
+    if algo.use_rollout_logprobs or algo.rollout_correction.reweights or algo.keep_old_actor:
         return
     raise ValueError(
         f"loop.mode: {config.loop.mode} trains on samples of an older policy, but no off-policy correction is on "
-        "(a critic is none): set algorithm.use_rollout_logprobs: true, algorithm.use_tis: true or "
-        "algorithm.keep_old_actor: true, or use loop.mode: sync"
+        "(a critic is none): set algorithm.use_rollout_logprobs: true, algorithm.rollout_correction.is (or "
+        "algorithm.use_tis: true) or algorithm.keep_old_actor: true, or use loop.mode: sync"
     )
+
+
+def validate_distillation(config: TandemConfig) -> None:
+    """Without a task reward only a teacher trains the policy; dynamic sampling, which drops the groups whose task
+    rewards are all equal, would then drop groups the teacher still has something to say about."""
+    distill = config.algorithm.distillation
+    no_reward = config.rollout.reward.strip() == NO_REWARD
+    if no_reward and distill is None:
+        raise ValueError(
+            "rollout.reward: none gives every sample reward 0, so nothing would train the policy; it is for "
+            "pure distillation (set algorithm.distillation) or name a reward function"
+        )
+    if config.rollout.dynamic_sampling.enabled and (no_reward or (distill is not None and not distill.task_reward)):
+        why = "rollout.reward: none" if no_reward else "algorithm.distillation.task_reward: false"
+        raise ValueError(
+            f"rollout.dynamic_sampling drops groups whose task rewards are all equal; with {why} the task reward "
+            "does not train, and the dropped groups would take the teacher's signal with them: turn one off"
+        )
 
 
 def validate_streaming(config: TandemConfig) -> None:
@@ -454,17 +481,13 @@ def validate_dapo_options(config: TandemConfig) -> None:
     ro = config.rollout
     if ro.dynamic_sampling.enabled:
         where = "rollout.dynamic_sampling.enabled"
-        if config.algorithm.uses_critic:
+        estimator = config.algorithm.estimator
+        if not estimator.needs_groups:
+            grouped = ", ".join(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.needs_groups)
             raise ValueError(
                 f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
-                "baseline; with algorithm.advantage_estimator: gae the critic's values are the baseline "
-                "and such groups still train"
-            )
-        if config.algorithm.advantage_estimator == "reinforce_pp":
-            raise ValueError(
-                f"{where} filters groups whose rewards are all equal, which carry no signal for a group "
-                "baseline; algorithm.advantage_estimator: reinforce_pp's baseline is the whole batch, "
-                "so such groups still train (reinforce_pp_baseline has a group baseline)"
+                f"baseline; algorithm.advantage_estimator: {estimator.name}'s baseline is {estimator.baseline}, "
+                f"so such groups still train (the estimators with a group baseline: {grouped})"
             )
         if ro.n_samples_per_prompt < 2:
             raise ValueError(f"{where} needs rollout.n_samples_per_prompt >= 2 (a group of one is always uniform)")

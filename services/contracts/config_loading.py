@@ -167,20 +167,23 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
 def resolve_paths(data: JsonObject, base_dir: Path) -> JsonObject:
     """Relative file paths in the YAML are relative to the YAML file's directory; so is the file of a
     `path/to/file.py:name` plug-in (reward, environment)."""
-    for section, key in (*_PATH_KEYS, *_PLUGIN_KEYS):
-        node = data.get(section)
+    for where in (*_PATH_KEYS, *_PLUGIN_KEYS):
+        node: JsonValue = data
+        for part in where[:-1]:  # the section, and a subsection (algorithm.distillation)
+            node = node.get(part) if isinstance(node, dict) else None
+        key = where[-1]
         value = node.get(key) if isinstance(node, dict) else None
         if not isinstance(node, dict) or not isinstance(value, str) or not value:
             continue
-        if (section, key) in _PLUGIN_KEYS:
+        if where in _PLUGIN_KEYS:
             node[key] = _resolve_reward_file(value, base_dir)
-        elif not os.path.isabs(value) and value not in _KEYWORDS.get((section, key), ()):
+        elif not os.path.isabs(value) and value not in _KEYWORDS.get(where, ()):
             node[key] = str((base_dir / value).resolve())
     return data
 
 
-_KEYWORDS = {("data", "chat_template"): CHAT_TEMPLATE_MODES}  # values of a path key that are not paths
-_PATH_KEYS = (
+_KEYWORDS: dict[tuple[str, ...], tuple[str, ...]] = {("data", "chat_template"): CHAT_TEMPLATE_MODES}  # not paths
+_PATH_KEYS: tuple[tuple[str, ...], ...] = (
     ("model", "path"),
     ("model", "tokenizer_path"),
     ("data", "train_path"),
@@ -189,6 +192,7 @@ _PATH_KEYS = (
     ("loop", "save_trigger_sentinel"),
     ("trainer", "checkpoint_dir"),
     ("weights", "disk_dir"),
+    ("algorithm", "distillation", "teacher_path"),
 )
 _PLUGIN_KEYS = (("rollout", "reward"), ("rollout", "environment"))
 

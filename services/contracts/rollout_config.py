@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from services.contracts.config_base import Section
 
+NO_REWARD = "none"  # rollout.reward: every sample's reward is 0 (pure distillation needs no reward function)
 MAX_STOP_STRINGS = 16  # the check runs per running sequence and step; more strings is likely a mistake
 
 
@@ -107,7 +108,9 @@ class RolloutSettings(Section):
     eval_sampling: SamplingConfig = SamplingConfig(temperature=0.0)
     eval_n_samples_per_prompt: int = Field(default=1, ge=1)
     reward: str = Field(
-        default="exact_match", description="built-in name or `module:function` (sync or async, batched or per sample)"
+        default="exact_match",
+        description="built-in name or `module:function` (sync or async, batched or per sample); none: reward 0 "
+        "for every sample (pure distillation, algorithm.distillation)",
     )
     reward_timeout_s: float | None = Field(
         default=None,

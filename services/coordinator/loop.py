@@ -9,46 +9,37 @@
         eval when due (asynchronously), drained at the end
 
 Its decisions are pure functions (policy.py); memory moves (memory.py), evals (evals.py) and the start-up's pieces
-(run_start.py) live beside it. Every collaborator is injected: server.build_coordinator wires the real ones.
+(run_start.py) live beside it. Every collaborator is injected: it takes builder.CoordinatorParts
+(builder.build_coordinator wires the real ones).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from concurrent.futures import Executor
 from dataclasses import replace
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.contracts import runfacts
-from services.contracts.config import TandemConfig
 from services.contracts.trainer_calls import SaveRequest, TrainRequest, TrainResult
 from services.coordinator import policy
 from services.coordinator.control import Control
-from services.coordinator.data import PromptRecord
 from services.coordinator.evals import Evaluator
 from services.coordinator.generation import Generator
 from services.coordinator.memory import ENGINE_CACHES, ENGINE_WEIGHTS, MemoryMoves
-from services.coordinator.retry import TRAIN_RETRY, RetryPolicy
 from services.coordinator.run_start import keep_reusable, restore, wait_for_services
 from services.coordinator.seams import (
-    BufferApi,
-    Clock,
     GenerationResult,
     InFlight,
-    PromptSource,
-    RolloutPoolApi,
-    SystemClock,
     TrainerApi,
-    WeightSyncApi,
 )
 from services.coordinator.state import GeneratedBatch, RunState
-from services.coordinator.stepmetrics import generation_metrics, prefixed
+from services.coordinator.stepmetrics import generation_metrics, prefixed, span_attributes
 from services.coordinator.streaming import GroupStream
-from services.telemetry.events import EventLog
 from services.telemetry.process_age import process_age_s
-from services.telemetry.tracing import StepSpans, annotate, inject_context, span
-from services.telemetry.trackers import Tracker
+from services.telemetry.tracing import StepSpans, annotate, inject_context, set_attributes, span
+
+if TYPE_CHECKING:
+    from services.coordinator.builder import CoordinatorParts
 
 log = logging.getLogger(__name__)
 
@@ -56,65 +47,46 @@ HISTORY_KEPT = 20  # checkpoint paths remembered in the run state
 
 
 class Coordinator:
-    def __init__(
-        self,
-        *,
-        config: TandemConfig,
-        run_dir: Path,
-        trainer: TrainerApi,
-        critic: TrainerApi | None,
-        pool: RolloutPoolApi,
-        sync: WeightSyncApi,
-        data: PromptSource,
-        buffer: BufferApi | None,
-        trackers: list[Tracker],
-        eval_prompts: Callable[[], list[PromptRecord]],
-        generations: Executor,
-        evals: Executor,
-        events: EventLog | None = None,
-        clock: Clock | None = None,
-        train_retry: RetryPolicy = TRAIN_RETRY,
-    ):
-        self.config = config
+    def __init__(self, parts: CoordinatorParts):
+        self.parts = parts
+        config = self.config = parts.config
         self.loop_cfg = config.loop
         self.inflight_update = config.rollout.inflight_update
-        self.run_dir = run_dir
-        self.trainer = trainer
-        self.critic = critic
-        self.pool = pool
-        self.sync = sync
-        self.data = data
-        self.buffer = buffer  # the run's Redis buffer: resume bookkeeping and critic-only steps
-        self.trackers = trackers
-        self.generations = generations  # runs pool.generate beside the loop
-        self.events = events or EventLog()
-        self.clock = clock or SystemClock()
-        self.train_retry = train_retry
+        self.run_dir = parts.run_dir
+        self.trainer, self.critic, self.pool, self.sync = parts.trainer, parts.critic, parts.pool, parts.sync
+        self.data, self.buffer, self.trackers = parts.data, parts.buffer, parts.trackers
+        self.generations, self.events, self.clock = parts.generations, parts.events, parts.clock
+        self.train_retry = parts.train_retry
         self.control = Control()
-        self.num_rollout = runfacts.num_rollout(config, dataset_size=data.size)
+        self.num_rollout = runfacts.num_rollout(config, dataset_size=self.data.size)
         self.state = RunState()
         self.memory = MemoryMoves(
-            trainer=trainer,
-            pool=pool,
+            trainer=self.trainer,
+            pool=self.pool,
             offload_train=config.loop.offload_train,
             offload_rollout=config.loop.offload_rollout,
             clock=self.clock,
         )
         self.evals = Evaluator(
-            pool=pool,
+            pool=self.pool,
             rollout=config.rollout,
-            prompts=eval_prompts,
-            executor=evals,
-            trackers=trackers,
+            prompts=parts.eval_prompts,
+            executor=parts.evals,
+            trackers=self.trackers,
             events=self.events,
             weight_version=lambda: self.state.weight_version,
         )
         self.step_spans = StepSpans()  # one trace per rollout id, opened when its generation starts
         self.generator = Generator(
-            config=config, pool=pool, data=data, executor=generations, spans=self.step_spans, clock=self.clock
+            config=config,
+            pool=self.pool,
+            data=self.data,
+            executor=self.generations,
+            spans=self.step_spans,
+            clock=self.clock,
         )
         self.stream = (
-            GroupStream(config=config, pool=pool, data=data, executor=generations, clock=self.clock)
+            GroupStream(config=config, pool=self.pool, data=self.data, executor=self.generations, clock=self.clock)
             if config.loop.mode == "streaming"
             else None
         )
@@ -311,7 +283,7 @@ class Coordinator:
             weight_version=self.state.weight_version,
             entries=len(gen.entry_ids),
             staleness=metrics.get("rollout/staleness"),
-        ):
+        ) as train_span:
             t = self.clock.monotonic()
 
             def request(*, use_critic_values: bool) -> TrainRequest:
@@ -331,6 +303,7 @@ class Coordinator:
             else:
                 reply = self._train(self.trainer, request(use_critic_values=self.critic is not None))
                 metrics.update(prefixed("train", reply.metrics))
+                set_attributes(train_span, **span_attributes(reply.metrics))
             metrics["perf/train_time_s"] = self.clock.monotonic() - t
         generated = int(metrics.get("rollout/num_samples", 0))
         self.state = self.state.trained(

@@ -16,7 +16,7 @@ from services.contracts.files import read_json_rows
 PANELS = (
     ("reward", ("rollout/reward_mean", "eval/reward_mean")),
     ("response length (tokens)", ("rollout/response_len_mean", "eval/response_len_mean")),
-    ("KL to the reference", ("train/kl",)),
+    ("KL to the reference or the teacher", ("train/kl", "distill/reverse_kl")),
 )
 STEP_TIME_TITLE = "step time breakdown (s)"
 # Parts of perf/step_time_s, stacked; what they leave unexplained is drawn as "other".
@@ -60,7 +60,9 @@ def _line_panel(ax: Any, rows: list[dict], *, title: str, keys: tuple[str, ...])
         ax,
         title=title,
         empty=not drawn,
-        hint="train/kl appears when algorithm.kl_coef > 0" if "train/kl" in keys else "",
+        hint="train/kl appears when algorithm.kl_coef > 0, distill/reverse_kl with algorithm.distillation"
+        if "train/kl" in keys
+        else "",
     )
     return Panel(title=title, keys=tuple(drawn), points=count)
 

@@ -3,33 +3,24 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 
-from services.buffer.stream import RolloutBuffer, connect, stream_key
 from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
 from services.contracts.failure import clear_failure, write_failure
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.coordinator.builder import build_coordinator
 from services.coordinator.call_errors import failure_record
-from services.coordinator.clients import make_clients
-from services.coordinator.data import DataSource, load_eval_prompts
 from services.coordinator.loop import Coordinator
-from services.coordinator.policy import sync_pause_mode
-from services.coordinator.pool import RolloutPool
-from services.coordinator.retry import generate_retry
-from services.coordinator.sync import WeightSync
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.shutdown import StopSignals, exit_now
 from services.telemetry.tracing import TRACEBACK_TO_FILE, setup_logging, setup_tracing, shutdown_tracing
-from services.telemetry.tracker_registry import make_trackers
 
 log = logging.getLogger(__name__)
 
@@ -117,53 +108,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 )
 
 
-def build_coordinator(config: TandemConfig, *, run_dir: Path) -> tuple[Coordinator, RolloutBuffer | None]:
-    """The coordinator of `config` with its real collaborators: gRPC clients, the Redis buffer, the data file."""
-    data = DataSource.from_config(config.data, batch_size=config.rollout.rollout_batch_size)
-    trainer, critic, replicas = make_clients(config)
-    buffer = None
-    if config.redis.url:
-        groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
-        buffer = RolloutBuffer(
-            connect(
-                config.redis.url, password=config.redis.password, timeout_s=config.services.timeouts.redis_socket_s
-            ),
-            stream_key(config.redis.stream_prefix, config.run_name),
-            groups=groups,
-        )
-    pool = RolloutPool(
-        replicas, retry=generate_retry(config.loop.max_retries), discard=buffer.delete if buffer is not None else None
-    )
-    sync = WeightSync(
-        trainer=trainer,
-        pool=pool,
-        config=config.weights,
-        trainer_offloads=config.loop.offload_train,
-        pause_mode=sync_pause_mode(config.rollout.inflight_update),
-    )
-    trackers = make_trackers(config.tracing.trackers, run_dir=run_dir, run_name=config.run_name)
-    coordinator = Coordinator(
-        config=config,
-        run_dir=run_dir,
-        trainer=trainer,
-        critic=critic,
-        pool=pool,
-        sync=sync,
-        data=data,
-        buffer=buffer,
-        trackers=trackers,
-        eval_prompts=functools.partial(load_eval_prompts, config.data),
-        # fully_async keeps one generation per replica in flight, plus the one the trainer waits for; streaming
-        # one Generate per group in flight
-        generations=ThreadPoolExecutor(
-            max_workers=config.streaming_groups_in_flight if config.loop.mode == "streaming" else pool.size + 1,
-            thread_name_prefix="generate",
-        ),
-        evals=ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval"),
-    )
-    return coordinator, buffer
-
-
 def main(config: TandemConfig, *, run_dir: Path) -> int:
     setup_logging("coordinator", config.tracing.log_level, str(run_dir / "logs" / "coordinator.log"))
     setup_tracing(
@@ -174,7 +118,7 @@ def main(config: TandemConfig, *, run_dir: Path) -> int:
     )
     clear_failure(run_dir)  # a record of an earlier coordinator is not this one's
     try:
-        coordinator, _ = build_coordinator(config, run_dir=run_dir)
+        coordinator = Coordinator(build_coordinator(config, run_dir=run_dir))
     except (ValueError, FileNotFoundError) as exc:  # bad data (file and line named): a restart would repeat it
         return _failed(exc, run_dir=run_dir, kept="", starting=True)
     s = config.services

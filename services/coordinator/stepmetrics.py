@@ -12,6 +12,15 @@ def prefixed(prefix: str, metrics: Mapping[str, float]) -> dict[str, float]:
     return {(k if "/" in k else f"{prefix}/{k}"): float(v) for k, v in metrics.items()}
 
 
+SPAN_NAMESPACES = ("mismatch/", "distill/")  # the trainer's metrics that also go on the step's rl.train span
+
+
+def span_attributes(train_metrics: Mapping[str, float]) -> dict[str, float]:
+    """The trainer's `mismatch/*` and `distill/*` metrics as attributes of the step's `rl.train` span:
+    `rl.mismatch.kl`, `rl.distill.reverse_kl`, ..."""
+    return {f"rl.{k.replace('/', '.')}": float(v) for k, v in train_metrics.items() if k.startswith(SPAN_NAMESPACES)}
+
+
 def weighted_mean(parts: Sequence[Mapping[str, float]], weights: Sequence[float]) -> dict[str, float]:
     """Combines per-replica metric dicts, weighting each by its sample (or prompt) count."""
     total = sum(weights)

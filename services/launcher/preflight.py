@@ -43,6 +43,7 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
     from services.rollout.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+    check_teacher(config, tokenizer)
     prompts = model_prompts(config, records, tokenizer)
     check_prompt_lengths(config, records, prompts)
     return unencodable_text(config, records, prompts, tokenizer) + missing_labels(config, records)
@@ -273,6 +274,29 @@ def check_model(config: TandemConfig, *, init_model: bool) -> None:
         "--init-model: building a random-init %s model%s at %s", preset, f" ({body} body)" if body else "", path
     )
     build(path, preset=preset, body=body)
+
+
+def check_teacher(config: TandemConfig, student: PreTrainedTokenizerBase) -> None:
+    """algorithm.distillation's teacher is a model whose tokenizer is the student's: it scores the student's token
+    ids, so another tokenizer would read them as other text."""
+    distill = config.algorithm.distillation
+    if distill is None:
+        return
+    from services.contracts.algorithm_config import TEACHER_KEY
+    from services.rollout.tokenizer import load_tokenizer, tokenizer_mismatch
+
+    try:
+        distill.check_teacher_dir()
+        teacher = load_tokenizer(distill.teacher_path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(exc) if str(exc).startswith(TEACHER_KEY) else f"{TEACHER_KEY}: {exc}") from None
+    problem = tokenizer_mismatch(student, teacher)
+    if problem:
+        raise ConfigError(
+            f"{TEACHER_KEY}: the teacher at {distill.teacher_path} does not share the student's tokenizer "
+            f"({config.model.tokenizer_path or config.model.path}): {problem}; distil from a teacher of the same "
+            "tokenizer (a model of the same family)"
+        )
 
 
 def check_lora(config: TandemConfig) -> None:

@@ -22,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.contracts.chat_messages import ChatMessage
+from services.contracts.config import TandemConfig
 from services.contracts.sampling_spec import SamplingSpec
 from services.rollout.chat_template import ChatTemplateError
+from services.rollout.engines.engine_errors import EngineUnavailable
 from services.rollout.engines.interface import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Engine, SampleOutput
 from services.rollout.environments import (
     Action,
@@ -40,7 +42,12 @@ from services.rollout.environments import (
     observation_ids,
     observation_message,
 )
+from services.rollout.rewards import resolve_reward
+from services.rollout.samples import SampleRequest, Scored, Scorer, refuse_aborted
 from services.rollout.sync_bridge import run_coroutine
+from services.rollout.tokenizer import Texts
+from services.rpc.grpc_util import FailedPrecondition
+from services.telemetry import tracing
 
 # How an episode ended. On the wire: done -> stop; max_turns and context -> length (it was cut); abort -> abort.
 END_DONE, END_MAX_TURNS, END_CONTEXT, END_ABORT = "done", "max_turns", "context", "abort"
@@ -302,3 +309,96 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     for end in (END_DONE, END_MAX_TURNS, END_CONTEXT):
         out[f"env_end_{end}_frac"] = sum(e.end == end for e in episodes) / n
     return out
+
+
+class EpisodeSource:
+    """The sample source of a run with rollout.environment (samples.SampleSource): n episodes per prompt, each
+    scored by its environment (plus the reward function under rollout.episode_reward env_plus_reward)."""
+
+    def __init__(
+        self,
+        config: TandemConfig,
+        *,
+        engine: Engine,
+        texts: Texts,
+        environment: EnvironmentPlugin,
+        default_reward: Scorer,
+    ):
+        self.config, self.engine, self.texts = config, engine, texts
+        self.environment, self.default_reward = environment, default_reward
+
+    def reward_for(self, spec: str | None) -> Scorer:
+        """A request's reward, else the configured one; with the environment scoring alone none may be named."""
+        if spec and self.config.rollout.episode_reward == "env":
+            raise ValueError(
+                f"the request names reward {spec!r}, but rollout.episode_reward is env: the "
+                f"environment {self.environment.spec} scores each episode alone (set "
+                "rollout.episode_reward: env_plus_reward to add a reward function)"
+            )
+        return resolve_reward(spec) if spec else self.default_reward
+
+    def metadata(self) -> Mapping[str, str]:
+        ro = self.config.rollout
+        return {
+            "environment": self.environment.spec,
+            "max_turns": str(ro.max_turns),
+            "episode_reward": ro.episode_reward,
+        }
+
+    def sample(self, request: SampleRequest) -> Scored:
+        samples = [
+            EpisodeSample(
+                prompt=text,
+                prompt_ids=tuple(ids),
+                label=p.label,
+                metadata=p.reward_metadata(),
+                group_id=p.group_id,
+                sample_index=j,
+                messages=p.messages,
+            )
+            for p, ids, text in zip(request.prompts, request.inputs.ids, request.inputs.texts, strict=True)
+            for j in range(request.n)
+        ]
+        try:
+            played = self._rollout().run(samples, request.sampling)
+        except EngineUnavailable as exc:
+            raise FailedPrecondition(str(exc)) from exc
+        outputs = [e.output for e in played.episodes]
+        refuse_aborted(outputs, request.rollout_id)
+        tokens = sum(len(o.token_ids) for o in outputs)
+        tracing.set_attributes(request.span, tokens=tokens, environment=self.environment.spec)
+        responses = [self.texts.decode(o.token_ids) for o in outputs]
+        rewards = [e.reward for e in played.episodes]
+        t = time.monotonic()
+        if self.config.rollout.episode_reward == "env_plus_reward":
+            scores = request.reward.score(
+                prompts=[s.prompt for s in samples],
+                responses=responses,
+                labels=[s.label for s in samples],
+                metadatas=[dict(s.metadata) for s in samples],
+            )
+            rewards = [a + b for a, b in zip(rewards, scores, strict=True)]
+        return Scored(
+            prompt_ids=[list(e.prompt_ids) for e in played.episodes],
+            outputs=outputs,
+            rewards=rewards,
+            responses=responses,
+            generate_s=played.engine_s,
+            reward_s=played.environment_s + time.monotonic() - t,
+            loss_masks=[list(e.loss_mask) for e in played.episodes],
+            metrics={**episode_metrics(played.episodes), "env_time_s": played.environment_s},
+        )
+
+    def _rollout(self) -> MultiTurnRollout:
+        ro = self.config.rollout
+        return MultiTurnRollout(
+            engine=self.engine,
+            plugin=self.environment,
+            encode=self.texts.encode_text,
+            decode=self.texts.decode,
+            max_turns=ro.max_turns,
+            step_timeout_s=ro.environment_timeout_s,
+            vocab_size=self.texts.vocab_size,
+            wait_timeout_s=self.config.loop.step_timeout_s,
+            chat=self.texts,
+        )

@@ -1,8 +1,8 @@
 """Reward functions: built-ins and a plug-in point.
 
 `rollout.reward` is a built-in name (`exact_match`, `numeric_match`, `math_answer`, `math_verify`, `digit_task`;
-services/rollout/math_rewards.py has the math ones) or `module:function`
-(`my_pkg.rewards:score`) or `path/to/file.py:function` (a relative path is tried against the working
+services/rollout/math_rewards.py has the math ones; `none`, 0 for every sample, for pure distillation) or
+`module:function` (`my_pkg.rewards:score`) or `path/to/file.py:function` (a relative path is tried against the working
 directory, then the repository root). A function is either
 
 - per sample: `fn(prompt, response, label, metadata) -> float`, or
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from services.contracts.rollout_config import NO_REWARD
 from services.rollout import math_rewards
 from services.rollout.sync_bridge import run_coroutine
 from services.rpc.grpc_util import Unavailable
@@ -139,7 +140,13 @@ def digit_task(prompt: str, response: str, label: str, metadata: dict[str, str])
     return float(response.split() == [label.strip()])
 
 
+def no_reward(prompt: str, response: str, label: str, metadata: dict[str, str]) -> float:
+    """`rollout.reward: none`: 0 for every sample, for pure distillation (the config refuses it without a teacher)."""
+    return 0.0
+
+
 BUILTIN_REWARDS: dict[str, Callable[..., float]] = {
+    NO_REWARD: no_reward,
     "exact_match": exact_match,
     "numeric_match": numeric_match,
     "digit_task": digit_task,

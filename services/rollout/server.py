@@ -21,6 +21,7 @@ from services.contracts.config import TandemConfig
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.contracts.sampling_spec import SamplingSpec
+from services.rollout.builder import build_rollout
 from services.rollout.service import PromptInput, RolloutService
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.shutdown import StopSignals, begin_stop, exit_now
@@ -207,7 +208,7 @@ def main(config: TandemConfig, *, run_dir: Path, replica: int) -> int:
         file_path=config.tracing.file_path or str(run_dir / "traces.jsonl"),
     )
     try:
-        service = RolloutService(config, replica=replica)
+        service = RolloutService(build_rollout(config, replica=replica))
     except (OSError, ValueError, NotImplementedError) as exc:
         print(
             f"tandem rollout: could not start: {type(exc).__name__}: {exc}".replace("\n", " "),

@@ -193,3 +193,18 @@ class Texts:
             if backend is not None:
                 return list(backend.decode_batch(seqs, skip_special_tokens=False))
             return [self._decode(s, skip_special_tokens=False) for s in seqs]
+
+
+def tokenizer_mismatch(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> str | None:
+    """Why the teacher cannot score the student's token ids (it would read them as other text), or None: the
+    vocabularies (token -> id, added tokens included) must be equal. Chat templates and which token plays EOS may
+    differ: the teacher only scores the student's ids, it never renders or generates."""
+    s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
+    if s_vocab != t_vocab:
+        differ = sorted(tok for tok in s_vocab.keys() | t_vocab.keys() if s_vocab.get(tok) != t_vocab.get(tok))
+        shown = ", ".join(f"{tok!r}: {s_vocab.get(tok)} vs {t_vocab.get(tok)}" for tok in differ[:3])
+        return (
+            f"its vocabulary differs from the student's ({len(s_vocab)} vs {len(t_vocab)} tokens, {len(differ)} "
+            f"mapped differently; student id vs teacher id: {shown})"
+        )
+    return None

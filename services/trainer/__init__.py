@@ -13,15 +13,17 @@ executed in lockstep with `match`).
 
 Modules (each is listed; a test keeps this list whole):
 - flat: `server` (gRPC), `service` (TrainerService, the facade: train/save/load/prepare_weight_sync/
-  publish_weights/offload/onload/get_state), `builder` (TrainerParts from the config), `parts` and `ranks` (the
-  parts' Protocols and every rank's parts), `commands`, `ledger` (exactly-once records of Train, checkpointed),
-  `training` (rank 0's Redis side of Train; every rank's step), `checkpointing` (Save/Load, layout files, retention,
-  RNG), `publishing` (weight sync to the engines, old-actor snapshots), `update` (the micro-batch loop and optimizer
-  step the actor and critic share), `batching` (merge, validate, shard, token-budget micro-batches), `dist`
-  (process group, relay).
-- `algo/`: `actor` and `critic` (their losses over `update`), `losses`, `advantages`, `scoring`, `head_math` and
+  publish_weights/offload/onload/get_state), `builder` (TrainerParts from the config), `parts` (the five parts, one
+  Protocol each), `ranks` (a command run on every rank over the parts), `commands`, `ledger` (exactly-once records of
+  Train, checkpointed), `training` (rank 0's Redis side of Train; every rank's step), `checkpointing` (Save/Load,
+  layout files, retention, RNG), `publishing` (weight sync to the engines, old-actor snapshots), `update` (the
+  micro-batch loop and optimizer step the actor and critic share), `batching` (merge, validate, shard, token-budget
+  micro-batches), `dist` (process group, relay).
+- `algo/`: `actor` and `critic` (their losses over `update`), `losses`, `advantages`, `estimators` (the algorithm
+  table's functions: an advantage estimator and a policy loss per name), `rollout_correction` (importance weights,
+  rejection and veto on the trainer/behaviour ratio; the mismatch metrics), `scoring`, `head_math` and
   `head_scoring` (log-probs chunked over the LM head), `old_actor`, `selection` (stale filter, dynamic sampling,
-  overlong filter).
+  overlong filter), `distillation` (on-policy distillation's teacher and its two modes).
 - `model/`: `backend` (DeepSpeed engine, value model, lr schedule), `flat_adamw`, `weight_export` (HF-named full
   tensors, ZeRO-3 gathers), `lora` (trainer.lora through peft: targets, merged export, adapter-off reference,
   adapter files).

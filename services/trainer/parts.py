@@ -1,14 +1,15 @@
-"""What TrainerService is made of, each part behind a small Protocol: the service decides and sequences, the parts
-do. builder.py wires the real ones (DeepSpeed, Redis, the weight transports); tests/test_trainer_unit.py wires fakes
-that record their calls, and runs the real service and the real rank commands over them.
+"""What TrainerService is made of: five parts, each behind one Protocol, each under one name. The service decides and
+sequences, the parts do; the rank commands (ranks.py) run on every rank over the same parts. builder.py wires the
+real ones (DeepSpeed, Redis, the weight transports); tests/test_trainer_unit.py wires fakes that record their
+calls, and runs the real service and the real rank commands over them.
 
-    backend      the model's engine as the service sees it: offloaded or not, and its close
-    rollouts     rank 0's side of Train: the named Redis entries, the batch selected from them, acks (training.py)
-    handoffs     the critic's values of the rollout it trained last, for the actor (training.TrainStep)
-    checkpoints  where a Save goes, whether it is there already, what a Load reads (checkpointing.py)
-    weights      the weight-sync plan and its checksums (publishing.py)
-    ledger       the exactly-once books (ledger.py), a plain class: the real one in tests too
-    ranks        every rank's half of a command (ranks.RankCommands over the parts above, on each rank)
+    backend      Backend      the model under DeepSpeed (model/backend.py): offload and onload, close
+    rollouts     Rollouts     rank 0's Redis side of Train: the named entries, the batch selected, acks (training.py)
+    step         Step         every rank's Train step, and the critic's values it leaves for the actor (training.py)
+    checkpoints  Checkpoints  Save and Load on every rank; where a Save goes, what a Load reads (checkpointing.py)
+    weights      Weights      the weight-sync plan, its checksums and the publish on every rank (publishing.py)
+and the plain objects beside them: the ledger (ledger.py: the exactly-once books, the real one in tests too) and
+the relay that carries commands to the other ranks (dist.py).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from services.contracts.config import TandemConfig
 from services.contracts.trainer_calls import TrainerRole
+from services.trainer.dist import CommandRelay
 from services.trainer.ledger import TrainLedger
-from services.trainer.ranks import Checksums, RankCommands
 
 if TYPE_CHECKING:
     import torch
@@ -30,8 +31,12 @@ if TYPE_CHECKING:
     from services.trainer.algo.critic import ValueHandoff
     from services.trainer.algo.selection import Selection
     from services.trainer.checkpointing import FoundCheckpoint
+    from services.trainer.commands import Load, Save, Train
     from services.weights.layout import TensorSpec
-    from services.weights.transport_base import WeightSyncPlan
+    from services.weights.transport_base import SyncStats, WeightSyncPlan
+
+# What WeightChecksums answers on rank 0: name -> checksum, or one checksum per bucket of the plan.
+Checksums = dict[str, str] | list[str]
 
 
 @dataclass(frozen=True)
@@ -47,10 +52,12 @@ class Backend(Protocol):
     @property
     def offloaded(self) -> bool: ...
     def check_offload_supported(self) -> None: ...
+    def offload(self) -> str: ...
+    def onload(self) -> str: ...
     def close(self) -> None: ...
 
 
-class RolloutReader(Protocol):
+class Rollouts(Protocol):
     def read(self, entry_ids: list[str], num_batches: int) -> list[BufferEntry]: ...
     def prepare(
         self, entries: list[BufferEntry], *, rollout_id: int, max_staleness: int, use_critic_values: bool
@@ -58,18 +65,21 @@ class RolloutReader(Protocol):
     def commit(self, rollout_id: int, entry_ids: list[str], handoff: ValueHandoff | None) -> None: ...
 
 
-class Handoffs(Protocol):
+class Step(Protocol):
+    def run(self, command: Train) -> dict[str, float]: ...
     def handoff_for(self, rollout_id: int) -> ValueHandoff | None: ...
 
 
-class CheckpointPlaces(Protocol):
+class Checkpoints(Protocol):
     def save_dir(self, rollout_id: int, path: str = "") -> Path: ...
     def holds_step(self, directory: Path, step: int) -> bool: ...
     def find(self, path: str = "") -> FoundCheckpoint | None: ...
     def restore(self, found: FoundCheckpoint) -> None: ...
+    def write(self, command: Save) -> None: ...
+    def read(self, command: Load) -> None: ...
 
 
-class WeightPlans(Protocol):
+class Weights(Protocol):
     @property
     def trainer_id(self) -> str: ...
     def specs(self) -> list[TensorSpec]: ...
@@ -81,6 +91,9 @@ class WeightPlans(Protocol):
     def add_checksums(self, plan: WeightSyncPlan, sums: Checksums, *, seconds: float) -> None: ...
     def check_prepared(self, version: int) -> None: ...
     def forget_plan(self) -> None: ...
+    def checksums(self, *, by_bucket: bool = False) -> Checksums | None: ...  # None on ranks > 0
+    def publish(self, version: int) -> SyncStats | None: ...  # None on ranks > 0
+    def release(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -90,10 +103,10 @@ class TrainerParts:
     role: TrainerRole
     world: World
     backend: Backend
-    rollouts: RolloutReader
-    handoffs: Handoffs
-    checkpoints: CheckpointPlaces
-    weights: WeightPlans
+    rollouts: Rollouts
+    step: Step
+    checkpoints: Checkpoints
+    weights: Weights
     ledger: TrainLedger
-    ranks: RankCommands
+    relay: CommandRelay
     unloaded: Path | None  # a checkpoint written before this trainer started and not loaded yet: Train waits for Load

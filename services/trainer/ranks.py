@@ -8,8 +8,7 @@ in `RankCommands.serve` until `Shutdown`. With one rank the relay is a no-op, so
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Protocol, overload
+from typing import overload
 
 from services.trainer.commands import (
     Command,
@@ -24,48 +23,16 @@ from services.trainer.commands import (
     decode,
     encode,
 )
-from services.trainer.dist import CommandRelay
+from services.trainer.parts import Checksums, TrainerParts
 from services.weights.transport_base import SyncStats
 
 log = logging.getLogger(__name__)
 
-# What WeightChecksums answers on rank 0: name -> checksum, or one checksum per bucket of the plan.
-Checksums = dict[str, str] | list[str]
 RankResult = dict[str, float] | Checksums | SyncStats | str | None
 _ANSWERED = (Train, WeightChecksums, PublishWeights, Offload, Onload)  # rank 0 gets a value back from these
 
 
-class StepRunner(Protocol):
-    def run(self, command: Train) -> dict[str, float]: ...
-
-
-class CheckpointFiles(Protocol):
-    def write(self, command: Save) -> None: ...
-    def read(self, command: Load) -> None: ...
-
-
-class WeightSender(Protocol):
-    def checksums(self, *, by_bucket: bool = False) -> Checksums | None: ...  # None on ranks > 0
-    def publish(self, version: int) -> SyncStats | None: ...  # None on ranks > 0
-    def release(self) -> None: ...
-
-
-class DeviceMemory(Protocol):
-    def offload(self) -> str: ...
-    def onload(self) -> str: ...
-
-
-@dataclass(frozen=True)
-class RankParts:
-    """What a rank executes commands with."""
-
-    memory: DeviceMemory
-    step: StepRunner
-    checkpoints: CheckpointFiles
-    weights: WeightSender
-
-
-def execute(command: Command, parts: RankParts) -> RankResult:
+def execute(command: Command, parts: TrainerParts) -> RankResult:
     """Runs a command on this rank; returns what rank 0 answers with (None where it answers nothing)."""
     match command:
         case Train():
@@ -82,9 +49,9 @@ def execute(command: Command, parts: RankParts) -> RankResult:
             return parts.weights.publish(version)
         case Offload():
             parts.weights.release()  # cuda_ipc buckets: the next sync allocates them again
-            return parts.memory.offload()
+            return parts.backend.offload()
         case Onload():
-            return parts.memory.onload()
+            return parts.backend.onload()
         case Shutdown():
             return None
     raise TypeError(f"not a trainer command: {command!r}")
@@ -93,8 +60,8 @@ def execute(command: Command, parts: RankParts) -> RankResult:
 class RankCommands:
     """Rank 0 relays a command and executes it; ranks > 0 execute relayed commands. One rank: no relay."""
 
-    def __init__(self, relay: CommandRelay, parts: RankParts):
-        self.relay, self.parts = relay, parts
+    def __init__(self, parts: TrainerParts):
+        self.relay, self.parts = parts.relay, parts
 
     @overload
     def run(self, command: Train) -> dict[str, float]: ...

@@ -200,7 +200,7 @@ def main(config: TandemConfig, *, run_dir: Path, role: str) -> int:
     from services.trainer.service import TrainerService
 
     hf_logging.disable_progress_bar()
-    service = TrainerService(build_trainer(config, run_dir=run_dir, role=role).parts())
+    service = TrainerService(build_trainer(config, run_dir=run_dir, role=role))
     if service.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
         service.serve_worker()

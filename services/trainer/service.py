@@ -22,6 +22,7 @@ from services.telemetry.tracing import set_attributes, span
 from services.tensors.devices import cuda_reserved_bytes
 from services.trainer.commands import Load, Offload, Onload, PublishWeights, Save, Train, WeightChecksums
 from services.trainer.parts import TrainerParts
+from services.trainer.ranks import RankCommands
 from services.trainer.training import check_train_request
 
 if TYPE_CHECKING:
@@ -38,7 +39,8 @@ class TrainerService:
     def __init__(self, parts: TrainerParts):
         self.parts = parts
         self.config, self.role, self.world = parts.config, parts.role, parts.world
-        self.ledger, self.ranks = parts.ledger, parts.ranks  # rank 0's ledger is authoritative: checkpoints hold it
+        self.ledger = parts.ledger  # rank 0's ledger is authoritative: checkpoints hold it
+        self.ranks = RankCommands(parts)
         self._lock = threading.Lock()
         # A trainer (re)started where checkpoints exist must Load before it trains: otherwise a coordinator
         # that outlived the old process would continue its run on the initial weights.
@@ -205,7 +207,7 @@ class TrainerService:
         return reply
 
     def _commit(self, rollout_id: int, entry_ids: list[str]) -> None:
-        self.parts.rollouts.commit(rollout_id, entry_ids, self.parts.handoffs.handoff_for(rollout_id))
+        self.parts.rollouts.commit(rollout_id, entry_ids, self.parts.step.handoff_for(rollout_id))
 
     # ---- Save / Load ------------------------------------------------------------------------------
 

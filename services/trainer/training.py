@@ -27,6 +27,7 @@ from services.trainer.algo.critic import (
     read_handoff,
     values_for_batch,
 )
+from services.trainer.algo.distillation import load_teacher
 from services.trainer.algo.old_actor import OldActor
 from services.trainer.algo.selection import Selection, select_samples, truncated_samples
 from services.trainer.batching import check_trainable, merge_batches
@@ -157,7 +158,7 @@ class RolloutSource:
                 selection.batch,
                 vocab_size=self.limits.vocab_size,
                 max_positions=self.limits.max_positions,
-                needs_rollout_log_probs=algo.use_rollout_logprobs or algo.use_tis,
+                needs_rollout_log_probs=algo.use_rollout_logprobs or algo.rollout_correction.active,
             )
         return selection
 
@@ -189,6 +190,9 @@ class TrainStep:
         self.config, self.role, self.rank, self.backend, self.old_actor = config, role, rank, backend, old_actor
         # the KL term's reference: the initial weights, frozen (with LoRA the model with its adapters off)
         self.ref_model = reference_model(config, backend) if role == "actor" and config.algorithm.kl_coef > 0 else None
+        # on-policy distillation's teacher: frozen like the reference, on the device through an Offload, never saved
+        distill = role == "actor" and config.algorithm.distillation is not None
+        self.teacher = load_teacher(config, backend.device) if distill else None
         self._handoff: tuple[int, ValueHandoff] | None = None  # critic, rank 0: the last one, for replays
 
     def run(self, command: Train) -> dict[str, float]:
@@ -201,6 +205,7 @@ class TrainStep:
                 ref_model=self.ref_model,
                 old_actor=self.old_actor,
                 token_budget=budget,
+                teacher=self.teacher,
             )
         metrics, (values, advantages, returns) = critic_step(
             backend=self.backend, batch=command.batch, algo=algo, token_budget=budget

@@ -1,5 +1,5 @@
-"""One policy update (PPO or GSPO loss; GRPO, RLOO, REINFORCE++ or critic (GAE) advantages) over a whole TrainBatch,
-on every rank in lockstep.
+"""One policy update (a policy loss and an advantage estimator of the algorithm table, estimators.py) over a whole
+TrainBatch, on every rank in lockstep.
 
 Global per-token quantities (advantages, aggregation weights) are computed from the full batch that every
 rank holds; forward passes only cover the rank's shard. Per-token results of a pre-pass that other ranks
@@ -13,32 +13,19 @@ sampling distribution, the KL to the reference the tempered one. docs/algorithms
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
 from services.contracts.config import AlgorithmConfig
-from services.trainer.algo.advantages import (
-    discounted_returns,
-    gae,
-    grpo_advantages,
-    per_sample_sum,
-    per_token,
-    rloo_advantages,
-    token_rewards,
-    whiten,
-)
+from services.trainer.algo.distillation import Teacher, distillation_loss, distilled_advantages, reverse_kl
+from services.trainer.algo.estimators import compute_advantages, policy_loss_fn
 from services.trainer.algo.head_scoring import BEHAVIOUR_ROW, ENTROPY_ROW, TEMPERED_ROW
-from services.trainer.algo.losses import (
-    PolicyLossConfig,
-    Sequences,
-    gspo_policy_loss,
-    kl_estimate,
-    ppo_policy_loss,
-    tis_weights,
-)
+from services.trainer.algo.losses import PolicyLossConfig, Sequences, kl_estimate
 from services.trainer.algo.old_actor import OldActor
+from services.trainer.algo.rollout_correction import TokenSequences, correct, mismatch_metrics
 from services.trainer.algo.scoring import TokenSampling
 from services.trainer.batching import MicroBatch, TrainBatch
 from services.trainer.dist import all_reduce_sum
@@ -62,50 +49,6 @@ def owned_tokens(num_tokens: int, mbs: list[MicroBatch], device: torch.device) -
     return out
 
 
-def compute_advantages(batch: TrainBatch, algo: AlgorithmConfig, kl_penalty: torch.Tensor | None) -> torch.Tensor:
-    """Per-token advantages. `kl_penalty` (kl_coef x per-token KL, full batch) shapes the rewards: per token for the
-    estimators with per-token returns (gae, reinforce_pp), summed over each sample's trainable tokens for the rest."""
-    lengths, mask = batch.response_lengths, batch.loss_mask
-    match algo.advantage_estimator:
-        case "gae":
-            if batch.values is None:
-                raise ValueError("advantage_estimator gae needs the critic's values (Train with use_critic_values)")
-            advantages, _ = gae(
-                rewards=token_rewards(batch.rewards, lengths, mask, kl_penalty),
-                values=batch.values,
-                response_lengths=lengths,
-                loss_mask=mask,
-                gamma=algo.gamma,
-                lambd=algo.lambd,
-            )
-            return whiten(advantages, mask) if algo.whiten_advantages else advantages
-        case "reinforce_pp":
-            returns = discounted_returns(
-                rewards=token_rewards(batch.rewards, lengths, mask, kl_penalty),
-                response_lengths=lengths,
-                loss_mask=mask,
-                gamma=algo.gamma,
-            )
-            return whiten(returns, mask)
-        case "rloo":
-            return per_token(rloo_advantages(_sample_rewards(batch, kl_penalty), batch.group_ids), lengths)
-        case "reinforce_pp_baseline":
-            centred = grpo_advantages(_sample_rewards(batch, kl_penalty), batch.group_ids, normalize_std=False)
-            return whiten(per_token(centred, lengths), mask)
-        case _:
-            adv = grpo_advantages(
-                _sample_rewards(batch, kl_penalty), batch.group_ids, normalize_std=algo.normalize_advantage_std
-            )
-            return per_token(adv, lengths)
-
-
-def _sample_rewards(batch: TrainBatch, kl_penalty: torch.Tensor | None) -> torch.Tensor:
-    """Each sample's reward minus its KL penalty summed over its trainable tokens."""
-    if kl_penalty is None:
-        return batch.rewards
-    return batch.rewards - per_sample_sum(kl_penalty * batch.loss_mask, batch.response_lengths)
-
-
 def frozen_pass(
     model: torch.nn.Module,
     backend: UpdateBackend,
@@ -114,9 +57,11 @@ def frozen_pass(
     sampling: TokenSampling,
     *,
     tempered: bool,
+    vocab: int | None = None,
 ) -> torch.Tensor:
-    """Log-probs of this rank's response tokens under a frozen model (reference, old actor; the trained model's
-    vocabulary and scoring chunk), full-batch vector on the device. `sampling` is on the device."""
+    """Log-probs of this rank's response tokens under a frozen model (reference, old actor, distillation teacher;
+    the trained model's scoring chunk, and its vocabulary unless `vocab` gives the frozen model's own), full-batch
+    vector on the device. `sampling` is on the device."""
     return per_token_pass(
         num_tokens,
         mbs,
@@ -126,7 +71,7 @@ def frozen_pass(
             backend.device,
             sampling=sampling.at(mb.token_index),
             tempered=tempered,
-            vocab=backend.vocab_size,
+            vocab=vocab or backend.vocab_size,
             chunk_tokens=backend.chunk_tokens,
             compiled=backend.compiled_scoring,
         ),
@@ -182,6 +127,17 @@ def reward_kl_penalty(
     return algo.kl_coef * all_reduce_sum(kl).cpu()
 
 
+def teacher_pass(
+    *, teacher: Teacher | None, backend: UpdateBackend, mbs: list[MicroBatch], sampling: TokenSampling, num_tokens: int
+) -> torch.Tensor | None:
+    """algorithm.distillation: the teacher's tempered log-probs of this rank's tokens, on the device. The student's
+    come from the update's own forward (one optimizer step per Train: its scores are the policy's before the update),
+    so distillation costs the teacher's forward and no other."""
+    if teacher is None:
+        return None
+    return frozen_pass(teacher.model, backend, num_tokens, mbs, sampling, tempered=True, vocab=teacher.vocab_size)
+
+
 @dataclass(frozen=True)
 class TokenInputs:
     """The step's per-token tensors, moved to the device once per step; a micro-batch indexes them with its
@@ -194,19 +150,42 @@ class TokenInputs:
     weights: TokenWeights
     ref_log_probs: torch.Tensor | None
     old: BehaviourLogProbs | None
+    samples: TokenSequences  # every token's sample, for the corrections per sequence (the whole batch)
+    observed_log_ratio: torch.Tensor  # written per micro-batch: trainer minus behaviour log-prob, for the metrics
+    teacher_log_probs: torch.Tensor | None = None  # algorithm.distillation's, tempered
+
+    def sequences(self, mb: MicroBatch) -> TokenSequences:
+        idx = mb.token_index
+        return TokenSequences(
+            ids=self.samples.ids[idx], count=self.samples.count, trainable=self.samples.trainable[idx]
+        )
 
 
 @dataclass(frozen=True)
 class TokenTerms:
     """Per-token pieces of one micro-batch's loss and metrics."""
 
-    pg: torch.Tensor  # policy-gradient loss (TIS-weighted)
+    pg: torch.Tensor  # policy-gradient loss (weighted by the rollout correction)
     clipped: torch.Tensor
     ratio: torch.Tensor
-    tis: torch.Tensor
+    tis: torch.Tensor  # the rollout correction's weight (1 without one)
+    log_ratio: torch.Tensor  # trainer minus behaviour log-prob
     kl: torch.Tensor
     entropy: torch.Tensor
     mismatch: torch.Tensor  # |behaviour log-prob - rollout log-prob|, capped at 20
+    advantages: torch.Tensor  # the estimator's, with distillation's per-token term (mode reverse_kl)
+
+
+def token_advantages(
+    *, scores: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, algo: AlgorithmConfig
+) -> torch.Tensor:
+    """The micro-batch's advantages; with distillation in mode reverse_kl, minus coef x (log pi_student - log
+    pi_teacher), the student's from this forward's tempered scores (no gradient)."""
+    advantages = inputs.advantages[mb.token_index]
+    distill, teacher_lp = algo.distillation, inputs.teacher_log_probs
+    if distill is None or teacher_lp is None or distill.mode != "reverse_kl":
+        return advantages
+    return distilled_advantages(advantages, scores[TEMPERED_ROW], teacher_lp[mb.token_index], distill.coef)
 
 
 def policy_loss_terms(
@@ -217,24 +196,21 @@ def policy_loss_terms(
     mb: MicroBatch,
     inputs: TokenInputs,
     algo: AlgorithmConfig,
+    advantages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Per token: (the policy loss of `algo.policy_loss`, TIS-weighted; clipped; ratio; TIS weight). Under GSPO the
-    ratio and the TIS weight are the sequence's geometric means (the micro-batch's rows are its sequences)."""
+    """Per token: (the policy loss of `algo.policy_loss`, weighted by the rollout correction; clipped; ratio; the
+    correction's weight). Under GSPO the ratio is the sequence's geometric mean (the micro-batch's rows are its
+    sequences). `advantages`: the micro-batch's (token_advantages); by default the estimator's."""
     clip = PolicyLossConfig(eps_clip=algo.eps_clip, eps_clip_high=algo.eps_clip_high, dual_clip_c=algo.dual_clip_c)
     old_lp = rollout_lp if algo.use_rollout_logprobs else behaviour
-    advantages = inputs.advantages[mb.token_index]
-    if algo.policy_loss == "gspo":
-        seqs = Sequences(ids=mb.rows, count=mb.input_ids.shape[0], trainable=inputs.loss_mask[mb.token_index] > 0)
-        pg, clipped, ratio = gspo_policy_loss(
-            log_probs=logp, old_log_probs=old_lp, advantages=advantages, sequences=seqs, cfg=clip
-        )
-        behaviour, rollout_lp = seqs.mean(behaviour), seqs.mean(rollout_lp)
-    else:
-        pg, clipped, ratio = ppo_policy_loss(log_probs=logp, old_log_probs=old_lp, advantages=advantages, cfg=clip)
-    if not algo.use_tis:
+    seqs = Sequences(ids=mb.rows, count=mb.input_ids.shape[0], trainable=inputs.loss_mask[mb.token_index] > 0)
+    loss_fn = policy_loss_fn(algo.policy_loss)
+    advantages = inputs.advantages[mb.token_index] if advantages is None else advantages
+    pg, clipped, ratio = loss_fn(logp, old_lp, advantages, seqs, clip)
+    if not algo.rollout_correction.active:
         return pg, clipped, ratio, torch.ones_like(pg)
-    tis = tis_weights(old_log_probs=behaviour, rollout_log_probs=rollout_lp, clip=algo.tis_clip, mode=algo.tis_mode)
-    return pg * tis, clipped, ratio, tis
+    weight = correct(behaviour - rollout_lp, inputs.sequences(mb), algo.rollout_correction).weight
+    return pg * weight, clipped, ratio, weight
 
 
 def token_terms(*, scores: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, algo: AlgorithmConfig) -> TokenTerms:
@@ -250,8 +226,9 @@ def token_terms(*, scores: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, al
     if inputs.old is not None:
         kept = inputs.old.log_probs[idx]
         behaviour = torch.where(torch.isnan(kept), behaviour, kept)
+    advantages = token_advantages(scores=scores, mb=mb, inputs=inputs, algo=algo)
     pg, clipped, ratio, tis = policy_loss_terms(
-        logp=logp, behaviour=behaviour, rollout_lp=rollout_lp, mb=mb, inputs=inputs, algo=algo
+        logp=logp, behaviour=behaviour, rollout_lp=rollout_lp, advantages=advantages, mb=mb, inputs=inputs, algo=algo
     )
     kl = torch.zeros_like(pg)
     if inputs.ref_log_probs is not None:
@@ -264,6 +241,8 @@ def token_terms(*, scores: torch.Tensor, mb: MicroBatch, inputs: TokenInputs, al
         kl=kl,
         entropy=entropy,
         mismatch=(behaviour - rollout_lp).abs().clamp(max=20.0),
+        log_ratio=(behaviour - rollout_lp).detach(),
+        advantages=advantages,
     )
 
 
@@ -277,12 +256,16 @@ def _ppo_micro_loss(
     loss_tok = t.pg
     if inputs.ref_log_probs is not None and algo.kl_mode == "loss":
         loss_tok = loss_tok + algo.kl_coef * t.kl
+    distill, teacher_lp = algo.distillation, inputs.teacher_log_probs
+    if distill is not None and teacher_lp is not None and distill.mode == "kl_loss":
+        loss_tok = loss_tok + distillation_loss(scores[TEMPERED_ROW], teacher_lp[mb.token_index], distill)
     if algo.entropy_coef > 0:
         loss_tok = loss_tok - algo.entropy_coef * t.entropy
     w, tw = inputs.weights.at(mb)
 
     def metrics() -> dict[str, torch.Tensor]:
         fallback = torch.zeros_like(tw) if inputs.old is None else inputs.old.fallback[mb.token_index]
+        inputs.observed_log_ratio[mb.token_index] = t.log_ratio  # the step's metrics read it after the update
         per_token = {
             "pg_clipfrac": t.clipped,
             "kl": t.kl,
@@ -292,10 +275,23 @@ def _ppo_micro_loss(
             "rollout_logprob_abs_diff": t.mismatch,
             "old_actor_fallback_frac": fallback,
             "tis_masked_frac": (t.tis == 0).float(),
+            "advantage_mean": t.advantages,
         }
+        if teacher_lp is not None:
+            teacher = teacher_lp[mb.token_index]
+            per_token["distill/reverse_kl"] = reverse_kl(scores[TEMPERED_ROW].detach(), teacher)
+            per_token["distill/teacher_logprob_mean"] = teacher
         return {"pg_loss": (w * t.pg).sum(), **{name: (tw * x).sum() for name, x in per_token.items()}}
 
     return MicroBatchLoss(loss=(w * loss_tok).sum(), anchor=anchor, metrics=metrics)
+
+
+def step_advantages(batch: TrainBatch, algo: AlgorithmConfig, kl_penalty: torch.Tensor | None) -> torch.Tensor:
+    """The estimator's advantages; under pure distillation (task_reward: false) of rewards 0."""
+    cfg = algo.distillation
+    if cfg is not None and not cfg.task_reward:
+        batch = dataclasses.replace(batch, rewards=torch.zeros_like(batch.rewards))
+    return compute_advantages(batch, algo, kl_penalty)
 
 
 def actor_step(
@@ -306,6 +302,7 @@ def actor_step(
     ref_model: torch.nn.Module | None,
     old_actor: OldActor | None,
     token_budget: int,
+    teacher: Teacher | None = None,
 ) -> dict[str, float]:
     start = time.monotonic()
     device = backend.device
@@ -321,29 +318,36 @@ def actor_step(
         if old_actor is None
         else old_actor_log_probs(old_actor=old_actor, backend=backend, batch=batch, mbs=mbs, sampling=sampling)
     )
+    teacher_lp = teacher_pass(teacher=teacher, backend=backend, mbs=mbs, sampling=sampling, num_tokens=n_tok)
     inputs = TokenInputs(
         sampling=sampling,
-        advantages=compute_advantages(batch, algo, kl_penalty).to(device),
+        advantages=step_advantages(batch, algo, kl_penalty).to(device),
         rollout_log_probs=batch.rollout_log_probs.to(device),
         loss_mask=batch.loss_mask.to(device),
         weights=TokenWeights.of(batch, algo.loss_aggregation, device),
         ref_log_probs=ref_lp,
         old=old,
+        samples=TokenSequences.of(batch.response_lengths, batch.loss_mask.to(device)),
+        observed_log_ratio=torch.zeros(n_tok, dtype=torch.float32, device=device),
+        teacher_log_probs=teacher_lp,
     )
     totals, step = optimizer_update(
         backend, mbs, micro_loss=lambda mb: _ppo_micro_loss(backend=backend, mb=mb, inputs=inputs, algo=algo)
     )
+    correction = algo.rollout_correction
     for key, used in (
         ("kl", ref_lp is not None),
-        ("tis_weight_mean", algo.use_tis),
+        ("tis_weight_mean", correction.active),
         ("old_actor_fallback_frac", old is not None),
-        ("tis_masked_frac", algo.use_tis and algo.tis_mode == "mask"),
+        ("tis_masked_frac", correction.drops),
     ):
         if not used:
             totals.pop(key)
-    advantage_mean = float((inputs.advantages * inputs.weights.mean).sum())
+    # every token was scored on exactly one rank: the sum over ranks is the whole batch's
+    log_ratio = all_reduce_sum(inputs.observed_log_ratio).cpu()
+    samples = TokenSequences(inputs.samples.ids.cpu(), inputs.samples.count, inputs.samples.trainable.cpu())
     return {
         **totals,
-        "advantage_mean": advantage_mean,
+        **mismatch_metrics(log_ratio, batch.rollout_log_probs, samples, correction),
         **step_metrics(batch, step, start, parameters=backend.parameters),
     }

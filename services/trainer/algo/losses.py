@@ -1,5 +1,5 @@
-"""Per-token policy losses (PPO, GSPO) and value loss, KL estimators, truncated importance sampling (log-probs and
-entropy of the sampling distribution are in scoring.py).
+"""Per-token policy losses (PPO, GSPO) and value loss, KL estimators (log-probs and entropy of the sampling
+distribution are in scoring.py; importance weights and rejection in rollout_correction.py).
 
 Everything here works on flat per-response-token tensors. Aggregation (token mean, sequence mean) is
 expressed as per-token weights computed once for the whole global batch (`aggregation_weights`), so the
@@ -120,24 +120,6 @@ def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator:
         neg = (-log_ratio).clamp(max=20.0)  # ref/pi; clamp keeps exp finite for very unlikely ref tokens
         return torch.exp(neg) - 1.0 - neg
     raise ValueError(f"algorithm.kl_estimator: unknown estimator {estimator!r} (choose from {KL_ESTIMATORS})")
-
-
-TIS_MODES = ("truncate", "mask")
-
-
-def tis_weights(
-    *, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip: float, mode: str = "truncate"
-) -> torch.Tensor:
-    """Importance weights pi_old / pi_rollout (the behaviour policy's own log-probs), with no gradient. Above `clip`:
-    `truncate` caps them at clip (miles' TIS); `mask` makes them 0 (AReaL's decoupled PPO: the behaviour weight
-    exp(prox - behav) with its cap, where the token leaves the loss)."""
-    weights = torch.exp((old_log_probs - rollout_log_probs).clamp(max=MAX_LOG_RATIO)).detach()
-    match mode:
-        case "truncate":
-            return weights.clamp(max=clip)
-        case "mask":
-            return torch.where(weights <= clip, weights, torch.zeros_like(weights))
-    raise ValueError(f"algorithm.tis_mode: unknown mode {mode!r} (choose from {TIS_MODES})")
 
 
 def clipped_value_loss(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from services.contracts.config import LORA_ZERO3_OFFLOAD, TandemConfig
+from services.contracts.config import LORA_ZERO3_OFFLOAD, TandemConfig, TrainerConfig
 from services.contracts.untyped import JsonObject
 from services.tensors import fused
 from services.trainer.algo import head_scoring
@@ -196,6 +196,31 @@ class StepResult:
     lr: float
 
 
+def _optimizer(
+    t: TrainerConfig, model: torch.nn.Module, params: list[torch.nn.Parameter], *, lr: float, device: torch.device
+) -> torch.optim.Optimizer | None:
+    """ZeRO-0's FlatAdamW, torch's fused AdamW (trainer.optimizer adamw_torch), or None: DeepSpeed's own."""
+    if t.zero_stage == 0:
+        # on the device first: DeepSpeed's own move would replace the tensors the flat buffers' views are
+        model.to(device)
+        return FlatAdamW(
+            model.named_parameters(),
+            precision=t.precision,
+            lr=lr,
+            betas=t.betas,
+            eps=t.eps,
+            weight_decay=t.weight_decay,
+            max_grad_norm=t.grad_clip,
+            skip_nonfinite=t.skip_nonfinite_steps,
+        )
+    if t.optimizer == "adamw_torch":
+        # fused: one kernel over every tensor of the step (DeepSpeed hands it its flat partitions)
+        return torch.optim.AdamW(
+            params, lr=lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay, fused=device.type == "cuda"
+        )
+    return None
+
+
 class DeepSpeedBackend:
     """Owns the DeepSpeed engine: forward passes on micro-batches, backward, step, checkpoints, offload."""
 
@@ -221,31 +246,8 @@ class DeepSpeedBackend:
         self.chunk_tokens, self.pack_sequences = t.scoring_chunk_tokens, t.pack_sequences
         self.compiled_scoring = fused_kernels  # the head's block math compiled where the fused kernels run
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer: torch.optim.Optimizer | None = None
-        self.flat: FlatAdamW | None = None
-        if t.zero_stage == 0:
-            # on the device first: DeepSpeed's own move would replace the tensors the flat buffers' views are
-            model.to(dist_info.device)
-            optimizer = self.flat = FlatAdamW(
-                model.named_parameters(),
-                precision=t.precision,
-                lr=lr,
-                betas=t.betas,
-                eps=t.eps,
-                weight_decay=t.weight_decay,
-                max_grad_norm=t.grad_clip,
-                skip_nonfinite=t.skip_nonfinite_steps,
-            )
-        elif t.optimizer == "adamw_torch":
-            # fused: one kernel over every tensor of the step (DeepSpeed hands it its flat partitions)
-            optimizer = torch.optim.AdamW(
-                params,
-                lr=lr,
-                betas=t.betas,
-                eps=t.eps,
-                weight_decay=t.weight_decay,
-                fused=dist_info.device.type == "cuda",
-            )
+        optimizer = _optimizer(t, model, params, lr=lr, device=dist_info.device)
+        self.flat: FlatAdamW | None = optimizer if isinstance(optimizer, FlatAdamW) else None
         self.engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -433,10 +435,11 @@ def _load_trainable(*, src: dict[str, torch.Tensor], dst: torch.nn.Module) -> No
         )
 
 
-def load_frozen_causal_lm(config: TandemConfig, device: torch.device) -> torch.nn.Module:
+def load_frozen_causal_lm(config: TandemConfig, device: torch.device, *, path: str | None = None) -> torch.nn.Module:
     """A frozen copy of the policy from model.path in the trainer's dtype: the reference model of the KL term
-    (the initial weights), and the old actor's container (keep_old_actor loads snapshots into it)."""
-    model = load_causal_lm(config.model.path, dtype=param_dtype(config), attn=config.model.attn_implementation)
+    (the initial weights), and the old actor's container (keep_old_actor loads snapshots into it); of another
+    model at `path` (the distillation teacher) the same way."""
+    model = load_causal_lm(path or config.model.path, dtype=param_dtype(config), attn=config.model.attn_implementation)
     model = _scoring(model.to(device))
     if use_fused_kernels(config, device):
         fused.patch_model(model)

@@ -66,6 +66,31 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def _load_model(
+    path: Path, device: torch.device, *, dtype: str, attn_implementation: str, fused_kernels: str
+) -> Any:  # a transformers model: its attributes are looked up by name
+    """The model of `path` on `device` for inference, with the fused kernels where they apply."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model directory {path} does not exist or has no config.json "
+            f"(create one with `tandem init-model {path} --preset tiny`)"
+        )
+    hf_logging.disable_progress_bar()
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
+        path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation
+    )
+    model = loaded.to(device).eval()
+    model.requires_grad_(False)
+    if fused.enabled(fused_kernels, device=device, dtype=_DTYPES[dtype]):
+        # the decode step is ~1,000 small kernels; RMSNorm is 8 of them 49 times in a 0.5B model
+        fused.patch_model(model)
+        fused.warm_up(model, device)
+    return model
+
+
 class NativeEngine(Engine):
     name = "native"
 
@@ -86,27 +111,15 @@ class NativeEngine(Engine):
     ):
         """`eos_token_ids`: the ids that end a sample (default: the model's config and generation config);
         `detokenizer`: the run's tokenizer, needed by requests with stop strings (stop_strings.py)."""
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        path = Path(model_path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model directory {path} does not exist or has no config.json "
-                f"(create one with `tandem init-model {path} --preset tiny`)"
-            )
-        hf_logging.disable_progress_bar()
-        self._model_path = str(path)
+        self._model_path = str(model_path)
         self.device = resolve_device(device)
-        loaded: Any = AutoModelForCausalLM.from_pretrained(
-            path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation
+        self.model = _load_model(
+            Path(model_path),
+            self.device,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            fused_kernels=fused_kernels,
         )
-        self.model = loaded.to(self.device).eval()
-        self.model.requires_grad_(False)
-        if fused.enabled(fused_kernels, device=self.device, dtype=_DTYPES[dtype]):
-            # the decode step is ~1,000 small kernels; RMSNorm is 8 of them 49 times in a 0.5B model
-            fused.patch_model(self.model)
-            fused.warm_up(self.model, self.device)
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         self._max_context = runfacts.context_length(

@@ -100,6 +100,25 @@ _SGLANG, _TIMEOUTS, _WEIGHTS = SGLangConfig(), TimeoutsConfig(), ProcessGroupWei
 _MANIFEST_POLL_S = 0.02  # disk sync: between looks for the trainer's manifest
 
 
+def _check_settings(urls: Sequence[str], *, pause_mode: str, weight_load_format: str) -> None:
+    if not urls:
+        raise ValueError("the sglang engine needs at least one server URL")
+    if pause_mode not in SGLANG_PAUSE_MODES:
+        raise ValueError(f"rollout.sglang.pause_mode must be one of {', '.join(SGLANG_PAUSE_MODES)}")
+    if weight_load_format not in LOAD_FORMATS:
+        raise ValueError(f"rollout.sglang.weight_load_format must be one of {', '.join(LOAD_FORMATS)}")
+
+
+def _check_inflight_update(servers: Sequence[Server], inflight_update: str) -> None:
+    """rollout.inflight_update needs what every server must offer (its radix cache off): the first refusal."""
+    refusals = [
+        inflight_refusal(inflight_update, radix_cache_off=s.info.radix_cache_off, where=f"SGLang at {s.url}")
+        for s in servers
+    ]
+    if any(refusals):
+        raise ValueError(next(r for r in refusals if r))
+
+
 class SGLangEngine(Engine):
     name = "sglang"
     logprob_space = LOGPROB_TEMPERED  # SGLang 0.5.x reports log_softmax(logits / T), never truncated
@@ -124,29 +143,16 @@ class SGLangEngine(Engine):
         """`timeouts`: services.timeouts (control_s for pause/continue/flush/server_info, probe_s for best-effort
         cleanup calls); `weights_timeout_s` bounds a sync whose plan names no deadline (weights.timeout_s);
         `eos_token_ids`: the model's end-of-generation ids, sent with each request (protocol.sampling_params)."""
-        if not urls:
-            raise ValueError("the sglang engine needs at least one server URL")
-        if pause_mode not in SGLANG_PAUSE_MODES:
-            raise ValueError(f"rollout.sglang.pause_mode must be one of {', '.join(SGLANG_PAUSE_MODES)}")
-        if weight_load_format not in LOAD_FORMATS:
-            raise ValueError(f"rollout.sglang.weight_load_format must be one of {', '.join(LOAD_FORMATS)}")
-        self._launched = launched
-        self._eos_token_ids = tuple(eos_token_ids)
+        _check_settings(urls, pause_mode=pause_mode, weight_load_format=weight_load_format)
+        self._launched, self._eos_token_ids = launched, tuple(eos_token_ids)
         deadline = time.monotonic() + startup_timeout_s
-        self._control_s = timeouts.control_s
+        self._control_s, self._probe_s = timeouts.control_s, timeouts.probe_s
         self._weights_timeout_s = weights_timeout_s
         self.servers = [connect_server(u, api_key=api_key, deadline=deadline, control_s=self._control_s) for u in urls]
-        refusals = [
-            inflight_refusal(inflight_update, radix_cache_off=s.info.radix_cache_off, where=f"SGLang at {s.url}")
-            for s in self.servers
-        ]
-        if any(refusals):
-            raise ValueError(next(r for r in refusals if r))
-        self.max_batch_size = max_batch_size
-        self._pause_mode = pause_mode
+        _check_inflight_update(self.servers, inflight_update)
+        self.max_batch_size, self._pause_mode = max_batch_size, pause_mode
         self._sglang_mode = ""  # the mode SGLang was last paused with ("" = running)
-        self._request_timeout_s = request_timeout_s
-        self._load_format = weight_load_format
+        self._request_timeout_s, self._load_format = request_timeout_s, weight_load_format
         known = [s.max_model_len for s in self.servers if s.max_model_len]
         self._max_context = min([max_context_length or 1 << 30, *known])
         versions = [parse_weight_version(s.info.weight_version) for s in self.servers]
@@ -156,7 +162,6 @@ class SGLangEngine(Engine):
         self._released: set[str] = set()
         self._weights_empty = False  # resumed without --enable-weights-cpu-backup and not synced since
         self._generated = 0
-        self._probe_s = timeouts.probe_s
         self._local = all(is_loopback(s.url) for s in self.servers)  # GPU memory is measurable here
         self._handshake = EngineHandshake(refuse_timeout_s=timeouts.probe_s)
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.servers)), thread_name_prefix="sglang-gen")
