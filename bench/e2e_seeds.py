@@ -25,7 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LEARNING_E2ES = {
     "math_chat": "tests/test_run_e2e.py::test_policy_learns_math_chat_in_async_mode",
-    "gspo_rloo": "tests/test_run_e2e.py::test_gspo_with_rloo_learns_digit_max_with_two_token_answers",
+    "gspo_rloo": "tests/test_run_e2e.py::"
+    "test_gspo_with_rloo_and_geometric_rejection_learns_digit_max_with_two_token_answers",
     "reinforce_pp": "tests/test_run_e2e.py::test_reinforce_pp_learns_at_temperature_0_7_with_top_p_scored_on_policy",
     "dynamic_sampling": "tests/test_run_e2e.py::"
     "test_dynamic_sampling_filters_uniform_groups_keeps_the_books_and_learns",
