@@ -18,7 +18,7 @@ from services.contracts.config import ConfigError, TandemConfig, TimeoutsConfig
 from services.contracts.config_loading import load_config
 from services.contracts.exits import ExitCode
 from services.modelinit.families import BODIES
-from services.modelinit.init_model import ARCHS, DTYPES, preset_names
+from services.modelinit.init_model import ARCHS, DTYPES, all_preset_names
 from services.rpc.grpc_util import PortInUse
 
 
@@ -131,6 +131,13 @@ def _rollout(args: argparse.Namespace) -> int:
     return rollout_main(config, run_dir=run_dir, replica=args.replica)
 
 
+def _reward(args: argparse.Namespace) -> int:
+    from services.reward.server import main as reward_main
+
+    config, run_dir = _config_and_run_dir(args)
+    return reward_main(config, run_dir=run_dir)
+
+
 # ---- tools --------------------------------------------------------------------------------------------------
 
 
@@ -154,25 +161,57 @@ def _ctl_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds to wait for the reply (default: the run's services.timeouts.control_s, else "
         f"{TimeoutsConfig().control_s:g})",
     )
-    p.add_argument("action", choices=list(ACTIONS), metavar="ACTION", help=", ".join(ACTIONS))
+    p.add_argument("--endpoint", default=None, help="episodes/reward: the rollout's agent endpoint URL")
+    p.add_argument("--max", type=int, default=1, help="episodes: how many to claim at most")
+    p.add_argument("--replica", type=int, default=0, help="episodes/reward with --run-dir: which rollout replica")
+    p.add_argument("--episode", default=None, help="reward: the episode id")
+    p.add_argument("--reward", type=float, default=None, help="reward: its value")
+    p.add_argument("action", choices=[*ACTIONS, *EPISODE_ACTIONS], metavar="ACTION", help=", ".join(ACTIONS))
+    p.epilog += "\n" + "\n".join(f"  {name:<8} {text}" for name, text in EPISODE_ACTIONS.items())
+
+
+EPISODE_ACTIONS = {
+    "episodes": "claim open episodes of rollout.agent: external (JSON lines: episode_id, base_url, row)",
+    "reward": "post an episode's reward (--episode ID --reward R), which ends it",
+}
 
 
 def _ctl(args: argparse.Namespace) -> int:
     from services.coordinator.ctl import find_coordinator, run_ctl
 
+    if args.action in EPISODE_ACTIONS:
+        return _ctl_episodes(args)
     target = find_coordinator(addr=args.addr, run_dir=args.run_dir, token=args.token, tls_ca=args.tls_ca)
     return run_ctl(target=target, action=args.action, timeout_s=args.timeout)
+
+
+def _ctl_episodes(args: argparse.Namespace) -> int:
+    from services.contracts.config import ConfigError
+    from services.contracts.config_loading import load_config
+    from services.rollout.agents.episodes_client import claim_episodes, find_endpoint, post_reward
+
+    url = find_endpoint(endpoint=args.endpoint, run_dir=args.run_dir, replica=args.replica)
+    token = args.token
+    if token is None and args.run_dir is not None and (args.run_dir / "config.yaml").is_file():
+        token = load_config(args.run_dir / "config.yaml").services.auth_token
+    timeout_s = args.timeout or 30.0
+    if args.action == "episodes":
+        return claim_episodes(url, token=token, limit=args.max, timeout_s=timeout_s)
+    if args.episode is None or args.reward is None:
+        raise ConfigError("tandem ctl reward: give --episode ID and --reward VALUE")
+    return post_reward(url, token=token, episode=args.episode, reward=args.reward, timeout_s=timeout_s)
 
 
 def _init_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", type=Path)
     p.add_argument(
         "--preset",
-        choices=preset_names(),
+        choices=all_preset_names(),
         default="tiny",
         help="tiny, small, q05, q15: toy bodies over a 22-token vocabulary; qwen2.5-0.5b, qwen2.5-1.5b, "
         "qwen3-0.6b, llama3.2-1b: those models' exact shapes, vocabularies and special tokens, with a "
-        "byte-level BPE tokenizer trained here",
+        "byte-level BPE tokenizer trained here; classifier: a sequence classifier (a reward model: Qwen2.5's "
+        "tokenizer and chat template over a tiny body, one score logit)",
     )
     p.add_argument(
         "--arch",
@@ -249,6 +288,7 @@ COMMANDS: Mapping[str, Command] = MappingProxyType(
                 _trainer,
             ),
             Command("rollout", "run one rollout service replica", _rollout_arguments, _rollout),
+            Command("reward", "run the reward service (the models of reward.models)", _config_arguments, _reward),
             Command("ctl", "control a running coordinator", _ctl_arguments, _ctl),
             Command(
                 "init-model",

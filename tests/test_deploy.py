@@ -37,9 +37,13 @@ GPU_ENV = {"TANDEM_WEIGHTS": "nccl", "TANDEM_TRACING": "otlp"}  # what deploy/gp
 ENV_EXAMPLE = DEPLOY / ".env.example"
 DOCKERFILE = DEPLOY / "Dockerfile"
 
-TANDEM_SERVICES = ("trainer", "rollout", "coordinator")  # gRPC services with a health service
+TANDEM_SERVICES = ("trainer", "rollout", "reward", "coordinator")  # gRPC services with a health service
 LONG_RUNNING = ("redis", "jaeger", *TANDEM_SERVICES)  # init is one-shot: no health check
-SERVICE_PORT_KEYS = {"trainer": "services.trainer.port", "coordinator": "services.coordinator.port"}
+SERVICE_PORT_KEYS = {
+    "trainer": "services.trainer.port",
+    "coordinator": "services.coordinator.port",
+    "reward": "services.reward.port",
+}
 _VAR = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
 
 
@@ -194,7 +198,7 @@ def client_config(tmp_path: Path, env: dict[str, str] | None = None, *, gpu: boo
         "config",
         "--format",
         "json",
-        env={"COMPOSE_PROFILES": "tracing", **(env or {})},
+        env={"COMPOSE_PROFILES": "tracing,reward", **(env or {})},
         overrides=(GPU_OVERRIDE,) if gpu else (),
     )
     assert out.returncode == 0, out.stderr
@@ -270,9 +274,10 @@ def test_gpu_pinning_follows_env():
     assert all(gpu_ids(s) is None for s in load_compose()["services"].values()), "GPUs only in the override"
     default = load_compose(gpu=True)["services"]
     assert gpu_ids(default["trainer"]) == ["0"] and gpu_ids(default["rollout"]) == ["1"]
+    assert gpu_ids(default["reward"]) == ["2"]  # its own GPU; REWARD_GPUS=1 colocates it with the rollout
     pinned = load_compose({"TRAINER_GPUS": "0,1,2,3", "ROLLOUT_GPUS": "4"}, gpu=True)["services"]
     assert gpu_ids(pinned["trainer"]) == ["0,1,2,3"] and gpu_ids(pinned["rollout"]) == ["4"]
-    assert {n for n, s in default.items() if gpu_ids(s) is not None} == {"trainer", "rollout"}
+    assert {n for n, s in default.items() if gpu_ids(s) is not None} == {"trainer", "rollout", "reward"}
     # Inside a container the GPUs are renumbered from 0: a CUDA_VISIBLE_DEVICES with host ids would hide them.
     assert all("CUDA_VISIBLE_DEVICES" not in s.get("environment", {}) for s in default.values())
     ranks = wiring(load_compose({"TRAINER_NUM_RANKS": "4"})["services"]["trainer"])["trainer.num_ranks"]
@@ -310,7 +315,13 @@ def test_health_checks_use_the_healthcheck_module_on_each_service_port():
     assert deps["coordinator"] == {
         "trainer": "service_healthy",
         "rollout": "service_healthy",
+        "reward": "service_healthy",
         "redis": "service_healthy",
+    }
+    # the reward service runs for a config with model rewards (profile reward); the coordinator waits for it then
+    assert services["reward"]["profiles"] == ["reward"] and services["coordinator"]["depends_on"]["reward"] == {
+        "condition": "service_healthy",
+        "required": False,
     }
     assert services["jaeger"]["profiles"] == ["tracing"] and all("jaeger" not in d for d in deps.values())
     for name in TANDEM_SERVICES:  # a killed service comes back (tests/test_compose_run.py kills the trainer)

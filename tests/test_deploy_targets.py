@@ -62,6 +62,7 @@ VALUE_SETS = {
     "multi-node": {
         "trainer": {"nodes": 4, "gpusPerNode": 8, "resources": {"requests": {"cpu": "32"}}},
         "rollout": {"replicas": 3},
+        "reward": {"enabled": True, "gpus": 2},
         "weights": {"transport": "nccl"},
     },
     "external-redis-tls-cpu": {
@@ -124,6 +125,7 @@ def test_chart_layout_probes_gpus_secrets_and_exposure():
         wiring({"command": container(objects, "StatefulSet", "rollout")["args"]})["services.rollout"]
     )
     assert rollout_hosts == [{"host": f"tandem-rollout-{i}.tandem-rollout", "port": 50061} for i in range(3)]
+    assert container(objects, "Deployment", "reward")["resources"] == {"limits": {"nvidia.com/gpu": 2}}  # its own
     for obj in objects:  # nothing leaves the cluster by default
         if obj["kind"] == "Service":
             assert obj["spec"].get("type", "ClusterIP") == "ClusterIP", obj["metadata"]["name"]
@@ -150,6 +152,7 @@ CHART_HOSTS = {
     "coordinator": "tandem-coordinator",
     "trainer": "tandem-trainer-0.tandem-trainer",
     "rollout": "tandem-rollout-0.tandem-rollout",
+    "reward": "tandem-reward",
     "redis": "tandem-redis",
 }
 # The chart's per-pod and per-secret values, which compose spells as its own variables.
@@ -171,11 +174,13 @@ def with_hosts(args: list[str], hosts: dict[str, str]) -> list[str]:
 
 
 def test_chart_runs_the_commands_compose_runs():
-    objects = render()
+    objects = render({"reward": {"enabled": True}})
+    assert not [o for o in render() if "reward" in o["metadata"]["name"]]  # only when asked for
     compose = load_compose(CHART_ENV)["services"]
     chart = {
         "trainer": container(objects, "StatefulSet", "trainer"),
         "rollout": container(objects, "StatefulSet", "rollout"),
+        "reward": container(objects, "Deployment", "reward"),
         "coordinator": container(objects, "Deployment", "coordinator"),
     }
     for name, c in chart.items():
@@ -215,12 +220,44 @@ def test_slurm_launcher_runs_the_commands_compose_runs():
     }
     steps = {s.name: s for s in (*plan.services, plan.coordinator)}
     for name, step_name in (("trainer", "trainer"), ("rollout", "rollout-0"), ("coordinator", "coordinator")):
-        expected = with_hosts(argv(compose[name]), dict.fromkeys(("coordinator", "trainer", "rollout", "redis"), "n0"))
+        expected = with_hosts(
+            argv(compose[name]), dict.fromkeys(("coordinator", "trainer", "rollout", "reward", "redis"), "n0")
+        )
         assert list(steps[step_name].argv) == [paths.get(a, a) for a in expected], name
         assert steps[step_name].nodes == ("n0",)
     assert plan.redis.argv[1 : 1 + len(slurm.REDIS_ARGS)] == tuple(compose["redis"]["command"][1:])
     ports = {k: int(v) for k, v in wiring(compose["coordinator"]).items() if k.endswith(".port")}
-    assert ports == {"services.coordinator.port": slurm.COORDINATOR_PORT, "services.trainer.port": slurm.TRAINER_PORT}
+    assert ports == {
+        "services.coordinator.port": slurm.COORDINATOR_PORT,
+        "services.trainer.port": slurm.TRAINER_PORT,
+        "services.reward.port": slurm.REWARD_PORT,
+    }
+
+
+def test_slurm_runs_the_reward_service_as_compose_does_when_the_config_has_one(tmp_path):
+    """A run config with a reward: section gets a reward step, on the node after the rollouts', running compose's
+    reward command; without one, none (the compose service is behind its profile)."""
+    config = yaml.safe_load((DEPLOY / "config" / "compose.yaml").read_text())
+    config["reward"] = {"models": {"j": {"type": "judge", "path": "/models/judge", "template": "{{ response }}"}}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    args = slurm.build_parser().parse_args(
+        [str(path), "--workdir", "/shared/w", "--weights", "gloo", "--tracing", "none", "--rollout-nodes", "1"]
+    )
+    plan = slurm.plan(args, ["n0", "n1", "n2"], tandem="tandem", redis_server="redis-server")
+    steps = {s.name: s for s in plan.services}
+    assert list(steps) == ["trainer", "reward", "rollout-0"] and steps["reward"].nodes == ("n2",)
+    compose = load_compose()["services"]
+    hosts = {"coordinator": "n0", "trainer": "n0", "rollout": "n1", "reward": "n2", "redis": "n0"}
+    paths = {
+        "/config/run.yaml": str(path.resolve()),
+        "/runs/digit_max": "/shared/w/runs/digit_max",
+        "trainer.checkpoint_dir=/checkpoints": "trainer.checkpoint_dir=/shared/w/checkpoints",
+    }
+    assert list(steps["reward"].argv) == [paths.get(a, a) for a in with_hosts(argv(compose["reward"]), hosts)]
+    assert wiring({"command": list(steps["reward"].argv[2:])})["services.reward.port"] == str(slurm.REWARD_PORT)
+    no_reward = slurm.plan(slurm_args(weights="gloo", tracing="none"), ["n0"], tandem="t", redis_server="r")
+    assert "reward" not in {s.name for s in no_reward.services}
 
 
 def test_slurm_layout_across_nodes():

@@ -19,6 +19,7 @@ from services.launcher import preflight
 from services.modelinit import bpe_tokenizer
 from services.modelinit.families import MODEL_PRESETS
 from services.modelinit.init_model import init_model
+from services.rollout.reward_mix import check_rule_terms
 from services.rollout.rewards import resolve_reward
 from services.rollout.tokenizer import load_tokenizer
 
@@ -30,10 +31,12 @@ def test_the_examples_are_found():
         "digit_max.yaml",
         "digit_max_gpu.yaml",
         "distill.yaml",
+        "judge.yaml",
         "math_chat.yaml",
         "qwen05_gpu.yaml",
         "qwen15_gpu.yaml",
         "tool_lookup.yaml",
+        "agent_tools.yaml",
     }
 
 
@@ -42,8 +45,9 @@ def test_an_example_config_passes_the_checks_that_need_no_model(path, tmp_path_f
     config = load_config(str(path), [])
     preflight.check_engine(config)
     records = preflight.check_data(config)
-    resolve_reward(config.rollout.reward)
+    check_rule_terms(config.rollout.reward)  # a reward-service model is the config's to check, and is checked there
     preflight._check_environment(config.rollout.environment)
+    preflight._check_agents(config)
     limit = config.rollout.max_context_length
     if limit is not None:  # the tokenizer --init-model would build, without its model
         tokenizer = preset_tokenizer(config.model.init_preset or "tiny", tmp_path_factory)

@@ -10,6 +10,8 @@ run would disturb it); the coordinator is fuzzed inside a real `tandem run`, whi
 from __future__ import annotations
 
 import collections
+import subprocess
+import sys
 from typing import Any
 
 import grpc
@@ -17,18 +19,21 @@ import pytest
 from fuzz_kit import ACCEPTABLE, all_inputs, call_raw, decodes
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reliability_kit import Services, resolved_config_when_written, wait_running
-from tandem_runs import start_run, stop_run, supervisor_log
+from tandem_runs import REPO, start_run, stop_run, supervisor_log
 
 from services.contracts.gen.tandem.v1 import (
     common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
+    reward_pb2,
+    reward_pb2_grpc,
     rollout_pb2,
     rollout_pb2_grpc,
     trainer_pb2,
     trainer_pb2_grpc,
 )
-from services.rpc.grpc_util import open_channel
+from services.rpc.grpc_util import open_channel, wait_healthy
+from services.rpc.ports import free_port
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -49,6 +54,11 @@ PROMPT = common_pb2.Prompt(text="3 5 =", label="5", group_id=1)
 BASES = {  # plausible requests the extreme values are set on, one field at a time
     "Generate": rollout_pb2.GenerateRequest(rollout_id=1, prompts=[PROMPT], n_samples_per_prompt=2),
     "Evaluate": rollout_pb2.EvaluateRequest(name="e", prompts=[PROMPT], n_samples_per_prompt=1),
+    "Score": (
+        SCORE := reward_pb2.ScoreRequest(
+            model="correct", samples=[reward_pb2.RewardSample(prompt="3 5 =", response="5", label="5")]
+        )
+    ),
     "Train": trainer_pb2.TrainRequest(rollout_id=1, entry_ids=["1-0"], max_staleness=-1),
     "Save": trainer_pb2.SaveRequest(rollout_id=1),
     "PrepareWeightSync/Trainer": trainer_pb2.PrepareWeightSyncRequest(version=1, transport="gloo", engine_world_size=1),
@@ -145,6 +155,45 @@ def test_fuzz_trainer_service(standalone):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside" in info.value.details()
 
 
+@pytest.fixture(scope="module")
+def reward_service(tmp_path_factory, example_model):
+    """`tandem reward` over examples/judge.yaml, its judge the random-init tiny model, as a process of its own."""
+    run_dir = tmp_path_factory.mktemp("fuzz-reward")
+    port = free_port()
+    sets = [*OVERRIDES[:1], f"services.reward.port={port}", f"reward.models.correct.path={example_model}"]
+    sets += ["rollout.max_request_samples=64"]
+    argv = [sys.executable, "-m", "services.cli", "reward", str(REPO / "examples" / "judge.yaml"), "--run-dir"]
+    with open(run_dir / "reward.log", "ab") as log:
+        proc = subprocess.Popen(
+            [*argv, str(run_dir), *(a for item in sets for a in ("--set", item))],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+    target = f"127.0.0.1:{port}"
+    try:
+        wait_healthy(target, timeout_s=300)
+        yield target
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_fuzz_reward_service(reward_service):
+    service = reward_pb2.DESCRIPTOR.services_by_name["Reward"]
+    seen = fuzz_service(reward_service, service)
+    assert seen["Score"]["INVALID_ARGUMENT"] > 0 and seen["Score"]["NOT_FOUND"] > 0 and seen["Score"]["OK"] > 0
+    _assert_oversized_refused(reward_service, service)
+    with open_channel(reward_service) as channel:  # still scoring
+        stub = reward_pb2_grpc.RewardStub(channel)
+        reply = stub.Score(BASES["Score"], timeout=60)
+        assert len(reply.scores) == 1 and len(reply.verdicts) == 1
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Score(reward_pb2.ScoreRequest(model="nope", samples=SCORE.samples), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND and "served: correct" in (info.value.details() or "")
+        assert stub.GetState(common_pb2.Empty(), timeout=10).models[0].name == "correct"
+
+
 def test_fuzz_coordinator_inside_a_run(tmp_path):
     run_dir = tmp_path / "run"
     proc = start_run(run_dir, "loop.num_rollout=100000", "data.eval_max_prompts=4", *OVERRIDES[:1])
@@ -163,3 +212,43 @@ def test_fuzz_coordinator_inside_a_run(tmp_path):
         assert proc.wait(timeout=120) == 0, supervisor_log(run_dir)
     finally:
         stop_run(proc)
+
+
+def test_a_weighted_sum_of_a_rule_and_the_judge_through_the_rollouts_client(reward_service):
+    """The rollout's side against the real service (beside the fuzzing, to start it once): its gRPC client and
+    batcher score `0.5*digit_task + 0.5*judge:correct`, each sample the rule's half plus the judge's own score."""
+    from services.contracts.config_loading import load_config
+    from services.rollout.reward_client import RewardClient
+    from services.rollout.reward_mix import RewardResolver
+    from services.rollout.rewards import resolve_reward
+
+    port = reward_service.rpartition(":")[2]
+    config = load_config(
+        REPO / "examples" / "judge.yaml",
+        [f"services.reward.port={port}", "rollout.reward=0.5*digit_task + 0.5*judge:correct"],
+    )
+    reward = RewardResolver(config, client_factory=RewardClient).resolve(config.rollout.reward)
+    prompts, responses, labels = ["3 7 =", "3 7 =", "9 0 =", "0 1 ="], ["7", "3", "9", "x"], ["7", "7", "9", "1"]
+    scored = reward.score_detailed(
+        prompts=prompts, responses=responses, labels=labels, metadatas=[{}] * 4, tokens=[5] * 4
+    )
+    with open_channel(reward_service) as channel:
+        judged = (
+            reward_pb2_grpc.RewardStub(channel)
+            .Score(
+                reward_pb2.ScoreRequest(
+                    model="correct",
+                    samples=[
+                        reward_pb2.RewardSample(prompt=p, response=r, label=lb)
+                        for p, r, lb in zip(prompts, responses, labels, strict=True)
+                    ],
+                ),
+                timeout=60,
+            )
+            .scores
+        )
+    rule = resolve_reward("digit_task").score(prompts=prompts, responses=responses, labels=labels, metadatas=[{}] * 4)
+    assert rule == [1.0, 0.0, 1.0, 0.0]
+    assert scored.values == pytest.approx([0.5 * a + 0.5 * b for a, b in zip(rule, judged, strict=True)])
+    assert scored.metrics["reward/digit_task/mean"] == 0.5
+    assert scored.metrics["reward/correct/mean"] == pytest.approx(sum(judged) / 4)

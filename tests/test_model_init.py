@@ -325,3 +325,22 @@ def test_config_presets_are_the_cli_presets():
     with pytest.raises(ValueError, match="init_body applies to a real model's init_preset"):
         ModelConfig(path="m", init_preset="q05", init_body="tiny")
     assert ModelConfig(path="m", init_preset="llama3.2-1b", init_body="tiny").init_body == "tiny"
+
+
+def test_the_classifier_preset_is_a_sequence_classifier_on_a_real_tokenizer(tmp_path):
+    """`tandem init-model --preset classifier`: the reward service's `type: classifier` on a CPU."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from services.cli import main
+    from services.modelinit.init_model import parameter_count
+
+    out = tmp_path / "rm"
+    assert main(["init-model", str(out), "--preset", "classifier"]) == 0
+    config = AutoConfig.from_pretrained(out)
+    assert config.architectures == ["Qwen2ForSequenceClassification"] and config.num_labels == 1
+    assert config.hidden_size == 64 and config.vocab_size == 151_936
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert config.pad_token_id == tokenizer.pad_token_id is not None and tokenizer.chat_template
+    assert 0.009e9 < parameter_count(out) < 0.011e9  # the embedding of 151,936 x 64, the body, a 64-wide head
+    with pytest.raises(ValueError, match="already holds a model"):
+        init_model(out, preset="classifier")

@@ -16,6 +16,8 @@ from pydantic import Field, field_validator, model_validator
 from services.contracts.algorithm_config import AlgorithmConfig, DistillationConfig
 from services.contracts.algorithms import ADVANTAGE_ESTIMATORS
 from services.contracts.config_base import ConfigError, Section, with_default_variant
+from services.contracts.reward_config import ClassifierModelConfig, JudgeModelConfig, RewardServiceConfig
+from services.contracts.reward_spec import parse_reward
 from services.contracts.rollout_config import (
     NO_REWARD,
     DynamicSamplingConfig,
@@ -49,17 +51,20 @@ from services.contracts.weights_config import (
 __all__ = [  # the sections of other modules, named here too: a TandemConfig's parts are found in one place
     "LORA_ZERO3_OFFLOAD",
     "AlgorithmConfig",
+    "ClassifierModelConfig",
     "ConfigError",
     "CudaIpcWeights",
     "DiskWeights",
     "DistillationConfig",
     "DynamicSamplingConfig",
     "JsonlTrackerConfig",
+    "JudgeModelConfig",
     "LoraConfig",
     "NativeRolloutConfig",
     "OverlongPenaltyConfig",
     "ProcessGroupWeights",
     "PrometheusTrackerConfig",
+    "RewardServiceConfig",
     "RolloutConfig",
     "SGLangConfig",
     "SGLangRolloutConfig",
@@ -295,6 +300,7 @@ class ServicesConfig(Section):
     trainer: ServiceAddress = ServiceAddress()
     critic: ServiceAddress = ServiceAddress()
     rollout: tuple[ServiceAddress, ...] = (ServiceAddress(),)
+    reward: ServiceAddress = ServiceAddress()
     auth_token: str | None = Field(default=None, description="bearer token required by control RPCs")
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -343,6 +349,9 @@ class TandemConfig(Section):
     redis: RedisConfig = RedisConfig()
     tracing: TracingConfig = TracingConfig()
     services: ServicesConfig = ServicesConfig()
+    reward: RewardServiceConfig | None = Field(
+        default=None, description="the reward service and its models (`tandem reward`); unset = rule rewards only"
+    )
 
     @field_validator("rollout", mode="before")
     @classmethod
@@ -370,6 +379,7 @@ class TandemConfig(Section):
                 "the other samples of the prompt); sample 2 or more per prompt, or use reinforce_pp"
             )
         validate_streaming(self)
+        validate_reward_models(self)
         if self.rollout.inflight_update != "off" and self.rollout.engine == "sglang" and self.algorithm.keep_old_actor:
             raise ValueError(
                 "algorithm.keep_old_actor scores each token under the snapshot of the version that "
@@ -401,6 +411,12 @@ class TandemConfig(Section):
                 f"loop.step_timeout_s ({self.loop.step_timeout_s:g}), the deadline of the Generate that "
                 "scores: else the Generate times out first and the reward that hung is not named"
             )
+        if self.rollout.agent is not None and self.rollout.agent_timeout_s >= self.loop.step_timeout_s:
+            raise ValueError(
+                f"rollout.agent_timeout_s ({self.rollout.agent_timeout_s:g}) must be below loop.step_timeout_s "
+                f"({self.loop.step_timeout_s:g}), the deadline of the Generate that waits for the episodes: else "
+                "it times out first and the episodes that never finished are not named"
+            )
         if self.trainer.optimizer == "adamw_deepspeed" and self.trainer.zero_stage == 0:
             raise ValueError(
                 "trainer.optimizer: adamw_deepspeed needs trainer.zero_stage 1-3 (stage 0 steps with "
@@ -416,6 +432,24 @@ class TandemConfig(Section):
 
     def with_model_path(self, path: str) -> TandemConfig:
         return self.model_copy(update={"model": self.model.model_copy(update={"path": path})})
+
+
+def validate_reward_models(config: TandemConfig) -> None:
+    """Every reward-service model rollout.reward / eval_reward names is one reward.models serves, of the type its
+    prefix says."""
+    models = config.reward.models if config.reward is not None else {}
+    for key, text in (("rollout.reward", config.rollout.reward), ("rollout.eval_reward", config.rollout.eval_reward)):
+        for term in parse_reward(text) if text else ():
+            if term.model is None:
+                continue
+            if term.model not in models:
+                served = ", ".join(models) or "none: add a reward: section"
+                raise ValueError(f"{key}: {term.spec} names no model of reward.models (served: {served})")
+            if term.model_type is not None and models[term.model].type != term.model_type:
+                raise ValueError(
+                    f"{key}: {term.spec} is a {models[term.model].type} in reward.models; write "
+                    f"{models[term.model].type}:{term.model} or service:{term.model}"
+                )
 
 
 def validate_async_off_policy_correction(config: TandemConfig) -> None:

@@ -179,7 +179,36 @@ def resolve_paths(data: JsonObject, base_dir: Path) -> JsonObject:
             node[key] = _resolve_reward_file(value, base_dir)
         elif not os.path.isabs(value) and value not in _KEYWORDS.get(where, ()):
             node[key] = str((base_dir / value).resolve())
+    _resolve_reward_models(data, base_dir)
+    rollout = data.get("rollout")
+    api = rollout.get("openai_api") if isinstance(rollout, dict) else None
+    if isinstance(api, dict) and isinstance(api.get("tool_parser"), str):
+        api["tool_parser"] = _resolve_reward_file(api["tool_parser"], base_dir)
     return data
+
+
+TEMPLATE_FILE_SUFFIXES = (".j2", ".jinja", ".jinja2", ".txt")  # a judge's template naming a file, not Jinja text
+
+
+def _resolve_reward_models(data: JsonObject, base_dir: Path) -> None:
+    """reward.models.*: the model and tokenizer directories, a template file and a file parser, relative to the YAML."""
+    section = data.get("reward")
+    models = section.get("models") if isinstance(section, dict) else None
+    if not isinstance(models, dict):
+        return
+    for model in models.values():
+        if not isinstance(model, dict):
+            continue
+        for key in ("path", "tokenizer_path"):
+            value = model.get(key)
+            if isinstance(value, str) and value and not os.path.isabs(value):
+                model[key] = str((base_dir / value).resolve())
+        template = model.get("template")
+        if isinstance(template, str) and template.strip().endswith(TEMPLATE_FILE_SUFFIXES) and "\n" not in template:
+            model["template"] = str((base_dir / template.strip()).resolve())
+        parser = model.get("parser")
+        if isinstance(parser, str) and parser:
+            model["parser"] = _resolve_reward_file(parser, base_dir) if ".py:" in parser else parser
 
 
 _KEYWORDS: dict[tuple[str, ...], tuple[str, ...]] = {("data", "chat_template"): CHAT_TEMPLATE_MODES}  # not paths
@@ -194,7 +223,7 @@ _PATH_KEYS: tuple[tuple[str, ...], ...] = (
     ("weights", "disk_dir"),
     ("algorithm", "distillation", "teacher_path"),
 )
-_PLUGIN_KEYS = (("rollout", "reward"), ("rollout", "environment"))
+_PLUGIN_KEYS = (("rollout", "reward"), ("rollout", "environment"), ("rollout", "agent"))
 
 
 def _resolve_reward_file(spec: str, base_dir: Path) -> str:
@@ -206,14 +235,18 @@ def _resolve_reward_file(spec: str, base_dir: Path) -> str:
     return f"{(base_dir / target).resolve()}:{attr}"
 
 
+def _defaults_to_a_section(key: str) -> bool:
+    field = TandemConfig.model_fields[key]
+    return field.default is not None and bool(_section_type(_field_type(field)))
+
+
 def config_from_dict(data: JsonObject, source: str = "config") -> TandemConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"invalid configuration in {source}: the top level must be a mapping of sections")
-    # An empty `section:` in YAML is null: treat it as a section left at its defaults.
+    # An empty `section:` in YAML is null: treat it as a section left at its defaults (a section that is off unless
+    # given, `reward:`, stays off).
     data = {
-        k: ({} if v is None and _section_type(_field_type(TandemConfig.model_fields[k])) else v)
-        if k in TandemConfig.model_fields
-        else v
+        k: ({} if v is None and _defaults_to_a_section(k) else v) if k in TandemConfig.model_fields else v
         for k, v in data.items()
     }
     try:

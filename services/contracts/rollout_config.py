@@ -6,7 +6,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from services.contracts.agents_config import AgentSettings
 from services.contracts.config_base import Section
+from services.contracts.reward_spec import parse_reward, reward_text
+from services.contracts.untyped import JsonValue
 
 NO_REWARD = "none"  # rollout.reward: every sample's reward is 0 (pure distillation needs no reward function)
 MAX_STOP_STRINGS = 16  # the check runs per running sequence and step; more strings is likely a mistake
@@ -92,7 +95,7 @@ class OverlongPenaltyConfig(Section):
     factor: float = Field(default=1.0, gt=0)
 
 
-class RolloutSettings(Section):
+class RolloutSettings(AgentSettings):
     """The keys of rollout every engine has (RolloutConfig below adds each engine's own)."""
 
     engine: Literal["native", "sglang"] = "native"
@@ -109,8 +112,14 @@ class RolloutSettings(Section):
     eval_n_samples_per_prompt: int = Field(default=1, ge=1)
     reward: str = Field(
         default="exact_match",
-        description="built-in name or `module:function` (sync or async, batched or per sample); none: reward 0 "
-        "for every sample (pure distillation, algorithm.distillation)",
+        description="built-in name or `module:function` (sync or async, batched or per sample), a reward service "
+        "model (`service:NAME`, `judge:NAME`), a weighted sum: `{math_answer: 0.7, judge:NAME: 0.3}`; none: reward "
+        "0 for every sample (pure distillation, algorithm.distillation)",
+    )
+    eval_reward: str | None = Field(
+        default=None,
+        description="what evals score with (the same forms as reward); unset = rollout.reward. A rule-checked "
+        "eval of a run trained on a model's reward",
     )
     reward_timeout_s: float | None = Field(
         default=None,
@@ -156,6 +165,23 @@ class RolloutSettings(Section):
         "has one); an observation {role, content} names its own",
     )
 
+    @field_validator("reward", "eval_reward", mode="before")
+    @classmethod
+    def _reward_text(cls, value: JsonValue) -> JsonValue:
+        if isinstance(value, dict):
+            try:
+                return reward_text({str(k): float(v) for k, v in value.items()})
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"a weighted sum maps each reward to a number: {exc}") from None
+        return value
+
+    @field_validator("reward", "eval_reward")
+    @classmethod
+    def _reward_parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_reward(value)
+        return value
+
     @model_validator(mode="after")
     def _environment_keys(self) -> RolloutSettings:
         if self.environment is None and self.episode_reward != "env":
@@ -168,6 +194,11 @@ class RolloutSettings(Section):
                 "rollout.overlong_penalty measures one generation against sampling.max_new_tokens; an "
                 "episode of rollout.environment holds several turns and observations, so the two are "
                 "refused together (algorithm.overlong_filter does apply: it masks episodes that were cut)"
+            )
+        if self.agent is not None and self.environment is not None:
+            raise ValueError(
+                f"rollout.agent ({self.agent}) and rollout.environment ({self.environment}) both say how an "
+                "episode is played; set one"
             )
         return self
 

@@ -39,7 +39,11 @@ def check_run_inputs(config: TandemConfig, *, init_model: bool = False) -> list[
     check_lora(config)
     records = check_data(config)
     _check_reward(config.rollout.reward)
+    if config.rollout.eval_reward:
+        _check_reward(config.rollout.eval_reward)
+    _check_reward_models(config)
     _check_environment(config.rollout.environment)
+    _check_agents(config)
     from services.rollout.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
@@ -347,12 +351,24 @@ def _load(key: str, path: str, config: TandemConfig) -> list[PromptRecord]:
 
 
 def _check_reward(spec: str) -> None:
-    from services.rollout.rewards import RewardSpecError, resolve_reward
+    from services.rollout.reward_mix import check_rule_terms
+    from services.rollout.rewards import RewardSpecError
 
     try:
-        resolve_reward(spec)
+        check_rule_terms(spec)
     except RewardSpecError as exc:
         raise ConfigError(f"rollout.reward: {exc}") from None
+
+
+def _check_reward_models(config: TandemConfig) -> None:
+    """Each model of reward.models is a model directory (the reward service loads them; this fails before it starts)."""
+    for name, model in (config.reward.models if config.reward is not None else {}).items():
+        if not (Path(model.path) / "config.json").is_file():
+            what = "does not exist" if not Path(model.path).exists() else "has no config.json"
+            raise ConfigError(
+                f"reward.models.{name}.path {model.path} {what} (build one with `tandem init-model` or train one: "
+                "docs/rewards.md)"
+            )
 
 
 def _check_environment(spec: str | None) -> None:
@@ -365,6 +381,15 @@ def _check_environment(spec: str | None) -> None:
         resolve_environment(spec)
     except EnvironmentSpecError as exc:
         raise ConfigError(f"rollout.environment: {exc}") from None
+
+
+def _check_agents(config: TandemConfig) -> None:
+    from services.rollout.agents.checks import check_agents
+
+    try:
+        check_agents(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def unencodable_text(

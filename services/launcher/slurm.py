@@ -5,7 +5,9 @@ job's batch step, and this starts every service as a job step (`srun --overlap` 
 - the trainer on the first `--trainer-nodes` nodes: `tandem trainer` on one node (trainer.num_ranks ranks), else
   torchrun across them, rank 0 on the first node (it serves gRPC and joins the weight-sync group);
 - one rollout replica on each of the next `--rollout-nodes` nodes (an allocation with fewer nodes places the
-  rest round-robin again, ports stepping up per node, so a one-node job runs everything).
+  rest round-robin again, ports stepping up per node, so a one-node job runs everything);
+- the reward service, when the config has a `reward:` section, on the node after those (round-robin too: on a
+  rollout's node it shares that node's GPUs, reward.memory_fraction).
 
 Host names come from SLURM_JOB_NODELIST (`scontrol show hostnames`). Every service gets the wiring of
 deploy/docker-compose.yml (`--set` addresses, ports, bind_host, weights.master_addr, checkpoint_dir), hosts
@@ -33,6 +35,7 @@ from services.contracts.exits import ExitCode
 
 # The ports deploy/docker-compose.yml and the Helm chart use (tests/test_deploy_targets.py checks they agree).
 COORDINATOR_PORT, TRAINER_PORT, ROLLOUT_PORT, REDIS_PORT, RENDEZVOUS_PORT = 50051, 50052, 50061, 6379, 29500
+REWARD_PORT = 50071
 REDIS_ARGS = ("--appendonly", "yes", "--appendfsync", "everysec")  # as the compose file's redis command
 
 
@@ -43,6 +46,7 @@ class Layout:
     head: str  # Redis and the coordinator
     trainer: tuple[str, ...]  # trainer ranks' nodes; rank 0 on the first
     rollout: tuple[tuple[str, int], ...]  # (node, port) of each rollout replica
+    reward: str  # the reward service's node (when the config has one): the node after the rollouts'
 
     @classmethod
     def of(cls, nodes: list[str], *, trainer_nodes: int, rollout_nodes: int) -> Layout:
@@ -55,7 +59,8 @@ class Layout:
         for i in range(rollout_nodes):
             node = nodes[(trainer_nodes + i) % len(nodes)]
             rollout.append((node, ROLLOUT_PORT + sum(n == node for n, _ in rollout)))
-        return cls(head=nodes[0], trainer=trainer, rollout=tuple(rollout))
+        reward = nodes[(trainer_nodes + rollout_nodes) % len(nodes)]
+        return cls(head=nodes[0], trainer=trainer, rollout=tuple(rollout), reward=reward)
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,7 @@ class Step:
 @dataclass(frozen=True)
 class Plan:
     redis: Step
-    services: tuple[Step, ...]  # trainer, rollout replicas
+    services: tuple[Step, ...]  # trainer, the reward service (a config with a reward: section), rollout replicas
     coordinator: Step
 
 
@@ -92,6 +97,8 @@ def wiring(
         f"services.trainer.host={layout.trainer[0]}",
         f"services.trainer.port={TRAINER_PORT}",
         f"services.rollout=[{rollout}]",
+        f"services.reward.host={layout.reward}",
+        f"services.reward.port={REWARD_PORT}",
         f"services.auth_token={auth_token}",
         f"redis.url=redis://{layout.head}:{REDIS_PORT}/0",
         f"weights.master_addr={layout.trainer[0]}",
@@ -106,7 +113,8 @@ def wiring(
 def plan(args: argparse.Namespace, nodes: list[str], *, tandem: str, redis_server: str) -> Plan:
     layout = Layout.of(nodes, trainer_nodes=args.trainer_nodes, rollout_nodes=args.rollout_nodes)
     workdir = args.workdir.resolve()
-    run_dir = workdir / "runs" / load_config(args.config, args.overrides).run_name
+    config = load_config(args.config, args.overrides)
+    run_dir = workdir / "runs" / config.run_name
     gpus = args.gpus_per_node
     wired = wiring(
         args.config.resolve(),
@@ -151,9 +159,10 @@ def plan(args: argparse.Namespace, nodes: list[str], *, tandem: str, redis_serve
         "--dir",
         str(workdir / "redis"),
     )
+    reward = (Step("reward", (layout.reward,), (tandem, "reward", *wired)),) if config.reward is not None else ()
     return Plan(
         redis=Step("redis", (layout.head,), redis),
-        services=(Step("trainer", tuple(dict.fromkeys(layout.trainer)), trainer), *rollouts),
+        services=(Step("trainer", tuple(dict.fromkeys(layout.trainer)), trainer), *reward, *rollouts),
         coordinator=Step("coordinator", (layout.head,), (tandem, "coordinator", *wired)),
     )
 

@@ -1,13 +1,15 @@
 """`tandem run`: every service as a child process on this machine, plus an embedded redis-server.
 
-Start order: redis → trainer(s) → rollout replicas → coordinator, each awaited through grpc.health.
+Start order: redis → trainer(s) → the reward service (when the config has a reward: section) → rollout replicas →
+coordinator, each awaited through grpc.health.
 Logs go to RUN_DIR/logs/<service>.log. If any child dies, everything is stopped and the run fails with
 the child's name and the tail of its log; Ctrl-C asks the coordinator for a graceful Stop (a second Ctrl-C
 terminates). Children, the embedded redis-server included, get PR_SET_PDEATHSIG (services/launcher/procs.py), so
 none outlives the supervisor, even a supervisor killed with kill -9.
 
 With services.max_restarts > 0 a dead child is restarted instead (that many restarts per run, in total):
-a rollout replica alone (the coordinator retries its work elsewhere and re-syncs it); the embedded
+a rollout replica alone (the coordinator retries its work elsewhere and re-syncs it); the reward service alone
+(the rollouts ask it again within reward.max_wait_s); the embedded
 redis-server on its port and data directory (AOF); a coordinator that failed, which resumes from the last
 checkpoint; a trainer together with the coordinator, which is killed first so it can neither drive the new
 trainer nor save a checkpoint mixing the two, and then resumes from the last checkpoint. A child that dies or
@@ -97,7 +99,7 @@ def resolve_for_local_run(config: TandemConfig, *, redis_url: str) -> TandemConf
     # engines accept weights only from this run's actor (plans and CUDA IPC handles name it)
     data["weights"]["trainer_id"] = data["weights"]["trainer_id"] or f"{data['run_name']}/actor"
     s = data["services"]
-    for name in ("coordinator", "trainer", "critic"):
+    for name in ("coordinator", "trainer", "critic", "reward"):
         if s[name]["port"] == 0:
             s[name]["port"] = free_port(s["bind_host"] if s["bind_host"] != "0.0.0.0" else "127.0.0.1")
     for replica in s["rollout"]:
@@ -165,7 +167,9 @@ class LocalRun:
         s = self.config.services
         if child.name.startswith("rollout-"):
             return s.rollout[int(child.name.split("-")[1])].target
-        return {"trainer": s.trainer, "critic": s.critic, "coordinator": s.coordinator}[child.name].target
+        return {"trainer": s.trainer, "critic": s.critic, "coordinator": s.coordinator, "reward": s.reward}[
+            child.name
+        ].target
 
     def _service_args(self, service: str, *extra: str) -> list[str]:
         return [
@@ -232,7 +236,13 @@ class LocalRun:
         """A fixed port some other process holds (another run on the same ports) fails the run before anything
         starts: a health check there would be answered by the other process."""
         s = self.config.services
-        addresses = [s.trainer, *([s.critic] if self.config.algorithm.uses_critic else []), *s.rollout, s.coordinator]
+        addresses = [
+            s.trainer,
+            *([s.critic] if self.config.algorithm.uses_critic else []),
+            *([s.reward] if self.config.reward is not None else []),
+            *s.rollout,
+            s.coordinator,
+        ]
         for address in addresses:
             if address.port:
                 ensure_port_free(s.bind_host, address.port)
@@ -259,6 +269,8 @@ class LocalRun:
             self.run_dir,
         )
         waits = [(self._spawn("trainer", self._trainer_args("actor")), s.trainer.target)]
+        if self.config.reward is not None:  # before the rollouts, whose batches wait for its scores
+            waits.append((self._spawn("reward", self._service_args("reward")), s.reward.target))
         if self.config.algorithm.uses_critic:
             waits.append((self._spawn("critic", self._trainer_args("critic")), s.critic.target))
         for i, addr in enumerate(s.rollout):

@@ -17,6 +17,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,6 +71,9 @@ PRESETS: dict[str, dict[str, Any]] = {  # config kwargs (transformers types them
     ),
 }
 ARCHS = ("llama", "qwen2")
+# Sequence classifiers (a reward model, `type: classifier` of the reward service): a real model's preset over a small
+# body, with a one-logit score head instead of the LM head
+CLASSIFIER_PRESETS: dict[str, tuple[str, str]] = {"classifier": ("qwen2.5-0.5b", "tiny")}
 # A preset named after a model family is built only as that family; the others default to llama (module doc).
 PRESET_ARCH = {"q05": "qwen2", "q15": "qwen2"}
 
@@ -186,6 +190,7 @@ def init_model(
     renames, so an interrupted run never leaves a half-written model behind.
     """
     out = Path(out_dir).resolve()
+    head = "classifier" if preset in CLASSIFIER_PRESETS else "causal"
     spec = check_init_args(preset=preset, arch=arch, body=body, layers=layers, dtype=dtype)
     if (out / "config.json").exists():
         raise ModelInitError(
@@ -194,28 +199,40 @@ def init_model(
     if out.exists() and any(out.iterdir()):
         raise ModelInitError(f"init-model: {out} exists and is not empty")
     import torch  # after the checks: a refused call should not pay for importing torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.initialization import no_init_weights
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     config, tokenizer, save_tokenizer = _config_and_tokenizer(spec, seed=seed)
+    auto: type[AutoModelForCausalLM] | type[AutoModelForSequenceClassification] = AutoModelForCausalLM
+    if head == "classifier":
+        auto = AutoModelForSequenceClassification
+        config.num_labels = 1
+        config.pad_token_id = tokenizer.pad_token_id  # the score head reads each row's last non-pad token
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         # torch's own init at construction (kaiming, normal) is thrown away by the model's _init_weights: a real
         # model's preset skips it, which halves the random numbers drawn (the bulk of a 0.5B init on a CPU); the
         # toy presets keep the stream their seeds always gave
         with no_init_weights() if spec.family is not None else contextlib.nullcontext():
-            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
+            model = auto.from_config(config, dtype=getattr(torch, spec.dtype))
         if spec.family is not None:
             model.init_weights()
-    generation = spec.generation_ids(config)
-    model.generation_config.update(**generation)
+    if getattr(model, "generation_config", None) is not None and head == "causal":
+        model.generation_config.update(**spec.generation_ids(config))
+    _save_atomically(
+        out, lambda tmp: (model.save_pretrained(tmp, safe_serialization=True), save_tokenizer(tokenizer, tmp))
+    )
+    return out
+
+
+def _save_atomically(out: Path, save: Callable[[Path], object]) -> None:
+    """`save` into a temporary sibling of `out` (an empty or missing directory), then renamed to `out`."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        save_tokenizer(tokenizer, tmp)
+        save(tmp)
         for path in (tmp, *tmp.iterdir()):  # mkdtemp makes 0700; a shared model volume needs readable files
             path.chmod(0o755 if path.is_dir() else 0o644)
         if out.exists():
@@ -224,7 +241,6 @@ def init_model(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 DTYPES = ("float32", "bfloat16")
@@ -265,7 +281,11 @@ def check_init_args(
     layers: int | None = None,
     dtype: str | None = None,
 ) -> InitSpec:
-    """ModelInitError naming the first bad argument; else what to build."""
+    """ModelInitError naming the first bad argument; else what to build (a classifier preset: its real model's
+    preset over its body)."""
+    if preset in CLASSIFIER_PRESETS:
+        preset, default_body = CLASSIFIER_PRESETS[preset]
+        body = body or default_body
     if preset in MODEL_PRESETS:
         model_type = MODEL_PRESETS[preset].model_type
         if arch is not None and arch != model_type:
@@ -281,7 +301,7 @@ def check_init_args(
         if arch not in ARCHS:
             raise ModelInitError(f"init-model: unknown arch {arch!r} (choose from {', '.join(ARCHS)})")
     else:
-        raise ModelInitError(f"init-model: unknown preset {preset!r} (choose from {', '.join(preset_names())})")
+        raise ModelInitError(f"init-model: unknown preset {preset!r} (choose from {', '.join(all_preset_names())})")
     if body is not None and body not in BODIES:
         raise ModelInitError(f"init-model: unknown body {body!r} (choose from {', '.join(BODIES)})")
     if layers is not None and layers < 1:
@@ -317,7 +337,13 @@ def _config_and_tokenizer(spec: InitSpec, *, seed: int) -> tuple[Any, Any, Any]:
 
 
 def preset_names() -> tuple[str, ...]:
+    """The causal LM presets (a policy's, model.init_preset)."""
     return (*PRESETS, *MODEL_PRESETS)
+
+
+def all_preset_names() -> tuple[str, ...]:
+    """What `tandem init-model --preset` takes: the causal LM presets and the classifier ones (a reward model)."""
+    return (*preset_names(), *CLASSIFIER_PRESETS)
 
 
 def count_parameters(model) -> int:
@@ -327,7 +353,10 @@ def count_parameters(model) -> int:
 def parameter_count(model_dir: str | os.PathLike[str]) -> int:
     """Parameters of the model in `model_dir`, from its config alone (built on the meta device: no memory)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    config = AutoConfig.from_pretrained(model_dir)
+    classifier = any(a.endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or ())
+    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
     with torch.device("meta"):
-        return count_parameters(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)))
+        return count_parameters(auto.from_config(config))

@@ -41,13 +41,13 @@ def rollout_batch(
         responses=[list(o.token_ids) for o in outputs],
         log_probs=[list(o.log_probs) for o in outputs],
         rewards=rewards,
-        group_ids=[p.group_id for p in prompts for _ in range(n)],
+        group_ids=scored.group_ids or [p.group_id for p in prompts for _ in range(n)],
         finish_reasons=[o.finish_reason for o in outputs],
         sampling=request.sampling,
         sample_versions=[o.weight_version for o in outputs],
         loss_masks=scored.loss_masks,
         token_versions=[list(o.versions) for o in outputs],
-        labels=[p.label for p in prompts for _ in range(n)],
+        labels=scored.labels or [p.label for p in prompts for _ in range(n)],
         metadata=dict(metadata),
         producer=producer,
         logprob_space=logprob_space,
@@ -77,7 +77,9 @@ def generate_result(
         reward_time_s=scored.reward_s,
         put_time_s=put_s,
         metrics={
-            **batch_metrics(scored.outputs, shaped.rewards, n=n, generate_s=scored.generate_s),
+            **batch_metrics(
+                scored.outputs, shaped.rewards, n=n, generate_s=scored.generate_s, group_ids=scored.group_ids
+            ),
             **shaped.shaping,
             **scored.metrics,
             **cuda_peak_metrics(),

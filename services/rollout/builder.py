@@ -20,8 +20,8 @@ from services.rollout.engines.interface import Engine
 from services.rollout.environment_registry import resolve_environment
 from services.rollout.multi_turn import EpisodeSource
 from services.rollout.recent_calls import RecentCalls
-from services.rollout.rewards import resolve_reward
-from services.rollout.samples import SampleSource, SingleTurn
+from services.rollout.reward_mix import RewardResolver
+from services.rollout.samples import Resolve, SampleSource, Scorer, SingleTurn
 from services.rollout.tokenizer import Texts, end_of_generation_ids, load_tokenizer
 from services.rollout.weight_receipt import WeightReceipt
 from services.rollout.writer import BatchWriter
@@ -30,6 +30,9 @@ from services.tensors.devices import limit_cpu_threads
 if TYPE_CHECKING:
     import redis
     from transformers import PreTrainedTokenizerBase
+
+    from services.rollout.agents.runner import AgentRollout
+    from services.rollout.remote_reward import ScoreClient
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ class RolloutParts:
     writer: BatchSink
     weights: WeightReceipt
     recent: RecentCalls[GenerateResult]
+    agents: AgentRollout | None = None  # the OpenAI-compatible endpoint (rollout.openai_api), stopped with the service
 
 
 def build_engine(config: TandemConfig, texts: Texts | None = None) -> Engine:
@@ -61,6 +65,12 @@ def build_engine(config: TandemConfig, texts: Texts | None = None) -> Engine:
     tokenizer)."""
     eos = end_of_generation_ids(config.model.path, texts.tokenizer if texts is not None else None)
     return engine_kind(config.rollout.engine).build(config, eos, texts)
+
+
+def _reward_client(config: TandemConfig) -> ScoreClient:
+    from services.rollout.reward_client import RewardClient
+
+    return RewardClient(config)
 
 
 def build_rollout(
@@ -73,7 +83,8 @@ def build_rollout(
 ) -> RolloutParts:
     """The real parts; `engine`, `tokenizer` and `redis_client`, when given, are used instead of building them."""
     ro = config.rollout
-    default_reward = resolve_reward(ro.reward)  # a bad spec fails the start
+    rewards = RewardResolver(config, client_factory=_reward_client)
+    default_reward = rewards.resolve(ro.reward)  # a bad spec fails the start
     environment = resolve_environment(ro.environment) if ro.environment else None
     if tokenizer is None:
         tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
@@ -83,10 +94,20 @@ def build_rollout(
     log.info("startup: %s engine ready in %.2fs", engine.name, time.monotonic() - started)
     if engine.compute_device is not None:
         limit_cpu_threads(ro.cpu_threads, engine.compute_device)
+    agents = open_agents(config, texts=texts, engine=engine, replica=replica)  # rollout.openai_api
     source: SampleSource = (
-        EpisodeSource(config, engine=engine, texts=texts, environment=environment, default_reward=default_reward)
+        EpisodeSource(
+            config,
+            engine=engine,
+            texts=texts,
+            environment=environment,
+            default_reward=default_reward,
+            resolve=rewards.resolve,
+        )
         if environment is not None
-        else SingleTurn(config, engine=engine, texts=texts, default_reward=default_reward)
+        else agent_source(config, agents, default_reward, rewards.resolve)
+        if agents is not None and agents.plays
+        else SingleTurn(config, engine=engine, texts=texts, default_reward=default_reward, resolve=rewards.resolve)
     )
     producer = f"rollout-{replica}"
     groups = ("actor", "critic") if config.algorithm.uses_critic else ("actor",)
@@ -101,4 +122,20 @@ def build_rollout(
         writer=BatchWriter(config, producer=producer, groups=groups, client=redis_client),
         weights=WeightReceipt(config, engine=engine, replica=replica),
         recent=RecentCalls(),
+        agents=agents,
     )
+
+
+def open_agents(config: TandemConfig, *, texts: Texts, engine: Engine, replica: int) -> AgentRollout | None:
+    """The OpenAI-compatible endpoint when rollout.openai_api.enabled (its packages are the `agents` extra)."""
+    if not config.rollout.openai_api.enabled:
+        return None
+    from services.rollout.agents.runner import AgentRollout
+
+    return AgentRollout(config, texts=texts, engine=engine, replica=replica)
+
+
+def agent_source(config: TandemConfig, agents: AgentRollout, default_reward: Scorer, resolve: Resolve) -> SampleSource:
+    from services.rollout.agents.source import AgentSource
+
+    return AgentSource(config, agents=agents, default_reward=default_reward, resolve=resolve)

@@ -99,17 +99,37 @@ class ChatTemplate:
     def observation_text(self, message: ChatMessage, *, turn_end: str = "") -> str:
         """The text after a policy turn that shows `message` and opens the next assistant turn. `turn_end`: the text
         of the turn's last token when that token ended it (an EOS or a stop token), "" when it was cut."""
-        base = [{"role": "user", "content": _USER_PLACEHOLDER}, {"role": "assistant", "content": _TURN_PLACEHOLDER}]
+        return self._tail(
+            [message.as_dict()],
+            turn_end=turn_end,
+            tools=None,
+            what=f"an observation as a {message.role!r} message",
+            hint=" (set rollout.observation_role, or return {'role': ..., 'content': ...} from the environment)",
+        )
+
+    def continuation_text(
+        self, messages: Sequence[Mapping[str, JsonValue]], *, turn_end: str = "", tools: JsonValue = None
+    ) -> str:
+        """The text after a policy turn that shows `messages` (OpenAI-style dicts: tool results, a user's reply) and
+        opens the next assistant turn; `tools` as the chat template's `tools` argument. `turn_end` as in
+        observation_text."""
+        roles = ", ".join(repr(m.get("role")) for m in messages)
+        return self._tail(messages, turn_end=turn_end, tools=tools, what=f"{roles} message(s) after a turn", hint="")
+
+    def _tail(
+        self, messages: Sequence[Mapping[str, JsonValue]], *, turn_end: str, tools: JsonValue, what: str, hint: str
+    ) -> str:
+        """Rendered around placeholder messages; only the text after the placeholder answer is kept."""
+        base: list[Mapping[str, JsonValue]] = [
+            {"role": "user", "content": _USER_PLACEHOLDER},
+            {"role": "assistant", "content": _TURN_PLACEHOLDER},
+        ]
         try:
-            [rendered] = self._apply([[*base, message.as_dict()]])
+            [rendered] = self._apply([[*base, *messages]], tools=tools)
         except ChatTemplateError:
             raise
         except Exception as exc:  # noqa: BLE001 - the template refused the role, typically
-            raise ChatTemplateError(
-                f"{self.source} cannot render an observation as a {message.role!r} message: "
-                f"{type(exc).__name__}: {exc} (set rollout.observation_role, or return "
-                "{'role': ..., 'content': ...} from the environment)"
-            ) from None
+            raise ChatTemplateError(f"{self.source} cannot render {what}: {type(exc).__name__}: {exc}{hint}") from None
         at = rendered.find(_TURN_PLACEHOLDER)
         if at < 0:
             raise ChatTemplateError(
@@ -119,14 +139,32 @@ class ChatTemplate:
         tail = rendered[at + len(_TURN_PLACEHOLDER) :]
         return tail[len(turn_end) :] if turn_end and tail.startswith(turn_end) else tail
 
-    def _apply(self, conversations: list[list[dict[str, str]]]) -> list[str]:
+    def render_messages(self, messages: Sequence[Mapping[str, JsonValue]], *, tools: JsonValue = None) -> str:
+        """One conversation of OpenAI-style dicts (tool calls, tool results) as the model reads it, with `tools`."""
+        try:
+            [rendered] = self._apply([list(messages)], tools=tools)
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - named for the caller
+            raise ChatTemplateError(f"{self.source} failed: {type(exc).__name__}: {exc}", index=0) from None
+        return rendered
+
+    def _apply(
+        self, conversations: Sequence[Sequence[Mapping[str, JsonValue]]], *, tools: JsonValue = None
+    ) -> list[str]:
         if not self.available:
             tokenizer = self.source.removeprefix("the chat template of ")
             raise ChatTemplateError(
                 f"data.chat_template is {self.mode}, and {tokenizer} has no chat template; set "
                 "data.chat_template to a Jinja template file, or give text prompts"
             )
+        extra = {"tools": tools} if tools else {}
         out = self.tokenizer.apply_chat_template(
-            conversations, chat_template=self.template, tokenize=False, add_generation_prompt=True, **self.kwargs
+            [[dict(m) for m in c] for c in conversations],
+            chat_template=self.template,
+            tokenize=False,
+            add_generation_prompt=True,
+            **self.kwargs,
+            **extra,
         )
         return list(out)

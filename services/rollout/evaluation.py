@@ -46,7 +46,7 @@ def evaluate(
     if n < 1:
         raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
     sampling = sampling or SamplingSpec.from_config(ro.eval_sampling)
-    scorer = parts.source.reward_for(reward)
+    scorer = parts.source.reward_for(reward or ro.eval_reward)  # rollout.eval_reward: a rule-checked eval, say
     inputs = validated_inputs(parts.texts, parts.engine, prompts)
     with tracing.span(
         "rl.eval.generate",

@@ -32,12 +32,22 @@ def shaped_rewards(
 
 
 def batch_metrics(
-    outputs: Sequence[SampleOutput], rewards: Sequence[float], *, n: int, generate_s: float
+    outputs: Sequence[SampleOutput],
+    rewards: Sequence[float],
+    *,
+    n: int,
+    generate_s: float,
+    group_ids: Sequence[int] | None = None,
 ) -> dict[str, float]:
-    """Per-batch numbers for the coordinator (it prefixes them with `rollout/`)."""
+    """Per-batch numbers for the coordinator (it prefixes them with `rollout/`). `group_ids`: each sample's group,
+    when groups are not n samples in order (agent episodes: a failed one is left out, a rewritten one is several)."""
     r = np.asarray(rewards, dtype=np.float64)
     lengths = np.asarray([len(o.token_ids) for o in outputs], dtype=np.float64)
-    groups = r.reshape(-1, n)
+    if group_ids is None:
+        zero_std = float((r.reshape(-1, n).std(axis=1) == 0).mean())
+    else:
+        ids = np.asarray(group_ids)
+        zero_std = float(np.mean([r[ids == g].std() == 0 for g in np.unique(ids)]))
     reasons = [o.finish_reason for o in outputs]
     return {
         "reward_mean": float(r.mean()),
@@ -49,7 +59,7 @@ def batch_metrics(
         "finish_stop_frac": reasons.count("stop") / len(reasons),
         "finish_length_frac": reasons.count("length") / len(reasons),
         # GRPO gets no signal from a group whose rewards are all equal.
-        "zero_std_group_frac": float((groups.std(axis=1) == 0).mean()),
+        "zero_std_group_frac": zero_std,
         "tokens_per_s": float(lengths.sum() / generate_s) if generate_s > 0 else 0.0,
         **version_metrics(outputs),
     }

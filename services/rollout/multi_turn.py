@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from services.contracts.chat_messages import ChatMessage
 from services.contracts.config import TandemConfig
+from services.contracts.errors import FailedPrecondition
 from services.contracts.sampling_spec import SamplingSpec
 from services.rollout.chat_template import ChatTemplateError
 from services.rollout.engines.engine_errors import EngineUnavailable
@@ -43,10 +44,9 @@ from services.rollout.environments import (
     observation_message,
 )
 from services.rollout.rewards import resolve_reward
-from services.rollout.samples import SampleRequest, Scored, Scorer, refuse_aborted
+from services.rollout.samples import Resolve, SampleRequest, Scored, Scorer, refuse_aborted
 from services.rollout.sync_bridge import run_coroutine
 from services.rollout.tokenizer import Texts
-from services.rpc.grpc_util import FailedPrecondition
 from services.telemetry import tracing
 
 # How an episode ended. On the wire: done -> stop; max_turns and context -> length (it was cut); abort -> abort.
@@ -323,9 +323,10 @@ class EpisodeSource:
         texts: Texts,
         environment: EnvironmentPlugin,
         default_reward: Scorer,
+        resolve: Resolve = resolve_reward,
     ):
         self.config, self.engine, self.texts = config, engine, texts
-        self.environment, self.default_reward = environment, default_reward
+        self.environment, self.default_reward, self.resolve = environment, default_reward, resolve
 
     def reward_for(self, spec: str | None) -> Scorer:
         """A request's reward, else the configured one; with the environment scoring alone none may be named."""
@@ -335,7 +336,7 @@ class EpisodeSource:
                 f"environment {self.environment.spec} scores each episode alone (set "
                 "rollout.episode_reward: env_plus_reward to add a reward function)"
             )
-        return resolve_reward(spec) if spec else self.default_reward
+        return self.resolve(spec) if spec else self.default_reward
 
     def metadata(self) -> Mapping[str, str]:
         ro = self.config.rollout

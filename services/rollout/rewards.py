@@ -37,22 +37,28 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from services.contracts.errors import Unavailable
+from services.contracts.reward_spec import RewardSpecError
 from services.contracts.rollout_config import NO_REWARD
 from services.rollout import math_rewards
 from services.rollout.sync_bridge import run_coroutine
-from services.rpc.grpc_util import Unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _PER_SAMPLE = ("prompt", "response", "label", "metadata")
 _BATCHED = ("prompts", "responses", "labels", "metadatas")
 
 
-class RewardSpecError(ValueError):
-    """`rollout.reward` (or a request's reward) does not name a usable function."""
+@dataclass(frozen=True)
+class RewardScores:
+    """A reward's answer for a batch: one value per sample, and what it reports about them (a model's sub-scores,
+    a judge's parse failures, the reward service's queue time) as metrics of the batch."""
+
+    values: list[float]
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class RewardError(ValueError):
@@ -213,6 +219,21 @@ class RewardFunction:
 
         raw = each(_Watch()) if timeout_s is None else self._within(each, timeout_s, n=n)
         return [_to_float(v, spec=self.spec, index=i) for i, v in enumerate(raw)]
+
+    def score_detailed(
+        self,
+        *,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        labels: Sequence[str],
+        metadatas: Sequence[dict[str, str]],
+        timeout_s: float | None = None,
+        tokens: Sequence[int] | None = None,
+    ) -> RewardScores:
+        """`score` as a Reward (reward_mix.py) answers; `tokens` is for remote rewards' batching."""
+        return RewardScores(
+            self.score(prompts=prompts, responses=responses, labels=labels, metadatas=metadatas, timeout_s=timeout_s)
+        )
 
     def _within(self, job: Callable[[_Watch], list[Any]], timeout_s: float, *, n: int) -> list[Any]:
         """`job` on a daemon thread (a sync call cannot be interrupted; one that hangs is left there), watched: the

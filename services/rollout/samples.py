@@ -11,20 +11,20 @@ writes it; a source only samples and scores.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from services.contracts import runfacts
 from services.contracts.config import TandemConfig
+from services.contracts.errors import FailedPrecondition
 from services.contracts.rollout_calls import PromptInput
 from services.contracts.sampling_spec import SamplingSpec, prompt_max_new_tokens
 from services.rollout.engines.engine_errors import EngineUnavailable
 from services.rollout.engines.interface import FINISH_ABORT, Engine, SampleOutput
 from services.rollout.prompts import ModelInputs
-from services.rollout.rewards import resolve_reward
+from services.rollout.rewards import RewardScores, resolve_reward
 from services.rollout.tokenizer import Texts
-from services.rpc.grpc_util import FailedPrecondition
 from services.telemetry import tracing
 
 if TYPE_CHECKING:
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 
 class Scorer(Protocol):
-    """A reward over decoded samples (rewards.RewardFunction: a built-in, a file's function, a package's)."""
+    """A reward over decoded samples: rewards.RewardFunction (a built-in, a file's function, a package's), a model
+    of the reward service (remote_reward.RemoteReward) or a weighted sum of them (reward_mix.WeightedReward)."""
 
     @property
     def spec(self) -> str: ...
@@ -46,6 +47,22 @@ class Scorer(Protocol):
         metadatas: Sequence[dict[str, str]],
         timeout_s: float | None = None,
     ) -> list[float]: ...
+
+    def score_detailed(
+        self,
+        *,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        labels: Sequence[str],
+        metadatas: Sequence[dict[str, str]],
+        timeout_s: float | None = None,
+        tokens: Sequence[int] | None = None,
+    ) -> RewardScores:
+        """`score` with what the reward reports about the batch (metrics); `tokens` per sample batch remote calls."""
+        ...
+
+
+Resolve = Callable[[str], Scorer]  # a reward spec -> its Scorer (reward_mix.RewardResolver.resolve)
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,10 @@ class Scored:
     reward_s: float
     loss_masks: list[list[int]] | None = None  # None: every response token is the policy's
     metrics: dict[str, float] = field(default_factory=dict)
+    # None: n samples per prompt in order; set where a source's groups vary (agents: a failed episode is left out, a
+    # rewritten one is several samples)
+    group_ids: list[int] | None = None
+    labels: list[str] | None = None
 
 
 class SampleSource(Protocol):
@@ -104,11 +125,20 @@ def refuse_aborted(outputs: Sequence[SampleOutput], rollout_id: int) -> None:
 class SingleTurn:
     """One engine call for every prompt x n, then the reward over the decoded responses."""
 
-    def __init__(self, config: TandemConfig, *, engine: Engine, texts: Texts, default_reward: Scorer):
+    def __init__(
+        self,
+        config: TandemConfig,
+        *,
+        engine: Engine,
+        texts: Texts,
+        default_reward: Scorer,
+        resolve: Resolve = resolve_reward,
+    ):
         self.config, self.engine, self.texts, self.default_reward = config, engine, texts, default_reward
+        self.resolve = resolve
 
     def reward_for(self, spec: str | None) -> Scorer:
-        return resolve_reward(spec) if spec else self.default_reward
+        return self.resolve(spec) if spec else self.default_reward
 
     def metadata(self) -> Mapping[str, str]:
         return {}
@@ -143,18 +173,20 @@ class SingleTurn:
             reward=request.reward.spec,
             samples=len(outputs),
         ):
-            rewards = request.reward.score(
+            rewards = request.reward.score_detailed(
                 prompts=[s for s in request.inputs.texts for _ in range(n)],
                 responses=responses,
                 labels=[p.label for p in prompts for _ in range(n)],
                 metadatas=[p.reward_metadata() for p in prompts for _ in range(n)],
                 timeout_s=runfacts.reward_timeout_s(self.config),
+                tokens=[len(p) + len(o.token_ids) for p, o in zip(expanded, outputs, strict=True)],
             )
         return Scored(
             prompt_ids=expanded,
             outputs=outputs,
-            rewards=rewards,
+            rewards=rewards.values,
             responses=responses,
             generate_s=generate_s,
             reward_s=time.monotonic() - t,
+            metrics=rewards.metrics,
         )

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from services.contracts.chat_messages import ChatMessage
+from services.contracts.untyped import JsonValue
 from services.rollout.chat_template import ChatTemplate, ChatTemplateError
 
 if TYPE_CHECKING:
@@ -172,6 +173,27 @@ class Texts:
             end = self._decode(turn[-1:], skip_special_tokens=False) if turn_ended else ""
             text = self.chat.observation_text(message, turn_end=end)
             return encode_texts(self.tokenizer, [text], special_tokens=False)[0]
+
+    def chat_ids(self, messages: Sequence[Mapping[str, JsonValue]], *, tools: JsonValue = None) -> list[int]:
+        """OpenAI-style messages (tool calls, tool results) as a prompt, with the template's `tools` argument."""
+        with self._lock:
+            text = self.chat.render_messages(messages, tools=tools)
+            return encode_texts(self.tokenizer, [text], special_tokens=False)[0]
+
+    def continuation_ids(
+        self, messages: Sequence[Mapping[str, JsonValue]], *, turn: Sequence[int], turn_ended: bool, tools: JsonValue
+    ) -> list[int]:
+        """`messages` after the policy turn `turn`, up to the next assistant header (ChatTemplate.continuation_text);
+        only these tokens are encoded, the turn's own are kept as generated."""
+        with self._lock:
+            end = self._decode(turn[-1:], skip_special_tokens=False) if turn_ended else ""
+            text = self.chat.continuation_text(messages, turn_end=end, tools=tools)
+            return encode_texts(self.tokenizer, [text], special_tokens=False)[0]
+
+    def encode_prompt_text(self, text: str) -> list[int]:
+        """A text prompt as the data path encodes it (with the tokenizer's BOS)."""
+        with self._lock:
+            return prompt_token_ids(self.tokenizer, [text])[0]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         with self._lock:

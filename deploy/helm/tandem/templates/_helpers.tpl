@@ -47,6 +47,10 @@ release's addresses. $(TANDEM_AUTH_TOKEN) is expanded by Kubernetes from the Sec
 - --set
 - {{ printf "services.rollout=%s" (include "tandem.rolloutList" .) | quote }}
 - --set
+- services.reward.host={{ .Release.Name }}-reward
+- --set
+- services.reward.port={{ .Values.ports.reward }}
+- --set
 - services.auth_token=$(TANDEM_AUTH_TOKEN)
 - --set
 - redis.url={{ include "tandem.redisUrl" . }}

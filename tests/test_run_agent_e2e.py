@@ -1,0 +1,46 @@
+"""`tandem run` of examples/agent_tools.yaml: the policy trains through the rollout service's OpenAI-compatible
+endpoint, driven by an agent written with the real `openai` client (tools, several turns, one sample per episode).
+Every service a separate process, a real redis-server, DeepSpeed on CPU. It learns the lookup tool of
+examples/tool_lookup (call, then copy the result), which no policy that does not call it can score on."""
+
+import json
+
+import pytest
+from tandem_runs import REPO, metrics, start_run, supervisor_log
+from test_run_tool_e2e import best_no_tool_reward
+
+pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+# ~7 min on the shared 2-core box when it is quiet, 10-13 under load: every turn is an HTTP call
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+AGENT_EXAMPLE = REPO / "examples" / "agent_tools.yaml"
+
+
+def test_an_openai_client_agent_learns_to_call_the_lookup_tool_through_the_endpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    # 16 prompts x 16 episodes a step: every turn is an HTTP call, so a step costs more than the environment's
+    proc = start_run(
+        run_dir, "loop.num_rollout=40", "loop.eval_interval=40", "rollout.rollout_batch_size=16", config=AGENT_EXAMPLE
+    )
+    assert proc.wait(timeout=1400) == 0, supervisor_log(run_dir)
+    rows = metrics(run_dir)
+    evals = [r for r in rows if "eval/reward_mean" in r]
+    steps = [r for r in rows if "rollout/reward_mean" in r]
+    assert [r["rollout_id"] for r in evals] == [-1, 39] and len(steps) == 40
+    ceiling = best_no_tool_reward(REPO / "examples" / "tool_lookup" / "eval.jsonl")
+    untrained, trained = evals[0], evals[-1]
+    assert untrained["eval/reward_mean"] < ceiling, untrained
+    assert trained["eval/reward_mean"] > ceiling + 0.2, trained
+    first, last = (sum(r["rollout/reward_mean"] for r in part) / 5 for part in (steps[:5], steps[-5:]))
+    assert first < 0.05 and last > 0.2, (first, last)  # sampled at T=1
+    # the agent learned to call: more turns per episode; each episode stayed one sample (its history only grew)
+    assert steps[0]["rollout/agent_turns_mean"] < 1.3 and steps[-1]["rollout/agent_turns_mean"] > 1.8
+    for r in steps:
+        assert r["rollout/agent_samples_per_episode"] == 1.0 and r["rollout/agent_rewritten_turns"] == 0.0
+        assert r["rollout/agent_episodes"] == 256.0
+    assert sum(r["rollout/agent_failed_episodes"] for r in steps) <= 0.01 * 256 * 40  # none expected; a loaded box
+    assert steps[-1]["rollout/agent_reused_turn_frac"] > 0.4  # turns after a tool result reused the generated ids
+    # where `tandem ctl episodes --run-dir` finds the endpoint: 127.0.0.1 only
+    assert json.loads((run_dir / "openai_api" / "rollout-0.json").read_text())["url"].startswith("http://127.0.0.1:")
