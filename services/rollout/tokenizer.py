@@ -193,7 +193,7 @@ class Texts:
     def encode_prompt_text(self, text: str) -> list[int]:
         """A text prompt as the data path encodes it (with the tokenizer's BOS)."""
         with self._lock:
-            return prompt_token_ids(self.tokenizer, [text])[0]
+            return encode_texts(self.tokenizer, [text], special_tokens=True)[0]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         with self._lock:
