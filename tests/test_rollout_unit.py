@@ -109,6 +109,9 @@ class FakeReward:
     def score(self, *, prompts, responses, labels, metadatas, timeout_s=None) -> list[float]:
         raise AssertionError("the fake source scores by itself")
 
+    def score_detailed(self, *, prompts, responses, labels, metadatas, timeout_s=None, tokens=None):
+        raise AssertionError("the fake source scores by itself")
+
 
 class FakeSource:
     """Each sample's response is its prompt's last id + 1 and its sample index; reward 1.0 for sample 0, else 0."""
