@@ -51,7 +51,6 @@ from services.telemetry import tracing
 
 # How an episode ended. On the wire: done -> stop; max_turns and context -> length (it was cut); abort -> abort.
 END_DONE, END_MAX_TURNS, END_CONTEXT, END_ABORT = "done", "max_turns", "context", "abort"
-EPISODE_ENDS = (END_DONE, END_MAX_TURNS, END_CONTEXT, END_ABORT)
 _WIRE_FINISH = {
     END_DONE: FINISH_STOP,
     END_MAX_TURNS: FINISH_LENGTH,
@@ -70,7 +69,7 @@ class Episode:
     loss_mask: tuple[int, ...]  # 1 policy token, 0 observation token
     reward: float  # sum of the step rewards
     turns: int
-    end: str  # one of EPISODE_ENDS
+    end: str  # one of END_*
 
 
 @dataclass(frozen=True)
