@@ -6,7 +6,7 @@ DEMO_CONFIG ?= examples/digit_max.yaml
 # Test modules go to two workers whole (--dist loadscope), so module-scoped services start once.
 PYTEST_ARGS ?= -n 2 --dist loadscope
 
-.PHONY: setup demo test lint protos bench clean image image-cpu compose-test slurm-test
+.PHONY: setup demo test lint protos config-keys bench clean image image-cpu compose-test slurm-test
 
 setup: $(VENV)/.installed
 
@@ -45,9 +45,15 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/vulture
 
 protos: setup
 	$(BIN)/python -m services.contracts.protogen
+
+# After adding or removing a config key (or changing a default / description): the key list the tests freeze
+# (tests/config_keys.txt) and docs/config.md, both generated from the pydantic models.
+config-keys: setup
+	$(BIN)/python -m services.contracts.config_reference --write
 
 clean:
 	rm -rf $(VENV) runs

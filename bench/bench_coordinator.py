@@ -30,6 +30,7 @@ from bench_wire import make_batch
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import config_from_dict
+from services.contracts.convert import from_message, to_message
 from services.contracts.gen.tandem.v1 import rollout_pb2, trainer_pb2
 from services.contracts.rollout_calls import (
     EvaluateRequest,
@@ -51,13 +52,6 @@ from services.contracts.trainer_calls import (
 )
 from services.contracts.wire import RolloutBatchData, encode_batch
 from services.coordinator.builder import CoordinatorParts
-from services.coordinator.clients import (
-    generate_request_proto,
-    generate_result_of,
-    save_request_proto,
-    train_request_proto,
-    train_result_of,
-)
 from services.coordinator.data import DataSource, PromptRecord
 from services.coordinator.loop import Coordinator
 from services.coordinator.pool import RolloutPool
@@ -90,7 +84,7 @@ class Replica:
         self.buffer, self.batch, self.timed = buffer, batch, timed
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
-        self.timed.seen("GenerateRequest (coordinator -> rollout)", generate_request_proto(request))
+        self.timed.seen("GenerateRequest (coordinator -> rollout)", to_message(request, rollout_pb2.GenerateRequest))
         start = time.perf_counter()
         entry = self.buffer.put(self.batch)
         self.timed.put[request.rollout_id] = time.perf_counter() - start
@@ -102,7 +96,7 @@ class Replica:
             metrics={"reward_mean": 0.5, "response_len_mean": 1536.0},
         )
         self.timed.seen("GenerateResponse (rollout -> coordinator)", reply)
-        return generate_result_of(reply)
+        return from_message(reply, GenerateResult)
 
     def wait_healthy(self, timeout_s: float) -> None:
         pass
@@ -144,7 +138,7 @@ class Trainer:
         self.buffer, self.timed, self.step = buffer, timed, 0
 
     def train(self, request: TrainRequest) -> TrainResult:
-        self.timed.seen("TrainRequest (coordinator -> trainer)", train_request_proto(request))
+        self.timed.seen("TrainRequest (coordinator -> trainer)", to_message(request, trainer_pb2.TrainRequest))
         start = time.perf_counter()
         entries = self.buffer.read(list(request.entry_ids), timeout_s=30)
         samples = sum(e.batch.num_samples for e in entries)
@@ -158,7 +152,7 @@ class Trainer:
             metrics={f"train/m{i}": 0.1 * i for i in range(40)},
         )
         self.timed.seen("TrainResponse (trainer -> coordinator)", reply)
-        return train_result_of(reply)
+        return from_message(reply, TrainResult)
 
     def wait_healthy(self, timeout_s: float) -> None:
         pass
@@ -167,7 +161,7 @@ class Trainer:
         return LoadResult(loaded=False)
 
     def save(self, request: SaveRequest) -> SaveResult:
-        self.timed.seen("SaveRequest (coordinator -> trainer)", save_request_proto(request))
+        self.timed.seen("SaveRequest (coordinator -> trainer)", to_message(request, trainer_pb2.SaveRequest))
         return SaveResult(path="/unused", hf_path="", step=self.step, time_s=0.0)
 
     # what this run never asks of a trainer (loop.offload_train is off)

@@ -2,7 +2,8 @@
 
     python bench/bench_train_step.py [--device cuda] [--presets q05] [--lengths 1 128] [--samples 512]
                                      [--variants ds_z1_bf16 ...] [--steps 4] [--profile [VARIANT ...]] [--out DIR]
-                                     [--vocab V] [--chunk-tokens C] [--mixed-lengths]
+                                     [--vocab V] [--chunk-tokens auto|C] [--mixed-lengths] [--warmups 2]
+                                     [--no-count-ops] [--peak-tflops 790]
     python bench/bench_train_step.py --presets qwen2.5-0.5b --lengths 256 \
         --variants ds_z0_bf16 ds_z0_bf16_old          # the real vocabulary: chunked scoring against the old path
 
@@ -26,11 +27,19 @@ Presets: Qwen2 bodies over `--vocab` (22 by default, Tandem's toy vocabulary), o
 (bench/real_shapes.py: init-model's qwen2.5-0.5b, qwen2.5-1.5b, qwen3-0.6b, llama3.2-1b; real vocabularies, tied).
 `--mixed-lengths` draws each response's length uniformly from [L/8, L] (padding to remove) instead of exactly L.
 
-Columns: step seconds (median of `--steps` after 2 warm-ups), its parts (micro-batch planning on the host,
+Columns: step seconds (median of `--steps` after `--warmups`), its parts (micro-batch planning on the host,
 forward+loss, backward, optimizer step; CUDA-synchronised), the host work of one more step under torch.profiler
-(aten ops that are not views, and on a GPU the kernel launches), peak GPU memory (and what was still allocated
-when the variant started, which that peak includes; on a CPU the process's peak RSS so far, exact for the first
-variant of a process: run one variant per process to compare), and MFU = 6 x params x tokens / (step s x 790e12).
+(aten ops that are not views, and on a GPU the kernel launches), peak GPU memory (the allocator's reserved peak
+over the variant's steps, from each step's own gpu_gb_peak metric, as the trainer reports it: a step resets the
+device's peak statistics, so reading them after the last step saw only that step's end; with what was still
+reserved when the variant started, which that peak includes; on a CPU the process's peak RSS so far, exact for the
+first variant of a process: run one variant per process to compare), and MFU = model FLOPs / (step s x
+--peak-tflops, 790 by default: the dense bf16 measured on this workplace's cards). Model FLOPs: 6 x the parameters
+that multiply (the output head's included) x tokens, plus causal attention's 6 x layers x hidden x S^2 per sample
+of S tokens. `--chunk-tokens` is trainer.scoring_chunk_tokens (auto by default); the `*_c1024` / `*_c8192` variants
+keep the head of before issue 39 (1,024- or 8,192-token chunks over 8,192-column blocks) whatever it says.
+`--warmups N` steps before the timed ones (2); `--no-count-ops` skips the profiled step (a long step makes millions
+of profiler events).
 `--profile` writes a torch.profiler summary per variant (top ops by device and host time) to
 DIR/profile_<variant>_<preset>_L<L>.txt.
 """
@@ -57,15 +66,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # scoring_reference: the old path
 
+from op_counts import count_step_ops, profiler
 from real_shapes import REAL_SHAPES, build_real_model_dir, real_vocab
 
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.untyped import HFCausalLM
 from services.contracts.wire import build_batch
+from services.trainer.algo.head_scoring import ChunkSetting
 
 DEFAULT_BUDGET = 16384  # trainer.micro_batch_tokens' default
-PEAK_FLOPS = 790e12  # H200 dense bf16, as measured for this workplace (FACTS.md)
+PEAK_TFLOPS = 790.0  # dense bf16, as measured for this workplace's cards (FACTS.md): --peak-tflops
 # Qwen2 bodies over Tandem's 22-token vocabulary (services/modelinit/init_model.py VOCAB)
 SHAPES: dict[str, dict[str, Any]] = {
     "small": dict(
@@ -82,6 +93,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     "q05_narrow": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=4, num_key_value_heads=2
     ),
+    # two narrow layers: a step whose ops are mostly the loss, the head and the optimizer (tests/test_op_budget.py)
+    "tiny": dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    ),
 }
 VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z1_bf16": {"kind": "ds", "zero_stage": 1, "precision": "bf16"},
@@ -91,6 +106,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z0_bf16": {"kind": "ds", "zero_stage": 0, "precision": "bf16"},
     "ds_z0_bf16_64k": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "micro_batch_tokens": 65536},
     "ds_z0_bf16_128k": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "micro_batch_tokens": 131072},
+    # issue 39: the head as before it, 1,024- (its default) or 8,192-token chunks over 8,192-column blocks (whatever
+    # --chunk-tokens says)
+    "ds_z0_bf16_c1024": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "chunk_tokens": 1024},
+    "ds_z0_fp32_c1024": {"kind": "ds", "zero_stage": 0, "precision": "fp32", "chunk_tokens": 1024},
+    "ds_z0_bf16_c8192": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "chunk_tokens": 8192},
     "ds_z0_bf16pure": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure"},
     "ds_z0_bf16pure_nocheck": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "skip_nonfinite_steps": False},
     "ds_z0_fp32": {"kind": "ds", "zero_stage": 0, "precision": "fp32"},
@@ -145,12 +165,15 @@ def make_model_dir(root: Path, preset: str, vocab: int) -> Path:
     return out
 
 
-def make_rollout(*, samples: int, response_len: int, vocab: int, seed: int, mixed: bool = False):
-    """`samples` responses of `response_len` tokens (mixed: uniform in [response_len / 8, response_len])."""
+def make_rollout(
+    *, samples: int, response_len: int, vocab: int, seed: int, mixed: bool = False, prompt_len: int | None = None
+):
+    """`samples` responses of `response_len` tokens (mixed: uniform in [response_len / 8, response_len]) after
+    prompts of 4-8 tokens (or `prompt_len`)."""
     from services.trainer.batching import merge_batches
 
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(4, vocab, size=int(rng.integers(4, 9))).tolist() for _ in range(samples)]
+    prompts = [rng.integers(4, vocab, size=prompt_len or int(rng.integers(4, 9))).tolist() for _ in range(samples)]
     lengths = (
         rng.integers(max(1, response_len // 8), response_len + 1, size=samples)
         if mixed
@@ -223,7 +246,7 @@ class TorchBackend:
         *,
         param_dtype: torch.dtype,
         autocast: bool,
-        chunk_tokens: int,
+        chunk_tokens: ChunkSetting,
         lr: float = 1e-3,
     ):
         from transformers import AutoModelForCausalLM
@@ -295,19 +318,23 @@ class OldPathScores:
         return scores, logits
 
 
-def build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path, chunk_tokens: int) -> Any:
+def build_backend(
+    variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path, chunk_tokens: ChunkSetting | None
+) -> Any:
     backend = _build_backend(variant, model_dir, device, tmp, chunk_tokens)
     return OldPathScores(backend) if variant.get("scoring") == "old" else backend
 
 
-def _build_backend(variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path, chunk_tokens: int) -> Any:
+def _build_backend(
+    variant: dict[str, Any], model_dir: Path, device: torch.device, tmp: Path, chunk_tokens: ChunkSetting | None
+) -> Any:
     if variant["kind"] == "torch":
         backend = TorchBackend(
             model_dir,
             device,
             param_dtype=variant["param_dtype"],
             autocast=variant["autocast"],
-            chunk_tokens=chunk_tokens,
+            chunk_tokens="auto" if chunk_tokens is None else chunk_tokens,
         )
         if variant.get("fused"):
             from services.tensors import fused
@@ -333,7 +360,7 @@ def _build_backend(variant: dict[str, Any], model_dir: Path, device: torch.devic
                 "micro_batch_tokens": variant.get("micro_batch_tokens", DEFAULT_BUDGET),
                 "skip_nonfinite_steps": variant.get("skip_nonfinite_steps", True),
                 "lora": variant.get("lora"),
-                "scoring_chunk_tokens": chunk_tokens,
+                **({} if chunk_tokens is None else {"scoring_chunk_tokens": chunk_tokens}),  # None: the default
                 "activation_checkpointing": variant.get("activation_checkpointing", False),
                 "pack_sequences": variant.get("pack_sequences", False),
             },
@@ -362,45 +389,58 @@ def run_variant(
     steps: int,
     tmp: Path,
     profile_to: Path | None,
-    chunk_tokens: int,
+    chunk_tokens: ChunkSetting,
+    warmups: int = 2,
+    count_ops: bool = True,
 ) -> dict[str, float]:
     from services.trainer.algo.actor import actor_step, lockstep_micro_batches
 
     variant = VARIANTS[name]
+    chunk_tokens = variant.get("chunk_tokens", chunk_tokens)
     budget = variant.get("micro_batch_tokens", DEFAULT_BUDGET)
-    held = 0.0  # what earlier variants left allocated counts in this one's peak: shown beside it
+    held = 0.0  # what earlier variants left reserved counts in this one's peak: shown beside it
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        held = torch.cuda.memory_allocated(device) / 2**30
+        held = torch.cuda.memory_reserved(device) / 2**30
     if variant["kind"] == "floor":
         return run_floor(
-            model_dir=model_dir, device=device, batches=batches, steps=steps, budget=budget, chunk_tokens=chunk_tokens
+            warmups=warmups,
+            model_dir=model_dir,
+            device=device,
+            batches=batches,
+            steps=steps,
+            budget=budget,
+            chunk_tokens=chunk_tokens,
         )
     backend = build_backend(variant, model_dir, device, tmp, chunk_tokens)
     algo = algo_config()
     rows: list[dict[str, float]] = []
-    for i in range(steps + 2):
+    peaks = [0.0]  # each step's reserved peak, from its own metrics (which reset the device's peak statistics)
+    for i in range(steps + warmups):
         timer = Timer(device)
         timed = TimedBackend(backend, timer)
         batch = batches[i % len(batches)]
         with timer.phase("plan"):
             lockstep_micro_batches(backend, batch, token_budget=budget)  # what actor_step does first, timed alone
         started, cpu_started = time.perf_counter(), time.process_time()
-        prof = _profiler(device) if (profile_to is not None and i == steps + 1) else contextlib.nullcontext()
+        prof = profiler(device) if (profile_to is not None and i == steps + warmups - 1) else contextlib.nullcontext()
         with prof as p:
-            actor_step(backend=timed, batch=batch, algo=algo, ref_model=None, old_actor=None, token_budget=budget)
+            metrics = actor_step(
+                backend=timed, batch=batch, algo=algo, ref_model=None, old_actor=None, token_budget=budget
+            )
+            peaks.append(metrics.get("gpu_gb_peak", 0.0))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         step_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         if p is not None and profile_to is not None:
             profile_to.write_text(_profile_table(p))
-        if i >= 2:
+        if i >= warmups:
             parts = {k: timer.seconds.get(k, 0.0) for k in ("plan", "forward", "backward", "optimizer")}
             other = step_s - parts["forward"] - parts["backward"] - parts["optimizer"]
             rows.append({"step_s": step_s, "cpu_s": cpu_s, **parts, "other": other})
     out = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in rows[0]}
-    out.update(
-        count_step_ops(
+    if count_ops:
+        out |= count_step_ops(
             functools.partial(
                 actor_step,
                 backend=backend,
@@ -412,8 +452,7 @@ def run_variant(
             ),
             device,
         )
-    )
-    out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else max_rss_gib()
+    out["peak_gib"] = max(peaks) if device.type == "cuda" else max_rss_gib()
     out["held_gib"] = held
     if hasattr(backend, "close"):
         backend.close()  # DeepSpeed's engine lets go of its buffers
@@ -425,7 +464,14 @@ def run_variant(
 
 
 def run_floor(
-    *, model_dir: Path, device: torch.device, batches: list[Any], steps: int, budget: int, chunk_tokens: int
+    *,
+    model_dir: Path,
+    device: torch.device,
+    batches: list[Any],
+    steps: int,
+    budget: int,
+    chunk_tokens: ChunkSetting,
+    warmups: int,
 ) -> dict[str, float]:
     """The model's forward + backward on the step's micro-batches, bf16 params, nothing else (the chunked head's
     tempered log-probs of the response tokens as the loss)."""
@@ -442,7 +488,7 @@ def run_floor(
     model.to(device).train()
     install(model)
     times = []
-    for i in range(steps + 2):
+    for i in range(steps + warmups):
         batch = batches[i % len(batches)]
         sampling = TokenSampling.of(batch).to(device)
         mbs = [mb.to(device) for mb in plan_micro_batches(batch, world_size=1, rank=0, token_budget=budget)]
@@ -460,9 +506,9 @@ def run_floor(
                     scores = scores_of(model(**model_inputs(mb), use_cache=False), request)
                 scores[TEMPERED_ROW].mean().backward()
         model.zero_grad(set_to_none=True)
-        if i >= 2:
+        if i >= warmups:
             times.append(timer.seconds["fwd_bwd"])
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    peak = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
     del model
     return {"step_s": statistics.median(times), "forward": float("nan"), "peak_gib": peak}
 
@@ -472,49 +518,6 @@ def max_rss_gib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-VIEW_OPS = frozenset(
-    {
-        "aten::view",
-        "aten::reshape",
-        "aten::_reshape_alias",
-        "aten::as_strided",
-        "aten::detach",
-        "aten::alias",
-        "aten::narrow",
-        "aten::slice",
-        "aten::select",
-        "aten::unsqueeze",
-        "aten::squeeze",
-        "aten::expand",
-        "aten::t",
-        "aten::transpose",
-        "aten::permute",
-    }
-)
-LAUNCHES = frozenset({"cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"})
-
-
-def count_step_ops(step: Callable[[], Any], device: torch.device) -> dict[str, float]:
-    """One more step under torch.profiler: the aten ops that do work (views left out; nested ops counted, so a
-    proxy of the host's work that holds on a CPU too) and, on a GPU, the kernel launches."""
-    with _profiler(device) as prof:
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    names = [e.name for e in prof.events()]
-    return {
-        "host_ops": float(sum(n.startswith("aten::") and n not in VIEW_OPS for n in names)),
-        "launches": float(sum(n in LAUNCHES for n in names)) if device.type == "cuda" else float("nan"),
-    }
-
-
-def _profiler(device: torch.device) -> Any:
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    return profile(activities=acts, record_shapes=False)
 
 
 def _profile_table(p: Any) -> str:
@@ -528,12 +531,38 @@ def _profile_table(p: Any) -> str:
     )
 
 
-def num_params(model_dir: Path) -> int:
-    from transformers import AutoConfig, AutoModelForCausalLM
+@dataclass(frozen=True)
+class FlopShape:
+    """What a step's model FLOPs depend on: the parameters that multiply (the output head's included, the input
+    embedding's lookup not, unless tied to the head: then the one matrix counts once), layers and width."""
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    return sum(p.numel() for p in model.parameters())
+    matmul_params: int
+    layers: int
+    hidden: int
+
+    @classmethod
+    def of(cls, model_dir: Path) -> FlopShape:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        params = sum(p.numel() for p in model.parameters())
+        if not getattr(config, "tie_word_embeddings", False):
+            params -= model.get_input_embeddings().weight.numel()
+        return cls(matmul_params=params, layers=config.num_hidden_layers, hidden=config.hidden_size)
+
+    def step_flops(self, batch: Any) -> float:
+        """Forward and backward of every sample: 6 x matmul params per token, and causal attention's
+        6 x layers x hidden x S^2 per sample of S tokens (QK^T and AV, half the square each; x3 for the backward)."""
+        lengths = (batch.prompt_lengths + batch.response_lengths).double()
+        return 6.0 * self.matmul_params * float(lengths.sum()) + 6.0 * self.layers * self.hidden * float(
+            (lengths**2).sum()
+        )
+
+
+def _chunk_setting(text: str) -> ChunkSetting:
+    return "auto" if text == "auto" else int(text)
 
 
 def main() -> int:
@@ -543,7 +572,17 @@ def main() -> int:
     parser.add_argument("--lengths", nargs="+", type=int, default=[1, 128])
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=22, help="vocabulary of the Qwen2-body presets")
-    parser.add_argument("--chunk-tokens", type=int, default=1024, help="trainer.scoring_chunk_tokens")
+    parser.add_argument(
+        "--chunk-tokens", type=_chunk_setting, default="auto", help="trainer.scoring_chunk_tokens (a number or auto)"
+    )
+    parser.add_argument("--warmups", type=int, default=2, help="steps before the timed ones")
+    parser.add_argument(
+        "--count-ops",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="profile one more step for its host ops and kernel launches",
+    )
+    parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="the card's dense bf16, for MFU")
     parser.add_argument("--mixed-lengths", action="store_true", help="response lengths uniform in [L/8, L]")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=4)
@@ -559,12 +598,12 @@ def main() -> int:
     device = torch.device(args.device)
     out = args.out or Path(tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, failed = [], []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         for preset in args.presets:
             model_dir = make_model_dir(tmp, preset, args.vocab)
-            params = num_params(model_dir)
+            shape = FlopShape.of(model_dir)
             for length in args.lengths:
                 vocab = real_vocab(preset) if preset in REAL_SHAPES else args.vocab
                 batches = [
@@ -584,27 +623,31 @@ def main() -> int:
                             device=device,
                             batches=batches,
                             steps=args.steps,
+                            warmups=args.warmups,
+                            count_ops=args.count_ops,
                             tmp=tmp,
                             profile_to=prof,
                             chunk_tokens=args.chunk_tokens,
                         )
                     except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
                         print(f"[{name} {preset} L={length}] failed: {type(exc).__name__}: {exc}", flush=True)
+                        failed.append(name)
                         continue
-                    mfu = 6 * params * tokens / (r["step_s"] * PEAK_FLOPS)
+                    mfu = shape.step_flops(batches[0]) / (r["step_s"] * args.peak_tflops * 1e12)
                     rows.append({"preset": preset, "L": length, "variant": name, "tokens": tokens, "mfu": mfu, **r})
                     print(f"[{name} {preset} L={length}] {r}", flush=True)
     _print_table(
         rows,
         args,
         params_note=f"{datetime.date.today()} device={args.device} samples={args.samples} "
-        f"chunk={args.chunk_tokens}{' mixed lengths' if args.mixed_lengths else ''}",
+        f"chunk={args.chunk_tokens} MFU at {args.peak_tflops:.0f} TFLOP/s"
+        f"{' mixed lengths' if args.mixed_lengths else ''}",
     )
-    return 0
+    return 1 if failed else 0  # a variant that failed (out of memory, say) fails the call
 
 
 def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace, *, params_note: str) -> None:
-    print(f"\n# bench_train_step {params_note} (medians of {args.steps} steps after 2 warm-ups)\n")
+    print(f"\n# bench_train_step {params_note} (medians of {args.steps} steps after {args.warmups} warm-ups)\n")
     print(
         "| preset | L | variant | tokens | step s | tokens/s | host CPU s | plan s | forward+loss s | backward s | "
         "optimizer s | loss+host s | host ops | launches | peak GiB | held before GiB | MFU | vs ds_z1_bf16 |"

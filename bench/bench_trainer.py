@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.contracts.trainer_calls import TrainRequest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.buffer.stream import RolloutBuffer, connect, stream_key
@@ -120,7 +122,7 @@ def bench_one(
             batch = make_batch(rollout_id=step, samples=samples, response_len=response_len, vocab=vocab, seed=step)
             entry = producer.put(batch)
             started = time.perf_counter()
-            reply = service.train(rollout_id=step, entry_ids=[entry])
+            reply = service.train(TrainRequest(rollout_id=step, entry_ids=(entry,)))
             if step:  # the first step pays one-off costs (allocator, optimizer state)
                 wall.append(time.perf_counter() - started)
                 train.append(reply.metrics["perf/train_update_s"])
@@ -154,7 +156,7 @@ def bench_offload(
     rows: list[dict[str, Any]] = []
     try:
         batch = make_batch(rollout_id=0, samples=16, response_len=16, vocab=limits_of(built).vocab_size, seed=0)
-        service.train(rollout_id=0, entry_ids=[producer.put(batch)])  # optimizer states exist from here
+        service.train(TrainRequest(rollout_id=0, entry_ids=(producer.put(batch),)))  # optimizer states exist from here
         for frozen in (False, True):
             if not frozen:
                 gc.unfreeze()  # the backend froze its start-up objects; measure the collections without that

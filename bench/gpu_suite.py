@@ -1,5 +1,9 @@
 """Every GPU check in one call: the GPU tests, the same-GPU weight hand-off bench and the native engine bench.
 
+    python bench/gpu_suite.py --plan [--budget-s 560] [--stages NAME ...]   # issue 39's goals, pending ones first
+    python bench/gpu_suite.py --plan --dry-run      # the plan and its state, every command's arguments checked
+    python bench/gpu_suite.py --absorb DIR          # a plan call's returned files -> gpu_plan.json, RESULTS.md
+      (bench/gpu_plan.py: the stages in priority order, what a call carries, how finished stages are skipped)
     python bench/gpu_suite.py [--out DIR] [--quick]
         [--only handoff ipc_copy checksums train_step engine engine_compile tests offload trainer_tests run]
     python bench/gpu_suite.py --only checksums_run   # check_weight_update_equal's share of a sync in runs
@@ -37,6 +41,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # gpu_plan
 PY = sys.executable
 
 GPU_TESTS = ["tests/test_rollout_gpu.py", "tests/test_weights_cuda.py"]
@@ -395,7 +400,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "bench" / "gpu_suite_out"))
     parser.add_argument("--only", nargs="+", default=None, choices=list(stages(quick=False, out=Path("."))))
     parser.add_argument("--quick", action="store_true", help="fewer repeats in the engine bench")
+    parser.add_argument("--plan", action="store_true", help="issue 39's pending stages that fit (bench/gpu_plan.py)")
+    parser.add_argument("--dry-run", action="store_true", help="with --plan: print it, check its commands")
+    parser.add_argument("--budget-s", type=float, default=560.0, help="with --plan: seconds this call may take")
+    parser.add_argument("--stages", nargs="+", default=None, help="with --plan: only these stages")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/tandem-gpu-plan"), help="with --plan: bench files")
+    parser.add_argument("--absorb", type=Path, default=None, metavar="DIR", help="a plan call's files, here")
     args = parser.parse_args(argv)
+    if args.absorb is not None or args.plan:
+        return plan_main(args)
     args.out.mkdir(parents=True, exist_ok=True)
     chosen = args.only if args.only is not None else [n for n in stages(args.quick, args.out) if n not in OPT_IN]
     every = stages(args.quick, args.out)
@@ -409,6 +422,33 @@ def main(argv: list[str] | None = None) -> int:
             write_summary(results, args.out)  # after every stage: a call cut short still leaves its summary
     print(write_summary(results, args.out))
     return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    import gpu_plan
+
+    if args.absorb is not None:
+        return gpu_plan.absorb(args.absorb)
+    if args.dry_run:
+        return gpu_plan.dry_run(args.work)
+    unknown = sorted(set(args.stages or ()) - {s.name for s in gpu_plan.stages(args.work)})
+    if unknown:
+        print(f"--stages: no such stage: {', '.join(unknown)} (see --plan --dry-run)", file=sys.stderr)
+        return 2
+    with contextlib.ExitStack() as servers:
+        results: list[dict] = []
+
+        def start_servers() -> None:
+            os.environ["SGLANG_SERVERS"] = str(start_sglang(servers, args.work, results))
+
+        return gpu_plan.run_plan(
+            out=args.out,
+            work=args.work,
+            budget_s=args.budget_s,
+            only=args.stages,
+            summarize=summary_lines,
+            start_servers=start_servers,
+        )
 
 
 def start_sglang(stack: contextlib.ExitStack, out: Path, results: list[dict]) -> Path:

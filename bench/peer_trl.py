@@ -81,12 +81,14 @@ class Case:
 
 
 def parse_case(text: str) -> Case:
+    from services.modelinit.families import MODEL_PRESETS
     from services.modelinit.init_model import PRESETS
 
+    presets = [*PRESETS, *MODEL_PRESETS]  # toy bodies, and real models' shapes (init-model --preset qwen2.5-0.5b)
     match = re.fullmatch(r"([a-z0-9.\-]+)_L(\d+)", text)  # qwen2.5-0.5b_L256: a real-vocabulary preset
-    if not match or match[1] not in PRESETS or int(match[2]) < 1:
+    if not match or match[1] not in presets or int(match[2]) < 1:
         raise argparse.ArgumentTypeError(
-            f"case {text!r}: expected PRESET_L<tokens> with a preset of {', '.join(PRESETS)}, e.g. q05_L128"
+            f"case {text!r}: expected PRESET_L<tokens> with a preset of {', '.join(presets)}, e.g. q05_L128"
         )
     return Case(text, match[1], int(match[2]))
 
@@ -301,6 +303,7 @@ def run_tandem(case: Case, *, model: Path, mode: str, args: argparse.Namespace, 
             "prompt_tokens": r.get("rollout/prompt_tokens", 0.0),
             "response_tokens": r.get("rollout/response_tokens", 0.0),
             "finish_stop_frac": r.get("rollout/finish_stop_frac"),
+            "gpu_gb_peak": r.get("train/gpu_gb_peak"),  # the trainer's (the engine's is rollout/gpu_gb_peak)
             "reward": r.get("rollout/reward_mean"),
             "wall": r["time"],
         }
@@ -461,6 +464,17 @@ def timed_trainer_class():
     return TimedGRPOTrainer
 
 
+def _peak_gib_since_last(cuda: bool) -> float | None:
+    """The process's peak reserved GPU memory since the previous call (GiB), as the trainer's gpu_gb_peak counts."""
+    if not cuda:
+        return None
+    import torch
+
+    peak = torch.cuda.max_memory_reserved() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
 def step_clock(trainer, path: Path, *, cuda: bool):
     """A callback that writes one record per optimizer step (appended, so a timed-out run keeps its steps)."""
     from transformers import TrainerCallback
@@ -483,6 +497,7 @@ def step_clock(trainer, path: Path, *, cuda: bool):
                 "sync_s": None,
                 "prompt_tokens": trainer.prompt_tokens,
                 "response_tokens": trainer.response_tokens,
+                "gpu_gb_peak": _peak_gib_since_last(cuda),
                 "wall": time.time(),
             }
             with path.open("a") as f:
@@ -518,6 +533,15 @@ def tokens_per_s(res: dict | None) -> float | None:
         return None
     step, tokens = med(res["records"], "step_s"), med(res["records"], "response_tokens")
     return tokens / step if step and tokens is not None else None
+
+
+def peak_gib(res: dict | None) -> float | None:
+    """The largest per-step peak of GPU memory (allocator reserved) over the run's steps: TRL's process, or
+    Tandem's trainer."""
+    if res is None or res["status"] != "ok":
+        return None
+    values = [r["gpu_gb_peak"] for r in res["records"] if r.get("gpu_gb_peak") is not None]
+    return max(values) if values else None
 
 
 def mfu(res: dict | None, params: int, peak_tflops: float, seconds: str = "train_s") -> float | None:
@@ -566,8 +590,8 @@ def report(cases: list[Case], results: dict[tuple[str, str], dict], params: dict
     rows2 = [
         "| case | params | tokens/step (prompt + response) | response tokens/s TRL / async / sync | "
         "mean response length TRL / async / sync | first trained step s TRL / async / sync | "
-        "train MFU TRL / async / sync |",
-        "|---|---|---|---|---|---|---|",
+        "train MFU TRL / async / sync | peak GPU GiB: TRL / Tandem trainer async / sync |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in cases:
         trl, a, s = (results.get((side, c.name)) for side in ("trl", "tandem_async", "tandem_sync"))
@@ -596,10 +620,11 @@ def report(cases: list[Case], results: dict[tuple[str, str], dict], params: dict
         firsts = [fmt(x["first_step_s"] if x else None, ".1f") for x in (trl, a, s)]
         mfus = [f"{100 * m:.1f}%" if (m := mfu(x, params[c.preset], peak)) is not None else "-" for x in (trl, a, s)]
         rates = " / ".join(fmt(t, ",.0f") for t in tps)
+        peaks = " / ".join(fmt(peak_gib(x), ".2f") for x in (trl, a, s))
         size = f"{params[c.preset] / 1e9:.3f}B" if params[c.preset] >= 1e8 else f"{params[c.preset] / 1e6:.2f}M"
         rows2.append(
             f"| {c.name} | {size} | {tokens} | {rates} | {' / '.join(lengths)} | "
-            f"{' / '.join(firsts)} | {' / '.join(mfus)} |"
+            f"{' / '.join(firsts)} | {' / '.join(mfus)} | {peaks} |"
         )
     return "\n".join([*rows, "", *rows2, "", *breakdown(cases, results, params, peak)])
 
@@ -638,7 +663,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per run (medians over steps 3-6)")
-    p.add_argument("--modes", nargs="+", choices=["async", "sync"], default=["async", "sync"])
+    p.add_argument("--modes", nargs="*", choices=["async", "sync"], default=["async", "sync"], help="none: TRL alone")
     p.add_argument("--no-trl", action="store_true", help="the Tandem side only")
     p.add_argument(
         "--tandem-set",

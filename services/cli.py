@@ -83,9 +83,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"tandem: warning: {warning}", file=sys.stderr)
     from services.launcher.supervisor import run_local
 
-    return run_local(
-        config, run_dir=run_dir, config_path=Path(args.config), overrides=args.overrides, progress=not args.no_progress
-    )
+    return run_local(config, run_dir=run_dir, progress=not args.no_progress)
 
 
 def _coordinator_arguments(p: argparse.ArgumentParser) -> None:

@@ -19,11 +19,53 @@ from services.rpc.grpc_util import open_channel
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "digit_max.yaml"
+# The learning e2es run under the examples' own sampling seeds unless TANDEM_E2E_SEED names another: what they
+# assert must hold under any seed (bench/e2e_seeds.py runs each under several and prints the margins).
+SEED_ENV = "TANDEM_E2E_SEED"
+# Where assert_above / assert_below append each asserted value and its threshold (JSON lines), when set.
+MARGINS_ENV = "TANDEM_E2E_MARGINS"
+
+
+def seed_overrides() -> list[str]:
+    """rollout.sampling.seed = TANDEM_E2E_SEED and the eval's the next one (the examples' 1 and 2); none if unset."""
+    raw = os.environ.get(SEED_ENV, "").strip()
+    if not raw:
+        return []
+    if not raw.isdigit() or int(raw) == 0:
+        raise ValueError(f"{SEED_ENV}={raw!r}: a positive integer (0 would draw a new stream every call)")
+    seed = int(raw)
+    return [f"rollout.sampling.seed={seed}", f"rollout.eval_sampling.seed={seed + 1}"]
+
+
+def assert_above(what: str, value: float, floor: float, context: object = "") -> None:
+    """assert value > floor, recording the margin (TANDEM_E2E_MARGINS) for the seed sweep's table."""
+    _record_margin(what, value, ">", floor)
+    assert value > floor, f"{what}: {value:.4g} is not > {floor:g}; {context}"
+
+
+def assert_below(what: str, value: float, ceiling: float, context: object = "") -> None:
+    """assert value < ceiling, recording the margin (TANDEM_E2E_MARGINS) for the seed sweep's table."""
+    _record_margin(what, value, "<", ceiling)
+    assert value < ceiling, f"{what}: {value:.4g} is not < {ceiling:g}; {context}"
+
+
+def _record_margin(what: str, value: float, op: str, threshold: float) -> None:
+    path = os.environ.get(MARGINS_ENV)
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+    row = {"test": test, "seed": os.environ.get(SEED_ENV, ""), "what": what, "value": value, "op": op}
+    with open(path, "a") as out:
+        out.write(json.dumps({**row, "threshold": threshold}) + "\n")
+
+
+def window_mean(rows: list[dict], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)
 
 
 def start_run(run_dir: Path, *overrides: str, config: Path = EXAMPLE) -> subprocess.Popen:
     args = [sys.executable, "-m", "services.cli", "run", str(config), "--run-dir", str(run_dir), "--no-progress"]
-    for item in overrides:
+    for item in (*seed_overrides(), *overrides):  # a test's own setting wins over the sweep's seed
         args += ["--set", item]
     with open(run_dir.parent / f"{run_dir.name}-supervisor.log", "ab") as log:  # the child keeps its own fd
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)

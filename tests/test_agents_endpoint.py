@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from services.contracts.rollout_calls import GenerateRequest
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -226,7 +228,7 @@ def test_an_agent_episode_is_one_sample_whose_tool_results_are_masked(example_mo
     svc = make_service(example_model, redis_server.url, agent="tests/helpers/agents.py:call_then_answer")
     try:
         prompts = lookup_prompts(3)
-        result = svc.generate(rollout_id=0, prompts=prompts, stream=stream)
+        result = svc.generate(GenerateRequest(rollout_id=0, prompts=tuple(prompts), stream=stream))
     finally:
         svc.close()
     batch = read_batch(redis_server.url, stream, result.entry_id)
@@ -250,7 +252,7 @@ def test_an_agent_episode_is_one_sample_whose_tool_results_are_masked(example_mo
 def test_a_rewritten_history_makes_each_turn_its_own_sample(example_model, redis_server, stream):
     svc = make_service(example_model, redis_server.url, agent="tests/helpers/agents.py:rewrite_history")
     try:
-        result = svc.generate(rollout_id=0, prompts=lookup_prompts(2), stream=stream)
+        result = svc.generate(GenerateRequest(rollout_id=0, prompts=tuple(lookup_prompts(2)), stream=stream))
     finally:
         svc.close()
     batch = read_batch(redis_server.url, stream, result.entry_id)
@@ -269,7 +271,7 @@ def test_crashing_and_hanging_agents_are_left_out_and_the_batch_still_forms(
         example_model, redis_server.url, agent="tests/helpers/agents.py:crash_hang_or_answer", agent_timeout_s=8
     )
     try:
-        result = svc.generate(rollout_id=0, prompts=lookup_prompts(2), stream=stream)
+        result = svc.generate(GenerateRequest(rollout_id=0, prompts=tuple(lookup_prompts(2)), stream=stream))
         assert len(agents(svc).store) == 0  # every episode closed: none can post into a later batch
     finally:
         svc.close()
@@ -285,11 +287,11 @@ def test_when_every_agent_fails_the_generate_fails_naming_why(example_model, red
     svc = make_service(example_model, redis_server.url, agent="tests/helpers/agents.py:always_crash")
     try:
         with pytest.raises(FailedPrecondition, match=r"all 4 agent episodes failed.*KeyError: 'missing_tool'"):
-            svc.generate(rollout_id=0, prompts=lookup_prompts(1), stream=stream)
+            svc.generate(GenerateRequest(rollout_id=0, prompts=tuple(lookup_prompts(1)), stream=stream))
         never = make_service(example_model, redis_server.url, agent="tests/helpers/agents.py:never_calls")
         try:
             with pytest.raises(FailedPrecondition, match="finished without a single call to the endpoint"):
-                never.generate(rollout_id=0, prompts=lookup_prompts(1), stream=stream)
+                never.generate(GenerateRequest(rollout_id=0, prompts=tuple(lookup_prompts(1)), stream=stream))
         finally:
             never.close()
     finally:
@@ -314,7 +316,9 @@ def test_an_external_agent_process_claims_episodes_drives_them_and_posts_rewards
     svc = make_service(example_model, redis_server.url, agent="external", agent_timeout_s=45)
     out: dict[str, GenerateResult] = {}
     worker = threading.Thread(
-        target=lambda: out.update(result=svc.generate(rollout_id=0, prompts=lookup_prompts(1), stream=stream))
+        target=lambda: out.update(
+            result=svc.generate(GenerateRequest(rollout_id=0, prompts=tuple(lookup_prompts(1)), stream=stream))
+        )
     )
     worker.start()
     try:
@@ -343,7 +347,7 @@ def test_a_reward_is_posted_once_and_an_unclaimed_episode_fails_naming_that(exam
         with pytest.raises(
             FailedPrecondition, match=r"no reward within rollout.agent_timeout_s \(3 s\); no external agent"
         ):
-            svc.generate(rollout_id=0, prompts=lookup_prompts(1), stream=stream)
+            svc.generate(GenerateRequest(rollout_id=0, prompts=tuple(lookup_prompts(1)), stream=stream))
         episode = agents(svc).store.open(None, None, timeout_s=60)
         headers = {"authorization": f"Bearer {TOKEN}"}
         url = f"{agents(svc).server.url}/episodes/{episode.id}"

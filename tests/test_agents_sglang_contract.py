@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from services.contracts.rollout_calls import GenerateRequest
+
 pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -54,7 +56,7 @@ def test_an_agent_episode_through_sglang_keeps_sglangs_token_ids_and_log_probs(t
     try:
         assert isinstance(service.engine, SGLangEngine)
         prompt = PromptInput(messages=(ChatMessage("user", "3 ="),), label="7", group_id=5)
-        result = service.generate(rollout_id=0, prompts=[prompt], stream=stream)
+        result = service.generate(GenerateRequest(rollout_id=0, prompts=tuple([prompt]), stream=stream))
         buffer = RolloutBuffer(connect(redis_server.url), stream, groups=("actor",), group="actor", consumer="t")
         batch = buffer.read([result.entry_id], timeout_s=10)[0].batch
     finally:

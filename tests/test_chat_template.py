@@ -19,6 +19,7 @@ from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.chat_messages import ChatMessage
 from services.contracts.config import ConfigError
 from services.contracts.config_loading import config_from_dict
+from services.contracts.rollout_calls import GenerateRequest
 from services.coordinator.data import PromptRecord
 from services.launcher import preflight
 from services.rollout.builder import build_rollout
@@ -146,12 +147,14 @@ def test_a_rollout_service_generates_from_chat_prompts_with_the_template_and_the
         messages = (ChatMessage("system", "Answer with a number."), *QUESTION)
         recording_reward.SEEN.clear()
         result = svc.generate(
-            rollout_id=0,
-            stream=stream,
-            prompts=[
-                PromptInput(messages=messages, label="5", group_id=0, metadata={"level": "1"}),
-                PromptInput(text="3 + 2 =", label="5", group_id=1),
-            ],
+            GenerateRequest(
+                rollout_id=0,
+                stream=stream,
+                prompts=(
+                    PromptInput(messages=messages, label="5", group_id=0, metadata={"level": "1"}),
+                    PromptInput(text="3 + 2 =", label="5", group_id=1),
+                ),
+            )
         )
         buffer = RolloutBuffer(connect(redis_server.url), stream, groups=("actor",), group="actor", consumer="a")
         batch = buffer.read([result.entry_id], timeout_s=10)[0].batch

@@ -168,7 +168,8 @@ def run_config() -> dict:
     return config
 
 
-def test_compose_stack_learns_survives_a_trainer_kill_and_resumes_after_down_up(images):
+@pytest.mark.usefixtures("images")  # built once, before the stack starts
+def test_compose_stack_learns_survives_a_trainer_kill_and_resumes_after_down_up():
     root = Path(tempfile.mkdtemp(prefix="tandem-compose-", dir="/var/tmp"))
     root.chmod(0o755)  # the containers' user reads the run config and writes the directories
     stack = Stack(root, run_config())

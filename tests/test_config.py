@@ -452,3 +452,13 @@ def test_a_streaming_config_with_room_for_its_groups_loads():
     )
     assert config.rollout.engine == "native"
     assert (config.loop.mode, config.rollout.continuous_batching) == ("streaming", True)
+
+
+def test_scoring_chunk_tokens_is_auto_by_default_or_a_number_of_tokens_and_says_so_when_neither():
+    assert config_from_dict(minimal()).trainer.scoring_chunk_tokens == "auto"
+    assert config_from_dict(minimal(trainer={"scoring_chunk_tokens": 512})).trainer.scoring_chunk_tokens == 512
+    for bad in ("big", 0, True):
+        message = error_of(config_from_dict, minimal(trainer={"scoring_chunk_tokens": bad}))
+        assert problem_lines(message) == [
+            f"trainer.scoring_chunk_tokens: expected auto or a number of tokens >= 1, got {bad!r}"
+        ]

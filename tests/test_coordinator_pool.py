@@ -5,6 +5,7 @@ tests/test_weight_sync_services.py and tests/test_reliability_*.py run the same 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -24,7 +25,7 @@ from services.contracts.rollout_calls import (
 )
 from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.trainer_calls import PublishResult, WeightSyncRequest
-from services.contracts.weight_plan import WeightSyncPlan
+from services.contracts.weight_plan import TensorMeta, WeightBucket, WeightSyncPlan
 from services.coordinator.call_errors import ServiceCallError
 from services.coordinator.pool import RolloutPool
 from services.coordinator.retry import TRAIN_RETRY, TRANSIENT_CODES, RetryPolicy, generate_retry
@@ -274,17 +275,24 @@ class FakeTrainer:
             "trainer.prepare", request.version, request.engine_world_size, request.verify, request.verify_by_bucket
         )
         by_bucket = request.verify and request.verify_by_bucket
-        plan = WeightSyncPlan(
+        tensor = TensorMeta(name="w", dtype="float32", shape=(500,), offset_bytes=0, nbytes=2000)
+        return WeightSyncPlan(
             version=request.version,
             transport="gloo",
+            buckets=(
+                WeightBucket(
+                    index=0,
+                    dtype="float32",
+                    nbytes=2000,
+                    tensors=(replace(tensor, checksum="" if by_bucket else "c1"),),
+                    checksum="b1" if by_bucket else "",
+                ),
+            ),
             total_bytes=2000,
             verify=request.verify,
             verify_by_bucket=by_bucket,
             checksum_s=0.25,
         )
-        bucket = plan.buckets.add(checksum="b1" if by_bucket else "")
-        bucket.tensors.add(name="w", checksum="" if by_bucket else "c1")
-        return plan
 
     def publish_weights(self, version: int) -> PublishResult:
         self.log("trainer.publish", version)

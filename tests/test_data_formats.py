@@ -241,13 +241,13 @@ def test_chat_keys_are_checked_and_a_template_path_is_relative_to_the_yaml(tmp_p
 
 def test_a_chat_prompt_crosses_grpc_as_messages(tmp_path):
     """The coordinator sends a record as tandem.v1.Prompt; the rollout server reads it back unchanged."""
+    from services.contracts.convert import from_message, to_message
     from services.contracts.gen.tandem.v1 import common_pb2
-    from services.coordinator.clients import prompt_proto
-    from services.rollout.server import prompt_from_proto
+    from services.contracts.rollout_calls import PromptInput
 
     [record] = load_prompts(str(write(tmp_path, "jsonl", ROWS[:1])), data(system_prompt="Be brief."))
-    wire = common_pb2.Prompt.FromString(prompt_proto(record.to_input(group_id=7)).SerializeToString())
-    prompt = prompt_from_proto(wire)
+    wire = common_pb2.Prompt.FromString(to_message(record.to_input(group_id=7), common_pb2.Prompt).SerializeToString())
+    prompt = from_message(wire, PromptInput)
     assert (prompt.text, prompt.label, prompt.group_id, prompt.metadata) == ("", "5", 7, {"level": "1"})
     assert (
         prompt.messages

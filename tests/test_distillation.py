@@ -19,6 +19,7 @@ from conftest_trainer import VOCAB, harness, make_batch, model_logits, peaked_mo
 from services.contracts.config import ConfigError, DistillationConfig
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling_spec import SamplingSpec
+from services.contracts.trainer_calls import TrainRequest
 from services.contracts.wire import RolloutBatchData
 from services.trainer.algo.distillation import distillation_loss, distilled_advantages, reverse_kl
 
@@ -264,7 +265,7 @@ def test_reverse_kl_step_matches_the_reference_with_a_teacher_of_another_vocabul
     batch = make_batch(seed=3, groups=3, group_size=4, model_dir=tiny_model_dir, sampling=dist)
     h = harness(algorithm={"distillation": {"teacher_path": str(padded_teacher), "coef": coef}})
     assert h.trainer.step.teacher is not None and h.trainer.step.teacher.vocab_size == VOCAB + 8
-    m = h.service.train(rollout_id=0, entry_ids=[h.put(batch)]).metrics
+    m = h.service.train(TrainRequest(rollout_id=0, entry_ids=(h.put(batch),))).metrics
     student, teacher = np.asarray(tempered(tiny_model_dir, batch)), np.asarray(tempered(padded_teacher, batch))
     assert m["distill/reverse_kl"] == pytest.approx(float(np.mean(student - teacher)), abs=2e-5)
     assert m["distill/teacher_logprob_mean"] == pytest.approx(float(np.mean(teacher)), abs=2e-5)
@@ -282,12 +283,14 @@ def test_kl_loss_step_and_pure_distillation(harness, tiny_model_dir, peaked_mode
     batch = make_batch(seed=5, groups=2, group_size=4, model_dir=tiny_model_dir)
     distill = {"teacher_path": str(peaked_model_dir), "coef": 2.0, "mode": "kl_loss", "task_reward": False}
     h = harness(algorithm={"distillation": distill}, trainer={"lr": 0.05})
-    m = h.service.train(rollout_id=0, entry_ids=[h.put(batch)]).metrics
+    m = h.service.train(TrainRequest(rollout_id=0, entry_ids=(h.put(batch),))).metrics
     student, teacher = np.asarray(tempered(tiny_model_dir, batch)), np.asarray(tempered(peaked_model_dir, batch))
     k3 = np.mean([ref.kl(s, t, "k3") for s, t in zip(student, teacher, strict=True)])
     assert m["pg_loss"] == pytest.approx(0.0, abs=1e-7) and m["advantage_mean"] == 0.0
     assert m["loss"] == pytest.approx(2.0 * k3, rel=1e-4)
     assert m["reward_mean"] == pytest.approx(float(np.mean(batch.rewards)))  # the task reward is still reported
     # the same samples again (the rollout log-probs no longer matter: every task advantage is 0): closer
-    again = h.service.train(rollout_id=1, entry_ids=[h.put(make_batch(rollout_id=1, seed=5, groups=2))]).metrics
+    again = h.service.train(
+        TrainRequest(rollout_id=1, entry_ids=(h.put(make_batch(rollout_id=1, seed=5, groups=2)),))
+    ).metrics
     assert again["loss"] < m["loss"] - 0.2, (again["loss"], m["loss"])  # 7.45 -> 6.94

@@ -18,13 +18,15 @@ from services.buffer.stream import RolloutBuffer, connect
 from services.contracts import dapo
 from services.contracts.config import ConfigError, TandemConfig
 from services.contracts.config_loading import config_from_dict
+from services.contracts.errors import FailedPrecondition
+from services.contracts.rollout_calls import EvaluateRequest, GenerateRequest
 from services.contracts.sampling_spec import SamplingSpec
+from services.contracts.trainer_calls import TrainRequest
 from services.contracts.wire import RolloutBatchData, build_batch
 from services.modelinit.init_model import init_model
 from services.rollout.builder import build_rollout
 from services.rollout.rewards import digit_task
 from services.rollout.service import PromptInput, RolloutService
-from services.rpc.grpc_util import FailedPrecondition
 from services.trainer import commands
 
 torch.set_num_threads(1)
@@ -155,7 +157,7 @@ def test_the_rollout_adds_the_overlong_penalty_before_writing_and_counts_informa
     svc = RolloutService(build_rollout(cfg, replica=0))
     try:
         prompts = [PromptInput(text=f"{i} {9 - i} =", label=str(max(i, 9 - i)), group_id=i) for i in range(6)]
-        result = svc.generate(rollout_id=0, prompts=prompts, stream=stream)
+        result = svc.generate(GenerateRequest(rollout_id=0, prompts=tuple(prompts), stream=stream))
         buf = RolloutBuffer(connect(redis_server.url), stream, groups=("actor",), group="actor", consumer="t")
         batch = buf.read([result.entry_id], timeout_s=10)[0].batch
         buf.ack([result.entry_id])
@@ -174,7 +176,9 @@ def test_the_rollout_adds_the_overlong_penalty_before_writing_and_counts_informa
         assert min(penalties) < 0  # some responses reached the buffer
         assert result.metrics["overlong_penalty_mean"] == pytest.approx(float(np.mean(penalties)))
         assert result.metrics["reward_mean"] == pytest.approx(float(batch.rewards.mean()))
-        evaluated = svc.evaluate(prompts=prompts[:2], n_samples_per_prompt=1)  # evals score the task alone
+        evaluated = svc.evaluate(
+            EvaluateRequest(prompts=tuple(prompts[:2]), n_samples_per_prompt=1)
+        )  # evals score the task alone
         assert 0.0 <= evaluated.metrics["eval/reward_mean"] <= 1.0
     finally:
         svc.close()
@@ -234,7 +238,7 @@ def test_the_trainer_drops_uniform_and_surplus_groups_masks_truncated_samples_an
     # of the second entry (in 15, dropped anyway).
     first = h.put(make_entry(0, [(10, [1, 0, 1, 0]), (11, [0, 0, 0, 0]), (12, [1, 1, 1, 1])], truncated=frozenset({1})))
     second = h.put(make_entry(0, [(13, [0.7] * 4), (14, [1, 0, 0, 0]), (15, [0, 1, 1, 1])], truncated=frozenset({8})))
-    reply = h.service.train(rollout_id=0, entry_ids=[first, second])
+    reply = h.service.train(TrainRequest(rollout_id=0, entry_ids=(first, second)))
     assert (reply.step, reply.samples_trained, reply.samples_filtered, reply.samples_dropped_stale) == (1, 8, 16, 0)
     assert {
         k: reply.metrics[k] for k in ("groups_uniform", "groups_surplus", "overlong_masked", "samples_filtered")
@@ -248,22 +252,26 @@ def test_the_trainer_drops_uniform_and_surplus_groups_masks_truncated_samples_an
     assert per_sample == [lengths[0], 0.0, *map(float, lengths[2:])]  # the truncated sample: out of the loss
     # the books: both entries acknowledged and gone, none pending; a retry replays; a second delivery is refused
     assert h.client.xlen(h.stream) == 0 and h.pending() == 0
-    assert h.service.train(rollout_id=0, entry_ids=[first, second]).replayed
+    assert h.service.train(TrainRequest(rollout_id=0, entry_ids=(first, second))).replayed
     with pytest.raises(FailedPrecondition, match="already trained"):
-        h.service.train(rollout_id=1, entry_ids=[first])
+        h.service.train(TrainRequest(rollout_id=1, entry_ids=(first,)))
 
     # Every kept sample cut off: nothing to learn from, so no optimizer step; all filtered, still acknowledged.
     cut = h.put(make_entry(2, [(20, [1, 0, 1, 1]), (21, [0, 0, 1, 0])], all_truncated=True))
-    reply = h.service.train(rollout_id=2, entry_ids=[cut])
+    reply = h.service.train(TrainRequest(rollout_id=2, entry_ids=(cut,)))
     assert (reply.step, reply.samples_trained, reply.samples_filtered) == (1, 0, 8)
     assert len(relayed) == 1 and h.client.xlen(h.stream) == 0 and h.pending() == 0
     # and the next step trains again, from step 1
-    reply = h.service.train(rollout_id=3, entry_ids=[h.put(make_entry(3, [(30, [1, 0, 0, 1]), (31, [0, 1, 0, 0])]))])
+    reply = h.service.train(
+        TrainRequest(rollout_id=3, entry_ids=(h.put(make_entry(3, [(30, [1, 0, 0, 1]), (31, [0, 1, 0, 0])])),))
+    )
     assert (reply.step, reply.samples_trained, reply.samples_filtered) == (2, 8, 0)
 
 
 def test_without_dynamic_sampling_the_trainer_keeps_uniform_groups(harness):  # noqa: F811
     h = harness(rollout={"rollout_batch_size": 1, "n_samples_per_prompt": 4})
-    reply = h.service.train(rollout_id=0, entry_ids=[h.put(make_entry(0, [(1, [0, 0, 0, 0]), (2, [1, 0, 1, 0])]))])
+    reply = h.service.train(
+        TrainRequest(rollout_id=0, entry_ids=(h.put(make_entry(0, [(1, [0, 0, 0, 0]), (2, [1, 0, 1, 0])])),))
+    )
     assert (reply.step, reply.samples_trained, reply.samples_filtered) == (1, 8, 0)
     assert "groups_uniform" not in reply.metrics

@@ -23,7 +23,7 @@ from scoring_reference import reference_scores
 
 from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.wire import build_batch
-from services.trainer.algo.head_scoring import ChunkedScores, install, scores_of, scoring
+from services.trainer.algo.head_scoring import VOCAB_BLOCK, ChunkedScores, chunk_layout, install, scores_of, scoring
 from services.trainer.algo.scoring import TokenSampling, score_request
 from services.trainer.batching import MicroBatch, build_micro_batch, merge_batches, pack_rows
 from services.trainer.model.backend import model_inputs
@@ -78,10 +78,12 @@ def flat_micro_batch(targets: torch.Tensor) -> MicroBatch:
     [(SETTINGS, False, True), (SETTINGS, False, False), (SETTINGS, True, False), (UNTRUNCATED, False, True)],
     ids=["truncated+entropy", "truncated", "kl_reference", "untruncated+entropy"],
 )
-def test_scores_and_gradients_match_the_old_path(settings, tempered, entropy_grad):
+@pytest.mark.parametrize("block", [24, 64], ids=["vocab_blocks", "whole_rows"])
+def test_scores_and_gradients_match_the_old_path(settings, tempered, entropy_grad, block):
     """Truncating batches go by whole rows; the others (and the KL's tempered pass) by vocabulary blocks, with the
     log-sum-exp and the entropy accumulated online: 53 tokens in chunks of 7, 64 columns in blocks of 24 (the last
-    chunk and block short). Log-probs around -60 carry float32's 2 ulps (rtol 1e-6)."""
+    chunk and block short), or in one block of the whole vocabulary (what `scoring_chunk_tokens: auto` does: no
+    merge). Log-probs around -60 carry float32's 2 ulps (rtol 1e-6)."""
     gen = torch.Generator().manual_seed(1)
     n, hidden_size, vocab = 53, 16, 64
     hidden = (torch.randn(n, hidden_size, generator=gen) * 2).requires_grad_()
@@ -98,7 +100,7 @@ def test_scores_and_gradients_match_the_old_path(settings, tempered, entropy_gra
             entropy=not tempered,
             entropy_grad=entropy_grad,
         ),
-        vocab_block=24,
+        vocab_block=block,
     )
     assert request.needs_support == (settings is SETTINGS and not tempered)
     ours = ChunkedScores.apply(hidden, weight, request)
@@ -331,3 +333,21 @@ def test_peak_memory_stops_growing_with_tokens_times_vocabulary():
     peaks = peak_rss_mib()
     assert peaks["chunked640"] - peaks["chunked128"] < table_mib, peaks
     assert peaks["old640"] - peaks["old128"] > 3 * table_mib, peaks
+
+
+def test_auto_chunks_are_whole_rows_within_the_devices_budget_of_logits():
+    """`scoring_chunk_tokens: auto` on a CPU: whole rows (one vocabulary block), as many as make 2^26 logits (441 at
+    Qwen2.5's 151,936 tokens; a whole micro-batch at a toy vocabulary); a number keeps 8,192-column blocks."""
+    assert chunk_layout("auto", 151_936, torch.device("cpu")) == (441, 151_936)
+    assert chunk_layout("auto", 22, torch.device("cpu")) == (2**26 // 22, 22)
+    assert chunk_layout(1024, 151_936, torch.device("cpu")) == (1024, VOCAB_BLOCK)
+    request = score_request(
+        flat_micro_batch(torch.zeros(3, dtype=torch.long)),
+        mixed_sampling(3, seed=0),
+        vocab=151_936,
+        chunk_tokens="auto",
+    )
+    assert (request.chunk_tokens, request.vocab_block) == (441, 151_936)
+    for vocab in (22, 4096, 151_936, 262_144):  # a chunk's table stays within the budget whatever the vocabulary
+        rows, block = chunk_layout("auto", vocab, torch.device("cpu"))
+        assert block == vocab and rows * vocab <= 2**26 < (rows + 1) * vocab

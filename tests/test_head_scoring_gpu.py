@@ -5,6 +5,7 @@ growing with tokens x vocabulary (the allocator's statistics)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from services.trainer.batching import MicroBatch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _request(n: int, vocab: int, *, compiled: bool, spec: SamplingSpec, chunk: int = 1024):
+def _request(n: int, vocab: int, *, compiled: bool, spec: SamplingSpec, chunk: int | Literal["auto"] = 1024):
     targets = torch.randint(0, vocab, (n,), device="cuda", generator=torch.Generator("cuda").manual_seed(n))
     row = torch.zeros(1, n + 1, dtype=torch.long, device="cuda")
     mb = MicroBatch(
@@ -39,16 +40,20 @@ def _request(n: int, vocab: int, *, compiled: bool, spec: SamplingSpec, chunk: i
     return request, sampling, targets
 
 
+@pytest.mark.parametrize("chunk", [1024, "auto"], ids=["vocab_blocks", "auto_whole_rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_compiled_head_matches_the_eager_one_and_the_old_path(dtype):
-    n, hidden_size, vocab = 3000, 256, 40_000  # three chunks, five blocks, each the last one short
+def test_the_compiled_head_matches_the_eager_one_and_the_old_path(dtype, chunk):
+    """1,024-token chunks: three chunks of five blocks, each the last one short; auto: one chunk of whole rows."""
+    n, hidden_size, vocab = 3000, 256, 40_000
     gen = torch.Generator("cuda").manual_seed(0)
     hidden = torch.randn(n, hidden_size, device="cuda", generator=gen).to(dtype).requires_grad_()
     weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * 0.1).to(dtype).requires_grad_()
     upstream = torch.randn(3, n, device="cuda", generator=gen)
     results = []
     for compiled in (False, True):
-        request, sampling, targets = _request(n, vocab, compiled=compiled, spec=SamplingSpec(temperature=0.8))
+        request, sampling, targets = _request(
+            n, vocab, compiled=compiled, spec=SamplingSpec(temperature=0.8), chunk=chunk
+        )
         scores = ChunkedScores.apply(hidden, weight, request)
         results.append((scores, *torch.autograd.grad((upstream * scores).sum(), (hidden, weight))))
     ref = reference_scores(hidden @ weight.t(), targets, sampling)

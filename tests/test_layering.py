@@ -17,7 +17,7 @@ ALLOWED = {
     "tensors": {"contracts"},
     "rpc": {"contracts", "telemetry"},
     "buffer": {"contracts"},
-    "weights": {"contracts", "rpc"},
+    "weights": {"contracts"},
     "trainer": {"contracts", "telemetry", "tensors", "rpc", "buffer", "weights"},
     "rollout": {"contracts", "telemetry", "tensors", "rpc", "buffer", "weights"},
     "coordinator": {"contracts", "telemetry", "rpc", "buffer"},
@@ -179,10 +179,6 @@ PROTOBUF_EDGES = ("server.py", "clients.py")
 PROTOBUF_CODECS = {
     "services/contracts/protogen.py": "generates the stubs",
     "services/contracts/wire.py": "the rollout batch as a Redis entry holds it",
-    "services/contracts/sampling_spec.py": "SamplingSpec to and from SamplingParams, validated once",
-    "services/rollout/engines/sglang/weight_send_group.py": "the trainer's half of a weight sync: the plan message",
-    "services/rollout/engines/sglang/weight_send_tensor.py": "the trainer's half of a weight sync: the plan message",
-    "services/contracts/weight_plan.py": "names the weight-sync plan every process passes on (WeightSyncPlan)",
     "services/trainer/commands.py": "a relayed Train command's tensors as TensorData bytes",
     "services/trainer/algo/critic.py": "the critic's values for the actor, as TensorData in Redis",
     "services/coordinator/ctl.py": "`tandem ctl`: a client of the coordinator's control API",
@@ -192,14 +188,14 @@ PROTOBUF_CODECS = {
     "services/launcher/supervisor.py": "`tandem run` asks the coordinator's GetStatus",
 }
 PROTOBUF_PACKAGES = {
-    "rpc": "gRPC itself: health checks, status codes",
-    "weights": "the weight-sync plan and the transports' handshakes are protobuf on the wire between processes",
+    "rpc": "gRPC itself: health checks, status codes, the table of each service message's dataclass",
 }
 
 
 def test_protobufs_are_built_and_read_only_at_the_grpc_edges_and_in_wire_codecs():
-    """Services, the coordinator's loop and their parts trade frozen dataclasses (contracts/trainer_calls.py,
-    contracts/rollout_calls.py); a message of tandem.v1 appears only where it crosses a process boundary."""
+    """Services, the coordinator's loop and their parts trade frozen dataclasses (contracts/*_calls.py, the
+    weight-sync plan of contracts/weight_plan.py); a message of tandem.v1 appears only where it crosses a process
+    boundary."""
     wrong = []
     for path in source_modules().values():
         where = path.relative_to(ROOT).as_posix()

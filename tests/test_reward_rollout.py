@@ -12,7 +12,7 @@ from test_tracing import read_spans, run_script
 
 from services.contracts.config import RewardServiceConfig, TandemConfig
 from services.contracts.config_loading import config_from_dict
-from services.contracts.reward_calls import ScoreRequest, ScoreResult
+from services.contracts.reward_calls import ScoreRequest, ScoreResult, SubScores
 from services.contracts.reward_spec import RewardSpecError, RewardTerm, parse_reward, reward_text
 from services.rollout.remote_reward import ScoreBatcher, ScoreCallFailed, messages_of
 from services.rollout.reward_mix import RewardResolver, WeightedReward
@@ -54,7 +54,7 @@ class FakeScoreClient:
             raise ScoreCallFailed("UNAVAILABLE: connection refused", transient=self.transient)
         return ScoreResult(
             scores=tuple(float(len(s.response)) for s in request.samples),
-            sub_scores={"twice": tuple(2.0 * len(s.response) for s in request.samples)},
+            sub_scores={"twice": SubScores(tuple(2.0 * len(s.response) for s in request.samples))},
             parse_failed=tuple(s.response == self.parse_failed_on for s in request.samples),
         )
 

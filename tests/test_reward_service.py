@@ -116,7 +116,7 @@ def test_votes_need_sampling(example_model, tmp_path):
     judge = _judge(tmp_path, example_model, n=3, temperature=1.0, parser=r"(\d)", max_new_tokens=2, seed=5)
     result = judge.score(ScoreRequest(model="j", samples=SAMPLES))
     assert all(v.count(" | ") == 2 for v in result.verdicts)  # the three votes' verdicts, kept
-    assert all(a in (0.0, 1 / 3, 2 / 3, 1.0) for a in result.sub_scores["agreement"])
+    assert all(a in (0.0, 1 / 3, 2 / 3, 1.0) for a in result.sub_scores["agreement"].values)
 
 
 class FakeModel:

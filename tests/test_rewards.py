@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from services.contracts.errors import Unavailable
 from services.rollout import rewards
 from services.rollout.rewards import RewardError, RewardSpecError, RewardUnavailable, resolve_reward
-from services.rpc.grpc_util import Unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

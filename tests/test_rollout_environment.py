@@ -13,6 +13,7 @@ import torch
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config import ConfigError
 from services.contracts.config_loading import config_from_dict, load_config
+from services.contracts.rollout_calls import EvaluateRequest, GenerateRequest
 from services.contracts.sampling_spec import SamplingSpec
 from services.rollout.builder import build_rollout
 from services.rollout.math_feedback import FEEDBACK
@@ -90,7 +91,7 @@ def test_episodes_reach_the_wire_with_observations_masked_and_their_log_probs_ze
     """Every episode is prompt, then turns: a call `(` followed by the observation `) v` (loss_mask 0, log-prob 0),
     or an answer (the engine's log-prob), which ends it; the reward is the environment's."""
     prompts = lookup_prompts(16)
-    result = service.generate(rollout_id=0, prompts=prompts, stream=stream)
+    result = service.generate(GenerateRequest(rollout_id=0, prompts=tuple(prompts), stream=stream))
     batch = read_batch(redis_server.url, stream, result.entry_id)
     assert batch.num_samples == 64 and batch.metadata["environment"].endswith("LookupEnvironment")
     assert batch.metadata["max_turns"] == "3" and batch.metadata["episode_reward"] == "env"
@@ -118,7 +119,11 @@ def test_episodes_reach_the_wire_with_observations_masked_and_their_log_probs_ze
 
 def test_evaluate_plays_episodes_and_reports_environment_metrics(service):
     result = service.evaluate(
-        name="tool", prompts=lookup_prompts(10), sampling=SamplingSpec(temperature=0.0, max_new_tokens=1)
+        EvaluateRequest(
+            name="tool",
+            prompts=tuple(lookup_prompts(10)),
+            sampling=SamplingSpec(temperature=0.0, max_new_tokens=1).params(),
+        )
     )
     assert result.metrics["tool/num_samples"] == 10.0 and 1.0 <= result.metrics["tool/env_turns_mean"] <= 3.0
     assert 0.0 <= result.metrics["tool/reward_mean"] <= 1.0
@@ -128,7 +133,9 @@ def test_env_plus_reward_adds_the_reward_function_and_env_alone_refuses_a_reques
     example_model, redis_server, stream, service
 ):
     with pytest.raises(ValueError, match=r"rollout\.episode_reward is env"):
-        service.generate(rollout_id=1, prompts=lookup_prompts(1), stream=stream, reward="exact_match")
+        service.generate(
+            GenerateRequest(rollout_id=1, prompts=tuple(lookup_prompts(1)), stream=stream, reward="exact_match")
+        )
     both = make_service(
         example_model,
         redis_server.url,
@@ -137,7 +144,7 @@ def test_env_plus_reward_adds_the_reward_function_and_env_alone_refuses_a_reques
     )
     try:
         prompts = lookup_prompts(8)
-        result = both.generate(rollout_id=2, prompts=prompts, stream=stream)
+        result = both.generate(GenerateRequest(rollout_id=2, prompts=tuple(prompts), stream=stream))
         batch = read_batch(redis_server.url, stream, result.entry_id)
         for i, (_, r_sl, _) in enumerate(batch.sample_slices()):
             response = batch.tokens[r_sl].tolist()
@@ -161,7 +168,7 @@ def test_the_built_in_math_feedback_plays_answer_feedback_answer_with_the_feedba
             PromptInput(text=f"{a} + {b} =", label=str(a + b), group_id=i)
             for i, (a, b) in enumerate((a, b) for a in range(1, 5) for b in range(1, 5))
         ]
-        result = svc.generate(rollout_id=0, prompts=prompts, stream=stream)
+        result = svc.generate(GenerateRequest(rollout_id=0, prompts=tuple(prompts), stream=stream))
         batch = read_batch(redis_server.url, stream, result.entry_id)
         feedback = svc.texts.encode_text(f"\n\n{FEEDBACK}\n\n")
         turns = []

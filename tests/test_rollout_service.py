@@ -12,6 +12,7 @@ import torch
 
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config_loading import config_from_dict
+from services.contracts.rollout_calls import EvaluateRequest, GenerateRequest, PrepareRequest, ReceiveRequest
 from services.contracts.sampling_spec import SamplingSpec
 from services.modelinit.init_model import init_model
 from services.rollout.builder import build_rollout
@@ -67,7 +68,7 @@ def consume(url: str, stream: str, entry_id: str):
 
 def test_generate_writes_one_decodable_batch(service: RolloutService, redis_server, stream: str):
     ps = prompts(3, start_group=100)
-    result = service.generate(rollout_id=5, prompts=ps, stream=stream)
+    result = service.generate(GenerateRequest(rollout_id=5, prompts=tuple(ps), stream=stream))
     assert result.num_samples == 12 and result.producer == "rollout-0" and result.weight_version == 0
     entry = consume(redis_server.url, stream, result.entry_id)
     batch = entry.batch
@@ -106,12 +107,12 @@ def test_a_prompts_own_max_new_tokens_caps_its_samples(service: RolloutService, 
         PromptInput(text="3 4 =", label="4", group_id=301),
     ]
     opts = SamplingSpec(max_new_tokens=5, ignore_eos=True, seed=3)
-    result = service.generate(rollout_id=30, prompts=ps, sampling=opts, stream=stream)
+    result = service.generate(GenerateRequest(rollout_id=30, prompts=tuple(ps), sampling=opts.params(), stream=stream))
     lengths = consume(redis_server.url, stream, result.entry_id).batch.response_lengths.tolist()
     assert lengths == [1] * 4 + [5] * 4
     bad = [PromptInput(text="1 2 =", group_id=302, metadata={"max_new_tokens": "0"})]
     with pytest.raises(ValueError, match="prompt of group 302: max_new_tokens must be a whole number >= 1, got '0'"):
-        service.generate(rollout_id=31, prompts=bad, stream=stream)
+        service.generate(GenerateRequest(rollout_id=31, prompts=tuple(bad), stream=stream))
 
 
 def test_version_metrics_measure_how_far_updates_reached_into_samples():
@@ -136,12 +137,14 @@ def test_version_metrics_measure_how_far_updates_reached_into_samples():
 def test_token_id_prompts_and_request_overrides(service: RolloutService, redis_server, stream: str):
     ids = service.texts.tokenizer("4 2 =")["input_ids"]
     result = service.generate(
-        rollout_id=1,
-        prompts=[PromptInput(token_ids=tuple(ids), label="4", group_id=9)],
-        n_samples_per_prompt=2,
-        sampling=SamplingSpec(temperature=0.0, max_new_tokens=2),
-        stream=stream,
-        reward="exact_match",
+        GenerateRequest(
+            rollout_id=1,
+            prompts=(PromptInput(token_ids=tuple(ids), label="4", group_id=9),),
+            n_samples_per_prompt=2,
+            sampling=SamplingSpec(temperature=0.0, max_new_tokens=2).params(),
+            stream=stream,
+            reward="exact_match",
+        )
     )
     batch = consume(redis_server.url, stream, result.entry_id).batch
     assert batch.num_samples == 2 and batch.metadata["reward"] == "exact_match"
@@ -159,7 +162,13 @@ def test_stop_strings_reach_the_batch(service: RolloutService, redis_server, str
 
     def one(rollout_id: int, sampling: SamplingSpec):
         result = service.generate(
-            rollout_id=rollout_id, prompts=prompt, n_samples_per_prompt=1, sampling=sampling, stream=stream
+            GenerateRequest(
+                rollout_id=rollout_id,
+                prompts=tuple(prompt),
+                n_samples_per_prompt=1,
+                sampling=sampling.params(),
+                stream=stream,
+            )
         )
         batch = consume(redis_server.url, stream, result.entry_id).batch
         return batch, batch.tokens[batch.sample_slices()[0][1]].tolist()
@@ -175,18 +184,28 @@ def test_stop_strings_reach_the_batch(service: RolloutService, redis_server, str
 
 
 def test_seeded_steps_differ_but_replay_exactly(service: RolloutService, redis_server, stream: str):
-    a = consume(redis_server.url, stream, service.generate(rollout_id=2, prompts=prompts(4), stream=stream).entry_id)
-    b = consume(redis_server.url, stream, service.generate(rollout_id=3, prompts=prompts(4), stream=stream).entry_id)
+    a = consume(
+        redis_server.url,
+        stream,
+        service.generate(GenerateRequest(rollout_id=2, prompts=tuple(prompts(4)), stream=stream)).entry_id,
+    )
+    b = consume(
+        redis_server.url,
+        stream,
+        service.generate(GenerateRequest(rollout_id=3, prompts=tuple(prompts(4)), stream=stream)).entry_id,
+    )
     assert a.batch.tokens.tolist() != b.batch.tokens.tolist()  # config seed is mixed with the rollout id
     again = consume(
-        redis_server.url, stream + "x", service.generate(rollout_id=2, prompts=prompts(4), stream=stream + "x").entry_id
+        redis_server.url,
+        stream + "x",
+        service.generate(GenerateRequest(rollout_id=2, prompts=tuple(prompts(4)), stream=stream + "x")).entry_id,
     )
     assert again.batch.tokens.tolist() == a.batch.tokens.tolist()
 
 
 def test_a_retried_generate_returns_the_recorded_entry(service: RolloutService, redis_client, stream: str):
-    first = service.generate(rollout_id=11, prompts=prompts(2), stream=stream)
-    retry = service.generate(rollout_id=11, prompts=prompts(2), stream=stream)
+    first = service.generate(GenerateRequest(rollout_id=11, prompts=tuple(prompts(2)), stream=stream))
+    retry = service.generate(GenerateRequest(rollout_id=11, prompts=tuple(prompts(2)), stream=stream))
     assert retry == first and redis_client.xlen(stream) == 1
 
 
@@ -204,12 +223,14 @@ def test_a_retried_generate_returns_the_recorded_entry(service: RolloutService, 
 )
 def test_bad_requests_are_value_errors(service: RolloutService, stream: str, bad, fragment: str):
     with pytest.raises(ValueError, match=fragment):
-        service.generate(rollout_id=0, prompts=bad, stream=stream)
+        service.generate(GenerateRequest(rollout_id=0, prompts=bad, stream=stream))
 
 
 def test_unknown_reward_per_request(service: RolloutService, stream: str, redis_client):
     with pytest.raises(RewardSpecError, match="no_such_module_q"):
-        service.generate(rollout_id=0, prompts=prompts(1), stream=stream, reward="no_such_module_q:fn")
+        service.generate(
+            GenerateRequest(rollout_id=0, prompts=tuple(prompts(1)), stream=stream, reward="no_such_module_q:fn")
+        )
     assert redis_client.xlen(stream) == 0
 
 
@@ -224,12 +245,21 @@ def test_unknown_reward_in_config_fails_construction(service: RolloutService):
 def test_evaluate_greedy_and_pass_at_k(service: RolloutService, redis_client):
     ps = prompts(10)
     keys_before = set(redis_client.keys("*"))
-    greedy = service.evaluate(name="digits", prompts=ps, sampling=SamplingSpec(temperature=0.0, max_new_tokens=2))
+    greedy = service.evaluate(
+        EvaluateRequest(
+            name="digits", prompts=tuple(ps), sampling=SamplingSpec(temperature=0.0, max_new_tokens=2).params()
+        )
+    )
     m = greedy.metrics
     assert m["digits/num_prompts"] == 10 and m["digits/num_samples"] == 10
     assert m["digits/pass@1"] == pytest.approx(m["digits/reward_mean"])  # binary reward, one sample
     sampled = service.evaluate(
-        name="s", prompts=ps, n_samples_per_prompt=4, sampling=SamplingSpec(temperature=1.0, max_new_tokens=2, seed=3)
+        EvaluateRequest(
+            name="s",
+            prompts=tuple(ps),
+            n_samples_per_prompt=4,
+            sampling=SamplingSpec(temperature=1.0, max_new_tokens=2, seed=3).params(),
+        )
     )
     m = sampled.metrics
     assert {"s/pass@1", "s/pass@2", "s/pass@4", "s/reward_mean", "s/response_len_mean"} <= set(m)
@@ -238,7 +268,7 @@ def test_evaluate_greedy_and_pass_at_k(service: RolloutService, redis_client):
     assert sampled.weight_version == 0 and sampled.time_s > 0
     assert set(redis_client.keys("*")) == keys_before  # evaluation writes nothing
     with pytest.raises(ValueError, match="no prompts"):
-        service.evaluate(prompts=[])
+        service.evaluate(EvaluateRequest(prompts=()))
 
 
 def test_pass_at_k_estimator():
@@ -251,12 +281,12 @@ def test_pass_at_k_estimator():
 def test_state_pause_and_weight_version(service: RolloutService, redis_server, stream: str):
     engine = service.engine
     assert isinstance(engine, NativeEngine)
-    service.prepare_weight_sync(version=1, pause_mode="drain")
+    service.prepare_weight_sync(PrepareRequest(version=1, pause_mode="drain"))
     assert service.get_state().engine.paused
     params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     engine.update_weights_from_tensors(params.items(), version=1)
     service.resume()
-    result = service.generate(rollout_id=20, prompts=prompts(1), stream=stream)
+    result = service.generate(GenerateRequest(rollout_id=20, prompts=tuple(prompts(1)), stream=stream))
     assert result.weight_version == 1
     assert consume(redis_server.url, stream, result.entry_id).batch.sample_versions.tolist() == [1] * 4
     state = service.get_state()
@@ -283,7 +313,7 @@ def test_receive_weights_through_the_weight_receiver(service: RolloutService, tm
     )
     plan = publisher.prepare(weights.specs_from_tensors(named), version=7, engine_world_size=1, verify=True)
     publisher.publish(plan, named)
-    result = receiver_side.receive_weights(plan, 1)
+    result = receiver_side.receive_weights(ReceiveRequest(plan=plan, rank_offset=1))
     assert result.version == 7 and receiver_side.get_state().engine.weight_version == 7
     assert result.bytes_received == plan.total_bytes
     assert result.checksums == {n: weights.tensor_checksum(t) for n, t in named}

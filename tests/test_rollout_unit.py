@@ -17,9 +17,19 @@ from collections.abc import Mapping, Sequence
 import pytest
 from helpers.scripted_engine import GenerateOnlyEngine
 
+from services.contracts.common_calls import Ack
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import config_from_dict
-from services.contracts.rollout_calls import GenerateResult, PromptInput
+from services.contracts.rollout_calls import (
+    EvaluateRequest,
+    GenerateRequest,
+    GenerateResult,
+    MemoryRequest,
+    PrepareRequest,
+    PrepareResult,
+    PromptInput,
+    ReceiveRequest,
+)
 from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.weight_plan import WeightSyncPlan
 from services.contracts.wire import RolloutBatchData
@@ -99,6 +109,9 @@ class FakeReward:
     def score(self, *, prompts, responses, labels, metadatas, timeout_s=None) -> list[float]:
         raise AssertionError("the fake source scores by itself")
 
+    def score_detailed(self, *, prompts, responses, labels, metadatas, timeout_s=None, tokens=None):
+        raise AssertionError("the fake source scores by itself")
+
 
 class FakeSource:
     """Each sample's response is its prompt's last id + 1 and its sample index; reward 1.0 for sample 0, else 0."""
@@ -168,15 +181,15 @@ def make_service(log: Log, *, config: TandemConfig | None = None, fail: int = 0)
     )
 
 
-def prompts(*groups: int) -> list[PromptInput]:
-    return [PromptInput(token_ids=(5, g), label=str(g), group_id=g) for g in groups]
+def prompts(*groups: int) -> tuple[PromptInput, ...]:
+    return tuple(PromptInput(token_ids=(5, g), label=str(g), group_id=g) for g in groups)
 
 
 def test_generate_samples_once_writes_the_sources_samples_and_answers_with_their_counts():
     log: Log = []
     service = make_service(log)
     sampling = SamplingSpec(temperature=1.0, max_new_tokens=4, seed=11)
-    result = service.generate(rollout_id=7, prompts=prompts(1, 2), sampling=sampling)
+    result = service.generate(GenerateRequest(rollout_id=7, prompts=prompts(1, 2), sampling=sampling.params()))
     assert log == [
         ("source.reward_for", None),
         ("source.sample", 7, 2, [[5, 1], [5, 2]], sampling.with_seed(mix_seed(11, 7)), "fake_reward"),
@@ -201,14 +214,14 @@ def test_generate_samples_once_writes_the_sources_samples_and_answers_with_their
 def test_a_retry_gets_the_first_result_and_new_weights_forget_it():
     log: Log = []
     service = make_service(log)
-    first = service.generate(rollout_id=1, prompts=prompts(1, 2))
-    assert service.generate(rollout_id=1, prompts=prompts(1, 2)) == first
+    first = service.generate(GenerateRequest(rollout_id=1, prompts=prompts(1, 2)))
+    assert service.generate(GenerateRequest(rollout_id=1, prompts=prompts(1, 2))) == first
     assert [c[0] for c in log].count("writer.put") == 1
-    other = service.generate(rollout_id=1, prompts=prompts(1, 2), stream="tandem:other")  # another key
+    other = service.generate(GenerateRequest(rollout_id=1, prompts=prompts(1, 2), stream="tandem:other"))  # another key
     assert other.entry_id == "2-0"
     plan = WeightSyncPlan(version=4, trainer_id="actor-0", timeout_s=10, transport="disk")
-    service.receive_weights(plan, 0)
-    again = service.generate(rollout_id=1, prompts=prompts(1, 2))
+    service.receive_weights(ReceiveRequest(plan=plan, rank_offset=0))
+    again = service.generate(GenerateRequest(rollout_id=1, prompts=prompts(1, 2)))
     assert again.entry_id == "3-0"
     assert [c[0] for c in log].count("source.sample") == 3
 
@@ -217,8 +230,8 @@ def test_a_failed_generate_is_not_remembered():
     log: Log = []
     service = make_service(log, fail=1)
     with pytest.raises(RuntimeError, match="fell over"):
-        service.generate(rollout_id=0, prompts=prompts(1))
-    result: GenerateResult = service.generate(rollout_id=0, prompts=prompts(1))
+        service.generate(GenerateRequest(rollout_id=0, prompts=prompts(1)))
+    result: GenerateResult = service.generate(GenerateRequest(rollout_id=0, prompts=prompts(1)))
     assert result.entry_id == "1-0"
     assert [c[0] for c in log] == [
         "source.reward_for",
@@ -233,33 +246,33 @@ def test_a_caller_gone_away_gets_no_batch_written():
     log: Log = []
     service = make_service(log)
     with pytest.raises(CallerGone, match="went away"):
-        service.generate(rollout_id=0, prompts=prompts(1), caller_active=lambda: False)
+        service.generate(GenerateRequest(rollout_id=0, prompts=prompts(1)), caller_active=lambda: False)
     assert "writer.put" not in [c[0] for c in log]
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"rollout_id": 0, "prompts": []}, r"Generate\(rollout_id=0\): no prompts given"),
+        ({"rollout_id": 0, "prompts": ()}, r"Generate\(rollout_id=0\): no prompts given"),
         ({"rollout_id": -1, "prompts": prompts(1)}, "rollout_id must be >= 0, got -1"),
         ({"rollout_id": 0, "prompts": prompts(1, 1)}, "several prompts share group_id 1"),
         ({"rollout_id": 0, "prompts": prompts(1), "n_samples_per_prompt": 65}, "more than rollout.max_request_samples"),
         ({"rollout_id": 0, "prompts": prompts(1), "n_samples_per_prompt": -2}, "n_samples_per_prompt must be >= 1"),
-        ({"rollout_id": 0, "prompts": [PromptInput(group_id=3)]}, r"prompt 0 \(group_id 3\) is empty"),
-        ({"rollout_id": 0, "prompts": [PromptInput(token_ids=tuple(range(40)), group_id=0)]}, "context holds 32"),
+        ({"rollout_id": 0, "prompts": (PromptInput(group_id=3),)}, r"prompt 0 \(group_id 3\) is empty"),
+        ({"rollout_id": 0, "prompts": (PromptInput(token_ids=tuple(range(40)), group_id=0),)}, "context holds 32"),
     ],
 )
 def test_a_bad_generate_is_refused_before_any_sampling(kwargs, message):
     log: Log = []
     with pytest.raises(ValueError, match=message):
-        make_service(log).generate(**kwargs)
+        make_service(log).generate(GenerateRequest(**kwargs))
     assert "source.sample" not in [c[0] for c in log]
 
 
 def test_evaluate_samples_with_the_eval_settings_and_writes_nothing():
     log: Log = []
     service = make_service(log, config=make_config(eval_n_samples_per_prompt=3))
-    result = service.evaluate(name="held_out", prompts=prompts(1, 2), reward="math_answer")
+    result = service.evaluate(EvaluateRequest(name="held_out", prompts=prompts(1, 2), reward="math_answer"))
     assert log == [
         ("source.reward_for", "math_answer"),
         (
@@ -276,14 +289,17 @@ def test_evaluate_samples_with_the_eval_settings_and_writes_nothing():
 
 
 def test_receive_weights_refuses_a_foreign_trainer_before_the_engine_and_clamps_the_timeout():
+    def plan(*, trainer_id: str, timeout_s: float) -> WeightSyncPlan:
+        return WeightSyncPlan(version=2, transport="disk", trainer_id=trainer_id, timeout_s=timeout_s)
+
     log: Log = []
     service = make_service(log)
     with pytest.raises(PermissionError, match="trainer 'intruder' is not the accepted trainer 'actor-0'"):
-        service.receive_weights(WeightSyncPlan(version=2, trainer_id="intruder", timeout_s=5), 0)
+        service.receive_weights(ReceiveRequest(plan=plan(trainer_id="intruder", timeout_s=5), rank_offset=0))
     with pytest.raises(ValueError, match="rank_offset must be >= 0"):
-        service.receive_weights(WeightSyncPlan(version=2, trainer_id="actor-0", timeout_s=5), -1)
+        service.receive_weights(ReceiveRequest(plan=plan(trainer_id="actor-0", timeout_s=5), rank_offset=-1))
     assert log == []
-    result = service.receive_weights(WeightSyncPlan(version=2, trainer_id="actor-0", timeout_s=999), 3)
+    result = service.receive_weights(ReceiveRequest(plan=plan(trainer_id="actor-0", timeout_s=999), rank_offset=3))
     assert log == [("engine.receive_weights", 2, 30.0, 3)]  # weights.timeout_s, not the caller's 999
     assert (result.version, result.bytes_received, result.time_s, result.checksums) == (2, 12, 0.5, {"w": "c"})
 
@@ -291,10 +307,11 @@ def test_receive_weights_refuses_a_foreign_trainer_before_the_engine_and_clamps_
 def test_pause_memory_and_close_reach_the_engine_in_order():
     log: Log = []
     service = make_service(log)
-    assert service.prepare_weight_sync(version=5, pause_mode="in_place") == (True, 1)
-    service.resume()
-    service.release_memory(["kv_cache"])
-    service.resume_memory([])
+    ready = service.prepare_weight_sync(PrepareRequest(version=5, pause_mode="in_place"))
+    assert ready == PrepareResult(ready=True, engine_ranks=1)
+    assert service.resume() == Ack(message="resumed")
+    assert service.release_memory(MemoryRequest(tags=("kv_cache",))) == Ack(message="released kv_cache")
+    assert service.resume_memory(MemoryRequest()) == Ack(message="resumed all")
     service.close()
     assert log == [
         ("engine.pause", "in_place", 30.0),

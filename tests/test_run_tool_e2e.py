@@ -6,7 +6,7 @@ import collections
 import json
 
 import pytest
-from tandem_runs import REPO, metrics, start_run, supervisor_log
+from tandem_runs import REPO, assert_above, assert_below, metrics, start_run, supervisor_log, window_mean
 
 pytestmark = pytest.mark.slow
 TOOL_EXAMPLE = REPO / "examples" / "tool_lookup.yaml"
@@ -35,12 +35,17 @@ def test_policy_learns_to_call_the_lookup_tool(tmp_path):
     assert 0.1 < ceiling < 0.25  # 200 eval prompts, 10 keys: ~0.2 in hindsight; 0.1 in expectation
     untrained, trained = evals[0], evals[-1]
     # untrained, greedy: the most likely first token is not the call (reward 0, one turn); trained: call, copy
-    assert untrained["eval/reward_mean"] < ceiling and untrained["eval/env_turns_mean"] < 1.5, untrained
-    assert trained["eval/reward_mean"] > max(0.8, ceiling + 0.5), trained
-    assert trained["eval/env_turns_mean"] == pytest.approx(2.0, abs=0.1), trained
-    first, last = (sum(r["rollout/reward_mean"] for r in part) / 5 for part in (steps[:5], steps[-5:]))
-    assert first < 0.05 and last > 0.5, (first, last)  # sampled at T=1: the no-tool expectation is 0.1
-    assert steps[-1]["rollout/env_turns_mean"] > 1.8 and steps[0]["rollout/env_turns_mean"] < 1.2
+    assert_below("untrained eval reward", untrained["eval/reward_mean"], ceiling, untrained)
+    assert_below("untrained eval env_turns_mean", untrained["eval/env_turns_mean"], 1.5, untrained)
+    assert_above("trained eval reward", trained["eval/reward_mean"], max(0.8, ceiling + 0.5), trained)
+    assert_above("trained eval env_turns_mean", trained["eval/env_turns_mean"], 1.9, trained)
+    assert_below("trained eval env_turns_mean", trained["eval/env_turns_mean"], 2.1, trained)
+    # Sampled at T=1, a step's numbers swing with the prompts it drew: windows of 5 steps, never one step.
+    head, tail = steps[:5], steps[-5:]
+    assert_below("reward, first 5 steps", window_mean(head, "rollout/reward_mean"), 0.05)  # no-tool expectation 0.1
+    assert_above("reward, last 5 steps", window_mean(tail, "rollout/reward_mean"), 0.5)
+    assert_below("env_turns_mean, first 5 steps", window_mean(head, "rollout/env_turns_mean"), 1.2)
+    assert_above("env_turns_mean, last 5 steps", window_mean(tail, "rollout/env_turns_mean"), 1.8)
     # half of a call-and-answer episode's response is the observation `) v`: masked, so never trained on
-    assert steps[-1]["rollout/env_observation_token_frac"] > 0.4
-    assert steps[-1]["rollout/env_end_done_frac"] > 0.95
+    assert_above("env_observation_token_frac, last 5", window_mean(tail, "rollout/env_observation_token_frac"), 0.4)
+    assert_above("env_end_done_frac, last 5 steps", window_mean(tail, "rollout/env_end_done_frac"), 0.95)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from services.buffer.stream import connect, redacted
 from services.contracts.config import ProcessGroupWeights, ServicesConfig, TandemConfig
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import WeightSyncPlan
 from services.launcher.redis_server import EmbeddedRedis
 from services.rpc.ports import free_port
 from services.weights import WeightReceiver, WeightSyncRefused
@@ -152,7 +152,7 @@ def test_weight_plans_of_another_trainer_are_refused_before_any_transfer(transpo
     store = dist.TCPStore(
         "127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10)
     )
-    plan = common_pb2.WeightSyncPlan(
+    plan = WeightSyncPlan(
         version=3,
         transport=transport,
         trainer_id="intruder/actor",

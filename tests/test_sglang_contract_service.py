@@ -15,6 +15,7 @@ from helpers.sglang_contract_server import ContractServer
 from services.buffer.stream import RolloutBuffer, connect
 from services.contracts.config import ProcessGroupWeights
 from services.contracts.config_loading import config_from_dict
+from services.contracts.rollout_calls import GenerateRequest, PrepareRequest, PrepareResult, ReceiveRequest
 from services.modelinit.init_model import init_model
 from services.rollout.builder import build_rollout
 from services.rollout.engines.sglang.engine import SGLangEngine
@@ -51,7 +52,7 @@ def test_sglang_contract_service_writes_the_native_batch_format(
     try:
         assert isinstance(service.engine, SGLangEngine)
         first = service.generate(
-            rollout_id=1, prompts=[PromptInput(text="3 4 =", label="4", group_id=7)], stream=stream
+            GenerateRequest(rollout_id=1, prompts=(PromptInput(text="3 4 =", label="4", group_id=7),), stream=stream)
         )
         buffer = RolloutBuffer(connect(redis_server.url), stream, groups=("actor",), group="actor", consumer="t")
         batch = buffer.read([first.entry_id], timeout_s=10)[0].batch
@@ -69,15 +70,15 @@ def test_sglang_contract_service_writes_the_native_batch_format(
         named = [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(model).named_parameters()]
         pub = WeightPublisher(config=ProcessGroupWeights(timeout_s=20), run_dir=tmp_path, trainer_id="a")
         plan = pub.prepare(specs_from_tensors(named), version=3, engine_world_size=1)
-        assert service.prepare_weight_sync(version=3) == (True, 1)
+        assert service.prepare_weight_sync(PrepareRequest(version=3)) == PrepareResult(ready=True, engine_ranks=1)
         with ThreadPoolExecutor(1) as pool:
-            received = pool.submit(service.receive_weights, plan, 1)
+            received = pool.submit(service.receive_weights, ReceiveRequest(plan=plan, rank_offset=1))
             pub.publish(plan, named)
             result = received.result(timeout=30)
         service.resume()
         assert result.version == 3 and result.bytes_received == plan.total_bytes and result.checksums == {}
         second = service.generate(
-            rollout_id=2, prompts=[PromptInput(text="1 2 =", label="2", group_id=8)], stream=stream
+            GenerateRequest(rollout_id=2, prompts=(PromptInput(text="1 2 =", label="2", group_id=8),), stream=stream)
         )
         batch = buffer.read([second.entry_id], timeout_s=10)[0].batch
         assert second.weight_version == 3 and batch.sample_versions.tolist() == [3, 3]

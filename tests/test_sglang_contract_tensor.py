@@ -180,12 +180,13 @@ def test_sglang_contract_tensor_plans_are_checked_before_anything_reaches_sglang
             engine.receive_weights(plan, rank_offset=1, receiver=WeightReceiver())
         good = write_checkpoint(tmp_path / "good", SPECS)  # as if the server had loaded this one
         engine.servers[0].info = dataclasses.replace(engine.servers[0].info, model_path=str(good))
-        broken = pub.prepare(SPECS, 2, 1)
-        broken.buckets[0].sglang_payloads[0] = "not base64!"
+        prepared = pub.prepare(SPECS, 2, 1)
+        first = prepared.buckets[0]
+        bad_first = dataclasses.replace(first, sglang_payloads=("not base64!", *first.sglang_payloads[1:]))
+        broken = dataclasses.replace(prepared, buckets=(bad_first, *prepared.buckets[1:]))
         with pytest.raises(ValueError, match="bucket 0's payload for engine rank 1 is not base64"):
             engine.receive_weights(broken, rank_offset=1, receiver=WeightReceiver())
-        native = pub.prepare(SPECS, 3, 1)
-        native.sglang_load_format = ""
+        native = dataclasses.replace(pub.prepare(SPECS, 3, 1), sglang_load_format="")
         with pytest.raises(ValueError, match="prepared this cuda_ipc sync for native engines"):
             engine.receive_weights(native, rank_offset=1, receiver=WeightReceiver())
         assert server.state()["tensor_updates"] == [] and server.proc.poll() is None

@@ -10,6 +10,7 @@ own tensors; it reports blake2b checksums of what it holds, compared here with i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -318,8 +319,8 @@ def test_sglang_contract_refusals_reach_the_trainer(tmp_path: Path):
         with pytest.raises(WeightSyncRefused, match="'actor-0' is not the accepted trainer 'other'"):
             sync(pub, engine, version=2, receiver=WeightReceiver(accepted_trainer_id="other"))
         assert time.monotonic() - start < 10
-        plan = pub.prepare(SPECS, 3, 1, False)
-        plan.transport = "cuda_ipc"  # a plan that names cuda_ipc but carries no SGLang payloads
+        # a plan that names cuda_ipc but carries no SGLang payloads
+        plan = dataclasses.replace(pub.prepare(SPECS, 3, 1, False), transport="cuda_ipc")
         with pytest.raises(ValueError, match="prepared this cuda_ipc sync for native engines"):
             engine.receive_weights(plan, rank_offset=1, receiver=WeightReceiver())
         assert weight_calls(server) == []  # nothing reached SGLang

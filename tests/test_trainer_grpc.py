@@ -22,6 +22,7 @@ from services.buffer.stream import RolloutBuffer, connect, stream_key
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import config_from_dict, dump_config
 from services.contracts.gen.tandem.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.contracts.trainer_calls import TrainRequest
 from services.rpc.grpc_util import open_channel, wait_healthy
 from services.rpc.ports import free_port
 
@@ -163,7 +164,10 @@ def test_two_ranks_zero3_under_torchrun_over_grpc_match_one_rank(tiny_model_dir,
     one = _config(tiny_model_dir, tmp_path / "one", redis_server.url, run_name="one", port=free_port(), zero_stage=3)
     reference = TrainerHarness(one, run_dir=tmp_path / "one")
     try:
-        expected = [reference.service.train(rollout_id=i, entry_ids=[reference.put(b)]) for i, b in enumerate(batches)]
+        expected = [
+            reference.service.train(TrainRequest(rollout_id=i, entry_ids=(reference.put(b),)))
+            for i, b in enumerate(batches)
+        ]
         expected_weights = {n: t.clone() for n, t in reference.service.iter_named_weights()}
     finally:
         reference.close()
@@ -298,7 +302,10 @@ def test_lora_two_ranks_zero3_over_grpc_match_one_rank(tiny_model_dir, tmp_path,
     )
     reference = TrainerHarness(one, run_dir=tmp_path / "one")
     try:
-        expected = [reference.service.train(rollout_id=i, entry_ids=[reference.put(b)]) for i, b in enumerate(batches)]
+        expected = [
+            reference.service.train(TrainRequest(rollout_id=i, entry_ids=(reference.put(b),)))
+            for i, b in enumerate(batches)
+        ]
     finally:
         reference.close()
     two = _config(

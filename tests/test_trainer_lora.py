@@ -18,8 +18,9 @@ from conftest_trainer import harness, make_batch, tiny_model_dir  # noqa: F401
 
 from services.contracts.config import ConfigError
 from services.contracts.config_loading import config_from_dict
+from services.contracts.errors import FailedPrecondition
+from services.contracts.trainer_calls import LoadRequest, PublishRequest, SaveRequest, TrainRequest, WeightSyncRequest
 from services.launcher.preflight import check_lora
-from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.model.lora import AdapterOffReference, check_model_targets
 
 pytestmark = pytest.mark.timeout(180)
@@ -47,7 +48,9 @@ def _trained_logits(h) -> torch.Tensor:
 
 def _train(h, steps: int, model_dir: Path, *, first: int = 0) -> list:
     return [
-        h.service.train(rollout_id=i, entry_ids=[h.put(make_batch(rollout_id=i, seed=i, model_dir=model_dir))])
+        h.service.train(
+            TrainRequest(rollout_id=i, entry_ids=(h.put(make_batch(rollout_id=i, seed=i, model_dir=model_dir)),))
+        )
         for i in range(first, first + steps)
     ]
 
@@ -115,7 +118,7 @@ def test_only_adapters_are_trained_and_hold_optimizer_state(
     adapter_numel = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
     base = {n: t.clone() for n, t in h.service.iter_named_weights()}
     batch = make_batch(model_dir=tiny_model_dir)
-    losses = [h.service.train(rollout_id=i, entry_ids=[h.put(batch)]).metrics["loss"] for i in range(3)]
+    losses = [h.service.train(TrainRequest(rollout_id=i, entry_ids=(h.put(batch),))).metrics["loss"] for i in range(3)]
     assert losses[2] < losses[1] < losses[0], losses
     # Adam's state (two moments) exists for the adapters' elements only, whatever ZeRO flattened them into
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
@@ -150,7 +153,7 @@ def test_synced_and_exported_weights_are_the_merged_model(harness, tiny_model_di
     base = _base_model(tiny_model_dir)
     specs = h.service.weight_specs()
     assert [(s.name, tuple(s.shape)) for s in specs] == [(n, tuple(p.shape)) for n, p in base.named_parameters()]
-    saved = h.service.save(rollout_id=1, export_hf=True)
+    saved = h.service.save(SaveRequest(rollout_id=1, export_hf=True))
     # the independent reference: peft's own merge of the exported adapter into the base model
     adapter_dir = Path(saved.hf_path) / "adapter"
     merged = PeftModel.from_pretrained(_base_model(tiny_model_dir), str(adapter_dir)).merge_and_unload()
@@ -159,12 +162,14 @@ def test_synced_and_exported_weights_are_the_merged_model(harness, tiny_model_di
     # the engine's copy of the base model receives the merged weights (disk transport, verified)
     engine_model = _base_model(tiny_model_dir)
     engine = dict(engine_model.named_parameters())
-    plan = h.service.prepare_weight_sync(version=1, transport="disk", engine_world_size=1, verify=True)
+    plan = h.service.prepare_weight_sync(
+        WeightSyncRequest(version=1, transport="disk", engine_world_size=1, verify=True)
+    )
     receiver = WeightReceiver(accepted_trainer_id=h.service.trainer_id)
     got: dict = {}
     thread = threading.Thread(target=lambda: got.update(stats=receiver.receive(plan, 1, engine)))
     thread.start()
-    h.service.publish_weights(version=1)
+    h.service.publish_weights(PublishRequest(version=1))
     thread.join(30)
     receiver.close()
     assert got["stats"].checksums == {m.name: m.checksum for b in plan.buckets for m in b.tensors}
@@ -194,9 +199,9 @@ def test_lora_save_then_fresh_engine_load_reproduces_next_step(harness, tiny_mod
     batches = [make_batch(rollout_id=i, seed=i, model_dir=tiny_model_dir) for i in range(3)]
     a = harness(trainer=trainer, run_name="lora-resume")
     for i in range(2):
-        a.service.train(rollout_id=i, entry_ids=[a.put(batches[i])])
-    saved = a.service.save(rollout_id=1)
-    expected = a.service.train(rollout_id=2, entry_ids=[a.put(batches[2])])
+        a.service.train(TrainRequest(rollout_id=i, entry_ids=(a.put(batches[i]),)))
+    saved = a.service.save(SaveRequest(rollout_id=1))
+    expected = a.service.train(TrainRequest(rollout_id=2, entry_ids=(a.put(batches[2]),)))
     expected_weights = dict(a.service.iter_named_weights())
     a.close()
     # the shards hold the adapters and their optimizer state, not the frozen base
@@ -205,9 +210,9 @@ def test_lora_save_then_fresh_engine_load_reproduces_next_step(harness, tiny_mod
     assert model_states < base_bytes / 3, (model_states, base_bytes)
 
     b = harness(trainer=trainer, run_name="lora-resume")
-    loaded = b.service.load()
+    loaded = b.service.load(LoadRequest())
     assert loaded.loaded and loaded.path == saved.path and loaded.step == 2
-    again = b.service.train(rollout_id=2, entry_ids=[b.put(batches[2])])
+    again = b.service.train(TrainRequest(rollout_id=2, entry_ids=(b.put(batches[2]),)))
     for key in ("loss", "pg_loss", "grad_norm", "lr", "entropy", "ppo_ratio_mean"):
         assert again.metrics[key] == expected.metrics[key], key
     got = dict(b.service.iter_named_weights())
@@ -216,7 +221,7 @@ def test_lora_save_then_fresh_engine_load_reproduces_next_step(harness, tiny_mod
     for other in ({**trainer, "lora": {"rank": 8}}, {**trainer, "lora": None}):
         c = harness(trainer=other, run_name="lora-resume")
         with pytest.raises(FailedPrecondition, match=r"was trained with trainer.lora \{'rank': 4"):
-            c.service.load()
+            c.service.load(LoadRequest())
         c.close()
 
 
@@ -264,10 +269,10 @@ def test_critic_with_lora_trains_adapters_and_value_head(harness, tiny_model_dir
     assert all(n.startswith("value_head.") or "lora_" in n for n in trainable)
     for rollout_id in range(2):
         entry = critic.put(make_batch(rollout_id=rollout_id, seed=rollout_id, model_dir=tiny_model_dir))
-        c = critic.service.train(rollout_id=rollout_id, entry_ids=[entry])
-        actor.service.train(rollout_id=rollout_id, entry_ids=[entry], use_critic_values=True)
+        c = critic.service.train(TrainRequest(rollout_id=rollout_id, entry_ids=(entry,)))
+        actor.service.train(TrainRequest(rollout_id=rollout_id, entry_ids=(entry,), use_critic_values=True))
     assert c.metrics["value_mean"] != 0.0 and c.metrics["value_loss"] > 0
-    saved = critic.service.save(rollout_id=1, export_hf=True)
+    saved = critic.service.save(SaveRequest(rollout_id=1, export_hf=True))
     hf = Path(saved.hf_path)
     assert (hf / "value_head.safetensors").is_file() and (hf / "adapter" / "adapter_config.json").is_file()
     backbone = AutoModel.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()

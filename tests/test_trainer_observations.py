@@ -14,6 +14,7 @@ import torch
 from conftest_trainer import harness, make_batch, peaked_model_dir, tiny_model_dir  # noqa: F401
 
 from services.contracts.sampling_spec import SamplingSpec
+from services.contracts.trainer_calls import TrainRequest
 from services.contracts.wire import RolloutBatchData
 from services.trainer.algo.actor import actor_step
 from services.trainer.algo.head_scoring import output_head
@@ -140,7 +141,7 @@ def test_observation_log_probs_change_neither_the_metrics_nor_the_update(
     runs = []
     for name, batch in (("zero", base), ("garbage", garbage)):
         h = harness(model_dir=peaked_model_dir, algorithm=ALGO, run_name=f"obs-{name}-{sampling.top_p}")
-        metrics = dict(h.service.train(rollout_id=0, entry_ids=[h.put(batch)]).metrics)
+        metrics = dict(h.service.train(TrainRequest(rollout_id=0, entry_ids=(h.put(batch),))).metrics)
         weights = {k: v.detach().clone() for k, v in h.trainer.backend.module.state_dict().items()}
         runs.append(({k: v for k, v in metrics.items() if not k.startswith("perf/")}, weights))  # timings
     (m0, w0), (m1, w1) = runs

@@ -17,6 +17,7 @@ import torch
 from conftest_trainer import harness, make_batch, model_logits, peaked_model_dir, tiny_model_dir  # noqa: F401
 
 from services.contracts.sampling_spec import SamplingSpec
+from services.contracts.trainer_calls import LoadRequest, PublishRequest, SaveRequest, TrainRequest, WeightSyncRequest
 from services.contracts.wire import RolloutBatchData, sampling_arrays
 from services.trainer.algo.critic import read_handoff
 
@@ -56,7 +57,7 @@ def test_each_sample_is_scored_under_the_distribution_it_was_drawn_from(harness,
     ]
     batches = [make_batch(rollout_id=i, seed=i, model_dir=peaked_model_dir, sampling=s) for i, s in enumerate(settings)]
     h = harness(model_dir=peaked_model_dir, algorithm={"kl_coef": 0.1})
-    m = h.service.train(rollout_id=0, entry_ids=[h.put(b) for b in batches]).metrics
+    m = h.service.train(TrainRequest(rollout_id=0, entry_ids=tuple(h.put(b) for b in batches))).metrics
     # on-policy: every token's ratio is 1, so nothing clips and the rollout's log-probs are reproduced
     assert m["pg_clipfrac"] == 0.0 and m["ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert m["rollout_logprob_abs_diff"] < 1e-5
@@ -73,7 +74,7 @@ def test_each_sample_is_scored_under_the_distribution_it_was_drawn_from(harness,
     tis = harness(
         model_dir=peaked_model_dir, run_name="tis", algorithm={"use_rollout_logprobs": False, "use_tis": True}
     )
-    m = tis.service.train(rollout_id=0, entry_ids=[tis.put(b) for b in batches]).metrics
+    m = tis.service.train(TrainRequest(rollout_id=0, entry_ids=tuple(tis.put(b) for b in batches))).metrics
     assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5) and m["rollout_logprob_abs_diff"] < 1e-5
 
 
@@ -91,14 +92,16 @@ def test_step_metrics_match_the_reference_after_an_update(harness, peaked_model_
     algo = {"kl_coef": 0.05, "eps_clip": 0.2, "eps_clip_high": 0.28, "dual_clip_c": 3.0}
     h = harness(model_dir=peaked_model_dir, algorithm=algo)
     dist = SamplingSpec(temperature=0.7, top_p=0.9)
-    h.service.train(rollout_id=0, entry_ids=[h.put(make_batch(seed=1, model_dir=peaked_model_dir, sampling=dist))])
-    trained = h.service.save(rollout_id=0, export_hf=True).hf_path
+    h.service.train(
+        TrainRequest(rollout_id=0, entry_ids=(h.put(make_batch(seed=1, model_dir=peaked_model_dir, sampling=dist)),))
+    )
+    trained = h.service.save(SaveRequest(rollout_id=0, export_hf=True)).hf_path
     batch = make_batch(rollout_id=1, seed=2, groups=4, model_dir=peaked_model_dir, sampling=dist)
     noise = np.random.default_rng(3).normal(0.0, 0.3, batch.num_response_tokens).astype(np.float32)
     batch = dataclasses.replace(
         batch, loss_mask=interior_masks(batch, seed=4), rollout_log_probs=batch.rollout_log_probs + noise
     )
-    m = h.service.train(rollout_id=1, entry_ids=[h.put(batch)]).metrics
+    m = h.service.train(TrainRequest(rollout_id=1, entry_ids=(h.put(batch),))).metrics
 
     now, now_t = reference_tables(trained, batch), reference_tables(trained, batch, tempered=True)
     init_t = reference_tables(peaked_model_dir, batch, tempered=True)
@@ -140,7 +143,7 @@ def test_decoupled_ppo_step_weighs_each_token_by_its_own_behaviour_log_prob(harn
         rollout_log_probs=np.where(late, batch.rollout_log_probs + shift, batch.rollout_log_probs).astype(np.float32),
         token_versions=np.where(late, 1, 0).astype(np.int64),
     )
-    m = h.service.train(rollout_id=0, entry_ids=[h.put(batch)]).metrics
+    m = h.service.train(TrainRequest(rollout_id=0, entry_ids=(h.put(batch),))).metrics
     prox = reference_tables(peaked_model_dir, batch)  # the policy the step starts from
     adv = np.repeat(
         ref.grpo_advantages(batch.rewards.tolist(), batch.group_ids.tolist(), normalize_std=True),
@@ -181,9 +184,9 @@ def test_critic_gae_skips_masked_tokens(harness, tiny_model_dir):  # noqa: F811
         batch = make_batch(rollout_id=rollout_id, seed=rollout_id, model_dir=tiny_model_dir)
         batch = dataclasses.replace(batch, loss_mask=interior_masks(batch, seed=10 + rollout_id))
         entry = critic.put(batch)
-        critic.service.train(rollout_id=rollout_id, entry_ids=[entry])
+        critic.service.train(TrainRequest(rollout_id=rollout_id, entry_ids=(entry,)))
         handoff = read_handoff(critic.client, stream=critic.stream, rollout_id=rollout_id)
-        a = actor.service.train(rollout_id=rollout_id, entry_ids=[entry], use_critic_values=True).metrics
+        a = actor.service.train(TrainRequest(rollout_id=rollout_id, entry_ids=(entry,), use_critic_values=True)).metrics
     assert np.abs(handoff.values).max() > 0
     expected_adv, expected_ret = [], []
     for (_, _, resp), reward in zip(batch.sample_slices(), batch.rewards.tolist(), strict=True):
@@ -206,8 +209,8 @@ def test_critic_gae_skips_masked_tokens(harness, tiny_model_dir):  # noqa: F811
 
 
 def publish(h, version: int) -> None:
-    h.service.prepare_weight_sync(version=version, transport="disk")
-    h.service.publish_weights(version=version)
+    h.service.prepare_weight_sync(WeightSyncRequest(version=version, transport="disk"))
+    h.service.publish_weights(PublishRequest(version=version))
 
 
 def test_keep_old_actor_scores_samples_under_the_version_that_generated_them(harness, peaked_model_dir):  # noqa: F811
@@ -220,13 +223,13 @@ def test_keep_old_actor_scores_samples_under_the_version_that_generated_them(har
         for i in range(2)
     ]
     publish(h, 0)
-    first = h.service.train(rollout_id=0, entry_ids=[h.put(generated_by_v0[0])]).metrics
+    first = h.service.train(TrainRequest(rollout_id=0, entry_ids=(h.put(generated_by_v0[0]),))).metrics
     # nothing trained since v0 was published: the current policy is v0, nothing is recomputed
     assert first["ppo_ratio_mean"] == pytest.approx(1.0, abs=1e-6) and first["old_actor_fallback_frac"] == 0.0
     publish(h, 1)
     # one step off: a batch of v0 trained after the v1 update is scored by the v0 snapshot, which reproduces
     # its rollout log-probs exactly (TIS weight 1), while the ratio shows how far the policy moved
-    second = h.service.train(rollout_id=1, entry_ids=[h.put(generated_by_v0[1])]).metrics
+    second = h.service.train(TrainRequest(rollout_id=1, entry_ids=(h.put(generated_by_v0[1]),))).metrics
     assert second["rollout_logprob_abs_diff"] < 1e-5 and second["tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)
     # the mismatch is taken against the snapshot of each token's version, not the policy that moved since
     assert abs(second["mismatch/kl"]) < 1e-5 and second["mismatch/ratio_max"] == pytest.approx(1.0, abs=1e-4)
@@ -237,15 +240,17 @@ def test_keep_old_actor_scores_samples_under_the_version_that_generated_them(har
     firsts = np.zeros(mixed.num_response_tokens, dtype=bool)
     firsts[np.cumsum(mixed.response_lengths) - mixed.response_lengths] = True
     mixed = dataclasses.replace(mixed, token_versions=np.where(firsts, 0, 5).astype(np.int64))
-    third = h.service.train(rollout_id=2, entry_ids=[h.put(mixed)]).metrics
+    third = h.service.train(TrainRequest(rollout_id=2, entry_ids=(h.put(mixed),))).metrics
     assert third["old_actor_fallback_frac"] == pytest.approx(1 - 12 / mixed.num_response_tokens, abs=1e-6)
     publish(h, 2)
     assert sorted(h.trainer.old_actor.snapshots) == [1, 2]  # one step off keeps two versions
     unknown = make_batch(rollout_id=3, seed=5, model_dir=peaked_model_dir, sampling=dist, sample_versions=[0] * 12)
-    fourth = h.service.train(rollout_id=3, entry_ids=[h.put(unknown)]).metrics
+    fourth = h.service.train(TrainRequest(rollout_id=3, entry_ids=(h.put(unknown),))).metrics
     assert fourth["old_actor_fallback_frac"] == 1.0 and math.isfinite(fourth["loss"])  # v0 is gone: current policy
-    h.service.save(rollout_id=3)
-    assert h.service.load().loaded and not h.trainer.old_actor.snapshots  # a Load rolls back: snapshots dropped
+    h.service.save(SaveRequest(rollout_id=3))
+    assert (
+        h.service.load(LoadRequest()).loaded and not h.trainer.old_actor.snapshots
+    )  # a Load rolls back: snapshots dropped
 
 
 def noisy_masked_batch(model_dir: Path, *, seed: int, dist: SamplingSpec, noise: float) -> RolloutBatchData:
@@ -270,10 +275,12 @@ def test_gspo_with_rloo_step_matches_the_reference_after_an_update(harness, peak
     }
     h = harness(model_dir=peaked_model_dir, algorithm=algo)
     dist = SamplingSpec(temperature=0.7, top_p=0.9)
-    h.service.train(rollout_id=0, entry_ids=[h.put(make_batch(seed=1, model_dir=peaked_model_dir, sampling=dist))])
-    trained = h.service.save(rollout_id=0, export_hf=True).hf_path
+    h.service.train(
+        TrainRequest(rollout_id=0, entry_ids=(h.put(make_batch(seed=1, model_dir=peaked_model_dir, sampling=dist)),))
+    )
+    trained = h.service.save(SaveRequest(rollout_id=0, export_hf=True)).hf_path
     batch = noisy_masked_batch(peaked_model_dir, seed=2, dist=dist, noise=0.3)
-    m = h.service.train(rollout_id=1, entry_ids=[h.put(batch)]).metrics
+    m = h.service.train(TrainRequest(rollout_id=1, entry_ids=(h.put(batch),))).metrics
 
     now, toks = reference_tables(trained, batch), targets(batch)
     adv = ref.rloo_advantages(batch.rewards.tolist(), batch.group_ids.tolist())
@@ -311,10 +318,12 @@ def test_reinforce_pp_step_with_kl_reward_matches_the_reference(harness, peaked_
     }
     h = harness(model_dir=peaked_model_dir, algorithm=algo)
     dist = SamplingSpec(temperature=0.7, top_p=0.9)
-    h.service.train(rollout_id=0, entry_ids=[h.put(make_batch(seed=1, model_dir=peaked_model_dir, sampling=dist))])
-    trained = h.service.save(rollout_id=0, export_hf=True).hf_path
+    h.service.train(
+        TrainRequest(rollout_id=0, entry_ids=(h.put(make_batch(seed=1, model_dir=peaked_model_dir, sampling=dist)),))
+    )
+    trained = h.service.save(SaveRequest(rollout_id=0, export_hf=True)).hf_path
     batch = noisy_masked_batch(peaked_model_dir, seed=3, dist=dist, noise=0.2)
-    m = h.service.train(rollout_id=1, entry_ids=[h.put(batch)]).metrics
+    m = h.service.train(TrainRequest(rollout_id=1, entry_ids=(h.put(batch),))).metrics
 
     now, toks = reference_tables(trained, batch), targets(batch)
     now_t, init_t = (

@@ -19,7 +19,9 @@ from conftest_trainer import make_batch
 from services.buffer.entries import BufferEntry
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import config_from_dict
-from services.rpc.grpc_util import FailedPrecondition
+from services.contracts.errors import FailedPrecondition
+from services.contracts.trainer_calls import LoadRequest, PublishRequest, SaveRequest, TrainRequest, WeightSyncRequest
+from services.contracts.weight_plan import WeightSyncPlan
 from services.trainer.algo.critic import ValueHandoff
 from services.trainer.algo.selection import Selection
 from services.trainer.batching import merge_batches
@@ -30,7 +32,7 @@ from services.trainer.ledger import TrainLedger
 from services.trainer.parts import Checksums, TrainerParts, World
 from services.trainer.service import TrainerService
 from services.weights.layout import TensorSpec
-from services.weights.transport_base import SyncStats, WeightSyncPlan
+from services.weights.transport_base import SyncStats
 
 Log = list[tuple[object, ...]]
 
@@ -161,14 +163,13 @@ class FakeWeights:
     def check_request(self, *, engine_world_size: int) -> None:
         self.log.append(("check sync request", engine_world_size))
 
-    def prepare(
-        self, *, version: int, transport: str, engine_world_size: int, verify: bool, verify_by_bucket: bool = False
-    ) -> WeightSyncPlan:
-        self.log.append(("prepare sync", version))
-        return WeightSyncPlan(version=version, transport="gloo")
+    def prepare(self, request: WeightSyncRequest) -> WeightSyncPlan:
+        self.log.append(("prepare sync", request.version))
+        return WeightSyncPlan(version=request.version, transport="gloo")
 
-    def add_checksums(self, plan: WeightSyncPlan, sums: Checksums, *, seconds: float) -> None:
+    def add_checksums(self, plan: WeightSyncPlan, sums: Checksums, *, seconds: float) -> WeightSyncPlan:
         self.log.append(("announce checksums", sums))
+        return plan
 
     def check_prepared(self, version: int) -> None:
         self.log.append(("check prepared", version))
@@ -226,10 +227,10 @@ def service(
 
 def test_a_retried_train_replays_its_result_and_acks_again_without_a_second_step(tmp_path):
     svc, log, _ = service(tmp_path)
-    first = svc.train(rollout_id=0, entry_ids=["1-0", "2-0"])
+    first = svc.train(TrainRequest(rollout_id=0, entry_ids=("1-0", "2-0")))
     assert log == [("read", ("1-0", "2-0")), ("prepare", 0), ("step", 0, ("1-0", "2-0"), 4), ("ack", 0, ("1-0", "2-0"))]
     log.clear()
-    again = svc.train(rollout_id=0, entry_ids=["1-0", "2-0"])
+    again = svc.train(TrainRequest(rollout_id=0, entry_ids=("1-0", "2-0")))
     assert log == [("ack", 0, ("1-0", "2-0"))]  # the first ack may have been lost
     assert again.replayed and not first.replayed and (again.step, again.samples_trained) == (1, 4)
     assert svc.ledger.step == 1
@@ -237,32 +238,32 @@ def test_a_retried_train_replays_its_result_and_acks_again_without_a_second_step
 
 def test_entries_a_step_trained_are_skipped_by_the_next_and_a_train_of_nothing_new_is_refused(tmp_path):
     svc, log, _ = service(tmp_path)
-    svc.train(rollout_id=0, entry_ids=["1-0"])
+    svc.train(TrainRequest(rollout_id=0, entry_ids=("1-0",)))
     log.clear()
-    reply = svc.train(rollout_id=1, entry_ids=["1-0", "3-0"])  # 1-0 was rollout 0's: delivered twice
+    reply = svc.train(TrainRequest(rollout_id=1, entry_ids=("1-0", "3-0")))  # 1-0 was rollout 0's: delivered twice
     assert log == [("read", ("3-0",)), ("prepare", 1), ("step", 1, ("3-0",), 2), ("ack", 1, ("3-0",))]
     assert reply.metrics["entries_skipped_duplicate"] == 1.0 and reply.step == 2
     log.clear()
     with pytest.raises(FailedPrecondition, match=r"entries \['1-0', '3-0'\] were already trained \(rollout \[0, 1\]\)"):
-        svc.train(rollout_id=2, entry_ids=["1-0", "3-0"])
+        svc.train(TrainRequest(rollout_id=2, entry_ids=("1-0", "3-0")))
     with pytest.raises(ValueError, match="name an entry more than once"):
-        svc.train(rollout_id=2, entry_ids=["4-0", "4-0"])
+        svc.train(TrainRequest(rollout_id=2, entry_ids=("4-0", "4-0")))
     assert log == [] and svc.ledger.step == 2
 
 
 def test_a_failed_save_is_written_again_a_saved_step_is_not_and_load_restores_what_was_saved(tmp_path):
     svc, log, checkpoints = service(tmp_path, fail_writes=1)
-    svc.train(rollout_id=0, entry_ids=["1-0"])
+    svc.train(TrainRequest(rollout_id=0, entry_ids=("1-0",)))
     log.clear()
     with pytest.raises(OSError, match="No space left"):
-        svc.save(rollout_id=0, extra_state={"coordinator": "{}"})
-    saved = svc.save(rollout_id=0, extra_state={"coordinator": "{}"})  # the coordinator's retry
-    again = svc.save(rollout_id=0)  # a retry of a Save that did land
+        svc.save(SaveRequest(rollout_id=0, extra_state={"coordinator": "{}"}))
+    saved = svc.save(SaveRequest(rollout_id=0, extra_state={"coordinator": "{}"}))  # the coordinator's retry
+    again = svc.save(SaveRequest(rollout_id=0))  # a retry of a Save that did land
     assert log == [("write", "rollout_00000000"), ("write", "rollout_00000000")]
     assert (saved.step, again.step, saved.path) == (1, 1, str(checkpoints.save_dir(0)))
-    svc.train(rollout_id=1, entry_ids=["2-0"])  # a step after the checkpoint, rolled back by the Load
+    svc.train(TrainRequest(rollout_id=1, entry_ids=("2-0",)))  # a step after the checkpoint, rolled back by the Load
     log.clear()
-    loaded = svc.load()
+    loaded = svc.load(LoadRequest())
     assert log == [("read checkpoint", "rollout_00000000"), ("restore", "rollout_00000000")]
     assert (loaded.loaded, loaded.rollout_id, loaded.step, loaded.extra_state) == (True, 0, 1, {"coordinator": "{}"})
     assert svc.ledger.step == 1 and not svc.ledger.is_recorded(1)
@@ -271,27 +272,27 @@ def test_a_failed_save_is_written_again_a_saved_step_is_not_and_load_restores_wh
 def test_a_trainer_started_beside_a_checkpoint_trains_only_after_loading_it(tmp_path):
     svc, log, checkpoints = service(tmp_path, unloaded=tmp_path / "ckpt" / "rollout_00000004")
     with pytest.raises(FailedPrecondition, match="has not loaded it: call Load first"):
-        svc.train(rollout_id=5, entry_ids=["1-0"])
+        svc.train(TrainRequest(rollout_id=5, entry_ids=("1-0",)))
     assert log == []
     checkpoints.complete[tmp_path / "ckpt" / "rollout_00000004"] = {
         **TrainLedger().state_dict(),
         "step": 3,
         "checkpoint_rollout_id": 4,
     }
-    assert svc.load().step == 3
-    svc.train(rollout_id=5, entry_ids=["1-0"])
+    assert svc.load(LoadRequest()).step == 3
+    svc.train(TrainRequest(rollout_id=5, entry_ids=("1-0",)))
     assert log[-2:] == [("step", 5, ("1-0",), 2), ("ack", 5, ("1-0",))] and svc.ledger.step == 4
 
 
 def test_an_offloaded_model_is_onloaded_before_each_command_that_needs_it(tmp_path):
     svc, log, _ = service(tmp_path)
     assert svc.offload() == "offloaded"
-    svc.train(rollout_id=0, entry_ids=["1-0"])
+    svc.train(TrainRequest(rollout_id=0, entry_ids=("1-0",)))
     svc.offload()
-    svc.save(rollout_id=0)
+    svc.save(SaveRequest(rollout_id=0))
     svc.offload()
-    svc.prepare_weight_sync(version=1, verify=True, verify_by_bucket=True)
-    publish = svc.publish_weights(version=1)
+    svc.prepare_weight_sync(WeightSyncRequest(version=1, verify=True, verify_by_bucket=True))
+    publish = svc.publish_weights(PublishRequest(version=1))
     assert log == [
         ("release buffers",),
         ("offload",),

@@ -3,10 +3,12 @@ the buckets, and _Runs merges copies exactly when source and destination bytes b
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from helpers.weight_peer import bits_equal, make_tensors
 
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import CudaIpcHandle, WeightBucket, WeightSyncPlan
 from services.weights.layout import TensorSpec, plan_layout
 from services.weights.transports.cuda_ipc import (
     ALIGN,
@@ -118,15 +120,25 @@ def test_flat_views_is_flat_params_only_with_every_slot():
 
 
 def _ipc_plan(layout, offsets, handles):
-    plan = common_pb2.WeightSyncPlan(transport="cuda_ipc")
-    for bucket, offset, handle in zip(layout.buckets, offsets, handles, strict=True):
-        wb = plan.buckets.add()
-        wb.ipc.CopyFrom(
-            common_pb2.CudaIpcHandle(
-                device=0, handle=handle, storage_offset_bytes=offset, storage_size_bytes=bucket.nbytes
-            )
+    handle_of = functools.partial(
+        CudaIpcHandle,
+        device=0,
+        ref_counter_handle=b"",
+        ref_counter_offset=0,
+        event_handle=b"",
+        event_sync_required=False,
+        device_uuid="",
+    )
+    buckets = tuple(
+        WeightBucket(
+            index=bucket.index,
+            dtype="uint8",
+            nbytes=bucket.nbytes,
+            ipc=handle_of(handle=handle, storage_offset_bytes=offset, storage_size_bytes=bucket.nbytes),
         )
-    return plan
+        for bucket, offset, handle in zip(layout.buckets, offsets, handles, strict=True)
+    )
+    return WeightSyncPlan(version=0, transport="cuda_ipc", buckets=buckets)
 
 
 def _run(copies: list) -> int:

@@ -7,6 +7,7 @@ Skipped without CUDA (nccl also without a second GPU). The receiver is a separat
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -134,9 +135,8 @@ def test_ipc_flat_receiver_copies_each_bucket_once(tmp_path: Path, keep_mapped: 
     try:
         for version in (1, 2, 3):
             plan = publisher.prepare(SPECS, version, 1, True)
-            sent_plan = type(plan)()
-            sent_plan.CopyFrom(plan)  # as the coordinator does: its copy of the trainer's plan, for the engines
-            sent_plan.buffers_freed_after = version == 3
+            # as the coordinator does: its copy of the trainer's plan, for the engines
+            sent_plan = replace(plan, buffers_freed_after=version == 3)
             peer.send(
                 op="receive",
                 plan=plan_to_text(sent_plan),

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from services.contracts.config import DiskWeights
 from services.weights import TensorSpec, WeightPublisher, WeightReceiver, WeightSyncError, WeightSyncTimeout
+from services.weights.checksums import with_checksums
 
 SPECS = [
     TensorSpec("embed", "bfloat16", (256, 64)),
@@ -110,10 +111,7 @@ def test_a_bucket_verified_sync_checks_each_bucket_and_names_a_tampered_one(tmp_
     plan = publisher.prepare(SPECS, 3, 1, True, verify_by_bucket=True)
     tensors = make_tensors(SPECS, seed=3)
     sums = named_bucket_checksums(layout_from_plan(plan), ((s.name, tensors[s.name]) for s in SPECS), where="t")
-    announced = type(plan)()  # the trainer service annotates the copy it answers with
-    announced.CopyFrom(plan)
-    for wb, digest in zip(announced.buckets, sums, strict=True):
-        wb.checksum = digest
+    announced = with_checksums(plan, sums, seconds=0.0)  # what the trainer service answers with
     sent = publisher.publish(plan, [(s.name, tensors[s.name]) for s in SPECS])
     params = _zeros()
     got = WeightReceiver().receive(announced, 1, params)
@@ -141,14 +139,10 @@ def test_receiver_compares_checksums_announced_in_the_plan(tmp_path: Path):
     (tmp_path / "weights" / "v2" / "manifest.json").write_text(
         (tmp_path / "weights" / "v2" / "manifest.json").read_text().replace('"checksums"', '"was"')
     )
-    announced = type(plan)()
-    announced.CopyFrom(plan)
-    WeightReceiver().receive(announced, 1, _zeros())  # no checksums anywhere: nothing to compare
+    WeightReceiver().receive(plan, 1, _zeros())  # no checksums anywhere: nothing to compare
     from services.weights import tensor_checksum
 
-    for bucket in announced.buckets:
-        for meta in bucket.tensors:
-            meta.checksum = tensor_checksum(tensors[meta.name])
-    announced.buckets[0].tensors[0].checksum = "0" * 32
+    sums = {name: tensor_checksum(tensor) for name, tensor in tensors.items()}
+    announced = with_checksums(plan, {**sums, plan.buckets[0].tensors[0].name: "0" * 32}, seconds=0.0)
     with pytest.raises(WeightSyncError, match=f"1 tensor\\(s\\) differ.*{announced.buckets[0].tensors[0].name}"):
         WeightReceiver().receive(announced, 1, _zeros())

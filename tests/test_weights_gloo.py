@@ -22,7 +22,7 @@ from services.weights import (
     WeightSyncRefused,
     WeightSyncTimeout,
 )
-from services.weights.checksums import named_bucket_checksums
+from services.weights.checksums import named_bucket_checksums, with_checksums
 from services.weights.layout import layout_from_plan
 from services.weights.transports.pg import ProcessGroupSender
 
@@ -69,12 +69,10 @@ def _sync(
     by_bucket: bool = False,
 ):
     plan = publisher.prepare(SPECS, version, world, verify, verify_by_bucket=by_bucket)
-    announced = type(plan)()
-    announced.CopyFrom(plan)
+    announced = plan
     if by_bucket:  # what the trainer service announces: its checksum of each bucket of the plan
         sums = named_bucket_checksums(layout_from_plan(plan), _stream(make_tensors(SPECS, seed=version)), where="t")
-        for wb, digest in zip(announced.buckets, sums, strict=True):
-            wb.checksum = digest
+        announced = with_checksums(plan, sums, seconds=0.0)
     peer.send(op="receive", plan=plan_to_text(announced), rank=rank, specs=specs_to_json(peer_specs), seed=version)
     return announced, publisher.publish(plan, _stream(make_tensors(SPECS, seed=version))), peer.reply(timeout_s=60)
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from services.contracts.config import DiskWeights
+from services.contracts.convert import from_message, to_message
 from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import WeightSyncPlan
 from services.weights import (
     TensorSpec,
     WeightPublisher,
@@ -76,23 +79,25 @@ def test_bucket_indices_follow_completion_order():
 
 def test_plan_round_trip_and_validation():
     layout = plan_layout(_specs(), bucket_bytes=10 * KB)
-    plan = common_pb2.WeightSyncPlan(version=3, buckets=layout_to_buckets(layout), total_bytes=layout.total_bytes)
-    again = layout_from_plan(common_pb2.WeightSyncPlan.FromString(plan.SerializeToString()))
+    plan = WeightSyncPlan(
+        version=3, transport="gloo", buckets=layout_to_buckets(layout), total_bytes=layout.total_bytes
+    )
+    wire = common_pb2.WeightSyncPlan.FromString(to_message(plan, common_pb2.WeightSyncPlan).SerializeToString())
+    again = layout_from_plan(from_message(wire, WeightSyncPlan))
     assert again.buckets == layout.buckets
 
-    bad = common_pb2.WeightSyncPlan()
-    bad.CopyFrom(plan)
-    bad.buckets[0].tensors[0].offset_bytes = 8
+    def first_tensor_of(bucket: int, **changes: object) -> WeightSyncPlan:
+        """`plan` with its bucket's first tensor changed."""
+        b = plan.buckets[bucket]
+        changed = replace(b, tensors=(replace(b.tensors[0], **changes), *b.tensors[1:]))  # type: ignore[arg-type]
+        return replace(plan, buckets=tuple(changed if i == bucket else x for i, x in enumerate(plan.buckets)))
+
     with pytest.raises(ValueError, match="offset"):
-        layout_from_plan(bad)
-    bad.CopyFrom(plan)
-    bad.buckets[1].tensors[0].dtype = "int32"
+        layout_from_plan(first_tensor_of(0, offset_bytes=8))
     with pytest.raises(ValueError, match="bucket"):
-        layout_from_plan(bad)
-    bad.CopyFrom(plan)
-    bad.buckets[0].tensors[0].nbytes += 2
+        layout_from_plan(first_tensor_of(1, dtype="int32"))
     with pytest.raises(ValueError, match="does not match"):
-        layout_from_plan(bad)
+        layout_from_plan(first_tensor_of(0, nbytes=plan.buckets[0].tensors[0].nbytes + 2))
 
 
 def test_specs_reject_duplicates_and_unknown_dtypes():

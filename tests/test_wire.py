@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from services.contracts.convert import from_message, to_message
 from services.contracts.gen.tandem.v1 import common_pb2
-from services.contracts.sampling_spec import SamplingSpec
+from services.contracts.sampling_spec import SamplingParams, SamplingSpec
 from services.contracts.wire import (
     FINISH_REASONS,
     RolloutBatchData,
@@ -307,12 +308,10 @@ def test_sampling_spec_round_trips_through_the_proto():
         stop=("####", "</answer>"),
     )
     default = SamplingSpec(stop=("\n\n",))
-    assert (
-        SamplingSpec.from_proto(
-            common_pb2.SamplingParams.FromString(spec.to_proto().SerializeToString()), default=default
-        )
-        == spec
+    wire = common_pb2.SamplingParams.FromString(
+        to_message(spec.params(), common_pb2.SamplingParams).SerializeToString()
     )
-    assert SamplingSpec.from_proto(common_pb2.SamplingParams(temperature=1.0), default=default).stop == ("\n\n",)
+    assert SamplingSpec.from_params(from_message(wire, SamplingParams), default=default) == spec
+    assert SamplingSpec.from_params(SamplingParams(temperature=1.0), default=default).stop == ("\n\n",)
     with pytest.raises(ValueError, match=r"sampling\.stop names a string twice"):
-        SamplingSpec.from_proto(common_pb2.SamplingParams(stop=["a", "a"]), default=default)
+        SamplingSpec.from_params(SamplingParams(stop=("a", "a")), default=default)

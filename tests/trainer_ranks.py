@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from services.contracts.trainer_calls import TrainRequest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest_trainer import TrainerHarness, make_batch, trainer_config
@@ -51,7 +53,8 @@ def stage_config(model_dir: Path, run_dir: Path, redis_url: str, stage: int, pre
 def train_stage(h: TrainerHarness, data: list, keys: tuple[str, ...] = KEYS) -> dict:
     """Rank 0 (or a 1-rank reference): the metrics of each step and the final weights."""
     steps = [
-        {k: h.service.train(rollout_id=i, entry_ids=[h.put(b)]).metrics[k] for k in keys} for i, b in enumerate(data)
+        {k: h.service.train(TrainRequest(rollout_id=i, entry_ids=(h.put(b),))).metrics[k] for k in keys}
+        for i, b in enumerate(data)
     ]
     return {"steps": steps, "weights": {n: t.flatten().tolist() for n, t in h.service.iter_named_weights()}}
 

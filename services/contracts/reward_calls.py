@@ -29,12 +29,19 @@ class ScoreRequest:
 
 
 @dataclass(frozen=True)
+class SubScores:
+    """One named sub-score of every sample of a call, in order."""
+
+    values: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class ScoreResult:
     """A score per sample, named sub-scores (name -> one value per sample), a judge's raw verdicts (empty for a
-    classifier) and how many of them could not be parsed."""
+    classifier) and which of them could not be parsed (their count is `parse_failures`, not sent: one fact)."""
 
     scores: tuple[float, ...]
-    sub_scores: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    sub_scores: dict[str, SubScores] = field(default_factory=dict)
     verdicts: tuple[str, ...] = ()
     parse_failed: tuple[bool, ...] = ()  # a judge's, per sample (empty: none failed)
     time_s: float = 0.0

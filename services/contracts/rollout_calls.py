@@ -1,13 +1,13 @@
 """What a rollout replica is asked and answers, as frozen dataclasses: RolloutService takes and returns these, the
 coordinator's pool, weight sync and evals build and read them, and only the gRPC edges (rollout/server.py,
-coordinator/clients.py) turn them into the tandem.v1 protobufs and back."""
+coordinator/clients.py) turn them into the tandem.v1 messages and back (contracts/convert.py, by field name)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from services.contracts.chat_messages import ChatMessage, messages_json
-from services.contracts.sampling_spec import SamplingSpec
+from services.contracts.sampling_spec import SamplingParams
 from services.contracts.weight_plan import WeightSyncPlan
 
 
@@ -33,7 +33,7 @@ class GenerateRequest:
     rollout_id: int
     prompts: tuple[PromptInput, ...]
     n_samples_per_prompt: int = 0  # 0: rollout.n_samples_per_prompt
-    sampling: SamplingSpec | None = None  # None: rollout.sampling
+    sampling: SamplingParams | None = None  # None: rollout.sampling; zeros: its values
     stream: str = ""  # "": the run's stream
     trace_context: dict[str, str] = field(default_factory=dict)
     reward: str = ""  # "": rollout.reward
@@ -60,9 +60,9 @@ class GenerateResult:
 @dataclass(frozen=True)
 class EvaluateRequest:
     prompts: tuple[PromptInput, ...]
-    name: str = "eval"  # the metrics' prefix
+    name: str = "eval"  # the metrics' prefix ("": eval)
     n_samples_per_prompt: int = 0  # 0: rollout.eval_n_samples_per_prompt
-    sampling: SamplingSpec | None = None  # None: rollout.eval_sampling
+    sampling: SamplingParams | None = None  # None: rollout.eval_sampling; zeros: its values
     reward: str = ""
 
 
@@ -71,6 +71,14 @@ class EvaluateResult:
     metrics: dict[str, float]
     weight_version: int = 0
     time_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PrepareRequest:
+    """Pause for the weight sync to `version`."""
+
+    version: int
+    pause_mode: str = ""  # "abort" | "retract" | "in_place" | "drain" ("": drain)
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,16 @@ class ReceiveResult:
     time_s: float = 0.0
     bucket_checksums: tuple[str, ...] = ()
     checksum_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PauseRequest:
+    mode: str = ""  # "abort" | "retract" | "in_place" | "drain" ("": drain)
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    tags: tuple[str, ...] = ()  # "kv_cache", "weights", "cuda_graph"; empty: all
 
 
 @dataclass(frozen=True)

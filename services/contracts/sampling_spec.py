@@ -1,19 +1,18 @@
 """The sampling spec: the one type that says how tokens are drawn, from the config to the engine and the trainer.
 
 `SamplingSpec` is validated once, when it is made. It converts from the config section (`from_config`) and to and
-from the wire (`to_proto` / `from_proto`). The distribution it defines (logits / temperature, then top-k, then
-top-p, renormalised) is computed by `services.tensors.sampling_dist.sampling_log_probs`; torch stays out of here so that
-the wire format and the coordinator import no torch.
+from what a call carries (`params` / `from_params`, `SamplingParams`). The distribution it defines (logits /
+temperature, then top-k, then top-p, renormalised) is computed by `services.tensors.sampling_dist.sampling_log_probs`;
+torch stays out of here so that the wire format and the coordinator import no torch.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from services.contracts.config import stop_strings_problem
-from services.contracts.gen.tandem.v1 import common_pb2
 
 if TYPE_CHECKING:
     from services.contracts.config import SamplingConfig
@@ -72,32 +71,39 @@ class SamplingSpec:
             stop=tuple(cfg.stop),
         )
 
-    def to_proto(self) -> common_pb2.SamplingParams:
-        return common_pb2.SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_new_tokens=self.max_new_tokens,
-            stop_token_ids=list(self.stop_token_ids),
-            seed=self.seed or 0,
-            ignore_eos=self.ignore_eos,
-            stop=list(self.stop),
-        )
+    def params(self) -> SamplingParams:
+        """As a call carries it (seed None travels as 0)."""
+        return SamplingParams(**{**asdict(self), "seed": self.seed or 0})
 
     @classmethod
-    def from_proto(cls, msg: common_pb2.SamplingParams, *, default: SamplingSpec) -> SamplingSpec:
-        """Proto zeros mean: temperature 0 = greedy, top_p 0 = off, top_k 0 = off, max_new_tokens 0, no stop
-        tokens and no stop strings = the default's, seed 0 = nondeterministic. Out-of-range values raise ValueError."""
+    def from_params(cls, params: SamplingParams, *, default: SamplingSpec) -> SamplingSpec:
+        """Zeros mean: temperature 0 = greedy, top_p 0 = off, top_k 0 = off, max_new_tokens 0, no stop tokens and
+        no stop strings = the default's, seed 0 = nondeterministic. Out-of-range values raise ValueError."""
         return cls(
-            temperature=float(msg.temperature),
-            top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
-            top_k=int(msg.top_k),
-            max_new_tokens=int(msg.max_new_tokens) or default.max_new_tokens,
-            stop_token_ids=tuple(msg.stop_token_ids) or default.stop_token_ids,
-            seed=int(msg.seed) or None,
-            ignore_eos=bool(msg.ignore_eos),
-            stop=tuple(msg.stop) or default.stop,
+            temperature=float(params.temperature),
+            top_p=float(params.top_p) if params.top_p > 0 else 1.0,
+            top_k=int(params.top_k),
+            max_new_tokens=int(params.max_new_tokens) or default.max_new_tokens,
+            stop_token_ids=tuple(params.stop_token_ids) or default.stop_token_ids,
+            seed=int(params.seed) or None,
+            ignore_eos=bool(params.ignore_eos),
+            stop=tuple(params.stop) or default.stop,
         )
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """A sampling request as calls carry it (tandem.v1.SamplingParams): every field as the caller set it, a zero
+    meaning the receiving service's default (SamplingSpec.from_params resolves it)."""
+
+    temperature: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    max_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
 
 
 # A data row may carry its own response budget: a JSONL key beside the prompt and the label, which the coordinator

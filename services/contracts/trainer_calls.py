@@ -1,7 +1,7 @@
 """What a trainer is asked and answers, as frozen dataclasses: TrainerService takes and returns these, the
 coordinator's loop builds and reads them, and only the gRPC edges (trainer/server.py, coordinator/clients.py) turn
-them into the tandem.v1 protobufs and back. The weight-sync plan a PrepareWeightSync answers stays the weights
-package's message (services.weights.WeightSyncPlan): it goes on to the engines as it is."""
+them into the tandem.v1 messages and back (services/contracts/convert.py, by field name). The plan a PrepareWeightSync
+answers is services.contracts.weight_plan.WeightSyncPlan."""
 
 from __future__ import annotations
 
@@ -88,6 +88,11 @@ class SaveResult:
 
 
 @dataclass(frozen=True)
+class LoadRequest:
+    path: str = ""  # empty: the latest complete checkpoint
+
+
+@dataclass(frozen=True)
 class LoadResult:
     loaded: bool  # False: no checkpoint to load
     path: str = ""
@@ -106,6 +111,11 @@ class WeightSyncRequest:
     engine_world_size: int = 1  # every engine rank together
     verify: bool = False
     verify_by_bucket: bool = False  # with verify: one checksum per bucket, not per tensor
+
+
+@dataclass(frozen=True)
+class PublishRequest:
+    version: int
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -98,13 +98,13 @@ class TrainerConfig(Section):
         "(position ids restart per sample, attention stays within it): no padding tokens "
         "when lengths differ; rows stay as wide as the longest sample (docs/algorithms.md)",
     )
-    scoring_chunk_tokens: int = Field(
-        default=1024,
-        ge=1,
-        description="response tokens scored at once, over 8,192 "
-        "vocabulary columns at a time (whole rows where top-k / top-p truncate, as "
-        "many as make as many logits): bounds the scoring's memory to a few float32 "
-        "[chunk x 8,192] tables whatever the micro-batch (docs/algorithms.md)",
+    scoring_chunk_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        default="auto",
+        description="response tokens scored at once. auto: whole rows, as many as make "
+        "a float32 [chunk x vocabulary] table of 1/32 of the GPU's memory (2^26 logits on a CPU): a few ops a chunk "
+        "whatever the vocabulary. A number: that many tokens over 8,192 vocabulary columns at a time (whole rows "
+        "where top-k / top-p truncate, as many as make as many logits). Either way the scoring's memory is bounded "
+        "whatever the micro-batch (docs/algorithms.md)",
     )
     checkpoint_dir: str | None = Field(default=None, description="defaults to RUN_DIR/checkpoints")
     keep_last_checkpoints: int = Field(default=3, ge=1)
@@ -125,6 +125,13 @@ class TrainerConfig(Section):
     lora: LoraConfig | None = Field(
         default=None, description="LoRA adapters instead of full fine-tuning (null = full fine-tuning)"
     )
+
+    @field_validator("scoring_chunk_tokens", mode="before")
+    @classmethod
+    def _chunk_setting(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"expected auto or a number of tokens >= 1, got {value!r}")
 
     @model_validator(mode="before")
     @classmethod

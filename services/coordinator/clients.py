@@ -5,25 +5,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypedDict, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
+from services.contracts.common_calls import Ack, Empty
 from services.contracts.config import ServiceAddress, ServicesConfig, TandemConfig
-from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.contracts.convert import from_message
+from services.contracts.gen.tandem.v1 import rollout_pb2_grpc, trainer_pb2_grpc
 from services.contracts.rollout_calls import (
     EvaluateRequest,
     EvaluateResult,
     GenerateRequest,
     GenerateResult,
+    MemoryRequest,
+    PrepareRequest,
     PrepareResult,
-    PromptInput,
     ReceiveRequest,
     ReceiveResult,
     RolloutStatus,
 )
 from services.contracts.trainer_calls import (
+    LoadRequest,
     LoadResult,
+    PublishRequest,
     PublishResult,
     SaveRequest,
     SaveResult,
@@ -32,10 +38,18 @@ from services.contracts.trainer_calls import (
     TrainResult,
     WeightSyncRequest,
 )
+from services.contracts.weight_plan import WeightSyncPlan
 from services.coordinator.call_errors import ServiceCallError, TrainerStateLost
 from services.rpc.grpc_util import open_channel, wait_healthy
+from services.rpc.messages import message_of
 
 Reply = TypeVar("Reply")
+
+
+class _CallOptions(TypedDict):
+    timeout_s: float
+    what: str
+    wait_for_ready: bool
 
 
 @dataclass(frozen=True)
@@ -66,94 +80,6 @@ class Deadlines:
         return self.weights_s + self.control_s
 
 
-def train_request_proto(request: TrainRequest) -> trainer_pb2.TrainRequest:
-    return trainer_pb2.TrainRequest(
-        rollout_id=request.rollout_id,
-        entry_ids=request.entry_ids,
-        num_batches=request.num_batches,
-        max_staleness=request.max_staleness,
-        use_critic_values=request.use_critic_values,
-        trace_context=request.trace_context,
-    )
-
-
-def train_result_of(r: trainer_pb2.TrainResponse) -> TrainResult:
-    return TrainResult(
-        rollout_id=r.rollout_id,
-        step=r.step,
-        metrics=dict(r.metrics),
-        entry_ids=tuple(r.entry_ids),
-        samples_trained=r.samples_trained,
-        samples_dropped_stale=r.samples_dropped_stale,
-        samples_filtered=r.samples_filtered,
-        time_s=r.time_s,
-        replayed=r.replayed,
-    )
-
-
-def save_request_proto(request: SaveRequest) -> trainer_pb2.SaveRequest:
-    return trainer_pb2.SaveRequest(
-        rollout_id=request.rollout_id, path=request.path, export_hf=request.export_hf, extra_state=request.extra_state
-    )
-
-
-def prompt_proto(p: PromptInput) -> common_pb2.Prompt:
-    return common_pb2.Prompt(
-        text=p.text,
-        token_ids=p.token_ids,
-        label=p.label,
-        group_id=p.group_id,
-        metadata=p.metadata,
-        messages=[common_pb2.ChatMessage(role=m.role, content=m.content) for m in p.messages],
-    )
-
-
-def generate_request_proto(request: GenerateRequest) -> rollout_pb2.GenerateRequest:
-    return rollout_pb2.GenerateRequest(
-        rollout_id=request.rollout_id,
-        prompts=[prompt_proto(p) for p in request.prompts],
-        n_samples_per_prompt=request.n_samples_per_prompt,
-        stream=request.stream,
-        trace_context=request.trace_context,
-        reward=request.reward,
-        sampling=request.sampling.to_proto() if request.sampling is not None else None,
-    )
-
-
-def generate_result_of(r: rollout_pb2.GenerateResponse) -> GenerateResult:
-    return GenerateResult(
-        entry_id=r.entry_id,
-        num_samples=r.num_samples,
-        num_prompt_tokens=r.num_prompt_tokens,
-        num_response_tokens=r.num_response_tokens,
-        weight_version=r.weight_version,
-        generate_time_s=r.generate_time_s,
-        reward_time_s=r.reward_time_s,
-        put_time_s=r.put_time_s,
-        metrics=dict(r.metrics),
-        producer=r.producer,
-        num_groups=r.num_groups,
-        informative_groups=r.informative_groups,
-    )
-
-
-def rollout_status_of(s: rollout_pb2.RolloutState) -> RolloutStatus:
-    return RolloutStatus(
-        engine=s.engine,
-        model_path=s.model_path,
-        weight_version=s.weight_version,
-        paused=s.paused,
-        memory_released=s.memory_released,
-        generated_samples=s.generated_samples,
-        device=s.device,
-        producer=s.producer,
-        in_flight=s.in_flight,
-        gpu_memory_reserved_bytes=s.gpu_memory_reserved_bytes,
-        gpu_memory_freed_bytes=s.gpu_memory_freed_bytes,
-        engine_busy_s=s.engine_busy_s,
-    )
-
-
 class GrpcService:
     def __init__(
         self,
@@ -181,17 +107,20 @@ class GrpcService:
 
     def _call(
         self,
-        method: Callable[..., Reply],
+        method: Callable[..., Message],
         request: object,
+        reply: type[Reply],
         *,
         timeout_s: float,
         what: str,
         wait_for_ready: bool = False,
     ) -> Reply:
+        """`request` (a dataclass) as its message, the answer as the dataclass `reply`."""
         try:
-            return method(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
+            answer = method(message_of(request), timeout=timeout_s, wait_for_ready=wait_for_ready)
         except grpc.RpcError as exc:
             raise ServiceCallError.from_rpc(self.name, what, exc, process=self.process) from exc
+        return from_message(answer, reply)
 
     def close(self) -> None:
         self.channel.close()
@@ -206,14 +135,8 @@ class GrpcTrainer(GrpcService):
         self.last_step: int | None = None
 
     def train(self, request: TrainRequest) -> TrainResult:
-        reply = train_result_of(
-            self._call(
-                self.stub.Train,
-                train_request_proto(request),
-                timeout_s=self.deadlines.step_s,
-                what=f"Train({request.rollout_id})",
-            )
-        )
+        what = f"Train({request.rollout_id})"
+        reply = self._call(self.stub.Train, request, TrainResult, timeout_s=self.deadlines.step_s, what=what)
         expected = None if self.last_step is None else self.last_step + (1 if reply.samples_trained else 0)
         if not reply.replayed and expected is not None and reply.step != expected:
             raise TrainerStateLost(
@@ -221,70 +144,40 @@ class GrpcTrainer(GrpcService):
                 f"expected {expected}: it restarted and lost its state; restart the coordinator "
                 "to resume from the last checkpoint",
                 service=self.process,
-                call=f"Train({request.rollout_id})",
+                call=what,
             )
         self.last_step = reply.step
         return reply
 
     def save(self, request: SaveRequest) -> SaveResult:
-        r = self._call(self.stub.Save, save_request_proto(request), timeout_s=self.deadlines.step_s, what="Save")
-        return SaveResult(path=r.path, hf_path=r.hf_path, step=r.step, time_s=r.time_s)
+        return self._call(self.stub.Save, request, SaveResult, timeout_s=self.deadlines.step_s, what="Save")
 
     def load(self) -> LoadResult:
-        r = self._call(self.stub.Load, trainer_pb2.LoadRequest(), timeout_s=self.deadlines.step_s, what="Load")
-        self.last_step = r.step if r.loaded else None
-        return LoadResult(
-            loaded=r.loaded,
-            path=r.path,
-            rollout_id=r.rollout_id,
-            step=r.step,
-            weight_version=r.weight_version,
-            extra_state=dict(r.extra_state),
-        )
+        result = self._call(self.stub.Load, LoadRequest(), LoadResult, timeout_s=self.deadlines.step_s, what="Load")
+        self.last_step = result.step if result.loaded else None
+        return result
 
-    def prepare_weight_sync(self, request: WeightSyncRequest) -> common_pb2.WeightSyncPlan:
-        proto = trainer_pb2.PrepareWeightSyncRequest(
-            version=request.version,
-            transport=request.transport,
-            engine_world_size=request.engine_world_size,
-            verify=request.verify,
-            verify_by_bucket=request.verify_by_bucket,
-        )
+    def prepare_weight_sync(self, request: WeightSyncRequest) -> WeightSyncPlan:
+        what = f"PrepareWeightSync(v{request.version})"
         return self._call(
-            self.stub.PrepareWeightSync,
-            proto,
-            timeout_s=self.deadlines.weights_s,
-            what=f"PrepareWeightSync(v{request.version})",
+            self.stub.PrepareWeightSync, request, WeightSyncPlan, timeout_s=self.deadlines.weights_s, what=what
         )
 
     def publish_weights(self, version: int) -> PublishResult:
-        r = self._call(
-            self.stub.PublishWeights,
-            trainer_pb2.PublishWeightsRequest(version=version),
-            timeout_s=self.deadlines.transfer_s,
-            what=f"PublishWeights(v{version})",
+        request, what = PublishRequest(version=version), f"PublishWeights(v{version})"
+        return self._call(
+            self.stub.PublishWeights, request, PublishResult, timeout_s=self.deadlines.transfer_s, what=what
         )
-        return PublishResult(version=r.version, bytes_sent=r.bytes_sent, time_s=r.time_s)
 
     def offload(self) -> None:
-        self._call(self.stub.Offload, common_pb2.Empty(), timeout_s=self.deadlines.memory_s, what="Offload")
+        self._call(self.stub.Offload, Empty(), Ack, timeout_s=self.deadlines.memory_s, what="Offload")
 
     def onload(self) -> None:
-        self._call(self.stub.Onload, common_pb2.Empty(), timeout_s=self.deadlines.memory_s, what="Onload")
+        self._call(self.stub.Onload, Empty(), Ack, timeout_s=self.deadlines.memory_s, what="Onload")
 
     def get_state(self) -> TrainerStatus:
-        s = self._call(self.stub.GetState, common_pb2.Empty(), timeout_s=self.deadlines.control_s, what="GetState")
-        return TrainerStatus(
-            role="critic" if s.role == "critic" else "actor",
-            step=s.step,
-            last_rollout_id=s.last_rollout_id,
-            weight_version=s.weight_version,
-            world_size=s.world_size,
-            zero_stage=s.zero_stage,
-            offloaded=s.offloaded,
-            device=s.device,
-            samples_trained=s.samples_trained,
-            gpu_memory_reserved_bytes=s.gpu_memory_reserved_bytes,
+        return self._call(
+            self.stub.GetState, Empty(), TrainerStatus, timeout_s=self.deadlines.control_s, what="GetState"
         )
 
 
@@ -308,100 +201,56 @@ class GrpcRollout(GrpcService):
         self.stub = rollout_pb2_grpc.RolloutStub(self.channel)
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
-        return generate_result_of(
-            self._call(
-                self.stub.Generate,
-                generate_request_proto(request),
-                timeout_s=self.deadlines.step_s,
-                what=f"Generate({request.rollout_id})",
-            )
-        )
+        what = f"Generate({request.rollout_id})"
+        return self._call(self.stub.Generate, request, GenerateResult, timeout_s=self.deadlines.step_s, what=what)
 
     def evaluate(self, request: EvaluateRequest) -> EvaluateResult:
-        proto = rollout_pb2.EvaluateRequest(
-            name=request.name,
-            prompts=[prompt_proto(p) for p in request.prompts],
-            n_samples_per_prompt=request.n_samples_per_prompt,
-            reward=request.reward,
-            sampling=request.sampling.to_proto() if request.sampling is not None else None,
-        )
-        r = self._call(
+        return self._call(
             self.stub.Evaluate,
-            proto,
+            request,
+            EvaluateResult,
             timeout_s=self.deadlines.step_s,
             what="Evaluate",
             wait_for_ready=self.wait_for_ready,
         )
-        return EvaluateResult(metrics=dict(r.metrics), weight_version=r.weight_version, time_s=r.time_s)
 
     def prepare_weight_sync(self, *, version: int, pause_mode: str) -> PrepareResult:
-        r = self._call(
+        return self._call(
             self.stub.PrepareWeightSync,
-            rollout_pb2.PrepareReceiveRequest(version=version, pause_mode=pause_mode),
+            PrepareRequest(version=version, pause_mode=pause_mode),
+            PrepareResult,
             timeout_s=self.deadlines.weights_s,
             what=f"PrepareWeightSync(v{version})",
             wait_for_ready=self.wait_for_ready,
         )
-        return PrepareResult(ready=r.ready, engine_ranks=r.engine_ranks)
 
     def receive_weights(self, request: ReceiveRequest) -> ReceiveResult:
-        r = self._call(
-            self.stub.ReceiveWeights,
-            rollout_pb2.ReceiveWeightsRequest(plan=request.plan, rank_offset=request.rank_offset),
-            timeout_s=self.deadlines.transfer_s,
-            what=f"ReceiveWeights(v{request.plan.version})",
-        )
-        return ReceiveResult(
-            version=r.version,
-            checksums=dict(r.checksums),
-            bytes_received=r.bytes_received,
-            time_s=r.time_s,
-            bucket_checksums=tuple(r.bucket_checksums),
-            checksum_s=r.checksum_s,
+        what = f"ReceiveWeights(v{request.plan.version})"
+        return self._call(
+            self.stub.ReceiveWeights, request, ReceiveResult, timeout_s=self.deadlines.transfer_s, what=what
         )
 
     def resume(self) -> None:
-        self._call(
-            self.stub.Resume,
-            common_pb2.Empty(),
-            timeout_s=self.deadlines.control_s,
-            what="Resume",
-            wait_for_ready=self.wait_for_ready,
-        )
+        self._call(self.stub.Resume, Empty(), Ack, **self._control("Resume", self.deadlines.control_s))
 
     def release_memory(self, tags: Sequence[str]) -> None:
-        self._call(
-            self.stub.ReleaseMemory,
-            rollout_pb2.MemoryRequest(tags=list(tags)),
-            timeout_s=self.deadlines.memory_s,
-            what="ReleaseMemory",
-            wait_for_ready=self.wait_for_ready,
-        )
+        request = MemoryRequest(tags=tuple(tags))
+        self._call(self.stub.ReleaseMemory, request, Ack, **self._control("ReleaseMemory", self.deadlines.memory_s))
 
     def resume_memory(self, tags: Sequence[str]) -> None:
-        self._call(
-            self.stub.ResumeMemory,
-            rollout_pb2.MemoryRequest(tags=list(tags)),
-            timeout_s=self.deadlines.memory_s,
-            what="ResumeMemory",
-            wait_for_ready=self.wait_for_ready,
-        )
+        request = MemoryRequest(tags=tuple(tags))
+        self._call(self.stub.ResumeMemory, request, Ack, **self._control("ResumeMemory", self.deadlines.memory_s))
 
     def get_state(self) -> RolloutStatus:
-        return rollout_status_of(
-            self._call(
-                self.stub.GetState,
-                common_pb2.Empty(),
-                timeout_s=self.deadlines.control_s,
-                what="GetState",
-                wait_for_ready=self.wait_for_ready,
-            )
-        )
+        control = self._control("GetState", self.deadlines.control_s)
+        return self._call(self.stub.GetState, Empty(), RolloutStatus, **control)
+
+    def _control(self, what: str, timeout_s: float) -> _CallOptions:
+        """A control call waits, within its deadline, for a replica that restarts (when wait_for_ready)."""
+        return {"timeout_s": timeout_s, "what": what, "wait_for_ready": self.wait_for_ready}
 
     def probe(self) -> RolloutStatus:
-        return rollout_status_of(
-            self._call(self.stub.GetState, common_pb2.Empty(), timeout_s=self.deadlines.probe_s, what="GetState")
-        )
+        return self._call(self.stub.GetState, Empty(), RolloutStatus, timeout_s=self.deadlines.probe_s, what="GetState")
 
 
 def make_clients(config: TandemConfig) -> tuple[GrpcTrainer, GrpcTrainer | None, list[GrpcRollout]]:

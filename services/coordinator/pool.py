@@ -101,7 +101,9 @@ class RolloutPool:
         futures = [
             self.executor.submit(
                 r.evaluate,
-                EvaluateRequest(name="eval", prompts=tuple(share), n_samples_per_prompt=n_samples, sampling=sampling),
+                EvaluateRequest(
+                    name="eval", prompts=tuple(share), n_samples_per_prompt=n_samples, sampling=sampling.params()
+                ),
             )
             for r, share in zip(self.replicas, shares, strict=True)
         ]
@@ -133,7 +135,7 @@ class RolloutPool:
                     rollout_id=rollout_id,
                     prompts=tuple(prompts[j] for j in share),
                     n_samples_per_prompt=n_samples,
-                    sampling=sampling,
+                    sampling=sampling.params(),
                     trace_context=trace_context,
                 ),
             )

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import grpc
 
+from services.contracts.common_calls import Ack
 from services.contracts.config import TandemConfig
+from services.contracts.convert import from_message, to_message
+from services.contracts.coordinator_calls import EvalResult, RunStatus, WatchRequest
 from services.contracts.exits import ExitCode
 from services.contracts.failure import clear_failure, write_failure
 from services.contracts.gen.tandem.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -60,7 +63,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     @map_errors
     def GetStatus(self, request, context):
         c = self.c
-        return coordinator_pb2.RunStatus(
+        status = RunStatus(
             state=c.status,
             rollout_id=c.state.next_rollout_id,
             num_rollout=c.num_rollout,
@@ -72,40 +75,40 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             last_checkpoint=c.last_checkpoint,
             error=c.error,
         )
+        return to_message(status, coordinator_pb2.RunStatus)
 
     @map_errors
     def Save(self, request, context):
         self.c.control.request_save()
-        return common_pb2.Ack(ok=True, message="a checkpoint will be written at the end of the current step")
+        return to_message(Ack(message="a checkpoint will be written at the end of the current step"), common_pb2.Ack)
 
     @map_errors
     def Eval(self, request, context):
         rollout_id = self.c.state.next_rollout_id - 1
         metrics = self.c.evals.evaluate()
         self.c.evals.record(rollout_id, metrics)
-        return coordinator_pb2.EvalResult(rollout_id=rollout_id, metrics=metrics)
+        return to_message(EvalResult(rollout_id=rollout_id, metrics=metrics), coordinator_pb2.EvalResult)
 
     @map_errors
     def Pause(self, request, context):
         self.c.control.pause()
-        return common_pb2.Ack(ok=True, message="no new step will start until Resume")
+        return to_message(Ack(message="no new step will start until Resume"), common_pb2.Ack)
 
     @map_errors
     def Resume(self, request, context):
         self.c.control.resume()
-        return common_pb2.Ack(ok=True, message="resumed")
+        return to_message(Ack(message="resumed"), common_pb2.Ack)
 
     @map_errors
     def Stop(self, request, context):
         self.c.control.stop()
-        return common_pb2.Ack(ok=True, message="stopping after the current step (with a final checkpoint)")
+        return to_message(Ack(message="stopping after the current step (with a final checkpoint)"), common_pb2.Ack)
 
     def WatchEvents(self, request, context):
         with self.streams.take(context):  # released when the stream ends or the caller goes away
-            for e in self.c.events.watch(include_history=request.include_history, is_active=context.is_active):
-                yield coordinator_pb2.StepEvent(
-                    kind=e.kind, rollout_id=e.rollout_id, message=e.message, unix_time=e.unix_time, metrics=e.metrics
-                )
+            watch = from_message(request, WatchRequest)
+            for event in self.c.events.watch(include_history=watch.include_history, is_active=context.is_active):
+                yield to_message(event, coordinator_pb2.StepEvent)
 
 
 def main(config: TandemConfig, *, run_dir: Path) -> int:

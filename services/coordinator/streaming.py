@@ -103,7 +103,7 @@ class GroupStream:
         request = GenerateRequest(
             rollout_id=group.group_id,
             n_samples_per_prompt=self.n_samples,
-            sampling=self.sampling,
+            sampling=self.sampling.params(),
             trace_context=trace_context,
             prompts=(record.to_input(group.group_id),),
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from enum import Enum
 from itertools import accumulate
 
@@ -128,7 +129,7 @@ class WeightSync:
                 prepared = self.pool.prepare_weight_sync(version=version, pause_mode=self.pause_mode)
                 ranks = [max(1, p.engine_ranks) for p in prepared]
                 times["pause"] = time.monotonic() - t
-                plan = self.trainer.prepare_weight_sync(
+                announced = self.trainer.prepare_weight_sync(
                     WeightSyncRequest(
                         version=version,
                         transport=self.config.transport,
@@ -137,7 +138,7 @@ class WeightSync:
                         verify_by_bucket=by_bucket,
                     )
                 )
-                plan.buffers_freed_after = self.trainer_offloads
+                plan = replace(announced, buffers_freed_after=self.trainer_offloads)
                 times["plan"] = time.monotonic() - t - times["pause"]  # the trainer's checksums, when verifying
 
                 self.phase = SyncPhase.TRANSFER

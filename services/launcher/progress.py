@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from services.contracts.gen.tandem.v1 import coordinator_pb2
@@ -28,7 +30,10 @@ def step_summary(metrics: dict[str, float]) -> str:
 
 
 class ProgressView:
-    def __init__(self, *, enabled: bool):
+    """The bar, fed from the supervisor's WatchEvents thread. The run's length may arrive before the bar starts
+    (set_total on that thread, __enter__ on the main one): the bar starts with it, so it shows 80/80, never 80/?."""
+
+    def __init__(self, *, enabled: bool, console: Console | None = None):
         self.enabled = enabled
         self.progress = (
             Progress(
@@ -37,17 +42,22 @@ class ProgressView:
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[summary]}"),
                 TimeElapsedColumn(),
+                console=console,
             )
             if enabled
             else None
         )
         self.task: TaskID | None = None
         self.total = 0
+        self._start = 0
+        self._lock = threading.Lock()
 
     def __enter__(self) -> ProgressView:
         if self.progress is not None:
             self.progress.start()
-            self.task = self.progress.add_task("run", total=None, summary="starting…")
+            with self._lock:
+                total = self.total or None
+                self.task = self.progress.add_task("run", total=total, completed=self._start, summary="starting…")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -58,9 +68,10 @@ class ProgressView:
             self.progress.stop()
 
     def set_total(self, total: int, *, start: int) -> None:
-        self.total = total
-        if self.progress is not None and self.task is not None:
-            self.progress.update(self.task, total=total, completed=start)
+        with self._lock:
+            self.total, self._start = total, start
+            if self.progress is not None and self.task is not None and total:
+                self.progress.update(self.task, total=total, completed=start)
 
     def on_event(self, event: coordinator_pb2.StepEvent) -> None:
         metrics = dict(event.metrics)
@@ -69,7 +80,7 @@ class ProgressView:
             if self.progress is not None and self.task is not None:
                 self.progress.update(self.task, completed=event.rollout_id + 1, summary=summary)
             else:
-                log.info("step %d/%d  %s", event.rollout_id + 1, self.total, summary)
+                log.info("step %d/%s  %s", event.rollout_id + 1, self.total or "?", summary)
         elif event.kind == "eval":
             evals = "  ".join(
                 f"{k} {v:.3f}"
@@ -84,6 +95,7 @@ class ProgressView:
 
     def _print(self, text: str) -> None:
         if self.progress is not None:
-            self.progress.console.print(text)
+            # one record a line whatever the width (a pipe's console is 80 wide): no wrap, no markup in metrics
+            self.progress.console.print(text, soft_wrap=True, markup=False, highlight=False)
         else:
             log.info("%s", text)

@@ -477,7 +477,7 @@ class LocalRun:
         (self.run_dir / RUN_MARKER).unlink(missing_ok=True)
 
 
-def run_local(config: TandemConfig, *, run_dir: Path, config_path: Path, overrides: list[str], progress: bool) -> int:
+def run_local(config: TandemConfig, *, run_dir: Path, progress: bool) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir.mkdir(parents=True, exist_ok=True)
     run = LocalRun(config, run_dir=run_dir, progress=progress)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.contracts.reward_calls import RewardSample, ScoreResult
+from services.contracts.reward_calls import RewardSample, ScoreResult, SubScores
 from services.contracts.reward_config import ClassifierModelConfig
 from services.reward.models import chat_of
 
@@ -112,6 +112,6 @@ class ClassifierModel:
         cfg = self.config
         return ScoreResult(
             scores=tuple(row[cfg.score_index] for row in logits),
-            sub_scores={name: tuple(row[k] for row in logits) for k, name in enumerate(cfg.sub_scores)},
+            sub_scores={name: SubScores(tuple(row[k] for row in logits)) for k, name in enumerate(cfg.sub_scores)},
             tokens=sum(len(r) for r in ids),
         )

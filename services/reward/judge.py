@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.contracts.reward_calls import RewardSample, ScoreResult
+from services.contracts.reward_calls import RewardSample, ScoreResult, SubScores
 from services.contracts.reward_config import JudgeModelConfig
 from services.contracts.sampling_spec import SamplingSpec
 
@@ -160,7 +160,7 @@ class JudgeModel:
             verdicts.append(votes[0] if cfg.n == 1 else " | ".join(votes))
         return ScoreResult(
             scores=tuple(scores),
-            sub_scores={"agreement": tuple(agreement)} if cfg.n > 1 else {},
+            sub_scores={"agreement": SubScores(tuple(agreement))} if cfg.n > 1 else {},
             verdicts=tuple(verdicts),
             parse_failed=tuple(failed),
             tokens=sum(len(r) for r in ids) * cfg.n + sum(len(o.token_ids) for o in outputs),

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import grpc
 
-from services.contracts.chat_messages import ChatMessage
 from services.contracts.config import TandemConfig
+from services.contracts.convert import from_message, to_message
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.contracts.reward_calls import RewardSample, ScoreRequest, ScoreResult
+from services.contracts.reward_calls import ScoreRequest
 from services.reward.builder import build_reward
 from services.reward.service import RewardService
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
@@ -30,60 +30,20 @@ from services.telemetry.process_age import process_age_s
 log = logging.getLogger(__name__)
 
 
-def sample_from_proto(s: reward_pb2.RewardSample) -> RewardSample:
-    return RewardSample(
-        prompt=s.prompt,
-        response=s.response,
-        label=s.label,
-        messages=tuple(ChatMessage(role=m.role, content=m.content) for m in s.messages),
-        metadata=dict(s.metadata),
-    )
-
-
-def result_to_proto(r: ScoreResult) -> reward_pb2.ScoreResponse:
-    return reward_pb2.ScoreResponse(
-        scores=r.scores,
-        sub_scores={k: reward_pb2.SubScores(values=v) for k, v in r.sub_scores.items()},
-        verdicts=r.verdicts,
-        parse_failures=r.parse_failures,
-        parse_failed=r.parse_failed,
-        time_s=r.time_s,
-        queue_s=r.queue_s,
-        tokens=r.tokens,
-    )
-
-
 class RewardServicer(reward_pb2_grpc.RewardServicer):
+    """Messages to and from RewardService's dataclasses by the one converter (services/contracts/convert.py)."""
+
     def __init__(self, service: RewardService):
         self.service = service
 
     @map_errors
     def Score(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreResponse:
-        result = self.service.score(
-            ScoreRequest(
-                model=request.model,
-                samples=tuple(sample_from_proto(s) for s in request.samples),
-                trace_context=dict(request.trace_context),
-            )
-        )
-        return result_to_proto(result)
+        result = self.service.score(from_message(request, ScoreRequest))
+        return to_message(result, reward_pb2.ScoreResponse)
 
     @map_errors
     def GetState(self, request: common_pb2.Empty, context: grpc.ServicerContext) -> reward_pb2.RewardState:
-        s = self.service.get_state()
-        return reward_pb2.RewardState(
-            models=[
-                reward_pb2.RewardModelState(
-                    name=m.name,
-                    type=m.type,
-                    path=m.path,
-                    samples_scored=m.samples_scored,
-                    parse_failures=m.parse_failures,
-                )
-                for m in s.models
-            ],
-            device=s.device,
-        )
+        return to_message(self.service.get_state(), reward_pb2.RewardState)
 
 
 def startup_problem(config: TandemConfig) -> str | None:

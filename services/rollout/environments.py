@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from services.contracts.chat_messages import ChatMessage
-from services.rpc.grpc_util import Unavailable
+from services.contracts.errors import Unavailable
 
 Observation = str | Sequence[int] | Mapping[str, str]
 

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from services.contracts.chat_messages import ChatMessage
 from services.contracts.config import TandemConfig
+from services.contracts.errors import FailedPrecondition
 from services.contracts.sampling_spec import SamplingSpec
 from services.rollout.chat_template import ChatTemplateError
 from services.rollout.engines.engine_errors import EngineUnavailable
@@ -46,12 +47,10 @@ from services.rollout.rewards import resolve_reward
 from services.rollout.samples import Resolve, SampleRequest, Scored, Scorer, refuse_aborted
 from services.rollout.sync_bridge import run_coroutine
 from services.rollout.tokenizer import Texts
-from services.rpc.grpc_util import FailedPrecondition
 from services.telemetry import tracing
 
 # How an episode ended. On the wire: done -> stop; max_turns and context -> length (it was cut); abort -> abort.
 END_DONE, END_MAX_TURNS, END_CONTEXT, END_ABORT = "done", "max_turns", "context", "abort"
-EPISODE_ENDS = (END_DONE, END_MAX_TURNS, END_CONTEXT, END_ABORT)
 _WIRE_FINISH = {
     END_DONE: FINISH_STOP,
     END_MAX_TURNS: FINISH_LENGTH,
@@ -70,7 +69,7 @@ class Episode:
     loss_mask: tuple[int, ...]  # 1 policy token, 0 observation token
     reward: float  # sum of the step rewards
     turns: int
-    end: str  # one of EPISODE_ENDS
+    end: str  # one of END_*
 
 
 @dataclass(frozen=True)

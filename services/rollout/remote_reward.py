@@ -142,7 +142,7 @@ class ScoreBatcher:
             item.future.set_result(
                 SampleScore(
                     score=result.scores[k],
-                    sub_scores={name: values[k] for name, values in result.sub_scores.items()},
+                    sub_scores={name: sub.values[k] for name, sub in result.sub_scores.items()},
                     parse_failed=bool(result.parse_failed and result.parse_failed[k]),
                     queue_s=queue_s[k],
                     call_s=call_s,

@@ -1,5 +1,5 @@
-"""The rollout's gRPC clients of other services: the reward service's Score (the one place the rollout turns
-reward_calls dataclasses into tandem.v1 messages and back)."""
+"""The rollout's gRPC clients of other services: the reward service's Score (reward_calls dataclasses to tandem.v1
+messages and back by the one converter, services/contracts/convert.py)."""
 
 from __future__ import annotations
 
@@ -8,42 +8,14 @@ import threading
 import grpc
 
 from services.contracts.config import TandemConfig
-from services.contracts.gen.tandem.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from services.contracts.convert import from_message, to_message
+from services.contracts.gen.tandem.v1 import reward_pb2, reward_pb2_grpc
 from services.contracts.reward_calls import ScoreRequest, ScoreResult
 from services.rollout.remote_reward import ScoreCallFailed
 from services.rpc.grpc_util import open_channel
 
 # a service restarting, or one that did not answer in time: the batcher asks again within reward.max_wait_s
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-
-
-def request_to_proto(request: ScoreRequest) -> reward_pb2.ScoreRequest:
-    return reward_pb2.ScoreRequest(
-        model=request.model,
-        samples=[
-            reward_pb2.RewardSample(
-                prompt=s.prompt,
-                messages=[common_pb2.ChatMessage(role=m.role, content=m.content) for m in s.messages],
-                response=s.response,
-                label=s.label,
-                metadata=s.metadata,
-            )
-            for s in request.samples
-        ],
-        trace_context=request.trace_context,
-    )
-
-
-def result_from_proto(r: reward_pb2.ScoreResponse) -> ScoreResult:
-    return ScoreResult(
-        scores=tuple(r.scores),
-        sub_scores={k: tuple(v.values) for k, v in r.sub_scores.items()},
-        verdicts=tuple(r.verdicts),
-        parse_failed=tuple(r.parse_failed),
-        time_s=r.time_s,
-        queue_s=r.queue_s,
-        tokens=r.tokens,
-    )
 
 
 class RewardClient:
@@ -67,11 +39,12 @@ class RewardClient:
     def score(self, request: ScoreRequest, *, timeout_s: float) -> ScoreResult:
         try:
             # wait_for_ready: a service restarting is waited for (within the deadline) rather than failed at once
-            reply = self._reward_stub().Score(request_to_proto(request), timeout=timeout_s, wait_for_ready=True)
+            message = to_message(request, reward_pb2.ScoreRequest)
+            reply = self._reward_stub().Score(message, timeout=timeout_s, wait_for_ready=True)
         except grpc.RpcError as exc:
             code = exc.code()
             raise ScoreCallFailed(
                 f"{code.name}: {exc.details()}",
                 transient=code in TRANSIENT,
             ) from None
-        return result_from_proto(reply)
+        return from_message(reply, ScoreResult)

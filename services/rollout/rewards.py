@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from services.contracts.errors import Unavailable
 from services.contracts.reward_spec import RewardSpecError
 from services.contracts.rollout_config import NO_REWARD
 from services.rollout import math_rewards
 from services.rollout.sync_bridge import run_coroutine
-from services.rpc.grpc_util import Unavailable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _PER_SAMPLE = ("prompt", "response", "label", "metadata")

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from services.contracts import runfacts
 from services.contracts.config import TandemConfig
+from services.contracts.errors import FailedPrecondition
 from services.contracts.rollout_calls import PromptInput
 from services.contracts.sampling_spec import SamplingSpec, prompt_max_new_tokens
 from services.rollout.engines.engine_errors import EngineUnavailable
@@ -24,7 +25,6 @@ from services.rollout.engines.interface import FINISH_ABORT, Engine, SampleOutpu
 from services.rollout.prompts import ModelInputs
 from services.rollout.rewards import RewardScores, resolve_reward
 from services.rollout.tokenizer import Texts
-from services.rpc.grpc_util import FailedPrecondition
 from services.telemetry import tracing
 
 if TYPE_CHECKING:

@@ -16,148 +16,81 @@ from pathlib import Path
 
 import grpc
 
-from services.contracts.chat_messages import ChatMessage
 from services.contracts.config import TandemConfig
+from services.contracts.convert import from_message, to_message
 from services.contracts.exits import ExitCode
 from services.contracts.gen.tandem.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from services.contracts.sampling_spec import SamplingSpec
+from services.contracts.rollout_calls import (
+    EvaluateRequest,
+    GenerateRequest,
+    MemoryRequest,
+    PauseRequest,
+    PrepareRequest,
+    ReceiveRequest,
+)
 from services.rollout.builder import build_rollout
-from services.rollout.service import PromptInput, RolloutService
+from services.rollout.service import RolloutService
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.shutdown import StopSignals, begin_stop, exit_now
 from services.telemetry import tracing
 from services.telemetry.process_age import process_age_s
-from services.tensors.devices import cuda_reserved_bytes
 
 log = logging.getLogger(__name__)
 
 
-def prompt_from_proto(p: common_pb2.Prompt) -> PromptInput:
-    return PromptInput(
-        text=p.text,
-        token_ids=tuple(p.token_ids),
-        label=p.label,
-        group_id=p.group_id,
-        metadata=dict(p.metadata),
-        messages=tuple(ChatMessage(role=m.role, content=m.content) for m in p.messages),
-    )
-
-
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    """Thin adapter: each call's message as its dataclass into RolloutService, the dataclass it returns back as the
+    reply message (contracts/convert.py); errors become status codes."""
+
     def __init__(self, service: RolloutService):
         self.service = service
-        self.config = service.config
 
     @map_errors
     def Generate(
         self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> rollout_pb2.GenerateResponse:
-        default = SamplingSpec.from_config(self.config.rollout.sampling)
-        sampling = SamplingSpec.from_proto(request.sampling, default=default) if request.HasField("sampling") else None
-        r = self.service.generate(
-            rollout_id=request.rollout_id,
-            prompts=[prompt_from_proto(p) for p in request.prompts],
-            n_samples_per_prompt=request.n_samples_per_prompt or None,
-            sampling=sampling,
-            trace_context=dict(request.trace_context),
-            stream=request.stream or None,
-            reward=request.reward or None,
-            caller_active=context.is_active,
-        )
-        return rollout_pb2.GenerateResponse(
-            entry_id=r.entry_id,
-            num_samples=r.num_samples,
-            num_prompt_tokens=r.num_prompt_tokens,
-            num_response_tokens=r.num_response_tokens,
-            weight_version=r.weight_version,
-            generate_time_s=r.generate_time_s,
-            reward_time_s=r.reward_time_s,
-            put_time_s=r.put_time_s,
-            metrics=r.metrics,
-            producer=r.producer,
-            num_groups=r.num_groups,
-            informative_groups=r.informative_groups,
-        )
+        result = self.service.generate(from_message(request, GenerateRequest), caller_active=context.is_active)
+        return to_message(result, rollout_pb2.GenerateResponse)
 
     @map_errors
     def Evaluate(
         self, request: rollout_pb2.EvaluateRequest, context: grpc.ServicerContext
     ) -> rollout_pb2.EvaluateResponse:
-        sampling = (
-            SamplingSpec.from_proto(
-                request.sampling, default=SamplingSpec.from_config(self.config.rollout.eval_sampling)
-            )
-            if request.HasField("sampling")
-            else None
-        )
-        r = self.service.evaluate(
-            name=request.name or "eval",
-            prompts=[prompt_from_proto(p) for p in request.prompts],
-            n_samples_per_prompt=request.n_samples_per_prompt or None,
-            sampling=sampling,
-            reward=request.reward or None,
-        )
-        return rollout_pb2.EvaluateResponse(metrics=r.metrics, weight_version=r.weight_version, time_s=r.time_s)
+        return to_message(self.service.evaluate(from_message(request, EvaluateRequest)), rollout_pb2.EvaluateResponse)
 
     @map_errors
     def PrepareWeightSync(
         self, request: rollout_pb2.PrepareReceiveRequest, context: grpc.ServicerContext
     ) -> rollout_pb2.PrepareReceiveResponse:
-        ready, ranks = self.service.prepare_weight_sync(version=request.version, pause_mode=request.pause_mode)
-        return rollout_pb2.PrepareReceiveResponse(ready=ready, engine_ranks=ranks)
+        result = self.service.prepare_weight_sync(from_message(request, PrepareRequest))
+        return to_message(result, rollout_pb2.PrepareReceiveResponse)
 
     @map_errors
     def ReceiveWeights(
         self, request: rollout_pb2.ReceiveWeightsRequest, context: grpc.ServicerContext
     ) -> rollout_pb2.ReceiveWeightsResponse:
-        r = self.service.receive_weights(request.plan, request.rank_offset)
-        return rollout_pb2.ReceiveWeightsResponse(
-            version=r.version,
-            checksums=r.checksums,
-            bytes_received=r.bytes_received,
-            time_s=r.time_s,
-            bucket_checksums=r.bucket_checksums,
-            checksum_s=r.checksum_s,
-        )
+        result = self.service.receive_weights(from_message(request, ReceiveRequest))
+        return to_message(result, rollout_pb2.ReceiveWeightsResponse)
 
     @map_errors
     def Pause(self, request: rollout_pb2.PauseRequest, context: grpc.ServicerContext) -> common_pb2.Ack:
-        self.service.pause(request.mode or "drain")
-        return common_pb2.Ack(ok=True, message=f"paused ({request.mode or 'drain'})")
+        return to_message(self.service.pause(from_message(request, PauseRequest)), common_pb2.Ack)
 
     @map_errors
     def Resume(self, request: common_pb2.Empty, context: grpc.ServicerContext) -> common_pb2.Ack:
-        self.service.resume()
-        return common_pb2.Ack(ok=True, message="resumed")
+        return to_message(self.service.resume(), common_pb2.Ack)
 
     @map_errors
     def ReleaseMemory(self, request: rollout_pb2.MemoryRequest, context: grpc.ServicerContext) -> common_pb2.Ack:
-        self.service.release_memory(tuple(request.tags))
-        return common_pb2.Ack(ok=True, message=f"released {', '.join(request.tags) or 'all'}")
+        return to_message(self.service.release_memory(from_message(request, MemoryRequest)), common_pb2.Ack)
 
     @map_errors
     def ResumeMemory(self, request: rollout_pb2.MemoryRequest, context: grpc.ServicerContext) -> common_pb2.Ack:
-        self.service.resume_memory(tuple(request.tags))
-        return common_pb2.Ack(ok=True, message=f"resumed {', '.join(request.tags) or 'all'}")
+        return to_message(self.service.resume_memory(from_message(request, MemoryRequest)), common_pb2.Ack)
 
     @map_errors
     def GetState(self, request: common_pb2.Empty, context: grpc.ServicerContext) -> rollout_pb2.RolloutState:
-        s = self.service.get_state()
-        e = s.engine
-        return rollout_pb2.RolloutState(
-            engine=e.engine,
-            model_path=e.model_path,
-            weight_version=e.weight_version,
-            paused=e.paused,
-            memory_released=bool(e.released_memory),
-            generated_samples=e.generated_samples,
-            device=e.device,
-            producer=s.producer,
-            in_flight=e.in_flight,
-            gpu_memory_reserved_bytes=cuda_reserved_bytes(),
-            gpu_memory_freed_bytes=e.memory_freed_bytes,
-            engine_busy_s=e.busy_s,
-        )
+        return to_message(self.service.status(), rollout_pb2.RolloutState)
 
 
 def generate_calls(config: TandemConfig) -> int:

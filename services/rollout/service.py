@@ -20,8 +20,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.contracts.rollout_calls import EvaluateResult, GenerateResult, PromptInput, ReceiveResult
-from services.contracts.sampling_spec import SamplingSpec
+from services.contracts.common_calls import Ack
+from services.contracts.rollout_calls import (
+    EvaluateRequest,
+    EvaluateResult,
+    GenerateRequest,
+    GenerateResult,
+    MemoryRequest,
+    PauseRequest,
+    PrepareRequest,
+    PrepareResult,
+    PromptInput,
+    ReceiveRequest,
+    ReceiveResult,
+    RolloutStatus,
+)
+from services.contracts.sampling_spec import SamplingParams, SamplingSpec
 from services.rollout.batches import generate_result, rollout_batch
 from services.rollout.builder import RolloutParts
 from services.rollout.engines.interface import EngineState
@@ -29,9 +43,10 @@ from services.rollout.evaluation import evaluate
 from services.rollout.prompts import check_group_ids, check_request_size, validated_inputs
 from services.rollout.samples import SampleRequest, mix_seed
 from services.telemetry import tracing
+from services.tensors.devices import cuda_reserved_bytes
 
 if TYPE_CHECKING:
-    from services.contracts.weight_plan import WeightSyncPlan
+    from services.contracts.config import SamplingConfig
 
 __all__ = ["CallerGone", "PromptInput", "RolloutService", "ServiceState"]
 
@@ -48,6 +63,12 @@ class ServiceState:
     producer: str
 
 
+def sampling_of(params: SamplingParams | None, config: SamplingConfig) -> SamplingSpec:
+    """A request's sampling, its zeros the config section's (None: the section's)."""
+    default = SamplingSpec.from_config(config)
+    return default if params is None else SamplingSpec.from_params(params, default=default)
+
+
 class RolloutService:
     def __init__(self, parts: RolloutParts):
         self.parts = parts
@@ -58,20 +79,11 @@ class RolloutService:
 
     # ---- Generate ----------------------------------------------------------------------------------
 
-    def generate(
-        self,
-        *,
-        rollout_id: int,
-        prompts: Sequence[PromptInput],
-        n_samples_per_prompt: int | None = None,
-        sampling: SamplingSpec | None = None,
-        trace_context: dict[str, str] | None = None,
-        stream: str | None = None,
-        reward: str | None = None,
-        caller_active: Callable[[], bool] | None = None,
-    ) -> GenerateResult:
+    def generate(self, request: GenerateRequest, *, caller_active: Callable[[], bool] | None = None) -> GenerateResult:
         """Samples n per prompt, scores them, writes one batch entry and returns its id and counts. A retry (the
-        same stream, rollout id and groups) gets the first call's result."""
+        same stream, rollout id and groups) gets the first call's result. `caller_active` says whether the caller
+        still waits (a batch nobody would train on is not written)."""
+        rollout_id, prompts, n_samples_per_prompt = request.rollout_id, request.prompts, request.n_samples_per_prompt
         what = f"Generate(rollout_id={rollout_id})"
         if not prompts:
             raise ValueError(f"{what}: no prompts given")
@@ -85,17 +97,18 @@ class RolloutService:
         n = n_samples_per_prompt or ro.n_samples_per_prompt
         if n < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {n}")
-        stream = stream or self.parts.stream
+        stream = request.stream or self.parts.stream
+        sampling = sampling_of(request.sampling, ro.sampling)
         return self.parts.recent.run(
             (stream, rollout_id, tuple(p.group_id for p in prompts)),
             lambda: self._generate(
                 rollout_id=rollout_id,
                 prompts=prompts,
                 n=n,
-                sampling=sampling or SamplingSpec.from_config(ro.sampling),
-                trace_context=trace_context,
+                sampling=sampling,
+                trace_context=request.trace_context,
                 stream=stream,
-                reward=reward,
+                reward=request.reward or None,
                 caller_active=caller_active,
             ),
         )
@@ -163,54 +176,69 @@ class RolloutService:
 
     # ---- Evaluate ----------------------------------------------------------------------------------
 
-    def evaluate(
-        self,
-        *,
-        name: str = "eval",
-        prompts: Sequence[PromptInput],
-        n_samples_per_prompt: int | None = None,
-        sampling: SamplingSpec | None = None,
-        reward: str | None = None,
-        pass_threshold: float = 1.0,
-    ) -> EvaluateResult:
+    def evaluate(self, request: EvaluateRequest, *, pass_threshold: float = 1.0) -> EvaluateResult:
         """Greedy (or n-sample) generation over an eval set; metrics under `<name>/` (evaluation.py)."""
         return evaluate(
             self.parts,
-            name=name,
-            prompts=prompts,
-            n_samples_per_prompt=n_samples_per_prompt,
-            sampling=sampling,
-            reward=reward,
+            name=request.name or "eval",
+            prompts=request.prompts,
+            n_samples_per_prompt=request.n_samples_per_prompt or None,
+            sampling=sampling_of(request.sampling, self.config.rollout.eval_sampling),
+            reward=request.reward or None,
             pass_threshold=pass_threshold,
         )
 
     # ---- weights, pause, memory, state -------------------------------------------------------------
 
-    def prepare_weight_sync(self, *, version: int, pause_mode: str = "drain") -> tuple[bool, int]:
+    def prepare_weight_sync(self, request: PrepareRequest) -> PrepareResult:
         """Pauses generation for the update (the coordinator calls Resume afterwards)."""
-        return self.parts.weights.prepare(version=version, pause_mode=pause_mode)
+        return self.parts.weights.prepare(request)
 
-    def receive_weights(self, plan: WeightSyncPlan, rank_offset: int) -> ReceiveResult:
-        """Takes part in the transfer the trainer announced in `plan`, in place into the engine's weights."""
-        plan = self.parts.weights.checked_plan(plan, rank_offset)
+    def receive_weights(self, request: ReceiveRequest) -> ReceiveResult:
+        """Takes part in the transfer the trainer announced in the request's plan, in place into the engine's
+        weights."""
+        plan = self.parts.weights.checked_plan(request.plan, request.rank_offset)
         self.parts.recent.clear()  # new weights: a later Generate with a known key is a new request, not a retry
-        return self.parts.weights.receive(plan, rank_offset)
+        return self.parts.weights.receive(plan, request.rank_offset)
 
-    def pause(self, mode: str = "drain") -> None:
-        self.engine.pause(mode or "drain", timeout_s=self.config.weights.timeout_s)
+    def pause(self, request: PauseRequest) -> Ack:
+        mode = request.mode or "drain"
+        self.engine.pause(mode, timeout_s=self.config.weights.timeout_s)
+        return Ack(message=f"paused ({mode})")
 
-    def resume(self) -> None:
+    def resume(self) -> Ack:
         self.engine.resume()
+        return Ack(message="resumed")
 
-    def release_memory(self, tags: Sequence[str] = ()) -> None:
+    def release_memory(self, request: MemoryRequest) -> Ack:
         self.parts.weights.release()
-        self.engine.release_memory(tuple(tags))
+        self.engine.release_memory(request.tags)
+        return Ack(message=f"released {', '.join(request.tags) or 'all'}")
 
-    def resume_memory(self, tags: Sequence[str] = ()) -> None:
-        self.engine.resume_memory(tuple(tags))
+    def resume_memory(self, request: MemoryRequest) -> Ack:
+        self.engine.resume_memory(request.tags)
+        return Ack(message=f"resumed {', '.join(request.tags) or 'all'}")
 
     def get_state(self) -> ServiceState:
         return ServiceState(engine=self.engine.get_state(), producer=self.producer)
+
+    def status(self) -> RolloutStatus:
+        """GetState's answer."""
+        e = self.engine.get_state()
+        return RolloutStatus(
+            engine=e.engine,
+            model_path=e.model_path,
+            weight_version=e.weight_version,
+            paused=e.paused,
+            memory_released=bool(e.released_memory),
+            generated_samples=e.generated_samples,
+            device=e.device,
+            producer=self.producer,
+            in_flight=e.in_flight,
+            gpu_memory_reserved_bytes=cuda_reserved_bytes(),
+            gpu_memory_freed_bytes=e.memory_freed_bytes,
+            engine_busy_s=e.busy_s,
+        )
 
     def close(self) -> None:
         if self.agents is not None:

@@ -72,11 +72,6 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, sp
     return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=special_tokens, verbose=False)["input_ids"]]
 
 
-def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
-    """Text prompts as the engine gets them (with the tokenizer's BOS)."""
-    return encode_texts(tokenizer, texts, special_tokens=True)
-
-
 def prompt_texts(chat: ChatTemplate, prompts: Sequence[PromptLike]) -> list[str]:
     """Each prompt as the model reads it: its text, or a chat rendered with the template. ChatTemplateError.index
     names the prompt a template failed on."""
@@ -198,7 +193,7 @@ class Texts:
     def encode_prompt_text(self, text: str) -> list[int]:
         """A text prompt as the data path encodes it (with the tokenizer's BOS)."""
         with self._lock:
-            return prompt_token_ids(self.tokenizer, [text])[0]
+            return encode_texts(self.tokenizer, [text], special_tokens=True)[0]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         with self._lock:

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from services.contracts.config import TandemConfig
-from services.contracts.rollout_calls import ReceiveResult
+from services.contracts.errors import FailedPrecondition
+from services.contracts.rollout_calls import PrepareRequest, PrepareResult, ReceiveResult
 from services.rollout.engines.engine_errors import EngineUnavailable
 from services.rollout.engines.interface import Engine
-from services.rpc.grpc_util import FailedPrecondition
 from services.telemetry import tracing
 
 if TYPE_CHECKING:
@@ -25,11 +26,12 @@ class WeightReceipt:
         self.config, self.engine, self.replica = config, engine, replica
         self._receiver: WeightReceiver | None = None  # made on the first weight sync
 
-    def prepare(self, *, version: int, pause_mode: str = "drain") -> tuple[bool, int]:
+    def prepare(self, request: PrepareRequest) -> PrepareResult:
         """Pauses generation for the update (the coordinator calls Resume afterwards)."""
-        self.engine.pause(pause_mode or "drain", timeout_s=self.config.weights.timeout_s)
-        log.info("paused (%s) for weight update to version %d", pause_mode or "drain", version)
-        return True, self.engine.engine_ranks
+        mode = request.pause_mode or "drain"
+        self.engine.pause(mode, timeout_s=self.config.weights.timeout_s)
+        log.info("paused (%s) for weight update to version %d", mode, request.version)
+        return PrepareResult(ready=True, engine_ranks=self.engine.engine_ranks)
 
     def receive(self, plan: WeightSyncPlan, rank_offset: int) -> ReceiveResult:
         """Takes part in the transfer the trainer announced in `plan` (as `checked_plan` returned it), in place
@@ -64,10 +66,7 @@ class WeightReceipt:
             )
         limit = self.config.weights.timeout_s
         if not 0 < plan.timeout_s <= limit:
-            clamped = type(plan)()
-            clamped.CopyFrom(plan)
-            clamped.timeout_s = limit
-            plan = clamped
+            plan = replace(plan, timeout_s=limit)
         return plan
 
     def receiver(self) -> WeightReceiver:

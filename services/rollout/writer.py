@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from services.buffer.stream import RolloutBuffer, connect, redacted
 from services.contracts.config import TandemConfig
+from services.contracts.errors import FailedPrecondition, Unavailable
 from services.contracts.wire import RolloutBatchData
-from services.rpc.grpc_util import FailedPrecondition, Unavailable
 
 if TYPE_CHECKING:
     import redis

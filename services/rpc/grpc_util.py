@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.contracts.config import TimeoutsConfig
+from services.contracts.errors import DataLoss, FailedPrecondition, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -31,18 +32,6 @@ _HEALTH_POLL_S = 0.2  # between health checks while waiting for a service
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 OPEN_METHODS_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-
-class FailedPrecondition(RuntimeError):
-    """The call is valid but the service is not in a state to honour it (maps to FAILED_PRECONDITION)."""
-
-
-class DataLoss(RuntimeError):
-    """What arrived differs from what was sent, e.g. weights whose checksums differ (maps to DATA_LOSS)."""
-
-
-class Unavailable(RuntimeError):
-    """A dependency (Redis, a peer) is not reachable right now (maps to UNAVAILABLE)."""
 
 
 class PortInUse(OSError):

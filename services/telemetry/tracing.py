@@ -284,14 +284,6 @@ def inject_context() -> dict[str, str]:
     return carrier
 
 
-def span_carrier(s: trace.Span) -> dict[str, str]:
-    """`s`'s context as a carrier, without making it current."""
-    carrier: dict[str, str] = {}
-    if not _off():
-        propagate.inject(carrier, context=trace.set_span_in_context(s))
-    return carrier
-
-
 class StepSpans:
     """The coordinator's `rl.loop` spans, one root (own trace) per rollout id. A step's span opens when its
     generation starts — in async mode while the previous step is still training — and ends when that step's

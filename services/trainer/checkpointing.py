@@ -38,9 +38,9 @@ import torch
 from services.contracts import checkpoints
 from services.contracts.checkpoints import COMPLETE, is_complete, list_checkpoints
 from services.contracts.config import TandemConfig
+from services.contracts.errors import FailedPrecondition
 from services.contracts.files import fsync_dir, write_json_atomic
 from services.contracts.untyped import JsonObject
-from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.commands import Load, Save
 from services.trainer.dist import DistInfo, barrier
 from services.trainer.model.lora import adapter_state as lora_adapter_state

@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 
 from services.contracts.config import TandemConfig
+from services.contracts.errors import FailedPrecondition
+from services.contracts.trainer_calls import WeightSyncRequest
 from services.contracts.weight_plan import WeightSyncPlan
-from services.rpc.grpc_util import FailedPrecondition
 from services.trainer.algo.old_actor import OldActor
 from services.trainer.model.backend import TORCH_DTYPES, DeepSpeedBackend
 from services.trainer.model.weight_export import iter_named_weights, weight_specs
 from services.weights import SyncStats, TensorSpec, WeightPublisher
-from services.weights.checksums import named_bucket_checksums, named_checksums
+from services.weights.checksums import named_bucket_checksums, named_checksums, with_checksums
 from services.weights.layout import layout_from_plan
 
 MAX_ENGINE_RANKS = 4096  # a weight-sync group larger than this is a malformed request
@@ -84,33 +85,22 @@ class WeightPublishing:
         if not 1 <= engine_world_size <= MAX_ENGINE_RANKS:
             raise ValueError(f"engine_world_size must be in 1..{MAX_ENGINE_RANKS}, got {engine_world_size}")
 
-    def prepare(
-        self, *, version: int, transport: str, engine_world_size: int, verify: bool, verify_by_bucket: bool = False
-    ) -> WeightSyncPlan:
-        """The plan the publish will follow (kept), as a copy the caller may annotate for the engines."""
-        plan = self._publisher(transport or self.config.weights.transport).prepare(
+    def prepare(self, request: WeightSyncRequest) -> WeightSyncPlan:
+        """The plan the publish will follow (kept; the caller annotates copies of it for the engines)."""
+        plan = self._publisher(request.transport or self.config.weights.transport).prepare(
             self.specs(),
-            version=version,
-            engine_world_size=engine_world_size,
-            verify=verify,
-            verify_by_bucket=verify_by_bucket,
+            version=request.version,
+            engine_world_size=request.engine_world_size,
+            verify=request.verify,
+            verify_by_bucket=request.verify_by_bucket,
         )
         self._plan = plan
-        announced = WeightSyncPlan()
-        announced.CopyFrom(plan)
-        return announced
+        return plan
 
     @staticmethod
-    def add_checksums(plan: WeightSyncPlan, sums: dict[str, str] | list[str], *, seconds: float) -> None:
-        """What the engines and the coordinator compare the receivers' checksums with: per bucket (a list, in bucket
-        order) or per tensor (name -> checksum); `seconds`, what computing them took."""
-        for index, bucket in enumerate(plan.buckets):
-            if isinstance(sums, list):
-                bucket.checksum = sums[index]
-                continue
-            for meta in bucket.tensors:
-                meta.checksum = sums[meta.name]
-        plan.checksum_s = seconds
+    def add_checksums(plan: WeightSyncPlan, sums: dict[str, str] | list[str], *, seconds: float) -> WeightSyncPlan:
+        """`plan` announcing the trainer's checksums (per bucket: a list; per tensor: a dict)."""
+        return with_checksums(plan, sums, seconds=seconds)
 
     def check_prepared(self, version: int) -> None:
         if self._plan is None or self._plan.version != version:

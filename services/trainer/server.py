@@ -19,11 +19,14 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from services.contracts.common_calls import Ack
 from services.contracts.config import TandemConfig
 from services.contracts.config_loading import dump_config
+from services.contracts.convert import from_message, to_message
 from services.contracts.exits import ExitCode
 from services.contracts.files import PRIVATE_FILE_MODE, write_atomic
 from services.contracts.gen.tandem.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.contracts.trainer_calls import LoadRequest, PublishRequest, SaveRequest, TrainRequest, WeightSyncRequest
 from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.ports import free_port
 from services.rpc.shutdown import StopSignals, begin_stop, exit_now
@@ -39,98 +42,49 @@ SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    """Thin adapter: protobuf in, TrainerService call with plain values, its dataclass out as protobuf; errors
-    become status codes."""
+    """Thin adapter: each call's message as its dataclass into TrainerService, the dataclass it returns back as the
+    reply message (contracts/convert.py); errors become status codes."""
 
     def __init__(self, service: TrainerService):
         self.service = service
 
     @map_errors
     def Train(self, request: trainer_pb2.TrainRequest, context: grpc.ServicerContext) -> trainer_pb2.TrainResponse:
-        r = self.service.train(
-            rollout_id=request.rollout_id,
-            entry_ids=list(request.entry_ids),
-            num_batches=request.num_batches,
-            max_staleness=request.max_staleness,
-            use_critic_values=request.use_critic_values,
-            trace_context=dict(request.trace_context),
-        )
-        return trainer_pb2.TrainResponse(
-            rollout_id=r.rollout_id,
-            step=r.step,
-            metrics=r.metrics,
-            entry_ids=r.entry_ids,
-            replayed=r.replayed,
-            samples_trained=r.samples_trained,
-            samples_dropped_stale=r.samples_dropped_stale,
-            samples_filtered=r.samples_filtered,
-            time_s=r.time_s,
-        )
+        return to_message(self.service.train(from_message(request, TrainRequest)), trainer_pb2.TrainResponse)
 
     @map_errors
     def Save(self, request: trainer_pb2.SaveRequest, context: grpc.ServicerContext) -> trainer_pb2.SaveResponse:
-        r = self.service.save(
-            rollout_id=request.rollout_id,
-            path=request.path,
-            export_hf=request.export_hf,
-            extra_state=dict(request.extra_state),
-        )
-        return trainer_pb2.SaveResponse(path=r.path, hf_path=r.hf_path, step=r.step, time_s=r.time_s)
+        return to_message(self.service.save(from_message(request, SaveRequest)), trainer_pb2.SaveResponse)
 
     @map_errors
     def Load(self, request: trainer_pb2.LoadRequest, context: grpc.ServicerContext) -> trainer_pb2.LoadResponse:
-        r = self.service.load(path=request.path)
-        return trainer_pb2.LoadResponse(
-            loaded=r.loaded,
-            path=r.path,
-            rollout_id=r.rollout_id,
-            step=r.step,
-            weight_version=r.weight_version,
-            extra_state=r.extra_state,
-        )
+        return to_message(self.service.load(from_message(request, LoadRequest)), trainer_pb2.LoadResponse)
 
     @map_errors
     def PrepareWeightSync(
         self, request: trainer_pb2.PrepareWeightSyncRequest, context: grpc.ServicerContext
     ) -> common_pb2.WeightSyncPlan:
-        return self.service.prepare_weight_sync(
-            version=request.version,
-            transport=request.transport,
-            engine_world_size=request.engine_world_size,
-            verify=request.verify,
-            verify_by_bucket=request.verify_by_bucket,
-        )
+        plan = self.service.prepare_weight_sync(from_message(request, WeightSyncRequest))
+        return to_message(plan, common_pb2.WeightSyncPlan)
 
     @map_errors
     def PublishWeights(
         self, request: trainer_pb2.PublishWeightsRequest, context: grpc.ServicerContext
     ) -> trainer_pb2.PublishWeightsResponse:
-        r = self.service.publish_weights(version=request.version)
-        return trainer_pb2.PublishWeightsResponse(version=r.version, bytes_sent=r.bytes_sent, time_s=r.time_s)
+        result = self.service.publish_weights(from_message(request, PublishRequest))
+        return to_message(result, trainer_pb2.PublishWeightsResponse)
 
     @map_errors
     def Offload(self, request: common_pb2.Empty, context: grpc.ServicerContext) -> common_pb2.Ack:
-        return common_pb2.Ack(ok=True, message=self.service.offload())
+        return to_message(Ack(message=self.service.offload()), common_pb2.Ack)
 
     @map_errors
     def Onload(self, request: common_pb2.Empty, context: grpc.ServicerContext) -> common_pb2.Ack:
-        return common_pb2.Ack(ok=True, message=self.service.onload())
+        return to_message(Ack(message=self.service.onload()), common_pb2.Ack)
 
     @map_errors
     def GetState(self, request: common_pb2.Empty, context: grpc.ServicerContext) -> trainer_pb2.TrainerState:
-        s = self.service.get_state()
-        return trainer_pb2.TrainerState(
-            role=s.role,
-            step=s.step,
-            last_rollout_id=s.last_rollout_id,
-            weight_version=s.weight_version,
-            world_size=s.world_size,
-            zero_stage=s.zero_stage,
-            offloaded=s.offloaded,
-            device=s.device,
-            samples_trained=s.samples_trained,
-            gpu_memory_reserved_bytes=s.gpu_memory_reserved_bytes,
-        )
+        return to_message(self.service.get_state(), trainer_pb2.TrainerState)
 
 
 def launch_ranks(config: TandemConfig, *, run_dir: Path, role: str) -> int:

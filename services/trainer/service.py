@@ -16,8 +16,20 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from services.contracts.trainer_calls import LoadResult, PublishResult, SaveResult, TrainerStatus, TrainResult
-from services.rpc.grpc_util import FailedPrecondition
+from services.contracts.errors import FailedPrecondition
+from services.contracts.trainer_calls import (
+    LoadRequest,
+    LoadResult,
+    PublishRequest,
+    PublishResult,
+    SaveRequest,
+    SaveResult,
+    TrainerStatus,
+    TrainRequest,
+    TrainResult,
+    WeightSyncRequest,
+)
+from services.contracts.weight_plan import WeightSyncPlan
 from services.telemetry.tracing import set_attributes, span
 from services.tensors.devices import cuda_reserved_bytes
 from services.trainer.commands import Load, Offload, Onload, PublishWeights, Save, Train, WeightChecksums
@@ -77,16 +89,8 @@ class TrainerService:
 
     # ---- Train ------------------------------------------------------------------------------------
 
-    def train(
-        self,
-        *,
-        rollout_id: int,
-        entry_ids: list[str] | tuple[str, ...] = (),
-        num_batches: int = 0,
-        max_staleness: int = -1,
-        use_critic_values: bool = False,
-        trace_context: dict[str, str] | None = None,
-    ) -> TrainResult:
+    def train(self, request: TrainRequest) -> TrainResult:
+        rollout_id, entry_ids, use_critic_values = request.rollout_id, request.entry_ids, request.use_critic_values
         with self._lock:
             if self.ledger.is_recorded(rollout_id):
                 reply = self.ledger.replay(rollout_id)
@@ -97,20 +101,20 @@ class TrainerService:
                 role=self.role,
                 rollout_id=rollout_id,
                 num_entry_ids=len(entry_ids),
-                num_batches=num_batches,
+                num_batches=request.num_batches,
                 use_critic_values=use_critic_values,
                 unloaded=self._unloaded,
             )
             read_start = time.monotonic()
             fresh, skipped = self._untrained(list(entry_ids))
-            entries = self.parts.rollouts.read(fresh, num_batches)
+            entries = self.parts.rollouts.read(fresh, request.num_batches)
             read_s = time.monotonic() - read_start
             version = self.ledger.weight_version
             oldest = min((e.policy_version for e in entries), default=version)
             # Linked to the rl.sample span of every entry (its context travelled in the Redis entry).
             with span(
                 "rl.train",
-                parent=trace_context or None,
+                parent=request.trace_context or None,
                 links_from=[e.trace_context for e in entries],
                 rollout_id=rollout_id,
                 role=self.role,
@@ -124,7 +128,7 @@ class TrainerService:
                     rollout_id=rollout_id,
                     entries=entries,
                     skipped=skipped,
-                    max_staleness=max_staleness,
+                    max_staleness=request.max_staleness,
                     use_critic_values=use_critic_values,
                     read_s=read_s,
                 )
@@ -211,15 +215,13 @@ class TrainerService:
 
     # ---- Save / Load ------------------------------------------------------------------------------
 
-    def save(
-        self, *, rollout_id: int, path: str = "", export_hf: bool = False, extra_state: dict[str, str] | None = None
-    ) -> SaveResult:
-        start = time.monotonic()
+    def save(self, request: SaveRequest) -> SaveResult:
+        start, rollout_id = time.monotonic(), request.rollout_id
         if rollout_id < 0:
             raise ValueError(f"Save: rollout_id must be >= 0, got {rollout_id}")
         with self._lock, span("rl.save", rollout_id=rollout_id, role=self.role):
             checkpoints = self.parts.checkpoints
-            directory = checkpoints.save_dir(rollout_id, path)
+            directory = checkpoints.save_dir(rollout_id, request.path)
             if checkpoints.holds_step(directory, self.ledger.step):
                 log.info("checkpoint %s already holds step %d", directory, self.ledger.step)  # a retried Save
             else:
@@ -228,8 +230,8 @@ class TrainerService:
                     Save(
                         directory=str(directory),
                         rollout_id=rollout_id,
-                        export_hf=export_hf or self.config.trainer.export_hf_on_save,
-                        extra_state=dict(extra_state or {}),
+                        export_hf=request.export_hf or self.config.trainer.export_hf_on_save,
+                        extra_state=dict(request.extra_state),
                     )
                 )
             hf = directory / "hf"
@@ -240,9 +242,9 @@ class TrainerService:
                 time_s=time.monotonic() - start,
             )
 
-    def load(self, *, path: str = "") -> LoadResult:
+    def load(self, request: LoadRequest) -> LoadResult:
         with self._lock:
-            found = self.parts.checkpoints.find(path)
+            found = self.parts.checkpoints.find(request.path)
             if found is None:
                 return LoadResult(loaded=False)
             self._ensure_onloaded()
@@ -260,33 +262,20 @@ class TrainerService:
 
     # ---- weights ----------------------------------------------------------------------------------
 
-    def prepare_weight_sync(
-        self,
-        *,
-        version: int,
-        transport: str = "",
-        engine_world_size: int = 1,
-        verify: bool = False,
-        verify_by_bucket: bool = False,
-    ) -> WeightSyncPlan:
+    def prepare_weight_sync(self, request: WeightSyncRequest) -> WeightSyncPlan:
         weights = self.parts.weights
-        weights.check_request(engine_world_size=engine_world_size)
+        weights.check_request(engine_world_size=request.engine_world_size)
         with self._lock:
             self._ensure_onloaded()
-            announced = weights.prepare(
-                version=version,
-                transport=transport,
-                engine_world_size=engine_world_size,
-                verify=verify,
-                verify_by_bucket=verify_by_bucket,
-            )
-            if verify:
+            announced = weights.prepare(request)
+            if request.verify:
                 start = time.monotonic()
-                sums = self.ranks.run(WeightChecksums(by_bucket=verify_by_bucket))
-                weights.add_checksums(announced, sums, seconds=time.monotonic() - start)
+                sums = self.ranks.run(WeightChecksums(by_bucket=request.verify_by_bucket))
+                announced = weights.add_checksums(announced, sums, seconds=time.monotonic() - start)
             return announced
 
-    def publish_weights(self, *, version: int) -> PublishResult:
+    def publish_weights(self, request: PublishRequest) -> PublishResult:
+        version = request.version
         with self._lock:
             self.parts.weights.check_prepared(version)
             with span("rl.sync", weight_version=version, role=self.role) as sp:

@@ -17,7 +17,7 @@ import torch
 
 from services.buffer.stream import BufferEntry, RolloutBuffer, connect, stream_key
 from services.contracts.config import TandemConfig
-from services.rpc.grpc_util import FailedPrecondition
+from services.contracts.errors import FailedPrecondition
 from services.trainer.algo.actor import actor_step
 from services.trainer.algo.critic import (
     ValueHandoff,

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from services.tensors.devices import cuda_peak_metrics
+from services.trainer.algo.head_scoring import ChunkSetting
 from services.trainer.algo.losses import aggregation_weights
 from services.trainer.algo.scoring import TokenSampling
 from services.trainer.batching import MicroBatch, TrainBatch, dummy_micro_batch, plan_micro_batches
@@ -29,7 +30,7 @@ class UpdateBackend(Protocol):
     dist_info: DistInfo
     parameters: int  # the model's parameter count
     vocab_size: int
-    chunk_tokens: int  # the scoring head's tokens per chunk
+    chunk_tokens: ChunkSetting  # trainer.scoring_chunk_tokens: the scoring head's tokens per chunk, or auto
     pack_sequences: bool
     compiled_scoring: bool
 

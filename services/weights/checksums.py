@@ -28,10 +28,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import WeightSyncPlan
 from services.weights import bucket_kernel
 from services.weights.layout import Bucket, Layout
 
@@ -142,7 +143,20 @@ def named_checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]
     return dict(zip(names, _hex_pairs(sums), strict=True))
 
 
-def announced_checksums(plan: common_pb2.WeightSyncPlan) -> dict[str, str]:
+def with_checksums(plan: WeightSyncPlan, sums: Mapping[str, str] | Sequence[str], *, seconds: float) -> WeightSyncPlan:
+    """`plan` announcing the trainer's checksums, what the engines and the coordinator compare the receivers' with:
+    per bucket (a sequence, in bucket order: WeightBucket.checksum) or per tensor (name -> checksum:
+    TensorMeta.checksum); `seconds`, what computing them took."""
+    buckets = tuple(
+        replace(bucket, checksum=sums[index])
+        if not isinstance(sums, Mapping)
+        else replace(bucket, tensors=tuple(replace(meta, checksum=sums[meta.name]) for meta in bucket.tensors))
+        for index, bucket in enumerate(plan.buckets)
+    )
+    return replace(plan, buckets=buckets, checksum_s=seconds)
+
+
+def announced_checksums(plan: WeightSyncPlan) -> dict[str, str]:
     """The trainer's checksums a plan carries (TensorMeta.checksum; set when it asked for verification)."""
     return {m.name: m.checksum for b in plan.buckets for m in b.tensors if m.checksum}
 
@@ -371,6 +385,6 @@ def describe_bucket(bucket: Bucket, *, listed: int = 3) -> str:
     )
 
 
-def announced_bucket_checksums(plan: common_pb2.WeightSyncPlan) -> list[str]:
+def announced_bucket_checksums(plan: WeightSyncPlan) -> list[str]:
     """The trainer's bucket checksums a plan carries (WeightBucket.checksum; set when it verifies by bucket)."""
     return [wb.checksum for wb in plan.buckets]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from services.contracts.config import ProcessGroupWeights, TimeoutsConfig, WeightsConfig
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import WeightSyncPlan
 from services.weights.checksums import (
     PendingChecksums,
     announced_bucket_checksums,
@@ -72,7 +72,7 @@ class WeightPublisher:
                 self._transport = entry.sender(config, Path(run_dir), trainer_id)
         self._config = config
         self._trainer_id = trainer_id
-        self._prepared: tuple[bytes, Layout] | None = None  # (serialized plan, layout)
+        self._prepared: tuple[WeightSyncPlan, Layout] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -86,7 +86,7 @@ class WeightPublisher:
         engine_world_size: int,
         verify: bool = False,
         verify_by_bucket: bool = False,
-    ) -> common_pb2.WeightSyncPlan:
+    ) -> WeightSyncPlan:
         """`verify`: the engines check what they received against checksums the caller announces in the plan (per
         tensor, TensorMeta.checksum; with `verify_by_bucket` per bucket, WeightBucket.checksum)."""
         if engine_world_size < 1:
@@ -94,7 +94,7 @@ class WeightPublisher:
         if version < 0:
             raise ValueError(f"weight version must be >= 0, got {version}")
         layout = plan_layout(list(specs), bucket_bytes=max(1, int(self._config.bucket_mb * 2**20)))
-        plan = common_pb2.WeightSyncPlan(
+        plan = WeightSyncPlan(
             version=version,
             transport=self._transport.name,
             buckets=layout_to_buckets(layout),
@@ -105,17 +105,17 @@ class WeightPublisher:
             verify_by_bucket=verify and verify_by_bucket,
         )
         with self._lock:
-            self._transport.prepare(plan=plan, layout=layout, engine_world_size=engine_world_size)
-            self._prepared = (plan.SerializeToString(deterministic=True), layout)
+            plan = self._transport.prepare(plan=plan, layout=layout, engine_world_size=engine_world_size)
+            self._prepared = (plan, layout)
         return plan
 
-    def publish(self, plan: common_pb2.WeightSyncPlan, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+    def publish(self, plan: WeightSyncPlan, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
         """Send `named_tensors` (in the order of the specs given to prepare); returns once every receiver has
         its copy (process groups, cuda_ipc) or the files are in place (disk)."""
         if not self._lock.acquire(blocking=False):
             raise WeightSyncError(f"{self.transport} weight sync v{plan.version}: a publish is already running")
         try:
-            if self._prepared is None or self._prepared[0] != plan.SerializeToString(deterministic=True):
+            if self._prepared is None or self._prepared[0] != plan:
                 raise ValueError(
                     f"{self.transport} weight sync v{plan.version}: publish needs the plan returned by "
                     f"this publisher's latest prepare"
@@ -147,7 +147,7 @@ class WeightPublisher:
     @staticmethod
     def _validated(
         *,
-        plan: common_pb2.WeightSyncPlan,
+        plan: WeightSyncPlan,
         layout: Layout,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         checksums: PendingChecksums,
@@ -201,9 +201,7 @@ class WeightReceiver:
             self._transports[name] = registered_transport(name).receiver()
         return self._transports[name]
 
-    def receive(
-        self, plan: common_pb2.WeightSyncPlan, rank_offset: int, params: Mapping[str, torch.Tensor]
-    ) -> SyncStats:
+    def receive(self, plan: WeightSyncPlan, rank_offset: int, params: Mapping[str, torch.Tensor]) -> SyncStats:
         """Everything is checked before joining any transfer; a refusal is posted to the trainer (process
         groups, cuda_ipc) so it fails at once rather than at its deadline. With `plan.verify` the returned
         checksums are computed from `params` after the copy, and compared here with the trainer's where the plan
@@ -248,7 +246,7 @@ class WeightReceiver:
         self,
         *,
         where: str,
-        plan: common_pb2.WeightSyncPlan,
+        plan: WeightSyncPlan,
         layout: Layout,
         params: Mapping[str, torch.Tensor],
         sender_checksums: Mapping[str, str],
@@ -278,7 +276,7 @@ class WeightReceiver:
 
     @staticmethod
     def _check(
-        *, plan: common_pb2.WeightSyncPlan, rank_offset: int, params: Mapping[str, torch.Tensor]
+        *, plan: WeightSyncPlan, rank_offset: int, params: Mapping[str, torch.Tensor]
     ) -> tuple[Layout | None, list[str]]:
         try:
             layout = layout_from_plan(plan)

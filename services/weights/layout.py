@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import TensorMeta, WeightBucket, WeightSyncPlan
 
 # torch dtype name (without "torch.") -> safetensors dtype code; also the set of dtypes a plan may carry.
 SAFETENSORS_DTYPES = {
@@ -163,24 +163,24 @@ def plan_layout(specs: Sequence[TensorSpec], *, bucket_bytes: int) -> Layout:
     return Layout(buckets=tuple(buckets), order=tuple(slots[i] for i in range(len(specs))))
 
 
-def layout_to_buckets(layout: Layout) -> list[common_pb2.WeightBucket]:
-    return [
-        common_pb2.WeightBucket(
+def layout_to_buckets(layout: Layout) -> tuple[WeightBucket, ...]:
+    return tuple(
+        WeightBucket(
             index=b.index,
             dtype=dtype_name(b.dtype),
             nbytes=b.nbytes,
-            tensors=[
-                common_pb2.TensorMeta(
-                    name=s.name, dtype=dtype_name(s.dtype), shape=list(s.shape), offset_bytes=s.offset, nbytes=s.nbytes
+            tensors=tuple(
+                TensorMeta(
+                    name=s.name, dtype=dtype_name(s.dtype), shape=tuple(s.shape), offset_bytes=s.offset, nbytes=s.nbytes
                 )
                 for s in b.tensors
-            ],
+            ),
         )
         for b in layout.buckets
-    ]
+    )
 
 
-def layout_from_plan(plan: common_pb2.WeightSyncPlan) -> Layout:
+def layout_from_plan(plan: WeightSyncPlan) -> Layout:
     """Rebuild and check a plan's layout: contiguous offsets, sizes that match shapes, one dtype a bucket."""
     where = f"weight sync plan v{plan.version}"
     names: set[str] = set()

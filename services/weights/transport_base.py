@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.contracts.errors import DataLoss, FailedPrecondition
 from services.contracts.weight_plan import WeightSyncPlan
-from services.rpc.grpc_util import DataLoss, FailedPrecondition
 from services.weights.layout import Layout, Slot
 
 
@@ -104,14 +104,14 @@ class Received:
 
 
 class SenderTransport(ABC):
-    """Trainer side of a transport. `prepare` fills the transport's fields of the plan; `publish` moves the
+    """Trainer side of a transport. `prepare` returns the plan with the transport's fields filled; `publish` moves the
     tensors (validated pairs in spec order) and returns the seconds it waited for receivers before moving data.
     On failure a transport tears down what it shares with receivers, so the next `prepare` starts afresh."""
 
     name: str  # the registry key (services/weights/transport_registry.py)
 
     @abstractmethod
-    def prepare(self, *, plan: WeightSyncPlan, layout: Layout, engine_world_size: int) -> None: ...
+    def prepare(self, *, plan: WeightSyncPlan, layout: Layout, engine_world_size: int) -> WeightSyncPlan: ...
 
     @abstractmethod
     def publish(

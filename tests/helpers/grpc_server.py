@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from services.buffer.stream import EntryNotFoundError
+from services.contracts.errors import FailedPrecondition
 from services.contracts.gen.tandem.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -20,7 +21,7 @@ from services.contracts.gen.tandem.v1 import (
     rollout_pb2,
     rollout_pb2_grpc,
 )
-from services.rpc.grpc_util import FailedPrecondition, ServerOptions, map_errors, start_server
+from services.rpc.grpc_util import ServerOptions, map_errors, start_server
 from services.rpc.shutdown import StopSignals
 
 

@@ -28,8 +28,10 @@ import torch
 import torch.distributed as dist
 
 from services.contracts.config import weights_config
+from services.contracts.convert import from_message, to_message
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.contracts.untyped import JsonObject, JsonValue
+from services.contracts.weight_plan import WeightSyncPlan
 from services.weights import torch_compat
 from services.weights.front_ends import WeightPublisher, WeightReceiver
 from services.weights.layout import TensorSpec, layout_from_plan, tensor_bytes, torch_dtype
@@ -71,12 +73,13 @@ def specs_from_json(items: Sequence[Sequence[JsonValue]]) -> list[TensorSpec]:
     return [TensorSpec(name=name, dtype=dtype, shape=tuple(shape)) for name, dtype, shape in items]
 
 
-def plan_to_text(plan: common_pb2.WeightSyncPlan) -> str:
-    return base64.b64encode(plan.SerializeToString()).decode()
+def plan_to_text(plan: WeightSyncPlan) -> str:
+    """The plan as it crosses to a peer process: its protobuf message's bytes, base64 (never a pickle)."""
+    return base64.b64encode(to_message(plan, common_pb2.WeightSyncPlan).SerializeToString()).decode()
 
 
-def plan_from_text(text: str) -> common_pb2.WeightSyncPlan:
-    return common_pb2.WeightSyncPlan.FromString(base64.b64decode(text))
+def plan_from_text(text: str) -> WeightSyncPlan:
+    return from_message(common_pb2.WeightSyncPlan.FromString(base64.b64decode(text)), WeightSyncPlan)
 
 
 def stats_to_json(stats: SyncStats) -> JsonObject:
@@ -95,7 +98,7 @@ class _Worker:
     def __init__(self) -> None:
         self.receiver = WeightReceiver(accepted_trainer_id=os.environ.get("TANDEM_PEER_ACCEPT") or None)
         self.publisher: WeightPublisher | None = None
-        self.plan: common_pb2.WeightSyncPlan | None = None
+        self.plan: WeightSyncPlan | None = None
         self.specs: list[TensorSpec] = []
         self.params: dict[str, torch.Tensor] = {}
         self.params_key: Any = None

@@ -12,12 +12,12 @@ from collections.abc import Mapping
 
 from services.contracts import runfacts
 from services.contracts.config import TandemConfig
+from services.contracts.errors import FailedPrecondition
 from services.rollout.agents.failures import AgentsFailed
 from services.rollout.agents.runner import AgentRollout, PlayedEpisode
 from services.rollout.engines.interface import FINISH_ABORT, SampleOutput
 from services.rollout.rewards import resolve_reward
 from services.rollout.samples import Resolve, SampleRequest, Scored, Scorer
-from services.rpc.grpc_util import FailedPrecondition
 
 _NOTHING = SampleOutput(token_ids=(), log_probs=(), finish_reason=FINISH_ABORT, weight_version=0)
 

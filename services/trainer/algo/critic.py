@@ -20,9 +20,9 @@ import torch
 from redis.typing import EncodableT, FieldT
 
 from services.contracts.config import AlgorithmConfig
+from services.contracts.errors import FailedPrecondition
 from services.contracts.gen.tandem.v1 import common_pb2
 from services.contracts.wire import array_from_proto, array_to_proto
-from services.rpc.grpc_util import FailedPrecondition
 from services.trainer import update
 from services.trainer.algo.advantages import gae, token_rewards
 from services.trainer.algo.losses import clipped_value_loss

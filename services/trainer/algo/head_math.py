@@ -37,7 +37,6 @@ class ChunkTask:
     hidden: torch.Tensor  # [C, H]
     targets: torch.Tensor  # [C]
     rows: RowSampling
-    tempered_space: torch.Tensor  # bool [C]
     entropy: bool
     entropy_grad: bool
 
@@ -62,33 +61,70 @@ class Upstream:
             entropy=g_h,
         )
 
+    def rows(self, start: int, stop: int) -> Upstream:
+        """A chunk's rows (views: the coefficients are computed once for the whole request)."""
+        return Upstream(*(x[start:stop] for x in (self.at_target, self.coef_t, self.coef_s, self.entropy)))
 
-def _scores(
-    task: ChunkTask,
-    target: torch.Tensor,
-    in_support: torch.Tensor,
-    top: torch.Tensor,
-    sum_t: torch.Tensor,
-    sum_s: torch.Tensor,
-    entropy: torch.Tensor | None,
-    out: torch.Tensor,
-    stats: torch.Tensor,
-) -> None:
-    """Writes the chunk's [3, C] scores and [4, C] statistics from its per-row sums (`target`: a[y] - top, the
-    sums of exp(a - top) over the vocabulary and over the support), rounding as log_softmax does."""
-    log_t, log_s = sum_t.log(), sum_s.log()
-    tempered = target - log_t
-    sampled = torch.where(in_support, target - log_s, torch.full_like(target, NEG_INF))
+
+@dataclass(frozen=True)
+class RowSums:
+    """Per row, what its scores come from (a = logits / T): the maximum of a (`top`, always in the support), a[y] -
+    top, sum exp(a - top) over the vocabulary and (None: no row truncates, the support is the vocabulary) over the
+    support with whether y lies in it, sum over the support of exp(a - top) (a - top) (None: no entropy asked) and
+    the support's threshold (whole rows only). Each chunk writes its rows' into one [N, fields] buffer of the
+    request (one op), and the scores are computed once from it (`row_scores`): a chunk's own ops are its passes over
+    its logits, and no chunk leaves small tensors behind between the big ones (the CPU allocator's peak would grow
+    with them)."""
+
+    top: torch.Tensor
+    target: torch.Tensor
+    sum_t: torch.Tensor
+    sum_s: torch.Tensor | None = None
+    in_support: torch.Tensor | None = None  # bool
+    moment: torch.Tensor | None = None
+    threshold: torch.Tensor | None = None
+
+    @staticmethod
+    def fields(*, support: bool, moment: bool) -> int:
+        return 3 + 3 * support + moment
+
+    def write(self, out: torch.Tensor) -> None:
+        """Into `out` [rows, fields], in the order `read` expects."""
+        columns = [self.top, self.target, self.sum_t]
+        if self.sum_s is not None and self.in_support is not None and self.threshold is not None:
+            columns += [self.sum_s, self.in_support.float(), self.threshold]
+        if self.moment is not None:
+            columns.append(self.moment)
+        torch.stack(columns, dim=1, out=out)
+
+    @classmethod
+    def read(cls, buffer: torch.Tensor, *, support: bool, moment: bool) -> RowSums:
+        """What the chunks wrote into `buffer` [N, fields] (column views)."""
+        top, target, sum_t = buffer[:, 0], buffer[:, 1], buffer[:, 2]
+        sum_s, in_support, threshold = (buffer[:, 3], buffer[:, 4] > 0, buffer[:, 5]) if support else (None,) * 3
+        return cls(top, target, sum_t, sum_s, in_support, buffer[:, -1] if moment else None, threshold)
+
+
+def row_scores(sums: RowSums, tempered_space: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [3, N] scores and the [4, N] statistics the backward reads, from the rows' sums, rounding as log_softmax
+    does; a token outside its row's support has log-prob -inf in the sampling space, floored at LOG_PROB_FLOOR."""
+    log_t = sums.sum_t.log()
+    tempered = sums.target - log_t
+    if sums.sum_s is None or sums.in_support is None:
+        sum_s, log_s, sampled = sums.sum_t, log_t, tempered
+    else:
+        sum_s, log_s = sums.sum_s, sums.sum_s.log()
+        sampled = torch.where(sums.in_support, sums.target - log_s, torch.full_like(tempered, NEG_INF))
     passes = sampled >= LOG_PROB_FLOOR  # the clamp passes a gradient here only
-    out[BEHAVIOUR_ROW] = torch.where(task.tempered_space, tempered, sampled.clamp(min=LOG_PROB_FLOOR))
-    out[TEMPERED_ROW] = tempered
-    stats[LSE_T], stats[LSE_S], stats[PASSES] = top + log_t, top + log_s, passes.float()
-    if entropy is not None:
-        out[ENTROPY_ROW] = stats[ENTROPY] = entropy
+    behaviour = torch.where(tempered_space, tempered, sampled.clamp(min=LOG_PROB_FLOOR))
+    entropy = torch.zeros_like(tempered) if sums.moment is None else log_s - sums.moment / sum_s
+    scores = {BEHAVIOUR_ROW: behaviour, ENTROPY_ROW: entropy, TEMPERED_ROW: tempered}
+    stats = {LSE_T: sums.top + log_t, LSE_S: sums.top + log_s, ENTROPY: entropy, PASSES: passes.float()}
+    return torch.stack([scores[i] for i in range(3)]), torch.stack([stats[i] for i in range(4)])
 
 
-def forward_rows(task: ChunkTask, weight: torch.Tensor, out: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
-    """Whole rows: scores and statistics; returns each row's support threshold."""
+def forward_rows(task: ChunkTask, weight: torch.Tensor) -> RowSums:
+    """Whole rows: their sums over the vocabulary and over each row's support, and its threshold."""
     scaled = scaled_logits(task.hidden @ weight.t(), task.rows)
     cut = truncation(scaled, task.rows)
     keep = cut.keep(scaled)
@@ -100,20 +136,26 @@ def forward_rows(task: ChunkTask, weight: torch.Tensor, out: torch.Tensor, stats
     sum_t = weights.sum(dim=-1)
     weights.masked_fill_(~keep, 0.0)
     sum_s = weights.sum(dim=-1)
-    entropy = sum_s.log() - torch.linalg.vecdot(weights, shifted) / sum_s if task.entropy else None
-    _scores(task, target, in_support, top, sum_t, sum_s, entropy, out, stats)
-    return cut.threshold
+    moment = torch.linalg.vecdot(weights, shifted) if task.entropy else None
+    return RowSums(top, target, sum_t, sum_s, in_support, moment, cut.threshold)
 
 
 def block_stats(
-    logits: torch.Tensor, temperature: torch.Tensor, columns: torch.Tensor, inside: torch.Tensor, moments: bool
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    columns: torch.Tensor,
+    inside: torch.Tensor | None,
+    moments: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One vocabulary block of [C, cols] logits: its row maximum m of a = logits / T, sum exp(a - m),
-    sum exp(a - m) (a - m) (when `moments`), and a[y] where the target lies in the block (0 elsewhere).
+    sum exp(a - m) (a - m) (when `moments`), and a[y] where the target lies in the block (0 elsewhere; `inside`
+    None: every target does).
     Pure tensor math: on a GPU torch.compile fuses it into a pass or two over the block (`compiled`)."""
     scaled = logits / temperature.unsqueeze(-1)
     top = scaled.amax(dim=-1)
-    picked = torch.where(inside, scaled.gather(-1, columns.unsqueeze(-1)).squeeze(-1), torch.zeros_like(top))
+    picked = scaled.gather(-1, columns.unsqueeze(-1)).squeeze(-1)
+    if inside is not None:
+        picked = torch.where(inside, picked, torch.zeros_like(top))
     shifted = scaled.sub_(top.unsqueeze(-1))
     weights = shifted.exp()
     moment = torch.linalg.vecdot(weights, shifted) if moments else torch.zeros_like(top)
@@ -135,31 +177,31 @@ def _merge(
     )
 
 
-def forward_blocks(
-    task: ChunkTask, weight: torch.Tensor, block: int, out: torch.Tensor, stats: torch.Tensor, compiled: bool = False
-) -> None:
-    """No truncation: scores and statistics over vocabulary blocks, accumulated online."""
-    n, vocab = task.hidden.shape[0], weight.shape[0]
+def forward_blocks(task: ChunkTask, weight: torch.Tensor, block: int, compiled: bool = False) -> RowSums:
+    """No truncation: the sums over vocabulary blocks, accumulated online; one block (the whole vocabulary, what
+    `scoring_chunk_tokens: auto` makes) is one pass with nothing to merge."""
+    vocab = weight.shape[0]
     stats_of = _compiled("block_stats") if compiled else block_stats
-    acc = (
-        torch.full((n,), NEG_INF, device=task.hidden.device),
-        torch.zeros(n, device=task.hidden.device),
-        torch.zeros(n, device=task.hidden.device),
-    )
-    target = torch.zeros(n, device=task.hidden.device)
+    acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    target = torch.zeros(0)
     for start in range(0, vocab, block):
         logits = task.hidden @ weight[start : start + block].t()
-        columns, inside = _columns(task.targets, start, logits.shape[1])
+        columns, inside = _columns(task.targets, start, logits.shape[1], vocab)
         top, total, moment, picked = stats_of(logits, task.rows.temperature, columns, inside, task.entropy)
-        target = target + picked
-        acc = _merge(acc, (top, total, moment))
+        if acc is None:  # the first block: nothing to merge with (a running maximum of -inf would make NaNs)
+            acc, target = (top, total, moment), picked
+        else:
+            acc, target = _merge(acc, (top, total, moment)), target + picked
+    assert acc is not None  # a vocabulary has a column
     top, total, moment = acc
-    entropy = total.log() - moment / total if task.entropy else None
-    _scores(task, target - top, torch.ones_like(target, dtype=torch.bool), top, total, total, entropy, out, stats)
+    return RowSums(top, target - top, total, moment=moment if task.entropy else None)
 
 
-def _columns(targets: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each target's column in the block [start, start + width) (clamped) and whether it lies there."""
+def _columns(targets: torch.Tensor, start: int, width: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each target's column in the block [start, start + width) (clamped) and whether it lies there (None: the
+    block is the whole vocabulary, every target lies in it)."""
+    if start == 0 and width == vocab:
+        return targets, None
     inside = (targets >= start) & (targets < start + width)
     return (targets - start).clamp(0, width - 1), inside
 
@@ -180,10 +222,16 @@ def _grad(
 
 
 def _finish(
-    g: torch.Tensor, columns: torch.Tensor, inside: torch.Tensor, at_target: torch.Tensor, temperature: torch.Tensor
+    g: torch.Tensor,
+    columns: torch.Tensor,
+    inside: torch.Tensor | None,
+    at_target: torch.Tensor,
+    temperature: torch.Tensor,
 ) -> torch.Tensor:
-    """Adds e_y for the targets inside these columns, divides by T: d loss / d logits."""
-    g.scatter_add_(-1, columns.unsqueeze(-1), torch.where(inside, at_target, torch.zeros_like(at_target)).unsqueeze(-1))
+    """Adds e_y for the targets inside these columns (None: all), divides by T: d loss / d logits."""
+    if inside is not None:
+        at_target = torch.where(inside, at_target, torch.zeros_like(at_target))
+    g.scatter_add_(-1, columns.unsqueeze(-1), at_target.unsqueeze(-1))
     return g.div_(temperature.unsqueeze(-1))
 
 
@@ -195,7 +243,7 @@ def block_grad(
     coef: torch.Tensor,
     entropy_coef: torch.Tensor,
     columns: torch.Tensor,
-    inside: torch.Tensor,
+    inside: torch.Tensor | None,
     at_target: torch.Tensor,
     with_entropy: bool,
 ) -> torch.Tensor:
@@ -217,7 +265,7 @@ def grad_rows(
     scaled = scaled_logits(task.hidden @ weight.t(), task.rows)
     keep = Truncation(threshold).keep(scaled)
     g = _grad(scaled, keep, stats, up, task.entropy and task.entropy_grad)
-    columns, inside = _columns(task.targets, 0, g.shape[1])
+    columns, inside = _columns(task.targets, 0, g.shape[1], g.shape[1])
     return _finish(g, columns, inside, up.at_target, task.rows.temperature).to(weight.dtype)
 
 
@@ -231,14 +279,15 @@ def grad_blocks(
     compiled: bool = False,
 ) -> torch.Tensor:
     """No truncation, by vocabulary blocks: adds each block's G^T h to `grad_weight` (float32) and returns
-    d loss / d hidden [C, H] (float32)."""
+    d loss / d hidden [C, H] (float32 summed over blocks; one block: in the weight's dtype, nothing to sum)."""
     grad_of = _compiled("block_grad") if compiled else block_grad
-    grad_hidden = torch.zeros(task.hidden.shape, dtype=torch.float32, device=task.hidden.device)
+    grad_hidden: torch.Tensor | None = None
     coef = up.coef_t + up.coef_s  # p_s = p_t without truncation
-    for start in range(0, weight.shape[0], block):
+    vocab = weight.shape[0]
+    for start in range(0, vocab, block):
         part = weight[start : start + block]
         logits = task.hidden @ part.t()
-        columns, inside = _columns(task.targets, start, logits.shape[1])
+        columns, inside = _columns(task.targets, start, logits.shape[1], vocab)
         g = grad_of(
             logits,
             task.rows.temperature,
@@ -251,9 +300,11 @@ def grad_blocks(
             up.at_target,
             task.entropy and task.entropy_grad,
         ).to(weight.dtype)
-        grad_hidden += (g @ part).float()
+        block_grad_hidden = g @ part
+        grad_hidden = block_grad_hidden if grad_hidden is None else grad_hidden.float().add_(block_grad_hidden)
         if grad_weight is not None:
-            grad_weight[start : start + block] += (g.t() @ task.hidden).float()
+            grad_weight[start : start + block].add_(g.t() @ task.hidden)  # in float32: bf16 products are exact
+    assert grad_hidden is not None  # a vocabulary has a column
     return grad_hidden
 
 

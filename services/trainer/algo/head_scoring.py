@@ -21,12 +21,13 @@ input embedding like any other use of it. The recomputation costs one more [chun
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -38,11 +39,13 @@ from services.trainer.algo.head_math import (
     LOG_PROB_FLOOR,
     TEMPERED_ROW,
     ChunkTask,
+    RowSums,
     Upstream,
     forward_blocks,
     forward_rows,
     grad_blocks,
     grad_rows,
+    row_scores,
 )
 
 __all__ = [
@@ -51,8 +54,10 @@ __all__ = [
     "LOG_PROB_FLOOR",
     "TEMPERED_ROW",
     "VOCAB_BLOCK",
+    "ChunkSetting",
     "ChunkedScores",
     "ScoreRequest",
+    "chunk_layout",
     "install",
     "output_head",
     "scores_of",
@@ -60,6 +65,30 @@ __all__ = [
 ]
 
 VOCAB_BLOCK = 8192  # vocabulary columns per block (prime-rl's): with 1,024-token chunks, 33 MB fp32 tables
+ChunkSetting = int | Literal["auto"]  # trainer.scoring_chunk_tokens
+# `auto`: one float32 [rows x vocabulary] table of a chunk holds this share of a GPU's memory (2.7 GB on an 80 GB
+# H100: 4,372 rows at 151,936 tokens, four chunks to a 16,384-token micro-batch; the compiled block math keeps
+# about one bf16 table and its gradient alive), or this many logits on a CPU (256 MiB: 441 rows). On an H100 at
+# Qwen2.5-0.5B's shape the head of 1,024-token chunks over 8,192-column blocks made ~100k launches a step and ran
+# more than 5x slower than 8,192-token chunks (bench/RESULTS.md, issue 39).
+AUTO_GPU_MEMORY_SHARE = 32
+AUTO_CPU_LOGITS = 2**26
+
+
+def chunk_layout(setting: ChunkSetting, vocab: int, device: torch.device) -> tuple[int, int]:
+    """(tokens per chunk, vocabulary columns per block) of `trainer.scoring_chunk_tokens`: a number is that many
+    tokens over VOCAB_BLOCK columns at a time; `auto` is whole rows (one block: no online merge, a handful of ops a
+    chunk) as many as fit the device's budget of logits, so a chunk's launches do not grow with the vocabulary."""
+    if setting != "auto":
+        return setting, VOCAB_BLOCK
+    return max(1, _auto_logits(device) // vocab), vocab
+
+
+@functools.cache
+def _auto_logits(device: torch.device) -> int:
+    if device.type != "cuda":
+        return AUTO_CPU_LOGITS
+    return int(torch.cuda.get_device_properties(device).total_memory) // AUTO_GPU_MEMORY_SHARE // 4
 
 
 @dataclass(frozen=True)
@@ -181,7 +210,6 @@ def _task(request: ScoreRequest, hidden: torch.Tensor, start: int, stop: int) ->
         hidden=hidden[start:stop],
         targets=request.targets[start:stop],
         rows=request.sampling.rows(start, stop),
-        tempered_space=request.tempered_space[start:stop],
         entropy=request.entropy,
         entropy_grad=request.entropy_grad,
     )
@@ -194,18 +222,20 @@ class ChunkedScores(torch.autograd.Function):
     def forward(
         ctx: AutogradContext, hidden: torch.Tensor, weight: torch.Tensor, request: ScoreRequest
     ) -> torch.Tensor:
-        n = hidden.shape[0]
-        out = torch.zeros(3, n, dtype=torch.float32, device=hidden.device)
-        stats = torch.zeros(4, n, dtype=torch.float32, device=hidden.device)  # what the backward reads
         step, support = rows_per_chunk(request, weight.shape[0]), request.needs_support
-        cuts = []
+        n, fields = hidden.shape[0], RowSums.fields(support=support, moment=request.entropy)
+        buffer = torch.empty(n, fields, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, step):
-            task, part = _task(request, hidden, start, start + step), slice(start, start + step)
-            if support:
-                cuts.append(forward_rows(task, weight, out[:, part], stats[:, part]))
-            else:
-                forward_blocks(task, weight, request.vocab_block, out[:, part], stats[:, part], request.compiled)
-        thresholds = torch.cat(cuts) if cuts else torch.empty(0, device=hidden.device)
+            task = _task(request, hidden, start, start + step)
+            part = (
+                forward_rows(task, weight)
+                if support
+                else forward_blocks(task, weight, request.vocab_block, request.compiled)
+            )
+            part.write(buffer[start : start + step])
+        sums = RowSums.read(buffer, support=support, moment=request.entropy)
+        out, stats = row_scores(sums, request.tempered_space)  # stats: what the backward reads
+        thresholds = torch.empty(0, device=hidden.device) if sums.threshold is None else sums.threshold
         ctx.request, ctx.step, ctx.autocast = request, step, _autocast_state(hidden.device)
         ctx.save_for_backward(hidden, weight, stats, thresholds)
         ctx.set_materialize_grads(False)
@@ -220,25 +250,25 @@ class ChunkedScores(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad is None or not (want_h or want_w):
             return None, None, None
-        grad_h = torch.zeros_like(hidden) if want_h else None
+        grad_h = torch.empty_like(hidden) if want_h else None  # every row is written below
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         device_type, enabled, dtype = ctx.autocast
+        upstream = Upstream.of(grad, stats, request.tempered_space)  # once, sliced per chunk
         for start in range(0, hidden.shape[0], ctx.step):
             part = slice(start, start + ctx.step)
-            task = _task(request, hidden, start, start + ctx.step)
-            up = Upstream.of(grad[:, part], stats[:, part], task.tempered_space)
+            task, up = _task(request, hidden, start, start + ctx.step), upstream.rows(start, start + ctx.step)
             with torch.autocast(device_type, dtype=dtype, enabled=enabled):  # the forward's logits, bit for bit
                 if request.needs_support:
                     g = grad_rows(task, weight, stats[:, part], up, thresholds[part])
                     chunk_grad = g @ weight
                     if grad_w is not None:
-                        grad_w += (g.t() @ task.hidden).float()
+                        grad_w.add_(g.t() @ task.hidden)  # in float32: bf16 products are exact
                 else:
                     chunk_grad = grad_blocks(
                         task, weight, stats[:, part], up, request.vocab_block, grad_w, request.compiled
                     )
             if grad_h is not None:
-                grad_h[part] = chunk_grad.to(hidden.dtype)
+                grad_h[part] = chunk_grad  # copy_ rounds to the hidden states' dtype as .to() does
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None
 
 

@@ -28,7 +28,7 @@ import torch
 from services.contracts.sampling_spec import SamplingSpec
 from services.tensors.sampling_dist import RowSampling
 from services.trainer.algo.advantages import per_token
-from services.trainer.algo.head_scoring import LOG_PROB_FLOOR, ScoreRequest
+from services.trainer.algo.head_scoring import LOG_PROB_FLOOR, ChunkSetting, ScoreRequest, chunk_layout
 from services.trainer.batching import MicroBatch, TrainBatch
 
 __all__ = ["LOG_PROB_FLOOR", "MIXED", "SAMPLING", "TEMPERED", "TokenSampling", "score_request"]
@@ -123,7 +123,7 @@ def score_request(
     sampling: TokenSampling,
     *,
     vocab: int,
-    chunk_tokens: int,
+    chunk_tokens: ChunkSetting,
     tempered: bool = False,
     entropy: bool = False,
     entropy_grad: bool = False,
@@ -132,15 +132,17 @@ def score_request(
     """What to score for micro-batch `mb` (on the device; `sampling` = its tokens' sampling, on the device too):
     each token's log-prob in its behaviour space, or (`tempered`: the KL to the reference) of logits / T for every
     token; the entropy of the sampling distribution when asked (`entropy_grad`: it is in the loss); `compiled`:
-    the untruncated blocks' math through torch.compile (on a GPU)."""
+    the untruncated blocks' math through torch.compile (on a GPU); `chunk_tokens`: trainer.scoring_chunk_tokens."""
     space = torch.ones_like(sampling.tempered) if tempered else sampling.tempered
+    rows, block = chunk_layout(chunk_tokens, vocab, mb.targets.device)
     return ScoreRequest(
         rows=mb.rows,
         positions=mb.positions,
         targets=mb.targets,
         sampling=sampling.rows(vocab),
         tempered_space=space,
-        chunk_tokens=chunk_tokens,
+        chunk_tokens=rows,
+        vocab_block=block,
         sampling_space=not tempered and sampling.space != TEMPERED,
         entropy=entropy,
         entropy_grad=entropy and entropy_grad,

@@ -22,7 +22,7 @@ from services.contracts.config import LORA_ZERO3_OFFLOAD, TandemConfig, TrainerC
 from services.contracts.untyped import JsonObject
 from services.tensors import fused
 from services.trainer.algo import head_scoring
-from services.trainer.algo.head_scoring import BEHAVIOUR_ROW, TEMPERED_ROW
+from services.trainer.algo.head_scoring import BEHAVIOUR_ROW, TEMPERED_ROW, ChunkSetting
 from services.trainer.algo.scoring import TokenSampling, score_request
 from services.trainer.batching import MicroBatch
 from services.trainer.dist import DistInfo
@@ -466,7 +466,7 @@ def frozen_log_probs(
     sampling: TokenSampling,
     tempered: bool,
     vocab: int,
-    chunk_tokens: int,
+    chunk_tokens: ChunkSetting,
     compiled: bool = False,
 ) -> torch.Tensor:
     """Log-probs of a micro-batch's response tokens under a frozen model, on `device`: in each token's behaviour

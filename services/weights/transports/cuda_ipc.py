@@ -40,12 +40,13 @@ import os
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
 
 from services.contracts.config import CudaIpcWeights
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import CudaIpcHandle, WeightBucket, WeightSyncPlan
 from services.weights.layout import Layout, Slot
 from services.weights.transport_base import (
     Deadline,
@@ -73,7 +74,14 @@ def _index_of_uuid(uuid: str) -> int | None:
     return None
 
 
-def _local_device(handle: common_pb2.CudaIpcHandle) -> int:
+_NO_HANDLE = CudaIpcHandle(0, b"", 0, 0, b"", 0, b"", False, "")  # a bucket sent without one (refused when used)
+
+
+def _handle(bucket: WeightBucket) -> CudaIpcHandle:
+    return bucket.ipc or _NO_HANDLE
+
+
+def _local_device(handle: CudaIpcHandle) -> int:
     """The local index of the trainer's GPU (CUDA_VISIBLE_DEVICES may number it differently here)."""
     if handle.device_uuid:
         index = _index_of_uuid(handle.device_uuid)
@@ -258,7 +266,7 @@ class _SharedBuckets:
         )
         self._ref_counter = (bytes(ref_handle), int(ref_offset))
         self.handles = [
-            common_pb2.CudaIpcHandle(
+            CudaIpcHandle(
                 device=int(dev),
                 handle=bytes(handle),
                 storage_size_bytes=bucket.nbytes,
@@ -300,7 +308,7 @@ class CudaIpcSender(SenderTransport):
         self._shared: _SharedBuckets | None = None
         self.last_copies = 0  # copies the last publish needed to fill the buckets
 
-    def prepare(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, engine_world_size: int) -> None:
+    def prepare(self, *, plan: WeightSyncPlan, layout: Layout, engine_world_size: int) -> WeightSyncPlan:
         if not torch.cuda.is_available():
             raise WeightSyncError("transport cuda_ipc needs CUDA; use gloo or disk")
         device = torch.device("cuda", torch.cuda.current_device())
@@ -309,20 +317,23 @@ class CudaIpcSender(SenderTransport):
             self._shared = _SharedBuckets(layout=layout, device=device)
         if self._group_name is None:
             self._group_name = f"tandem-ipc-{self._trainer_id}-{uuid.uuid4().hex[:12]}"
-        for wb, handle in zip(plan.buckets, self._shared.handles, strict=True):
-            wb.ipc.CopyFrom(handle)
-        plan.group_name = self._group_name
-        plan.master_addr = self._config.master_addr
-        plan.master_port = self._master.port
-        plan.world_size = 1 + engine_world_size
+        plan = replace(
+            plan,
+            buckets=tuple(replace(wb, ipc=h) for wb, h in zip(plan.buckets, self._shared.handles, strict=True)),
+            group_name=self._group_name,
+            master_addr=self._config.master_addr,
+            master_port=self._master.port,
+            world_size=1 + engine_world_size,
+        )
         rendezvous.clear_version(
             rendezvous.ctl_store(self._master.store, self._group_name), version=plan.version, world_size=plan.world_size
         )
+        return plan
 
     def publish(
         self,
         *,
-        plan: common_pb2.WeightSyncPlan,
+        plan: WeightSyncPlan,
         layout: Layout,
         tensors: Iterable[tuple[Slot, torch.Tensor]],
         deadline: Deadline,
@@ -376,17 +387,17 @@ class CudaIpcReceiver(ReceiverTransport):
         self._recipe: tuple[tuple, list] | None = None  # (where the params were, the copies for that)
 
     @staticmethod
-    def _context(plan: common_pb2.WeightSyncPlan, rank: int) -> SyncContext:
+    def _context(plan: WeightSyncPlan, rank: int) -> SyncContext:
         peer = f"trainer at {plan.master_addr}:{plan.master_port} (trainer_id {plan.trainer_id or '?'})"
         return SyncContext("cuda_ipc", plan.version, f"engine rank {rank}", peer, plan.timeout_s)
 
-    def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
+    def refuse(self, *, plan: WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
         self._trainer_store.refuse(plan, ranks=[rank], reason=reason, deadline=deadline, ctx=self._context(plan, rank))
 
     def receive(
         self,
         *,
-        plan: common_pb2.WeightSyncPlan,
+        plan: WeightSyncPlan,
         layout: Layout,
         rank: int,
         params: Mapping[str, torch.Tensor],
@@ -413,7 +424,7 @@ class CudaIpcReceiver(ReceiverTransport):
             raise
 
     def _map_allocations(
-        self, plan: common_pb2.WeightSyncPlan, layout: Layout, ctx: SyncContext
+        self, plan: WeightSyncPlan, layout: Layout, ctx: SyncContext
     ) -> dict[tuple[int, bytes], tuple[int, torch.Tensor]]:
         """(device, handle) -> (lo, uint8 view of the allocation from byte `lo`): every allocation the buckets
         live in, mapped with one open covering all of its buckets (or kept from the last sync)."""
@@ -421,7 +432,7 @@ class CudaIpcReceiver(ReceiverTransport):
         for bucket, wb in zip(layout.buckets, plan.buckets, strict=True):
             if not bucket.nbytes:
                 continue
-            handle = wb.ipc
+            handle = _handle(wb)
             if handle.storage_size_bytes != bucket.nbytes or not handle.handle:
                 raise WeightSyncError(ctx.message(f"bucket {bucket.index} has no usable IPC handle"))
             key = (_local_device(handle), bytes(handle.handle))
@@ -433,7 +444,7 @@ class CudaIpcReceiver(ReceiverTransport):
             cache_key = (device, raw, lo, hi)
             view = self._kept.get(cache_key)
             if view is None:
-                first = next(wb.ipc for wb in plan.buckets if bytes(wb.ipc.handle) == raw)
+                first = next(_handle(wb) for wb in plan.buckets if bytes(_handle(wb).handle) == raw)
                 with torch.cuda.device(device):
                     # b"" as ref-counter handle: lifetime follows our done-handshake, not torch's refcount
                     storage = torch.UntypedStorage._new_shared_cuda(
@@ -449,7 +460,7 @@ class CudaIpcReceiver(ReceiverTransport):
 
     @staticmethod
     def _bucket_views(
-        plan: common_pb2.WeightSyncPlan, layout: Layout, mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]]
+        plan: WeightSyncPlan, layout: Layout, mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]]
     ) -> list[torch.Tensor | None]:
         """A uint8 view of each bucket (None for empty ones)."""
         out: list[torch.Tensor | None] = []
@@ -457,20 +468,22 @@ class CudaIpcReceiver(ReceiverTransport):
             if not bucket.nbytes:
                 out.append(None)
                 continue
-            lo, view = mapped[(_local_device(wb.ipc), bytes(wb.ipc.handle))]
-            start = wb.ipc.storage_offset_bytes - lo
+            handle = _handle(wb)
+            lo, view = mapped[(_local_device(handle), bytes(handle.handle))]
+            start = handle.storage_offset_bytes - lo
             out.append(view[start : start + bucket.nbytes])
         return out
 
     @staticmethod
     def _flat_copies(
-        plan: common_pb2.WeightSyncPlan,
+        plan: WeightSyncPlan,
         layout: Layout,
         flat: torch.Tensor,
         mapped: dict[tuple[int, bytes], tuple[int, torch.Tensor]],
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Whole bucket spans into a FlatParams buffer (one copy when the trainer's buckets share an allocation)."""
-        sources = [((_local_device(wb.ipc), bytes(wb.ipc.handle)), wb.ipc.storage_offset_bytes) for wb in plan.buckets]
+        handles = [_handle(wb) for wb in plan.buckets]
+        sources = [((_local_device(h), bytes(h.handle)), h.storage_offset_bytes) for h in handles]
         spans = flat_spans(
             sizes=[b.nbytes for b in layout.buckets], dst_starts=bucket_starts(layout)[0], sources=sources
         )
@@ -481,7 +494,7 @@ class CudaIpcReceiver(ReceiverTransport):
         return copies
 
     def _plan_copies(
-        self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, params: Mapping[str, torch.Tensor], ctx: SyncContext
+        self, *, plan: WeightSyncPlan, layout: Layout, params: Mapping[str, torch.Tensor], ctx: SyncContext
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(destination, source) pairs that move every bucket into params: whole bucket spans into a FlatParams
         buffer, else copies from a recipe cached by where each param lives (shapes and dtypes match the plan,

@@ -19,6 +19,7 @@ import struct
 import time
 import uuid
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -26,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from services.contracts.config import DiskWeights
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import WeightSyncPlan
 from services.weights.layout import SAFETENSORS_DTYPES, Bucket, Layout, Slot, dtype_name, tensor_bytes
 from services.weights.transport_base import (
     Deadline,
@@ -104,17 +105,16 @@ class DiskSender(SenderTransport):
         self._trainer_id = trainer_id
         self._tag = re.sub(r"[^A-Za-z0-9_-]", "_", trainer_id)[:64] or "trainer"
 
-    def prepare(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, engine_world_size: int) -> None:
+    def prepare(self, *, plan: WeightSyncPlan, layout: Layout, engine_world_size: int) -> WeightSyncPlan:
         self._root.mkdir(parents=True, exist_ok=True)
         for leftover in self._root.glob(f".v*.tmp-{self._tag}-*"):  # our own crashed writes
             shutil.rmtree(leftover, ignore_errors=True)
-        plan.disk_path = str(self._root / f"v{plan.version}")
-        plan.world_size = 1 + engine_world_size
+        return replace(plan, disk_path=str(self._root / f"v{plan.version}"), world_size=1 + engine_world_size)
 
     def publish(
         self,
         *,
-        plan: common_pb2.WeightSyncPlan,
+        plan: WeightSyncPlan,
         layout: Layout,
         tensors: Iterable[tuple[Slot, torch.Tensor]],
         deadline: Deadline,
@@ -165,7 +165,7 @@ class DiskReceiver(ReceiverTransport):
     def receive(
         self,
         *,
-        plan: common_pb2.WeightSyncPlan,
+        plan: WeightSyncPlan,
         layout: Layout,
         rank: int,
         params: Mapping[str, torch.Tensor],

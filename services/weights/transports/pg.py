@@ -30,13 +30,14 @@ import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from services.contracts.config import ProcessGroupWeights
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import WeightSyncPlan
 from services.weights import torch_compat
 from services.weights.layout import Bucket, Layout, Slot
 from services.weights.transport_base import (
@@ -204,17 +205,20 @@ class ProcessGroupSender(SenderTransport):
         self._generation = -1  # of the group under the current name; bumped on every (re)build
         self._staging: _Staging | None = None
 
-    def prepare(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, engine_world_size: int) -> None:
+    def prepare(self, *, plan: WeightSyncPlan, layout: Layout, engine_world_size: int) -> WeightSyncPlan:
         world_size = 1 + engine_world_size
         if self._group_name is None or world_size != self._world_size:
             self._teardown()
             self._group_name = f"tandem-{self._backend}-{self._trainer_id}-{uuid.uuid4().hex[:12]}"
             self._world_size = world_size
             self._generation = -1
-        plan.group_name = self._group_name
-        plan.master_addr = self._config.master_addr
-        plan.master_port = self._master.port
-        plan.world_size = world_size
+        plan = replace(
+            plan,
+            group_name=self._group_name,
+            master_addr=self._config.master_addr,
+            master_port=self._master.port,
+            world_size=world_size,
+        )
         rendezvous.clear_version(
             rendezvous.ctl_store(self._master.store, self._group_name), version=plan.version, world_size=world_size
         )
@@ -222,11 +226,12 @@ class ProcessGroupSender(SenderTransport):
         if self._staging is None or self._staging.key != (layout.key, device):
             self._staging = None  # free the old layout's buffers before allocating the new ones
             self._staging = _Staging(layout=layout, device=device)
+        return plan
 
     def publish(
         self,
         *,
-        plan: common_pb2.WeightSyncPlan,
+        plan: WeightSyncPlan,
         layout: Layout,
         tensors: Iterable[tuple[Slot, torch.Tensor]],
         deadline: Deadline,
@@ -251,7 +256,7 @@ class ProcessGroupSender(SenderTransport):
         except BaseException as exc:  # noqa: BLE001 - _fail re-raises it, or a WeightSyncError for it
             self._fail(exc, plan=plan, ctl=ctl, ctx=ctx, what="sending")
 
-    def _begin_publish(self, plan: common_pb2.WeightSyncPlan) -> tuple[SyncContext, dist.PrefixStore]:
+    def _begin_publish(self, plan: WeightSyncPlan) -> tuple[SyncContext, dist.PrefixStore]:
         """The plan must be the one prepared last; (who talks to whom, the control store of its group)."""
         if plan.group_name != self._group_name or self._staging is None:
             raise ValueError(
@@ -266,7 +271,7 @@ class ProcessGroupSender(SenderTransport):
     def _publish_ready(
         self,
         *,
-        plan: common_pb2.WeightSyncPlan,
+        plan: WeightSyncPlan,
         layout: Layout,
         tensors: Iterable[tuple[Slot, torch.Tensor]],
         deadline: Deadline,
@@ -285,7 +290,7 @@ class ProcessGroupSender(SenderTransport):
         return waited
 
     def _fail(
-        self, exc: BaseException, *, plan: common_pb2.WeightSyncPlan, ctl: dist.Store, ctx: SyncContext, what: str
+        self, exc: BaseException, *, plan: WeightSyncPlan, ctl: dist.Store, ctx: SyncContext, what: str
     ) -> NoReturn:
         """Tell the engines, drop the group (the next prepare announces a fresh one), raise a WeightSyncError."""
         rendezvous.try_signal_abort(ctl, version=plan.version, why=str(exc))
@@ -294,7 +299,7 @@ class ProcessGroupSender(SenderTransport):
             raise exc
         raise _classify(exc, ctx=ctx, what=what) from exc
 
-    def _choose_generation(self, *, plan: common_pb2.WeightSyncPlan, held: dict[int, str]) -> int:
+    def _choose_generation(self, *, plan: WeightSyncPlan, held: dict[int, str]) -> int:
         """Reuse the built group only if every rank holds it; a rank that does not (a replaced engine process)
         makes every member rebuild under the next generation, instead of failing this sync."""
         group = self._group
@@ -306,9 +311,7 @@ class ProcessGroupSender(SenderTransport):
         self._generation += 1
         return self._generation
 
-    def _ensure_group(
-        self, *, plan: common_pb2.WeightSyncPlan, generation: int, deadline: Deadline, ctx: SyncContext
-    ) -> _Group:
+    def _ensure_group(self, *, plan: WeightSyncPlan, generation: int, deadline: Deadline, ctx: SyncContext) -> _Group:
         key = (plan.group_name, plan.world_size)
         if self._group is None or self._group.key != key or self._group.generation != generation:
             store = self._master.store
@@ -393,17 +396,17 @@ class ProcessGroupReceiver(ReceiverTransport):
         self._staging: _Staging | None = None
 
     @staticmethod
-    def _context(plan: common_pb2.WeightSyncPlan, rank: int) -> SyncContext:
+    def _context(plan: WeightSyncPlan, rank: int) -> SyncContext:
         peer = f"trainer rank 0 at {plan.master_addr}:{plan.master_port} (trainer_id {plan.trainer_id or '?'})"
         return SyncContext(plan.transport, plan.version, f"engine rank {rank}", peer, plan.timeout_s)
 
-    def refuse(self, *, plan: common_pb2.WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
+    def refuse(self, *, plan: WeightSyncPlan, rank: int, reason: str, deadline: Deadline) -> None:
         self._trainer_store.refuse(plan, ranks=[rank], reason=reason, deadline=deadline, ctx=self._context(plan, rank))
 
     def receive(
         self,
         *,
-        plan: common_pb2.WeightSyncPlan,
+        plan: WeightSyncPlan,
         layout: Layout,
         rank: int,
         params: Mapping[str, torch.Tensor],
@@ -433,7 +436,7 @@ class ProcessGroupReceiver(ReceiverTransport):
     def _ensure_group(
         self,
         *,
-        plan: common_pb2.WeightSyncPlan,
+        plan: WeightSyncPlan,
         key: tuple,
         generation: int,
         store: dist.TCPStore,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import WeightSyncPlan
 from services.weights.transport_base import (
     Deadline,
     SyncContext,
@@ -78,7 +78,7 @@ class TrainerStore:
         self._key: tuple[str, int] | None = None
         self._store: dist.TCPStore | None = None
 
-    def get(self, plan: common_pb2.WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> dist.TCPStore:
+    def get(self, plan: WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> dist.TCPStore:
         key = (plan.master_addr, plan.master_port)
         if self._store is None or self._key != key:
             self.clear()  # a new trainer store: the old trainer is gone or restarted
@@ -86,12 +86,12 @@ class TrainerStore:
             self._key = key
         return self._store
 
-    def ctl(self, plan: common_pb2.WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> dist.PrefixStore:
+    def ctl(self, plan: WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> dist.PrefixStore:
         return ctl_store(self.get(plan, deadline=deadline, ctx=ctx), plan.group_name)
 
     def refuse(
         self,
-        plan: common_pb2.WeightSyncPlan,
+        plan: WeightSyncPlan,
         *,
         ranks: Sequence[int],
         reason: str,

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from services.contracts.config import ProcessGroupWeights
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import WeightSyncPlan
 from services.weights import torch_compat
 from services.weights.layout import Bucket, Layout, Slot
 from services.weights.transport_base import (
@@ -135,7 +135,7 @@ class _SGLangGroup:
 class _Watch:
     """Waits that also watch the engines' abort keys and the deadline (a failed SGLang call fails us at once)."""
 
-    def __init__(self, *, ctl: dist.Store, plan: common_pb2.WeightSyncPlan, deadline: Deadline, ctx: SyncContext):
+    def __init__(self, *, ctl: dist.Store, plan: WeightSyncPlan, deadline: Deadline, ctx: SyncContext):
         self.ctl, self.plan, self.deadline, self.ctx = ctl, plan, deadline, ctx
         self._next_check = 0.0
 
@@ -204,7 +204,7 @@ class SGLangAwareSender(ProcessGroupSender):
     def _publish_ready(
         self,
         *,
-        plan: common_pb2.WeightSyncPlan,
+        plan: WeightSyncPlan,
         layout: Layout,
         tensors: Iterable[tuple[Slot, torch.Tensor]],
         deadline: Deadline,
@@ -249,7 +249,7 @@ class SGLangAwareSender(ProcessGroupSender):
         except BaseException as exc:  # noqa: BLE001 - _fail re-raises it, or a WeightSyncError for it
             self._fail(exc, plan=plan, ctl=ctl, ctx=ctx, what="sending to SGLang")
 
-    def _choose_sglang_generation(self, *, plan: common_pb2.WeightSyncPlan, readies: Mapping[int, SGLangReady]) -> int:
+    def _choose_sglang_generation(self, *, plan: WeightSyncPlan, readies: Mapping[int, SGLangReady]) -> int:
         """Keep the group only if every SGLang rank still holds it; else every member joins the next one."""
         group = self._sglang
         if (
@@ -265,7 +265,7 @@ class SGLangAwareSender(ProcessGroupSender):
         return self._sglang_generation
 
     def _ensure_sglang_group(
-        self, *, plan: common_pb2.WeightSyncPlan, generation: int, deadline: Deadline, watch: _Watch
+        self, *, plan: WeightSyncPlan, generation: int, deadline: Deadline, watch: _Watch
     ) -> _SGLangGroup:
         key = (plan.group_name, plan.world_size)
         if self._sglang is not None and self._sglang.key == key and self._sglang.generation == generation:
@@ -359,17 +359,17 @@ class EngineHandshake:
         self._trainer_store = rendezvous.TrainerStore()
         self._refuse_timeout_s = refuse_timeout_s
 
-    def ctl(self, plan: common_pb2.WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> dist.Store:
+    def ctl(self, plan: WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> dist.Store:
         return self._trainer_store.ctl(plan, deadline=deadline, ctx=ctx)
 
     def post_ready(
-        self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], value: str, deadline: Deadline, ctx: SyncContext
+        self, plan: WeightSyncPlan, *, ranks: Sequence[int], value: str, deadline: Deadline, ctx: SyncContext
     ) -> None:
         ctl = self.ctl(plan, deadline=deadline, ctx=ctx)
         for rank in ranks:
             rendezvous.post(ctl, version=plan.version, kind="ready", rank=rank, value=value, ctx=ctx)
 
-    def await_go(self, plan: common_pb2.WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> int:
+    def await_go(self, plan: WeightSyncPlan, *, deadline: Deadline, ctx: SyncContext) -> int:
         """The trainer's go once every rank is ready: the generation of the group to join."""
         ctl = self.ctl(plan, deadline=deadline, ctx=ctx)
         answer = rendezvous.await_go(ctl, version=plan.version, deadline=deadline, ctx=ctx)
@@ -382,15 +382,13 @@ class EngineHandshake:
             )
         return int(answer)
 
-    def post_done(
-        self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], deadline: Deadline, ctx: SyncContext
-    ) -> None:
+    def post_done(self, plan: WeightSyncPlan, *, ranks: Sequence[int], deadline: Deadline, ctx: SyncContext) -> None:
         """Every update request of these ranks' server answered success."""
         ctl = self.ctl(plan, deadline=deadline, ctx=ctx)
         for rank in ranks:
             rendezvous.post(ctl, version=plan.version, kind="done", rank=rank, value="ok", ctx=ctx)
 
-    def refuse(self, plan: common_pb2.WeightSyncPlan, *, ranks: Sequence[int], reason: str, ctx: SyncContext) -> None:
+    def refuse(self, plan: WeightSyncPlan, *, ranks: Sequence[int], reason: str, ctx: SyncContext) -> None:
         """Best effort: the trainer fails now with `reason` instead of at its deadline."""
         self._trainer_store.refuse(plan, ranks=ranks, reason=reason, deadline=Deadline(self._refuse_timeout_s), ctx=ctx)
 

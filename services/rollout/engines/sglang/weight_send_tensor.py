@@ -33,6 +33,7 @@ import io
 import types
 import uuid
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -40,7 +41,7 @@ import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
 
 from services.contracts.config import CudaIpcWeights
-from services.contracts.gen.tandem.v1 import common_pb2
+from services.contracts.weight_plan import WeightSyncPlan
 from services.weights.layout import Bucket, Layout, Slot
 from services.weights.transport_base import Deadline, SenderTransport, SyncContext, WeightSyncError
 from services.weights.transports import rendezvous
@@ -129,7 +130,7 @@ class SGLangTensorSender(SenderTransport):
         self._buffers: list[torch.Tensor] = []  # this sync's buckets, kept until the next prepare
         self._device = device
 
-    def prepare(self, *, plan: common_pb2.WeightSyncPlan, layout: Layout, engine_world_size: int) -> None:
+    def prepare(self, *, plan: WeightSyncPlan, layout: Layout, engine_world_size: int) -> WeightSyncPlan:
         if self._device is None and not torch.cuda.is_available():
             raise WeightSyncError("transport cuda_ipc needs CUDA; use disk or nccl with rollout.engine sglang")
         self.release()
@@ -137,27 +138,35 @@ class SGLangTensorSender(SenderTransport):
         self._buffers = [torch.empty(max(b.nbytes, 1), dtype=torch.uint8, device=device) for b in layout.buckets]
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the allocations exist before another process maps them
+        buckets = []
         for wb, bucket, buffer in zip(plan.buckets, layout.buckets, self._buffers, strict=True):
             if wire_slots(bucket):
                 obj = bucket_payload(bucket, buffer, load_format=self._load_format)
-                wb.sglang_payloads.extend(
+                payloads = tuple(
                     serialize_for_sglang(obj, cuda_uuid=device.type == "cuda") for _ in range(engine_world_size)
                 )
-        plan.sglang_load_format = self._load_format
+                wb = replace(wb, sglang_payloads=payloads)
+            buckets.append(wb)
         if self._group_name is None:
             self._group_name = f"tandem-sgl-{self._trainer_id}-{uuid.uuid4().hex[:12]}"
-        plan.group_name = self._group_name
-        plan.master_addr = self._config.master_addr
-        plan.master_port = self._master.port
-        plan.world_size = 1 + engine_world_size
+        plan = replace(
+            plan,
+            buckets=tuple(buckets),
+            sglang_load_format=self._load_format,
+            group_name=self._group_name,
+            master_addr=self._config.master_addr,
+            master_port=self._master.port,
+            world_size=1 + engine_world_size,
+        )
         rendezvous.clear_version(
             rendezvous.ctl_store(self._master.store, self._group_name), version=plan.version, world_size=plan.world_size
         )
+        return plan
 
     def publish(
         self,
         *,
-        plan: common_pb2.WeightSyncPlan,
+        plan: WeightSyncPlan,
         layout: Layout,
         tensors: Iterable[tuple[Slot, torch.Tensor]],
         deadline: Deadline,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.contracts.gen.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/reward.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xd3\x01\n\x0cRewardSample\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x10\n\x08response\x18\x03 \x01(\t\x12\r\n\x05label\x18\x04 \x01(\t\x12\x37\n\x08metadata\x18\x05 \x03(\x0b\x32%.tandem.v1.RewardSample.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbe\x01\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x07samples\x18\x02 \x03(\x0b\x32\x17.tandem.v1.RewardSample\x12@\n\rtrace_context\x18\x03 \x03(\x0b\x32).tandem.v1.ScoreRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1b\n\tSubScores\x12\x0e\n\x06values\x18\x01 \x03(\x01\"\x95\x02\n\rScoreResponse\x12\x0e\n\x06scores\x18\x01 \x03(\x01\x12;\n\nsub_scores\x18\x02 \x03(\x0b\x32\'.tandem.v1.ScoreResponse.SubScoresEntry\x12\x10\n\x08verdicts\x18\x03 \x03(\t\x12\x16\n\x0eparse_failures\x18\x04 \x01(\x05\x12\x0e\n\x06time_s\x18\x05 \x01(\x01\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\x0e\n\x06tokens\x18\x07 \x01(\x03\x12\x14\n\x0cparse_failed\x18\x08 \x03(\x08\x1a\x46\n\x0eSubScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.tandem.v1.SubScores:\x02\x38\x01\"l\n\x10RewardModelState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x16\n\x0esamples_scored\x18\x04 \x01(\x03\x12\x16\n\x0eparse_failures\x18\x05 \x01(\x03\"J\n\x0bRewardState\x12+\n\x06models\x18\x01 \x03(\x0b\x32\x1b.tandem.v1.RewardModelState\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t2z\n\x06Reward\x12:\n\x05Score\x12\x17.tandem.v1.ScoreRequest\x1a\x18.tandem.v1.ScoreResponse\x12\x34\n\x08GetState\x12\x10.tandem.v1.Empty\x1a\x16.tandem.v1.RewardStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/reward.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\xd3\x01\n\x0cRewardSample\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x10\n\x08response\x18\x03 \x01(\t\x12\r\n\x05label\x18\x04 \x01(\t\x12\x37\n\x08metadata\x18\x05 \x03(\x0b\x32%.tandem.v1.RewardSample.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xbe\x01\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x07samples\x18\x02 \x03(\x0b\x32\x17.tandem.v1.RewardSample\x12@\n\rtrace_context\x18\x03 \x03(\x0b\x32).tandem.v1.ScoreRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1b\n\tSubScores\x12\x0e\n\x06values\x18\x01 \x03(\x01\"\x93\x02\n\rScoreResponse\x12\x0e\n\x06scores\x18\x01 \x03(\x01\x12;\n\nsub_scores\x18\x02 \x03(\x0b\x32\'.tandem.v1.ScoreResponse.SubScoresEntry\x12\x10\n\x08verdicts\x18\x03 \x03(\t\x12\x0e\n\x06time_s\x18\x05 \x01(\x01\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\x0e\n\x06tokens\x18\x07 \x01(\x03\x12\x14\n\x0cparse_failed\x18\x08 \x03(\x08\x1a\x46\n\x0eSubScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.tandem.v1.SubScores:\x02\x38\x01J\x04\x08\x04\x10\x05R\x0eparse_failures\"l\n\x10RewardModelState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x16\n\x0esamples_scored\x18\x04 \x01(\x03\x12\x16\n\x0eparse_failures\x18\x05 \x01(\x03\"J\n\x0bRewardState\x12+\n\x06models\x18\x01 \x03(\x0b\x32\x1b.tandem.v1.RewardModelState\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t2z\n\x06Reward\x12:\n\x05Score\x12\x17.tandem.v1.ScoreRequest\x1a\x18.tandem.v1.ScoreResponse\x12\x34\n\x08GetState\x12\x10.tandem.v1.Empty\x1a\x16.tandem.v1.RewardStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,13 +49,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBSCORES']._serialized_start=468
   _globals['_SUBSCORES']._serialized_end=495
   _globals['_SCORERESPONSE']._serialized_start=498
-  _globals['_SCORERESPONSE']._serialized_end=775
-  _globals['_SCORERESPONSE_SUBSCORESENTRY']._serialized_start=705
-  _globals['_SCORERESPONSE_SUBSCORESENTRY']._serialized_end=775
-  _globals['_REWARDMODELSTATE']._serialized_start=777
-  _globals['_REWARDMODELSTATE']._serialized_end=885
-  _globals['_REWARDSTATE']._serialized_start=887
-  _globals['_REWARDSTATE']._serialized_end=961
-  _globals['_REWARD']._serialized_start=963
-  _globals['_REWARD']._serialized_end=1085
+  _globals['_SCORERESPONSE']._serialized_end=773
+  _globals['_SCORERESPONSE_SUBSCORESENTRY']._serialized_start=681
+  _globals['_SCORERESPONSE_SUBSCORESENTRY']._serialized_end=751
+  _globals['_REWARDMODELSTATE']._serialized_start=775
+  _globals['_REWARDMODELSTATE']._serialized_end=883
+  _globals['_REWARDSTATE']._serialized_start=885
+  _globals['_REWARDSTATE']._serialized_end=959
+  _globals['_REWARD']._serialized_start=961
+  _globals['_REWARD']._serialized_end=1083
 # @@protoc_insertion_point(module_scope)

@@ -52,7 +52,7 @@ class SubScores(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("scores", "sub_scores", "verdicts", "parse_failures", "time_s", "queue_s", "tokens", "parse_failed")
+    __slots__ = ("scores", "sub_scores", "verdicts", "time_s", "queue_s", "tokens", "parse_failed")
     class SubScoresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,7 +63,6 @@ class ScoreResponse(_message.Message):
     SCORES_FIELD_NUMBER: _ClassVar[int]
     SUB_SCORES_FIELD_NUMBER: _ClassVar[int]
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
-    PARSE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     TIME_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -71,12 +70,11 @@ class ScoreResponse(_message.Message):
     scores: _containers.RepeatedScalarFieldContainer[float]
     sub_scores: _containers.MessageMap[str, SubScores]
     verdicts: _containers.RepeatedScalarFieldContainer[str]
-    parse_failures: int
     time_s: float
     queue_s: float
     tokens: int
     parse_failed: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, scores: _Optional[_Iterable[float]] = ..., sub_scores: _Optional[_Mapping[str, SubScores]] = ..., verdicts: _Optional[_Iterable[str]] = ..., parse_failures: _Optional[int] = ..., time_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., tokens: _Optional[int] = ..., parse_failed: _Optional[_Iterable[bool]] = ...) -> None: ...
+    def __init__(self, scores: _Optional[_Iterable[float]] = ..., sub_scores: _Optional[_Mapping[str, SubScores]] = ..., verdicts: _Optional[_Iterable[str]] = ..., time_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., tokens: _Optional[int] = ..., parse_failed: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class RewardModelState(_message.Message):
     __slots__ = ("name", "type", "path", "samples_scored", "parse_failures")
