@@ -13,22 +13,30 @@ pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-# ~7 min on the shared 2-core box when it is quiet, 10-13 under load: every turn is an HTTP call
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+# ~1.5 min on the shared 2-core box when it is quiet, 3-6 under load: every turn is an HTTP call
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 AGENT_EXAMPLE = REPO / "examples" / "agent_tools.yaml"
+# 8 prompts x 16 episodes a step for 60 steps (the learning's onset varies from run to run, by 10-15 steps): the
+# trained eval scored 0.90 and 0.50 under sampling seeds 3 and 4 (> 0.405 asserted); at 50 steps seeds 1-3 scored
+# 0.64, 0.77, 0.29, so 50 was too few (bench/RESULTS.md, "the agent e2e")
+PROMPTS, EPISODES, STEPS = 8, 16, 60
 
 
 def test_an_openai_client_agent_learns_to_call_the_lookup_tool_through_the_endpoint(tmp_path):
     run_dir = tmp_path / "run"
-    # 16 prompts x 16 episodes a step: every turn is an HTTP call, so a step costs more than the environment's
     proc = start_run(
-        run_dir, "loop.num_rollout=40", "loop.eval_interval=40", "rollout.rollout_batch_size=16", config=AGENT_EXAMPLE
+        run_dir,
+        f"loop.num_rollout={STEPS}",
+        f"loop.eval_interval={STEPS}",
+        f"rollout.rollout_batch_size={PROMPTS}",
+        f"rollout.n_samples_per_prompt={EPISODES}",
+        config=AGENT_EXAMPLE,
     )
-    assert proc.wait(timeout=1400) == 0, supervisor_log(run_dir)
+    assert proc.wait(timeout=800) == 0, supervisor_log(run_dir)
     rows = metrics(run_dir)
     evals = [r for r in rows if "eval/reward_mean" in r]
     steps = [r for r in rows if "rollout/reward_mean" in r]
-    assert [r["rollout_id"] for r in evals] == [-1, 39] and len(steps) == 40
+    assert [r["rollout_id"] for r in evals] == [-1, STEPS - 1] and len(steps) == STEPS
     ceiling = best_no_tool_reward(REPO / "examples" / "tool_lookup" / "eval.jsonl")
     untrained, trained = evals[0], evals[-1]
     assert untrained["eval/reward_mean"] < ceiling, untrained
@@ -39,8 +47,10 @@ def test_an_openai_client_agent_learns_to_call_the_lookup_tool_through_the_endpo
     assert steps[0]["rollout/agent_turns_mean"] < 1.3 and steps[-1]["rollout/agent_turns_mean"] > 1.8
     for r in steps:
         assert r["rollout/agent_samples_per_episode"] == 1.0 and r["rollout/agent_rewritten_turns"] == 0.0
-        assert r["rollout/agent_episodes"] == 256.0
-    assert sum(r["rollout/agent_failed_episodes"] for r in steps) <= 0.01 * 256 * 40  # none expected; a loaded box
+        assert r["rollout/agent_episodes"] == PROMPTS * EPISODES
+    assert (
+        sum(r["rollout/agent_failed_episodes"] for r in steps) <= 0.01 * PROMPTS * EPISODES * STEPS
+    )  # none expected; a loaded box
     assert steps[-1]["rollout/agent_reused_turn_frac"] > 0.4  # turns after a tool result reused the generated ids
     # where `tandem ctl episodes --run-dir` finds the endpoint: 127.0.0.1 only
     assert json.loads((run_dir / "openai_api" / "rollout-0.json").read_text())["url"].startswith("http://127.0.0.1:")
