@@ -71,7 +71,7 @@ def train(model_dir: Path, *, seed: int, lr: float, batch: int, max_steps: int, 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.rollout.tokenizer import load_tokenizer, prompt_token_ids
+    from services.rollout.tokenizer import encode_texts, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -80,7 +80,8 @@ def train(model_dir: Path, *, seed: int, lr: float, batch: int, max_steps: int, 
     answer = {d: tokenizer.convert_tokens_to_ids(d) for d in "0123456789"}
 
     def encode(pairs: list[tuple[str, str]]) -> tuple[Any, Any]:
-        ids = prompt_token_ids(tokenizer, [p for p, _ in pairs])  # `a b =` is 4 tokens after BOS: one width
+        # `a b =` is 4 tokens after BOS: one width
+        ids = encode_texts(tokenizer, [p for p, _ in pairs], special_tokens=True)
         return torch.tensor(ids), torch.tensor([answer[label] for _, label in pairs])
 
     eval_ids, eval_labels = encode(eval_pairs)

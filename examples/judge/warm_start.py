@@ -74,7 +74,7 @@ def train_verdicts(model_dir: Path, *, steps: int, seed: int, lr: float, batch: 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.rollout.tokenizer import load_tokenizer, prompt_token_ids
+    from services.rollout.tokenizer import encode_texts, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     template = jinja2.Template(RUBRIC.read_text())
@@ -88,7 +88,7 @@ def train_verdicts(model_dir: Path, *, steps: int, seed: int, lr: float, batch: 
     def draw(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows = [rubric_example(rng) for _ in range(n)]
         texts = [template.render(prompt=p, response=r, label=lb) for p, r, lb, _ in rows]
-        ids = prompt_token_ids(tokenizer, texts)
+        ids = encode_texts(tokenizer, texts, special_tokens=True)
         width = max(len(i) for i in ids)
         pad = tokenizer.pad_token_id
         x = torch.tensor([[pad] * (width - len(i)) + i for i in ids])  # left padding: the verdict follows the end

@@ -27,7 +27,6 @@ class RewardParts:
 
 def build_model(model: ClassifierModelConfig | JudgeModelConfig, *, device: str) -> RewardModel:
     """One model of reward.models, by its type."""
-    import torch
 
     from services.rollout.engines.native.engine import resolve_device
 
@@ -53,7 +52,6 @@ def build_model(model: ClassifierModelConfig | JudgeModelConfig, *, device: str)
                 eos_token_ids=end_of_generation_ids(model.path, tokenizer) or None,
                 detokenizer=texts,
             )
-            torch.set_grad_enabled(False)
             return JudgeModel(model, engine=engine, texts=texts)
 
 
