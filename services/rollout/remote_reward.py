@@ -29,7 +29,7 @@ from services.contracts.chat_messages import ChatMessage
 from services.contracts.reward_calls import RewardSample, ScoreRequest, ScoreResult
 from services.contracts.reward_config import RewardServiceConfig
 from services.contracts.untyped import JsonValue
-from services.rollout.rewards import RewardError, RewardScores, RewardUnavailable
+from services.rollout.rewards import DetailedReward, RewardError, RewardScores, RewardUnavailable
 from services.telemetry import tracing
 
 log = logging.getLogger(__name__)
@@ -202,26 +202,13 @@ def messages_of(metadata: Mapping[str, str]) -> tuple[ChatMessage, ...]:
 
 
 @dataclass(frozen=True)
-class RemoteReward:
+class RemoteReward(DetailedReward):
     """A model of the reward service as a reward (rewards.Reward)."""
 
     spec: str
     name: str  # the metric name of the term (the model's)
     batcher: ScoreBatcher
     wait_s: float  # a caller gives up on its futures after this (the batcher's own deadline comes first)
-
-    def score(
-        self,
-        *,
-        prompts: Sequence[str],
-        responses: Sequence[str],
-        labels: Sequence[str],
-        metadatas: Sequence[dict[str, str]],
-        timeout_s: float | None = None,
-    ) -> list[float]:
-        return self.score_detailed(
-            prompts=prompts, responses=responses, labels=labels, metadatas=metadatas, timeout_s=timeout_s
-        ).values
 
     def score_detailed(
         self,

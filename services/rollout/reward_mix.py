@@ -17,27 +17,14 @@ from dataclasses import dataclass
 from services.contracts.config import TandemConfig
 from services.contracts.reward_spec import RewardSpecError, RewardTerm, parse_reward
 from services.rollout.remote_reward import RemoteReward, ScoreBatcher, ScoreClient
-from services.rollout.rewards import RewardScores, resolve_reward
+from services.rollout.rewards import DetailedReward, RewardScores, resolve_reward
 from services.rollout.samples import Scorer
 
 
 @dataclass(frozen=True)
-class WeightedReward:
+class WeightedReward(DetailedReward):
     spec: str
     terms: tuple[tuple[RewardTerm, Scorer], ...]
-
-    def score(
-        self,
-        *,
-        prompts: Sequence[str],
-        responses: Sequence[str],
-        labels: Sequence[str],
-        metadatas: Sequence[dict[str, str]],
-        timeout_s: float | None = None,
-    ) -> list[float]:
-        return self.score_detailed(
-            prompts=prompts, responses=responses, labels=labels, metadatas=metadatas, timeout_s=timeout_s
-        ).values
 
     def score_detailed(
         self,

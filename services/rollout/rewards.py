@@ -24,6 +24,7 @@ cannot be interrupted: its call is left running on a daemon thread, which dies w
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import contextvars
@@ -59,6 +60,35 @@ class RewardScores:
 
     values: list[float]
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+class DetailedReward(abc.ABC):
+    """A reward that answers `score_detailed` (values and metrics); its `score` is the values alone."""
+
+    @abc.abstractmethod
+    def score_detailed(
+        self,
+        *,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        labels: Sequence[str],
+        metadatas: Sequence[dict[str, str]],
+        timeout_s: float | None = None,
+        tokens: Sequence[int] | None = None,
+    ) -> RewardScores: ...
+
+    def score(
+        self,
+        *,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        labels: Sequence[str],
+        metadatas: Sequence[dict[str, str]],
+        timeout_s: float | None = None,
+    ) -> list[float]:
+        return self.score_detailed(
+            prompts=prompts, responses=responses, labels=labels, metadatas=metadatas, timeout_s=timeout_s
+        ).values
 
 
 class RewardError(ValueError):
