@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LEARNING_E2ES = {
-    "math_chat": "tests/test_run_e2e.py::test_policy_learns_math_chat_in_async_mode",
+    "math_chat": "tests/test_run_math_chat_e2e.py::test_policy_learns_math_chat_in_async_mode",
     "gspo_rloo": "tests/test_run_e2e.py::"
     "test_gspo_with_rloo_and_geometric_rejection_learns_digit_max_with_two_token_answers",
     "reinforce_pp": "tests/test_run_e2e.py::test_reinforce_pp_learns_at_temperature_0_7_with_top_p_scored_on_policy",

@@ -175,3 +175,9 @@ TRACEBACK = "Traceback (most recent call last)"
 def last_lines(text: str, n: int) -> list[str]:
     """The last n lines a command printed (what a user reads first)."""
     return text.rstrip("\n").splitlines()[-n:]
+
+
+def learning_curve(run_dir) -> tuple[list[dict], list[dict]]:
+    """A run's metrics rows: (the evals, the training steps)."""
+    rows = metrics(run_dir)
+    return [r for r in rows if "eval/reward_mean" in r], [r for r in rows if "rollout/reward_mean" in r]
