@@ -317,18 +317,12 @@ class CudaIpcSender(SenderTransport):
             self._shared = _SharedBuckets(layout=layout, device=device)
         if self._group_name is None:
             self._group_name = f"tandem-ipc-{self._trainer_id}-{uuid.uuid4().hex[:12]}"
-        plan = replace(
+        return self._master.announce(
             plan,
-            buckets=tuple(replace(wb, ipc=h) for wb, h in zip(plan.buckets, self._shared.handles, strict=True)),
             group_name=self._group_name,
-            master_addr=self._config.master_addr,
-            master_port=self._master.port,
             world_size=1 + engine_world_size,
+            buckets=tuple(replace(wb, ipc=h) for wb, h in zip(plan.buckets, self._shared.handles, strict=True)),
         )
-        rendezvous.clear_version(
-            rendezvous.ctl_store(self._master.store, self._group_name), version=plan.version, world_size=plan.world_size
-        )
-        return plan
 
     def publish(
         self,

@@ -30,7 +30,6 @@ import re
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
 from typing import NoReturn
 
 import torch
@@ -212,16 +211,7 @@ class ProcessGroupSender(SenderTransport):
             self._group_name = f"tandem-{self._backend}-{self._trainer_id}-{uuid.uuid4().hex[:12]}"
             self._world_size = world_size
             self._generation = -1
-        plan = replace(
-            plan,
-            group_name=self._group_name,
-            master_addr=self._config.master_addr,
-            master_port=self._master.port,
-            world_size=world_size,
-        )
-        rendezvous.clear_version(
-            rendezvous.ctl_store(self._master.store, self._group_name), version=plan.version, world_size=world_size
-        )
+        plan = self._master.announce(plan, group_name=self._group_name, world_size=world_size)
         device = _transport_device(self._backend)
         if self._staging is None or self._staging.key != (layout.key, device):
             self._staging = None  # free the old layout's buffers before allocating the new ones

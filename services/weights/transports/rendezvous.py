@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch.distributed as dist
 
-from services.contracts.weight_plan import WeightSyncPlan
+from services.contracts.weight_plan import WeightBucket, WeightSyncPlan
 from services.weights.transport_base import (
     Deadline,
     SyncContext,
@@ -66,6 +67,29 @@ class MasterStore:
     @property
     def port(self) -> int:
         return int(self.store.port)
+
+    def announce(
+        self,
+        plan: WeightSyncPlan,
+        *,
+        group_name: str,
+        world_size: int,
+        buckets: tuple[WeightBucket, ...] | None = None,
+        sglang_load_format: str | None = None,
+    ) -> WeightSyncPlan:
+        """`plan` naming this store and its group (and a transport's filled-in buckets or SGLang load format), the
+        version's control keys of an earlier try cleared so the ranks start this sync from nothing."""
+        plan = replace(
+            plan,
+            group_name=group_name,
+            master_addr=self._host,
+            master_port=self.port,
+            world_size=world_size,
+            buckets=plan.buckets if buckets is None else buckets,
+            sglang_load_format=plan.sglang_load_format if sglang_load_format is None else sglang_load_format,
+        )
+        clear_version(ctl_store(self.store, group_name), version=plan.version, world_size=world_size)
+        return plan
 
     def close(self) -> None:
         self._store = None

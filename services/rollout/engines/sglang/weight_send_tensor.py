@@ -149,19 +149,13 @@ class SGLangTensorSender(SenderTransport):
             buckets.append(wb)
         if self._group_name is None:
             self._group_name = f"tandem-sgl-{self._trainer_id}-{uuid.uuid4().hex[:12]}"
-        plan = replace(
+        return self._master.announce(
             plan,
+            group_name=self._group_name,
+            world_size=1 + engine_world_size,
             buckets=tuple(buckets),
             sglang_load_format=self._load_format,
-            group_name=self._group_name,
-            master_addr=self._config.master_addr,
-            master_port=self._master.port,
-            world_size=1 + engine_world_size,
         )
-        rendezvous.clear_version(
-            rendezvous.ctl_store(self._master.store, self._group_name), version=plan.version, world_size=plan.world_size
-        )
-        return plan
 
     def publish(
         self,
