@@ -111,6 +111,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ds_z0_bf16_c1024": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "chunk_tokens": 1024},
     "ds_z0_fp32_c1024": {"kind": "ds", "zero_stage": 0, "precision": "fp32", "chunk_tokens": 1024},
     "ds_z0_bf16_c8192": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "chunk_tokens": 8192},
+    # the auto head's table as before its 1 GiB cap (1/32 of the GPU's memory: 4,372 rows at 151,936 on an H100); run
+    # in a process of its own (it sets head_scoring's module budget for the rest of the process)
+    "ds_z0_bf16_share32": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "auto_gpu_logits": 2**62},
+    "ds_z0_bf16pure_ac_share32": {
+        "kind": "ds",
+        "zero_stage": 0,
+        "precision": "bf16_pure",
+        "activation_checkpointing": True,
+        "auto_gpu_logits": 2**62,
+    },
+    "ds_z0_bf16_32k": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "micro_batch_tokens": 32768},
     "ds_z0_bf16pure": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure"},
     "ds_z0_bf16pure_nocheck": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "skip_nonfinite_steps": False},
     "ds_z0_fp32": {"kind": "ds", "zero_stage": 0, "precision": "fp32"},
@@ -397,6 +408,11 @@ def run_variant(
 
     variant = VARIANTS[name]
     chunk_tokens = variant.get("chunk_tokens", chunk_tokens)
+    if "auto_gpu_logits" in variant:
+        from services.trainer.algo import head_scoring
+
+        head_scoring.AUTO_GPU_LOGITS = variant["auto_gpu_logits"]
+        head_scoring._auto_logits.cache_clear()
     budget = variant.get("micro_batch_tokens", DEFAULT_BUDGET)
     held = 0.0  # what earlier variants left reserved counts in this one's peak: shown beside it
     if device.type == "cuda":

@@ -351,3 +351,19 @@ def test_auto_chunks_are_whole_rows_within_the_devices_budget_of_logits():
     for vocab in (22, 4096, 151_936, 262_144):  # a chunk's table stays within the budget whatever the vocabulary
         rows, block = chunk_layout("auto", vocab, torch.device("cpu"))
         assert block == vocab and rows * vocab <= 2**26 < (rows + 1) * vocab
+
+
+def test_auto_chunks_on_a_gpu_are_one_gib_of_logits_or_a_32nd_of_a_smaller_cards_memory(monkeypatch):
+    """On a GPU (its memory faked: this runs anywhere) a chunk's float32 table is at most 1 GiB, 1,766 rows at
+    151,936 tokens on an 80 GB H100 (was 1/32 of it, 4,372 rows, whose temporaries put prime-rl's shape over its
+    12.5 GiB), and at most 1/32 of a smaller card's memory (a 16 GiB card: 883 rows)."""
+    from services.trainer.algo import head_scoring
+
+    for total, rows in ((80 * 10**9, 2**28 // 151_936), (16 * 2**30, 16 * 2**30 // 32 // 4 // 151_936)):
+        props = type("Props", (), {"total_memory": total})()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
+        head_scoring._auto_logits.cache_clear()
+        try:
+            assert chunk_layout("auto", 151_936, torch.device("cuda", 0)) == (rows, 151_936)
+        finally:
+            head_scoring._auto_logits.cache_clear()

@@ -101,7 +101,7 @@ class TrainerConfig(Section):
     scoring_chunk_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         default="auto",
         description="response tokens scored at once. auto: whole rows, as many as make "
-        "a float32 [chunk x vocabulary] table of 1/32 of the GPU's memory (2^26 logits on a CPU): a few ops a chunk "
+        "a float32 [chunk x vocabulary] table of at most 1 GiB on a GPU (2^26 logits on a CPU): a few ops a chunk "
         "whatever the vocabulary. A number: that many tokens over 8,192 vocabulary columns at a time (whole rows "
         "where top-k / top-p truncate, as many as make as many logits). Either way the scoring's memory is bounded "
         "whatever the micro-batch (docs/algorithms.md)",

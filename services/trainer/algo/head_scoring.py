@@ -66,11 +66,16 @@ __all__ = [
 
 VOCAB_BLOCK = 8192  # vocabulary columns per block (prime-rl's): with 1,024-token chunks, 33 MB fp32 tables
 ChunkSetting = int | Literal["auto"]  # trainer.scoring_chunk_tokens
-# `auto`: one float32 [rows x vocabulary] table of a chunk holds this share of a GPU's memory (2.7 GB on an 80 GB
-# H100: 4,372 rows at 151,936 tokens, four chunks to a 16,384-token micro-batch; the compiled block math keeps
-# about one bf16 table and its gradient alive), or this many logits on a CPU (256 MiB: 441 rows). On an H100 at
+# `auto`: one float32 [rows x vocabulary] table of a chunk holds at most AUTO_GPU_LOGITS logits (1 GiB: 1,766 rows at
+# 151,936 tokens, ~10 chunks to a 16,384-token micro-batch) and at most 1/AUTO_GPU_MEMORY_SHARE of a smaller GPU's
+# memory, or AUTO_CPU_LOGITS on a CPU (256 MiB: 441 rows). The backward keeps a few table-sized temporaries alive at
+# once (bf16 logits, float32 probabilities, the gradient), so the table's size is several times its share of the
+# peak: at 1/32 of an 80 GB H100 (2.7 GB, 4,372 rows) prime-rl's shape peaked at 13.2 GiB, over its 12.5. A chunk of
+# 1,766 rows is still ~1.4 TFLOP of head products at Qwen2.5-0.5B's width (~2 ms against ~0.4 ms of its ~54 launches),
+# and launches were not what bounded that step (133k -> 77k launches left its time unchanged). On an H100 at
 # Qwen2.5-0.5B's shape the head of 1,024-token chunks over 8,192-column blocks made ~100k launches a step and ran
 # more than 5x slower than 8,192-token chunks (bench/RESULTS.md, issue 39).
+AUTO_GPU_LOGITS = 2**28
 AUTO_GPU_MEMORY_SHARE = 32
 AUTO_CPU_LOGITS = 2**26
 
@@ -88,7 +93,8 @@ def chunk_layout(setting: ChunkSetting, vocab: int, device: torch.device) -> tup
 def _auto_logits(device: torch.device) -> int:
     if device.type != "cuda":
         return AUTO_CPU_LOGITS
-    return int(torch.cuda.get_device_properties(device).total_memory) // AUTO_GPU_MEMORY_SHARE // 4
+    share = int(torch.cuda.get_device_properties(device).total_memory) // AUTO_GPU_MEMORY_SHARE // 4
+    return min(AUTO_GPU_LOGITS, share)
 
 
 @dataclass(frozen=True)
