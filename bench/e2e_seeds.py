@@ -34,6 +34,10 @@ LEARNING_E2ES = {
     "inflight": "tests/test_reliability_runs.py::"
     "test_inflight_streaming_learns_long_tailed_digit_max_and_a_coordinator_kill_9_trains_every_group_once",
     "tool": "tests/test_run_tool_e2e.py::test_policy_learns_to_call_the_lookup_tool",
+    "agent": "tests/test_run_agent_e2e.py::"
+    "test_an_openai_client_agent_learns_to_call_the_lookup_tool_through_the_endpoint",
+    "distill": "tests/test_run_distill_e2e.py::test_student_learns_the_task_from_the_teacher_alone",
+    "judge": "tests/test_reward_e2e.py::test_the_policy_learns_from_the_judge_service_through_a_kill_of_it",
 }
 
 

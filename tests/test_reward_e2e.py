@@ -12,7 +12,7 @@ import sys
 
 import pytest
 from reliability_kit import assert_every_sample_trained_once, replacement_pid, service_pid, wait_for, wait_running
-from tandem_runs import REPO, metrics, start_run, stop_run, supervisor_log
+from tandem_runs import REPO, assert_above, assert_below, metrics, start_run, stop_run, supervisor_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.reliability, pytest.mark.timeout(900)]
 
@@ -67,7 +67,8 @@ def test_the_policy_learns_from_the_judge_service_through_a_kill_of_it(tmp_path,
     assert [r["rollout_id"] for r in evals] == [-1, 9, 19] and len(steps) == STEPS
     # the evals are rule-checked (rollout.eval_reward: digit_task); training saw only the judge's verdicts
     untrained, trained = evals[0]["eval/reward_mean"], evals[-1]["eval/reward_mean"]
-    assert untrained < 0.2 and trained > untrained + 0.2, evals
+    assert_below("untrained greedy eval", untrained, 0.2, evals)
+    assert_above("trained - untrained greedy eval", trained - untrained, 0.2, evals)
     for r in steps:
         assert r["reward/correct/mean"] == pytest.approx(r["rollout/reward_mean"])
         assert 0.0 <= r["reward/correct/parse_failure_frac"] <= 0.05 and r["reward/correct/queue_s"] >= 0.0

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tandem_runs import REPO, metrics, start_run, supervisor_log
+from tandem_runs import REPO, assert_above, assert_below, metrics, start_run, supervisor_log
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,8 @@ def test_student_learns_the_task_from_the_teacher_alone(tmp_path, teacher):
     # Greedy evals of digit_max's 100 pairs. Two runs of this config (lr 1e-3, and 3e-3): untrained 0.05, after 10
     # steps 0.47 in both, after 15 0.62 and 0.49 (after 5: 0.28, 0.17); every task reward the trainer saw was 0
     untrained, trained = evals[0]["eval/reward_mean"], evals[-1]["eval/reward_mean"]
-    assert untrained < 0.2 and trained > untrained + 0.2, evals
+    assert_below("untrained greedy eval", untrained, 0.2, evals)
+    assert_above("trained - untrained greedy eval", trained - untrained, 0.2, evals)
     for r in steps:
         assert r["train/advantage_mean"] == pytest.approx(-r["distill/reverse_kl"], abs=1e-4), r  # GRPO's part is 0
         assert r["distill/teacher_logprob_mean"] < 0
