@@ -99,6 +99,27 @@ def _peer_trl(work: Path, length: int, budget_s: int, *extra: str) -> tuple[str,
     )
 
 
+def prime_rl_command(work: Path, *variants: str) -> tuple[str, ...]:
+    """prime-rl's published trainer shape: Qwen3-0.6B, one 16,384-token sequence (11.9k tokens/s, 12.5 GiB peak)."""
+    return _bench(
+        "bench_train_step.py",
+        "--presets",
+        "qwen3-0.6b",
+        "--lengths",
+        "16384",
+        "--samples",
+        "1",
+        "--steps",
+        "3",
+        "--warmups",
+        "1",
+        "--variants",
+        *variants,
+        "--out",
+        str(work / "prime_rl_shape"),
+    )
+
+
 def _inflight(work: Path, variant: str) -> tuple[str, ...]:
     return _bench("gpu_inflight.py", "--steps", "6", "--only", variant, "--out", str(work / "inflight"))
 
@@ -133,23 +154,7 @@ def stages(work: Path) -> list[Stage]:
             "head_cap_memory",
             "prime-rl's shape within 12.5 GiB; q05 512 x 1,024 peak <= 0.5x TRL's 16.0 GiB (" + cap + ")",
             (
-                _bench(
-                    "bench_train_step.py",
-                    "--presets",
-                    "qwen3-0.6b",
-                    "--lengths",
-                    "16384",
-                    "--samples",
-                    "1",
-                    "--steps",
-                    "3",
-                    "--warmups",
-                    "1",
-                    "--variants",
-                    "ds_z0_bf16pure_ac",
-                    "--out",
-                    str(work / "prime_rl_shape"),
-                ),
+                prime_rl_command(work, "ds_z0_bf16pure_ac"),
                 _train_step(work, "qwen2.5-0.5b", ["ds_z0_bf16pure_ac"], "--steps", "1", "--no-count-ops"),
             ),
             200,
@@ -256,26 +261,7 @@ def stages(work: Path) -> list[Stage]:
         Stage(
             "prime_rl_shape",
             "prime-rl's shape (Qwen3-0.6B, one 16,384-token sequence): >= 2x its 11.9k tokens/s within 12.5 GiB",
-            (
-                _bench(
-                    "bench_train_step.py",
-                    "--presets",
-                    "qwen3-0.6b",
-                    "--lengths",
-                    "16384",
-                    "--samples",
-                    "1",
-                    "--steps",
-                    "3",
-                    "--warmups",
-                    "1",
-                    "--variants",
-                    "ds_z0_bf16pure_ac",
-                    "ds_z0_bf16pure",
-                    "--out",
-                    str(work / "prime_rl_shape"),
-                ),
-            ),
+            (prime_rl_command(work, "ds_z0_bf16pure_ac", "ds_z0_bf16pure"),),
             200,
         ),
         Stage(

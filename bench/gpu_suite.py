@@ -42,6 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # gpu_plan
+import gpu_plan  # noqa: E402  (bench/ on the path first)
+
 PY = sys.executable
 
 GPU_TESTS = ["tests/test_rollout_gpu.py", "tests/test_weights_cuda.py"]
@@ -220,24 +222,7 @@ def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, 
         # prime-rl's published trainer figure (benchmarks/results/BENCHMARKS.md): Qwen3-0.6B, one 16,384-token
         # sequence, one H100: 11.9k tokens/s, 11.1% MFU, 12.5 GiB peak. Goal: >= 2x the tokens/s within that peak
         "prime_rl_shape": (
-            [
-                PY,
-                "bench/bench_train_step.py",
-                "--presets",
-                "qwen3-0.6b",
-                "--lengths",
-                "16384",
-                "--samples",
-                "1",
-                "--steps",
-                "3",
-                "--variants",
-                "ds_z0_bf16pure_ac",
-                "ds_z0_bf16_ac",
-                "ds_z0_bf16pure",
-                "--out",
-                str(out / "prime_rl_shape"),
-            ],
+            list(gpu_plan.prime_rl_command(out, "ds_z0_bf16pure_ac", "ds_z0_bf16_ac", "ds_z0_bf16pure")),
             300,
             {},
         ),
@@ -425,7 +410,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plan_main(args: argparse.Namespace) -> int:
-    import gpu_plan
 
     if args.absorb is not None:
         return gpu_plan.absorb(args.absorb)
