@@ -17,7 +17,8 @@ from tandem_runs import REPO, assert_above, assert_below, metrics, start_run, su
 pytestmark = pytest.mark.slow
 
 DISTILL = REPO / "examples" / "distill.yaml"
-STEPS = 12
+# 12 steps left sampling seed 2 at +0.12 (seeds 1-5: +0.43, +0.12, +0.29, +0.32, +0.30; bench/e2e_seeds.py)
+STEPS = 20
 
 
 @pytest.fixture(scope="module")
