@@ -122,6 +122,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "auto_gpu_logits": 2**62,
     },
     "ds_z0_bf16_32k": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "micro_batch_tokens": 32768},
+    # the smallest q05 peak for the "<= 0.5x TRL's" goal: 8,192-token micro-batches (TRL's) and 512 MiB head tables
+    "ds_z0_bf16pure_ac_8k_cap512m": {
+        "kind": "ds",
+        "zero_stage": 0,
+        "precision": "bf16_pure",
+        "activation_checkpointing": True,
+        "micro_batch_tokens": 8192,
+        "auto_gpu_logits": 2**27,
+    },
     "ds_z0_bf16pure": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure"},
     "ds_z0_bf16pure_nocheck": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "skip_nonfinite_steps": False},
     "ds_z0_fp32": {"kind": "ds", "zero_stage": 0, "precision": "fp32"},
