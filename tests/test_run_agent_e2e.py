@@ -47,7 +47,7 @@ def test_an_openai_client_agent_learns_to_call_the_lookup_tool_through_the_endpo
     assert_above("last 5 steps' reward", window_mean(last, reward), 0.2)
     # the agent learned to call: more turns per episode; each episode stayed one sample (its history only grew)
     assert_below("first 5 steps' turns per episode", window_mean(first, "rollout/agent_turns_mean"), 1.3)
-    assert_above("last 5 steps' turns per episode", window_mean(last, "rollout/agent_turns_mean"), 1.6)
+    assert_above("last 5 steps' turns per episode", window_mean(last, "rollout/agent_turns_mean"), 1.8)
     for r in steps:
         assert r["rollout/agent_samples_per_episode"] == 1.0 and r["rollout/agent_rewritten_turns"] == 0.0
         assert r["rollout/agent_episodes"] == PROMPTS * EPISODES
