@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_train_step import SHAPES
 from real_shapes import REAL_SHAPES
+from train_step_variants import SHAPES
 
 from services.weights import bucket_kernel, checksums
 from services.weights.layout import Layout, plan_layout, specs_from_tensors

@@ -27,19 +27,20 @@ Presets: Qwen2 bodies over `--vocab` (22 by default, Tandem's toy vocabulary), o
 (bench/real_shapes.py: init-model's qwen2.5-0.5b, qwen2.5-1.5b, qwen3-0.6b, llama3.2-1b; real vocabularies, tied).
 `--mixed-lengths` draws each response's length uniformly from [L/8, L] (padding to remove) instead of exactly L.
 
-Columns: step seconds (median of `--steps` after `--warmups`), its parts (micro-batch planning on the host,
-forward+loss, backward, optimizer step; CUDA-synchronised), the host work of one more step under torch.profiler
-(aten ops that are not views, and on a GPU the kernel launches), peak GPU memory (the allocator's reserved peak
-over the variant's steps, from each step's own gpu_gb_peak metric, as the trainer reports it: a step resets the
-device's peak statistics, so reading them after the last step saw only that step's end; with what was still
+Columns: step seconds (median of `--steps` after `--warmups`, each run as the trainer runs it: no host sync inside),
+its parts from one more step synchronised around each phase (micro-batch planning on the host, forward+loss, backward,
+optimizer step; that step's own time is "phased step s": its syncs idle the GPU at every phase boundary, and before
+2026-12-06 every timed step ran so, the step s and MFU of earlier tables included), the host work of one more step
+under torch.profiler (aten ops that are not views, and on a GPU the kernel launches), peak GPU memory (the allocator's
+reserved peak over the variant's steps, from each step's own gpu_gb_peak metric, as the trainer reports it: a step
+resets the device's peak statistics, so reading them after the last step saw only that step's end; with what was still
 reserved when the variant started, which that peak includes; on a CPU the process's peak RSS so far, exact for the
-first variant of a process: run one variant per process to compare), and MFU = model FLOPs / (step s x
---peak-tflops, 790 by default: the dense bf16 measured on this workplace's cards). Model FLOPs: 6 x the parameters
-that multiply (the output head's included) x tokens, plus causal attention's 6 x layers x hidden x S^2 per sample
-of S tokens. `--chunk-tokens` is trainer.scoring_chunk_tokens (auto by default); the `*_c1024` / `*_c8192` variants
-keep the head of before issue 39 (1,024- or 8,192-token chunks over 8,192-column blocks) whatever it says.
-`--warmups N` steps before the timed ones (2); `--no-count-ops` skips the profiled step (a long step makes millions
-of profiler events).
+first variant of a process: run one variant per process to compare), and MFU = model FLOPs / (step s x --peak-tflops,
+790 by default: the dense bf16 measured on this workplace's cards). Model FLOPs: 6 x the parameters that multiply (the
+output head's included) x tokens, plus causal attention's 6 x layers x hidden x S^2 per sample of S tokens.
+`--chunk-tokens` is trainer.scoring_chunk_tokens (auto by default); the `*_c1024` / `*_c8192` variants keep the head
+of before issue 39 (1,024- or 8,192-token chunks over 8,192-column blocks) whatever it says. `--warmups N` steps
+before the timed ones (2); `--no-count-ops` skips the profiled step (a long step makes millions of profiler events).
 `--profile` writes a torch.profiler summary per variant (top ops by device and host time) to
 DIR/profile_<variant>_<preset>_L<L>.txt.
 """
@@ -68,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # scorin
 
 from op_counts import count_step_ops, profiler
 from real_shapes import REAL_SHAPES, build_real_model_dir, real_vocab
+from train_step_variants import SHAPES, VARIANTS
 
 from services.contracts.config_loading import config_from_dict
 from services.contracts.sampling_spec import SamplingSpec
@@ -77,88 +79,6 @@ from services.trainer.algo.head_scoring import ChunkSetting
 
 DEFAULT_BUDGET = 16384  # trainer.micro_batch_tokens' default
 PEAK_TFLOPS = 790.0  # dense bf16, as measured for this workplace's cards (FACTS.md): --peak-tflops
-# Qwen2 bodies over Tandem's 22-token vocabulary (services/modelinit/init_model.py VOCAB)
-SHAPES: dict[str, dict[str, Any]] = {
-    "small": dict(
-        hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4
-    ),
-    "q05": dict(
-        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
-    ),
-    "q15": dict(
-        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2
-    ),
-    # q05's 24 layers and 291 tensors at a width a CPU steps through in milliseconds: the host work per tensor
-    # (what made q05 L=1 launch-bound on the H200) without the FLOPs
-    "q05_narrow": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=4, num_key_value_heads=2
-    ),
-    # two narrow layers: a step whose ops are mostly the loss, the head and the optimizer (tests/test_op_budget.py)
-    "tiny": dict(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
-    ),
-}
-VARIANTS: dict[str, dict[str, Any]] = {
-    "ds_z1_bf16": {"kind": "ds", "zero_stage": 1, "precision": "bf16"},
-    "ds_z1_bf16_8k": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "micro_batch_tokens": 8192},
-    "ds_z1_bf16_eager": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "fused_kernels": "off"},
-    # ZeRO-0: Tandem's flat AdamW (services/trainer/model/flat_adamw.py) under the DeepSpeed engine
-    "ds_z0_bf16": {"kind": "ds", "zero_stage": 0, "precision": "bf16"},
-    "ds_z0_bf16_64k": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "micro_batch_tokens": 65536},
-    "ds_z0_bf16_128k": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "micro_batch_tokens": 131072},
-    # issue 39: the head as before it, 1,024- (its default) or 8,192-token chunks over 8,192-column blocks (whatever
-    # --chunk-tokens says)
-    "ds_z0_bf16_c1024": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "chunk_tokens": 1024},
-    "ds_z0_fp32_c1024": {"kind": "ds", "zero_stage": 0, "precision": "fp32", "chunk_tokens": 1024},
-    "ds_z0_bf16_c8192": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "chunk_tokens": 8192},
-    # the auto head's table as before its 1 GiB cap (1/32 of the GPU's memory: 4,372 rows at 151,936 on an H100); run
-    # in a process of its own (it sets head_scoring's module budget for the rest of the process)
-    "ds_z0_bf16_share32": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "auto_gpu_logits": 2**62},
-    "ds_z0_bf16pure_ac_share32": {
-        "kind": "ds",
-        "zero_stage": 0,
-        "precision": "bf16_pure",
-        "activation_checkpointing": True,
-        "auto_gpu_logits": 2**62,
-    },
-    "ds_z0_bf16_32k": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "micro_batch_tokens": 32768},
-    # the smallest q05 peak for the "<= 0.5x TRL's" goal: 8,192-token micro-batches (TRL's) and 512 MiB head tables
-    "ds_z0_bf16pure_ac_8k_cap512m": {
-        "kind": "ds",
-        "zero_stage": 0,
-        "precision": "bf16_pure",
-        "activation_checkpointing": True,
-        "micro_batch_tokens": 8192,
-        "auto_gpu_logits": 2**27,
-    },
-    "ds_z0_bf16pure": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure"},
-    "ds_z0_bf16pure_nocheck": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "skip_nonfinite_steps": False},
-    "ds_z0_fp32": {"kind": "ds", "zero_stage": 0, "precision": "fp32"},
-    # issue 31: scoring through full logits (the old path), activation checkpointing, packed rows
-    "ds_z0_fp32_old": {"kind": "ds", "zero_stage": 0, "precision": "fp32", "scoring": "old"},
-    "ds_z0_fp32_ac": {"kind": "ds", "zero_stage": 0, "precision": "fp32", "activation_checkpointing": True},
-    "ds_z0_fp32_packed": {"kind": "ds", "zero_stage": 0, "precision": "fp32", "pack_sequences": True},
-    "ds_z0_bf16_old": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "scoring": "old"},
-    "ds_z0_bf16_ac": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "activation_checkpointing": True},
-    "ds_z0_bf16_packed": {"kind": "ds", "zero_stage": 0, "precision": "bf16", "pack_sequences": True},
-    "ds_z0_bf16pure_old": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "scoring": "old"},
-    "ds_z0_bf16pure_ac": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "activation_checkpointing": True},
-    "ds_z2_bf16": {"kind": "ds", "zero_stage": 2, "precision": "bf16"},
-    "ds_z1_bf16_32k": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "micro_batch_tokens": 32768},
-    "ds_z1_bf16_nocheck": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "skip_nonfinite_steps": False},
-    "ds_z1_bf16pure": {"kind": "ds", "zero_stage": 1, "precision": "bf16_pure"},
-    "ds_z1_bf16pure_32k": {"kind": "ds", "zero_stage": 1, "precision": "bf16_pure", "micro_batch_tokens": 32768},
-    "ds_z1_fp32": {"kind": "ds", "zero_stage": 1, "precision": "fp32"},
-    # trainer.lora: rank-16 / rank-64 adapters on every linear layer (not the head), the base frozen
-    "ds_z1_bf16_lora16": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "lora": {"rank": 16}},
-    "ds_z1_bf16_lora64": {"kind": "ds", "zero_stage": 1, "precision": "bf16", "lora": {"rank": 64}},
-    "ds_z3_bf16_lora16": {"kind": "ds", "zero_stage": 3, "precision": "bf16", "lora": {"rank": 16}},
-    "torch_bf16": {"kind": "torch", "param_dtype": torch.bfloat16, "autocast": False},
-    "torch_bf16_fused": {"kind": "torch", "param_dtype": torch.bfloat16, "autocast": False, "fused": True},
-    "torch_bf16_32k": {"kind": "torch", "param_dtype": torch.bfloat16, "autocast": False, "micro_batch_tokens": 32768},
-    "torch_amp": {"kind": "torch", "param_dtype": torch.float32, "autocast": True},
-    "hf_fwd_bwd": {"kind": "floor"},
-}
 
 
 def make_model_dir(root: Path, preset: str, vocab: int) -> Path:
@@ -441,17 +361,25 @@ def run_variant(
     algo = algo_config()
     rows: list[dict[str, float]] = []
     peaks = [0.0]  # each step's reserved peak, from its own metrics (which reset the device's peak statistics)
-    for i in range(steps + warmups):
+    # the timed steps run as the trainer runs them, with no host sync inside; one more step, synchronised around each
+    # phase, splits the time (its syncs idle the GPU at every micro-batch's phase boundary: "phased step s")
+    for i in range(steps + warmups + 1):
+        phased = i == steps + warmups
         timer = Timer(device)
-        timed = TimedBackend(backend, timer)
         batch = batches[i % len(batches)]
-        with timer.phase("plan"):
-            lockstep_micro_batches(backend, batch, token_budget=budget)  # what actor_step does first, timed alone
+        if phased:
+            with timer.phase("plan"):
+                lockstep_micro_batches(backend, batch, token_budget=budget)  # what actor_step does first, alone
         started, cpu_started = time.perf_counter(), time.process_time()
         prof = profiler(device) if (profile_to is not None and i == steps + warmups - 1) else contextlib.nullcontext()
         with prof as p:
             metrics = actor_step(
-                backend=timed, batch=batch, algo=algo, ref_model=None, old_actor=None, token_budget=budget
+                backend=TimedBackend(backend, timer) if phased else backend,
+                batch=batch,
+                algo=algo,
+                ref_model=None,
+                old_actor=None,
+                token_budget=budget,
             )
             peaks.append(metrics.get("gpu_gb_peak", 0.0))
             if device.type == "cuda":
@@ -459,11 +387,13 @@ def run_variant(
         step_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         if p is not None and profile_to is not None:
             profile_to.write_text(_profile_table(p))
-        if i >= warmups:
+        if phased:
             parts = {k: timer.seconds.get(k, 0.0) for k in ("plan", "forward", "backward", "optimizer")}
             other = step_s - parts["forward"] - parts["backward"] - parts["optimizer"]
-            rows.append({"step_s": step_s, "cpu_s": cpu_s, **parts, "other": other})
-    out = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in rows[0]}
+            split = {**parts, "other": other, "phased_step_s": step_s}
+        elif i >= warmups:
+            rows.append({"step_s": step_s, "cpu_s": cpu_s})
+    out = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in rows[0]} | split
     if count_ops:
         out |= count_step_ops(
             functools.partial(
@@ -674,12 +604,13 @@ def main() -> int:
 def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace, *, params_note: str) -> None:
     print(f"\n# bench_train_step {params_note} (medians of {args.steps} steps after {args.warmups} warm-ups)\n")
     print(
-        "| preset | L | variant | tokens | step s | tokens/s | host CPU s | plan s | forward+loss s | backward s | "
-        "optimizer s | loss+host s | host ops | launches | peak GiB | held before GiB | MFU | vs ds_z1_bf16 |"
+        "| preset | L | variant | tokens | step s | tokens/s | host CPU s | phased step s | plan s | forward+loss s "
+        "| backward s | optimizer s | loss+host s | host ops | launches | peak GiB | held before GiB | MFU "
+        "| vs ds_z1_bf16 |"
     )
     # (host CPU s: the process's CPU time in the step, all threads: on a shared CPU box, the load-independent
     # figure; peak GiB: on a CPU the process's peak RSS)
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = {(r["preset"], r["L"]): r["step_s"] for r in rows if r["variant"] == "ds_z1_bf16"}
     fmt: Callable[[float], str] = lambda x: "–" if x != x else f"{x:.3f}"  # noqa: E731
     for r in rows:
@@ -688,7 +619,7 @@ def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace, *, params
         print(
             f"| {r['preset']} | {r['L']} | {r['variant']} | {r['tokens']} | {fmt(r['step_s'])} | "
             f"{r['tokens'] / r['step_s']:,.0f} | {fmt(r.get('cpu_s', float('nan')))} | "
-            f"{fmt(r.get('plan', float('nan')))} | "
+            f"{fmt(r.get('phased_step_s', float('nan')))} | {fmt(r.get('plan', float('nan')))} | "
             f"{fmt(r.get('forward', float('nan')))} | {fmt(r.get('backward', float('nan')))} | "
             f"{fmt(r.get('optimizer', float('nan')))} | "
             f"{fmt(r.get('other', float('nan')))} | {_count(r.get('host_ops'))} | {_count(r.get('launches'))} | "

@@ -137,7 +137,8 @@ def step_of(args: argparse.Namespace, vocab: int, tmp: Path) -> tuple[Callable[[
     """(one actor step of the variant at `vocab`, its backend, the batch's tokens), after one warm-up step."""
     import functools
 
-    from bench_train_step import VARIANTS, algo_config, build_backend, make_model_dir, make_rollout
+    from bench_train_step import algo_config, build_backend, make_model_dir, make_rollout
+    from train_step_variants import VARIANTS
 
     from services.trainer.algo.actor import actor_step
 
