@@ -213,6 +213,15 @@ def stages(work: Path) -> list[Stage]:
             ),
             300,
         ),
+        # the profile that explains the q05 MFU (issue 39 asks for it with every miss): top ops by device and host time
+        # of one step with the capped head, brought back whole
+        Stage(
+            "profile_q05",
+            q05_goal + " (the step's torch.profiler tables)",
+            (_train_step(work, "qwen2.5-0.5b", ["ds_z0_bf16"], "--steps", "1", "--no-count-ops", "--profile"),),
+            150,
+            keep=("train_step/profile_ds_z0_bf16_qwen2.5-0.5b_L1024.txt",),
+        ),
         Stage(
             "train_q05_32k",
             q05_goal + " (32,768-token micro-batches: half the per-layer launches)",
