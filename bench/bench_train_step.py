@@ -394,6 +394,12 @@ def run_variant(
         elif i >= warmups:
             rows.append({"step_s": step_s, "cpu_s": cpu_s})
     out = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in rows[0]} | split
+    # each timed step beside its batch: a batch's first sight (new shapes) against a repeat shows what shapes cost
+    seen = ", ".join(f"{r['step_s']:.3f} (batch {(warmups + i) % len(batches)})" for i, r in enumerate(rows))
+    print(
+        f"[{name}] timed steps s: {seen}; "
+        f"phased {split['phased_step_s']:.3f} (batch {(steps + warmups) % len(batches)})"
+    )
     if count_ops:
         out |= count_step_ops(
             functools.partial(
