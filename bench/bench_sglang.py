@@ -11,7 +11,8 @@ on). Without a server, or without the sglang package, it prints that it measured
   sequence makes --new-tokens tokens; tokens/s = generated tokens / wall time of one engine.generate through the
   rollout adapter (services/rollout/engines/sglang/engine.py), median of --repeats after a warm-up call of the same
   batch (SGLang's JIT and the native engine's CUDA-graph capture are that first call, reported apart). The native engine
-  runs in this process on the same GPU, decode "graph", bf16, the same weights and prompts.
+  runs in this process on the same GPU, once per --native-decode mode (default graph; compile: the torch.compile'd
+  step, whose first call per bucket compiles), bf16, the same weights and prompts.
 - weights (both servers): this process is the trainer. It loads the server's own checkpoint onto the GPU as bf16 and
   syncs it --sync-repeats times per transport, each with the coordinator's pause (drain) and resume: disk
   (/update_weights_from_disk), cuda_ipc (/update_weights_from_tensor, load format tensor and flattened_bucket), gloo
@@ -66,27 +67,44 @@ def timed_generate(generate, prompts: list[list[int]], opts: SamplingSpec) -> fl
 
 
 def bench_generate(engine: SGLangEngine, model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per batch: SGLang's tokens/s and each --native-decode mode's, one native engine at a time."""
+    rows = [{"batch": b, "tokens": b * args.new_tokens, "native": {}} for b in args.batch]
+    opts = SamplingSpec(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
+    for row in rows:
+        prompts = prompts_for(row["batch"], args.prompt_len, _vocab(model))
+        row["sglang_first_s"], row["sglang_tok_s"] = _measure(engine.generate, prompts, opts, row["tokens"], args)
+    for mode in args.native_decode:
+        _bench_native(mode, model, rows, opts, args)
+    return rows
+
+
+def _measure(generate: Any, prompts: list[list[int]], opts: SamplingSpec, tokens: int, args: argparse.Namespace):
+    """(first call s, tokens/s as the median of --repeats calls after it)."""
+    first = timed_generate(generate, prompts, opts)
+    return first, tokens / statistics.median(timed_generate(generate, prompts, opts) for _ in range(args.repeats))
+
+
+def _vocab(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
+
+
+def _bench_native(
+    mode: str, model: Path, rows: list[dict[str, Any]], opts: SamplingSpec, args: argparse.Namespace
+) -> None:
     import torch
 
     from services.rollout.engines.native.engine import NativeEngine
 
-    native = NativeEngine(model, device="cuda", dtype="bfloat16", max_batch_size=max(args.batch), decode="graph")
-    rows = []
+    native = NativeEngine(model, device="cuda", dtype="bfloat16", max_batch_size=max(args.batch), decode=mode)
     try:
-        for batch in args.batch:
-            prompts = prompts_for(batch, args.prompt_len, native.vocab_size)
-            opts = SamplingSpec(temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
-            row: dict[str, Any] = {"batch": batch, "tokens": batch * args.new_tokens}
-            for name, generate in (("sglang", engine.generate), ("native", native.generate)):
-                row[f"{name}_first_s"] = timed_generate(generate, prompts, opts)
-                times = [timed_generate(generate, prompts, opts) for _ in range(args.repeats)]
-                row[f"{name}_tok_s"] = row["tokens"] / statistics.median(times)
-            rows.append(row)
+        for row in rows:
+            prompts = prompts_for(row["batch"], args.prompt_len, native.vocab_size)
+            first, tok_s = _measure(native.generate, prompts, opts, row["tokens"], args)
+            row["native"][mode] = {"first_s": first, "tok_s": tok_s}
     finally:
         native.close()
         del native
         torch.cuda.empty_cache()
-    return rows
 
 
 def trainer_weights(model: Path) -> list[tuple[str, Any]]:
@@ -204,13 +222,17 @@ def print_tables(
         f"\nSGLang vs native — {torch.cuda.get_device_name()}, bf16, q05 (Qwen2-0.5B-shaped, random init), prompt "
         f"{args.prompt_len}, {args.new_tokens} new tokens, EOS ignored, median of {args.repeats}"
     )
-    print("| batch | SGLang tok/s | native tok/s | SGLang / native | SGLang first call s | native first call s |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| batch | native decode | SGLang tok/s | native tok/s | native / SGLang | SGLang first call s "
+        "| native first call s |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in gen:
-        print(
-            f"| {r['batch']} | {r['sglang_tok_s']:,.0f} | {r['native_tok_s']:,.0f} | "
-            f"{r['sglang_tok_s'] / r['native_tok_s']:.2f} | {r['sglang_first_s']:.2f} | {r['native_first_s']:.2f} |"
-        )
+        for mode, n in r["native"].items():
+            print(
+                f"| {r['batch']} | {mode} | {r['sglang_tok_s']:,.0f} | {n['tok_s']:,.0f} | "
+                f"{n['tok_s'] / r['sglang_tok_s']:.2f} | {r['sglang_first_s']:.2f} | {n['first_s']:.2f} |"
+            )
     print("\n| SGLang server | model | start-up s (launch to healthy) |")
     print("|---|---|---|")
     for s in startup:
@@ -262,6 +284,13 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--native-decode",
+        nargs="+",
+        default=["graph"],
+        choices=["graph", "compile", "static"],
+        help="the native engine's decode mode(s), one row each (compile: its first call per bucket compiles)",
+    )
     parser.add_argument("--sync-repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=512.0)
     parser.add_argument("--timeout-s", type=float, default=120.0)

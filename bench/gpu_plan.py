@@ -264,6 +264,37 @@ def stages(work: Path) -> list[Stage]:
             needs=("sglang",),
             sglang_servers=True,
         ),
+        # sglang_vs_native (2026-12-06) put decode "graph" at 0.58x SGLang; "compile" (fused kernels in the captured
+        # step) was 1.88x graph at 128 new tokens: both beside SGLang in one process
+        Stage(
+            "sglang_vs_native_compile",
+            "the native engine against SGLang at Qwen2.5-0.5B's shape, batch 256, L=1,024: >= 0.8x (decode graph "
+            "and compile)",
+            (
+                _bench(
+                    "bench_sglang.py",
+                    "--batch",
+                    "256",
+                    "--prompt-len",
+                    "64",
+                    "--new-tokens",
+                    "1024",
+                    "--repeats",
+                    "2",
+                    "--native-decode",
+                    "graph",
+                    "compile",
+                    "--sync-repeats",
+                    "1",
+                    "--no-nccl",
+                    "--out",
+                    str(work / "sglang_compile"),
+                ),
+            ),
+            360,
+            needs=("sglang",),
+            sglang_servers=True,
+        ),
         # done 2026-12-06 (their records stay): the q15 step, TRL's peak at 512 x 1,024, the 1/32 table's low-memory
         # and prime-rl rows, checksums and the example's real-size figures at q05 (async_unverified is the example)
         Stage(
