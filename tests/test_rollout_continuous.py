@@ -1,6 +1,8 @@
 """Continuous batching in the native engine (rollout.continuous_batching) on a tiny random-init model (CPU): the
 samples of concurrent calls decode as one batch, rows pass from finished samples to waiting ones, and every sample
-is still exactly what the model computes for it alone (greedy tokens and log-probs of a teacher-forced forward)."""
+is still exactly what the model computes for it alone (greedy tokens and log-probs of a teacher-forced forward).
+Every test runs on both row stores (row_kv.py): the dynamic path's DynamicCache and the static cache ("static": the
+graph path's decode step, eager on a CPU; tests/test_rollout_gpu.py replays it as a CUDA graph)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ from test_rollout_engine import PROMPTS as SHORT
 from services.contracts.sampling_spec import SamplingSpec
 from services.rollout.engines.native.engine import NativeEngine
 from services.rollout.engines.native.sampler import sampling_log_probs
+
+
+@pytest.fixture(params=["dynamic", "static"])
+def decode(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +67,11 @@ def wait_in_flight(engine: NativeEngine, calls: int) -> None:
         time.sleep(0.001)
 
 
-def test_rows_of_finished_samples_go_to_waiting_ones_and_a_short_call_returns_first(model_dirs, hf):
+def test_rows_of_finished_samples_go_to_waiting_ones_and_a_short_call_returns_first(decode, model_dirs, hf):
     """8 rows: a call of 4 long samples starts, then a call of 12 short ones; the short ones pass through the other
     4 rows in waves while the long ones run, so the short call returns first. Every sample (prompts of different
     lengths joined at different steps) is the model's own greedy continuation."""
-    engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True, max_batch_size=8)
+    engine = NativeEngine(model_dirs[0], device="cpu", decode=decode, continuous_batching=True, max_batch_size=8)
     long_opts = SamplingSpec(temperature=0.0, max_new_tokens=90, ignore_eos=True)
     short_opts = SamplingSpec(temperature=0.0, max_new_tokens=4, ignore_eos=True)
     finished: list[str] = []
@@ -83,10 +90,10 @@ def test_rows_of_finished_samples_go_to_waiting_ones_and_a_short_call_returns_fi
         assert_model_output(hf[0], prompt, out, short_opts)
 
 
-def test_sampled_tokens_carry_the_log_probs_of_their_distribution_and_other_distributions_wait(model_dirs, hf):
+def test_sampled_tokens_carry_the_log_probs_of_their_distribution_and_other_distributions_wait(decode, model_dirs, hf):
     """A call sampling at T = 0.8 / top-p 0.9 shares the batch with calls of its distribution; a greedy call waits
     until that batch is done and then decodes on its own."""
-    engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True, max_batch_size=16)
+    engine = NativeEngine(model_dirs[0], device="cpu", decode=decode, continuous_batching=True, max_batch_size=16)
     sampled = SamplingSpec(temperature=0.8, top_p=0.9, max_new_tokens=30, seed=3)
     greedy = SamplingSpec(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     finished: list[str] = []
@@ -103,12 +110,12 @@ def test_sampled_tokens_carry_the_log_probs_of_their_distribution_and_other_dist
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
-def test_a_weight_update_lands_in_the_shared_batch(model_dirs, hf, mode: str):
+def test_a_weight_update_lands_in_the_shared_batch(decode, model_dirs, hf, mode: str):
     """rollout.inflight_update with continuous batching: the update lands between two steps of the shared batch;
     each token carries the version that sampled it, and after retract every row's rest is model B's continuation."""
     from safetensors.torch import load_file
 
-    engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True, max_batch_size=8)
+    engine = NativeEngine(model_dirs[0], device="cpu", decode=decode, continuous_batching=True, max_batch_size=8)
     opts = SamplingSpec(temperature=0.0, max_new_tokens=70, ignore_eos=True)
     finished: list[str] = []
     calls = [in_thread(engine, SHORT, opts, finished, "a")]
@@ -132,8 +139,8 @@ def test_a_weight_update_lands_in_the_shared_batch(model_dirs, hf, mode: str):
     assert switched >= 4  # the first call's samples, at least, were running when the update landed
 
 
-def test_abort_ends_the_batch_and_the_waiting_samples_then_generation_goes_on(model_dirs):
-    engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True, max_batch_size=4)
+def test_abort_ends_the_batch_and_the_waiting_samples_then_generation_goes_on(decode, model_dirs):
+    engine = NativeEngine(model_dirs[0], device="cpu", decode=decode, continuous_batching=True, max_batch_size=4)
     opts = SamplingSpec(temperature=1.0, max_new_tokens=100, ignore_eos=True, seed=1)
     finished: list[str] = []
     thread, result = in_thread(engine, SHORT * 3, opts, finished, "a")  # 12 samples, 4 rows: 8 wait
@@ -149,16 +156,16 @@ def test_abort_ends_the_batch_and_the_waiting_samples_then_generation_goes_on(mo
     assert [len(o.token_ids) for o in again] == [5] * 4 and all(o.finish_reason == "length" for o in again)
 
 
-def test_each_prompt_may_cap_its_own_new_tokens(model_dirs):
-    engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True, max_batch_size=2)
+def test_each_prompt_may_cap_its_own_new_tokens(decode, model_dirs):
+    engine = NativeEngine(model_dirs[0], device="cpu", decode=decode, continuous_batching=True, max_batch_size=2)
     outs = engine.generate(SHORT, SamplingSpec(max_new_tokens=9, ignore_eos=True, seed=4), max_new_tokens=[3, 20, 1, 9])
     assert [len(o.token_ids) for o in outs] == [3, 9, 1, 9]
 
 
-def test_a_call_the_engine_cannot_serve_leaves_nothing_behind(model_dirs):
+def test_a_call_the_engine_cannot_serve_leaves_nothing_behind(decode, model_dirs):
     from services.rollout.engines.engine_errors import EngineUnavailable
 
-    engine = NativeEngine(model_dirs[0], device="cpu", continuous_batching=True)
+    engine = NativeEngine(model_dirs[0], device="cpu", decode=decode, continuous_batching=True)
     opts = SamplingSpec(max_new_tokens=3, ignore_eos=True, seed=1)
     engine.release_memory(("kv_cache",))
     with pytest.raises(EngineUnavailable, match="memory is released"):
@@ -168,6 +175,58 @@ def test_a_call_the_engine_cannot_serve_leaves_nothing_behind(model_dirs):
     assert [len(o.token_ids) for o in engine.generate(SHORT[:2], opts)] == [3, 3]
 
 
-def test_continuous_batching_needs_the_dynamic_decode_path(model_dirs):
-    with pytest.raises(ValueError, match="continuous batching runs on the dynamic decode path, not decode='static'"):
-        NativeEngine(model_dirs[0], device="cpu", continuous_batching=True, decode="static")
+def test_the_static_cache_grows_for_a_longer_sample_and_gives_every_row_back(tmp_path):
+    """Static rows: a call whose samples need more slots joins a running batch (the cache grows from 128 to 256
+    slots, the running rows' keys and values copied over); both stay the model's own; afterwards every row is free
+    again. The `small` preset: the tiny one's 128 positions are one cache bucket."""
+    from transformers import AutoModelForCausalLM
+
+    from services.modelinit.init_model import init_model
+
+    model_dir = init_model(tmp_path / "small", preset="small", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    engine = NativeEngine(model_dir, device="cpu", decode="static", continuous_batching=True, max_batch_size=8)
+    short_opts = SamplingSpec(temperature=0.0, max_new_tokens=60, ignore_eos=True)
+    long_opts = SamplingSpec(temperature=0.0, max_new_tokens=200, ignore_eos=True)
+    finished: list[str] = []
+    first, short_out = in_thread(engine, SHORT, short_opts, finished, "short")
+    wait_in_flight(engine, 1)
+    store = engine._row_store
+    assert store is not None
+    deadline = time.monotonic() + 10
+    while store.runner is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert store.runner is not None and store.runner.length == 128
+    second, long_out = in_thread(engine, SHORT, long_opts, finished, "long")
+    first.join(60)
+    second.join(60)
+    assert finished == ["short", "long"] and store.runner is not None and store.runner.length == 256
+    for prompt, out in zip(SHORT, short_out[0], strict=True):
+        assert len(out.token_ids) == 60
+        assert_model_output(model, prompt, out, short_opts)
+    for prompt, out in zip(SHORT, long_out[0], strict=True):
+        assert len(out.token_ids) == 200
+        assert_model_output(model, prompt, out, long_opts)
+    assert sorted(store._free) == list(range(8))
+
+
+def test_static_rows_are_prefilled_again_when_the_engine_drops_its_cache(model_dirs, hf):
+    """Memory released and resumed while the batch is parked: the static cache is gone, so the rows are prefilled
+    again into a new one, and every sample is still the model's own greedy continuation."""
+    engine = NativeEngine(model_dirs[0], device="cpu", decode="static", continuous_batching=True, max_batch_size=8)
+    opts = SamplingSpec(temperature=0.0, max_new_tokens=80, ignore_eos=True)
+    finished: list[str] = []
+    thread, result = in_thread(engine, SHORT * 2, opts, finished, "a")
+    wait_in_flight(engine, 1)
+    engine.pause("in_place", timeout_s=30)
+    store = engine._row_store
+    assert store is not None and store.runner is not None
+    engine.release_memory(("kv_cache",))
+    assert store.stale() and store.runner is not None  # the rows still hold it until they are prefilled again
+    engine.resume_memory(("kv_cache",))
+    engine.resume()
+    thread.join(30)
+    assert finished == ["a"] and not store.stale()
+    for prompt, out in zip(SHORT * 2, result[0], strict=True):
+        assert len(out.token_ids) == 80
+        assert_model_output(hf[0], prompt, out, opts)

@@ -1,5 +1,6 @@
-"""The native engine on a CUDA device (skipped without one): log-prob agreement in float32 and bfloat16,
-greedy parity with HF generate, and releasing / resuming GPU memory with the weights kept on the host."""
+"""The native engine on a CUDA device (skipped without one): log-prob agreement in float32 and bfloat16 (continuous
+batching's graph replay included), greedy parity with HF generate, and releasing / resuming GPU memory with the
+weights kept on the host."""
 
 from __future__ import annotations
 
@@ -67,6 +68,20 @@ def test_compiled_decode_and_sampler_log_probs_match_teacher_forced(model_dir: P
     worst = _worst_log_prob_gap(engine, SamplingSpec(temperature=1.0, max_new_tokens=16, seed=3))
     assert engine._runners is not None and engine._runners.compiled and engine._runners._sampler is not None
     assert worst < ATOL["bfloat16"]
+
+
+@pytest.mark.parametrize("decode", ["graph", "compile"])
+def test_continuous_batching_replays_the_graph_and_keeps_log_probs_matching(model_dir: Path, decode: str):
+    """continuous_batching on the static path (CUDA graph replay, per-row slots): 24 samples through 8 rows, each
+    joining when rows free up (different prompt lengths at different steps), and every log-prob matches the
+    teacher-forced forward as the one-call path does."""
+    engine = NativeEngine(
+        model_dir, device="cuda", dtype="float32", decode=decode, continuous_batching=True, max_batch_size=8
+    )
+    worst = _worst_log_prob_gap(engine, SamplingSpec(temperature=0.8, top_p=0.9, max_new_tokens=24, seed=3))
+    assert engine._row_store is not None and engine._row_store.runner is not None
+    assert engine._row_store.runner.graph is not None and sorted(engine._row_store._free) == list(range(8))
+    assert worst < ATOL["float32"]
 
 
 def test_greedy_matches_hf_generate_on_gpu(model_dir: Path):

@@ -1,17 +1,19 @@
 """Continuous batching (rollout.continuous_batching): the samples of concurrent generate calls decode as one batch on
-the native engine's dynamic path, and the row a finished sample leaves goes to a waiting sample between two decode
-steps, so short samples do not wait for long ones and a call returns as soon as its own samples are done.
+the native engine, and the row a finished sample leaves goes to a waiting sample between two decode steps, so short
+samples do not wait for long ones and a call returns as soon as its own samples are done. The rows' keys and values
+live in a row_kv store: the dynamic path's DynamicCache, or one static cache stepped by a CUDA graph replay (the
+engine's static, graph and compile decode modes).
 
 The batch lives here, between calls. One call at a time steps it (`serve`, inside the engine's compute lock) until its
-own samples are done, then lets go; the other calls wait for their samples (and return as soon as they are done) or
-for their turn to step, so no thread of its own is needed. Waiting samples join when at least `max_rows // 8` rows
-are free (or the batch is empty): they are prefilled as one left-padded chunk and their KV rows appended
-(kv_rows.join). Finished rows leave when a quarter of the batch is done or rows are wanted. A call's samples join
-only a batch of their own distribution (temperature, top-p, top-k, stop tokens and strings, EOS handling), in the
-order the calls came; the batch's random stream is seeded by the call that started it, so a seeded call is
-reproducible when it runs alone. Between two steps the engine's hooks may park the batch for a weight update
-(rollout.inflight_update) exactly as decode.py's loops do, and every token carries its step's version. A row whose new
-token completes a stop string ends at that token (stop_strings.py), like one that draws a stop token.
+own samples are done, then lets go; the other calls wait for their samples (and return as soon as they are done) or for
+their turn to step, so no thread of its own is needed. Waiting samples join when at least `max_rows // 8` rows are free
+(or the batch is empty): they are prefilled as one chunk and their KV rows appended. Finished rows leave when a quarter
+of the batch is done or rows are wanted. A call's samples join only a batch of their own distribution (temperature,
+top-p, top-k, stop tokens and strings, EOS handling), in the order the calls came; the batch's random stream is seeded
+by the call that started it, so a seeded call is reproducible when it runs alone. Between two steps the engine's hooks
+may park the batch for a weight update (rollout.inflight_update) exactly as decode.py's loops do, and every token
+carries its step's version. A row whose new token completes a stop string ends at that token (stop_strings.py), like one
+that draws a stop token.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,13 +30,10 @@ import torch.nn.functional as F
 from services.contracts.sampling_spec import SamplingSpec
 from services.rollout.engines.gate import Step
 from services.rollout.engines.interface import FINISH_ABORT, FINISH_LENGTH, SampleOutput
-from services.rollout.engines.native import kv_rows
-from services.rollout.engines.native.decode import ABORT, LENGTH, REASONS, STOP, Forward, Hooks, prepare_chunk
+from services.rollout.engines.native.decode import ABORT, LENGTH, REASONS, STOP, Hooks, prepare_chunk
+from services.rollout.engines.native.row_kv import RowKV, RowStore
 from services.rollout.engines.native.sampler import make_generator, sample_next
 from services.rollout.engines.native.stop_strings import StopStrings, StopStringTables
-
-if TYPE_CHECKING:
-    from transformers import DynamicCache
 
 
 def distribution(s: SamplingSpec) -> tuple[float, float, int, tuple[int, ...], bool, tuple[str, ...]]:
@@ -79,8 +77,7 @@ class Ticket:
 class _Rows:
     """The running batch, rows in cache order (device tensors, except the owners and prompts)."""
 
-    cache: DynamicCache
-    mask: torch.Tensor  # [R, W] 1 = a real token in that KV column
+    kv: RowKV
     logits: torch.Tensor  # [R, vocab] of the next token to sample
     next_pos: torch.Tensor  # [R] rotary position of the token fed next
     budget: torch.Tensor  # [R] tokens each row may produce
@@ -93,22 +90,21 @@ class _Rows:
     prompts: list[list[int]]
     first_step: list[int]  # the batch step of each row's first token
 
-    _PER_ROW = ("mask", "logits", "next_pos", "budget", "length", "done", "reason", "tokens", "log_probs")
+    _PER_ROW = ("logits", "next_pos", "budget", "length", "done", "reason", "tokens", "log_probs")
 
     def select(self, keep: torch.Tensor) -> None:
-        self.cache.batch_select_indices(keep)
+        kept = keep.tolist()
+        self.kv.select(keep, kept)
         for name in self._PER_ROW:
             setattr(self, name, getattr(self, name)[keep])
-        kept = keep.tolist()
         self.owners = [self.owners[i] for i in kept]
         self.prompts = [self.prompts[i] for i in kept]
         self.first_step = [self.first_step[i] for i in kept]
-        self.mask = kv_rows.crop_left(self.cache, self.mask)
 
     def append(self, other: _Rows) -> None:
         cap = max(self.tokens.shape[1], other.tokens.shape[1])
-        self.mask = kv_rows.join(self.cache, self.mask, other.cache, other.mask)
-        for name in self._PER_ROW[1:]:
+        self.kv.append(other.kv)
+        for name in self._PER_ROW:
             mine, theirs = getattr(self, name), getattr(other, name)
             if name in ("tokens", "log_probs"):
                 mine, theirs = (F.pad(t, (0, cap - t.shape[1])) for t in (mine, theirs))
@@ -122,8 +118,7 @@ class ContinuousBatcher:
     def __init__(
         self,
         *,
-        forward: Forward,
-        new_cache: Callable[[], DynamicCache],
+        store: RowStore,
         hooks: Hooks,
         device: torch.device,
         max_rows: int,
@@ -132,7 +127,7 @@ class ContinuousBatcher:
         max_context: int,
         stop_tables: StopStringTables | None = None,
     ):
-        self.forward, self.new_cache, self.hooks, self.device = forward, new_cache, hooks, device
+        self.store, self.hooks, self.device = store, hooks, device
         self.max_rows, self.pad_token_id, self.eos_token_ids = max_rows, pad_token_id, tuple(eos_token_ids)
         self.max_context = max_context
         self.join_at = max(1, max_rows // 8)  # free rows that make waiting samples join a running batch
@@ -218,16 +213,17 @@ class ContinuousBatcher:
         rows.done = rows.done | hit_stop | hit_len
         self._deliver((hit_stop | hit_len).nonzero().flatten().tolist())
         if bool(rows.done.all()):
-            self._rows = None
+            self._drop_rows()
             return
         after = self.hooks.boundary()
         if after is Step.ABORT:
             self._abort_all()
             return
         self._version = self.hooks.version()
-        if int(rows.done.sum()) * 4 >= rows.done.numel() or after is Step.REFILL:
+        refill = after is Step.REFILL or self.store.stale()  # stale: the engine dropped the static cache
+        if int(rows.done.sum()) * 4 >= rows.done.numel() or refill:
             rows.select((~rows.done).nonzero().flatten())
-        self._forward_next(rows, refill=after is Step.REFILL)
+        self._forward_next(rows, refill=refill)
 
     def _forward_next(self, rows: _Rows, *, refill: bool) -> None:
         """The logits of every row's next token: its last token fed on the KV cache, or (refill) every row's prompt and
@@ -242,14 +238,13 @@ class ContinuousBatcher:
                 eos_token_ids=self.eos_token_ids,
                 max_context=self.max_context,
             )
-            rows.cache = self.new_cache()
-            rows.mask = chunk.mask
-            rows.logits = self.forward(chunk.input_ids, chunk.mask, chunk.positions, rows.cache)
+            rows.kv.release()
+            need = max(len(p) + b for p, b in zip(rows.prompts, rows.budget.tolist(), strict=True))
+            rows.kv, rows.logits = self.store.admit(chunk, need)
             rows.next_pos = chunk.positions[:, -1] + 1
             return
         last = rows.tokens.gather(1, (rows.length - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        rows.mask = torch.cat([rows.mask, torch.ones_like(rows.mask[:, :1])], dim=-1)
-        rows.logits = self.forward(last.unsqueeze(-1), rows.mask, rows.next_pos.unsqueeze(-1), rows.cache)
+        rows.logits = rows.kv.step(last, rows.next_pos)
         rows.next_pos = rows.next_pos + 1
 
     # ---- joining and leaving --------------------------------------------------------------------------
@@ -257,6 +252,8 @@ class ContinuousBatcher:
     def _join_waiting(self) -> None:
         """Waiting samples of the batch's distribution (the next call's, when the batch is empty) join it."""
         live = 0 if self._rows is None else int((~self._rows.done).sum())
+        if live and self.store.stale():  # its rows are prefilled again after this step first
+            return
         free = self.max_rows - live
         if free <= 0 or (live and free < self.join_at):
             return
@@ -310,12 +307,10 @@ class ContinuousBatcher:
             budgets=[t.budgets[i] for t, i in picked],
         )
         budget = chunk.budget
-        cache = self.new_cache()
-        logits = self.forward(chunk.input_ids, chunk.mask, chunk.positions, cache)
+        kv, logits = self.store.admit(chunk, int((chunk.mask.sum(-1) + budget).max()))
         n, cap = len(picked), int(budget.max())
         return _Rows(
-            cache=cache,
-            mask=chunk.mask,
+            kv=kv,
             logits=logits,
             next_pos=chunk.positions[:, -1] + 1,
             budget=budget,
@@ -363,7 +358,7 @@ class ContinuousBatcher:
             running = (~rows.done).nonzero().flatten()
             rows.reason[running] = ABORT
             self._deliver(running.tolist())
-            self._rows = None
+            self._drop_rows()
         with self._queue_lock:
             waiting, self._queue = list(self._queue), deque()
         for ticket in waiting:
@@ -377,10 +372,16 @@ class ContinuousBatcher:
         with self._queue_lock:
             tickets.update((id(t), t) for t in self._queue)
             self._queue = deque()
-        self._rows = None
+        self._drop_rows()
         for ticket in tickets.values():
             ticket.error = exc
         self._wake()
+
+    def _drop_rows(self) -> None:
+        """The batch is over: its rows go back to the store."""
+        if self._rows is not None:
+            self._rows.kv.release()
+        self._rows = None
 
     def _spec_or_fail(self) -> SamplingSpec:
         assert self._spec is not None

@@ -8,8 +8,9 @@ Two decode paths (`decode=`):
   (batch, length) bucket and, for "graph", a CUDA-graph-captured decode step (static_decode.py); "compile"
   captures the torch.compile'd step instead (fewer, fused kernels; its first call per bucket compiles);
   sampling stays on the device and the loop checks for finished rows every few tokens. The loops are in decode.py.
-Calls are served one at a time, or with `continuous_batching` (dynamic path) as one shared batch whose rows pass
-from finished samples to waiting ones (continuous.py); a `DecodeGate` (gate.py) implements pause/resume (a weight
+Calls are served one at a time, or with `continuous_batching` as one shared batch whose rows pass from finished
+samples to waiting ones (continuous.py; on any decode path: row_kv.py keeps the rows in a DynamicCache or in one
+static cache whose decode step is the graph replay); a `DecodeGate` (gate.py) implements pause/resume (a weight
 update may land between two decode steps: rollout.inflight_update) and keeps weight loads from overlapping a forward
 pass. For cuda_ipc weight syncs the parameters are re-pointed once into flat buffers
 laid out like the trainer's buckets (`flatten_parameters`), so each later sync is one copy per bucket.
@@ -40,6 +41,7 @@ from services.rollout.engines.interface import (
 from services.rollout.engines.native import kv_rows
 from services.rollout.engines.native.continuous import ContinuousBatcher
 from services.rollout.engines.native.decode import Hooks, decode_dynamic, decode_static, prepare_chunk
+from services.rollout.engines.native.row_kv import DynamicStore, RowStore, StaticStore
 from services.rollout.engines.native.sampler import make_generator
 from services.rollout.engines.native.static_decode import RunnerCache, supported
 from services.rollout.engines.native.stop_strings import Detokenizer, StopStringTables
@@ -143,25 +145,28 @@ class NativeEngine(Engine):
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         )
-        self.decode_mode = self._resolve_decode("dynamic" if continuous_batching and decode == "auto" else decode)
-        if continuous_batching and self.decode_mode != "dynamic":
-            raise ValueError(f"continuous batching runs on the dynamic decode path, not decode={decode!r}")
-        self._batcher = self._continuous_batcher() if continuous_batching else None
+        self.decode_mode = self._resolve_decode(decode)
         self._runners: RunnerCache | None = None  # static/graph decode: caches (and graphs) by bucket
+        self._row_store: StaticStore | None = None  # continuous batching's rows on the static path
+        self._batcher = self._continuous_batcher() if continuous_batching else None
         # after flatten_parameters: (layout key, FlatParams of every parameter, or None when some slot of the
         # layout is not one of ours: then a receive plans its copies per tensor)
         self._flat: tuple[Any, Any] | None = None
 
     def _continuous_batcher(self) -> ContinuousBatcher:
-        from transformers import DynamicCache
+        store: RowStore
+        if self.decode_mode == "dynamic":
+            from transformers import DynamicCache
 
-        probe = DynamicCache(config=self.model.config)
-        why = kv_rows.check_supported(probe) if probe.layers else None
-        if why:
-            raise ValueError(f"continuous batching does not support this model: {why}")
+            probe = DynamicCache(config=self.model.config)
+            why = kv_rows.check_supported(probe) if probe.layers else None
+            if why:
+                raise ValueError(f"continuous batching does not support this model: {why}")
+            store = DynamicStore(self._forward, lambda: DynamicCache(config=self.model.config))
+        else:  # the static cache's rows, stepped by the decode step (a CUDA graph replay on a GPU)
+            self._row_store = store = StaticStore(self._runner_cache, max_rows=self.max_batch_size, device=self.device)
         return ContinuousBatcher(
-            forward=self._forward,
-            new_cache=lambda: DynamicCache(config=self.model.config),
+            store=store,
             hooks=self._hooks(),
             device=self.device,
             max_rows=self.max_batch_size,
@@ -199,6 +204,15 @@ class NativeEngine(Engine):
         if self._runners is not None:
             self._runners.clear()
         self._runners = None
+        if self._row_store is not None:
+            self._row_store.drop()
+
+    def _runner_cache(self) -> RunnerCache:
+        if self._runners is None:
+            self._runners = RunnerCache(
+                self.model, graphs=self.decode_mode in ("graph", "compile"), compile=self.decode_mode == "compile"
+            )
+        return self._runners
 
     # ---- properties --------------------------------------------------------------------------------
 
@@ -305,12 +319,8 @@ class NativeEngine(Engine):
                 stops=stops,
             )
         else:
-            if self._runners is None:
-                self._runners = RunnerCache(
-                    self.model, graphs=self.decode_mode in ("graph", "compile"), compile=self.decode_mode == "compile"
-                )
             # the runners are passed on: a weight update while parked may drop self._runners
-            decoded = decode_static(chunk, sampling, generator, runners=self._runners, hooks=hooks, stops=stops)
+            decoded = decode_static(chunk, sampling, generator, runners=self._runner_cache(), hooks=hooks, stops=stops)
         return decoded.samples(version)
 
     def _forward(

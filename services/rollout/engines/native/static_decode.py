@@ -185,39 +185,60 @@ class StaticDecoder:
 
     def prefill(self, kv: StaticKV, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[B, T] left-padded prompts into slots 0..T-1; returns the last position's logits [B, vocab]."""
-        b, t = ids.shape
+        t = ids.shape[1]
         kv.valid.zero_()
         kv.valid[:, :t] = mask.bool()
+        h = self._prefill_layers(kv, slice(None), ids, positions, kv.valid[:, :t])
+        return self.model.lm_head(self.inner.norm(h[:, -1:]))[:, -1]
+
+    def prefill_rows(self, kv: StaticKV, rows: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[n, T] right-padded sequences (row i's `lengths[i]` tokens first) into cache rows `rows`, slots 0..T-1,
+        leaving the other rows as they are (continuous batching); returns each row's last token's logits [n, vocab]."""
+        n, t = ids.shape
+        real = torch.arange(t, device=ids.device)[None, :] < lengths[:, None]
+        kv.valid[rows] = False
+        kv.valid[rows, :t] = real
+        positions = torch.arange(t, device=ids.device).expand(n, t)
+        h = self._prefill_layers(kv, rows, ids, positions, real)
+        return self.model.lm_head(self.inner.norm(h[torch.arange(n, device=ids.device), lengths - 1]))
+
+    def _prefill_layers(
+        self, kv: StaticKV, rows: torch.Tensor | slice, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor
+    ) -> torch.Tensor:
+        """The prompt's hidden states [B, T, hidden] (SDPA over its own slots, causal, `real` [B, T] the slots that
+        hold a token), writing its keys and values into cache rows `rows`, slots 0..T-1."""
+        b, t = ids.shape
         slots = torch.arange(t, device=ids.device)
         causal = slots[None, :] <= slots[:, None]  # [T query, T key]
-        allowed = (kv.valid[:, None, None, :t] & causal) | torch.eye(t, dtype=torch.bool, device=ids.device)
+        allowed = (real[:, None, None, :] & causal) | torch.eye(t, dtype=torch.bool, device=ids.device)
         h = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(h, positions)
         for i, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             q, k, v = self._qkv(attn, layer.input_layernorm(h), cos, sin)
-            kv.k[i][:, :, :t] = k
-            kv.v[i][:, :, :t] = v
+            kv.k[i][rows, :, :t] = k
+            kv.v[i][rows, :, :t] = v
             if self.groups > 1:
                 k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scaling)
             h = h + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.lm_head(self.inner.norm(h[:, -1:]))[:, -1]
+        return h
 
     def decode(self, kv: StaticKV, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        """One token per row ([B] ids at rotary [B] positions) written into cache slot `slot` ([1] long,
+        """One token per row ([B] ids at rotary [B] positions) written into each row's cache slot `slot` ([B] long,
         a device tensor so a captured graph can replay it); returns logits [B, vocab]."""
         b = tokens.shape[0]
-        kv.valid.index_fill_(1, slot, True)
+        kv.valid.scatter_(1, slot[:, None], True)
         allowed = kv.valid[:, None, None, :]  # [B, 1, 1, L]
         h = self.inner.embed_tokens(tokens[:, None])
         cos, sin = self.inner.rotary_emb(h, positions[:, None])
+        at = slot[:, None, None, None].expand(b, self.kv_heads, 1, self.head_dim)
         for i, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
             q, k, v = self._qkv(attn, layer.input_layernorm(h), cos, sin)
-            kv.k[i].index_copy_(2, slot, k)
-            kv.v[i].index_copy_(2, slot, v)
+            kv.k[i].scatter_(2, at, k)
+            kv.v[i].scatter_(2, at, v)
             q = q.reshape(b, self.kv_heads, self.groups, self.head_dim)  # query heads grouped per KV head
             scores = torch.matmul(q, kv.k[i].transpose(-1, -2)).float() * self.scaling
             probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
@@ -247,7 +268,7 @@ class Runner:
         self.batch, self.length = batch, length
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
-        self.slot = torch.full((1,), length - 1, dtype=torch.long, device=device)
+        self.slot = torch.full((batch,), length - 1, dtype=torch.long, device=device)  # each row's write slot
         # the graph reads these storages by address: keep them alive as long as the graph is
         self._params = [p.data for p in decoder.model.parameters()]
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -279,11 +300,39 @@ class Runner:
         )
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
-        """Rows beyond tokens.shape[0] (batch padding) keep their previous inputs; returns [batch, vocab]."""
+        """Every row writes slot `slot`; rows beyond tokens.shape[0] (batch padding) keep their previous inputs;
+        returns [batch, vocab]."""
         n = tokens.shape[0]
         self.tokens[:n].copy_(tokens)
         self.positions[:n].copy_(positions)
         self.slot.fill_(slot)
+        return self._run()
+
+    def prefill_rows(self, rows: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Right-padded sequences into cache rows `rows` (the others untouched); the rows' next slot is their length."""
+        logits = self.decoder.prefill_rows(self.kv, rows, ids, lengths)
+        self.slot[rows] = lengths
+        return logits
+
+    def step_rows(self, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` feed `tokens` at rotary `positions`, each into its own next slot, which then moves on; the
+        cache's other rows compute too (their results unread). Returns those rows' logits [len(rows), vocab]."""
+        self.tokens[rows] = tokens
+        self.positions[rows] = positions
+        logits = self._run()[rows]
+        self.slot[rows] = (self.slot[rows] + 1).clamp(max=self.length - 1)  # a finished row may linger a few steps
+        return logits
+
+    def take_rows_from(self, other: Runner) -> None:
+        """Every row's keys, values and next slot from a shorter runner of the same batch (the cache grew)."""
+        n = other.length
+        for mine, theirs in zip(self.kv.k + self.kv.v, other.kv.k + other.kv.v, strict=True):
+            mine[:, :, :n].copy_(theirs)
+        self.kv.valid.zero_()
+        self.kv.valid[:, :n].copy_(other.kv.valid)
+        self.slot.copy_(other.slot)
+
+    def _run(self) -> torch.Tensor:
         if self.graph is None:
             return self.decoder.decode(self.kv, self.tokens, self.positions, self.slot)
         self.graph.replay()
