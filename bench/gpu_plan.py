@@ -228,6 +228,26 @@ def stages(work: Path) -> list[Stage]:
             (_train_step(work, "qwen2.5-0.5b", ["ds_z0_bf16_32k"], "--steps", "1", "--no-count-ops"),),
             150,
         ),
+        # stream_keep ran at 0.42x one_step_off on continuous batching's dynamic path (2026-12-06); continuous
+        # batching now replays the static path's CUDA graph: both modes again in one call, side by side
+        Stage(
+            "inflight_stream_graph",
+            inflight_goal + " (continuous batching on the CUDA-graph decode step, beside one_step_off)",
+            (
+                _bench(
+                    "gpu_inflight.py",
+                    "--steps",
+                    "6",
+                    "--only",
+                    "one_step_off",
+                    "stream_keep",
+                    "--out",
+                    str(work / "inflight_graph"),
+                ),
+            ),
+            420,
+            keep=("inflight_graph/inflight_*.json",),
+        ),
         Stage(
             "peer_trl_vocab_L512",
             "Tandem vs TRL at 151,936 tokens, L=512: >= 3x TRL's tokens/s, train phase <= 0.7x TRL's, TRL's peak",

@@ -39,7 +39,7 @@ def assert_static_matches_forward(model, prompt: list[int], extra: list[int], *,
         got = [decoder.prefill(kv, ids, positions, mask)]
         pos = positions[:, -1] + 1
         for i, tok in enumerate(extra):
-            got.append(decoder.decode(kv, torch.tensor([tok, tok]), pos, torch.tensor([len(prompt) + i])))
+            got.append(decoder.decode(kv, torch.tensor([tok, tok]), pos, torch.tensor([len(prompt) + i] * 2)))
             pos = pos + 1
         for row, seq in enumerate([prompt, prompt[3:]]):
             full = torch.tensor([seq + extra])

@@ -211,7 +211,8 @@ class NativeRolloutConfig(RolloutSettings):
     continuous_batching: bool = Field(
         default=False,
         description="native engine: the samples of concurrent calls decode as one batch, and a "
-        "finished sample's row goes to a waiting one (the dynamic decode path); pair with loop.mode: streaming",
+        "finished sample's row goes to a waiting one (on a GPU through the CUDA-graph decode step, per-row cache "
+        "slots); pair with loop.mode: streaming",
     )
 
 
