@@ -248,6 +248,15 @@ def stages(work: Path) -> list[Stage]:
             420,
             keep=("inflight_graph/inflight_*.json",),
         ),
+        # L=128 at 2.67x TRL (goal 3x): its generation was 0.80 s of a 1.69 s step, and decode "compile" ran 1.88x
+        # the graph's tokens/s at 128 new tokens; the same comparison with rollout.decode=compile (not the default)
+        Stage(
+            "peer_trl_L128_compile",
+            "Tandem vs TRL at 151,936 tokens, L=128: >= 3x TRL's tokens/s (rollout.decode=compile)",
+            (_peer_trl(work, 128, 300, "--tandem-set", "rollout.decode=compile"),),
+            320,
+            needs=("trl",),
+        ),
         Stage(
             "peer_trl_vocab_L512",
             "Tandem vs TRL at 151,936 tokens, L=512: >= 3x TRL's tokens/s, train phase <= 0.7x TRL's, TRL's peak",

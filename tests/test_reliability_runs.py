@@ -229,6 +229,7 @@ def test_inflight_streaming_learns_long_tailed_digit_max_and_a_coordinator_kill_
         "loop.max_staleness=3",
         "redis.max_buffered_batches=64",
         "rollout.continuous_batching=true",
+        "rollout.decode=static",  # the rows in one static cache: the GPU's continuous-batching path, without graphs
         "rollout.max_batch_size=128",
         "rollout.inflight_update=keep",
         "algorithm.use_rollout_logprobs=false",

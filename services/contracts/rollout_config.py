@@ -208,6 +208,13 @@ class NativeRolloutConfig(RolloutSettings):
 
     engine: Literal["native"] = "native"
     device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
+    decode: Literal["auto", "dynamic", "static", "graph", "compile"] = Field(
+        default="auto",
+        description="native engine's decode path: auto (graph on a GPU for Llama / Qwen2 / Qwen3, else dynamic); "
+        "graph (a static KV cache, the decode step replayed as a CUDA graph); compile (the same step through "
+        "torch.compile: fewer kernels, its first call per cache bucket compiles for tens of seconds); static (the "
+        "static cache without graphs, any device); dynamic (Hugging Face's forward and DynamicCache)",
+    )
     continuous_batching: bool = Field(
         default=False,
         description="native engine: the samples of concurrent calls decode as one batch, and a "

@@ -40,6 +40,7 @@ def _native(config: TandemConfig, eos_token_ids: Sequence[int], detokenizer: Det
         max_batch_size=ro.max_batch_size,
         max_context_length=ro.max_context_length,
         fused_kernels=model.fused_kernels,
+        decode=ro.decode,
         continuous_batching=ro.continuous_batching,
         eos_token_ids=eos_token_ids or None,
         detokenizer=detokenizer,
