@@ -14,7 +14,7 @@ tail to ~1,000+), run each way:
   one_step_off      async: the next batch generates while this one trains; the sync drains that generation
   inflight_keep     async with rollout.inflight_update keep: the sync lands between two decode steps
   stream_keep       loop.mode streaming + continuous batching + inflight keep: groups stream as they finish, rows of
-                    finished samples go to waiting ones (the dynamic decode path)
+                    finished samples go to waiting ones (on a GPU one static cache, a CUDA-graph replay a token)
   stream_recompute  the same with inflight recompute (the KV of running samples recomputed after each sync)
 Per run: tokens/s (response tokens over the summed step time), the engine's GPU-busy fraction (its forward passes'
 wall time, RolloutState.engine_busy_s, over the same), median weight-sync ms, stale drops, and the training reward
