@@ -230,3 +230,18 @@ def test_static_rows_are_prefilled_again_when_the_engine_drops_its_cache(model_d
     for prompt, out in zip(SHORT * 2, result[0], strict=True):
         assert len(out.token_ids) == 80
         assert_model_output(hf[0], prompt, out, opts)
+
+
+def test_a_static_cache_that_cannot_fit_is_refused_with_one_clear_message(model_dirs, monkeypatch):
+    """The static cache's bytes are checked against the device's free memory before it is allocated (on a GPU;
+    here the free memory is faked): the call fails with what to change, and the engine serves once it fits."""
+    from services.rollout.engines.engine_errors import EngineUnavailable
+    from services.rollout.engines.native import static_decode
+
+    engine = NativeEngine(model_dirs[0], device="cpu", decode="static", continuous_batching=True, max_batch_size=8)
+    opts = SamplingSpec(max_new_tokens=3, ignore_eos=True, seed=1)
+    monkeypatch.setattr(static_decode, "free_device_bytes", lambda device: 1024)
+    with pytest.raises(EngineUnavailable, match=r"static KV cache of 8 rows x 128 slots needs .* GiB is free on cpu: "):
+        engine.generate(SHORT, opts)
+    monkeypatch.undo()
+    assert [len(o.token_ids) for o in engine.generate(SHORT, opts)] == [3] * 4

@@ -262,7 +262,12 @@ class ContinuousBatcher:
             return
         if self._rows is not None:
             self._rows.select((~self._rows.done).nonzero().flatten())
-        new = self._prefill(picked)
+        try:
+            new = self._prefill(picked)
+        except BaseException as exc:  # no longer queued: the calls of the picked samples hear of it here
+            for ticket, _ in picked:
+                ticket.error = ticket.error or exc
+            raise
         if self._rows is None:
             self._rows = new
         else:

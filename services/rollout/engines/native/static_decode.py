@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.untyped import HFCausalLM
+from services.rollout.engines.engine_errors import EngineUnavailable
 
 if TYPE_CHECKING:
     from torch.cuda.graphs import _POOL_HANDLE as GraphPool  # what torch.cuda.graph_pool_handle() returns
@@ -159,6 +160,12 @@ class StaticDecoder:
         self.scaling = float(attn.scaling)
         self.groups = self.heads // self.kv_heads
         self.qk_norm = cfg.model_type in QK_NORM_TYPES
+
+    def cache_bytes(self, batch: int, length: int) -> int:
+        """What new_cache(batch, length) allocates: keys and values of every layer, and the slot mask."""
+        p = self.inner.embed_tokens.weight
+        per_slot = 2 * len(self.inner.layers) * self.kv_heads * self.head_dim * p.element_size() + 1
+        return batch * length * per_slot
 
     def new_cache(self, batch: int, length: int) -> StaticKV:
         p = self.inner.embed_tokens.weight
@@ -385,6 +392,7 @@ class RunnerCache:
         return runner
 
     def _new_runner(self, batch: int, length: int) -> Runner:
+        check_cache_fits(self.decoder, batch, length)
         if self._compiled is not None:
             try:
                 return Runner(
@@ -419,3 +427,26 @@ class RunnerCache:
 
     def __len__(self) -> int:
         return len(self._runners)
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes a new tensor may take on `device`: the driver's free memory plus what torch's allocator holds unused;
+    None off CUDA (no bound is checked there)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def check_cache_fits(decoder: StaticDecoder, batch: int, length: int) -> None:
+    """One clear message, before allocating, when a static cache cannot fit (instead of an out-of-memory error
+    from inside a decode step)."""
+    device = decoder.inner.embed_tokens.weight.device
+    free = free_device_bytes(device)
+    need = decoder.cache_bytes(batch, length)
+    if free is not None and need > free:
+        raise EngineUnavailable(
+            f"the native engine's static KV cache of {batch} rows x {length} slots needs {need / 2**30:.2f} GiB, "
+            f"{free / 2**30:.2f} GiB is free on {device}: lower rollout.max_batch_size or the new tokens a sample "
+            "may make (rollout.sampling.max_new_tokens, rollout.max_context_length), or set rollout.decode: dynamic"
+        )
