@@ -8,12 +8,15 @@ Both sides sample (temperature 1, no top-k/top-p) exactly --new-tokens tokens pe
 so both do the same work); the native engine also returns per-token log-probs, HF generate here does not.
 Random-init weights (no download). Prints one row per batch size with the ratio native / HF; "first call"
 is the native engine's first generate at that batch (static cache allocation and CUDA graph capture included),
-not counted in its tokens/s.
+not counted in its tokens/s. `--profile` (static paths, a GPU): the decode step alone (its runner replayed 50 times
+at the generate's batch and cache length) against generate's wall time per token step, and torch.profiler tables of
+three replays in --out (what a step's kernels are: the gap to SGLang's decode).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -29,6 +32,9 @@ from services.contracts.sampling_spec import SamplingSpec
 from services.contracts.untyped import HFCausalLM
 from services.modelinit.init_model import PRESETS, init_model
 from services.rollout.engines.native.engine import NativeEngine, resolve_device
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from op_counts import profile_tables, profiler  # a sibling under bench/
 
 # A Qwen2-0.5B-shaped config (494M parameters), built locally: the size FACTS.md measured HF generate at.
 QWEN2_05B: dict[str, Any] = dict(
@@ -148,7 +154,40 @@ def bench_model(model_dir: Path, args: argparse.Namespace) -> list[tuple]:
                     first,
                 )
             )
+            if args.profile and engine._runners is not None:
+                profile_step(engine, batch, native / args.new_tokens, args)
     return rows
+
+
+def profile_step(engine: NativeEngine, batch: int, token_step_s: float, args: argparse.Namespace) -> None:
+    """The decode step alone at the bucket generate used (50 replays, CUDA events) beside generate's seconds per
+    token step, and the profiler's tables of three replays."""
+    assert engine._runners is not None
+    runner = engine._runners.get(batch, args.prompt_len + args.new_tokens)
+    device = engine.device
+    tokens = torch.zeros(runner.batch, dtype=torch.long, device=device)
+    positions = torch.full((runner.batch,), args.prompt_len, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        runner.step(tokens, positions, args.prompt_len)
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(50):
+            runner.step(tokens, positions, args.prompt_len)
+        sync(device)
+        step_s = (time.perf_counter() - start) / 50
+        with profiler(device) as p:
+            for _ in range(3):
+                runner.step(tokens, positions, args.prompt_len)
+            sync(device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"profile_native_{engine.decode_mode}_b{batch}_L{runner.length}.txt"
+    path.write_text(profile_tables(p))
+    print(
+        f"[profile {engine.decode_mode} batch {batch}, cache {runner.batch} x {runner.length}] generate "
+        f"{1000 * token_step_s:.2f} ms a token step; the decode step alone {1000 * step_s:.2f} ms "
+        f"({step_s / token_step_s:.0%}); tables in {path}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--profile", action="store_true", help="the decode step alone and its profiler tables")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "runs" / "native_engine"),
+    )
     parser.add_argument(
         "--decode",
         nargs="+",

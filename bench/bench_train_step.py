@@ -67,7 +67,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # scoring_reference: the old path
 
-from op_counts import count_step_ops, profiler
+from op_counts import count_step_ops, profile_tables, profiler
 from real_shapes import REAL_SHAPES, build_real_model_dir, real_vocab
 from train_step_variants import SHAPES, VARIANTS
 
@@ -386,7 +386,7 @@ def run_variant(
                 torch.cuda.synchronize(device)
         step_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         if p is not None and profile_to is not None:
-            profile_to.write_text(_profile_table(p))
+            profile_to.write_text(profile_tables(p))
         if phased:
             parts = {k: timer.seconds.get(k, 0.0) for k in ("plan", "forward", "backward", "optimizer")}
             other = step_s - parts["forward"] - parts["backward"] - parts["optimizer"]
@@ -479,17 +479,6 @@ def max_rss_gib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def _profile_table(p: Any) -> str:
-    avg = p.key_averages()
-    dev = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    return (
-        "## by device time\n"
-        + avg.table(sort_by=dev, row_limit=30, max_name_column_width=70)
-        + "\n## by host time (self)\n"
-        + avg.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
-    )
 
 
 @dataclass(frozen=True)

@@ -257,6 +257,45 @@ def stages(work: Path) -> list[Stage]:
             320,
             needs=("trl",),
         ),
+        # the native engine at 0.58x SGLang (2026-12-06), not profiled: its decode step alone (graph and compile)
+        # against generate's time per token step, and the kernels of three replays; no SGLang needed
+        Stage(
+            "native_decode_profile",
+            "the native engine against SGLang at Qwen2.5-0.5B's shape, batch 256, L=1,024: >= 0.8x (where the native "
+            "decode step's time goes)",
+            (
+                _bench(
+                    "bench_native_engine.py",
+                    "--preset",
+                    "qwen2-0.5b",
+                    "--device",
+                    "cuda",
+                    "--dtype",
+                    "bfloat16",
+                    "--batch",
+                    "256",
+                    "--prompt-len",
+                    "64",
+                    "--new-tokens",
+                    "1024",
+                    "--repeats",
+                    "1",
+                    "--warmup",
+                    "0",
+                    "--decode",
+                    "graph",
+                    "compile",
+                    "--profile",
+                    "--out",
+                    str(work / "native_engine"),
+                ),
+            ),
+            240,
+            keep=(
+                "native_engine/profile_native_graph_b256_L1152.txt",
+                "native_engine/profile_native_compile_b256_L1152.txt",
+            ),
+        ),
         Stage(
             "peer_trl_vocab_L512",
             "Tandem vs TRL at 151,936 tokens, L=512: >= 3x TRL's tokens/s, train phase <= 0.7x TRL's, TRL's peak",
