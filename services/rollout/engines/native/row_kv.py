@@ -160,7 +160,7 @@ class StaticStore:
             self.runner.take_rows_from(old)
 
     def free(self, rows: set[int]) -> None:
-        self._free.extend(sorted(rows))
+        self._free = sorted(self._free + list(rows))  # the lowest rows first: live rows stay near the front
         if len(self._free) == self.max_rows and self._dropped:
             self.runner, self._dropped = None, False
 
