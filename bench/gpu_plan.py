@@ -7,9 +7,9 @@
 A stage starts only if its time limit fits what is left of --budget-s (counted from the suite's start: pass
 `--budget-s $((590 - SECONDS))` after `source bench/gpu_env.sh` so its set-up counts too); a stage whose limit does
 not fit is passed over for a later, smaller one. A stage whose packages are missing (TRL: carry .whl_trl; SGLang:
-`source bench/gpu_env.sh sglang`, carry .whl/core .sglang) is passed over too. Finished stages are skipped: the
-committed bench/gpu_plan.json records each stage's last result ({date, card, status, attempts, seconds}), and a
-stage that failed MAX_ATTEMPTS times is left for a person to look at.
+`source bench/gpu_env.sh sglang`, carry .sglang and .whl/core/grpcio-*.whl: gpu_kit.sh prints the paths) is passed
+over too. Finished stages are skipped: the committed bench/gpu_plan.json records each stage's last result ({date,
+card, status, attempts, seconds}), and a stage that failed MAX_ATTEMPTS times is left for a person to look at.
 
 Each finished stage is written to $OUT at once (the device tool brings back at most 8 files), in three files:
 plan_results.json (stage -> record: status, seconds, card, its summary in markdown, small result files it keeps),

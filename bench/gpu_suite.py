@@ -17,10 +17,11 @@
     python bench/gpu_suite.py --only peer_trl_vocab             # Tandem vs TRL at 151,936 tokens (carry .whl_trl)
 
 On the device machine every command starts with `source bench/gpu_env.sh` (add `sglang` for SGLang stages), which
-installs the wheels the call carries: `.whl` for these stages, `.whl .whl_trl` for peer_trl, `.whl/core .sglang`
-for the SGLang stages (bench/gpu_kit.sh). The SGLang stages share two servers that the suite launches once before
-the first of them and stops after the last (bench/sglang_servers.py; its start-up has a limit of its own and is
-reported as the stage "sglang_servers"); without the sglang package nothing is launched and each stage skips.
+installs the wheels the call carries: `.whl` for these stages, `.whl .whl_trl` for peer_trl, `.sglang` +
+`.whl/core/grpcio-*.whl` for the SGLang stages (bench/gpu_kit.sh). The SGLang stages share two servers that the suite
+launches once before the first of them and stops after the last (bench/sglang_servers.py; its start-up has a limit of
+its own and is reported as the stage "sglang_servers"); without the sglang package nothing is launched and each stage
+skips.
 
 Each stage runs as its own process with its own time limit, so one hang cannot take the others down; its
 full output goes to DIR/<stage>.log and a markdown summary (command, exit code, seconds, the stage's tables
