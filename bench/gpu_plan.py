@@ -296,6 +296,14 @@ def stages(work: Path) -> list[Stage]:
                 "native_engine/profile_native_compile_b256_L1152.txt",
             ),
         ),
+        # q05's peak: 8.28 GiB at 6.77 s (1 GiB head tables), 7.10 GiB at 16.2 s (8k micro-batches and 512 MiB
+        # tables); the 512 MiB tables alone, at 16k micro-batches: under TRL's half (8.01) near the fast step?
+        Stage(
+            "q05_lowmem_cap512m",
+            q05_goal + " (bf16 weights and Adam, checkpointing, 512 MiB head tables, 16k micro-batches)",
+            (_train_step(work, "qwen2.5-0.5b", ["ds_z0_bf16pure_ac_cap512m"], "--steps", "2", "--no-count-ops"),),
+            150,
+        ),
         Stage(
             "peer_trl_vocab_L512",
             "Tandem vs TRL at 151,936 tokens, L=512: >= 3x TRL's tokens/s, train phase <= 0.7x TRL's, TRL's peak",

@@ -62,6 +62,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "micro_batch_tokens": 8192,
         "auto_gpu_logits": 2**27,
     },
+    # the same at 16,384-token micro-batches: 8.28 GiB with 1 GiB tables (6.77 s), 7.10 with both changes (16.2 s)
+    "ds_z0_bf16pure_ac_cap512m": {
+        "kind": "ds",
+        "zero_stage": 0,
+        "precision": "bf16_pure",
+        "activation_checkpointing": True,
+        "auto_gpu_logits": 2**27,
+    },
     "ds_z0_bf16pure": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure"},
     "ds_z0_bf16pure_nocheck": {"kind": "ds", "zero_stage": 0, "precision": "bf16_pure", "skip_nonfinite_steps": False},
     "ds_z0_fp32": {"kind": "ds", "zero_stage": 0, "precision": "fp32"},
