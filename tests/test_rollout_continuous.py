@@ -245,3 +245,23 @@ def test_a_static_cache_that_cannot_fit_is_refused_with_one_clear_message(model_
         engine.generate(SHORT, opts)
     monkeypatch.undo()
     assert [len(o.token_ids) for o in engine.generate(SHORT, opts)] == [3] * 4
+
+
+def test_a_static_step_computes_only_the_rows_in_use(model_dirs, hf):
+    """32 rows, 4 samples: the step runs over the cache's first 8 rows; 12 more join and it runs over 16. Rows of a
+    view are the cache's own (each sample stays the model's greedy continuation), and no step ran over all 32."""
+    engine = NativeEngine(model_dirs[0], device="cpu", decode="static", continuous_batching=True, max_batch_size=32)
+    opts = SamplingSpec(temperature=0.0, max_new_tokens=60, ignore_eos=True)
+    finished: list[str] = []
+    first, out_a = in_thread(engine, SHORT, opts, finished, "a")
+    wait_in_flight(engine, 1)
+    second, out_b = in_thread(engine, SHORT * 3, opts, finished, "b")
+    first.join(30)
+    second.join(30)
+    store = engine._row_store
+    assert store is not None and store.runner is not None and sorted(store._views) == [8, 16]
+    cache = store.runner.kv.k[0].data_ptr()
+    assert all(view.kv.k[0].data_ptr() == cache for view in store._views.values())  # views of the one cache
+    for prompt, out in zip(SHORT + SHORT * 3, out_a[0] + out_b[0], strict=True):
+        assert len(out.token_ids) == 60
+        assert_model_output(hf[0], prompt, out, opts)

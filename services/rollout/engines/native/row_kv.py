@@ -5,7 +5,9 @@
 - `StaticStore`: one preallocated cache of `max_rows` rows (static_decode.Runner) for the whole batch, stepped by the
   static path's decode step, a CUDA graph replay on a GPU. A joining sample is prefilled into a free row, its tokens
   from slot 0, and every row writes its next token at its own slot, so rows of different lengths and starts decode in
-  one replay; a leaving row is only marked free. The cache is as long as the longest prompt plus budget seen; a
+  one replay; a leaving row is only marked free. A step computes only the cache's first rows, as many as the highest
+  row in use needs (a power of two, a graph each; free rows are taken lowest first), so a few samples do not pay for
+  all `max_rows`. The cache is as long as the longest prompt plus budget seen; a
   longer one copies the rows over. When the engine drops its runners (parameter storage moved, memory released) the
   store is stale: the batch prefills its rows again into a new cache (what in-flight refill does).
 
@@ -28,6 +30,9 @@ if TYPE_CHECKING:
     from transformers import DynamicCache
 
     from services.rollout.engines.native.static_decode import Runner, RunnerCache
+
+
+MIN_VIEW_ROWS = 8  # the fewest rows a static step computes (fewer graphs to capture)
 
 
 class RowKV(ABC):
@@ -111,7 +116,7 @@ class StaticRows(RowKV):
         self._index = torch.cat([self._index, other._index])
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.store.runner_or_fail().step_rows(self._index, tokens, positions)
+        return self.store.stepper().step_rows(self._index, tokens, positions)
 
     def release(self) -> None:
         self.store.free(set(self.rows))
@@ -127,6 +132,8 @@ class StaticStore:
         self.runner: Runner | None = None
         self._free = list(range(max_rows))
         self._dropped = False  # the cache went while rows held it
+        self._views: dict[int, Runner] = {}  # runners over the first rows of `runner`'s cache, by row count
+        self._top = 0  # 1 + the highest row in use
 
     def index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -138,6 +145,7 @@ class StaticStore:
         self._ensure(need)
         runner = self.runner_or_fail()
         rows, self._free = self._free[:n], self._free[n:]
+        self._top = max(self._top, rows[-1] + 1)
         lengths = chunk.mask.sum(-1)
         # left padding to right padding: row i's tokens from column 0
         shift = (torch.arange(chunk.width, device=chunk.mask.device) + (chunk.width - lengths)[:, None]) % chunk.width
@@ -156,13 +164,29 @@ class StaticStore:
             self.runner, self._dropped = None, False
         old = self.runner
         self.runner = self.runners().get(self.max_rows, max(need, old.length if old is not None else 0))
+        self._views = {}
         if old is not None and old is not self.runner and len(self._free) < self.max_rows:
             self.runner.take_rows_from(old)
 
+    def stepper(self) -> Runner:
+        """The runner a step replays: over the first rows, as many as the highest row in use needs (a power of two,
+        at least MIN_VIEW_ROWS), so a batch of few samples does not compute every row of the cache."""
+        runner = self.runner_or_fail()
+        rows = MIN_VIEW_ROWS
+        while rows < self._top:
+            rows *= 2
+        if rows >= runner.batch or self.runners().compiled:  # compile mode would compile once per row count
+            return runner
+        if rows not in self._views:
+            self._views[rows] = self.runners().first_rows(runner, rows)
+        return self._views[rows]
+
     def free(self, rows: set[int]) -> None:
         self._free = sorted(self._free + list(rows))  # the lowest rows first: live rows stay near the front
+        used = set(range(self.max_rows)).difference(self._free)
+        self._top = max(used) + 1 if used else 0
         if len(self._free) == self.max_rows and self._dropped:
-            self.runner, self._dropped = None, False
+            self.runner, self._dropped, self._views = None, False, {}
 
     def stale(self) -> bool:
         return self._dropped
@@ -172,7 +196,7 @@ class StaticStore:
         if self.runner is not None:
             self._dropped = len(self._free) < self.max_rows
             if not self._dropped:
-                self.runner = None
+                self.runner, self._views = None, {}
 
     def runner_or_fail(self) -> Runner:
         if self.runner is None or self._dropped:

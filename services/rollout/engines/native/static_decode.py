@@ -142,6 +142,13 @@ class StaticKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def first_rows(self, rows: int) -> StaticKV:
+        """The first `rows` rows of this cache, as views (a runner over them reads and writes this one)."""
+        view = object.__new__(StaticKV)
+        view.k, view.v = [t[:rows] for t in self.k], [t[:rows] for t in self.v]
+        view.valid, view.batch, view.length = self.valid[:rows], rows, self.length
+        return view
+
 
 class StaticDecoder:
     """The model's modules, called in a fixed-shape order (see the module docstring)."""
@@ -267,15 +274,28 @@ class Runner:
         graph: bool,
         pool: GraphPool | None = None,
         decode_fn: Callable[..., torch.Tensor] | None = None,
+        rows_of: Runner | None = None,
     ):
+        """`rows_of`: a runner over the first `batch` rows of that one's cache and inputs (continuous batching
+        steps only as many rows as are in use)."""
         self.decoder = decoder
         self.decode_fn = decode_fn or decoder.decode  # torch.compile'd decode in "compile" mode
-        self.kv = decoder.new_cache(batch, length)
-        device = self.kv.valid.device
         self.batch, self.length = batch, length
-        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
-        self.slot = torch.full((batch,), length - 1, dtype=torch.long, device=device)  # each row's write slot
+        self.shared = rows_of is not None
+        self.kv: StaticKV
+        self.tokens: torch.Tensor
+        self.positions: torch.Tensor
+        self.slot: torch.Tensor
+        if rows_of is not None:
+            self.kv = rows_of.kv.first_rows(batch)
+            self.tokens, self.positions = rows_of.tokens[:batch], rows_of.positions[:batch]
+            self.slot = rows_of.slot[:batch]
+        else:
+            self.kv = decoder.new_cache(batch, length)
+            device = self.kv.valid.device
+            self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
+            self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+            self.slot = torch.full((batch,), length - 1, dtype=torch.long, device=device)  # each row's write slot
         # the graph reads these storages by address: keep them alive as long as the graph is
         self._params = [p.data for p in decoder.model.parameters()]
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -295,7 +315,10 @@ class Runner:
         with torch.cuda.graph(graph, pool=pool):
             self.logits = self.decode_fn(self.kv, self.tokens, self.positions, self.slot)
         self.graph = graph
-        self.kv.valid.zero_()
+        # the warm-up wrote each row's next slot: a fresh cache is cleared; in a shared one a live row's next step
+        # writes that slot again before it reads it, and a free row is cleared when a sample takes it
+        if not self.shared:
+            self.kv.valid.zero_()
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.decoder.prefill(self.kv, ids, positions, mask)
@@ -417,6 +440,17 @@ class RunnerCache:
                 )
                 self.graphs = False
         return Runner(self.decoder, batch=batch, length=length, graph=False)
+
+    def first_rows(self, runner: Runner, rows: int) -> Runner:
+        """A runner over the first `rows` rows of `runner`'s cache (the eager step in a graph: not compiled, which
+        would compile once per row count); `runner` itself when capturing one fails."""
+        try:
+            return Runner(
+                self.decoder, batch=rows, length=runner.length, graph=self.graphs, pool=self._pool, rows_of=runner
+            )
+        except Exception:
+            log.exception("CUDA graph capture over %d rows failed; stepping all %d rows", rows, runner.batch)
+            return runner
 
     @property
     def compiled(self) -> bool:
