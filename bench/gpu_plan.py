@@ -99,6 +99,48 @@ def _peer_trl(work: Path, length: int, budget_s: int, *extra: str) -> tuple[str,
     )
 
 
+def native_engine_command(new_tokens: int, *extra: str) -> tuple[str, ...]:
+    """The native engine against HF generate at Qwen2-0.5B's shape (its real vocabulary), batch 256, 64-token
+    prompts, bf16 on the GPU."""
+    return _bench(
+        "bench_native_engine.py",
+        "--preset",
+        "qwen2-0.5b",
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--batch",
+        "256",
+        "--prompt-len",
+        "64",
+        "--new-tokens",
+        str(new_tokens),
+        *extra,
+    )
+
+
+def _sglang_vs_native(work: Path, out: str, *extra: str) -> tuple[str, ...]:
+    """bench_sglang at the goal's shape (batch 256, 1,024 new tokens), one sync per transport, no NCCL attempt."""
+    return _bench(
+        "bench_sglang.py",
+        "--batch",
+        "256",
+        "--prompt-len",
+        "64",
+        "--new-tokens",
+        "1024",
+        "--repeats",
+        "2",
+        *extra,
+        "--sync-repeats",
+        "1",
+        "--no-nccl",
+        "--out",
+        str(work / out),
+    )
+
+
 def prime_rl_command(work: Path, *variants: str) -> tuple[str, ...]:
     """prime-rl's published trainer shape: Qwen3-0.6B, one 16,384-token sequence (11.9k tokens/s, 12.5 GiB peak)."""
     return _bench(
@@ -264,20 +306,8 @@ def stages(work: Path) -> list[Stage]:
             "the native engine against SGLang at Qwen2.5-0.5B's shape, batch 256, L=1,024: >= 0.8x (where the native "
             "decode step's time goes)",
             (
-                _bench(
-                    "bench_native_engine.py",
-                    "--preset",
-                    "qwen2-0.5b",
-                    "--device",
-                    "cuda",
-                    "--dtype",
-                    "bfloat16",
-                    "--batch",
-                    "256",
-                    "--prompt-len",
-                    "64",
-                    "--new-tokens",
-                    "1024",
+                native_engine_command(
+                    1024,
                     "--repeats",
                     "1",
                     "--warmup",
@@ -318,24 +348,7 @@ def stages(work: Path) -> list[Stage]:
         Stage(
             "sglang_vs_native",
             "the native engine against SGLang at Qwen2.5-0.5B's shape, batch 256, L=1,024: >= 0.8x",
-            (
-                _bench(
-                    "bench_sglang.py",
-                    "--batch",
-                    "256",
-                    "--prompt-len",
-                    "64",
-                    "--new-tokens",
-                    "1024",
-                    "--repeats",
-                    "2",
-                    "--sync-repeats",
-                    "1",
-                    "--no-nccl",
-                    "--out",
-                    str(work / "sglang"),
-                ),
-            ),
+            (_sglang_vs_native(work, "sglang"),),
             360,
             needs=("sglang",),
             sglang_servers=True,
@@ -346,27 +359,7 @@ def stages(work: Path) -> list[Stage]:
             "sglang_vs_native_compile",
             "the native engine against SGLang at Qwen2.5-0.5B's shape, batch 256, L=1,024: >= 0.8x (decode graph "
             "and compile)",
-            (
-                _bench(
-                    "bench_sglang.py",
-                    "--batch",
-                    "256",
-                    "--prompt-len",
-                    "64",
-                    "--new-tokens",
-                    "1024",
-                    "--repeats",
-                    "2",
-                    "--native-decode",
-                    "graph",
-                    "compile",
-                    "--sync-repeats",
-                    "1",
-                    "--no-nccl",
-                    "--out",
-                    str(work / "sglang_compile"),
-                ),
-            ),
+            (_sglang_vs_native(work, "sglang_compile", "--native-decode", "graph", "compile"),),
             360,
             needs=("sglang",),
             sglang_servers=True,

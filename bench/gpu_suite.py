@@ -53,26 +53,9 @@ GPU_TESTS = ["tests/test_rollout_gpu.py", "tests/test_weights_cuda.py"]
 def stages(quick: bool, out: Path) -> dict[str, tuple[list[str], int, dict[str, str]]]:
     """name -> (command, time limit in seconds, extra environment)."""
     tests = sorted({*GPU_TESTS, *(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_*_gpu*.py"))})
-    engine = [
-        PY,
-        "bench/bench_native_engine.py",
-        "--preset",
-        "qwen2-0.5b",
-        "--device",
-        "cuda",
-        "--dtype",
-        "bfloat16",
-        "--batch",
-        "256",
-        "--prompt-len",
-        "64",
-        "--new-tokens",
-        "128",
-        "--repeats",
-        "1" if quick else "2",
-        "--warmup",
-        "0" if quick else "1",
-    ]
+    engine = list(
+        gpu_plan.native_engine_command(128, "--repeats", "1" if quick else "2", "--warmup", "0" if quick else "1")
+    )
     pytest = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     return {  # benches first: the limits of the later stages absorb a slow start
         "handoff": ([PY, "bench/bench_weights.py", "--handoff", "--repeats", "10", "--bucket-mb", "64"], 100, {}),
