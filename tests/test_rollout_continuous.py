@@ -49,6 +49,13 @@ def assert_model_output(
         assert logits.argmax(-1).tolist() == tokens.tolist()
 
 
+def assert_model_samples(model, prompts: list[list[int]], outs, opts: SamplingSpec, *, length: int) -> None:
+    """Every sample has `length` tokens and is `model`'s own (assert_model_output)."""
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert len(out.token_ids) == length
+        assert_model_output(model, prompt, out, opts)
+
+
 def in_thread(engine: NativeEngine, prompts: list[list[int]], opts: SamplingSpec, finished: list[str], name: str):
     result: list = []
 
@@ -85,9 +92,7 @@ def test_rows_of_finished_samples_go_to_waiting_ones_and_a_short_call_returns_fi
     for prompt, out in zip(SHORT, long_out[0], strict=True):
         assert len(out.token_ids) == 90 and out.finish_reason == "length"
         assert_model_output(hf[0], prompt, out, long_opts)
-    for prompt, out in zip(SHORT * 3, short_out[0], strict=True):
-        assert len(out.token_ids) == 4
-        assert_model_output(hf[0], prompt, out, short_opts)
+    assert_model_samples(hf[0], SHORT * 3, short_out[0], short_opts, length=4)
 
 
 def test_sampled_tokens_carry_the_log_probs_of_their_distribution_and_other_distributions_wait(decode, model_dirs, hf):
@@ -201,12 +206,8 @@ def test_the_static_cache_grows_for_a_longer_sample_and_gives_every_row_back(tmp
     first.join(60)
     second.join(60)
     assert finished == ["short", "long"] and store.runner is not None and store.runner.length == 256
-    for prompt, out in zip(SHORT, short_out[0], strict=True):
-        assert len(out.token_ids) == 60
-        assert_model_output(model, prompt, out, short_opts)
-    for prompt, out in zip(SHORT, long_out[0], strict=True):
-        assert len(out.token_ids) == 200
-        assert_model_output(model, prompt, out, long_opts)
+    assert_model_samples(model, SHORT, short_out[0], short_opts, length=60)
+    assert_model_samples(model, SHORT, long_out[0], long_opts, length=200)
     assert sorted(store._free) == list(range(8))
 
 
@@ -227,9 +228,7 @@ def test_static_rows_are_prefilled_again_when_the_engine_drops_its_cache(model_d
     engine.resume()
     thread.join(30)
     assert finished == ["a"] and not store.stale()
-    for prompt, out in zip(SHORT * 2, result[0], strict=True):
-        assert len(out.token_ids) == 80
-        assert_model_output(hf[0], prompt, out, opts)
+    assert_model_samples(hf[0], SHORT * 2, result[0], opts, length=80)
 
 
 def test_a_static_cache_that_cannot_fit_is_refused_with_one_clear_message(model_dirs, monkeypatch):
@@ -262,6 +261,4 @@ def test_a_static_step_computes_only_the_rows_in_use(model_dirs, hf):
     assert store is not None and store.runner is not None and sorted(store._views) == [8, 16]
     cache = store.runner.kv.k[0].data_ptr()
     assert all(view.kv.k[0].data_ptr() == cache for view in store._views.values())  # views of the one cache
-    for prompt, out in zip(SHORT + SHORT * 3, out_a[0] + out_b[0], strict=True):
-        assert len(out.token_ids) == 60
-        assert_model_output(hf[0], prompt, out, opts)
+    assert_model_samples(hf[0], SHORT + SHORT * 3, out_a[0] + out_b[0], opts, length=60)
