@@ -248,7 +248,8 @@ def test_a_static_cache_that_cannot_fit_is_refused_with_one_clear_message(model_
 
 def test_a_static_step_computes_only_the_rows_in_use(model_dirs, hf):
     """32 rows, 4 samples: the step runs over the cache's first 8 rows; 12 more join and it runs over 16. Rows of a
-    view are the cache's own (each sample stays the model's greedy continuation), and no step ran over all 32."""
+    view are the cache's own (each sample stays the model's greedy continuation), no step ran over all 32, and
+    steps attended over the slots their rows had reached: windows growing with them, never the whole cache."""
     engine = NativeEngine(model_dirs[0], device="cpu", decode="static", continuous_batching=True, max_batch_size=32)
     opts = SamplingSpec(temperature=0.0, max_new_tokens=60, ignore_eos=True)
     finished: list[str] = []
@@ -258,7 +259,10 @@ def test_a_static_step_computes_only_the_rows_in_use(model_dirs, hf):
     first.join(30)
     second.join(30)
     store = engine._row_store
-    assert store is not None and store.runner is not None and sorted(store._views) == [8, 16]
+    assert store is not None and store.runner is not None
+    views = store.runner.views
+    assert sorted({rows for rows, _ in views}) == [8, 16]
+    assert len({slots for _, slots in views}) > 1 and max(slots for _, slots in views) < store.runner.length
     cache = store.runner.kv.k[0].data_ptr()
-    assert all(view.kv.k[0].data_ptr() == cache for view in store._views.values())  # views of the one cache
+    assert all(view.kv.k[0].data_ptr() == cache for view in views.values())  # views of the one cache
     assert_model_samples(hf[0], SHORT + SHORT * 3, out_a[0] + out_b[0], opts, length=60)

@@ -139,6 +139,21 @@ def test_static_engine_log_probs_greedy_and_stops(model_dir: Path, opts: Samplin
     assert stopped[0].token_ids == (stop,) and stopped[0].finish_reason == "stop"
 
 
+def test_static_steps_attend_over_windows_that_grow_with_the_tokens(model_dir: Path):
+    """90 new tokens in a 128-slot cache: the steps run over views of its first 32, 64, 96 and 128 slots (as far as
+    the rows have written), and the samples are the dynamic path's, token for token."""
+    static = NativeEngine(model_dir, device="cpu", decode="static")
+    dynamic = NativeEngine(model_dir, device="cpu", decode="dynamic")
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=90, ignore_eos=True)
+    got, want = static.generate(PROMPTS, greedy), dynamic.generate(PROMPTS, greedy)
+    assert static._runners is not None and len(static._runners) == 1
+    (runner,) = static._runners._runners.values()
+    assert runner.length == 128 and sorted(slots for _, slots in runner.views) == [32, 64, 96]  # 128: the cache
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 90
+        assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs, strict=True)) < 1e-4
+
+
 def test_flatten_parameters_keeps_values_and_outputs(model_dir: Path):
     from services.weights.layout import plan_layout, specs_from_tensors
 

@@ -6,8 +6,10 @@
   static path's decode step, a CUDA graph replay on a GPU. A joining sample is prefilled into a free row, its tokens
   from slot 0, and every row writes its next token at its own slot, so rows of different lengths and starts decode in
   one replay; a leaving row is only marked free. A step computes only the cache's first rows, as many as the highest
-  row in use needs (a power of two, a graph each; free rows are taken lowest first), so a few samples do not pay for
-  all `max_rows`. The cache is as long as the longest prompt plus budget seen; a
+  row in use needs (a power of two; free rows are taken lowest first), and attends only over the slots its rows have
+  reached (the store bounds each row's slot on the host: its prompt's width plus the steps since it joined), a graph
+  each such view, so a few short samples pay for neither all `max_rows` nor the longest budget's slots. The cache is
+  as long as the longest prompt plus budget seen; a
   longer one copies the rows over. When the engine drops its runners (parameter storage moved, memory released) the
   store is stale: the batch prefills its rows again into a new cache (what in-flight refill does).
 
@@ -116,7 +118,7 @@ class StaticRows(RowKV):
         self._index = torch.cat([self._index, other._index])
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.store.stepper().step_rows(self._index, tokens, positions)
+        return self.store.step(self._index, tokens, positions)
 
     def release(self) -> None:
         self.store.free(set(self.rows))
@@ -132,8 +134,9 @@ class StaticStore:
         self.runner: Runner | None = None
         self._free = list(range(max_rows))
         self._dropped = False  # the cache went while rows held it
-        self._views: dict[int, Runner] = {}  # runners over the first rows of `runner`'s cache, by row count
         self._top = 0  # 1 + the highest row in use
+        self._steps = 0  # steps taken by this store's rows
+        self._slot_from: dict[int, int] = {}  # row in use -> its slot's bound less _steps (host side: no sync)
 
     def index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -146,6 +149,7 @@ class StaticStore:
         runner = self.runner_or_fail()
         rows, self._free = self._free[:n], self._free[n:]
         self._top = max(self._top, rows[-1] + 1)
+        self._slot_from.update((row, chunk.width - self._steps) for row in rows)  # next slot <= the prompt's width
         lengths = chunk.mask.sum(-1)
         # left padding to right padding: row i's tokens from column 0
         shift = (torch.arange(chunk.width, device=chunk.mask.device) + (chunk.width - lengths)[:, None]) % chunk.width
@@ -164,29 +168,32 @@ class StaticStore:
             self.runner, self._dropped = None, False
         old = self.runner
         self.runner = self.runners().get(self.max_rows, max(need, old.length if old is not None else 0))
-        self._views = {}
         if old is not None and old is not self.runner and len(self._free) < self.max_rows:
             self.runner.take_rows_from(old)
 
-    def stepper(self) -> Runner:
-        """The runner a step replays: over the first rows, as many as the highest row in use needs (a power of two,
-        at least MIN_VIEW_ROWS), so a batch of few samples does not compute every row of the cache."""
+    def step(self, index: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows `index` step. The step runs over the cache's first rows, as many as the highest row in use needs (a
+        power of two, at least MIN_VIEW_ROWS), and only the slots up to the furthest next slot of a row in use (see
+        Runner.view)."""
         runner = self.runner_or_fail()
         rows = MIN_VIEW_ROWS
         while rows < self._top:
             rows *= 2
-        if rows >= runner.batch or self.runners().compiled:  # compile mode would compile once per row count
-            return runner
-        if rows not in self._views:
-            self._views[rows] = self.runners().first_rows(runner, rows)
-        return self._views[rows]
+        below = min(runner.length, max(self._slot_from.values(), default=0) + self._steps + 1)
+        logits = runner.step_rows(index, tokens, positions, first_rows=min(rows, runner.batch), below_slot=below)
+        self._steps += 1
+        return logits
 
     def free(self, rows: set[int]) -> None:
+        if rows and self.runner is not None and not self._dropped:
+            self.runner.free_rows(self.index(sorted(rows)))
+        for row in rows:
+            self._slot_from.pop(row, None)
         self._free = sorted(self._free + list(rows))  # the lowest rows first: live rows stay near the front
         used = set(range(self.max_rows)).difference(self._free)
         self._top = max(used) + 1 if used else 0
         if len(self._free) == self.max_rows and self._dropped:
-            self.runner, self._dropped, self._views = None, False, {}
+            self.runner, self._dropped = None, False
 
     def stale(self) -> bool:
         return self._dropped
@@ -196,7 +203,7 @@ class StaticStore:
         if self.runner is not None:
             self._dropped = len(self._free) < self.max_rows
             if not self._dropped:
-                self.runner, self._views = None, {}
+                self.runner = None
 
     def runner_or_fail(self) -> Runner:
         if self.runner is None or self._dropped:

@@ -9,11 +9,14 @@ fixed-shape buffers:
   mask of the slots that hold a real token. Prompts are left-padded to a common width, so every row writes
   decode step s into the same slot (width + s) while its rotary position counts only its own tokens.
 - `StaticDecoder.prefill` runs the prompt eagerly (SDPA over the prompt's slots) and fills the cache;
-  `decode` is one token for every row with attention over the whole cache, masked by the slot mask.
+  `decode` is one token for every row with attention over the cache's slots, masked by the slot mask.
   Attention in decode groups the query heads per KV head, so the cache is read once (no repeat_kv).
 - `Runner` owns one cache and, on CUDA, a captured graph of `decode` (in "compile" mode of the
   torch.compile'd `decode`, whose fused kernels cut the launches a token roughly threefold); a step copies the new
-  tokens and positions into the graph's inputs and replays it. On CPU (or with graphs off) it calls `decode` eagerly,
+  tokens and positions into the graph's inputs and replays it. A step runs over a view of the cache: the slots the
+  rows have reached (`window_slots`: ~1/8 of the cache at a time) and, in continuous batching, the rows in use, a
+  graph each view. Attention reads every slot it is given, so a step early in a 1,152-slot cache reads ~150 slots,
+  not 1,152 (compile mode keeps the whole cache: it would compile once per view). On CPU (or with graphs off) it calls `decode` eagerly,
   which is what the CPU tests check against the model's own forward.
 
 Only plain decoder stacks are supported (`supported()`): Llama (llama3 rope scaling included: the model's own
@@ -142,12 +145,24 @@ class StaticKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def first_rows(self, rows: int) -> StaticKV:
-        """The first `rows` rows of this cache, as views (a runner over them reads and writes this one)."""
+    def window(self, rows: int, slots: int) -> StaticKV:
+        """The first `rows` rows and `slots` slots of this cache, as views (a runner over them reads and writes this
+        one)."""
         view = object.__new__(StaticKV)
-        view.k, view.v = [t[:rows] for t in self.k], [t[:rows] for t in self.v]
-        view.valid, view.batch, view.length = self.valid[:rows], rows, self.length
+        view.k, view.v = [t[:rows, :, :slots] for t in self.k], [t[:rows, :, :slots] for t in self.v]
+        view.valid, view.batch, view.length = self.valid[:rows, :slots], rows, slots
         return view
+
+
+WINDOW_GRANULE = 32  # slots: a window's length is a multiple of this, and of about 1/8 of the cache's length
+
+
+def window_slots(need: int, length: int) -> int:
+    """The slots a decode step attends over when every row writes below slot `need`: a multiple of ~1/8 of the
+    cache (so a cache has at most ~8 windows, a graph each), never more than `length`. Attention reads every slot
+    of its window, so a step early in a long cache costs what its tokens need, not what the longest could."""
+    granule = max(WINDOW_GRANULE, -(-length // (8 * WINDOW_GRANULE)) * WINDOW_GRANULE)
+    return min(length, -(-need // granule) * granule)
 
 
 class StaticDecoder:
@@ -263,7 +278,9 @@ class StaticDecoder:
 
 
 class Runner:
-    """One cache of a fixed (batch, length) and its decode step: a CUDA graph replay, or eager."""
+    """One cache of a fixed (batch, length) and its decode step: a CUDA graph replay, or eager. A step runs over a
+    view of the cache (`view`): its first rows and slots, a graph each, so it computes the rows in use and attends
+    over the slots written so far, not the whole cache."""
 
     def __init__(
         self,
@@ -274,28 +291,31 @@ class Runner:
         graph: bool,
         pool: GraphPool | None = None,
         decode_fn: Callable[..., torch.Tensor] | None = None,
-        rows_of: Runner | None = None,
+        view_of: Runner | None = None,
     ):
-        """`rows_of`: a runner over the first `batch` rows of that one's cache and inputs (continuous batching
-        steps only as many rows as are in use)."""
+        """`view_of`: a runner over the first `batch` rows and `length` slots of that one's cache and inputs."""
         self.decoder = decoder
         self.decode_fn = decode_fn or decoder.decode  # torch.compile'd decode in "compile" mode
         self.batch, self.length = batch, length
-        self.shared = rows_of is not None
+        self.pool = pool
+        self.base = view_of
+        self.views: dict[tuple[int, int], Runner] = {}  # on the whole cache's runner: its views by (rows, slots)
+        self.windowed = decode_fn is None  # compile mode keeps one shape (it would compile once per view)
         self.kv: StaticKV
         self.tokens: torch.Tensor
         self.positions: torch.Tensor
         self.slot: torch.Tensor
-        if rows_of is not None:
-            self.kv = rows_of.kv.first_rows(batch)
-            self.tokens, self.positions = rows_of.tokens[:batch], rows_of.positions[:batch]
-            self.slot = rows_of.slot[:batch]
+        self._out: torch.Tensor | None = None  # the views' logits, one buffer for all of them (see _capture)
+        if view_of is not None:
+            self.kv = view_of.kv.window(batch, length)
+            self.tokens, self.positions = view_of.tokens[:batch], view_of.positions[:batch]
+            self.slot = view_of.slot[:batch]
         else:
             self.kv = decoder.new_cache(batch, length)
             device = self.kv.valid.device
             self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
             self.positions = torch.zeros(batch, dtype=torch.long, device=device)
-            self.slot = torch.full((batch,), length - 1, dtype=torch.long, device=device)  # each row's write slot
+            self.slot = torch.zeros(batch, dtype=torch.long, device=device)  # each row's write slot, in every window
         # the graph reads these storages by address: keep them alive as long as the graph is
         self._params = [p.data for p in decoder.model.parameters()]
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -309,16 +329,23 @@ class Runner:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up (and compile) outside the capture
-                self.decode_fn(self.kv, self.tokens, self.positions, self.slot)
+                warm = self.decode_fn(self.kv, self.tokens, self.positions, self.slot)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.logits = self.decode_fn(self.kv, self.tokens, self.positions, self.slot)
+        if self.base is None:
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits = self.decode_fn(self.kv, self.tokens, self.positions, self.slot)
+            self.kv.valid.zero_()  # the warm-up wrote each row's next slot of a fresh cache
+        else:
+            # a view's logits go to its base's one buffer: what the step made is freed inside the capture, so the
+            # pool lends it to the next view's capture (a graph each of ~8 windows x row counts, not a logits each)
+            out = self.base.out_like(warm)
+            with torch.cuda.graph(graph, pool=pool):
+                out[: self.batch].copy_(self.decode_fn(self.kv, self.tokens, self.positions, self.slot))
+            self.logits = out[: self.batch]
+            # the warm-up and the capture wrote each row's next slot from its current inputs: what the step that
+            # wanted this view writes again (a live row), or a free row's slot 0 (cleared when a sample takes it)
         self.graph = graph
-        # the warm-up wrote each row's next slot: a fresh cache is cleared; in a shared one a live row's next step
-        # writes that slot again before it reads it, and a free row is cleared when a sample takes it
-        if not self.shared:
-            self.kv.valid.zero_()
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.decoder.prefill(self.kv, ids, positions, mask)
@@ -329,6 +356,32 @@ class Runner:
             p.data_ptr() == q.data_ptr() for p, q in zip(self.decoder.model.parameters(), self._params, strict=True)
         )
 
+    def out_like(self, logits: torch.Tensor) -> torch.Tensor:
+        """The views' logits buffer, [batch, vocab] of `logits`' dtype (allocated by the first view)."""
+        if self._out is None:
+            self._out = logits.new_empty((self.batch, *logits.shape[1:]))
+        return self._out
+
+    def view(self, rows: int, slots: int) -> Runner:
+        """The runner over this cache's first `rows` rows and `slots` slots (made once, a graph on a GPU); this one
+        for the whole cache, in compile mode, or when capturing a view fails. Its inputs must be set first: the
+        capture's warm-up steps them."""
+        if (rows, slots) == (self.batch, self.length) or not self.windowed:
+            return self
+        found = self.views.get((rows, slots))
+        if found is None:
+            try:
+                found = Runner(
+                    self.decoder, batch=rows, length=slots, graph=self.graph is not None, pool=self.pool, view_of=self
+                )
+            except Exception:
+                log.exception(
+                    "CUDA graph capture over %d rows x %d slots failed; stepping the whole cache", rows, slots
+                )
+                found = self
+            self.views[(rows, slots)] = found
+        return found
+
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
         """Every row writes slot `slot`; rows beyond tokens.shape[0] (batch padding) keep their previous inputs;
         returns [batch, vocab]."""
@@ -336,7 +389,7 @@ class Runner:
         self.tokens[:n].copy_(tokens)
         self.positions[:n].copy_(positions)
         self.slot.fill_(slot)
-        return self._run()
+        return self.view(self.batch, window_slots(slot + 1, self.length))._run()
 
     def prefill_rows(self, rows: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Right-padded sequences into cache rows `rows` (the others untouched); the rows' next slot is their length."""
@@ -344,14 +397,22 @@ class Runner:
         self.slot[rows] = lengths
         return logits
 
-    def step_rows(self, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rows `rows` feed `tokens` at rotary `positions`, each into its own next slot, which then moves on; the
-        cache's other rows compute too (their results unread). Returns those rows' logits [len(rows), vocab]."""
+    def step_rows(
+        self, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, *, first_rows: int, below_slot: int
+    ) -> torch.Tensor:
+        """Rows `rows` feed `tokens` at rotary `positions`, each into its own next slot, which then moves on. The
+        step runs over the cache's first `first_rows` rows (the others in it compute too, their results unread)
+        and every row in them must write below slot `below_slot` (free rows write slot 0: `free_rows`). Returns
+        the rows' logits [len(rows), vocab]."""
         self.tokens[rows] = tokens
         self.positions[rows] = positions
-        logits = self._run()[rows]
+        logits = self.view(first_rows, window_slots(below_slot, self.length))._run()[rows]
         self.slot[rows] = (self.slot[rows] + 1).clamp(max=self.length - 1)  # a finished row may linger a few steps
         return logits
+
+    def free_rows(self, rows: torch.Tensor) -> None:
+        """Rows no sample holds write slot 0 (inside every window) until a sample takes them."""
+        self.slot[rows] = 0
 
     def take_rows_from(self, other: Runner) -> None:
         """Every row's keys, values and next slot from a shorter runner of the same batch (the cache grew)."""
@@ -440,17 +501,6 @@ class RunnerCache:
                 )
                 self.graphs = False
         return Runner(self.decoder, batch=batch, length=length, graph=False)
-
-    def first_rows(self, runner: Runner, rows: int) -> Runner:
-        """A runner over the first `rows` rows of `runner`'s cache (the eager step in a graph: not compiled, which
-        would compile once per row count); `runner` itself when capturing one fails."""
-        try:
-            return Runner(
-                self.decoder, batch=rows, length=runner.length, graph=self.graphs, pool=self._pool, rows_of=runner
-            )
-        except Exception:
-            log.exception("CUDA graph capture over %d rows failed; stepping all %d rows", rows, runner.batch)
-            return runner
 
     @property
     def compiled(self) -> bool:
