@@ -8,9 +8,9 @@ Both sides sample (temperature 1, no top-k/top-p) exactly --new-tokens tokens pe
 so both do the same work); the native engine also returns per-token log-probs, HF generate here does not.
 Random-init weights (no download). Prints one row per batch size with the ratio native / HF; "first call"
 is the native engine's first generate at that batch (static cache allocation and CUDA graph capture included),
-not counted in its tokens/s. `--profile` (static paths, a GPU): the decode step alone (its runner replayed 50 times
-at the generate's batch and cache length) against generate's wall time per token step, and torch.profiler tables of
-three replays in --out (what a step's kernels are: the gap to SGLang's decode).
+not counted in its tokens/s. `--profile` (static paths, a GPU): the decode step alone (its runner replayed at 8 slots
+of the generation and over the whole cache, at the generate's batch and cache length) against generate's wall time
+per token step, and torch.profiler tables of three replays in --out (what a step's kernels are: the gap to SGLang).
 """
 
 from __future__ import annotations
@@ -160,24 +160,35 @@ def bench_model(model_dir: Path, args: argparse.Namespace) -> list[tuple]:
 
 
 def profile_step(engine: NativeEngine, batch: int, token_step_s: float, args: argparse.Namespace) -> None:
-    """The decode step alone at the bucket generate used (50 replays, CUDA events) beside generate's seconds per
-    token step, and the profiler's tables of three replays."""
+    """The decode step alone at the bucket generate used beside generate's seconds per token step: 30 replays (CUDA
+    events) at 8 slots spread over the generation, their mean (a step attends over the slots written so far, a
+    window of the cache), and at the cache's last slot (the whole cache); the profiler's tables of three replays at
+    the middle of the generation."""
     assert engine._runners is not None
     runner = engine._runners.get(batch, args.prompt_len + args.new_tokens)
     device = engine.device
     tokens = torch.zeros(runner.batch, dtype=torch.long, device=device)
     positions = torch.full((runner.batch,), args.prompt_len, dtype=torch.long, device=device)
-    with torch.inference_mode():
-        runner.step(tokens, positions, args.prompt_len)
+
+    def replay_s(slot: int, times: int = 30) -> float:
+        runner.step(tokens, positions, slot)  # its view's graph captured outside the timing
         sync(device)
         start = time.perf_counter()
-        for _ in range(50):
-            runner.step(tokens, positions, args.prompt_len)
+        for _ in range(times):
+            runner.step(tokens, positions, slot)
         sync(device)
-        step_s = (time.perf_counter() - start) / 50
+        return (time.perf_counter() - start) / times
+
+    with torch.inference_mode():
+        slots = [args.prompt_len + k * args.new_tokens // 8 for k in range(8)]
+        step_s = statistics.mean(replay_s(slot) for slot in slots)
+        whole_s = replay_s(runner.length - 1)
+        middle = args.prompt_len + args.new_tokens // 2
+        runner.step(tokens, positions, middle)
+        sync(device)
         with profiler(device) as p:
             for _ in range(3):
-                runner.step(tokens, positions, args.prompt_len)
+                runner.step(tokens, positions, middle)
             sync(device)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"profile_native_{engine.decode_mode}_b{batch}_L{runner.length}.txt"
@@ -185,7 +196,8 @@ def profile_step(engine: NativeEngine, batch: int, token_step_s: float, args: ar
     print(
         f"[profile {engine.decode_mode} batch {batch}, cache {runner.batch} x {runner.length}] generate "
         f"{1000 * token_step_s:.2f} ms a token step; the decode step alone {1000 * step_s:.2f} ms "
-        f"({step_s / token_step_s:.0%}); tables in {path}",
+        f"({step_s / token_step_s:.0%}; mean over 8 slots of the generation), {1000 * whole_s:.2f} ms over the "
+        f"whole cache; tables (3 replays at slot {middle}) in {path}",
         flush=True,
     )
 

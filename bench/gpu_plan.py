@@ -175,6 +175,64 @@ def stages(work: Path) -> list[Stage]:
     inflight_keep = ("inflight/inflight_*.json",)
     cap = "the head's 1 GiB table cap (2026-12-06) against the 1/32-of-the-GPU table it replaced, one process each"
     return [
+        # 2026-12-06, fourth session: decode steps attend over views of the cache (the slots written so far, ~1/8 at
+        # a time, a graph each) and keep the scores in bf16 (softmax accumulates in fp32). The views' graphs on the
+        # card first, then the three figures they move: the decode step's profile, in-flight streaming, vs SGLang
+        Stage(
+            "window_gpu_tests",
+            "the native engine on the GPU with windowed decode views: log-probs match the teacher-forced forward",
+            ((PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_rollout_gpu.py"),),
+            150,
+        ),
+        Stage(
+            "native_decode_window",
+            "the native engine against SGLang at Qwen2.5-0.5B's shape, batch 256, L=1,024: >= 0.8x (graph decode over "
+            "windows of the cache, bf16 scores: tokens/s and the decode step's profile; SGLang read 68,124 tokens/s "
+            "in sglang_vs_native_compile)",
+            (
+                native_engine_command(
+                    1024,
+                    "--repeats",
+                    "2",
+                    "--warmup",
+                    "1",
+                    "--decode",
+                    "graph",
+                    "--profile",
+                    "--out",
+                    str(work / "native_window"),
+                ),
+            ),
+            180,
+            keep=("native_window/profile_native_graph_b256_L1152.txt",),
+        ),
+        Stage(
+            "inflight_stream_window",
+            inflight_goal + " (continuous batching's steps over windows of the cache, beside one_step_off)",
+            (
+                _bench(
+                    "gpu_inflight.py",
+                    "--steps",
+                    "6",
+                    "--only",
+                    "one_step_off",
+                    "stream_keep",
+                    "--out",
+                    str(work / "inflight_window"),
+                ),
+            ),
+            360,
+            keep=("inflight_window/inflight_*.json",),
+        ),
+        Stage(
+            "sglang_vs_native_window",
+            "the native engine against SGLang at Qwen2.5-0.5B's shape, batch 256, L=1,024: >= 0.8x (graph decode over "
+            "windows of the cache, bf16 scores)",
+            (_sglang_vs_native(work, "sglang_window", "--native-decode", "graph"),),
+            360,
+            needs=("sglang",),
+            sglang_servers=True,
+        ),
         # the head's numerics on the card first (eager, compiled, whole rows, vs the old path): the figures rest on them
         Stage(
             "head_gpu_tests",

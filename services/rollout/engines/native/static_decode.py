@@ -259,7 +259,7 @@ class StaticDecoder:
         a device tensor so a captured graph can replay it); returns logits [B, vocab]."""
         b = tokens.shape[0]
         kv.valid.scatter_(1, slot[:, None], True)
-        allowed = kv.valid[:, None, None, :]  # [B, 1, 1, L]
+        hidden = ~kv.valid[:, None, None, :]  # [B, 1, 1, L]: slots without a token
         h = self.inner.embed_tokens(tokens[:, None])
         cos, sin = self.inner.rotary_emb(h, positions[:, None])
         at = slot[:, None, None, None].expand(b, self.kv_heads, 1, self.head_dim)
@@ -268,10 +268,12 @@ class StaticDecoder:
             q, k, v = self._qkv(attn, layer.input_layernorm(h), cos, sin)
             kv.k[i].scatter_(2, at, k)
             kv.v[i].scatter_(2, at, v)
-            q = q.reshape(b, self.kv_heads, self.groups, self.head_dim)  # query heads grouped per KV head
-            scores = torch.matmul(q, kv.k[i].transpose(-1, -2)).float() * self.scaling
-            probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
-            out = torch.matmul(probs, kv.v[i])  # [B, kv_heads, groups, head_dim]
+            # query heads grouped per KV head, the scale folded into the (small) query. The scores stay in the
+            # model's dtype, as the matmul rounded them, and are masked in place; softmax accumulates in float32
+            # inside its kernel: float32 copies of the [B, heads, L] scores were ~4 extra passes a layer
+            q = q.reshape(b, self.kv_heads, self.groups, self.head_dim) * self.scaling
+            scores = torch.matmul(q, kv.k[i].transpose(-1, -2)).masked_fill_(hidden, float("-inf"))
+            out = torch.matmul(torch.softmax(scores, dim=-1), kv.v[i])  # [B, kv_heads, groups, head_dim]
             h = h + attn.o_proj(out.reshape(b, 1, self.heads * self.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.lm_head(self.inner.norm(h))[:, 0]
