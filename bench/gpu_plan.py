@@ -221,7 +221,7 @@ def stages(work: Path) -> list[Stage]:
                     str(work / "inflight_window"),
                 ),
             ),
-            360,
+            300,
             keep=("inflight_window/inflight_*.json",),
         ),
         Stage(

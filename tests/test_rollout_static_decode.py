@@ -4,7 +4,9 @@ forward, greedy tokens of the dynamic path, stops at EOS and stop tokens, and re
 
 from __future__ import annotations
 
+import gc
 import re
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +154,16 @@ def test_static_steps_attend_over_windows_that_grow_with_the_tokens(model_dir: P
     for a, b in zip(got, want, strict=True):
         assert a.token_ids == b.token_ids and len(a.token_ids) == 90
         assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs, strict=True)) < 1e-4
+    # dropping the runners frees the cache at once, views and all (a reference cycle would hold a GPU's cache and
+    # captured weights until the garbage collector ran: release_memory would free nothing)
+    gone = weakref.ref(runner)
+    del runner
+    gc.disable()
+    try:
+        static._drop_runners()
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_flatten_parameters_keeps_values_and_outputs(model_dir: Path):

@@ -300,7 +300,6 @@ class Runner:
         self.decode_fn = decode_fn or decoder.decode  # torch.compile'd decode in "compile" mode
         self.batch, self.length = batch, length
         self.pool = pool
-        self.base = view_of
         self.views: dict[tuple[int, int], Runner] = {}  # on the whole cache's runner: its views by (rows, slots)
         self.windowed = decode_fn is None  # compile mode keeps one shape (it would compile once per view)
         self.kv: StaticKV
@@ -323,9 +322,9 @@ class Runner:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         if graph:
-            self._capture(pool)
+            self._capture(pool, view_of)
 
-    def _capture(self, pool: GraphPool | None) -> None:
+    def _capture(self, pool: GraphPool | None, view_of: Runner | None) -> None:
         device = self.kv.valid.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -334,14 +333,14 @@ class Runner:
                 warm = self.decode_fn(self.kv, self.tokens, self.positions, self.slot)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        if self.base is None:
+        if view_of is None:
             with torch.cuda.graph(graph, pool=pool):
                 self.logits = self.decode_fn(self.kv, self.tokens, self.positions, self.slot)
             self.kv.valid.zero_()  # the warm-up wrote each row's next slot of a fresh cache
         else:
             # a view's logits go to its base's one buffer: what the step made is freed inside the capture, so the
             # pool lends it to the next view's capture (a graph each of ~8 windows x row counts, not a logits each)
-            out = self.base.out_like(warm)
+            out = view_of.out_like(warm)
             with torch.cuda.graph(graph, pool=pool):
                 out[: self.batch].copy_(self.decode_fn(self.kv, self.tokens, self.positions, self.slot))
             self.logits = out[: self.batch]
