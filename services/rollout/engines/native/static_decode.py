@@ -16,8 +16,8 @@ fixed-shape buffers:
   tokens and positions into the graph's inputs and replays it. A step runs over a view of the cache: the slots the
   rows have reached (`window_slots`: ~1/8 of the cache at a time) and, in continuous batching, the rows in use, a
   graph each view. Attention reads every slot it is given, so a step early in a 1,152-slot cache reads ~150 slots,
-  not 1,152 (compile mode keeps the whole cache: it would compile once per view). On CPU (or with graphs off) it calls `decode` eagerly,
-  which is what the CPU tests check against the model's own forward.
+  not 1,152 (compile mode keeps the whole cache: it would compile once per view). On CPU (or with graphs off) it
+  calls `decode` eagerly, which is what the CPU tests check against the model's own forward.
 
 Only plain decoder stacks are supported (`supported()`): Llama (llama3 rope scaling included: the model's own
 rotary module computes the frequencies), Qwen2 and Qwen3 (its per-head q/k RMSNorm) with full attention. Everything
