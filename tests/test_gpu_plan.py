@@ -119,3 +119,21 @@ def test_every_real_stage_names_a_script_whose_parser_takes_its_arguments(tmp_pa
     assert problems[:-2] == [None] * len(commands)
     assert "invalid choice: 'no_such_preset'" in str(problems[-2])
     assert problems[-1] == "no such script: bench/no_such_script.py"
+
+
+def test_inflight_report_puts_the_ratios_side_by_side_with_and_without_the_checkpoint_saves():
+    """gpu_inflight's table (the in-flight goal's figure): tokens over summed step time, and the same without the
+    save that ends every run; summaries written before save_s existed read as no save."""
+    import gpu_inflight
+
+    def summary(name: str, step_s: float, save_s: float | None) -> dict:
+        found = {"name": name, "steps": 6, "step_s": step_s, "tokens": 1000.0, "tokens_per_s": 1000.0 / step_s}
+        found |= {"engine_busy_s": None, "sync_ms": None, "stale_dropped": 0.0, "inflight_token_frac": 0.0}
+        return found | {"curve": [[512.0, 0.0]]} | ({} if save_s is None else {"save_s": save_s})
+
+    table = gpu_inflight.report([summary("one_step_off", 20.0, 10.0), summary("stream_keep", 15.0, 10.0)])
+    assert "| x one_step_off | 1.00 | 1.33 |" in table
+    assert "| tokens/s without the checkpoint saves | 100 | 200 |" in table
+    assert "| x one_step_off, without the saves | 1.00 | 2.00 |" in table
+    old = gpu_inflight.report([summary("one_step_off", 20.0, None), summary("stream_keep", 15.0, None)])
+    assert "| x one_step_off, without the saves | 1.00 | 1.33 |" in old
