@@ -162,8 +162,9 @@ def prime_rl_command(work: Path, *variants: str) -> tuple[str, ...]:
     )
 
 
-def _inflight(work: Path, variant: str) -> tuple[str, ...]:
-    return _bench("gpu_inflight.py", "--steps", "6", "--only", variant, "--out", str(work / "inflight"))
+def _inflight(work: Path, *variants: str, out: str = "inflight") -> tuple[str, ...]:
+    """gpu_inflight's runs of `variants`, 6 steps each, their summaries in work/out."""
+    return _bench("gpu_inflight.py", "--steps", "6", "--only", *variants, "--out", str(work / out))
 
 
 def stages(work: Path) -> list[Stage]:
@@ -209,18 +210,7 @@ def stages(work: Path) -> list[Stage]:
         Stage(
             "inflight_stream_window",
             inflight_goal + " (continuous batching's steps over windows of the cache, beside one_step_off)",
-            (
-                _bench(
-                    "gpu_inflight.py",
-                    "--steps",
-                    "6",
-                    "--only",
-                    "one_step_off",
-                    "stream_keep",
-                    "--out",
-                    str(work / "inflight_window"),
-                ),
-            ),
+            (_inflight(work, "one_step_off", "stream_keep", out="inflight_window"),),
             300,
             keep=("inflight_window/inflight_*.json",),
         ),
@@ -333,18 +323,7 @@ def stages(work: Path) -> list[Stage]:
         Stage(
             "inflight_stream_graph",
             inflight_goal + " (continuous batching on the CUDA-graph decode step, beside one_step_off)",
-            (
-                _bench(
-                    "gpu_inflight.py",
-                    "--steps",
-                    "6",
-                    "--only",
-                    "one_step_off",
-                    "stream_keep",
-                    "--out",
-                    str(work / "inflight_graph"),
-                ),
-            ),
+            (_inflight(work, "one_step_off", "stream_keep", out="inflight_graph"),),
             420,
             keep=("inflight_graph/inflight_*.json",),
         ),
