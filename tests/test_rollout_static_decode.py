@@ -166,6 +166,25 @@ def test_static_steps_attend_over_windows_that_grow_with_the_tokens(model_dir: P
         gc.enable()
 
 
+def test_a_view_that_cannot_be_made_steps_the_whole_cache(model_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    """A view whose capture fails (here: making its cache view raises) is logged once and the step runs over the
+    whole cache: the same samples, and no view kept (so nothing refers back to the runner)."""
+    from services.rollout.engines.native import static_decode
+
+    def broken(self, rows: int, slots: int):
+        raise RuntimeError("no view")
+
+    monkeypatch.setattr(static_decode.StaticKV, "window", broken)
+    static = NativeEngine(model_dir, device="cpu", decode="static")
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    got = static.generate(PROMPTS, greedy)
+    assert static._runners is not None
+    (runner,) = static._runners._runners.values()
+    assert runner.views == {} and runner._no_view == {(runner.batch, 32), (runner.batch, 64)}  # 51 slots reached
+    want = NativeEngine(model_dir, device="cpu", decode="dynamic").generate(PROMPTS, greedy)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
 def test_flatten_parameters_keeps_values_and_outputs(model_dir: Path):
     from services.weights.layout import plan_layout, specs_from_tensors
 

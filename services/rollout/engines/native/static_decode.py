@@ -307,6 +307,7 @@ class Runner:
         self.positions: torch.Tensor
         self.slot: torch.Tensor
         self._out: torch.Tensor | None = None  # the views' logits, one buffer for all of them (see _capture)
+        self._no_view: set[tuple[int, int]] = set()  # views whose capture failed: the whole cache steps instead
         if view_of is not None:
             self.kv = view_of.kv.window(batch, length)
             self.tokens, self.positions = view_of.tokens[:batch], view_of.positions[:batch]
@@ -367,9 +368,10 @@ class Runner:
         """The runner over this cache's first `rows` rows and `slots` slots (made once, a graph on a GPU); this one
         for the whole cache, in compile mode, or when capturing a view fails. Its inputs must be set first: the
         capture's warm-up steps them."""
-        if (rows, slots) == (self.batch, self.length) or not self.windowed:
+        key = (rows, slots)
+        if key == (self.batch, self.length) or not self.windowed or key in self._no_view:
             return self
-        found = self.views.get((rows, slots))
+        found = self.views.get(key)
         if found is None:
             try:
                 found = Runner(
@@ -379,8 +381,9 @@ class Runner:
                 log.exception(
                     "CUDA graph capture over %d rows x %d slots failed; stepping the whole cache", rows, slots
                 )
-                found = self
-            self.views[(rows, slots)] = found
+                self._no_view.add(key)  # not self in `views`: that cycle would hold the cache past a drop
+                return self
+            self.views[key] = found
         return found
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int) -> torch.Tensor:
