@@ -160,10 +160,10 @@ def bench_model(model_dir: Path, args: argparse.Namespace) -> list[tuple]:
 
 
 def profile_step(engine: NativeEngine, batch: int, token_step_s: float, args: argparse.Namespace) -> None:
-    """The decode step alone at the bucket generate used beside generate's seconds per token step: 30 replays (CUDA
-    events) at 8 slots spread over the generation, their mean (a step attends over the slots written so far, a
-    window of the cache), and at the cache's last slot (the whole cache); the profiler's tables of three replays at
-    the middle of the generation."""
+    """The decode step alone at the bucket generate used beside generate's seconds per token step: 30 replays (wall
+    time between two device syncs) at 8 slots spread over the generation, their mean (a step attends over the slots
+    written so far, a window of the cache), and at the cache's last slot (the whole cache); the profiler's tables of
+    three replays at the middle of the generation."""
     assert engine._runners is not None
     runner = engine._runners.get(batch, args.prompt_len + args.new_tokens)
     device = engine.device
