@@ -188,7 +188,11 @@ def test_chat_answers_tool_calls_logprobs_and_streams_the_same_shape(service):
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     tokens = chunks[-1].usage.completion_tokens
     finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
-    assert finish[:-1] == [None] * (len(finish) - 1) and finish[-1] == ("length" if tokens == 3 else "stop")
+    # "length" only at the limit; "stop" below it, or at it when the third token is the end of text (counted, as
+    # OpenAI and vLLM count it)
+    assert finish[:-1] == [None] * (len(finish) - 1) and finish[-1] in (
+        ("length", "stop") if tokens == 3 else ("stop",)
+    )
     assert chunks[0].choices[0].delta.role == "assistant" and len(text.split()) <= tokens <= 3
 
 
