@@ -199,7 +199,10 @@ def test_chat_answers_tool_calls_logprobs_and_streams_the_same_shape(service):
 def test_completions_take_token_ids_as_they_are(service):
     ids = service.texts.encode_prompt_text("4 =")
     r = client(service).completions.create(model="policy", prompt=ids, max_tokens=2, logprobs=0)
-    assert r.model_extra["prompt_token_ids"] == ids and len(r.choices[0].logprobs.token_logprobs) == 2
+    generated, finish = len(r.choices[0].logprobs.token_logprobs), r.choices[0].finish_reason
+    assert r.model_extra["prompt_token_ids"] == ids
+    # an unseeded call samples anew: two tokens, or fewer when the end of text came first
+    assert (generated, finish) == (2, "length") or (finish == "stop" and 1 <= generated <= 2), (generated, finish)
     streamed = list(client(service).completions.create(model="policy", prompt="4 =", max_tokens=2, stream=True))
     assert streamed[0].choices[0].finish_reason in ("stop", "length") and streamed[0].object == "text_completion"
 
