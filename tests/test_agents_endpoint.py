@@ -80,6 +80,12 @@ def client(service: RolloutService, path: str = "/v1", token: str = TOKEN):
     return openai.OpenAI(base_url=agents(service).server.url + path, api_key=token, max_retries=0)
 
 
+def finish_agrees(tokens: int, finish: str | None, limit: int) -> bool:
+    """An unseeded call samples anew: "length" only at the limit; "stop" at or below it (the end-of-text token that
+    stops a call counts among its tokens, as OpenAI's and vLLM's usage count it)."""
+    return (finish == "length" and tokens == limit) or (finish == "stop" and 1 <= tokens <= limit)
+
+
 def lookup_prompts(n: int) -> list[PromptInput]:
     rows = [json.loads(line) for line in (REPO / "examples/tool_lookup/eval.jsonl").read_text().splitlines()][:n]
     return [
@@ -188,11 +194,7 @@ def test_chat_answers_tool_calls_logprobs_and_streams_the_same_shape(service):
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     tokens = chunks[-1].usage.completion_tokens
     finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
-    # "length" only at the limit; "stop" below it, or at it when the third token is the end of text (counted, as
-    # OpenAI and vLLM count it)
-    assert finish[:-1] == [None] * (len(finish) - 1) and finish[-1] in (
-        ("length", "stop") if tokens == 3 else ("stop",)
-    )
+    assert finish[:-1] == [None] * (len(finish) - 1) and finish_agrees(tokens, finish[-1], limit=3), (tokens, finish)
     assert chunks[0].choices[0].delta.role == "assistant" and len(text.split()) <= tokens <= 3
 
 
@@ -200,9 +202,7 @@ def test_completions_take_token_ids_as_they_are(service):
     ids = service.texts.encode_prompt_text("4 =")
     r = client(service).completions.create(model="policy", prompt=ids, max_tokens=2, logprobs=0)
     generated, finish = len(r.choices[0].logprobs.token_logprobs), r.choices[0].finish_reason
-    assert r.model_extra["prompt_token_ids"] == ids
-    # an unseeded call samples anew: two tokens, or fewer when the end of text came first
-    assert (generated, finish) == (2, "length") or (finish == "stop" and 1 <= generated <= 2), (generated, finish)
+    assert r.model_extra["prompt_token_ids"] == ids and finish_agrees(generated, finish, limit=2), (generated, finish)
     streamed = list(client(service).completions.create(model="policy", prompt="4 =", max_tokens=2, stream=True))
     assert streamed[0].choices[0].finish_reason in ("stop", "length") and streamed[0].object == "text_completion"
 

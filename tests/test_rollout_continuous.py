@@ -74,6 +74,22 @@ def wait_in_flight(engine: NativeEngine, calls: int) -> None:
         time.sleep(0.001)
 
 
+Call = tuple[str, list[list[int]], SamplingSpec]
+
+
+def joined_call(engine: NativeEngine, first: Call, second: Call) -> tuple[list[str], list, list]:
+    """`first` starts; once it is in flight `second` joins it; both run to the end. The calls' names in the order
+    they finished, and each call's outputs (a list holding them once the call returned)."""
+    finished: list[str] = []
+    (name_a, prompts_a, opts_a), (name_b, prompts_b, opts_b) = first, second
+    thread_a, out_a = in_thread(engine, prompts_a, opts_a, finished, name_a)
+    wait_in_flight(engine, 1)
+    thread_b, out_b = in_thread(engine, prompts_b, opts_b, finished, name_b)
+    thread_a.join(30)
+    thread_b.join(30)
+    return finished, out_a, out_b
+
+
 def test_rows_of_finished_samples_go_to_waiting_ones_and_a_short_call_returns_first(decode, model_dirs, hf):
     """8 rows: a call of 4 long samples starts, then a call of 12 short ones; the short ones pass through the other
     4 rows in waves while the long ones run, so the short call returns first. Every sample (prompts of different
@@ -81,12 +97,7 @@ def test_rows_of_finished_samples_go_to_waiting_ones_and_a_short_call_returns_fi
     engine = NativeEngine(model_dirs[0], device="cpu", decode=decode, continuous_batching=True, max_batch_size=8)
     long_opts = SamplingSpec(temperature=0.0, max_new_tokens=90, ignore_eos=True)
     short_opts = SamplingSpec(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-    finished: list[str] = []
-    long_thread, long_out = in_thread(engine, SHORT, long_opts, finished, "long")
-    wait_in_flight(engine, 1)
-    short_thread, short_out = in_thread(engine, SHORT * 3, short_opts, finished, "short")
-    short_thread.join(30)
-    long_thread.join(30)
+    finished, long_out, short_out = joined_call(engine, ("long", SHORT, long_opts), ("short", SHORT * 3, short_opts))
     assert finished == ["short", "long"]
     assert engine._batcher is not None and engine._batcher.peak_rows == 8  # never more rows than max_batch_size
     for prompt, out in zip(SHORT, long_out[0], strict=True):
@@ -252,12 +263,7 @@ def test_a_static_step_computes_only_the_rows_in_use(model_dirs, hf):
     steps attended over the slots their rows had reached: windows growing with them, never the whole cache."""
     engine = NativeEngine(model_dirs[0], device="cpu", decode="static", continuous_batching=True, max_batch_size=32)
     opts = SamplingSpec(temperature=0.0, max_new_tokens=60, ignore_eos=True)
-    finished: list[str] = []
-    first, out_a = in_thread(engine, SHORT, opts, finished, "a")
-    wait_in_flight(engine, 1)
-    second, out_b = in_thread(engine, SHORT * 3, opts, finished, "b")
-    first.join(30)
-    second.join(30)
+    _, out_a, out_b = joined_call(engine, ("a", SHORT, opts), ("b", SHORT * 3, opts))
     store = engine._row_store
     assert store is not None and store.runner is not None
     views = store.runner.views
